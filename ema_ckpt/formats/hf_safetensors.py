@@ -1,0 +1,1 @@
+"""Hugging Face safetensors reader (not yet available)."""

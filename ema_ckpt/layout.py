@@ -1,0 +1,132 @@
+"""Format-independent description of tensors and the boxes they are stored in.
+
+A :class:`Box` is a rectangular region of a tensor (offsets and sizes per dimension),
+the same idea as DCP's ``ChunkStorageMetadata``. A :class:`TensorSpec` is what a key is,
+known from metadata alone. A :class:`Region` is one box of one key: the unit of work,
+of I/O and of memory in the engine.
+
+Example:
+    >>> a = Box((0, 0), (4, 6))
+    >>> b = Box((2, 3), (4, 6))
+    >>> a.intersect(b)
+    Box(offsets=(2, 3), sizes=(2, 3))
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class Box:
+    """A rectangular region of a tensor: ``tensor[o0:o0+s0, o1:o1+s1, ...]``."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+
+    @classmethod
+    def full(cls, shape: tuple[int, ...]) -> Box:
+        """The box covering a whole tensor of ``shape``."""
+        return cls(tuple(0 for _ in shape), tuple(shape))
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.sizes)
+
+    @property
+    def ends(self) -> tuple[int, ...]:
+        return tuple(o + s for o, s in zip(self.offsets, self.sizes, strict=True))
+
+    def intersect(self, other: Box) -> Box | None:
+        """The common part of two boxes, or None when they do not overlap."""
+        offsets = tuple(max(a, b) for a, b in zip(self.offsets, other.offsets, strict=True))
+        ends = tuple(min(a, b) for a, b in zip(self.ends, other.ends, strict=True))
+        if any(e <= o for o, e in zip(offsets, ends, strict=True)):
+            return None
+        return Box(offsets, tuple(e - o for o, e in zip(offsets, ends, strict=True)))
+
+    def relative_to(self, outer: Box) -> Box:
+        """This box expressed in the coordinates of ``outer`` (which must contain it)."""
+        return Box(
+            tuple(o - p for o, p in zip(self.offsets, outer.offsets, strict=True)), self.sizes
+        )
+
+    def slices(self) -> tuple[slice, ...]:
+        return tuple(slice(o, o + s) for o, s in zip(self.offsets, self.sizes, strict=True))
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSpec:
+    """What a tensor key is, from metadata alone."""
+
+    key: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+    @property
+    def is_float(self) -> bool:
+        return self.dtype.is_floating_point or self.dtype.is_complex
+
+
+@dataclass(frozen=True, slots=True)
+class Region:
+    """One box of one key: the unit the engine reads, combines and writes."""
+
+    key: str
+    box: Box
+
+    @property
+    def numel(self) -> int:
+        return self.box.numel
+
+
+def boxes_cover(shape: tuple[int, ...], boxes: list[Box]) -> bool:
+    """True when ``boxes`` cover every element of ``shape`` exactly once.
+
+    Zero-volume boxes (empty FSDP ranks) are ignored.
+
+    Example:
+        >>> boxes_cover((3, 2), [Box((0, 0), (2, 2)), Box((2, 0), (1, 2))])
+        True
+    """
+    total = math.prod(shape)
+    live = [b for b in boxes if b.numel > 0]
+    for b in live:
+        if any(o < 0 or o + s > d for o, s, d in zip(b.offsets, b.sizes, shape, strict=True)):
+            return False
+    if sum(b.numel for b in live) != total:
+        return False
+    for i, a in enumerate(live):
+        for b in live[i + 1 :]:
+            if a.intersect(b) is not None:
+                return False
+    return True
+
+
+def split_rows(box: Box, max_numel: int) -> list[Box]:
+    """Split ``box`` along dim 0 into boxes of at most ``max_numel`` elements (at least one row).
+
+    Example:
+        >>> [b.sizes for b in split_rows(Box((0, 0), (5, 4)), 8)]
+        [(2, 4), (2, 4), (1, 4)]
+    """
+    if not box.sizes or box.numel <= max_numel or box.sizes[0] <= 1:
+        return [box]
+    row = max(1, box.numel // box.sizes[0])
+    rows = max(1, max_numel // row)
+    out = []
+    for start in range(0, box.sizes[0], rows):
+        n = min(rows, box.sizes[0] - start)
+        out.append(Box((box.offsets[0] + start, *box.offsets[1:]), (n, *box.sizes[1:])))
+    return out
