@@ -1,0 +1,175 @@
+"""Durable, atomic output directories and the lock that keeps cron runs apart.
+
+An output is built beside its final place (``.<name>.tmp-<id>``), every file and the
+directory are fsynced, then it is swapped in. On Linux the swap is one
+``renameat2(RENAME_EXCHANGE)``: readers see the old or the new directory, never a mix
+or nothing. Where the filesystem does not support it, the old directory is first renamed
+to ``.<name>.old-<id>`` and the new one renamed in; a crash between the two renames is
+repaired by :func:`recover` on the next run, which puts the old directory back.
+
+Example:
+    >>> with OutputLock(Path("ema"), wait_seconds=0):          # doctest: +SKIP
+    ...     recover(Path("ema"))
+    ...     staging = new_staging_dir(Path("ema"))
+    ...     ...  # write into staging
+    ...     publish(staging, Path("ema"))
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import fcntl
+import os
+import secrets
+import shutil
+import time
+from pathlib import Path
+
+from .errors import OutputError, OutputLockedError
+
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def fsync_dir(path: Path) -> None:
+    """Flush a directory entry table to disk (after creating or renaming inside it)."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(path: Path) -> None:
+    """fsync every regular file under ``path`` and every directory, deepest first."""
+    for root, _dirs, files in os.walk(path, topdown=False):
+        for name in files:
+            fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(Path(root))
+
+
+def staging_prefix(final: Path) -> str:
+    return f".{final.name}.tmp-"
+
+
+def backup_prefix(final: Path) -> str:
+    return f".{final.name}.old-"
+
+
+def new_staging_dir(final: Path) -> Path:
+    """An empty directory beside ``final`` to build the new output in."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    staging = final.parent / f"{staging_prefix(final)}{os.getpid()}-{secrets.token_hex(4)}"
+    staging.mkdir()
+    return staging
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two paths with renameat2; False where unsupported."""
+    libc_name = ctypes.util.find_library("c")
+    if libc_name is None:
+        return False
+    libc = ctypes.CDLL(libc_name, use_errno=True)
+    func = getattr(libc, "renameat2", None)
+    if func is None:
+        return False
+    func.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    result = func(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)
+    if result == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+def publish(staging: Path, final: Path) -> None:
+    """Make ``staging`` (complete and fsynced) visible as ``final``, atomically."""
+    fsync_tree(staging)
+    try:
+        if final.exists():
+            if _exchange(staging, final):
+                fsync_dir(final.parent)
+                shutil.rmtree(staging, ignore_errors=True)
+                return
+            backup = final.parent / f"{backup_prefix(final)}{secrets.token_hex(4)}"
+            os.rename(final, backup)
+            fsync_dir(final.parent)
+            os.rename(staging, final)
+            fsync_dir(final.parent)
+            shutil.rmtree(backup, ignore_errors=True)
+        else:
+            os.rename(staging, final)
+            fsync_dir(final.parent)
+    except OSError as err:
+        raise OutputError(f"{final}: cannot publish the new output ({err.strerror})") from None
+
+
+def recover(final: Path) -> list[str]:
+    """Repair what a killed run left beside ``final``; returns notes of what was done.
+
+    Leftover staging directories are removed. If ``final`` is missing but a backup
+    exists, the run died between the two renames of :func:`publish`: the backup (the
+    previous, complete output) is put back.
+    """
+    notes: list[str] = []
+    parent = final.parent
+    if not parent.is_dir():
+        return notes
+    backups = sorted(p for p in parent.iterdir() if p.name.startswith(backup_prefix(final)))
+    if backups and not final.exists():
+        os.rename(backups[0], final)
+        fsync_dir(parent)
+        notes.append(f"restored {final} from {backups[0].name} (an earlier run was interrupted)")
+        backups = backups[1:]
+    for path in backups + [p for p in parent.iterdir() if p.name.startswith(staging_prefix(final))]:
+        shutil.rmtree(path, ignore_errors=True)
+        notes.append(f"removed {path.name} left by an interrupted run")
+    return notes
+
+
+class OutputLock:
+    """An exclusive ``flock`` on ``.<name>.lock`` beside an output.
+
+    The kernel drops the lock when its holder dies, so a crashed run never leaves a
+    stale lock behind. ``wait_seconds=0`` fails at once with :class:`OutputLockedError`.
+    """
+
+    def __init__(self, final: Path, *, wait_seconds: float = 0.0) -> None:
+        self.final = final
+        self.path = final.parent / f".{final.name}.lock"
+        self.wait_seconds = wait_seconds
+        self._fd: int | None = None
+
+    def __enter__(self) -> OutputLock:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        deadline = time.monotonic() + self.wait_seconds
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    os.close(fd)
+                    raise OutputLockedError(
+                        f"{self.final}: another ema-ckpt run is writing this output "
+                        f"(lock {self.path.name}); retry later or pass --wait SECONDS"
+                    ) from None
+                time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        self._fd = fd
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._fd is not None:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = None

@@ -1,0 +1,180 @@
+"""Streaming DCP writer: each chunk is written as soon as it is produced, then freed.
+
+torch's ``FileSystemWriter`` keeps every tensor of a data file alive until that file
+closes (see pytorch/pytorch#195982), so a lazily computed checkpoint still peaks at the
+size of a whole rank file. This writer appends one ``torch.save`` record per chunk to
+``__<rank>_0.distcp`` (the record format torch's reader expects) and keeps only offsets.
+``.metadata`` is written last, after every data file is flushed to disk.
+
+Example:
+    >>> w = DcpWriter(Path("out"))                                     # doctest: +SKIP
+    >>> w.declare("model.w", (4, 3), torch.float32)                    # doctest: +SKIP
+    >>> w.write("model.w", Box((0, 0), (2, 3)), torch.ones(2, 3), rank=0)  # doctest: +SKIP
+    >>> w.write("model.w", Box((2, 0), (2, 3)), torch.ones(2, 3), rank=1)  # doctest: +SKIP
+    >>> w.finish()                                                     # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+import torch
+
+from .. import _torch_dcp as md
+from ..errors import OutputError
+from ..fs import fsync_dir
+from ..formats.dcp import METADATA_FILE
+from ..layout import Box, boxes_cover
+
+
+class _ChecksumFile:
+    """A write-only file wrapper that keeps a CRC-32 and the position of what it wrote."""
+
+    def __init__(self, handle: IO[bytes]) -> None:
+        self._handle = handle
+        self.crc32 = 0
+        self.position = 0
+
+    def write(self, data: bytes | memoryview) -> int:
+        n = self._handle.write(data)
+        self.crc32 = zlib.crc32(data, self.crc32)
+        self.position += len(data)
+        return n
+
+    def flush(self) -> None:
+        self._handle.flush()
+
+    def tell(self) -> int:
+        return self.position
+
+
+@dataclass
+class _Entry:
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    boxes: list[Box] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class WrittenFile:
+    """One data file the writer produced, with its size and CRC-32."""
+
+    name: str
+    size: int
+    crc32: int
+
+
+class DcpWriter:
+    """Writes a DCP checkpoint directory chunk by chunk (see the module docstring)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self.path.mkdir(parents=True, exist_ok=True)
+        self._entries: dict[str, _Entry] = {}
+        self._bytes: dict[str, tuple[str, int, int]] = {}
+        self._storage: dict[tuple[str, tuple[int, ...]], tuple[str, int, int]] = {}
+        self._handles: dict[int, tuple[IO[bytes], _ChecksumFile]] = {}
+        self.files: list[WrittenFile] = []
+
+    def declare(self, key: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        """Announce a tensor key before its chunks are written."""
+        self._entries[key] = _Entry(tuple(shape), dtype)
+
+    def _file(self, rank: int) -> _ChecksumFile:
+        if rank not in self._handles:
+            name = f"__{rank}_0.distcp"
+            try:
+                handle = open(self.path / name, "wb")  # noqa: SIM115 (closed in finish/abort)
+            except OSError as err:
+                raise OutputError(f"{self.path / name}: cannot create ({err.strerror})") from None
+            self._handles[rank] = (handle, _ChecksumFile(handle))
+        return self._handles[rank][1]
+
+    def write(self, key: str, box: Box, tensor: torch.Tensor, *, rank: int = 0) -> None:
+        """Append one chunk of ``key`` (``tensor`` holds exactly ``box``) to rank's file."""
+        entry = self._entries[key]
+        if tuple(tensor.shape) != box.sizes or tensor.dtype != entry.dtype:
+            raise ValueError(f"{key}: chunk {tuple(tensor.shape)} {tensor.dtype} does not match {box}")
+        if box.numel == 0:
+            entry.boxes.append(box)
+            return
+        # torch.save writes a view's whole storage: make the record hold exactly this chunk.
+        if (
+            not tensor.is_contiguous()
+            or tensor.storage_offset() != 0
+            or tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size()
+        ):
+            tensor = tensor.clone(memory_format=torch.contiguous_format)
+        out = self._file(rank)
+        start = out.tell()
+        try:
+            torch.save(tensor.detach().cpu(), out)  # type: ignore[arg-type]
+        except OSError as err:
+            raise OutputError(f"{self.path}: write failed ({err.strerror})") from None
+        self._storage[(key, box.offsets)] = (f"__{rank}_0.distcp", start, out.tell() - start)
+        entry.boxes.append(box)
+
+    def write_bytes(self, key: str, record: bytes, *, rank: int = 0) -> None:
+        """Copy a non-tensor entry's stored record verbatim."""
+        out = self._file(rank)
+        start = out.tell()
+        out.write(record)
+        self._bytes[key] = (f"__{rank}_0.distcp", start, len(record))
+
+    def finish(self, planner_data: dict[str, tuple[str, ...]] | None = None) -> list[WrittenFile]:
+        """Flush and fsync every data file, then write ``.metadata`` and fsync the directory."""
+        for key, entry in self._entries.items():
+            if not boxes_cover(entry.shape, entry.boxes):
+                raise ValueError(f"{key}: written chunks do not cover shape {list(entry.shape)}")
+        try:
+            for rank, (handle, counted) in sorted(self._handles.items()):
+                handle.flush()
+                os.fsync(handle.fileno())
+                handle.close()
+                self.files.append(WrittenFile(f"__{rank}_0.distcp", counted.position, counted.crc32))
+            self._handles.clear()
+            metadata = self._metadata(planner_data)
+            tmp = self.path / (METADATA_FILE + ".tmp")
+            with open(tmp, "wb") as handle:
+                pickle.dump(metadata, handle)
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(tmp, self.path / METADATA_FILE)
+            fsync_dir(self.path)
+        except OSError as err:
+            raise OutputError(f"{self.path}: write failed ({err.strerror})") from None
+        return self.files
+
+    def abort(self) -> None:
+        """Close open files without writing metadata."""
+        for handle, _ in self._handles.values():
+            handle.close()
+        self._handles.clear()
+
+    def _metadata(self, planner_data: dict[str, tuple[str, ...]] | None) -> md.Metadata:
+        state: dict[str, md.TensorStorageMetadata | md.BytesStorageMetadata] = {}
+        storage: dict[md.MetadataIndex, md.StorageInfo] = {}
+        for key, entry in self._entries.items():
+            chunks = [md.ChunkStorageMetadata(torch.Size(b.offsets), torch.Size(b.sizes)) for b in entry.boxes]
+            state[key] = md.TensorStorageMetadata(
+                md.TensorProperties(dtype=entry.dtype), torch.Size(entry.shape), chunks
+            )
+            for index, box in enumerate(entry.boxes):
+                where = self._storage.get((key, box.offsets))
+                if where is not None:
+                    storage[md.MetadataIndex(key, torch.Size(box.offsets), index)] = md.StorageInfo(*where)
+        for key, where in self._bytes.items():
+            state[key] = md.BytesStorageMetadata()
+            storage[md.MetadataIndex(key)] = md.StorageInfo(*where)
+        keys = set(state)
+        planner = {k: tuple(v) for k, v in (planner_data or {}).items() if k in keys}
+        for key in keys - set(planner):
+            planner[key] = (key,)  # a flat top-level key: never guess nesting from dots
+        return md.Metadata(
+            state_dict_metadata=state, planner_data=planner, storage_data=storage, version="1.0.0"
+        )
