@@ -67,12 +67,15 @@ class CheckpointFormat:
 
     ``incomplete`` answers whether a directory looks like a checkpoint of this format
     that is still being written (a reason string) or not (None); discovery skips those.
+    ``records_step`` says the reader's ``step`` comes from inside the checkpoint (DeepSpeed's
+    ``global_steps``) and beats the step parsed from the directory name.
     """
 
     name: str
     detect: Callable[[Path], bool]
     open: Callable[[Path], CheckpointReader]
     incomplete: Callable[[Path], str | None] = lambda _path: None
+    records_step: bool = False
 
 
 _REGISTRY: dict[str, CheckpointFormat] = {}

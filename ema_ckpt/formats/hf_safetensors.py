@@ -1,1 +1,394 @@
-"""Hugging Face safetensors reader (not yet available)."""
+"""Hugging Face safetensors checkpoints: one file, or shards with an index.
+
+What a path may be:
+
+* a ``.safetensors`` file, or a ``*.safetensors.index.json`` file;
+* a folder (e.g. the Trainer's ``checkpoint-N/``), resolved in this order:
+  ``model.safetensors``; ``model.safetensors.index.json``; else the folder's only
+  ``*.safetensors.index.json``; else its only ``*.safetensors`` file
+  (``adapter_model.safetensors``, ``diffusion_pytorch_model.safetensors``, ...).
+  Hidden files are ignored, and a lone shard (``x-00001-of-00003.safetensors``) without
+  its index is never taken for a whole checkpoint. A folder with several candidates
+  and none of the ``model.*`` names is not recognised: pass the file itself.
+
+Metadata comes from the JSON headers alone (8-byte little-endian length, then JSON),
+validated here so a truncated or corrupt file fails with its own path. The index is
+authoritative: every key it lists must be in the shard it names, and every shard must
+hold only the keys the index gives it. Tensors are read lazily through
+``safe_open(...).get_slice``; each tensor is one stored chunk. ``step`` is the
+``global_step`` of a ``trainer_state.json`` in the folder, when there is one.
+
+Example:
+    >>> with SafetensorsReader("runs/a/checkpoint-500") as reader:   # doctest: +SKIP
+    ...     spec = reader.specs()["lm_head.weight"]
+    ...     rows = reader.read("lm_head.weight", Box((0, 0), (16, spec.shape[1])))
+    >>> rows.shape                                                     # doctest: +SKIP
+    torch.Size([16, 768])
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import struct
+import threading
+from collections import Counter, OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from ..errors import CheckpointFormatError, CheckpointNotFoundError
+from ..layout import Box, TensorSpec
+from .base import CheckpointFormat, register_format
+
+SUFFIX = ".safetensors"
+INDEX_SUFFIX = ".safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+TRAINER_STATE = "trainer_state.json"
+_SHARD_NAME = re.compile(r"-\d+-of-\d+\.safetensors$")
+_MAX_HEADER = 100_000_000  # the limit safetensors itself enforces
+
+# Safetensors dtype names torch can hold; float8 and unsigned kinds only where this
+# torch has them. Sub-byte kinds (F4, F6_*) pack several values per byte: not supported.
+_DTYPE_NAMES = (
+    ("F64", "float64"), ("F32", "float32"), ("F16", "float16"), ("BF16", "bfloat16"),
+    ("I64", "int64"), ("I32", "int32"), ("I16", "int16"), ("I8", "int8"),
+    ("U64", "uint64"), ("U32", "uint32"), ("U16", "uint16"), ("U8", "uint8"),
+    ("BOOL", "bool"), ("C64", "complex64"),
+    ("F8_E4M3", "float8_e4m3fn"), ("F8_E5M2", "float8_e5m2"),
+    ("F8_E4M3FNUZ", "float8_e4m3fnuz"), ("F8_E5M2FNUZ", "float8_e5m2fnuz"),
+    ("F8_E8M0", "float8_e8m0fnu"),
+)  # fmt: skip
+_DTYPES: dict[str, torch.dtype] = {
+    name: getattr(torch, attr) for name, attr in _DTYPE_NAMES if hasattr(torch, attr)
+}
+
+
+@dataclass(frozen=True, slots=True)
+class FileHeader:
+    """The validated header of one ``.safetensors`` file."""
+
+    path: Path
+    size: int
+    metadata: dict[str, str]
+    tensors: dict[str, TensorSpec]
+
+
+def _is_candidate(p: Path, suffix: str) -> bool:
+    return p.name.endswith(suffix) and not p.name.startswith(".") and p.is_file()
+
+
+def _locate(path: Path) -> tuple[Path | None, list[Path]] | None:
+    """``(index, files)`` for a recognised path; ``files`` is empty when indexed."""
+    if path.is_file():
+        if path.name.endswith(INDEX_SUFFIX):
+            return path, []
+        return (None, [path]) if path.name.endswith(SUFFIX) else None
+    if not path.is_dir():
+        return None
+    if (path / SINGLE_FILE).is_file():
+        return None, [path / SINGLE_FILE]
+    if (path / INDEX_FILE).is_file():
+        return path / INDEX_FILE, []
+    indexes = [p for p in path.iterdir() if _is_candidate(p, INDEX_SUFFIX)]
+    if len(indexes) == 1:
+        return indexes[0], []
+    files = [p for p in path.iterdir() if _is_candidate(p, SUFFIX)]
+    if not indexes and len(files) == 1 and not _SHARD_NAME.search(files[0].name):
+        return None, files
+    return None
+
+
+def read_index(index: Path) -> tuple[dict[str, str], dict[str, Any]]:
+    """``(weight_map, metadata)`` of an HF index file, validated.
+
+    Raises:
+        CheckpointFormatError: unreadable JSON, no ``weight_map``, or a shard name that
+            is not a plain file name in the index's folder.
+    """
+    try:
+        doc = json.loads(index.read_bytes())
+    except OSError as err:
+        raise CheckpointFormatError(index, f"cannot read ({err.strerror})") from None
+    except (ValueError, UnicodeDecodeError) as err:
+        raise CheckpointFormatError(index, f"not a JSON file ({err})") from None
+    weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
+    if not isinstance(weight_map, dict):
+        raise CheckpointFormatError(index, "no 'weight_map' object")
+    for key, name in weight_map.items():
+        if not isinstance(name, str) or Path(name).name != name or name in {"", ".", ".."}:
+            raise CheckpointFormatError(index, f"key {key!r} maps to {name!r}, not a file in this folder")
+    metadata = doc.get("metadata")
+    return weight_map, metadata if isinstance(metadata, dict) else {}
+
+
+def read_header(file: Path) -> FileHeader:
+    """Parse and validate the header of one ``.safetensors`` file (no tensor data read).
+
+    Raises:
+        CheckpointFormatError: truncated file, bad JSON, unknown dtype, or data offsets
+            that disagree with dtype × shape or do not tile the data area exactly.
+    """
+    try:
+        with file.open("rb") as f:
+            size = f.seek(0, 2)
+            f.seek(0)
+            head = f.read(8)
+            if len(head) < 8:
+                raise CheckpointFormatError(file, f"truncated: {size} bytes, no header length")
+            (length,) = struct.unpack("<Q", head)
+            if length > _MAX_HEADER:
+                raise CheckpointFormatError(file, f"header length {length} is implausible")
+            if 8 + length > size:
+                raise CheckpointFormatError(
+                    file, f"truncated: header needs {8 + length} bytes, file has {size}"
+                )
+            raw = f.read(length)
+    except OSError as err:
+        raise CheckpointFormatError(file, f"cannot read ({err.strerror})") from None
+    try:
+        doc = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as err:
+        raise CheckpointFormatError(file, f"header is not JSON ({err})") from None
+    if not isinstance(doc, dict):
+        raise CheckpointFormatError(file, "header is not a JSON object")
+    metadata = doc.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise CheckpointFormatError(file, "__metadata__ is not a string-to-string map")
+    data_size = size - 8 - length
+    tensors: dict[str, TensorSpec] = {}
+    extents: list[tuple[int, int, str]] = []
+    for key, entry in doc.items():
+        spec, begin, end = _parse_entry(file, key, entry)
+        if end > data_size:
+            raise CheckpointFormatError(
+                file,
+                f"truncated: tensor {key!r} ends at data byte {end}, the file holds {data_size}",
+            )
+        tensors[key] = spec
+        extents.append((begin, end, key))
+    position = 0
+    for begin, end, key in sorted(extents):
+        if begin != position:
+            what = "overlaps the previous tensor" if begin < position else "leaves a gap before it"
+            raise CheckpointFormatError(file, f"tensor {key!r} at data byte {begin} {what}")
+        position = end
+    if position != data_size:
+        raise CheckpointFormatError(file, f"{data_size - position} bytes after the last tensor")
+    return FileHeader(file, size, dict(metadata), tensors)
+
+
+def _parse_entry(file: Path, key: str, entry: Any) -> tuple[TensorSpec, int, int]:
+    if not isinstance(entry, dict):
+        raise CheckpointFormatError(file, f"tensor {key!r}: entry is not an object")
+    name, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    dtype = _DTYPES.get(name) if isinstance(name, str) else None
+    if dtype is None:
+        raise CheckpointFormatError(file, f"tensor {key!r}: dtype {name!r} is not supported")
+    if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
+        raise CheckpointFormatError(file, f"tensor {key!r}: bad shape {shape!r}")
+    if not (
+        isinstance(offsets, list)
+        and len(offsets) == 2
+        and all(type(o) is int for o in offsets)
+        and 0 <= offsets[0] <= offsets[1]
+    ):
+        raise CheckpointFormatError(file, f"tensor {key!r}: bad data_offsets {offsets!r}")
+    begin, end = offsets
+    nbytes = math.prod(shape) * dtype.itemsize
+    if end - begin != nbytes:
+        raise CheckpointFormatError(
+            file,
+            f"tensor {key!r}: data_offsets span {end - begin} bytes, {name} {shape} needs {nbytes}",
+        )
+    return TensorSpec(key, tuple(shape), dtype), begin, end
+
+
+def missing_shards(path: Path) -> list[str]:
+    """Shard files an index names but that do not exist (empty when not indexed)."""
+    located = _locate(path)
+    if located is None or located[0] is None:
+        return []
+    index = located[0]
+    try:
+        weight_map, _ = read_index(index)
+    except CheckpointFormatError:
+        return []
+    return sorted(n for n in set(weight_map.values()) if not (index.parent / n).is_file())
+
+
+def _detect(path: Path) -> bool:
+    return _locate(path) is not None and not missing_shards(path)
+
+
+def _incomplete(path: Path) -> str | None:
+    missing = missing_shards(path)
+    if missing:
+        shown = ", ".join(missing[:3]) + (", ..." if len(missing) > 3 else "")
+        return f"index names {len(missing)} missing shard file(s): {shown} (save in progress?)"
+    if path.is_dir() and _locate(path) is None:
+        shards = [p for p in path.iterdir() if _is_candidate(p, SUFFIX) and _SHARD_NAME.search(p.name)]
+        if shards:
+            return f"{len(shards)} shard file(s) but no {INDEX_SUFFIX} (save in progress?)"
+    return None
+
+
+def _trainer_step(path: Path) -> int | None:
+    # A bonus over the folder name: an unreadable trainer_state.json must not stop reads.
+    try:
+        doc = json.loads((path / TRAINER_STATE).read_bytes())
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None
+    step = doc.get("global_step") if isinstance(doc, dict) else None
+    return step if type(step) is int else None
+
+
+class SafetensorsReader:
+    """Reader for one safetensors checkpoint (see the module docstring).
+
+    Opens at most ``max_open_files`` shard files at a time (least recently used are
+    dropped); ``read`` may be called from several threads.
+    """
+
+    format_name = "safetensors"
+
+    def __init__(self, path: str | Path, *, max_open_files: int = 4) -> None:
+        self.path = Path(path)
+        if not self.path.exists():
+            raise CheckpointNotFoundError(self.path, "no such file or directory")
+        located = _locate(self.path)
+        if located is None:
+            raise CheckpointNotFoundError(
+                self.path, f"no {SINGLE_FILE}, {INDEX_FILE}, or single *{SUFFIX} / *{INDEX_SUFFIX} file"
+            )
+        self.index, files = located
+        self.index_metadata: dict[str, Any] = {}
+        if self.index is None:
+            self.headers = [read_header(files[0])]
+            where = {key: files[0] for key in self.headers[0].tensors}
+        else:
+            self.headers, where = self._load_index(self.index)
+        self._where: dict[str, Path] = where
+        self._specs: dict[str, TensorSpec] = {}
+        for header in self.headers:
+            self._specs.update(header.tensors)
+        self._specs = dict(sorted(self._specs.items()))
+        self.step: int | None = _trainer_step(self.path) if self.path.is_dir() else None
+        self._max_open = max(1, max_open_files)
+        self._handles: OrderedDict[Path, Any] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def _load_index(self, index: Path) -> tuple[list[FileHeader], dict[str, Path]]:
+        weight_map, self.index_metadata = read_index(index)
+        missing = missing_shards(index)
+        if missing:
+            raise CheckpointNotFoundError(
+                index, f"names missing shard file(s): {', '.join(missing)} (save in progress?)"
+            )
+        headers = [read_header(index.parent / name) for name in sorted(set(weight_map.values()))]
+        by_name = {h.path.name: h for h in headers}
+        for key, name in weight_map.items():
+            if key not in by_name[name].tensors:
+                raise CheckpointFormatError(
+                    index, f"maps {key!r} to {index.parent / name}, which does not hold it"
+                )
+        for header in headers:
+            for key in header.tensors:
+                if weight_map.get(key) != header.path.name:
+                    elsewhere = weight_map.get(key)
+                    where = f"maps it to {elsewhere}" if elsewhere else "does not list it"
+                    raise CheckpointFormatError(index, f"{header.path} holds {key!r} but the index {where}")
+        return headers, {key: index.parent / name for key, name in weight_map.items()}
+
+    # -- protocol ---------------------------------------------------------------------
+
+    def specs(self) -> Mapping[str, TensorSpec]:
+        return self._specs
+
+    def layout(self, key: str) -> Sequence[Box]:
+        spec = self._specs[key]
+        return [Box.full(spec.shape)] if spec.numel else []
+
+    def read(self, key: str, box: Box) -> torch.Tensor:
+        spec = self._specs[key]
+        if len(box.sizes) != len(spec.shape) or any(
+            o < 0 or s < 0 or o + s > d for o, s, d in zip(box.offsets, box.sizes, spec.shape, strict=True)
+        ):
+            raise ValueError(f"{key!r}: {box} is outside shape {list(spec.shape)}")
+        if box.numel == 0:
+            return torch.empty(box.sizes, dtype=spec.dtype)
+        file = self._where[key]
+        handle = self._handle(file)
+        try:
+            part = handle.get_slice(key)
+            if tuple(part.get_shape()) != spec.shape or _DTYPES.get(part.get_dtype()) != spec.dtype:
+                raise CheckpointFormatError(file, f"tensor {key!r} changed since the checkpoint was opened")
+            # Older safetensors releases cannot index a 0-d slice with ``()``.
+            out = part[box.slices()] if box.sizes else handle.get_tensor(key)
+        except SafetensorError as err:
+            raise CheckpointFormatError(file, f"tensor {key!r}: {err}") from None
+        # safe_open hands out views of its memory map: copy just the box.
+        return out.clone(memory_format=torch.contiguous_format)
+
+    def info(self) -> dict[str, Any]:
+        dtypes = Counter(str(s.dtype).removeprefix("torch.") for s in self._specs.values())
+        return {
+            "files": len(self.headers),
+            "total_bytes": sum(h.size for h in self.headers),
+            "tensors": len(self._specs),
+            "dtypes": dict(sorted(dtypes.items())),
+            "indexed": self.index is not None,
+            "index": self.index.name if self.index else None,
+            "index_metadata": self.index_metadata,
+            "metadata": self.headers[0].metadata if self.headers else {},
+            "step": self.step,
+        }
+
+    def close(self) -> None:
+        with self._lock:
+            handles, self._handles = list(self._handles.values()), OrderedDict()
+        for handle in handles:
+            handle.__exit__(None, None, None)
+
+    def __enter__(self) -> SafetensorsReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- files -----------------------------------------------------------------------
+
+    def _handle(self, file: Path) -> Any:
+        with self._lock:
+            handle = self._handles.get(file)
+            if handle is not None:
+                self._handles.move_to_end(file)
+                return handle
+            try:
+                handle = safe_open(str(file), framework="pt")
+            except FileNotFoundError:
+                raise CheckpointNotFoundError(file, "vanished after the checkpoint was opened") from None
+            except (SafetensorError, OSError) as err:
+                raise CheckpointFormatError(file, f"cannot open ({err})") from None
+            self._handles[file] = handle
+            while len(self._handles) > self._max_open:
+                # Dropped, not closed: another thread may still be slicing it; the
+                # memory map goes when the last reference does.
+                self._handles.popitem(last=False)
+            return handle
+
+
+def open_safetensors(path: Path) -> SafetensorsReader:
+    """Open a safetensors checkpoint (file, index file, or folder)."""
+    return SafetensorsReader(path)
+
+
+FORMAT = register_format(
+    CheckpointFormat("safetensors", detect=_detect, open=open_safetensors, incomplete=_incomplete)
+)

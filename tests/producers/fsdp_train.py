@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_st
 VOCAB = 11
 EMB = 5
 HIDDEN = 13
-MID = 37
+MID = 97
 OUT = 7
 FEAT = 4
 CLASSES = 2  # dim 0 of ``head.weight``: smaller than world size 3
@@ -66,8 +66,8 @@ class TinyModel(nn.Module):
         self.emb = nn.Embedding(VOCAB, EMB)  # (11, 5)
         self.proj = nn.Linear(EMB, HIDDEN)  # (13, 5) + (13,)
         self.norm = nn.LayerNorm(HIDDEN)  # (13,) + (13,)
-        self.fc1 = nn.Linear(HIDDEN, MID)  # (37, 13) + (37,)
-        self.fc2 = nn.Linear(MID, HIDDEN)  # (13, 37) + (13,)
+        self.fc1 = nn.Linear(HIDDEN, MID)  # (97, 13) + (97,)
+        self.fc2 = nn.Linear(MID, HIDDEN)  # (13, 97) + (13,)
         self.out = nn.Linear(HIDDEN, OUT)  # (7, 13) + (7,)
         self.feat = nn.Linear(OUT, FEAT, bias=False)  # (4, 7)
         self.head = Head()  # weight (2, 4), scale ()

@@ -1,0 +1,100 @@
+"""The JSON manifest stored beside every ema-ckpt output (``ema-ckpt.json``).
+
+It records how the output was made (profile, accumulation dtype, key selection), every
+checkpoint folded into it (path, step, fingerprint), the step the EMA stands at, each data
+file's size and CRC-32, and the tool version. It holds no timestamps, so two runs that do
+the same work write the same bytes.
+
+Example:
+    >>> m = Manifest(kind="ema", profile={"kind": "exponential", "decay": 0.999},
+    ...              dtype="float32", step=10, source_format="dcp")
+    >>> Manifest.from_json(m.to_json()).step
+    10
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ._version import __version__
+from .errors import CheckpointFormatError
+
+MANIFEST_NAME = "ema-ckpt.json"
+MANIFEST_FORMAT = 1
+_SMALL_MARKERS = {".metadata", "latest", "model.safetensors.index.json", "trainer_state.json"}
+
+
+@dataclass(frozen=True, slots=True)
+class FoldedCheckpoint:
+    """One input that went into an output."""
+
+    path: str
+    step: int
+    fingerprint: str
+
+
+@dataclass(slots=True)
+class Manifest:
+    """What an output is and how it was made (see the module docstring)."""
+
+    kind: str
+    profile: dict[str, Any]
+    dtype: str
+    step: int
+    source_format: str
+    checkpoints: list[FoldedCheckpoint] = field(default_factory=list)
+    selection: dict[str, Any] = field(default_factory=dict)
+    files: dict[str, dict[str, int]] = field(default_factory=dict)
+    tool_version: str = __version__
+    format_version: int = MANIFEST_FORMAT
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str) -> Manifest:
+        data = json.loads(text)
+        data["checkpoints"] = [FoldedCheckpoint(**c) for c in data.get("checkpoints", [])]
+        known = set(cls.__dataclass_fields__)
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+    @classmethod
+    def read(cls, directory: Path) -> Manifest | None:
+        """The manifest in ``directory``, or None when there is none."""
+        file = directory / MANIFEST_NAME
+        if not file.exists():
+            return None
+        try:
+            return cls.from_json(file.read_text())
+        except (OSError, ValueError, TypeError, KeyError) as err:
+            raise CheckpointFormatError(file, f"unreadable ema-ckpt manifest ({err})") from None
+
+    def write(self, directory: Path) -> None:
+        """Write durably (the directory itself is published atomically by the caller)."""
+        file = directory / MANIFEST_NAME
+        with open(file, "w") as handle:
+            handle.write(self.to_json())
+            handle.flush()
+            os.fsync(handle.fileno())
+
+
+def fingerprint(path: Path) -> str:
+    """A cheap identity of a checkpoint: names, sizes and mtimes of its files, its metadata bytes.
+
+    Detects a checkpoint that was rewritten in place without hashing gigabytes.
+    """
+    digest = hashlib.sha256()
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    for file in files:
+        rel = file.relative_to(path).as_posix() if path.is_dir() else file.name
+        stat = file.stat()
+        digest.update(f"{rel}\0{stat.st_size}\0{stat.st_mtime_ns}\0".encode())
+        size = stat.st_size
+        if file.name in _SMALL_MARKERS or (file.name.endswith(".metadata") and size < 64 << 20):
+            digest.update(file.read_bytes())
+    return "sha256:" + digest.hexdigest()[:32]
