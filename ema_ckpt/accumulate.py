@@ -34,7 +34,7 @@ from .formats.base import CheckpointReader
 from .formats.dcp import DcpReader
 from .fs import OutputLock, new_staging_dir, publish, recover
 from .manifest import MANIFEST_NAME, FoldedCheckpoint, Manifest, fingerprint
-from .schedules import ExponentialProfile, fold_coefficients
+from .schedules import ExponentialProfile, fold_coefficients, profile_from_dict
 from .writers.dcp import DcpWriter
 
 DEFAULT_OUT_NAME = "ema"
@@ -217,8 +217,12 @@ def _check_same_settings(
 ) -> None:
     wanted = profile.to_dict()
     if previous.kind != "ema" or previous.profile != wanted:
+        try:
+            before = profile_from_dict(previous.profile).describe()
+        except (ValueError, KeyError, UsageError):
+            before = str(previous.profile)
         raise ManifestMismatchError(
-            f"{out} holds an EMA made with {previous.profile}, not {wanted}; "
+            f"{out} holds an {before}, not an {profile.describe()}; "
             "pass --restart to start a new EMA there, or choose another --out"
         )
     if previous.dtype != dtype:

@@ -1,1 +1,48 @@
-def main() -> None: ...
+"""The ``ema-ckpt`` command line: thin adapters over the library.
+
+This package is the only one that imports Typer and rich. Each command lives in its own
+module, parses options, calls one library function and renders its result.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from .._version import __version__
+from . import accumulate as _accumulate
+from . import inspect as _inspect
+
+app = typer.Typer(
+    name="ema-ckpt",
+    help="EMAs, post-hoc EMAs and consolidation of sharded PyTorch checkpoints, offline.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_show_locals=False,  # locals here are multi-GB tensors and paths
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"ema-ckpt {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="Show the version and exit.")
+    ] = False,
+) -> None:
+    """EMAs, post-hoc EMAs and consolidation of sharded PyTorch checkpoints, offline."""
+
+
+app.command("accumulate", epilog=_accumulate.EPILOG)(_accumulate.accumulate_command)
+app.command("inspect", epilog=_inspect.EPILOG)(_inspect.inspect_command)
+
+
+def main() -> None:
+    """Console-script entry point."""
+    app()

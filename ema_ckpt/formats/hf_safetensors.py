@@ -268,6 +268,7 @@ class SafetensorsReader:
                 self.path, f"no {SINGLE_FILE}, {INDEX_FILE}, or single *{SUFFIX} / *{INDEX_SUFFIX} file"
             )
         self.index, files = located
+        self.headers: list[FileHeader]
         self.index_metadata: dict[str, Any] = {}
         if self.index is None:
             self.headers = [read_header(files[0])]
@@ -286,7 +287,7 @@ class SafetensorsReader:
 
     def _load_index(self, index: Path) -> tuple[list[FileHeader], dict[str, Path]]:
         weight_map, self.index_metadata = read_index(index)
-        missing = missing_shards(index)
+        missing = sorted(n for n in set(weight_map.values()) if not (index.parent / n).is_file())
         if missing:
             raise CheckpointNotFoundError(
                 index, f"names missing shard file(s): {', '.join(missing)} (save in progress?)"

@@ -96,6 +96,11 @@ def main() -> None:
     import deepspeed  # imported late: torchrun sets the env DeepSpeed reads at import
     from deepspeed.utils import safe_get_full_fp32_param
 
+    # DeepSpeed's CPU backend JIT-compiles a shared-memory all-reduce (g++, ninja, ~1 min) when
+    # the communicator is created; gloo alone is enough for a test fixture, so skip the build.
+    import deepspeed.comm.torch as ds_comm_torch
+
+    ds_comm_torch.build_shm_op = lambda: None
     deepspeed.init_distributed(dist_backend="gloo")
     rank = torch.distributed.get_rank()
 

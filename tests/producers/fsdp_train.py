@@ -23,6 +23,7 @@ The model deliberately contains awkward tensors for sharding:
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import inspect
 import os
 import sys
@@ -150,6 +151,7 @@ def inner(model: nn.Module) -> TinyModel:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    faulthandler.enable()  # Python stacks on SIGABRT/SIGSEGV from C++ (gloo) land
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     dtype = getattr(torch, args.dtype)
@@ -215,7 +217,9 @@ def main(argv: list[str] | None = None) -> int:
             save(step)
 
     dist.barrier()
+    print(f"rank {rank}: destroying process group", file=sys.stderr, flush=True)
     dist.destroy_process_group()
+    print(f"rank {rank}: destroyed", file=sys.stderr, flush=True)
     return 0
 
 

@@ -1,0 +1,5 @@
+"""``python -m ema_ckpt``."""
+
+from .cli import main
+
+main()

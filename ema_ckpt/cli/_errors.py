@@ -1,0 +1,77 @@
+"""The one place that turns errors into user messages and exit codes.
+
+Every command body runs inside :func:`reports_errors`: an ema-ckpt error becomes one line
+on stderr and its documented exit code; an unexpected failure becomes one line too, with
+a hint to set ``EMA_CKPT_DEBUG=1`` for the traceback.
+
+Exit codes (also in ``docs/cli.md``):
+
+====  ======================================================================
+0     success, including "nothing new to fold"
+1     unexpected internal error
+2     bad option or combination of options
+3     a checkpoint is missing, unreadable, truncated, corrupt or unsafe
+4     checkpoints cannot be combined (keys, shapes, dtypes, steps)
+5     the output was made with other settings (``--restart`` starts over)
+6     a checkpoint holds NaN/Inf values
+7     writing the output failed (disk full, permissions); the old output is intact
+75    another run holds the output's lock (retry later, or ``--wait``)
+130   interrupted
+====  ======================================================================
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import typer
+
+from ..errors import EmaCkptError
+from ._output import err_console
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+INTERNAL_ERROR = 1
+INTERRUPTED = 130
+OS_ERROR = 7
+
+
+def _first_line(text: str) -> str:
+    text = text.strip()
+    return text.splitlines()[0] if text else ""
+
+
+def error_message(err: BaseException) -> tuple[str, int]:
+    """The one-line message and exit code for ``err``."""
+    if isinstance(err, EmaCkptError):
+        return _first_line(str(err)), err.exit_code
+    if isinstance(err, OSError):
+        where = f"{err.filename}: " if err.filename else ""
+        return f"{where}{err.strerror or _first_line(str(err))}", OS_ERROR
+    return f"internal error: {type(err).__name__}: {_first_line(str(err))}", INTERNAL_ERROR
+
+
+def reports_errors(command: F) -> F:
+    """Run a command body, mapping every failure to one line and an exit code."""
+
+    @functools.wraps(command)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return command(*args, **kwargs)
+        except typer.Exit:
+            raise
+        except KeyboardInterrupt:
+            err_console.print("interrupted; the previous output is intact", style="yellow", highlight=False)
+            raise typer.Exit(INTERRUPTED) from None
+        except Exception as err:
+            if os.environ.get("EMA_CKPT_DEBUG") and not isinstance(err, EmaCkptError):
+                raise
+            message, code = error_message(err)
+            hint = "" if isinstance(err, EmaCkptError) else " (set EMA_CKPT_DEBUG=1 for a traceback)"
+            err_console.print(f"error: {message}{hint}", style="red", highlight=False, soft_wrap=True)
+            raise typer.Exit(code) from None
+
+    return wrapper  # type: ignore[return-value]

@@ -1,0 +1,30 @@
+"""Options shared by several commands, declared once."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print a JSON document on stdout instead of tables.")]
+QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar, no notes.")]
+WaitOpt = Annotated[
+    float,
+    typer.Option(
+        "--wait", metavar="SECONDS", min=0,
+        help="Wait up to SECONDS for another run holding the output's lock (default: fail at once, exit 75).",
+    ),
+]
+StepRegexOpt = Annotated[
+    str | None,
+    typer.Option("--step-regex", metavar="REGEX",
+                 help="Regex with one group matching the step in checkpoint directory names."),
+]
+IncludeOpt = Annotated[
+    list[str] | None,
+    typer.Option("--include", metavar="GLOB", help="Only keys matching GLOB (repeatable)."),
+]
+ExcludeOpt = Annotated[
+    list[str] | None,
+    typer.Option("--exclude", metavar="GLOB", help="Skip keys matching GLOB (repeatable)."),
+]

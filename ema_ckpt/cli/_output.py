@@ -1,0 +1,70 @@
+"""Terminal output: results on stdout, messages and progress on stderr.
+
+Progress bars show only on an interactive terminal and never with ``--json`` or
+``--quiet``, so cron logs and scripts get clean output.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    TextColumn,
+    TimeRemainingColumn,
+    TransferSpeedColumn,
+)
+
+from ..engine import Progress as EngineProgress
+
+console = Console(soft_wrap=True)
+err_console = Console(stderr=True, soft_wrap=True)
+
+
+def print_json(data: Any) -> None:
+    """One JSON document on stdout."""
+    sys.stdout.write(json.dumps(data, indent=2, default=str) + "\n")
+    sys.stdout.flush()
+
+
+def note(message: str) -> None:
+    err_console.print(message, style="dim", highlight=False)
+
+
+@contextmanager
+def progress_bar(description: str, *, enabled: bool) -> Iterator[Callable[[EngineProgress], None] | None]:
+    """A byte progress bar fed by the engine's callback, or None when disabled."""
+    if not enabled or not err_console.is_terminal:
+        yield None
+        return
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TextColumn("{task.fields[regions]}"),
+        TimeRemainingColumn(),
+    )
+    with Progress(*columns, console=err_console, transient=True) as bar:
+        task = bar.add_task(description, total=None, regions="")
+
+        def update(p: EngineProgress) -> None:
+            bar.update(task, completed=p.bytes_done, total=p.bytes_total,
+                       regions=f"{p.regions_done}/{p.regions_total} regions")
+
+        yield update
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
