@@ -1,0 +1,169 @@
+"""The DCP reader against torch's own writer and reader."""
+
+from __future__ import annotations
+
+import pickle
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ema_ckpt.errors import CheckpointFormatError, CheckpointNotFoundError, UnsafePickleError
+from ema_ckpt.formats import detect_format, open_checkpoint
+from ema_ckpt.formats.dcp import DcpReader
+from ema_ckpt.layout import Box
+from tests.dcp_helpers import torch_load_flat, write_dcp
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.bool]
+
+
+def _random_tensor(shape, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    if dtype == torch.bool:
+        return torch.rand(shape, generator=g) > 0.5
+    if dtype.is_floating_point:
+        return torch.randn(shape, generator=g).to(dtype)
+    return torch.randint(-1000, 1000, shape, generator=g).to(dtype)
+
+
+@st.composite
+def chunked_tensors(draw):
+    ndim = draw(st.integers(0, 3))
+    shape = tuple(draw(st.lists(st.integers(0, 7), min_size=ndim, max_size=ndim)))
+    dtype = draw(st.sampled_from(DTYPES))
+    world = draw(st.integers(1, 4))
+    box = None
+    if ndim:
+        offsets = [draw(st.integers(0, d)) for d in shape]
+        sizes = [draw(st.integers(0, d - o)) for d, o in zip(shape, offsets)]
+        box = Box(tuple(offsets), tuple(sizes))
+    return shape, dtype, world, box, draw(st.integers(0, 2**16))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=chunked_tensors())
+def test_any_box_read_equals_the_slice_and_torch_reads_what_we_wrote(tmp_path, case):
+    shape, dtype, world, box, seed = case
+    path = tmp_path / f"ck{seed}"
+    shutil.rmtree(path, ignore_errors=True)
+    value = _random_tensor(shape, dtype, seed)
+    write_dcp(path, {"model.t": value}, world_size=world)
+    assert torch.equal(torch_load_flat(path, {"model.t": value})["model.t"], value)
+    with DcpReader(path) as reader:
+        assert reader.specs()["model.t"].shape == shape
+        assert torch.equal(reader.read("model.t", Box.full(shape)), value)
+        if box is not None:
+            assert torch.equal(reader.read("model.t", box), value[box.slices()])
+
+
+def test_reads_a_checkpoint_written_by_torch(tmp_path):
+    state = {
+        "model": {"w": torch.randn(5, 3), "b": torch.randn(3).bfloat16(), "n": torch.tensor(7)},
+        "extra": {"note": "hello"},
+    }
+    dcp.save(state, checkpoint_id=str(tmp_path / "ck"), no_dist=True)
+    assert detect_format(tmp_path / "ck").name == "dcp"
+    with open_checkpoint(tmp_path / "ck") as reader:
+        assert set(reader.specs()) == {"model.w", "model.b", "model.n"}
+        assert reader.info()["non_tensor_keys"] == ["extra.note"]
+        assert torch.equal(reader.read("model.w", Box((1, 1), (3, 2))), state["model"]["w"][1:4, 1:3])
+        assert torch.equal(reader.read("model.b", Box((0,), (3,))), state["model"]["b"])
+        assert reader.read("model.n", Box((), ())).item() == 7
+        assert reader.root_of("model.w") == "model"
+
+
+def _crafted_metadata(path: Path, marker: Path) -> None:
+    class Exploit:
+        def __reduce__(self):
+            import os
+
+            return (os.system, (f"touch {marker}",))
+
+    path.mkdir()
+    (path / ".metadata").write_bytes(pickle.dumps(Exploit()))
+    (path / "__0_0.distcp").write_bytes(b"")
+
+
+def test_crafted_metadata_is_refused_and_nothing_runs(tmp_path):
+    marker = tmp_path / "pwned"
+    _crafted_metadata(tmp_path / "ck", marker)
+    with pytest.raises(UnsafePickleError, match=r"\.metadata: refers to posix\.system"):
+        open_checkpoint(tmp_path / "ck")
+    assert not marker.exists()
+
+
+def test_garbage_metadata_is_one_clean_error(tmp_path):
+    (tmp_path / "ck").mkdir()
+    (tmp_path / "ck" / ".metadata").write_bytes(b"\x80\x04garbage")
+    with pytest.raises(CheckpointFormatError, match="not a readable DCP metadata pickle"):
+        open_checkpoint(tmp_path / "ck")
+
+
+def test_truncated_data_file_names_the_file(tmp_path):
+    write_dcp(tmp_path / "ck", {"model.w": torch.randn(64, 8)}, world_size=2)
+    data = tmp_path / "ck" / "__1_0.distcp"
+    data.write_bytes(data.read_bytes()[:100])
+    with DcpReader(tmp_path / "ck") as reader, pytest.raises(CheckpointFormatError, match="__1_0.distcp: truncated"):
+        reader.read("model.w", Box.full((64, 8)))
+
+
+def test_flipped_record_bytes_are_caught(tmp_path):
+    write_dcp(tmp_path / "ck", {"model.w": torch.randn(4, 4)})
+    data = tmp_path / "ck" / "__0_0.distcp"
+    raw = bytearray(data.read_bytes())
+    raw[:64] = b"\0" * 64  # destroy the record's zip header
+    raw[-40:] = b"\0" * 40
+    data.write_bytes(bytes(raw))
+    with DcpReader(tmp_path / "ck") as reader, pytest.raises(CheckpointFormatError, match="__0_0.distcp"):
+        reader.read("model.w", Box.full((4, 4)))
+
+
+def test_missing_chunk_coverage_is_reported(tmp_path):
+    write_dcp(tmp_path / "ck", {"model.w": torch.randn(6, 2)}, world_size=2)
+    md = (tmp_path / "ck" / ".metadata").read_bytes()
+    meta = pickle.loads(md)
+    meta.state_dict_metadata["model.w"].chunks.pop()
+    (tmp_path / "ck" / ".metadata").write_bytes(pickle.dumps(meta))
+    with pytest.raises(CheckpointFormatError, match="do not cover shape"):
+        DcpReader(tmp_path / "ck")
+
+
+def test_rank_local_metadata_files_are_merged(tmp_path):
+    value = torch.randn(7, 3)
+    write_dcp(tmp_path / "ck", {"model.w": value}, world_size=2)
+    meta = pickle.loads((tmp_path / "ck" / ".metadata").read_bytes())
+    (tmp_path / "ck" / ".metadata").unlink()
+    for rank in range(2):
+        part = pickle.loads(pickle.dumps(meta))
+        entry = part.state_dict_metadata["model.w"]
+        entry.chunks = [entry.chunks[rank]]
+        part.storage_data = {k: v for k, v in part.storage_data.items() if v.relative_path.startswith(f"__{rank}_")}
+        (tmp_path / "ck" / f"__{rank}.metadata").write_bytes(pickle.dumps(part))
+    with open_checkpoint(tmp_path / "ck") as reader:
+        assert reader.info()["rank_local_metadata"]
+        assert torch.equal(reader.read("model.w", Box.full((7, 3))), value)
+    (tmp_path / "ck" / "__1.metadata").unlink()
+    with pytest.raises(CheckpointFormatError, match="missing"):
+        open_checkpoint(tmp_path / "ck")
+
+
+def test_save_in_progress_is_not_a_checkpoint(tmp_path):
+    (tmp_path / "ck").mkdir()
+    (tmp_path / "ck" / "__0_0.distcp").write_bytes(b"partial")
+    assert detect_format(tmp_path / "ck") is None
+    with pytest.raises(CheckpointNotFoundError, match="no .metadata yet"):
+        open_checkpoint(tmp_path / "ck")
+
+
+def test_storage_paths_cannot_escape_the_directory(tmp_path):
+    write_dcp(tmp_path / "ck", {"model.w": torch.randn(2, 2)})
+    meta = pickle.loads((tmp_path / "ck" / ".metadata").read_bytes())
+    for info in meta.storage_data.values():
+        info.relative_path = "../../etc/passwd"
+    (tmp_path / "ck" / ".metadata").write_bytes(pickle.dumps(meta))
+    with pytest.raises(CheckpointFormatError, match="leaves the checkpoint directory"):
+        open_checkpoint(tmp_path / "ck")
