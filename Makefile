@@ -1,0 +1,47 @@
+# ema-ckpt developer commands. Everything runs in a local virtualenv ($(VENV)).
+#   make test   install the package with its test dependencies and run the whole suite
+#   make demo   train a tiny FSDP2 model on CPU, then inspect and accumulate its checkpoints
+#   make bench  benchmark scripts (see docs/performance.md)
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# The CPU build of torch. On machines whose default index serves CUDA wheels, pass e.g.
+#   make test TORCH_INDEX="--index-url https://download.pytorch.org/whl/cpu"
+TORCH_SPEC ?= torch==2.13.0
+TORCH_INDEX ?=
+DEMO_DIR ?= demo
+
+.PHONY: install install-test test demo bench clean
+
+$(VENV)/bin/python:
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+
+$(VENV)/.installed: $(VENV)/bin/python pyproject.toml
+	$(PY) -m pip install -q $(TORCH_INDEX) "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e .
+	touch $@
+
+# DeepSpeed is a test-only producer and oracle; ema-ckpt never imports it.
+$(VENV)/.installed-test: $(VENV)/.installed
+	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q setuptools wheel
+	DS_BUILD_OPS=0 $(PY) -m pip install -q --no-build-isolation "deepspeed>=0.19,<0.20"
+	touch $@
+
+install: $(VENV)/.installed
+
+install-test: $(VENV)/.installed-test
+
+test: $(VENV)/.installed-test
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q
+
+demo: $(VENV)/.installed
+	bash examples/demo.sh "$(PY)" "$(DEMO_DIR)"
+
+bench: $(VENV)/.installed-test
+	bash benchmarks/run_all.sh "$(PY)"
+
+clean:
+	rm -rf $(VENV) $(DEMO_DIR) .pytest_cache .hypothesis

@@ -1,0 +1,230 @@
+"""Load DeepSpeed ``.pt`` files safely, memory-mapped, without DeepSpeed installed.
+
+Why this module exists: DeepSpeed pickles a few of its own classes into every ZeRO checkpoint
+(``ZeroStageEnum``, ``LossScaler``, ``fragment_address``), so a plain ``torch.load`` needs
+DeepSpeed importable *and* ``weights_only=False``, which runs whatever code the file names.
+Here the files go through torch's weights-only unpickler, with inert stand-ins registered under
+the DeepSpeed names for the duration of one load. Nothing else is importable from a file: any
+other global is refused with :class:`~ema_ckpt.errors.UnsafePickleError` before it is called.
+
+Files are opened with ``mmap=True``: tensors are views on a read-only mapping of the file, so a
+rank file costs its pickle (small) plus the pages actually read.
+
+Example:
+    >>> from ema_ckpt.formats._ds_unpickle import load_ds_file  # doctest: +SKIP
+    >>> state = load_ds_file("ckpt/global_step10/zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    ... # doctest: +SKIP
+    >>> int(state["optimizer_state_dict"]["zero_stage"])  # doctest: +SKIP
+    2
+"""
+
+from __future__ import annotations
+
+import argparse
+import enum
+import io
+import pickle
+import pickletools
+import re
+import threading
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import CheckpointFormatError, CheckpointNotFoundError, UnsafePickleError
+
+__all__ = [
+    "DynamicLossScaler",
+    "LossScaler",
+    "STAND_INS",
+    "ZeroStageEnum",
+    "fragment_address",
+    "load_ds_file",
+]
+
+
+# --- inert stand-ins -----------------------------------------------------------------------
+# Each is built by the weights-only unpickler in one of two ways only: ``cls(*args)`` (REDUCE,
+# for the enum) or ``cls.__new__(cls)`` followed by ``instance.__dict__.update(state)``
+# (NEWOBJ + BUILD). None defines ``__setstate__``, ``__reduce__`` or an ``__init__`` with effects.
+
+
+class ZeroStageEnum(enum.IntEnum):
+    """Stands in for ``deepspeed.runtime.zero.config.ZeroStageEnum`` (pickled as ``cls(value)``)."""
+
+    disabled = 0
+    optimizer_states = 1
+    gradients = 2
+    weights = 3
+
+
+class _AttributeBag:
+    """A plain object whose attributes come from the pickled ``__dict__``; it runs nothing."""
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{k}={v!r}" for k, v in sorted(vars(self).items()))
+        return f"{type(self).__name__}({fields})"
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self) and vars(other) == vars(self)
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+class LossScaler(_AttributeBag):
+    """Stands in for ``deepspeed.runtime.fp16.loss_scaler.LossScaler`` (``cur_scale``, ``dynamic``)."""
+
+
+class DynamicLossScaler(_AttributeBag):
+    """Stands in for ``deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler``."""
+
+
+class fragment_address(_AttributeBag):  # noqa: N801  (the pickled qualname)
+    """Stands in for ``deepspeed.utils.tensor_fragment.fragment_address``: ``(numel, start)``.
+
+    Unpacks like the tuple it describes: ``numel, start = address``.
+    """
+
+    numel: int
+    start: int
+
+    def __iter__(self):  # noqa: ANN204
+        return iter((self.numel, self.start))
+
+
+STAND_INS: dict[str, type] = {
+    "deepspeed.runtime.zero.config.ZeroStageEnum": ZeroStageEnum,
+    "deepspeed.runtime.fp16.loss_scaler.LossScaler": LossScaler,
+    "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler": DynamicLossScaler,
+    "deepspeed.utils.tensor_fragment.fragment_address": fragment_address,
+    # Megatron-DeepSpeed pickles its ``args``; a Namespace only stores attributes.
+    "argparse.Namespace": argparse.Namespace,
+}
+"""Pickled global name -> the class built in its place. Everything else is refused."""
+
+_SAFE_GLOBALS = [(cls, name) for name, cls in STAND_INS.items()]
+
+# torch's allowlist lives in a process-wide set; one lock keeps our additions scoped to our
+# own loads (another thread's load in between would otherwise see them come and go).
+_LOAD_LOCK = threading.Lock()
+
+_ZIP_MAGIC = b"PK\x03\x04"
+_GLOBAL_IN_MESSAGE = re.compile(r"GLOBAL ([A-Za-z_][\w.]*)")
+
+
+def load_ds_file(path: str | Path, *, mmap: bool = True) -> Any:
+    """Load one DeepSpeed ``.pt`` file with the weights-only unpickler and the stand-ins.
+
+    Args:
+        path: A ``*_model_states.pt`` or ``*_optim_states.pt`` file (any ``torch.save`` file).
+        mmap: Memory-map the file (zip format only; legacy ``torch.save`` files are read whole).
+
+    Returns:
+        The unpickled object, tensors on the CPU (views on the mapping when ``mmap``).
+
+    Raises:
+        CheckpointNotFoundError: The file does not exist.
+        UnsafePickleError: The pickle refers to a global outside the allowlist; nothing ran.
+        CheckpointFormatError: The file is truncated, corrupt or not a ``torch.save`` file.
+    """
+    path = Path(path)
+    try:
+        with open(path, "rb") as fh:
+            magic = fh.read(4)
+    except FileNotFoundError:
+        raise CheckpointNotFoundError(path, "no such file") from None
+    except OSError as err:
+        raise CheckpointFormatError(path, f"cannot read: {err.strerror or err}") from None
+    if not magic:
+        raise CheckpointFormatError(path, "empty file (truncated, or still being written)")
+    is_zip = magic == _ZIP_MAGIC
+    if not is_zip and magic[:1] != b"\x80":
+        raise CheckpointFormatError(path, "not a torch.save file (no zip or pickle header)")
+    try:
+        with _LOAD_LOCK, torch.serialization.safe_globals(_SAFE_GLOBALS):
+            return torch.load(
+                path, map_location="cpu", weights_only=True, mmap=mmap and is_zip
+            )
+    except pickle.UnpicklingError as err:
+        name = _refused_global(path, str(err), is_zip)
+        if name is not None:
+            raise UnsafePickleError(
+                path, f"refers to {name}, which is not allowed; nothing from the file was run"
+            ) from None
+        first = _first_line(str(err))
+        raise CheckpointFormatError(path, f"corrupt or unsupported pickle ({first})") from None
+    except (RuntimeError, EOFError, ValueError, OSError, KeyError, IndexError) as err:
+        first = _first_line(str(err)) or type(err).__name__
+        raise CheckpointFormatError(path, f"truncated or corrupt torch.save file ({first})") from None
+
+
+def _first_line(message: str) -> str:
+    for line in message.splitlines():
+        line = line.strip()
+        if line and not line.startswith("Weights only load failed"):
+            return line[:200]
+    return ""
+
+
+def _refused_global(path: Path, message: str, is_zip: bool) -> str | None:
+    """The global the weights-only unpickler refused, from its message or from the pickle."""
+    match = _GLOBAL_IN_MESSAGE.search(message)
+    if match:
+        name = match.group(1)
+        # torch prints builtins without their module ("GLOBAL eval").
+        return name if "." in name else f"builtins.{name}"
+    if not is_zip:
+        return None
+    try:
+        with zipfile.ZipFile(path) as zf:
+            pkl = next((n for n in zf.namelist() if n.endswith("/data.pkl") or n == "data.pkl"), None)
+            data = zf.read(pkl) if pkl else b""
+    except (OSError, zipfile.BadZipFile, KeyError):
+        return None
+    for name in _globals_in_pickle(data):
+        if name not in STAND_INS and not _torch_allows(name):
+            return name
+    return None
+
+
+def _globals_in_pickle(data: bytes) -> list[str]:
+    """Every global a pickle names, in order, found by disassembly (nothing is executed)."""
+    names: list[str] = []
+    strings: list[str] = []  # recent string pushes, for STACK_GLOBAL (protocol 4+)
+    memo: dict[int, str] = {}
+    top: str | None = None  # the last pushed value when it is a string
+    try:
+        for op, arg, _pos in pickletools.genops(io.BytesIO(data)):
+            pushed: str | None = None
+            if op.name in ("GLOBAL", "INST"):
+                module, _, qualname = str(arg).partition(" ")
+                names.append(f"{module}.{qualname}")
+            elif op.name == "STACK_GLOBAL" and len(strings) >= 2:
+                names.append(f"{strings[-2]}.{strings[-1]}")
+            elif isinstance(arg, str) and ("UNICODE" in op.name or "STRING" in op.name):
+                pushed = arg
+            elif op.name in ("BINPUT", "LONG_BINPUT", "PUT", "MEMOIZE"):
+                key = len(memo) if op.name == "MEMOIZE" else int(arg)
+                if top is not None:
+                    memo[key] = top
+                continue  # memoising leaves the stack (and ``top``) as it was
+            elif op.name in ("BINGET", "LONG_BINGET", "GET"):
+                pushed = memo.get(int(arg))
+            if pushed is not None:
+                strings.append(pushed)
+            top = pushed
+    except (ValueError, EOFError, pickle.UnpicklingError):
+        pass  # a damaged tail: report what was found before it
+    return names
+
+
+def _torch_allows(name: str) -> bool:
+    """Whether torch's weights-only unpickler allows ``name`` by default (private API, guarded)."""
+    from torch import _weights_only_unpickler as wo
+
+    allowed = getattr(wo, "_get_allowed_globals", None)
+    if allowed is None:  # pragma: no cover - a torch without the private helper
+        return name.startswith("torch.") or name.startswith("collections.")
+    return name in allowed()

@@ -1,0 +1,73 @@
+import pytest
+import torch
+
+from ema_ckpt.discovery import discover, step_from_name
+from ema_ckpt.errors import CheckpointNotFoundError, IncompatibleCheckpointError, UsageError
+from tests.dcp_helpers import write_dcp
+
+
+@pytest.mark.parametrize(
+    ("name", "step"),
+    [
+        ("step_1000", 1000), ("step-1000", 1000), ("global_step1000", 1000), ("checkpoint-1000", 1000),
+        ("iter_0001000", 1000), ("epoch=3-step=1000", 1000), ("1000", 1000), ("step1000", 1000),
+        ("latest", None), ("epoch=3", None), ("steps", None),
+    ],
+)
+def test_step_from_name(name, step):
+    assert step_from_name(name) == step
+
+
+def test_step_regex_overrides():
+    assert step_from_name("run7_ckpt_0042", r"ckpt_(\d+)") == 42
+    assert step_from_name("run7_ckpt_0042", r"run(?P<step>\d+)") == 7
+    with pytest.raises(UsageError, match="not a valid regular expression"):
+        step_from_name("x", "(")
+
+
+def _ckpt(path):
+    return write_dcp(path, {"model.w": torch.zeros(2)})
+
+
+def test_sorted_by_step_skipping_partial_outputs_and_hidden(tmp_path):
+    for name in ["step_20", "step_3", "step_100"]:
+        _ckpt(tmp_path / name)
+    partial = tmp_path / "step_200"
+    partial.mkdir()
+    (partial / "__0_0.distcp").write_bytes(b"x")
+    ema = _ckpt(tmp_path / "ema")
+    (ema / "ema-ckpt.json").write_text("{}")
+    _ckpt(tmp_path / ".ema.tmp-1-abcd")
+    (tmp_path / "notes").mkdir()
+    found = discover([tmp_path])
+    assert [c.step for c in found.checkpoints] == [3, 20, 100]
+    assert any("step_200" in n and "no .metadata yet" in n for n in found.notes)
+
+
+def test_excluded_output_is_never_an_input(tmp_path):
+    _ckpt(tmp_path / "step_1")
+    _ckpt(tmp_path / "out" / "step_5")  # an --out inside the folder, even before a manifest exists
+    _ckpt(tmp_path / "step_9")
+    found = discover([tmp_path], exclude=[tmp_path / "step_9"])
+    assert [c.step for c in found.checkpoints] == [1]
+
+
+def test_duplicate_steps_are_refused(tmp_path):
+    _ckpt(tmp_path / "step_5")
+    _ckpt(tmp_path / "global_step5")
+    with pytest.raises(IncompatibleCheckpointError, match="both hold step 5"):
+        discover([tmp_path])
+
+
+def test_empty_folder_and_explicit_partial_directory(tmp_path):
+    with pytest.raises(CheckpointNotFoundError, match="no checkpoints found"):
+        discover([tmp_path])
+    (tmp_path / "step_1").mkdir()
+    (tmp_path / "step_1" / "__0_0.distcp").write_bytes(b"x")
+    with pytest.raises(CheckpointNotFoundError, match="no .metadata yet"):
+        discover([tmp_path / "step_1"])
+
+
+def test_explicit_checkpoint_paths(tmp_path):
+    a, b = _ckpt(tmp_path / "step_7"), _ckpt(tmp_path / "step_2")
+    assert [c.step for c in discover([a, b]).checkpoints] == [2, 7]
