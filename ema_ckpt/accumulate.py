@@ -25,6 +25,7 @@ import torch
 from .discovery import discover
 from .engine import OutputSpec, Progress, Update, combine_regions, layout_regions
 from .errors import (
+    CheckpointNotFoundError,
     IncompatibleCheckpointError,
     ManifestMismatchError,
     UsageError,
@@ -175,6 +176,9 @@ def accumulate(
     paths = [Path(checkpoints)] if isinstance(checkpoints, (str, Path)) else [Path(p) for p in checkpoints]
     if not paths:
         raise UsageError("no checkpoint paths given")
+    for path in paths:
+        if not path.exists():
+            raise CheckpointNotFoundError(path, "no such file or directory")
     profile = make_profile(decay=decay, half_life=half_life, per_checkpoint=per_checkpoint, warmup=warmup)
     if dtype not in ACCUMULATE_DTYPES:
         raise UsageError(f"--dtype must be one of {', '.join(ACCUMULATE_DTYPES)}, got {dtype!r}")

@@ -27,6 +27,7 @@ import pickle
 import pickletools
 import re
 import threading
+import warnings
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -143,10 +144,10 @@ def load_ds_file(path: str | Path, *, mmap: bool = True) -> Any:
     if not is_zip and magic[:1] != b"\x80":
         raise CheckpointFormatError(path, "not a torch.save file (no zip or pickle header)")
     try:
-        with _LOAD_LOCK, torch.serialization.safe_globals(_SAFE_GLOBALS):
-            return torch.load(
-                path, map_location="cpu", weights_only=True, mmap=mmap and is_zip
-            )
+        with _LOAD_LOCK, torch.serialization.safe_globals(_SAFE_GLOBALS), warnings.catch_warnings():
+            # torch warns about pickle protocols other than 2 and then refuses the file anyway.
+            warnings.filterwarnings("ignore", message="Detected pickle protocol")
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap and is_zip)
     except pickle.UnpicklingError as err:
         name = _refused_global(path, str(err), is_zip)
         if name is not None:

@@ -337,7 +337,7 @@ class DeepSpeedReader:
             return out
         span = torch.empty(hi - lo, dtype=entry.pieces[0].src.dtype if entry.pieces else spec.dtype)
         self._gather(entry, lo, hi, span)
-        out.copy_(span.as_strided(box.sizes, strides))
+        out.copy_(span[: out.numel()].view(box.sizes))
         return out
 
     def info(self) -> dict[str, Any]:

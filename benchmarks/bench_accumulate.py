@@ -1,0 +1,71 @@
+"""accumulate over N fp32 DCP checkpoints: wall time and peak RSS beside cat and the hand-written loop.
+
+Usage: python benchmarks/bench_accumulate.py [--data bench-data/dcp-1g] [--repeat 3]
+Generates the sequence first if missing (benchmarks/make_dcp_sequence.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _harness import EMA, PY, Measurement, dir_bytes, machine_description, run_timed, table  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--data", type=Path, default=Path("bench-data/dcp-1g"))
+    parser.add_argument("--size-gib", type=float, default=1.0)
+    parser.add_argument("--count", type=int, default=4)
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--skip-handwritten", action="store_true")
+    args = parser.parse_args()
+    here = Path(__file__).parent
+    subprocess.run([PY, str(here / "make_dcp_sequence.py"), str(args.data), "--size-gib", str(args.size_gib),
+                    "--count", str(args.count)], check=True, stdout=subprocess.DEVNULL)
+    ckpts = sorted((p for p in args.data.iterdir() if p.name.startswith("step_")),
+                   key=lambda p: int(p.name.split("_")[1]))[: args.count]
+    input_bytes = sum(dir_bytes(c) for c in ckpts)
+    out_root = args.data.parent / "bench-out"
+    shutil.rmtree(out_root, ignore_errors=True)
+    out_root.mkdir()
+    files = " ".join(str(f) for c in ckpts for f in sorted(c.iterdir()))
+    runs = {
+        "cat inputs > /dev/null": dict(cmd=f"cat {files} > /dev/null", shell=True),
+        "python -c 'import torch'": dict(cmd=[PY, "-c", "import torch"]),
+        "ema-ckpt accumulate": dict(cmd=[EMA, "accumulate", *map(str, ckpts), "--decay", "0.999",
+                                         "--out", str(out_root / "ema"), "--quiet", "--restart"]),
+    }
+    if not args.skip_handwritten:
+        runs["hand-written loop (full loads + lerp_ + dcp.save)"] = dict(
+            cmd=[PY, str(here / "handwritten_ema.py"), str(out_root / "hand"), "0.999", *map(str, ckpts)])
+    results = {name: Measurement(name, [], []) for name in runs}
+    for _ in range(args.repeat):
+        for name, spec in runs.items():
+            for target in ("ema", "hand"):
+                shutil.rmtree(out_root / target, ignore_errors=True)
+            wall, rss = run_timed(spec["cmd"], shell=spec.get("shell", False))
+            results[name].wall.append(wall)
+            results[name].rss_mib.append(rss)
+    output_bytes = dir_bytes(out_root / "ema") if (out_root / "ema").exists() else 0
+    floor = results["cat inputs > /dev/null"].wall_median + results["python -c 'import torch'"].wall_median
+    ema = results["ema-ckpt accumulate"]
+    rows = [(m.name, f"{m.wall_median:.2f}", f"{m.rss_median:.0f}") for m in results.values()]
+    print(f"Machine: {machine_description()}")
+    print(f"Input: {len(ckpts)} checkpoints, {input_bytes / 2**30:.2f} GiB in all; medians of {args.repeat} runs,"
+          " hot page cache\n")
+    print(table(rows, ("command", "wall s", "peak RSS MiB")))
+    print(f"\naccumulate / (cat + import torch) = {ema.wall_median / floor:.2f}")
+    if "hand-written loop (full loads + lerp_ + dcp.save)" in results:
+        hand = results["hand-written loop (full loads + lerp_ + dcp.save)"]
+        print(f"accumulate / hand-written: time {ema.wall_median / hand.wall_median:.2f}, "
+              f"peak RSS {ema.rss_median / hand.rss_median:.2f}")
+    print(f"output: {output_bytes / 2**30:.2f} GiB")
+
+
+if __name__ == "__main__":
+    main()
