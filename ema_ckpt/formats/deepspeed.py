@@ -337,7 +337,7 @@ class DeepSpeedReader:
             return out
         span = torch.empty(hi - lo, dtype=entry.pieces[0].src.dtype if entry.pieces else spec.dtype)
         self._gather(entry, lo, hi, span)
-        out.copy_(span[: out.numel()].view(box.sizes))
+        out.copy_(span.as_strided(box.sizes, strides))
         return out
 
     def info(self) -> dict[str, Any]:
@@ -509,7 +509,7 @@ class DeepSpeedReader:
             t = module.get(name)
             if not isinstance(t, torch.Tensor):
                 continue
-            dtype = torch.float32 if t.is_floating_point() else t.dtype
+            dtype = t.dtype
             entries[name] = _Entry(TensorSpec(name, tuple(t.shape), dtype), "buffer", tensor=t)
 
         param_shapes = model0.get("param_shapes")
