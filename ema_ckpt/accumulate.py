@@ -14,7 +14,6 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import fnmatch
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -32,18 +31,14 @@ from .errors import (
 )
 from .formats import open_checkpoint
 from .formats.base import CheckpointReader
-from .formats.dcp import DcpReader
 from .fs import OutputLock, new_staging_dir, publish, recover
 from .manifest import MANIFEST_NAME, FoldedCheckpoint, Manifest, fingerprint
+from .selection import check_compatible, select_keys
 from .schedules import ExponentialProfile, fold_coefficients, profile_from_dict
 from .writers.dcp import DcpWriter
 
 DEFAULT_OUT_NAME = "ema"
 ACCUMULATE_DTYPES = {"float32": torch.float32, "float64": torch.float64}
-_NON_MODEL_ROOTS = {
-    "optim", "optimizer", "optimizers", "lr_scheduler", "lr_schedulers", "scheduler",
-    "train_state", "dataloader", "data_loader", "rng", "rng_state", "extra_state",
-}
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,50 +86,6 @@ def make_profile(
         return ExponentialProfile.from_half_life(half_life, warmup=warmup)
     assert decay is not None
     return ExponentialProfile(decay=decay, per_checkpoint=per_checkpoint, warmup=warmup)
-
-
-def select_keys(
-    reader: CheckpointReader, include: Sequence[str] = (), exclude: Sequence[str] = ()
-) -> list[str]:
-    """The model tensors of a checkpoint, filtered by ``include``/``exclude`` globs.
-
-    A DCP saved as ``{"model": …, "optim": …}`` contributes its ``model`` part; a checkpoint
-    without a ``model`` root contributes everything but optimizer and training state.
-    """
-    keys = list(reader.specs())
-    if isinstance(reader, DcpReader):
-        roots = {k: reader.root_of(k) for k in keys}
-        if "model" in roots.values():
-            keys = [k for k in keys if roots[k] == "model"]
-        else:
-            keys = [k for k in keys if roots[k] not in _NON_MODEL_ROOTS]
-    if include:
-        keys = [k for k in keys if any(fnmatch.fnmatchcase(k, g) for g in include)]
-    if exclude:
-        keys = [k for k in keys if not any(fnmatch.fnmatchcase(k, g) for g in exclude)]
-    return keys
-
-
-def check_compatible(readers: Sequence[CheckpointReader], keys: Sequence[str], reference: int) -> None:
-    """Every reader holds every key with the reference reader's shape and dtype class."""
-    ref = readers[reference].specs()
-    for reader in readers:
-        specs = reader.specs()
-        missing = [k for k in keys if k not in specs]
-        if missing:
-            more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
-            raise IncompatibleCheckpointError(f"{reader.path}: key {missing[0]!r}{more} missing")
-        for key in keys:
-            a, b = ref[key], specs[key]
-            if a.shape != b.shape:
-                raise IncompatibleCheckpointError(
-                    f"{reader.path}: key {key!r} has shape {list(b.shape)}, "
-                    f"{readers[reference].path} has {list(a.shape)}"
-                )
-            if a.is_float != b.is_float:
-                raise IncompatibleCheckpointError(
-                    f"{reader.path}: key {key!r} is {b.dtype}, {readers[reference].path} has {a.dtype}"
-                )
 
 
 def accumulate(

@@ -130,3 +130,46 @@ def split_rows(box: Box, max_numel: int) -> list[Box]:
         n = min(rows, box.sizes[0] - start)
         out.append(Box((box.offsets[0] + start, *box.offsets[1:]), (n, *box.sizes[1:])))
     return out
+
+
+def dim0_shard_boxes(shape: tuple[int, ...], world_size: int) -> list[Box]:
+    """The box of each rank when a tensor is sharded on dim 0 as FSDP shards it.
+
+    ``torch.chunk`` boundaries: ceil(n/W) rows per rank, the last ranks possibly short or
+    empty (an empty rank's box starts at ``n`` with size 0, as FSDP's DCP metadata has it).
+    A 0-d tensor is one box on rank 0.
+
+    Example:
+        >>> [b.sizes for b in dim0_shard_boxes((5, 2), 4)]
+        [(2, 2), (2, 2), (1, 2), (0, 2)]
+    """
+    if not shape:
+        return [Box((), ())]
+    rows = math.ceil(shape[0] / world_size) if shape[0] else 0
+    boxes = []
+    for rank in range(world_size):
+        start = min(rank * rows, shape[0])
+        size = max(0, min(rows, shape[0] - start))
+        boxes.append(Box((start, *[0] * (len(shape) - 1)), (size, *shape[1:])))
+    return boxes
+
+
+def row_blocks(shape: tuple[int, ...], stored: list[Box], max_numel: int) -> list[Box]:
+    """Boxes of whole rows covering a tensor in order, for streaming it out row-major.
+
+    When every stored box spans all trailing dims (dim-0 sharding), blocks follow the stored
+    boxes so each read touches one chunk; otherwise rows are cut every ``max_numel`` elements.
+    Each block is further split to at most ``max_numel`` elements (at least one row).
+    """
+    full = Box.full(shape)
+    if not shape:
+        return [full]
+    if shape[0] == 0 or full.numel == 0:
+        return [full]
+    if stored and all(b.sizes[1:] == shape[1:] for b in stored):
+        ordered = sorted((b for b in stored if b.numel), key=lambda b: b.offsets[0])
+        out: list[Box] = []
+        for box in ordered:
+            out.extend(split_rows(box, max_numel))
+        return out
+    return split_rows(full, max_numel)

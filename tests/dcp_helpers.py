@@ -2,28 +2,19 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
 
-from ema_ckpt.layout import Box
+from ema_ckpt.layout import Box, dim0_shard_boxes
 from ema_ckpt.writers.dcp import DcpWriter
 
 
 def fsdp_boxes(shape: tuple[int, ...], world_size: int) -> list[Box]:
-    """Dim-0 boxes as FSDP shards a tensor: ceil(n/W) rows per rank, empty ranks last."""
-    if not shape:
-        return [Box((), ())]
-    rows = math.ceil(shape[0] / world_size) if shape[0] else 0
-    boxes = []
-    for rank in range(world_size):
-        start = min(rank * rows, shape[0])
-        size = max(0, min(rows, shape[0] - start))
-        boxes.append(Box((start, *[0] * (len(shape) - 1)), (size, *shape[1:])))
-    return boxes
+    """Dim-0 boxes as FSDP shards a tensor."""
+    return dim0_shard_boxes(shape, world_size)
 
 
 def write_dcp(

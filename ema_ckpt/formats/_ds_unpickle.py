@@ -37,9 +37,9 @@ import torch
 from ..errors import CheckpointFormatError, CheckpointNotFoundError, UnsafePickleError
 
 __all__ = [
+    "STAND_INS",
     "DynamicLossScaler",
     "LossScaler",
-    "STAND_INS",
     "ZeroStageEnum",
     "fragment_address",
     "load_ds_file",
@@ -82,7 +82,7 @@ class DynamicLossScaler(_AttributeBag):
     """Stands in for ``deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler``."""
 
 
-class fragment_address(_AttributeBag):  # noqa: N801  (the pickled qualname)
+class fragment_address(_AttributeBag):  # the pickled qualname
     """Stands in for ``deepspeed.utils.tensor_fragment.fragment_address``: ``(numel, start)``.
 
     Unpacks like the tuple it describes: ``numel, start = address``.
@@ -91,7 +91,7 @@ class fragment_address(_AttributeBag):  # noqa: N801  (the pickled qualname)
     numel: int
     start: int
 
-    def __iter__(self):  # noqa: ANN204
+    def __iter__(self):
         return iter((self.numel, self.start))
 
 

@@ -48,7 +48,14 @@ from ..layout import Box, TensorSpec
 from ._ds_unpickle import load_ds_file
 from .base import CheckpointFormat, register_format
 
-__all__ = ["DeepSpeedReader", "deepspeed_tags", "find_tag_dir", "incomplete", "is_deepspeed", "open_deepspeed"]
+__all__ = [
+    "DeepSpeedReader",
+    "deepspeed_tags",
+    "find_tag_dir",
+    "incomplete",
+    "is_deepspeed",
+    "open_deepspeed",
+]
 
 FORMAT_NAME = "deepspeed"
 
@@ -265,6 +272,17 @@ def _flat(t: Any, where: Path, what: str) -> torch.Tensor:
     return t
 
 
+def _shape(value: Any, where: Path, name: str) -> tuple[int, ...]:
+    """A recorded shape as a tuple of non-negative ints, or a format error naming the file."""
+    try:
+        shape = tuple(int(d) for d in value)
+    except (TypeError, ValueError):
+        raise CheckpointFormatError(where, f"shape of {name} is not a list of sizes: {value!r}") from None
+    if any(d < 0 for d in shape):
+        raise CheckpointFormatError(where, f"shape of {name} has a negative size: {shape}")
+    return shape
+
+
 def _row_major_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     strides, acc = [], 1
     for d in reversed(shape):
@@ -293,7 +311,9 @@ class DeepSpeedReader:
         self.path = Path(path)
         tag_dir = find_tag_dir(self.path)
         if tag_dir is None:
-            reason = incomplete(self.path) or "no DeepSpeed tag folder (no *_model_states.pt and *optim_states.pt)"
+            reason = (
+                incomplete(self.path) or "no DeepSpeed tag folder (no *_model_states.pt and *optim_states.pt)"
+            )
             raise CheckpointNotFoundError(self.path, reason)
         self.tag_dir = tag_dir
         self.tag = tag_dir.name
@@ -433,10 +453,13 @@ class DeepSpeedReader:
             raise CheckpointFormatError(model0_path, "not a DeepSpeed model-states file (no buffer_names)")
         for moe_key in ("num_experts", "ds_autoep_layers", "ds_autoep_layers_v1"):
             if model0.get(moe_key):
-                raise CheckpointFormatError(model0_path, f"mixture-of-experts checkpoints ({moe_key}) are not supported")
+                raise CheckpointFormatError(
+                    model0_path, f"mixture-of-experts checkpoints ({moe_key}) are not supported"
+                )
         if model0.get("mp_world_size", 1) not in (None, 1):
             raise CheckpointFormatError(
-                model0_path, f"tensor-parallel checkpoints (mp_world_size={model0['mp_world_size']}) are not supported"
+                model0_path,
+                f"tensor-parallel checkpoints (mp_world_size={model0['mp_world_size']}) are not supported",
             )
 
         osds = []
@@ -444,7 +467,9 @@ class DeepSpeedReader:
             state = self._load(p)
             osd = state.get("optimizer_state_dict") if isinstance(state, dict) else None
             if not isinstance(osd, dict):
-                raise CheckpointFormatError(p, "not a DeepSpeed optimizer-states file (no optimizer_state_dict)")
+                raise CheckpointFormatError(
+                    p, "not a DeepSpeed optimizer-states file (no optimizer_state_dict)"
+                )
             osds.append(osd)
         osd0 = osds[0]
         if "zero_stage" in osd0:
@@ -459,7 +484,7 @@ class DeepSpeedReader:
             raise CheckpointFormatError(self._optim_files[0], f"ZeRO stage {self.stage} is not supported")
 
         counts = osd0.get("partition_count")
-        if isinstance(counts, (list, tuple)):
+        if isinstance(counts, list | tuple):
             if len(set(counts)) > 1:
                 raise CheckpointFormatError(
                     self._optim_files[0],
@@ -468,7 +493,9 @@ class DeepSpeedReader:
                 )
             counts = counts[0] if counts else None
         if not isinstance(counts, int) or counts < 1:
-            raise CheckpointFormatError(self._optim_files[0], f"bad partition_count {osd0.get('partition_count')!r}")
+            raise CheckpointFormatError(
+                self._optim_files[0], f"bad partition_count {osd0.get('partition_count')!r}"
+            )
         self.world_size = counts
         if counts != len(self._optim_files):
             raise CheckpointFormatError(
@@ -482,7 +509,9 @@ class DeepSpeedReader:
                 tag_dir, f"expected {counts} ZeRO-3 model-states files but found {len(self._model_files)}"
             )
         if self.stage < 3 and zero3_models:
-            raise CheckpointFormatError(zero3_models[0][1], f"ZeRO-3 model-states file in a stage-{self.stage} checkpoint")
+            raise CheckpointFormatError(
+                zero3_models[0][1], f"ZeRO-3 model-states file in a stage-{self.stage} checkpoint"
+            )
 
         bf16_names = {bf16 for _, _, bf16 in parsed}
         ds_config = model0.get("ds_config") if isinstance(model0.get("ds_config"), dict) else {}
@@ -509,7 +538,7 @@ class DeepSpeedReader:
             t = module.get(name)
             if not isinstance(t, torch.Tensor):
                 continue
-            dtype = t.dtype
+            dtype = torch.float32 if t.is_floating_point() else t.dtype
             entries[name] = _Entry(TensorSpec(name, tuple(t.shape), dtype), "buffer", tensor=t)
 
         param_shapes = model0.get("param_shapes")
@@ -530,7 +559,9 @@ class DeepSpeedReader:
         for alias, owner in shared.items():
             if owner in entries and alias not in entries:
                 entries[alias] = _Entry(
-                    TensorSpec(alias, entries[owner].spec.shape, entries[owner].spec.dtype), "tied", owner=owner
+                    TensorSpec(alias, entries[owner].spec.shape, entries[owner].spec.dtype),
+                    "tied",
+                    owner=owner,
                 )
 
         # Keys in the module's own state_dict order where known, then zero_to_fp32's order.
@@ -558,7 +589,7 @@ class DeepSpeedReader:
         per_rank = []
         for p, osd in zip(self._optim_files, osds, strict=True):
             groups = osd.get(key)
-            if not isinstance(groups, (list, tuple)):
+            if not isinstance(groups, list | tuple):
                 raise CheckpointFormatError(p, f"no {key}")
             per_rank.append([_flat(t, p, f"{key}[{i}]") for i, t in enumerate(groups)])
         n_groups = len(per_rank[0])
@@ -575,11 +606,12 @@ class DeepSpeedReader:
             paddings = alignment[g] if alignment is not None else None
             if paddings is not None and len(paddings) != len(shapes):
                 raise CheckpointFormatError(
-                    self._optim_files[0], f"group {g}: {len(paddings)} alignment paddings for {len(shapes)} params"
+                    self._optim_files[0],
+                    f"group {g}: {len(paddings)} alignment paddings for {len(shapes)} params",
                 )
             offset = 0
             for j, (name, shape) in enumerate(shapes.items()):
-                shape = tuple(int(d) for d in shape)
+                shape = _shape(shape, self._model_files[0], name)
                 n = math.prod(shape)
                 if offset + n > flat.numel:
                     raise CheckpointFormatError(
@@ -590,7 +622,8 @@ class DeepSpeedReader:
                 offset += n + (int(paddings[j]) if paddings is not None else 0)
             if math.ceil(offset / align_to) != math.ceil(flat.numel / align_to):
                 raise CheckpointFormatError(
-                    self.tag_dir, f"group {g}: consumed {offset} numels out of {flat.numel}; the layout is not understood"
+                    self.tag_dir,
+                    f"group {g}: consumed {offset} numels out of {flat.numel}; the layout is not understood",
                 )
         return entries
 
@@ -600,13 +633,13 @@ class DeepSpeedReader:
         per_rank = []
         for p, osd in zip(self._optim_files, osds, strict=True):
             groups = osd.get(key)
-            if not isinstance(groups, (list, tuple)):
+            if not isinstance(groups, list | tuple):
                 raise CheckpointFormatError(p, f"no {key}")
             per_rank.append(_FlatChunks([_flat(t, p, f"{key}[{i}]") for i, t in enumerate(groups)]))
         merged: dict[str, tuple[int, ...]] = {}
         for shapes in param_shapes:
             for name, shape in shapes.items():
-                merged[name] = tuple(int(d) for d in shape)
+                merged[name] = _shape(shape, self._model_files[0], name)
         entries: dict[str, _Entry] = {}
         offset = 0  # within every rank's flat (all sub-groups back to back)
         for name, shape in merged.items():
@@ -651,19 +684,23 @@ class DeepSpeedReader:
         if self.stage <= 2:
             fragments = model0.get("frozen_param_fragments") or {}
             for name, shape in shapes.items():
-                shape = tuple(int(d) for d in shape)
+                shape = _shape(shape, model0_path, name)
                 t = fragments.get(name)
                 if not isinstance(t, torch.Tensor) or t.numel() != math.prod(shape):
-                    raise CheckpointFormatError(model0_path, f"frozen parameter {name} is missing or the wrong size")
+                    raise CheckpointFormatError(
+                        model0_path, f"frozen parameter {name} is missing or the wrong size"
+                    )
                 entries[name] = _Entry(TensorSpec(name, shape, t.dtype), "frozen", tensor=t.reshape(shape))
             return entries
         ws = self.world_size
         per_rank = []
         for p in self._model_files:
             state = self._load(p)
-            per_rank.append((p, (state.get("frozen_param_fragments") if isinstance(state, dict) else None) or {}))
+            per_rank.append(
+                (p, (state.get("frozen_param_fragments") if isinstance(state, dict) else None) or {})
+            )
         for name, shape in shapes.items():
-            shape = tuple(int(d) for d in shape)
+            shape = _shape(shape, model0_path, name)
             n = math.prod(shape)
             part = math.ceil(n / ws)
             pieces = []
@@ -671,12 +708,16 @@ class DeepSpeedReader:
             for r, (p, fragments) in enumerate(per_rank):
                 t = fragments.get(name)
                 if not isinstance(t, torch.Tensor) or t.numel() != part:
-                    raise CheckpointFormatError(p, f"frozen fragment of {name} is missing or not {part} elements")
+                    raise CheckpointFormatError(
+                        p, f"frozen fragment of {name} is missing or not {part} elements"
+                    )
                 dtype = t.dtype
                 length = min(part, n - r * part)
                 if length > 0:
                     pieces.append(_Piece(r * part, length, t.reshape(-1), 0))
-            entries[name] = _Entry(TensorSpec(name, shape, dtype or torch.float32), "frozen", pieces=tuple(pieces))
+            entries[name] = _Entry(
+                TensorSpec(name, shape, dtype or torch.float32), "frozen", pieces=tuple(pieces)
+            )
         return entries
 
 

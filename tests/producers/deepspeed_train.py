@@ -88,7 +88,9 @@ def _config(stage: int, dtype: str, bf16_optimizer: bool) -> dict:
     return config
 
 
-def train_and_save(out: Path, *, stage: int, dtype: str, steps: list[int], bf16_optimizer: bool, seed: int) -> None:
+def train_and_save(
+    out: Path, *, stage: int, dtype: str, steps: list[int], bf16_optimizer: bool, seed: int
+) -> None:
     """One run: a fresh model and engine, trained to ``steps[-1]``, saved at each of ``steps``."""
     import deepspeed
     from deepspeed.utils import safe_get_full_fp32_param
@@ -104,7 +106,9 @@ def train_and_save(out: Path, *, stage: int, dtype: str, steps: list[int], bf16_
         lr=3e-2,
         foreach=False,
     )
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=_config(stage, dtype, bf16_optimizer))
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, optimizer=optimizer, config=_config(stage, dtype, bf16_optimizer)
+    )
 
     out.mkdir(parents=True, exist_ok=True)
     if rank == 0:
@@ -163,7 +167,14 @@ def main() -> None:
     if args.runs is not None:
         runs = json.loads(args.runs.read_text())
     elif args.out is not None and args.stage is not None:
-        runs = [{"out": str(args.out), "stage": args.stage, "dtype": args.dtype, "bf16_optimizer": args.bf16_optimizer}]
+        runs = [
+            {
+                "out": str(args.out),
+                "stage": args.stage,
+                "dtype": args.dtype,
+                "bf16_optimizer": args.bf16_optimizer,
+            }
+        ]
     else:
         parser.error("give --out and --stage, or --runs")
 

@@ -97,14 +97,21 @@ def make_deepspeed_sequences(
             ]  # fmt: skip
             # A session of its own, so a timeout can stop torchrun *and* its worker processes.
             proc = subprocess.Popen(
-                cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+                cmd,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                start_new_session=True,
             )
             try:
                 stdout, _ = proc.communicate(timeout=timeout)
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 stdout, _ = proc.communicate()
-                raise RuntimeError(f"DeepSpeed producer timed out after {timeout}s\n{_tail(stdout or '')}") from None
+                raise RuntimeError(
+                    f"DeepSpeed producer timed out after {timeout}s\n{_tail(stdout or '')}"
+                ) from None
             output = stdout or ""
             if proc.returncode == 0:
                 break

@@ -70,7 +70,7 @@ def make_fsdp_sequence(
     env = dict(os.environ)
     env["OMP_NUM_THREADS"] = "1"
     env.setdefault("PYTHONWARNINGS", "ignore")
-    # Never let a stray CUDA setting or an outer torchrun's variables leak in.
+    # Don't let an outer torchrun's rendezvous variables leak into this launch.
     for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                 "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID"):  # fmt: skip
         env.pop(var, None)
@@ -105,5 +105,7 @@ def make_fsdp_sequence(
     meta_name = "__0.metadata" if rank_local_metadata else ".metadata"
     missing = [str(d) for d in dirs if not (d / meta_name).is_file()]
     if missing:
-        raise RuntimeError(f"torchrun succeeded but checkpoints are missing: {missing}\n{_tail(proc.stdout, 2000)}")
+        raise RuntimeError(
+            f"torchrun succeeded but checkpoints are missing: {missing}\n{_tail(proc.stdout, 2000)}"
+        )
     return dirs

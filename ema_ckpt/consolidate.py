@@ -1,0 +1,224 @@
+"""``consolidate``: any supported checkpoint → safetensors, the HF sharded layout, or a torch file.
+
+Streams: headers are written from metadata first, then each tensor's bytes block by block
+as they are read (and cast), so memory holds one block of rows, never the model or the file.
+Nothing is written in place: the output is built beside its final path and swapped in.
+
+Example:
+    >>> consolidate("ckpts/ema", "ema.safetensors", dtype="bfloat16")   # doctest: +SKIP
+    >>> consolidate("ckpts/step_1000", "hf-out/", max_shard_size="2GB")  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+from .engine import Progress
+from .errors import OutputError, UsageError
+from .formats import open_checkpoint
+from .formats.base import CheckpointReader
+from .fs import OutputLock, fsync_dir, new_staging_dir, publish, recover
+from .layout import Box, TensorSpec, row_blocks
+from .selection import select_keys, strip_model_prefix
+from .writers.safetensors import SafetensorsFileWriter, plan_shards, shard_file_names, write_index
+from .writers.torch_file import TorchFileWriter
+
+OUTPUT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
+                 "float64": torch.float64}
+BLOCK_BYTES = 64 << 20
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_size(text: str | int) -> int:
+    """Bytes in a size such as ``5GB`` (10⁹, as Hugging Face counts), ``500MiB`` or ``20KB``.
+
+    Example:
+        >>> parse_size("5GB"), parse_size("20KB"), parse_size("1MiB")
+        (5000000000, 20000, 1048576)
+    """
+    if isinstance(text, int):
+        return text
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
+    unit = match.group(2).upper() if match else ""
+    if not match or unit not in _UNITS:
+        raise UsageError(f"size {text!r} not understood; use e.g. 5GB, 500MB, 20KB or 1GiB")
+    value = int(float(match.group(1)) * _UNITS[unit])
+    if value <= 0:
+        raise UsageError(f"size {text!r} must be positive")
+    return value
+
+
+Layout = Literal["safetensors", "hf-sharded", "torch"]
+
+
+@dataclass(slots=True)
+class ConsolidateResult:
+    """What :func:`consolidate` wrote."""
+
+    out: Path
+    layout: Layout
+    files: list[tuple[str, int]] = field(default_factory=list)
+    keys: int = 0
+    bytes_written: int = 0
+    seconds: float = 0.0
+
+
+def output_layout(out: Path) -> Layout:
+    """``.safetensors`` → one file; ``.pt``/``.bin`` → a torch file; anything else → HF sharded dir."""
+    suffix = out.suffix.lower()
+    if suffix == ".safetensors":
+        return "safetensors"
+    if suffix in (".pt", ".bin", ".pth"):
+        return "torch"
+    return "hf-sharded"
+
+
+def _check_not_overlapping(src: Path, out: Path) -> None:
+    a, b = src.resolve(), out.resolve()
+    if a == b or a in b.parents or b in a.parents:
+        raise UsageError(f"--out {out} overlaps the source {src}; write the output elsewhere")
+
+
+def consolidate(
+    src: str | Path,
+    out: str | Path,
+    *,
+    max_shard_size: str | int = "5GB",
+    dtype: str | None = None,
+    keep_prefix: bool = False,
+    include: Sequence[str] = (),
+    exclude: Sequence[str] = (),
+    overwrite: bool = False,
+    wait_seconds: float = 0.0,
+    on_progress: Callable[[Progress], None] | None = None,
+) -> ConsolidateResult:
+    """Stream the checkpoint at ``src`` into one loadable file or an HF sharded folder.
+
+    Args:
+        src: any supported checkpoint (an ema-ckpt output, DCP, DeepSpeed, safetensors).
+        out: ``*.safetensors``, ``*.pt``/``*.bin``, or a directory (HF sharded layout).
+        max_shard_size: shard limit for the directory layout (``5GB``, ``500MB``, …).
+        dtype: cast floating tensors to ``bfloat16``/``float16``/``float32``/``float64``.
+        keep_prefix: keep the ``model.`` prefix of a DCP ``{"model": …}`` checkpoint.
+        include, exclude: glob patterns on the source keys.
+        overwrite: replace an existing output.
+    """
+    started = time.perf_counter()
+    src, out = Path(src), Path(out)
+    _check_not_overlapping(src, out)
+    layout = output_layout(out)
+    shard_bytes = parse_size(max_shard_size)
+    if dtype is not None and dtype not in OUTPUT_DTYPES:
+        raise UsageError(f"--dtype must be one of {', '.join(OUTPUT_DTYPES)}, got {dtype!r}")
+    cast = OUTPUT_DTYPES.get(dtype) if dtype else None
+    with OutputLock(out, wait_seconds=wait_seconds):
+        recover(out)
+        if out.exists() and not overwrite:
+            raise UsageError(f"{out} exists; pass --overwrite to replace it")
+        with contextlib.closing(open_checkpoint(src)) as reader:
+            keys = select_keys(reader, include, exclude)
+            if not keys:
+                raise UsageError(f"{src}: no tensor keys to write")
+            names = {k: k for k in keys} if keep_prefix else strip_model_prefix(keys)
+            specs = reader.specs()
+            out_dtype = {k: (cast if cast is not None and specs[k].is_float else specs[k].dtype) for k in keys}
+            result = ConsolidateResult(out, layout, keys=len(keys))
+            progress = _ProgressCounter(sum(specs[k].nbytes for k in keys), on_progress)
+            if layout == "hf-sharded":
+                _write_sharded(reader, keys, names, out_dtype, out, shard_bytes, result, progress)
+            else:
+                _write_single(reader, keys, names, out_dtype, out, layout, result, progress)
+    result.bytes_written = sum(size for _, size in result.files)
+    result.seconds = time.perf_counter() - started
+    return result
+
+
+class _ProgressCounter:
+    def __init__(self, total: int, callback: Callable[[Progress], None] | None) -> None:
+        self.total, self.done, self.regions, self.callback = total, 0, 0, callback
+
+    def advance(self, nbytes: int, key: str) -> None:
+        self.done += nbytes
+        self.regions += 1
+        if self.callback is not None:
+            self.callback(Progress(self.done, self.total, self.regions, 0, key))
+
+
+def _blocks(reader: CheckpointReader, spec: TensorSpec):
+    limit = max(1, BLOCK_BYTES // max(spec.dtype.itemsize, 1))
+    for box in row_blocks(spec.shape, list(reader.layout(spec.key)), limit):
+        yield box, reader.read(spec.key, box)
+
+
+def _stream_safetensors(reader, keys, names, out_dtype, path: Path, progress: _ProgressCounter) -> int:
+    specs = reader.specs()
+    writer = SafetensorsFileWriter(path)
+    writer.begin([(names[k], specs[k].shape, out_dtype[k]) for k in keys])
+    try:
+        for key in keys:
+            for _box, part in _blocks(reader, specs[key]):
+                writer.write(names[key], part.to(out_dtype[key]))
+                progress.advance(part.numel() * part.element_size(), key)
+        return writer.finish()
+    except BaseException:
+        writer.abort()
+        raise
+
+
+def _write_single(reader, keys, names, out_dtype, out: Path, layout: str, result, progress) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    try:
+        if layout == "safetensors":
+            size = _stream_safetensors(reader, keys, names, out_dtype, tmp, progress)
+        else:
+            specs = reader.specs()
+            writer = TorchFileWriter(tmp)
+            writer.begin([(names[k], specs[k].shape, out_dtype[k]) for k in keys])
+            for key in keys:
+                value = reader.read(key, Box.full(specs[key].shape))
+                writer.write(names[key], value.to(out_dtype[key]))
+                progress.advance(value.numel() * value.element_size(), key)
+                del value
+            size = writer.finish()
+        os.replace(tmp, out)
+        fsync_dir(out.parent)
+    except OSError as err:
+        tmp.unlink(missing_ok=True)
+        raise OutputError(f"{out}: cannot write ({err.strerror})") from None
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    result.files.append((out.name, size))
+
+
+def _write_sharded(reader, keys, names, out_dtype, out: Path, shard_bytes: int, result, progress) -> None:
+    specs = reader.specs()
+    sizes = [(k, specs[k].numel * out_dtype[k].itemsize) for k in keys]
+    shards = plan_shards(sizes, shard_bytes)
+    files = shard_file_names(len(shards))
+    staging = new_staging_dir(out)
+    try:
+        weight_map: dict[str, str] = {}
+        for shard, name in zip(shards, files, strict=True):
+            size = _stream_safetensors(reader, shard, names, out_dtype, staging / name, progress)
+            result.files.append((name, size))
+            weight_map.update({names[k]: name for k in shard})
+        if len(files) > 1:
+            write_index(staging, weight_map, sum(n for _, n in sizes))
+            result.files.append(("model.safetensors.index.json", (staging / "model.safetensors.index.json").stat().st_size))
+        publish(staging, out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise

@@ -1,0 +1,159 @@
+"""Streaming safetensors writer and the pure shard planner for the Hugging Face layout.
+
+A safetensors file is an 8-byte header length, a JSON header giving every tensor's dtype,
+shape and byte range, then the bytes. All of that is known from metadata, so the header is
+written first and each tensor's bytes follow as they are produced: memory holds one block
+of rows at a time, never the file.
+
+Example:
+    >>> plan = plan_shards([("a", 6), ("b", 5), ("c", 2)], max_shard_bytes=8)
+    >>> [list(s) for s in plan]
+    [['a'], ['b', 'c']]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+import torch
+
+from ..errors import OutputError, UsageError
+
+SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+    torch.uint8: "U8", torch.bool: "BOOL", torch.complex64: "C64",
+}
+for _name, _code in (("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2"),
+                     ("uint16", "U16"), ("uint32", "U32"), ("uint64", "U64")):
+    if isinstance(getattr(torch, _name, None), torch.dtype):
+        SAFETENSORS_DTYPES[getattr(torch, _name)] = _code
+
+INDEX_NAME = "model.safetensors.index.json"
+
+
+def plan_shards(sizes: Sequence[tuple[str, int]], max_shard_bytes: int) -> list[list[str]]:
+    """Split keys, in order, into shards of at most ``max_shard_bytes``.
+
+    Greedy, as Hugging Face's own splitter: a key goes to the current shard unless it would
+    overflow it; a tensor larger than the limit gets a shard of its own. Every key lands in
+    exactly one shard; no shard is empty.
+    """
+    if max_shard_bytes <= 0:
+        raise UsageError("--max-shard-size must be positive")
+    shards: list[list[str]] = []
+    current: list[str] = []
+    used = 0
+    for key, nbytes in sizes:
+        if current and used + nbytes > max_shard_bytes:
+            shards.append(current)
+            current, used = [], 0
+        current.append(key)
+        used += nbytes
+    if current:
+        shards.append(current)
+    return shards
+
+
+def shard_file_names(count: int) -> list[str]:
+    """Hugging Face's names: ``model.safetensors`` alone, else ``model-00001-of-0000N.safetensors``."""
+    if count == 1:
+        return ["model.safetensors"]
+    return [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
+
+
+@dataclass(slots=True)
+class _Planned:
+    key: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    start: int
+    end: int
+
+
+@dataclass(slots=True)
+class SafetensorsFileWriter:
+    """Write one safetensors file: :meth:`begin` with every tensor's spec, then bytes in order."""
+
+    path: Path
+    metadata: dict[str, str] = field(default_factory=lambda: {"format": "pt"})
+    _handle: IO[bytes] | None = None
+    _planned: list[_Planned] = field(default_factory=list)
+    _cursor: int = 0
+    _written: int = 0
+
+    def begin(self, tensors: Sequence[tuple[str, tuple[int, ...], torch.dtype]]) -> None:
+        header: dict[str, object] = {"__metadata__": dict(self.metadata)}
+        offset = 0
+        for key, shape, dtype in tensors:
+            if dtype not in SAFETENSORS_DTYPES:
+                raise UsageError(f"{key}: dtype {dtype} cannot be stored in safetensors")
+            nbytes = int(torch.Size(shape).numel()) * dtype.itemsize
+            self._planned.append(_Planned(key, tuple(shape), dtype, offset, offset + nbytes))
+            header[key] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape),
+                           "data_offsets": [offset, offset + nbytes]}
+            offset += nbytes
+        text = json.dumps(header, separators=(",", ":")).encode()
+        text += b" " * (-len(text) % 8)
+        try:
+            self._handle = open(self.path, "wb")  # noqa: SIM115 (closed in finish/abort)
+            self._handle.write(struct.pack("<Q", len(text)))
+            self._handle.write(text)
+        except OSError as err:
+            raise OutputError(f"{self.path}: cannot write ({err.strerror})") from None
+
+    def write(self, key: str, part: torch.Tensor) -> None:
+        """Append the next bytes of ``key`` (row blocks of the tensor, in order)."""
+        planned = self._planned[self._cursor]
+        if planned.key != key or part.dtype != planned.dtype:
+            raise ValueError(f"expected bytes of {planned.key} ({planned.dtype}), got {key} ({part.dtype})")
+        part = part.contiguous()
+        if part.numel():
+            assert self._handle is not None
+            try:
+                self._handle.write(memoryview(part.reshape(-1).view(torch.uint8).numpy()))
+            except OSError as err:
+                raise OutputError(f"{self.path}: write failed ({err.strerror})") from None
+        self._written += part.numel() * part.element_size()
+        if planned.start + self._written == planned.end:
+            self._cursor += 1
+            self._written = 0
+        elif planned.start + self._written > planned.end:
+            raise ValueError(f"{key}: more bytes than its shape holds")
+
+    def finish(self) -> int:
+        """Flush, fsync and close; returns the file size."""
+        if self._cursor != len(self._planned):
+            raise ValueError(f"{self.path}: {len(self._planned) - self._cursor} tensors were not written")
+        assert self._handle is not None
+        try:
+            self._handle.flush()
+            os.fsync(self._handle.fileno())
+            size = self._handle.tell()
+            self._handle.close()
+        except OSError as err:
+            raise OutputError(f"{self.path}: write failed ({err.strerror})") from None
+        self._handle = None
+        return size
+
+    def abort(self) -> None:
+        if self._handle is not None:
+            self._handle.close()
+            self._handle = None
+
+
+def write_index(directory: Path, weight_map: dict[str, str], total_size: int) -> None:
+    """``model.safetensors.index.json`` as Hugging Face's ``from_pretrained`` expects it."""
+    index = {"metadata": {"total_size": total_size}, "weight_map": weight_map}
+    path = directory / INDEX_NAME
+    with open(path, "w") as handle:
+        json.dump(index, handle, indent=2, sort_keys=True)
+        handle.write("\n")
+        handle.flush()
+        os.fsync(handle.fileno())
