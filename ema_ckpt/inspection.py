@@ -17,6 +17,7 @@ from typing import Any
 from .discovery import step_from_name
 from .formats import open_checkpoint
 from .manifest import Manifest
+from .schedules import profile_from_dict
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,8 +89,13 @@ def inspect_checkpoint(path: str | Path) -> InspectResult:
 
 
 def _manifest_summary(manifest: Manifest) -> dict[str, Any]:
+    try:
+        description = profile_from_dict(manifest.profile).describe()
+    except (ValueError, KeyError):
+        description = str(manifest.profile)
     return {
         "kind": manifest.kind,
+        "description": description,
         "profile": manifest.profile,
         "dtype": manifest.dtype,
         "step": manifest.step,

@@ -17,6 +17,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import zipfile
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,18 +51,24 @@ class Config:
     stage: int
     dtype: str
     bf16_optimizer: bool = False
+    zero: tuple[tuple[str, object], ...] = ()  # extra zero_optimization settings
 
     @property
     def name(self) -> str:
-        return f"z{self.stage}-{self.dtype}{'-bf16opt' if self.bf16_optimizer else ''}-w{self.world_size}"
+        extra = "-bf16opt" if self.bf16_optimizer else ""
+        extra += "".join(f"-{k.split('_')[0]}" for k, _ in self.zero)
+        return f"z{self.stage}-{self.dtype}{extra}-w{self.world_size}"
 
 
 # All stages × both dtypes at W=2; at W=3 (odd: every partition boundary moves) stages 1 and 3,
-# stage 2 in bf16, and DeepSpeed's BF16_Optimizer (which zero_to_fp32 refuses to read).
+# stage 2 in bf16, stage 2 with round-robin gradient order and 16-byte parameter alignment
+# (gaps between params in the flat group), and DeepSpeed's BF16_Optimizer (which zero_to_fp32
+# refuses to read).
 CONFIGS = [Config(2, s, d) for s in (1, 2, 3) for d in ("fp32", "bf16")] + [
     Config(3, 1, "fp32"),
     Config(3, 2, "bf16"),
     Config(3, 3, "bf16"),
+    Config(3, 2, "fp32", zero=(("round_robin_gradients", True), ("parameter_alignment", True))),
     Config(3, 1, "bf16", bf16_optimizer=True),
 ]
 ZERO_TO_FP32_CONFIGS = [c for c in CONFIGS if not c.bf16_optimizer]
@@ -89,7 +96,13 @@ def ds_run(tmp_path_factory):
         if config.world_size not in roots:
             root = tmp_path_factory.mktemp(f"deepspeed-w{config.world_size}")
             runs = [
-                {"out": root / c.name, "stage": c.stage, "dtype": c.dtype, "bf16_optimizer": c.bf16_optimizer}
+                {
+                    "out": root / c.name,
+                    "stage": c.stage,
+                    "dtype": c.dtype,
+                    "bf16_optimizer": c.bf16_optimizer,
+                    "zero": dict(c.zero),
+                }
                 for c in CONFIGS
                 if c.world_size == config.world_size
             ]
@@ -358,7 +371,7 @@ for folder, reference in {cases!r}:
             got = reader.read(key, Box.full(tuple(value.shape)))
             assert got.dtype == value.dtype and torch.equal(got, value), key
         assert reader.info()["frozen"] == 2
-    print("reconstructed", reader.info()["stage"], len(expected))
+        print("reconstructed", reader.info()["stage"], len(expected))
 assert sys.modules["deepspeed"] is None
 """
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(stub.parent), str(REPO)])}
@@ -661,6 +674,16 @@ def test_stand_ins_are_inert_and_only_the_deepspeed_names_are_allowed(tmp_path):
     torch.save({"x": _RunsCommand("true")}, path, _use_new_zipfile_serialization=False)
     with pytest.raises(UnsafePickleError, match="system"):
         load_ds_file(path)
+    # A damaged pickle (an opcode that does not exist) is corrupt, not unsafe.
+    torch.save({"t": 1}, path)
+    with zipfile.ZipFile(path) as zin:
+        records = [(info, zin.read(info.filename)) for info in zin.infolist()]
+    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_STORED) as zout:
+        for info, data in records:
+            zout.writestr(info, b"\x80\x02\xff." if info.filename.endswith("data.pkl") else data)
+    with pytest.raises(CheckpointFormatError, match="Unsupported operand 255") as err:
+        load_ds_file(path)
+    assert not isinstance(err.value, UnsafePickleError)
     path.write_bytes(b"not a checkpoint at all")
     with pytest.raises(CheckpointFormatError, match="not a torch.save file"):
         load_ds_file(path)

@@ -12,7 +12,9 @@ import typer
 
 from .._version import __version__
 from . import accumulate as _accumulate
+from . import consolidate as _consolidate
 from . import inspect as _inspect
+from . import reshard as _reshard
 
 app = typer.Typer(
     name="ema-ckpt",
@@ -41,6 +43,8 @@ def _root(
 
 app.command("accumulate", epilog=_accumulate.EPILOG)(_accumulate.accumulate_command)
 app.command("inspect", epilog=_inspect.EPILOG)(_inspect.inspect_command)
+app.command("consolidate", epilog=_consolidate.EPILOG)(_consolidate.consolidate_command)
+app.command("reshard", epilog=_reshard.EPILOG)(_reshard.reshard_command)
 
 
 def main() -> None:

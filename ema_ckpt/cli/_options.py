@@ -28,3 +28,4 @@ ExcludeOpt = Annotated[
     list[str] | None,
     typer.Option("--exclude", metavar="GLOB", help="Skip keys matching GLOB (repeatable)."),
 ]
+OverwriteOpt = Annotated[bool, typer.Option("--overwrite", help="Replace an existing output (atomically).")]

@@ -47,7 +47,8 @@ def inspect_command(
         summary.add_row(name.replace("_", " "), str(value))
     if report.manifest:
         m = report.manifest
-        summary.add_row("ema-ckpt", f"{m['kind']} {m['profile']} in {m['dtype']}, {m['checkpoints']} checkpoints")
+        summary.add_row("ema-ckpt", f"{m['kind']}: {m['description']}, in {m['dtype']}, "
+                        f"{m['checkpoints']} checkpoints folded, at step {m['step']}")
     console.print(summary)
     table = Table("key", "shape", "dtype", "bytes", "chunks", show_edge=False)
     rows = report.tensors if all_keys else report.tensors[:MAX_ROWS]

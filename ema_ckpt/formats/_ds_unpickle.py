@@ -162,9 +162,11 @@ def load_ds_file(path: str | Path, *, mmap: bool = True) -> Any:
 
 
 def _first_line(message: str) -> str:
-    for line in message.splitlines():
+    """The informative line of a torch error (past the weights-only preamble), shortened."""
+    _, marker, rest = message.partition("WeightsUnpickler error:")
+    for line in (rest if marker else message).splitlines():
         line = line.strip()
-        if line and not line.startswith("Weights only load failed"):
+        if line:
             return line[:200]
     return ""
 

@@ -66,10 +66,11 @@ class TinyTied(nn.Module):
         return self.head(x)
 
 
-def _config(stage: int, dtype: str, bf16_optimizer: bool) -> dict:
+def _config(stage: int, dtype: str, bf16_optimizer: bool, zero_options: dict | None = None) -> dict:
     zero: dict = {"stage": stage}
     if stage == 3:
         zero.update(sub_group_size=150, stage3_param_persistence_threshold=0)
+    zero.update(zero_options or {})  # e.g. round_robin_gradients, parameter_alignment
     config: dict = {
         "train_micro_batch_size_per_gpu": 2,
         "gradient_accumulation_steps": 1,
@@ -89,7 +90,14 @@ def _config(stage: int, dtype: str, bf16_optimizer: bool) -> dict:
 
 
 def train_and_save(
-    out: Path, *, stage: int, dtype: str, steps: list[int], bf16_optimizer: bool, seed: int
+    out: Path,
+    *,
+    stage: int,
+    dtype: str,
+    steps: list[int],
+    bf16_optimizer: bool,
+    seed: int,
+    zero_options: dict | None = None,
 ) -> None:
     """One run: a fresh model and engine, trained to ``steps[-1]``, saved at each of ``steps``."""
     import deepspeed
@@ -107,7 +115,7 @@ def train_and_save(
         foreach=False,
     )
     engine, _, _, _ = deepspeed.initialize(
-        model=model, optimizer=optimizer, config=_config(stage, dtype, bf16_optimizer)
+        model=model, optimizer=optimizer, config=_config(stage, dtype, bf16_optimizer, zero_options)
     )
 
     out.mkdir(parents=True, exist_ok=True)
@@ -140,6 +148,7 @@ def train_and_save(
                     "steps": steps,
                     "world_size": torch.distributed.get_world_size(),
                     "bf16_optimizer": bf16_optimizer,
+                    "zero_options": zero_options or {},
                     "optimizer": type(engine.optimizer).__name__,
                 }
             )
@@ -157,7 +166,7 @@ def main() -> None:
     parser.add_argument(
         "--runs",
         type=Path,
-        help="JSON file: a list of {out, stage, dtype, bf16_optimizer} run one after another in "
+        help="JSON file: a list of {out, stage, dtype, bf16_optimizer, zero} run one after another in "
         "this process group (saves the start-up cost of one torchrun per configuration)",
     )
     parser.add_argument("--steps", default="2", help="comma-separated global steps to save at")
@@ -194,6 +203,7 @@ def main() -> None:
             steps=steps,
             bf16_optimizer=bool(run.get("bf16_optimizer", False)),
             seed=args.seed,
+            zero_options=run.get("zero"),
         )
     torch.distributed.destroy_process_group()
 

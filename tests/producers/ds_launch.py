@@ -4,7 +4,7 @@ Environment the runs get: ``DS_ACCELERATOR=cpu`` (DeepSpeed's CPU accelerator; w
 installed its communication backend falls back to gloo), ``OMP_NUM_THREADS=1``, and no torchrun
 variables inherited from an outer launcher. Nothing else is needed: ``LOCAL_SIZE`` and ``CCL_*``
 only matter with oneCCL. The producer skips DeepSpeed's JIT-compiled shared-memory all-reduce,
-so no compiler runs. About 7 s per launch at W=2 on two cores, plus ~1 s per extra configuration
+so no compiler runs. On two cores: about 8 s of start-up per launch plus ~2 s per configuration
 when several share a launch (:func:`make_deepspeed_sequences`).
 
 Example:
@@ -56,7 +56,8 @@ def make_deepspeed_sequences(
 ) -> list[Path]:
     """Train several configurations one after another in one torchrun launch.
 
-    Each run is ``{"out": Path, "stage": 1|2|3, "dtype": "fp32"|"bf16", "bf16_optimizer": bool}``
+    Each run is ``{"out": Path, "stage": 1|2|3, "dtype": "fp32"|"bf16", "bf16_optimizer": bool,
+    "zero": {extra zero_optimization settings}}`` (the last two optional)
     and gets a fresh model (same seed) and engine, saved with ``engine.save_checkpoint(out)`` after
     each global step in ``steps``. Returns the ``out`` folders, in the order given.
 
@@ -138,17 +139,19 @@ def make_deepspeed_sequence(
     steps: list[int],
     timeout: float = 300,
     bf16_optimizer: bool = False,
+    zero_options: dict | None = None,
     seed: int = 1234,
 ) -> Path:
     """Train a tiny model with DeepSpeed ZeRO-``stage`` on ``world_size`` CPU ranks and save at ``steps``.
 
     The model has frozen parameters, an embedding tied to the output projection, a float and an
     integer buffer and LayerNorm; the optimizer is ``torch.optim.AdamW`` (two parameter groups).
-    ``bf16_optimizer=True`` (with ``stage=1, dtype="bf16"``) selects DeepSpeed's BF16_Optimizer.
+    ``bf16_optimizer=True`` (with ``stage=1, dtype="bf16"``) selects DeepSpeed's BF16_Optimizer;
+    ``zero_options`` adds ``zero_optimization`` settings (``round_robin_gradients``, ...).
 
     Returns:
         ``out``: the checkpoint folder holding ``latest`` and ``global_step<N>/`` for each step,
         plus the producer's oracles ``frozen_reference.pt`` and ``masters_step<N>.pt``.
     """
-    run = {"out": out, "stage": stage, "dtype": dtype, "bf16_optimizer": bf16_optimizer}
+    run = {"out": out, "stage": stage, "dtype": dtype, "bf16_optimizer": bf16_optimizer, "zero": zero_options}
     return make_deepspeed_sequences([run], world_size=world_size, steps=steps, timeout=timeout, seed=seed)[0]

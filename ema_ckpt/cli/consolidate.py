@@ -1,0 +1,59 @@
+"""``ema-ckpt consolidate``: one loadable file (or the HF sharded layout) from any checkpoint."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from ..consolidate import consolidate
+from ._errors import reports_errors
+from ._options import ExcludeOpt, IncludeOpt, JsonOpt, OverwriteOpt, QuietOpt, WaitOpt
+from ._output import console, human_bytes, print_json, progress_bar
+
+EPILOG = """\
+Examples:
+
+  ema-ckpt consolidate ckpts/ema --out ema.safetensors --dtype bfloat16
+
+  ema-ckpt consolidate ckpts/step_1000 --out hf/ --max-shard-size 2GB   # model-0000i-of-0000N + index
+
+  ema-ckpt consolidate ds_ckpt/global_step500 --out model.pt
+"""
+
+
+@reports_errors
+def consolidate_command(
+    src: Annotated[Path, typer.Argument(help="Any supported checkpoint: DCP, ema-ckpt output, DeepSpeed, safetensors.")],
+    out: Annotated[Path, typer.Option("--out", "-o", help="*.safetensors, *.pt/*.bin, or a directory (HF sharded).")],
+    max_shard_size: Annotated[
+        str, typer.Option("--max-shard-size", metavar="SIZE", help="Shard limit for a directory output.")
+    ] = "5GB",
+    dtype: Annotated[
+        str | None, typer.Option(help="Cast floating tensors: bfloat16, float16, float32 or float64.")
+    ] = None,
+    keep_prefix: Annotated[
+        bool, typer.Option("--keep-prefix", help="Keep the 'model.' prefix of a DCP {'model': ...} checkpoint.")
+    ] = False,
+    include: IncludeOpt = None,
+    exclude: ExcludeOpt = None,
+    overwrite: OverwriteOpt = False,
+    wait: WaitOpt = 0.0,
+    json_output: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Stream a sharded checkpoint into safetensors, the HF sharded layout, or a torch file."""
+    with progress_bar("consolidate", enabled=not (quiet or json_output)) as on_progress:
+        result = consolidate(
+            src, out, max_shard_size=max_shard_size, dtype=dtype, keep_prefix=keep_prefix,
+            include=include or (), exclude=exclude or (), overwrite=overwrite, wait_seconds=wait,
+            on_progress=on_progress,
+        )
+    if json_output:
+        print_json({"out": str(result.out), "layout": result.layout, "keys": result.keys,
+                    "files": [{"name": n, "bytes": s} for n, s in result.files],
+                    "bytes_written": result.bytes_written, "seconds": round(result.seconds, 3)})
+    elif not quiet:
+        console.print(f"{result.out}: {result.layout}, {result.keys} tensors in {len(result.files)} file(s), "
+                      f"{human_bytes(result.bytes_written)}, {result.seconds:.1f} s", highlight=False)

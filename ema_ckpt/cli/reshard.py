@@ -1,0 +1,49 @@
+"""``ema-ckpt reshard``: a DCP checkpoint laid out for N ranks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from ..reshard import reshard
+from ._errors import reports_errors
+from ._options import ExcludeOpt, IncludeOpt, JsonOpt, OverwriteOpt, QuietOpt, WaitOpt
+from ._output import console, human_bytes, print_json, progress_bar
+
+EPILOG = """\
+Examples:
+
+  ema-ckpt reshard ckpts/ema --world-size 16 --out ema-16   # rank r reads only __r_0.distcp
+
+  ema-ckpt reshard ds_ckpt/ema --world-size 8 --out fsdp-ready --dtype bfloat16
+"""
+
+
+@reports_errors
+def reshard_command(
+    src: Annotated[Path, typer.Argument(help="Any supported checkpoint.")],
+    world_size: Annotated[int, typer.Option("--world-size", "-n", min=1, help="Number of ranks to lay out for.")],
+    out: Annotated[Path, typer.Option("--out", "-o", help="Output DCP directory.")],
+    dtype: Annotated[str | None, typer.Option(help="Cast floating tensors (bfloat16, float16, float32, float64).")] = None,
+    all_keys: Annotated[bool, typer.Option("--all-keys", help="Keep optimizer/training state too, not only the model.")] = False,
+    include: IncludeOpt = None,
+    exclude: ExcludeOpt = None,
+    overwrite: OverwriteOpt = False,
+    wait: WaitOpt = 0.0,
+    json_output: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Write SRC as a DCP checkpoint sharded on dim 0 like FSDP2, one file per rank."""
+    with progress_bar("reshard", enabled=not (quiet or json_output)) as on_progress:
+        result = reshard(src, world_size=world_size, out=out, dtype=dtype, include=include or (),
+                         exclude=exclude or (), all_keys=all_keys, overwrite=overwrite, wait_seconds=wait,
+                         on_progress=on_progress)
+    if json_output:
+        print_json({"out": str(result.out), "world_size": result.world_size, "keys": result.keys,
+                    "files": [{"name": n, "bytes": s} for n, s in result.files],
+                    "bytes_written": result.bytes_written, "seconds": round(result.seconds, 3)})
+    elif not quiet:
+        console.print(f"{result.out}: {result.keys} tensors for {result.world_size} rank(s), "
+                      f"{human_bytes(result.bytes_written)}, {result.seconds:.1f} s", highlight=False)

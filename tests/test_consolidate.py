@@ -1,0 +1,172 @@
+"""consolidate and reshard against torch's own tools, safetensors' loader and FSDP2 itself."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from ema_ckpt.accumulate import accumulate
+from ema_ckpt.consolidate import consolidate, parse_size
+from ema_ckpt.errors import UsageError
+from ema_ckpt.formats.dcp import DcpReader
+from ema_ckpt.layout import Box
+from ema_ckpt.reshard import reshard
+from ema_ckpt.writers.safetensors import plan_shards
+from tests.dcp_helpers import write_dcp
+from tests.ema_reference import full_load
+from tests.producers.launch import free_port
+
+PRODUCERS = Path(__file__).parent / "producers"
+
+
+def _model_part(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k[len("model."):]: v for k, v in state.items() if k.startswith("model.")}
+
+
+@pytest.mark.parametrize(("kind", "world", "dtype", "optim"),
+                         [("fsdp1", 3, "float32", True), ("fsdp2", 2, "bfloat16", False)])
+def test_safetensors_equals_dcp_to_torch_save_bit_for_bit(fsdp_sequence, tmp_path, kind, world, dtype, optim):
+    ckpt = fsdp_sequence(kind, world, dtype, optim)[-1]
+    want = _model_part(full_load(ckpt, tmp_path))
+    result = consolidate(ckpt, tmp_path / "model.safetensors")
+    got = load_file(tmp_path / "model.safetensors")
+    assert set(got) == set(want) and result.keys == len(want)
+    for key, value in want.items():
+        assert got[key].dtype == value.dtype and torch.equal(got[key], value), key
+    with safe_open(tmp_path / "model.safetensors", "pt") as handle:
+        assert handle.metadata() == {"format": "pt"}
+    kept = consolidate(ckpt, tmp_path / "kept.safetensors", keep_prefix=True)
+    assert kept.keys == len(want) and all(k.startswith("model.") for k in load_file(tmp_path / "kept.safetensors"))
+
+
+def test_sharded_layout_and_torch_file_equal_the_single_file(fsdp_sequence, tmp_path):
+    ckpt = fsdp_sequence("fsdp1", 3, "float32", True)[-1]
+    consolidate(ckpt, tmp_path / "one.safetensors")
+    single = load_file(tmp_path / "one.safetensors")
+    result = consolidate(ckpt, tmp_path / "hf", max_shard_size="2KB")
+    index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
+    shards = sorted(p.name for p in (tmp_path / "hf").glob("*.safetensors"))
+    assert len(shards) > 2 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
+    assert set(index["weight_map"]) == set(single) and set(index["weight_map"].values()) == set(shards)
+    assert index["metadata"]["total_size"] == sum(v.numel() * v.element_size() for v in single.values())
+    merged = {}
+    for shard in shards:
+        merged.update(load_file(tmp_path / "hf" / shard))
+    assert set(merged) == set(single) and all(torch.equal(merged[k], single[k]) for k in single)
+    assert result.layout == "hf-sharded"
+    consolidate(ckpt, tmp_path / "model.pt")
+    loaded = torch.load(tmp_path / "model.pt", weights_only=True)
+    assert set(loaded) == set(single) and all(torch.equal(loaded[k], single[k]) for k in single)
+    consolidate(ckpt, tmp_path / "whole", max_shard_size="5GB")
+    assert sorted(p.name for p in (tmp_path / "whole").iterdir()) == ["model.safetensors"]
+
+
+def test_strict_load_into_the_model_and_dtype_cast(fsdp_sequence, tmp_path):
+    sys.path.insert(0, str(PRODUCERS))
+    from fsdp_train import TinyModel
+
+    ckpt = fsdp_sequence("fsdp2", 2)[-1]
+    ema = tmp_path / "ema"
+    accumulate(ckpt.parent, decay=0.9, out=ema)
+    consolidate(ema, tmp_path / "ema.safetensors", dtype="bfloat16")
+    state = load_file(tmp_path / "ema.safetensors")
+    assert state["num_batches_tracked"].dtype == torch.int64
+    assert state["fc1.weight"].dtype == torch.bfloat16
+    model = TinyModel().to(torch.bfloat16)
+    model.load_state_dict(state, strict=True)
+    with DcpReader(ema) as reader:
+        exact = reader.read("model.fc1.weight", Box.full(reader.specs()["model.fc1.weight"].shape))
+    assert torch.equal(model.fc1.weight.detach(), exact.to(torch.bfloat16))
+
+
+def test_outputs_are_never_clobbered_or_inside_the_source(tmp_path):
+    src = write_dcp(tmp_path / "ck", {"model.w": torch.randn(4, 3)})
+    consolidate(src, tmp_path / "a.safetensors")
+    before = (tmp_path / "a.safetensors").read_bytes()
+    with pytest.raises(UsageError, match="--overwrite"):
+        consolidate(src, tmp_path / "a.safetensors", dtype="float16")
+    assert (tmp_path / "a.safetensors").read_bytes() == before
+    consolidate(src, tmp_path / "a.safetensors", dtype="float16", overwrite=True)
+    assert load_file(tmp_path / "a.safetensors")["w"].dtype == torch.float16
+    with pytest.raises(UsageError, match="overlaps the source"):
+        consolidate(src, src / "inside.safetensors")
+    assert not list(tmp_path.glob(".a.safetensors.tmp-*"))
+
+
+@pytest.mark.parametrize(("text", "value"), [("5GB", 5 * 10**9), ("20KB", 20_000), ("500MB", 5 * 10**8),
+                                             ("1GiB", 2**30), ("123", 123)])
+def test_parse_size(text, value):
+    assert parse_size(text) == value
+
+
+def test_parse_size_rejects_nonsense():
+    with pytest.raises(UsageError, match="not understood"):
+        parse_size("5 parsecs")
+
+
+@given(st.lists(st.integers(0, 100), max_size=40), st.integers(1, 120))
+def test_shard_plan_properties(sizes, limit):
+    named = [(f"k{i}", n) for i, n in enumerate(sizes)]
+    shards = plan_shards(named, limit)
+    flat = [k for shard in shards for k in shard]
+    assert flat == [k for k, _ in named]  # every key once, in order
+    lookup = dict(named)
+    for shard in shards:
+        assert shard
+        total = sum(lookup[k] for k in shard)
+        assert total <= limit or len(shard) == 1 or all(lookup[k] == 0 for k in shard[1:])
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(shapes=st.lists(st.lists(st.integers(0, 9), min_size=0, max_size=3), min_size=1, max_size=4),
+       a=st.integers(1, 4), n=st.integers(1, 5), m=st.integers(1, 5), seed=st.integers(0, 1000))
+def test_reshard_round_trips_are_identity(tmp_path_factory, shapes, a, n, m, seed):
+    root = tmp_path_factory.mktemp("rt")
+    g = torch.Generator().manual_seed(seed)
+    tensors = {f"model.t{i}": torch.randn(tuple(s), generator=g) for i, s in enumerate(shapes)}
+    tensors["model.count"] = torch.tensor(seed)
+    write_dcp(root / "a", tensors, world_size=a)
+    reshard(root / "a", world_size=n, out=root / "n")
+    reshard(root / "n", world_size=m, out=root / "m")
+    with DcpReader(root / "m") as reader:
+        assert set(reader.specs()) == set(tensors)
+        for key, value in tensors.items():
+            assert torch.equal(reader.read(key, Box.full(tuple(value.shape))), value)
+            ranks = {c.rank for c in reader.chunks(key)}
+            assert ranks <= set(range(m))
+
+
+def _run_fsdp_load(ckpt: Path, expected: Path, world: int, prefix: str = "model.") -> str:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world),
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+           str(PRODUCERS / "fsdp_load_check.py"), "--ckpt", str(ckpt), "--expected", str(expected),
+           "--prefix", prefix]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                          env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_reshard_loads_exactly_into_fsdp2(fsdp_sequence, tmp_path, world):
+    ckpt = fsdp_sequence("fsdp1", 3)[-1]
+    expected = tmp_path / "expected.pt"
+    torch.save(_model_part(full_load(ckpt, tmp_path)), expected)
+    out = tmp_path / f"for{world}"
+    result = reshard(ckpt, world_size=world, out=out)
+    assert sorted(name for name, _ in result.files) == [f"__{r}_0.distcp" for r in range(world)]
+    with DcpReader(out) as reader:
+        for key in reader.specs():
+            for chunk in reader.chunks(key):
+                if len(chunk.box.sizes) and chunk.box.sizes[0] and reader.specs()[key].shape[0] >= world:
+                    assert chunk.file == f"__{chunk.rank}_0.distcp"
+    assert "OK" in _run_fsdp_load(out, expected, world)
