@@ -50,33 +50,116 @@ def _refuse(source: str, module: str, name: str) -> UnsafePickleError:
     )
 
 
+class _Inert:
+    """A plain attribute bag standing in for one of DCP's metadata dataclasses.
+
+    Reading ``.metadata`` never imports or instantiates torch's classes: the unpickler
+    builds these instead, which run no code of the file's choosing and keep
+    ``torch.distributed.checkpoint`` (a slow import) out of read-only commands.
+    """
+
+    _type_name = "object"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.__dict__.update(kwargs)
+
+    def __setstate__(self, state: Any) -> None:
+        if isinstance(state, tuple) and len(state) == 2:  # (dict state, slot state)
+            for part in state:
+                if isinstance(part, dict):
+                    self.__dict__.update(part)
+        elif isinstance(state, dict):
+            self.__dict__.update(state)
+        else:
+            raise pickle.UnpicklingError(f"unexpected state for {self._type_name}")
+
+    def __repr__(self) -> str:
+        return f"{self._type_name}({self.__dict__})"
+
+
+class _MetadataIndex(_Inert):
+    """Hashes like torch's ``MetadataIndex``: by key and chunk offset (not the index hint)."""
+
+    _type_name = "MetadataIndex"
+    fqn: str | None = None
+    offset: Any = None
+    index: int | None = None
+
+    def _identity(self) -> tuple[Any, ...]:
+        offset = self.__dict__.get("offset")
+        return (self.__dict__.get("fqn"), None if offset is None else tuple(offset))
+
+    def __hash__(self) -> int:
+        return hash(self._identity())
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _MetadataIndex) and self._identity() == other._identity()
+
+
+class _TensorProperties(_Inert):
+    """torch pickles ``TensorProperties`` as a 5-tuple state (dtype, layout, grad, format, pin)."""
+
+    _type_name = "TensorProperties"
+
+    def __setstate__(self, state: Any) -> None:
+        if isinstance(state, tuple) and len(state) == 5:
+            self.dtype, self.layout, self.requires_grad, self.memory_format, self.pin_memory = state
+        else:
+            super().__setstate__(state)
+        if not isinstance(getattr(self, "dtype", None), torch.dtype):
+            raise pickle.UnpicklingError("TensorProperties without a torch dtype")
+
+
+# Fields that torch omits from the pickled state when they hold their default.
+_DEFAULTS: dict[str, dict[str, Any]] = {
+    "Metadata": {"planner_data": None, "storage_data": None, "storage_meta": None, "version": None},
+    "_StorageInfo": {"transform_descriptors": None},
+}
+
+
+def _standin(name: str) -> type[_Inert]:
+    if name == "MetadataIndex":
+        return _MetadataIndex
+    if name == "TensorProperties":
+        return _TensorProperties
+    return type(name, (_Inert,), {"_type_name": name, **_DEFAULTS.get(name, {})})
+
+
+_STANDINS: dict[tuple[str, str], Any] = {
+    **{(_DCP_METADATA_MODULE, n): _standin(n) for n in _DCP_METADATA_CLASSES if n != "_MEM_FORMAT_ENCODING"},
+    (_DCP_METADATA_MODULE, "_MEM_FORMAT_ENCODING"): lambda value: value,
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _standin("_StorageInfo"),
+    ("torch.serialization", "_get_layout"): lambda name: str(name),
+    ("torch", "Size"): lambda dims=(): tuple(int(d) for d in dims),
+    ("collections", "OrderedDict"): collections.OrderedDict,
+    **{("pathlib", n): (lambda *parts: "/".join(map(str, parts))) for n in ("PosixPath", "PurePosixPath", "Path")},
+}
+
+
 class _DcpMetadataUnpickler(pickle.Unpickler):
     def __init__(self, data: io.BytesIO, source: str) -> None:
         super().__init__(data)
         self._source = source
 
     def find_class(self, module: str, name: str) -> Any:
-        allowed = (
-            (module == _DCP_METADATA_MODULE and name in _DCP_METADATA_CLASSES)
-            or (module == "torch.distributed.checkpoint.filesystem" and name == "_StorageInfo")
-            or (module == "torch" and (name in _DTYPES or name == "Size"))
-            or (module == "torch" and (name in _LAYOUTS or name in _MEMORY_FORMATS))
-            or (module == "torch.serialization" and name == "_get_layout")
-            or (module == "pathlib" and name in {"PosixPath", "PurePosixPath", "Path"})
-            or (module == "collections" and name == "OrderedDict")
-        )
-        if not allowed:
-            raise _refuse(self._source, module, name)
-        return super().find_class(module, name)
+        standin = _STANDINS.get((module, name))
+        if standin is not None:
+            return standin
+        if module == "torch" and name in _DTYPES:
+            return getattr(torch, name)
+        if module == "torch" and (name in _LAYOUTS or name in _MEMORY_FORMATS):
+            return name
+        raise _refuse(self._source, module, name)
 
     def persistent_load(self, pid: Any) -> Any:
         raise _refuse(self._source, "persistent_load", repr(pid)[:40])
 
 
 def load_dcp_metadata_bytes(data: bytes, source: str) -> Any:
-    """Unpickle DCP ``Metadata`` from ``data``, admitting only DCP's metadata classes.
+    """Unpickle DCP ``Metadata`` from ``data`` into inert stand-ins of DCP's metadata classes.
 
-    ``source`` names the file in error messages.
+    Only DCP's metadata classes, torch dtypes, ``torch.Size``, layouts, memory formats and
+    ``pathlib`` paths are admitted; ``source`` names the file in error messages.
     """
     try:
         obj = _DcpMetadataUnpickler(io.BytesIO(data), source).load()
@@ -84,7 +167,9 @@ def load_dcp_metadata_bytes(data: bytes, source: str) -> Any:
         raise
     except Exception as err:  # any malformed pickle: one clean line, never a traceback
         raise CheckpointFormatError(source, f"not a readable DCP metadata pickle ({err})") from None
-    if type(obj).__name__ != "Metadata" or not hasattr(obj, "state_dict_metadata"):
+    if getattr(obj, "_type_name", None) != "Metadata" or not isinstance(
+        getattr(obj, "state_dict_metadata", None), dict
+    ):
         raise CheckpointFormatError(source, "does not hold DCP Metadata")
     return obj
 

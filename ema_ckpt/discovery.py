@@ -97,6 +97,16 @@ def _incomplete_reason(path: Path) -> str | None:
     return None
 
 
+def _holds_checkpoints(path: Path) -> bool:
+    """True when a directory's own children are checkpoints (a folder of them, not one)."""
+    if not path.is_dir():
+        return False
+    return any(
+        child.is_dir() and not child.name.startswith(".") and detect_format(child) is not None
+        for child in path.iterdir()
+    )
+
+
 def discover(
     paths: Sequence[str | Path],
     *,
@@ -117,6 +127,8 @@ def discover(
         if not path.exists():
             raise CheckpointNotFoundError(path, "no such file or directory")
         fmt = detect_format(path)
+        if fmt is not None and _holds_checkpoints(path):
+            fmt = None  # e.g. a DeepSpeed save dir: `latest` names one tag, but every tag counts
         if fmt is not None and not (path / MANIFEST_NAME).exists():
             step = _step_of(path, fmt.name, step_regex)
             if step is None:

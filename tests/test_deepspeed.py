@@ -33,101 +33,14 @@ from ema_ckpt.formats._ds_unpickle import fragment_address, load_ds_file
 from ema_ckpt.formats.deepspeed import DeepSpeedReader, deepspeed_tags, incomplete, is_deepspeed
 from ema_ckpt.layout import Box, TensorSpec
 
-try:
-    from tests.producers.ds_launch import make_deepspeed_sequences
-except ImportError:  # tests/ itself on sys.path
-    from producers.ds_launch import make_deepspeed_sequences
+from tests.ds_fixtures import CONFIGS, STEPS, ZERO_TO_FP32_CONFIGS, Config, _require_deepspeed
 
 REPO = Path(__file__).resolve().parents[1]
-STEPS = [2, 3]
 
 
 # --- real DeepSpeed fixtures -----------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Config:
-    world_size: int
-    stage: int
-    dtype: str
-    bf16_optimizer: bool = False
-    zero: tuple[tuple[str, object], ...] = ()  # extra zero_optimization settings
-
-    @property
-    def name(self) -> str:
-        extra = "-bf16opt" if self.bf16_optimizer else ""
-        extra += "".join(f"-{k.split('_')[0]}" for k, _ in self.zero)
-        return f"z{self.stage}-{self.dtype}{extra}-w{self.world_size}"
-
-
-# All stages × both dtypes at W=2; at W=3 (odd: every partition boundary moves) stages 1 and 3,
-# stage 2 in bf16, stage 2 with round-robin gradient order and 16-byte parameter alignment
-# (gaps between params in the flat group), and DeepSpeed's BF16_Optimizer (which zero_to_fp32
-# refuses to read).
-CONFIGS = [Config(2, s, d) for s in (1, 2, 3) for d in ("fp32", "bf16")] + [
-    Config(3, 1, "fp32"),
-    Config(3, 2, "bf16"),
-    Config(3, 3, "bf16"),
-    Config(3, 2, "fp32", zero=(("round_robin_gradients", True), ("parameter_alignment", True))),
-    Config(3, 1, "bf16", bf16_optimizer=True),
-]
-ZERO_TO_FP32_CONFIGS = [c for c in CONFIGS if not c.bf16_optimizer]
-
-
-def _require_deepspeed() -> None:
-    """Skip unless DeepSpeed imports (it is the producer and oracle only, never the reader's)."""
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    try:
-        import deepspeed  # noqa: F401
-    except ImportError as err:  # absent, or present but broken: skip either way
-        pytest.skip(f"needs DeepSpeed to produce fixtures / as the oracle ({err})")
-
-
-@pytest.fixture(scope="session")
-def ds_run(tmp_path_factory):
-    """``ds_run(config)`` → the save folder (``latest`` + ``global_step{2,3}``) of that run.
-
-    All configurations of one world size are trained in a single torchrun launch, once.
-    """
-    _require_deepspeed()
-    roots: dict[int, Path] = {}
-
-    def get(config: Config) -> Path:
-        if config.world_size not in roots:
-            root = tmp_path_factory.mktemp(f"deepspeed-w{config.world_size}")
-            runs = [
-                {
-                    "out": root / c.name,
-                    "stage": c.stage,
-                    "dtype": c.dtype,
-                    "bf16_optimizer": c.bf16_optimizer,
-                    "zero": dict(c.zero),
-                }
-                for c in CONFIGS
-                if c.world_size == config.world_size
-            ]
-            make_deepspeed_sequences(runs, world_size=config.world_size, steps=STEPS, timeout=600)
-            roots[config.world_size] = root
-        return roots[config.world_size] / config.name
-
-    return get
-
-
-@pytest.fixture(scope="session")
-def zero_to_fp32():
-    """``zero_to_fp32(folder, tag)`` → DeepSpeed's own reconstruction (cached)."""
-    _require_deepspeed()
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-    cache: dict[tuple[Path, str], dict[str, torch.Tensor]] = {}
-
-    def get(folder: Path, tag: str) -> dict[str, torch.Tensor]:
-        if (folder, tag) not in cache:
-            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-                cache[folder, tag] = get_fp32_state_dict_from_zero_checkpoint(str(folder), tag=tag)
-        return cache[folder, tag]
-
-    return get
 
 
 def _ids(configs):

@@ -306,6 +306,19 @@ class DeepSpeedReader:
     """
 
     format_name = FORMAT_NAME
+    path: Path
+    step: int | None
+    """``global_steps`` from the model states, else the number in the tag name, else None."""
+    tag_dir: Path
+    tag: str
+    stage: int
+    world_size: int
+    optimizer_kind: str
+    """``"zero"`` (DeepSpeedZeroOptimizer / stage 3) or ``"bf16_optimizer"`` (BF16_Optimizer)."""
+    train_dtype: str
+    """``"fp32"``, ``"bf16"`` or ``"fp16"``: the precision the model trained in."""
+    master_dtype: torch.dtype
+    ds_version: str | None
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
@@ -424,8 +437,18 @@ class DeepSpeedReader:
                 out[a - lo : b - lo].copy_(p.src[p.start + a - p.dst : p.start + b - p.dst])
 
     def _build(self) -> None:
-        tag_dir = self.tag_dir
+        """Index the files, check the layout is one this reader understands, map every key."""
         self._refuse_unsupported_files()
+        parsed, zero3_models = self._index_files()
+        model0_path = self._model_files[0]
+        model0 = self._load(model0_path)
+        osds = self._check_states(model0_path, model0, zero3_models)
+        self._describe(model0, bf16_file_names=any(bf16 for _, _, bf16 in parsed))
+        self._entries = self._map_keys(model0_path, model0, osds)
+
+    def _index_files(self) -> tuple[list[tuple[int, Path, bool]], list[tuple[int, Path]]]:
+        """Sort the rank files by data-parallel rank; refuse names this reader does not know."""
+        tag_dir = self.tag_dir
         models, optims = _ds_files(tag_dir)
         parsed = []
         for p in optims:
@@ -447,8 +470,11 @@ class DeepSpeedReader:
         self._model_files = [p for _, p in zero3_models] or plain_models
         if not self._model_files:
             raise CheckpointFormatError(models[0], "unrecognised model-states file name")
-        model0_path = self._model_files[0]
-        model0 = self._load(model0_path)
+        return parsed, zero3_models
+
+    def _check_states(self, model0_path: Path, model0: Any, zero3_models: list) -> list[dict]:
+        """Stage, world size and file counts; returns each rank's ``optimizer_state_dict``."""
+        tag_dir = self.tag_dir
         if not isinstance(model0, dict) or "buffer_names" not in model0:
             raise CheckpointFormatError(model0_path, "not a DeepSpeed model-states file (no buffer_names)")
         for moe_key in ("num_experts", "ds_autoep_layers", "ds_autoep_layers_v1"):
@@ -512,10 +538,12 @@ class DeepSpeedReader:
             raise CheckpointFormatError(
                 zero3_models[0][1], f"ZeRO-3 model-states file in a stage-{self.stage} checkpoint"
             )
+        return osds
 
-        bf16_names = {bf16 for _, _, bf16 in parsed}
+    def _describe(self, model0: dict, *, bf16_file_names: bool) -> None:
+        """Training dtype, DeepSpeed version and step, for ``info()`` and ``step``."""
         ds_config = model0.get("ds_config") if isinstance(model0.get("ds_config"), dict) else {}
-        if True in bf16_names or (ds_config.get("bf16") or {}).get("enabled"):
+        if bf16_file_names or (ds_config.get("bf16") or {}).get("enabled"):
             self.train_dtype = "bf16"
         elif (ds_config.get("fp16") or {}).get("enabled"):
             self.train_dtype = "fp16"
@@ -524,11 +552,13 @@ class DeepSpeedReader:
         self.ds_version = str(model0.get("ds_version")) if model0.get("ds_version") is not None else None
         steps = model0.get("global_steps")
         if isinstance(steps, int):
-            self.step: int | None = steps
+            self.step = steps
         else:
             m = _TAG_STEP_RE.search(self.tag)
             self.step = int(m.group(1)) if m else None
 
+    def _map_keys(self, model0_path: Path, model0: dict, osds: list[dict]) -> dict[str, _Entry]:
+        """Every key: buffers, frozen, trainable (masters), tied aliases; in state_dict order."""
         entries: dict[str, _Entry] = {}
         module = model0.get("module") or {}
         if not isinstance(module, Mapping):
@@ -556,6 +586,8 @@ class DeepSpeedReader:
         self.master_dtype = masters.pop() if len(masters) == 1 else torch.float32
 
         shared = model0.get("shared_params") or {}
+        if not isinstance(shared, Mapping):
+            raise CheckpointFormatError(model0_path, "shared_params is not a mapping")
         for alias, owner in shared.items():
             if owner in entries and alias not in entries:
                 entries[alias] = _Entry(
@@ -568,7 +600,7 @@ class DeepSpeedReader:
         order = [k for k in module if k in entries]
         seen = set(order)
         order += [k for k in entries if k not in seen]
-        self._entries = {k: entries[k] for k in order}
+        return {k: entries[k] for k in order}
 
     def _refuse_unsupported_files(self) -> None:
         for child in sorted(self.tag_dir.iterdir()):
@@ -602,6 +634,8 @@ class DeepSpeedReader:
         align_to = 2 * self.world_size  # DeepSpeed pads each group to a multiple of 2·ws
         entries: dict[str, _Entry] = {}
         for g, shapes in enumerate(param_shapes):
+            if not isinstance(shapes, Mapping):
+                raise CheckpointFormatError(self._model_files[0], f"param_shapes[{g}] is not a mapping")
             flat = _FlatChunks([ranks[g] for ranks in per_rank])
             paddings = alignment[g] if alignment is not None else None
             if paddings is not None and len(paddings) != len(shapes):
@@ -637,7 +671,9 @@ class DeepSpeedReader:
                 raise CheckpointFormatError(p, f"no {key}")
             per_rank.append(_FlatChunks([_flat(t, p, f"{key}[{i}]") for i, t in enumerate(groups)]))
         merged: dict[str, tuple[int, ...]] = {}
-        for shapes in param_shapes:
+        for g, shapes in enumerate(param_shapes):
+            if not isinstance(shapes, Mapping):
+                raise CheckpointFormatError(self._model_files[0], f"param_shapes[{g}] is not a mapping")
             for name, shape in shapes.items():
                 merged[name] = _shape(shape, self._model_files[0], name)
         entries: dict[str, _Entry] = {}
@@ -670,6 +706,8 @@ class DeepSpeedReader:
     ) -> dict[str, _Entry]:
         entries: dict[str, _Entry] = {}
         shapes = model0.get("frozen_param_shapes")
+        if shapes is not None and not isinstance(shapes, Mapping):
+            raise CheckpointFormatError(model0_path, "frozen_param_shapes is not a mapping")
         if shapes is None:
             if self.stage == 3:
                 return entries  # saved with exclude_frozen_parameters: nothing to read
