@@ -125,24 +125,44 @@ def _standin(name: str) -> type[_Inert]:
     return type(name, (_Inert,), {"_type_name": name, **_DEFAULTS.get(name, {})})
 
 
-_STANDINS: dict[tuple[str, str], Any] = {
-    **{(_DCP_METADATA_MODULE, n): _standin(n) for n in _DCP_METADATA_CLASSES if n != "_MEM_FORMAT_ENCODING"},
-    (_DCP_METADATA_MODULE, "_MEM_FORMAT_ENCODING"): lambda value: value,
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _standin("_StorageInfo"),
-    ("torch.serialization", "_get_layout"): lambda name: str(name),
-    ("torch", "Size"): lambda dims=(): tuple(int(d) for d in dims),
-    ("collections", "OrderedDict"): collections.OrderedDict,
-    **{("pathlib", n): (lambda *parts: "/".join(map(str, parts))) for n in ("PosixPath", "PurePosixPath", "Path")},
-}
+_PATH_CLASSES = {"PosixPath", "PurePosixPath", "Path", "WindowsPath", "PureWindowsPath", "PurePath"}
+
+
+def _join_path(*parts: Any) -> str:
+    return "/".join(str(p) for p in parts)
+
+
+def _fresh_standins() -> dict[tuple[str, str], Any]:
+    """New stand-in classes and functions for one load.
+
+    A pickle can set attributes on the classes it is handed (the BUILD opcode on a class
+    object); giving each load its own subclasses and functions keeps such edits inside
+    that load instead of poisoning the process.
+    """
+    standins: dict[tuple[str, str], Any] = {}
+    for name in _DCP_METADATA_CLASSES - {"_MEM_FORMAT_ENCODING"}:
+        base = _standin(name)
+        standins[(_DCP_METADATA_MODULE, name)] = type(name, (base,), {})
+    standins[(_DCP_METADATA_MODULE, "_MEM_FORMAT_ENCODING")] = lambda value: value
+    standins[("torch.distributed.checkpoint.filesystem", "_StorageInfo")] = type(
+        "_StorageInfo", (_standin("_StorageInfo"),), {}
+    )
+    standins[("torch.serialization", "_get_layout")] = lambda name: str(name)
+    standins[("torch", "Size")] = lambda dims=(): tuple(int(d) for d in dims)
+    for module in ("pathlib", "pathlib._local"):
+        for name in _PATH_CLASSES:
+            standins[(module, name)] = lambda *parts: _join_path(*parts)
+    return standins
 
 
 class _DcpMetadataUnpickler(pickle.Unpickler):
     def __init__(self, data: io.BytesIO, source: str) -> None:
         super().__init__(data)
         self._source = source
+        self._standins = _fresh_standins()
 
     def find_class(self, module: str, name: str) -> Any:
-        standin = _STANDINS.get((module, name))
+        standin = self._standins.get((module, name))
         if standin is not None:
             return standin
         if module == "torch" and name in _DTYPES:
@@ -166,8 +186,9 @@ def load_dcp_metadata_bytes(data: bytes, source: str) -> Any:
     except UnsafePickleError:
         raise
     except Exception as err:  # any malformed pickle: one clean line, never a traceback
-        raise CheckpointFormatError(source, f"not a readable DCP metadata pickle ({err})") from None
-    if getattr(obj, "_type_name", None) != "Metadata" or not isinstance(
+        detail = str(err).splitlines()[0][:200] if str(err) else type(err).__name__
+        raise CheckpointFormatError(source, f"not a readable DCP metadata pickle ({detail})") from None
+    if not isinstance(obj, _Inert) or obj._type_name != "Metadata" or not isinstance(
         getattr(obj, "state_dict_metadata", None), dict
     ):
         raise CheckpointFormatError(source, "does not hold DCP Metadata")
@@ -243,6 +264,8 @@ class _TensorRecordUnpickler(pickle.Unpickler):
             return getattr(torch, name)
         if module == "collections" and name == "OrderedDict":
             return collections.OrderedDict
+        if module == "torch" and name == "Size":
+            return lambda dims=(): tuple(int(d) for d in dims)
         raise _refuse(self._source, module, name)
 
     def persistent_load(self, pid: Any) -> Any:

@@ -151,7 +151,7 @@ def accumulate(
         if start_step is not None:
             older = [c for c in found.checkpoints if c.step <= start_step]
             folded_paths = {c.path for c in previous.checkpoints} if previous else set()
-            late = [c for c in older if str(c.path) not in folded_paths]
+            late = [c for c in older if str(c.path.resolve()) not in folded_paths]
             if late:
                 notes.append(
                     f"ignored {len(late)} checkpoint(s) at or before step {start_step}, "

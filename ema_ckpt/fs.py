@@ -24,6 +24,7 @@ import fcntl
 import os
 import secrets
 import shutil
+import stat
 import time
 from pathlib import Path
 
@@ -101,7 +102,12 @@ def publish(staging: Path, final: Path) -> None:
             backup = final.parent / f"{backup_prefix(final)}{secrets.token_hex(4)}"
             os.rename(final, backup)
             fsync_dir(final.parent)
-            os.rename(staging, final)
+            try:
+                os.rename(staging, final)
+            except OSError:
+                os.rename(backup, final)  # put the previous output back before reporting
+                fsync_dir(final.parent)
+                raise
             fsync_dir(final.parent)
             shutil.rmtree(backup, ignore_errors=True)
         else:
@@ -149,7 +155,14 @@ class OutputLock:
 
     def __enter__(self) -> OutputLock:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            # never follow a planted symlink; the lock file's content is never written
+            fd = os.open(self.path, os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, 0o644)
+        except OSError as err:
+            raise OutputError(f"{self.path}: cannot open the lock file ({err.strerror})") from None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise OutputError(f"{self.path}: the lock file is not a regular file")
         deadline = time.monotonic() + self.wait_seconds
         while True:
             try:
@@ -163,8 +176,6 @@ class OutputLock:
                         f"(lock {self.path.name}); retry later or pass --wait SECONDS"
                     ) from None
                 time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())
         self._fd = fd
         return self
 

@@ -94,21 +94,34 @@ class Region:
 def boxes_cover(shape: tuple[int, ...], boxes: list[Box]) -> bool:
     """True when ``boxes`` cover every element of ``shape`` exactly once.
 
-    Zero-volume boxes (empty FSDP ranks) are ignored.
+    Zero-volume boxes (empty FSDP ranks) are ignored, but every box must lie inside the
+    shape with non-negative offsets and sizes. Dim-0 shardings are checked in O(n log n);
+    other layouts by a sweep over dim 0.
 
     Example:
         >>> boxes_cover((3, 2), [Box((0, 0), (2, 2)), Box((2, 0), (1, 2))])
         True
     """
-    total = math.prod(shape)
-    live = [b for b in boxes if b.numel > 0]
-    for b in live:
-        if any(o < 0 or o + s > d for o, s, d in zip(b.offsets, b.sizes, shape, strict=True)):
-            return False
-    if sum(b.numel for b in live) != total:
+    if any(d < 0 for d in shape):
         return False
-    for i, a in enumerate(live):
+    for b in boxes:
+        if len(b.offsets) != len(shape) or len(b.sizes) != len(shape):
+            return False
+        if any(o < 0 or s < 0 or o + s > d for o, s, d in zip(b.offsets, b.sizes, shape, strict=True)):
+            return False
+    live = [b for b in boxes if b.numel > 0]
+    if sum(b.numel for b in live) != math.prod(shape):
+        return False
+    if not shape:
+        return len(live) == 1
+    live.sort(key=lambda b: b.offsets[0])
+    if all(b.sizes[1:] == shape[1:] for b in live):
+        return all(a.offsets[0] + a.sizes[0] == b.offsets[0] for a, b in zip(live, live[1:]))
+    for i, a in enumerate(live):  # volumes add up, so no overlap means exact cover
+        end = a.offsets[0] + a.sizes[0]
         for b in live[i + 1 :]:
+            if b.offsets[0] >= end:
+                break
             if a.intersect(b) is not None:
                 return False
     return True

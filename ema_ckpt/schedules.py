@@ -14,8 +14,8 @@ where bₖ is the weight the old average keeps across the gap (sₖ₋₁, sₖ]
 * half-life h steps: β = 2^(−1/h), since β^h = 1/2;
 * per-checkpoint decay: bₖ = β whatever the gap;
 * warm-up (the TF ``num_updates`` rule): the decay at step n is min(β, (1 + n)/(10 + n)),
-  and bₖ is its product over the steps of the gap, evaluated in closed form with
-  log-gamma (Π_{n=a}^{b} (n+1)/(n+10) = Γ(b+2)Γ(a+10) / (Γ(a+1)Γ(b+11))).
+  and bₖ is its product over the steps of the gap, in closed form: the product telescopes,
+  Π_{n=a}^{b} (n+1)/(n+10) = Π_{j=1}^{9} (a+j)/(b+1+j).
 
 Unrolled, the recursion is a weighted sum Σ cᵢ·θᵢ with cᵢ = (1 − bᵢ)·Π_{j>i} bⱼ and
 b₁ = 0, so Σ cᵢ = 1 (see ``/docs/math.md``).
@@ -110,8 +110,9 @@ def _log_warmup_product(first: int, last: int, beta: float) -> float:
     total = 0.0
     ramp_last = min(last, switch - 1)
     if ramp_last >= first:
+        # Π_{n=a}^{b} (n+1)/(n+10) telescopes to Π_{j=1}^{9} (a+j)/(b+1+j): nine exact terms.
         a, b = first, ramp_last
-        total += (math.lgamma(b + 2) - math.lgamma(a + 1)) - (math.lgamma(b + 11) - math.lgamma(a + 10))
+        total += math.fsum(math.log1p((a - b - 1) / (b + 1 + j)) for j in range(1, 10))
     flat_first = max(first, switch)
     if last >= flat_first:
         total += (last - flat_first + 1) * math.log(beta)

@@ -17,8 +17,10 @@ Example:
 
 from __future__ import annotations
 
+import bisect
 import io
 import os
+import stat
 import re
 import struct
 import zipfile
@@ -38,6 +40,14 @@ METADATA_FILE = ".metadata"
 _RANK_METADATA = re.compile(r"^__(\d+)\.metadata$")
 _DATA_FILE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
 _LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")
+_MAX_PICKLE_BYTES = 1 << 20  # a tensor record's data.pkl is a few hundred bytes
+
+
+def _int(value: Any) -> int:
+    """An int from metadata, refusing floats, strings and other look-alikes."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{value!r} is not an integer")
+    return value
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,7 +71,7 @@ def _is_dcp(path: Path) -> bool:
         return False
     if (path / METADATA_FILE).is_file():
         return True
-    return any(_RANK_METADATA.match(p.name) for p in path.iterdir())
+    return any(_RANK_METADATA.match(p.name) and p.is_file() for p in path.iterdir())
 
 
 def _incomplete(path: Path) -> str | None:
@@ -88,7 +98,7 @@ def load_metadata(path: Path) -> tuple[Any, list[Path]]:
     if global_file.is_file():
         return _read_metadata_file(global_file), [global_file]
     files = sorted(
-        (p for p in path.iterdir() if _RANK_METADATA.match(p.name)),
+        (p for p in path.iterdir() if _RANK_METADATA.match(p.name) and p.is_file()),
         key=lambda p: int(_RANK_METADATA.match(p.name).group(1)),  # type: ignore[union-attr]
     )
     if not files:
@@ -168,26 +178,47 @@ class DcpReader:
         self.non_tensor_keys: list[str] = []
         self._specs: dict[str, TensorSpec] = {}
         self._chunks: dict[str, list[StoredChunk]] = {}
+        self._starts: dict[str, tuple[list[int], int]] = {}
         self._bytes_records: dict[str, tuple[str, int, int]] = {}
+        try:
+            self._index(metadata)
+        except (AttributeError, TypeError, ValueError, OverflowError) as err:
+            raise CheckpointFormatError(
+                self.metadata_files[0], f"malformed DCP metadata ({type(err).__name__}: {err})"
+            ) from None
+        self._fds: dict[str, int] = {}
+        self._file_sizes: dict[str, int] = {}
+        self._records: dict[tuple[str, int], tuple[int, TensorRecord] | None] = {}
+
+    def _index(self, metadata: Any) -> None:
         storage = self._storage_index(metadata)
         for key, entry in metadata.state_dict_metadata.items():
+            if not isinstance(key, str):
+                raise TypeError(f"key {key!r} is not a string")
             if not hasattr(entry, "chunks"):
                 self.non_tensor_keys.append(key)
                 if key in storage.get("bytes", {}):
                     self._bytes_records[key] = storage["bytes"][key]
                 continue
-            shape = tuple(int(d) for d in entry.size)
-            spec = TensorSpec(key, shape, entry.properties.dtype)
+            shape = tuple(_int(d) for d in entry.size)
+            dtype = entry.properties.dtype
+            if not isinstance(dtype, torch.dtype):
+                raise TypeError(f"key {key!r}: dtype {dtype!r} is not a torch dtype")
+            spec = TensorSpec(key, shape, dtype)
             chunks = []
             for chunk in entry.chunks:
-                box = Box(tuple(int(o) for o in chunk.offsets), tuple(int(s) for s in chunk.sizes))
-                if box.numel == 0:
+                box = Box(tuple(_int(o) for o in chunk.offsets), tuple(_int(s) for s in chunk.sizes))
+                if any(s < 0 for s in box.sizes) or box.numel == 0:
+                    if any(s < 0 for s in box.sizes):
+                        raise ValueError(f"key {key!r}: negative chunk size {list(box.sizes)}")
                     continue
                 where = storage["tensor"].get((key, box.offsets))
                 if where is None:
                     raise CheckpointFormatError(
                         self.metadata_files[0], f"key {key!r}: chunk at {box.offsets} has no storage entry"
                     )
+                if box.numel * dtype.itemsize > where[2]:
+                    raise ValueError(f"key {key!r}: chunk at {list(box.offsets)} is larger than its record")
                 chunks.append(StoredChunk(box, *where))
             if not boxes_cover(shape, [c.box for c in chunks]):
                 raise CheckpointFormatError(
@@ -196,18 +227,20 @@ class DcpReader:
                     + (" (a rank's __<r>.metadata file is missing?)" if len(self.metadata_files) > 1 or
                        self.metadata_files[0].name != METADATA_FILE else ""),
                 )
+            chunks.sort(key=lambda c: c.box.offsets[:1])
             self._specs[key] = spec
             self._chunks[key] = chunks
-        self._fds: dict[str, int] = {}
-        self._file_sizes: dict[str, int] = {}
-        self._records: dict[tuple[str, int], tuple[int, TensorRecord] | None] = {}
+            self._starts[key] = (
+                [c.box.offsets[0] for c in chunks] if shape else [],
+                max((c.box.sizes[0] for c in chunks), default=0) if shape else 0,
+            )
 
     def _storage_index(self, metadata: Any) -> dict[str, dict[Any, tuple[str, int, int]]]:
         tensor: dict[Any, tuple[str, int, int]] = {}
         blobs: dict[Any, tuple[str, int, int]] = {}
         for index, info in (metadata.storage_data or {}).items():
-            rel = str(info.relative_path)
-            if "/" in rel or "\\" in rel or rel in {"", ".", ".."}:
+            rel = info.relative_path
+            if not isinstance(rel, str) or "/" in rel or "\\" in rel or "\0" in rel or rel in {"", ".", ".."}:
                 raise CheckpointFormatError(
                     self.metadata_files[0], f"storage path {rel!r} leaves the checkpoint directory"
                 )
@@ -216,7 +249,9 @@ class DcpReader:
                     self.metadata_files[0],
                     f"key {index.fqn!r}: transformed records ({info.transform_descriptors}) are not supported",
                 )
-            where = (rel, int(info.offset), int(info.length))
+            where = (rel, _int(info.offset), _int(info.length))
+            if where[1] < 0 or where[2] < 0:
+                raise ValueError(f"key {index.fqn!r}: negative storage offset or length")
             if index.offset is None:
                 blobs[index.fqn] = where
             else:
@@ -237,16 +272,37 @@ class DcpReader:
 
     def read(self, key: str, box: Box) -> torch.Tensor:
         spec = self._specs[key]
+        if len(box.sizes) != len(spec.shape) or any(
+            o < 0 or s < 0 or o + s > d for o, s, d in zip(box.offsets, box.sizes, spec.shape, strict=True)
+        ):
+            raise ValueError(f"{key}: box {box} lies outside shape {spec.shape}")
+        candidates = self._candidates(key, box)
+        for chunk in candidates:
+            self._check_extent(chunk.file, chunk.offset, chunk.length)
         out = torch.empty(box.sizes, dtype=spec.dtype)
         if out.numel() == 0:
             return out
-        for chunk in self._chunks[key]:
+        filled = 0
+        for chunk in candidates:
             part = chunk.box.intersect(box) if box.sizes else chunk.box
             if part is None:
                 continue
             dest = out[part.relative_to(box).slices()] if box.sizes else out
             self._read_chunk_part(key, chunk, part.relative_to(chunk.box), dest)
+            filled += part.numel
+        if filled != box.numel:
+            raise CheckpointFormatError(self.metadata_files[0], f"key {key!r}: stored chunks do not cover {box}")
         return out
+
+    def _candidates(self, key: str, box: Box) -> list[StoredChunk]:
+        """Stored chunks that may intersect ``box``: a bisection on dim-0 offsets."""
+        chunks = self._chunks[key]
+        if not box.sizes:
+            return chunks
+        starts, longest = self._starts[key]
+        lo = bisect.bisect_left(starts, box.offsets[0] - longest + 1)
+        hi = bisect.bisect_left(starts, box.offsets[0] + box.sizes[0])
+        return chunks[lo:hi]
 
     def read_bytes(self, key: str) -> bytes:
         """The raw stored record of a non-tensor entry (never unpickled here)."""
@@ -297,11 +353,15 @@ class DcpReader:
         if fd is None:
             full = self.path / file
             try:
-                fd = os.open(full, os.O_RDONLY)
+                fd = os.open(full, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
             except OSError as err:
                 raise CheckpointFormatError(full, f"cannot open data file ({err.strerror})") from None
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                os.close(fd)
+                raise CheckpointFormatError(full, "not a regular file")
             self._fds[file] = fd
-            self._file_sizes[file] = os.fstat(fd).st_size
+            self._file_sizes[file] = info.st_size
         return fd
 
     def _check_extent(self, file: str, offset: int, length: int) -> None:
@@ -325,13 +385,18 @@ class DcpReader:
             archive = zipfile.ZipFile(_Window(fd, chunk.offset, chunk.length))
             names = archive.namelist()
             pkl = next(n for n in names if n.endswith("/data.pkl") or n == "data.pkl")
+            pkl_info = archive.getinfo(pkl)
+            if pkl_info.compress_type != zipfile.ZIP_STORED or pkl_info.file_size > _MAX_PICKLE_BYTES:
+                raise CheckpointFormatError(source, "unexpected tensor record layout")
             record = load_tensor_record(archive.read(pkl), source)
             member = archive.getinfo(pkl[: -len("data.pkl")] + "data/" + record.storage_key)
-        except (UnsafePickleError, CheckpointFormatError, zipfile.BadZipFile, StopIteration, KeyError):
-            self._records[cache_key] = None
-            return None
         except OSError as err:
             raise CheckpointFormatError(self.path / chunk.file, f"cannot read ({err})") from None
+        except Exception:  # anything unusual: torch's weights-only loader decides, or refuses
+            self._records[cache_key] = None
+            return None
+        if not (0 <= member.header_offset < chunk.length) or record.storage_offset < 0 or record.storage_numel < 0:
+            raise CheckpointFormatError(self.path / chunk.file, f"key {key!r}: corrupt record")
         header = os.pread(fd, _LOCAL_HEADER.size, chunk.offset + member.header_offset)
         if len(header) != _LOCAL_HEADER.size or header[:4] != b"PK\x03\x04":
             raise CheckpointFormatError(self.path / chunk.file, f"key {key!r}: corrupt record header")
@@ -350,6 +415,7 @@ class DcpReader:
     def _load_record_fallback(self, key: str, chunk: StoredChunk) -> torch.Tensor:
         """Load an unusual record (non-contiguous, new layout) with torch's weights-only loader."""
         fd = self._fd(chunk.file)
+        self._check_extent(chunk.file, chunk.offset, chunk.length)
         data = os.pread(fd, chunk.length, chunk.offset)
         try:
             value = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
