@@ -98,7 +98,7 @@ def test_frozen_params_present_in_training_dtype(ds_run, config):
     "config", [c for c in CONFIGS if c.stage == 1], ids=_ids([c for c in CONFIGS if c.stage == 1])
 )
 def test_zero1_frozen_params_equal_the_saved_module(ds_run, config):
-    tag_dir = ds_run(config) / "global_step3"
+    tag_dir = ds_run(config) / "global_step7"
     saved = torch.load(tag_dir / "mp_rank_00_model_states.pt", weights_only=False, map_location="cpu")[
         "module"
     ]
@@ -110,16 +110,16 @@ def test_zero1_frozen_params_equal_the_saved_module(ds_run, config):
 @pytest.mark.parametrize("config", CONFIGS[:6], ids=_ids(CONFIGS[:6]))
 def test_buffers_tied_params_and_info(ds_run, config):
     folder = ds_run(config)
-    with open_checkpoint(folder) as reader:  # the save folder: ``latest`` names global_step3
+    with open_checkpoint(folder) as reader:  # the save folder: ``latest`` names global_step7
         assert isinstance(reader, CheckpointReader)
-        assert reader.format_name == "deepspeed" and reader.step == 3
+        assert reader.format_name == "deepspeed" and reader.step == 7
         info = reader.info()
         assert info == info | {
             "stage": config.stage,
             "world_size": config.world_size,
             "dtype": config.dtype,
-            "tag": "global_step3",
-            "global_step": 3,
+            "tag": "global_step7",
+            "global_step": 7,
             "master_dtype": "float32",
             "params": 7,
             "frozen": 2,
@@ -130,7 +130,7 @@ def test_buffers_tied_params_and_info(ds_run, config):
         specs = reader.specs()
         # Integer buffers keep their dtype; each rank's step adds [1, batch, tokens].
         assert specs["seen"].dtype == torch.int64
-        assert torch.equal(_full(reader, "seen"), torch.tensor([3, 6, 30]))
+        assert torch.equal(_full(reader, "seen"), torch.tensor([7, 14, 70]))
         assert specs["scale"].dtype == torch.float32
         # The tied alias reads its owner's data.
         assert specs["head.weight"] == TensorSpec("head.weight", (37, 11), torch.float32)
@@ -161,16 +161,16 @@ def test_open_by_save_folder_tag_folder_and_hf_trainer_layout(ds_run, tmp_path):
     assert detect_format(folder).name == "deepspeed"
     assert detect_format(folder / "global_step2").name == "deepspeed"
     assert registered_formats()["deepspeed"].records_step
-    assert [p.name for p in deepspeed_tags(folder)] == ["global_step2", "global_step3"]
+    assert [p.name for p in deepspeed_tags(folder)] == ["global_step2", "global_step3", "global_step7"]
     with open_checkpoint(folder / "global_step2") as reader:
         assert reader.step == 2 and reader.tag == "global_step2"
-    # Hugging Face Trainer: output_dir/checkpoint-3/{latest, global_step3/, trainer files}
-    hf = tmp_path / "checkpoint-3"
-    shutil.copytree(folder / "global_step3", hf / "global_step3")
-    (hf / "latest").write_text("global_step3")
+    # Hugging Face Trainer: output_dir/checkpoint-7/{latest, global_step7/, trainer files}
+    hf = tmp_path / "checkpoint-7"
+    shutil.copytree(folder / "global_step7", hf / "global_step7")
+    (hf / "latest").write_text("global_step7")
     (hf / "trainer_state.json").write_text("{}")
     with open_checkpoint(hf) as reader, open_checkpoint(folder) as original:
-        assert reader.tag_dir == hf / "global_step3" and reader.step == 3
+        assert reader.tag_dir == hf / "global_step7" and reader.step == 7
         for key in original.specs():
             assert torch.equal(_full(reader, key), _full(original, key))
 
@@ -179,7 +179,7 @@ def test_rank_files_are_memory_mapped_not_read(ds_run):
     maps = Path("/proc/self/maps")
     if not maps.exists():
         pytest.skip("needs /proc/self/maps")
-    tag_dir = ds_run(Config(3, 3, "bf16")) / "global_step3"
+    tag_dir = ds_run(Config(3, 3, "bf16")) / "global_step7"
     with DeepSpeedReader(tag_dir) as reader:
         optim_files = {str(p) for p in reader._optim_files}
         for key in ("embed.weight", "fc2.bias"):
@@ -201,8 +201,8 @@ def test_rank_files_are_memory_mapped_not_read(ds_run):
 @pytest.fixture
 def tag_copy(ds_run, tmp_path):
     """A writable copy of a W=3 ZeRO-2 bf16 tag folder."""
-    src = ds_run(Config(3, 2, "bf16")) / "global_step3"
-    dst = tmp_path / "global_step3"
+    src = ds_run(Config(3, 2, "bf16")) / "global_step7"
+    dst = tmp_path / "global_step7"
     shutil.copytree(src, dst)
     return dst
 
@@ -259,7 +259,7 @@ def test_reader_without_deepspeed_importable(ds_run, zero_to_fp32, tmp_path):
     for i, config in enumerate([Config(3, 2, "bf16"), Config(3, 3, "bf16")]):
         folder = ds_run(config)
         reference = tmp_path / f"expected{i}.pt"
-        expected = zero_to_fp32(folder, "global_step3")
+        expected = zero_to_fp32(folder, "global_step7")
         torch.save({k: v.clone() for k, v in expected.items()}, reference)
         cases.append((str(folder), str(reference)))
     stub = tmp_path / "stub" / "deepspeed"

@@ -22,6 +22,11 @@ The model has what makes ZeRO reconstruction tricky: frozen parameters, an embed
 output projection, a float and an integer buffer, LayerNorm, two optimizer parameter groups,
 and sizes divisible by neither 2 nor 3 (so every world size leaves padding). ZeRO-3 runs use a
 small ``sub_group_size`` so the fp32 partition is split into several sub-groups.
+
+Benchmarks add per-run options (all optional, defaults keep the fixture above): ``"model":
+"big"`` (:class:`BigTied`, ``"big_blocks"`` transformer-ish MLP blocks, about 1 GiB fp32 at the
+default 19), ``"optimizer": "sgd"`` (plain SGD without momentum: the fp32 masters and nothing
+else in the optimizer files) and ``"oracles": false`` (skip ``masters_step<N>.pt``).
 """
 
 from __future__ import annotations
@@ -66,13 +71,68 @@ class TinyTied(nn.Module):
         return self.head(x)
 
 
-def _config(stage: int, dtype: str, bf16_optimizer: bool, zero_options: dict | None = None) -> dict:
+BIG_VOCAB, BIG_DIM, BIG_HIDDEN, BIG_SEQ = 32000, 1024, 4096, 4
+
+
+class BigBlock(nn.Module):
+    """A transformer-sized block without attention: qkv-shaped and MLP matrices, norms, biases."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(BIG_DIM)
+        self.qkv = nn.Linear(BIG_DIM, 3 * BIG_DIM)
+        self.proj = nn.Linear(BIG_DIM, BIG_DIM)
+        self.norm2 = nn.LayerNorm(BIG_DIM)
+        self.fc1 = nn.Linear(BIG_DIM, BIG_HIDDEN)
+        self.fc2 = nn.Linear(BIG_HIDDEN, BIG_DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(self.norm1(x)).chunk(3, dim=-1)
+        x = x + self.proj(q * torch.sigmoid(k) + v)
+        return x + self.fc2(F.gelu(self.fc1(self.norm2(x))))
+
+
+class BigTied(nn.Module):
+    """About ``blocks * 12.6M + 32.8M`` parameters (19 blocks: 272M, 1.01 GiB in fp32).
+
+    Mixed sizes: a 125 MiB embedding tied to the output head, 16 MiB MLP matrices, 12 MiB
+    qkv, 4 MiB projections, 4 KiB-16 KiB norms and biases; a small frozen layer and a buffer.
+    """
+
+    def __init__(self, blocks: int = 19) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(BIG_VOCAB, BIG_DIM)
+        self.frozen = nn.Linear(BIG_DIM, 64)  # requires_grad=False below
+        self.blocks = nn.ModuleList(BigBlock() for _ in range(blocks))
+        self.norm = nn.LayerNorm(BIG_DIM)
+        self.head = nn.Linear(BIG_DIM, BIG_VOCAB, bias=False)
+        self.head.weight = self.embed.weight
+        self.register_buffer("scale", torch.ones(BIG_DIM))
+        for p in self.frozen.parameters():
+            p.requires_grad_(False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens) * self.scale
+        x = x + self.frozen(x).mean(dim=-1, keepdim=True)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+def _config(
+    stage: int,
+    dtype: str,
+    bf16_optimizer: bool,
+    zero_options: dict | None = None,
+    *,
+    micro_batch: int = 2,
+) -> dict:
     zero: dict = {"stage": stage}
     if stage == 3:
         zero.update(sub_group_size=150, stage3_param_persistence_threshold=0)
     zero.update(zero_options or {})  # e.g. round_robin_gradients, parameter_alignment
     config: dict = {
-        "train_micro_batch_size_per_gpu": 2,
+        "train_micro_batch_size_per_gpu": micro_batch,
         "gradient_accumulation_steps": 1,
         "zero_optimization": zero,
         "zero_allow_untested_optimizer": True,
@@ -98,6 +158,10 @@ def train_and_save(
     bf16_optimizer: bool,
     seed: int,
     zero_options: dict | None = None,
+    model_name: str = "tiny",
+    big_blocks: int = 19,
+    optimizer_name: str = "adamw",
+    oracles: bool = True,
 ) -> None:
     """One run: a fresh model and engine, trained to ``steps[-1]``, saved at each of ``steps``."""
     import deepspeed
@@ -105,33 +169,45 @@ def train_and_save(
 
     rank = torch.distributed.get_rank()
     torch.manual_seed(seed)
-    model = TinyTied()
+    if model_name == "tiny":
+        model: nn.Module = TinyTied()
+        vocab, seq, micro_batch = VOCAB, SEQ, 2
+    elif model_name == "big":
+        model = BigTied(big_blocks)
+        vocab, seq, micro_batch = BIG_VOCAB, BIG_SEQ, 1
+    else:
+        raise SystemExit(f"model must be tiny or big, not {model_name!r}")
     frozen_reference = {f"frozen.{k}": v.detach().clone() for k, v in model.frozen.named_parameters()}
     matrices = [p for n, p in model.named_parameters() if p.requires_grad and p.dim() > 1]
     vectors = [p for n, p in model.named_parameters() if p.requires_grad and p.dim() <= 1]
-    optimizer = torch.optim.AdamW(  # a client optimizer: DeepSpeed's FusedAdam would JIT-compile
-        [{"params": matrices, "weight_decay": 0.1}, {"params": vectors, "weight_decay": 0.0}],
-        lr=3e-2,
-        foreach=False,
-    )
-    engine, _, _, _ = deepspeed.initialize(
-        model=model, optimizer=optimizer, config=_config(stage, dtype, bf16_optimizer, zero_options)
-    )
+    groups = [{"params": matrices, "weight_decay": 0.1}, {"params": vectors, "weight_decay": 0.0}]
+    # A client optimizer: DeepSpeed's FusedAdam would JIT-compile.
+    if optimizer_name == "adamw":
+        optimizer: torch.optim.Optimizer = torch.optim.AdamW(groups, lr=3e-2, foreach=False)
+    elif optimizer_name == "sgd":  # no momentum: no state beyond DeepSpeed's fp32 masters
+        optimizer = torch.optim.SGD(groups, lr=1e-2, momentum=0.0, foreach=False)
+    else:
+        raise SystemExit(f"optimizer must be adamw or sgd, not {optimizer_name!r}")
+    config = _config(stage, dtype, bf16_optimizer, zero_options, micro_batch=micro_batch)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    del model, optimizer, groups, matrices, vectors
 
     out.mkdir(parents=True, exist_ok=True)
     if rank == 0:
         torch.save(frozen_reference, out / "frozen_reference.pt")
     generator = torch.Generator().manual_seed(seed + 1 + rank)  # each rank sees its own data
     for step in range(1, steps[-1] + 1):
-        tokens = torch.randint(0, VOCAB, (2, SEQ), generator=generator)
+        tokens = torch.randint(0, vocab, (micro_batch, seq), generator=generator)
         logits = engine(tokens)
-        loss = F.cross_entropy(logits.float().reshape(-1, VOCAB), tokens.roll(1, dims=1).reshape(-1))
+        loss = F.cross_entropy(logits.float().reshape(-1, vocab), tokens.roll(1, dims=1).reshape(-1))
         engine.backward(loss)
         engine.step()
         if step in steps:
             if engine.global_steps != step:
                 raise SystemExit(f"engine.global_steps={engine.global_steps}, expected {step}")
             engine.save_checkpoint(str(out))
+            if not oracles:
+                continue
             masters = {}
             for name, param in engine.module.named_parameters():
                 if param.requires_grad:
@@ -150,6 +226,8 @@ def train_and_save(
                     "bf16_optimizer": bf16_optimizer,
                     "zero_options": zero_options or {},
                     "optimizer": type(engine.optimizer).__name__,
+                    "model": model_name,
+                    "client_optimizer": optimizer_name,
                 }
             )
         )
@@ -171,6 +249,10 @@ def main() -> None:
     )
     parser.add_argument("--steps", default="2", help="comma-separated global steps to save at")
     parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--model", choices=("tiny", "big"), default="tiny")
+    parser.add_argument("--big-blocks", type=int, default=19, help="blocks of the big model (19: ~1 GiB)")
+    parser.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
+    parser.add_argument("--no-oracles", action="store_true", help="skip masters_step<N>.pt")
     args = parser.parse_args()
     steps = sorted({int(s) for s in args.steps.split(",") if s})
     if args.runs is not None:
@@ -182,6 +264,10 @@ def main() -> None:
                 "stage": args.stage,
                 "dtype": args.dtype,
                 "bf16_optimizer": args.bf16_optimizer,
+                "model": args.model,
+                "big_blocks": args.big_blocks,
+                "optimizer": args.optimizer,
+                "oracles": not args.no_oracles,
             }
         ]
     else:
@@ -204,6 +290,10 @@ def main() -> None:
             bf16_optimizer=bool(run.get("bf16_optimizer", False)),
             seed=args.seed,
             zero_options=run.get("zero"),
+            model_name=run.get("model", "tiny"),
+            big_blocks=int(run.get("big_blocks", 19)),
+            optimizer_name=run.get("optimizer", "adamw"),
+            oracles=bool(run.get("oracles", True)),
         )
     torch.distributed.destroy_process_group()
 
