@@ -27,12 +27,12 @@ sys.path.insert(0, str(ROOT))
 from tests.producers.ds_launch import make_deepspeed_sequences  # noqa: E402
 
 DEFAULT_STEPS = "3,7,8,13"
-# sub_group_size 1e8 (default 1e9) splits each rank's fp32 partition into several flat groups, so
-# keys straddle group boundaries as in larger models. The bucket and live-parameter limits
+# sub_group_size 3e7 (default 1e9; counted per rank) splits each rank's fp32 partition into a few
+# flat groups, so keys straddle group boundaries as in larger models. The bucket and live-parameter limits
 # (defaults 5e8 / 1e9 elements, i.e. the whole model) are lowered so that 3 ranks training
 # 1 GiB of fp32 fit in ~10 GiB; they change nothing in the saved layout.
 ZERO3 = {
-    "sub_group_size": 100_000_000,
+    "sub_group_size": 30_000_000,
     "stage3_param_persistence_threshold": 100_000,
     "reduce_bucket_size": 20_000_000,
     "stage3_prefetch_bucket_size": 20_000_000,
@@ -79,8 +79,8 @@ def main() -> None:
     info = json.loads((args.out / "producer.json").read_text())
     size = sum(p.stat().st_size for p in args.out.rglob("*") if p.is_file())
     print(
-        f"{args.out}: steps {steps}, {args.ranks} ranks, {info['optimizer']}, {size / 2**30:.2f} GiB on disk, "
-        f"{time.perf_counter() - started:.0f} s"
+        f"{args.out}: steps {steps}, {args.ranks} ranks, {info['optimizer']}, "
+        f"{size / 2**30:.2f} GiB on disk, {time.perf_counter() - started:.0f} s"
     )
 
 

@@ -1,9 +1,19 @@
-"""``accumulate``: fold new checkpoints into a running EMA kept on disk.
+"""``accumulate``: fold new checkpoints into running EMAs kept on disk.
 
-Made for cron: each run folds only the checkpoints newer than the step the EMA stands at,
+Made for cron: each run folds only the checkpoints newer than the step an EMA stands at,
 with the right decay across each gap, so the EMA goes on after the training job's retention
-deleted old checkpoints. The new EMA is built beside the old one and swapped in whole; a
+deleted old checkpoints. Each new EMA is built beside the old one and swapped in whole; a
 killed run leaves the old EMA as it was, and the next run does the work again.
+
+Two families of profiles:
+
+* a classic EMA (``decay``/``half_life``), kept in ``out``;
+* power-function EMAs (EDM2; ``sigma_rels``/``gammas``), one per value in
+  ``out/sigma_rel_<value>``, updated with r = (t_prev/t_new)^(γ+1), plus, with
+  ``snapshot_every=K``, a snapshot of each every K steps in ``out/snapshots/`` from which
+  ``posthoc`` reconstructs any other σ_rel after the raw checkpoints are gone.
+
+Every accumulator and snapshot is computed in the same pass: each input region is read once.
 
 Example:
     >>> result = accumulate("ckpts/", decay=0.999)        # doctest: +SKIP
@@ -14,6 +24,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import shutil
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -21,29 +32,28 @@ from pathlib import Path
 
 import torch
 
-from .discovery import discover
+from . import planner
+from .averaging import PlannedOutput, SnapshotInput, Term, find_snapshots
+from .averaging import Plan as AveragePlan
+from .discovery import FoundCheckpoint, discover
 from .engine import OutputSpec, Progress, Update, combine_regions, layout_regions
-from .errors import (
-    CheckpointNotFoundError,
-    IncompatibleCheckpointError,
-    ManifestMismatchError,
-    UsageError,
-)
+from .errors import CheckpointNotFoundError, IncompatibleCheckpointError, ManifestMismatchError, UsageError
 from .formats import open_checkpoint
 from .formats.base import CheckpointReader
 from .fs import OutputLock, new_staging_dir, publish, recover
 from .manifest import MANIFEST_NAME, FoldedCheckpoint, Manifest, fingerprint
+from .schedules import ExponentialProfile, PowerProfile, fold_coefficients, profile_from_dict
 from .selection import check_compatible, select_keys
-from .schedules import ExponentialProfile, fold_coefficients, profile_from_dict
 from .writers.dcp import DcpWriter
 
 DEFAULT_OUT_NAME = "ema"
 ACCUMULATE_DTYPES = {"float32": torch.float32, "float64": torch.float64}
+Profile = ExponentialProfile | PowerProfile
 
 
 @dataclass(frozen=True, slots=True)
 class FoldTerm:
-    """One checkpoint's share of the EMA after this run (Σ coefficients = 1)."""
+    """One input's share of an EMA after this run (Σ coefficients = 1)."""
 
     path: str
     step: int
@@ -52,7 +62,7 @@ class FoldTerm:
 
 @dataclass(slots=True)
 class AccumulateResult:
-    """What an ``accumulate`` run did."""
+    """What an ``accumulate`` run did (or, with ``dry_run``, would do: see ``plan``)."""
 
     out: Path
     step: int
@@ -65,6 +75,19 @@ class AccumulateResult:
     bytes_written: int = 0
     seconds: float = 0.0
     profile: str = ""
+    outputs: list[Path] = field(default_factory=list)
+    snapshots: list[Path] = field(default_factory=list)
+    plan: AveragePlan | None = None
+
+
+@dataclass(slots=True)
+class _Accumulator:
+    name: str
+    final: Path
+    profile: Profile
+    previous: Manifest | None
+    new: list[FoundCheckpoint] = field(default_factory=list)
+    snapshot_steps: list[int] = field(default_factory=list)
 
 
 def default_out(checkpoints: Sequence[Path]) -> Path:
@@ -77,15 +100,41 @@ def default_out(checkpoints: Sequence[Path]) -> Path:
 def make_profile(
     *, decay: float | None, half_life: float | None, per_checkpoint: bool, warmup: bool
 ) -> ExponentialProfile:
-    """The profile named by exactly one of ``decay`` / ``half_life``."""
+    """The classic profile named by exactly one of ``decay`` / ``half_life``."""
     if (decay is None) == (half_life is None):
-        raise UsageError("give exactly one of --decay or --half-life")
+        raise UsageError("give exactly one of --decay or --half-life (or --sigma-rel/--gamma)")
     if half_life is not None:
         if per_checkpoint:
             raise UsageError("--half-life counts steps; use --decay with --per-checkpoint")
         return ExponentialProfile.from_half_life(half_life, warmup=warmup)
     assert decay is not None
     return ExponentialProfile(decay=decay, per_checkpoint=per_checkpoint, warmup=warmup)
+
+
+def _profiles(
+    decay: float | None, half_life: float | None, per_checkpoint: bool, warmup: bool,
+    sigma_rels: Sequence[str], gammas: Sequence[str], snapshot_every: int | None,
+) -> list[tuple[str, Profile]]:
+    if sigma_rels or gammas:
+        if decay is not None or half_life is not None or per_checkpoint or warmup:
+            raise UsageError("--sigma-rel/--gamma (power EMAs) cannot be combined with --decay/--half-life")
+        named: list[tuple[str, Profile]] = []
+        for text in sigma_rels:
+            for typed, value in planner.parse_sigma_list(text):
+                named.append((f"sigma_rel_{typed}", PowerProfile(planner.sigma_rel_to_gamma(value), typed)))
+        for text in gammas:
+            for item in (i.strip() for i in text.split(",")):
+                try:
+                    named.append((f"gamma_{item}", PowerProfile(float(item), item)))
+                except ValueError:
+                    raise UsageError(f"--gamma: {item!r} is not a number") from None
+        if len({n for n, _ in named}) != len(named):
+            raise UsageError("the same profile is requested twice")
+        return named
+    if snapshot_every is not None:
+        raise UsageError("--snapshot-every keeps power EMAs: use it with --sigma-rel or --gamma")
+    return [(DEFAULT_OUT_NAME, make_profile(decay=decay, half_life=half_life,
+                                            per_checkpoint=per_checkpoint, warmup=warmup))]
 
 
 def accumulate(
@@ -95,6 +144,9 @@ def accumulate(
     half_life: float | None = None,
     per_checkpoint: bool = False,
     warmup: bool = False,
+    sigma_rels: Sequence[str] = (),
+    gammas: Sequence[str] = (),
+    snapshot_every: int | None = None,
     out: str | Path | None = None,
     dtype: str = "float32",
     include: Sequence[str] = (),
@@ -102,21 +154,25 @@ def accumulate(
     step_regex: str | None = None,
     restart: bool = False,
     wait_seconds: float = 0.0,
+    dry_run: bool = False,
     on_progress: Callable[[Progress], None] | None = None,
 ) -> AccumulateResult:
-    """Fold every checkpoint newer than the EMA at ``out`` into it.
+    """Fold every checkpoint newer than the EMA(s) at ``out`` into them.
 
     Args:
         checkpoints: a folder of checkpoints, or several checkpoint paths.
         decay: β per optimizer step (``per_checkpoint`` makes it per checkpoint).
         half_life: alternatively, the half-life in steps (β = 2^(−1/h)).
         warmup: decay at step n is min(β, (1 + n)/(10 + n)).
+        sigma_rels, gammas: power-function EMAs instead (values, lists or ranges as typed).
+        snapshot_every: with power EMAs, keep a snapshot of each every K steps.
         out: the EMA directory (default ``<folder>/ema``).
         dtype: accumulation and storage dtype of floating tensors (float32 or float64).
         include, exclude: glob patterns on keys.
         step_regex: a regex with one group for the step in directory names.
         restart: discard an existing EMA made with other settings and start over.
         wait_seconds: how long to wait for another run holding the output's lock.
+        dry_run: plan only; read no tensor and write nothing (``result.plan``).
         on_progress: called after each region.
 
     Returns:
@@ -130,46 +186,82 @@ def accumulate(
     for path in paths:
         if not path.exists():
             raise CheckpointNotFoundError(path, "no such file or directory")
-    profile = make_profile(decay=decay, half_life=half_life, per_checkpoint=per_checkpoint, warmup=warmup)
+    if snapshot_every is not None and snapshot_every < 1:
+        raise UsageError(f"--snapshot-every must be a positive number of steps, got {snapshot_every}")
+    named = _profiles(decay, half_life, per_checkpoint, warmup, sigma_rels, gammas, snapshot_every)
     if dtype not in ACCUMULATE_DTYPES:
         raise UsageError(f"--dtype must be one of {', '.join(ACCUMULATE_DTYPES)}, got {dtype!r}")
     out_path = Path(out) if out is not None else default_out(paths)
+    power = isinstance(named[0][1], PowerProfile)
     selection = {"include": list(include), "exclude": list(exclude)}
-    with OutputLock(out_path, wait_seconds=wait_seconds):
-        notes = recover(out_path)
-        previous = Manifest.read(out_path) if out_path.exists() else None
-        if out_path.exists() and previous is None and any(out_path.iterdir()):
-            raise UsageError(f"{out_path} exists and is not an ema-ckpt output; choose another --out")
-        if previous is not None and not restart:
-            _check_same_settings(previous, profile, dtype, selection, out_path)
-        if restart:
-            previous = None
+    lock = contextlib.nullcontext() if dry_run else OutputLock(out_path, wait_seconds=wait_seconds)
+    with lock:
+        notes: list[str] = []
+        accumulators = []
+        for name, profile in named:
+            final = out_path / name if power else out_path
+            if not dry_run:
+                notes += recover(final)
+            previous = Manifest.read(final) if final.is_dir() else None
+            if not power and final.exists() and previous is None and any(final.iterdir()):
+                raise UsageError(f"{final} exists and is not an ema-ckpt output; choose another --out")
+            if previous is not None and not restart:
+                _check_same_settings(previous, profile, dtype, selection, final)
+            accumulators.append(_Accumulator(name, final, profile, None if restart else previous))
+        if power and not dry_run and (out_path / "snapshots").is_dir():
+            for leftover in (out_path / "snapshots").iterdir():
+                if leftover.name.startswith(".") and ".tmp-" in leftover.name:
+                    shutil.rmtree(leftover, ignore_errors=True)
         found = discover(paths, step_regex=step_regex, exclude=[out_path])
         notes.extend(found.notes)
-        start_step = previous.step if previous is not None else None
-        new = [c for c in found.checkpoints if start_step is None or c.step > start_step]
-        if start_step is not None:
-            older = [c for c in found.checkpoints if c.step <= start_step]
-            folded_paths = {c.path for c in previous.checkpoints} if previous else set()
-            late = [c for c in older if str(c.path.resolve()) not in folded_paths]
-            if late:
-                notes.append(
-                    f"ignored {len(late)} checkpoint(s) at or before step {start_step}, "
-                    f"where the EMA already stands (e.g. {late[0].path})"
-                )
-        if not new:
-            assert previous is not None
+        snapshots_on_disk = find_snapshots([out_path]) if snapshot_every else []
+        for acc in accumulators:
+            start = acc.previous.step if acc.previous is not None else None
+            acc.new = [c for c in found.checkpoints if start is None or c.step > start]
+            if start is not None:
+                notes.extend(_late_note(acc, found.checkpoints, start))
+            if snapshot_every:
+                assert isinstance(acc.profile, PowerProfile)
+                taken = [s.step for s in snapshots_on_disk if abs(s.gamma - acc.profile.gamma) < 1e-12]
+                acc.snapshot_steps = _snapshot_steps([c.step for c in acc.new], max(taken, default=None),
+                                                     snapshot_every)
+        plan = _plan(accumulators)
+        if dry_run or not any(acc.new for acc in accumulators):
+            steps = [acc.previous.step for acc in accumulators if acc.previous is not None]
+            up_to_date = not any(acc.new for acc in accumulators)
+            if up_to_date and not steps:
+                raise CheckpointNotFoundError(out_path, "nothing to fold")
             return AccumulateResult(
-                out_path, previous.step, [], True, notes, profile=profile.describe(),
-                seconds=time.perf_counter() - started,
+                out_path, min(steps) if up_to_date else max(c.step for a in accumulators for c in a.new),
+                [], up_to_date, notes, terms=_fold_terms(accumulators[0]),
+                profile="; ".join(a.profile.describe() for a in accumulators),
+                seconds=time.perf_counter() - started, plan=plan,
+                outputs=[a.final for a in accumulators],
             )
-        return _fold(out_path, previous, new, profile, dtype, selection, include, exclude, notes,
-                     started, on_progress)
+        return _fold(out_path, accumulators, dtype, selection, include, exclude, notes, started,
+                     on_progress, plan)
 
 
-def _check_same_settings(
-    previous: Manifest, profile: ExponentialProfile, dtype: str, selection: dict, out: Path
-) -> None:
+def _late_note(acc: _Accumulator, checkpoints: list[FoundCheckpoint], start: int) -> list[str]:
+    folded = {c.path for c in acc.previous.checkpoints} if acc.previous else set()
+    late = [c for c in checkpoints if c.step <= start and str(c.path.resolve()) not in folded]
+    if not late:
+        return []
+    return [f"{acc.name}: ignored {len(late)} checkpoint(s) at or before step {start}, "
+            f"where the EMA already stands (e.g. {late[0].path})"]
+
+
+def _snapshot_steps(new_steps: list[int], last: int | None, every: int) -> list[int]:
+    """Checkpoint steps at which a snapshot is taken: the first at or after each multiple of K."""
+    chosen = []
+    for step in new_steps:
+        if step // every > (last // every if last is not None else 0):
+            chosen.append(step)
+            last = step
+    return chosen
+
+
+def _check_same_settings(previous: Manifest, profile: Profile, dtype: str, selection: dict, out: Path) -> None:
     wanted = profile.to_dict()
     if previous.kind != "ema" or previous.profile != wanted:
         try:
@@ -190,11 +282,57 @@ def _check_same_settings(
         )
 
 
+def _weights(acc: _Accumulator, upto: int | None = None) -> list[tuple[str, int, float]]:
+    """(label, step, lerp weight) of an accumulator's fold: previous EMA first, then new checkpoints."""
+    rows: list[tuple[str, int, float]] = []
+    prev = acc.previous.step if acc.previous is not None else None
+    if acc.previous is not None:
+        rows.append((str(acc.final), acc.previous.step, 1.0))
+    for ckpt in acc.new:
+        if upto is not None and ckpt.step > upto:
+            break
+        rows.append((str(ckpt.path), ckpt.step, 1.0 if prev is None else acc.profile.update_weight(prev, ckpt.step)))
+        prev = ckpt.step
+    return rows
+
+
+def _fold_terms(acc: _Accumulator) -> list[FoldTerm]:
+    rows = _weights(acc)
+    return [FoldTerm(p, s, c) for (p, s, _), c in zip(rows, fold_coefficients([w for *_, w in rows]), strict=True)]
+
+
+def _plan(accumulators: list[_Accumulator]) -> AveragePlan:
+    outputs = []
+    inputs: dict[str, FoundCheckpoint] = {}
+    for acc in accumulators:
+        rows = _weights(acc)
+        inputs.update({str(c.path): c for c in acc.new})
+        if not rows:
+            continue
+        coeffs = fold_coefficients([w for *_, w in rows])
+        terms = [Term(p, s, c) for (p, s, _), c in zip(rows, coeffs, strict=True)]
+        profile = acc.profile
+        steps = [t.step for t in terms]
+        stats = planner.describe_plan(steps, coeffs, profile=profile if isinstance(profile, ExponentialProfile) else None)
+        if isinstance(profile, PowerProfile):
+            window = planner.power_window(profile.gamma, steps[-1])
+            sigma, gamma = profile.sigma_rel, profile.gamma
+        else:
+            window = 1.0 / (1.0 - stats.step_decay) if stats.step_decay and stats.step_decay < 1 else float("inf")
+            sigma, gamma = stats.sigma_rel, None
+        warning = planner.spacing_warning(steps, window) if window != float("inf") else None
+        outputs.append(PlannedOutput(
+            acc.name, steps[-1], terms, sigma_rel=sigma, gamma=gamma, profile=profile.to_dict(),
+            warnings=[warning] if warning else [],
+            stats={"sigma_rel": stats.sigma_rel, "mean_age": stats.mean_age, "n_eff": stats.n_eff,
+                   "max_abs": stats.max_abs, "half_life": stats.half_life},
+        ))
+    return AveragePlan("accumulate", sorted(inputs.values(), key=lambda c: c.step), outputs)
+
+
 def _fold(
     out_path: Path,
-    previous: Manifest | None,
-    new: list,
-    profile: ExponentialProfile,
+    accumulators: list[_Accumulator],
     dtype: str,
     selection: dict,
     include: Sequence[str],
@@ -202,83 +340,90 @@ def _fold(
     notes: list[str],
     started: float,
     on_progress: Callable[[Progress], None] | None,
+    plan: AveragePlan,
 ) -> AccumulateResult:
-    readers: list[CheckpointReader] = []
+    active = [acc for acc in accumulators if acc.new]
+    sources: list[Path] = [acc.final for acc in active if acc.previous is not None]
+    checkpoints = sorted({c.path: c for acc in active for c in acc.new}.values(), key=lambda c: c.step)
+    sources += [c.path for c in checkpoints]
+    index = {str(p): i for i, p in enumerate(sources)}
+    outputs: list[OutputSpec] = []
+    targets: list[tuple[_Accumulator, Path, int]] = []  # (accumulator, final path, step)
+    for acc in active:
+        for snap in acc.snapshot_steps:
+            name = f"{acc.name}-step_{snap}"
+            outputs.append(_spec(name, _weights(acc, upto=snap), index))
+            targets.append((acc, out_path / "snapshots" / name, snap))
+    for acc in active:
+        outputs.append(_spec(acc.name, _weights(acc), index))
+        targets.append((acc, acc.final, acc.new[-1].step))
+
     with contextlib.ExitStack() as stack:
-        if previous is not None:
-            readers.append(stack.enter_context(contextlib.closing(open_checkpoint(out_path))))
-        for ckpt in new:
-            readers.append(stack.enter_context(contextlib.closing(open_checkpoint(ckpt.path))))
+        readers: list[CheckpointReader] = [stack.enter_context(contextlib.closing(open_checkpoint(p)))
+                                           for p in sources]
         newest = readers[-1]
         keys = select_keys(newest, include, exclude)
         if not keys:
             raise UsageError(f"{newest.path}: no tensor keys left after --include/--exclude")
         check_compatible(readers, keys, reference=len(readers) - 1)
-        if previous is not None:
-            extra = sorted(set(readers[0].specs()) - set(keys))
-            if extra:
-                raise IncompatibleCheckpointError(
-                    f"{newest.path}: key {extra[0]!r} of the EMA is gone from the newest checkpoint"
-                )
-
-        updates: list[Update] = []
-        prev_step = previous.step if previous is not None else None
-        for index, ckpt in enumerate(new):
-            source = index + (1 if previous is not None else 0)
-            if prev_step is None:
-                weight = 1.0
-            else:
-                weight = profile.update_weight(prev_step, ckpt.step)
-            updates.append(Update(source, weight))
-            prev_step = ckpt.step
-        if previous is not None:
-            updates.insert(0, Update(0, 1.0))
-        output = OutputSpec("ema", tuple(updates), mode="fold")
-
-        staging = new_staging_dir(out_path)
+        for acc in active:
+            if acc.previous is not None:
+                extra = sorted(set(readers[index[str(acc.final)]].specs()) - set(keys))
+                if extra:
+                    raise IncompatibleCheckpointError(
+                        f"{newest.path}: key {extra[0]!r} of the EMA {acc.final} is gone from the newest checkpoint"
+                    )
+        stagings = [new_staging_dir(final) for _, final, _ in targets]
         try:
-            writer = DcpWriter(staging)
-            specs = newest.specs()
-            regions = layout_regions(newest, keys)
+            writers = [DcpWriter(s) for s in stagings]
             stats = combine_regions(
-                readers, [output], [writer], regions, specs,
-                copy_source=len(readers) - 1,
-                accumulate_dtype=ACCUMULATE_DTYPES[dtype],
+                readers, outputs, writers, layout_regions(newest, keys), newest.specs(),
+                copy_source=len(readers) - 1, accumulate_dtype=ACCUMULATE_DTYPES[dtype],
                 on_progress=on_progress,
             )
-            planner = getattr(newest, "planner_data", None)
-            written = writer.finish(planner)
-            folded_now = [FoldedCheckpoint(str(c.path.resolve()), c.step, fingerprint(c.path)) for c in new]
-            manifest = Manifest(
-                kind="ema",
-                profile=profile.to_dict(),
-                dtype=dtype,
-                step=new[-1].step,
-                source_format=newest.format_name,
-                checkpoints=(previous.checkpoints if previous else []) + folded_now,
-                selection=selection,
-                files={f.name: {"size": f.size, "crc32": f.crc32} for f in written},
-            )
-            manifest.write(staging)
-            publish(staging, out_path)
+            planner_data = getattr(newest, "planner_data", None)
+            for (acc, _final, step), writer, staging in zip(targets, writers, stagings, strict=True):
+                written = writer.finish(planner_data)
+                folded = [c for c in acc.new if c.step <= step]
+                Manifest(
+                    kind="ema" if step == acc.new[-1].step and _final == acc.final else "snapshot",
+                    profile=acc.profile.to_dict(),
+                    dtype=dtype,
+                    step=step,
+                    source_format=newest.format_name,
+                    checkpoints=(acc.previous.checkpoints if acc.previous else [])
+                    + [FoldedCheckpoint(str(c.path.resolve()), c.step, fingerprint(c.path)) for c in folded],
+                    selection=selection,
+                    files={f.name: {"size": f.size, "crc32": f.crc32} for f in written},
+                ).write(staging)
+            # snapshots first: a crash before the EMAs are swapped in makes the next run redo
+            # the same fold and rewrite the same snapshots, byte for byte
+            for (_acc, final, _step), staging in zip(targets, stagings, strict=True):
+                publish(staging, final)
         except BaseException:
-            import shutil
-
-            shutil.rmtree(staging, ignore_errors=True)
+            for staging in stagings:
+                shutil.rmtree(staging, ignore_errors=True)
             raise
 
-    terms = _terms(previous, new, updates)
+    first = accumulators[0]
+    folded_all = {c.path: c for acc in active for c in acc.new}
     return AccumulateResult(
-        out_path, new[-1].step, folded_now, False, notes, terms=terms, keys=len(keys),
+        out_path, max(step for *_, step in targets),
+        [FoldedCheckpoint(str(c.path.resolve()), c.step, fingerprint(c.path))
+         for c in sorted(folded_all.values(), key=lambda c: c.step)],
+        False, notes, terms=_fold_terms(first), keys=len(keys),
         bytes_read=stats.bytes_read, bytes_written=stats.bytes_written,
-        seconds=time.perf_counter() - started, profile=profile.describe(),
+        seconds=time.perf_counter() - started,
+        profile="; ".join(a.profile.describe() for a in accumulators),
+        outputs=[a.final for a in accumulators],
+        snapshots=[final for acc, final, _ in targets if final != acc.final],
+        plan=plan,
     )
 
 
-def _terms(previous: Manifest | None, new: list, updates: list[Update]) -> list[FoldTerm]:
-    coefficients = fold_coefficients([u.weight for u in updates])
-    labels: list[tuple[str, int]] = []
-    if previous is not None:
-        labels.append((f"previous EMA ({MANIFEST_NAME} step {previous.step})", previous.step))
-    labels.extend((str(c.path), c.step) for c in new)
-    return [FoldTerm(p, s, c) for (p, s), c in zip(labels, coefficients, strict=True)]
+def _spec(name: str, rows: list[tuple[str, int, float]], index: dict[str, int]) -> OutputSpec:
+    return OutputSpec(name, tuple(Update(index[p], w) for p, _, w in rows), mode="fold")
+
+
+__all__ = ["AccumulateResult", "FoldTerm", "SnapshotInput", "accumulate", "default_out", "make_profile",
+           "MANIFEST_NAME"]

@@ -136,8 +136,10 @@ def fold_coefficients(update_weights: Sequence[float]) -> list[float]:
     return coefficients
 
 
-def profile_from_dict(data: dict[str, Any]) -> ExponentialProfile:
+def profile_from_dict(data: dict[str, Any]) -> ExponentialProfile | PowerProfile:
     """Inverse of ``to_dict`` (used to read manifests)."""
+    if data.get("kind") == "power":
+        return PowerProfile(gamma=float(data["gamma"]), label=str(data.get("sigma_rel")))
     if data.get("kind") != "exponential":
         raise ValueError(f"unknown profile kind {data.get('kind')!r}")
     return ExponentialProfile(
@@ -145,3 +147,42 @@ def profile_from_dict(data: dict[str, Any]) -> ExponentialProfile:
         per_checkpoint=bool(data.get("per_checkpoint", False)),
         warmup=bool(data.get("warmup", False)),
     )
+
+
+@dataclass(frozen=True, slots=True)
+class PowerProfile:
+    """A power-function EMA (EDM2, Karras et al. 2024, eq. for p(τ; t) ∝ τ^γ on [0, t]).
+
+    Kept incrementally: acc ← r·acc + (1 − r)·θ with r = (t_prev/t_new)^(γ+1), time being
+    the training step from 0. ``label`` is the value as the user typed it (output names).
+    """
+
+    gamma: float
+    label: str
+
+    def __post_init__(self) -> None:
+        if not (self.gamma >= 0) or math.isinf(self.gamma):
+            raise UsageError(f"--gamma must be a non-negative number, got {self.gamma}")
+
+    @property
+    def sigma_rel(self) -> float:
+        """σ_rel(γ) = sqrt((γ+1) / ((γ+2)²(γ+3)))."""
+        g = self.gamma
+        return math.sqrt((g + 1) / ((g + 2) ** 2 * (g + 3)))
+
+    def log_keep_factor(self, prev_step: int, step: int) -> float:
+        if step <= prev_step:
+            raise UsageError(f"steps must increase: {prev_step} then {step}")
+        if prev_step <= 0:
+            return -math.inf
+        return (self.gamma + 1.0) * math.log(prev_step / step)
+
+    def update_weight(self, prev_step: int, step: int) -> float:
+        """1 − (t_prev/t_new)^(γ+1); 1 for the first checkpoint (t_prev = 0)."""
+        return -math.expm1(self.log_keep_factor(prev_step, step))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": "power", "gamma": self.gamma, "sigma_rel": self.sigma_rel}
+
+    def describe(self) -> str:
+        return f"power-function EMA, sigma_rel {self.sigma_rel:.4g} (gamma {self.gamma:.4g})"

@@ -14,6 +14,7 @@ from .._version import __version__
 from . import accumulate as _accumulate
 from . import consolidate as _consolidate
 from . import inspect as _inspect
+from . import posthoc as _posthoc
 from . import reshard as _reshard
 
 app = typer.Typer(
@@ -43,6 +44,8 @@ def _root(
 
 app.command("accumulate", epilog=_accumulate.EPILOG)(_accumulate.accumulate_command)
 app.command("inspect", epilog=_inspect.EPILOG)(_inspect.inspect_command)
+app.command("posthoc", epilog=_posthoc.POSTHOC_EPILOG)(_posthoc.posthoc_command)
+app.command("average", epilog=_posthoc.AVERAGE_EPILOG)(_posthoc.average_command)
 app.command("consolidate", epilog=_consolidate.EPILOG)(_consolidate.consolidate_command)
 app.command("reshard", epilog=_reshard.EPILOG)(_reshard.reshard_command)
 

@@ -12,6 +12,7 @@ from ..accumulate import accumulate
 from ._errors import reports_errors
 from ._options import ExcludeOpt, IncludeOpt, JsonOpt, QuietOpt, StepRegexOpt, WaitOpt
 from ._output import console, human_bytes, note, print_json, progress_bar
+from ._plan import render_plan
 
 EPILOG = """\
 Examples:
@@ -21,6 +22,10 @@ Examples:
   ema-ckpt accumulate ckpts/ --half-life 2000 --out /ema   # same, by half-life in steps
 
   */30 * * * * ema-ckpt accumulate /ckpts --decay 0.9999 --quiet --wait 600   # crontab
+
+  ema-ckpt accumulate ckpts/ --sigma-rel 0.05 --sigma-rel 0.10 --snapshot-every 10000 --out snap/
+
+  ema-ckpt accumulate ckpts/ --decay 0.999 --dry-run       # the weights each checkpoint gets
 """
 
 
@@ -35,6 +40,15 @@ def accumulate_command(
         bool, typer.Option("--per-checkpoint", help="Apply --decay once per checkpoint, not per step.")
     ] = False,
     warmup: Annotated[bool, typer.Option("--warmup", help="Decay at step n is min(decay, (1+n)/(10+n)).")] = False,
+    sigma_rel: Annotated[
+        list[str] | None,
+        typer.Option("--sigma-rel", help="Power-function EMA(s) instead (EDM2), e.g. 0.05; kept in OUT/sigma_rel_<v>."),
+    ] = None,
+    gamma: Annotated[list[str] | None, typer.Option("--gamma", help="Power-EMA exponent(s) instead of σ_rel.")] = None,
+    snapshot_every: Annotated[
+        int | None, typer.Option("--snapshot-every", metavar="STEPS", min=1,
+                                 help="With power EMAs: keep a snapshot of each every STEPS steps (for posthoc).")
+    ] = None,
     out: Annotated[Path | None, typer.Option(help="EMA directory (default: CKPTS/ema).")] = None,
     dtype: Annotated[str, typer.Option(help="Accumulate and store floats in float32 or float64.")] = "float32",
     include: IncludeOpt = None,
@@ -42,22 +56,34 @@ def accumulate_command(
     step_regex: StepRegexOpt = None,
     restart: Annotated[bool, typer.Option("--restart", help="Start over if the EMA at --out has other settings.")] = False,
     wait: WaitOpt = 0.0,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Show the plan (coefficients); read no tensor.")] = False,
     json_output: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
     """Fold every checkpoint newer than the EMA into it (incremental, crash-safe)."""
-    with progress_bar("accumulate", enabled=not (quiet or json_output)) as on_progress:
+    with progress_bar("accumulate", enabled=not (quiet or json_output or dry_run)) as on_progress:
         result = accumulate(
             checkpoints, decay=decay, half_life=half_life, per_checkpoint=per_checkpoint, warmup=warmup,
+            sigma_rels=sigma_rel or (), gammas=gamma or (), snapshot_every=snapshot_every,
             out=out, dtype=dtype, include=include or (), exclude=exclude or (), step_regex=step_regex,
-            restart=restart, wait_seconds=wait, on_progress=on_progress,
+            restart=restart, wait_seconds=wait, dry_run=dry_run, on_progress=on_progress,
         )
+    if dry_run:
+        assert result.plan is not None
+        if json_output:
+            print_json(result.plan.to_json())
+        else:
+            render_plan(result.plan)
+            if result.up_to_date:
+                console.print(f"{result.out}: up to date at step {result.step}; nothing new to fold")
+        return
     if json_output:
         print_json({
             "out": str(result.out), "step": result.step, "up_to_date": result.up_to_date,
             "folded": [asdict(c) for c in result.folded], "terms": [asdict(t) for t in result.terms],
             "keys": result.keys, "bytes_read": result.bytes_read, "bytes_written": result.bytes_written,
             "seconds": round(result.seconds, 3), "profile": result.profile, "notes": result.notes,
+            "outputs": [str(p) for p in result.outputs], "snapshots": [str(p) for p in result.snapshots],
         })
         return
     if not quiet:
@@ -70,6 +96,8 @@ def accumulate_command(
     if quiet:
         return
     steps = ", ".join(str(c.step) for c in result.folded)
+    for snapshot in result.snapshots:
+        console.print(f"snapshot {snapshot}", highlight=False)
     console.print(
         f"{result.out}: folded step(s) {steps}; EMA now at step {result.step} "
         f"({result.keys} keys, {human_bytes(result.bytes_read)} read, "

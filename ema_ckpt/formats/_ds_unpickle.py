@@ -7,8 +7,12 @@ Here the files go through torch's weights-only unpickler, with inert stand-ins r
 the DeepSpeed names for the duration of one load. Nothing else is importable from a file: any
 other global is refused with :class:`~ema_ckpt.errors.UnsafePickleError` before it is called.
 
-Files are opened with ``mmap=True``: tensors are views on a read-only mapping of the file, so a
-rank file costs its pickle (small) plus the pages actually read.
+Files are opened with ``mmap=True``: tensors are views on a private mapping of the file, so a
+rank file costs its pickle (small) plus the pages actually read. Pages that were read stay in
+the process's resident set until the mapping goes, which for a sequence of multi-GiB rank files
+held open together is most of the data; :func:`release_pages` hands the pages of a span back
+once it has been copied out (they stay in the page cache and refault from the file if read
+again), so resident memory stays near one span instead of growing with every file read.
 
 Example:
     >>> from ema_ckpt.formats._ds_unpickle import load_ds_file  # doctest: +SKIP
@@ -21,11 +25,14 @@ Example:
 from __future__ import annotations
 
 import argparse
+import ctypes
 import enum
 import io
+import mmap
 import pickle
 import pickletools
 import re
+import sys
 import threading
 import warnings
 import zipfile
@@ -43,6 +50,8 @@ __all__ = [
     "ZeroStageEnum",
     "fragment_address",
     "load_ds_file",
+    "pages_releasable",
+    "release_pages",
 ]
 
 
@@ -159,6 +168,70 @@ def load_ds_file(path: str | Path, *, mmap: bool = True) -> Any:
     except (RuntimeError, EOFError, ValueError, OSError, KeyError, IndexError) as err:
         first = _first_line(str(err)) or type(err).__name__
         raise CheckpointFormatError(path, f"truncated or corrupt torch.save file ({first})") from None
+
+
+def pages_releasable(path: str | Path) -> bool:
+    """Whether the tensors :func:`load_ds_file` maps from ``path`` may go through :func:`release_pages`.
+
+    True for a zip-format ``torch.save`` file (so memory-mapped) whose ``byteorder`` record is
+    absent or this machine's: then torch never writes to the private mapping (it byte-swaps
+    foreign-endian storages in place), and dropped pages refault with the same bytes. False
+    for legacy files (read into ordinary memory, where dropping pages would zero them),
+    foreign-endian files, unreadable files, and where :func:`release_pages` is a no-op anyway.
+    """
+    if _madvise is None:
+        return False
+    try:
+        with open(path, "rb") as fh:
+            if fh.read(4) != _ZIP_MAGIC:
+                return False
+        with zipfile.ZipFile(path) as zf:
+            name = next((n for n in zf.namelist() if n == "byteorder" or n.endswith("/byteorder")), None)
+            if name is None:  # torch assumes the configured fallback (little unless told)
+                ends = torch.serialization.LoadEndianness
+                fallback = torch.serialization.get_default_load_endianness()
+                order = {None: "little", ends.LITTLE: "little", ends.BIG: "big"}.get(fallback, sys.byteorder)
+            else:
+                order = zf.read(name).decode("ascii", "replace").strip()
+            return order == sys.byteorder
+    except (OSError, zipfile.BadZipFile, KeyError, ValueError):
+        return False
+
+
+def _libc_madvise() -> Any:
+    if not sys.platform.startswith("linux") or not hasattr(mmap, "MADV_DONTNEED"):
+        return None  # elsewhere MADV_DONTNEED may not drop pages, or may not keep their content
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):  # pragma: no cover - a libc without madvise
+        return None
+    fn.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_madvise = _libc_madvise()
+_PAGE = mmap.PAGESIZE
+
+
+def release_pages(t: torch.Tensor) -> None:
+    """Drop the pages under tensor ``t`` from this process's resident set (Linux; else no-op).
+
+    ``t`` must be a view on a mapping made by :func:`load_ds_file` of a file for which
+    :func:`pages_releasable` is True, so that every page from its first to its last byte,
+    rounded out to page boundaries, lies inside that mapping and was never written. The
+    pages leave the process (``madvise(MADV_DONTNEED)``) but not the page cache: touching
+    them again maps the file's bytes back in, so ``t`` and every other view on the file still
+    read the same data. Errors are ignored (the pages then simply stay resident).
+    """
+    if _madvise is None or t.numel() == 0:
+        return
+    extent = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True))
+    start = t.data_ptr()
+    end = start + extent * t.element_size()
+    lo = start - start % _PAGE
+    hi = end + (-end) % _PAGE
+    _madvise(lo, hi - lo, mmap.MADV_DONTNEED)
 
 
 def _first_line(message: str) -> str:

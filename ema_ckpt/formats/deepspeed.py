@@ -17,8 +17,10 @@ for bit, plus what ``zero_to_fp32`` drops at ZeRO-1 (frozen parameters):
 
 Nothing is gathered at open: every ``.pt`` file is memory-mapped once (see
 :mod:`._ds_unpickle`) and each key knows which flat ranges of which rank tensors hold it.
-``read`` copies only the flat span that covers the box asked for, so memory stays within one
-parameter even when it straddles ranks.
+``read`` copies only the flat span that covers the box asked for, then hands the mapped pages
+it touched back to the kernel (:func:`~._ds_unpickle.release_pages`), so memory stays within
+one parameter even when it straddles ranks, and does not grow with the files read: without
+that, every page read from every rank file of every open checkpoint would stay resident.
 
 Refused with :class:`~ema_ckpt.errors.CheckpointFormatError` (naming the file): tensor
 parallelism (``mp_rank_01``), pipeline ``layer_*`` files, MoE (``expp_rank_*``, expert
@@ -45,7 +47,7 @@ import torch
 
 from ..errors import CheckpointFormatError, CheckpointNotFoundError, UnsafePickleError
 from ..layout import Box, TensorSpec
-from ._ds_unpickle import load_ds_file
+from ._ds_unpickle import load_ds_file, pages_releasable, release_pages
 from .base import CheckpointFormat, register_format
 
 __all__ = [
@@ -229,6 +231,7 @@ class _Piece:
     length: int
     src: torch.Tensor  # 1-D, a view on a memory-mapped file
     start: int
+    releasable: bool = False  # src's pages may be dropped after a copy (see release_pages)
 
 
 @dataclass(slots=True)
@@ -238,13 +241,15 @@ class _Entry:
     pieces: tuple[_Piece, ...] = ()  # flat-range sources (ZeRO partitions)
     tensor: torch.Tensor | None = None  # or one whole stored tensor (buffers, stage 1/2 frozen)
     owner: str | None = None  # for "tied": the key whose data this one reads
+    releasable: bool = False  # ``tensor``'s pages may be dropped after a copy
 
 
 class _FlatChunks:
     """Several 1-D tensors seen as their concatenation, without concatenating them."""
 
-    def __init__(self, chunks: Sequence[torch.Tensor]) -> None:
+    def __init__(self, chunks: Sequence[torch.Tensor], releasable: Sequence[bool] | None = None) -> None:
         self.chunks = list(chunks)
+        self.releasable = list(releasable) if releasable is not None else [False] * len(self.chunks)
         self.starts = [0]
         for c in self.chunks:
             self.starts.append(self.starts[-1] + c.numel())
@@ -260,7 +265,7 @@ class _FlatChunks:
         for i, chunk in enumerate(self.chunks):
             lo, hi = max(start, self.starts[i]), min(end, self.starts[i + 1])
             if lo < hi:
-                out.append(_Piece(dst + lo - start, hi - lo, chunk, lo - self.starts[i]))
+                out.append(_Piece(dst + lo - start, hi - lo, chunk, lo - self.starts[i], self.releasable[i]))
         return out
 
 
@@ -270,6 +275,11 @@ def _flat(t: Any, where: Path, what: str) -> torch.Tensor:
     if t.dim() != 1:
         t = t.reshape(-1)
     return t
+
+
+def _same_storage(view: torch.Tensor, original: torch.Tensor) -> bool:
+    """Whether ``view`` still shares ``original``'s memory (``reshape`` copies when it must)."""
+    return view.untyped_storage().data_ptr() == original.untyped_storage().data_ptr()
 
 
 def _shape(value: Any, where: Path, name: str) -> tuple[int, ...]:
@@ -331,6 +341,7 @@ class DeepSpeedReader:
         self.tag_dir = tag_dir
         self.tag = tag_dir.name
         self._states: dict[Path, Any] = {}  # file -> loaded (memory-mapped) object
+        self._releasable: dict[Path, bool] = {}  # file -> its mapped pages may be dropped
         self._entries: dict[str, _Entry] = {}
         self._closed = False
         self._build()
@@ -360,7 +371,10 @@ class DeepSpeedReader:
         if out.numel() == 0:
             return out
         if entry.tensor is not None:
-            out.copy_(entry.tensor[box.slices()])
+            part = entry.tensor[box.slices()]
+            out.copy_(part)
+            if entry.releasable:
+                release_pages(part)
             return out
         strides = _row_major_strides(shape)
         lo = sum(o * s for o, s in zip(box.offsets, strides, strict=True))
@@ -426,6 +440,7 @@ class DeepSpeedReader:
     def _load(self, path: Path) -> Any:
         if path not in self._states:
             self._states[path] = load_ds_file(path)
+            self._releasable[path] = pages_releasable(path)
         return self._states[path]
 
     @staticmethod
@@ -434,7 +449,10 @@ class DeepSpeedReader:
         for p in entry.pieces:
             a, b = max(lo, p.dst), min(hi, p.dst + p.length)
             if a < b:
-                out[a - lo : b - lo].copy_(p.src[p.start + a - p.dst : p.start + b - p.dst])
+                src = p.src[p.start + a - p.dst : p.start + b - p.dst]
+                out[a - lo : b - lo].copy_(src)
+                if p.releasable:
+                    release_pages(src)
 
     def _build(self) -> None:
         """Index the files, check the layout is one this reader understands, map every key."""
@@ -569,7 +587,8 @@ class DeepSpeedReader:
             if not isinstance(t, torch.Tensor):
                 continue
             dtype = torch.float32 if t.is_floating_point() else t.dtype
-            entries[name] = _Entry(TensorSpec(name, tuple(t.shape), dtype), "buffer", tensor=t)
+            spec = TensorSpec(name, tuple(t.shape), dtype)
+            entries[name] = _Entry(spec, "buffer", tensor=t, releasable=self._releasable[model0_path])
 
         param_shapes = model0.get("param_shapes")
         if not isinstance(param_shapes, list):
@@ -619,11 +638,16 @@ class DeepSpeedReader:
     def _stage12_params(self, param_shapes: list, osds: list[dict]) -> dict[str, _Entry]:
         key = "single_partition_of_fp32_groups"
         per_rank = []
+        mapped: list[list[bool]] = []  # per rank, per group: pages releasable
         for p, osd in zip(self._optim_files, osds, strict=True):
             groups = osd.get(key)
             if not isinstance(groups, list | tuple):
                 raise CheckpointFormatError(p, f"no {key}")
-            per_rank.append([_flat(t, p, f"{key}[{i}]") for i, t in enumerate(groups)])
+            flats = [_flat(t, p, f"{key}[{i}]") for i, t in enumerate(groups)]
+            per_rank.append(flats)
+            mapped.append(
+                [self._releasable[p] and _same_storage(f, t) for f, t in zip(flats, groups, strict=True)]
+            )
         n_groups = len(per_rank[0])
         if any(len(g) != n_groups for g in per_rank) or len(param_shapes) != n_groups:
             raise CheckpointFormatError(
@@ -636,7 +660,7 @@ class DeepSpeedReader:
         for g, shapes in enumerate(param_shapes):
             if not isinstance(shapes, Mapping):
                 raise CheckpointFormatError(self._model_files[0], f"param_shapes[{g}] is not a mapping")
-            flat = _FlatChunks([ranks[g] for ranks in per_rank])
+            flat = _FlatChunks([ranks[g] for ranks in per_rank], [m[g] for m in mapped])
             paddings = alignment[g] if alignment is not None else None
             if paddings is not None and len(paddings) != len(shapes):
                 raise CheckpointFormatError(
@@ -669,7 +693,9 @@ class DeepSpeedReader:
             groups = osd.get(key)
             if not isinstance(groups, list | tuple):
                 raise CheckpointFormatError(p, f"no {key}")
-            per_rank.append(_FlatChunks([_flat(t, p, f"{key}[{i}]") for i, t in enumerate(groups)]))
+            flats = [_flat(t, p, f"{key}[{i}]") for i, t in enumerate(groups)]
+            mapped = [self._releasable[p] and _same_storage(f, t) for f, t in zip(flats, groups, strict=True)]
+            per_rank.append(_FlatChunks(flats, mapped))
         merged: dict[str, tuple[int, ...]] = {}
         for g, shapes in enumerate(param_shapes):
             if not isinstance(shapes, Mapping):
@@ -717,7 +743,12 @@ class DeepSpeedReader:
             skip = set(trainable) | set(buffer_names) | aliases
             for name, t in module.items():
                 if name not in skip and isinstance(t, torch.Tensor):
-                    entries[name] = _Entry(TensorSpec(name, tuple(t.shape), t.dtype), "frozen", tensor=t)
+                    entries[name] = _Entry(
+                        TensorSpec(name, tuple(t.shape), t.dtype),
+                        "frozen",
+                        tensor=t,
+                        releasable=self._releasable[model0_path],
+                    )
             return entries
         if self.stage <= 2:
             fragments = model0.get("frozen_param_fragments") or {}
@@ -728,7 +759,13 @@ class DeepSpeedReader:
                     raise CheckpointFormatError(
                         model0_path, f"frozen parameter {name} is missing or the wrong size"
                     )
-                entries[name] = _Entry(TensorSpec(name, shape, t.dtype), "frozen", tensor=t.reshape(shape))
+                whole = t.reshape(shape)
+                entries[name] = _Entry(
+                    TensorSpec(name, shape, t.dtype),
+                    "frozen",
+                    tensor=whole,
+                    releasable=self._releasable[model0_path] and _same_storage(whole, t),
+                )
             return entries
         ws = self.world_size
         per_rank = []
@@ -752,7 +789,9 @@ class DeepSpeedReader:
                 dtype = t.dtype
                 length = min(part, n - r * part)
                 if length > 0:
-                    pieces.append(_Piece(r * part, length, t.reshape(-1), 0))
+                    flat = t.reshape(-1)
+                    releasable = self._releasable[p] and _same_storage(flat, t)
+                    pieces.append(_Piece(r * part, length, flat, 0, releasable))
             entries[name] = _Entry(
                 TensorSpec(name, shape, dtype or torch.float32), "frozen", pieces=tuple(pieces)
             )

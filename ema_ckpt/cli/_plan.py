@@ -1,0 +1,63 @@
+"""Rendering of plans (``--dry-run``): a table of terms with a bar chart of the weights."""
+
+from __future__ import annotations
+
+import math
+
+from rich.table import Table
+from rich.text import Text
+
+from ..averaging import Plan
+from ._output import console, err_console
+
+BAR_WIDTH = 32
+
+
+def _bar(value: float, scale: float) -> Text:
+    cells = 0 if scale == 0 else value / scale * BAR_WIDTH
+    full = int(abs(cells))
+    partial = " ▏▎▍▌▋▊▉"[int((abs(cells) - full) * 8)]
+    text = "█" * full + (partial if partial != " " else "")
+    return Text(text or "·", style="red" if value < 0 else "green")
+
+
+def _number(value: float | None, fmt: str = ".4g") -> str:
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "-"
+    return format(value, fmt)
+
+
+def render_plan(plan: Plan) -> None:
+    """Print each output's terms, weights and summary; warnings go to stderr."""
+    for output in plan.outputs:
+        snapshot_inputs = any(t.sigma_rel is not None for t in output.terms)
+        columns = ["input", "step"] + (["σ_rel"] if snapshot_inputs else []) + ["coefficient", "weight"]
+        title = f"{output.name} at step {output.step}"
+        if output.gamma is not None:
+            title += f"  (σ_rel {_number(output.sigma_rel)}, γ {_number(output.gamma)})"
+        table = Table(*columns, title=title, title_justify="left", show_edge=False)
+        scale = max((abs(t.coefficient) for t in output.terms), default=0.0)
+        for term in output.terms:
+            row = [term.path, str(term.step)]
+            if snapshot_inputs:
+                row.append(_number(term.sigma_rel))
+            row += [f"{term.coefficient:+.6g}", _bar(term.coefficient, scale)]
+            table.add_row(*row)
+        console.print(table)
+        stats = output.stats
+        parts = [f"Σc = {sum(t.coefficient for t in output.terms):.12g}"]
+        if stats.get("sigma_rel") is not None:
+            parts.append(f"effective σ_rel {_number(stats['sigma_rel'])}")
+        if stats.get("half_life") is not None:
+            parts.append(f"half-life {_number(stats['half_life'])} steps")
+        if stats.get("mean_age") is not None:
+            parts.append(f"mean age {_number(stats['mean_age'])} steps")
+        if stats.get("n_eff") is not None:
+            parts.append(f"N_eff {_number(stats['n_eff'], '.3g')}")
+        if stats.get("condition") is not None:
+            parts.append(f"cond(A) {_number(stats['condition'], '.2e')}, fit error {_number(stats['rel_error'], '.2e')}")
+        console.print("  " + ", ".join(parts), highlight=False)
+        for warning in output.warnings:
+            err_console.print(f"warning: {output.name}: {warning}", style="yellow", highlight=False)
+    for note in plan.notes:
+        err_console.print(note, style="dim", highlight=False)

@@ -1,0 +1,112 @@
+"""``ema-ckpt posthoc`` and ``ema-ckpt average``: weighted sums planned from steps alone."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from ..averaging import Plan, average, posthoc
+from ..errors import UsageError
+from ._errors import reports_errors
+from ._options import ExcludeOpt, IncludeOpt, JsonOpt, OverwriteOpt, QuietOpt, StepRegexOpt, WaitOpt
+from ._output import console, human_bytes, print_json, progress_bar
+from ._plan import render_plan
+
+POSTHOC_EPILOG = """\
+Examples:
+
+  ema-ckpt posthoc ckpts/ --sigma-rel 0.05 --sigma-rel 0.10 --out posthoc/    # posthoc/sigma_rel_0.05, ...
+
+  ema-ckpt posthoc ckpts/ --sigma-rel 0.010:0.250:0.005 --dry-run             # EDM2 range syntax
+
+  ema-ckpt posthoc ema/ --sigma-rel 0.07 --out posthoc/   # from accumulate --snapshot-every snapshots
+"""
+AVERAGE_EPILOG = """\
+Examples:
+
+  ema-ckpt average ckpts/ --last 5 --out avg-last5
+
+  ema-ckpt average ckpts/ --from-step 90000 --to-step 100000 --out avg --dry-run --json
+"""
+
+DtypeOpt = Annotated[str, typer.Option(help="Accumulate and store floats in float32 or float64.")]
+DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Show the plan (coefficients); read no tensor.")]
+
+
+def _finish(result, json_output: bool, quiet: bool) -> None:
+    if isinstance(result, Plan):
+        if json_output:
+            print_json(result.to_json())
+        else:
+            render_plan(result)
+        return
+    if json_output:
+        data = result.plan.to_json()
+        data.update({"paths": [str(p) for p in result.outputs], "bytes_read": result.bytes_read,
+                     "bytes_written": result.bytes_written, "seconds": round(result.seconds, 3)})
+        print_json(data)
+    elif not quiet:
+        for output, path in zip(result.plan.outputs, result.outputs, strict=True):
+            console.print(f"{path}: step {output.step}, {len(output.terms)} inputs", highlight=False)
+        console.print(f"{human_bytes(result.bytes_read)} read once for {len(result.outputs)} output(s), "
+                      f"{human_bytes(result.bytes_written)} written, {result.seconds:.1f} s", highlight=False)
+
+
+@reports_errors
+def posthoc_command(
+    checkpoints: Annotated[list[Path], typer.Argument(help="Raw checkpoints (a folder) or a snapshot folder.")],
+    out: Annotated[Path | None, typer.Option("--out", "-o", help="Outputs go to OUT/sigma_rel_<value>.")] = None,
+    sigma_rel: Annotated[
+        list[str] | None, typer.Option("--sigma-rel", help="Relative EMA width(s): 0.05, 0.05,0.1 or 0.01:0.25:0.01.")
+    ] = None,
+    gamma: Annotated[list[str] | None, typer.Option("--gamma", help="Power-EMA exponent(s) instead of σ_rel.")] = None,
+    at_step: Annotated[int | None, typer.Option("--at-step", help="End time T (default: the newest step).")] = None,
+    dtype: DtypeOpt = "float32",
+    include: IncludeOpt = None,
+    exclude: ExcludeOpt = None,
+    step_regex: StepRegexOpt = None,
+    overwrite: OverwriteOpt = False,
+    wait: WaitOpt = 0.0,
+    dry_run: DryRunOpt = False,
+    json_output: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Post-hoc power-function EMAs (EDM2): choose the EMA length after training."""
+    if out is None and not dry_run:
+        raise UsageError("--out is required (unless --dry-run)")
+    with progress_bar("posthoc", enabled=not (quiet or json_output or dry_run)) as on_progress:
+        result = posthoc(checkpoints, out=out or Path("posthoc"), sigma_rels=sigma_rel or (), gammas=gamma or (),
+                         at_step=at_step, dry_run=dry_run, dtype=dtype, include=include or (),
+                         exclude=exclude or (), step_regex=step_regex, overwrite=overwrite,
+                         wait_seconds=wait, on_progress=on_progress)
+    _finish(result, json_output, quiet)
+
+
+@reports_errors
+def average_command(
+    checkpoints: Annotated[list[Path], typer.Argument(help="A folder of checkpoints, or checkpoint paths.")],
+    out: Annotated[Path | None, typer.Option("--out", "-o", help="Output DCP directory.")] = None,
+    last: Annotated[int | None, typer.Option("--last", min=1, help="Average the newest K checkpoints.")] = None,
+    from_step: Annotated[int | None, typer.Option("--from-step", help="First step to include.")] = None,
+    to_step: Annotated[int | None, typer.Option("--to-step", help="Last step to include.")] = None,
+    dtype: DtypeOpt = "float32",
+    include: IncludeOpt = None,
+    exclude: ExcludeOpt = None,
+    step_regex: StepRegexOpt = None,
+    overwrite: OverwriteOpt = False,
+    wait: WaitOpt = 0.0,
+    dry_run: DryRunOpt = False,
+    json_output: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Uniform average of checkpoints (fairseq average_checkpoints, LAWA)."""
+    if out is None and not dry_run:
+        raise UsageError("--out is required (unless --dry-run)")
+    with progress_bar("average", enabled=not (quiet or json_output or dry_run)) as on_progress:
+        result = average(checkpoints, out=out or Path("average"), last=last, from_step=from_step,
+                         to_step=to_step, dry_run=dry_run, dtype=dtype, include=include or (),
+                         exclude=exclude or (), step_regex=step_regex, overwrite=overwrite,
+                         wait_seconds=wait, on_progress=on_progress)
+    _finish(result, json_output, quiet)

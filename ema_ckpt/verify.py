@@ -1,0 +1,254 @@
+"""``verify``: is a checkpoint on disk intact and fully readable?
+
+For an ema-ckpt output (a directory holding ``ema-ckpt.json``), every data file the
+manifest lists is re-hashed (size and CRC-32, streamed in 8 MiB blocks) and compared
+with the manifest, and files missing from the directory or not listed in the manifest
+are reported. For any checkpoint, with or without a manifest, the reader must open it
+(for DCP that already checks that the stored chunks cover every tensor exactly once)
+and every stored box of every tensor is read once, block by block, so each record's
+bytes must parse.
+
+What is wrong with the data ends up in :attr:`VerifyResult.problems`, one line each,
+naming the file; a path that does not exist or holds no checkpoint at all raises the
+usual :class:`~ema_ckpt.errors.CheckpointNotFoundError`.
+
+Example:
+    >>> result = verify("ckpts/ema")                       # doctest: +SKIP
+    >>> result.ok, result.files, result.problems           # doctest: +SKIP
+    (True, ['__0_0.distcp', '__1_0.distcp'], [])
+"""
+
+from __future__ import annotations
+
+import contextlib
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import CheckpointError, CheckpointNotFoundError, EmaCkptError
+from .formats import open_checkpoint
+from .formats.base import CheckpointReader
+from .layout import split_rows
+from .manifest import MANIFEST_NAME, Manifest
+
+HASH_BLOCK_BYTES = 8 << 20
+"""CRC-32 is computed over blocks of this many bytes (memory stays bounded by one block)."""
+READ_BLOCK_BYTES = 64 << 20
+"""Tensors are read back in row blocks of at most this many bytes (at least one row)."""
+_KNOWN_FILES = {MANIFEST_NAME, ".metadata"}
+"""Files of an ema-ckpt output that the manifest's ``files`` does not list, by design."""
+
+
+@dataclass(slots=True)
+class VerifyResult:
+    """What :func:`verify` checked and what it found wrong.
+
+    ``files`` are the data files whose size and CRC-32 matched the manifest; ``keys`` the
+    tensor keys read back in full without error. ``ok`` is True when ``problems`` is empty.
+    """
+
+    path: Path
+    format_name: str | None = None
+    manifest: bool = False
+    """Whether the path is an ema-ckpt output (holds ``ema-ckpt.json``)."""
+    checks: list[str] = field(default_factory=list)
+    """What was checked: ``"files"`` (sizes and CRC-32s against the manifest), ``"readable"``."""
+    files: list[str] = field(default_factory=list)
+    keys: int = 0
+    bytes_hashed: int = 0
+    bytes_read: int = 0
+    problems: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    @property
+    def bytes_checked(self) -> int:
+        """Bytes hashed plus tensor bytes read back."""
+        return self.bytes_hashed + self.bytes_read
+
+    def problem(self, message: str) -> None:
+        if message not in self.problems:
+            self.problems.append(message)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "path": str(self.path),
+            "ok": self.ok,
+            "format": self.format_name,
+            "manifest": self.manifest,
+            "checks": list(self.checks),
+            "files": list(self.files),
+            "keys": self.keys,
+            "bytes_hashed": self.bytes_hashed,
+            "bytes_read": self.bytes_read,
+            "bytes_checked": self.bytes_checked,
+            "problems": list(self.problems),
+            "notes": list(self.notes),
+        }
+
+
+def verify(
+    path: str | Path, *, hash_block_bytes: int = HASH_BLOCK_BYTES, read_block_bytes: int = READ_BLOCK_BYTES
+) -> VerifyResult:
+    """Check the checkpoint at ``path`` (see the module docstring).
+
+    Raises:
+        CheckpointNotFoundError: ``path`` does not exist, or (without a manifest) holds no
+            checkpoint of any known format.
+    """
+    path = Path(path)
+    if not path.exists() and not path.is_symlink():
+        raise CheckpointNotFoundError(path, "no such file or directory")
+    result = VerifyResult(path)
+    manifest_file = path / MANIFEST_NAME
+    result.manifest = path.is_dir() and (manifest_file.exists() or manifest_file.is_symlink())
+    if result.manifest:
+        result.checks.append("files")
+        manifest = _read_manifest(path, result)
+        if manifest is not None:
+            _check_files(path, manifest, result, hash_block_bytes)
+    else:
+        result.notes.append(f"no {MANIFEST_NAME}: file sizes and CRC-32s not checked, only readability")
+    result.checks.append("readable")
+    _check_readable(path, result, read_block_bytes, strict=result.manifest)
+    return result
+
+
+def _read_manifest(path: Path, result: VerifyResult) -> Manifest | None:
+    file = path / MANIFEST_NAME
+    try:
+        if not file.is_file():
+            raise CheckpointError(file, "not a regular file")
+        manifest = Manifest.read(path)
+    except EmaCkptError as err:
+        result.problem(str(err))
+        return None
+    except RecursionError:  # absurdly nested JSON
+        result.problem(f"{file}: unreadable ema-ckpt manifest (nested too deeply)")
+        return None
+    files = manifest.files if manifest is not None else None
+    if not isinstance(files, dict):
+        result.problem(f"{file}: 'files' is not an object mapping data file names to size and crc32")
+        return None
+    return manifest
+
+
+def _entry(value: Any) -> tuple[int, int] | None:
+    """``(size, crc32)`` of a manifest ``files`` entry, or None when malformed."""
+    if not isinstance(value, dict):
+        return None
+    size, crc = value.get("size"), value.get("crc32")
+    if type(size) is not int or type(crc) is not int or size < 0 or not 0 <= crc < 1 << 32:
+        return None
+    return size, crc
+
+
+def _check_files(path: Path, manifest: Manifest, result: VerifyResult, block_bytes: int) -> None:
+    listed: dict[str, Any] = manifest.files
+    manifest_file = path / MANIFEST_NAME
+    for name in sorted(listed, key=str):
+        if not isinstance(name, str) or Path(name).name != name or name in {"", ".", ".."} or "\0" in name:
+            result.problem(f"{manifest_file}: lists {name!r}, which is not a file name in this directory")
+            continue
+        file = path / name
+        expected = _entry(listed[name])
+        if expected is None:
+            result.problem(f"{manifest_file}: entry for {name!r} has no valid size and crc32 ({listed[name]!r})")
+            continue
+        if not file.exists():
+            result.problem(f"{file}: missing (listed in {MANIFEST_NAME})")
+            continue
+        if not file.is_file():
+            result.problem(f"{file}: not a regular file")
+            continue
+        size, crc = expected
+        try:
+            actual_size, actual_crc = _size_and_crc32(file, block_bytes)
+        except OSError as err:
+            result.problem(f"{file}: cannot read ({err.strerror or err})")
+            continue
+        result.bytes_hashed += actual_size
+        if actual_size != size:
+            what = "truncated" if actual_size < size else "longer than recorded"
+            result.problem(f"{file}: {what}: {actual_size} bytes, {MANIFEST_NAME} says {size}")
+        elif actual_crc != crc:
+            result.problem(f"{file}: CRC-32 {actual_crc:08x}, {MANIFEST_NAME} says {crc:08x} (corrupt data)")
+        else:
+            result.files.append(name)
+    try:
+        present = sorted(path.iterdir())
+    except OSError as err:
+        result.problem(f"{path}: cannot list ({err.strerror or err})")
+        return
+    for entry in present:
+        if entry.name in _KNOWN_FILES or entry.name in listed:
+            continue
+        kind = "directory" if entry.is_dir() else "file"
+        result.problem(f"{entry}: extra {kind} not listed in {MANIFEST_NAME}")
+
+
+def _size_and_crc32(file: Path, block_bytes: int) -> tuple[int, int]:
+    """Stream ``file`` once: its length and CRC-32 (as :mod:`zlib` computes it)."""
+    crc = 0
+    size = 0
+    buffer = bytearray(max(1, block_bytes))
+    view = memoryview(buffer)
+    with open(file, "rb", buffering=0) as handle:
+        while True:
+            n = handle.readinto(buffer)
+            if not n:
+                break
+            crc = zlib.crc32(view[:n], crc)
+            size += n
+    return size, crc
+
+
+def _check_readable(path: Path, result: VerifyResult, block_bytes: int, *, strict: bool) -> None:
+    try:
+        reader = open_checkpoint(path)
+    except CheckpointNotFoundError as err:
+        if not strict:
+            raise  # not a checkpoint at all, and no manifest says it should be one
+        result.problem(str(err))
+        return
+    except EmaCkptError as err:
+        result.problem(str(err))
+        return
+    with contextlib.closing(reader):
+        result.format_name = reader.format_name
+        _read_everything(reader, result, block_bytes)
+
+
+def _read_everything(reader: CheckpointReader, result: VerifyResult, block_bytes: int) -> None:
+    try:
+        specs = dict(reader.specs())
+    except EmaCkptError as err:
+        result.problem(str(err))
+        return
+    for key, spec in specs.items():
+        limit = max(1, block_bytes // max(1, spec.dtype.itemsize))
+        try:
+            for box in reader.layout(key):
+                for part in split_rows(box, limit):
+                    value = reader.read(key, part)
+                    result.bytes_read += value.numel() * value.element_size()
+                    del value
+        except EmaCkptError as err:
+            result.problem(str(err))
+            continue
+        result.keys += 1
+    # DCP non-tensor entries (``BytesStorageMetadata``): their records must lie in their files.
+    read_bytes = getattr(reader, "read_bytes", None)
+    for key in getattr(reader, "non_tensor_keys", ()):
+        if read_bytes is None:
+            break
+        try:
+            result.bytes_read += len(read_bytes(key))
+        except KeyError:
+            result.problem(f"{reader.path}: non-tensor entry {key!r} has no stored record")
+        except EmaCkptError as err:
+            result.problem(str(err))
