@@ -36,7 +36,9 @@ from . import planner
 from .averaging import PlannedOutput, SnapshotInput, Term, find_snapshots
 from .averaging import Plan as AveragePlan
 from .discovery import FoundCheckpoint, discover
-from .engine import OutputSpec, Progress, Update, combine_regions, layout_regions
+from .dist import Workers, current_workers, in_worker_group, run_workers
+from .engine import OutputSpec, Progress, Update, check_device, layout_regions
+from .execute import write_dcp_outputs
 from .errors import CheckpointNotFoundError, IncompatibleCheckpointError, ManifestMismatchError, UsageError
 from .formats import open_checkpoint
 from .formats.base import CheckpointReader
@@ -44,7 +46,6 @@ from .fs import OutputLock, new_staging_dir, publish, recover
 from .manifest import MANIFEST_NAME, FoldedCheckpoint, Manifest, fingerprint
 from .schedules import ExponentialProfile, PowerProfile, fold_coefficients, profile_from_dict
 from .selection import check_compatible, select_keys
-from .writers.dcp import DcpWriter
 
 DEFAULT_OUT_NAME = "ema"
 ACCUMULATE_DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -155,6 +156,8 @@ def accumulate(
     restart: bool = False,
     wait_seconds: float = 0.0,
     dry_run: bool = False,
+    workers: int = 1,
+    device: str = "cpu",
     on_progress: Callable[[Progress], None] | None = None,
 ) -> AccumulateResult:
     """Fold every checkpoint newer than the EMA(s) at ``out`` into them.
@@ -173,13 +176,46 @@ def accumulate(
         restart: discard an existing EMA made with other settings and start over.
         wait_seconds: how long to wait for another run holding the output's lock.
         dry_run: plan only; read no tensor and write nothing (``result.plan``).
+        workers: split the work over N local processes (torch.distributed; under torchrun the
+            group comes from the environment instead).
+        device: ``cpu`` or ``cuda``: where the arithmetic runs.
         on_progress: called after each region.
 
     Returns:
         An :class:`AccumulateResult`; ``up_to_date`` is True when nothing was new (and
         nothing was written).
     """
+    if workers > 1 and not in_worker_group():
+        return run_workers(
+            workers, accumulate, checkpoints, decay=decay, half_life=half_life, per_checkpoint=per_checkpoint,
+            warmup=warmup, sigma_rels=sigma_rels, gammas=gammas, snapshot_every=snapshot_every, out=out,
+            dtype=dtype, include=include, exclude=exclude, step_regex=step_regex, restart=restart,
+            wait_seconds=wait_seconds, dry_run=dry_run, device=device,
+        )
+    check_device(device)
     started = time.perf_counter()
+    group = current_workers(device)
+    with contextlib.ExitStack() as stack:
+
+        def prepare() -> tuple:
+            return _prepare(
+                stack, checkpoints, decay, half_life, per_checkpoint, warmup, sigma_rels, gammas,
+                snapshot_every, out, dtype, include, exclude, step_regex, restart, wait_seconds, dry_run, started,
+            )
+
+        prepared = group.broadcast(group.run(prepare if group.is_coordinator else lambda: None))
+        if prepared[0] == "done":
+            return prepared[1]
+        _, out_path, accumulators, selection, notes, plan = prepared
+        return _fold(group, out_path, accumulators, dtype, selection, include, exclude, notes, started,
+                     on_progress, plan, device)
+
+
+def _prepare(
+    stack: contextlib.ExitStack, checkpoints, decay, half_life, per_checkpoint, warmup, sigma_rels, gammas,
+    snapshot_every, out, dtype, include, exclude, step_regex, restart, wait_seconds, dry_run, started,
+) -> tuple:
+    """Coordinator only: lock, repair, read manifests, discover, plan."""
     paths = [Path(checkpoints)] if isinstance(checkpoints, (str, Path)) else [Path(p) for p in checkpoints]
     if not paths:
         raise UsageError("no checkpoint paths given")
@@ -194,52 +230,51 @@ def accumulate(
     out_path = Path(out) if out is not None else default_out(paths)
     power = isinstance(named[0][1], PowerProfile)
     selection = {"include": list(include), "exclude": list(exclude)}
-    lock = contextlib.nullcontext() if dry_run else OutputLock(out_path, wait_seconds=wait_seconds)
-    with lock:
-        notes: list[str] = []
-        accumulators = []
-        for name, profile in named:
-            final = out_path / name if power else out_path
-            if not dry_run:
-                notes += recover(final)
-            previous = Manifest.read(final) if final.is_dir() else None
-            if not power and final.exists() and previous is None and any(final.iterdir()):
-                raise UsageError(f"{final} exists and is not an ema-ckpt output; choose another --out")
-            if previous is not None and not restart:
-                _check_same_settings(previous, profile, dtype, selection, final)
-            accumulators.append(_Accumulator(name, final, profile, None if restart else previous))
-        if power and not dry_run and (out_path / "snapshots").is_dir():
-            for leftover in (out_path / "snapshots").iterdir():
-                if leftover.name.startswith(".") and ".tmp-" in leftover.name:
-                    shutil.rmtree(leftover, ignore_errors=True)
-        found = discover(paths, step_regex=step_regex, exclude=[out_path])
-        notes.extend(found.notes)
-        snapshots_on_disk = find_snapshots([out_path]) if snapshot_every else []
-        for acc in accumulators:
-            start = acc.previous.step if acc.previous is not None else None
-            acc.new = [c for c in found.checkpoints if start is None or c.step > start]
-            if start is not None:
-                notes.extend(_late_note(acc, found.checkpoints, start))
-            if snapshot_every:
-                assert isinstance(acc.profile, PowerProfile)
-                taken = [s.step for s in snapshots_on_disk if abs(s.gamma - acc.profile.gamma) < 1e-12]
-                acc.snapshot_steps = _snapshot_steps([c.step for c in acc.new], max(taken, default=None),
-                                                     snapshot_every)
-        plan = _plan(accumulators)
-        if dry_run or not any(acc.new for acc in accumulators):
-            steps = [acc.previous.step for acc in accumulators if acc.previous is not None]
-            up_to_date = not any(acc.new for acc in accumulators)
-            if up_to_date and not steps:
-                raise CheckpointNotFoundError(out_path, "nothing to fold")
-            return AccumulateResult(
-                out_path, min(steps) if up_to_date else max(c.step for a in accumulators for c in a.new),
-                [], up_to_date, notes, terms=_fold_terms(accumulators[0]),
-                profile="; ".join(a.profile.describe() for a in accumulators),
-                seconds=time.perf_counter() - started, plan=plan,
-                outputs=[a.final for a in accumulators],
-            )
-        return _fold(out_path, accumulators, dtype, selection, include, exclude, notes, started,
-                     on_progress, plan)
+    if not dry_run:
+        stack.enter_context(OutputLock(out_path, wait_seconds=wait_seconds))
+    notes: list[str] = []
+    accumulators = []
+    for name, profile in named:
+        final = out_path / name if power else out_path
+        if not dry_run:
+            notes += recover(final)
+        previous = Manifest.read(final) if final.is_dir() else None
+        if not power and final.exists() and previous is None and any(final.iterdir()):
+            raise UsageError(f"{final} exists and is not an ema-ckpt output; choose another --out")
+        if previous is not None and not restart:
+            _check_same_settings(previous, profile, dtype, selection, final)
+        accumulators.append(_Accumulator(name, final, profile, None if restart else previous))
+    if power and not dry_run and (out_path / "snapshots").is_dir():
+        for leftover in (out_path / "snapshots").iterdir():
+            if leftover.name.startswith(".") and ".tmp-" in leftover.name:
+                shutil.rmtree(leftover, ignore_errors=True)
+    found = discover(paths, step_regex=step_regex, exclude=[out_path])
+    notes.extend(found.notes)
+    snapshots_on_disk = find_snapshots([out_path]) if snapshot_every else []
+    for acc in accumulators:
+        start = acc.previous.step if acc.previous is not None else None
+        acc.new = [c for c in found.checkpoints if start is None or c.step > start]
+        if start is not None:
+            notes.extend(_late_note(acc, found.checkpoints, start))
+        if snapshot_every:
+            assert isinstance(acc.profile, PowerProfile)
+            taken = [s.step for s in snapshots_on_disk if abs(s.gamma - acc.profile.gamma) < 1e-12]
+            acc.snapshot_steps = _snapshot_steps([c.step for c in acc.new], max(taken, default=None),
+                                                 snapshot_every)
+    plan = _plan(accumulators)
+    if dry_run or not any(acc.new for acc in accumulators):
+        steps = [acc.previous.step for acc in accumulators if acc.previous is not None]
+        up_to_date = not any(acc.new for acc in accumulators)
+        if up_to_date and not steps:
+            raise CheckpointNotFoundError(out_path, "nothing to fold")
+        return ("done", AccumulateResult(
+            out_path, min(steps) if up_to_date else max(c.step for a in accumulators for c in a.new),
+            [], up_to_date, notes, terms=_fold_terms(accumulators[0]),
+            profile="; ".join(a.profile.describe() for a in accumulators),
+            seconds=time.perf_counter() - started, plan=plan,
+            outputs=[a.final for a in accumulators],
+        ))
+    return ("fold", out_path, accumulators, selection, notes, plan)
 
 
 def _late_note(acc: _Accumulator, checkpoints: list[FoundCheckpoint], start: int) -> list[str]:
@@ -331,6 +366,7 @@ def _plan(accumulators: list[_Accumulator]) -> AveragePlan:
 
 
 def _fold(
+    group: Workers,
     out_path: Path,
     accumulators: list[_Accumulator],
     dtype: str,
@@ -341,6 +377,7 @@ def _fold(
     started: float,
     on_progress: Callable[[Progress], None] | None,
     plan: AveragePlan,
+    device: str = "cpu",
 ) -> AccumulateResult:
     active = [acc for acc in accumulators if acc.new]
     sources: list[Path] = [acc.final for acc in active if acc.previous is not None]
@@ -359,50 +396,61 @@ def _fold(
         targets.append((acc, acc.final, acc.new[-1].step))
 
     with contextlib.ExitStack() as stack:
-        readers: list[CheckpointReader] = [stack.enter_context(contextlib.closing(open_checkpoint(p)))
-                                           for p in sources]
+
+        def open_all() -> tuple[list[CheckpointReader], list[str]]:
+            readers = [stack.enter_context(contextlib.closing(open_checkpoint(p))) for p in sources]
+            keys = select_keys(readers[-1], include, exclude)
+            if not keys:
+                raise UsageError(f"{readers[-1].path}: no tensor keys left after --include/--exclude")
+            check_compatible(readers, keys, reference=len(readers) - 1)
+            for acc in active:
+                if acc.previous is not None:
+                    extra = sorted(set(readers[index[str(acc.final)]].specs()) - set(keys))
+                    if extra:
+                        raise IncompatibleCheckpointError(
+                            f"{readers[-1].path}: key {extra[0]!r} of the EMA {acc.final} is gone "
+                            "from the newest checkpoint"
+                        )
+            return readers, keys
+
+        readers, keys = group.run(open_all)
         newest = readers[-1]
-        keys = select_keys(newest, include, exclude)
-        if not keys:
-            raise UsageError(f"{newest.path}: no tensor keys left after --include/--exclude")
-        check_compatible(readers, keys, reference=len(readers) - 1)
-        for acc in active:
-            if acc.previous is not None:
-                extra = sorted(set(readers[index[str(acc.final)]].specs()) - set(keys))
-                if extra:
-                    raise IncompatibleCheckpointError(
-                        f"{newest.path}: key {extra[0]!r} of the EMA {acc.final} is gone from the newest checkpoint"
-                    )
-        stagings = [new_staging_dir(final) for _, final, _ in targets]
+        stagings = group.broadcast(
+            group.run((lambda: [new_staging_dir(final) for _, final, _ in targets]) if group.is_coordinator
+                      else lambda: None)
+        )
         try:
-            writers = [DcpWriter(s) for s in stagings]
-            stats = combine_regions(
-                readers, outputs, writers, layout_regions(newest, keys), newest.specs(),
-                copy_source=len(readers) - 1, accumulate_dtype=ACCUMULATE_DTYPES[dtype],
-                on_progress=on_progress,
-            )
             planner_data = getattr(newest, "planner_data", None)
-            for (acc, _final, step), writer, staging in zip(targets, writers, stagings, strict=True):
-                written = writer.finish(planner_data)
-                folded = [c for c in acc.new if c.step <= step]
-                Manifest(
-                    kind="ema" if step == acc.new[-1].step and _final == acc.final else "snapshot",
-                    profile=acc.profile.to_dict(),
-                    dtype=dtype,
-                    step=step,
-                    source_format=newest.format_name,
-                    checkpoints=(acc.previous.checkpoints if acc.previous else [])
-                    + [FoldedCheckpoint(str(c.path.resolve()), c.step, fingerprint(c.path)) for c in folded],
-                    selection=selection,
-                    files={f.name: {"size": f.size, "crc32": f.crc32} for f in written},
-                ).write(staging)
-            # snapshots first: a crash before the EMAs are swapped in makes the next run redo
-            # the same fold and rewrite the same snapshots, byte for byte
-            for (_acc, final, _step), staging in zip(targets, stagings, strict=True):
-                publish(staging, final)
+            written = write_dcp_outputs(
+                group, readers, outputs, stagings, layout_regions(newest, keys), newest.specs(),
+                copy_source=len(readers) - 1, accumulate_dtype=ACCUMULATE_DTYPES[dtype],
+                planner_data=planner_data, on_progress=on_progress, device=device,
+            )
+
+            def publish_all() -> None:
+                for (acc, final, step), files, staging in zip(targets, written.files, stagings, strict=True):
+                    folded = [c for c in acc.new if c.step <= step]
+                    Manifest(
+                        kind="ema" if final == acc.final else "snapshot",
+                        profile=acc.profile.to_dict(),
+                        dtype=dtype,
+                        step=step,
+                        source_format=newest.format_name,
+                        checkpoints=(acc.previous.checkpoints if acc.previous else [])
+                        + [FoldedCheckpoint(str(c.path.resolve()), c.step, fingerprint(c.path)) for c in folded],
+                        selection=selection,
+                        files={f.name: {"size": f.size, "crc32": f.crc32} for f in files},
+                    ).write(staging)
+                # snapshots first: a crash before the EMAs are swapped in makes the next run redo
+                # the same fold and rewrite the same snapshots, byte for byte
+                for (_acc, final, _step), staging in zip(targets, stagings, strict=True):
+                    publish(staging, final)
+
+            group.run(publish_all if group.is_coordinator else lambda: None)
         except BaseException:
-            for staging in stagings:
-                shutil.rmtree(staging, ignore_errors=True)
+            if group.is_coordinator:
+                for staging in stagings:
+                    shutil.rmtree(staging, ignore_errors=True)
             raise
 
     first = accumulators[0]
@@ -412,7 +460,7 @@ def _fold(
         [FoldedCheckpoint(str(c.path.resolve()), c.step, fingerprint(c.path))
          for c in sorted(folded_all.values(), key=lambda c: c.step)],
         False, notes, terms=_fold_terms(first), keys=len(keys),
-        bytes_read=stats.bytes_read, bytes_written=stats.bytes_written,
+        bytes_read=written.bytes_read, bytes_written=written.bytes_written,
         seconds=time.perf_counter() - started,
         profile="; ".join(a.profile.describe() for a in accumulators),
         outputs=[a.final for a in accumulators],

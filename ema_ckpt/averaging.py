@@ -30,14 +30,15 @@ import torch
 
 from . import planner
 from .discovery import FoundCheckpoint, discover
-from .engine import OutputSpec, Progress, Update, combine_regions, layout_regions
+from .dist import current_workers, in_worker_group, run_workers
+from .engine import OutputSpec, Progress, Update, check_device, layout_regions
+from .execute import write_dcp_outputs
 from .errors import CheckpointNotFoundError, UsageError
 from .formats import open_checkpoint
 from .formats.base import CheckpointReader
 from .fs import OutputLock, new_staging_dir, publish, recover
 from .manifest import MANIFEST_NAME, FoldedCheckpoint, Manifest, fingerprint
 from .selection import check_compatible, select_keys
-from .writers.dcp import DcpWriter
 
 ACCUMULATE_DTYPES = {"float32": torch.float32, "float64": torch.float64}
 SNAPSHOT_KIND = "snapshot"
@@ -256,68 +257,81 @@ def run_plan(
     exclude: Sequence[str] = (),
     overwrite: bool = False,
     wait_seconds: float = 0.0,
+    device: str = "cpu",
     on_progress: Callable[[Progress], None] | None = None,
 ) -> RunResult:
     """Stream the plan: each input region read once, added into every output, written out.
 
     Outputs go to ``out/<name>`` (or ``out`` itself when ``single_output``), each a DCP
-    checkpoint with a manifest, published atomically.
+    checkpoint with a manifest, published atomically. Under a worker group every rank runs
+    this with the same plan; each writes its share of the files.
     """
     started = time.perf_counter()
     if dtype not in ACCUMULATE_DTYPES:
         raise UsageError(f"--dtype must be one of {', '.join(ACCUMULATE_DTYPES)}, got {dtype!r}")
+    check_device(device)
+    group = current_workers(device)
     out = Path(out)
     finals = [out] if single_output else [out / o.name for o in plan.outputs]
     used = sorted({t.path for o in plan.outputs for t in o.terms},
                   key=lambda p: next(c.step for c in plan.inputs if str(c.path) == p))
     index = {p: i for i, p in enumerate(used)}
-    with OutputLock(out, wait_seconds=wait_seconds):
-        for final in finals:
-            recover(final)
-            if final.exists() and not overwrite:
-                raise UsageError(f"{final} exists; pass --overwrite to replace it")
-        with contextlib.ExitStack() as stack:
-            readers: list[CheckpointReader] = [
-                stack.enter_context(contextlib.closing(open_checkpoint(p))) for p in used
-            ]
+    with contextlib.ExitStack() as stack:
+
+        def prepare() -> list[Path]:
+            stack.enter_context(OutputLock(out, wait_seconds=wait_seconds))
+            for final in finals:
+                recover(final)
+                if final.exists() and not overwrite:
+                    raise UsageError(f"{final} exists; pass --overwrite to replace it")
+            return [new_staging_dir(final) for final in finals]
+
+        stagings = group.broadcast(group.run(prepare if group.is_coordinator else lambda: None))
+        try:
+
+            def open_all() -> tuple[list[CheckpointReader], list[str]]:
+                readers = [stack.enter_context(contextlib.closing(open_checkpoint(p))) for p in used]
+                keys = select_keys(readers[-1], include, exclude)
+                if not keys:
+                    raise UsageError(f"{readers[-1].path}: no tensor keys left after --include/--exclude")
+                check_compatible(readers, keys, reference=len(readers) - 1)
+                return readers, keys
+
+            readers, keys = group.run(open_all)
             newest = readers[-1]
-            keys = select_keys(newest, include, exclude)
-            if not keys:
-                raise UsageError(f"{newest.path}: no tensor keys left after --include/--exclude")
-            check_compatible(readers, keys, reference=len(readers) - 1)
             specs_out = [
                 OutputSpec(o.name, tuple(Update(index[t.path], t.coefficient) for t in
                                          sorted(o.terms, key=lambda t: index[t.path])), mode="sum")
                 for o in plan.outputs
             ]
-            stagings = [new_staging_dir(final) for final in finals]
-            try:
-                writers = [DcpWriter(s) for s in stagings]
-                stats = combine_regions(
-                    readers, specs_out, writers, layout_regions(newest, keys), newest.specs(),
-                    copy_source=len(readers) - 1, accumulate_dtype=ACCUMULATE_DTYPES[dtype],
-                    on_progress=on_progress,
-                )
-                planner_data = getattr(newest, "planner_data", None)
-                for output, writer, staging in zip(plan.outputs, writers, stagings, strict=True):
-                    written = writer.finish(planner_data)
+            written = write_dcp_outputs(
+                group, readers, specs_out, stagings, layout_regions(newest, keys), newest.specs(),
+                copy_source=len(readers) - 1, accumulate_dtype=ACCUMULATE_DTYPES[dtype],
+                planner_data=getattr(newest, "planner_data", None), on_progress=on_progress, device=device,
+            )
+
+            def publish_all() -> None:
+                for output, files, staging in zip(plan.outputs, written.files, stagings, strict=True):
                     Manifest(
                         kind=plan.kind, profile=output.profile, dtype=dtype, step=output.step,
                         source_format=newest.format_name,
                         checkpoints=[FoldedCheckpoint(str(Path(t.path).resolve()), t.step,
                                                       fingerprint(Path(t.path))) for t in output.terms],
                         selection={"include": list(include), "exclude": list(exclude)},
-                        files={f.name: {"size": f.size, "crc32": f.crc32} for f in written},
+                        files={f.name: {"size": f.size, "crc32": f.crc32} for f in files},
                         terms=[{"path": str(Path(t.path).resolve()), "step": t.step, "coefficient": t.coefficient}
                                for t in output.terms],
                     ).write(staging)
                 for staging, final in zip(stagings, finals, strict=True):
                     publish(staging, final)
-            except BaseException:
+
+            group.run(publish_all if group.is_coordinator else lambda: None)
+        except BaseException:
+            if group.is_coordinator:
                 for staging in stagings:
                     shutil.rmtree(staging, ignore_errors=True)
-                raise
-    return RunResult(plan, finals, stats.bytes_read, stats.bytes_written, time.perf_counter() - started)
+            raise
+    return RunResult(plan, finals, written.bytes_read, written.bytes_written, time.perf_counter() - started)
 
 
 def posthoc(
@@ -331,9 +345,14 @@ def posthoc(
     **options: Any,
 ) -> Plan | RunResult:
     """Post-hoc power-function EMAs (EDM2) at ``out/sigma_rel_<value>``; the plan only with ``dry_run``."""
+    workers = options.pop("workers", 1)
+    if workers > 1 and not dry_run and not in_worker_group():
+        options.pop("on_progress", None)
+        return run_workers(workers, posthoc, checkpoints, out=out, sigma_rels=sigma_rels, gammas=gammas,
+                           at_step=at_step, device=options.get("device", "cpu"), **options)
     step_regex = options.pop("step_regex", None)
-    plan = plan_posthoc(checkpoints, sigma_rels=sigma_rels, gammas=gammas, at_step=at_step,
-                        step_regex=step_regex, exclude_paths=[Path(out)])
+    plan = _coordinated(lambda: plan_posthoc(checkpoints, sigma_rels=sigma_rels, gammas=gammas, at_step=at_step,
+                        step_regex=step_regex, exclude_paths=[Path(out)]), options.get("device", "cpu"))
     return plan if dry_run else run_plan(plan, out=out, **options)
 
 
@@ -348,7 +367,21 @@ def average(
     **options: Any,
 ) -> Plan | RunResult:
     """Uniform average of the selected checkpoints into ``out``; the plan only with ``dry_run``."""
+    workers = options.pop("workers", 1)
+    if workers > 1 and not dry_run and not in_worker_group():
+        options.pop("on_progress", None)
+        return run_workers(workers, average, checkpoints, out=out, last=last, from_step=from_step,
+                           to_step=to_step, device=options.get("device", "cpu"), **options)
     step_regex = options.pop("step_regex", None)
-    plan = plan_average(checkpoints, last=last, from_step=from_step, to_step=to_step,
-                        step_regex=step_regex, exclude_paths=[Path(out)])
+    plan = _coordinated(lambda: plan_average(checkpoints, last=last, from_step=from_step, to_step=to_step,
+                                             step_regex=step_regex, exclude_paths=[Path(out)]),
+                        options.get("device", "cpu"))
     return plan if dry_run else run_plan(plan, out=out, single_output=True, **options)
+
+
+def _coordinated(make_plan: Callable[[], Plan], device: str) -> Plan:
+    """The coordinator's plan on every worker (inputs may change on disk while ranks start)."""
+    if not in_worker_group():
+        return make_plan()
+    group = current_workers(device)
+    return group.broadcast(group.run(make_plan if group.is_coordinator else lambda: None))

@@ -26,6 +26,8 @@ from typing import Literal, Protocol
 
 import torch
 
+from .dist import assign_by_bytes
+from .errors import UsageError
 from .formats.base import CheckpointReader
 from .layout import Box, TensorSpec
 
@@ -44,9 +46,11 @@ class OutputSpec:
 
     name: str
     updates: tuple[Update, ...]
-    mode: Literal["fold", "sum"] = "fold"
+    mode: Literal["fold", "sum", "copy"] = "fold"
 
     def __post_init__(self) -> None:
+        if self.mode == "copy" and len(self.updates) != 1:
+            raise ValueError(f"{self.name}: a copy takes exactly one source")
         sources = [u.source for u in self.updates]
         if sources != sorted(set(sources)):
             raise ValueError(f"{self.name}: updates must name each source once, in source order")
@@ -56,11 +60,12 @@ class OutputSpec:
 
 @dataclass(frozen=True, slots=True)
 class PlannedRegion:
-    """One region of the output layout and the rank whose file it goes to."""
+    """One region of the output layout and the file it goes to: ``__<rank>_<part>.distcp``."""
 
     key: str
     box: Box
     rank: int = 0
+    part: int = 0
 
 
 class RegionSink(Protocol):
@@ -68,7 +73,7 @@ class RegionSink(Protocol):
 
     def declare(self, key: str, shape: tuple[int, ...], dtype: torch.dtype) -> None: ...
 
-    def write(self, key: str, box: Box, tensor: torch.Tensor, *, rank: int = 0) -> None: ...
+    def write(self, key: str, box: Box, tensor: torch.Tensor, *, rank: int = 0, part: int = 0) -> None: ...
 
 
 @dataclass(slots=True)
@@ -109,6 +114,55 @@ def layout_regions(reader: CheckpointReader, keys: Sequence[str]) -> list[Planne
     return regions
 
 
+DEFAULT_FILE_BYTES = 256 << 20
+
+
+def check_device(device: str) -> None:
+    """Refuse a device this machine does not have, with one clear line."""
+    if device == "cpu":
+        return
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise UsageError(f"--device {device}: no CUDA device is available here; use --device cpu")
+        return
+    raise UsageError(f"--device must be cpu or cuda, got {device!r}")
+
+
+def split_files(
+    regions: Sequence[PlannedRegion], specs: Mapping[str, TensorSpec], max_file_bytes: int | None
+) -> list[PlannedRegion]:
+    """Give each rank's regions consecutive parts of at most ``max_file_bytes`` (input bytes).
+
+    Files are the unit workers share out, so the split depends only on the layout, never on
+    the number of workers: the output is the same bytes whatever N. ``None``: one file per rank.
+    """
+    out: list[PlannedRegion] = []
+    used: dict[int, tuple[int, int]] = {}  # rank -> (part, bytes in it)
+    for region in regions:
+        nbytes = region.box.numel * specs[region.key].dtype.itemsize
+        part, size = used.get(region.rank, (0, 0))
+        if max_file_bytes is not None and size and size + nbytes > max_file_bytes:
+            part, size = part + 1, 0
+        used[region.rank] = (part, size + nbytes)
+        out.append(PlannedRegion(region.key, region.box, region.rank, part))
+    return out
+
+
+def owned_regions(
+    regions: Sequence[PlannedRegion], specs: Mapping[str, TensorSpec], rank: int, world_size: int
+) -> list[PlannedRegion]:
+    """The regions whose files this worker writes (files balanced across workers by bytes)."""
+    if world_size == 1:
+        return list(regions)
+    files: dict[tuple[int, int], int] = {}
+    for region in regions:
+        key = (region.rank, region.part)
+        files[key] = files.get(key, 0) + region.box.numel * specs[region.key].dtype.itemsize
+    names = sorted(files)
+    owners = dict(zip(names, assign_by_bytes([files[n] for n in names], world_size), strict=True))
+    return [r for r in regions if owners[(r.rank, r.part)] == rank]
+
+
 def combine_regions(
     sources: Sequence[CheckpointReader],
     outputs: Sequence[OutputSpec],
@@ -120,6 +174,7 @@ def combine_regions(
     accumulate_dtype: torch.dtype = torch.float32,
     output_dtype: Callable[[TensorSpec], torch.dtype] | None = None,
     on_progress: Callable[[Progress], None] | None = None,
+    device: str = "cpu",
 ) -> EngineStats:
     """Stream every region through the outputs' updates and into their sinks.
 
@@ -145,13 +200,13 @@ def combine_regions(
             value = sources[copy_source].read(region.key, region.box)
             stats.bytes_read += value.numel() * value.element_size()
             for k, sink in enumerate(sinks):
-                sink.write(region.key, region.box, value, rank=region.rank)
+                sink.write(region.key, region.box, value, rank=region.rank, part=region.part)
                 stats.per_output_bytes[k] += value.numel() * value.element_size()
         else:
-            accs = _accumulate_region(sources, outputs, needed, region, accumulate_dtype, stats)
+            accs = _accumulate_region(sources, outputs, needed, region, accumulate_dtype, stats, device)
             for k, (sink, acc) in enumerate(zip(sinks, accs, strict=True)):
-                result = acc.to(out_dtype(spec))
-                sink.write(region.key, region.box, result, rank=region.rank)
+                result = acc.to(device="cpu", dtype=out_dtype(spec))
+                sink.write(region.key, region.box, result, rank=region.rank, part=region.part)
                 stats.per_output_bytes[k] += result.numel() * result.element_size()
             del accs
         stats.regions += 1
@@ -170,6 +225,7 @@ def _accumulate_region(
     region: PlannedRegion,
     dtype: torch.dtype,
     stats: EngineStats,
+    device: str = "cpu",
 ) -> list[torch.Tensor]:
     weights = [{u.source: u.weight for u in out.updates} for out in outputs]
     accs: list[torch.Tensor | None] = [None] * len(outputs)
@@ -179,7 +235,11 @@ def _accumulate_region(
             continue
         raw = sources[source].read(region.key, region.box)
         stats.bytes_read += raw.numel() * raw.element_size()
-        value = raw.to(dtype)  # raw is fresh from the reader: the last user may keep it
+        if all(outputs[k].mode == "copy" for k in users):
+            for k in users:
+                accs[k] = raw  # written as stored (or cast to the output dtype), never converted
+            continue
+        value = _to_device(raw, device, dtype)  # raw is fresh from the reader: the last user may keep it
         for n, k in enumerate(users):
             w = weights[k][source]
             acc = accs[k]
@@ -193,4 +253,15 @@ def _accumulate_region(
             else:
                 acc.add_(value, alpha=w)
         del raw, value
-    return [a if a is not None else torch.zeros(region.box.sizes, dtype=dtype) for a in accs]
+    return [a if a is not None else torch.zeros(region.box.sizes, dtype=dtype, device=device) for a in accs]
+
+
+def _to_device(raw: torch.Tensor, device: str, dtype: torch.dtype) -> torch.Tensor:
+    """``raw`` as ``dtype`` on ``device``; to a GPU through pinned memory, asynchronously.
+
+    The copy and the arithmetic queue on the GPU while the CPU goes on reading the next
+    source, so reads, transfers and compute overlap.
+    """
+    if device == "cpu":
+        return raw.to(dtype)
+    return raw.pin_memory().to(device, non_blocking=True).to(dtype)

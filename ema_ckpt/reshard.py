@@ -17,15 +17,19 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from .consolidate import OUTPUT_DTYPES, _check_not_overlapping
-from .engine import Progress
+from .dist import current_workers, in_worker_group, run_workers
+from .engine import OutputSpec, PlannedRegion, Progress, Update
 from .errors import UsageError
+from .execute import write_dcp_outputs
 from .formats import open_checkpoint
+from .formats.base import CheckpointReader
 from .fs import OutputLock, new_staging_dir, publish, recover
 from .layout import dim0_shard_boxes
 from .manifest import MANIFEST_NAME, Manifest
 from .selection import select_keys
-from .writers.dcp import DcpWriter
 
 
 @dataclass(slots=True)
@@ -51,6 +55,7 @@ def reshard(
     all_keys: bool = False,
     overwrite: bool = False,
     wait_seconds: float = 0.0,
+    workers: int = 1,
     on_progress: Callable[[Progress], None] | None = None,
 ) -> ReshardResult:
     """Write ``src`` as a DCP checkpoint sharded on dim 0 for ``world_size`` ranks.
@@ -58,6 +63,9 @@ def reshard(
     Keys are kept as they are (``model.…`` stays ``model.…``). ``all_keys`` also carries
     non-model tensors (optimizer state) instead of the model part only.
     """
+    if workers > 1 and not in_worker_group():
+        return run_workers(workers, reshard, src, world_size=world_size, out=out, dtype=dtype, include=include,
+                           exclude=exclude, all_keys=all_keys, overwrite=overwrite, wait_seconds=wait_seconds)
     started = time.perf_counter()
     src, out = Path(src), Path(out)
     if world_size < 1:
@@ -66,40 +74,50 @@ def reshard(
     if dtype is not None and dtype not in OUTPUT_DTYPES:
         raise UsageError(f"--dtype must be one of {', '.join(OUTPUT_DTYPES)}, got {dtype!r}")
     cast = OUTPUT_DTYPES.get(dtype) if dtype else None
-    with OutputLock(out, wait_seconds=wait_seconds):
-        recover(out)
-        if out.exists() and not overwrite:
-            raise UsageError(f"{out} exists; pass --overwrite to replace it")
-        with contextlib.closing(open_checkpoint(src)) as reader:
+    group = current_workers()
+    with contextlib.ExitStack() as stack:
+
+        def prepare() -> Path:
+            stack.enter_context(OutputLock(out, wait_seconds=wait_seconds))
+            recover(out)
+            if out.exists() and not overwrite:
+                raise UsageError(f"{out} exists; pass --overwrite to replace it")
+            return new_staging_dir(out)
+
+        staging = group.broadcast(group.run(prepare if group.is_coordinator else lambda: None))
+        try:
+
+            def open_source() -> tuple[CheckpointReader, list[str]]:
+                reader = stack.enter_context(contextlib.closing(open_checkpoint(src)))
+                keys = list(reader.specs()) if all_keys else select_keys(reader, include, exclude)
+                if not keys:
+                    raise UsageError(f"{src}: no tensor keys to write")
+                return reader, keys
+
+            reader, keys = group.run(open_source)
             specs = reader.specs()
-            keys = list(specs) if all_keys else select_keys(reader, include, exclude)
-            if not keys:
-                raise UsageError(f"{src}: no tensor keys to write")
-            total = sum(specs[k].nbytes for k in keys)
-            staging = new_staging_dir(out)
-            try:
-                writer = DcpWriter(staging)
-                done = 0
-                for key in keys:
-                    spec = specs[key]
-                    target = cast if cast is not None and spec.is_float else spec.dtype
-                    writer.declare(key, spec.shape, target)
-                    for rank, box in enumerate(dim0_shard_boxes(spec.shape, world_size)):
-                        part = reader.read(key, box)
-                        writer.write(key, box, part.to(target), rank=rank)
-                        done += part.numel() * part.element_size()
-                        if on_progress is not None:
-                            on_progress(Progress(done, total, 0, 0, key))
-                        del part
-                written = writer.finish(getattr(reader, "planner_data", None))
+            regions = [PlannedRegion(key, box, rank) for key in keys
+                       for rank, box in enumerate(dim0_shard_boxes(specs[key].shape, world_size))]
+            written = write_dcp_outputs(
+                group, [reader], [OutputSpec("reshard", (Update(0, 1.0),), mode="copy")], [staging], regions,
+                specs, copy_source=0, accumulate_dtype=torch.float32,
+                output_dtype=lambda spec: cast if cast is not None and spec.is_float else spec.dtype,
+                planner_data=getattr(reader, "planner_data", None), max_file_bytes=None,
+                on_progress=on_progress,
+            )
+
+            def publish_all() -> None:
                 manifest = Manifest.read(src) if src.is_dir() and (src / MANIFEST_NAME).exists() else None
                 if manifest is not None:
-                    manifest.files = {f.name: {"size": f.size, "crc32": f.crc32} for f in written}
+                    manifest.files = {f.name: {"size": f.size, "crc32": f.crc32} for f in written.files[0]}
                     manifest.write(staging)
                 publish(staging, out)
-            except BaseException:
+
+            group.run(publish_all if group.is_coordinator else lambda: None)
+        except BaseException:
+            if group.is_coordinator:
                 shutil.rmtree(staging, ignore_errors=True)
-                raise
-    files = [(f.name, f.size) for f in written]
+            raise
+    files = [(f.name, f.size) for f in written.files[0]] if written.files else []
     return ReshardResult(out, world_size, len(keys), files, sum(s for _, s in files),
                          time.perf_counter() - started)

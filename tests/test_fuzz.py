@@ -165,7 +165,8 @@ def _walk(obj: Any, path: Path_ = (), depth: int = 0) -> Iterator[Path_]:
         return
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         for f in dataclasses.fields(obj):
-            yield from _walk(getattr(obj, f.name), (*path, ("attr", f.name)), depth + 1)
+            if hasattr(obj, f.name):  # an earlier edit may have deleted it
+                yield from _walk(getattr(obj, f.name), (*path, ("attr", f.name)), depth + 1)
     elif isinstance(obj, dict):
         for key, value in list(obj.items()):
             yield (*path, ("key", key))

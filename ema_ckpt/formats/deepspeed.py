@@ -47,7 +47,7 @@ import torch
 
 from ..errors import CheckpointFormatError, CheckpointNotFoundError, UnsafePickleError
 from ..layout import Box, TensorSpec
-from ._ds_unpickle import load_ds_file, pages_releasable, release_pages
+from ._ds_unpickle import load_ds_file, new_buffer, pages_releasable, release_pages
 from .base import CheckpointFormat, register_format
 
 __all__ = [
@@ -367,7 +367,7 @@ class DeepSpeedReader:
             raise ValueError(f"{key}: box {box} has {len(box.sizes)} dims, tensor has {len(shape)}")
         if any(o < 0 or s < 0 or o + s > d for o, s, d in zip(box.offsets, box.sizes, shape, strict=True)):
             raise ValueError(f"{key}: box {box} is outside shape {shape}")
-        out = torch.empty(box.sizes, dtype=spec.dtype)
+        out = new_buffer(box.sizes, spec.dtype)
         if out.numel() == 0:
             return out
         if entry.tensor is not None:
@@ -382,7 +382,7 @@ class DeepSpeedReader:
         if hi - lo == out.numel():  # the box is one contiguous run (rows, or a whole tensor)
             self._gather(entry, lo, hi, out.view(-1))
             return out
-        span = torch.empty(hi - lo, dtype=entry.pieces[0].src.dtype if entry.pieces else spec.dtype)
+        span = new_buffer((hi - lo,), entry.pieces[0].src.dtype if entry.pieces else spec.dtype)
         self._gather(entry, lo, hi, span)
         out.copy_(span.as_strided(box.sizes, strides))
         return out

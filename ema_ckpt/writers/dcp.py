@@ -69,6 +69,30 @@ class WrittenFile:
     crc32: int
 
 
+@dataclass
+class WriterState:
+    """What one writer (one worker) wrote: enough for the coordinator to write ``.metadata``."""
+
+    entries: dict[str, tuple[tuple[int, ...], torch.dtype]] = field(default_factory=dict)
+    boxes: dict[str, list[Box]] = field(default_factory=dict)
+    storage: dict[tuple[str, tuple[int, ...]], tuple[str, int, int]] = field(default_factory=dict)
+    blobs: dict[str, tuple[str, int, int]] = field(default_factory=dict)
+    files: list[WrittenFile] = field(default_factory=list)
+
+
+def data_file_name(rank: int, part: int = 0) -> str:
+    """``__<rank>_<part>.distcp``: rank's chunks, split in parts of bounded size."""
+    return f"__{rank}_{part}.distcp"
+
+
+def _file_sort_key(name: str) -> tuple[int, int, str]:
+    parts = name.removeprefix("__").removesuffix(".distcp").split("_")
+    try:
+        return int(parts[0]), int(parts[1]), name
+    except (IndexError, ValueError):
+        return (1 << 62, 0, name)
+
+
 class DcpWriter:
     """Writes a DCP checkpoint directory chunk by chunk (see the module docstring)."""
 
@@ -78,25 +102,25 @@ class DcpWriter:
         self._entries: dict[str, _Entry] = {}
         self._bytes: dict[str, tuple[str, int, int]] = {}
         self._storage: dict[tuple[str, tuple[int, ...]], tuple[str, int, int]] = {}
-        self._handles: dict[int, tuple[IO[bytes], _ChecksumFile]] = {}
+        self._handles: dict[str, tuple[IO[bytes], _ChecksumFile]] = {}
         self.files: list[WrittenFile] = []
 
     def declare(self, key: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:
-        """Announce a tensor key before its chunks are written."""
-        self._entries[key] = _Entry(tuple(shape), dtype)
+        """Announce a tensor key before its chunks are written (again: no effect)."""
+        if key not in self._entries:
+            self._entries[key] = _Entry(tuple(shape), dtype)
 
-    def _file(self, rank: int) -> _ChecksumFile:
-        if rank not in self._handles:
-            name = f"__{rank}_0.distcp"
+    def _file(self, name: str) -> _ChecksumFile:
+        if name not in self._handles:
             try:
                 handle = open(self.path / name, "wb")  # noqa: SIM115 (closed in finish/abort)
             except OSError as err:
                 raise OutputError(f"{self.path / name}: cannot create ({err.strerror})") from None
-            self._handles[rank] = (handle, _ChecksumFile(handle))
-        return self._handles[rank][1]
+            self._handles[name] = (handle, _ChecksumFile(handle))
+        return self._handles[name][1]
 
-    def write(self, key: str, box: Box, tensor: torch.Tensor, *, rank: int = 0) -> None:
-        """Append one chunk of ``key`` (``tensor`` holds exactly ``box``) to rank's file."""
+    def write(self, key: str, box: Box, tensor: torch.Tensor, *, rank: int = 0, part: int = 0) -> None:
+        """Append one chunk of ``key`` (``tensor`` holds exactly ``box``) to ``__<rank>_<part>.distcp``."""
         entry = self._entries[key]
         if tuple(tensor.shape) != box.sizes or tensor.dtype != entry.dtype:
             raise ValueError(f"{key}: chunk {tuple(tensor.shape)} {tensor.dtype} does not match {box}")
@@ -110,34 +134,58 @@ class DcpWriter:
             or tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size()
         ):
             tensor = tensor.clone(memory_format=torch.contiguous_format)
-        out = self._file(rank)
+        name = data_file_name(rank, part)
+        out = self._file(name)
         start = out.tell()
         try:
             torch.save(tensor.detach().cpu(), out)  # type: ignore[arg-type]
         except OSError as err:
             raise OutputError(f"{self.path}: write failed ({err.strerror})") from None
-        self._storage[(key, box.offsets)] = (f"__{rank}_0.distcp", start, out.tell() - start)
+        self._storage[(key, box.offsets)] = (name, start, out.tell() - start)
         entry.boxes.append(box)
 
-    def write_bytes(self, key: str, record: bytes, *, rank: int = 0) -> None:
+    def write_bytes(self, key: str, record: bytes, *, rank: int = 0, part: int = 0) -> None:
         """Copy a non-tensor entry's stored record verbatim."""
-        out = self._file(rank)
+        name = data_file_name(rank, part)
+        out = self._file(name)
         start = out.tell()
         out.write(record)
-        self._bytes[key] = (f"__{rank}_0.distcp", start, len(record))
+        self._bytes[key] = (name, start, len(record))
 
-    def finish(self, planner_data: dict[str, tuple[str, ...]] | None = None) -> list[WrittenFile]:
-        """Flush and fsync every data file, then write ``.metadata`` and fsync the directory."""
+    def close(self) -> WriterState:
+        """Flush, fsync and close this writer's data files; what it wrote, for the coordinator."""
+        try:
+            for name, (handle, counted) in sorted(self._handles.items()):
+                handle.flush()
+                os.fsync(handle.fileno())
+                handle.close()
+                self.files.append(WrittenFile(name, counted.position, counted.crc32))
+        except OSError as err:
+            raise OutputError(f"{self.path}: write failed ({err.strerror})") from None
+        self._handles.clear()
+        return WriterState(
+            entries={k: (e.shape, e.dtype) for k, e in self._entries.items()},
+            boxes={k: list(e.boxes) for k, e in self._entries.items()},
+            storage=dict(self._storage), blobs=dict(self._bytes), files=list(self.files),
+        )
+
+    def finish(
+        self,
+        planner_data: dict[str, tuple[str, ...]] | None = None,
+        others: list[WriterState] | tuple[WriterState, ...] = (),
+        key_order: list[str] | None = None,
+    ) -> list[WrittenFile]:
+        """Close, merge the other workers' states, write ``.metadata`` last, fsync the directory.
+
+        ``key_order`` fixes the order of keys in the metadata (the layout order), so the
+        bytes do not depend on how many workers shared the work.
+        """
+        own = self.close()
+        self._merge([own, *others], key_order)
         for key, entry in self._entries.items():
             if not boxes_cover(entry.shape, entry.boxes):
                 raise ValueError(f"{key}: written chunks do not cover shape {list(entry.shape)}")
         try:
-            for rank, (handle, counted) in sorted(self._handles.items()):
-                handle.flush()
-                os.fsync(handle.fileno())
-                handle.close()
-                self.files.append(WrittenFile(f"__{rank}_0.distcp", counted.position, counted.crc32))
-            self._handles.clear()
             metadata = self._metadata(planner_data)
             tmp = self.path / (METADATA_FILE + ".tmp")
             with open(tmp, "wb") as handle:
@@ -149,6 +197,24 @@ class DcpWriter:
         except OSError as err:
             raise OutputError(f"{self.path}: write failed ({err.strerror})") from None
         return self.files
+
+    def _merge(self, states: list[WriterState], key_order: list[str] | None) -> None:
+        entries: dict[str, _Entry] = {}
+        for state in states:
+            for key, (shape, dtype) in state.entries.items():
+                entries.setdefault(key, _Entry(shape, dtype))
+        for state in states:
+            for key, boxes in state.boxes.items():
+                entries[key].boxes.extend(boxes)
+            self._storage.update(state.storage)
+            self._bytes.update(state.blobs)
+        for entry in entries.values():
+            entry.boxes.sort(key=lambda b: b.offsets)
+        known = set(key_order or [])
+        order = [k for k in (key_order or []) if k in entries] + [k for k in entries if k not in known]
+        self._entries = {k: entries[k] for k in order}
+        files = {f.name: f for state in states for f in state.files}
+        self.files = [files[name] for name in sorted(files, key=_file_sort_key)]
 
     def abort(self) -> None:
         """Close open files without writing metadata."""

@@ -1,0 +1,96 @@
+"""Run the engine on this worker's share of the regions and assemble DCP outputs.
+
+The glue between :mod:`ema_ckpt.engine` (the loop over data), :mod:`ema_ckpt.dist` (who
+does which files) and :mod:`ema_ckpt.writers.dcp` (records and metadata): every worker
+writes its own data files into the shared staging directories; the coordinator gathers what
+each wrote and writes ``.metadata`` last.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .dist import Workers
+from .engine import (
+    DEFAULT_FILE_BYTES,
+    EngineStats,
+    OutputSpec,
+    PlannedRegion,
+    Progress,
+    combine_regions,
+    owned_regions,
+    split_files,
+)
+from .formats.base import CheckpointReader
+from .layout import TensorSpec
+from .writers.dcp import DcpWriter, WrittenFile
+
+
+@dataclass(slots=True)
+class WrittenOutputs:
+    """Files of each output (filled on the coordinator) and totals over all workers."""
+
+    files: list[list[WrittenFile]] = field(default_factory=list)
+    bytes_read: int = 0
+    bytes_written: int = 0
+
+
+def write_dcp_outputs(
+    workers: Workers,
+    sources: Sequence[CheckpointReader],
+    outputs: Sequence[OutputSpec],
+    stagings: Sequence[Path],
+    regions: Sequence[PlannedRegion],
+    specs: Mapping[str, TensorSpec],
+    *,
+    copy_source: int,
+    accumulate_dtype: torch.dtype,
+    planner_data: dict[str, tuple[str, ...]] | None,
+    output_dtype: Callable[[TensorSpec], torch.dtype] | None = None,
+    max_file_bytes: int | None = DEFAULT_FILE_BYTES,
+    on_progress: Callable[[Progress], None] | None = None,
+    device: str = "cpu",
+) -> WrittenOutputs:
+    """Compute every output region this worker owns, write it, and (coordinator) the metadata."""
+    regions = split_files(regions, specs, max_file_bytes)
+    mine = owned_regions(regions, specs, workers.rank, workers.world_size)
+    key_order = list(dict.fromkeys(r.key for r in regions))
+    writers = [DcpWriter(s) for s in stagings]
+
+    def compute() -> tuple[list, EngineStats]:
+        stats = combine_regions(
+            sources, outputs, writers, mine, specs, copy_source=copy_source,
+            accumulate_dtype=accumulate_dtype, output_dtype=output_dtype, on_progress=on_progress,
+            device=device,
+        )
+        # keys no region of this worker touched still need declaring on the coordinator
+        return [w.close() for w in writers], stats
+
+    try:
+        states, stats = workers.run(compute)
+    except BaseException:
+        for writer in writers:
+            writer.abort()
+        raise
+    gathered = workers.all_gather((states, stats.bytes_read, stats.bytes_written))
+    result = WrittenOutputs(bytes_read=sum(g[1] for g in gathered), bytes_written=sum(g[2] for g in gathered))
+    if workers.is_coordinator:
+        out_dtype = output_dtype or (lambda spec: accumulate_dtype if spec.is_float else spec.dtype)
+
+        def finish() -> list[list[WrittenFile]]:
+            files = []
+            for k, writer in enumerate(writers):
+                for key in key_order:  # declare every key, even those only peers wrote
+                    writer.declare(key, specs[key].shape, out_dtype(specs[key]))
+                others = [g[0][k] for rank, g in enumerate(gathered) if rank != workers.rank]
+                files.append(writer.finish(planner_data, others=others, key_order=key_order))
+            return files
+
+        result.files = workers.run(finish)
+    else:
+        workers.run(lambda: None)
+    return result
