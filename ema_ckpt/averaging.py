@@ -349,7 +349,7 @@ def posthoc(
     if workers > 1 and not dry_run and not in_worker_group():
         options.pop("on_progress", None)
         return run_workers(workers, posthoc, checkpoints, out=out, sigma_rels=sigma_rels, gammas=gammas,
-                           at_step=at_step, device=options.get("device", "cpu"), **options)
+                           at_step=at_step, **options)
     step_regex = options.pop("step_regex", None)
     plan = _coordinated(lambda: plan_posthoc(checkpoints, sigma_rels=sigma_rels, gammas=gammas, at_step=at_step,
                         step_regex=step_regex, exclude_paths=[Path(out)]), options.get("device", "cpu"))
@@ -371,7 +371,7 @@ def average(
     if workers > 1 and not dry_run and not in_worker_group():
         options.pop("on_progress", None)
         return run_workers(workers, average, checkpoints, out=out, last=last, from_step=from_step,
-                           to_step=to_step, device=options.get("device", "cpu"), **options)
+                           to_step=to_step, **options)
     step_regex = options.pop("step_regex", None)
     plan = _coordinated(lambda: plan_average(checkpoints, last=last, from_step=from_step, to_step=to_step,
                                              step_regex=step_regex, exclude_paths=[Path(out)]),

@@ -23,6 +23,7 @@ from typing import Literal
 
 import torch
 
+from .dist import assign_by_bytes, current_workers, in_worker_group, run_workers
 from .engine import Progress
 from .errors import OutputError, UsageError
 from .formats import open_checkpoint
@@ -30,7 +31,7 @@ from .formats.base import CheckpointReader
 from .fs import OutputLock, fsync_dir, new_staging_dir, publish, recover
 from .layout import Box, TensorSpec, row_blocks
 from .selection import select_keys, strip_model_prefix
-from .writers.safetensors import SafetensorsFileWriter, plan_shards, shard_file_names, write_index
+from .writers.safetensors import INDEX_NAME, SafetensorsFileWriter, plan_shards, shard_file_names, write_index
 from .writers.torch_file import TorchFileWriter
 
 OUTPUT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
@@ -101,6 +102,7 @@ def consolidate(
     exclude: Sequence[str] = (),
     overwrite: bool = False,
     wait_seconds: float = 0.0,
+    workers: int = 1,
     on_progress: Callable[[Progress], None] | None = None,
 ) -> ConsolidateResult:
     """Stream the checkpoint at ``src`` into one loadable file or an HF sharded folder.
@@ -113,7 +115,13 @@ def consolidate(
         keep_prefix: keep the ``model.`` prefix of a DCP ``{"model": …}`` checkpoint.
         include, exclude: glob patterns on the source keys.
         overwrite: replace an existing output.
+        workers: write the shards of a directory output in N processes (a single-file
+            output is written by one of them).
     """
+    if workers > 1 and not in_worker_group():
+        return run_workers(workers, consolidate, src, out, max_shard_size=max_shard_size, dtype=dtype,
+                           keep_prefix=keep_prefix, include=include, exclude=exclude, overwrite=overwrite,
+                           wait_seconds=wait_seconds)
     started = time.perf_counter()
     src, out = Path(src), Path(out)
     _check_not_overlapping(src, out)
@@ -122,23 +130,44 @@ def consolidate(
     if dtype is not None and dtype not in OUTPUT_DTYPES:
         raise UsageError(f"--dtype must be one of {', '.join(OUTPUT_DTYPES)}, got {dtype!r}")
     cast = OUTPUT_DTYPES.get(dtype) if dtype else None
-    with OutputLock(out, wait_seconds=wait_seconds):
-        recover(out)
-        if out.exists() and not overwrite:
-            raise UsageError(f"{out} exists; pass --overwrite to replace it")
-        with contextlib.closing(open_checkpoint(src)) as reader:
+    group = current_workers()
+    with contextlib.ExitStack() as stack:
+
+        def prepare() -> Path | None:
+            stack.enter_context(OutputLock(out, wait_seconds=wait_seconds))
+            recover(out)
+            if out.exists() and not overwrite:
+                raise UsageError(f"{out} exists; pass --overwrite to replace it")
+            return new_staging_dir(out) if layout == "hf-sharded" else None
+
+        staging = group.broadcast(group.run(prepare if group.is_coordinator else lambda: None))
+
+        def open_source() -> tuple[CheckpointReader, list[str]]:
+            reader = stack.enter_context(contextlib.closing(open_checkpoint(src)))
             keys = select_keys(reader, include, exclude)
             if not keys:
                 raise UsageError(f"{src}: no tensor keys to write")
+            return reader, keys
+
+        try:
+            reader, keys = group.run(open_source)
             names = {k: k for k in keys} if keep_prefix else strip_model_prefix(keys)
             specs = reader.specs()
             out_dtype = {k: (cast if cast is not None and specs[k].is_float else specs[k].dtype) for k in keys}
             result = ConsolidateResult(out, layout, keys=len(keys))
             progress = _ProgressCounter(sum(specs[k].nbytes for k in keys), on_progress)
             if layout == "hf-sharded":
-                _write_sharded(reader, keys, names, out_dtype, out, shard_bytes, result, progress)
+                assert staging is not None
+                _write_sharded(group, reader, keys, names, out_dtype, out, staging, shard_bytes, result, progress)
             else:
-                _write_single(reader, keys, names, out_dtype, out, layout, result, progress)
+                group.run(
+                    (lambda: _write_single(reader, keys, names, out_dtype, out, layout, result, progress))
+                    if group.is_coordinator else lambda: None
+                )
+        except BaseException:
+            if staging is not None and group.is_coordinator:
+                shutil.rmtree(staging, ignore_errors=True)
+            raise
     result.bytes_written = sum(size for _, size in result.files)
     result.seconds = time.perf_counter() - started
     return result
@@ -203,22 +232,31 @@ def _write_single(reader, keys, names, out_dtype, out: Path, layout: str, result
     result.files.append((out.name, size))
 
 
-def _write_sharded(reader, keys, names, out_dtype, out: Path, shard_bytes: int, result, progress) -> None:
+def _write_sharded(group, reader, keys, names, out_dtype, out: Path, staging: Path, shard_bytes: int,
+                   result, progress) -> None:
     specs = reader.specs()
     sizes = [(k, specs[k].numel * out_dtype[k].itemsize) for k in keys]
     shards = plan_shards(sizes, shard_bytes)
     files = shard_file_names(len(shards))
-    staging = new_staging_dir(out)
-    try:
-        weight_map: dict[str, str] = {}
-        for shard, name in zip(shards, files, strict=True):
-            size = _stream_safetensors(reader, shard, names, out_dtype, staging / name, progress)
-            result.files.append((name, size))
-            weight_map.update({names[k]: name for k in shard})
+    lookup = dict(sizes)
+    owners = assign_by_bytes([sum(lookup[k] for k in shard) for shard in shards], group.world_size)
+
+    def write_mine() -> list[tuple[str, int]]:
+        written = []
+        for shard, name, owner in zip(shards, files, owners, strict=True):
+            if owner == group.rank:
+                written.append((name, _stream_safetensors(reader, shard, names, out_dtype, staging / name, progress)))
+        return written
+
+    mine = group.run(write_mine)
+    everything = dict(pair for part in group.all_gather(mine) for pair in part)
+
+    def finish() -> None:
+        result.files.extend((name, everything[name]) for name in files)
         if len(files) > 1:
+            weight_map = {names[k]: name for shard, name in zip(shards, files, strict=True) for k in shard}
             write_index(staging, weight_map, sum(n for _, n in sizes))
-            result.files.append(("model.safetensors.index.json", (staging / "model.safetensors.index.json").stat().st_size))
+            result.files.append((INDEX_NAME, (staging / INDEX_NAME).stat().st_size))
         publish(staging, out)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+
+    group.run(finish if group.is_coordinator else lambda: None)

@@ -170,7 +170,7 @@ def _worker_main(rank: int, world: int, port: int, device: str, func: Callable[.
             dist.destroy_process_group()
 
 
-def run_workers(world_size: int, func: Callable[..., T], *args: Any, device: str = "cpu", **kwargs: Any) -> T:
+def run_workers(world_size: int, func: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
     """Run ``func(*args, **kwargs)`` on ``world_size`` local processes; rank 0's result.
 
     Each process sees RANK/WORLD_SIZE in its environment, so ``func`` joins the group through
@@ -182,6 +182,7 @@ def run_workers(world_size: int, func: Callable[..., T], *args: Any, device: str
         return func(*args, **kwargs)
     import torch.multiprocessing as mp
 
+    device = str(kwargs.get("device", "cpu"))
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     port = free_port()

@@ -91,6 +91,38 @@ def crash_signature(err: BaseException) -> tuple[str, str, str]:
     return type(err).__name__, name, frame.name
 
 
+def _vm_bytes() -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmSize:"):
+                return int(line.split()[1]) * 1024
+    raise OSError("no VmSize")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _bounded_memory() -> Iterator[None]:
+    """Address space capped at 4 GiB above the current size while fuzzing.
+
+    A reader that allocates gigabytes for a tiny input (say, from a huge number in a
+    header) then fails with MemoryError here instead of taking the machine down.
+    """
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+        limit = _vm_bytes() + (4 << 30)
+    except (ImportError, OSError, ValueError):
+        yield
+        return
+    if hard != resource.RLIM_INFINITY:
+        limit = min(limit, hard)
+    resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+
+
 def _disk_bytes(path: Path) -> int:
     files = [p for p in path.rglob("*") if p.is_file()] if path.is_dir() else [path]
     return sum(p.stat().st_size for p in files)

@@ -29,3 +29,9 @@ ExcludeOpt = Annotated[
     typer.Option("--exclude", metavar="GLOB", help="Skip keys matching GLOB (repeatable)."),
 ]
 OverwriteOpt = Annotated[bool, typer.Option("--overwrite", help="Replace an existing output (atomically).")]
+WorkersOpt = Annotated[
+    int,
+    typer.Option("--workers", "-j", min=1, metavar="N",
+                 help="Split the work over N processes (torch.distributed; under torchrun, its group)."),
+]
+DeviceOpt = Annotated[str, typer.Option("--device", help="Where the arithmetic runs: cpu or cuda.")]

@@ -7,6 +7,7 @@ Progress bars show only on an interactive terminal and never with ``--json`` or
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -24,12 +25,16 @@ from rich.progress import (
 
 from ..engine import Progress as EngineProgress
 
-console = Console(soft_wrap=True)
-err_console = Console(stderr=True, soft_wrap=True)
+# Under torchrun every rank runs the command; only rank 0 speaks.
+_PRIMARY = os.environ.get("RANK", "0") == "0"
+console = Console(soft_wrap=True, quiet=not _PRIMARY)
+err_console = Console(stderr=True, soft_wrap=True, quiet=not _PRIMARY)
 
 
 def print_json(data: Any) -> None:
     """One JSON document on stdout."""
+    if not _PRIMARY:
+        return
     sys.stdout.write(json.dumps(data, indent=2, default=str) + "\n")
     sys.stdout.flush()
 

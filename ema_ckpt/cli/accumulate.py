@@ -10,7 +10,7 @@ import typer
 
 from ..accumulate import accumulate
 from ._errors import reports_errors
-from ._options import ExcludeOpt, IncludeOpt, JsonOpt, QuietOpt, StepRegexOpt, WaitOpt
+from ._options import DeviceOpt, WorkersOpt, ExcludeOpt, IncludeOpt, JsonOpt, QuietOpt, StepRegexOpt, WaitOpt
 from ._output import console, human_bytes, note, print_json, progress_bar
 from ._plan import render_plan
 
@@ -57,6 +57,8 @@ def accumulate_command(
     restart: Annotated[bool, typer.Option("--restart", help="Start over if the EMA at --out has other settings.")] = False,
     wait: WaitOpt = 0.0,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Show the plan (coefficients); read no tensor.")] = False,
+    workers: WorkersOpt = 1,
+    device: DeviceOpt = "cpu",
     json_output: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
@@ -66,7 +68,8 @@ def accumulate_command(
             checkpoints, decay=decay, half_life=half_life, per_checkpoint=per_checkpoint, warmup=warmup,
             sigma_rels=sigma_rel or (), gammas=gamma or (), snapshot_every=snapshot_every,
             out=out, dtype=dtype, include=include or (), exclude=exclude or (), step_regex=step_regex,
-            restart=restart, wait_seconds=wait, dry_run=dry_run, on_progress=on_progress,
+            restart=restart, wait_seconds=wait, dry_run=dry_run, workers=workers, device=device,
+            on_progress=on_progress,
         )
     if dry_run:
         assert result.plan is not None

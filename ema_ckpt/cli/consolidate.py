@@ -9,7 +9,7 @@ import typer
 
 from ..consolidate import consolidate
 from ._errors import reports_errors
-from ._options import ExcludeOpt, IncludeOpt, JsonOpt, OverwriteOpt, QuietOpt, WaitOpt
+from ._options import WorkersOpt, ExcludeOpt, IncludeOpt, JsonOpt, OverwriteOpt, QuietOpt, WaitOpt
 from ._output import console, human_bytes, print_json, progress_bar
 
 EPILOG = """\
@@ -40,6 +40,7 @@ def consolidate_command(
     exclude: ExcludeOpt = None,
     overwrite: OverwriteOpt = False,
     wait: WaitOpt = 0.0,
+    workers: WorkersOpt = 1,
     json_output: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
@@ -47,7 +48,7 @@ def consolidate_command(
     with progress_bar("consolidate", enabled=not (quiet or json_output)) as on_progress:
         result = consolidate(
             src, out, max_shard_size=max_shard_size, dtype=dtype, keep_prefix=keep_prefix,
-            include=include or (), exclude=exclude or (), overwrite=overwrite, wait_seconds=wait,
+            include=include or (), exclude=exclude or (), overwrite=overwrite, wait_seconds=wait, workers=workers,
             on_progress=on_progress,
         )
     if json_output:

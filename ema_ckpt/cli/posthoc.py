@@ -10,7 +10,7 @@ import typer
 from ..averaging import Plan, average, posthoc
 from ..errors import UsageError
 from ._errors import reports_errors
-from ._options import ExcludeOpt, IncludeOpt, JsonOpt, OverwriteOpt, QuietOpt, StepRegexOpt, WaitOpt
+from ._options import DeviceOpt, WorkersOpt, ExcludeOpt, IncludeOpt, JsonOpt, OverwriteOpt, QuietOpt, StepRegexOpt, WaitOpt
 from ._output import console, human_bytes, print_json, progress_bar
 from ._plan import render_plan
 
@@ -70,6 +70,8 @@ def posthoc_command(
     overwrite: OverwriteOpt = False,
     wait: WaitOpt = 0.0,
     dry_run: DryRunOpt = False,
+    workers: WorkersOpt = 1,
+    device: DeviceOpt = "cpu",
     json_output: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
@@ -78,7 +80,7 @@ def posthoc_command(
         raise UsageError("--out is required (unless --dry-run)")
     with progress_bar("posthoc", enabled=not (quiet or json_output or dry_run)) as on_progress:
         result = posthoc(checkpoints, out=out or Path("posthoc"), sigma_rels=sigma_rel or (), gammas=gamma or (),
-                         at_step=at_step, dry_run=dry_run, dtype=dtype, include=include or (),
+                         at_step=at_step, dry_run=dry_run, dtype=dtype, include=include or (), workers=workers, device=device,
                          exclude=exclude or (), step_regex=step_regex, overwrite=overwrite,
                          wait_seconds=wait, on_progress=on_progress)
     _finish(result, json_output, quiet)
@@ -98,6 +100,8 @@ def average_command(
     overwrite: OverwriteOpt = False,
     wait: WaitOpt = 0.0,
     dry_run: DryRunOpt = False,
+    workers: WorkersOpt = 1,
+    device: DeviceOpt = "cpu",
     json_output: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
@@ -106,7 +110,7 @@ def average_command(
         raise UsageError("--out is required (unless --dry-run)")
     with progress_bar("average", enabled=not (quiet or json_output or dry_run)) as on_progress:
         result = average(checkpoints, out=out or Path("average"), last=last, from_step=from_step,
-                         to_step=to_step, dry_run=dry_run, dtype=dtype, include=include or (),
+                         to_step=to_step, dry_run=dry_run, dtype=dtype, include=include or (), workers=workers, device=device,
                          exclude=exclude or (), step_regex=step_regex, overwrite=overwrite,
                          wait_seconds=wait, on_progress=on_progress)
     _finish(result, json_output, quiet)

@@ -9,7 +9,7 @@ import typer
 
 from ..reshard import reshard
 from ._errors import reports_errors
-from ._options import ExcludeOpt, IncludeOpt, JsonOpt, OverwriteOpt, QuietOpt, WaitOpt
+from ._options import WorkersOpt, ExcludeOpt, IncludeOpt, JsonOpt, OverwriteOpt, QuietOpt, WaitOpt
 from ._output import console, human_bytes, print_json, progress_bar
 
 EPILOG = """\
@@ -32,13 +32,14 @@ def reshard_command(
     exclude: ExcludeOpt = None,
     overwrite: OverwriteOpt = False,
     wait: WaitOpt = 0.0,
+    workers: WorkersOpt = 1,
     json_output: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
     """Write SRC as a DCP checkpoint sharded on dim 0 like FSDP2, one file per rank."""
     with progress_bar("reshard", enabled=not (quiet or json_output)) as on_progress:
         result = reshard(src, world_size=world_size, out=out, dtype=dtype, include=include or (),
-                         exclude=exclude or (), all_keys=all_keys, overwrite=overwrite, wait_seconds=wait,
+                         exclude=exclude or (), all_keys=all_keys, overwrite=overwrite, wait_seconds=wait, workers=workers,
                          on_progress=on_progress)
     if json_output:
         print_json({"out": str(result.out), "world_size": result.world_size, "keys": result.keys,

@@ -36,7 +36,6 @@ import sys
 import threading
 import warnings
 import zipfile
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +50,6 @@ __all__ = [
     "ZeroStageEnum",
     "fragment_address",
     "load_ds_file",
-    "new_buffer",
     "pages_releasable",
     "release_pages",
 ]
@@ -234,38 +232,6 @@ def release_pages(t: torch.Tensor) -> None:
     lo = start - start % _PAGE
     hi = end + (-end) % _PAGE
     _madvise(lo, hi - lo, mmap.MADV_DONTNEED)
-
-
-_HUGE = 2 << 20
-_MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", 14)
-_MADV_POPULATE_WRITE = 23  # Linux 5.14+; older kernels answer EINVAL, which is ignored
-_PREPARE_MIN_BYTES = 4 << 20
-
-
-def new_buffer(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-    """``torch.empty(shape, dtype)``, its pages made present up front when it is large (Linux).
-
-    Each read hands out a fresh tensor, and a fresh multi-MiB allocation is fresh pages from
-    the kernel, one fault per 4 KiB page as the copy first touches them: on virtual machines
-    that costs as much as the copy itself. Asking for transparent huge pages on the 2 MiB-aligned
-    inside of the buffer (``MADV_HUGEPAGE``) and faulting it in with one call
-    (``MADV_POPULATE_WRITE``) does the same work in far fewer, larger steps. Both calls only
-    advise on this buffer's own pages and change no byte of it; if either is refused (an older
-    kernel, THP disabled) the buffer is an ordinary one.
-    """
-    out = torch.empty(tuple(shape), dtype=dtype)
-    nbytes = out.numel() * out.element_size()
-    if _madvise is None or nbytes < _PREPARE_MIN_BYTES:
-        return out
-    start = out.data_ptr()
-    end = start + nbytes
-    lo, hi = -(-start // _HUGE) * _HUGE, end // _HUGE * _HUGE
-    if hi > lo:
-        _madvise(lo, hi - lo, _MADV_HUGEPAGE)
-    lo, hi = -(-start // _PAGE) * _PAGE, end // _PAGE * _PAGE
-    if hi > lo:
-        _madvise(lo, hi - lo, _MADV_POPULATE_WRITE)
-    return out
 
 
 def _first_line(message: str) -> str:

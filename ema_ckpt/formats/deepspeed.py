@@ -47,7 +47,7 @@ import torch
 
 from ..errors import CheckpointFormatError, CheckpointNotFoundError, UnsafePickleError
 from ..layout import Box, TensorSpec
-from ._ds_unpickle import load_ds_file, new_buffer, pages_releasable, release_pages
+from ._ds_unpickle import load_ds_file, pages_releasable, release_pages
 from .base import CheckpointFormat, register_format
 
 __all__ = [
@@ -70,6 +70,7 @@ _UNSUPPORTED_FILES = (
     (re.compile(r"^expp_rank_\d+_.*optim_states\.pt$"), "MoE expert-parallel optimizer files"),
 )
 _TAG_STEP_RE = re.compile(r"(?:global_step|checkpoint-|step)(\d+)$")
+_RELEASE_SLICE_BYTES = 16 << 20  # copy mapped spans this much at a time, then drop their pages
 
 
 # --- detection -----------------------------------------------------------------------------
@@ -367,14 +368,20 @@ class DeepSpeedReader:
             raise ValueError(f"{key}: box {box} has {len(box.sizes)} dims, tensor has {len(shape)}")
         if any(o < 0 or s < 0 or o + s > d for o, s, d in zip(box.offsets, box.sizes, shape, strict=True)):
             raise ValueError(f"{key}: box {box} is outside shape {shape}")
-        out = new_buffer(box.sizes, spec.dtype)
+        out = torch.empty(box.sizes, dtype=spec.dtype)
         if out.numel() == 0:
             return out
         if entry.tensor is not None:
             part = entry.tensor[box.slices()]
-            out.copy_(part)
-            if entry.releasable:
-                release_pages(part)
+            if not entry.releasable:
+                out.copy_(part)
+                return out
+            row = part[0].numel() * part.element_size() if part.dim() else 1
+            rows = max(1, _RELEASE_SLICE_BYTES // max(1, row))
+            for r in range(0, part.shape[0], rows) if part.dim() else (None,):
+                dst, src = (out, part) if r is None else (out[r : r + rows], part[r : r + rows])
+                dst.copy_(src)
+                release_pages(src)
             return out
         strides = _row_major_strides(shape)
         lo = sum(o * s for o, s in zip(box.offsets, strides, strict=True))
@@ -382,7 +389,7 @@ class DeepSpeedReader:
         if hi - lo == out.numel():  # the box is one contiguous run (rows, or a whole tensor)
             self._gather(entry, lo, hi, out.view(-1))
             return out
-        span = new_buffer((hi - lo,), entry.pieces[0].src.dtype if entry.pieces else spec.dtype)
+        span = torch.empty(hi - lo, dtype=entry.pieces[0].src.dtype if entry.pieces else spec.dtype)
         self._gather(entry, lo, hi, span)
         out.copy_(span.as_strided(box.sizes, strides))
         return out
@@ -448,9 +455,15 @@ class DeepSpeedReader:
         """Fill ``out`` (1-D, ``hi - lo`` long) with flat elements ``[lo, hi)`` of ``entry``."""
         for p in entry.pieces:
             a, b = max(lo, p.dst), min(hi, p.dst + p.length)
-            if a < b:
-                src = p.src[p.start + a - p.dst : p.start + b - p.dst]
-                out[a - lo : b - lo].copy_(src)
+            if a >= b:
+                continue
+            # Mapped sources go in slices, each handed back once copied: resident file pages
+            # stay within one slice, not one rank's share of the parameter.
+            step = max(1, _RELEASE_SLICE_BYTES // p.src.element_size()) if p.releasable else b - a
+            for x in range(a, b, step):
+                y = min(b, x + step)
+                src = p.src[p.start + x - p.dst : p.start + y - p.dst]
+                out[x - lo : y - lo].copy_(src)
                 if p.releasable:
                     release_pages(src)
 

@@ -1,0 +1,110 @@
+"""--workers N and torchrun: the same bytes whatever the number of workers, errors on every rank."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ema_ckpt.accumulate import accumulate
+from ema_ckpt.averaging import posthoc
+from ema_ckpt.consolidate import consolidate
+from ema_ckpt.dist import assign_by_bytes
+from ema_ckpt.errors import EmaCkptError
+from ema_ckpt.reshard import reshard
+from tests.dcp_helpers import write_dcp
+from tests.producers.launch import free_port
+
+
+def _tree(path: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def sequence(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("seq")
+    g = torch.Generator().manual_seed(3)
+    for step in (10, 25, 26, 60):
+        tensors = {f"model.layer{i}.weight": torch.randn(17 + i, 9, generator=g) for i in range(6)}
+        tensors["model.norm"] = torch.randn(9, generator=g).bfloat16()
+        tensors["model.count"] = torch.tensor(step)
+        write_dcp(root / f"step_{step}", tensors, world_size=3)
+    return root
+
+
+def test_assignment_balances_bytes_deterministically():
+    sizes = [10, 1, 1, 1, 9]
+    owners = assign_by_bytes(sizes, 2)
+    assert owners == assign_by_bytes(sizes, 2)
+    assert sorted(sum(s for s, o in zip(sizes, owners) if o == r) for r in range(2)) == [11, 11]
+    assert assign_by_bytes([], 3) == []
+
+
+def test_accumulate_and_posthoc_bytes_do_not_depend_on_workers(sequence, tmp_path):
+    accumulate(sequence, decay=0.9, out=tmp_path / "one")
+    accumulate(sequence, decay=0.9, out=tmp_path / "two", workers=2)
+    assert _tree(tmp_path / "one") == _tree(tmp_path / "two")
+    accumulate(sequence, sigma_rels=["0.1", "0.2"], snapshot_every=20, out=tmp_path / "p1")
+    accumulate(sequence, sigma_rels=["0.1", "0.2"], snapshot_every=20, out=tmp_path / "p3", workers=3)
+    assert _tree(tmp_path / "p1") == _tree(tmp_path / "p3") and (tmp_path / "p1" / "snapshots").is_dir()
+    posthoc(sequence, out=tmp_path / "h1", sigma_rels=["0.05:0.2:0.05"])
+    result = posthoc(sequence, out=tmp_path / "h2", sigma_rels=["0.05:0.2:0.05"], workers=2)
+    assert len(result.outputs) == 4 and _tree(tmp_path / "h1") == _tree(tmp_path / "h2")
+
+
+def test_reshard_and_consolidate_bytes_do_not_depend_on_workers(sequence, tmp_path):
+    ck = sequence / "step_60"
+    reshard(ck, world_size=4, out=tmp_path / "r1")
+    reshard(ck, world_size=4, out=tmp_path / "r2", workers=2)
+    assert _tree(tmp_path / "r1") == _tree(tmp_path / "r2")
+    consolidate(ck, tmp_path / "c1", max_shard_size="1KB")
+    consolidate(ck, tmp_path / "c2", max_shard_size="1KB", workers=2)
+    assert _tree(tmp_path / "c1") == _tree(tmp_path / "c2") and len(_tree(tmp_path / "c1")) > 3
+    consolidate(ck, tmp_path / "s2.safetensors", workers=2)
+    consolidate(ck, tmp_path / "s1.safetensors")
+    assert (tmp_path / "s1.safetensors").read_bytes() == (tmp_path / "s2.safetensors").read_bytes()
+
+
+def test_an_error_on_any_worker_is_one_clean_error(sequence, tmp_path):
+    broken = tmp_path / "ck"
+    for step in (10, 60):
+        (broken / f"step_{step}").mkdir(parents=True)
+        for item in (sequence / f"step_{step}").iterdir():
+            (broken / f"step_{step}" / item.name).write_bytes(item.read_bytes())
+    data = broken / "step_60" / "__2_0.distcp"
+    data.write_bytes(data.read_bytes()[:50])  # worker-owned file, truncated
+    with pytest.raises(EmaCkptError, match="truncated") as info:
+        accumulate(broken, decay=0.9, out=tmp_path / "ema", workers=2)
+    assert info.value.exit_code == 3
+    assert not (tmp_path / "ema").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".ema.tmp")]
+
+
+def test_torchrun_runs_the_same_command(sequence, tmp_path):
+    accumulate(sequence, decay=0.95, out=tmp_path / "single")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(free_port()), "-m", "ema_ckpt", "accumulate", str(sequence), "--decay", "0.95",
+           "--out", str(tmp_path / "torchrun"), "--json"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count('"out"') == 1  # only rank 0 reports
+    assert _tree(tmp_path / "single") == _tree(tmp_path / "torchrun")
+
+
+def test_cli_workers_option(sequence, tmp_path):
+    from typer.testing import CliRunner
+
+    from ema_ckpt.cli import app
+
+    result = CliRunner().invoke(app, ["average", str(sequence), "--last", "2", "--out", str(tmp_path / "avg"),
+                                      "--workers", "2", "--json"])
+    assert result.exit_code == 0, result.output
+    bad = CliRunner().invoke(app, ["accumulate", str(sequence), "--decay", "0.9", "--device", "cuda",
+                                   "--out", str(tmp_path / "x")])
+    if not torch.cuda.is_available():
+        assert bad.exit_code == 2 and "no CUDA device" in bad.stderr
