@@ -19,6 +19,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -190,6 +191,7 @@ def combine_regions(
     total = sum(specs[r.key].dtype.itemsize * r.box.numel for r in regions)
     done = 0
     needed = sorted({u.source for out in outputs for u in out.updates})
+    buffers = _Buffers()
     for region_index, region in enumerate(regions):
         spec = specs[region.key]
         if region.key not in declared:
@@ -197,15 +199,19 @@ def combine_regions(
                 sink.declare(region.key, spec.shape, out_dtype(spec))
             declared.add(region.key)
         if not spec.is_float:
-            value = sources[copy_source].read(region.key, region.box)
+            value = _read(sources[copy_source], region, sources[copy_source].specs()[region.key], buffers)
             stats.bytes_read += value.numel() * value.element_size()
             for k, sink in enumerate(sinks):
                 sink.write(region.key, region.box, value, rank=region.rank, part=region.part)
                 stats.per_output_bytes[k] += value.numel() * value.element_size()
         else:
-            accs = _accumulate_region(sources, outputs, needed, region, accumulate_dtype, stats, device)
+            accs = _accumulate_region(sources, outputs, needed, region, accumulate_dtype, stats, device, buffers)
             for k, (sink, acc) in enumerate(zip(sinks, accs, strict=True)):
-                result = acc.to(device="cpu", dtype=out_dtype(spec))
+                target = out_dtype(spec)
+                if acc.device.type == "cpu" and acc.dtype != target:
+                    result = buffers.get(("out", k), region.box.sizes, target).copy_(acc)
+                else:
+                    result = acc.to(device="cpu", dtype=target)
                 sink.write(region.key, region.box, result, rank=region.rank, part=region.part)
                 stats.per_output_bytes[k] += result.numel() * result.element_size()
             del accs
@@ -218,6 +224,31 @@ def combine_regions(
     return stats
 
 
+class _Buffers:
+    """Reused flat buffers, one per slot and dtype, grown to the largest region seen.
+
+    Fresh multi-megabyte allocations cost page faults on every region (as much as the read
+    itself); reusing a few buffers keeps memory at a few regions and reads at memory speed.
+    """
+
+    def __init__(self) -> None:
+        self._flat: dict[tuple[object, torch.dtype], torch.Tensor] = {}
+
+    def get(self, slot: object, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        numel = math.prod(shape)
+        flat = self._flat.get((slot, dtype))
+        if flat is None or flat.numel() < numel:
+            flat = torch.empty(numel, dtype=dtype)
+            self._flat[(slot, dtype)] = flat
+        return flat[:numel].view(shape)
+
+
+def _read(reader: CheckpointReader, region: PlannedRegion, spec: TensorSpec, buffers: _Buffers | None) -> torch.Tensor:
+    if buffers is not None and getattr(reader, "supports_out", False):
+        return reader.read(region.key, region.box, out=buffers.get("read", region.box.sizes, spec.dtype))  # type: ignore[call-arg]
+    return reader.read(region.key, region.box).detach()
+
+
 def _accumulate_region(
     sources: Sequence[CheckpointReader],
     outputs: Sequence[OutputSpec],
@@ -226,34 +257,46 @@ def _accumulate_region(
     dtype: torch.dtype,
     stats: EngineStats,
     device: str = "cpu",
+    buffers: _Buffers | None = None,
 ) -> list[torch.Tensor]:
     weights = [{u.source: u.weight for u in out.updates} for out in outputs]
     accs: list[torch.Tensor | None] = [None] * len(outputs)
+    shape = region.box.sizes
     for source in needed:
         users = [k for k in range(len(outputs)) if source in weights[k]]
         if not users:
             continue
-        raw = sources[source].read(region.key, region.box)
+        spec = sources[source].specs()[region.key]
+        raw = _read(sources[source], region, spec, buffers)
         stats.bytes_read += raw.numel() * raw.element_size()
         if all(outputs[k].mode == "copy" for k in users):
             for k in users:
                 accs[k] = raw  # written as stored (or cast to the output dtype), never converted
             continue
-        value = _to_device(raw, device, dtype)  # raw is fresh from the reader: the last user may keep it
-        for n, k in enumerate(users):
+        if device != "cpu":
+            value = _to_device(raw, device, dtype)
+        elif raw.dtype == dtype:
+            value = raw
+        elif buffers is not None:
+            value = buffers.get("convert", shape, dtype).copy_(raw)
+        else:
+            value = raw.to(dtype)
+        for k in users:
             w = weights[k][source]
             acc = accs[k]
-            if outputs[k].mode == "fold":
-                if acc is None:
-                    accs[k] = value if n == len(users) - 1 else value.clone()
+            if acc is None:
+                target = (buffers.get(("acc", k), shape, dtype) if buffers is not None and device == "cpu"
+                          else torch.empty(shape, dtype=dtype, device=value.device))
+                if outputs[k].mode == "fold":
+                    accs[k] = target.copy_(value)
                 else:
-                    acc.lerp_(value, w)
-            elif acc is None:
-                accs[k] = value * w
+                    accs[k] = torch.mul(value, w, out=target)
+            elif outputs[k].mode == "fold":
+                acc.lerp_(value, w)
             else:
                 acc.add_(value, alpha=w)
         del raw, value
-    return [a if a is not None else torch.zeros(region.box.sizes, dtype=dtype, device=device) for a in accs]
+    return [a if a is not None else torch.zeros(shape, dtype=dtype, device=device) for a in accs]
 
 
 def _to_device(raw: torch.Tensor, device: str, dtype: torch.dtype) -> torch.Tensor:

@@ -270,7 +270,10 @@ class DcpReader:
         """The stored chunks of ``key`` with their files and offsets."""
         return self._chunks[key]
 
-    def read(self, key: str, box: Box) -> torch.Tensor:
+    supports_out = True  # read() can fill a caller's buffer (the engine reuses its buffers)
+
+    def read(self, key: str, box: Box, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``box`` of ``key``; into ``out`` (contiguous, right shape and dtype) when given."""
         spec = self._specs[key]
         if len(box.sizes) != len(spec.shape) or any(
             o < 0 or s < 0 or o + s > d for o, s, d in zip(box.offsets, box.sizes, spec.shape, strict=True)
@@ -279,7 +282,10 @@ class DcpReader:
         candidates = self._candidates(key, box)
         for chunk in candidates:
             self._check_extent(chunk.file, chunk.offset, chunk.length)
-        out = torch.empty(box.sizes, dtype=spec.dtype)
+        if out is None:
+            out = torch.empty(box.sizes, dtype=spec.dtype)
+        elif tuple(out.shape) != box.sizes or out.dtype != spec.dtype or not out.is_contiguous():
+            raise ValueError(f"{key}: buffer {tuple(out.shape)} {out.dtype} does not fit {box} {spec.dtype}")
         if out.numel() == 0:
             return out
         filled = 0

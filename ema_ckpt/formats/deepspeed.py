@@ -18,9 +18,10 @@ for bit, plus what ``zero_to_fp32`` drops at ZeRO-1 (frozen parameters):
 Nothing is gathered at open: every ``.pt`` file is memory-mapped once (see
 :mod:`._ds_unpickle`) and each key knows which flat ranges of which rank tensors hold it.
 ``read`` copies only the flat span that covers the box asked for, then hands the mapped pages
-it touched back to the kernel (:func:`~._ds_unpickle.release_pages`), so memory stays within
-one parameter even when it straddles ranks, and does not grow with the files read: without
-that, every page read from every rank file of every open checkpoint would stay resident.
+it touched back to the kernel (:func:`~._ds_unpickle.release_pages`): without that, every page
+read from every rank file of every open checkpoint would stay resident (4 GiB for four 1 GiB
+steps). ``layout`` offers tensors over 32 MiB as row blocks, so a run's memory is a few such
+blocks, whatever the largest parameter and however it straddles ranks.
 
 Refused with :class:`~ema_ckpt.errors.CheckpointFormatError` (naming the file): tensor
 parallelism (``mp_rank_01``), pipeline ``layer_*`` files, MoE (``expp_rank_*``, expert
@@ -38,6 +39,7 @@ from __future__ import annotations
 
 import math
 import re
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,7 +48,7 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointFormatError, CheckpointNotFoundError, UnsafePickleError
-from ..layout import Box, TensorSpec
+from ..layout import Box, TensorSpec, split_rows
 from ._ds_unpickle import load_ds_file, pages_releasable, release_pages
 from .base import CheckpointFormat, register_format
 
@@ -71,6 +73,7 @@ _UNSUPPORTED_FILES = (
 )
 _TAG_STEP_RE = re.compile(r"(?:global_step|checkpoint-|step)(\d+)$")
 _RELEASE_SLICE_BYTES = 16 << 20  # copy mapped spans this much at a time, then drop their pages
+_REGION_BYTES = 32 << 20  # layout(): larger tensors are served in row blocks of at most this
 
 
 # --- detection -----------------------------------------------------------------------------
@@ -184,18 +187,46 @@ def incomplete(path: str | Path) -> str | None:
         return f"DeepSpeed tag folder {tag_dir}: {reason}"
     first = _first_model_file(models)
     try:
-        state = load_ds_file(first)
+        expected = _recorded_world_size(first)
     except UnsafePickleError:
         return None  # complete but refused: opening it gives the real error
     except CheckpointFormatError as err:
         return f"{first} is unreadable, perhaps still being written ({err.reason})"
-    expected = state.get("dp_world_size") if isinstance(state, dict) else None
     if isinstance(expected, int) and len(optims) < expected:
         return (
             f"DeepSpeed tag folder {tag_dir} holds {len(optims)} of the {expected} optimizer "
             "files its dp_world_size asks for (still being written?)"
         )
     return None
+
+
+# (path, device, inode, size, mtime_ns) -> dp_world_size of a settled model-states file.
+_WORLD_SIZES: dict[tuple[str, int, int, int, int], Any] = {}
+_SETTLED_SECONDS = 2.0  # files modified more recently are read afresh (a same-size rewrite
+# within the file system's timestamp granularity would otherwise look unchanged)
+
+
+def _recorded_world_size(path: Path) -> Any:
+    """``dp_world_size`` from a model-states file (None if absent), remembered per file version.
+
+    Detection asks this of the same files several times per run (``detect_format``, discovery,
+    then opening), and unpickling a ZeRO-3 model-states file costs tens of milliseconds.
+    Errors are not remembered, so a file still being written is read again next time.
+    """
+    try:
+        st = path.stat()
+    except OSError:
+        st = None
+    key = (str(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns) if st is not None else None
+    if key is not None and key in _WORLD_SIZES:
+        return _WORLD_SIZES[key]
+    state = load_ds_file(path)
+    expected = state.get("dp_world_size") if isinstance(state, dict) else None
+    if key is not None and time.time() - st.st_mtime > _SETTLED_SECONDS:
+        if len(_WORLD_SIZES) >= 4096:
+            _WORLD_SIZES.clear()
+        _WORLD_SIZES[key] = expected
+    return expected
 
 
 def _first_model_file(models: list[Path]) -> Path:
@@ -354,9 +385,17 @@ class DeepSpeedReader:
         return {k: e.spec for k, e in self._entries.items()}
 
     def layout(self, key: str) -> Sequence[Box]:
-        """One box covering the tensor (a ZeRO rank's share is a flat range, not a box)."""
+        """The regions to read ``key`` by: whole rows, at most 32 MiB each.
+
+        A ZeRO rank's share is a flat range, not a box, so there are no stored boxes to
+        follow; one box covering the tensor (the answer for every tensor up to 32 MiB) would
+        make memory scale with the largest parameter (a 250k-token embedding is GiBs), so
+        larger tensors are cut into row blocks that ``read`` serves as cheaply.
+        """
         spec = self._entry(key).spec
-        return [Box.full(spec.shape)] if spec.numel > 0 else []
+        if spec.numel == 0:
+            return []
+        return split_rows(Box.full(spec.shape), max(1, _REGION_BYTES // max(1, spec.dtype.itemsize)))
 
     def read(self, key: str, box: Box) -> torch.Tensor:
         entry = self._entry(key)

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import os
 import pickle
+import struct
+import zipfile
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,6 +32,56 @@ from ..errors import OutputError
 from ..fs import fsync_dir
 from ..formats.dcp import METADATA_FILE
 from ..layout import Box, boxes_cover
+
+
+_ZIP_TIME = (1980, 1, 1, 0, 0, 0)  # fixed: the same tensor always gives the same bytes
+_ALIGN = 64  # torch aligns storage data to 64 bytes inside a record (needed to mmap it)
+_PAD_FIELD = 0x5A5A  # an unassigned zip extra-field id, used only to pad
+
+
+class _RecordStream:
+    """Positions relative to the record start, as the record's own zip offsets must be."""
+
+    def __init__(self, out: _ChecksumFile) -> None:
+        self._out, self.position = out, 0
+
+    def write(self, data: bytes | memoryview) -> int:
+        self._out.write(data)
+        self.position += len(data)
+        return len(data)
+
+    def tell(self) -> int:
+        return self.position
+
+    def flush(self) -> None:
+        pass
+
+
+def _write_tensor_record(out: _ChecksumFile, tensor: torch.Tensor) -> int:
+    """Append a standalone ``torch.save``-format zip holding ``tensor``; returns its length.
+
+    Written from the tensor's memory as it is (a view of a reused buffer included), with no
+    copy of the data and no pickle of anything but a plain tensor reference.
+    """
+    from .torch_file import tensor_pickle
+
+    stream = _RecordStream(out)
+    archive = zipfile.ZipFile(stream, "w", compression=zipfile.ZIP_STORED)  # type: ignore[arg-type]
+    for name, data in (("archive/data.pkl", tensor_pickle(tensor)), ("archive/.format_version", b"1"),
+                       ("archive/.storage_alignment", b"64"), ("archive/byteorder", b"little")):
+        archive.writestr(zipfile.ZipInfo(name, date_time=_ZIP_TIME), data)
+    member = zipfile.ZipInfo("archive/data/0", date_time=_ZIP_TIME)
+    member.file_size = tensor.numel() * tensor.element_size()
+    zip64 = member.file_size * 1.05 > zipfile.ZIP64_LIMIT
+    header = 30 + len(member.filename) + (20 if zip64 else 0)
+    pad = -(stream.tell() + header + 4) % _ALIGN
+    member.extra = struct.pack("<HH", _PAD_FIELD, pad) + b"\0" * pad
+    with archive.open(member, "w", force_zip64=zip64) as handle:
+        if tensor.numel():
+            handle.write(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))
+    archive.writestr(zipfile.ZipInfo("archive/version", date_time=_ZIP_TIME), b"3")
+    archive.close()
+    return stream.position
 
 
 class _ChecksumFile:
@@ -127,21 +179,15 @@ class DcpWriter:
         if box.numel == 0:
             entry.boxes.append(box)
             return
-        # torch.save writes a view's whole storage: make the record hold exactly this chunk.
-        if (
-            not tensor.is_contiguous()
-            or tensor.storage_offset() != 0
-            or tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size()
-        ):
-            tensor = tensor.clone(memory_format=torch.contiguous_format)
+        tensor = tensor.detach().cpu().contiguous()
         name = data_file_name(rank, part)
         out = self._file(name)
         start = out.tell()
         try:
-            torch.save(tensor.detach().cpu(), out)  # type: ignore[arg-type]
+            length = _write_tensor_record(out, tensor)
         except OSError as err:
             raise OutputError(f"{self.path}: write failed ({err.strerror})") from None
-        self._storage[(key, box.offsets)] = (name, start, out.tell() - start)
+        self._storage[(key, box.offsets)] = (name, start, length)
         entry.boxes.append(box)
 
     def write_bytes(self, key: str, record: bytes, *, rank: int = 0, part: int = 0) -> None:

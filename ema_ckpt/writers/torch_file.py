@@ -62,6 +62,15 @@ class _Pickler(pickle.Pickler):
         return None
 
 
+def tensor_pickle(tensor: torch.Tensor) -> bytes:
+    """The ``data.pkl`` of a ``torch.save`` of one contiguous CPU tensor (storage key "0")."""
+    if tensor.dtype not in _STORAGE_NAMES:
+        raise UsageError(f"dtype {tensor.dtype} is not supported in DCP records here")
+    buffer = io.BytesIO()
+    _Pickler(buffer, protocol=2).dump(_TensorStub(_StorageRef("0", tensor.dtype, tensor.numel()), tuple(tensor.shape)))
+    return buffer.getvalue()
+
+
 class TorchFileWriter:
     """Write a flat ``{key: tensor}`` torch file, one tensor at a time, in ``begin`` order."""
 
