@@ -62,7 +62,8 @@ def main() -> None:
             cmd=[PY, "-c", ZERO_TO_FP32, str(args.data), str(out_root / "z2f"), newest.name],
             env={"DS_ACCELERATOR": "cpu", "PYTHONWARNINGS": "ignore"})
     runs[f"ema-ckpt consolidate ({newest.name} → .safetensors)"] = dict(
-        cmd=[EMA, "consolidate", str(newest), "-o", str(out_root / "x.safetensors"), "--quiet", "--overwrite"])
+        cmd=[EMA, "consolidate", str(newest), "-o", str(out_root / "x.safetensors"), "--quiet",
+             "--overwrite"])
     results = {name: Measurement(name, [], []) for name in runs}
     for _ in range(args.repeat):
         for name, spec in runs.items():

@@ -39,7 +39,13 @@ from .discovery import FoundCheckpoint, discover
 from .dist import Workers, current_workers, in_worker_group, run_workers
 from .engine import OutputSpec, Progress, Update, check_device, layout_regions
 from .execute import write_dcp_outputs
-from .errors import CheckpointNotFoundError, IncompatibleCheckpointError, ManifestMismatchError, UsageError
+from .errors import (
+    CheckpointNotFoundError,
+    IncompatibleCheckpointError,
+    ManifestMismatchError,
+    NonFiniteError,
+    UsageError,
+)
 from .formats import open_checkpoint
 from .formats.base import CheckpointReader
 from .fs import OutputLock, new_staging_dir, publish, recover
@@ -156,6 +162,8 @@ def accumulate(
     restart: bool = False,
     wait_seconds: float = 0.0,
     dry_run: bool = False,
+    allow_new_keys: bool = False,
+    skip_nonfinite: bool = False,
     workers: int = 1,
     device: str = "cpu",
     on_progress: Callable[[Progress], None] | None = None,
@@ -176,6 +184,10 @@ def accumulate(
         restart: discard an existing EMA made with other settings and start over.
         wait_seconds: how long to wait for another run holding the output's lock.
         dry_run: plan only; read no tensor and write nothing (``result.plan``).
+        allow_new_keys: accept keys added or removed during training (an added key's average
+            starts where it first appears; a removed key leaves the EMA).
+        skip_nonfinite: skip a checkpoint holding NaN/Inf (recorded in the manifest) instead
+            of refusing the run.
         workers: split the work over N local processes (torch.distributed; under torchrun the
             group comes from the environment instead).
         device: ``cpu`` or ``cuda``: where the arithmetic runs.
@@ -190,7 +202,8 @@ def accumulate(
             workers, accumulate, checkpoints, decay=decay, half_life=half_life, per_checkpoint=per_checkpoint,
             warmup=warmup, sigma_rels=sigma_rels, gammas=gammas, snapshot_every=snapshot_every, out=out,
             dtype=dtype, include=include, exclude=exclude, step_regex=step_regex, restart=restart,
-            wait_seconds=wait_seconds, dry_run=dry_run, device=device,
+            wait_seconds=wait_seconds, dry_run=dry_run, allow_new_keys=allow_new_keys,
+            skip_nonfinite=skip_nonfinite, device=device,
         )
     check_device(device)
     started = time.perf_counter()
@@ -207,8 +220,25 @@ def accumulate(
         if prepared[0] == "done":
             return prepared[1]
         _, out_path, accumulators, selection, notes, plan = prepared
-        return _fold(group, out_path, accumulators, dtype, selection, include, exclude, notes, started,
-                     on_progress, plan, device)
+        skipped: list[FoundCheckpoint] = []
+        while True:
+            try:
+                return _fold(group, out_path, accumulators, dtype, selection, include, exclude, notes, started,
+                             on_progress, plan, device, allow_new_keys, skipped)
+            except NonFiniteError as err:
+                bad = _source_checkpoint(accumulators, err.source)
+                if not skip_nonfinite or bad is None:
+                    raise NonFiniteError(err.source, f"{err} (pass --skip-nonfinite to skip that checkpoint)") \
+                        from None
+                notes.append(f"skipped {bad.path} (step {bad.step}): {err}")
+                skipped.append(bad)
+                for acc in accumulators:
+                    acc.new = [c for c in acc.new if c.path != bad.path]
+                    acc.snapshot_steps = [s for s in acc.snapshot_steps if s != bad.step]
+                if not any(acc.new for acc in accumulators):
+                    return AccumulateResult(out_path, max(a.previous.step for a in accumulators if a.previous)
+                                            if any(a.previous for a in accumulators) else bad.step,
+                                            [], True, notes, seconds=time.perf_counter() - started)
 
 
 def _prepare(
@@ -255,7 +285,7 @@ def _prepare(
         start = acc.previous.step if acc.previous is not None else None
         acc.new = [c for c in found.checkpoints if start is None or c.step > start]
         if start is not None:
-            notes.extend(_late_note(acc, found.checkpoints, start))
+            _refuse_backwards(acc, found.checkpoints, start)
         if snapshot_every:
             assert isinstance(acc.profile, PowerProfile)
             taken = [s.step for s in snapshots_on_disk if abs(s.gamma - acc.profile.gamma) < 1e-12]
@@ -277,13 +307,26 @@ def _prepare(
     return ("fold", out_path, accumulators, selection, notes, plan)
 
 
-def _late_note(acc: _Accumulator, checkpoints: list[FoundCheckpoint], start: int) -> list[str]:
-    folded = {c.path for c in acc.previous.checkpoints} if acc.previous else set()
-    late = [c for c in checkpoints if c.step <= start and str(c.path.resolve()) not in folded]
-    if not late:
-        return []
-    return [f"{acc.name}: ignored {len(late)} checkpoint(s) at or before step {start}, "
-            f"where the EMA already stands (e.g. {late[0].path})"]
+def _refuse_backwards(acc: _Accumulator, checkpoints: list[FoundCheckpoint], start: int) -> None:
+    """Refuse a checkpoint that appeared at or before the EMA's step: steps went backwards."""
+    known = {c.path for c in acc.previous.checkpoints} if acc.previous else set()
+    known |= {s["path"] for s in (acc.previous.skipped if acc.previous else [])}
+    late = [c for c in checkpoints if c.step <= start and str(c.path.resolve()) not in known]
+    if late:
+        raise IncompatibleCheckpointError(
+            f"{late[0].path}: step {late[0].step} is at or before step {start}, where the EMA {acc.final} "
+            "stands, but was never folded: steps went backwards (a job restarted into the same folder?); "
+            "move it away, or pass --restart to rebuild the EMA"
+        )
+
+
+def _source_checkpoint(accumulators: list[_Accumulator], source: int) -> FoundCheckpoint | None:
+    """The raw checkpoint behind source index ``source`` of a fold (same order as ``_fold``)."""
+    active = [acc for acc in accumulators if acc.new]
+    previous = [acc.final for acc in active if acc.previous is not None]
+    checkpoints = sorted({c.path: c for acc in active for c in acc.new}.values(), key=lambda c: c.step)
+    index = source - len(previous)
+    return checkpoints[index] if 0 <= index < len(checkpoints) else None
 
 
 def _snapshot_steps(new_steps: list[int], last: int | None, every: int) -> list[int]:
@@ -378,6 +421,8 @@ def _fold(
     on_progress: Callable[[Progress], None] | None,
     plan: AveragePlan,
     device: str = "cpu",
+    allow_new_keys: bool = False,
+    skipped: Sequence[FoundCheckpoint] = (),
 ) -> AccumulateResult:
     active = [acc for acc in accumulators if acc.new]
     sources: list[Path] = [acc.final for acc in active if acc.previous is not None]
@@ -402,9 +447,11 @@ def _fold(
             keys = select_keys(readers[-1], include, exclude)
             if not keys:
                 raise UsageError(f"{readers[-1].path}: no tensor keys left after --include/--exclude")
-            check_compatible(readers, keys, reference=len(readers) - 1)
+            raw = [index[str(c.path)] for c in checkpoints]
+            check_compatible(readers, keys, reference=len(readers) - 1, allow_new_keys=allow_new_keys,
+                             same_selection=raw, include=include, exclude=exclude)
             for acc in active:
-                if acc.previous is not None:
+                if acc.previous is not None and not allow_new_keys:
                     extra = sorted(set(readers[index[str(acc.final)]].specs()) - set(keys))
                     if extra:
                         raise IncompatibleCheckpointError(
@@ -425,6 +472,7 @@ def _fold(
                 group, readers, outputs, stagings, layout_regions(newest, keys), newest.specs(),
                 copy_source=len(readers) - 1, accumulate_dtype=ACCUMULATE_DTYPES[dtype],
                 planner_data=planner_data, on_progress=on_progress, device=device,
+                check_finite=[index[str(c.path)] for c in checkpoints],
             )
 
             def publish_all() -> None:
@@ -440,6 +488,9 @@ def _fold(
                         + [FoldedCheckpoint(str(c.path.resolve()), c.step, fingerprint(c.path)) for c in folded],
                         selection=selection,
                         files={f.name: {"size": f.size, "crc32": f.crc32} for f in files},
+                        skipped=(acc.previous.skipped if acc.previous else [])
+                        + [{"path": str(c.path.resolve()), "step": c.step, "reason": "NaN/Inf"}
+                           for c in skipped if c.step <= step],
                     ).write(staging)
                 # snapshots first: a crash before the EMAs are swapped in makes the next run redo
                 # the same fold and rewrite the same snapshots, byte for byte

@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from .errors import EmaCkptError, UsageError
+from .errors import EmaCkptError, NonFiniteError, UsageError
 
 T = TypeVar("T")
 _TIMEOUT = datetime.timedelta(hours=6)
@@ -86,6 +86,9 @@ class Workers:
             raise error
         if failed:
             rank, (message, code) = failed[0]
+            source = next((s[2] for _, s in failed if len(s) > 2), None)
+            if source is not None:
+                raise NonFiniteError(source, message)
             raise WorkerFailed(f"worker {rank}: {message}", code)
 
     def run(self, step: Callable[[], T]) -> T:
@@ -99,7 +102,9 @@ class Workers:
         return result
 
 
-def _describe(error: BaseException) -> tuple[str, int]:
+def _describe(error: BaseException) -> tuple:
+    if isinstance(error, NonFiniteError):
+        return str(error), error.exit_code, error.source
     if isinstance(error, EmaCkptError):
         return str(error), error.exit_code
     return f"{type(error).__name__}: {error}", 1
@@ -159,7 +164,7 @@ def _worker_main(rank: int, world: int, port: int, device: str, func: Callable[.
         result = func(*args, **kwargs)
         queue.put((rank, "ok", result if rank == 0 else None))
     except BaseException as err:  # noqa: BLE001 - reported to the parent
-        message, code = _describe(err)
+        message, code = _describe(err)[:2]
         if not isinstance(err, EmaCkptError) and os.environ.get("EMA_CKPT_DEBUG"):
             message += "\n" + traceback.format_exc()
         queue.put((rank, "error", (message, code)))

@@ -28,7 +28,7 @@ from typing import Literal, Protocol
 import torch
 
 from .dist import assign_by_bytes
-from .errors import UsageError
+from .errors import NonFiniteError, UsageError
 from .formats.base import CheckpointReader
 from .layout import Box, TensorSpec
 
@@ -176,11 +176,13 @@ def combine_regions(
     output_dtype: Callable[[TensorSpec], torch.dtype] | None = None,
     on_progress: Callable[[Progress], None] | None = None,
     device: str = "cpu",
+    check_finite: Sequence[int] = (),
 ) -> EngineStats:
     """Stream every region through the outputs' updates and into their sinks.
 
     ``output_dtype`` chooses the stored dtype of floating tensors (default: the
-    accumulation dtype, so an EMA kept across runs never loses precision).
+    accumulation dtype, so an EMA kept across runs never loses precision). Floating regions
+    of the sources in ``check_finite`` are checked for NaN/Inf (:class:`NonFiniteError`).
     """
     if len(sinks) != len(outputs):
         raise ValueError("one sink per output")
@@ -205,7 +207,8 @@ def combine_regions(
                 sink.write(region.key, region.box, value, rank=region.rank, part=region.part)
                 stats.per_output_bytes[k] += value.numel() * value.element_size()
         else:
-            accs = _accumulate_region(sources, outputs, needed, region, accumulate_dtype, stats, device, buffers)
+            accs = _accumulate_region(sources, outputs, needed, region, accumulate_dtype, stats, device, buffers,
+                                      frozenset(check_finite))
             for k, (sink, acc) in enumerate(zip(sinks, accs, strict=True)):
                 target = out_dtype(spec)
                 if acc.device.type == "cpu" and acc.dtype != target:
@@ -258,6 +261,7 @@ def _accumulate_region(
     stats: EngineStats,
     device: str = "cpu",
     buffers: _Buffers | None = None,
+    check_finite: frozenset[int] = frozenset(),
 ) -> list[torch.Tensor]:
     weights = [{u.source: u.weight for u in out.updates} for out in outputs]
     accs: list[torch.Tensor | None] = [None] * len(outputs)
@@ -266,9 +270,13 @@ def _accumulate_region(
         users = [k for k in range(len(outputs)) if source in weights[k]]
         if not users:
             continue
-        spec = sources[source].specs()[region.key]
+        spec = sources[source].specs().get(region.key)
+        if spec is None:  # a key added during training (--allow-new-keys): starts where it appears
+            continue
         raw = _read(sources[source], region, spec, buffers)
         stats.bytes_read += raw.numel() * raw.element_size()
+        if source in check_finite and not bool(torch.isfinite(raw).all()):
+            raise NonFiniteError(source, f"{sources[source].path}: key {region.key!r} holds NaN or Inf values")
         if all(outputs[k].mode == "copy" for k in users):
             for k in users:
                 accs[k] = raw  # written as stored (or cast to the output dtype), never converted

@@ -65,9 +65,16 @@ class ManifestMismatchError(EmaCkptError):
 
 
 class NonFiniteError(IncompatibleCheckpointError):
-    """A checkpoint holds NaN or Inf values."""
+    """A checkpoint holds NaN or Inf values; ``source`` is its index among the run's inputs."""
 
     exit_code = 6
+
+    def __init__(self, source: int, message: str) -> None:
+        super().__init__(message)
+        self.source = source
+
+    def __reduce__(self) -> tuple:
+        return (type(self), (self.source, str(self)))
 
 
 class OutputLockedError(EmaCkptError):

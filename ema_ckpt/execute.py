@@ -54,6 +54,7 @@ def write_dcp_outputs(
     max_file_bytes: int | None = DEFAULT_FILE_BYTES,
     on_progress: Callable[[Progress], None] | None = None,
     device: str = "cpu",
+    check_finite: Sequence[int] = (),
 ) -> WrittenOutputs:
     """Compute every output region this worker owns, write it, and (coordinator) the metadata."""
     regions = split_files(regions, specs, max_file_bytes)
@@ -65,7 +66,7 @@ def write_dcp_outputs(
         stats = combine_regions(
             sources, outputs, writers, mine, specs, copy_source=copy_source,
             accumulate_dtype=accumulate_dtype, output_dtype=output_dtype, on_progress=on_progress,
-            device=device,
+            device=device, check_finite=check_finite,
         )
         # keys no region of this worker touched still need declaring on the coordinator
         return [w.close() for w in writers], stats

@@ -51,6 +51,7 @@ class Manifest:
     selection: dict[str, Any] = field(default_factory=dict)
     files: dict[str, dict[str, int]] = field(default_factory=dict)
     terms: list[dict[str, Any]] = field(default_factory=list)
+    skipped: list[dict[str, Any]] = field(default_factory=list)
     tool_version: str = __version__
     format_version: int = MANIFEST_FORMAT
 

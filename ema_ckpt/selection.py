@@ -46,16 +46,45 @@ def select_keys(
     return keys
 
 
-def check_compatible(readers: Sequence[CheckpointReader], keys: Sequence[str], reference: int) -> None:
-    """Every reader holds every key with the reference reader's shape and dtype class."""
+def check_compatible(
+    readers: Sequence[CheckpointReader],
+    keys: Sequence[str],
+    reference: int,
+    *,
+    allow_new_keys: bool = False,
+    same_selection: Sequence[int] = (),
+    include: Sequence[str] = (),
+    exclude: Sequence[str] = (),
+) -> None:
+    """Every reader holds every key with the reference reader's shape and dtype class.
+
+    With ``allow_new_keys`` a reader may lack keys (a key added during training starts its
+    average where it first appears). The readers in ``same_selection`` (raw checkpoints) must
+    also hold no model key the reference lacks (a key removed during training), unless allowed.
+    """
     ref = readers[reference].specs()
+    wanted = set(keys)
+    for index in same_selection:
+        if allow_new_keys:
+            break
+        extra = [k for k in select_keys(readers[index], include, exclude) if k not in wanted]
+        if extra:
+            raise IncompatibleCheckpointError(
+                f"{readers[index].path}: key {extra[0]!r} is not in the newest checkpoint "
+                f"{readers[reference].path} (pass --allow-new-keys to accept keys added or removed)"
+            )
     for reader in readers:
         specs = reader.specs()
         missing = [k for k in keys if k not in specs]
-        if missing:
+        if missing and not allow_new_keys:
             more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
-            raise IncompatibleCheckpointError(f"{reader.path}: key {missing[0]!r}{more} missing")
+            raise IncompatibleCheckpointError(
+                f"{reader.path}: key {missing[0]!r}{more} missing (pass --allow-new-keys to accept keys "
+                "added during training)"
+            )
         for key in keys:
+            if key not in specs:
+                continue
             a, b = ref[key], specs[key]
             if a.shape != b.shape:
                 raise IncompatibleCheckpointError(

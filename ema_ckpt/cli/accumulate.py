@@ -55,6 +55,12 @@ def accumulate_command(
     exclude: ExcludeOpt = None,
     step_regex: StepRegexOpt = None,
     restart: Annotated[bool, typer.Option("--restart", help="Start over if the EMA at --out has other settings.")] = False,
+    allow_new_keys: Annotated[
+        bool, typer.Option("--allow-new-keys", help="Accept keys added or removed during training.")
+    ] = False,
+    skip_nonfinite: Annotated[
+        bool, typer.Option("--skip-nonfinite", help="Skip (and record) a checkpoint holding NaN/Inf instead of failing.")
+    ] = False,
     wait: WaitOpt = 0.0,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Show the plan (coefficients); read no tensor.")] = False,
     workers: WorkersOpt = 1,
@@ -68,7 +74,8 @@ def accumulate_command(
             checkpoints, decay=decay, half_life=half_life, per_checkpoint=per_checkpoint, warmup=warmup,
             sigma_rels=sigma_rel or (), gammas=gamma or (), snapshot_every=snapshot_every,
             out=out, dtype=dtype, include=include or (), exclude=exclude or (), step_regex=step_regex,
-            restart=restart, wait_seconds=wait, dry_run=dry_run, workers=workers, device=device,
+            restart=restart, wait_seconds=wait, dry_run=dry_run, allow_new_keys=allow_new_keys,
+            skip_nonfinite=skip_nonfinite, workers=workers, device=device,
             on_progress=on_progress,
         )
     if dry_run:

@@ -50,6 +50,7 @@ __all__ = [
     "ZeroStageEnum",
     "fragment_address",
     "load_ds_file",
+    "load_ds_file_releasable",
     "pages_releasable",
     "release_pages",
 ]
@@ -127,6 +128,8 @@ _GLOBAL_IN_MESSAGE = re.compile(r"GLOBAL ([A-Za-z_][\w.]*)")
 def load_ds_file(path: str | Path, *, mmap: bool = True) -> Any:
     """Load one DeepSpeed ``.pt`` file with the weights-only unpickler and the stand-ins.
 
+    :func:`load_ds_file_releasable` also says whether the result's pages may be released.
+
     Args:
         path: A ``*_model_states.pt`` or ``*_optim_states.pt`` file (any ``torch.save`` file).
         mmap: Memory-map the file (zip format only; legacy ``torch.save`` files are read whole).
@@ -139,7 +142,24 @@ def load_ds_file(path: str | Path, *, mmap: bool = True) -> Any:
         UnsafePickleError: The pickle refers to a global outside the allowlist; nothing ran.
         CheckpointFormatError: The file is truncated, corrupt or not a ``torch.save`` file.
     """
+    return _load(Path(path), mmap)[0]
+
+
+def load_ds_file_releasable(path: str | Path) -> tuple[Any, bool]:
+    """:func:`load_ds_file` (memory-mapped), and whether :func:`release_pages` may be used on its tensors.
+
+    The flag is True when the file was memory-mapped (a zip-format ``torch.save`` file: torch
+    refuses ``mmap`` for any other, so a successful mapped load proves it) and
+    :func:`pages_releasable` holds for it; False for legacy files, read into ordinary memory,
+    where dropping pages would zero them.
+    """
     path = Path(path)
+    state, mapped = _load(path, True)
+    return state, mapped and pages_releasable(path)
+
+
+def _load(path: Path, mmap: bool) -> tuple[Any, bool]:
+    """The loaded object and whether it is memory-mapped."""
     try:
         with open(path, "rb") as fh:
             magic = fh.read(4)
@@ -156,7 +176,8 @@ def load_ds_file(path: str | Path, *, mmap: bool = True) -> Any:
         with _LOAD_LOCK, torch.serialization.safe_globals(_SAFE_GLOBALS), warnings.catch_warnings():
             # torch warns about pickle protocols other than 2 and then refuses the file anyway.
             warnings.filterwarnings("ignore", message="Detected pickle protocol")
-            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap and is_zip)
+            mapped = mmap and is_zip
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=mapped), mapped
     except pickle.UnpicklingError as err:
         name = _refused_global(path, str(err), is_zip)
         if name is not None:

@@ -49,7 +49,7 @@ import torch
 
 from ..errors import CheckpointFormatError, CheckpointNotFoundError, UnsafePickleError
 from ..layout import Box, TensorSpec, split_rows
-from ._ds_unpickle import load_ds_file, pages_releasable, release_pages
+from ._ds_unpickle import load_ds_file, load_ds_file_releasable, release_pages
 from .base import CheckpointFormat, register_format
 
 __all__ = [
@@ -485,8 +485,7 @@ class DeepSpeedReader:
 
     def _load(self, path: Path) -> Any:
         if path not in self._states:
-            self._states[path] = load_ds_file(path)
-            self._releasable[path] = pages_releasable(path)
+            self._states[path], self._releasable[path] = load_ds_file_releasable(path)
         return self._states[path]
 
     @staticmethod
