@@ -9,8 +9,8 @@ optimizer files hold the fp32 masters and little else (``--optimizer adamw`` tri
 
 Usage: python benchmarks/make_deepspeed_sequence.py [OUT] [--steps 3,7,8,13] [--ranks 3]
 (default OUT: bench-data/zero3-1g). Does nothing when OUT already holds every step; a run is
-written to ``OUT.partial`` and renamed into place when complete. About 2-4 minutes on 2 cores,
-~8 GiB of RAM at peak (3 ranks).
+written to ``OUT.partial`` and renamed into place when complete. About 4 minutes on 2 cores,
+~12 GiB of RAM at peak (3 ranks, ~4 GiB each).
 """
 
 from __future__ import annotations

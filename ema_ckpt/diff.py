@@ -165,9 +165,11 @@ def pair_keys(
         [('model.w', 'w'), ('model.b', 'b')]
     """
     best: tuple[int, str, dict[str, str], dict[str, str]] | None = None
-    for label, strip_a, strip_b in (
-        ("exact", False, False), ("strip-a", True, False), ("strip-b", False, True), ("strip-both", True, True),
-    ):
+    candidates = (
+        ("exact", False, False), ("strip-a", True, False),
+        ("strip-b", False, True), ("strip-both", True, True),
+    )
+    for label, strip_a, strip_b in candidates:
         names_a, names_b = _names(keys_a, strip_a), _names(keys_b, strip_b)
         if names_a is None or names_b is None:
             continue
@@ -215,7 +217,9 @@ def diff(
         CheckpointNotFoundError, CheckpointFormatError: a path holds no readable checkpoint.
     """
     a, b = Path(a), Path(b)
-    with contextlib.closing(open_checkpoint(a)) as reader_a, contextlib.closing(open_checkpoint(b)) as reader_b:
+    with contextlib.ExitStack() as stack:
+        reader_a = stack.enter_context(contextlib.closing(open_checkpoint(a)))
+        reader_b = stack.enter_context(contextlib.closing(open_checkpoint(b)))
         specs_a, specs_b = reader_a.specs(), reader_b.specs()
         pairs, only_a, only_b, pairing = pair_keys(list(specs_a), list(specs_b))
         result = DiffResult(a, b, reader_a.format_name, reader_b.format_name, pairing=pairing)
@@ -242,8 +246,8 @@ def _compare_key(
     result: DiffResult,
 ) -> KeyDiff:
     out = KeyDiff(
-        spec_a.key, spec_b.key, spec_a.shape, spec_b.shape, _dtype_name(spec_a.dtype), _dtype_name(spec_b.dtype),
-        numel=spec_a.numel,
+        spec_a.key, spec_b.key, spec_a.shape, spec_b.shape,
+        _dtype_name(spec_a.dtype), _dtype_name(spec_b.dtype), numel=spec_a.numel,
     )
     if spec_a.shape != spec_b.shape:
         return out
@@ -259,7 +263,7 @@ def _compare_key(
             continue
         block_a = reader_a.read(spec_a.key, box)
         block_b = reader_b.read(spec_b.key, box)
-        result.bytes_read += block_a.numel() * block_a.element_size() + block_b.numel() * block_b.element_size()
+        result.bytes_read += block_a.nbytes + block_b.nbytes
         x, y = block_a.to(wide), block_b.to(wide)
         del block_a, block_b
         block_abs, block_max_b, block_mismatched = _compare_block(x, y, floating)

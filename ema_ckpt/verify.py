@@ -157,7 +157,9 @@ def _check_files(path: Path, manifest: Manifest, result: VerifyResult, block_byt
         file = path / name
         expected = _entry(listed[name])
         if expected is None:
-            result.problem(f"{manifest_file}: entry for {name!r} has no valid size and crc32 ({listed[name]!r})")
+            result.problem(
+                f"{manifest_file}: entry for {name!r} has no valid size and crc32 ({listed[name]!r})"
+            )
             continue
         if not file.exists():
             result.problem(f"{file}: missing (listed in {MANIFEST_NAME})")

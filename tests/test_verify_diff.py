@@ -203,7 +203,8 @@ def test_diff_dcp_against_consolidated_safetensors_strips_model_prefix(ema, tmp_
     consolidate(ema, out)
     result = diff(ema, out)
     assert result.pairing == "strip-a"
-    assert sorted((k.key_a, k.key_b) for k in result.keys) == [("model.b", "b"), ("model.n", "n"), ("model.w", "w")]
+    pairs = sorted((k.key_a, k.key_b) for k in result.keys)
+    assert pairs == [("model.b", "b"), ("model.n", "n"), ("model.w", "w")]
     assert result.equal() and not result.only_in_a and not result.only_in_b
     reverse = diff(out, ema)
     assert reverse.pairing == "strip-b" and reverse.equal()
@@ -228,7 +229,8 @@ def test_a_perturbed_tensor_shows_the_right_max_abs_diff(tmp_path):
     assert w.max_abs == pytest.approx(expected, abs=1e-6) and w.max_abs == pytest.approx(0.5, abs=1e-6)
     assert w.max_rel == pytest.approx(w.max_abs / other["model.w"].double().abs().max().item())
     assert w.mismatched == 2 and not w.matches(0.0) and w.matches(0.6) and not w.matches(0.4)
-    assert by_key["model.b"].matches() and by_key["model.n"].max_abs == 2 and by_key["model.n"].mismatched == 1
+    assert by_key["model.b"].matches()
+    assert by_key["model.n"].max_abs == 2 and by_key["model.n"].mismatched == 1
     assert not result.equal(atol=0.6)  # the int key is still off by 2
     assert set(result.to_dict()["differing"]) == {"model.w", "model.n"}
     cli = runner.invoke(app, ["diff", str(a), str(b)], env={"COLUMNS": "200"})
@@ -243,10 +245,11 @@ def test_a_perturbed_tensor_shows_the_right_max_abs_diff(tmp_path):
 
 
 def test_diff_reports_keys_on_one_side_shapes_and_nan(tmp_path):
-    a = write_dcp(tmp_path / "a", {"model.w": torch.tensor([1.0, float("nan"), 3.0]), "model.x": torch.ones(2),
+    nan, inf = float("nan"), float("inf")
+    a = write_dcp(tmp_path / "a", {"model.w": torch.tensor([1.0, nan, 3.0]), "model.x": torch.ones(2),
                                    "model.s": torch.ones(2, 2)})
-    b = write_dcp(tmp_path / "b", {"model.w": torch.tensor([1.0, float("nan"), float("inf")]),
-                                   "model.y": torch.ones(2), "model.s": torch.ones(4)})
+    b = write_dcp(tmp_path / "b", {"model.w": torch.tensor([1.0, nan, inf]), "model.y": torch.ones(2),
+                                   "model.s": torch.ones(4)})
     result = diff(a, b)
     assert result.only_in_a == ["model.x"] and result.only_in_b == ["model.y"]
     by_key = {k.key_a: k for k in result.keys}
@@ -284,7 +287,8 @@ def test_pair_keys_prefers_the_largest_overlap():
 def test_help_has_examples_and_exit_codes():
     for command in ("verify", "diff"):
         result = runner.invoke(app, [command, "--help"], env={"COLUMNS": "200"})
-        assert result.exit_code == 0 and f"ema-ckpt {command}" in result.stdout and "Exit codes" in result.stdout
+        assert result.exit_code == 0
+        assert f"ema-ckpt {command}" in result.stdout and "Exit codes" in result.stdout
 
 
 def test_diff_of_a_missing_path_is_exit_3(ema, tmp_path):

@@ -45,7 +45,8 @@ def diff_command(
     a: Annotated[Path, typer.Argument(help="The first checkpoint (directory or file).")],
     b: Annotated[Path, typer.Argument(help="The second checkpoint.")],
     atol: Annotated[
-        float, typer.Option("--atol", min=0.0, help="Largest absolute difference that still matches (0: exact).")
+        float,
+        typer.Option("--atol", min=0.0, help="Largest absolute difference that still matches (0: exact)."),
     ] = 0.0,
     include: IncludeOpt = None,
     exclude: ExcludeOpt = None,
@@ -74,7 +75,8 @@ def diff_command(
             console.print(f"keys paired after stripping 'model.' ({result.pairing})", style="dim")
     if not result.equal(atol):
         differing = len(result.differing(atol))
-        parts = [f"{differing} of {len(result.keys)} keys differ" + (f" beyond --atol {atol:g}" if atol else "")]
+        beyond = f" beyond --atol {atol:g}" if atol else ""
+        parts = [f"{differing} of {len(result.keys)} keys differ{beyond}"]
         if result.only_in_a:
             parts.append(f"{len(result.only_in_a)} only in {a}")
         if result.only_in_b:

@@ -57,7 +57,9 @@ def make_deepspeed_sequences(
     """Train several configurations one after another in one torchrun launch.
 
     Each run is ``{"out": Path, "stage": 1|2|3, "dtype": "fp32"|"bf16", "bf16_optimizer": bool,
-    "zero": {extra zero_optimization settings}}`` (the last two optional)
+    "zero": {extra zero_optimization settings}}`` (the last two optional; benchmarks also pass
+    ``"model": "big"``, ``"big_blocks"``, ``"optimizer": "sgd"`` and ``"oracles": False``, see
+    ``deepspeed_train.py``)
     and gets a fresh model (same seed) and engine, saved with ``engine.save_checkpoint(out)`` after
     each global step in ``steps``. Returns the ``out`` folders, in the order given.
 

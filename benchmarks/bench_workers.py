@@ -1,0 +1,62 @@
+"""--workers 2 against 1 on a CPU-bound case: a uniform average of many bf16 checkpoints in float64.
+
+Usage: python benchmarks/bench_workers.py [--repeat 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _harness import EMA, Measurement, machine_description, run_timed, table  # noqa: E402
+
+
+def make(root: Path, count: int, mib: int) -> None:
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    warnings.filterwarnings("ignore")
+    g = torch.Generator().manual_seed(0)
+    for i in range(count):
+        path = root / f"step_{(i + 1) * 100}"
+        if (path / ".metadata").exists():
+            continue
+        rows = mib * 2**20 // 2 // 1024 // 8
+        model = {f"layers.{j}.weight": torch.randn(rows, 1024, generator=g).bfloat16() for j in range(8)}
+        dcp.save({"model": model}, checkpoint_id=str(path), no_dist=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--data", type=Path, default=Path("bench-data/bf16-16x256m"))
+    parser.add_argument("--count", type=int, default=16)
+    parser.add_argument("--mib", type=int, default=256)
+    parser.add_argument("--repeat", type=int, default=3)
+    args = parser.parse_args()
+    make(args.data, args.count, args.mib)
+    out = args.data.parent / "bench-workers"
+    runs = {f"average --dtype float64 --workers {n}": n for n in (1, 2)}
+    results = {name: Measurement(name, [], []) for name in runs}
+    for _ in range(args.repeat):
+        for name, n in runs.items():
+            shutil.rmtree(out, ignore_errors=True)
+            wall, rss = run_timed([EMA, "average", str(args.data), "--last", str(args.count), "--dtype", "float64",
+                                   "--out", str(out), "--quiet", "--workers", str(n)])
+            results[name].wall.append(wall)
+            results[name].rss_mib.append(rss)
+    shutil.rmtree(out, ignore_errors=True)
+    one, two = results.values()
+    print(f"Machine: {machine_description()}")
+    print(f"Input: {args.count} bf16 DCP checkpoints of {args.mib} MiB; medians of {args.repeat} runs\n")
+    print(table([(m.name, f"{m.wall_median:.2f}", f"{m.rss_median:.0f}") for m in results.values()],
+                ("command", "wall s", "peak RSS MiB (parent)")))
+    print(f"\nspeed-up with 2 workers = {one.wall_median / two.wall_median:.2f}×")
+
+
+if __name__ == "__main__":
+    main()
