@@ -44,6 +44,10 @@ _LAYOUTS = {"strided", "sparse_coo", "sparse_csr", "sparse_csc", "sparse_bsr", "
 _MEMORY_FORMATS = {"contiguous_format", "channels_last", "channels_last_3d", "preserve_format"}
 
 
+# The pure-Python unpickler keeps its memo in a dict: the C one sizes an array from the memo
+# index a file names, so a 10-byte pickle can make it allocate gigabytes.
+
+
 def _refuse(source: str, module: str, name: str) -> UnsafePickleError:
     return UnsafePickleError(
         source, f"refers to {module}.{name}, which is not allowed; nothing from the file was run"
@@ -155,7 +159,7 @@ def _fresh_standins() -> dict[tuple[str, str], Any]:
     return standins
 
 
-class _DcpMetadataUnpickler(pickle.Unpickler):
+class _DcpMetadataUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
     def __init__(self, data: io.BytesIO, source: str) -> None:
         super().__init__(data)
         self._source = source
@@ -248,7 +252,7 @@ def _rebuild_record(
     return TensorRecord(storage.key, storage.dtype, storage.numel, int(offset), tuple(size), tuple(stride))
 
 
-class _TensorRecordUnpickler(pickle.Unpickler):
+class _TensorRecordUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
     """Reads a plain tensor's ``data.pkl`` into a :class:`TensorRecord`; nothing else."""
 
     def __init__(self, data: io.BytesIO, source: str) -> None:

@@ -91,9 +91,6 @@ class KnownCrash:
 
 _TORCH_LOAD_ERRORS = frozenset({"TypeError", "AssertionError", "AttributeError"})
 KNOWN_CRASHES = [
-    KnownCrash(frozenset({"TypeError", "ValueError"}), "ema_ckpt/formats/dcp.py", "__init__"),  # planner_data
-    KnownCrash(frozenset({"TypeError", "IndexError"}), "ema_ckpt/formats/dcp.py", "root_of"),
-    KnownCrash(frozenset({"TypeError", "RuntimeError"}), "ema_ckpt/formats/hf_safetensors.py", "read"),
     KnownCrash(_TORCH_LOAD_ERRORS, "ema_ckpt/formats/_ds_unpickle.py", "_load"),
     KnownCrash(_TORCH_LOAD_ERRORS, "ema_ckpt/formats/_ds_unpickle.py", "load_ds_file"),
     KnownCrash(None, "ema_ckpt/formats/_ds_unpickle.py", "_refused_global"),
@@ -619,27 +616,19 @@ def _read_strict(path: Path) -> None:
             reader.read(key, Box.full(spec.shape))
 
 
-@pytest.mark.xfail(strict=True, raises=(TypeError, ValueError),
-                   reason="dcp.py DcpReader.__init__: dict(planner_data) is outside the metadata guard")
 @pytest.mark.parametrize("value", [True, 69, "x"])
-def test_known_dcp_planner_data_that_is_not_a_mapping(tmp_path, value):
+def test_dcp_planner_data_that_is_not_a_mapping(tmp_path, value):
     ck = _edit_dcp_metadata(tmp_path, lambda meta: setattr(meta, "planner_data", value))
-    with pytest.raises(EmaCkptError):
-        _read_strict(ck)
+    _read_strict(ck)  # planner_data is only a hint: a malformed one is ignored
 
 
-@pytest.mark.xfail(strict=True, raises=TypeError,
-                   reason="dcp.py DcpReader.root_of: a planner_data value that is not a path")
-def test_known_dcp_planner_data_value_that_is_not_a_path(tmp_path):
+def test_dcp_planner_data_value_that_is_not_a_path(tmp_path):
     ck = _edit_dcp_metadata(tmp_path, lambda meta: meta.planner_data.__setitem__("model.w", 26))
-    with pytest.raises(EmaCkptError):
-        _read_strict(ck)
+    _read_strict(ck)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="_pickle.py: the C unpickler sizes its memo from a PUT index in the file")
 @pytest.mark.parametrize("loader", ["load_dcp_metadata_bytes", "load_tensor_record"])
-def test_known_pickle_memo_index_allocates_memory(loader):
+def test_a_pickle_memo_index_allocates_no_memory(loader):
     # PROTO 4, NONE, LONG_BINPUT 30_000_000, STOP: 10 bytes that make CPython's C unpickler grow
     # its memo to 60M slots (480 MB); LONG_BINPUT 0xFFFFFFFF asks for 64 GB.
     code = f"""
@@ -660,10 +649,8 @@ print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024)
     assert grown_mib < 100, f"peak RSS grew by {grown_mib} MiB for a 10-byte pickle"
 
 
-@pytest.mark.xfail(strict=True, raises=(TypeError, RuntimeError),
-                   reason="hf_safetensors.py: dims are unbounded when another dim is 0; read() overflows")
 @pytest.mark.parametrize("shape", [[0, 2**63], [0, 2**62, 4]])
-def test_known_safetensors_huge_dim_beside_a_zero_dim(tmp_path, shape):
+def test_safetensors_huge_dim_beside_a_zero_dim(tmp_path, shape):
     raw = json.dumps({"e": {"dtype": "F32", "shape": shape, "data_offsets": [0, 0]}}).encode()
     file = tmp_path / "model.safetensors"
     file.write_bytes(struct.pack("<Q", len(raw)) + raw)

@@ -13,9 +13,11 @@ import typer
 from .._version import __version__
 from . import accumulate as _accumulate
 from . import consolidate as _consolidate
+from . import diff as _diff
 from . import inspect as _inspect
 from . import posthoc as _posthoc
 from . import reshard as _reshard
+from . import verify as _verify
 
 app = typer.Typer(
     name="ema-ckpt",
@@ -48,6 +50,8 @@ app.command("posthoc", epilog=_posthoc.POSTHOC_EPILOG)(_posthoc.posthoc_command)
 app.command("average", epilog=_posthoc.AVERAGE_EPILOG)(_posthoc.average_command)
 app.command("consolidate", epilog=_consolidate.EPILOG)(_consolidate.consolidate_command)
 app.command("reshard", epilog=_reshard.EPILOG)(_reshard.reshard_command)
+app.command("verify", epilog=_verify.EPILOG)(_verify.verify_command)
+app.command("diff", epilog=_diff.EPILOG)(_diff.diff_command)
 
 
 def main() -> None:

@@ -43,6 +43,18 @@ _LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")
 _MAX_PICKLE_BYTES = 1 << 20  # a tensor record's data.pkl is a few hundred bytes
 
 
+def _planner_data(metadata: Any) -> dict[str, tuple[str, ...]]:
+    """``planner_data`` as {key: path of strings}; anything malformed is dropped (it is only a hint)."""
+    raw = getattr(metadata, "planner_data", None)
+    if not isinstance(raw, dict):
+        return {}
+    clean: dict[str, tuple[str, ...]] = {}
+    for key, path in raw.items():
+        if isinstance(key, str) and isinstance(path, (tuple, list)) and path and all(isinstance(p, str) for p in path):
+            clean[key] = tuple(path)
+    return clean
+
+
 def _int(value: Any) -> int:
     """An int from metadata, refusing floats, strings and other look-alikes."""
     if isinstance(value, bool) or not isinstance(value, int):
@@ -174,7 +186,7 @@ class DcpReader:
         self.step: int | None = None
         metadata, self.metadata_files = load_metadata(self.path)
         self._metadata = metadata
-        self.planner_data: dict[str, tuple[str, ...]] = dict(metadata.planner_data or {})
+        self.planner_data: dict[str, tuple[str, ...]] = _planner_data(metadata)
         self.non_tensor_keys: list[str] = []
         self._specs: dict[str, TensorSpec] = {}
         self._chunks: dict[str, list[StoredChunk]] = {}

@@ -191,7 +191,8 @@ def _parse_entry(file: Path, key: str, entry: Any) -> tuple[TensorSpec, int, int
     dtype = _DTYPES.get(name) if isinstance(name, str) else None
     if dtype is None:
         raise CheckpointFormatError(file, f"tensor {key!r}: dtype {name!r} is not supported")
-    if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
+    # a dim beyond 2**48 is nonsense even beside a zero dim (numel 0) and overflows torch
+    if not (isinstance(shape, list) and len(shape) <= 64 and all(type(d) is int and 0 <= d < 1 << 48 for d in shape)):
         raise CheckpointFormatError(file, f"tensor {key!r}: bad shape {shape!r}")
     if not (
         isinstance(offsets, list)
