@@ -7,6 +7,8 @@ fp32, 272M parameters, 4 checkpoints at irregular steps; a few minutes and ~12 G
 Measured side by side in one run, medians of ``--repeat``:
 
 - ``cat`` of every file of the 4 tag folders, and ``python -c 'import torch'``: the floor;
+- ``dd conv=fsync`` of as many bytes as the EMA holds: what writing the output durably costs
+  on this disk (accumulate fsyncs its output before publishing it);
 - ``ema-ckpt accumulate <save dir>`` over all 4 steps (a fresh EMA each run, ``--restart``);
 - DeepSpeed's own ``convert_zero_checkpoint_to_fp32_state_dict`` for the newest step (one
   ``pytorch_model.bin``; DeepSpeed's safetensors path refuses the tied embedding);
@@ -64,10 +66,19 @@ def main() -> None:
     runs[f"ema-ckpt consolidate ({newest.name} → .safetensors)"] = dict(
         cmd=[EMA, "consolidate", str(newest), "-o", str(out_root / "x.safetensors"), "--quiet",
              "--overwrite"])
+    # The EMA holds every key of the newest step in fp32, tied aliases included.
+    from ema_ckpt.formats import open_checkpoint
+
+    with open_checkpoint(newest) as reader:
+        output_bytes = sum(spec.numel * 4 for spec in reader.specs().values())
+    mib = -(-output_bytes // 2**20)
+    runs["dd output-sized file, conv=fsync"] = dict(
+        cmd=f"dd if=/dev/zero of={out_root / 'dd.bin'} bs=1M count={mib} conv=fsync status=none", shell=True)
     results = {name: Measurement(name, [], []) for name in runs}
     for _ in range(args.repeat):
         for name, spec in runs.items():
             shutil.rmtree(out_root / "z2f", ignore_errors=True)
+            (out_root / "dd.bin").unlink(missing_ok=True)
             wall, rss = run_timed(spec["cmd"], shell=spec.get("shell", False), env=spec.get("env"))
             results[name].wall.append(wall)
             results[name].rss_mib.append(rss)
@@ -78,7 +89,9 @@ def main() -> None:
     print(f"Input: {args.data}, DeepSpeed ZeRO-3, {len(tags)} steps ({', '.join(t.name for t in tags)}), "
           f"{input_bytes / 2**30:.2f} GiB in all; medians of {args.repeat} runs, hot page cache\n")
     print(table(rows, ("command", "wall s", "peak RSS MiB")))
+    write = results["dd output-sized file, conv=fsync"].wall_median
     print(f"\naccumulate / (cat + import torch) = {ema.wall_median / floor:.2f}")
+    print(f"accumulate / (cat + import torch + dd conv=fsync) = {ema.wall_median / (floor + write):.2f}")
     z2f = results.get(f"DeepSpeed zero_to_fp32 ({newest.name} → .bin)")
     cons = results[f"ema-ckpt consolidate ({newest.name} → .safetensors)"]
     if z2f is not None:
