@@ -18,6 +18,7 @@ Measured side by side in one run, medians of ``--repeat``:
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import subprocess
 import sys
@@ -79,6 +80,9 @@ def main() -> None:
         for name, spec in runs.items():
             shutil.rmtree(out_root / "z2f", ignore_errors=True)
             (out_root / "dd.bin").unlink(missing_ok=True)
+            # Flush what earlier commands wrote (untimed): on ext4 an fsync waits for every dirty
+            # page in the journal transaction, so accumulate would pay for zero_to_fp32's output.
+            os.sync()
             wall, rss = run_timed(spec["cmd"], shell=spec.get("shell", False), env=spec.get("env"))
             results[name].wall.append(wall)
             results[name].rss_mib.append(rss)

@@ -78,9 +78,9 @@ def _time_limit(seconds: float) -> Iterator[None]:
         signal.signal(signal.SIGALRM, previous)
 
 
-# Crashes the fuzzer found (each has a strict-xfail regression test at the end of this file).
-# An entry tolerates exceptions of these types (None: any) whose innermost ema_ckpt frame is
-# (file, function), or with ``anywhere`` any ema_ckpt frame. Fix the reader, then drop the entry.
+# Crashes the fuzzer finds are listed here while being fixed, with a strict-xfail repro at the end
+# of this file. An entry tolerates exceptions of these types (None: any) whose innermost ema_ckpt
+# frame is (file, function), or with ``anywhere`` any ema_ckpt frame. Fix the reader, drop the entry.
 @dataclasses.dataclass(frozen=True)
 class KnownCrash:
     types: frozenset[str] | None
@@ -90,12 +90,7 @@ class KnownCrash:
 
 
 _TORCH_LOAD_ERRORS = frozenset({"TypeError", "AssertionError", "AttributeError"})
-KNOWN_CRASHES = [
-    KnownCrash(_TORCH_LOAD_ERRORS, "ema_ckpt/formats/_ds_unpickle.py", "_load"),
-    KnownCrash(_TORCH_LOAD_ERRORS, "ema_ckpt/formats/_ds_unpickle.py", "load_ds_file"),
-    KnownCrash(None, "ema_ckpt/formats/_ds_unpickle.py", "_refused_global"),
-    KnownCrash(None, "ema_ckpt/formats/deepspeed.py", "_build", anywhere=True),
-]
+KNOWN_CRASHES: list[KnownCrash] = []  # every crash the fuzzer found is fixed; add new ones here
 
 
 def _ema_frames(err: BaseException) -> list[tuple[str, str]]:
@@ -591,10 +586,9 @@ def test_mutators_do_what_they_say():
     assert size == ((2, "x"),)
 
 
-# --- crashes the fuzzer found: minimal inputs -------------------------------------------------
-# Each test asserts the behaviour we want (a clean EmaCkptError, bounded memory) and is a strict
-# xfail while the bug stands: once fixed it XPASSes and fails, so drop its marker and its
-# KNOWN_CRASHES entry together.
+# --- crashes the fuzzer found: minimal inputs, now regression tests ---------------------------
+# Each asserts the behaviour we want (a clean EmaCkptError, bounded memory). A new crash gets a
+# strict xfail here and a KNOWN_CRASHES entry until it is fixed.
 
 
 def _edit_dcp_metadata(tmp_path: Path, edit: Callable[[Any], None]) -> Path:
@@ -668,12 +662,10 @@ def _torch_file_with_pickle(path: Path, pkl: bytes) -> Path:
     return path
 
 
-@pytest.mark.xfail(strict=True, raises=(AssertionError, TypeError),
-                   reason="_ds_unpickle.py _load: AssertionError/TypeError from torch.load are not converted")
 @pytest.mark.parametrize(
     "pkl", [b"\x80\x02K\x01Q.", b"\x80\x02}(}K\x01u."], ids=["persistent-id-not-a-tuple", "dict-as-dict-key"]
 )
-def test_known_deepspeed_pickle_errors_not_converted(tmp_path, pkl):
+def test_deepspeed_pickle_errors_are_converted(tmp_path, pkl):
     from ema_ckpt.formats._ds_unpickle import load_ds_file
 
     path = _torch_file_with_pickle(tmp_path / "x.pt", pkl)
@@ -681,9 +673,7 @@ def test_known_deepspeed_pickle_errors_not_converted(tmp_path, pkl):
         load_ds_file(path)
 
 
-@pytest.mark.xfail(strict=True, raises=UnicodeDecodeError,
-                   reason="_ds_unpickle.py _refused_global: zipfile errors while looking for the global")
-def test_known_deepspeed_unreadable_member_name_after_a_pickle_error(tmp_path):
+def test_deepspeed_unreadable_member_name_after_a_pickle_error(tmp_path):
     from ema_ckpt.formats._ds_unpickle import load_ds_file
 
     path = tmp_path / "x.pt"
@@ -706,8 +696,6 @@ def _set(*keys: Any, value: Any) -> Callable[[Any], None]:
     return edit
 
 
-@pytest.mark.xfail(strict=True, raises=(TypeError, ValueError, RuntimeError, AttributeError, OverflowError),
-                   reason="deepspeed.py DeepSpeedReader._build: malformed fields raise raw Python errors")
 @pytest.mark.parametrize(
     ("target", "edit"),
     [
@@ -726,7 +714,7 @@ def _set(*keys: Any, value: Any) -> Callable[[Any], None]:
          "buffer_names-0d-tensor", "module-empty-tensor", "frozen_fragments-int", "shared-unhashable",
          "param_shape-inf"],
 )
-def test_known_deepspeed_malformed_fields(tmp_path, target, edit):
+def test_deepspeed_malformed_fields(tmp_path, target, edit):
     tag = tmp_path / "global_step7"
     _write_zero(tag, stage=2, world_size=2, groups=[{"w": torch.randn(3, 4)}], frozen={"f": torch.ones(2)},
                 buffers={"b": torch.arange(3)})

@@ -179,14 +179,17 @@ def _load(path: Path, mmap: bool) -> tuple[Any, bool]:
             mapped = mmap and is_zip
             return torch.load(path, map_location="cpu", weights_only=True, mmap=mapped), mapped
     except pickle.UnpicklingError as err:
-        name = _refused_global(path, str(err), is_zip)
+        try:
+            name = _refused_global(path, str(err), is_zip)
+        except Exception:  # a damaged archive: the pickle error below is the message
+            name = None
         if name is not None:
             raise UnsafePickleError(
                 path, f"refers to {name}, which is not allowed; nothing from the file was run"
             ) from None
         first = _first_line(str(err))
         raise CheckpointFormatError(path, f"corrupt or unsupported pickle ({first})") from None
-    except (RuntimeError, EOFError, ValueError, OSError, KeyError, IndexError) as err:
+    except Exception as err:  # torch.load raises many types on damaged files; all mean the same here
         first = _first_line(str(err)) or type(err).__name__
         raise CheckpointFormatError(path, f"truncated or corrupt torch.save file ({first})") from None
 

@@ -47,7 +47,7 @@ from typing import Any
 
 import torch
 
-from ..errors import CheckpointFormatError, CheckpointNotFoundError, UnsafePickleError
+from ..errors import CheckpointFormatError, CheckpointNotFoundError, EmaCkptError, UnsafePickleError
 from ..layout import Box, TensorSpec, split_rows
 from ._ds_unpickle import load_ds_file, load_ds_file_releasable, release_pages
 from .base import CheckpointFormat, register_format
@@ -376,7 +376,13 @@ class DeepSpeedReader:
         self._releasable: dict[Path, bool] = {}  # file -> its mapped pages may be dropped
         self._entries: dict[str, _Entry] = {}
         self._closed = False
-        self._build()
+        try:
+            self._build()
+        except EmaCkptError:
+            raise
+        except Exception as err:  # any malformed field: one line naming the checkpoint
+            first = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
+            raise CheckpointFormatError(self.tag_dir, f"malformed DeepSpeed checkpoint ({type(err).__name__}: {first})") from None
 
     # -- protocol --
 
