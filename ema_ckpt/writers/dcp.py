@@ -23,11 +23,10 @@ import zipfile
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import torch
 
-from .. import _torch_dcp as md
 from ..errors import OutputError
 from ..fs import fsync_dir
 from ..formats.dcp import METADATA_FILE
@@ -268,9 +267,11 @@ class DcpWriter:
             handle.close()
         self._handles.clear()
 
-    def _metadata(self, planner_data: dict[str, tuple[str, ...]] | None) -> md.Metadata:
-        state: dict[str, md.TensorStorageMetadata | md.BytesStorageMetadata] = {}
-        storage: dict[md.MetadataIndex, md.StorageInfo] = {}
+    def _metadata(self, planner_data: dict[str, tuple[str, ...]] | None) -> Any:
+        from .. import _torch_dcp as md  # torch.distributed.checkpoint is slow to import: only when writing
+
+        state: dict[str, Any] = {}
+        storage: dict[Any, Any] = {}
         for key, entry in self._entries.items():
             chunks = [md.ChunkStorageMetadata(torch.Size(b.offsets), torch.Size(b.sizes)) for b in entry.boxes]
             state[key] = md.TensorStorageMetadata(
