@@ -116,6 +116,7 @@ def layout_regions(reader: CheckpointReader, keys: Sequence[str]) -> list[Planne
 
 
 DEFAULT_FILE_BYTES = 256 << 20
+MIN_FILE_BYTES = 16 << 20
 
 
 def check_device(device: str) -> None:
@@ -139,10 +140,15 @@ def split_files(
     """
     out: list[PlannedRegion] = []
     used: dict[int, tuple[int, int]] = {}  # rank -> (part, bytes in it)
+    rank_bytes: dict[int, int] = {}
+    for region in regions:
+        rank_bytes[region.rank] = rank_bytes.get(region.rank, 0) + region.box.numel * specs[region.key].dtype.itemsize
     for region in regions:
         nbytes = region.box.numel * specs[region.key].dtype.itemsize
         part, size = used.get(region.rank, (0, 0))
-        if max_file_bytes is not None and size and size + nbytes > max_file_bytes:
+        # about 8 parts per rank file (16 MiB to max_file_bytes each): enough to share out
+        cap = None if max_file_bytes is None else min(max_file_bytes, max(MIN_FILE_BYTES, rank_bytes[region.rank] // 8))
+        if cap is not None and size and size + nbytes > cap:
             part, size = part + 1, 0
         used[region.rank] = (part, size + nbytes)
         out.append(PlannedRegion(region.key, region.box, region.rank, part))
