@@ -187,3 +187,15 @@ def test_explicit_directory_without_metadata_is_not_found(tmp_path):
     (tmp_path / "step_5").mkdir()
     with pytest.raises(CheckpointNotFoundError):
         DcpReader(tmp_path / "step_5")
+
+
+def test_missing_or_unreadable_data_files_from_the_cli(tmp_path):
+    ck = write_dcp(tmp_path / "c" / "step_1", {"model.w": torch.ones(8, 2)}, world_size=2)
+    write_dcp(tmp_path / "c" / "step_2", {"model.w": torch.ones(8, 2)}, world_size=2)
+    (ck / "__1_0.distcp").unlink()  # a rank's data file is gone
+    result = CliRunner().invoke(app, ["accumulate", str(tmp_path / "c"), "--decay", "0.9"])
+    assert result.exit_code == 3 and "__1_0.distcp: cannot open data file" in result.stderr
+    (ck / "__1_0.distcp").mkdir()  # unreadable as a file (what a permission error looks like to root)
+    result = CliRunner().invoke(app, ["accumulate", str(tmp_path / "c"), "--decay", "0.9"])
+    assert result.exit_code == 3 and "__1_0.distcp" in result.stderr
+    assert not (tmp_path / "c" / "ema").exists()
