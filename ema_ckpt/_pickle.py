@@ -281,6 +281,10 @@ class _TensorRecordUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
         return _StorageRef(str(key), dtype, int(numel))
 
 
+_RECORD_CACHE: dict[bytes, TensorRecord] = {}
+_RECORD_CACHE_SIZE = 4096
+
+
 def load_tensor_record(data: bytes, source: str) -> TensorRecord:
     """Parse a tensor record's ``data.pkl`` without building the tensor.
 
@@ -288,6 +292,9 @@ def load_tensor_record(data: bytes, source: str) -> TensorRecord:
         UnsafePickleError: the pickle names a global outside the allowlist.
         CheckpointFormatError: it is not a single plain tensor.
     """
+    cached = _RECORD_CACHE.get(data)  # chunks of one shape and dtype share their data.pkl bytes
+    if cached is not None:
+        return cached
     try:
         obj = _TensorRecordUnpickler(io.BytesIO(data), source).load()
     except (UnsafePickleError, CheckpointFormatError):
@@ -296,4 +303,7 @@ def load_tensor_record(data: bytes, source: str) -> TensorRecord:
         raise CheckpointFormatError(source, f"unreadable tensor record ({err})") from None
     if not isinstance(obj, TensorRecord):
         raise CheckpointFormatError(source, "record does not hold a single tensor")
+    if len(_RECORD_CACHE) >= _RECORD_CACHE_SIZE:
+        _RECORD_CACHE.clear()
+    _RECORD_CACHE[data] = obj
     return obj

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from .._pickle import TensorRecord, load_dcp_metadata_bytes, load_tensor_record
-from ..errors import CheckpointFormatError, CheckpointNotFoundError, UnsafePickleError
+from ..errors import CheckpointFormatError, CheckpointNotFoundError, EmaCkptError, UnsafePickleError
 from ..layout import Box, TensorSpec, boxes_cover
 from .base import CheckpointFormat, register_format
 
@@ -160,6 +160,59 @@ class _Window(io.RawIOBase):
         buffer[: len(data)] = data
         self._pos += len(data)
         return len(data)
+
+
+_EOCD = struct.Struct("<4sHHHHIIH")
+_CENTRAL = struct.Struct("<4sHHHHHHIIIHHHHHII")
+_TAIL_BYTES = 4096
+
+
+def _scan_record(fd: int, offset: int, length: int) -> dict[str, tuple[int, int, int]] | None:
+    """{member name: (method, size, local header offset)} of a record's zip, from its tail.
+
+    The common case (no archive comment, no zip64, central directory in the last 4 KiB) in
+    one or two reads; anything else returns None and the zipfile module handles it.
+    """
+    if length < _EOCD.size:
+        return None
+    tail_len = min(length, _TAIL_BYTES)
+    tail = os.pread(fd, tail_len, offset + length - tail_len)
+    if len(tail) != tail_len:
+        return None
+    sig, _, _, _, entries, cd_size, cd_offset, comment = _EOCD.unpack_from(tail, tail_len - _EOCD.size)
+    if sig != b"PK\x05\x06" or comment or entries == 0xFFFF or cd_offset == 0xFFFFFFFF:
+        return None
+    if cd_offset + cd_size + _EOCD.size > length:  # a zip64 end record may sit in between
+        return None
+    cd_in_tail = cd_offset - (length - tail_len)
+    if cd_in_tail < 0:
+        return None
+    members: dict[str, tuple[int, int, int]] = {}
+    pos = cd_in_tail
+    for _ in range(entries):
+        if pos + _CENTRAL.size > tail_len - _EOCD.size:
+            return None
+        fields = _CENTRAL.unpack_from(tail, pos)
+        if fields[0] != b"PK\x01\x02":
+            return None
+        method, size, name_len, extra_len, comment_len, local = fields[4], fields[9], fields[10], fields[11], fields[12], fields[16]
+        if size == 0xFFFFFFFF or local == 0xFFFFFFFF:
+            return None
+        name = tail[pos + _CENTRAL.size : pos + _CENTRAL.size + name_len].decode("utf-8", "replace")
+        members[name] = (method, size, local)
+        pos += _CENTRAL.size + name_len + extra_len + comment_len
+    return members
+
+
+def _member_start(fd: int, offset: int, length: int, local: int) -> int | None:
+    """Where a member's data starts in its record, from its local header; None if malformed."""
+    if not 0 <= local <= length - _LOCAL_HEADER.size:
+        return None
+    header = os.pread(fd, _LOCAL_HEADER.size, offset + local)
+    if len(header) != _LOCAL_HEADER.size or header[:4] != b"PK\x03\x04":
+        return None
+    fields = _LOCAL_HEADER.unpack(header)
+    return local + _LOCAL_HEADER.size + fields[9] + fields[10]
 
 
 def _pread_into(fd: int, view: memoryview, offset: int, file: str) -> None:
@@ -400,6 +453,12 @@ class DcpReader:
         self._check_extent(chunk.file, chunk.offset, chunk.length)
         fd = self._fd(chunk.file)
         source = f"{self.path / chunk.file} (key {key!r})"
+        fast = _scan_record(fd, chunk.offset, chunk.length)
+        if fast is not None:
+            found = self._record_from_index(key, chunk, fast, source)
+            if found is not False:
+                self._records[cache_key] = found  # type: ignore[assignment]
+                return found  # type: ignore[return-value]
         try:
             archive = zipfile.ZipFile(_Window(fd, chunk.offset, chunk.length))
             names = archive.namelist()
@@ -430,6 +489,39 @@ class DcpReader:
         result = (chunk.offset + start, record)
         self._records[cache_key] = result
         return result
+
+    def _record_from_index(
+        self, key: str, chunk: StoredChunk, members: dict[str, tuple[int, int, int]], source: str
+    ) -> tuple[int, TensorRecord] | None | bool:
+        """The record through the fast zip index; False to let the zipfile path decide."""
+        fd = self._fd(chunk.file)
+        pkl = next((n for n in members if n.endswith("/data.pkl") or n == "data.pkl"), None)
+        if pkl is None:
+            return False
+        method, size, local = members[pkl]
+        if method != 0 or size > _MAX_PICKLE_BYTES:
+            return False
+        start = _member_start(fd, chunk.offset, chunk.length, local)
+        if start is None or start + size > chunk.length:
+            return False
+        try:
+            record = load_tensor_record(os.pread(fd, size, chunk.offset + start), source)
+        except EmaCkptError:
+            return False
+        data = members.get(pkl[: -len("data.pkl")] + "data/" + record.storage_key)
+        if data is None or data[0] != 0:
+            return False
+        if record.storage_offset < 0 or record.storage_numel < 0:
+            raise CheckpointFormatError(self.path / chunk.file, f"key {key!r}: corrupt record")
+        nbytes = record.storage_numel * record.dtype.itemsize
+        if data[1] != nbytes:
+            return None
+        begin = _member_start(fd, chunk.offset, chunk.length, data[2])
+        if begin is None:
+            return False
+        if begin + nbytes > chunk.length:
+            raise CheckpointFormatError(self.path / chunk.file, f"key {key!r}: record overruns its extent")
+        return (chunk.offset + begin, record)
 
     def _load_record_fallback(self, key: str, chunk: StoredChunk) -> torch.Tensor:
         """Load an unusual record (non-contiguous, new layout) with torch's weights-only loader."""

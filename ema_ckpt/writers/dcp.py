@@ -56,12 +56,53 @@ class _RecordStream:
         pass
 
 
+_LOCAL = struct.Struct("<4sHHHHHIIIHH")
+_CENTRAL_DIR = struct.Struct("<4sHHHHHHIIIHHHHHII")
+_END = struct.Struct("<4sHHHHIIH")
+_DOS_DATE = (0 << 11) | (0 << 5) | 0, (1980 - 1980) << 9 | 1 << 5 | 1  # (time, date) = 1980-01-01
+
+
 def _write_tensor_record(out: _ChecksumFile, tensor: torch.Tensor) -> int:
     """Append a standalone ``torch.save``-format zip holding ``tensor``; returns its length.
 
-    Written from the tensor's memory as it is (a view of a reused buffer included), with no
-    copy of the data and no pickle of anything but a plain tensor reference.
+    Written from the tensor's memory as it is (a view of a reused buffer included): the data
+    is hashed once (its zip CRC-32, folded into the file's CRC-32 with crc32_combine) and
+    written once, with no copy and no pickle of anything but a plain tensor reference.
     """
+    from .torch_file import tensor_pickle
+
+    nbytes = tensor.numel() * tensor.element_size()
+    if nbytes >= 0xFFFFFFFF:
+        return _write_tensor_record_zip64(out, tensor)
+    data = memoryview(tensor.reshape(-1).view(torch.uint8).numpy()) if nbytes else memoryview(b"")
+    members: list[tuple[bytes, bytes | memoryview]] = [
+        (b"archive/data.pkl", tensor_pickle(tensor)), (b"archive/.format_version", b"1"),
+        (b"archive/.storage_alignment", b"64"), (b"archive/byteorder", b"little"),
+        (b"archive/data/0", data), (b"archive/version", b"3"),
+    ]
+    position = 0
+    central: list[bytes] = []
+    for name, payload in members:
+        crc = zlib.crc32(payload)
+        extra = b""
+        if name == b"archive/data/0":  # align the storage bytes as torch does (mmap needs it)
+            pad = -(position + _LOCAL.size + len(name) + 4) % _ALIGN
+            extra = struct.pack("<HH", _PAD_FIELD, pad) + b"\0" * pad
+        header = _LOCAL.pack(b"PK\x03\x04", 20, 0, 0, _DOS_DATE[0], _DOS_DATE[1], crc, len(payload),
+                             len(payload), len(name), len(extra)) + name + extra
+        central.append(_CENTRAL_DIR.pack(b"PK\x01\x02", 20, 20, 0, 0, _DOS_DATE[0], _DOS_DATE[1], crc,
+                                         len(payload), len(payload), len(name), 0, 0, 0, 0, 0, position) + name)
+        out.write(header)
+        out.write(payload, crc=crc)
+        position += len(header) + len(payload)
+    directory = b"".join(central)
+    out.write(directory)
+    out.write(_END.pack(b"PK\x05\x06", 0, 0, len(members), len(members), len(directory), position, 0))
+    return position + len(directory) + _END.size
+
+
+def _write_tensor_record_zip64(out: _ChecksumFile, tensor: torch.Tensor) -> int:
+    """The same record through the zipfile module, for storages of 4 GiB and more (zip64)."""
     from .torch_file import tensor_pickle
 
     stream = _RecordStream(out)
@@ -71,16 +112,56 @@ def _write_tensor_record(out: _ChecksumFile, tensor: torch.Tensor) -> int:
         archive.writestr(zipfile.ZipInfo(name, date_time=_ZIP_TIME), data)
     member = zipfile.ZipInfo("archive/data/0", date_time=_ZIP_TIME)
     member.file_size = tensor.numel() * tensor.element_size()
-    zip64 = member.file_size * 1.05 > zipfile.ZIP64_LIMIT
-    header = 30 + len(member.filename) + (20 if zip64 else 0)
+    header = 30 + len(member.filename) + 20
     pad = -(stream.tell() + header + 4) % _ALIGN
     member.extra = struct.pack("<HH", _PAD_FIELD, pad) + b"\0" * pad
-    with archive.open(member, "w", force_zip64=zip64) as handle:
-        if tensor.numel():
-            handle.write(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))
+    with archive.open(member, "w", force_zip64=True) as handle:
+        handle.write(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))
     archive.writestr(zipfile.ZipInfo("archive/version", date_time=_ZIP_TIME), b"3")
     archive.close()
     return stream.position
+
+
+def _gf2_times(matrix: list[int], vector: int) -> int:
+    total, row = 0, 0
+    while vector:
+        if vector & 1:
+            total ^= matrix[row]
+        vector >>= 1
+        row += 1
+    return total
+
+
+def _gf2_square(matrix: list[int]) -> list[int]:
+    return [_gf2_times(matrix, matrix[n]) for n in range(32)]
+
+
+def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
+    """CRC-32 of A+B from crc(A), crc(B) and len(B) (zlib's crc32_combine, in GF(2)).
+
+    Example:
+        >>> crc32_combine(zlib.crc32(b"ab"), zlib.crc32(b"cd"), 2) == zlib.crc32(b"abcd")
+        True
+    """
+    if len2 <= 0:
+        return crc1
+    odd = [0xEDB88320] + [1 << n for n in range(31)]  # the operator for one zero bit
+    even = _gf2_square(odd)
+    odd = _gf2_square(even)
+    while True:
+        even = _gf2_square(odd)
+        if len2 & 1:
+            crc1 = _gf2_times(even, crc1)
+        len2 >>= 1
+        if not len2:
+            break
+        odd = _gf2_square(even)
+        if len2 & 1:
+            crc1 = _gf2_times(odd, crc1)
+        len2 >>= 1
+        if not len2:
+            break
+    return crc1 ^ crc2
 
 
 class _ChecksumFile:
@@ -91,9 +172,13 @@ class _ChecksumFile:
         self.crc32 = 0
         self.position = 0
 
-    def write(self, data: bytes | memoryview) -> int:
+    def write(self, data: bytes | memoryview, *, crc: int | None = None) -> int:
+        """Write ``data``; ``crc`` (its own CRC-32, already known) spares hashing it again."""
         n = self._handle.write(data)
-        self.crc32 = zlib.crc32(data, self.crc32)
+        if crc is not None and len(data) > 4096:
+            self.crc32 = crc32_combine(self.crc32, crc, len(data))
+        else:
+            self.crc32 = zlib.crc32(data, self.crc32)
         self.position += len(data)
         return n
 
