@@ -264,6 +264,8 @@ def _prepare(
         stack.enter_context(OutputLock(out_path, wait_seconds=wait_seconds))
     notes: list[str] = []
     accumulators = []
+    if power and not dry_run:
+        notes += recover(out_path)  # staging directories of sweeps live beside OUT
     for name, profile in named:
         final = out_path / name if power else out_path
         if not dry_run:
@@ -463,7 +465,8 @@ def _fold(
         readers, keys = group.run(open_all)
         newest = readers[-1]
         stagings = group.broadcast(
-            group.run((lambda: [new_staging_dir(final) for _, final, _ in targets]) if group.is_coordinator
+            group.run((lambda: [new_staging_dir(final, near=out_path if final != out_path else None)
+                                for _, final, _ in targets]) if group.is_coordinator
                       else lambda: None)
         )
         try:

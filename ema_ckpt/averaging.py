@@ -280,11 +280,13 @@ def run_plan(
 
         def prepare() -> list[Path]:
             stack.enter_context(OutputLock(out, wait_seconds=wait_seconds))
+            if not single_output:
+                recover(out)
             for final in finals:
                 recover(final)
                 if final.exists() and not overwrite:
                     raise UsageError(f"{final} exists; pass --overwrite to replace it")
-            return [new_staging_dir(final) for final in finals]
+            return [new_staging_dir(final, near=None if single_output else out) for final in finals]
 
         stagings = group.broadcast(group.run(prepare if group.is_coordinator else lambda: None))
         try:

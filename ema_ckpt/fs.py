@@ -63,11 +63,15 @@ def backup_prefix(final: Path) -> str:
     return f".{final.name}.old-"
 
 
-def new_staging_dir(final: Path) -> Path:
-    """An empty directory beside ``final`` to build the new output in."""
-    final.parent.mkdir(parents=True, exist_ok=True)
-    staging = final.parent / f"{staging_prefix(final)}{os.getpid()}-{secrets.token_hex(4)}"
+def new_staging_dir(final: Path, *, near: Path | None = None) -> Path:
+    """An empty directory to build ``final`` in: beside it, or beside ``near`` when ``final``
+    lies inside ``near`` (outputs of a sweep), so no half-built directory appears in ``near``."""
+    anchor = near if near is not None else final
+    anchor.parent.mkdir(parents=True, exist_ok=True)
+    suffix = f"-{final.name}" if near is not None else ""
+    staging = anchor.parent / f"{staging_prefix(anchor)}{os.getpid()}-{secrets.token_hex(4)}{suffix}"
     staging.mkdir()
+    final.parent.mkdir(parents=True, exist_ok=True)
     return staging
 
 
