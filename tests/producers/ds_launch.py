@@ -21,11 +21,15 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+try:
+    from tests.producers.launch import _tail, free_port
+except ImportError:  # run as a script from tests/producers
+    from launch import _tail, free_port  # type: ignore[no-redef]
 
 TRAIN_SCRIPT = Path(__file__).resolve().parent / "deepspeed_train.py"
 
@@ -34,16 +38,6 @@ _TORCHRUN_VARS = (
     "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
     "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID", "CUDA_VISIBLE_DEVICES",
 )  # fmt: skip
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _tail(text: str, n: int = 6000) -> str:
-    return text if len(text) <= n else "...\n" + text[-n:]
 
 
 def make_deepspeed_sequences(
@@ -92,7 +86,7 @@ def make_deepspeed_sequences(
                 "--nproc-per-node", str(world_size),
                 "--nnodes", "1",
                 "--master-addr", "127.0.0.1",
-                "--master-port", str(_free_port()),
+                "--master-port", str(free_port()),
                 str(TRAIN_SCRIPT),
                 "--runs", str(runs_file),
                 "--steps", ",".join(map(str, uniq)),
