@@ -12,7 +12,7 @@ TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX ?=
 DEMO_DIR ?= demo
 
-.PHONY: install install-test test demo bench clean
+.PHONY: install install-test test demo bench docs clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -45,3 +45,7 @@ bench: $(VENV)/.installed-test
 
 clean:
 	rm -rf $(VENV) $(DEMO_DIR) .pytest_cache .hypothesis
+
+# The CLI reference, generated from the commands' own help (a test checks it is current).
+docs: $(VENV)/.installed
+	$(VENV)/bin/typer ema_ckpt.cli utils docs --name ema-ckpt --output docs/cli.md
