@@ -310,6 +310,7 @@ def run_plan(
                 group, readers, specs_out, stagings, layout_regions(newest, keys), newest.specs(),
                 copy_source=len(readers) - 1, accumulate_dtype=ACCUMULATE_DTYPES[dtype],
                 planner_data=getattr(newest, "planner_data", None), on_progress=on_progress, device=device,
+                check_finite=range(len(readers)),
             )
 
             def publish_all() -> None:
