@@ -20,6 +20,7 @@ Example:
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 import socket
@@ -142,8 +143,18 @@ def current_workers(device: str = "cpu") -> Workers:
 
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(backend, timeout=_TIMEOUT)
+        # tear the group down before interpreter exit: gloo's threads abort the process
+        # ("terminate called without an active exception") when left to static destructors
+        atexit.register(_shutdown)
     group = dist.new_group(backend="gloo", timeout=_TIMEOUT)  # object collectives stay on CPU
     return Workers(dist.get_rank(), dist.get_world_size(), group)
+
+
+def _shutdown() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def free_port() -> int:
