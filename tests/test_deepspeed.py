@@ -602,3 +602,33 @@ def test_stand_ins_are_inert_and_only_the_deepspeed_names_are_allowed(tmp_path):
         load_ds_file(path)
     with pytest.raises(CheckpointNotFoundError):
         load_ds_file(tmp_path / "missing.pt")
+
+
+def test_released_pages_refault_with_the_same_bytes(tmp_path):
+    from ema_ckpt.formats._ds_unpickle import load_ds_file_releasable, release_pages
+
+    flat = torch.randn(3 << 20)  # 12 MiB: many pages
+    torch.save({"fp32_flat_groups": [flat]}, tmp_path / "optim.pt")
+    state, releasable = load_ds_file_releasable(tmp_path / "optim.pt")
+    assert releasable
+    mapped = state["fp32_flat_groups"][0]
+    first = mapped[: 1 << 20].clone()
+    release_pages(mapped[: 1 << 20])
+    assert torch.equal(mapped[: 1 << 20], first)  # refaulted from the file
+    assert torch.equal(mapped, flat)
+
+
+def test_legacy_files_are_never_released(tmp_path):
+    from ema_ckpt.formats._ds_unpickle import load_ds_file_releasable
+
+    torch.save({"x": torch.ones(4)}, tmp_path / "legacy.pt", _use_new_zipfile_serialization=False)
+    state, releasable = load_ds_file_releasable(tmp_path / "legacy.pt")
+    assert not releasable and torch.equal(state["x"], torch.ones(4))
+
+
+def test_large_tensors_are_served_in_row_blocks(ds_run):
+    folder = ds_run(Config(2, 3, "fp32"))
+    with open_checkpoint(folder) as reader:
+        for key, spec in reader.specs().items():
+            boxes = reader.layout(key)
+            assert sum(b.numel for b in boxes) == spec.numel
