@@ -30,10 +30,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
 from . import planner
-from .averaging import PlannedOutput, SnapshotInput, Term, find_snapshots
+from .averaging import ACCUMULATE_DTYPES, PlannedOutput, SnapshotInput, Term, find_snapshots
 from .averaging import Plan as AveragePlan
 from .discovery import FoundCheckpoint, discover
 from .dist import Workers, current_workers, in_worker_group, run_workers
@@ -54,7 +52,6 @@ from .schedules import ExponentialProfile, PowerProfile, fold_coefficients, prof
 from .selection import check_compatible, select_keys
 
 DEFAULT_OUT_NAME = "ema"
-ACCUMULATE_DTYPES = {"float32": torch.float32, "float64": torch.float64}
 Profile = ExponentialProfile | PowerProfile
 
 
