@@ -26,6 +26,8 @@ Examples:
   ema-ckpt accumulate ckpts/ --sigma-rel 0.05 --sigma-rel 0.10 --snapshot-every 10000 --out snap/
 
   ema-ckpt accumulate ckpts/ --decay 0.999 --dry-run       # the weights each checkpoint gets
+
+  ema-ckpt accumulate ckpts/ --decay 0.999 --skip-nonfinite --workers 2
 """
 
 

@@ -20,6 +20,8 @@ Examples:
   ema-ckpt consolidate ckpts/step_1000 --out hf/ --max-shard-size 2GB   # model-0000i-of-0000N + index
 
   ema-ckpt consolidate ds_ckpt/global_step500 --out model.pt
+
+  ema-ckpt consolidate ckpts/ema --out hf/ --max-shard-size 500MB --workers 2
 """
 
 

@@ -18,6 +18,8 @@ Examples:
   ema-ckpt reshard ckpts/ema --world-size 16 --out ema-16   # rank r reads only __r_0.distcp
 
   ema-ckpt reshard ds_ckpt/ema --world-size 8 --out fsdp-ready --dtype bfloat16
+
+  ema-ckpt reshard ckpts/ema --world-size 64 --out ema-64 --workers 2
 """
 
 
