@@ -20,8 +20,7 @@ import pickle
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
+from .dtypes import TORCH_NAMES, DtypeName, canonical
 from .errors import CheckpointFormatError, UnsafePickleError
 
 _DCP_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
@@ -34,11 +33,6 @@ _DCP_METADATA_CLASSES = {
     "MetadataIndex",
     "StorageMeta",
     "_MEM_FORMAT_ENCODING",
-}
-_DTYPES = {
-    name
-    for name in dir(torch)
-    if isinstance(getattr(torch, name, None), torch.dtype)
 }
 _LAYOUTS = {"strided", "sparse_coo", "sparse_csr", "sparse_csc", "sparse_bsr", "sparse_bsc"}
 _MEMORY_FORMATS = {"contiguous_format", "channels_last", "channels_last_3d", "preserve_format"}
@@ -110,7 +104,7 @@ class _TensorProperties(_Inert):
             self.dtype, self.layout, self.requires_grad, self.memory_format, self.pin_memory = state
         else:
             super().__setstate__(state)
-        if not isinstance(getattr(self, "dtype", None), torch.dtype):
+        if not isinstance(getattr(self, "dtype", None), DtypeName):
             raise pickle.UnpicklingError("TensorProperties without a torch dtype")
 
 
@@ -169,8 +163,8 @@ class _DcpMetadataUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
         standin = self._standins.get((module, name))
         if standin is not None:
             return standin
-        if module == "torch" and name in _DTYPES:
-            return getattr(torch, name)
+        if module == "torch" and name in TORCH_NAMES:
+            return DtypeName(canonical(name))
         if module == "torch" and (name in _LAYOUTS or name in _MEMORY_FORMATS):
             return name
         raise _refuse(self._source, module, name)
@@ -182,8 +176,9 @@ class _DcpMetadataUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
 def load_dcp_metadata_bytes(data: bytes, source: str) -> Any:
     """Unpickle DCP ``Metadata`` from ``data`` into inert stand-ins of DCP's metadata classes.
 
-    Only DCP's metadata classes, torch dtypes, ``torch.Size``, layouts, memory formats and
-    ``pathlib`` paths are admitted; ``source`` names the file in error messages.
+    Only DCP's metadata classes, torch dtypes (as :class:`~ema_ckpt.dtypes.DtypeName`),
+    ``torch.Size``, layouts, memory formats and ``pathlib`` paths are admitted; ``source``
+    names the file in error messages.
     """
     try:
         obj = _DcpMetadataUnpickler(io.BytesIO(data), source).load()
@@ -204,7 +199,7 @@ class TensorRecord:
     """Where a tensor's bytes lie inside a ``torch.save`` zip, from its ``data.pkl``."""
 
     storage_key: str
-    dtype: torch.dtype
+    dtype: str  # canonical torch dtype name
     storage_numel: int
     storage_offset: int
     size: tuple[int, ...]
@@ -223,18 +218,18 @@ class TensorRecord:
 _STORAGE_DTYPES = {
     f"{name}Storage": dtype
     for name, dtype in {
-        "Double": torch.float64,
-        "Float": torch.float32,
-        "Half": torch.float16,
-        "BFloat16": torch.bfloat16,
-        "Long": torch.int64,
-        "Int": torch.int32,
-        "Short": torch.int16,
-        "Char": torch.int8,
-        "Byte": torch.uint8,
-        "Bool": torch.bool,
-        "ComplexFloat": torch.complex64,
-        "ComplexDouble": torch.complex128,
+        "Double": "float64",
+        "Float": "float32",
+        "Half": "float16",
+        "BFloat16": "bfloat16",
+        "Long": "int64",
+        "Int": "int32",
+        "Short": "int16",
+        "Char": "int8",
+        "Byte": "uint8",
+        "Bool": "bool",
+        "ComplexFloat": "complex64",
+        "ComplexDouble": "complex128",
     }.items()
 }
 
@@ -242,7 +237,7 @@ _STORAGE_DTYPES = {
 class _StorageRef:
     __slots__ = ("key", "dtype", "numel")
 
-    def __init__(self, key: str, dtype: torch.dtype, numel: int) -> None:
+    def __init__(self, key: str, dtype: str, numel: int) -> None:
         self.key, self.dtype, self.numel = key, dtype, numel
 
 
@@ -263,9 +258,9 @@ class _TensorRecordUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
         if module == "torch._utils" and name == "_rebuild_tensor_v2":
             return _rebuild_record
         if module == "torch" and name in _STORAGE_DTYPES:
-            return _STORAGE_DTYPES[name]
-        if module == "torch" and name in _DTYPES:
-            return getattr(torch, name)
+            return DtypeName(_STORAGE_DTYPES[name])
+        if module == "torch" and name in TORCH_NAMES:
+            return DtypeName(canonical(name))
         if module == "collections" and name == "OrderedDict":
             return collections.OrderedDict
         if module == "torch" and name == "Size":
@@ -276,7 +271,7 @@ class _TensorRecordUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
             raise CheckpointFormatError(self._source, "unexpected storage reference in tensor record")
         _, dtype, key, _location, numel = pid
-        if not isinstance(dtype, torch.dtype):
+        if not isinstance(dtype, DtypeName):
             raise CheckpointFormatError(self._source, "unexpected storage type in tensor record")
         return _StorageRef(str(key), dtype, int(numel))
 

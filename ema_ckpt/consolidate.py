@@ -2,7 +2,10 @@
 
 Streams: headers are written from metadata first, then each tensor's bytes block by block
 as they are read (and cast), so memory holds one block of rows, never the model or the file.
-Nothing is written in place: the output is built beside its final path and swapped in.
+When a safetensors output needs no cast and every tensor is stored as plain runs of bytes
+(dim-0 shards of a DCP checkpoint), the kernel copies those runs file to file and torch is
+never imported. Nothing is written in place: the output is built beside its final path and
+swapped in.
 
 Example:
     >>> consolidate("ckpts/ema", "ema.safetensors", dtype="bfloat16")   # doctest: +SKIP
@@ -12,6 +15,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import re
 import shutil
@@ -21,21 +25,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-import torch
-
 from .dist import assign_by_bytes, current_workers, in_worker_group, run_workers
-from .engine import Progress
+from .dtypes import is_float, itemsize, torch_dtype
 from .errors import OutputError, UsageError
 from .formats import open_checkpoint
-from .formats.base import CheckpointReader
+from .formats.base import ByteRangeReader, CheckpointReader, stored_tensors
 from .fs import OutputLock, fsync_dir, new_staging_dir, publish, recover
-from .layout import Box, TensorSpec, row_blocks
+from .layout import Box, row_blocks
+from .progress import Progress
 from .selection import select_keys, strip_model_prefix
 from .writers.safetensors import INDEX_NAME, SafetensorsFileWriter, plan_shards, shard_file_names, write_index
-from .writers.torch_file import TorchFileWriter
 
-OUTPUT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
-                 "float64": torch.float64}
+OUTPUT_DTYPES = ("bfloat16", "float16", "float32", "float64")
 BLOCK_BYTES = 64 << 20
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
@@ -129,7 +130,7 @@ def consolidate(
     shard_bytes = parse_size(max_shard_size)
     if dtype is not None and dtype not in OUTPUT_DTYPES:
         raise UsageError(f"--dtype must be one of {', '.join(OUTPUT_DTYPES)}, got {dtype!r}")
-    cast = OUTPUT_DTYPES.get(dtype) if dtype else None
+    cast = dtype
     group = current_workers()
     with contextlib.ExitStack() as stack:
 
@@ -152,10 +153,11 @@ def consolidate(
         try:
             reader, keys = group.run(open_source)
             names = {k: k for k in keys} if keep_prefix else strip_model_prefix(keys)
-            specs = reader.specs()
-            out_dtype = {k: (cast if cast is not None and specs[k].is_float else specs[k].dtype) for k in keys}
+            stored = stored_tensors(reader)
+            out_dtype = {k: (cast if cast is not None and is_float(stored[k][1]) else stored[k][1]) for k in keys}
             result = ConsolidateResult(out, layout, keys=len(keys))
-            progress = _ProgressCounter(sum(specs[k].nbytes for k in keys), on_progress)
+            progress = _ProgressCounter(sum(math.prod(stored[k][0]) * itemsize(stored[k][1]) for k in keys),
+                                        on_progress)
             if layout == "hf-sharded":
                 assert staging is not None
                 _write_sharded(group, reader, keys, names, out_dtype, out, staging, shard_bytes, result, progress)
@@ -184,20 +186,45 @@ class _ProgressCounter:
             self.callback(Progress(self.done, self.total, self.regions, 0, key))
 
 
-def _blocks(reader: CheckpointReader, spec: TensorSpec):
+def _blocks(reader: CheckpointReader, key: str):
+    spec = reader.specs()[key]
     limit = max(1, BLOCK_BYTES // max(spec.dtype.itemsize, 1))
-    for box in row_blocks(spec.shape, list(reader.layout(spec.key)), limit):
-        yield box, reader.read(spec.key, box)
+    for box in row_blocks(spec.shape, list(reader.layout(key)), limit):
+        yield box, reader.read(key, box)
+
+
+def _byte_runs(reader: CheckpointReader, keys: Sequence[str], out_dtype: dict[str, str]):
+    """{key: byte ranges} when every key can be copied as stored bytes, else None."""
+    if not isinstance(reader, ByteRangeReader):
+        return None
+    stored = reader.stored()
+    runs = {}
+    for key in keys:
+        if out_dtype[key] != stored[key][1]:
+            return None
+        ranges = reader.byte_ranges(key)
+        if ranges is None:
+            return None
+        runs[key] = ranges
+    return runs
 
 
 def _stream_safetensors(reader, keys, names, out_dtype, path: Path, progress: _ProgressCounter) -> int:
-    specs = reader.specs()
+    stored = stored_tensors(reader)
+    runs = _byte_runs(reader, keys, out_dtype)
     writer = SafetensorsFileWriter(path)
-    writer.begin([(names[k], specs[k].shape, out_dtype[k]) for k in keys])
+    writer.begin([(names[k], stored[k][0], out_dtype[k]) for k in keys])
     try:
         for key in keys:
-            for _box, part in _blocks(reader, specs[key]):
-                writer.write(names[key], part.to(out_dtype[key]))
+            if runs is not None:
+                for file, offset, length in runs[key] or [("", 0, 0)]:  # an empty tensor has no runs
+                    fd = reader.open_data(file) if length else -1
+                    writer.copy_range(names[key], reader.path / file, fd, offset, length)
+                    progress.advance(length, key)
+                continue
+            cast = torch_dtype(out_dtype[key])
+            for _box, part in _blocks(reader, key):
+                writer.write(names[key], part.to(cast))
                 progress.advance(part.numel() * part.element_size(), key)
         return writer.finish()
     except BaseException:
@@ -212,12 +239,14 @@ def _write_single(reader, keys, names, out_dtype, out: Path, layout: str, result
         if layout == "safetensors":
             size = _stream_safetensors(reader, keys, names, out_dtype, tmp, progress)
         else:
+            from .writers.torch_file import TorchFileWriter
+
             specs = reader.specs()
             writer = TorchFileWriter(tmp)
-            writer.begin([(names[k], specs[k].shape, out_dtype[k]) for k in keys])
+            writer.begin([(names[k], specs[k].shape, torch_dtype(out_dtype[k])) for k in keys])
             for key in keys:
                 value = reader.read(key, Box.full(specs[key].shape))
-                writer.write(names[key], value.to(out_dtype[key]))
+                writer.write(names[key], value.to(torch_dtype(out_dtype[key])))
                 progress.advance(value.numel() * value.element_size(), key)
                 del value
             size = writer.finish()
@@ -234,8 +263,8 @@ def _write_single(reader, keys, names, out_dtype, out: Path, layout: str, result
 
 def _write_sharded(group, reader, keys, names, out_dtype, out: Path, staging: Path, shard_bytes: int,
                    result, progress) -> None:
-    specs = reader.specs()
-    sizes = [(k, specs[k].numel * out_dtype[k].itemsize) for k in keys]
+    stored = stored_tensors(reader)
+    sizes = [(k, math.prod(stored[k][0]) * itemsize(out_dtype[k])) for k in keys]
     shards = plan_shards(sizes, shard_bytes)
     files = shard_file_names(len(shards))
     lookup = dict(sizes)

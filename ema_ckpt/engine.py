@@ -31,6 +31,7 @@ from .dist import assign_by_bytes
 from .errors import NonFiniteError, UsageError
 from .formats.base import CheckpointReader
 from .layout import Box, TensorSpec
+from .progress import Progress
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,17 +76,6 @@ class RegionSink(Protocol):
     def declare(self, key: str, shape: tuple[int, ...], dtype: torch.dtype) -> None: ...
 
     def write(self, key: str, box: Box, tensor: torch.Tensor, *, rank: int = 0, part: int = 0) -> None: ...
-
-
-@dataclass(slots=True)
-class Progress:
-    """Where a run stands, passed to the progress callback after each region."""
-
-    bytes_done: int
-    bytes_total: int
-    regions_done: int
-    regions_total: int
-    key: str
 
 
 @dataclass(slots=True)

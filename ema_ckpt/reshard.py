@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from .consolidate import OUTPUT_DTYPES, _check_not_overlapping
+from .dtypes import torch_dtype
 from .dist import current_workers, in_worker_group, run_workers
 from .engine import OutputSpec, PlannedRegion, Progress, Update
 from .errors import UsageError
@@ -73,7 +74,7 @@ def reshard(
     _check_not_overlapping(src, out)
     if dtype is not None and dtype not in OUTPUT_DTYPES:
         raise UsageError(f"--dtype must be one of {', '.join(OUTPUT_DTYPES)}, got {dtype!r}")
-    cast = OUTPUT_DTYPES.get(dtype) if dtype else None
+    cast = torch_dtype(dtype) if dtype else None
     group = current_workers()
     with contextlib.ExitStack() as stack:
 

@@ -11,7 +11,7 @@ import fnmatch
 from collections.abc import Sequence
 
 from .errors import IncompatibleCheckpointError
-from .formats.base import CheckpointReader
+from .formats.base import CheckpointReader, stored_tensors
 
 _NON_MODEL_ROOTS = {
     "optim", "optimizer", "optimizers", "lr_scheduler", "lr_schedulers", "scheduler",
@@ -33,7 +33,7 @@ def select_keys(
     A DCP saved as ``{"model": …, "optim": …}`` contributes its ``model`` part; a checkpoint
     without a ``model`` root contributes everything but optimizer and training state.
     """
-    keys = list(reader.specs())
+    keys = list(stored_tensors(reader))
     roots = {k: _root_of(reader, k) for k in keys}
     if MODEL_ROOT in roots.values():
         keys = [k for k in keys if roots[k] == MODEL_ROOT]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -170,3 +171,69 @@ def test_reshard_loads_exactly_into_fsdp2(fsdp_sequence, tmp_path, world):
                 if len(chunk.box.sizes) and chunk.box.sizes[0] and reader.specs()[key].shape[0] >= world:
                     assert chunk.file == f"__{chunk.rank}_0.distcp"
     assert "OK" in _run_fsdp_load(out, expected, world)
+
+
+# -- the byte-copy path ---------------------------------------------------------------------
+
+
+def test_byte_copy_runs_without_torch_and_equals_the_tensor_path(fsdp_sequence, tmp_path, monkeypatch):
+    import ema_ckpt.consolidate as module
+
+    ckpt = fsdp_sequence("fsdp1", 3, "float32", True)[-1]
+    code = ("import sys; from ema_ckpt.consolidate import consolidate; "
+            f"consolidate({str(ckpt)!r}, {str(tmp_path / 'fast.safetensors')!r}); "
+            "assert 'torch' not in sys.modules, 'torch was imported'")
+    subprocess.run([sys.executable, "-c", code], check=True)
+    monkeypatch.setattr(module, "_byte_runs", lambda *args: None)
+    consolidate(ckpt, tmp_path / "tensors.safetensors")
+    assert (tmp_path / "fast.safetensors").read_bytes() == (tmp_path / "tensors.safetensors").read_bytes()
+
+
+def test_byte_copy_falls_back_when_the_kernel_cannot_copy(fsdp_sequence, tmp_path, monkeypatch):
+    import errno
+    import os
+
+    ckpt = fsdp_sequence("fsdp2", 2, "bfloat16", False)[-1]
+    consolidate(ckpt, tmp_path / "kernel.safetensors")
+
+    def refuse(*_args):
+        raise OSError(errno.EXDEV, "Invalid cross-device link")
+
+    monkeypatch.setattr(os, "copy_file_range", refuse)
+    consolidate(ckpt, tmp_path / "pread", max_shard_size="3KB")
+    merged = {}
+    for shard in sorted((tmp_path / "pread").glob("*.safetensors")):
+        merged.update(load_file(shard))
+    single = load_file(tmp_path / "kernel.safetensors")
+    assert set(merged) == set(single) and all(torch.equal(merged[k], single[k]) for k in single)
+
+
+def test_layouts_that_are_not_byte_runs_take_the_tensor_path(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    w = torch.arange(48, dtype=torch.float32).reshape(6, 8)
+    columns = write_dcp(tmp_path / "cols", {"model.w": w, "model.e": torch.empty(0, 3)},
+                        boxes={"model.w": [Box((0, 0), (6, 5)), Box((0, 5), (6, 3))]})
+    with DcpReader(columns) as reader:
+        assert reader.byte_ranges("model.w") is None and reader.byte_ranges("model.e") == []
+    consolidate(columns, tmp_path / "cols.safetensors")
+    got = load_file(tmp_path / "cols.safetensors")
+    assert torch.equal(got["w"], w) and got["e"].shape == (0, 3)
+    dcp.save({"model": {"t": w.t()}}, checkpoint_id=str(tmp_path / "strided"), no_dist=True)
+    consolidate(tmp_path / "strided", tmp_path / "strided.safetensors")
+    assert torch.equal(load_file(tmp_path / "strided.safetensors")["t"], w.t())
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(rows=st.integers(0, 9), cols=st.integers(1, 4), cuts=st.lists(st.integers(0, 9), max_size=4),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.int64]))
+def test_byte_ranges_concatenate_to_the_tensor(tmp_path_factory, rows, cols, cuts, dtype):
+    value = (torch.arange(rows * cols) * 3 - 7).reshape(rows, cols).to(dtype)
+    bounds = sorted({0, rows, *(c for c in cuts if c <= rows)})
+    boxes = [Box((a, 0), (b - a, cols)) for a, b in zip(bounds, bounds[1:])] or [Box((0, 0), (0, cols))]
+    ckpt = write_dcp(tmp_path_factory.mktemp("ck") / "c", {"model.v": value}, boxes={"model.v": boxes})
+    with DcpReader(ckpt) as reader:
+        ranges = reader.byte_ranges("model.v")
+        assert ranges is not None
+        data = b"".join(os.pread(reader.open_data(f), n, o) for f, o, n in ranges)
+    assert data == value.contiguous().view(torch.uint8).numpy().tobytes()

@@ -23,7 +23,7 @@ from rich.progress import (
     TransferSpeedColumn,
 )
 
-from ..engine import Progress as EngineProgress
+from ..progress import Progress as EngineProgress
 
 # Under torchrun every rank runs the command; only rank 0 speaks.
 _PRIMARY = os.environ.get("RANK", "0") == "0"

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 from rich.table import Table
 from rich.text import Text
 
-from ..averaging import Plan
 from ._output import console, err_console
+
+if TYPE_CHECKING:
+    from ..averaging import Plan
 
 BAR_WIDTH = 32
 

@@ -8,7 +8,6 @@ from typing import Annotated
 
 import typer
 
-from ..accumulate import accumulate
 from ._errors import reports_errors
 from ._options import DeviceOpt, WorkersOpt, ExcludeOpt, IncludeOpt, JsonOpt, QuietOpt, StepRegexOpt, WaitOpt
 from ._output import console, human_bytes, note, print_json, progress_bar
@@ -71,6 +70,8 @@ def accumulate_command(
     quiet: QuietOpt = False,
 ) -> None:
     """Fold every checkpoint newer than the EMA into it (incremental, crash-safe)."""
+    from ..accumulate import accumulate  # imported here: it loads torch, which --help never needs
+
     with progress_bar("accumulate", enabled=not (quiet or json_output or dry_run)) as on_progress:
         result = accumulate(
             checkpoints, decay=decay, half_life=half_life, per_checkpoint=per_checkpoint, warmup=warmup,

@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.table import Table
 from rich.text import Text
 
-from ..diff import KeyDiff, diff
 from ..errors import IncompatibleCheckpointError
 from ._errors import reports_errors
 from ._options import ExcludeOpt, IncludeOpt, JsonOpt
 from ._output import console, err_console, print_json
+
+if TYPE_CHECKING:
+    from ..diff import KeyDiff
 
 EPILOG = """\
 Examples:
@@ -53,6 +55,8 @@ def diff_command(
     json_output: JsonOpt = False,
 ) -> None:
     """Max abs / rel difference per key; exit 0 when equal (within --atol), 4 when not."""
+    from ..diff import diff  # imported here: it loads torch, which --help never needs
+
     result = diff(a, b, include=include or (), exclude=exclude or ())
     if json_output:
         print_json(result.to_dict(atol))

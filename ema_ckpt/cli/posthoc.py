@@ -7,7 +7,6 @@ from typing import Annotated
 
 import typer
 
-from ..averaging import Plan, average, posthoc
 from ..errors import UsageError
 from ._errors import reports_errors
 from ._options import DeviceOpt, WorkersOpt, ExcludeOpt, IncludeOpt, JsonOpt, OverwriteOpt, QuietOpt, StepRegexOpt, WaitOpt
@@ -36,6 +35,8 @@ DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Show the plan (coeff
 
 
 def _finish(result, json_output: bool, quiet: bool) -> None:
+    from ..averaging import Plan
+
     if isinstance(result, Plan):
         if json_output:
             print_json(result.to_json())
@@ -79,6 +80,8 @@ def posthoc_command(
     if out is None and not dry_run:
         raise UsageError("--out is required (unless --dry-run)")
     with progress_bar("posthoc", enabled=not (quiet or json_output or dry_run)) as on_progress:
+        from ..averaging import posthoc
+
         result = posthoc(checkpoints, out=out or Path("posthoc"), sigma_rels=sigma_rel or (), gammas=gamma or (),
                          at_step=at_step, dry_run=dry_run, dtype=dtype, include=include or (), workers=workers, device=device,
                          exclude=exclude or (), step_regex=step_regex, overwrite=overwrite,
@@ -109,6 +112,8 @@ def average_command(
     if out is None and not dry_run:
         raise UsageError("--out is required (unless --dry-run)")
     with progress_bar("average", enabled=not (quiet or json_output or dry_run)) as on_progress:
+        from ..averaging import average
+
         result = average(checkpoints, out=out or Path("average"), last=last, from_step=from_step,
                          to_step=to_step, dry_run=dry_run, dtype=dtype, include=include or (), workers=workers, device=device,
                          exclude=exclude or (), step_regex=step_regex, overwrite=overwrite,

@@ -7,7 +7,6 @@ from typing import Annotated
 
 import typer
 
-from ..reshard import reshard
 from ._errors import reports_errors
 from ._options import WorkersOpt, ExcludeOpt, IncludeOpt, JsonOpt, OverwriteOpt, QuietOpt, WaitOpt
 from ._output import console, human_bytes, print_json, progress_bar
@@ -39,6 +38,8 @@ def reshard_command(
     quiet: QuietOpt = False,
 ) -> None:
     """Write SRC as a DCP checkpoint sharded on dim 0 like FSDP2, one file per rank."""
+    from ..reshard import reshard  # imported here: it loads torch, which --help never needs
+
     with progress_bar("reshard", enabled=not (quiet or json_output)) as on_progress:
         result = reshard(src, world_size=world_size, out=out, dtype=dtype, include=include or (),
                          exclude=exclude or (), all_keys=all_keys, overwrite=overwrite, wait_seconds=wait, workers=workers,

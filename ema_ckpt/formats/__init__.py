@@ -8,19 +8,23 @@ from . import dcp as _dcp  # noqa: F401  (registers "dcp")
 from . import deepspeed as _deepspeed  # noqa: F401  (registers "deepspeed")
 from . import hf_safetensors as _hf_safetensors  # noqa: F401  (registers "safetensors")
 from .base import (
+    ByteRangeReader,
     CheckpointFormat,
     CheckpointReader,
     detect_format,
     open_checkpoint,
     register_format,
     registered_formats,
+    stored_tensors,
 )
 
 __all__ = [
+    "ByteRangeReader",
     "CheckpointFormat",
     "CheckpointReader",
     "detect_format",
     "open_checkpoint",
     "register_format",
     "registered_formats",
+    "stored_tensors",
 ]

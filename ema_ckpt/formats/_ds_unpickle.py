@@ -39,8 +39,8 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
-import torch
 
+from .._lazy import torch
 from ..errors import CheckpointFormatError, CheckpointNotFoundError, UnsafePickleError
 
 __all__ = [

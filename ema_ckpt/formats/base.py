@@ -17,12 +17,14 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-import torch
-
+from ..dtypes import name_of
 from ..errors import CheckpointNotFoundError
 from ..layout import Box, TensorSpec
+
+if TYPE_CHECKING:
+    import torch
 
 
 @runtime_checkable
@@ -59,6 +61,37 @@ class CheckpointReader(Protocol):
     def close(self) -> None:
         """Release open files."""
         ...
+
+
+@runtime_checkable
+class ByteRangeReader(Protocol):
+    """A reader that can say where a tensor's bytes lie, for copies that never touch torch."""
+
+    path: Path
+
+    def stored(self) -> Mapping[str, tuple[tuple[int, ...], str]]:
+        """{key: (shape, canonical dtype name)} without importing torch."""
+        ...
+
+    def byte_ranges(self, key: str) -> list[tuple[str, int, int]] | None:
+        """``key``'s bytes in row-major order as (file, offset, length), or None if not plain runs."""
+        ...
+
+    def open_data(self, file: str) -> int:
+        """A read-only descriptor of a data file named by :meth:`byte_ranges` (the reader closes it)."""
+        ...
+
+
+def stored_tensors(reader: CheckpointReader) -> Mapping[str, tuple[tuple[int, ...], str]]:
+    """{key: (shape, dtype name)}: without torch where the reader allows it.
+
+    Example:
+        >>> stored_tensors(reader)["fc.weight"]   # doctest: +SKIP
+        ((16, 8), 'float32')
+    """
+    if isinstance(reader, ByteRangeReader):
+        return reader.stored()
+    return {key: (spec.shape, name_of(spec.dtype)) for key, spec in reader.specs().items()}
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,9 +30,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
+from .._lazy import torch
 from .._pickle import TensorRecord, load_dcp_metadata_bytes, load_tensor_record
+from ..dtypes import DtypeName, itemsize, name_of, torch_dtype
 from ..errors import CheckpointFormatError, CheckpointNotFoundError, EmaCkptError, UnsafePickleError
 from ..layout import Box, TensorSpec, boxes_cover
 from .base import CheckpointFormat, register_format
@@ -242,7 +242,8 @@ class DcpReader:
         self._metadata = metadata
         self.planner_data: dict[str, tuple[str, ...]] = _planner_data(metadata)
         self.non_tensor_keys: list[str] = []
-        self._specs: dict[str, TensorSpec] = {}
+        self._stored: dict[str, tuple[tuple[int, ...], str]] = {}  # key → (shape, dtype name)
+        self._specs: dict[str, TensorSpec] | None = None  # built on first use: needs torch
         self._chunks: dict[str, list[StoredChunk]] = {}
         self._starts: dict[str, tuple[list[int], int]] = {}
         self._bytes_records: dict[str, tuple[str, int, int]] = {}
@@ -268,9 +269,8 @@ class DcpReader:
                 continue
             shape = tuple(_int(d) for d in entry.size)
             dtype = entry.properties.dtype
-            if not isinstance(dtype, torch.dtype):
+            if not isinstance(dtype, DtypeName):
                 raise TypeError(f"key {key!r}: dtype {dtype!r} is not a torch dtype")
-            spec = TensorSpec(key, shape, dtype)
             chunks = []
             for chunk in entry.chunks:
                 box = Box(tuple(_int(o) for o in chunk.offsets), tuple(_int(s) for s in chunk.sizes))
@@ -283,7 +283,7 @@ class DcpReader:
                     raise CheckpointFormatError(
                         self.metadata_files[0], f"key {key!r}: chunk at {box.offsets} has no storage entry"
                     )
-                if box.numel * dtype.itemsize > where[2]:
+                if box.numel * itemsize(dtype) > where[2]:
                     raise ValueError(f"key {key!r}: chunk at {list(box.offsets)} is larger than its record")
                 chunks.append(StoredChunk(box, *where))
             if not boxes_cover(shape, [c.box for c in chunks]):
@@ -294,7 +294,7 @@ class DcpReader:
                        self.metadata_files[0].name != METADATA_FILE else ""),
                 )
             chunks.sort(key=lambda c: c.box.offsets[:1])
-            self._specs[key] = spec
+            self._stored[key] = (shape, str(dtype))
             self._chunks[key] = chunks
             self._starts[key] = (
                 [c.box.offsets[0] for c in chunks] if shape else [],
@@ -327,7 +327,42 @@ class DcpReader:
     # -- protocol ---------------------------------------------------------------------
 
     def specs(self) -> Mapping[str, TensorSpec]:
+        if self._specs is None:
+            self._specs = {
+                key: TensorSpec(key, shape, torch_dtype(dtype)) for key, (shape, dtype) in self._stored.items()
+            }
         return self._specs
+
+    def stored(self) -> Mapping[str, tuple[tuple[int, ...], str]]:
+        """{key: (shape, dtype name)} without importing torch."""
+        return self._stored
+
+    def open_data(self, file: str) -> int:
+        """A read-only descriptor of data file ``file`` (owned by the reader; closed by :meth:`close`)."""
+        return self._fd(file)
+
+    def byte_ranges(self, key: str) -> list[tuple[str, int, int]] | None:
+        """``key``'s bytes in row-major order as (file, offset, length) ranges, or None.
+
+        None when the tensor is not a concatenation of stored byte runs: chunks split
+        along a dimension other than 0, or records that are not plain contiguous tensors.
+        Reads only record headers; never imports torch.
+        """
+        shape, dtype = self._stored[key]
+        size = itemsize(dtype)
+        ranges = []
+        for chunk in self._chunks[key]:
+            if chunk.box.sizes[1:] != shape[1:]:
+                return None
+            found = self._record(key, chunk)
+            if found is None or not found[1].is_contiguous:
+                return None
+            data_offset, record = found
+            self._check_record(key, chunk, record.size, record.dtype)
+            if record.storage_offset + chunk.box.numel > record.storage_numel:
+                raise CheckpointFormatError(self.path / chunk.file, f"key {key!r}: record storage too small")
+            ranges.append((chunk.file, data_offset + record.storage_offset * size, chunk.box.numel * size))
+        return ranges
 
     def layout(self, key: str) -> Sequence[Box]:
         return [c.box for c in self._chunks[key]]
@@ -340,7 +375,7 @@ class DcpReader:
 
     def read(self, key: str, box: Box, out: torch.Tensor | None = None) -> torch.Tensor:
         """``box`` of ``key``; into ``out`` (contiguous, right shape and dtype) when given."""
-        spec = self._specs[key]
+        spec = self.specs()[key]
         if len(box.sizes) != len(spec.shape) or any(
             o < 0 or s < 0 or o + s > d for o, s, d in zip(box.offsets, box.sizes, spec.shape, strict=True)
         ):
@@ -394,7 +429,7 @@ class DcpReader:
             "ranks": len(ranks),
             "chunks": sum(len(cs) for cs in self._chunks.values()),
             "non_tensor_keys": list(self.non_tensor_keys),
-            "top_level": sorted({self.root_of(k) for k in self._specs}),
+            "top_level": sorted({self.root_of(k) for k in self._stored}),
         }
 
     def root_of(self, key: str) -> str:
@@ -480,7 +515,7 @@ class DcpReader:
             raise CheckpointFormatError(self.path / chunk.file, f"key {key!r}: corrupt record header")
         fields = _LOCAL_HEADER.unpack(header)
         start = member.header_offset + _LOCAL_HEADER.size + fields[9] + fields[10]
-        nbytes = record.storage_numel * record.dtype.itemsize
+        nbytes = record.storage_numel * itemsize(record.dtype)
         if member.compress_type != zipfile.ZIP_STORED or member.file_size != nbytes:
             self._records[cache_key] = None
             return None
@@ -513,7 +548,7 @@ class DcpReader:
             return False
         if record.storage_offset < 0 or record.storage_numel < 0:
             raise CheckpointFormatError(self.path / chunk.file, f"key {key!r}: corrupt record")
-        nbytes = record.storage_numel * record.dtype.itemsize
+        nbytes = record.storage_numel * itemsize(record.dtype)
         if data[1] != nbytes:
             return None
         begin = _member_start(fd, chunk.offset, chunk.length, data[2])
@@ -542,17 +577,15 @@ class DcpReader:
         return value
 
     def _read_chunk_part(self, key: str, chunk: StoredChunk, part: Box, dest: torch.Tensor) -> None:
-        spec = self._specs[key]
+        spec = self.specs()[key]
         found = self._record(key, chunk)
         if found is None or not found[1].is_contiguous:
             value = self._load_record_fallback(key, chunk)
-            self._check_record(key, chunk, tuple(value.shape), value.dtype)
+            self._check_record(key, chunk, tuple(value.shape), name_of(value.dtype))
             dest.copy_(value[part.slices()] if part.sizes else value)
             return
         data_offset, record = found
         self._check_record(key, chunk, record.size, record.dtype)
-        if record.dtype != spec.dtype:
-            raise CheckpointFormatError(self.path / chunk.file, f"key {key!r}: dtype differs from metadata")
         if record.storage_offset + chunk.box.numel > record.storage_numel:
             raise CheckpointFormatError(self.path / chunk.file, f"key {key!r}: record storage too small")
         itemsize = spec.dtype.itemsize
@@ -571,12 +604,13 @@ class DcpReader:
         _pread_into(self._fd(chunk.file), _tensor_bytes(block), offset, str(self.path / chunk.file))
         dest.copy_(block[(slice(None), *part.slices()[1:])])
 
-    def _check_record(self, key: str, chunk: StoredChunk, size: tuple[int, ...], dtype: torch.dtype) -> None:
-        if tuple(size) != chunk.box.sizes or dtype != self._specs[key].dtype:
+    def _check_record(self, key: str, chunk: StoredChunk, size: tuple[int, ...], dtype: str) -> None:
+        expected = self._stored[key][1]
+        if tuple(size) != chunk.box.sizes or dtype != expected:
             raise CheckpointFormatError(
                 self.path / chunk.file,
-                f"key {key!r}: record holds {dtype} {list(size)}, metadata says "
-                f"{self._specs[key].dtype} {list(chunk.box.sizes)}",
+                f"key {key!r}: record holds torch.{dtype} {list(size)}, metadata says "
+                f"torch.{expected} {list(chunk.box.sizes)}",
             )
 
 

@@ -45,8 +45,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 
+from .._lazy import torch
 from ..errors import CheckpointFormatError, CheckpointNotFoundError, EmaCkptError, UnsafePickleError
 from ..layout import Box, TensorSpec, split_rows
 from ._ds_unpickle import load_ds_file, load_ds_file_releasable, release_pages

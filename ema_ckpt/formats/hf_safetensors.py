@@ -28,6 +28,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -39,9 +40,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 from safetensors import SafetensorError, safe_open
 
+from .._lazy import torch
 from ..errors import CheckpointFormatError, CheckpointNotFoundError
 from ..layout import Box, TensorSpec
 from .base import CheckpointFormat, register_format
@@ -65,9 +66,11 @@ _DTYPE_NAMES = (
     ("F8_E4M3FNUZ", "float8_e4m3fnuz"), ("F8_E5M2FNUZ", "float8_e5m2fnuz"),
     ("F8_E8M0", "float8_e8m0fnu"),
 )  # fmt: skip
-_DTYPES: dict[str, torch.dtype] = {
-    name: getattr(torch, attr) for name, attr in _DTYPE_NAMES if hasattr(torch, attr)
-}
+
+
+@functools.cache
+def _dtypes() -> dict[str, torch.dtype]:
+    return {name: getattr(torch, attr) for name, attr in _DTYPE_NAMES if hasattr(torch, attr)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,7 +191,7 @@ def _parse_entry(file: Path, key: str, entry: Any) -> tuple[TensorSpec, int, int
     if not isinstance(entry, dict):
         raise CheckpointFormatError(file, f"tensor {key!r}: entry is not an object")
     name, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
-    dtype = _DTYPES.get(name) if isinstance(name, str) else None
+    dtype = _dtypes().get(name) if isinstance(name, str) else None
     if dtype is None:
         raise CheckpointFormatError(file, f"tensor {key!r}: dtype {name!r} is not supported")
     # a dim beyond 2**48 is nonsense even beside a zero dim (numel 0) and overflows torch
@@ -329,7 +332,7 @@ class SafetensorsReader:
         handle = self._handle(file)
         try:
             part = handle.get_slice(key)
-            if tuple(part.get_shape()) != spec.shape or _DTYPES.get(part.get_dtype()) != spec.dtype:
+            if tuple(part.get_shape()) != spec.shape or _dtypes().get(part.get_dtype()) != spec.dtype:
                 raise CheckpointFormatError(file, f"tensor {key!r} changed since the checkpoint was opened")
             # Older safetensors releases cannot index a 0-d slice with ``()``.
             out = part[box.slices()] if box.sizes else handle.get_tensor(key)

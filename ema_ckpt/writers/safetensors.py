@@ -13,27 +13,23 @@ Example:
 
 from __future__ import annotations
 
+import errno
 import json
+import math
 import os
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
-import torch
+from .._lazy import torch
+from ..dtypes import SAFETENSORS_CODES, itemsize, name_of
+from ..errors import CheckpointFormatError, OutputError, UsageError
 
-from ..errors import OutputError, UsageError
-
-SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-    torch.uint8: "U8", torch.bool: "BOOL", torch.complex64: "C64",
-}
-for _name, _code in (("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2"),
-                     ("uint16", "U16"), ("uint32", "U32"), ("uint64", "U64")):
-    if isinstance(getattr(torch, _name, None), torch.dtype):
-        SAFETENSORS_DTYPES[getattr(torch, _name)] = _code
+_COPY_BLOCK = 64 << 20
+# copy_file_range is refused across some filesystems and by old kernels: copy through memory then
+_NO_KERNEL_COPY = {errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, errno.EPERM}
 
 INDEX_NAME = "model.safetensors.index.json"
 
@@ -72,7 +68,7 @@ def shard_file_names(count: int) -> list[str]:
 class _Planned:
     key: str
     shape: tuple[int, ...]
-    dtype: torch.dtype
+    dtype: str
     start: int
     end: int
 
@@ -87,20 +83,25 @@ class SafetensorsFileWriter:
     _planned: list[_Planned] = field(default_factory=list)
     _cursor: int = 0
     _written: int = 0
+    _data_start: int = 0
+    _kernel_copy: bool = True
 
-    def begin(self, tensors: Sequence[tuple[str, tuple[int, ...], torch.dtype]]) -> None:
+    def begin(self, tensors: Sequence[tuple[str, tuple[int, ...], Any]]) -> None:
+        """Write the header for ``(key, shape, dtype)`` in order; dtype a torch dtype or its name."""
         header: dict[str, object] = {"__metadata__": dict(self.metadata)}
         offset = 0
         for key, shape, dtype in tensors:
-            if dtype not in SAFETENSORS_DTYPES:
-                raise UsageError(f"{key}: dtype {dtype} cannot be stored in safetensors")
-            nbytes = int(torch.Size(shape).numel()) * dtype.itemsize
-            self._planned.append(_Planned(key, tuple(shape), dtype, offset, offset + nbytes))
-            header[key] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape),
+            name = name_of(dtype)
+            if name not in SAFETENSORS_CODES:
+                raise UsageError(f"{key}: dtype torch.{name} cannot be stored in safetensors")
+            nbytes = math.prod(shape) * itemsize(name)
+            self._planned.append(_Planned(key, tuple(shape), name, offset, offset + nbytes))
+            header[key] = {"dtype": SAFETENSORS_CODES[name], "shape": list(shape),
                            "data_offsets": [offset, offset + nbytes]}
             offset += nbytes
         text = json.dumps(header, separators=(",", ":")).encode()
         text += b" " * (-len(text) % 8)
+        self._data_start = 8 + len(text)
         try:
             self._handle = open(self.path, "wb")  # noqa: SIM115 (closed in finish/abort)
             self._handle.write(struct.pack("<Q", len(text)))
@@ -111,7 +112,7 @@ class SafetensorsFileWriter:
     def write(self, key: str, part: torch.Tensor) -> None:
         """Append the next bytes of ``key`` (row blocks of the tensor, in order)."""
         planned = self._planned[self._cursor]
-        if planned.key != key or part.dtype != planned.dtype:
+        if planned.key != key or name_of(part.dtype) != planned.dtype:
             raise ValueError(f"expected bytes of {planned.key} ({planned.dtype}), got {key} ({part.dtype})")
         part = part.contiguous()
         if part.numel():
@@ -120,7 +121,53 @@ class SafetensorsFileWriter:
                 self._handle.write(memoryview(part.reshape(-1).view(torch.uint8).numpy()))
             except OSError as err:
                 raise OutputError(f"{self.path}: write failed ({err.strerror})") from None
-        self._written += part.numel() * part.element_size()
+        self._advance(key, part.numel() * part.element_size())
+
+    def copy_range(self, key: str, source: Path, fd: int, offset: int, length: int) -> None:
+        """Append the next ``length`` bytes of ``key`` straight from ``fd`` at ``offset``.
+
+        The kernel copies file to file (``copy_file_range``): the bytes never pass through
+        this process. ``source`` names the input file in errors.
+        """
+        planned = self._planned[self._cursor]
+        if planned.key != key or planned.start + self._written + length > planned.end:
+            raise ValueError(f"expected at most {planned.end - planned.start - self._written} bytes of "
+                             f"{planned.key}, got {length} of {key}")
+        assert self._handle is not None
+        dst = self._data_start + planned.start + self._written
+        try:
+            self._handle.flush()
+            done = 0
+            while done < length:
+                count = min(_COPY_BLOCK, length - done)
+                moved = self._copy(fd, offset + done, dst + done, count)
+                if moved == 0:
+                    raise CheckpointFormatError(source, f"key {key!r}: file ends inside a record (truncated?)")
+                done += moved
+            self._handle.seek(dst + length)
+        except OSError as err:
+            raise OutputError(f"{self.path}: write failed ({err.strerror})") from None
+        self._advance(key, length)
+
+    def _copy(self, fd: int, src: int, dst: int, count: int) -> int:
+        assert self._handle is not None
+        out = self._handle.fileno()
+        if self._kernel_copy:
+            try:
+                return os.copy_file_range(fd, out, count, src, dst)
+            except OSError as err:
+                if err.errno not in _NO_KERNEL_COPY:
+                    raise
+                self._kernel_copy = False
+        data = os.pread(fd, count, src)
+        view, written = memoryview(data), 0
+        while written < len(data):
+            written += os.pwrite(out, view[written:], dst + written)
+        return len(data)
+
+    def _advance(self, key: str, nbytes: int) -> None:
+        planned = self._planned[self._cursor]
+        self._written += nbytes
         if planned.start + self._written == planned.end:
             self._cursor += 1
             self._written = 0

@@ -1,0 +1,33 @@
+"""A module imported on first attribute access.
+
+Byte-copying commands (a DCP checkpoint to safetensors) never touch a tensor, so the
+modules on their path refer to ``torch`` through this proxy and never pay its ~1.5 s import.
+
+Example:
+    >>> json = LazyModule("json")
+    >>> json.dumps([1])
+    '[1]'
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from typing import Any
+
+
+class LazyModule:
+    """Stands in for the module ``name`` until an attribute is read."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def __getattr__(self, attr: str) -> Any:
+        module = sys.modules.get(self._name) or importlib.import_module(self._name)
+        return getattr(module, attr)
+
+    def __repr__(self) -> str:
+        return f"<lazy module {self._name!r}>"
+
+
+torch: Any = LazyModule("torch")
