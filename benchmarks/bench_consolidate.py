@@ -42,7 +42,10 @@ def main() -> None:
     results = {name: Measurement(name, [], []) for name in runs}
     for _ in range(args.repeat):
         for name, cmd in runs.items():
-            (out / "torch.pt").unlink(missing_ok=True)
+            # every tool writes a fresh output: deleting the last run's gigabyte is not timed
+            shutil.rmtree(out)
+            out.mkdir()
+            subprocess.run(["sync"], check=True)
             wall, rss = run_timed(cmd)
             results[name].wall.append(wall)
             results[name].rss_mib.append(rss)

@@ -26,6 +26,7 @@ from typing import IO, Any
 from .._lazy import torch
 from ..dtypes import SAFETENSORS_CODES, itemsize, name_of
 from ..errors import CheckpointFormatError, OutputError, UsageError
+from ..fs import start_writeback
 
 _COPY_BLOCK = 64 << 20
 # copy_file_range is refused across some filesystems and by old kernels: copy through memory then
@@ -143,6 +144,7 @@ class SafetensorsFileWriter:
                 moved = self._copy(fd, offset + done, dst + done, count)
                 if moved == 0:
                     raise CheckpointFormatError(source, f"key {key!r}: file ends inside a record (truncated?)")
+                start_writeback(self._handle.fileno(), dst + done, moved)
                 done += moved
             self._handle.seek(dst + length)
         except OSError as err:
