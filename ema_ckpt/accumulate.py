@@ -36,7 +36,7 @@ from .averaging import Plan as AveragePlan
 from .discovery import FoundCheckpoint, discover
 from .dist import Workers, current_workers, in_worker_group, run_workers
 from .engine import OutputSpec, Progress, Update, check_device, layout_regions
-from .execute import write_dcp_outputs
+from .execute import open_checkpoints, write_dcp_outputs
 from .errors import (
     CheckpointNotFoundError,
     IncompatibleCheckpointError,
@@ -44,7 +44,6 @@ from .errors import (
     NonFiniteError,
     UsageError,
 )
-from .formats import open_checkpoint
 from .formats.base import CheckpointReader
 from .fs import OutputLock, new_staging_dir, publish, recover
 from .manifest import MANIFEST_NAME, FoldedCheckpoint, Manifest, fingerprint
@@ -441,8 +440,9 @@ def _fold(
 
     with contextlib.ExitStack() as stack:
 
-        def open_all() -> tuple[list[CheckpointReader], list[str]]:
-            readers = [stack.enter_context(contextlib.closing(open_checkpoint(p))) for p in sources]
+        readers = open_checkpoints(group, sources, stack)
+
+        def check_all() -> tuple[list[CheckpointReader], list[str]]:
             keys = select_keys(readers[-1], include, exclude)
             if not keys:
                 raise UsageError(f"{readers[-1].path}: no tensor keys left after --include/--exclude")
@@ -459,7 +459,7 @@ def _fold(
                         )
             return readers, keys
 
-        readers, keys = group.run(open_all)
+        readers, keys = group.run(check_all)
         newest = readers[-1]
         stagings = group.broadcast(
             group.run((lambda: [new_staging_dir(final, near=out_path if final != out_path else None)

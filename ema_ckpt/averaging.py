@@ -32,9 +32,8 @@ from . import planner
 from .discovery import FoundCheckpoint, discover
 from .dist import current_workers, in_worker_group, run_workers
 from .engine import OutputSpec, Progress, Update, check_device, layout_regions
-from .execute import write_dcp_outputs
+from .execute import open_checkpoints, write_dcp_outputs
 from .errors import CheckpointNotFoundError, UsageError
-from .formats import open_checkpoint
 from .formats.base import CheckpointReader
 from .fs import OutputLock, new_staging_dir, publish, recover
 from .manifest import MANIFEST_NAME, FoldedCheckpoint, Manifest, fingerprint
@@ -291,15 +290,16 @@ def run_plan(
         stagings = group.broadcast(group.run(prepare if group.is_coordinator else lambda: None))
         try:
 
-            def open_all() -> tuple[list[CheckpointReader], list[str]]:
-                readers = [stack.enter_context(contextlib.closing(open_checkpoint(p))) for p in used]
+            readers = open_checkpoints(group, used, stack)
+
+            def check_all() -> tuple[list[CheckpointReader], list[str]]:
                 keys = select_keys(readers[-1], include, exclude)
                 if not keys:
                     raise UsageError(f"{readers[-1].path}: no tensor keys left after --include/--exclude")
                 check_compatible(readers, keys, reference=len(readers) - 1)
                 return readers, keys
 
-            readers, keys = group.run(open_all)
+            readers, keys = group.run(check_all)
             newest = readers[-1]
             specs_out = [
                 OutputSpec(o.name, tuple(Update(index[t.path], t.coefficient) for t in

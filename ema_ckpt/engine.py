@@ -10,7 +10,8 @@ Each output is a combination of the sources, given as ordered updates:
 For each region (one stored chunk of the output layout), each source's matching box is
 read once and folded into every output that uses it, then the results are written and
 freed: memory is a few regions, never the model. Non-floating tensors are copied from one
-source (the newest checkpoint).
+source (the newest checkpoint). Writing runs one region behind on a background thread, so
+the disk takes region i while region i+1 is read and combined.
 
 Example:
     >>> outputs = [OutputSpec("ema", (Update(0, 1.0), Update(1, 0.1)))]
@@ -22,6 +23,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
@@ -189,38 +191,85 @@ def combine_regions(
     total = sum(specs[r.key].dtype.itemsize * r.box.numel for r in regions)
     done = 0
     needed = sorted({u.source for out in outputs for u in out.updates})
-    buffers = _Buffers()
-    for region_index, region in enumerate(regions):
-        spec = specs[region.key]
-        if region.key not in declared:
-            for sink, _out in zip(sinks, outputs, strict=True):
-                sink.declare(region.key, spec.shape, out_dtype(spec))
-            declared.add(region.key)
-        if not spec.is_float:
-            value = _read(sources[copy_source], region, sources[copy_source].specs()[region.key], buffers)
-            stats.bytes_read += value.numel() * value.element_size()
-            for k, sink in enumerate(sinks):
-                sink.write(region.key, region.box, value, rank=region.rank, part=region.part)
-                stats.per_output_bytes[k] += value.numel() * value.element_size()
-        else:
-            accs = _accumulate_region(sources, outputs, needed, region, accumulate_dtype, stats, device, buffers,
-                                      frozenset(check_finite))
-            for k, (sink, acc) in enumerate(zip(sinks, accs, strict=True)):
-                target = out_dtype(spec)
-                if acc.device.type == "cpu" and acc.dtype != target:
-                    result = buffers.get(("out", k), region.box.sizes, target).copy_(acc)
-                else:
-                    result = acc.to(device="cpu", dtype=target)
-                sink.write(region.key, region.box, result, rank=region.rank, part=region.part)
+    pools = (_Buffers(), _Buffers())  # region i computes into pools[i % 2] while i-1 is written
+    with _WriteBehind() as behind:
+        for region_index, region in enumerate(regions):
+            buffers = pools[region_index % 2]
+            spec = specs[region.key]
+            writes: list[Callable[[], None]] = []
+            if region.key not in declared:
+                for sink in sinks:
+                    writes.append(lambda sink=sink, key=region.key, spec=spec: sink.declare(key, spec.shape,
+                                                                                          out_dtype(spec)))
+                declared.add(region.key)
+            if not spec.is_float:
+                value = _read(sources[copy_source], region, sources[copy_source].specs()[region.key], buffers)
+                stats.bytes_read += value.numel() * value.element_size()
+                results = [value] * len(sinks)
+            else:
+                accs = _accumulate_region(sources, outputs, needed, region, accumulate_dtype, stats, device,
+                                          buffers, frozenset(check_finite))
+                results = []
+                for k, acc in enumerate(accs):
+                    target = out_dtype(spec)
+                    if acc.device.type == "cpu" and acc.dtype != target:
+                        results.append(buffers.get(("out", k), region.box.sizes, target).copy_(acc))
+                    else:
+                        results.append(acc.to(device="cpu", dtype=target))
+                del accs
+            for k, (sink, result) in enumerate(zip(sinks, results, strict=True)):
+                writes.append(lambda sink=sink, result=result, region=region: sink.write(
+                    region.key, region.box, result, rank=region.rank, part=region.part))
                 stats.per_output_bytes[k] += result.numel() * result.element_size()
-            del accs
-        stats.regions += 1
-        done += spec.dtype.itemsize * region.box.numel
-        if on_progress is not None:
-            on_progress(Progress(done, total, region_index + 1, len(regions), region.key))
+            del results
+            behind.submit(writes)
+            stats.regions += 1
+            done += spec.dtype.itemsize * region.box.numel
+            if on_progress is not None:
+                on_progress(Progress(done, total, region_index + 1, len(regions), region.key))
     stats.bytes_written = sum(stats.per_output_bytes)
     stats.seconds = time.perf_counter() - started
     return stats
+
+
+class _WriteBehind:
+    """Runs each region's sink calls on one background thread, at most one region behind.
+
+    Writing (page-cache copies, CRC-32, the disk's back-pressure) and reading/arithmetic all
+    release the GIL, so on two cores they overlap. :meth:`submit` first waits for the
+    previous region's writes, which is what lets the engine alternate between two buffer
+    pools; a write error surfaces at the next submit or on exit.
+    """
+
+    def __init__(self) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ema-ckpt-write")
+        self._pending: Future[None] | None = None
+
+    def submit(self, calls: Sequence[Callable[[], None]]) -> None:
+        self.wait()
+        self._pending = self._pool.submit(_run_all, list(calls))
+
+    def wait(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    def __enter__(self) -> _WriteBehind:
+        return self
+
+    def __exit__(self, exc_type: object, *_rest: object) -> None:
+        try:
+            if exc_type is None:
+                self.wait()
+            elif self._pending is not None:
+                self._pending.exception()  # let the write in flight end; the first error wins
+        finally:
+            self._pool.shutdown(wait=True)
+
+
+def _run_all(calls: Sequence[Callable[[], None]]) -> None:
+    for call in calls:
+        call()
 
 
 class _Buffers:

@@ -84,6 +84,19 @@ def test_an_error_on_any_worker_is_one_clean_error(sequence, tmp_path):
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".ema.tmp")]
 
 
+def test_metadata_parsed_by_one_worker_fails_cleanly_on_all(sequence, tmp_path):
+    broken = tmp_path / "ck"
+    for step in (10, 25, 60):
+        (broken / f"step_{step}").mkdir(parents=True)
+        for item in (sequence / f"step_{step}").iterdir():
+            (broken / f"step_{step}" / item.name).write_bytes(item.read_bytes())
+    (broken / "step_25" / ".metadata").write_bytes(b"\x80\x04garbage")  # input 1: parsed by worker 1
+    with pytest.raises(EmaCkptError, match=r"step_25/\.metadata") as info:
+        posthoc(broken, out=tmp_path / "out", sigma_rels=["0.1"], workers=2)
+    assert info.value.exit_code == 3 and not list((tmp_path / "out").glob("*"))
+    assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]
+
+
 def test_torchrun_runs_the_same_command(sequence, tmp_path):
     accumulate(sequence, decay=0.95, out=tmp_path / "single")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",

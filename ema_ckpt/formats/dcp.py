@@ -33,7 +33,7 @@ from typing import Any
 from .._lazy import torch
 from .._pickle import TensorRecord, load_dcp_metadata_bytes, load_tensor_record
 from ..dtypes import DtypeName, itemsize, name_of, torch_dtype
-from ..errors import CheckpointFormatError, CheckpointNotFoundError, EmaCkptError, UnsafePickleError
+from ..errors import CheckpointFormatError, CheckpointNotFoundError, EmaCkptError
 from ..layout import Box, TensorSpec, boxes_cover
 from .base import CheckpointFormat, register_format
 
@@ -235,15 +235,22 @@ class DcpReader:
 
     format_name = "dcp"
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, *, shared: Mapping[str, Any] | None = None) -> None:
         self.path = Path(path)
         self.step: int | None = None
+        self._fds: dict[str, int] = {}
+        self._file_sizes: dict[str, int] = {}
+        self._records: dict[tuple[str, int], tuple[int, TensorRecord] | None] = {}
+        self._specs: dict[str, TensorSpec] | None = None  # built on first use: needs torch
+        if shared is not None:  # parsed by another worker: see share()
+            for name in self._SHARED:
+                setattr(self, name, shared[name])
+            return
         metadata, self.metadata_files = load_metadata(self.path)
-        self._metadata = metadata
+        self._version = getattr(metadata, "version", None)
         self.planner_data: dict[str, tuple[str, ...]] = _planner_data(metadata)
         self.non_tensor_keys: list[str] = []
         self._stored: dict[str, tuple[tuple[int, ...], str]] = {}  # key → (shape, dtype name)
-        self._specs: dict[str, TensorSpec] | None = None  # built on first use: needs torch
         self._chunks: dict[str, list[StoredChunk]] = {}
         self._starts: dict[str, tuple[list[int], int]] = {}
         self._bytes_records: dict[str, tuple[str, int, int]] = {}
@@ -253,9 +260,14 @@ class DcpReader:
             raise CheckpointFormatError(
                 self.metadata_files[0], f"malformed DCP metadata ({type(err).__name__}: {err})"
             ) from None
-        self._fds: dict[str, int] = {}
-        self._file_sizes: dict[str, int] = {}
-        self._records: dict[tuple[str, int], tuple[int, TensorRecord] | None] = {}
+
+    _SHARED = ("metadata_files", "_version", "planner_data", "non_tensor_keys", "_stored", "_chunks", "_starts",
+               "_bytes_records")
+
+    def share(self) -> dict[str, Any]:
+        """What parsing the metadata produced, as plain data: ``DcpReader(path, shared=...)``
+        rebuilds this reader without parsing again (workers split the parsing of many inputs)."""
+        return {name: getattr(self, name) for name in self._SHARED}
 
     def _index(self, metadata: Any) -> None:
         storage = self._storage_index(metadata)
@@ -424,7 +436,7 @@ class DcpReader:
         return {
             "metadata_files": [p.name for p in self.metadata_files],
             "rank_local_metadata": self.metadata_files[0].name != METADATA_FILE,
-            "version": getattr(self._metadata, "version", None),
+            "version": self._version,
             "data_files": len(files),
             "ranks": len(ranks),
             "chunks": sum(len(cs) for cs in self._chunks.values()),
