@@ -191,10 +191,10 @@ def combine_regions(
     total = sum(specs[r.key].dtype.itemsize * r.box.numel for r in regions)
     done = 0
     needed = sorted({u.source for out in outputs for u in out.updates})
-    pools = (_Buffers(), _Buffers())  # region i computes into pools[i % 2] while i-1 is written
+    buffers = _Buffers()
     with _WriteBehind() as behind:
         for region_index, region in enumerate(regions):
-            buffers = pools[region_index % 2]
+            parity = region_index % 2  # what goes to the writer alternates slots: i-1 may still be written
             spec = specs[region.key]
             writes: list[Callable[[], None]] = []
             if region.key not in declared:
@@ -203,26 +203,29 @@ def combine_regions(
                                                                                           out_dtype(spec)))
                 declared.add(region.key)
             if not spec.is_float:
-                value = _read(sources[copy_source], region, sources[copy_source].specs()[region.key], buffers)
+                value = _read(sources[copy_source], region, sources[copy_source].specs()[region.key], buffers,
+                              slot=("copy", parity))
                 stats.bytes_read += value.numel() * value.element_size()
                 results = [value] * len(sinks)
             else:
                 accs = _accumulate_region(sources, outputs, needed, region, accumulate_dtype, stats, device,
-                                          buffers, frozenset(check_finite))
+                                          buffers, frozenset(check_finite), parity)
                 results = []
                 for k, acc in enumerate(accs):
                     target = out_dtype(spec)
                     if acc.device.type == "cpu" and acc.dtype != target:
-                        results.append(buffers.get(("out", k), region.box.sizes, target).copy_(acc))
+                        results.append(buffers.get(("out", k, parity), region.box.sizes, target).copy_(acc))
                     else:
                         results.append(acc.to(device="cpu", dtype=target))
                 del accs
+            region_bytes = 0
             for k, (sink, result) in enumerate(zip(sinks, results, strict=True)):
                 writes.append(lambda sink=sink, result=result, region=region: sink.write(
                     region.key, region.box, result, rank=region.rank, part=region.part))
                 stats.per_output_bytes[k] += result.numel() * result.element_size()
+                region_bytes += result.numel() * result.element_size()
             del results
-            behind.submit(writes)
+            behind.submit(writes, background=region_bytes >= _WRITE_BEHIND_BYTES)
             stats.regions += 1
             done += spec.dtype.itemsize * region.box.numel
             if on_progress is not None:
@@ -230,6 +233,9 @@ def combine_regions(
     stats.bytes_written = sum(stats.per_output_bytes)
     stats.seconds = time.perf_counter() - started
     return stats
+
+
+_WRITE_BEHIND_BYTES = 1 << 20  # smaller regions are written inline: a thread handoff would cost more
 
 
 class _WriteBehind:
@@ -245,9 +251,12 @@ class _WriteBehind:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ema-ckpt-write")
         self._pending: Future[None] | None = None
 
-    def submit(self, calls: Sequence[Callable[[], None]]) -> None:
+    def submit(self, calls: Sequence[Callable[[], None]], *, background: bool = True) -> None:
         self.wait()
-        self._pending = self._pool.submit(_run_all, list(calls))
+        if background:
+            self._pending = self._pool.submit(_run_all, list(calls))
+        else:
+            _run_all(calls)
 
     def wait(self) -> None:
         pending, self._pending = self._pending, None
@@ -291,9 +300,10 @@ class _Buffers:
         return flat[:numel].view(shape)
 
 
-def _read(reader: CheckpointReader, region: PlannedRegion, spec: TensorSpec, buffers: _Buffers | None) -> torch.Tensor:
+def _read(reader: CheckpointReader, region: PlannedRegion, spec: TensorSpec, buffers: _Buffers | None,
+          slot: object = "read") -> torch.Tensor:
     if buffers is not None and getattr(reader, "supports_out", False):
-        return reader.read(region.key, region.box, out=buffers.get("read", region.box.sizes, spec.dtype))  # type: ignore[call-arg]
+        return reader.read(region.key, region.box, out=buffers.get(slot, region.box.sizes, spec.dtype))  # type: ignore[call-arg]
     return reader.read(region.key, region.box).detach()
 
 
@@ -307,6 +317,7 @@ def _accumulate_region(
     device: str = "cpu",
     buffers: _Buffers | None = None,
     check_finite: frozenset[int] = frozenset(),
+    parity: int = 0,
 ) -> list[torch.Tensor]:
     weights = [{u.source: u.weight for u in out.updates} for out in outputs]
     accs: list[torch.Tensor | None] = [None] * len(outputs)
@@ -323,8 +334,8 @@ def _accumulate_region(
         if source in check_finite and not _all_finite(raw):
             raise NonFiniteError(source, f"{sources[source].path}: key {region.key!r} holds NaN or Inf values")
         if all(outputs[k].mode == "copy" for k in users):
-            for k in users:
-                accs[k] = raw  # written as stored (or cast to the output dtype), never converted
+            for k in users:  # written as stored (or cast to the output dtype), never converted
+                accs[k] = raw if buffers is None else buffers.get(("acc", k, parity), shape, raw.dtype).copy_(raw)
             continue
         if device != "cpu":
             value = _to_device(raw, device, dtype)
@@ -338,7 +349,7 @@ def _accumulate_region(
             w = weights[k][source]
             acc = accs[k]
             if acc is None:
-                target = (buffers.get(("acc", k), shape, dtype) if buffers is not None and device == "cpu"
+                target = (buffers.get(("acc", k, parity), shape, dtype) if buffers is not None and device == "cpu"
                           else torch.empty(shape, dtype=dtype, device=value.device))
                 if outputs[k].mode == "fold":
                     accs[k] = target.copy_(value)
