@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, overload
 
 import torch
 
@@ -337,6 +337,29 @@ def run_plan(
     return RunResult(plan, finals, written.bytes_read, written.bytes_written, time.perf_counter() - started)
 
 
+@dataclass(frozen=True, slots=True)
+class RunOptions:
+    """How a plan is run: the options :func:`posthoc` and :func:`average` share."""
+
+    dtype: str = "float32"
+    include: Sequence[str] = ()
+    exclude: Sequence[str] = ()
+    overwrite: bool = False
+    wait_seconds: float = 0.0
+    device: str = "cpu"
+    on_progress: Callable[[Progress], None] | None = None
+
+
+@overload
+def posthoc(checkpoints: str | Path | Sequence[str | Path], *, out: str | Path, sigma_rels: Sequence[str] = ...,
+            gammas: Sequence[str] = ..., at_step: int | None = ..., dry_run: Literal[False] = ...,
+            step_regex: str | None = ..., workers: int = ..., **options: Any) -> RunResult: ...
+@overload
+def posthoc(checkpoints: str | Path | Sequence[str | Path], *, out: str | Path, sigma_rels: Sequence[str] = ...,
+            gammas: Sequence[str] = ..., at_step: int | None = ..., dry_run: Literal[True],
+            step_regex: str | None = ..., workers: int = ..., **options: Any) -> Plan: ...
+
+
 def posthoc(
     checkpoints: str | Path | Sequence[str | Path],
     *,
@@ -345,18 +368,45 @@ def posthoc(
     gammas: Sequence[str] = (),
     at_step: int | None = None,
     dry_run: bool = False,
+    step_regex: str | None = None,
+    workers: int = 1,
     **options: Any,
 ) -> Plan | RunResult:
-    """Post-hoc power-function EMAs (EDM2) at ``out/sigma_rel_<value>``; the plan only with ``dry_run``."""
-    workers = options.pop("workers", 1)
+    """Post-hoc power-function EMAs (EDM2), one per value, at ``out/sigma_rel_<value>``.
+
+    Args:
+        checkpoints: a folder of raw checkpoints, or of ``accumulate --snapshot-every`` snapshots.
+        out: parent directory of the outputs.
+        sigma_rels, gammas: the profiles, as typed (``"0.05"``, ``"0.05:0.2:0.05"``).
+        at_step: T, the step the averages end at (default: the newest checkpoint).
+        dry_run: return the :class:`Plan` (coefficients) and read no tensor.
+        step_regex: how to read steps from directory names, when not a known pattern.
+        workers: processes to share the work (output bytes do not depend on it).
+        **options: the fields of :class:`RunOptions` (``dtype``, ``include``, ``exclude``,
+            ``overwrite``, ``wait_seconds``, ``device``, ``on_progress``).
+
+    Example:
+        >>> plan = posthoc("ckpts", out="posthoc", sigma_rels=["0.05", "0.1"], dry_run=True)  # doctest: +SKIP
+        >>> [round(sum(t.coefficient for t in o.terms), 12) for o in plan.outputs]              # doctest: +SKIP
+        [1.0, 1.0]
+    """
+    run = RunOptions(**options)
     if workers > 1 and not dry_run and not in_worker_group():
-        options.pop("on_progress", None)
         return run_workers(workers, posthoc, checkpoints, out=out, sigma_rels=sigma_rels, gammas=gammas,
-                           at_step=at_step, **options)
-    step_regex = options.pop("step_regex", None)
+                           at_step=at_step, step_regex=step_regex, **_without_progress(run))
     plan = _coordinated(lambda: plan_posthoc(checkpoints, sigma_rels=sigma_rels, gammas=gammas, at_step=at_step,
-                        step_regex=step_regex, exclude_paths=[Path(out)]), options.get("device", "cpu"))
-    return plan if dry_run else run_plan(plan, out=out, **options)
+                        step_regex=step_regex, exclude_paths=[Path(out)]), run.device)
+    return plan if dry_run else run_plan(plan, out=out, **_fields(run))
+
+
+@overload
+def average(checkpoints: str | Path | Sequence[str | Path], *, out: str | Path, last: int | None = ...,
+            from_step: int | None = ..., to_step: int | None = ..., dry_run: Literal[False] = ...,
+            step_regex: str | None = ..., workers: int = ..., **options: Any) -> RunResult: ...
+@overload
+def average(checkpoints: str | Path | Sequence[str | Path], *, out: str | Path, last: int | None = ...,
+            from_step: int | None = ..., to_step: int | None = ..., dry_run: Literal[True],
+            step_regex: str | None = ..., workers: int = ..., **options: Any) -> Plan: ...
 
 
 def average(
@@ -367,19 +417,38 @@ def average(
     from_step: int | None = None,
     to_step: int | None = None,
     dry_run: bool = False,
+    step_regex: str | None = None,
+    workers: int = 1,
     **options: Any,
 ) -> Plan | RunResult:
-    """Uniform average of the selected checkpoints into ``out``; the plan only with ``dry_run``."""
-    workers = options.pop("workers", 1)
+    """Uniform average of the selected checkpoints into ``out`` (one DCP checkpoint).
+
+    Args:
+        checkpoints: a folder of checkpoints, or a list of them.
+        out: the output directory.
+        last: average the newest ``last`` checkpoints; or select by ``from_step``/``to_step``.
+        dry_run: return the :class:`Plan` and read no tensor.
+        step_regex, workers, **options: as for :func:`posthoc`.
+
+    Example:
+        >>> average("ckpts", out="avg", last=5)  # doctest: +SKIP
+    """
+    run = RunOptions(**options)
     if workers > 1 and not dry_run and not in_worker_group():
-        options.pop("on_progress", None)
         return run_workers(workers, average, checkpoints, out=out, last=last, from_step=from_step,
-                           to_step=to_step, **options)
-    step_regex = options.pop("step_regex", None)
+                           to_step=to_step, step_regex=step_regex, **_without_progress(run))
     plan = _coordinated(lambda: plan_average(checkpoints, last=last, from_step=from_step, to_step=to_step,
-                                             step_regex=step_regex, exclude_paths=[Path(out)]),
-                        options.get("device", "cpu"))
-    return plan if dry_run else run_plan(plan, out=out, single_output=True, **options)
+                                             step_regex=step_regex, exclude_paths=[Path(out)]), run.device)
+    return plan if dry_run else run_plan(plan, out=out, single_output=True, **_fields(run))
+
+
+def _fields(run: RunOptions) -> dict[str, Any]:
+    return {name: getattr(run, name) for name in RunOptions.__dataclass_fields__}
+
+
+def _without_progress(run: RunOptions) -> dict[str, Any]:
+    """Options for spawned workers: a progress callback does not cross processes."""
+    return {k: v for k, v in _fields(run).items() if k != "on_progress"}
 
 
 def _coordinated(make_plan: Callable[[], Plan], device: str) -> Plan:

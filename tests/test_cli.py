@@ -89,3 +89,17 @@ def test_installed_entry_point_and_module(folder):
     assert proc.returncode == 5 and proc.stderr.startswith("error: ") and "Traceback" not in proc.stderr
     proc = subprocess.run([str(EMA_CKPT), "--version"], capture_output=True, text=True)
     assert proc.returncode == 0 and proc.stdout.startswith("ema-ckpt ")
+
+
+def test_cli_starts_without_torch_and_completes_commands():
+    probe = "import sys, ema_ckpt.cli; assert 'torch' not in sys.modules, 'the CLI imported torch at start'"
+    subprocess.run([sys.executable, "-c", probe], check=True)
+    exe = Path(sys.executable).parent / "ema-ckpt"
+    env = {**os.environ, "_EMA_CKPT_COMPLETE": "complete_bash", "COMP_WORDS": "ema-ckpt consolidate --ma",
+           "COMP_CWORD": "2"}
+    proc = subprocess.run([str(exe)], env=env, capture_output=True, text=True, check=True)
+    assert proc.stdout.split() == ["--max-shard-size"]
+    script = subprocess.run([str(exe), "--show-completion", "bash"], capture_output=True, text=True, check=True)
+    assert "_EMA_CKPT_COMPLETE" in script.stdout
+    version = subprocess.run([str(exe), "--version"], capture_output=True, text=True, check=True)
+    assert version.stdout.startswith("ema-ckpt ")

@@ -23,7 +23,7 @@ app = typer.Typer(
     name="ema-ckpt",
     help="EMAs, post-hoc EMAs and consolidation of sharded PyTorch checkpoints, offline.",
     no_args_is_help=True,
-    add_completion=False,
+    add_completion=True,  # --install-completion / --show-completion for bash, zsh, fish, PowerShell
     pretty_exceptions_show_locals=False,  # locals here are multi-GB tensors and paths
     context_settings={"help_option_names": ["-h", "--help"]},
 )

@@ -50,7 +50,7 @@ def accumulate_command(
         int | None, typer.Option("--snapshot-every", metavar="STEPS", min=1,
                                  help="With power EMAs: keep a snapshot of each every STEPS steps (for posthoc).")
     ] = None,
-    out: Annotated[Path | None, typer.Option(help="EMA directory (default: CKPTS/ema).")] = None,
+    out: Annotated[Path | None, typer.Option("--out", "-o", help="EMA directory (default: CKPTS/ema).")] = None,
     dtype: Annotated[str, typer.Option(help="Accumulate and store floats in float32 or float64.")] = "float32",
     include: IncludeOpt = None,
     exclude: ExcludeOpt = None,
