@@ -272,8 +272,10 @@ def run_plan(
     group = current_workers(device)
     out = Path(out)
     finals = [out] if single_output else [out / o.name for o in plan.outputs]
-    used = sorted({t.path for o in plan.outputs for t in o.terms},
-                  key=lambda p: next(c.step for c in plan.inputs if str(c.path) == p))
+    steps = {str(c.path): c.step for c in plan.inputs}
+    # (step, path): snapshots of several profiles share a step, and the order of the sum must
+    # not depend on set order (string hashing differs per process) or the bits would
+    used = sorted({t.path for o in plan.outputs for t in o.terms}, key=lambda p: (steps[p], p))
     index = {p: i for i, p in enumerate(used)}
     with contextlib.ExitStack() as stack:
 

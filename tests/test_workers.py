@@ -56,6 +56,18 @@ def test_accumulate_and_posthoc_bytes_do_not_depend_on_workers(sequence, tmp_pat
     assert len(result.outputs) == 4 and _tree(tmp_path / "h1") == _tree(tmp_path / "h2")
 
 
+def test_posthoc_from_snapshots_is_the_same_bytes_in_every_process(sequence, tmp_path):
+    # snapshots of two profiles share each step: their order in the sum must not follow set order
+    accumulate(sequence, sigma_rels=["0.05", "0.2"], snapshot_every=20, out=tmp_path / "snap")
+    snapshots = tmp_path / "snap" / "snapshots"
+    posthoc(snapshots, out=tmp_path / "w2", sigma_rels=["0.04"], workers=2)
+    for seed in ("1", "2", "3"):
+        code = ("from ema_ckpt.averaging import posthoc; "
+                f"posthoc({str(snapshots)!r}, out={str(tmp_path / seed)!r}, sigma_rels=['0.04'])")
+        subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONHASHSEED": seed})
+        assert _tree(tmp_path / seed) == _tree(tmp_path / "w2"), f"PYTHONHASHSEED={seed}"
+
+
 def test_reshard_and_consolidate_bytes_do_not_depend_on_workers(sequence, tmp_path):
     ck = sequence / "step_60"
     reshard(ck, world_size=4, out=tmp_path / "r1")
