@@ -2,6 +2,7 @@
 #   make test   install the package with its test dependencies and run the whole suite
 #   make demo   train a tiny FSDP2 model on CPU, then inspect and accumulate its checkpoints
 #   make bench  benchmark scripts (see docs/performance.md)
+#   make docs-site  the documentation site, built strictly into site/
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -12,7 +13,7 @@ TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX ?=
 DEMO_DIR ?= demo
 
-.PHONY: install install-test test demo bench docs clean
+.PHONY: install install-test test demo bench docs docs-site clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -45,6 +46,10 @@ bench: $(VENV)/.installed-test
 
 clean:
 	rm -rf $(VENV) $(DEMO_DIR) .pytest_cache .hypothesis
+
+# The documentation site, into site/ (the test suite runs the same strict build).
+docs-site: $(VENV)/.installed-test
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
 
 # The CLI reference, generated from the commands' own help (a test checks it is current).
 docs: $(VENV)/.installed
