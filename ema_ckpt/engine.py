@@ -329,10 +329,17 @@ def _accumulate_region(
         spec = sources[source].specs().get(region.key)
         if spec is None:  # a key added during training (--allow-new-keys): starts where it appears
             continue
-        raw = _read(sources[source], region, spec, buffers)
+        # a fold's first update is a copy: read straight into its accumulator (saves a pass)
+        into_acc = (buffers is not None and device == "cpu" and len(users) == 1 and accs[users[0]] is None
+                    and outputs[users[0]].mode == "fold" and spec.dtype == dtype)
+        slot = ("acc", users[0], parity) if into_acc else "read"
+        raw = _read(sources[source], region, spec, buffers, slot=slot)
         stats.bytes_read += raw.numel() * raw.element_size()
         if source in check_finite and not _all_finite(raw):
             raise NonFiniteError(source, f"{sources[source].path}: key {region.key!r} holds NaN or Inf values")
+        if into_acc:
+            accs[users[0]] = raw
+            continue
         if all(outputs[k].mode == "copy" for k in users):
             for k in users:  # written as stored (or cast to the output dtype), never converted
                 accs[k] = raw if buffers is None else buffers.get(("acc", k, parity), shape, raw.dtype).copy_(raw)
