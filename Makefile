@@ -1,6 +1,7 @@
 # ema-ckpt developer commands. Everything runs in a local virtualenv ($(VENV)).
 #   make test   install the package with its test dependencies and run the whole suite
-#   make demo   train a tiny FSDP2 model on CPU, then inspect and accumulate its checkpoints
+#   make demo   train a tiny transformer with FSDP2 on CPU, then EMA, post-hoc sweep, consolidate, reshard,
+#               and compare held-out losses (table + demo/demo.png)
 #   make bench  benchmark scripts (see docs/performance.md)
 #   make docs-site  the documentation site, built strictly into site/
 
@@ -38,7 +39,11 @@ install-test: $(VENV)/.installed-test
 test: $(VENV)/.installed-test
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q
 
-demo: $(VENV)/.installed
+$(VENV)/.installed-demo: $(VENV)/.installed
+	$(PY) -m pip install -q -e ".[demo]"
+	touch $@
+
+demo: $(VENV)/.installed-demo
 	bash examples/demo.sh "$(PY)" "$(DEMO_DIR)"
 
 bench: $(VENV)/.installed-test

@@ -1,30 +1,59 @@
 #!/usr/bin/env bash
-# Train a tiny FSDP2 model on CPU (2 ranks, gloo) saving DCP checkpoints at irregular
-# steps, then look at one checkpoint and fold them all into an EMA.
+# `make demo`: why EMA matters, on a real FSDP2 run.
+#   bash examples/demo.sh PYTHON DIR      (default: python, demo)
+# Trains a tiny transformer with FSDP2 on 2 CPU ranks at a deliberately noisy learning rate,
+# saving DCP checkpoints to DIR/ckpts/step_<N>; then inspects one, folds them into an EMA,
+# sweeps post-hoc EMAs over sigma_rel, scores every variant on the same held-out data
+# (table + DIR/demo.png), and ships the best one as safetensors and as a 4-rank DCP checkpoint.
+# Settings: DEMO_STEPS (400) and DEMO_SAVE_EVERY (10) for the training, DEMO_HALF_LIFE (20 steps)
+# for the EMA, DEMO_SIGMAS (a comma-separated list) for the post-hoc sweep.
 set -euo pipefail
 PY="${1:-python}"
 DIR="${2:-demo}"
+STEPS="${DEMO_STEPS:-400}"
+SAVE_EVERY="${DEMO_SAVE_EVERY:-10}"
+HALF_LIFE="${DEMO_HALF_LIFE:-20}"
+SIGMAS="${DEMO_SIGMAS:-0.02,0.03,0.05,0.07,0.1,0.15,0.2,0.25}"
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+
+if [[ -x "$(dirname "$PY")/ema-ckpt" ]]; then
+    CLI=("$(dirname "$PY")/ema-ckpt")
+else
+    CLI=("$PY" -m ema_ckpt)
+fi
+ema_ckpt() {
+    echo "\$ ema-ckpt $*"
+    "${CLI[@]}" "$@"
+}
+section() { printf '\n== %s\n' "$*"; }
+
 rm -rf "$DIR"
 mkdir -p "$DIR"
-echo "== training a tiny FSDP2 model on 2 CPU ranks, checkpoints in $DIR/ckpts"
-"$PY" - "$DIR/ckpts" <<'PYEOF'
-import sys
-from pathlib import Path
-from tests.producers.launch import make_fsdp_sequence
-paths = make_fsdp_sequence(Path(sys.argv[1]), kind="fsdp2", world_size=2, steps=[10, 25, 40, 41, 80])
-print("\n".join(str(p) for p in paths))
-PYEOF
-EMA="$(dirname "$PY")/ema-ckpt"
-echo; echo "== ema-ckpt inspect $DIR/ckpts/step_80"
-"$EMA" inspect "$DIR/ckpts/step_80"
-echo; echo "== ema-ckpt accumulate $DIR/ckpts --decay 0.98   (an EMA of the first four checkpoints)"
-mkdir -p "$DIR/live"
-for s in 10 25 40 41; do cp -r "$DIR/ckpts/step_$s" "$DIR/live/"; done
-"$EMA" accumulate "$DIR/live" --decay 0.98
-echo; echo "== a new checkpoint lands and retention deletes the oldest; the next cron run folds it in"
-cp -r "$DIR/ckpts/step_80" "$DIR/live/"; rm -rf "$DIR/live/step_10"
-"$EMA" accumulate "$DIR/live" --decay 0.98
-echo; echo "== nothing new: exits 0 and changes no byte"
-"$EMA" accumulate "$DIR/live" --decay 0.98
-echo; echo "== the EMA ($DIR/live/ema), a DCP checkpoint torch's dcp.load reads"
-"$EMA" inspect "$DIR/live/ema"
+START=$SECONDS
+
+section "training a tiny transformer with FSDP2 on 2 CPU ranks (gloo): $STEPS steps at a noisy learning rate, a DCP checkpoint every $SAVE_EVERY steps"
+OMP_NUM_THREADS=1 "$PY" -m torch.distributed.run --standalone --nproc-per-node 2 \
+    "$HERE/demo/train.py" --out "$DIR/ckpts" --steps "$STEPS" --save-every "$SAVE_EVERY"
+LAST="$DIR/ckpts/step_$STEPS"  # the last step is always saved
+
+section "what FSDP2 wrote: one file per rank, the model and the optimizer state"
+ema_ckpt inspect "$LAST"
+
+section "an EMA of every checkpoint (the weights each one gets depend on the steps between them)"
+ema_ckpt accumulate "$DIR/ckpts" --half-life "$HALF_LIFE" --out "$DIR/ema"
+
+section "post-hoc EMAs (EDM2): choose the EMA length after training, here a sweep over sigma_rel"
+ema_ckpt posthoc "$DIR/ckpts" --sigma-rel "$SIGMAS" --out "$DIR/posthoc"
+
+section "held-out loss of each variant: the same model code, the same held-out data"
+"$PY" "$HERE/demo/evaluate.py" "$DIR"
+BEST="$(cat "$DIR/best")"
+
+section "shipping the best weights: one safetensors file for model.load_state_dict, and a 4-rank DCP checkpoint"
+ema_ckpt consolidate "$BEST" --out "$DIR/best.safetensors"
+ema_ckpt reshard "$BEST" --world-size 4 --out "$DIR/best-4ranks"
+"$PY" "$HERE/demo/evaluate.py" "$DIR" --check "$DIR/best.safetensors" "$DIR/best-4ranks"
+
+section "done in $((SECONDS - START)) s; outputs in $DIR/"
+echo "ckpts/ raw checkpoints, ema/ the EMA, posthoc/ the post-hoc EMAs, results.json, best.safetensors, best-4ranks/"
+if [[ -f "$DIR/demo.png" ]]; then echo "plot: $DIR/demo.png"; fi
