@@ -158,6 +158,11 @@ def _standin(name: str) -> type[_Inert]:
 _PATH_CLASSES = {"PosixPath", "PurePosixPath", "Path", "WindowsPath", "PureWindowsPath", "PurePath"}
 
 
+def _size(dims: Any = ()) -> tuple[int, ...]:
+    """``torch.Size`` as a tuple of ints."""
+    return tuple(map(int, dims))
+
+
 def _join_path(*parts: Any) -> str:
     return "/".join(str(p) for p in parts)
 
@@ -178,7 +183,7 @@ def _fresh_standins() -> dict[tuple[str, str], Any]:
         "_StorageInfo", (_standin("_StorageInfo"),), {}
     )
     standins[("torch.serialization", "_get_layout")] = lambda name: str(name)
-    standins[("torch", "Size")] = lambda dims=(): tuple(int(d) for d in dims)
+    standins[("torch", "Size")] = _size
     for module in ("pathlib", "pathlib._local"):
         for name in _PATH_CLASSES:
             standins[(module, name)] = lambda *parts: _join_path(*parts)
@@ -296,7 +301,7 @@ class _TensorRecordUnpickler(_InMemoryUnpickler):
         if module == "collections" and name == "OrderedDict":
             return collections.OrderedDict
         if module == "torch" and name == "Size":
-            return lambda dims=(): tuple(int(d) for d in dims)
+            return _size
         raise _refuse(self._source, module, name)
 
     def persistent_load(self, pid: Any) -> Any:

@@ -109,6 +109,14 @@ def layout_regions(reader: CheckpointReader, keys: Sequence[str]) -> list[Planne
 
 DEFAULT_FILE_BYTES = 256 << 20
 MIN_FILE_BYTES = 16 << 20
+# Each region also costs fixed Python work (records to parse, a record to write), about what
+# reading 256 KiB costs: counted in, files of many small tensors split finely enough to share out.
+REGION_OVERHEAD_BYTES = 256 << 10
+
+
+def region_cost(region: PlannedRegion, specs: Mapping[str, TensorSpec]) -> int:
+    """The work of one region, in bytes: its data plus the fixed per-region overhead."""
+    return region.box.numel * specs[region.key].dtype.itemsize + REGION_OVERHEAD_BYTES
 
 
 def check_device(device: str) -> None:
@@ -125,18 +133,19 @@ def check_device(device: str) -> None:
 def split_files(
     regions: Sequence[PlannedRegion], specs: Mapping[str, TensorSpec], max_file_bytes: int | None
 ) -> list[PlannedRegion]:
-    """Give each rank's regions consecutive parts of at most ``max_file_bytes`` (input bytes).
+    """Give each rank's regions consecutive parts of at most ``max_file_bytes`` of work.
 
-    Files are the unit workers share out, so the split depends only on the layout, never on
-    the number of workers: the output is the same bytes whatever N. ``None``: one file per rank.
+    Work is :func:`region_cost`. Files are the unit workers share out, so the split depends
+    only on the layout, never on the number of workers: the output is the same bytes whatever
+    N. ``None``: one file per rank.
     """
     out: list[PlannedRegion] = []
-    used: dict[int, tuple[int, int]] = {}  # rank -> (part, bytes in it)
+    used: dict[int, tuple[int, int]] = {}  # rank -> (part, work in it)
     rank_bytes: dict[int, int] = {}
     for region in regions:
-        rank_bytes[region.rank] = rank_bytes.get(region.rank, 0) + region.box.numel * specs[region.key].dtype.itemsize
+        rank_bytes[region.rank] = rank_bytes.get(region.rank, 0) + region_cost(region, specs)
     for region in regions:
-        nbytes = region.box.numel * specs[region.key].dtype.itemsize
+        nbytes = region_cost(region, specs)
         part, size = used.get(region.rank, (0, 0))
         # about 8 parts per rank file (16 MiB to max_file_bytes each): enough to share out
         cap = None if max_file_bytes is None else min(max_file_bytes, max(MIN_FILE_BYTES, rank_bytes[region.rank] // 8))
@@ -150,13 +159,13 @@ def split_files(
 def owned_regions(
     regions: Sequence[PlannedRegion], specs: Mapping[str, TensorSpec], rank: int, world_size: int
 ) -> list[PlannedRegion]:
-    """The regions whose files this worker writes (files balanced across workers by bytes)."""
+    """The regions whose files this worker writes (files balanced across workers by work)."""
     if world_size == 1:
         return list(regions)
     files: dict[tuple[int, int], int] = {}
     for region in regions:
         key = (region.rank, region.part)
-        files[key] = files.get(key, 0) + region.box.numel * specs[region.key].dtype.itemsize
+        files[key] = files.get(key, 0) + region_cost(region, specs)
     names = sorted(files)
     owners = dict(zip(names, assign_by_bytes([files[n] for n in names], world_size), strict=True))
     return [r for r in regions if owners[(r.rank, r.part)] == rank]

@@ -240,6 +240,7 @@ class DcpReader:
         self.step: int | None = None
         self._fds: dict[str, int] = {}
         self._file_sizes: dict[str, int] = {}
+        self._names: dict[str, str] = {}
         self._records: dict[tuple[str, int], tuple[int, TensorRecord] | None] = {}
         self._specs: dict[str, TensorSpec] | None = None  # built on first use: needs torch
         if shared is not None:  # parsed by another worker: see share()
@@ -483,6 +484,13 @@ class DcpReader:
             self._file_sizes[file] = info.st_size
         return fd
 
+    def _name(self, file: str) -> str:
+        """The data file's full path, for messages (cached: built on every read otherwise)."""
+        name = self._names.get(file)
+        if name is None:
+            name = self._names[file] = str(self.path / file)
+        return name
+
     def _check_extent(self, file: str, offset: int, length: int) -> None:
         self._fd(file)
         if offset < 0 or length < 0 or offset + length > self._file_sizes[file]:
@@ -499,7 +507,7 @@ class DcpReader:
             return self._records[cache_key]
         self._check_extent(chunk.file, chunk.offset, chunk.length)
         fd = self._fd(chunk.file)
-        source = f"{self.path / chunk.file} (key {key!r})"
+        source = f"{self._name(chunk.file)} (key {key!r})"
         fast = _scan_record(fd, chunk.offset, chunk.length)
         if fast is not None:
             found = self._record_from_index(key, chunk, fast, source)
@@ -603,17 +611,17 @@ class DcpReader:
         itemsize = spec.dtype.itemsize
         base = data_offset + record.storage_offset * itemsize
         if not part.sizes:  # 0-d
-            _pread_into(self._fd(chunk.file), _tensor_bytes(dest), base, str(self.path / chunk.file))
+            _pread_into(self._fd(chunk.file), _tensor_bytes(dest), base, self._name(chunk.file))
             return
         row_numel = chunk.box.numel // chunk.box.sizes[0]
         first, rows = part.offsets[0], part.sizes[0]
         offset = base + first * row_numel * itemsize
         full_rows = part.sizes[1:] == chunk.box.sizes[1:]
         if full_rows and dest.is_contiguous():
-            _pread_into(self._fd(chunk.file), _tensor_bytes(dest), offset, str(self.path / chunk.file))
+            _pread_into(self._fd(chunk.file), _tensor_bytes(dest), offset, self._name(chunk.file))
             return
         block = torch.empty((rows, *chunk.box.sizes[1:]), dtype=spec.dtype)
-        _pread_into(self._fd(chunk.file), _tensor_bytes(block), offset, str(self.path / chunk.file))
+        _pread_into(self._fd(chunk.file), _tensor_bytes(block), offset, self._name(chunk.file))
         dest.copy_(block[(slice(None), *part.slices()[1:])])
 
     def _check_record(self, key: str, chunk: StoredChunk, size: tuple[int, ...], dtype: str) -> None:
