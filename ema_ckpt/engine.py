@@ -32,7 +32,7 @@ import torch
 from .dist import assign_by_bytes
 from .errors import NonFiniteError, UsageError
 from .formats.base import CheckpointReader
-from .layout import Box, TensorSpec
+from .layout import Box, TensorSpec, split_rows
 from .progress import Progress
 
 
@@ -212,8 +212,8 @@ def combine_regions(
                                                                                           out_dtype(spec)))
                 declared.add(region.key)
             if not spec.is_float:
-                value = _read(sources[copy_source], region, sources[copy_source].specs()[region.key], buffers,
-                              slot=("copy", parity))
+                value = _read(sources[copy_source], region.key, region.box, sources[copy_source].specs()[region.key],
+                              buffers, slot=("copy", parity))
                 stats.bytes_read += value.numel() * value.element_size()
                 results = [value] * len(sinks)
             else:
@@ -309,11 +309,25 @@ class _Buffers:
         return flat[:numel].view(shape)
 
 
-def _read(reader: CheckpointReader, region: PlannedRegion, spec: TensorSpec, buffers: _Buffers | None,
-          slot: object = "read") -> torch.Tensor:
+def _read(reader: CheckpointReader, key: str, box: Box, spec: TensorSpec, buffers: _Buffers | None,
+          slot: object = "read", out: torch.Tensor | None = None) -> torch.Tensor:
+    """``box`` of ``key``: into ``out`` when given, else into the reused buffer ``slot``."""
     if buffers is not None and getattr(reader, "supports_out", False):
-        return reader.read(region.key, region.box, out=buffers.get(slot, region.box.sizes, spec.dtype))  # type: ignore[call-arg]
-    return reader.read(region.key, region.box).detach()
+        target = out if out is not None else buffers.get(slot, box.sizes, spec.dtype)
+        return reader.read(key, box, out=target)  # type: ignore[call-arg]
+    value = reader.read(key, box).detach()
+    return out.copy_(value) if out is not None else value
+
+
+# Row blocks of a region, per source: small enough to stay in the CPU's cache while every
+# output uses them, so each input byte crosses memory once however many outputs there are.
+_BLOCK_BYTES = 2 << 20
+
+
+def _blocks(box: Box, itemsize: int, device: str) -> list[Box]:
+    if device != "cpu" or not box.sizes:  # a GPU wants large transfers
+        return [box]
+    return split_rows(box, max(1, _BLOCK_BYTES // itemsize))
 
 
 def _accumulate_region(
@@ -328,55 +342,68 @@ def _accumulate_region(
     check_finite: frozenset[int] = frozenset(),
     parity: int = 0,
 ) -> list[torch.Tensor]:
+    """Every output's values over ``region``, computed row block by row block.
+
+    Elementwise arithmetic on blocks gives the same bits as on the whole region; within a
+    block, sources are applied in order, as in a one-shot or incremental run.
+    """
     weights = [{u.source: u.weight for u in out.updates} for out in outputs]
-    accs: list[torch.Tensor | None] = [None] * len(outputs)
     shape = region.box.sizes
+    inputs = []
     for source in needed:
         users = [k for k in range(len(outputs)) if source in weights[k]]
-        if not users:
-            continue
-        spec = sources[source].specs().get(region.key)
-        if spec is None:  # a key added during training (--allow-new-keys): starts where it appears
-            continue
-        # a fold's first update is a copy: read straight into its accumulator (saves a pass)
-        into_acc = (buffers is not None and device == "cpu" and len(users) == 1 and accs[users[0]] is None
-                    and outputs[users[0]].mode == "fold" and spec.dtype == dtype)
-        slot = ("acc", users[0], parity) if into_acc else "read"
-        raw = _read(sources[source], region, spec, buffers, slot=slot)
-        stats.bytes_read += raw.numel() * raw.element_size()
-        if source in check_finite and not _all_finite(raw):
-            raise NonFiniteError(source, f"{sources[source].path}: key {region.key!r} holds NaN or Inf values")
-        if into_acc:
-            accs[users[0]] = raw
-            continue
-        if all(outputs[k].mode == "copy" for k in users):
-            for k in users:  # written as stored (or cast to the output dtype), never converted
-                accs[k] = raw if buffers is None else buffers.get(("acc", k, parity), shape, raw.dtype).copy_(raw)
-            continue
-        if device != "cpu":
-            value = _to_device(raw, device, dtype)
-        elif raw.dtype == dtype:
-            value = raw
-        elif buffers is not None:
-            value = buffers.get("convert", shape, dtype).copy_(raw)
-        else:
-            value = raw.to(dtype)
-        for k in users:
-            w = weights[k][source]
-            acc = accs[k]
-            if acc is None:
-                target = (buffers.get(("acc", k, parity), shape, dtype) if buffers is not None and device == "cpu"
-                          else torch.empty(shape, dtype=dtype, device=value.device))
-                if outputs[k].mode == "fold":
-                    accs[k] = target.copy_(value)
-                else:
-                    accs[k] = torch.mul(value, w, out=target)
-            elif outputs[k].mode == "fold":
-                acc.lerp_(value, w)
+        spec = sources[source].specs().get(region.key) if users else None
+        if spec is not None:  # None: a key added during training (--allow-new-keys) starts where it appears
+            inputs.append((source, spec, users))
+    results: list[torch.Tensor | None] = [None] * len(outputs)
+
+    def result(k: int, result_dtype: torch.dtype) -> torch.Tensor:
+        if results[k] is None:
+            results[k] = (buffers.get(("acc", k, parity), shape, result_dtype) if buffers is not None and
+                          device == "cpu" else torch.empty(shape, dtype=result_dtype, device=device))
+        return results[k]  # type: ignore[return-value]
+
+    for block in _blocks(region.box, dtype.itemsize, device):
+        where = block.relative_to(region.box).slices()
+        started = [False] * len(outputs)
+        for source, spec, users in inputs:
+            # a fold's first update is a copy: read straight into its accumulator (saves a pass)
+            first = users[0]
+            into = (result(first, dtype)[where] if device == "cpu" and len(users) == 1 and not started[first]
+                    and outputs[first].mode == "fold" and spec.dtype == dtype else None)
+            raw = _read(sources[source], region.key, block, spec, buffers, out=into)
+            stats.bytes_read += raw.numel() * raw.element_size()
+            if source in check_finite and not _all_finite(raw):
+                raise NonFiniteError(source, f"{sources[source].path}: key {region.key!r} holds NaN or Inf values")
+            if into is not None:
+                started[first] = True
+                continue
+            if all(outputs[k].mode == "copy" for k in users):
+                for k in users:  # written as stored (or cast to the output dtype), never converted
+                    result(k, raw.dtype)[where].copy_(raw)
+                continue
+            if device != "cpu":
+                value = _to_device(raw, device, dtype)
+            elif raw.dtype == dtype:
+                value = raw
             else:
-                acc.add_(value, alpha=w)
-        del raw, value
-    return [a if a is not None else torch.zeros(shape, dtype=dtype, device=device) for a in accs]
+                value = (buffers.get("convert", block.sizes, dtype).copy_(raw) if buffers is not None
+                         else raw.to(dtype))
+            for k in users:
+                w = weights[k][source]
+                acc = result(k, dtype)[where]
+                if not started[k]:
+                    started[k] = True
+                    if outputs[k].mode == "fold":
+                        acc.copy_(value)
+                    else:
+                        torch.mul(value, w, out=acc)
+                elif outputs[k].mode == "fold":
+                    acc.lerp_(value, w)
+                else:
+                    acc.add_(value, alpha=w)
+            del raw, value
+    return [r if r is not None else torch.zeros(shape, dtype=dtype, device=device) for r in results]
 
 
 def _all_finite(tensor: torch.Tensor) -> bool:
