@@ -373,8 +373,6 @@ def _accumulate_region(
                     and outputs[first].mode == "fold" and spec.dtype == dtype else None)
             raw = _read(sources[source], region.key, block, spec, buffers, out=into)
             stats.bytes_read += raw.numel() * raw.element_size()
-            if source in check_finite and not _all_finite(raw):
-                raise NonFiniteError(source, f"{sources[source].path}: key {region.key!r} holds NaN or Inf values")
             if into is not None:
                 started[first] = True
                 continue
@@ -403,7 +401,23 @@ def _accumulate_region(
                 else:
                     acc.add_(value, alpha=w)
             del raw, value
+        if check_finite and not all(_all_finite(r[where]) for r in results if r is not None):
+            _find_nonfinite(sources, inputs, region.key, block, buffers, check_finite)
     return [r if r is not None else torch.zeros(shape, dtype=dtype, device=device) for r in results]
+
+
+def _find_nonfinite(sources: Sequence[CheckpointReader], inputs: Sequence[tuple[int, TensorSpec, list[int]]],
+                    key: str, block: Box, buffers: _Buffers | None, check_finite: frozenset[int]) -> None:
+    """Name the checked source that made a block non-finite (:class:`NonFiniteError`).
+
+    A NaN or Inf in any input reaches every output that uses it (lerp and weighted sums
+    propagate them, even at weight 0), so the outputs are checked, and the inputs only when
+    an output fails: one pass over the results instead of one per input. A non-finite
+    result without a checked culprit (a previous EMA) is left as it is.
+    """
+    for source, spec, _users in inputs:
+        if source in check_finite and not _all_finite(_read(sources[source], key, block, spec, buffers)):
+            raise NonFiniteError(source, f"{sources[source].path}: key {key!r} holds NaN or Inf values")
 
 
 def _all_finite(tensor: torch.Tensor) -> bool:

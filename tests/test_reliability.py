@@ -65,6 +65,24 @@ def test_nan_is_refused_naming_the_key_and_skip_records_it(tmp_path):
     assert accumulate(ck, decay=0.5, out=tmp_path / "ema", skip_nonfinite=True).up_to_date
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize(("culprit", "where"), [(0, 0), (1, 2**19 + 3), (2, -1)])
+def test_a_nonfinite_value_anywhere_names_its_checkpoint(tmp_path, bad, culprit, where):
+    from ema_ckpt.averaging import posthoc
+
+    g = torch.Generator().manual_seed(culprit)
+    for i, step in enumerate((10, 20, 30)):
+        w = torch.randn(2**20 + 7, generator=g)  # several row blocks
+        if i == culprit:
+            w[where] = bad
+        write_dcp(tmp_path / "ck" / f"step_{step}", {"model.w": w, "model.b": torch.ones(3)}, world_size=2)
+    name = f"step_{(10, 20, 30)[culprit]}: key 'model.w' holds NaN or Inf"
+    with pytest.raises(NonFiniteError, match=name):
+        accumulate(tmp_path / "ck", decay=0.999999, out=tmp_path / "ema")  # weights near 0 still count
+    with pytest.raises(NonFiniteError, match=name):
+        posthoc(tmp_path / "ck", out=tmp_path / "ph", sigma_rels=["0.05", "0.25"])
+
+
 def test_keys_added_or_removed_need_allow_new_keys(tmp_path):
     ck = _seq(tmp_path / "ck", [1, 2])
     _seq(ck, [3], **{"model.new": lambda s: torch.full((3,), float(s))})
