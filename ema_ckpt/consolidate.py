@@ -193,7 +193,9 @@ def _blocks(reader: CheckpointReader, key: str):
         yield box, reader.read(key, box)
 
 
-def _byte_runs(reader: CheckpointReader, keys: Sequence[str], out_dtype: dict[str, str]):
+def _byte_runs(
+    reader: CheckpointReader, keys: Sequence[str], out_dtype: dict[str, str]
+) -> dict[str, list[tuple[str, int, int]]] | None:
     """{key: byte ranges} when every key can be copied as stored bytes, else None."""
     if not isinstance(reader, ByteRangeReader):
         return None
