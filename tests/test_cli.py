@@ -99,7 +99,10 @@ def test_cli_starts_without_torch_and_completes_commands():
            "COMP_CWORD": "2"}
     proc = subprocess.run([str(exe)], env=env, capture_output=True, text=True, check=True)
     assert proc.stdout.split() == ["--max-shard-size"]
-    script = subprocess.run([str(exe), "--show-completion", "bash"], capture_output=True, text=True, check=True)
+    # the shell is detected from the parent process, as when a user types it in bash (a second
+    # command keeps bash from exec-ing the first one in its own place)
+    script = subprocess.run(["bash", "-c", f"'{exe}' --show-completion; exit $?"], capture_output=True, text=True,
+                            check=True)
     assert "_EMA_CKPT_COMPLETE" in script.stdout
     version = subprocess.run([str(exe), "--version"], capture_output=True, text=True, check=True)
     assert version.stdout.startswith("ema-ckpt ")
