@@ -8,7 +8,7 @@ Time is the optimizer step counted from the start of training (step 0). Every fu
 returns one coefficient per input, in input order, with 0.0 for inputs it does not use
 (checkpoints after ``at_step``, checkpoints outside a uniform selection).
 
-Families (formulas in ``docs/math.md`` and the EMA notes, §2, §5, §6, §8):
+Families (formulas in ``docs/math.md`` and ``docs/profiles.md``):
 
 * classic EMA across gaps: ``exponential_coefficients`` (via ``schedules.fold_coefficients``);
 * EDM2 power-function EMA from raw checkpoints: ``power_coefficients``;
@@ -100,7 +100,7 @@ def _check_sigma_rel(sigma_rel: float) -> float:
 def gamma_to_sigma_rel(gamma: float) -> float:
     """σ_rel(γ) = sqrt((γ+1) / ((γ+2)²(γ+3))): the std of the power profile over its end time.
 
-    EDM2 (Karras et al. 2024) eq. 3; notes §5. γ = 0 (uniform mean) gives 1/√12.
+    EDM2 (Karras et al. 2024), eq. 3. γ = 0 (uniform mean) gives 1/√12.
 
     Example:
         >>> round(gamma_to_sigma_rel(16.97), 4), round(gamma_to_sigma_rel(6.94), 4)
@@ -113,7 +113,7 @@ def gamma_to_sigma_rel(gamma: float) -> float:
 def sigma_rel_to_gamma(sigma_rel: float) -> float:
     """γ(σ_rel): the largest real root of γ³ + 7γ² + (16 − s)γ + (12 − s) = 0, s = σ_rel⁻².
 
-    The cubic is σ_rel(γ)² = 1/s rearranged (notes §5). Solved with ``numpy.roots`` and
+    The cubic is σ_rel(γ)² = 1/s rearranged. Solved with ``numpy.roots`` and
     polished by Newton steps in float64. Valid for 0 < σ_rel < 1/√12, else ``UsageError``.
 
     Example:
@@ -188,8 +188,8 @@ def _check_pair(t_prev: int, t_new: int) -> tuple[int, int]:
 def power_update_ratio(t_prev: int, t_new: int, gamma: float) -> float:
     """r = (t_prev/t_new)^(γ+1): the weight an incremental power EMA keeps.
 
-    The update is acc ← r·acc + (1 − r)·θ_new (notes §7). It is the product of the
-    per-step decays (1 − 1/t)^(γ+1) over t = t_prev+1 … t_new, which telescopes (§5).
+    The update is acc ← r·acc + (1 − r)·θ_new. It is the product of the
+    per-step decays (1 − 1/t)^(γ+1) over t = t_prev+1 … t_new, which telescopes.
 
     Example:
         >>> power_update_ratio(100, 200, gamma=1.0)
@@ -215,7 +215,7 @@ def power_coefficients(steps: Sequence[int], gamma: float, at_step: int | None =
 
     Each checkpoint carries the mass of the profile p(τ) = (γ+1)τ^γ/T^(γ+1) on (tᵢ₋₁, tᵢ]
     ("hold": the weights at step τ are those of the next checkpoint), the first one [0, t₁];
-    Σ cᵢ = 1 exactly (notes §5). Evaluated as (tᵢ/T)^(γ+1)·(1 − (tᵢ₋₁/tᵢ)^(γ+1)) with
+    Σ cᵢ = 1 exactly. Evaluated as (tᵢ/T)^(γ+1)·(1 − (tᵢ₋₁/tᵢ)^(γ+1)) with
     ``exp``/``expm1``/``log1p``: no overflow for γ ≈ 100, no cancellation for small gaps.
 
     T is the newest checkpoint step at or before ``at_step`` (the newest of all when it is
@@ -253,7 +253,7 @@ def exponential_coefficients(
 
     bᵢ is ``profile.keep_factor`` over (tᵢ₋₁, tᵢ] (β^Δ per step, β per checkpoint, or the
     warm-up product); the first checkpoint initialises the average (ema₁ = θ₁), exactly as
-    ``accumulate`` folds it (notes §1–§2). Checkpoints after ``at_step`` get 0.
+    ``accumulate`` folds it (``docs/math.md``). Checkpoints after ``at_step`` get 0.
 
     Example:
         >>> exponential_coefficients([10, 11, 12], ExponentialProfile(decay=0.5))
@@ -268,7 +268,7 @@ def exponential_coefficients(
 def equivalent_step_decay(steps: Sequence[int], profile: ExponentialProfile) -> float:
     """The per-step β that the profile amounts to at the newest step.
 
-    Per step: β itself. Per checkpoint: β^(1/k̄), k̄ the mean gap (t_n − t₁)/(n − 1) (notes §2:
+    Per step: β itself. Per checkpoint: β^(1/k̄), k̄ the mean gap (t_n − t₁)/(n − 1) (``docs/math.md``:
     a fixed β every k steps is a per-step β^(1/k)); NaN with a single checkpoint. Warm-up:
     min(β, (1+T)/(10+T)) at the newest step T.
 
@@ -288,7 +288,7 @@ def equivalent_step_decay(steps: Sequence[int], profile: ExponentialProfile) -> 
 
 
 def effective_half_life(steps: Sequence[int], profile: ExponentialProfile) -> float:
-    """Half-life in steps, ln 2 / −ln β, of ``equivalent_step_decay`` (notes §2).
+    """Half-life in steps, ln 2 / −ln β, of ``equivalent_step_decay`` (``docs/math.md``).
 
     Example:
         >>> round(effective_half_life([0, 10], ExponentialProfile(0.999)), 1)
@@ -301,7 +301,7 @@ def effective_half_life(steps: Sequence[int], profile: ExponentialProfile) -> fl
 
 
 def exponential_window(steps: Sequence[int], profile: ExponentialProfile) -> float:
-    """Averaging window in steps, 1/(1 − β), of ``equivalent_step_decay`` (notes §9).
+    """Averaging window in steps, 1/(1 − β), of ``equivalent_step_decay``.
 
     Example:
         >>> round(exponential_window([0, 10], ExponentialProfile(0.999)))
@@ -312,7 +312,7 @@ def exponential_window(steps: Sequence[int], profile: ExponentialProfile) -> flo
 
 
 def power_window(gamma: float, at_step: int) -> float:
-    """Averaging window in steps of a power EMA at step T: σ_rel(γ)·T (notes §9).
+    """Averaging window in steps of a power EMA at step T: σ_rel(γ)·T.
 
     Example:
         >>> round(power_window(sigma_rel_to_gamma(0.05), 100_000))
@@ -417,7 +417,7 @@ def profile_inner_product(t_a: float, gamma_a: float, t_b: float, gamma_b: float
         ∫₀^{t_a} (γ_a+1)(γ_b+1) τ^(γ_a+γ_b) / (t_a^(γ_a+1) t_b^(γ_b+1)) dτ
           = (γ_a+1)(γ_b+1) / ((γ_a+γ_b+1)·t_b) · (t_a/t_b)^γ_b.
 
-    It scales as 1/t: only ratios of times matter (notes §6; checked by quadrature in tests).
+    It scales as 1/t: only ratios of times matter (EDM2's post-hoc EMA; checked by quadrature in tests).
 
     Example:
         >>> profile_inner_product(1.0, 0.0, 1.0, 0.0)   # ‖uniform on [0, 1]‖² = 1
@@ -483,7 +483,7 @@ def posthoc_plan(
     newest snapshot step; only snapshots with step ≤ T are used. With A_ij = ⟨p_i, p_j⟩ and
     b_i = ⟨p_i, q⟩ (``profile_inner_product``, scaled by T so entries are O(1)), solve A x = b
     in float64 (``numpy.linalg.solve``; ``lstsq`` if A is singular or cond(A) > 1e14), then
-    normalise x to sum 1 (notes §6). Coefficients may be negative.
+    normalise x to sum 1. Coefficients may be negative.
 
     Example:
         >>> snaps = [Snapshot(t, g) for t in (1000, 2000) for g in (6.94, 16.97)]
@@ -592,7 +592,7 @@ def posthoc_coefficients(
 
 @dataclass(frozen=True, slots=True)
 class PlanStats:
-    """What a coefficient vector over raw checkpoints amounts to (notes §10).
+    """What a coefficient vector over raw checkpoints amounts to.
 
     Attributes:
         total: Σ cᵢ (should be 1 up to rounding).
@@ -671,7 +671,7 @@ def spacing_warning(steps: Sequence[int], window: float) -> str | None:
 
     window = 1/(1 − β) for a classic EMA (``exponential_window``), σ_rel·T for a power EMA
     (``power_window``). Sparse checkpoints make the output LAWA-like averaging rather than
-    the online EMA: relative error ≈ sqrt(k/window) (notes §9). None when spacing is fine.
+    the online EMA: relative error ≈ sqrt(k/window). None when spacing is fine.
 
     Example:
         >>> spacing_warning([0, 100, 200], window=10_000) is None

@@ -18,7 +18,7 @@ where bₖ is the weight the old average keeps across the gap (sₖ₋₁, sₖ]
   Π_{n=a}^{b} (n+1)/(n+10) = Π_{j=1}^{9} (a+j)/(b+1+j).
 
 Unrolled, the recursion is a weighted sum Σ cᵢ·θᵢ with cᵢ = (1 − bᵢ)·Π_{j>i} bⱼ and
-b₁ = 0, so Σ cᵢ = 1 (see ``/docs/math.md``).
+b₁ = 0, so Σ cᵢ = 1 (see ``docs/math.md``).
 
 Example:
     >>> p = ExponentialProfile(decay=0.5)
