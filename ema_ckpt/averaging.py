@@ -360,6 +360,10 @@ def posthoc(checkpoints: str | Path | Sequence[str | Path], *, out: str | Path, 
 def posthoc(checkpoints: str | Path | Sequence[str | Path], *, out: str | Path, sigma_rels: Sequence[str] = ...,
             gammas: Sequence[str] = ..., at_step: int | None = ..., dry_run: Literal[True],
             step_regex: str | None = ..., workers: int = ..., **options: Any) -> Plan: ...
+@overload
+def posthoc(checkpoints: str | Path | Sequence[str | Path], *, out: str | Path, sigma_rels: Sequence[str] = ...,
+            gammas: Sequence[str] = ..., at_step: int | None = ..., dry_run: bool = ...,
+            step_regex: str | None = ..., workers: int = ..., **options: Any) -> Plan | RunResult: ...
 
 
 def posthoc(
@@ -409,6 +413,10 @@ def average(checkpoints: str | Path | Sequence[str | Path], *, out: str | Path, 
 def average(checkpoints: str | Path | Sequence[str | Path], *, out: str | Path, last: int | None = ...,
             from_step: int | None = ..., to_step: int | None = ..., dry_run: Literal[True],
             step_regex: str | None = ..., workers: int = ..., **options: Any) -> Plan: ...
+@overload
+def average(checkpoints: str | Path | Sequence[str | Path], *, out: str | Path, last: int | None = ...,
+            from_step: int | None = ..., to_step: int | None = ..., dry_run: bool = ...,
+            step_regex: str | None = ..., workers: int = ..., **options: Any) -> Plan | RunResult: ...
 
 
 def average(

@@ -367,10 +367,15 @@ def _accumulate_region(
         where = block.relative_to(region.box).slices()
         started = [False] * len(outputs)
         for source, spec, users in inputs:
-            # a fold's first update is a copy: read straight into its accumulator (saves a pass)
+            # a copy, or a fold's first update, is the input itself: read it straight into the
+            # output's buffer (saves a pass over the block)
             first = users[0]
-            into = (result(first, dtype)[where] if device == "cpu" and len(users) == 1 and not started[first]
-                    and outputs[first].mode == "fold" and spec.dtype == dtype else None)
+            into = None
+            if device == "cpu" and len(users) == 1 and not started[first]:
+                if outputs[first].mode == "copy":
+                    into = result(first, spec.dtype)[where]
+                elif outputs[first].mode == "fold" and spec.dtype == dtype:
+                    into = result(first, dtype)[where]
             raw = _read(sources[source], region.key, block, spec, buffers, out=into)
             stats.bytes_read += raw.numel() * raw.element_size()
             if into is not None:

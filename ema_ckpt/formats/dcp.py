@@ -241,6 +241,7 @@ class DcpReader:
         self._fds: dict[str, int] = {}
         self._file_sizes: dict[str, int] = {}
         self._names: dict[str, str] = {}
+        self._fallback: tuple[tuple[str, int], torch.Tensor] | None = None
         self._records: dict[tuple[str, int], tuple[int, TensorRecord] | None] = {}
         self._specs: dict[str, TensorSpec] | None = None  # built on first use: needs torch
         if shared is not None:  # parsed by another worker: see share()
@@ -456,6 +457,7 @@ class DcpReader:
         return key.split(".", 1)[0]
 
     def close(self) -> None:
+        self._fallback = None
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
@@ -579,7 +581,14 @@ class DcpReader:
         return (chunk.offset + begin, record)
 
     def _load_record_fallback(self, key: str, chunk: StoredChunk) -> torch.Tensor:
-        """Load an unusual record (non-contiguous, new layout) with torch's weights-only loader."""
+        """Load an unusual record (non-contiguous, new layout) with torch's weights-only loader.
+
+        The last one loaded is kept: callers read a chunk block by block, and reloading the
+        whole record for each block would cost its size once per block.
+        """
+        if self._fallback is not None and self._fallback[0] == (chunk.file, chunk.offset):
+            return self._fallback[1]
+        self._fallback = None  # release the previous record before loading the next
         fd = self._fd(chunk.file)
         self._check_extent(chunk.file, chunk.offset, chunk.length)
         data = os.pread(fd, chunk.length, chunk.offset)
@@ -594,6 +603,7 @@ class DcpReader:
             ) from None
         if not isinstance(value, torch.Tensor):
             raise CheckpointFormatError(self.path / chunk.file, f"key {key!r}: record is not a tensor")
+        self._fallback = ((chunk.file, chunk.offset), value)
         return value
 
     def _read_chunk_part(self, key: str, chunk: StoredChunk, part: Box, dest: torch.Tensor) -> None:
