@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import io
 import pickle
+import struct
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,8 +55,18 @@ class _InMemoryUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
     dispatch = dict(pickle._Unpickler.dispatch)  # type: ignore[attr-defined]
     dispatch[pickle.FRAME[0]] = lambda self: self.read(8)
 
+    def _load_bytearray8(self) -> None:
+        # the stock handler allocates the declared length before reading: 8 bytes could ask for 8 GB
+        (length,) = struct.unpack("<Q", self.read(8))
+        if length > self._size - self._buffer.tell():
+            raise pickle.UnpicklingError("BYTEARRAY8 longer than the data left")
+        self.append(bytearray(self.read(length)))
+
+    dispatch[pickle.BYTEARRAY8[0]] = _load_bytearray8
+
     def __init__(self, data: bytes) -> None:
         self._buffer = io.BytesIO(data)
+        self._size = len(data)
         super().__init__(self._buffer)
 
     def load(self) -> Any:

@@ -622,16 +622,21 @@ def test_dcp_planner_data_value_that_is_not_a_path(tmp_path):
 
 
 @pytest.mark.parametrize("loader", ["load_dcp_metadata_bytes", "load_tensor_record"])
-def test_a_pickle_memo_index_allocates_no_memory(loader):
+@pytest.mark.parametrize("bomb", [
     # PROTO 4, NONE, LONG_BINPUT 30_000_000, STOP: 10 bytes that make CPython's C unpickler grow
     # its memo to 60M slots (480 MB); LONG_BINPUT 0xFFFFFFFF asks for 64 GB.
+    'b"\\x80\\x04Nr" + struct.pack("<I", 30_000_000) + b"."',
+    # PROTO 5, BYTEARRAY8 of a declared 1 GB with no data: the stock handler allocates it first
+    'b"\\x80\\x05\\x96" + struct.pack("<Q", 10**9) + b"."',
+])
+def test_a_pickle_memo_index_allocates_no_memory(loader, bomb):
     code = f"""
 import resource, struct
 from ema_ckpt._pickle import {loader} as load
 from ema_ckpt.errors import EmaCkptError
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 try:
-    load(b"\\x80\\x04Nr" + struct.pack("<I", 30_000_000) + b".", "x")
+    load({bomb}, "x")
 except EmaCkptError:
     pass
 print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024)
