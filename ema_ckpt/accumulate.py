@@ -33,7 +33,7 @@ from pathlib import Path
 from . import planner
 from .averaging import ACCUMULATE_DTYPES, PlannedOutput, SnapshotInput, Term, find_snapshots
 from .averaging import Plan as AveragePlan
-from .discovery import FoundCheckpoint, discover
+from .discovery import FoundCheckpoint, checkpoint_paths, discover
 from .dist import Workers, current_workers, in_worker_group, run_workers
 from .engine import OutputSpec, Progress, Update, check_device, layout_regions
 from .execute import open_checkpoints, write_dcp_outputs
@@ -45,7 +45,7 @@ from .errors import (
     UsageError,
 )
 from .formats.base import CheckpointReader
-from .fs import OutputLock, new_staging_dir, publish, recover
+from .fs import OutputLock, discard_on_error, new_staging_dir, publish, recover
 from .manifest import MANIFEST_NAME, FoldedCheckpoint, Manifest, fingerprint
 from .schedules import ExponentialProfile, PowerProfile, fold_coefficients, profile_from_dict
 from .selection import check_compatible, select_keys
@@ -242,12 +242,7 @@ def _prepare(
     snapshot_every, out, dtype, include, exclude, step_regex, restart, wait_seconds, dry_run, started,
 ) -> tuple:
     """Coordinator only: lock, repair, read manifests, discover, plan."""
-    paths = [Path(checkpoints)] if isinstance(checkpoints, (str, Path)) else [Path(p) for p in checkpoints]
-    if not paths:
-        raise UsageError("no checkpoint paths given")
-    for path in paths:
-        if not path.exists():
-            raise CheckpointNotFoundError(path, "no such file or directory")
+    paths = checkpoint_paths(checkpoints)
     if snapshot_every is not None and snapshot_every < 1:
         raise UsageError(f"--snapshot-every must be a positive number of steps, got {snapshot_every}")
     named = _profiles(decay, half_life, per_checkpoint, warmup, sigma_rels, gammas, snapshot_every)
@@ -466,7 +461,7 @@ def _fold(
                                 for _, final, _ in targets]) if group.is_coordinator
                       else lambda: None)
         )
-        try:
+        with discard_on_error(stagings, owner=group.is_coordinator):
             planner_data = getattr(newest, "planner_data", None)
             written = write_dcp_outputs(
                 group, readers, outputs, stagings, layout_regions(newest, keys), newest.specs(),
@@ -498,11 +493,6 @@ def _fold(
                     publish(staging, final)
 
             group.run(publish_all if group.is_coordinator else lambda: None)
-        except BaseException:
-            if group.is_coordinator:
-                for staging in stagings:
-                    shutil.rmtree(staging, ignore_errors=True)
-            raise
 
     first = accumulators[0]
     folded_all = {c.path: c for acc in active for c in acc.new}

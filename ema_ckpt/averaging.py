@@ -19,7 +19,6 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import shutil
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -29,13 +28,13 @@ from typing import Any, Literal, overload
 import torch
 
 from . import planner
-from .discovery import FoundCheckpoint, discover
+from .discovery import FoundCheckpoint, checkpoint_paths, discover
 from .dist import current_workers, in_worker_group, run_workers
 from .engine import OutputSpec, Progress, Update, check_device, layout_regions
 from .execute import open_checkpoints, write_dcp_outputs
-from .errors import CheckpointNotFoundError, UsageError
+from .errors import UsageError
 from .formats.base import CheckpointReader
-from .fs import OutputLock, new_staging_dir, publish, recover
+from .fs import OutputLock, discard_on_error, new_staging_dir, publish, recover
 from .manifest import MANIFEST_NAME, FoldedCheckpoint, Manifest, fingerprint
 from .selection import check_compatible, select_keys
 
@@ -141,16 +140,6 @@ def _targets(sigma_rels: Sequence[str], gammas: Sequence[str]) -> list[tuple[str
     return targets
 
 
-def _paths(checkpoints: str | Path | Sequence[str | Path]) -> list[Path]:
-    paths = [Path(checkpoints)] if isinstance(checkpoints, (str, Path)) else [Path(p) for p in checkpoints]
-    if not paths:
-        raise UsageError("no checkpoint paths given")
-    for path in paths:
-        if not path.exists():
-            raise CheckpointNotFoundError(path, "no such file or directory")
-    return paths
-
-
 def plan_posthoc(
     checkpoints: str | Path | Sequence[str | Path],
     *,
@@ -165,7 +154,7 @@ def plan_posthoc(
     From raw checkpoints: the closed form cᵢ = (tᵢ/T)^(γ+1) − (tᵢ₋₁/T)^(γ+1), t₀ = 0. From
     snapshots: EDM2's least-squares fit of the target profile by the snapshots' profiles.
     """
-    paths = _paths(checkpoints)
+    paths = checkpoint_paths(checkpoints)
     targets = _targets(sigma_rels, gammas)
     snapshots = find_snapshots(paths)
     if snapshots:
@@ -218,7 +207,7 @@ def plan_average(
     """Uniform average (fairseq ``average_checkpoints``, LAWA) of a selection of checkpoints."""
     if last is None and from_step is None and to_step is None:
         raise UsageError("choose the checkpoints: --last K, or --from-step A and/or --to-step B")
-    found = discover(_paths(checkpoints), step_regex=step_regex, exclude=exclude_paths)
+    found = discover(checkpoint_paths(checkpoints), step_regex=step_regex, exclude=exclude_paths)
     steps = [c.step for c in found.checkpoints]
     coeffs = planner.uniform_coefficients(steps, last=last, from_step=from_step, to_step=to_step)
     terms = [Term(str(c.path), c.step, w) for c, w in zip(found.checkpoints, coeffs, strict=True) if w != 0.0]
@@ -290,7 +279,7 @@ def run_plan(
             return [new_staging_dir(final, near=None if single_output else out) for final in finals]
 
         stagings = group.broadcast(group.run(prepare if group.is_coordinator else lambda: None))
-        try:
+        with discard_on_error(stagings, owner=group.is_coordinator):
 
             readers = open_checkpoints(group, used, stack)
 
@@ -331,11 +320,6 @@ def run_plan(
                     publish(staging, final)
 
             group.run(publish_all if group.is_coordinator else lambda: None)
-        except BaseException:
-            if group.is_coordinator:
-                for staging in stagings:
-                    shutil.rmtree(staging, ignore_errors=True)
-            raise
     return RunResult(plan, finals, written.bytes_read, written.bytes_written, time.perf_counter() - started)
 
 

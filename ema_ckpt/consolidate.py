@@ -18,7 +18,6 @@ import contextlib
 import math
 import os
 import re
-import shutil
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -30,7 +29,7 @@ from .dtypes import is_float, itemsize, torch_dtype
 from .errors import OutputError, UsageError
 from .formats import open_checkpoint
 from .formats.base import ByteRangeReader, CheckpointReader, stored_tensors
-from .fs import OutputLock, fsync_dir, new_staging_dir, publish, recover
+from .fs import OutputLock, discard_on_error, fsync_dir, new_staging_dir, publish, recover
 from .layout import Box, row_blocks
 from .progress import Progress
 from .selection import select_keys, strip_model_prefix
@@ -150,7 +149,7 @@ def consolidate(
                 raise UsageError(f"{src}: no tensor keys to write")
             return reader, keys
 
-        try:
+        with discard_on_error([staging], owner=group.is_coordinator):
             reader, keys = group.run(open_source)
             names = {k: k for k in keys} if keep_prefix else strip_model_prefix(keys)
             stored = stored_tensors(reader)
@@ -166,10 +165,6 @@ def consolidate(
                     (lambda: _write_single(reader, keys, names, out_dtype, out, layout, result, progress))
                     if group.is_coordinator else lambda: None
                 )
-        except BaseException:
-            if staging is not None and group.is_coordinator:
-                shutil.rmtree(staging, ignore_errors=True)
-            raise
     result.bytes_written = sum(size for _, size in result.files)
     result.seconds = time.perf_counter() - started
     return result

@@ -72,6 +72,22 @@ class Discovery:
     notes: list[str] = field(default_factory=list)
 
 
+def checkpoint_paths(checkpoints: str | Path | Sequence[str | Path]) -> list[Path]:
+    """The paths a command was given (a folder, one checkpoint, or a list), each checked to exist.
+
+    Example:
+        >>> checkpoint_paths(["ckpts/step_100", "ckpts/step_200"])  # doctest: +SKIP
+        [PosixPath('ckpts/step_100'), PosixPath('ckpts/step_200')]
+    """
+    paths = [Path(checkpoints)] if isinstance(checkpoints, (str, Path)) else [Path(p) for p in checkpoints]
+    if not paths:
+        raise UsageError("no checkpoint paths given")
+    for path in paths:
+        if not path.exists():
+            raise CheckpointNotFoundError(path, "no such file or directory")
+    return paths
+
+
 def _inside(path: Path, roots: Iterable[Path]) -> bool:
     resolved = path.resolve()
     return any(resolved == r or r in resolved.parents for r in roots)

@@ -17,6 +17,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import errno
@@ -28,6 +29,7 @@ import shutil
 import stat
 import time
 from pathlib import Path
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from .errors import OutputError, OutputLockedError
@@ -75,6 +77,24 @@ def start_writeback(fd: int, offset: int, length: int) -> None:
     func = _sync_file_range()
     if func is not None and length > 0:
         func(fd, offset, length, _SYNC_FILE_RANGE_WRITE)
+
+
+@contextlib.contextmanager
+def discard_on_error(stagings: Sequence[Path | None], *, owner: bool = True) -> Iterator[None]:
+    """Remove the staging directories when the block fails; ``owner``: this process made them.
+
+    Example:
+        >>> with discard_on_error([new_staging_dir(out)]):  # doctest: +SKIP
+        ...     write_everything_then_publish()
+    """
+    try:
+        yield
+    except BaseException:
+        if owner:
+            for staging in stagings:
+                if staging is not None:
+                    shutil.rmtree(staging, ignore_errors=True)
+        raise
 
 
 def staging_prefix(final: Path) -> str:

@@ -11,7 +11,6 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import shutil
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -27,7 +26,7 @@ from .errors import UsageError
 from .execute import write_dcp_outputs
 from .formats import open_checkpoint
 from .formats.base import CheckpointReader
-from .fs import OutputLock, new_staging_dir, publish, recover
+from .fs import OutputLock, discard_on_error, new_staging_dir, publish, recover
 from .layout import dim0_shard_boxes
 from .manifest import MANIFEST_NAME, Manifest
 from .selection import select_keys
@@ -86,7 +85,7 @@ def reshard(
             return new_staging_dir(out)
 
         staging = group.broadcast(group.run(prepare if group.is_coordinator else lambda: None))
-        try:
+        with discard_on_error([staging], owner=group.is_coordinator):
 
             def open_source() -> tuple[CheckpointReader, list[str]]:
                 reader = stack.enter_context(contextlib.closing(open_checkpoint(src)))
@@ -115,10 +114,6 @@ def reshard(
                 publish(staging, out)
 
             group.run(publish_all if group.is_coordinator else lambda: None)
-        except BaseException:
-            if group.is_coordinator:
-                shutil.rmtree(staging, ignore_errors=True)
-            raise
     files = [(f.name, f.size) for f in written.files[0]] if written.files else []
     return ReshardResult(out, world_size, len(keys), files, sum(s for _, s in files),
                          time.perf_counter() - started)
