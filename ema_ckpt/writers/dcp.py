@@ -16,11 +16,13 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import os
 import pickle
 import struct
 import zipfile
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -122,7 +124,7 @@ def _write_tensor_record_zip64(out: _ChecksumFile, tensor: torch.Tensor) -> int:
     return stream.position
 
 
-def _gf2_times(matrix: list[int], vector: int) -> int:
+def _gf2_times(matrix: Sequence[int], vector: int) -> int:
     total, row = 0, 0
     while vector:
         if vector & 1:
@@ -132,35 +134,34 @@ def _gf2_times(matrix: list[int], vector: int) -> int:
     return total
 
 
-def _gf2_square(matrix: list[int]) -> list[int]:
-    return [_gf2_times(matrix, matrix[n]) for n in range(32)]
+@functools.cache
+def _zeros_operator(power: int) -> tuple[int, ...]:
+    """The GF(2) matrix that appends 2**power zero bytes to a CRC-32 (the same for every file)."""
+    if power == 0:
+        operator: Sequence[int] = [0xEDB88320] + [1 << n for n in range(31)]  # one zero bit
+        squarings = 3  # 1 → 2 → 4 → 8 bits
+    else:
+        operator, squarings = _zeros_operator(power - 1), 1
+    for _ in range(squarings):
+        operator = [_gf2_times(operator, operator[n]) for n in range(32)]
+    return tuple(operator)
 
 
 def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
-    """CRC-32 of A+B from crc(A), crc(B) and len(B) (zlib's crc32_combine, in GF(2)).
+    """CRC-32 of A+B from crc(A), crc(B) and len(B), in GF(2) as zlib's crc32_combine.
+
+    crc(A) is carried over len(B) zero bytes, one cached operator per set bit of len(B).
 
     Example:
         >>> crc32_combine(zlib.crc32(b"ab"), zlib.crc32(b"cd"), 2) == zlib.crc32(b"abcd")
         True
     """
-    if len2 <= 0:
-        return crc1
-    odd = [0xEDB88320] + [1 << n for n in range(31)]  # the operator for one zero bit
-    even = _gf2_square(odd)
-    odd = _gf2_square(even)
-    while True:
-        even = _gf2_square(odd)
+    power = 0
+    while len2 > 0:
         if len2 & 1:
-            crc1 = _gf2_times(even, crc1)
+            crc1 = _gf2_times(_zeros_operator(power), crc1)
         len2 >>= 1
-        if not len2:
-            break
-        odd = _gf2_square(even)
-        if len2 & 1:
-            crc1 = _gf2_times(odd, crc1)
-        len2 >>= 1
-        if not len2:
-            break
+        power += 1
     return crc1 ^ crc2
 
 
