@@ -35,21 +35,10 @@ from ema_ckpt.planner import (  # noqa: E402
     spacing_warning,
 )
 from ema_ckpt.schedules import ExponentialProfile  # noqa: E402
+from make_profiles_plot import power_profile, staircase  # noqa: E402  (beside this script)
 
 HERE = Path(__file__).resolve().parent
 DPI = 90
-
-
-def staircase(ax, steps, coeffs, **kw):
-    """Weight per step: cᵢ spread over (tᵢ₋₁, tᵢ]."""
-    edges = [0, *steps]
-    heights = [c / (b - a) for a, b, c in zip(edges, edges[1:], coeffs)]
-    ax.stairs(heights, edges, **kw)
-
-
-def power_profile(tau, t, gamma):
-    """p(τ; t, γ) = (γ+1)τ^γ / t^(γ+1) on [0, t]."""
-    return np.where(tau <= t, (gamma + 1) * (tau / t) ** gamma / t, 0.0)
 
 
 def exponential_density(tau, beta, t):

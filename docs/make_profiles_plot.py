@@ -43,6 +43,7 @@ def staircase(ax, steps, coeffs, **kw):
 
 
 def power_profile(tau, t, gamma):
+    """p(τ; t, γ) = (γ+1)τ^γ / t^(γ+1) on [0, t]."""
     return np.where(tau <= t, (gamma + 1) * (tau / t) ** gamma / t, 0.0)
 
 
