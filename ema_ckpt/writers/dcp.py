@@ -18,21 +18,22 @@ from __future__ import annotations
 
 import functools
 import os
-import pickle
 import struct
 import zipfile
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO
 
 import torch
 
+from ..dtypes import name_of
 from ..errors import OutputError
 from ..fs import fsync_dir, start_writeback
 from ..formats.dcp import METADATA_FILE
 from ..layout import Box, boxes_cover
+from ._dcp_metadata import dump_metadata
 
 
 _ZIP_TIME = (1980, 1, 1, 0, 0, 0)  # fixed: the same tensor always gives the same bytes
@@ -332,7 +333,7 @@ class DcpWriter:
             metadata = self._metadata(planner_data)
             tmp = self.path / (METADATA_FILE + ".tmp")
             with open(tmp, "wb") as handle:
-                pickle.dump(metadata, handle)
+                handle.write(metadata)
                 handle.flush()
                 os.fsync(handle.fileno())
             os.replace(tmp, self.path / METADATA_FILE)
@@ -365,27 +366,13 @@ class DcpWriter:
             handle.close()
         self._handles.clear()
 
-    def _metadata(self, planner_data: dict[str, tuple[str, ...]] | None) -> Any:
-        from .. import _torch_dcp as md  # torch.distributed.checkpoint is slow to import: only when writing
-
-        state: dict[str, Any] = {}
-        storage: dict[Any, Any] = {}
-        for key, entry in self._entries.items():
-            chunks = [md.ChunkStorageMetadata(torch.Size(b.offsets), torch.Size(b.sizes)) for b in entry.boxes]
-            state[key] = md.TensorStorageMetadata(
-                md.TensorProperties(dtype=entry.dtype), torch.Size(entry.shape), chunks
-            )
-            for index, box in enumerate(entry.boxes):
-                where = self._storage.get((key, box.offsets))
-                if where is not None:
-                    storage[md.MetadataIndex(key, torch.Size(box.offsets), index)] = md.StorageInfo(*where)
-        for key, where in self._bytes.items():
-            state[key] = md.BytesStorageMetadata()
-            storage[md.MetadataIndex(key)] = md.StorageInfo(*where)
-        keys = set(state)
+    def _metadata(self, planner_data: dict[str, tuple[str, ...]] | None) -> bytes:
+        tensors = {
+            key: (name_of(entry.dtype), entry.shape,
+                  [(box.offsets, box.sizes, self._storage.get((key, box.offsets))) for box in entry.boxes])
+            for key, entry in self._entries.items()
+        }
+        keys = set(tensors) | set(self._bytes)
+        # a key without planner data is a flat top-level key: never guess nesting from dots
         planner = {k: tuple(v) for k, v in (planner_data or {}).items() if k in keys}
-        for key in keys - set(planner):
-            planner[key] = (key,)  # a flat top-level key: never guess nesting from dots
-        return md.Metadata(
-            state_dict_metadata=state, planner_data=planner, storage_data=storage, version="1.0.0"
-        )
+        return dump_metadata(tensors, self._bytes, planner)
