@@ -37,6 +37,7 @@ from .discovery import FoundCheckpoint, checkpoint_paths, discover
 from .dist import Workers, current_workers, in_worker_group, run_workers
 from .engine import OutputSpec, Progress, Update, check_device, layout_regions
 from .execute import open_checkpoints, write_dcp_outputs
+from .dtypes import torch_dtype
 from .errors import (
     CheckpointNotFoundError,
     IncompatibleCheckpointError,
@@ -465,7 +466,7 @@ def _fold(
             planner_data = getattr(newest, "planner_data", None)
             written = write_dcp_outputs(
                 group, readers, outputs, stagings, layout_regions(newest, keys), newest.specs(),
-                copy_source=len(readers) - 1, accumulate_dtype=ACCUMULATE_DTYPES[dtype],
+                copy_source=len(readers) - 1, accumulate_dtype=torch_dtype(dtype),
                 planner_data=planner_data, on_progress=on_progress, device=device,
                 check_finite=[index[str(c.path)] for c in checkpoints],
             )

@@ -25,20 +25,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, overload
 
-import torch
 
 from . import planner
 from .discovery import FoundCheckpoint, checkpoint_paths, discover
 from .dist import current_workers, in_worker_group, run_workers
 from .engine import OutputSpec, Progress, Update, check_device, layout_regions
 from .execute import open_checkpoints, write_dcp_outputs
+from .dtypes import torch_dtype
 from .errors import UsageError
 from .formats.base import CheckpointReader
 from .fs import OutputLock, discard_on_error, new_staging_dir, publish, recover
 from .manifest import MANIFEST_NAME, FoldedCheckpoint, Manifest, fingerprint
 from .selection import check_compatible, select_keys
 
-ACCUMULATE_DTYPES = {"float32": torch.float32, "float64": torch.float64}
+ACCUMULATE_DTYPES = ("float32", "float64")
 SNAPSHOT_KIND = "snapshot"
 
 
@@ -299,7 +299,7 @@ def run_plan(
             ]
             written = write_dcp_outputs(
                 group, readers, specs_out, stagings, layout_regions(newest, keys), newest.specs(),
-                copy_source=len(readers) - 1, accumulate_dtype=ACCUMULATE_DTYPES[dtype],
+                copy_source=len(readers) - 1, accumulate_dtype=torch_dtype(dtype),
                 planner_data=getattr(newest, "planner_data", None), on_progress=on_progress, device=device,
                 check_finite=range(len(readers)),
             )

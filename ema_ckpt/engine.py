@@ -27,8 +27,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
-import torch
-
+from ._lazy import torch
 from .dist import assign_by_bytes
 from .errors import NonFiniteError, UsageError
 from .formats.base import CheckpointReader
@@ -179,7 +178,7 @@ def combine_regions(
     specs: Mapping[str, TensorSpec],
     *,
     copy_source: int,
-    accumulate_dtype: torch.dtype = torch.float32,
+    accumulate_dtype: torch.dtype | None = None,
     output_dtype: Callable[[TensorSpec], torch.dtype] | None = None,
     on_progress: Callable[[Progress], None] | None = None,
     device: str = "cpu",
@@ -194,6 +193,8 @@ def combine_regions(
     if len(sinks) != len(outputs):
         raise ValueError("one sink per output")
     started = time.perf_counter()
+    if accumulate_dtype is None:
+        accumulate_dtype = torch.float32
     stats = EngineStats(per_output_bytes=[0] * len(outputs))
     out_dtype = output_dtype or (lambda spec: accumulate_dtype if spec.is_float else spec.dtype)
     declared: set[str] = set()

@@ -12,8 +12,7 @@ import contextlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from .dist import Workers
 from .engine import (
@@ -32,6 +31,9 @@ from .formats.dcp import DcpReader
 from .layout import TensorSpec
 from .writers.dcp import DcpWriter, WrittenFile
 
+if TYPE_CHECKING:
+    import torch
+
 
 def open_checkpoints(workers: Workers, paths: Sequence[Path], stack: contextlib.ExitStack) -> list[CheckpointReader]:
     """Open every checkpoint on every worker, parsing each DCP ``.metadata`` only once.
@@ -49,7 +51,7 @@ def open_checkpoints(workers: Workers, paths: Sequence[Path], stack: contextlib.
 
     mine = workers.run(open_mine)
     shared: dict[int, dict] = {}
-    for part in workers.all_gather({i: r.share() for i, r in mine.items() if isinstance(r, DcpReader)}):
+    for part in workers.exchange({i: r.share() for i, r in mine.items() if isinstance(r, DcpReader)}):
         shared.update(part)
 
     def open_rest() -> list[CheckpointReader]:

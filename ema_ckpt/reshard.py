@@ -16,8 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
+from ._lazy import torch
 from .consolidate import OUTPUT_DTYPES, _check_not_overlapping
 from .dtypes import torch_dtype
 from .dist import current_workers, in_worker_group, run_workers

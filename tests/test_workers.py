@@ -13,8 +13,8 @@ import torch
 from ema_ckpt.accumulate import accumulate
 from ema_ckpt.averaging import posthoc
 from ema_ckpt.consolidate import consolidate
-from ema_ckpt.dist import assign_by_bytes
-from ema_ckpt.errors import EmaCkptError
+from ema_ckpt.dist import WorkerFailed, assign_by_bytes, current_workers, run_workers
+from ema_ckpt.errors import EmaCkptError, UsageError
 from ema_ckpt.reshard import reshard
 from tests.dcp_helpers import write_dcp
 from tests.producers.launch import free_port
@@ -133,3 +133,51 @@ def test_cli_workers_option(sequence, tmp_path):
                                    "--out", str(tmp_path / "x")])
     if not torch.cuda.is_available():
         assert bad.exit_code == 2 and "no CUDA device" in bad.stderr
+
+
+def _dies_on_rank_one(marker: str) -> str:
+    workers = current_workers()
+    if workers.rank == 1:
+        os._exit(9)  # killed mid-run: no report, no error message
+    workers.all_gather(marker)  # rank 0 waits here for a peer that is gone
+    return marker
+
+
+def _fails_on_rank_one() -> str:
+    workers = current_workers()
+
+    def step() -> str:
+        if workers.rank == 1:
+            raise UsageError("only rank 1 sees this")
+        return "rank 0 ran"
+
+    return workers.run(step)
+
+
+def _reports_its_place() -> tuple[int, int, int]:
+    workers = current_workers()
+    return workers.rank, workers.world_size, os.getpid()
+
+
+def test_this_process_is_rank_zero_and_leaves_no_trace():
+    before = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
+    threads = torch.get_num_threads()
+    rank, world, pid = run_workers(2, _reports_its_place)
+    assert (rank, world, pid) == (0, 2, os.getpid())
+    assert {k: os.environ.get(k) for k in before} == before
+    assert torch.get_num_threads() == threads
+    assert not torch.distributed.is_initialized()
+    assert run_workers(2, _reports_its_place)[:2] == (0, 2)  # and a second run in the same process works
+
+
+def test_an_error_on_a_spawned_worker_reaches_the_caller():
+    with pytest.raises(EmaCkptError, match="only rank 1 sees this") as info:
+        run_workers(2, _fails_on_rank_one)
+    assert info.value.exit_code == UsageError("x").exit_code
+
+
+def test_a_worker_that_dies_without_a_word_is_one_clean_error():
+    with pytest.raises(WorkerFailed, match="died without a report") as info:
+        run_workers(2, _dies_on_rank_one, "x")
+    assert info.value.exit_code == 1
+    assert not torch.distributed.is_initialized()

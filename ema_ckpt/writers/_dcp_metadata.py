@@ -24,7 +24,7 @@ Example:
 from __future__ import annotations
 
 import struct
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 _METADATA_MODULE = "torch.distributed.checkpoint.metadata"
 _FILESYSTEM_MODULE = "torch.distributed.checkpoint.filesystem"
@@ -66,6 +66,19 @@ class _Emitter:
     def __init__(self) -> None:
         self.out = bytearray(_PROTO4)
         self._memo: dict[object, int] = {}
+        self._fragments: dict[object, bytes] = {}
+
+    def fragment(self, key: object, write: Callable[[], None]) -> None:
+        """``write()``, or the bytes it gave last time: once every string and global it
+        names is memoized, its bytes are only references and constants, the same each time."""
+        cached = self._fragments.get(key)
+        if cached is not None:
+            self.out += cached
+            return
+        start, known = len(self.out), len(self._memo)
+        write()
+        if len(self._memo) == known:
+            self._fragments[key] = bytes(self.out[start:])
 
     def _recall(self, key: object) -> bool:
         index = self._memo.get(key)
@@ -108,8 +121,11 @@ class _Emitter:
             data = value.to_bytes((value.bit_length() + 8) // 8, "little", signed=True)
             self.out += b"\x8a" + bytes((len(data),)) + data  # LONG1
 
-    def size(self, dims: Sequence[int]) -> None:
+    def size(self, dims: tuple[int, ...]) -> None:
         """``torch.Size(dims)``, as torch pickles it: ``Size`` called on a tuple."""
+        self.fragment(dims, lambda: self._size(dims))
+
+    def _size(self, dims: tuple[int, ...]) -> None:
         self.global_("torch", "Size")
         self.out += _MARK
         for dim in dims:
@@ -126,6 +142,41 @@ class _Emitter:
 
     def end_state(self) -> None:
         self.out += _SETITEMS + _BUILD
+
+
+def _tensor_header(emit: _Emitter, dtype: str) -> None:
+    """A ``TensorStorageMetadata`` up to its size: the class, then properties of ``dtype``."""
+    emit.new(_METADATA_MODULE, "TensorStorageMetadata")
+    emit.begin_state()
+    emit.string("properties")
+    emit.new(_METADATA_MODULE, "TensorProperties")
+    emit.out += _MARK  # its state is a 5-tuple: dtype, layout, requires_grad, memory format, pinned
+    emit.global_("torch", dtype)
+    emit.global_("torch.serialization", "_get_layout")
+    emit.string("torch.strided")
+    emit.out += _TUPLE1 + _REDUCE + _NEWFALSE
+    emit.global_(_METADATA_MODULE, "_MEM_FORMAT_ENCODING")
+    emit.integer(_CONTIGUOUS_FORMAT)
+    emit.out += _TUPLE1 + _REDUCE + _NEWFALSE + _TUPLE + _BUILD
+    emit.string("size")
+
+
+def _chunk_header(emit: _Emitter) -> None:
+    emit.new(_METADATA_MODULE, "ChunkStorageMetadata")
+    emit.begin_state()
+    emit.string("offsets")
+
+
+def _index_header(emit: _Emitter) -> None:
+    emit.new(_METADATA_MODULE, "MetadataIndex")
+    emit.begin_state()  # the attributes MetadataIndex.__init__ sets: offset only for tensors
+    emit.string("fqn")
+
+
+def _storage_header(emit: _Emitter) -> None:
+    emit.new(_FILESYSTEM_MODULE, "_StorageInfo")
+    emit.begin_state()
+    emit.string("relative_path")
 
 
 def dump_metadata(
@@ -157,32 +208,18 @@ def dump_metadata(
                 storage.append((key, None, None, blobs[key]))
                 continue
             dtype, shape, chunks = tensor
-            emit.new(_METADATA_MODULE, "TensorStorageMetadata")
-            emit.begin_state()
-            emit.string("properties")
-            emit.new(_METADATA_MODULE, "TensorProperties")
-            out += _MARK  # its state is a 5-tuple: dtype, layout, requires_grad, memory format, pinned
-            emit.global_("torch", dtype)
-            emit.global_("torch.serialization", "_get_layout")
-            emit.string("torch.strided")
-            out += _TUPLE1 + _REDUCE + _NEWFALSE
-            emit.global_(_METADATA_MODULE, "_MEM_FORMAT_ENCODING")
-            emit.integer(_CONTIGUOUS_FORMAT)
-            out += _TUPLE1 + _REDUCE + _NEWFALSE + _TUPLE + _BUILD
-            emit.string("size")
-            emit.size(shape)
+            emit.fragment(("properties", dtype), lambda: _tensor_header(emit, dtype))
+            emit.size(tuple(shape))
             emit.string("chunks")
             out += _EMPTY_LIST
             for chunk_start in range(0, len(chunks), _BATCH):
                 out += _MARK
                 for index, (offsets, sizes, record) in enumerate(chunks[chunk_start:chunk_start + _BATCH],
                                                                  chunk_start):
-                    emit.new(_METADATA_MODULE, "ChunkStorageMetadata")
-                    emit.begin_state()
-                    emit.string("offsets")
-                    emit.size(offsets)
+                    emit.fragment("chunk", lambda: _chunk_header(emit))
+                    emit.size(tuple(offsets))
                     emit.string("sizes")
-                    emit.size(sizes)
+                    emit.size(tuple(sizes))
                     emit.end_state()
                     if record is not None:
                         storage.append((key, tuple(offsets), index, record))
@@ -208,9 +245,7 @@ def dump_metadata(
     for start in range(0, len(storage), _BATCH):
         out += _MARK
         for key, offsets, index, (relative_path, offset, length) in storage[start:start + _BATCH]:
-            emit.new(_METADATA_MODULE, "MetadataIndex")
-            emit.begin_state()  # the attributes MetadataIndex.__init__ sets: offset only for tensors
-            emit.string("fqn")
+            emit.fragment("index", lambda: _index_header(emit))
             emit.string(key)
             emit.string("index")
             if index is None:
@@ -220,9 +255,7 @@ def dump_metadata(
                 emit.string("offset")
                 emit.size(offsets or ())
             emit.end_state()
-            emit.new(_FILESYSTEM_MODULE, "_StorageInfo")
-            emit.begin_state()
-            emit.string("relative_path")
+            emit.fragment("storage", lambda: _storage_header(emit))
             emit.string(relative_path)
             emit.string("offset")
             emit.integer(offset)

@@ -26,8 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-import torch
-
+from .._lazy import torch
 from ..dtypes import name_of
 from ..errors import OutputError
 from ..fs import fsync_dir, start_writeback
