@@ -30,6 +30,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from ._gc import paused_gc
 from .errors import EmaCkptError, NonFiniteError, UsageError
 
 T = TypeVar("T")
@@ -90,8 +91,9 @@ class Workers:
         mine = torch.zeros(longest, dtype=torch.uint8)
         mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         dist.all_gather(buffers, mine, group=self._group)
-        return [value if rank == self.rank else pickle.loads(buffers[rank][: int(sizes[rank])].numpy().tobytes())
-                for rank in range(self.world_size)]
+        with paused_gc():  # many small long-lived objects (parsed indexes): see ema_ckpt._gc
+            return [value if rank == self.rank else pickle.loads(buffers[rank][: int(sizes[rank])].numpy().tobytes())
+                    for rank in range(self.world_size)]
 
     def broadcast(self, value: T) -> T:
         """The coordinator's ``value``, on every rank."""

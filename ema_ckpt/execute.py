@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ._gc import frozen_heap
 from .dist import Workers
 from .engine import (
     DEFAULT_FILE_BYTES,
@@ -42,6 +43,13 @@ def open_checkpoints(workers: Workers, paths: Sequence[Path], stack: contextlib.
     keys. With N workers, worker r parses inputs r, r+N, … and the parsed indexes are
     exchanged, so the parse is split instead of repeated. Readers close with ``stack``.
     """
+    readers = _open_checkpoints(workers, paths, stack)
+    stack.enter_context(frozen_heap())  # their indexes live as long as the readers: see ema_ckpt._gc
+    return readers
+
+
+def _open_checkpoints(workers: Workers, paths: Sequence[Path], stack: contextlib.ExitStack
+                      ) -> list[CheckpointReader]:
     if workers.world_size == 1:
         return [stack.enter_context(contextlib.closing(open_checkpoint(p))) for p in paths]
 
@@ -77,6 +85,7 @@ class WrittenOutputs:
     bytes_written: int = 0
 
 
+@frozen_heap()  # also sets aside the specs and regions made since the inputs were opened
 def write_dcp_outputs(
     workers: Workers,
     sources: Sequence[CheckpointReader],
@@ -115,7 +124,7 @@ def write_dcp_outputs(
         for writer in writers:
             writer.abort()
         raise
-    gathered = workers.all_gather((states, stats.bytes_read, stats.bytes_written))
+    gathered = workers.exchange((states, stats.bytes_read, stats.bytes_written))
     result = WrittenOutputs(bytes_read=sum(g[1] for g in gathered), bytes_written=sum(g[2] for g in gathered))
     if workers.is_coordinator:
         out_dtype = output_dtype or (lambda spec: accumulate_dtype if spec.is_float else spec.dtype)

@@ -181,3 +181,47 @@ def test_a_worker_that_dies_without_a_word_is_one_clean_error():
         run_workers(2, _dies_on_rank_one, "x")
     assert info.value.exit_code == 1
     assert not torch.distributed.is_initialized()
+
+
+def _exchanges() -> tuple[bool, list]:
+    workers = current_workers()
+    value = {"rank": workers.rank, "payload": list(range(workers.rank + 3))}
+    gathered = workers.exchange(value)
+    return gathered[workers.rank] is value, gathered
+
+
+def test_exchange_gives_every_rank_every_value_and_its_own_unchanged():
+    own_is_same_object, gathered = run_workers(2, _exchanges)
+    assert own_is_same_object
+    assert gathered == [{"rank": 0, "payload": [0, 1, 2]}, {"rank": 1, "payload": [0, 1, 2, 3]}]
+
+
+def test_frozen_heap_nests_and_leaves_a_callers_own_freeze_alone():
+    import gc
+
+    from ema_ckpt._gc import frozen_heap, paused_gc
+
+    assert gc.get_freeze_count() == 0
+    with frozen_heap():
+        outer = gc.get_freeze_count()
+        made_inside = [object() for _ in range(1000)]
+        with frozen_heap():  # a nested block sets aside what was made since
+            assert gc.get_freeze_count() >= outer + 1000
+        assert gc.get_freeze_count() >= outer + 1000  # still frozen until the outermost block ends
+    assert gc.get_freeze_count() == 0 and made_inside
+    gc.freeze()  # a caller's own freeze (before a fork, say)
+    try:
+        frozen = gc.get_freeze_count()
+        with frozen_heap():
+            pass
+        assert gc.get_freeze_count() == frozen
+    finally:
+        gc.unfreeze()
+    with paused_gc():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+
+
+def test_the_console_script_spares_spawned_workers_the_cli_import():
+    code = "import sys, ema_ckpt._entry; assert 'typer' not in sys.modules and 'ema_ckpt.cli' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .._gc import paused_gc
 from .._lazy import torch
 from .._pickle import TensorRecord, load_dcp_metadata_bytes, load_tensor_record
 from ..dtypes import DtypeName, itemsize, name_of, torch_dtype
@@ -77,6 +78,30 @@ class StoredChunk:
         """The writing rank, from the ``__<rank>_<n>.distcp`` file name."""
         match = _DATA_FILE.match(self.file)
         return int(match.group(1)) if match else None
+
+
+class _SharedChunks(dict):
+    """``{key: [StoredChunk]}`` received as tuples from the worker that parsed the metadata,
+    built key by key on first use: a worker reads only its share of the keys."""
+
+    __slots__ = ()
+
+    def __getitem__(self, key: str) -> list[StoredChunk]:
+        chunks = dict.__getitem__(self, key)
+        if chunks and isinstance(chunks[0], tuple):
+            chunks = [StoredChunk(Box(offsets, sizes), file, offset, length)
+                      for offsets, sizes, file, offset, length in chunks]
+            dict.__setitem__(self, key, chunks)
+        return chunks
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self[key] if key in self else default
+
+    def values(self) -> list[list[StoredChunk]]:  # type: ignore[override]
+        return [self[key] for key in self]
+
+    def items(self) -> list[tuple[str, list[StoredChunk]]]:  # type: ignore[override]
+        return [(key, self[key]) for key in self]
 
 
 def _is_dcp(path: Path) -> bool:
@@ -247,9 +272,12 @@ class DcpReader:
         if shared is not None:  # parsed by another worker: see share()
             for name in self._SHARED:
                 setattr(self, name, shared[name])
-            self._chunks = {key: [StoredChunk(Box(offsets, sizes), *where) for offsets, sizes, *where in chunks]
-                            for key, chunks in self._chunks.items()}
+            self._chunks = _SharedChunks(self._chunks)
             return
+        with paused_gc():
+            self._parse()
+
+    def _parse(self) -> None:
         metadata, self.metadata_files = load_metadata(self.path)
         self._version = getattr(metadata, "version", None)
         self.planner_data: dict[str, tuple[str, ...]] = _planner_data(metadata)
@@ -273,8 +301,9 @@ class DcpReader:
         rebuilds this reader without parsing again (workers split the parsing of many inputs)."""
         shared = {name: getattr(self, name) for name in self._SHARED}
         # as tuples: pickling 20,000 dataclass instances to send them costs 10× more
-        shared["_chunks"] = {key: [(c.box.offsets, c.box.sizes, c.file, c.offset, c.length) for c in chunks]
-                             for key, chunks in self._chunks.items()}
+        with paused_gc():
+            shared["_chunks"] = {key: [(c.box.offsets, c.box.sizes, c.file, c.offset, c.length) for c in chunks]
+                                 for key, chunks in self._chunks.items()}
         return shared
 
     def _index(self, metadata: Any) -> None:
@@ -348,9 +377,10 @@ class DcpReader:
 
     def specs(self) -> Mapping[str, TensorSpec]:
         if self._specs is None:
-            self._specs = {
-                key: TensorSpec(key, shape, torch_dtype(dtype)) for key, (shape, dtype) in self._stored.items()
-            }
+            with paused_gc():
+                self._specs = {
+                    key: TensorSpec(key, shape, torch_dtype(dtype)) for key, (shape, dtype) in self._stored.items()
+                }
         return self._specs
 
     def stored(self) -> Mapping[str, tuple[tuple[int, ...], str]]:
