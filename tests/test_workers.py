@@ -204,7 +204,7 @@ def test_frozen_heap_nests_and_leaves_a_callers_own_freeze_alone():
     assert gc.get_freeze_count() == 0
     with frozen_heap():
         outer = gc.get_freeze_count()
-        made_inside = [object() for _ in range(1000)]
+        made_inside = [[] for _ in range(1000)]  # lists: tracked by the collector
         with frozen_heap():  # a nested block sets aside what was made since
             assert gc.get_freeze_count() >= outer + 1000
         assert gc.get_freeze_count() >= outer + 1000  # still frozen until the outermost block ends
