@@ -58,7 +58,7 @@ def main() -> None:
     print(f"Input: {args.count} DCP checkpoints of {args.tensors} fp32 tensors of 4 KiB; "
           f"medians of {args.repeat} runs\n")
     print(table([(m.name, f"{m.wall_median:.2f}", f"{m.rss_median:.0f}") for m in results.values()],
-                ("command", "wall s", "peak RSS MiB (parent)")))
+                ("command", "wall s", "peak RSS MiB (largest process)")))
     print(f"\nspeed-up with 2 workers = {one.wall_median / two.wall_median:.2f}×")
 
 

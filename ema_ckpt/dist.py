@@ -239,6 +239,11 @@ def run_workers(world_size: int, func: Callable[..., T], /, *args: Any, **kwargs
         return func(*args, **kwargs)
     import multiprocessing
 
+    # torch.distributed not imported yet means no group; torch itself loads after the spawn
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        raise UsageError("--workers: this process already belongs to a torch.distributed group; "
+                         "start it under torchrun instead (its ranks become the workers)")
     ctx = multiprocessing.get_context("spawn")  # a fork would copy this process's threads and locks
     queue = ctx.SimpleQueue()
     port = free_port()
@@ -247,13 +252,13 @@ def run_workers(world_size: int, func: Callable[..., T], /, *args: Any, **kwargs
              for rank in range(1, world_size)]
     for proc in procs:
         proc.start()
-    saved = {name: os.environ.get(name) for name in _GROUP_VARIABLES}
-    os.environ.update(_group_environment(0, world_size, port))
-    import torch
+    import torch  # while the workers start and import it too
 
+    saved = {name: os.environ.get(name) for name in _GROUP_VARIABLES}
     threads = torch.get_num_threads()
-    torch.set_num_threads(max(1, threads // world_size))  # the workers share this machine's cores
     try:
+        os.environ.update(_group_environment(0, world_size, port))
+        torch.set_num_threads(max(1, threads // world_size))  # the workers share this machine's cores
         try:
             result = func(*args, **kwargs)
         except EmaCkptError:

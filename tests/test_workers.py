@@ -225,3 +225,20 @@ def test_frozen_heap_nests_and_leaves_a_callers_own_freeze_alone():
 def test_the_console_script_spares_spawned_workers_the_cli_import():
     code = "import sys, ema_ckpt._entry; assert 'typer' not in sys.modules and 'ema_ckpt.cli' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_workers_refuse_a_process_that_already_has_a_group(tmp_path):
+    code = (
+        "import torch.distributed as dist\n"
+        "from ema_ckpt.dist import run_workers, free_port\n"
+        "from ema_ckpt.errors import UsageError\n"
+        "dist.init_process_group('gloo', init_method=f'tcp://127.0.0.1:{free_port()}', rank=0, world_size=1)\n"
+        "try:\n"
+        "    run_workers(2, print)\n"
+        "except UsageError as err:\n"
+        "    assert 'torchrun' in str(err)\n"
+        "else:\n"
+        "    raise SystemExit('no error')\n"
+        "assert dist.is_initialized()  # the caller's group is left alone\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
