@@ -2,8 +2,8 @@
 
 Two ways in:
 
-* ``--workers N`` on one machine: :func:`run_workers` spawns N processes on a free local
-  port; each runs the same library call with its own rank.
+* ``--workers N`` on one machine: :func:`run_workers` makes the calling process rank 0 and
+  spawns ranks 1…N-1 on a free local port; each runs the same library call with its own rank.
 * under ``torchrun`` (one or many nodes over a shared filesystem): RANK, WORLD_SIZE and
   MASTER_ADDR/PORT come from the environment and :func:`current_workers` joins that group.
 
