@@ -1,8 +1,9 @@
 """A post-hoc sweep of K = 4 σ_rel values against K = 1, side by side (each input read once per run).
 
 Beside them, the floor of each: reading the inputs (cat), starting torch, and writing K outputs
-of the same size durably (dd with fsync, one file per output). Their ratio bounds what any tool
-that reads once and writes durably can reach for K = 4 against K = 1 on this machine.
+of the same size durably (dd with fsync, one file per output, written concurrently). Their
+ratio bounds what any tool that reads once and writes durably can reach for K = 4 against
+K = 1 on this machine.
 
 Usage: python benchmarks/bench_posthoc.py [--data bench-data/dcp-1g] [--repeat 3]
 """
@@ -32,8 +33,9 @@ def main() -> None:
     out_mib = max(1, dir_bytes(ckpts[-1]) >> 20)  # an fp32 output is the size of an fp32 input
 
     def durable_writes(k: int) -> str:
-        return " && ".join(f"dd if=/dev/zero of={out}/dd{i}.bin bs=1M count={out_mib} conv=fsync status=none"
-                           for i in range(k))
+        # concurrently: this disk takes four streams faster than four files one after another
+        return " ".join(f"dd if=/dev/zero of={out}/dd{i}.bin bs=1M count={out_mib} conv=fsync status=none &"
+                        for i in range(k)) + " wait"
 
     runs = {
         "cat inputs > /dev/null": dict(cmd=f"cat {files} > /dev/null", shell=True),
