@@ -135,6 +135,31 @@ def test_disk_full_while_writing_keeps_the_previous_output(tmp_path, monkeypatch
     assert accumulate(ck, decay=0.9).step == 3
 
 
+def test_disk_full_on_one_of_several_outputs_written_side_by_side(tmp_path, monkeypatch):
+    """A sweep writes its outputs on parallel threads: one failing is one clean error, no output."""
+    ck = tmp_path / "ck"
+    for step in (10, 20, 30):
+        write_dcp(ck / f"step_{step}", {"model.big": torch.full((512, 1024), float(step)),  # 2 MiB
+                                        "model.b": torch.full((4,), -float(step))}, world_size=2)
+    real = dcp_writer._write_tensor_record
+    calls = {"n": 0}
+
+    def full_disk(out, tensor):
+        calls["n"] += 1
+        if tensor.numel() >= 256 * 1024 and calls["n"] > 4:  # a 1 MiB chunk, written in the background
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(out, tensor)
+
+    monkeypatch.setattr(dcp_writer, "_write_tensor_record", full_disk)
+    out = tmp_path / "sweep"
+    result = _invoke("posthoc", str(ck), "--sigma-rel", "0.05,0.1,0.2", "--out", str(out))
+    assert result.exit_code == 7 and "No space left on device" in result.stderr
+    assert not out.exists() or not list(out.iterdir())
+    assert not [p for p in tmp_path.rglob("*") if ".tmp" in p.name]
+    monkeypatch.setattr(dcp_writer, "_write_tensor_record", real)
+    assert _invoke("posthoc", str(ck), "--sigma-rel", "0.05,0.1,0.2", "--out", str(out)).exit_code == 0
+
+
 def test_overlapping_runs_wait_or_exit_75(tmp_path):
     ck = _seq(tmp_path / "ck", [1, 2])
     holder = subprocess.Popen([sys.executable, "-c", (
