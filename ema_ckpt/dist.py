@@ -264,17 +264,13 @@ def run_workers(world_size: int, func: Callable[..., T], /, *args: Any, **kwargs
         except EmaCkptError:
             raise
         except Exception as err:  # a collective failed: a peer may have died without a word
-            died = _peer_without_report(procs, queue)
-            if died is not None:
-                raise died from None
+            cause = _failure(_collect(procs, queue, timeout=10.0), len(procs))
+            if cause is not None:
+                raise cause from None
             raise WorkerFailed(f"worker 0: {type(err).__name__}: {err}", 1) from err
-        reports = _collect(procs, queue)
-        errors = sorted((rank, payload) for rank, (status, payload) in reports.items() if status == "error")
-        if errors:
-            message, code = errors[0][1]
-            raise WorkerFailed(message, code)
-        if len(reports) < len(procs):
-            raise WorkerFailed("a worker process died without a report (out of memory?)", 1)
+        failure = _failure(_collect(procs, queue), len(procs))
+        if failure is not None:
+            raise failure
         return result
     finally:
         _shutdown()
@@ -311,14 +307,13 @@ def _collect(procs: Sequence[Any], queue: Any, timeout: float | None = None) -> 
     return reports
 
 
-def _peer_without_report(procs: Sequence[Any], queue: Any) -> WorkerFailed | None:
-    """After a collective failed on rank 0: the spawned worker's error that explains it."""
-    reports = _collect(procs, queue, timeout=10.0)
+def _failure(reports: dict[int, tuple[str, Any]], expected: int) -> WorkerFailed | None:
+    """The first reported error (by rank), or a worker missing from ``reports``; None when all ran."""
     errors = sorted((rank, payload) for rank, (status, payload) in reports.items() if status == "error")
     if errors:
         message, code = errors[0][1]
         return WorkerFailed(message, code)
-    if len(reports) < len(procs):
+    if len(reports) < expected:
         return WorkerFailed("a worker process died without a report (out of memory?)", 1)
     return None
 
