@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import threading
 from collections.abc import Iterator
 
 
@@ -30,6 +31,7 @@ def paused_gc() -> Iterator[None]:
 
 
 _freezes = 0  # frozen_heap blocks open in this process
+_freezes_lock = threading.Lock()
 
 
 @contextlib.contextmanager
@@ -44,14 +46,16 @@ def frozen_heap() -> Iterator[None]:
     objects for its own reasons (``gc.freeze`` before a fork) is left as it is.
     """
     global _freezes
-    if _freezes == 0 and gc.get_freeze_count():
-        yield
-        return
-    gc.freeze()
-    _freezes += 1
+    with _freezes_lock:
+        owned = _freezes > 0 or not gc.get_freeze_count()
+        if owned:
+            gc.freeze()
+            _freezes += 1
     try:
         yield
     finally:
-        _freezes -= 1
-        if _freezes == 0:
-            gc.unfreeze()
+        if owned:
+            with _freezes_lock:
+                _freezes -= 1
+                if _freezes == 0:
+                    gc.unfreeze()

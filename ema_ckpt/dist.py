@@ -214,8 +214,10 @@ def _worker_main(rank: int, world: int, port: int, func: Callable[..., Any], arg
         if not isinstance(err, EmaCkptError) and os.environ.get("EMA_CKPT_DEBUG"):
             message += "\n" + traceback.format_exc()
         report = (rank, "error", (message, code))
-    finally:
+    try:
         _shutdown()  # before reporting: rank 0 (the parent) hosts the group's store
+    except Exception:  # noqa: BLE001 - the group is gone either way; the report matters
+        pass
     queue.put(report)
     # everything is written and reported: skip tearing down an interpreter that loaded torch
     # (about 0.4 s the parent would wait for)
@@ -247,43 +249,61 @@ def run_workers(world_size: int, func: Callable[..., T], /, *args: Any, **kwargs
     ctx = multiprocessing.get_context("spawn")  # a fork would copy this process's threads and locks
     queue = ctx.SimpleQueue()
     port = free_port()
-    procs = [ctx.Process(target=_worker_main, args=(rank, world_size, port, func, args, kwargs, queue),
-                         name=f"ema-ckpt-worker-{rank}", daemon=True)
-             for rank in range(1, world_size)]
-    for proc in procs:
-        proc.start()
-    import torch  # while the workers start and import it too
-
+    procs: list[Any] = []
     saved = {name: os.environ.get(name) for name in _GROUP_VARIABLES}
-    threads = torch.get_num_threads()
+    threads: int | None = None
+    grace = 30.0  # for the workers to exit after they have reported
     try:
+        for rank in range(1, world_size):
+            procs.append(ctx.Process(target=_worker_main, args=(rank, world_size, port, func, args, kwargs, queue),
+                                     name=f"ema-ckpt-worker-{rank}", daemon=True))
+            procs[-1].start()
+        import torch  # while the workers start and import it too
+
+        threads = torch.get_num_threads()
         os.environ.update(_group_environment(0, world_size, port))
         torch.set_num_threads(max(1, threads // world_size))  # the workers share this machine's cores
         try:
             result = func(*args, **kwargs)
-        except EmaCkptError:
+        except EmaCkptError:  # peers learnt of it at the step's synchronisation and end too
+            grace = 5.0
             raise
-        except Exception as err:  # a collective failed: a peer may have died without a word
-            cause = _failure(_collect(procs, queue, timeout=10.0), len(procs))
-            if cause is not None:
-                raise cause from None
+        except Exception as err:  # a collective failed (a peer died?) or a fault of this rank's own
+            grace = 0.0  # peers still waiting for this rank in a collective would wait for hours
+            killed = _failure(_collect(procs, queue, timeout=2.0), procs, only_deaths=True)
+            if killed is not None:
+                raise killed from None
             raise WorkerFailed(f"worker 0: {type(err).__name__}: {err}", 1) from err
-        failure = _failure(_collect(procs, queue), len(procs))
+        failure = _failure(_collect(procs, queue), procs)
         if failure is not None:
             raise failure
         return result
     finally:
         _shutdown()
-        torch.set_num_threads(threads)
+        if threads is not None:
+            import torch
+
+            torch.set_num_threads(threads)
         for name, value in saved.items():
             if value is None:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
-        for proc in procs:
-            proc.join(timeout=30)
-            if proc.is_alive():
-                proc.kill()
+        _end(procs, grace)
+
+
+def _end(procs: Sequence[Any], timeout: float) -> None:
+    """Wait up to ``timeout`` s for the spawned workers to exit (they do once they have
+    reported), then kill any left."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    for proc in procs:
+        proc.join(timeout=max(0.0, deadline - time.monotonic()))
+    for proc in procs:
+        if proc.is_alive():
+            proc.kill()
+            proc.join(timeout=5)
 
 
 def _collect(procs: Sequence[Any], queue: Any, timeout: float | None = None) -> dict[int, tuple[str, Any]]:
@@ -307,13 +327,17 @@ def _collect(procs: Sequence[Any], queue: Any, timeout: float | None = None) -> 
     return reports
 
 
-def _failure(reports: dict[int, tuple[str, Any]], expected: int) -> WorkerFailed | None:
-    """The first reported error (by rank), or a worker missing from ``reports``; None when all ran."""
+def _failure(reports: dict[int, tuple[str, Any]], procs: Sequence[Any], *, only_deaths: bool = False
+             ) -> WorkerFailed | None:
+    """The error to raise for the spawned workers (ranks 1…): the first reported error by rank,
+    or a worker that exited without a report; None when all ran. ``only_deaths``: only the
+    latter (after rank 0 failed, the peers' reports are consequences of its failure)."""
     errors = sorted((rank, payload) for rank, (status, payload) in reports.items() if status == "error")
-    if errors:
+    if errors and not only_deaths:
         message, code = errors[0][1]
         return WorkerFailed(message, code)
-    if len(reports) < expected:
+    silent = [p for rank, p in enumerate(procs, start=1) if rank not in reports and p.exitcode is not None]
+    if silent or (not only_deaths and len(reports) < len(procs)):
         return WorkerFailed("a worker process died without a report (out of memory?)", 1)
     return None
 

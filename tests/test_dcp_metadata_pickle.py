@@ -74,6 +74,7 @@ def test_a_small_checkpoint_unpickles_to_torchs_objects():
                                         ((2, 0), (2, 2), ("__1_0.distcp", 0, 100))]),
         "model.scalar": ("bfloat16", (), [((), (), ("__0_0.distcp", 100, 50))]),
         "model.empty": ("int64", (0, 3), [((0, 0), (0, 3), None)]),
+        "lone \ud800 surrogate": ("float32", (1,), [((0,), (1,), ("__0_0.distcp", 150, 40))]),
     }
     blobs = {"step": ("__0_0.distcp", 150, 12)}
     planner = {"model.w": ("model", "w"), "step": ("step",)}

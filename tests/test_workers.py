@@ -242,3 +242,20 @@ def test_workers_refuse_a_process_that_already_has_a_group(tmp_path):
         "assert dist.is_initialized()  # the caller's group is left alone\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def _rank_zero_breaks_between_steps() -> None:
+    workers = current_workers()
+    if workers.rank == 0:
+        raise RuntimeError("rank 0 broke between steps")
+    workers.all_gather("waiting")  # rank 1 waits in a collective for a peer that never comes
+
+
+def test_rank_zeros_own_fault_is_the_error_reported_not_a_dead_peer():
+    import time
+
+    started = time.monotonic()
+    with pytest.raises(WorkerFailed, match="worker 0: RuntimeError: rank 0 broke between steps"):
+        run_workers(2, _rank_zero_breaks_between_steps)
+    assert time.monotonic() - started < 20
+    assert not torch.distributed.is_initialized()

@@ -77,6 +77,6 @@ def main() -> None:
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
-        except (OSError, ValueError):  # a closed pipe or stream: nothing more can be said
-            pass
+        except (OSError, ValueError):  # a closed pipe or a full disk: output was lost
+            code = code or 120  # what CPython itself exits with when its final flush fails
     os._exit(code)

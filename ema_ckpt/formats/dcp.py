@@ -82,7 +82,11 @@ class StoredChunk:
 
 class _SharedChunks(dict):
     """``{key: [StoredChunk]}`` received as tuples from the worker that parsed the metadata,
-    built key by key on first use: a worker reads only its share of the keys."""
+    built key by key on first use: a worker reads only its share of the keys.
+
+    Only ``[]``, :meth:`get`, :meth:`values` and :meth:`items` convert; the reader uses no
+    other access (``copy``, ``pop``, ``dict(x)`` would see the tuples).
+    """
 
     __slots__ = ()
 
