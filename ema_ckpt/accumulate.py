@@ -200,7 +200,7 @@ def accumulate(
             warmup=warmup, sigma_rels=sigma_rels, gammas=gammas, snapshot_every=snapshot_every, out=out,
             dtype=dtype, include=include, exclude=exclude, step_regex=step_regex, restart=restart,
             wait_seconds=wait_seconds, dry_run=dry_run, allow_new_keys=allow_new_keys,
-            skip_nonfinite=skip_nonfinite, device=device,
+            skip_nonfinite=skip_nonfinite, device=device, local_kwargs={"on_progress": on_progress},
         )
     check_device(device)
     started = time.perf_counter()

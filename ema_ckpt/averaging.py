@@ -383,7 +383,8 @@ def posthoc(
     run = RunOptions(**options)
     if workers > 1 and not dry_run and not in_worker_group():
         return run_workers(workers, posthoc, checkpoints, out=out, sigma_rels=sigma_rels, gammas=gammas,
-                           at_step=at_step, step_regex=step_regex, **_without_progress(run))
+                           at_step=at_step, step_regex=step_regex, local_kwargs=_progress(run),
+                           **_without_progress(run))
     plan = _coordinated(lambda: plan_posthoc(checkpoints, sigma_rels=sigma_rels, gammas=gammas, at_step=at_step,
                         step_regex=step_regex, exclude_paths=[Path(out)]), run.device)
     return plan if dry_run else run_plan(plan, out=out, **_fields(run))
@@ -430,7 +431,8 @@ def average(
     run = RunOptions(**options)
     if workers > 1 and not dry_run and not in_worker_group():
         return run_workers(workers, average, checkpoints, out=out, last=last, from_step=from_step,
-                           to_step=to_step, step_regex=step_regex, **_without_progress(run))
+                           to_step=to_step, step_regex=step_regex, local_kwargs=_progress(run),
+                           **_without_progress(run))
     plan = _coordinated(lambda: plan_average(checkpoints, last=last, from_step=from_step, to_step=to_step,
                                              step_regex=step_regex, exclude_paths=[Path(out)]), run.device)
     return plan if dry_run else run_plan(plan, out=out, single_output=True, **_fields(run))
@@ -443,6 +445,11 @@ def _fields(run: RunOptions) -> dict[str, Any]:
 def _without_progress(run: RunOptions) -> dict[str, Any]:
     """Options for spawned workers: a progress callback does not cross processes."""
     return {k: v for k, v in _fields(run).items() if k != "on_progress"}
+
+
+def _progress(run: RunOptions) -> dict[str, Any]:
+    """The progress callback, for rank 0 (this process) only."""
+    return {"on_progress": run.on_progress}
 
 
 def _coordinated(make_plan: Callable[[], Plan], device: str) -> Plan:

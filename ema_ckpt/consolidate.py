@@ -121,7 +121,7 @@ def consolidate(
     if workers > 1 and not in_worker_group():
         return run_workers(workers, consolidate, src, out, max_shard_size=max_shard_size, dtype=dtype,
                            keep_prefix=keep_prefix, include=include, exclude=exclude, overwrite=overwrite,
-                           wait_seconds=wait_seconds)
+                           wait_seconds=wait_seconds, local_kwargs={"on_progress": on_progress})
     started = time.perf_counter()
     src, out = Path(src), Path(out)
     _check_not_overlapping(src, out)

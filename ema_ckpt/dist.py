@@ -226,8 +226,12 @@ def _worker_main(rank: int, world: int, port: int, func: Callable[..., Any], arg
     os._exit(0 if report[1] == "ok" else 1)
 
 
-def run_workers(world_size: int, func: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
+def run_workers(world_size: int, func: Callable[..., T], /, *args: Any,
+                local_kwargs: dict[str, Any] | None = None, **kwargs: Any) -> T:
     """Run ``func(*args, **kwargs)`` as ``world_size`` workers; rank 0's result.
+
+    ``local_kwargs`` go to rank 0 only (this process): callbacks that cannot cross processes,
+    such as ``on_progress``, which then reports rank 0's share of the work.
 
     This process is rank 0; ranks 1… are spawned processes. They start (and import torch)
     while this one goes on, so a run of N workers pays about one interpreter start, not two.
@@ -238,7 +242,7 @@ def run_workers(world_size: int, func: Callable[..., T], /, *args: Any, **kwargs
     if world_size < 1:
         raise UsageError(f"--workers must be at least 1, got {world_size}")
     if world_size == 1 or in_worker_group():
-        return func(*args, **kwargs)
+        return func(*args, **kwargs, **(local_kwargs or {}))
     import multiprocessing
 
     # torch.distributed not imported yet means no group; torch itself loads after the spawn
@@ -264,7 +268,7 @@ def run_workers(world_size: int, func: Callable[..., T], /, *args: Any, **kwargs
         os.environ.update(_group_environment(0, world_size, port))
         torch.set_num_threads(max(1, threads // world_size))  # the workers share this machine's cores
         try:
-            result = func(*args, **kwargs)
+            result = func(*args, **kwargs, **(local_kwargs or {}))
         except EmaCkptError:  # peers learnt of it at the step's synchronisation and end too
             grace = 5.0
             raise

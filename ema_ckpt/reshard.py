@@ -64,7 +64,8 @@ def reshard(
     """
     if workers > 1 and not in_worker_group():
         return run_workers(workers, reshard, src, world_size=world_size, out=out, dtype=dtype, include=include,
-                           exclude=exclude, all_keys=all_keys, overwrite=overwrite, wait_seconds=wait_seconds)
+                           exclude=exclude, all_keys=all_keys, overwrite=overwrite, wait_seconds=wait_seconds,
+                           local_kwargs={"on_progress": on_progress})
     started = time.perf_counter()
     src, out = Path(src), Path(out)
     if world_size < 1:

@@ -259,3 +259,12 @@ def test_rank_zeros_own_fault_is_the_error_reported_not_a_dead_peer():
         run_workers(2, _rank_zero_breaks_between_steps)
     assert time.monotonic() - started < 20
     assert not torch.distributed.is_initialized()
+
+
+def test_progress_reports_rank_zeros_share_with_workers(sequence, tmp_path):
+    events = []
+    accumulate(sequence, decay=0.9, out=tmp_path / "two", workers=2, on_progress=events.append)
+    accumulate(sequence, decay=0.9, out=tmp_path / "one")
+    assert _tree(tmp_path / "two") == _tree(tmp_path / "one")
+    assert events and events[-1].bytes_done == events[-1].bytes_total > 0
+    assert [e.bytes_done for e in events] == sorted(e.bytes_done for e in events)
