@@ -46,6 +46,13 @@ def exponential_density(tau, beta, t):
     return np.where(tau <= t, -math.log(beta) * beta ** (t - tau), 0.0)
 
 
+def _save(fig: plt.Figure, name: str) -> Path:
+    out = HERE / name
+    fig.savefig(out, dpi=DPI)
+    plt.close(fig)
+    return out
+
+
 def gaps() -> Path:
     """Classic EMA across irregular gaps: per-step decay vs per-checkpoint decay; spacing."""
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.2), constrained_layout=True)
@@ -94,10 +101,7 @@ def gaps() -> Path:
         ax.set_xlabel("training step τ")
         ax.set_ylabel("weight per step")
         ax.legend(fontsize=8, loc="upper left")
-    out = HERE / "gaps.png"
-    fig.savefig(out, dpi=DPI)
-    plt.close(fig)
-    return out
+    return _save(fig, "gaps.png")
 
 
 def power() -> Path:
@@ -140,10 +144,7 @@ def power() -> Path:
     ax.set_xlabel("γ (--gamma)")
     ax.set_ylabel("σ_rel (--sigma-rel)")
     ax.set_title("σ_rel(γ) = sqrt((γ+1) / ((γ+2)²(γ+3)))")
-    out = HERE / "power.png"
-    fig.savefig(out, dpi=DPI)
-    plt.close(fig)
-    return out
+    return _save(fig, "power.png")
 
 
 def posthoc() -> Path:
@@ -186,10 +187,7 @@ def posthoc() -> Path:
     ax.set_title(f"fit error at T = {t_end:,} (dotted: the stored σ_rel)\n"
                  "between them the fit is close; below 0.05 it degrades fast")
     ax.legend(fontsize=8, loc="lower right")
-    out = HERE / "posthoc.png"
-    fig.savefig(out, dpi=DPI)
-    plt.close(fig)
-    return out
+    return _save(fig, "posthoc.png")
 
 
 def main() -> None:
