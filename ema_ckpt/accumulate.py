@@ -35,9 +35,9 @@ from .averaging import ACCUMULATE_DTYPES, PlannedOutput, SnapshotInput, Term, fi
 from .averaging import Plan as AveragePlan
 from .discovery import FoundCheckpoint, checkpoint_paths, discover
 from .dist import Workers, current_workers, in_worker_group, run_workers
+from .dtypes import torch_dtype
 from .engine import OutputSpec, Progress, Update, check_device, layout_regions
 from .execute import open_checkpoints, write_dcp_outputs
-from .dtypes import torch_dtype
 from .errors import (
     CheckpointNotFoundError,
     IncompatibleCheckpointError,

@@ -25,13 +25,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, overload
 
-
 from . import planner
 from .discovery import FoundCheckpoint, checkpoint_paths, discover
 from .dist import current_workers, in_worker_group, run_workers
+from .dtypes import torch_dtype
 from .engine import OutputSpec, Progress, Update, check_device, layout_regions
 from .execute import open_checkpoints, write_dcp_outputs
-from .dtypes import torch_dtype
 from .errors import UsageError
 from .formats.base import CheckpointReader
 from .fs import OutputLock, discard_on_error, new_staging_dir, publish, recover
@@ -383,7 +382,7 @@ def posthoc(
     run = RunOptions(**options)
     if workers > 1 and not dry_run and not in_worker_group():
         return run_workers(workers, posthoc, checkpoints, out=out, sigma_rels=sigma_rels, gammas=gammas,
-                           at_step=at_step, step_regex=step_regex, local_kwargs=_progress(run),
+                           at_step=at_step, step_regex=step_regex, local_kwargs={"on_progress": run.on_progress},
                            **_without_progress(run))
     plan = _coordinated(lambda: plan_posthoc(checkpoints, sigma_rels=sigma_rels, gammas=gammas, at_step=at_step,
                         step_regex=step_regex, exclude_paths=[Path(out)]), run.device)
@@ -431,7 +430,7 @@ def average(
     run = RunOptions(**options)
     if workers > 1 and not dry_run and not in_worker_group():
         return run_workers(workers, average, checkpoints, out=out, last=last, from_step=from_step,
-                           to_step=to_step, step_regex=step_regex, local_kwargs=_progress(run),
+                           to_step=to_step, step_regex=step_regex, local_kwargs={"on_progress": run.on_progress},
                            **_without_progress(run))
     plan = _coordinated(lambda: plan_average(checkpoints, last=last, from_step=from_step, to_step=to_step,
                                              step_regex=step_regex, exclude_paths=[Path(out)]), run.device)
@@ -445,11 +444,6 @@ def _fields(run: RunOptions) -> dict[str, Any]:
 def _without_progress(run: RunOptions) -> dict[str, Any]:
     """Options for spawned workers: a progress callback does not cross processes."""
     return {k: v for k, v in _fields(run).items() if k != "on_progress"}
-
-
-def _progress(run: RunOptions) -> dict[str, Any]:
-    """The progress callback, for rank 0 (this process) only."""
-    return {"on_progress": run.on_progress}
 
 
 def _coordinated(make_plan: Callable[[], Plan], device: str) -> Plan:

@@ -80,34 +80,6 @@ class StoredChunk:
         return int(match.group(1)) if match else None
 
 
-class _SharedChunks(dict):
-    """``{key: [StoredChunk]}`` received as tuples from the worker that parsed the metadata,
-    built key by key on first use: a worker reads only its share of the keys.
-
-    Only ``[]``, :meth:`get`, :meth:`values` and :meth:`items` convert; the reader uses no
-    other access (``copy``, ``pop``, ``dict(x)`` would see the tuples).
-    """
-
-    __slots__ = ()
-
-    def __getitem__(self, key: str) -> list[StoredChunk]:
-        chunks = dict.__getitem__(self, key)
-        if chunks and isinstance(chunks[0], tuple):
-            chunks = [StoredChunk(Box(offsets, sizes), file, offset, length)
-                      for offsets, sizes, file, offset, length in chunks]
-            dict.__setitem__(self, key, chunks)
-        return chunks
-
-    def get(self, key: str, default: Any = None) -> Any:
-        return self[key] if key in self else default
-
-    def values(self) -> list[list[StoredChunk]]:  # type: ignore[override]
-        return [self[key] for key in self]
-
-    def items(self) -> list[tuple[str, list[StoredChunk]]]:  # type: ignore[override]
-        return [(key, self[key]) for key in self]
-
-
 def _is_dcp(path: Path) -> bool:
     if not path.is_dir():
         return False
@@ -276,7 +248,10 @@ class DcpReader:
         if shared is not None:  # parsed by another worker: see share()
             for name in self._SHARED:
                 setattr(self, name, shared[name])
-            self._chunks = _SharedChunks(self._chunks)
+            with paused_gc():  # sent as tuples: see share()
+                self._chunks = {key: [StoredChunk(Box(offsets, sizes), file, offset, length)
+                                      for offsets, sizes, file, offset, length in chunks]
+                                for key, chunks in self._chunks.items()}
             return
         with paused_gc():
             self._parse()
