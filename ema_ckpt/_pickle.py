@@ -350,3 +350,39 @@ def load_tensor_record(data: bytes, source: str) -> TensorRecord:
         _RECORD_CACHE.clear()
     _RECORD_CACHE[data] = obj
     return obj
+
+
+def load_state_dict_records(data: bytes, source: str) -> dict[str, TensorRecord]:
+    """The tensors of a ``torch.save``-d state dict's ``data.pkl``, by key, without building them.
+
+    Nested dicts are flattened with ``.`` (``{"state_dict": {"w": t}}`` → ``state_dict.w``);
+    values that are not tensors (ints, strings) are left out. Only the globals a plain
+    tensor needs are allowed.
+
+    Raises:
+        UnsafePickleError: the pickle names a global outside the allowlist.
+        CheckpointFormatError: it is unreadable or holds no dict of tensors.
+    """
+    try:
+        obj = _TensorRecordUnpickler(data, source).load()
+    except (UnsafePickleError, CheckpointFormatError):
+        raise
+    except Exception as err:
+        raise CheckpointFormatError(source, f"unreadable pickle ({err})") from None
+    if not isinstance(obj, dict):
+        raise CheckpointFormatError(source, f"holds a {type(obj).__name__}, not a state dict")
+    records: dict[str, TensorRecord] = {}
+    pending: list[tuple[str, dict]] = [("", obj)]
+    while pending:
+        prefix, mapping = pending.pop()
+        for key, value in mapping.items():
+            if not isinstance(key, str):
+                continue
+            name = prefix + key
+            if isinstance(value, TensorRecord):
+                if name in records:
+                    raise CheckpointFormatError(source, f"key {name!r} appears twice once nested dicts are joined")
+                records[name] = value
+            elif isinstance(value, dict):
+                pending.append((name + ".", value))
+    return records

@@ -45,6 +45,7 @@ from .errors import (
     NonFiniteError,
     UsageError,
 )
+from .formats import open_checkpoint
 from .formats.base import CheckpointReader
 from .fs import OutputLock, discard_on_error, new_staging_dir, publish, recover
 from .manifest import MANIFEST_NAME, FoldedCheckpoint, Manifest, fingerprint
@@ -161,6 +162,7 @@ def accumulate(
     dry_run: bool = False,
     allow_new_keys: bool = False,
     skip_nonfinite: bool = False,
+    skip: Sequence[str | Path] = (),
     workers: int = 1,
     device: str = "cpu",
     on_progress: Callable[[Progress], None] | None = None,
@@ -185,6 +187,7 @@ def accumulate(
             starts where it first appears; a removed key leaves the EMA).
         skip_nonfinite: skip a checkpoint holding NaN/Inf (recorded in the manifest) instead
             of refusing the run.
+        skip: checkpoints to leave out (each noted), e.g. an export under other key names.
         workers: split the work over N local processes (torch.distributed; under torchrun the
             group comes from the environment instead).
         device: ``cpu`` or ``cuda``: where the arithmetic runs.
@@ -200,7 +203,7 @@ def accumulate(
             warmup=warmup, sigma_rels=sigma_rels, gammas=gammas, snapshot_every=snapshot_every, out=out,
             dtype=dtype, include=include, exclude=exclude, step_regex=step_regex, restart=restart,
             wait_seconds=wait_seconds, dry_run=dry_run, allow_new_keys=allow_new_keys,
-            skip_nonfinite=skip_nonfinite, device=device, local_kwargs={"on_progress": on_progress},
+            skip_nonfinite=skip_nonfinite, skip=skip, device=device, local_kwargs={"on_progress": on_progress},
         )
     check_device(device)
     started = time.perf_counter()
@@ -211,6 +214,7 @@ def accumulate(
             return _prepare(
                 stack, checkpoints, decay, half_life, per_checkpoint, warmup, sigma_rels, gammas,
                 snapshot_every, out, dtype, include, exclude, step_regex, restart, wait_seconds, dry_run, started,
+                allow_new_keys=allow_new_keys, skip=skip,
             )
 
         prepared = group.broadcast(group.run(prepare if group.is_coordinator else lambda: None))
@@ -241,6 +245,7 @@ def accumulate(
 def _prepare(
     stack: contextlib.ExitStack, checkpoints, decay, half_life, per_checkpoint, warmup, sigma_rels, gammas,
     snapshot_every, out, dtype, include, exclude, step_regex, restart, wait_seconds, dry_run, started,
+    *, allow_new_keys: bool = False, skip: Sequence[str | Path] = (),
 ) -> tuple:
     """Coordinator only: lock, repair, read manifests, discover, plan."""
     paths = checkpoint_paths(checkpoints)
@@ -272,7 +277,7 @@ def _prepare(
         for leftover in (out_path / "snapshots").iterdir():
             if leftover.name.startswith(".") and ".tmp-" in leftover.name:
                 shutil.rmtree(leftover, ignore_errors=True)
-    found = discover(paths, step_regex=step_regex, exclude=[out_path])
+    found = discover(paths, step_regex=step_regex, exclude=[out_path], skip=skip)
     notes.extend(found.notes)
     snapshots_on_disk = find_snapshots([out_path]) if snapshot_every else []
     for acc in accumulators:
@@ -286,6 +291,11 @@ def _prepare(
             acc.snapshot_steps = _snapshot_steps([c.step for c in acc.new], max(taken, default=None),
                                                  snapshot_every)
     plan = _plan(accumulators)
+    if dry_run and any(acc.new for acc in accumulators):
+        active, sources, checkpoints = _sources(accumulators)
+        with contextlib.ExitStack() as readers_stack:
+            readers = [readers_stack.enter_context(contextlib.closing(open_checkpoint(p))) for p in sources]
+            _check_keys(readers, sources, checkpoints, active, include, exclude, allow_new_keys)
     if dry_run or not any(acc.new for acc in accumulators):
         steps = [acc.previous.step for acc in accumulators if acc.previous is not None]
         up_to_date = not any(acc.new for acc in accumulators)
@@ -402,6 +412,42 @@ def _plan(accumulators: list[_Accumulator]) -> AveragePlan:
     return AveragePlan("accumulate", sorted(inputs.values(), key=lambda c: c.step), outputs)
 
 
+def _sources(accumulators: list[_Accumulator]) -> tuple[list[_Accumulator], list[Path], list[FoundCheckpoint]]:
+    """(accumulators with new checkpoints, every path to read: their EMAs then the checkpoints, checkpoints)."""
+    active = [acc for acc in accumulators if acc.new]
+    sources: list[Path] = [acc.final for acc in active if acc.previous is not None]
+    checkpoints = sorted({c.path: c for acc in active for c in acc.new}.values(), key=lambda c: c.step)
+    return active, sources + [c.path for c in checkpoints], checkpoints
+
+
+def _check_keys(
+    readers: Sequence[CheckpointReader],
+    sources: Sequence[Path],
+    checkpoints: Sequence[FoundCheckpoint],
+    active: Sequence[_Accumulator],
+    include: Sequence[str],
+    exclude: Sequence[str],
+    allow_new_keys: bool,
+) -> list[str]:
+    """The keys to fold, once every source agrees on them (metadata only: no tensor is read)."""
+    index = {str(p): i for i, p in enumerate(sources)}
+    keys = select_keys(readers[-1], include, exclude)
+    if not keys:
+        raise UsageError(f"{readers[-1].path}: no tensor keys left after --include/--exclude")
+    raw = [index[str(c.path)] for c in checkpoints]
+    check_compatible(readers, keys, reference=len(readers) - 1, allow_new_keys=allow_new_keys,
+                     same_selection=raw, include=include, exclude=exclude)
+    for acc in active:
+        if acc.previous is not None and not allow_new_keys:
+            extra = sorted(set(readers[index[str(acc.final)]].specs()) - set(keys))
+            if extra:
+                raise IncompatibleCheckpointError(
+                    f"{readers[-1].path}: key {extra[0]!r} of the EMA {acc.final} is gone "
+                    "from the newest checkpoint"
+                )
+    return keys
+
+
 def _fold(
     group: Workers,
     out_path: Path,
@@ -418,10 +464,7 @@ def _fold(
     allow_new_keys: bool = False,
     skipped: Sequence[FoundCheckpoint] = (),
 ) -> AccumulateResult:
-    active = [acc for acc in accumulators if acc.new]
-    sources: list[Path] = [acc.final for acc in active if acc.previous is not None]
-    checkpoints = sorted({c.path: c for acc in active for c in acc.new}.values(), key=lambda c: c.step)
-    sources += [c.path for c in checkpoints]
+    active, sources, checkpoints = _sources(accumulators)
     index = {str(p): i for i, p in enumerate(sources)}
     outputs: list[OutputSpec] = []
     targets: list[tuple[_Accumulator, Path, int]] = []  # (accumulator, final path, step)
@@ -439,21 +482,7 @@ def _fold(
         readers = open_checkpoints(group, sources, stack)
 
         def check_all() -> tuple[list[CheckpointReader], list[str]]:
-            keys = select_keys(readers[-1], include, exclude)
-            if not keys:
-                raise UsageError(f"{readers[-1].path}: no tensor keys left after --include/--exclude")
-            raw = [index[str(c.path)] for c in checkpoints]
-            check_compatible(readers, keys, reference=len(readers) - 1, allow_new_keys=allow_new_keys,
-                             same_selection=raw, include=include, exclude=exclude)
-            for acc in active:
-                if acc.previous is not None and not allow_new_keys:
-                    extra = sorted(set(readers[index[str(acc.final)]].specs()) - set(keys))
-                    if extra:
-                        raise IncompatibleCheckpointError(
-                            f"{readers[-1].path}: key {extra[0]!r} of the EMA {acc.final} is gone "
-                            "from the newest checkpoint"
-                        )
-            return readers, keys
+            return readers, _check_keys(readers, sources, checkpoints, active, include, exclude, allow_new_keys)
 
         readers, keys = group.run(check_all)
         newest = readers[-1]

@@ -32,7 +32,7 @@ from .formats.base import ByteRangeReader, CheckpointReader, stored_tensors
 from .fs import OutputLock, discard_on_error, fsync_dir, new_staging_dir, publish, recover
 from .layout import Box, row_blocks
 from .progress import Progress
-from .selection import select_keys, strip_model_prefix
+from .selection import container_prefix, output_names, select_keys
 from .writers.safetensors import INDEX_NAME, SafetensorsFileWriter, plan_shards, shard_file_names, write_index
 
 OUTPUT_DTYPES = ("bfloat16", "float16", "float32", "float64")
@@ -73,6 +73,9 @@ class ConsolidateResult:
     keys: int = 0
     bytes_written: int = 0
     seconds: float = 0.0
+    renamed_prefix: str | None = None
+    """The DCP container level removed from every key (``"model."``), or None."""
+    notes: list[str] = field(default_factory=list)
 
 
 def output_layout(out: Path) -> Layout:
@@ -151,10 +154,14 @@ def consolidate(
 
         with discard_on_error([staging], owner=group.is_coordinator):
             reader, keys = group.run(open_source)
-            names = {k: k for k in keys} if keep_prefix else strip_model_prefix(keys)
+            names = output_names(reader, keys, keep_prefix=keep_prefix)
             stored = stored_tensors(reader)
             out_dtype = {k: (cast if cast is not None and is_float(stored[k][1]) else stored[k][1]) for k in keys}
             result = ConsolidateResult(out, layout, keys=len(keys))
+            result.renamed_prefix = None if keep_prefix else container_prefix(reader, keys)
+            if result.renamed_prefix:
+                result.notes.append(f"keys written without the DCP container level {result.renamed_prefix!r} "
+                                    "(--keep-prefix keeps it)")
             progress = _ProgressCounter(sum(math.prod(stored[k][0]) * itemsize(stored[k][1]) for k in keys),
                                         on_progress)
             if layout == "hf-sharded":

@@ -14,10 +14,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .discovery import step_from_name
-from .formats import open_checkpoint
+from .discovery import step_record
+from .formats import locate_model, open_checkpoint, registered_formats
 from .manifest import Manifest
 from .schedules import profile_from_dict
+from .selection import container_prefix, select_keys
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,12 +45,25 @@ class InspectResult:
     tensors: list[TensorInfo] = field(default_factory=list)
     details: dict[str, Any] = field(default_factory=dict)
     manifest: dict[str, Any] | None = None
+    step_source: str | None = None
+    """Where the step came from: ``trainer_state.json global_step``, ``folder name``, …"""
+    model_path: Path | None = None
+    """The folder the weights are read from, when a trainer nests them (else None)."""
+    trainer: str | None = None
+    container: str | None = None
+    """The DCP container level (``"model."``) that ``consolidate`` leaves out of the names."""
+    notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "path": str(self.path),
             "format": self.format_name,
             "step": self.step,
+            "step_source": self.step_source,
+            "model_path": None if self.model_path is None else str(self.model_path),
+            "trainer": self.trainer,
+            "container": self.container,
+            "notes": self.notes,
             "keys": self.key_count,
             "total_bytes": self.total_bytes,
             "dtypes": self.dtypes,
@@ -65,16 +79,23 @@ class InspectResult:
 def inspect_checkpoint(path: str | Path) -> InspectResult:
     """Describe the checkpoint at ``path``: format, step, keys, dtypes, bytes, layout."""
     path = Path(path)
+    location = locate_model(path)
     with contextlib.closing(open_checkpoint(path)) as reader:
         specs = reader.specs()
         tensors = [
             TensorInfo(k, s.shape, str(s.dtype).removeprefix("torch."), s.nbytes, len(reader.layout(k)))
             for k, s in specs.items()
         ]
-        step = reader.step if reader.step is not None else step_from_name(path.name)
         manifest = Manifest.read(path) if path.is_dir() else None
         if manifest is not None:
-            step = manifest.step
+            step, source = manifest.step, "ema-ckpt.json"
+        else:
+            record = step_record(path)
+            step, source = (record.step, record.source) if record is not None else (None, None)
+        notes = _ignored_weights(path, reader.format_name)
+        notes += [f"{other}/ ignored: only the first model is read (pass {path / other} to read it)"
+                  for other in location.others]
+        container = container_prefix(reader, select_keys(reader))
         return InspectResult(
             path=path,
             format_name=reader.format_name,
@@ -85,7 +106,35 @@ def inspect_checkpoint(path: str | Path) -> InspectResult:
             tensors=tensors,
             details=reader.info(),
             manifest=_manifest_summary(manifest) if manifest is not None else None,
+            step_source=source,
+            model_path=location.path if location.trainer is not None else None,
+            trainer=location.trainer,
+            container=container,
+            notes=notes,
         )
+
+
+def _ignored_weights(path: Path, chosen: str) -> list[str]:
+    """Notes on weights of another format in the same folder, which are not read.
+
+    The Hugging Face Trainer under ZeRO-2 saves a bf16 ``model.safetensors`` beside the
+    DeepSpeed tag; the tag's fp32 master weights are what an EMA wants.
+    """
+    if not path.is_dir():
+        return []
+    notes = []
+    for name, fmt in registered_formats().items():
+        if name == chosen or not fmt.detect(path):
+            continue
+        files = sorted(p.name for p in path.iterdir() if p.is_file() and p.name.endswith(_SUFFIXES.get(name, ())))
+        shown = ", ".join(files[:3]) or name
+        target = path / files[0] if len(files) == 1 else path
+        notes.append(f"{shown} ({name}) ignored: the {chosen} weights are read"
+                     + (f"; pass {target} to read that file instead" if target != path else ""))
+    return notes
+
+
+_SUFFIXES = {"safetensors": (".safetensors", ".safetensors.index.json")}
 
 
 def _manifest_summary(manifest: Manifest) -> dict[str, Any]:

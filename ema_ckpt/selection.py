@@ -1,8 +1,9 @@
 """Which keys of a checkpoint an operation works on, and whether checkpoints agree on them.
 
 Example:
-    >>> strip_model_prefix(["model.fc.weight", "model.fc.bias"])
-    {'model.fc.weight': 'fc.weight', 'model.fc.bias': 'fc.bias'}
+    >>> from ema_ckpt.formats import open_checkpoint            # doctest: +SKIP
+    >>> output_names(open_checkpoint("ckpts/step_10"), ["model.fc.weight"])  # doctest: +SKIP
+    {'model.fc.weight': 'fc.weight'}
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ def check_compatible(
     """
     ref = readers[reference].specs()
     wanted = set(keys)
+    _check_overlap(readers, range(len(readers)), include, exclude)
     for index in same_selection:
         if allow_new_keys:
             break
@@ -97,9 +99,59 @@ def check_compatible(
                 )
 
 
-def strip_model_prefix(keys: Sequence[str]) -> dict[str, str]:
-    """Map ``model.<fqn>`` keys to ``<fqn>`` when every key carries the prefix (else unchanged)."""
-    prefix = MODEL_ROOT + "."
-    if keys and all(k.startswith(prefix) for k in keys):
-        return {k: k[len(prefix):] for k in keys}
-    return {k: k for k in keys}
+MIN_SHARED_KEYS = 0.5
+"""Consecutive checkpoints sharing fewer than this share of their keys use other names."""
+
+
+def _check_overlap(
+    readers: Sequence[CheckpointReader], order: Sequence[int], include: Sequence[str], exclude: Sequence[str]
+) -> None:
+    """Refuse consecutive checkpoints that barely share keys: a renamed model, not keys added.
+
+    torchtitan's ``last_save_in_hf`` export beside its DCP steps is one: the same weights
+    under Hugging Face names. Averaging them key by key would leave each side alone.
+    """
+    previous: tuple[CheckpointReader, set[str]] | None = None
+    for index in order:
+        reader = readers[index]
+        keys = set(select_keys(reader, include, exclude))
+        if previous is not None and keys and previous[1]:
+            shared = len(keys & previous[1])
+            if shared < MIN_SHARED_KEYS * min(len(keys), len(previous[1])):
+                raise IncompatibleCheckpointError(
+                    f"{reader.path} shares only {shared} of its {len(keys)} keys with {previous[0].path} "
+                    "(the same model under other names?); leave it out with --skip "
+                    f"{reader.path}"
+                )
+        previous = (reader, keys)
+
+
+def container_prefix(reader: CheckpointReader, keys: Sequence[str]) -> str | None:
+    """The DCP container level every key sits in (``"model."`` of ``{"model": …}``), or None.
+
+    Only a container recorded at save time counts (see ``DcpReader.container_of``): a module
+    attribute that happens to be called ``model`` is part of the model's own names, and
+    DeepSpeed and safetensors sources never have one.
+    """
+    container_of = getattr(reader, "container_of", None)
+    if container_of is None or not keys:
+        return None
+    containers = {container_of(k) for k in keys}
+    if len(containers) != 1:
+        return None
+    (container,) = containers
+    if container is None:
+        return None
+    prefix = container + "."
+    names = [k[len(prefix):] for k in keys]
+    if not all(k.startswith(prefix) for k in keys) or len(set(names)) != len(names) or "" in names:
+        return None
+    return prefix
+
+
+def output_names(reader: CheckpointReader, keys: Sequence[str], *, keep_prefix: bool = False) -> dict[str, str]:
+    """{stored key: the model's own name}: the DCP container level removed, nothing else renamed."""
+    prefix = None if keep_prefix else container_prefix(reader, keys)
+    if prefix is None:
+        return {k: k for k in keys}
+    return {k: k[len(prefix):] for k in keys}

@@ -52,11 +52,34 @@ def test_excluded_output_is_never_an_input(tmp_path):
     assert [c.step for c in found.checkpoints] == [1]
 
 
-def test_duplicate_steps_are_refused(tmp_path):
+def test_duplicate_steps_with_different_weights_are_refused(tmp_path):
+    _ckpt(tmp_path / "step_5")
+    write_dcp(tmp_path / "global_step5", {"model.w": torch.ones(2)})
+    with pytest.raises(IncompatibleCheckpointError, match="both hold step 5 with different weights"):
+        discover([tmp_path])
+
+
+def test_duplicate_steps_with_the_same_weights_count_once(tmp_path):
     _ckpt(tmp_path / "step_5")
     _ckpt(tmp_path / "global_step5")
-    with pytest.raises(IncompatibleCheckpointError, match="both hold step 5"):
-        discover([tmp_path])
+    _ckpt(tmp_path / "step_7")
+    found = discover([tmp_path])
+    assert [(c.path.name, c.step) for c in found.checkpoints] == [("global_step5", 5), ("step_7", 7)]
+    assert any("skipped" in n and "step_5" in n and "the same weights as" in n for n in found.notes)
+
+
+def test_a_nan_in_both_copies_still_counts_as_the_same_bytes(tmp_path):
+    write_dcp(tmp_path / "step_5", {"model.w": torch.tensor([float("nan"), 1.0])})
+    write_dcp(tmp_path / "global_step5", {"model.w": torch.tensor([float("nan"), 1.0])})
+    assert len(discover([tmp_path]).checkpoints) == 1
+
+
+def test_skipped_checkpoints_are_noted(tmp_path):
+    _ckpt(tmp_path / "step_1")
+    _ckpt(tmp_path / "step_2")
+    found = discover([tmp_path], skip=[tmp_path / "step_2"])
+    assert [c.step for c in found.checkpoints] == [1]
+    assert any("step_2" in n and "--skip" in n for n in found.notes)
 
 
 def test_empty_folder_and_explicit_partial_directory(tmp_path):

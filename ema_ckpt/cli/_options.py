@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -35,3 +36,7 @@ WorkersOpt = Annotated[
                  help="Split the work over N processes (torch.distributed; under torchrun, its group)."),
 ]
 DeviceOpt = Annotated[str, typer.Option("--device", help="Where the arithmetic runs: cpu or cuda.")]
+SkipOpt = Annotated[
+    list[Path] | None,
+    typer.Option("--skip", metavar="PATH", help="Leave this checkpoint out (repeatable); it is noted, never read."),
+]

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import math
+import os
 from typing import TYPE_CHECKING
 
+from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
@@ -30,6 +32,17 @@ def _number(value: float | None, fmt: str = ".4g") -> str:
     return format(value, fmt)
 
 
+def _common_folder(paths: list[str]) -> str | None:
+    """The folder every input sits in, when there are several inputs and they share one."""
+    if len(paths) < 2:
+        return None
+    try:
+        common = os.path.commonpath(paths)
+    except ValueError:
+        return None
+    return common if common and common not in paths else None
+
+
 def render_plan(plan: Plan) -> None:
     """Print each output's terms, weights and summary; warnings go to stderr."""
     for output in plan.outputs:
@@ -38,10 +51,16 @@ def render_plan(plan: Plan) -> None:
         title = f"{output.name} at step {output.step}"
         if output.gamma is not None:
             title += f"  (σ_rel {_number(output.sigma_rel)}, γ {_number(output.gamma)})"
-        table = Table(*columns, title=title, title_justify="left", show_edge=False)
+        common = _common_folder([str(t.path) for t in output.terms])
+        if common is not None:
+            title += f"\ninputs in {escape(common)}{os.sep}"
+        table = Table(title=title, title_justify="left", show_edge=False)
+        for column in columns:  # a path is folded onto more lines, never cut to look like another
+            table.add_column(column, overflow="fold")
         scale = max((abs(t.coefficient) for t in output.terms), default=0.0)
         for term in output.terms:
-            row = [term.path, str(term.step)]
+            shown = os.path.relpath(str(term.path), common) if common is not None else str(term.path)
+            row = [shown, str(term.step)]
             if snapshot_inputs:
                 row.append(_number(term.sigma_rel))
             row += [f"{term.coefficient:+.6g}", _bar(term.coefficient, scale)]

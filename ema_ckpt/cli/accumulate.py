@@ -9,7 +9,17 @@ from typing import Annotated
 import typer
 
 from ._errors import reports_errors
-from ._options import DeviceOpt, WorkersOpt, ExcludeOpt, IncludeOpt, JsonOpt, QuietOpt, StepRegexOpt, WaitOpt
+from ._options import (
+    DeviceOpt,
+    ExcludeOpt,
+    IncludeOpt,
+    JsonOpt,
+    QuietOpt,
+    SkipOpt,
+    StepRegexOpt,
+    WaitOpt,
+    WorkersOpt,
+)
 from ._output import console, human_bytes, note, print_json, progress_bar
 from ._plan import render_plan
 
@@ -27,6 +37,8 @@ Examples:
   ema-ckpt accumulate ckpts/ --decay 0.999 --dry-run       # the weights each checkpoint gets
 
   ema-ckpt accumulate ckpts/ --decay 0.999 --skip-nonfinite --workers 2
+
+  ema-ckpt accumulate ckpts/ --decay 0.999 --skip ckpts/step-100   # leave one checkpoint out
 """
 
 
@@ -62,6 +74,7 @@ def accumulate_command(
     skip_nonfinite: Annotated[
         bool, typer.Option("--skip-nonfinite", help="Skip (and record) a checkpoint holding NaN/Inf instead of failing.")
     ] = False,
+    skip: SkipOpt = None,
     wait: WaitOpt = 0.0,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Show the plan (coefficients); read no tensor.")] = False,
     workers: WorkersOpt = 1,
@@ -78,7 +91,7 @@ def accumulate_command(
             sigma_rels=sigma_rel or (), gammas=gamma or (), snapshot_every=snapshot_every,
             out=out, dtype=dtype, include=include or (), exclude=exclude or (), step_regex=step_regex,
             restart=restart, wait_seconds=wait, dry_run=dry_run, allow_new_keys=allow_new_keys,
-            skip_nonfinite=skip_nonfinite, workers=workers, device=device,
+            skip_nonfinite=skip_nonfinite, skip=skip or (), workers=workers, device=device,
             on_progress=on_progress,
         )
     if dry_run:

@@ -10,7 +10,7 @@ import typer
 from ..consolidate import consolidate
 from ._errors import reports_errors
 from ._options import WorkersOpt, ExcludeOpt, IncludeOpt, JsonOpt, OverwriteOpt, QuietOpt, WaitOpt
-from ._output import console, human_bytes, print_json, progress_bar
+from ._output import console, human_bytes, note, print_json, progress_bar
 
 EPILOG = """\
 Examples:
@@ -36,7 +36,8 @@ def consolidate_command(
         str | None, typer.Option(help="Cast floating tensors: bfloat16, float16, float32 or float64.")
     ] = None,
     keep_prefix: Annotated[
-        bool, typer.Option("--keep-prefix", help="Keep the 'model.' prefix of a DCP {'model': ...} checkpoint.")
+        bool, typer.Option("--keep-prefix",
+                           help="Keep the container level of a DCP {'model': ...} checkpoint ('model.' in keys).")
     ] = False,
     include: IncludeOpt = None,
     exclude: ExcludeOpt = None,
@@ -56,7 +57,10 @@ def consolidate_command(
     if json_output:
         print_json({"out": str(result.out), "layout": result.layout, "keys": result.keys,
                     "files": [{"name": n, "bytes": s} for n, s in result.files],
-                    "bytes_written": result.bytes_written, "seconds": round(result.seconds, 3)})
+                    "bytes_written": result.bytes_written, "seconds": round(result.seconds, 3),
+                    "renamed_prefix": result.renamed_prefix, "notes": result.notes})
     elif not quiet:
+        for line in result.notes:
+            note(line)
         console.print(f"{result.out}: {result.layout}, {result.keys} tensors in {len(result.files)} file(s), "
                       f"{human_bytes(result.bytes_written)}, {result.seconds:.1f} s", highlight=False)

@@ -37,7 +37,10 @@ def inspect_command(
     summary = Table.grid(padding=(0, 2))
     summary.add_row("path", str(report.path))
     summary.add_row("format", report.format_name)
-    summary.add_row("step", "unknown" if report.step is None else str(report.step))
+    if report.trainer is not None and report.model_path is not None:
+        summary.add_row("model", f"{report.model_path} (nested by {report.trainer})")
+    step = "unknown" if report.step is None else f"{report.step} (from {report.step_source})"
+    summary.add_row("step", step)
     summary.add_row("keys", str(report.key_count))
     summary.add_row("bytes", f"{human_bytes(report.total_bytes)} ({report.total_bytes:,})")
     summary.add_row("dtypes", ", ".join(f"{d} ×{n}" for d, n in sorted(report.dtypes.items())))
@@ -45,6 +48,10 @@ def inspect_command(
         if isinstance(value, list):
             value = ", ".join(map(str, value)) if value else "-"
         summary.add_row(name.replace("_", " "), str(value))
+    if report.container:
+        summary.add_row("container", f"{report.container!r}: consolidate writes the keys without it")
+    for line in report.notes:
+        summary.add_row("note", line)
     if report.manifest:
         m = report.manifest
         summary.add_row("ema-ckpt", f"{m['kind']}: {m['description']}, in {m['dtype']}, "

@@ -1,17 +1,21 @@
 """Checkpoint formats: one module per format, each registering itself on import.
 
 Detection order matters only when a directory carries markers of two formats: DCP first,
-then DeepSpeed, then Hugging Face safetensors.
+then DeepSpeed, then Hugging Face safetensors; a ``torch.save`` state-dict file is a file,
+never a directory.
 """
 
 from . import dcp as _dcp  # noqa: F401  (registers "dcp")
 from . import deepspeed as _deepspeed  # noqa: F401  (registers "deepspeed")
 from . import hf_safetensors as _hf_safetensors  # noqa: F401  (registers "safetensors")
+from . import torch_file as _torch_file  # noqa: F401  (registers "torch")
 from .base import (
     ByteRangeReader,
     CheckpointFormat,
     CheckpointReader,
+    ModelLocation,
     detect_format,
+    locate_model,
     open_checkpoint,
     register_format,
     registered_formats,
@@ -22,7 +26,9 @@ __all__ = [
     "ByteRangeReader",
     "CheckpointFormat",
     "CheckpointReader",
+    "ModelLocation",
     "detect_format",
+    "locate_model",
     "open_checkpoint",
     "register_format",
     "registered_formats",

@@ -14,6 +14,7 @@ Example:
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -109,6 +110,8 @@ class CheckpointFormat:
     open: Callable[[Path], CheckpointReader]
     incomplete: Callable[[Path], str | None] = lambda _path: None
     records_step: bool = False
+    step_label: str | None = None
+    """How ``inspect`` names the record the step comes from (``DeepSpeed global_steps``)."""
 
 
 _REGISTRY: dict[str, CheckpointFormat] = {}
@@ -125,13 +128,82 @@ def registered_formats() -> Mapping[str, CheckpointFormat]:
     return dict(_REGISTRY)
 
 
-def detect_format(path: str | Path) -> CheckpointFormat | None:
-    """The format whose marker files ``path`` holds, or None."""
-    path = Path(path)
+@dataclass(frozen=True, slots=True)
+class NestedModel:
+    """A trainer's checkpoint folder whose model weights sit in a subdirectory of their own.
+
+    ``pattern`` matches the subdirectory's name; ``trainer`` names who writes it. accelerate's
+    ``save_state`` (and so the Hugging Face Trainer) writes an FSDP model as
+    ``checkpoint_<i>/pytorch_model_fsdp_0/`` (a DCP checkpoint holding ``{"model": …}``) beside
+    ``optimizer_0/``; NeMo 2 writes Megatron's ``torch_dist`` checkpoint into ``weights/``.
+    ``optimizer`` names the sibling folder holding that model's optimizer state, if any;
+    ``beside`` a sibling that must exist too, where the subdirectory's name alone is common.
+    """
+
+    trainer: str
+    pattern: re.Pattern[str]
+    optimizer: str | None = None
+    beside: str | None = None
+
+
+NESTED_MODELS: tuple[NestedModel, ...] = (
+    NestedModel("accelerate", re.compile(r"^pytorch_model_fsdp_0$"), optimizer="optimizer_0"),
+    NestedModel("NeMo", re.compile(r"^weights$"), beside="context"),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelLocation:
+    """Where a checkpoint path's model weights are: the path itself, or a nested folder."""
+
+    path: Path
+    """The folder or file the reader opens."""
+    trainer: str | None = None
+    """Who nests the model (``accelerate``, ``NeMo``), when it is nested."""
+    optimizer: Path | None = None
+    """The nested model's optimizer folder, when the trainer writes one."""
+    others: tuple[str, ...] = ()
+    """Further model folders of the same trainer left aside (accelerate's second model, …)."""
+
+
+def _own_format(path: Path) -> CheckpointFormat | None:
     for fmt in _REGISTRY.values():
         if fmt.detect(path):
             return fmt
     return None
+
+
+def locate_model(path: str | Path) -> ModelLocation:
+    """The folder holding ``path``'s model weights: ``path`` itself unless a trainer nests them.
+
+    Only names are looked at, and the nested folder must itself be a checkpoint of a known
+    format. A folder that is a checkpoint of its own is never looked into.
+
+    Example:
+        >>> locate_model("ckpts/checkpoints/checkpoint_3").path  # doctest: +SKIP
+        PosixPath('ckpts/checkpoints/checkpoint_3/pytorch_model_fsdp_0')
+    """
+    path = Path(path)
+    if not path.is_dir() or _own_format(path) is not None:
+        return ModelLocation(path)
+    try:
+        children = sorted(c.name for c in path.iterdir() if c.is_dir())
+    except OSError:
+        return ModelLocation(path)
+    for nested in NESTED_MODELS:
+        names = [n for n in children if nested.pattern.match(n)]
+        if nested.beside is not None and nested.beside not in children:
+            continue
+        if names and _own_format(path / names[0]) is not None:
+            others = tuple(n for n in children if n != names[0] and n.startswith("pytorch_model_fsdp_"))
+            optimizer = path / nested.optimizer if nested.optimizer and (path / nested.optimizer).is_dir() else None
+            return ModelLocation(path / names[0], nested.trainer, optimizer, others)
+    return ModelLocation(path)
+
+
+def detect_format(path: str | Path) -> CheckpointFormat | None:
+    """The format whose marker files ``path`` (or the model folder a trainer nests in it) holds, or None."""
+    return _own_format(locate_model(path).path)
 
 
 def open_checkpoint(path: str | Path) -> CheckpointReader:
@@ -143,7 +215,8 @@ def open_checkpoint(path: str | Path) -> CheckpointReader:
     path = Path(path)
     if not path.exists():
         raise CheckpointNotFoundError(path, "no such file or directory")
-    fmt = detect_format(path)
+    location = locate_model(path)
+    fmt = _own_format(location.path)
     if fmt is None:
         for candidate in _REGISTRY.values():
             reason = candidate.incomplete(path)
@@ -151,4 +224,4 @@ def open_checkpoint(path: str | Path) -> CheckpointReader:
                 raise CheckpointNotFoundError(path, reason)
         names = ", ".join(_REGISTRY)
         raise CheckpointNotFoundError(path, f"not a checkpoint of any known format ({names})")
-    return fmt.open(path)
+    return fmt.open(location.path)

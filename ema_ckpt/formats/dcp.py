@@ -471,6 +471,18 @@ class DcpReader:
             return str(path[0])
         return key.split(".", 1)[0]
 
+    def container_of(self, key: str) -> str | None:
+        """The state-dict container ``key`` was nested in when saved, or None.
+
+        ``dcp.save({"model": model.state_dict()})`` flattens ``fc.weight`` to ``model.fc.weight``
+        and records the path ``("model", "fc.weight")``: ``model`` is a container. A module
+        attribute named ``model`` (``dcp.save(wrapper.state_dict())``) is recorded as one
+        part, ``("model.fc.weight",)``, and is no container. Without ``planner_data`` nothing
+        was nested.
+        """
+        path = self.planner_data.get(key)
+        return str(path[0]) if path is not None and len(path) > 1 else None
+
     def close(self) -> None:
         self._fallback = None
         for fd in self._fds.values():

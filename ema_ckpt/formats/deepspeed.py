@@ -166,7 +166,7 @@ def incomplete(path: str | Path) -> str | None:
     models, optims = _ds_files(path)
     if not models and not optims:
         if tag is None:
-            return None
+            return _tag_without_latest(path)
         tag_dir = path / tag
         if not tag_dir.is_dir():
             return f"'latest' names tag {tag!r} but {tag_dir} does not exist (still being written?)"
@@ -198,6 +198,21 @@ def incomplete(path: str | Path) -> str | None:
             "files its dp_world_size asks for (still being written?)"
         )
     return None
+
+
+def _tag_without_latest(path: Path) -> str | None:
+    """A reason when a folder without ``latest`` holds a DeepSpeed tag that is still being written.
+
+    DeepSpeed writes ``latest`` after every rank's files, so a Hugging Face Trainer
+    ``checkpoint-N/global_stepN/`` holding rank 0's files only is a save in progress (or one
+    that died). A folder of several tags is a save folder: each tag is judged on its own.
+    """
+    try:
+        tags = [c for c in sorted(path.iterdir()) if c.is_dir() and any(_ds_files(c))]
+    except OSError:
+        return None
+    reason = incomplete(tags[0]) if len(tags) == 1 else None
+    return f"no 'latest' yet and {reason}" if reason else None
 
 
 # (path, device, inode, size, mtime_ns) -> dp_world_size of a settled model-states file.
@@ -867,5 +882,6 @@ register_format(
         open=open_deepspeed,
         incomplete=incomplete,
         records_step=True,
+        step_label="DeepSpeed global_steps",
     )
 )
