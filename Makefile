@@ -3,6 +3,8 @@
 #   make demo   train a tiny transformer with FSDP2 on CPU, then EMA, post-hoc sweep, consolidate, reshard,
 #               and compare held-out losses (table + demo/demo.png)
 #   make bench  benchmark scripts (see docs/performance.md)
+#   make fixtures  regenerate tests/fixtures/trainers with the trainers' own saving code (heavy installs,
+#               in their own virtualenv $(FIXTURES_VENV); the tests use the committed files)
 #   make docs-site  the documentation site, built strictly into site/
 
 PYTHON ?= python3
@@ -13,8 +15,10 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX ?=
 DEMO_DIR ?= demo
+FIXTURES_VENV ?= .venv-fixtures
+FIXTURES_PY := $(FIXTURES_VENV)/bin/python
 
-.PHONY: install install-test test demo bench docs docs-site clean
+.PHONY: install install-test test demo bench docs docs-site clean fixtures
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -49,8 +53,20 @@ demo: $(VENV)/.installed-demo
 bench: $(VENV)/.installed-test
 	bash benchmarks/run_all.sh "$(PY)"
 
+# DeepSpeed after the rest, without build isolation (as in install-test).
+$(FIXTURES_VENV)/.installed: tests/producers/trainers/requirements.txt
+	$(PYTHON) -m venv $(FIXTURES_VENV)
+	$(FIXTURES_PY) -m pip install -q --upgrade pip
+	$(FIXTURES_PY) -m pip install -q $(TORCH_INDEX) -r tests/producers/trainers/requirements.txt
+	DS_BUILD_OPS=0 $(FIXTURES_PY) -m pip install -q --no-build-isolation "deepspeed==0.19.8"
+	touch $@
+
+fixtures: $(FIXTURES_VENV)/.installed
+	$(FIXTURES_PY) tests/producers/trainers/hf_accelerate.py --out tests/fixtures/trainers --set all
+	$(FIXTURES_PY) tests/producers/trainers/lightning_titan_megatron.py --out tests/fixtures/trainers --set all
+
 clean:
-	rm -rf $(VENV) $(DEMO_DIR) .pytest_cache .hypothesis
+	rm -rf $(VENV) $(FIXTURES_VENV) $(DEMO_DIR) .pytest_cache .hypothesis
 
 # The documentation site, into site/ (the test suite runs the same strict build).
 docs-site: $(VENV)/.installed-test

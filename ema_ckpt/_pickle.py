@@ -21,7 +21,7 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
-from .dtypes import TORCH_NAMES, DtypeName, canonical
+from .dtypes import TORCH_NAMES, DtypeName, canonical, itemsize
 from .errors import CheckpointFormatError, UnsafePickleError
 
 _DCP_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
@@ -35,6 +35,8 @@ _DCP_METADATA_CLASSES = {
     "StorageMeta",
     "_MEM_FORMAT_ENCODING",
 }
+_DCP_PLANNER_MODULE = "torch.distributed.checkpoint.planner"
+_DCP_PLANNER_CLASSES = {"SavePlan", "WriteItem", "WriteItemType", "TensorWriteData"}
 _LAYOUTS = {"strided", "sparse_coo", "sparse_csr", "sparse_csc", "sparse_bsr", "sparse_bsc"}
 _MEMORY_FORMATS = {"contiguous_format", "channels_last", "channels_last_3d", "preserve_format"}
 
@@ -193,6 +195,10 @@ def _fresh_standins() -> dict[tuple[str, str], Any]:
     standins[("torch.distributed.checkpoint.filesystem", "_StorageInfo")] = type(
         "_StorageInfo", (_standin("_StorageInfo"),), {}
     )
+    # Megatron's torch_dist strategy keeps its cached save plans in the metadata
+    # (``all_local_plans``); they are read into inert bags like the rest, and never used.
+    for name in _DCP_PLANNER_CLASSES:
+        standins[(_DCP_PLANNER_MODULE, name)] = type(name, (_standin(name),), {})
     standins[("torch.serialization", "_get_layout")] = lambda name: str(name)
     standins[("torch", "Size")] = _size
     for module in ("pathlib", "pathlib._local"):
@@ -289,10 +295,38 @@ class _StorageRef:
         self.key, self.dtype, self.numel = key, dtype, numel
 
 
+def _ints(value: Any, what: str) -> tuple[int, ...]:
+    items = tuple(value) if isinstance(value, (tuple, list)) else None
+    if items is None or not all(type(v) is int and v >= 0 for v in items):
+        raise pickle.UnpicklingError(f"tensor {what} {value!r} is not a tuple of non-negative ints")
+    return items
+
+
 def _rebuild_record(
-    storage: _StorageRef, offset: int, size: Any, stride: Any, *_rest: Any
+    storage: _StorageRef, offset: Any, size: Any, stride: Any, *_rest: Any
 ) -> TensorRecord:
-    return TensorRecord(storage.key, storage.dtype, storage.numel, int(offset), tuple(size), tuple(stride))
+    if not isinstance(storage, _StorageRef) or type(offset) is not int:  # the callers bound the offset
+        raise pickle.UnpicklingError("malformed tensor record")
+    shape, strides = _ints(size, "size"), _ints(stride, "stride")
+    if len(shape) != len(strides):
+        raise pickle.UnpicklingError(f"tensor size {shape} and stride {strides} differ in length")
+    return TensorRecord(storage.key, storage.dtype, storage.numel, offset, shape, strides)
+
+
+def _rebuild_record_v3(
+    storage: _StorageRef, offset: Any, size: Any, stride: Any, _grad: Any, _hooks: Any, dtype: Any, *_rest: Any
+) -> TensorRecord:
+    """torch's v3 record (float8, uint16, …): an untyped byte storage plus the dtype."""
+    if not isinstance(dtype, DtypeName) or storage.dtype != _UNTYPED:
+        raise pickle.UnpicklingError("malformed v3 tensor record")
+    size_of = itemsize(dtype)
+    if storage.numel % size_of:
+        raise pickle.UnpicklingError(f"{storage.numel} storage bytes do not hold whole {dtype} values")
+    typed = _StorageRef(storage.key, str(dtype), storage.numel // size_of)
+    return _rebuild_record(typed, offset, size, stride)
+
+
+_UNTYPED = "untyped"
 
 
 class _TensorRecordUnpickler(_InMemoryUnpickler):
@@ -305,6 +339,10 @@ class _TensorRecordUnpickler(_InMemoryUnpickler):
     def find_class(self, module: str, name: str) -> Any:
         if module == "torch._utils" and name == "_rebuild_tensor_v2":
             return _rebuild_record
+        if module == "torch._utils" and name == "_rebuild_tensor_v3":
+            return _rebuild_record_v3
+        if module in ("torch", "torch.storage") and name == "UntypedStorage":
+            return DtypeName(_UNTYPED)
         if module == "torch" and name in _STORAGE_DTYPES:
             return DtypeName(_STORAGE_DTYPES[name])
         if module == "torch" and name in TORCH_NAMES:
@@ -319,9 +357,9 @@ class _TensorRecordUnpickler(_InMemoryUnpickler):
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
             raise CheckpointFormatError(self._source, "unexpected storage reference in tensor record")
         _, dtype, key, _location, numel = pid
-        if not isinstance(dtype, DtypeName):
+        if not isinstance(dtype, DtypeName) or type(numel) is not int or numel < 0:
             raise CheckpointFormatError(self._source, "unexpected storage type in tensor record")
-        return _StorageRef(str(key), dtype, int(numel))
+        return _StorageRef(str(key), dtype, numel)
 
 
 _RECORD_CACHE: dict[bytes, TensorRecord] = {}
@@ -352,12 +390,12 @@ def load_tensor_record(data: bytes, source: str) -> TensorRecord:
     return obj
 
 
-def load_state_dict_records(data: bytes, source: str) -> dict[str, TensorRecord]:
-    """The tensors of a ``torch.save``-d state dict's ``data.pkl``, by key, without building them.
+def load_state_dict_records(data: bytes, source: str) -> dict[str, tuple[tuple[str, ...], TensorRecord]]:
+    """The tensors of a ``torch.save``-d state dict's ``data.pkl`` without building them.
 
-    Nested dicts are flattened with ``.`` (``{"state_dict": {"w": t}}`` → ``state_dict.w``);
-    values that are not tensors (ints, strings) are left out. Only the globals a plain
-    tensor needs are allowed.
+    Returns {flat key: (nesting path, record)}. Nested dicts are flattened with ``.``
+    (``{"model": {"w": t}}`` → ``model.w``, path ``("model", "w")``); values that are not
+    tensors (ints, strings) are left out. Only the globals a plain tensor needs are allowed.
 
     Raises:
         UnsafePickleError: the pickle names a global outside the allowlist.
@@ -371,18 +409,27 @@ def load_state_dict_records(data: bytes, source: str) -> dict[str, TensorRecord]
         raise CheckpointFormatError(source, f"unreadable pickle ({err})") from None
     if not isinstance(obj, dict):
         raise CheckpointFormatError(source, f"holds a {type(obj).__name__}, not a state dict")
-    records: dict[str, TensorRecord] = {}
-    pending: list[tuple[str, dict]] = [("", obj)]
+    records: dict[str, tuple[tuple[str, ...], TensorRecord]] = {}
+    pending: list[tuple[tuple[str, ...], dict]] = [((), obj)]
+    seen: set[int] = set()
+    entries = 0
     while pending:
         prefix, mapping = pending.pop()
+        if id(mapping) in seen:  # a dict inside itself, or one dict nested twice: a bomb, not a state dict
+            raise CheckpointFormatError(source, "a nested dict appears twice in the state dict")
+        seen.add(id(mapping))
+        entries += len(mapping)
+        if entries > len(data) or len(prefix) > 1024:
+            raise CheckpointFormatError(source, "state dict nests more entries than its pickle holds")
         for key, value in mapping.items():
             if not isinstance(key, str):
                 continue
-            name = prefix + key
+            path = (*prefix, key)
             if isinstance(value, TensorRecord):
+                name = ".".join(path)
                 if name in records:
                     raise CheckpointFormatError(source, f"key {name!r} appears twice once nested dicts are joined")
-                records[name] = value
+                records[name] = (path, value)
             elif isinstance(value, dict):
-                pending.append((name + ".", value))
+                pending.append((path, value))
     return records

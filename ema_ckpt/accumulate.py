@@ -277,12 +277,21 @@ def _prepare(
         for leftover in (out_path / "snapshots").iterdir():
             if leftover.name.startswith(".") and ".tmp-" in leftover.name:
                 shutil.rmtree(leftover, ignore_errors=True)
-    found = discover(paths, step_regex=step_regex, exclude=[out_path], skip=skip)
+    folded = {Path(c.path).resolve(): c.step for acc in accumulators if acc.previous is not None
+              for c in acc.previous.checkpoints}
+    starts = [acc.previous.step if acc.previous is not None else None for acc in accumulators]
+    found = discover(paths, step_regex=step_regex, exclude=[out_path], skip=skip, known=folded,
+                     compare_after=None if None in starts else min(s for s in starts if s is not None))
     notes.extend(found.notes)
+    for c in found.checkpoints:
+        done = folded.get(c.path.resolve())
+        if done is not None and done != c.step:
+            notes.append(f"skipped {c.path}: folded before at step {done}, it now reads step {c.step}")
     snapshots_on_disk = find_snapshots([out_path]) if snapshot_every else []
     for acc in accumulators:
         start = acc.previous.step if acc.previous is not None else None
-        acc.new = [c for c in found.checkpoints if start is None or c.step > start]
+        acc.new = [c for c in found.checkpoints
+                   if (start is None or c.step > start) and c.path.resolve() not in folded]
         if start is not None:
             _refuse_backwards(acc, found.checkpoints, start)
         if snapshot_every:
@@ -326,10 +335,8 @@ def _refuse_backwards(acc: _Accumulator, checkpoints: list[FoundCheckpoint], sta
 
 def _source_checkpoint(accumulators: list[_Accumulator], source: int) -> FoundCheckpoint | None:
     """The raw checkpoint behind source index ``source`` of a fold (same order as ``_fold``)."""
-    active = [acc for acc in accumulators if acc.new]
-    previous = [acc.final for acc in active if acc.previous is not None]
-    checkpoints = sorted({c.path: c for acc in active for c in acc.new}.values(), key=lambda c: c.step)
-    index = source - len(previous)
+    _, sources, checkpoints = _sources(accumulators)
+    index = source - (len(sources) - len(checkpoints))
     return checkpoints[index] if 0 <= index < len(checkpoints) else None
 
 

@@ -86,7 +86,7 @@ class Plan:
     notes: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
-        return {"outputs": [o.to_json() for o in self.outputs]}
+        return {"outputs": [o.to_json() for o in self.outputs], "notes": list(self.notes)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,6 +147,7 @@ def plan_posthoc(
     at_step: int | None = None,
     step_regex: str | None = None,
     exclude_paths: Sequence[Path] = (),
+    skip: Sequence[str | Path] = (),
 ) -> Plan:
     """Coefficients of each requested power-function EMA at T (the newest step, or ``at_step``).
 
@@ -158,7 +159,7 @@ def plan_posthoc(
     snapshots = find_snapshots(paths)
     if snapshots:
         return _plan_from_snapshots(snapshots, targets, at_step)
-    found = discover(paths, step_regex=step_regex, exclude=exclude_paths)
+    found = discover(paths, step_regex=step_regex, exclude=exclude_paths, skip=skip)
     steps = [c.step for c in found.checkpoints]
     outputs = []
     for name, gamma, sigma_rel in targets:
@@ -202,11 +203,12 @@ def plan_average(
     to_step: int | None = None,
     step_regex: str | None = None,
     exclude_paths: Sequence[Path] = (),
+    skip: Sequence[str | Path] = (),
 ) -> Plan:
     """Uniform average (fairseq ``average_checkpoints``, LAWA) of a selection of checkpoints."""
     if last is None and from_step is None and to_step is None:
         raise UsageError("choose the checkpoints: --last K, or --from-step A and/or --to-step B")
-    found = discover(checkpoint_paths(checkpoints), step_regex=step_regex, exclude=exclude_paths)
+    found = discover(checkpoint_paths(checkpoints), step_regex=step_regex, exclude=exclude_paths, skip=skip)
     steps = [c.step for c in found.checkpoints]
     coeffs = planner.uniform_coefficients(steps, last=last, from_step=from_step, to_step=to_step)
     terms = [Term(str(c.path), c.step, w) for c, w in zip(found.checkpoints, coeffs, strict=True) if w != 0.0]
@@ -286,7 +288,7 @@ def run_plan(
                 keys = select_keys(readers[-1], include, exclude)
                 if not keys:
                     raise UsageError(f"{readers[-1].path}: no tensor keys left after --include/--exclude")
-                check_compatible(readers, keys, reference=len(readers) - 1)
+                check_compatible(readers, keys, reference=len(readers) - 1, include=include, exclude=exclude)
                 return readers, keys
 
             readers, keys = group.run(check_all)
@@ -359,6 +361,7 @@ def posthoc(
     dry_run: bool = False,
     step_regex: str | None = None,
     workers: int = 1,
+    skip: Sequence[str | Path] = (),
     **options: Any,
 ) -> Plan | RunResult:
     """Post-hoc power-function EMAs (EDM2), one per value, at ``out/sigma_rel_<value>``.
@@ -371,6 +374,7 @@ def posthoc(
         dry_run: return the :class:`Plan` (coefficients) and read no tensor.
         step_regex: how to read steps from directory names, when not a known pattern.
         workers: processes to share the work (output bytes do not depend on it).
+        skip: checkpoints to leave out (each noted in the plan).
         **options: the fields of :class:`RunOptions` (``dtype``, ``include``, ``exclude``,
             ``overwrite``, ``wait_seconds``, ``device``, ``on_progress``).
 
@@ -382,10 +386,11 @@ def posthoc(
     run = RunOptions(**options)
     if workers > 1 and not dry_run and not in_worker_group():
         return run_workers(workers, posthoc, checkpoints, out=out, sigma_rels=sigma_rels, gammas=gammas,
-                           at_step=at_step, step_regex=step_regex, local_kwargs={"on_progress": run.on_progress},
+                           at_step=at_step, step_regex=step_regex, skip=skip,
+                           local_kwargs={"on_progress": run.on_progress},
                            **_without_progress(run))
     plan = _coordinated(lambda: plan_posthoc(checkpoints, sigma_rels=sigma_rels, gammas=gammas, at_step=at_step,
-                        step_regex=step_regex, exclude_paths=[Path(out)]), run.device)
+                        step_regex=step_regex, exclude_paths=[Path(out)], skip=skip), run.device)
     return plan if dry_run else run_plan(plan, out=out, **_fields(run))
 
 
@@ -413,6 +418,7 @@ def average(
     dry_run: bool = False,
     step_regex: str | None = None,
     workers: int = 1,
+    skip: Sequence[str | Path] = (),
     **options: Any,
 ) -> Plan | RunResult:
     """Uniform average of the selected checkpoints into ``out`` (one DCP checkpoint).
@@ -422,7 +428,7 @@ def average(
         out: the output directory.
         last: average the newest ``last`` checkpoints; or select by ``from_step``/``to_step``.
         dry_run: return the :class:`Plan` and read no tensor.
-        step_regex, workers, **options: as for :func:`posthoc`.
+        step_regex, workers, skip, **options: as for :func:`posthoc`.
 
     Example:
         >>> average("ckpts", out="avg", last=5)  # doctest: +SKIP
@@ -430,10 +436,12 @@ def average(
     run = RunOptions(**options)
     if workers > 1 and not dry_run and not in_worker_group():
         return run_workers(workers, average, checkpoints, out=out, last=last, from_step=from_step,
-                           to_step=to_step, step_regex=step_regex, local_kwargs={"on_progress": run.on_progress},
+                           to_step=to_step, step_regex=step_regex, skip=skip,
+                           local_kwargs={"on_progress": run.on_progress},
                            **_without_progress(run))
     plan = _coordinated(lambda: plan_average(checkpoints, last=last, from_step=from_step, to_step=to_step,
-                                             step_regex=step_regex, exclude_paths=[Path(out)]), run.device)
+                                             step_regex=step_regex, exclude_paths=[Path(out)], skip=skip),
+                        run.device)
     return plan if dry_run else run_plan(plan, out=out, single_output=True, **_fields(run))
 
 

@@ -23,15 +23,21 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import json
 import re
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import CheckpointNotFoundError, IncompatibleCheckpointError, UsageError
+from .errors import CheckpointNotFoundError, EmaCkptError, IncompatibleCheckpointError, UsageError
 from .formats import detect_format, locate_model, open_checkpoint, registered_formats
-from .formats.base import CheckpointFormat, CheckpointReader
+from .formats.base import (
+    NESTED_MODELS,
+    TRAINER_STATE,
+    CheckpointFormat,
+    CheckpointReader,
+    nested_incomplete,
+    trainer_state_step,
+)
 from .layout import Box, row_blocks
 from .manifest import MANIFEST_NAME
 from .selection import select_keys
@@ -114,38 +120,37 @@ class StepRecord:
     source: str
 
 
-TRAINER_STATE = "trainer_state.json"
+ACCELERATE_CHECKPOINTS = "checkpoints"
+"""Where accelerate's ``automatic_checkpoint_naming`` saves, inside the project folder."""
+
+
+class StepUnknown(Exception):
+    """A step source that sees its record still being written: the checkpoint waits (a note)."""
 
 
 def _trainer_state_step(path: Path, fmt: CheckpointFormat) -> StepRecord | None:
     """The Hugging Face Trainer's ``trainer_state.json`` ``global_step`` (optimizer steps)."""
-    try:
-        doc = json.loads((path / TRAINER_STATE).read_bytes()) if path.is_dir() else None
-    except (OSError, ValueError, UnicodeDecodeError):
-        return None
-    step = doc.get("global_step") if isinstance(doc, dict) else None
-    return StepRecord(step, f"{TRAINER_STATE} global_step") if type(step) is int and step >= 0 else None
+    step = trainer_state_step(path)
+    return StepRecord(step, f"{TRAINER_STATE} global_step") if step is not None else None
 
 
 def _optimizer_counter_step(path: Path, fmt: CheckpointFormat) -> StepRecord | None:
     """The optimizer's own step counter (Adam's per-parameter ``step``) saved beside a nested model.
 
     accelerate records no optimizer step of its own: the ``step`` in ``random_states_<i>.pkl``
-    counts micro-batches through ``accumulate()`` and restarts at the end of every epoch.
+    counts micro-batches through ``accumulate()`` and restarts at the end of every epoch. The
+    largest counter is taken (a parameter frozen for a while counts fewer steps).
     """
-    optimizer = locate_model(path).optimizer
-    if optimizer is None or detect_format(optimizer) is None:
+    location = locate_model(path)
+    if location.trainer is None or location.optimizer is None:
         return None
-    try:
-        with contextlib.closing(open_checkpoint(optimizer)) as reader:
-            for key, spec in reader.specs().items():
-                if key.endswith(".step") and spec.shape == ():
-                    value = float(reader.read(key, Box((), ())).item())
-                    if value >= 0 and value == int(value):
-                        return StepRecord(int(value), f"optimizer step counter in {optimizer.name}/")
-    except Exception:  # noqa: BLE001 - a bonus over the name: an unreadable optimizer must not stop reads
-        return None
-    return None
+    if detect_format(location.optimizer) is None:
+        raise StepUnknown(f"{location.optimizer.name}/ is not complete yet (still being written?)")
+    with contextlib.closing(open_checkpoint(location.optimizer)) as reader:
+        counters = [key for key, spec in reader.specs().items() if key.endswith(".step") and spec.shape == ()]
+        values = [float(reader.read(key, Box((), ())).item()) for key in counters]
+    steps = [int(v) for v in values if v >= 0 and v == int(v)]
+    return StepRecord(max(steps), f"optimizer step counter in {location.optimizer.name}/") if steps else None
 
 
 def _format_step(path: Path, fmt: CheckpointFormat) -> StepRecord | None:
@@ -165,34 +170,60 @@ STEP_SOURCES: tuple[Callable[[Path, CheckpointFormat], StepRecord | None], ...] 
 )
 """Where a checkpoint's step is looked for, in order; the directory name comes last."""
 
+_NAMES_COUNT_SAVES = {"accelerate"}
+"""Trainers whose folder names count saves, not steps (accelerate's ``checkpoint_<i>``)."""
+
+
+def _owner(path: Path) -> Path:
+    """The trainer folder around a nested model folder given by itself, else ``path``."""
+    if any(n.pattern.match(path.name) for n in NESTED_MODELS) and locate_model(path.parent).path == path:
+        return path.parent
+    return path
+
 
 def step_record(path: str | Path, step_regex: str | None = None) -> StepRecord | None:
     """The training step of the checkpoint at ``path`` and where it came from, or None.
+
+    ``step_regex``, when given and matching, wins over every record: the user said so.
+
+    Raises:
+        StepUnknown: the record that holds the step is still being written.
 
     Example:
         >>> step_record("out/checkpoint-500")  # doctest: +SKIP
         StepRecord(step=500, source='trainer_state.json global_step')
     """
     path = Path(path)
-    fmt = detect_format(path)
+    owner = _owner(path)
+    if step_regex is not None:
+        step = step_from_name(owner.name, step_regex)
+        if step is not None:
+            return StepRecord(step, f"--step-regex on the folder name {owner.name}")
+    fmt = detect_format(owner)
     if fmt is not None:
-        # A trainer's nested model folder given by itself: its trainer folder holds the records.
-        owner = path.parent if locate_model(path.parent).path == path else path
         for source in STEP_SOURCES:
-            record = source(owner, fmt)
+            try:
+                record = source(owner, fmt)
+            except EmaCkptError:
+                raise
+            except OSError:
+                record = None
             if record is not None:
                 return record
-        if owner != path:
-            step = step_from_name(owner.name, step_regex)
-            if step is not None:
-                return StepRecord(step, f"folder name {owner.name}")
-    step = step_from_name(path.name, step_regex)
-    if step is None:
-        return None
-    return StepRecord(step, "--step-regex on the folder name" if step_regex else "folder name")
+        trainer = locate_model(owner).trainer
+        if trainer in _NAMES_COUNT_SAVES:
+            raise StepUnknown(
+                f"no step record ({trainer}'s {owner.name} counts saves, not steps); "
+                "pass --step-regex to take the name as the step"
+            )
+    step = step_from_name(owner.name)
+    return StepRecord(step, "folder name") if step is not None else None
 
 
 def _incomplete_reason(path: Path) -> str | None:
+    nested = nested_incomplete(path)
+    if nested:
+        return nested
     for fmt in registered_formats().values():
         reason = fmt.incomplete(path)
         if reason:
@@ -210,10 +241,14 @@ def _holds_checkpoints(path: Path) -> bool:
     )
 
 
-def _found(path: Path, fmt: CheckpointFormat, step_regex: str | None) -> FoundCheckpoint | None:
-    record = step_record(path, step_regex)
+def _found(path: Path, fmt: CheckpointFormat, step_regex: str | None) -> FoundCheckpoint | str:
+    """The checkpoint at ``path`` with its step, or why it waits (a note)."""
+    try:
+        record = step_record(path, step_regex)
+    except StepUnknown as why:
+        return str(why)
     if record is None:
-        return None
+        return "no step in its name (see --step-regex)"
     return FoundCheckpoint(path, record.step, fmt.name, record.source)
 
 
@@ -222,55 +257,106 @@ def same_model_bytes(a: CheckpointReader, b: CheckpointReader, keys: Sequence[st
 
     Reads block by block (memory: one block of each), and stops at the first difference.
     """
+    import torch
+
     specs_a, specs_b = a.specs(), b.specs()
     for key in keys:
-        if key not in specs_b or specs_a[key].shape != specs_b[key].shape or specs_a[key].dtype != specs_b[key].dtype:
+        spec_a, spec_b = specs_a[key], specs_b.get(key)
+        if spec_b is None or spec_a.shape != spec_b.shape or spec_a.dtype != spec_b.dtype:
             return False
     for key in keys:
         spec = specs_a[key]
         limit = max(1, (16 << 20) // max(spec.dtype.itemsize, 1))
         for box in row_blocks(spec.shape, list(a.layout(key)), limit):
-            x, y = a.read(key, box), b.read(key, box)
-            if x.contiguous().view(-1).view(_uint8()).numpy().tobytes() != \
-                    y.contiguous().view(-1).view(_uint8()).numpy().tobytes():
+            x = a.read(key, box).contiguous().reshape(-1).view(torch.uint8)
+            y = b.read(key, box).contiguous().reshape(-1).view(torch.uint8)
+            if not torch.equal(x, y):  # bytes, so NaNs in the same places compare equal
                 return False
     return True
 
 
-def _uint8():
-    import torch
+def _prefer(
+    a: FoundCheckpoint, b: FoundCheckpoint, known: set[Path]
+) -> tuple[FoundCheckpoint, FoundCheckpoint]:
+    """(kept, skipped) of two copies of one step: the one already folded, else the one with a
+    trainer's own step record, else the first by path."""
 
-    return torch.uint8
+    def rank(c: FoundCheckpoint) -> tuple[int, int, str]:
+        return (0 if c.path.resolve() in known else 1, 0 if c.step_source.startswith(TRAINER_STATE) else 1,
+                str(c.path))
+
+    return (a, b) if rank(a) <= rank(b) else (b, a)
 
 
-def _prefer(a: FoundCheckpoint, b: FoundCheckpoint) -> tuple[FoundCheckpoint, FoundCheckpoint]:
-    """(kept, skipped) of two copies of one step: the one with a trainer's own step record wins."""
-    key_a = (0 if a.step_source.startswith(TRAINER_STATE) else 1, str(a.path))
-    key_b = (0 if b.step_source.startswith(TRAINER_STATE) else 1, str(b.path))
-    return (a, b) if key_a <= key_b else (b, a)
+def _drop_identical_copies(found: Discovery, known: Mapping[Path, int], compare_after: int | None) -> None:
+    """One checkpoint per step: identical copies of a step count once; different ones are refused.
 
-
-def _drop_identical_copies(found: Discovery) -> None:
-    """One checkpoint per step: identical copies of a step count once; different ones are refused."""
+    Bytes are compared only for steps after ``compare_after`` (the steps a run will read); an
+    older duplicate keeps the copy already folded, unread.
+    """
     kept: list[FoundCheckpoint] = []
+    folded = set(known)
     for candidate in found.checkpoints:
         previous = kept[-1] if kept else None
         if previous is None or previous.step != candidate.step:
             kept.append(candidate)
             continue
-        with contextlib.closing(open_checkpoint(previous.path)) as a, \
-                contextlib.closing(open_checkpoint(candidate.path)) as b:
-            keys_a, keys_b = select_keys(a), select_keys(b)
-            same = sorted(keys_a) == sorted(keys_b) and same_model_bytes(a, b, keys_a)
+        keep, skip = _prefer(previous, candidate, folded)
+        if previous.path.resolve() == candidate.path.resolve():
+            same = True
+        elif compare_after is not None and candidate.step <= compare_after:
+            same = True  # not read by this run either way
+        else:
+            with contextlib.closing(open_checkpoint(previous.path)) as a, \
+                    contextlib.closing(open_checkpoint(candidate.path)) as b:
+                keys_a, keys_b = select_keys(a), select_keys(b)
+                same = sorted(keys_a) == sorted(keys_b) and same_model_bytes(a, b, keys_a)
         if not same:
             raise IncompatibleCheckpointError(
                 f"{previous.path} and {candidate.path} both hold step {candidate.step} with different "
                 "weights; leave one out with --skip PATH"
             )
-        keep, skip = _prefer(previous, candidate)
         kept[-1] = keep
-        found.notes.append(f"skipped {skip.path}: the same step {skip.step} and the same weights as {keep.path}")
+        unread = compare_after is not None and candidate.step <= compare_after
+        what = "as" if unread else "and the same weights as"
+        found.notes.append(f"skipped {skip.path}: the same step {skip.step} {what} {keep.path}"
+                           + (", already folded" if unread else ""))
     found.checkpoints = kept
+
+
+def _skipped(path: Path, skipped: Sequence[Path], used: set[Path]) -> bool:
+    """True when ``path`` (or the model folder nested in it) is one the user left out."""
+    for candidate in {path.resolve(), locate_model(path).path.resolve()}:
+        for target in skipped:
+            if candidate == target or target in candidate.parents:
+                used.add(target)
+                return True
+    return False
+
+
+def _scan_folder(path: Path, found: Discovery, step_regex: str | None, excluded: Sequence[Path],
+                 skipped: Sequence[Path], used: set[Path]) -> None:
+    for child in sorted(path.iterdir()):
+        if child.name.startswith(".") or not child.is_dir():
+            continue
+        if _inside(child, excluded):
+            continue
+        if _skipped(child, skipped, used):
+            found.notes.append(f"skipped {child}: left out (--skip)")
+            continue
+        if (child / MANIFEST_NAME).exists():
+            continue
+        child_fmt = detect_format(child)
+        if child_fmt is None:
+            reason = _incomplete_reason(child)
+            if reason:
+                found.notes.append(f"skipped {child}: {reason}")
+            continue
+        checkpoint = _found(child, child_fmt, step_regex)
+        if isinstance(checkpoint, str):
+            found.notes.append(f"skipped {child}: {checkpoint}")
+            continue
+        found.checkpoints.append(checkpoint)
 
 
 def discover(
@@ -279,11 +365,15 @@ def discover(
     step_regex: str | None = None,
     exclude: Sequence[str | Path] = (),
     skip: Sequence[str | Path] = (),
+    known: Mapping[Path, int] | None = None,
+    compare_after: int | None = None,
 ) -> Discovery:
     """Find the checkpoints in ``paths`` (each a checkpoint or a folder of them).
 
     ``exclude`` lists paths never taken, silently (outputs); ``skip`` lists checkpoints the
-    user leaves out (``--skip``), each noted.
+    user leaves out (``--skip``), each noted. ``known`` maps checkpoints already folded to
+    their steps: of two copies of one step the known one is kept, and copies of steps up to
+    ``compare_after`` are not compared byte for byte (that run reads neither).
 
     Raises:
         CheckpointNotFoundError: a path is missing, an explicit path is not a checkpoint,
@@ -293,11 +383,12 @@ def discover(
     found = Discovery()
     excluded = [Path(p).resolve() for p in exclude]
     skipped = [Path(p).resolve() for p in skip]
+    used: set[Path] = set()
     for raw in paths:
         path = Path(raw)
         if not path.exists():
             raise CheckpointNotFoundError(path, "no such file or directory")
-        if _inside(path, skipped):
+        if _skipped(path, skipped, used):
             found.notes.append(f"skipped {path}: left out (--skip)")
             continue
         fmt = detect_format(path)
@@ -305,10 +396,8 @@ def discover(
             fmt = None  # e.g. a DeepSpeed save dir: `latest` names one tag, but every tag counts
         if fmt is not None and not (path / MANIFEST_NAME).exists():
             checkpoint = _found(path, fmt, step_regex)
-            if checkpoint is None:
-                raise CheckpointNotFoundError(
-                    path, "cannot tell the training step from the name; pass --step-regex"
-                )
+            if isinstance(checkpoint, str):
+                raise CheckpointNotFoundError(path, f"cannot tell the training step: {checkpoint}")
             found.checkpoints.append(checkpoint)
             continue
         if not path.is_dir():
@@ -316,29 +405,21 @@ def discover(
         reason = _incomplete_reason(path)
         if reason:
             raise CheckpointNotFoundError(path, reason)
-        for child in sorted(path.iterdir()):
-            if child.name.startswith(".") or not child.is_dir():
-                continue
-            if _inside(child, excluded):
-                continue
-            if _inside(child, skipped):
-                found.notes.append(f"skipped {child}: left out (--skip)")
-                continue
-            if (child / MANIFEST_NAME).exists():
-                continue
-            child_fmt = detect_format(child)
-            if child_fmt is None:
-                reason = _incomplete_reason(child)
-                if reason:
-                    found.notes.append(f"skipped {child}: {reason}")
-                continue
-            checkpoint = _found(child, child_fmt, step_regex)
-            if checkpoint is None:
-                found.notes.append(f"skipped {child}: no step in its name (see --step-regex)")
-                continue
-            found.checkpoints.append(checkpoint)
+        before = len(found.checkpoints)
+        _scan_folder(path, found, step_regex, excluded, skipped, used)
+        project = path / ACCELERATE_CHECKPOINTS
+        if len(found.checkpoints) == before and project.is_dir() and not project.is_symlink():
+            # accelerate's project folder: automatic_checkpoint_naming saves into checkpoints/
+            _scan_folder(project, found, step_regex, excluded, skipped, used)
+    for target in skipped:
+        if target not in used:
+            found.notes.append(f"--skip {target}: no such checkpoint was found")
+    sources = {c.step_source.split(" on the folder name")[0] for c in found.checkpoints}
+    if len(sources) > 1:
+        found.notes.append("steps come from different records: " + ", ".join(sorted(sources))
+                           + " (check the order with --dry-run)")
     found.checkpoints.sort(key=lambda c: (c.step, str(c.path)))
-    _drop_identical_copies(found)
+    _drop_identical_copies(found, {Path(p).resolve(): s for p, s in (known or {}).items()}, compare_after)
     if not found.checkpoints:
         where = ", ".join(str(p) for p in paths)
         raise CheckpointNotFoundError(where, "no checkpoints found" + (

@@ -126,7 +126,8 @@ def _ignored_weights(path: Path, chosen: str) -> list[str]:
     for name, fmt in registered_formats().items():
         if name == chosen or not fmt.detect(path):
             continue
-        files = sorted(p.name for p in path.iterdir() if p.is_file() and p.name.endswith(_SUFFIXES.get(name, ())))
+        suffixes = _SUFFIXES.get(name, ())
+        files = sorted(p.name for p in path.iterdir() if p.is_file() and p.name.endswith(suffixes))
         shown = ", ".join(files[:3]) or name
         target = path / files[0] if len(files) == 1 else path
         notes.append(f"{shown} ({name}) ignored: the {chosen} weights are read"

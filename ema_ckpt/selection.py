@@ -149,7 +149,9 @@ def container_prefix(reader: CheckpointReader, keys: Sequence[str]) -> str | Non
     return prefix
 
 
-def output_names(reader: CheckpointReader, keys: Sequence[str], *, keep_prefix: bool = False) -> dict[str, str]:
+def output_names(
+    reader: CheckpointReader, keys: Sequence[str], *, keep_prefix: bool = False
+) -> dict[str, str]:
     """{stored key: the model's own name}: the DCP container level removed, nothing else renamed."""
     prefix = None if keep_prefix else container_prefix(reader, keys)
     if prefix is None:

@@ -94,3 +94,31 @@ def test_empty_folder_and_explicit_partial_directory(tmp_path):
 def test_explicit_checkpoint_paths(tmp_path):
     a, b = _ckpt(tmp_path / "step_7"), _ckpt(tmp_path / "step_2")
     assert [c.step for c in discover([a, b]).checkpoints] == [2, 7]
+
+
+def test_folders_named_like_a_trainers_nesting_stay_folders_of_checkpoints(tmp_path):
+    for name in ("step_100", "step_200", "weights"):
+        _ckpt(tmp_path / name)
+    (tmp_path / "context").mkdir()  # NeMo's pair, but weights/ holds no Megatron metadata.json
+    assert [c.step for c in discover([tmp_path]).checkpoints] == [100, 200]
+
+
+def test_a_stale_file_of_a_later_format_does_not_hide_a_complete_checkpoint(tmp_path):
+    _ckpt(tmp_path / "step_200")
+    index = tmp_path / "step_200" / "model.safetensors.index.json"
+    index.write_text('{"weight_map": {"w": "gone.safetensors"}}')
+    assert [c.step for c in discover([tmp_path]).checkpoints] == [200]
+
+
+def test_a_symlinked_checkpoints_folder_is_not_followed_round(tmp_path):
+    (tmp_path / "proj").mkdir()
+    (tmp_path / "proj" / "checkpoints").symlink_to(tmp_path / "proj")
+    with pytest.raises(CheckpointNotFoundError, match="no checkpoints found"):
+        discover([tmp_path / "proj"])
+
+
+def test_a_steps_two_copies_of_one_file_are_one_checkpoint(tmp_path):
+    _ckpt(tmp_path / "step_5")
+    (tmp_path / "global_step5").symlink_to(tmp_path / "step_5")
+    found = discover([tmp_path])
+    assert len(found.checkpoints) == 1 and any("the same step 5" in n for n in found.notes)

@@ -110,7 +110,7 @@ def test_snapshot_scheme_reconstructs_any_sigma_rel(tmp_path):
     result = CliRunner().invoke(app, ["posthoc", str(snap), "--sigma-rel", "0.07", "--dry-run", "--json"])
     assert result.exit_code == 0, result.output
     plan = json.loads(result.stdout)
-    assert list(plan) == ["outputs"] and len(plan["outputs"]) == 1
+    assert list(plan) == ["outputs", "notes"] and len(plan["outputs"]) == 1
     output = plan["outputs"][0]
     assert list(output) == ["name", "sigma_rel", "gamma", "step", "terms"]
     assert output["name"] == "sigma_rel_0.07" and output["step"] == 2000

@@ -97,8 +97,11 @@ def accumulate_command(
     if dry_run:
         assert result.plan is not None
         if json_output:
-            print_json(result.plan.to_json())
+            print_json(result.plan.to_json() | {"notes": result.notes})
         else:
+            if not quiet:
+                for line in result.notes:
+                    note(line)
             render_plan(result.plan)
             if result.up_to_date:
                 console.print(f"{result.out}: up to date at step {result.step}; nothing new to fold")

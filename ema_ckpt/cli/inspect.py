@@ -35,6 +35,8 @@ def inspect_command(
         print_json(report.to_dict())
         return
     summary = Table.grid(padding=(0, 2))
+    summary.add_column(no_wrap=True)
+    summary.add_column(overflow="fold")  # paths and notes fold onto more lines, never cut
     summary.add_row("path", str(report.path))
     summary.add_row("format", report.format_name)
     if report.trainer is not None and report.model_path is not None:

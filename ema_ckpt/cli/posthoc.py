@@ -9,8 +9,19 @@ import typer
 
 from ..errors import UsageError
 from ._errors import reports_errors
-from ._options import DeviceOpt, WorkersOpt, ExcludeOpt, IncludeOpt, JsonOpt, OverwriteOpt, QuietOpt, StepRegexOpt, WaitOpt
-from ._output import console, human_bytes, print_json, progress_bar
+from ._options import (
+    DeviceOpt,
+    ExcludeOpt,
+    IncludeOpt,
+    JsonOpt,
+    OverwriteOpt,
+    QuietOpt,
+    SkipOpt,
+    StepRegexOpt,
+    WaitOpt,
+    WorkersOpt,
+)
+from ._output import console, human_bytes, note, print_json, progress_bar
 from ._plan import render_plan
 
 POSTHOC_EPILOG = """\
@@ -49,6 +60,8 @@ def _finish(result, json_output: bool, quiet: bool) -> None:
                      "bytes_written": result.bytes_written, "seconds": round(result.seconds, 3)})
         print_json(data)
     elif not quiet:
+        for line in result.plan.notes:
+            note(line)
         for output, path in zip(result.plan.outputs, result.outputs, strict=True):
             console.print(f"{path}: step {output.step}, {len(output.terms)} inputs", highlight=False)
         console.print(f"{human_bytes(result.bytes_read)} read once for {len(result.outputs)} output(s), "
@@ -68,6 +81,7 @@ def posthoc_command(
     include: IncludeOpt = None,
     exclude: ExcludeOpt = None,
     step_regex: StepRegexOpt = None,
+    skip: SkipOpt = None,
     overwrite: OverwriteOpt = False,
     wait: WaitOpt = 0.0,
     dry_run: DryRunOpt = False,
@@ -84,7 +98,7 @@ def posthoc_command(
 
         result = posthoc(checkpoints, out=out or Path("posthoc"), sigma_rels=sigma_rel or (), gammas=gamma or (),
                          at_step=at_step, dry_run=dry_run, dtype=dtype, include=include or (), workers=workers, device=device,
-                         exclude=exclude or (), step_regex=step_regex, overwrite=overwrite,
+                         exclude=exclude or (), step_regex=step_regex, skip=skip or (), overwrite=overwrite,
                          wait_seconds=wait, on_progress=on_progress)
     _finish(result, json_output, quiet)
 
@@ -100,6 +114,7 @@ def average_command(
     include: IncludeOpt = None,
     exclude: ExcludeOpt = None,
     step_regex: StepRegexOpt = None,
+    skip: SkipOpt = None,
     overwrite: OverwriteOpt = False,
     wait: WaitOpt = 0.0,
     dry_run: DryRunOpt = False,
@@ -116,6 +131,6 @@ def average_command(
 
         result = average(checkpoints, out=out or Path("average"), last=last, from_step=from_step,
                          to_step=to_step, dry_run=dry_run, dtype=dtype, include=include or (), workers=workers, device=device,
-                         exclude=exclude or (), step_regex=step_regex, overwrite=overwrite,
+                         exclude=exclude or (), step_regex=step_regex, skip=skip or (), overwrite=overwrite,
                          wait_seconds=wait, on_progress=on_progress)
     _finish(result, json_output, quiet)

@@ -14,6 +14,7 @@ Example:
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -137,18 +138,20 @@ class NestedModel:
     ``checkpoint_<i>/pytorch_model_fsdp_0/`` (a DCP checkpoint holding ``{"model": …}``) beside
     ``optimizer_0/``; NeMo 2 writes Megatron's ``torch_dist`` checkpoint into ``weights/``.
     ``optimizer`` names the sibling folder holding that model's optimizer state, if any;
-    ``beside`` a sibling that must exist too, where the subdirectory's name alone is common.
+    where the subdirectory's name alone is common, ``beside`` names a sibling that must exist
+    too and ``marker`` a file the nested folder must hold.
     """
 
     trainer: str
     pattern: re.Pattern[str]
     optimizer: str | None = None
     beside: str | None = None
+    marker: str | None = None
 
 
 NESTED_MODELS: tuple[NestedModel, ...] = (
     NestedModel("accelerate", re.compile(r"^pytorch_model_fsdp_0$"), optimizer="optimizer_0"),
-    NestedModel("NeMo", re.compile(r"^weights$"), beside="context"),
+    NestedModel("NeMo", re.compile(r"^weights$"), beside="context", marker="metadata.json"),
 )
 
 
@@ -167,9 +170,15 @@ class ModelLocation:
 
 
 def _own_format(path: Path) -> CheckpointFormat | None:
+    earlier: list[CheckpointFormat] = []
     for fmt in _REGISTRY.values():
         if fmt.detect(path):
+            # A save of a format detected earlier still in progress here makes the folder
+            # incomplete: the Hugging Face Trainer writes model.safetensors before its DeepSpeed tag.
+            if any(other.incomplete(path) for other in earlier):
+                return None
             return fmt
+        earlier.append(fmt)
     return None
 
 
@@ -192,13 +201,49 @@ def locate_model(path: str | Path) -> ModelLocation:
         return ModelLocation(path)
     for nested in NESTED_MODELS:
         names = [n for n in children if nested.pattern.match(n)]
-        if nested.beside is not None and nested.beside not in children:
+        if not names or (nested.beside is not None and nested.beside not in children):
             continue
-        if names and _own_format(path / names[0]) is not None:
+        if nested.marker is not None and not (path / names[0] / nested.marker).is_file():
+            continue
+        if _own_format(path / names[0]) is not None:
             others = tuple(n for n in children if n != names[0] and n.startswith("pytorch_model_fsdp_"))
-            optimizer = path / nested.optimizer if nested.optimizer and (path / nested.optimizer).is_dir() else None
+            optimizer = path / nested.optimizer if nested.optimizer else None
+            optimizer = optimizer if optimizer is not None and optimizer.is_dir() else None
             return ModelLocation(path / names[0], nested.trainer, optimizer, others)
     return ModelLocation(path)
+
+
+def nested_incomplete(path: str | Path) -> str | None:
+    """Why a trainer folder's nested model folder is still being written, or None."""
+    path = Path(path)
+    if not path.is_dir() or _own_format(path) is not None:
+        return None
+    for nested in NESTED_MODELS:
+        if nested.beside is not None and not (path / nested.beside).is_dir():
+            continue
+        for child in sorted(path.iterdir()):
+            if child.is_dir() and nested.pattern.match(child.name):
+                for fmt in _REGISTRY.values():
+                    reason = fmt.incomplete(child)
+                    if reason:
+                        return f"{child.name}/: {reason}"
+    return None
+
+
+TRAINER_STATE = "trainer_state.json"
+
+
+def trainer_state_step(path: str | Path) -> int | None:
+    """``global_step`` of the Hugging Face Trainer's ``trainer_state.json`` in ``path``, or None.
+
+    A bonus over the folder name: a missing or unreadable file is no error.
+    """
+    try:
+        doc = json.loads((Path(path) / TRAINER_STATE).read_bytes())
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None
+    step = doc.get("global_step") if isinstance(doc, dict) else None
+    return step if type(step) is int and step >= 0 else None
 
 
 def detect_format(path: str | Path) -> CheckpointFormat | None:
@@ -222,6 +267,9 @@ def open_checkpoint(path: str | Path) -> CheckpointReader:
             reason = candidate.incomplete(path)
             if reason:
                 raise CheckpointNotFoundError(path, reason)
+        reason = nested_incomplete(path)
+        if reason:
+            raise CheckpointNotFoundError(path, reason)
         names = ", ".join(_REGISTRY)
         raise CheckpointNotFoundError(path, f"not a checkpoint of any known format ({names})")
     return fmt.open(location.path)

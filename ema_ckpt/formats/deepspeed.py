@@ -211,8 +211,18 @@ def _tag_without_latest(path: Path) -> str | None:
         tags = [c for c in sorted(path.iterdir()) if c.is_dir() and any(_ds_files(c))]
     except OSError:
         return None
-    reason = incomplete(tags[0]) if len(tags) == 1 else None
-    return f"no 'latest' yet and {reason}" if reason else None
+    if len(tags) != 1:
+        return None
+    reason = incomplete(tags[0])
+    if reason:
+        return f"no 'latest' yet and {reason}"
+    # Complete rank files but no `latest` yet, beside a trainer's other weights: read now, the
+    # folder would pass for its bf16 copy and, once `latest` appears, for the fp32 tag.
+    others = [p.name for p in path.iterdir() if p.is_file() and (p.name == "trainer_state.json"
+                                                                 or p.name.endswith(".safetensors"))]
+    if not others:
+        return None
+    return f"DeepSpeed tag {tags[0].name} but no 'latest' naming it yet (still being written?)"
 
 
 # (path, device, inode, size, mtime_ns) -> dp_world_size of a settled model-states file.

@@ -45,13 +45,12 @@ from safetensors import SafetensorError, safe_open
 from .._lazy import torch
 from ..errors import CheckpointFormatError, CheckpointNotFoundError
 from ..layout import Box, TensorSpec
-from .base import CheckpointFormat, register_format
+from .base import CheckpointFormat, register_format, trainer_state_step
 
 SUFFIX = ".safetensors"
 INDEX_SUFFIX = ".safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-TRAINER_STATE = "trainer_state.json"
 _SHARD_NAME = re.compile(r"-\d+-of-\d+\.safetensors$")
 _MAX_HEADER = 100_000_000  # the limit safetensors itself enforces
 
@@ -243,16 +242,6 @@ def _incomplete(path: Path) -> str | None:
     return None
 
 
-def _trainer_step(path: Path) -> int | None:
-    # A bonus over the folder name: an unreadable trainer_state.json must not stop reads.
-    try:
-        doc = json.loads((path / TRAINER_STATE).read_bytes())
-    except (OSError, ValueError, UnicodeDecodeError):
-        return None
-    step = doc.get("global_step") if isinstance(doc, dict) else None
-    return step if type(step) is int else None
-
-
 class SafetensorsReader:
     """Reader for one safetensors checkpoint (see the module docstring).
 
@@ -284,7 +273,7 @@ class SafetensorsReader:
         for header in self.headers:
             self._specs.update(header.tensors)
         self._specs = dict(sorted(self._specs.items()))
-        self.step: int | None = _trainer_step(self.path) if self.path.is_dir() else None
+        self.step: int | None = trainer_state_step(self.path) if self.path.is_dir() else None
         self._max_open = max(1, max_open_files)
         self._handles: OrderedDict[Path, Any] = OrderedDict()
         self._lock = threading.Lock()

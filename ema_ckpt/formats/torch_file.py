@@ -34,7 +34,8 @@ from .base import CheckpointFormat, register_format
 
 SUFFIXES = (".pt", ".pth", ".bin")
 _ZIP_MAGIC = b"PK\x03\x04"
-_MAX_PICKLE_BYTES = 1 << 30
+_MAX_PICKLE_BYTES = 64 << 20  # pickled records of a few million keys
+_MAX_REPEATED_BYTES = 64 << 20  # an expanded (stride-0) view may be at most this large
 
 
 def _is_torch_file(path: Path) -> bool:
@@ -51,6 +52,14 @@ def _is_torch_file(path: Path) -> bool:
 class _Stored:
     record: TensorRecord
     data_offset: int  # absolute offset of the storage's first byte in the file
+    path: tuple[str, ...]  # how the key was nested: ("model", "fc.weight")
+
+
+def _dtype(path: Path, key: str, name: str) -> torch.dtype:
+    try:
+        return torch_dtype(name)
+    except (KeyError, AttributeError, TypeError):
+        raise CheckpointFormatError(path, f"key {key!r}: dtype {name} is not supported") from None
 
 
 class TorchFileReader:
@@ -61,22 +70,28 @@ class TorchFileReader:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self.step: int | None = None
-        self._fd = os.open(self.path, os.O_RDONLY)
+        try:
+            self._fd = os.open(self.path, os.O_RDONLY)
+        except OSError as err:
+            raise CheckpointFormatError(self.path, f"cannot read ({err.strerror})") from None
         try:
             self._size = os.fstat(self._fd).st_size
             self._tensors = self._index()
+            self._specs = {
+                key: TensorSpec(key, t.record.size, _dtype(self.path, key, t.record.dtype))
+                for key, t in self._tensors.items()
+            }
         except BaseException:
             os.close(self._fd)
             raise
-        self._specs = {
-            key: TensorSpec(key, t.record.size, torch_dtype(t.record.dtype)) for key, t in self._tensors.items()
-        }
 
     def _index(self) -> dict[str, _Stored]:
         try:
             with self.path.open("rb") as handle, zipfile.ZipFile(handle) as archive:
                 infos = archive.infolist()
-                pkl = next((i for i in infos if i.filename.endswith("/data.pkl") or i.filename == "data.pkl"), None)
+                pkl = next(
+                    (i for i in infos if i.filename.endswith("/data.pkl") or i.filename == "data.pkl"), None
+                )
                 if pkl is None:
                     raise CheckpointFormatError(self.path, "no data.pkl: not a torch.save file")
                 if pkl.file_size > _MAX_PICKLE_BYTES:
@@ -90,24 +105,37 @@ class TorchFileReader:
             raise CheckpointFormatError(self.path, "holds no tensors")
         starts: dict[str, int] = {}
         tensors = {}
-        for key, record in records.items():
+        for key, (nesting, record) in records.items():
             member = members.get(prefix + "data/" + record.storage_key)
             if member is None:
-                raise CheckpointFormatError(self.path, f"key {key!r}: storage {record.storage_key} is missing")
+                raise CheckpointFormatError(
+                    self.path, f"key {key!r}: storage {record.storage_key} is missing"
+                )
             if member.compress_type != zipfile.ZIP_STORED:
                 raise CheckpointFormatError(self.path, f"key {key!r}: compressed storage is not supported")
             nbytes = record.storage_numel * itemsize(record.dtype)
             if member.file_size != nbytes:
-                raise CheckpointFormatError(self.path, f"key {key!r}: storage holds {member.file_size} bytes, "
-                                                       f"its tensor needs {nbytes}")
+                raise CheckpointFormatError(
+                    self.path,
+                    f"key {key!r}: storage holds {member.file_size} bytes, its tensor needs {nbytes}",
+                )
             if member.filename not in starts:
                 starts[member.filename] = self._data_start(member)
             if starts[member.filename] + nbytes > self._size:
-                raise CheckpointFormatError(self.path, f"truncated: key {key!r} ends past the end of the file")
+                raise CheckpointFormatError(
+                    self.path, f"truncated: key {key!r} ends past the end of the file"
+                )
             span = _span(record)
             if record.storage_offset < 0 or record.storage_offset + span > record.storage_numel:
                 raise CheckpointFormatError(self.path, f"key {key!r}: view outside its storage")
-            tensors[key] = _Stored(record, starts[member.filename])
+            numel = math.prod(record.size)
+            if numel > record.storage_numel and numel * itemsize(record.dtype) > _MAX_REPEATED_BYTES:
+                # a stride-0 view of a few bytes claiming terabytes: refused, not expanded
+                raise CheckpointFormatError(
+                    self.path,
+                    f"key {key!r}: a {list(record.size)} view of {record.storage_numel} stored elements",
+                )
+            tensors[key] = _Stored(record, starts[member.filename], nesting)
         return tensors
 
     def _data_start(self, member: zipfile.ZipInfo) -> int:
@@ -135,11 +163,17 @@ class TorchFileReader:
             start = stored.data_offset + (record.storage_offset + box.offsets[0] * row) * size
             self._pread_into(out, start)
             return out
-        span = _span(record)
-        flat = torch.empty(span, dtype=spec.dtype)
-        self._pread_into(flat, stored.data_offset + record.storage_offset * size)
-        full = torch.as_strided(flat, record.size, record.stride) if record.size else flat.reshape(())
-        return full[box.slices()].clone() if box.sizes else full.clone()
+        # Any other view: read the storage span the box reaches, from its first element to its last.
+        first = record.storage_offset + sum(o * st for o, st in zip(box.offsets, record.stride, strict=True))
+        reach = (
+            1 + sum((n - 1) * st for n, st in zip(box.sizes, record.stride, strict=True)) if box.numel else 0
+        )
+        flat = torch.empty(reach, dtype=spec.dtype)
+        if reach:
+            self._pread_into(flat, stored.data_offset + first * size)
+        return (
+            torch.as_strided(flat, box.sizes, record.stride).clone() if box.numel else flat.reshape(box.sizes)
+        )
 
     def _pread_into(self, out: torch.Tensor, offset: int) -> None:
         view = memoryview(out.reshape(-1).view(torch.uint8).numpy())
@@ -147,8 +181,19 @@ class TorchFileReader:
         while done < len(view):
             n = os.preadv(self._fd, [view[done:]], offset + done)
             if n <= 0:
-                raise CheckpointFormatError(self.path, f"truncated: expected {len(view)} bytes at offset {offset}")
+                raise CheckpointFormatError(
+                    self.path, f"truncated: expected {len(view)} bytes at offset {offset}"
+                )
             done += n
+
+    def root_of(self, key: str) -> str:
+        """The top-level name ``key`` was saved under (``model`` of ``{"model": …}``)."""
+        return self._tensors[key].path[0]
+
+    def container_of(self, key: str) -> str | None:
+        """The dict ``key`` was nested in at the top level, or None for a flat state dict."""
+        path = self._tensors[key].path
+        return path[0] if len(path) > 1 else None
 
     def info(self) -> dict[str, Any]:
         storages = Counter(t.record.storage_key for t in self._tensors.values())
