@@ -326,6 +326,8 @@ def _drop_identical_copies(found: Discovery, known: Mapping[Path, int], compare_
 
 def _skipped(path: Path, skipped: Sequence[Path], used: set[Path]) -> bool:
     """True when ``path`` (or the model folder nested in it) is one the user left out."""
+    if not skipped:
+        return False
     for candidate in {path.resolve(), locate_model(path).path.resolve()}:
         for target in skipped:
             if candidate == target or target in candidate.parents:

@@ -221,12 +221,12 @@ def nested_incomplete(path: str | Path) -> str | None:
     for nested in NESTED_MODELS:
         if nested.beside is not None and not (path / nested.beside).is_dir():
             continue
-        for child in sorted(path.iterdir()):
-            if child.is_dir() and nested.pattern.match(child.name):
-                for fmt in _REGISTRY.values():
-                    reason = fmt.incomplete(child)
-                    if reason:
-                        return f"{child.name}/: {reason}"
+        names = [c.name for c in path.iterdir() if nested.pattern.match(c.name) and c.is_dir()]
+        for name in sorted(names):
+            for fmt in _REGISTRY.values():
+                reason = fmt.incomplete(path / name)
+                if reason:
+                    return f"{name}/: {reason}"
     return None
 
 

@@ -200,14 +200,23 @@ def incomplete(path: str | Path) -> str | None:
     return None
 
 
+_TRAINER_FILES = {"trainer_state.json", "config.json", "training_args.bin", "zero_to_fp32.py"}
+"""Files a trainer writes beside its DeepSpeed tag (the Hugging Face Trainer's checkpoint-N)."""
+
+
 def _tag_without_latest(path: Path) -> str | None:
     """A reason when a folder without ``latest`` holds a DeepSpeed tag that is still being written.
 
     DeepSpeed writes ``latest`` after every rank's files, so a Hugging Face Trainer
     ``checkpoint-N/global_stepN/`` holding rank 0's files only is a save in progress (or one
-    that died). A folder of several tags is a save folder: each tag is judged on its own.
+    that died). A folder of several tags is a save folder: each tag is judged on its own, and a
+    folder without a trainer's files beside its subfolders (a folder of checkpoints) is not
+    looked into at all.
     """
     try:
+        files = [p.name for p in path.iterdir() if p.is_file()]
+        if not any(n in _TRAINER_FILES or n.endswith(".safetensors") for n in files):
+            return None
         tags = [c for c in sorted(path.iterdir()) if c.is_dir() and any(_ds_files(c))]
     except OSError:
         return None
@@ -218,10 +227,6 @@ def _tag_without_latest(path: Path) -> str | None:
         return f"no 'latest' yet and {reason}"
     # Complete rank files but no `latest` yet, beside a trainer's other weights: read now, the
     # folder would pass for its bf16 copy and, once `latest` appears, for the fp32 tag.
-    others = [p.name for p in path.iterdir() if p.is_file() and (p.name == "trainer_state.json"
-                                                                 or p.name.endswith(".safetensors"))]
-    if not others:
-        return None
     return f"DeepSpeed tag {tags[0].name} but no 'latest' naming it yet (still being written?)"
 
 
