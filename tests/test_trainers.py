@@ -85,6 +85,16 @@ def reference_ema(
     return ema
 
 
+def consolidated_ema(ema: Path, want: dict[str, torch.Tensor], tmp_path: Path) -> dict[str, torch.Tensor]:
+    """The EMA at ``ema`` consolidated to safetensors, checked key by key against a float64 ``want``."""
+    consolidate(ema, tmp_path / "ema.safetensors")
+    got = load_file(tmp_path / "ema.safetensors")
+    assert sorted(got) == sorted(want)
+    for key, value in want.items():
+        assert_close_relative(got[key], value, rel=1e-6)
+    return got
+
+
 def assert_loads_on_ranks(ckpt: Path, want: dict[str, torch.Tensor], tmp_path: Path, world: int = 2) -> None:
     """``dcp.load`` on ``world`` ranks, each into its rows of dim-0-sharded DTensors, gives ``want``."""
     expected = tmp_path / "expected.safetensors"
@@ -319,11 +329,7 @@ def test_lightning_accumulate_needs_no_flag(name, copy_of, tmp_path):
     want = reference_ema(
         [oracle(name, info) for _, info in items], [info["optimizer_step"] for _, info in items], 0.8
     )
-    consolidate(tmp_path / "ema", tmp_path / "ema.safetensors")
-    got = load_file(tmp_path / "ema.safetensors")
-    assert sorted(got) == sorted(want)
-    for key, value in want.items():
-        assert_close_relative(got[key], value, rel=1e-6)
+    got = consolidated_ema(tmp_path / "ema", want, tmp_path)
     lightning_module().load_state_dict(got, strict=True)
 
 
@@ -395,11 +401,7 @@ def test_torchtitan_last_save_in_hf_is_refused_with_the_way_out(copy_of, tmp_pat
     assert result.exit_code == 0, result.output
     items = [item for item in checkpoints_of("torchtitan-last-hf") if item[0] != "step-5"]
     want = reference_ema([oracle("torchtitan-last-hf", info) for _, info in items], [2, 4], 0.8)
-    consolidate(tmp_path / "ema", tmp_path / "ema.safetensors")
-    got = load_file(tmp_path / "ema.safetensors")
-    assert sorted(got) == sorted(want)
-    for key, value in want.items():
-        assert_close_relative(got[key], value, rel=1e-6)
+    got = consolidated_ema(tmp_path / "ema", want, tmp_path)
 
 
 # --- Megatron -------------------------------------------------------------------------------
@@ -437,11 +439,7 @@ def test_megatron_torch_dist_reads_and_averages(name, copy_of, tmp_path):
     want = reference_ema(
         [megatron_oracle(name, rel) for rel, _ in items], [info["optimizer_step"] for _, info in items], 0.8
     )
-    consolidate(tmp_path / "ema", tmp_path / "ema.safetensors")
-    got = load_file(tmp_path / "ema.safetensors")
-    assert sorted(got) == sorted(want)
-    for key, value in want.items():
-        assert_close_relative(got[key], value, rel=1e-6)
+    got = consolidated_ema(tmp_path / "ema", want, tmp_path)
     if name == "megatron-torch-dist-tp2":
         assert_loads_on_ranks(tmp_path / "ema", want, tmp_path)
 

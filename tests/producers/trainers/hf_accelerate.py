@@ -45,6 +45,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from fixture_common import drop_deepspeed_scripts
+
 SETS = (
     "accelerate-fsdp2",
     "accelerate-fsdp1",
@@ -624,6 +627,8 @@ def _run(cmd: list[str], env: dict, timeout: float, log: Path, cwd: Path | None 
         raise RuntimeError(f"command failed (rc={rc}): {' '.join(cmd)}\nlog: {log}\n{excerpt}")
 
 
+
+
 def produce(set_name: str, out: Path, timeout: float, keep_logs: bool) -> None:
     set_dir = (out / set_name).resolve()
     if set_dir.exists():
@@ -700,7 +705,7 @@ def produce(set_name: str, out: Path, timeout: float, keep_logs: bool) -> None:
         )
         + f")), torch.manual_seed({SEED}); random token data (seq len {SEQ_LEN}), labels = input_ids",
         "checkpoints": checkpoints,
-        "notes": result["notes"],
+        "notes": result["notes"] + drop_deepspeed_scripts(set_dir),
     }
     _write_json(set_dir / "producer.json", producer)
     if keep_logs:

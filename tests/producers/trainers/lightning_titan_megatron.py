@@ -45,6 +45,9 @@ import tempfile
 import textwrap
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from fixture_common import drop_deepspeed_scripts
+
 os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed reads it at import (the DS oracle too)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -879,6 +882,8 @@ def launch(set_name: str, set_dir: Path, *, nproc: int, worker: str, timeout: fl
         raise RuntimeError(f"{set_name}/{worker} failed (exit {proc.returncode})\n{output[-8000:]}")
 
 
+
+
 def produce(set_name: str, out: Path) -> Path:
     spec = SETS[set_name]
     set_dir = (out / set_name).resolve()
@@ -902,7 +907,7 @@ def produce(set_name: str, out: Path) -> Path:
         "world_size": spec["nproc"],
         "checkpoints": checkpoints,
         "oracle": {name: f"oracle/{name}.safetensors" for name in checkpoints},
-        "notes": set_notes(set_name),
+        "notes": set_notes(set_name) + drop_deepspeed_scripts(set_dir),
         "module_class_source": module_source(set_name),
     }
     (set_dir / "producer.json").write_text(json.dumps(producer, indent=2) + "\n")
