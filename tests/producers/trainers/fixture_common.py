@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 
 DEEPSPEED_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")
@@ -17,3 +18,17 @@ def drop_deepspeed_scripts(set_dir: Path) -> list[str]:
     if not removed:
         return []
     return [f"removed {len(removed)} copies of DeepSpeed's {'/'.join(DEEPSPEED_SCRIPTS)} (code, not data)"]
+
+
+TORCHRUN_VARS = (
+    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+    "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID", "CUDA_VISIBLE_DEVICES",
+)  # fmt: skip
+"""An outer launcher's variables, kept out of the producers' own torchrun launches."""
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -39,14 +39,14 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fixture_common import drop_deepspeed_scripts
+from fixture_common import TORCHRUN_VARS as _TORCHRUN_VARS
+from fixture_common import drop_deepspeed_scripts, free_port
 
 SETS = (
     "accelerate-fsdp2",
@@ -72,10 +72,6 @@ ACC_GRAD_ACCUM = 2
 ACC_BATCHES_PER_EPOCH = 7
 ACC_BATCH = 2  # per rank
 
-_TORCHRUN_VARS = (
-    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-    "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID", "CUDA_VISIBLE_DEVICES",
-)  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------
@@ -83,10 +79,6 @@ _TORCHRUN_VARS = (
 # --------------------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def versions() -> dict[str, str]:

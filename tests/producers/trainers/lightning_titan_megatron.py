@@ -38,7 +38,6 @@ import os
 import platform
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -46,7 +45,8 @@ import textwrap
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fixture_common import drop_deepspeed_scripts
+from fixture_common import TORCHRUN_VARS as _TORCHRUN_VARS
+from fixture_common import drop_deepspeed_scripts, free_port
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed reads it at import (the DS oracle too)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -838,16 +838,8 @@ def set_notes(set_name: str) -> list[str]:
 # Launching
 # ---------------------------------------------------------------------------------------------
 
-_TORCHRUN_VARS = (
-    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-    "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID", "CUDA_VISIBLE_DEVICES",
-)  # fmt: skip
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(set_name: str, set_dir: Path, *, nproc: int, worker: str, timeout: float = 600) -> None:
