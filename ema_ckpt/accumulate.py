@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from . import planner
 from .averaging import ACCUMULATE_DTYPES, PlannedOutput, SnapshotInput, Term, find_snapshots
@@ -39,6 +40,7 @@ from .dtypes import torch_dtype
 from .engine import OutputSpec, Progress, Update, check_device, layout_regions
 from .execute import open_checkpoints, write_dcp_outputs
 from .errors import (
+    CheckpointFormatError,
     CheckpointNotFoundError,
     IncompatibleCheckpointError,
     ManifestMismatchError,
@@ -75,6 +77,9 @@ class AccumulateResult:
     up_to_date: bool
     notes: list[str] = field(default_factory=list)
     terms: list[FoldTerm] = field(default_factory=list)
+    """The first EMA's terms (see ``terms_by_output`` for every EMA of a power-EMA run)."""
+    terms_by_output: dict[str, list[FoldTerm]] = field(default_factory=dict)
+    """Each EMA's terms, by its output directory."""
     keys: int = 0
     bytes_read: int = 0
     bytes_written: int = 0
@@ -129,10 +134,7 @@ def _profiles(
                 named.append((f"sigma_rel_{typed}", PowerProfile(planner.sigma_rel_to_gamma(value), typed)))
         for text in gammas:
             for item in (i.strip() for i in text.split(",")):
-                try:
-                    named.append((f"gamma_{item}", PowerProfile(float(item), item)))
-                except ValueError:
-                    raise UsageError(f"--gamma: {item!r} is not a number") from None
+                named.append((f"gamma_{item}", PowerProfile(planner.check_gamma(item), item)))
         if len({n for n, _ in named}) != len(named):
             raise UsageError("the same profile is requested twice")
         return named
@@ -162,6 +164,7 @@ def accumulate(
     dry_run: bool = False,
     allow_new_keys: bool = False,
     skip_nonfinite: bool = False,
+    skip_damaged: bool = False,
     skip: Sequence[str | Path] = (),
     workers: int = 1,
     device: str = "cpu",
@@ -187,6 +190,8 @@ def accumulate(
             starts where it first appears; a removed key leaves the EMA).
         skip_nonfinite: skip a checkpoint holding NaN/Inf (recorded in the manifest) instead
             of refusing the run.
+        skip_damaged: skip a damaged checkpoint (truncated or corrupt files, refused pickles),
+            recorded in the manifest, instead of refusing the run.
         skip: checkpoints to leave out (each noted), e.g. an export under other key names.
         workers: split the work over N local processes (torch.distributed; under torchrun the
             group comes from the environment instead).
@@ -203,7 +208,7 @@ def accumulate(
             warmup=warmup, sigma_rels=sigma_rels, gammas=gammas, snapshot_every=snapshot_every, out=out,
             dtype=dtype, include=include, exclude=exclude, step_regex=step_regex, restart=restart,
             wait_seconds=wait_seconds, dry_run=dry_run, allow_new_keys=allow_new_keys,
-            skip_nonfinite=skip_nonfinite, skip=skip, device=device, local_kwargs={"on_progress": on_progress},
+            skip_nonfinite=skip_nonfinite, skip_damaged=skip_damaged, skip=skip, device=device, local_kwargs={"on_progress": on_progress},
         )
     check_device(device)
     started = time.perf_counter()
@@ -221,7 +226,7 @@ def accumulate(
         if prepared[0] == "done":
             return prepared[1]
         _, out_path, accumulators, selection, notes, plan = prepared
-        skipped: list[FoundCheckpoint] = []
+        skipped: list[tuple[FoundCheckpoint, str]] = []  # (checkpoint, reason) recorded in the manifest
         while True:
             try:
                 return _fold(group, out_path, accumulators, dtype, selection, include, exclude, notes, started,
@@ -231,15 +236,25 @@ def accumulate(
                 if not skip_nonfinite or bad is None:
                     raise NonFiniteError(err.source, f"{err} (pass --skip-nonfinite to skip that checkpoint)") \
                         from None
-                notes.append(f"skipped {bad.path} (step {bad.step}): {err}")
-                skipped.append(bad)
-                for acc in accumulators:
-                    acc.new = [c for c in acc.new if c.path != bad.path]
-                    acc.snapshot_steps = [s for s in acc.snapshot_steps if s != bad.step]
-                if not any(acc.new for acc in accumulators):
-                    return AccumulateResult(out_path, max(a.previous.step for a in accumulators if a.previous)
-                                            if any(a.previous for a in accumulators) else bad.step,
-                                            [], True, notes, seconds=time.perf_counter() - started)
+                reason = "NaN/Inf"
+            except CheckpointFormatError as err:
+                bad = _checkpoint_holding(accumulators, Path(err.path))
+                if bad is None:
+                    raise
+                if not skip_damaged:
+                    raise type(err)(err.path, f"{err.reason} (pass --skip-damaged to skip that checkpoint)") \
+                        from None
+                reason = f"damaged: {err.reason}"
+            notes.append(f"skipped {bad.path} (step {bad.step}): {reason}")
+            skipped.append((bad, reason))
+            for acc in accumulators:
+                acc.new = [c for c in acc.new if c.path != bad.path]
+                acc.snapshot_steps = [s for s in acc.snapshot_steps if s != bad.step]
+            if not any(acc.new for acc in accumulators):
+                group.run(lambda: _record_skips(accumulators, skipped) if group.is_coordinator else None)
+                return AccumulateResult(out_path, max(a.previous.step for a in accumulators if a.previous)
+                                        if any(a.previous for a in accumulators) else bad.step,
+                                        [], True, notes, seconds=time.perf_counter() - started)
 
 
 def _prepare(
@@ -290,8 +305,18 @@ def _prepare(
     snapshots_on_disk = find_snapshots([out_path]) if snapshot_every else []
     for acc in accumulators:
         start = acc.previous.step if acc.previous is not None else None
-        acc.new = [c for c in found.checkpoints
-                   if (start is None or c.step > start) and c.path.resolve() not in folded]
+        recorded = {s.get("path"): s for s in (acc.previous.skipped if acc.previous else [])}
+        acc.new = []
+        for c in found.checkpoints:
+            if (start is not None and c.step <= start) or c.path.resolve() in folded:
+                continue
+            skip_record = recorded.get(str(c.path.resolve()))
+            if skip_record is not None and skip_record.get("fingerprint") in (None, fingerprint(c.path)):
+                if acc is accumulators[0]:
+                    notes.append(f"skipped {c.path} (step {c.step}): recorded as skipped "
+                                 f"({skip_record.get('reason')}) in {acc.final / MANIFEST_NAME}")
+                continue
+            acc.new.append(c)
         if start is not None:
             _refuse_backwards(acc, found.checkpoints, start)
         if snapshot_every:
@@ -313,6 +338,7 @@ def _prepare(
         return ("done", AccumulateResult(
             out_path, min(steps) if up_to_date else max(c.step for a in accumulators for c in a.new),
             [], up_to_date, notes, terms=_fold_terms(accumulators[0]),
+            terms_by_output={str(a.final): _fold_terms(a) for a in accumulators},
             profile="; ".join(a.profile.describe() for a in accumulators),
             seconds=time.perf_counter() - started, plan=plan,
             outputs=[a.final for a in accumulators],
@@ -331,6 +357,34 @@ def _refuse_backwards(acc: _Accumulator, checkpoints: list[FoundCheckpoint], sta
             "stands, but was never folded: steps went backwards (a job restarted into the same folder?); "
             "move it away, or pass --restart to rebuild the EMA"
         )
+
+
+def _skip_records(skipped: Sequence[tuple[FoundCheckpoint, str]]) -> list[dict[str, Any]]:
+    return [{"path": str(c.path.resolve()), "step": c.step, "reason": reason, "fingerprint": fingerprint(c.path)}
+            for c, reason in skipped]
+
+
+def _record_skips(accumulators: list[_Accumulator], skipped: Sequence[tuple[FoundCheckpoint, str]]) -> None:
+    """Remember skips in each existing EMA's manifest when nothing else is written this run.
+
+    Only the manifest file changes, replaced atomically; the EMA's data stay as they are.
+    """
+    for acc in accumulators:
+        if acc.previous is None or not skipped:
+            continue
+        acc.previous.skipped = acc.previous.skipped + _skip_records(skipped)
+        acc.previous.replace(acc.final)
+
+
+def _checkpoint_holding(accumulators: list[_Accumulator], path: Path) -> FoundCheckpoint | None:
+    """The new checkpoint a damaged file belongs to, or None (then it is not a checkpoint's fault)."""
+    target = path.resolve()
+    for acc in accumulators:
+        for c in acc.new:
+            root = c.path.resolve()
+            if target == root or root in target.parents:
+                return c
+    return None
 
 
 def _source_checkpoint(accumulators: list[_Accumulator], source: int) -> FoundCheckpoint | None:
@@ -469,7 +523,7 @@ def _fold(
     plan: AveragePlan,
     device: str = "cpu",
     allow_new_keys: bool = False,
-    skipped: Sequence[FoundCheckpoint] = (),
+    skipped: Sequence[tuple[FoundCheckpoint, str]] = (),
 ) -> AccumulateResult:
     active, sources, checkpoints = _sources(accumulators)
     index = {str(p): i for i, p in enumerate(sources)}
@@ -520,9 +574,8 @@ def _fold(
                         + [FoldedCheckpoint(str(c.path.resolve()), c.step, fingerprint(c.path)) for c in folded],
                         selection=selection,
                         files={f.name: {"size": f.size, "crc32": f.crc32} for f in files},
-                        skipped=(acc.previous.skipped if acc.previous else [])
-                        + [{"path": str(c.path.resolve()), "step": c.step, "reason": "NaN/Inf"}
-                           for c in skipped if c.step <= step],
+                        skipped=(acc.previous.skipped if acc.previous else []) + _skip_records(skipped),
+                        warnings=[w for o in plan.outputs if o.name == acc.name for w in o.warnings],
                     ).write(staging)
                 # snapshots first: a crash before the EMAs are swapped in makes the next run redo
                 # the same fold and rewrite the same snapshots, byte for byte
@@ -538,6 +591,7 @@ def _fold(
         [FoldedCheckpoint(str(c.path.resolve()), c.step, fingerprint(c.path))
          for c in sorted(folded_all.values(), key=lambda c: c.step)],
         False, notes, terms=_fold_terms(first), keys=len(keys),
+        terms_by_output={str(a.final): _fold_terms(a) for a in accumulators},
         bytes_read=written.bytes_read, bytes_written=written.bytes_written,
         seconds=time.perf_counter() - started,
         profile="; ".join(a.profile.describe() for a in accumulators),

@@ -73,7 +73,7 @@ class PlannedOutput:
             item["coefficient"] = t.coefficient
             terms.append(item)
         return {"name": self.name, "sigma_rel": self.sigma_rel, "gamma": self.gamma, "step": self.step,
-                "terms": terms}
+                "terms": terms, "warnings": list(self.warnings)}
 
 
 @dataclass(slots=True)
@@ -126,10 +126,7 @@ def _targets(sigma_rels: Sequence[str], gammas: Sequence[str]) -> list[tuple[str
     for text in gammas:
         for item in text.split(","):
             item = item.strip()
-            try:
-                gamma = float(item)
-            except ValueError:
-                raise UsageError(f"--gamma: {item!r} is not a number") from None
+            gamma = planner.check_gamma(item)
             targets.append((f"gamma_{item}", gamma, planner.gamma_to_sigma_rel(gamma)))
     if not targets:
         raise UsageError("give at least one --sigma-rel or --gamma")
@@ -168,10 +165,14 @@ def plan_posthoc(
         used = [i for i, s in enumerate(steps) if s <= big_t]
         terms = [Term(str(found.checkpoints[i].path), steps[i], coeffs[i]) for i in used]
         warning = planner.spacing_warning([t.step for t in terms], planner.power_window(gamma, big_t))
+        warnings = [warning] if warning else []
+        if at_step is not None and big_t != at_step:
+            warnings.append(f"no checkpoint at --at-step {at_step}: the EMA ends at step {big_t}, "
+                            "the newest checkpoint before it")
         outputs.append(PlannedOutput(
             name, big_t, terms, sigma_rel=sigma_rel, gamma=gamma,
             profile={"kind": "power", "sigma_rel": sigma_rel, "gamma": gamma},
-            warnings=[warning] if warning else [],
+            warnings=warnings,
             stats=_stats([t.step for t in terms], [t.coefficient for t in terms]),
         ))
     return Plan("posthoc", found.checkpoints, outputs, found.notes)
@@ -316,6 +317,7 @@ def run_plan(
                         files={f.name: {"size": f.size, "crc32": f.crc32} for f in files},
                         terms=[{"path": str(Path(t.path).resolve()), "step": t.step, "coefficient": t.coefficient}
                                for t in output.terms],
+                        warnings=list(output.warnings),
                     ).write(staging)
                 for staging, final in zip(stagings, finals, strict=True):
                     publish(staging, final)

@@ -60,10 +60,15 @@ def step_from_name(name: str, step_regex: str | None = None) -> int | None:
             pattern = re.compile(step_regex)
         except re.error as err:
             raise UsageError(f"--step-regex {step_regex!r} is not a valid regular expression: {err}") from None
+        if pattern.groups < 1:
+            raise UsageError(f"--step-regex {step_regex!r} has no group: put the step's digits in (...), "
+                             r"e.g. 'ckpt_(\d+)'")
         match = pattern.search(name)
         if not match:
             return None
         text = match.group("step") if "step" in pattern.groupindex else match.group(1)
+        if text is None or not text.isdigit():
+            raise UsageError(f"--step-regex {step_regex!r} matched {text!r} in {name!r}, not digits")
         return int(text)
     for pattern in _STEP_PATTERNS:
         match = pattern.search(name)

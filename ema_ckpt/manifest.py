@@ -52,6 +52,8 @@ class Manifest:
     files: dict[str, dict[str, int]] = field(default_factory=dict)
     terms: list[dict[str, Any]] = field(default_factory=list)
     skipped: list[dict[str, Any]] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    """What the plan warned about when this output was made (sparse checkpoints, a poor fit)."""
     tool_version: str = __version__
     format_version: int = MANIFEST_FORMAT
 
@@ -75,6 +77,24 @@ class Manifest:
             return cls.from_json(file.read_text())
         except (OSError, ValueError, TypeError, KeyError) as err:
             raise CheckpointFormatError(file, f"unreadable ema-ckpt manifest ({err})") from None
+
+    def replace(self, directory: Path) -> None:
+        """Rewrite the manifest of a published output in place, atomically (data untouched)."""
+        file = directory / MANIFEST_NAME
+        temp = directory / f".{MANIFEST_NAME}.tmp-{os.getpid()}"
+        try:
+            with open(temp, "w") as handle:
+                handle.write(self.to_json())
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(temp, file)
+        finally:
+            temp.unlink(missing_ok=True)
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
     def write(self, directory: Path) -> None:
         """Write durably (the directory itself is published atomically by the caller)."""

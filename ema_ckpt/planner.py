@@ -69,19 +69,30 @@ SIGMA_REL_MAX = 1.0 / math.sqrt(12.0)
 _COND_LSTSQ = 1e14
 #: Above this condition number the post-hoc plan carries a warning.
 _COND_WARN = 1e10
+#: Above this relative L2 fit error the post-hoc plan carries a warning (EDM2's grids give ~0.004).
+_FIT_WARN = 0.05
 
 
 # --------------------------------------------------------------------------- σ_rel ↔ γ
 
 
-def _check_gamma(gamma: float, what: str = "gamma") -> float:
+GAMMA_MAX = 1e6
+"""The largest power-EMA exponent accepted (σ_rel ≈ 1e-6): beyond it the profile's powers of
+t/T underflow float64 for every checkpoint but the last, and the window is below one step."""
+
+
+def check_gamma(gamma: float, what: str = "--gamma") -> float:
+    """γ as a float in [0, GAMMA_MAX], else ``UsageError`` stating the range."""
     try:
         g = float(gamma)
     except (TypeError, ValueError):
         raise UsageError(f"{what} must be a number, got {gamma!r}") from None
-    if not (g >= 0.0) or math.isinf(g):
-        raise UsageError(f"{what} (the power-EMA exponent γ) must be a finite number ≥ 0, got {gamma!r}")
+    if not (0.0 <= g <= GAMMA_MAX):
+        raise UsageError(f"{what} (the power-EMA exponent γ) must lie between 0 and {GAMMA_MAX:g}, got {gamma!r}")
     return g
+
+
+_check_gamma = check_gamma
 
 
 def _check_sigma_rel(sigma_rel: float) -> float:
@@ -89,9 +100,9 @@ def _check_sigma_rel(sigma_rel: float) -> float:
         s = float(sigma_rel)
     except (TypeError, ValueError):
         raise UsageError(f"--sigma-rel must be a number, got {sigma_rel!r}") from None
-    if not (0.0 < s < SIGMA_REL_MAX):
+    if not (SIGMA_REL_MIN <= s < SIGMA_REL_MAX):
         raise UsageError(
-            f"--sigma-rel must lie strictly between 0 and 1/√12 ≈ {SIGMA_REL_MAX:.4f} "
+            f"--sigma-rel must lie between {SIGMA_REL_MIN:.1e} and 1/√12 ≈ {SIGMA_REL_MAX:.4f} "
             f"(a relative width of the averaging window, not γ), got {sigma_rel!r}"
         )
     return s
@@ -108,6 +119,10 @@ def gamma_to_sigma_rel(gamma: float) -> float:
     """
     g = _check_gamma(gamma)
     return math.sqrt((g + 1.0) / ((g + 2.0) ** 2 * (g + 3.0)))
+
+
+SIGMA_REL_MIN = 1e-6
+"""The narrowest σ_rel accepted (γ ≈ 1e6, :data:`GAMMA_MAX`)."""
 
 
 def sigma_rel_to_gamma(sigma_rel: float) -> float:
@@ -165,6 +180,9 @@ def _used_count(steps: list[int], at_step: int | None) -> int:
     n = bisect.bisect_right(steps, t)
     if n == 0:
         raise UsageError(f"--at-step {t} is before the first checkpoint (step {steps[0]})")
+    if t > steps[-1]:
+        raise UsageError(f"--at-step {t} is after the newest checkpoint (step {steps[-1]}): "
+                         "nothing after it is known")
     return n
 
 
@@ -505,6 +523,15 @@ def posthoc_plan(
         big_t = _as_step(at_step, "--at-step")
         if big_t < first:
             raise UsageError(f"--at-step {big_t} is before the first snapshot (step {first})")
+        grid = sorted({s.step for s in snaps})
+        if big_t not in grid:
+            # Between snapshots the fit is poor (EDM2's reference refuses it too): never a silent guess.
+            before = max(s for s in grid if s <= big_t)
+            after = [s for s in grid if s > big_t]
+            raise UsageError(
+                f"--at-step {big_t} is not a snapshot step; a post-hoc EMA ends at one: step {before}"
+                + (f" or {after[0]}" if after else "")
+            )
     used = [i for i, s in enumerate(snaps) if s.step <= big_t]
     us = np.array([snaps[i].step / big_t for i in used], dtype=np.float64)
     gs = np.array([snaps[i].gamma for i in used], dtype=np.float64)
@@ -552,6 +579,11 @@ def posthoc_plan(
         warnings.append(
             f"target σ_rel {target_sigma:.4g} is narrower than every snapshot (narrowest {narrowest:.4g}): "
             f"extrapolating; expect large coefficients (max |c| = {float(np.max(np.abs(x))):.3g})"
+        )
+    if rel_error > _FIT_WARN:
+        warnings.append(
+            f"the snapshots fit the target profile poorly (relative fit error {rel_error:.3g}; "
+            f"on a good grid it is below {_FIT_WARN:g}): add snapshots, or choose a σ_rel within theirs"
         )
     if condition > _COND_WARN:
         warnings.append(

@@ -180,7 +180,8 @@ def test_power_at_step_uses_newest_checkpoint_at_or_before():
     steps = [100, 200, 300]
     assert power_coefficients(steps, 1.0, at_step=250) == power_coefficients([100, 200], 1.0) + [0.0]
     assert power_coefficients(steps, 1.0, at_step=300) == power_coefficients(steps, 1.0)
-    assert power_coefficients(steps, 1.0, at_step=10**6) == power_coefficients(steps, 1.0)
+    with pytest.raises(UsageError, match="after the newest checkpoint"):  # never labelled a step it is not
+        power_coefficients(steps, 1.0, at_step=10**6)
     with pytest.raises(UsageError, match="before the first checkpoint"):
         power_coefficients(steps, 1.0, at_step=99)
 
@@ -341,9 +342,12 @@ def test_posthoc_singular_falls_back_to_lstsq():
 
 def test_posthoc_at_step_between_snapshots_and_refusals():
     snaps = [Snapshot(t, 6.94) for t in (1000, 2000, 3000)]
-    plan = posthoc_plan(snaps, 6.94, at_step=2500)
-    assert plan.at_step == 2500 and plan.used == [0, 1] and plan.coefficients[2] == 0.0
+    plan = posthoc_plan(snaps, 6.94, at_step=2000)
+    assert plan.at_step == 2000 and plan.used == [0, 1] and plan.coefficients[2] == 0.0
     assert math.fsum(plan.coefficients) == pytest.approx(1.0)
+    # Off the snapshot grid the fit error is large (EDM2's reference refuses it): refused, not mislabelled.
+    with pytest.raises(UsageError, match="not a snapshot step; a post-hoc EMA ends at one: step 2000 or 3000"):
+        posthoc_plan(snaps, 6.94, at_step=2500)
     with pytest.raises(UsageError, match="before the first snapshot"):
         posthoc_plan(snaps, 6.94, at_step=999)
     with pytest.raises(UsageError):

@@ -112,7 +112,7 @@ def test_snapshot_scheme_reconstructs_any_sigma_rel(tmp_path):
     plan = json.loads(result.stdout)
     assert list(plan) == ["outputs", "notes"] and len(plan["outputs"]) == 1
     output = plan["outputs"][0]
-    assert list(output) == ["name", "sigma_rel", "gamma", "step", "terms"]
+    assert list(output) == ["name", "sigma_rel", "gamma", "step", "terms", "warnings"]
     assert output["name"] == "sigma_rel_0.07" and output["step"] == 2000
     assert all(list(t) == ["path", "step", "sigma_rel", "coefficient"] for t in output["terms"])
     assert sum(t["coefficient"] for t in output["terms"]) == pytest.approx(1.0, abs=1e-12)

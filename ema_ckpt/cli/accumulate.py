@@ -20,7 +20,7 @@ from ._options import (
     WaitOpt,
     WorkersOpt,
 )
-from ._output import console, human_bytes, note, print_json, progress_bar
+from ._output import console, err_console, human_bytes, note, print_json, progress_bar
 from ._plan import render_plan
 
 EPILOG = """\
@@ -40,6 +40,13 @@ Examples:
 
   ema-ckpt accumulate ckpts/ --decay 0.999 --skip ckpts/step-100   # leave one checkpoint out
 """
+
+
+def _warnings(result) -> list[str]:
+    """The plan's warnings of the EMAs this run wrote ("name: warning")."""
+    if result.plan is None or result.up_to_date:
+        return []
+    return [f"{o.name}: {w}" for o in result.plan.outputs for w in o.warnings]
 
 
 @reports_errors
@@ -74,6 +81,10 @@ def accumulate_command(
     skip_nonfinite: Annotated[
         bool, typer.Option("--skip-nonfinite", help="Skip (and record) a checkpoint holding NaN/Inf instead of failing.")
     ] = False,
+    skip_damaged: Annotated[
+        bool, typer.Option("--skip-damaged",
+                           help="Skip (and record) a truncated or corrupt checkpoint instead of failing.")
+    ] = False,
     skip: SkipOpt = None,
     wait: WaitOpt = 0.0,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Show the plan (coefficients); read no tensor.")] = False,
@@ -91,7 +102,8 @@ def accumulate_command(
             sigma_rels=sigma_rel or (), gammas=gamma or (), snapshot_every=snapshot_every,
             out=out, dtype=dtype, include=include or (), exclude=exclude or (), step_regex=step_regex,
             restart=restart, wait_seconds=wait, dry_run=dry_run, allow_new_keys=allow_new_keys,
-            skip_nonfinite=skip_nonfinite, skip=skip or (), workers=workers, device=device,
+            skip_nonfinite=skip_nonfinite, skip_damaged=skip_damaged, skip=skip or (), workers=workers,
+            device=device,
             on_progress=on_progress,
         )
     if dry_run:
@@ -110,12 +122,16 @@ def accumulate_command(
         print_json({
             "out": str(result.out), "step": result.step, "up_to_date": result.up_to_date,
             "folded": [asdict(c) for c in result.folded], "terms": [asdict(t) for t in result.terms],
+            "terms_by_output": {out: [asdict(t) for t in terms] for out, terms in result.terms_by_output.items()},
             "keys": result.keys, "bytes_read": result.bytes_read, "bytes_written": result.bytes_written,
             "seconds": round(result.seconds, 3), "profile": result.profile, "notes": result.notes,
+            "warnings": _warnings(result),
             "outputs": [str(p) for p in result.outputs], "snapshots": [str(p) for p in result.snapshots],
         })
         return
     if not quiet:
+        for line in _warnings(result):
+            err_console.print(f"warning: {line}", style="yellow", highlight=False)
         for line in result.notes:
             note(line)
     if result.up_to_date:

@@ -21,7 +21,7 @@ from ._options import (
     WaitOpt,
     WorkersOpt,
 )
-from ._output import console, human_bytes, note, print_json, progress_bar
+from ._output import console, err_console, human_bytes, note, print_json, progress_bar
 from ._plan import render_plan
 
 POSTHOC_EPILOG = """\
@@ -45,6 +45,13 @@ DtypeOpt = Annotated[str, typer.Option(help="Accumulate and store floats in floa
 DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Show the plan (coefficients); read no tensor.")]
 
 
+def _warn(plan) -> None:
+    """A real run's plan warnings, on stderr (the dry-run table prints its own)."""
+    for output in plan.outputs:
+        for warning in output.warnings:
+            err_console.print(f"warning: {output.name}: {warning}", style="yellow", highlight=False)
+
+
 def _finish(result, json_output: bool, quiet: bool) -> None:
     from ..averaging import Plan
 
@@ -60,6 +67,8 @@ def _finish(result, json_output: bool, quiet: bool) -> None:
                      "bytes_written": result.bytes_written, "seconds": round(result.seconds, 3)})
         print_json(data)
     elif not quiet:
+        _warn(result.plan)
+    if not json_output and not quiet:
         for line in result.plan.notes:
             note(line)
         for output, path in zip(result.plan.outputs, result.outputs, strict=True):

@@ -34,8 +34,9 @@ from .._gc import paused_gc
 from .._lazy import torch
 from .._pickle import TensorRecord, load_dcp_metadata_bytes, load_tensor_record
 from ..dtypes import DtypeName, itemsize, name_of, torch_dtype
-from ..errors import CheckpointFormatError, CheckpointNotFoundError, EmaCkptError
+from ..errors import CheckpointFormatError, CheckpointNotFoundError, EmaCkptError, UnsafePickleError
 from ..layout import Box, TensorSpec, boxes_cover
+from ._ds_unpickle import _GLOBAL_IN_MESSAGE, _first_line, _globals_in_pickle, _torch_allows
 from .base import CheckpointFormat, register_format
 
 METADATA_FILE = ".metadata"
@@ -226,6 +227,24 @@ def _pread_into(fd: int, view: memoryview, offset: int, file: str) -> None:
         done += n
 
 
+def _refused_in_record(message: str, record: bytes) -> str | None:
+    """The global torch's weights-only loader refused in a record, from its message or its pickle."""
+    if "weights_only" not in message and "Weights only" not in message and "GLOBAL" not in message:
+        return None
+    match = _GLOBAL_IN_MESSAGE.search(message)
+    if match:
+        name = match.group(1)
+        return name if "." in name else f"builtins.{name}"
+    try:
+        with zipfile.ZipFile(io.BytesIO(record)) as archive:
+            pkl = next((n for n in archive.namelist() if n.endswith("/data.pkl") or n == "data.pkl"), None)
+            names = _globals_in_pickle(archive.read(pkl)) if pkl else []
+    except (zipfile.BadZipFile, KeyError, OSError):
+        return "a global outside torch's allowlist"
+    allowed = [n for n in names if not _torch_allows(n)]
+    return allowed[0] if allowed else "a global outside torch's allowlist"
+
+
 def _tensor_bytes(t: torch.Tensor) -> memoryview:
     """A writable byte view of a contiguous tensor's memory."""
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
@@ -265,12 +284,36 @@ class DcpReader:
         self._chunks: dict[str, list[StoredChunk]] = {}
         self._starts: dict[str, tuple[list[int], int]] = {}
         self._bytes_records: dict[str, tuple[str, int, int]] = {}
+        self._file_ends: dict[str, int] = {}  # data file → the end of its last record
         try:
             self._index(metadata)
         except (AttributeError, TypeError, ValueError, OverflowError) as err:
             raise CheckpointFormatError(
                 self.metadata_files[0], f"malformed DCP metadata ({type(err).__name__}: {err})"
             ) from None
+        self._check_file_sizes()
+
+    def _check_file_sizes(self) -> None:
+        """Every data file the metadata names is there and as long as its last record needs.
+
+        One ``stat`` per file, so a checkpoint cut short anywhere (also in records a run never
+        reads, such as the optimizer's) is refused before anything of it is used.
+        """
+        for file, end in sorted(self._file_ends.items()):
+            full = self.path / file
+            try:
+                info = full.stat()
+            except FileNotFoundError:
+                raise CheckpointFormatError(full, "data file named by the metadata is missing") from None
+            except OSError as err:
+                raise CheckpointFormatError(full, f"cannot stat data file ({err.strerror})") from None
+            if not stat.S_ISREG(info.st_mode):
+                raise CheckpointFormatError(full, "not a regular file")
+            size = info.st_size
+            if size < end:
+                raise CheckpointFormatError(
+                    full, f"truncated: {size} bytes, but the metadata has records up to byte {end}"
+                )
 
     _SHARED = ("metadata_files", "_version", "planner_data", "non_tensor_keys", "_stored", "_chunks", "_starts",
                "_bytes_records")
@@ -346,6 +389,7 @@ class DcpReader:
             where = (rel, _int(info.offset), _int(info.length))
             if where[1] < 0 or where[2] < 0:
                 raise ValueError(f"key {index.fqn!r}: negative storage offset or length")
+            self._file_ends[rel] = max(self._file_ends.get(rel, 0), where[1] + where[2])
             if index.offset is None:
                 blobs[index.fqn] = where
             else:
@@ -624,7 +668,14 @@ class DcpReader:
                 warnings.simplefilter("ignore")
                 value = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
         except Exception as err:
-            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            refused = _refused_in_record(str(err), data)
+            if refused is not None:  # torch's own advice (load it with weights_only=False) is never relayed
+                raise UnsafePickleError(
+                    self.path / chunk.file,
+                    f"key {key!r}: the record at offset {chunk.offset} refers to {refused}, which is not "
+                    "allowed; nothing from the file was run",
+                ) from None
+            first = _first_line(str(err)) or type(err).__name__
             raise CheckpointFormatError(
                 self.path / chunk.file, f"key {key!r}: unreadable record at offset {chunk.offset} ({first})"
             ) from None
