@@ -53,6 +53,7 @@ from .fs import OutputLock, discard_on_error, new_staging_dir, publish, recover
 from .manifest import MANIFEST_NAME, FoldedCheckpoint, Manifest, fingerprint
 from .schedules import ExponentialProfile, PowerProfile, fold_coefficients, profile_from_dict
 from .selection import check_compatible, select_keys
+from .verify import damage
 
 DEFAULT_OUT_NAME = "ema"
 Profile = ExponentialProfile | PowerProfile
@@ -324,6 +325,8 @@ def _prepare(
             taken = [s.step for s in snapshots_on_disk if abs(s.gamma - acc.profile.gamma) < 1e-12]
             acc.snapshot_steps = _snapshot_steps([c.step for c in acc.new], max(taken, default=None),
                                                  snapshot_every)
+    if not dry_run:
+        _refuse_damaged_emas(accumulators)
     plan = _plan(accumulators)
     if dry_run and any(acc.new for acc in accumulators):
         active, sources, checkpoints = _sources(accumulators)
@@ -357,6 +360,26 @@ def _refuse_backwards(acc: _Accumulator, checkpoints: list[FoundCheckpoint], sta
             "stands, but was never folded: steps went backwards (a job restarted into the same folder?); "
             "move it away, or pass --restart to rebuild the EMA"
         )
+
+
+def _refuse_damaged_emas(accumulators: list[_Accumulator]) -> None:
+    """Every EMA about to be folded into matches its manifest (sizes, CRC-32s), or the run stops.
+
+    A flipped bit in the previous EMA would otherwise be folded in and then covered by fresh
+    checksums. Checked before anything is written; the damaged EMA is left as it is.
+    """
+    for acc in accumulators:
+        if acc.previous is None or not acc.new:
+            continue
+        problems = damage(acc.final)
+        if problems:
+            more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+            raise CheckpointFormatError(
+                acc.final,
+                f"the EMA does not match its manifest: {problems[0]}{more}; it is left as it is. "
+                "Restore it from a backup, or rebuild it with --restart (every checkpoint still on "
+                "disk is folded again)",
+            )
 
 
 def _skip_records(skipped: Sequence[tuple[FoundCheckpoint, str]]) -> list[dict[str, Any]]:

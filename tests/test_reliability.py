@@ -234,3 +234,37 @@ def test_kill_at_any_moment_of_every_command(tmp_path, command):
     assert _tree(out) == previous
     leftovers = [p.name for p in tmp_path.iterdir() if ".tmp-" in p.name or ".old-" in p.name]
     assert leftovers == []
+
+
+@pytest.mark.parametrize(("sig", "code", "word"), [(signal.SIGTERM, 143, "terminated"), (signal.SIGINT, 130, "interrupted")])
+def test_sigterm_and_sigint_at_any_moment_end_in_one_line(tmp_path, sig, code, word):
+    ck = _big_sequence(tmp_path / "ck", [10, 20, 30])
+    out = tmp_path / "ema"
+    args = [EMA_CKPT, "accumulate", str(ck), "--decay", "0.9", "--out", str(out), "--quiet"]
+    started = time.perf_counter()
+    subprocess.run(args, check=True)
+    duration = time.perf_counter() - started
+    previous = _tree(out)
+    import shutil
+
+    shutil.rmtree(out)
+    stopped = 0
+    # From 0.1 s on: before that the interpreter itself is starting, and a signal has its default
+    # effect before any of ema-ckpt's code (or anything it writes) exists.
+    for delay in (0.1, 0.25, *(duration * f for f in (0.3, 0.6, 0.9))):
+        proc = subprocess.Popen(args, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        time.sleep(delay)
+        proc.send_signal(sig)
+        stdout, stderr = proc.communicate(timeout=120)
+        if proc.returncode == 0:
+            assert _tree(out) == previous  # finished before the signal: the complete EMA
+            shutil.rmtree(out)
+            continue
+        stopped += 1
+        assert proc.returncode == code, (delay, proc.returncode, stderr)
+        lines = [line for line in stderr.splitlines() if line.strip()]
+        assert len(lines) == 1 and lines[0].startswith(word) and "Traceback" not in stderr, (delay, stderr)
+        assert not out.exists() or _tree(out) == previous
+        leftovers = [p.name for p in ck.iterdir() if ".tmp-" in p.name or ".old-" in p.name]
+        assert leftovers == [], (delay, leftovers)
+    assert stopped >= 2

@@ -157,3 +157,29 @@ def test_a_poor_snapshot_fit_is_warned_about():
     good = posthoc_plan([Snapshot(t, g) for t in range(100, 1001, 100) for g in (sigma_rel_to_gamma(0.05),
                          sigma_rel_to_gamma(0.1))], sigma_rel_to_gamma(0.07))
     assert not any("poorly" in w for w in good.warnings)
+
+
+def _flip_a_bit(ema):
+    data = sorted(ema.glob("*.distcp"))[0]
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0x10
+    data.write_bytes(bytes(raw))
+    return data
+
+
+def test_a_damaged_ema_is_never_folded_into(tmp_path):
+    _train_and_save(tmp_path / "c", [1, 2])
+    accumulate(tmp_path / "c", decay=0.9, out=tmp_path / "ema")
+    damaged = _flip_a_bit(tmp_path / "ema")
+    before = {p.name: p.read_bytes() for p in (tmp_path / "ema").iterdir()}
+    _train_and_save(tmp_path / "more", [1, 2, 3])
+    os.rename(tmp_path / "more" / "step_3", tmp_path / "c" / "step_3")
+    result = runner.invoke(app, ["accumulate", str(tmp_path / "c"), "--decay", "0.9", "--out", str(tmp_path / "ema")])
+    assert result.exit_code == 3, result.output
+    assert damaged.name in result.output and "CRC-32" in result.output and "--restart" in result.output
+    assert {p.name: p.read_bytes() for p in (tmp_path / "ema").iterdir()} == before  # left as it is
+    assert runner.invoke(app, ["verify", str(tmp_path / "ema")]).exit_code == 3  # and still reported
+    rebuilt = runner.invoke(app, ["accumulate", str(tmp_path / "c"), "--decay", "0.9", "--out",
+                                  str(tmp_path / "ema"), "--restart"])
+    assert rebuilt.exit_code == 0, rebuilt.output
+    assert runner.invoke(app, ["verify", str(tmp_path / "ema")]).exit_code == 0

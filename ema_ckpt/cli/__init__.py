@@ -13,6 +13,7 @@ from typing import Annotated
 
 import typer
 
+from .. import _signals
 from .._version import __version__
 from . import accumulate as _accumulate
 from . import consolidate as _consolidate
@@ -64,6 +65,7 @@ def main() -> None:
     to clean up; letting the interpreter tear down a process that has loaded torch costs
     another 0.4 s, so the process ends with ``os._exit`` instead.
     """
+    _signals.install()
     try:
         app()
         code = 0

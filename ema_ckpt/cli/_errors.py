@@ -16,7 +16,8 @@ Exit codes (also in ``docs/cli.md``):
 6     a checkpoint holds NaN/Inf values
 7     writing the output failed (disk full, permissions); the old output is intact
 75    another run holds the output's lock (retry later, or ``--wait``)
-130   interrupted
+130   interrupted (Ctrl-C)
+143   terminated (SIGTERM, as Slurm, systemd, Kubernetes and ``timeout`` send it)
 ====  ======================================================================
 """
 
@@ -29,6 +30,7 @@ from typing import Any, TypeVar
 
 import typer
 
+from .._signals import Terminated, exit_code
 from ..errors import EmaCkptError
 from ._output import err_console
 
@@ -63,9 +65,10 @@ def reports_errors(command: F) -> F:
             return command(*args, **kwargs)
         except typer.Exit:
             raise
-        except KeyboardInterrupt:
-            err_console.print("interrupted; the previous output is intact", style="yellow", highlight=False)
-            raise typer.Exit(INTERRUPTED) from None
+        except KeyboardInterrupt as stop:
+            what = "terminated (SIGTERM)" if isinstance(stop, Terminated) else "interrupted"
+            err_console.print(f"{what}; the previous output is intact", style="yellow", highlight=False)
+            raise typer.Exit(exit_code(stop)) from None
         except Exception as err:
             if os.environ.get("EMA_CKPT_DEBUG") and not isinstance(err, EmaCkptError):
                 raise
