@@ -49,7 +49,7 @@ from .errors import (
 )
 from .formats import open_checkpoint
 from .formats.base import CheckpointReader
-from .fs import OutputLock, discard_on_error, new_staging_dir, publish, recover
+from .fs import OutputLock, discard_on_error, new_staging_dir, output_path, publish, recover
 from .manifest import MANIFEST_NAME, FoldedCheckpoint, Manifest, fingerprint
 from .schedules import ExponentialProfile, PowerProfile, fold_coefficients, profile_from_dict
 from .selection import check_compatible, select_keys
@@ -270,7 +270,7 @@ def _prepare(
     named = _profiles(decay, half_life, per_checkpoint, warmup, sigma_rels, gammas, snapshot_every)
     if dtype not in ACCUMULATE_DTYPES:
         raise UsageError(f"--dtype must be one of {', '.join(ACCUMULATE_DTYPES)}, got {dtype!r}")
-    out_path = Path(out) if out is not None else default_out(paths)
+    out_path = output_path(out if out is not None else default_out(paths))
     power = isinstance(named[0][1], PowerProfile)
     selection = {"include": list(include), "exclude": list(exclude)}
     if not dry_run:

@@ -33,7 +33,7 @@ from .engine import OutputSpec, Progress, Update, check_device, layout_regions
 from .execute import open_checkpoints, write_dcp_outputs
 from .errors import UsageError
 from .formats.base import CheckpointReader
-from .fs import OutputLock, discard_on_error, new_staging_dir, publish, recover
+from .fs import OutputLock, discard_on_error, new_staging_dir, output_path, publish, recover
 from .manifest import MANIFEST_NAME, FoldedCheckpoint, Manifest, fingerprint
 from .selection import check_compatible, select_keys
 
@@ -261,7 +261,7 @@ def run_plan(
         raise UsageError(f"--dtype must be one of {', '.join(ACCUMULATE_DTYPES)}, got {dtype!r}")
     check_device(device)
     group = current_workers(device)
-    out = Path(out)
+    out = output_path(out)
     finals = [out] if single_output else [out / o.name for o in plan.outputs]
     steps = {str(c.path): c.step for c in plan.inputs}
     # (step, path): snapshots of several profiles share a step, and the order of the sum must

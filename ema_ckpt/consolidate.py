@@ -29,7 +29,7 @@ from .dtypes import is_float, itemsize, torch_dtype
 from .errors import OutputError, UsageError
 from .formats import open_checkpoint
 from .formats.base import ByteRangeReader, CheckpointReader, stored_tensors
-from .fs import OutputLock, discard_on_error, fsync_dir, new_staging_dir, publish, recover
+from .fs import OutputLock, discard_on_error, fsync_dir, new_staging_dir, output_path, publish, recover
 from .layout import Box, row_blocks
 from .progress import Progress
 from .selection import container_prefix, output_names, select_keys
@@ -126,7 +126,7 @@ def consolidate(
                            keep_prefix=keep_prefix, include=include, exclude=exclude, overwrite=overwrite,
                            wait_seconds=wait_seconds, local_kwargs={"on_progress": on_progress})
     started = time.perf_counter()
-    src, out = Path(src), Path(out)
+    src, out = Path(src), output_path(out)
     _check_not_overlapping(src, out)
     layout = output_layout(out)
     shard_bytes = parse_size(max_shard_size)

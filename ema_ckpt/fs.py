@@ -181,9 +181,38 @@ def recover(final: Path) -> list[str]:
         notes.append(f"restored {final} from {backups[0].name} (an earlier run was interrupted)")
         backups = backups[1:]
     for path in backups + [p for p in parent.iterdir() if p.name.startswith(staging_prefix(final))]:
-        shutil.rmtree(path, ignore_errors=True)
+        try:
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
+        except OSError as err:
+            notes.append(f"could not remove {path.name} left by an interrupted run ({err.strerror})")
+            continue
         notes.append(f"removed {path.name} left by an interrupted run")
     return notes
+
+
+def output_path(out: str | Path) -> Path:
+    """Where an output is published: ``out``, or the target of ``out`` when it is a symlink.
+
+    Outputs are built beside their final path and renamed into place; renaming over a
+    symlink would replace the link, not the output it points to. So a symlink is followed
+    (to its final target) and the output is published there, the link left as it is.
+
+    Raises:
+        OutputError: the link cannot be followed (a loop), or its target's folder is missing.
+    """
+    out = Path(out)
+    if not out.is_symlink():
+        return out
+    try:
+        target = out.resolve(strict=False)
+    except (OSError, RuntimeError) as err:
+        raise OutputError(f"{out}: a symlink that cannot be followed ({err})") from None
+    if target.is_symlink() or not target.parent.is_dir():
+        raise OutputError(f"{out}: a symlink to {target}, whose folder does not exist")
+    return target
 
 
 class OutputLock:

@@ -25,7 +25,7 @@ from .errors import UsageError
 from .execute import write_dcp_outputs
 from .formats import open_checkpoint
 from .formats.base import CheckpointReader
-from .fs import OutputLock, discard_on_error, new_staging_dir, publish, recover
+from .fs import OutputLock, discard_on_error, new_staging_dir, output_path, publish, recover
 from .layout import dim0_shard_boxes
 from .manifest import MANIFEST_NAME, Manifest
 from .selection import select_keys
@@ -67,7 +67,7 @@ def reshard(
                            exclude=exclude, all_keys=all_keys, overwrite=overwrite, wait_seconds=wait_seconds,
                            local_kwargs={"on_progress": on_progress})
     started = time.perf_counter()
-    src, out = Path(src), Path(out)
+    src, out = Path(src), output_path(out)
     if world_size < 1:
         raise UsageError(f"--world-size must be at least 1, got {world_size}")
     _check_not_overlapping(src, out)

@@ -183,3 +183,49 @@ def test_a_damaged_ema_is_never_folded_into(tmp_path):
                                   str(tmp_path / "ema"), "--restart"])
     assert rebuilt.exit_code == 0, rebuilt.output
     assert runner.invoke(app, ["verify", str(tmp_path / "ema")]).exit_code == 0
+
+
+def test_an_output_that_is_a_symlink_is_published_at_its_target(tmp_path):
+    from safetensors.torch import load_file
+
+    _train_and_save(tmp_path / "c", [1, 2])
+    (tmp_path / "store").mkdir()
+    link = tmp_path / "c" / "ema"
+    link.symlink_to(tmp_path / "store" / "ema")  # dangling at first: the EMA does not exist yet
+    for _ in range(2):
+        result = runner.invoke(app, ["accumulate", str(tmp_path / "c"), "--decay", "0.9", "--out", str(link)])
+        assert result.exit_code == 0, result.output
+        assert link.is_symlink() and (tmp_path / "store" / "ema" / "ema-ckpt.json").is_file()
+        _train_and_save(tmp_path / "more", [1, 2, 3])
+        if not (tmp_path / "c" / "step_3").exists():
+            os.rename(tmp_path / "more" / "step_3", tmp_path / "c" / "step_3")
+    assert Manifest.read(tmp_path / "store" / "ema").step == 3
+    leftovers = [p.name for p in (*tmp_path.joinpath("c").iterdir(), *tmp_path.joinpath("store").iterdir())
+                 if ".tmp-" in p.name or ".old-" in p.name]
+    assert leftovers == []
+    file_link = tmp_path / "model.safetensors"
+    file_link.symlink_to(tmp_path / "store" / "model.safetensors")
+    for overwrite in ([], ["--overwrite"]):
+        if overwrite:
+            _train_and_save(tmp_path / "other", [9])
+            source = tmp_path / "other" / "step_9"
+        else:
+            source = tmp_path / "c" / "step_2"
+        result = runner.invoke(app, ["consolidate", str(source), "--out", str(file_link), *overwrite])
+        assert result.exit_code == 0, result.output
+        assert file_link.is_symlink() and load_file(tmp_path / "store" / "model.safetensors")
+    loop = tmp_path / "loop"
+    loop.symlink_to(loop)
+    result = runner.invoke(app, ["consolidate", str(source), "--out", str(loop)])
+    assert result.exit_code == 7 and "symlink" in result.output
+
+
+def test_leftovers_are_removed_when_the_note_says_so(tmp_path):
+    from ema_ckpt.fs import recover
+
+    final = tmp_path / "ema"
+    (tmp_path / ".ema.tmp-1-abcd").write_text("a file, not a folder")  # left by an older version
+    (tmp_path / ".ema.tmp-2-beef").mkdir()
+    notes = recover(final)
+    assert sorted(n.split()[1] for n in notes if n.startswith("removed")) == [".ema.tmp-1-abcd", ".ema.tmp-2-beef"]
+    assert [p.name for p in tmp_path.iterdir()] == []
