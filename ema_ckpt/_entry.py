@@ -7,23 +7,20 @@ and every command (about 0.15 s before a worker can join the group).
 
 from __future__ import annotations
 
+import multiprocessing
+
 from . import _signals
 
-_signals.install()  # as early as this process runs any of ema-ckpt's code
+if multiprocessing.parent_process() is None:  # not in the workers it spawns: their parent ends them
+    _signals.install()  # as early as this process runs any of ema-ckpt's code
 
 
 def main() -> None:
     """Run the ``ema-ckpt`` command line (see :func:`ema_ckpt.cli.main`).
 
     SIGTERM and Ctrl-C end it with one line and exit 143 / 130 at any moment, even while
-    the modules are still being imported.
+    the modules are still being imported (:mod:`ema_ckpt._signals`).
     """
-    import os
-    import sys
+    from .cli import main as cli_main  # a signal meanwhile is recorded: see _signals
 
-    try:
-        from .cli import main as cli_main
-    except KeyboardInterrupt as stop:  # before the commands' own handling is in place
-        print("terminated" if isinstance(stop, _signals.Terminated) else "interrupted", file=sys.stderr)
-        os._exit(_signals.exit_code(stop))
     cli_main()

@@ -1,38 +1,88 @@
-"""SIGTERM handled like Ctrl-C: the work unwinds, staging is removed, one line is printed.
+"""Ctrl-C and SIGTERM at any moment: one line, the staging removed, exit 130 / 143.
 
 Slurm, systemd, Kubernetes and ``timeout`` stop a job with SIGTERM, whose default action ends
-the process on the spot, leaving staging directories behind and saying nothing. Here it
-raises :class:`Terminated` (a ``KeyboardInterrupt``) in the main thread instead, so every
-``finally`` and every cleanup that handles Ctrl-C runs; the CLI then exits 143 (128 + 15).
+the process on the spot, leaving staging directories behind and saying nothing; Ctrl-C
+while modules import or while Click parses options would print a traceback or "Aborted!".
+So the console script handles both signals itself:
+
+- outside a command's body (starting up, parsing, exiting) a signal is only recorded;
+- inside it (see :func:`armed`) the signal raises :class:`Terminated` or ``KeyboardInterrupt``
+  in the main thread, so every ``finally`` and every cleanup runs, and the command's error
+  handling prints one line; a signal recorded before the body starts is raised on entry.
+
+Only the console script installs these handlers; importing ema-ckpt as a library changes
+nothing.
 
 Example:
-    >>> install()   # doctest: +SKIP
+    >>> install()                  # doctest: +SKIP
+    >>> with armed():              # doctest: +SKIP
+    ...     run_the_command()
 """
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 TERMINATED_EXIT = 143
 INTERRUPTED_EXIT = 130
+
+_state: dict[str, Any] = {"armed": False, "pending": None, "entered": False}
 
 
 class Terminated(KeyboardInterrupt):
     """The process was asked to stop with SIGTERM."""
 
 
-def _raise_terminated(signum: int, frame: Any) -> None:
-    raise Terminated(f"signal {signum}")
+def _interrupt(signum: int) -> KeyboardInterrupt:
+    return Terminated(f"signal {signum}") if signum == signal.SIGTERM else KeyboardInterrupt()
+
+
+def _handler(signum: int, frame: Any) -> None:
+    if _state["armed"]:
+        _state["armed"] = False  # a second signal during cleanup is recorded, not raised again
+        raise _interrupt(signum)
+    if _state["pending"] is None:
+        _state["pending"] = signum
 
 
 def install() -> None:
-    """Turn SIGTERM into :class:`Terminated` (main thread only; a no-op elsewhere)."""
+    """Handle SIGINT and SIGTERM as described above (main thread only; a no-op elsewhere)."""
     if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, _raise_terminated)
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, _handler)
 
 
-def exit_code(interrupt: KeyboardInterrupt) -> int:
-    """143 for SIGTERM, 130 for Ctrl-C."""
+@contextlib.contextmanager
+def armed() -> Iterator[None]:
+    """Let signals interrupt the block (a command's body); one recorded before it is raised now."""
+    _state["entered"] = True
+    pending = _state["pending"]
+    if pending is not None:
+        _state["pending"] = None
+        raise _interrupt(pending)
+    _state["armed"] = True
+    try:
+        yield
+    finally:
+        _state["armed"] = False
+
+
+def pending() -> int | None:
+    """A signal recorded outside a command's body, if any."""
+    return _state["pending"]
+
+
+def entered() -> bool:
+    """Whether a command's body has begun (see :func:`armed`)."""
+    return bool(_state["entered"])
+
+
+def exit_code(interrupt: KeyboardInterrupt | int) -> int:
+    """143 for SIGTERM, 130 for Ctrl-C (an exception or a signal number)."""
+    if isinstance(interrupt, int):
+        return TERMINATED_EXIT if interrupt == signal.SIGTERM else INTERRUPTED_EXIT
     return TERMINATED_EXIT if isinstance(interrupt, Terminated) else INTERRUPTED_EXIT

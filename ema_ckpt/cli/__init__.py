@@ -75,6 +75,12 @@ def main() -> None:
         else:
             print(stop.code, file=sys.stderr)
             code = 1
+    signum = _signals.pending()
+    if signum is not None and not _signals.entered():
+        # stopped while starting up or parsing, before any command ran: nothing was written
+        print("terminated" if _signals.exit_code(signum) == _signals.TERMINATED_EXIT else "interrupted",
+              file=sys.stderr)
+        code = _signals.exit_code(signum)
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         try:

@@ -30,6 +30,7 @@ from typing import Any, TypeVar
 
 import typer
 
+from .. import _signals
 from .._signals import Terminated, exit_code
 from ..errors import EmaCkptError
 from ._output import err_console
@@ -62,7 +63,8 @@ def reports_errors(command: F) -> F:
     @functools.wraps(command)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
-            return command(*args, **kwargs)
+            with _signals.armed():
+                return command(*args, **kwargs)
         except typer.Exit:
             raise
         except KeyboardInterrupt as stop:
