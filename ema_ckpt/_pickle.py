@@ -227,6 +227,56 @@ class _DcpMetadataUnpickler(_InMemoryUnpickler):
         raise _refuse(self._source, "persistent_load", repr(pid)[:40])
 
 
+class _Bag:
+    """A plain object: the C unpickler fills its ``__dict__`` without calling Python code."""
+
+
+class _TupleBag:
+    def __setstate__(self, state: Any) -> None:
+        self.state = state
+
+
+class _OwnMetadataUnpickler(pickle.Unpickler):
+    """The C unpickler over plain stand-ins: for metadata ema-ckpt itself just wrote (fast)."""
+
+    def __init__(self, data: bytes) -> None:
+        super().__init__(io.BytesIO(data))
+        self._standins = {**_fresh_standins()}
+        for (module, name), standin in list(self._standins.items()):
+            if isinstance(standin, type) and issubclass(standin, _Inert):
+                base = _TupleBag if name == "TensorProperties" else _Bag
+                self._standins[(module, name)] = type(name, (base,), {})
+        # builtins in place of Python functions: nothing per record runs Python code
+        self._standins[("torch", "Size")] = tuple
+        self._standins[("torch.serialization", "_get_layout")] = str
+        self._standins[(_DCP_METADATA_MODULE, "_MEM_FORMAT_ENCODING")] = int
+
+    def find_class(self, module: str, name: str) -> Any:
+        standin = self._standins.get((module, name))
+        if standin is not None:
+            return standin
+        if module == "torch" and name in TORCH_NAMES:
+            return DtypeName(canonical(name))
+        if module == "torch" and (name in _LAYOUTS or name in _MEMORY_FORMATS):
+            return name
+        raise pickle.UnpicklingError(f"{module}.{name}")
+
+
+def check_written_metadata(data: bytes, keys: int) -> None:
+    """``data`` (a ``.metadata`` about to be published) unpickles into Metadata with ``keys`` entries.
+
+    What torch's ``dcp.load`` will do with it, checked before the file exists: exit 0 never
+    leaves metadata that does not load.
+    """
+    try:
+        obj = _OwnMetadataUnpickler(data).load()
+        entries = obj.state_dict_metadata
+    except Exception as err:
+        raise ValueError(f"the written DCP metadata does not load ({type(err).__name__}: {err})") from None
+    if len(entries) != keys:
+        raise ValueError(f"the written DCP metadata holds {len(entries)} keys, not {keys}")
+
+
 def load_dcp_metadata_bytes(data: bytes, source: str) -> Any:
     """Unpickle DCP ``Metadata`` from ``data`` into inert stand-ins of DCP's metadata classes.
 

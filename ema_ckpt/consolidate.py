@@ -33,7 +33,14 @@ from .fs import OutputLock, discard_on_error, fsync_dir, new_staging_dir, output
 from .layout import Box, row_blocks
 from .progress import Progress
 from .selection import container_prefix, output_names, select_keys
-from .writers.safetensors import INDEX_NAME, SafetensorsFileWriter, plan_shards, shard_file_names, write_index
+from .writers.safetensors import (
+    INDEX_NAME,
+    SafetensorsFileWriter,
+    check_key,
+    plan_shards,
+    shard_file_names,
+    write_index,
+)
 
 OUTPUT_DTYPES = ("bfloat16", "float16", "float32", "float64")
 BLOCK_BYTES = 64 << 20
@@ -155,6 +162,9 @@ def consolidate(
         with discard_on_error([staging], owner=group.is_coordinator):
             reader, keys = group.run(open_source)
             names = output_names(reader, keys, keep_prefix=keep_prefix)
+            if layout != "torch":  # before anything is written: a key the format cannot hold
+                for name in names.values():
+                    check_key(name, out)
             stored = stored_tensors(reader)
             out_dtype = {k: (cast if cast is not None and is_float(stored[k][1]) else stored[k][1]) for k in keys}
             result = ConsolidateResult(out, layout, keys=len(keys))

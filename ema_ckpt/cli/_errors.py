@@ -32,6 +32,7 @@ import typer
 
 from .. import _signals
 from .._signals import Terminated, exit_code
+from .._text import escaped
 from ..errors import EmaCkptError
 from ._output import err_console
 
@@ -50,11 +51,11 @@ def _first_line(text: str) -> str:
 def error_message(err: BaseException) -> tuple[str, int]:
     """The one-line message and exit code for ``err``."""
     if isinstance(err, EmaCkptError):
-        return _first_line(str(err)), err.exit_code
+        return escaped(_first_line(str(err))), err.exit_code
     if isinstance(err, OSError):
         where = f"{err.filename}: " if err.filename else ""
-        return f"{where}{err.strerror or _first_line(str(err))}", OS_ERROR
-    return f"internal error: {type(err).__name__}: {_first_line(str(err))}", INTERNAL_ERROR
+        return escaped(f"{where}{err.strerror or _first_line(str(err))}"), OS_ERROR
+    return escaped(f"internal error: {type(err).__name__}: {_first_line(str(err))}"), INTERNAL_ERROR
 
 
 def reports_errors(command: F) -> F:

@@ -23,12 +23,32 @@ from rich.progress import (
     TransferSpeedColumn,
 )
 
+from .._text import escaped
 from ..progress import Progress as EngineProgress
 
 # Under torchrun every rank runs the command; only rank 0 speaks.
 _PRIMARY = os.environ.get("RANK", "0") == "0"
-console = Console(soft_wrap=True, quiet=not _PRIMARY)
-err_console = Console(stderr=True, soft_wrap=True, quiet=not _PRIMARY)
+
+
+class _SafeConsole(Console):
+    """A console that never interprets markup and escapes control characters in every string.
+
+    Keys and paths come from checkpoints: ``[red]``, ESC or OSC sequences, bidi overrides and
+    lone surrogates in them are shown as text, never acted on (see :mod:`ema_ckpt._text`).
+    """
+
+    def render_str(self, text: str, **kwargs: Any) -> Any:
+        kwargs["markup"] = False
+        return super().render_str(escaped(text, keep_newlines=True), **kwargs)
+
+
+console = _SafeConsole(soft_wrap=True, quiet=not _PRIMARY, markup=False)
+err_console = _SafeConsole(stderr=True, soft_wrap=True, quiet=not _PRIMARY, markup=False)
+
+
+def shown(name: object) -> str:
+    """A key or path as one line of safe text (newlines escaped too)."""
+    return escaped(str(name))
 
 
 def print_json(data: Any) -> None:

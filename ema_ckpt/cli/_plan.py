@@ -6,11 +6,10 @@ import math
 import os
 from typing import TYPE_CHECKING
 
-from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from ._output import console, err_console
+from ._output import console, err_console, shown
 
 if TYPE_CHECKING:
     from ..averaging import Plan
@@ -53,14 +52,14 @@ def render_plan(plan: Plan) -> None:
             title += f"  (σ_rel {_number(output.sigma_rel)}, γ {_number(output.gamma)})"
         common = _common_folder([str(t.path) for t in output.terms])
         if common is not None:
-            title += f"\ninputs in {escape(common)}{os.sep}"
+            title += f"\ninputs in {shown(common)}{os.sep}"
         table = Table(title=title, title_justify="left", show_edge=False)
         for column in columns:  # a path is folded onto more lines, never cut to look like another
             table.add_column(column, overflow="fold")
         scale = max((abs(t.coefficient) for t in output.terms), default=0.0)
         for term in output.terms:
-            shown = os.path.relpath(str(term.path), common) if common is not None else str(term.path)
-            row = [shown, str(term.step)]
+            name = os.path.relpath(str(term.path), common) if common is not None else str(term.path)
+            row = [shown(name), str(term.step)]
             if snapshot_inputs:
                 row.append(_number(term.sigma_rel))
             row += [f"{term.coefficient:+.6g}", _bar(term.coefficient, scale)]

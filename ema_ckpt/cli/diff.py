@@ -12,7 +12,7 @@ from rich.text import Text
 from ..errors import IncompatibleCheckpointError
 from ._errors import reports_errors
 from ._options import ExcludeOpt, IncludeOpt, JsonOpt
-from ._output import console, err_console, print_json
+from ._output import console, err_console, print_json, shown
 
 if TYPE_CHECKING:
     from ..diff import KeyDiff
@@ -36,10 +36,10 @@ def _fmt(value: float | None) -> str:
     return "-" if value is None else f"{value:.3g}"
 
 
-def _status(k: KeyDiff, atol: float) -> str:
+def _status(k: KeyDiff, atol: float) -> Text:
     if not k.same_shape:
-        return "[red]shape[/red]"
-    return "[green]=[/green]" if k.matches(atol) else "[red]differs[/red]"
+        return Text("shape", style="red")
+    return Text("=", style="green") if k.matches(atol) else Text("differs", style="red")
 
 
 @reports_errors
@@ -68,13 +68,13 @@ def diff_command(
                 shape += " / " + ("×".join(map(str, k.shape_b)) or "scalar")
             dtype = k.dtype_a if k.same_dtype else f"{k.dtype_a} / {k.dtype_b}"
             name = k.key_a if k.key_a == k.key_b else f"{k.key_a} ~ {k.key_b}"
-            table.add_row(Text(name), shape, dtype, _fmt(k.max_abs), _fmt(k.max_rel),
+            table.add_row(Text(shown(name)), shape, dtype, _fmt(k.max_abs), _fmt(k.max_rel),
                           f"{k.mismatched:,}" if k.same_shape else "-", _status(k, atol))
         console.print(table)
         for label, keys in (("only in A", result.only_in_a), ("only in B", result.only_in_b)):
             if keys:
-                shown = ", ".join(keys[:10]) + (f", … ({len(keys) - 10} more)" if len(keys) > 10 else "")
-                console.print(f"{label} ({len(keys)}): {shown}", highlight=False, markup=False)
+                names = ", ".join(map(shown, keys[:10])) + (f", … ({len(keys) - 10} more)" if len(keys) > 10 else "")
+                console.print(f"{label} ({len(keys)}): {names}", highlight=False)
         if result.pairing != "exact":
             console.print(f"keys paired after stripping 'model.' ({result.pairing})", style="dim")
     if not result.equal(atol):

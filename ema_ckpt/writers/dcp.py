@@ -28,7 +28,8 @@ from typing import IO
 
 from .._lazy import torch
 from ..dtypes import name_of
-from ..errors import OutputError
+from .._pickle import check_written_metadata
+from ..errors import CheckpointFormatError, OutputError
 from ..fs import fsync_dir, start_writeback
 from ..formats.dcp import METADATA_FILE
 from ..layout import Box, boxes_cover
@@ -328,8 +329,12 @@ class DcpWriter:
         for key, entry in self._entries.items():
             if not boxes_cover(entry.shape, entry.boxes):
                 raise ValueError(f"{key}: written chunks do not cover shape {list(entry.shape)}")
+        metadata = self._metadata(planner_data)
         try:
-            metadata = self._metadata(planner_data)
+            check_written_metadata(metadata, len(set(self._entries) | set(self._bytes)))
+        except ValueError as err:
+            raise CheckpointFormatError(self.path / METADATA_FILE, str(err)) from None
+        try:
             tmp = self.path / (METADATA_FILE + ".tmp")
             with open(tmp, "wb") as handle:
                 handle.write(metadata)

@@ -25,6 +25,7 @@ from typing import IO, Any
 
 from .._lazy import torch
 from ..dtypes import SAFETENSORS_CODES, itemsize, name_of
+from .._text import escaped
 from ..errors import CheckpointFormatError, OutputError, UsageError
 from ..fs import start_writeback
 
@@ -92,6 +93,7 @@ class SafetensorsFileWriter:
         header: dict[str, object] = {"__metadata__": dict(self.metadata)}
         offset = 0
         for key, shape, dtype in tensors:
+            check_key(key, self.path)
             name = name_of(dtype)
             if name not in SAFETENSORS_CODES:
                 raise UsageError(f"{key}: dtype torch.{name} cannot be stored in safetensors")
@@ -189,6 +191,7 @@ class SafetensorsFileWriter:
         except OSError as err:
             raise OutputError(f"{self.path}: write failed ({err.strerror})") from None
         self._handle = None
+        _check_loads(self.path)
         return size
 
     def abort(self) -> None:
@@ -197,12 +200,43 @@ class SafetensorsFileWriter:
             self._handle = None
 
 
+def check_key(key: object, out: Path) -> None:
+    """Refuse a key a safetensors header cannot hold (one line, exit 3), before anything is written.
+
+    The header is JSON that Rust's safetensors parses: a key must be valid UTF-8 (no lone
+    surrogates) and must not be the header's own ``__metadata__``.
+    """
+    shown = escaped(str(key))
+    if not isinstance(key, str) or not key:
+        raise CheckpointFormatError(out, f"key '{shown}' cannot be stored in safetensors (empty or not text)")
+    try:
+        key.encode("utf-8")
+    except UnicodeEncodeError:
+        raise CheckpointFormatError(out, f"key '{shown}' cannot be stored in safetensors (not valid UTF-8)") from None
+    if key == "__metadata__":
+        raise CheckpointFormatError(out, "key '__metadata__' cannot be stored in safetensors (its header's own)")
+
+
+def _check_loads(path: Path) -> None:
+    """The written file opens with safetensors' own loader: exit 0 never leaves an unloadable file."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), "np") as handle:
+            handle.keys()
+    except Exception as err:  # the loader's own verdict, whatever its type
+        raise CheckpointFormatError(path, f"the written file does not load in safetensors ({err})") from None
+
+
 def write_index(directory: Path, weight_map: dict[str, str], total_size: int) -> None:
     """``model.safetensors.index.json`` as Hugging Face's ``from_pretrained`` expects it."""
     index = {"metadata": {"total_size": total_size}, "weight_map": weight_map}
+    for key in weight_map:
+        check_key(key, directory / INDEX_NAME)
+    text = json.dumps(index, indent=2, sort_keys=True) + "\n"
+    json.loads(text)  # what from_pretrained does with it
     path = directory / INDEX_NAME
-    with open(path, "w") as handle:
-        json.dump(index, handle, indent=2, sort_keys=True)
-        handle.write("\n")
+    with open(path, "w", encoding="utf-8") as handle:
+        handle.write(text)
         handle.flush()
         os.fsync(handle.fileno())
