@@ -147,6 +147,28 @@ def split_rows(box: Box, max_numel: int) -> list[Box]:
     return out
 
 
+def dim0_shard_regions(shape: tuple[int, ...], world_size: int) -> list[tuple[int, Box]]:
+    """(rank, box) of the ranks that hold part of a tensor sharded on dim 0, plus one empty box.
+
+    What FSDP's DCP metadata records: every rank's rows, and the ranks past the end share one
+    zero-size chunk at offset ``n``. Work and metadata grow with the rows, never with a huge
+    ``world_size`` (``dim0_shard_boxes`` lists every rank).
+
+    Example:
+        >>> [(r, b.sizes) for r, b in dim0_shard_regions((5, 2), 100_000)]
+        [(0, (1, 2)), (1, (1, 2)), (2, (1, 2)), (3, (1, 2)), (4, (1, 2)), (5, (0, 2))]
+    """
+    if not shape:
+        return [(0, Box((), ()))]
+    rows = math.ceil(shape[0] / world_size) if shape[0] else 0
+    held = math.ceil(shape[0] / rows) if rows else 0
+    regions = [(rank, Box((rank * rows, *[0] * (len(shape) - 1)), (min(rows, shape[0] - rank * rows), *shape[1:])))
+               for rank in range(held)]
+    if held < world_size:
+        regions.append((held, Box((shape[0], *[0] * (len(shape) - 1)), (0, *shape[1:]))))
+    return regions
+
+
 def dim0_shard_boxes(shape: tuple[int, ...], world_size: int) -> list[Box]:
     """The box of each rank when a tensor is sharded on dim 0 as FSDP shards it.
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ._lazy import torch
@@ -26,7 +26,7 @@ from .execute import write_dcp_outputs
 from .formats import open_checkpoint
 from .formats.base import CheckpointReader
 from .fs import OutputLock, discard_on_error, new_staging_dir, output_path, publish, recover
-from .layout import dim0_shard_boxes
+from .layout import dim0_shard_regions
 from .manifest import MANIFEST_NAME, Manifest
 from .selection import select_keys
 
@@ -41,6 +41,7 @@ class ReshardResult:
     files: list[tuple[str, int]]
     bytes_written: int
     seconds: float
+    notes: list[str] = field(default_factory=list)
 
 
 def reshard(
@@ -75,6 +76,7 @@ def reshard(
         raise UsageError(f"--dtype must be one of {', '.join(OUTPUT_DTYPES)}, got {dtype!r}")
     cast = torch_dtype(dtype) if dtype else None
     group = current_workers()
+    notes: list[str] = []
     with contextlib.ExitStack() as stack:
 
         def prepare() -> Path:
@@ -97,7 +99,11 @@ def reshard(
             reader, keys = group.run(open_source)
             specs = reader.specs()
             regions = [PlannedRegion(key, box, rank) for key in keys
-                       for rank, box in enumerate(dim0_shard_boxes(specs[key].shape, world_size))]
+                       for rank, box in dim0_shard_regions(specs[key].shape, world_size)]
+            rows = max((specs[k].shape[0] for k in keys if specs[k].shape), default=0)
+            if world_size > rows:
+                notes.append(f"--world-size {world_size} is more than the largest tensor's {rows} rows: "
+                             f"ranks {rows} and above hold nothing")
             written = write_dcp_outputs(
                 group, [reader], [OutputSpec("reshard", (Update(0, 1.0),), mode="copy")], [staging], regions,
                 specs, copy_source=0, accumulate_dtype=torch.float32,
@@ -116,4 +122,4 @@ def reshard(
             group.run(publish_all if group.is_coordinator else lambda: None)
     files = [(f.name, f.size) for f in written.files[0]] if written.files else []
     return ReshardResult(out, world_size, len(keys), files, sum(s for _, s in files),
-                         time.perf_counter() - started)
+                         time.perf_counter() - started, notes)

@@ -229,3 +229,21 @@ def test_leftovers_are_removed_when_the_note_says_so(tmp_path):
     notes = recover(final)
     assert sorted(n.split()[1] for n in notes if n.startswith("removed")) == [".ema.tmp-1-abcd", ".ema.tmp-2-beef"]
     assert [p.name for p in tmp_path.iterdir()] == []
+
+
+def test_reshard_for_far_more_ranks_than_rows_costs_the_rows_not_the_ranks(tmp_path):
+    import time
+
+    from ema_ckpt.reshard import reshard
+
+    _train_and_save(tmp_path / "c", [1])
+    started = time.perf_counter()
+    result = reshard(tmp_path / "c" / "step_1", world_size=100_000, out=tmp_path / "r")
+    assert time.perf_counter() - started < 30  # was minutes: every empty rank had chunks and work
+    assert any("more than the largest tensor's 8 rows" in n for n in result.notes)
+    assert len(result.files) <= 8
+    state = {"model.weight": torch.empty(8, 8), "model.bias": torch.empty(8)}
+    dcp.load(state, checkpoint_id=str(tmp_path / "r"), no_dist=True)
+    original = {"model.weight": torch.empty(8, 8), "model.bias": torch.empty(8)}
+    dcp.load(original, checkpoint_id=str(tmp_path / "c" / "step_1"), no_dist=True)
+    assert all(torch.equal(state[k], original[k]) for k in state)

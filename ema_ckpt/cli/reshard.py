@@ -9,7 +9,7 @@ import typer
 
 from ._errors import reports_errors
 from ._options import WorkersOpt, ExcludeOpt, IncludeOpt, JsonOpt, OverwriteOpt, QuietOpt, WaitOpt
-from ._output import console, human_bytes, print_json, progress_bar
+from ._output import console, human_bytes, note, print_json, progress_bar
 
 EPILOG = """\
 Examples:
@@ -47,7 +47,10 @@ def reshard_command(
     if json_output:
         print_json({"out": str(result.out), "world_size": result.world_size, "keys": result.keys,
                     "files": [{"name": n, "bytes": s} for n, s in result.files],
-                    "bytes_written": result.bytes_written, "seconds": round(result.seconds, 3)})
+                    "bytes_written": result.bytes_written, "seconds": round(result.seconds, 3),
+                    "notes": result.notes})
     elif not quiet:
+        for line in result.notes:
+            note(line)
         console.print(f"{result.out}: {result.keys} tensors for {result.world_size} rank(s), "
                       f"{human_bytes(result.bytes_written)}, {result.seconds:.1f} s", highlight=False)
