@@ -500,3 +500,17 @@ def test_a_checkpoint_already_folded_is_never_folded_again_under_another_step(co
     again = runner.invoke(app, ["accumulate", str(ckpts), "--decay", "0.9", "--out", str(tmp_path / "ema")])
     assert again.exit_code == 0 and "up to date at step 6" in again.output, again.output
     assert "folded before at step 2, it now reads step 8" in again.output
+
+
+def test_verify_checks_a_deepspeed_tags_own_crcs(copy_of):
+    from ema_ckpt.verify import verify
+
+    work = copy_of("hf-trainer-zero3-final")
+    folder = work / "ckpts" / "checkpoint-4"
+    result = verify(folder)
+    assert result.ok and "file CRC-32s" in result.checks, result.problems
+    optim = next((folder / "global_step4").glob("*optim_states.pt"))
+    raw = bytearray(optim.read_bytes())
+    raw[len(raw) // 3] ^= 0x01
+    optim.write_bytes(bytes(raw))
+    assert not verify(folder).ok

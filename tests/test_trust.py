@@ -247,3 +247,34 @@ def test_reshard_for_far_more_ranks_than_rows_costs_the_rows_not_the_ranks(tmp_p
     original = {"model.weight": torch.empty(8, 8), "model.bias": torch.empty(8)}
     dcp.load(original, checkpoint_id=str(tmp_path / "c" / "step_1"), no_dist=True)
     assert all(torch.equal(state[k], original[k]) for k in state)
+
+
+def test_verify_finds_a_flipped_byte_in_a_training_checkpoints_optimizer_records(tmp_path):
+    from ema_ckpt.formats.dcp import DcpReader
+    from ema_ckpt.verify import verify
+
+    _train_and_save(tmp_path / "c", [1])
+    ckpt = tmp_path / "c" / "step_1"
+    assert verify(ckpt).ok and "record CRC-32s" in verify(ckpt).checks
+    with DcpReader(ckpt) as reader:  # a byte inside an optimizer state record's tensor data
+        file, offset, length = next(r for r in reader.stored_records() if r[2] > 200
+                                    and r not in {(c.file, c.offset, c.length) for k in reader.specs()
+                                                  if k.startswith("model.") for c in reader.chunks(k)})
+    data = bytearray((ckpt / file).read_bytes())
+    data[offset + length - 120] ^= 0x01  # in the last member's bytes, before the zip directory
+    (ckpt / file).write_bytes(bytes(data))
+    result = verify(ckpt)
+    assert not result.ok and any("CRC-32" in p or "zip" in p for p in result.problems), result.problems
+    cli = runner.invoke(app, ["verify", str(ckpt)])
+    assert cli.exit_code == 3
+
+
+def test_verify_checks_deepspeed_and_torch_files_crcs(tmp_path):
+    from ema_ckpt.verify import verify
+
+    torch.save({"w": torch.randn(64, 64)}, tmp_path / "m.pt")
+    assert "file CRC-32s" in verify(tmp_path / "m.pt").checks and verify(tmp_path / "m.pt").ok
+    raw = bytearray((tmp_path / "m.pt").read_bytes())
+    raw[len(raw) // 2] ^= 0x40
+    (tmp_path / "m.pt").write_bytes(bytes(raw))
+    assert not verify(tmp_path / "m.pt").ok

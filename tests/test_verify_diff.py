@@ -161,11 +161,11 @@ def test_manifest_entries_that_leave_the_directory_are_refused(ema, tmp_path):
     assert any("../outside" in p and "not a file name" in p for p in result.problems)
 
 
-def test_verify_without_manifest_checks_readability_only(tmp_path):
+def test_verify_without_manifest_checks_readability_and_the_records_own_crcs(tmp_path):
     ck = write_dcp(tmp_path / "ck", _tensors(1), world_size=3)
     result = verify(ck)
-    assert result.ok and not result.manifest and result.checks == ["readable"]
-    assert result.notes and "only readability" in result.notes[0]
+    assert result.ok and not result.manifest and result.checks == ["readable", "record CRC-32s"]
+    assert result.notes and "zip CRC-32s are checked" in result.notes[0]
     st = tmp_path / "model.safetensors"
     save_file({"a": torch.ones(3)}, str(st))
     assert verify(st).ok and verify(st).format_name == "safetensors"

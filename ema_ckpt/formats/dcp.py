@@ -285,6 +285,7 @@ class DcpReader:
         self._starts: dict[str, tuple[list[int], int]] = {}
         self._bytes_records: dict[str, tuple[str, int, int]] = {}
         self._file_ends: dict[str, int] = {}  # data file → the end of its last record
+        self._records_all: list[tuple[str, int, int]] = []  # every stored record, optimizer's too
         try:
             self._index(metadata)
         except (AttributeError, TypeError, ValueError, OverflowError) as err:
@@ -390,6 +391,7 @@ class DcpReader:
             if where[1] < 0 or where[2] < 0:
                 raise ValueError(f"key {index.fqn!r}: negative storage offset or length")
             self._file_ends[rel] = max(self._file_ends.get(rel, 0), where[1] + where[2])
+            self._records_all.append(where)
             if index.offset is None:
                 blobs[index.fqn] = where
             else:
@@ -514,6 +516,15 @@ class DcpReader:
         if path:
             return str(path[0])
         return key.split(".", 1)[0]
+
+    def stored_records(self) -> list[tuple[str, int, int]]:
+        """Every record the metadata names, as (data file, offset, length): model, optimizer, bytes."""
+        return sorted(set(self._records_all))
+
+    def open_record(self, file: str, offset: int, length: int) -> Any:
+        """A read-only file view of one record (a standalone ``torch.save`` zip)."""
+        self._check_extent(file, offset, length)
+        return _Window(self._fd(file), offset, length)
 
     def container_of(self, key: str) -> str | None:
         """The state-dict container ``key`` was nested in when saved, or None.
