@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from ._gc import paused_gc
-from .errors import EmaCkptError, NonFiniteError, UsageError
+from .errors import CheckpointError, CheckpointFormatError, EmaCkptError, NonFiniteError, UnsafePickleError, UsageError
 
 T = TypeVar("T")
 _TIMEOUT = datetime.timedelta(hours=6)
@@ -112,10 +112,13 @@ class Workers:
         if error is not None:
             raise error
         if failed:
-            rank, (message, code) = failed[0]
-            source = next((s[2] for _, s in failed if len(s) > 2), None)
+            rank, (message, code) = failed[0][0], failed[0][1][:2]
+            source = next((s[2] for _, s in failed if len(s) > 2 and s[2] is not None), None)
             if source is not None:
                 raise NonFiniteError(source, message)
+            if len(failed[0][1]) > 3:
+                name, path, reason = failed[0][1][3]
+                raise _CHECKPOINT_ERRORS[name](path, reason)
             raise WorkerFailed(f"worker {rank}: {message}", code)
 
     def run(self, step: Callable[[], T]) -> T:
@@ -129,9 +132,16 @@ class Workers:
         return result
 
 
+_CHECKPOINT_ERRORS = {cls.__name__: cls for cls in (CheckpointFormatError, UnsafePickleError)}
+"""Errors about one checkpoint's files, raised again as themselves on every rank (a run may
+skip that checkpoint and go on, which every rank must decide alike)."""
+
+
 def _describe(error: BaseException) -> tuple:
     if isinstance(error, NonFiniteError):
         return str(error), error.exit_code, error.source
+    if type(error).__name__ in _CHECKPOINT_ERRORS and isinstance(error, CheckpointError):
+        return str(error), error.exit_code, None, (type(error).__name__, error.path, error.reason)
     if isinstance(error, EmaCkptError):
         return str(error), error.exit_code
     return f"{type(error).__name__}: {error}", 1
@@ -338,7 +348,7 @@ def _failure(reports: dict[int, tuple[str, Any]], procs: Sequence[Any], *, only_
     latter (after rank 0 failed, the peers' reports are consequences of its failure)."""
     errors = sorted((rank, payload) for rank, (status, payload) in reports.items() if status == "error")
     if errors and not only_deaths:
-        message, code = errors[0][1]
+        message, code = errors[0][1][:2]
         return WorkerFailed(message, code)
     silent = [p for rank, p in enumerate(procs, start=1) if rank not in reports and p.exitcode is not None]
     if silent or (not only_deaths and len(reports) < len(procs)):

@@ -278,3 +278,11 @@ def test_verify_checks_deepspeed_and_torch_files_crcs(tmp_path):
     raw[len(raw) // 2] ^= 0x40
     (tmp_path / "m.pt").write_bytes(bytes(raw))
     assert not verify(tmp_path / "m.pt").ok
+
+
+def test_skip_damaged_with_workers_decides_alike_on_every_rank(tmp_path):
+    _train_and_save(tmp_path / "c", [1, 2, 3])
+    _cut_the_optimizer_records(tmp_path / "c" / "step_2")
+    refused = accumulate(tmp_path / "c", decay=0.9, workers=2, skip_damaged=True)
+    assert [c.step for c in refused.folded] == [1, 3]
+    assert [s["step"] for s in Manifest.read(tmp_path / "c" / "ema").skipped] == [2]

@@ -58,6 +58,18 @@ def error_message(err: BaseException) -> tuple[str, int]:
     return escaped(f"internal error: {type(err).__name__}: {_first_line(str(err))}"), INTERNAL_ERROR
 
 
+def _interrupt_behind(err: BaseException) -> KeyboardInterrupt | None:
+    """The Ctrl-C or SIGTERM an exception was raised from, if any (its cause or context chain)."""
+    seen: set[int] = set()
+    current: BaseException | None = err
+    while current is not None and id(current) not in seen:
+        if isinstance(current, KeyboardInterrupt):
+            return current
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return None
+
+
 def reports_errors(command: F) -> F:
     """Run a command body, mapping every failure to one line and an exit code."""
 
@@ -73,6 +85,11 @@ def reports_errors(command: F) -> F:
             err_console.print(f"{what}; the previous output is intact", style="yellow", highlight=False)
             raise typer.Exit(exit_code(stop)) from None
         except Exception as err:
+            stop = _interrupt_behind(err)
+            if stop is not None:  # Ctrl-C or SIGTERM that Python wrapped (e.g. while a class was created)
+                what = "terminated (SIGTERM)" if isinstance(stop, Terminated) else "interrupted"
+                err_console.print(f"{what}; the previous output is intact", style="yellow", highlight=False)
+                raise typer.Exit(exit_code(stop)) from None
             if os.environ.get("EMA_CKPT_DEBUG") and not isinstance(err, EmaCkptError):
                 raise
             message, code = error_message(err)
