@@ -239,10 +239,10 @@ def _refused_in_record(message: str, record: bytes) -> str | None:
         with zipfile.ZipFile(io.BytesIO(record)) as archive:
             pkl = next((n for n in archive.namelist() if n.endswith("/data.pkl") or n == "data.pkl"), None)
             names = _globals_in_pickle(archive.read(pkl)) if pkl else []
-    except (zipfile.BadZipFile, KeyError, OSError):
-        return "a global outside torch's allowlist"
-    allowed = [n for n in names if not _torch_allows(n)]
-    return allowed[0] if allowed else "a global outside torch's allowlist"
+    except Exception:  # a damaged record: reported as unreadable, not as a refused global
+        return None
+    refused = [n for n in names if not _torch_allows(n)]
+    return refused[0] if refused else None
 
 
 def _tensor_bytes(t: torch.Tensor) -> memoryview:
@@ -687,6 +687,8 @@ class DcpReader:
                     "allowed; nothing from the file was run",
                 ) from None
             first = _first_line(str(err)) or type(err).__name__
+            if "weights_only" in first or "will likely succeed" in first:  # torch's advice: never relayed
+                first = "refused by torch's weights-only loader"
             raise CheckpointFormatError(
                 self.path / chunk.file, f"key {key!r}: unreadable record at offset {chunk.offset} ({first})"
             ) from None
