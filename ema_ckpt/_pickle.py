@@ -207,6 +207,18 @@ def _fresh_standins() -> dict[tuple[str, str], Any]:
     return standins
 
 
+def _metadata_global(standins: dict[tuple[str, str], Any], module: str, name: str) -> Any:
+    """What a DCP metadata pickle's global resolves to, or None when it is not admitted."""
+    standin = standins.get((module, name))
+    if standin is not None:
+        return standin
+    if module == "torch" and name in TORCH_NAMES:
+        return DtypeName(canonical(name))
+    if module == "torch" and (name in _LAYOUTS or name in _MEMORY_FORMATS):
+        return name
+    return None
+
+
 class _DcpMetadataUnpickler(_InMemoryUnpickler):
     def __init__(self, data: bytes, source: str) -> None:
         super().__init__(data)
@@ -214,14 +226,10 @@ class _DcpMetadataUnpickler(_InMemoryUnpickler):
         self._standins = _fresh_standins()
 
     def find_class(self, module: str, name: str) -> Any:
-        standin = self._standins.get((module, name))
-        if standin is not None:
-            return standin
-        if module == "torch" and name in TORCH_NAMES:
-            return DtypeName(canonical(name))
-        if module == "torch" and (name in _LAYOUTS or name in _MEMORY_FORMATS):
-            return name
-        raise _refuse(self._source, module, name)
+        found = _metadata_global(self._standins, module, name)
+        if found is None:
+            raise _refuse(self._source, module, name)
+        return found
 
     def persistent_load(self, pid: Any) -> Any:
         raise _refuse(self._source, "persistent_load", repr(pid)[:40])
@@ -252,14 +260,10 @@ class _OwnMetadataUnpickler(pickle.Unpickler):
         self._standins[(_DCP_METADATA_MODULE, "_MEM_FORMAT_ENCODING")] = int
 
     def find_class(self, module: str, name: str) -> Any:
-        standin = self._standins.get((module, name))
-        if standin is not None:
-            return standin
-        if module == "torch" and name in TORCH_NAMES:
-            return DtypeName(canonical(name))
-        if module == "torch" and (name in _LAYOUTS or name in _MEMORY_FORMATS):
-            return name
-        raise pickle.UnpicklingError(f"{module}.{name}")
+        found = _metadata_global(self._standins, module, name)
+        if found is None:
+            raise pickle.UnpicklingError(f"{module}.{name}")
+        return found
 
 
 def check_written_metadata(data: bytes, keys: int) -> None:
