@@ -7,12 +7,7 @@ and every command (about 0.15 s before a worker can join the group).
 
 from __future__ import annotations
 
-import multiprocessing
-
 from . import _signals
-
-if multiprocessing.parent_process() is None:  # not in the workers it spawns: their parent ends them
-    _signals.install()  # as early as this process runs any of ema-ckpt's code
 
 
 def main() -> None:
@@ -21,6 +16,7 @@ def main() -> None:
     SIGTERM and Ctrl-C end it with one line and exit 143 / 130 at any moment, even while
     the modules are still being imported (:mod:`ema_ckpt._signals`).
     """
+    _signals.install()  # here, not at import: the workers it spawns re-import this module
     from .cli import main as cli_main  # a signal meanwhile is recorded: see _signals
 
     cli_main()

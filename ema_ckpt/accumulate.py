@@ -252,6 +252,9 @@ def accumulate(
                 acc.new = [c for c in acc.new if c.path != bad.path]
                 acc.snapshot_steps = [s for s in acc.snapshot_steps if s != bad.step]
             if not any(acc.new for acc in accumulators):
+                if not any(acc.previous for acc in accumulators):  # nothing folded, no EMA to keep
+                    raise CheckpointFormatError(out_path, "every checkpoint was skipped: no EMA was written ("
+                                                + "; ".join(f"{c.path}: {r}" for c, r in skipped) + ")")
                 group.run(lambda: _record_skips(accumulators, skipped) if group.is_coordinator else None)
                 return AccumulateResult(out_path, max(a.previous.step for a in accumulators if a.previous)
                                         if any(a.previous for a in accumulators) else bad.step,

@@ -67,7 +67,7 @@ def step_from_name(name: str, step_regex: str | None = None) -> int | None:
         if not match:
             return None
         text = match.group("step") if "step" in pattern.groupindex else match.group(1)
-        if text is None or not text.isdigit():
+        if text is None or not re.fullmatch(r"[0-9]+", text):
             raise UsageError(f"--step-regex {step_regex!r} matched {text!r} in {name!r}, not digits")
         return int(text)
     for pattern in _STEP_PATTERNS:

@@ -109,16 +109,19 @@ class Workers:
         """A synchronisation point: raise on every rank if any rank hit an error."""
         states = self.all_gather(_describe(error) if error is not None else None)
         failed = [(rank, s) for rank, s in enumerate(states) if s is not None]
+        if failed:
+            # An error about one checkpoint (NaN/Inf, damaged files) is raised alike on every rank,
+            # the lowest rank's, so a run that skips it and goes on skips the same one everywhere.
+            rank, state = failed[0]
+            message, code = state[:2]
+            if len(state) > 2 and state[2] is not None:
+                raise NonFiniteError(state[2], message)
+            if len(state) > 3:
+                name, path, reason = state[3]
+                raise _CHECKPOINT_ERRORS[name](path, reason)
         if error is not None:
             raise error
         if failed:
-            rank, (message, code) = failed[0][0], failed[0][1][:2]
-            source = next((s[2] for _, s in failed if len(s) > 2 and s[2] is not None), None)
-            if source is not None:
-                raise NonFiniteError(source, message)
-            if len(failed[0][1]) > 3:
-                name, path, reason = failed[0][1][3]
-                raise _CHECKPOINT_ERRORS[name](path, reason)
             raise WorkerFailed(f"worker {rank}: {message}", code)
 
     def run(self, step: Callable[[], T]) -> T:
@@ -282,6 +285,9 @@ def run_workers(world_size: int, func: Callable[..., T], /, *args: Any,
         except EmaCkptError:  # peers learnt of it at the step's synchronisation and end too
             grace = 5.0
             raise
+        except KeyboardInterrupt:  # Ctrl-C or SIGTERM: end the peers at once
+            grace = 0.0
+            raise
         except Exception as err:  # a collective failed (a peer died?) or a fault of this rank's own
             grace = 0.0  # peers still waiting for this rank in a collective would wait for hours
             killed = _failure(_collect(procs, queue, timeout=2.0), procs, only_deaths=True)
@@ -293,11 +299,14 @@ def run_workers(world_size: int, func: Callable[..., T], /, *args: Any,
             raise failure
         return result
     finally:
-        _shutdown()
-        if threads is not None:
-            import torch
+        try:
+            _shutdown()
+            if threads is not None:
+                import torch
 
-            torch.set_num_threads(threads)
+                torch.set_num_threads(threads)
+        except BaseException:  # noqa: BLE001 - e.g. torch half imported when a signal came: the peers still end
+            grace = 0.0
         for name, value in saved.items():
             if value is None:
                 os.environ.pop(name, None)

@@ -286,3 +286,32 @@ def test_skip_damaged_with_workers_decides_alike_on_every_rank(tmp_path):
     refused = accumulate(tmp_path / "c", decay=0.9, workers=2, skip_damaged=True)
     assert [c.step for c in refused.folded] == [1, 3]
     assert [s["step"] for s in Manifest.read(tmp_path / "c" / "ema").skipped] == [2]
+
+
+def test_two_damaged_checkpoints_with_workers_are_both_skipped(tmp_path):
+    _train_and_save(tmp_path / "c", [1, 2, 3, 4])
+    _cut_the_optimizer_records(tmp_path / "c" / "step_2")
+    _cut_the_optimizer_records(tmp_path / "c" / "step_3")
+    result = accumulate(tmp_path / "c", decay=0.9, workers=3, skip_damaged=True)
+    assert [c.step for c in result.folded] == [1, 4]
+
+
+def test_a_first_run_that_skips_everything_is_an_error(tmp_path):
+    _train_and_save(tmp_path / "c", [1])
+    _cut_the_optimizer_records(tmp_path / "c" / "step_1")
+    with pytest.raises(CheckpointFormatError, match="every checkpoint was skipped"):
+        accumulate(tmp_path / "c", decay=0.9, skip_damaged=True)
+    assert not (tmp_path / "c" / "ema").exists()
+
+
+def test_verify_notes_checkpoints_without_crcs_instead_of_failing(tmp_path):
+    from ema_ckpt.verify import verify
+
+    torch.serialization.set_crc32_options(False)
+    try:
+        _train_and_save(tmp_path / "c", [1])
+    finally:
+        torch.serialization.set_crc32_options(True)
+    result = verify(tmp_path / "c" / "step_1")
+    assert result.ok, result.problems
+    assert any("without CRC-32s" in n for n in result.notes)

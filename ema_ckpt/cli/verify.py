@@ -13,7 +13,7 @@ from ..errors import CheckpointFormatError
 from ..verify import verify
 from ._errors import reports_errors
 from ._options import JsonOpt
-from ._output import console, err_console, human_bytes, note, print_json
+from ._output import console, err_console, human_bytes, note, print_json, shown
 
 EPILOG = """\
 Examples:
@@ -42,7 +42,7 @@ def verify_command(
         for line in result.notes:
             note(line)
         summary = Table.grid(padding=(0, 2))
-        summary.add_row("path", Text(str(result.path)))
+        summary.add_row("path", Text(shown(result.path)))
         summary.add_row("format", result.format_name or "unreadable")
         summary.add_row("checks", ", ".join(result.checks))
         if result.manifest:
