@@ -25,47 +25,45 @@ from __future__ import annotations
 
 import contextlib
 import shutil
-import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
 
-from . import planner
-from .averaging import ACCUMULATE_DTYPES, PlannedOutput, SnapshotInput, Term, find_snapshots
-from .averaging import Plan as AveragePlan
+from .averaging import averaged_tensors
 from .discovery import FoundCheckpoint, checkpoint_paths, discover
-from .dist import Workers, current_workers, in_worker_group, run_workers
-from .dtypes import torch_dtype
-from .engine import OutputSpec, Progress, Update, check_device, layout_regions
-from .execute import open_checkpoints, write_dcp_outputs
-from .errors import (
-    CheckpointFormatError,
-    CheckpointNotFoundError,
-    IncompatibleCheckpointError,
-    ManifestMismatchError,
-    NonFiniteError,
-    UsageError,
+from .dtypes import ACCUMULATE_DTYPES, torch_dtype
+from .engine import check_device
+from .errors import CheckpointFormatError, CheckpointNotFoundError, EmaCkptError, NonFiniteError, UsageError
+from .folding import (
+    DEFAULT_OUT_NAME,
+    Accumulator,
+    FoldTerm,
+    check_fold_keys,
+    check_same_settings,
+    default_out,
+    fold_inputs,
+    fold_output,
+    fold_plan,
+    fold_terms,
+    fold_weights,
+    make_profile,
+    named_profiles,
+    record_skips,
+    refuse_backwards,
+    refuse_damaged_emas,
+    skip_records,
+    snapshot_steps,
 )
 from .formats import open_checkpoint
-from .formats.base import CheckpointReader
-from .fs import OutputLock, discard_on_error, new_staging_dir, output_path, publish, recover
+from .fs import output_path
+from .jobs import Job, JobContext, Target, WrittenOutputs, recorded_options, run_job
 from .manifest import MANIFEST_NAME, FoldedCheckpoint, Manifest, fingerprint
-from .schedules import ExponentialProfile, PowerProfile, fold_coefficients, profile_from_dict
-from .selection import check_compatible, select_keys
-from .verify import damage
+from .plans import Plan as AveragePlan
+from .plans import find_snapshots
+from .progress import Progress
+from .schedules import PowerProfile
 
-DEFAULT_OUT_NAME = "ema"
-Profile = ExponentialProfile | PowerProfile
-
-
-@dataclass(frozen=True, slots=True)
-class FoldTerm:
-    """One input's share of an EMA after this run (Σ coefficients = 1)."""
-
-    path: str
-    step: int
-    coefficient: float
+_RUNTIME = {"recorded": False}
 
 
 @dataclass(slots=True)
@@ -91,63 +89,70 @@ class AccumulateResult:
     plan: AveragePlan | None = None
 
 
-@dataclass(slots=True)
-class _Accumulator:
-    name: str
-    final: Path
-    profile: Profile
-    previous: Manifest | None
-    new: list[FoundCheckpoint] = field(default_factory=list)
-    snapshot_steps: list[int] = field(default_factory=list)
+@dataclass(frozen=True, slots=True)
+class AccumulateOptions:
+    """Everything an :func:`accumulate` run needs; checked when made (see :func:`accumulate`)."""
 
+    checkpoints: tuple[Path, ...]
+    out: Path | None = field(default=None, metadata=_RUNTIME)
+    decay: float | None = None
+    half_life: float | None = None
+    per_checkpoint: bool = False
+    warmup: bool = False
+    sigma_rels: tuple[str, ...] = ()
+    gammas: tuple[str, ...] = ()
+    snapshot_every: int | None = None
+    dtype: str = "float32"
+    include: tuple[str, ...] = ()
+    exclude: tuple[str, ...] = ()
+    step_regex: str | None = None
+    restart: bool = False
+    allow_new_keys: bool = False
+    skip_nonfinite: bool = False
+    skip_damaged: bool = False
+    skip: tuple[Path, ...] = ()
+    dry_run: bool = field(default=False, metadata=_RUNTIME)
+    wait_seconds: float = field(default=0.0, metadata=_RUNTIME)
+    workers: int = field(default=1, metadata=_RUNTIME)
+    device: str = field(default="cpu", metadata=_RUNTIME)
 
-def default_out(checkpoints: Sequence[Path]) -> Path:
-    """``<folder>/ema`` for a single folder of checkpoints."""
-    if len(checkpoints) == 1 and checkpoints[0].is_dir():
-        return checkpoints[0] / DEFAULT_OUT_NAME
-    raise UsageError("--out is required when more than one path is given")
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__
+        set_(self, "checkpoints", tuple(checkpoint_paths(self.checkpoints)))
+        for name in ("sigma_rels", "gammas", "include", "exclude"):
+            set_(self, name, tuple(getattr(self, name)))
+        set_(self, "skip", tuple(Path(p) for p in self.skip))
+        if self.snapshot_every is not None and self.snapshot_every < 1:
+            raise UsageError(f"--snapshot-every must be a positive number of steps, got {self.snapshot_every}")
+        self.profiles()  # refuses a contradictory or invalid profile
+        if self.dtype not in ACCUMULATE_DTYPES:
+            raise UsageError(f"--dtype must be one of {', '.join(ACCUMULATE_DTYPES)}, got {self.dtype!r}")
+        set_(self, "out", output_path(self.out if self.out is not None else default_out(list(self.checkpoints))))
+        check_device(self.device)
 
+    @property
+    def out_path(self) -> Path:
+        assert self.out is not None
+        return self.out
 
-def make_profile(
-    *, decay: float | None, half_life: float | None, per_checkpoint: bool, warmup: bool
-) -> ExponentialProfile:
-    """The classic profile named by exactly one of ``decay`` / ``half_life``."""
-    if (decay is None) == (half_life is None):
-        raise UsageError("give exactly one of --decay or --half-life (or --sigma-rel/--gamma)")
-    if half_life is not None:
-        if per_checkpoint:
-            raise UsageError("--half-life counts steps; use --decay with --per-checkpoint")
-        return ExponentialProfile.from_half_life(half_life, warmup=warmup)
-    assert decay is not None
-    return ExponentialProfile(decay=decay, per_checkpoint=per_checkpoint, warmup=warmup)
+    @property
+    def power(self) -> bool:
+        return bool(self.sigma_rels or self.gammas)
 
+    def profiles(self) -> list[tuple[str, PowerProfile | object]]:
+        return named_profiles(self.decay, self.half_life, self.per_checkpoint, self.warmup,  # type: ignore[return-value]
+                              self.sigma_rels, self.gammas, self.snapshot_every)
 
-def _profiles(
-    decay: float | None, half_life: float | None, per_checkpoint: bool, warmup: bool,
-    sigma_rels: Sequence[str], gammas: Sequence[str], snapshot_every: int | None,
-) -> list[tuple[str, Profile]]:
-    if sigma_rels or gammas:
-        if decay is not None or half_life is not None or per_checkpoint or warmup:
-            raise UsageError("--sigma-rel/--gamma (power EMAs) cannot be combined with --decay/--half-life")
-        named: list[tuple[str, Profile]] = []
-        for text in sigma_rels:
-            for typed, value in planner.parse_sigma_list(text):
-                named.append((f"sigma_rel_{typed}", PowerProfile(planner.sigma_rel_to_gamma(value), typed)))
-        for text in gammas:
-            for item in (i.strip() for i in text.split(",")):
-                named.append((f"gamma_{item}", PowerProfile(planner.check_gamma(item), item)))
-        if len({n for n, _ in named}) != len(named):
-            raise UsageError("the same profile is requested twice")
-        return named
-    if snapshot_every is not None:
-        raise UsageError("--snapshot-every keeps power EMAs: use it with --sigma-rel or --gamma")
-    return [(DEFAULT_OUT_NAME, make_profile(decay=decay, half_life=half_life,
-                                            per_checkpoint=per_checkpoint, warmup=warmup))]
+    @property
+    def selection(self) -> dict[str, list[str]]:
+        return {"include": list(self.include), "exclude": list(self.exclude)}
 
 
 def accumulate(
     checkpoints: str | Path | Sequence[str | Path],
     *,
+    out: str | Path | None = None,
+    on_progress: Callable[[Progress], None] | None = None,
     decay: float | None = None,
     half_life: float | None = None,
     per_checkpoint: bool = False,
@@ -155,7 +160,6 @@ def accumulate(
     sigma_rels: Sequence[str] = (),
     gammas: Sequence[str] = (),
     snapshot_every: int | None = None,
-    out: str | Path | None = None,
     dtype: str = "float32",
     include: Sequence[str] = (),
     exclude: Sequence[str] = (),
@@ -169,18 +173,18 @@ def accumulate(
     skip: Sequence[str | Path] = (),
     workers: int = 1,
     device: str = "cpu",
-    on_progress: Callable[[Progress], None] | None = None,
 ) -> AccumulateResult:
     """Fold every checkpoint newer than the EMA(s) at ``out`` into them.
 
     Args:
         checkpoints: a folder of checkpoints, or several checkpoint paths.
+        out: the EMA directory (default ``<folder>/ema``).
+        on_progress: called after each region.
         decay: β per optimizer step (``per_checkpoint`` makes it per checkpoint).
         half_life: alternatively, the half-life in steps (β = 2^(−1/h)).
         warmup: decay at step n is min(β, (1 + n)/(10 + n)).
         sigma_rels, gammas: power-function EMAs instead (values, lists or ranges as typed).
         snapshot_every: with power EMAs, keep a snapshot of each every K steps.
-        out: the EMA directory (default ``<folder>/ema``).
         dtype: accumulation and storage dtype of floating tensors (float32 or float64).
         include, exclude: glob patterns on keys.
         step_regex: a regex with one group for the step in directory names.
@@ -197,439 +201,267 @@ def accumulate(
         workers: split the work over N local processes (torch.distributed; under torchrun the
             group comes from the environment instead).
         device: ``cpu`` or ``cuda``: where the arithmetic runs.
-        on_progress: called after each region.
 
     Returns:
         An :class:`AccumulateResult`; ``up_to_date`` is True when nothing was new (and
         nothing was written).
+
+    Example:
+        >>> accumulate("ckpts/", decay=0.999, dry_run=True).terms[-1]   # doctest: +SKIP
+        FoldTerm(path='ckpts/step_3000', step=3000, coefficient=0.632...)
     """
-    if workers > 1 and not in_worker_group():
-        return run_workers(
-            workers, accumulate, checkpoints, decay=decay, half_life=half_life, per_checkpoint=per_checkpoint,
-            warmup=warmup, sigma_rels=sigma_rels, gammas=gammas, snapshot_every=snapshot_every, out=out,
-            dtype=dtype, include=include, exclude=exclude, step_regex=step_regex, restart=restart,
-            wait_seconds=wait_seconds, dry_run=dry_run, allow_new_keys=allow_new_keys,
-            skip_nonfinite=skip_nonfinite, skip_damaged=skip_damaged, skip=skip, device=device, local_kwargs={"on_progress": on_progress},
-        )
-    check_device(device)
-    started = time.perf_counter()
-    group = current_workers(device)
-    with contextlib.ExitStack() as stack:
-
-        def prepare() -> tuple:
-            return _prepare(
-                stack, checkpoints, decay, half_life, per_checkpoint, warmup, sigma_rels, gammas,
-                snapshot_every, out, dtype, include, exclude, step_regex, restart, wait_seconds, dry_run, started,
-                allow_new_keys=allow_new_keys, skip=skip,
-            )
-
-        prepared = group.broadcast(group.run(prepare if group.is_coordinator else lambda: None))
-        if prepared[0] == "done":
-            return prepared[1]
-        _, out_path, accumulators, selection, notes, plan = prepared
-        skipped: list[tuple[FoundCheckpoint, str]] = []  # (checkpoint, reason) recorded in the manifest
-        while True:
-            try:
-                return _fold(group, out_path, accumulators, dtype, selection, include, exclude, notes, started,
-                             on_progress, plan, device, allow_new_keys, skipped)
-            except NonFiniteError as err:
-                bad = _source_checkpoint(accumulators, err.source)
-                if not skip_nonfinite or bad is None:
-                    raise NonFiniteError(err.source, f"{err} (pass --skip-nonfinite to skip that checkpoint)") \
-                        from None
-                reason = "NaN/Inf"
-            except CheckpointFormatError as err:
-                bad = _checkpoint_holding(accumulators, Path(err.path))
-                if bad is None:
-                    raise
-                if not skip_damaged:
-                    raise type(err)(err.path, f"{err.reason} (pass --skip-damaged to skip that checkpoint)") \
-                        from None
-                reason = f"damaged: {err.reason}"
-            notes.append(f"skipped {bad.path} (step {bad.step}): {reason}")
-            skipped.append((bad, reason))
-            for acc in accumulators:
-                acc.new = [c for c in acc.new if c.path != bad.path]
-                acc.snapshot_steps = [s for s in acc.snapshot_steps if s != bad.step]
-            if not any(acc.new for acc in accumulators):
-                if not any(acc.previous for acc in accumulators):  # nothing folded, no EMA to keep
-                    raise CheckpointFormatError(out_path, "every checkpoint was skipped: no EMA was written ("
-                                                + "; ".join(f"{c.path}: {r}" for c, r in skipped) + ")")
-                group.run(lambda: _record_skips(accumulators, skipped) if group.is_coordinator else None)
-                return AccumulateResult(out_path, max(a.previous.step for a in accumulators if a.previous)
-                                        if any(a.previous for a in accumulators) else bad.step,
-                                        [], True, notes, seconds=time.perf_counter() - started)
+    paths = (checkpoints,) if isinstance(checkpoints, (str, Path)) else tuple(checkpoints)
+    options = AccumulateOptions(
+        tuple(Path(p) for p in paths), out=Path(out) if out is not None else None, decay=decay,
+        half_life=half_life, per_checkpoint=per_checkpoint, warmup=warmup, sigma_rels=tuple(sigma_rels),
+        gammas=tuple(gammas), snapshot_every=snapshot_every, dtype=dtype, include=tuple(include),
+        exclude=tuple(exclude), step_regex=step_regex, restart=restart, allow_new_keys=allow_new_keys,
+        skip_nonfinite=skip_nonfinite, skip_damaged=skip_damaged, skip=tuple(Path(p) for p in skip),
+        dry_run=dry_run, wait_seconds=wait_seconds, workers=workers, device=device,
+    )
+    return run_job(AccumulateJob(options), on_progress=on_progress)
 
 
-def _prepare(
-    stack: contextlib.ExitStack, checkpoints, decay, half_life, per_checkpoint, warmup, sigma_rels, gammas,
-    snapshot_every, out, dtype, include, exclude, step_regex, restart, wait_seconds, dry_run, started,
-    *, allow_new_keys: bool = False, skip: Sequence[str | Path] = (),
-) -> tuple:
-    """Coordinator only: lock, repair, read manifests, discover, plan."""
-    paths = checkpoint_paths(checkpoints)
-    if snapshot_every is not None and snapshot_every < 1:
-        raise UsageError(f"--snapshot-every must be a positive number of steps, got {snapshot_every}")
-    named = _profiles(decay, half_life, per_checkpoint, warmup, sigma_rels, gammas, snapshot_every)
-    if dtype not in ACCUMULATE_DTYPES:
-        raise UsageError(f"--dtype must be one of {', '.join(ACCUMULATE_DTYPES)}, got {dtype!r}")
-    out_path = output_path(out if out is not None else default_out(paths))
-    power = isinstance(named[0][1], PowerProfile)
-    selection = {"include": list(include), "exclude": list(exclude)}
-    if not dry_run:
-        stack.enter_context(OutputLock(out_path, wait_seconds=wait_seconds))
-    notes: list[str] = []
-    accumulators = []
-    if power and not dry_run:
-        notes += recover(out_path)  # staging directories of sweeps live beside OUT
-    for name, profile in named:
-        final = out_path / name if power else out_path
-        if not dry_run:
-            notes += recover(final)
-        previous = Manifest.read(final) if final.is_dir() else None
-        if not power and final.exists() and previous is None and any(final.iterdir()):
-            raise UsageError(f"{final} exists and is not an ema-ckpt output; choose another --out")
-        if previous is not None and not restart:
-            _check_same_settings(previous, profile, dtype, selection, final)
-        accumulators.append(_Accumulator(name, final, profile, None if restart else previous))
-    if power and not dry_run and (out_path / "snapshots").is_dir():
-        for leftover in (out_path / "snapshots").iterdir():
-            if leftover.name.startswith(".") and ".tmp-" in leftover.name:
-                shutil.rmtree(leftover, ignore_errors=True)
-    folded = {Path(c.path).resolve(): c.step for acc in accumulators if acc.previous is not None
-              for c in acc.previous.checkpoints}
-    starts = [acc.previous.step if acc.previous is not None else None for acc in accumulators]
-    found = discover(paths, step_regex=step_regex, exclude=[out_path], skip=skip, known=folded,
-                     compare_after=None if None in starts else min(s for s in starts if s is not None))
-    notes.extend(found.notes)
-    for c in found.checkpoints:
-        done = folded.get(c.path.resolve())
-        if done is not None and done != c.step:
-            notes.append(f"skipped {c.path}: folded before at step {done}, it now reads step {c.step}")
-    snapshots_on_disk = find_snapshots([out_path]) if snapshot_every else []
-    for acc in accumulators:
-        start = acc.previous.step if acc.previous is not None else None
-        recorded = {s.get("path"): s for s in (acc.previous.skipped if acc.previous else [])}
-        acc.new = []
-        for c in found.checkpoints:
-            if (start is not None and c.step <= start) or c.path.resolve() in folded:
-                continue
-            skip_record = recorded.get(str(c.path.resolve()))
-            if skip_record is not None and skip_record.get("fingerprint") in (None, fingerprint(c.path)):
-                if acc is accumulators[0]:
-                    notes.append(f"skipped {c.path} (step {c.step}): recorded as skipped "
-                                 f"({skip_record.get('reason')}) in {acc.final / MANIFEST_NAME}")
-                continue
-            acc.new.append(c)
-        if start is not None:
-            _refuse_backwards(acc, found.checkpoints, start)
-        if snapshot_every:
-            assert isinstance(acc.profile, PowerProfile)
-            taken = [s.step for s in snapshots_on_disk if abs(s.gamma - acc.profile.gamma) < 1e-12]
-            acc.snapshot_steps = _snapshot_steps([c.step for c in acc.new], max(taken, default=None),
-                                                 snapshot_every)
-    if not dry_run:
-        _refuse_damaged_emas(accumulators)
-    plan = _plan(accumulators)
-    if dry_run and any(acc.new for acc in accumulators):
-        active, sources, checkpoints = _sources(accumulators)
-        with contextlib.ExitStack() as readers_stack:
-            readers = [readers_stack.enter_context(contextlib.closing(open_checkpoint(p))) for p in sources]
-            _check_keys(readers, sources, checkpoints, active, include, exclude, allow_new_keys)
-    if dry_run or not any(acc.new for acc in accumulators):
-        steps = [acc.previous.step for acc in accumulators if acc.previous is not None]
-        up_to_date = not any(acc.new for acc in accumulators)
-        if up_to_date and not steps:
+@dataclass(slots=True)
+class FoldPlan:
+    """What one run folds: each EMA with its new checkpoints, and what was skipped so far."""
+
+    accumulators: list[Accumulator]
+    plan: AveragePlan
+    notes: list[str] = field(default_factory=list)
+    skipped: list[tuple[FoundCheckpoint, str]] = field(default_factory=list)
+    """(checkpoint, reason) left out during this run, recorded in the manifests."""
+
+    def targets(self, out: Path) -> list[tuple[Accumulator, Path, int]]:
+        """(accumulator, final path, step) of every output: snapshots first, then the EMAs.
+
+        Snapshots first: a crash before the EMAs are swapped in makes the next run redo the
+        same fold and rewrite the same snapshots, byte for byte.
+        """
+        active = [acc for acc in self.accumulators if acc.new]
+        snapshots = [(acc, out / "snapshots" / f"{acc.name}-step_{snap}", snap)
+                     for acc in active for snap in acc.snapshot_steps]
+        return snapshots + [(acc, acc.final, acc.new[-1].step) for acc in active]
+
+
+@dataclass(slots=True)
+class _Folded:
+    written: WrittenOutputs
+    keys: int
+    source_format: str
+
+
+@dataclass
+class AccumulateJob(Job[FoldPlan, _Folded, AccumulateResult]):
+    """:func:`accumulate` as a job of the runner (:mod:`ema_ckpt.jobs`)."""
+
+    options: AccumulateOptions
+
+    def lock_path(self) -> Path | None:
+        return None if self.options.dry_run else self.options.out_path
+
+    def recover_paths(self) -> list[Path]:
+        opts = self.options
+        if opts.dry_run:
+            return []
+        if not opts.power:
+            return [opts.out_path]
+        # staging directories of sweeps live beside OUT
+        return [opts.out_path] + [opts.out_path / name for name, _ in opts.profiles()]
+
+    def plan(self, notes: list[str]) -> FoldPlan:
+        opts = self.options
+        out_path = opts.out_path
+        accumulators = []
+        for name, profile in opts.profiles():
+            final = out_path / name if opts.power else out_path
+            previous = Manifest.read(final) if final.is_dir() else None
+            if not opts.power and final.exists() and previous is None and any(final.iterdir()):
+                raise UsageError(f"{final} exists and is not an ema-ckpt output; choose another --out")
+            if previous is not None and not opts.restart:
+                check_same_settings(previous, profile, opts.dtype, opts.selection, final)  # type: ignore[arg-type]
+            accumulators.append(Accumulator(name, final, profile, None if opts.restart else previous))  # type: ignore[arg-type]
+        if opts.power and not opts.dry_run and (out_path / "snapshots").is_dir():
+            for leftover in (out_path / "snapshots").iterdir():
+                if leftover.name.startswith(".") and ".tmp-" in leftover.name:
+                    shutil.rmtree(leftover, ignore_errors=True)
+        self._find_new(accumulators, notes)
+        if not opts.dry_run:
+            refuse_damaged_emas(accumulators)
+        plan = FoldPlan(accumulators, fold_plan(accumulators), notes)
+        if opts.dry_run and any(acc.new for acc in accumulators):
+            active, sources, checkpoints = fold_inputs(accumulators)
+            with contextlib.ExitStack() as readers_stack:
+                readers = [readers_stack.enter_context(contextlib.closing(open_checkpoint(p))) for p in sources]
+                check_fold_keys(readers, sources, checkpoints, active, opts.include, opts.exclude,
+                                opts.allow_new_keys)
+        if not any(acc.new for acc in accumulators) and not any(acc.previous for acc in accumulators):
             raise CheckpointNotFoundError(out_path, "nothing to fold")
-        return ("done", AccumulateResult(
-            out_path, min(steps) if up_to_date else max(c.step for a in accumulators for c in a.new),
-            [], up_to_date, notes, terms=_fold_terms(accumulators[0]),
-            terms_by_output={str(a.final): _fold_terms(a) for a in accumulators},
-            profile="; ".join(a.profile.describe() for a in accumulators),
-            seconds=time.perf_counter() - started, plan=plan,
-            outputs=[a.final for a in accumulators],
-        ))
-    return ("fold", out_path, accumulators, selection, notes, plan)
+        return plan
 
+    def _find_new(self, accumulators: list[Accumulator], notes: list[str]) -> None:
+        """Each accumulator's new checkpoints (and snapshot steps), from discovery."""
+        opts = self.options
+        out_path = opts.out_path
+        folded = {Path(c.path).resolve(): c.step for acc in accumulators if acc.previous is not None
+                  for c in acc.previous.checkpoints}
+        starts = [acc.previous.step if acc.previous is not None else None for acc in accumulators]
+        found = discover(list(opts.checkpoints), step_regex=opts.step_regex, exclude=[out_path], skip=opts.skip,
+                         known=folded,
+                         compare_after=None if None in starts else min(s for s in starts if s is not None))
+        notes.extend(found.notes)
+        for c in found.checkpoints:
+            done = folded.get(c.path.resolve())
+            if done is not None and done != c.step:
+                notes.append(f"skipped {c.path}: folded before at step {done}, it now reads step {c.step}")
+        snapshots_on_disk = find_snapshots([out_path]) if opts.snapshot_every else []
+        for acc in accumulators:
+            start = acc.previous.step if acc.previous is not None else None
+            recorded = {s.get("path"): s for s in (acc.previous.skipped if acc.previous else [])}
+            acc.new = []
+            for c in found.checkpoints:
+                if (start is not None and c.step <= start) or c.path.resolve() in folded:
+                    continue
+                skip_record = recorded.get(str(c.path.resolve()))
+                if skip_record is not None and skip_record.get("fingerprint") in (None, fingerprint(c.path)):
+                    if acc is accumulators[0]:
+                        notes.append(f"skipped {c.path} (step {c.step}): recorded as skipped "
+                                     f"({skip_record.get('reason')}) in {acc.final / MANIFEST_NAME}")
+                    continue
+                acc.new.append(c)
+            if start is not None:
+                refuse_backwards(acc, found.checkpoints, start)
+            if opts.snapshot_every:
+                assert isinstance(acc.profile, PowerProfile)
+                taken = [s.step for s in snapshots_on_disk if abs(s.gamma - acc.profile.gamma) < 1e-12]
+                acc.snapshot_steps = snapshot_steps([c.step for c in acc.new], max(taken, default=None),
+                                                    opts.snapshot_every)
 
-def _refuse_backwards(acc: _Accumulator, checkpoints: list[FoundCheckpoint], start: int) -> None:
-    """Refuse a checkpoint that appeared at or before the EMA's step: steps went backwards."""
-    known = {c.path for c in acc.previous.checkpoints} if acc.previous else set()
-    known |= {s["path"] for s in (acc.previous.skipped if acc.previous else [])}
-    late = [c for c in checkpoints if c.step <= start and str(c.path.resolve()) not in known]
-    if late:
-        raise IncompatibleCheckpointError(
-            f"{late[0].path}: step {late[0].step} is at or before step {start}, where the EMA {acc.final} "
-            "stands, but was never folded: steps went backwards (a job restarted into the same folder?); "
-            "move it away, or pass --restart to rebuild the EMA"
+    def targets(self, plan: FoldPlan) -> list[Target]:
+        if self.options.dry_run:
+            return []
+        out = self.options.out_path
+        return [Target(final, near=out if final != out else None, replace=True)
+                for _, final, _ in plan.targets(out)]
+
+    def compute(self, plan: FoldPlan, context: JobContext) -> _Folded:
+        opts = self.options
+        active, sources, checkpoints = fold_inputs(plan.accumulators)
+        index = {str(p): i for i, p in enumerate(sources)}
+        outputs = []
+        for acc, final, step in plan.targets(opts.out_path):
+            name = acc.name if final == acc.final else final.name
+            outputs.append(fold_output(name, fold_weights(acc, upto=None if final == acc.final else step), index))
+        readers = context.open_sources(sources)
+        keys = context.check(lambda: check_fold_keys(readers, sources, checkpoints, active, opts.include,
+                                                     opts.exclude, opts.allow_new_keys))
+        newest = readers[-1]
+        tensors = averaged_tensors(newest, keys, opts.dtype)
+        writers = [context.writer(i, "dcp", planner_data=getattr(newest, "planner_data", None))
+                   for i in range(len(outputs))]
+        written = context.write(readers, outputs, writers, tensors, layout=newest, copy_source=len(readers) - 1,
+                                accumulate_dtype=torch_dtype(opts.dtype),
+                                check_finite=[index[str(c.path)] for c in checkpoints])
+        return _Folded(written, len(keys), newest.format_name)
+
+    def manifests(self, plan: FoldPlan, computed: _Folded) -> list[Manifest | None]:
+        opts = self.options
+        manifests: list[Manifest | None] = []
+        for (acc, final, step), files in zip(plan.targets(opts.out_path), computed.written.files, strict=True):
+            folded = [c for c in acc.new if c.step <= step]
+            manifests.append(Manifest(
+                kind="ema" if final == acc.final else "snapshot",
+                profile=acc.profile.to_dict(),
+                dtype=opts.dtype,
+                step=step,
+                source_format=computed.source_format,
+                checkpoints=(acc.previous.checkpoints if acc.previous else [])
+                + [FoldedCheckpoint(str(c.path.resolve()), c.step, fingerprint(c.path)) for c in folded],
+                selection=opts.selection,
+                files={f.name: {"size": f.size, "crc32": f.crc32} for f in files},
+                skipped=(acc.previous.skipped if acc.previous else []) + skip_records(plan.skipped),
+                warnings=[w for o in plan.plan.outputs if o.name == acc.name for w in o.warnings],
+                options=recorded_options(opts),
+            ))
+        return manifests
+
+    def finish_without_output(self, plan: FoldPlan) -> None:
+        if not self.options.dry_run:
+            record_skips(plan.accumulators, plan.skipped)
+
+    def retry(self, plan: FoldPlan, error: EmaCkptError) -> FoldPlan | None:
+        """Skip the checkpoint behind a NaN/Inf or damaged-file error and fold the rest.
+
+        Only with ``skip_nonfinite`` / ``skip_damaged``; otherwise the error stops the run,
+        saying which option would skip it.
+        """
+        opts = self.options
+        _, sources, checkpoints = fold_inputs(plan.accumulators)
+        by_path = {c.path: c for c in checkpoints}
+        if isinstance(error, NonFiniteError):
+            bad = by_path.get(sources[error.source]) if 0 <= error.source < len(sources) else None
+            if not opts.skip_nonfinite or bad is None:
+                raise NonFiniteError(error.source, f"{error} (pass --skip-nonfinite to skip that checkpoint)") \
+                    from None
+            reason = "NaN/Inf"
+        elif isinstance(error, CheckpointFormatError):
+            bad = _checkpoint_holding(checkpoints, Path(error.path))
+            if bad is None:
+                return None
+            if not opts.skip_damaged:
+                raise type(error)(error.path, f"{error.reason} (pass --skip-damaged to skip that checkpoint)") \
+                    from None
+            reason = f"damaged: {error.reason}"
+        else:
+            return None
+        skipped = [*plan.skipped, (bad, reason)]
+        accumulators = [replace(acc, new=[c for c in acc.new if c.path != bad.path],
+                                snapshot_steps=[s for s in acc.snapshot_steps if s != bad.step])
+                        for acc in plan.accumulators]
+        if not any(acc.new for acc in accumulators) and not any(acc.previous for acc in accumulators):
+            raise CheckpointFormatError(opts.out_path, "every checkpoint was skipped: no EMA was written ("
+                                        + "; ".join(f"{c.path}: {r}" for c, r in skipped) + ")")
+        notes = [*plan.notes, f"skipped {bad.path} (step {bad.step}): {reason}"]
+        return FoldPlan(accumulators, fold_plan(accumulators), notes, skipped)
+
+    def result(self, plan: FoldPlan, computed: _Folded | None, seconds: float) -> AccumulateResult:
+        accumulators = plan.accumulators
+        common = {
+            "terms": fold_terms(accumulators[0]),
+            "terms_by_output": {str(a.final): fold_terms(a) for a in accumulators},
+            "profile": "; ".join(a.profile.describe() for a in accumulators),
+            "outputs": [a.final for a in accumulators],
+            "plan": plan.plan,
+            "seconds": seconds,
+        }
+        out = self.options.out_path
+        if computed is None:
+            up_to_date = not any(acc.new for acc in accumulators)
+            steps = [acc.previous.step for acc in accumulators if acc.previous is not None]
+            step = min(steps) if up_to_date else max(c.step for a in accumulators for c in a.new)
+            return AccumulateResult(out, step, [], up_to_date, plan.notes, **common)  # type: ignore[arg-type]
+        targets = plan.targets(out)
+        folded_all = {c.path: c for acc in accumulators for c in acc.new}
+        return AccumulateResult(
+            out, max(step for *_, step in targets),
+            [FoldedCheckpoint(str(c.path.resolve()), c.step, fingerprint(c.path))
+             for c in sorted(folded_all.values(), key=lambda c: c.step)],
+            False, plan.notes, keys=computed.keys, bytes_read=computed.written.bytes_read,
+            bytes_written=computed.written.bytes_written,
+            snapshots=[final for acc, final, _ in targets if final != acc.final],
+            **common,  # type: ignore[arg-type]
         )
 
 
-def _refuse_damaged_emas(accumulators: list[_Accumulator]) -> None:
-    """Every EMA about to be folded into matches its manifest (sizes, CRC-32s), or the run stops.
-
-    A flipped bit in the previous EMA would otherwise be folded in and then covered by fresh
-    checksums. Checked before anything is written; the damaged EMA is left as it is.
-    """
-    for acc in accumulators:
-        if acc.previous is None or not acc.new:
-            continue
-        problems = damage(acc.final)
-        if problems:
-            more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-            raise CheckpointFormatError(
-                acc.final,
-                f"the EMA does not match its manifest: {problems[0]}{more}; it is left as it is. "
-                "Restore it from a backup, or rebuild it with --restart (every checkpoint still on "
-                "disk is folded again)",
-            )
-
-
-def _skip_records(skipped: Sequence[tuple[FoundCheckpoint, str]]) -> list[dict[str, Any]]:
-    return [{"path": str(c.path.resolve()), "step": c.step, "reason": reason, "fingerprint": fingerprint(c.path)}
-            for c, reason in skipped]
-
-
-def _record_skips(accumulators: list[_Accumulator], skipped: Sequence[tuple[FoundCheckpoint, str]]) -> None:
-    """Remember skips in each existing EMA's manifest when nothing else is written this run.
-
-    Only the manifest file changes, replaced atomically; the EMA's data stay as they are.
-    """
-    for acc in accumulators:
-        if acc.previous is None or not skipped:
-            continue
-        acc.previous.skipped = acc.previous.skipped + _skip_records(skipped)
-        acc.previous.replace(acc.final)
-
-
-def _checkpoint_holding(accumulators: list[_Accumulator], path: Path) -> FoundCheckpoint | None:
+def _checkpoint_holding(checkpoints: Sequence[FoundCheckpoint], path: Path) -> FoundCheckpoint | None:
     """The new checkpoint a damaged file belongs to, or None (then it is not a checkpoint's fault)."""
     target = path.resolve()
-    for acc in accumulators:
-        for c in acc.new:
-            root = c.path.resolve()
-            if target == root or root in target.parents:
-                return c
+    for c in checkpoints:
+        root = c.path.resolve()
+        if target == root or root in target.parents:
+            return c
     return None
 
 
-def _source_checkpoint(accumulators: list[_Accumulator], source: int) -> FoundCheckpoint | None:
-    """The raw checkpoint behind source index ``source`` of a fold (same order as ``_fold``)."""
-    _, sources, checkpoints = _sources(accumulators)
-    index = source - (len(sources) - len(checkpoints))
-    return checkpoints[index] if 0 <= index < len(checkpoints) else None
-
-
-def _snapshot_steps(new_steps: list[int], last: int | None, every: int) -> list[int]:
-    """Checkpoint steps at which a snapshot is taken: the first at or after each multiple of K."""
-    chosen = []
-    for step in new_steps:
-        if step // every > (last // every if last is not None else 0):
-            chosen.append(step)
-            last = step
-    return chosen
-
-
-def _check_same_settings(previous: Manifest, profile: Profile, dtype: str, selection: dict, out: Path) -> None:
-    wanted = profile.to_dict()
-    if previous.kind != "ema" or previous.profile != wanted:
-        try:
-            before = profile_from_dict(previous.profile).describe()
-        except (ValueError, KeyError, UsageError):
-            before = str(previous.profile)
-        raise ManifestMismatchError(
-            f"{out} holds an {before}, not an {profile.describe()}; "
-            "pass --restart to start a new EMA there, or choose another --out"
-        )
-    if previous.dtype != dtype:
-        raise ManifestMismatchError(
-            f"{out} accumulates in {previous.dtype}, not {dtype}; pass --restart or keep --dtype {previous.dtype}"
-        )
-    if previous.selection != selection:
-        raise ManifestMismatchError(
-            f"{out} was made with key selection {previous.selection}, not {selection}; pass --restart"
-        )
-
-
-def _weights(acc: _Accumulator, upto: int | None = None) -> list[tuple[str, int, float]]:
-    """(label, step, lerp weight) of an accumulator's fold: previous EMA first, then new checkpoints."""
-    rows: list[tuple[str, int, float]] = []
-    prev = acc.previous.step if acc.previous is not None else None
-    if acc.previous is not None:
-        rows.append((str(acc.final), acc.previous.step, 1.0))
-    for ckpt in acc.new:
-        if upto is not None and ckpt.step > upto:
-            break
-        rows.append((str(ckpt.path), ckpt.step, 1.0 if prev is None else acc.profile.update_weight(prev, ckpt.step)))
-        prev = ckpt.step
-    return rows
-
-
-def _fold_terms(acc: _Accumulator) -> list[FoldTerm]:
-    rows = _weights(acc)
-    return [FoldTerm(p, s, c) for (p, s, _), c in zip(rows, fold_coefficients([w for *_, w in rows]), strict=True)]
-
-
-def _plan(accumulators: list[_Accumulator]) -> AveragePlan:
-    outputs = []
-    inputs: dict[str, FoundCheckpoint] = {}
-    for acc in accumulators:
-        rows = _weights(acc)
-        inputs.update({str(c.path): c for c in acc.new})
-        if not rows:
-            continue
-        coeffs = fold_coefficients([w for *_, w in rows])
-        terms = [Term(p, s, c) for (p, s, _), c in zip(rows, coeffs, strict=True)]
-        profile = acc.profile
-        steps = [t.step for t in terms]
-        stats = planner.describe_plan(steps, coeffs, profile=profile if isinstance(profile, ExponentialProfile) else None)
-        if isinstance(profile, PowerProfile):
-            window = planner.power_window(profile.gamma, steps[-1])
-            sigma, gamma = profile.sigma_rel, profile.gamma
-        else:
-            window = 1.0 / (1.0 - stats.step_decay) if stats.step_decay and stats.step_decay < 1 else float("inf")
-            sigma, gamma = stats.sigma_rel, None
-        warning = planner.spacing_warning(steps, window) if window != float("inf") else None
-        outputs.append(PlannedOutput(
-            acc.name, steps[-1], terms, sigma_rel=sigma, gamma=gamma, profile=profile.to_dict(),
-            warnings=[warning] if warning else [],
-            stats={"sigma_rel": stats.sigma_rel, "mean_age": stats.mean_age, "n_eff": stats.n_eff,
-                   "max_abs": stats.max_abs, "half_life": stats.half_life},
-        ))
-    return AveragePlan("accumulate", sorted(inputs.values(), key=lambda c: c.step), outputs)
-
-
-def _sources(accumulators: list[_Accumulator]) -> tuple[list[_Accumulator], list[Path], list[FoundCheckpoint]]:
-    """(accumulators with new checkpoints, every path to read: their EMAs then the checkpoints, checkpoints)."""
-    active = [acc for acc in accumulators if acc.new]
-    sources: list[Path] = [acc.final for acc in active if acc.previous is not None]
-    checkpoints = sorted({c.path: c for acc in active for c in acc.new}.values(), key=lambda c: c.step)
-    return active, sources + [c.path for c in checkpoints], checkpoints
-
-
-def _check_keys(
-    readers: Sequence[CheckpointReader],
-    sources: Sequence[Path],
-    checkpoints: Sequence[FoundCheckpoint],
-    active: Sequence[_Accumulator],
-    include: Sequence[str],
-    exclude: Sequence[str],
-    allow_new_keys: bool,
-) -> list[str]:
-    """The keys to fold, once every source agrees on them (metadata only: no tensor is read)."""
-    index = {str(p): i for i, p in enumerate(sources)}
-    keys = select_keys(readers[-1], include, exclude)
-    if not keys:
-        raise UsageError(f"{readers[-1].path}: no tensor keys left after --include/--exclude")
-    raw = [index[str(c.path)] for c in checkpoints]
-    check_compatible(readers, keys, reference=len(readers) - 1, allow_new_keys=allow_new_keys,
-                     same_selection=raw, include=include, exclude=exclude)
-    for acc in active:
-        if acc.previous is not None and not allow_new_keys:
-            extra = sorted(set(readers[index[str(acc.final)]].specs()) - set(keys))
-            if extra:
-                raise IncompatibleCheckpointError(
-                    f"{readers[-1].path}: key {extra[0]!r} of the EMA {acc.final} is gone "
-                    "from the newest checkpoint"
-                )
-    return keys
-
-
-def _fold(
-    group: Workers,
-    out_path: Path,
-    accumulators: list[_Accumulator],
-    dtype: str,
-    selection: dict,
-    include: Sequence[str],
-    exclude: Sequence[str],
-    notes: list[str],
-    started: float,
-    on_progress: Callable[[Progress], None] | None,
-    plan: AveragePlan,
-    device: str = "cpu",
-    allow_new_keys: bool = False,
-    skipped: Sequence[tuple[FoundCheckpoint, str]] = (),
-) -> AccumulateResult:
-    active, sources, checkpoints = _sources(accumulators)
-    index = {str(p): i for i, p in enumerate(sources)}
-    outputs: list[OutputSpec] = []
-    targets: list[tuple[_Accumulator, Path, int]] = []  # (accumulator, final path, step)
-    for acc in active:
-        for snap in acc.snapshot_steps:
-            name = f"{acc.name}-step_{snap}"
-            outputs.append(_spec(name, _weights(acc, upto=snap), index))
-            targets.append((acc, out_path / "snapshots" / name, snap))
-    for acc in active:
-        outputs.append(_spec(acc.name, _weights(acc), index))
-        targets.append((acc, acc.final, acc.new[-1].step))
-
-    with contextlib.ExitStack() as stack:
-
-        readers = open_checkpoints(group, sources, stack)
-
-        def check_all() -> tuple[list[CheckpointReader], list[str]]:
-            return readers, _check_keys(readers, sources, checkpoints, active, include, exclude, allow_new_keys)
-
-        readers, keys = group.run(check_all)
-        newest = readers[-1]
-        stagings = group.broadcast(
-            group.run((lambda: [new_staging_dir(final, near=out_path if final != out_path else None)
-                                for _, final, _ in targets]) if group.is_coordinator
-                      else lambda: None)
-        )
-        with discard_on_error(stagings, owner=group.is_coordinator):
-            planner_data = getattr(newest, "planner_data", None)
-            written = write_dcp_outputs(
-                group, readers, outputs, stagings, layout_regions(newest, keys), newest.specs(),
-                copy_source=len(readers) - 1, accumulate_dtype=torch_dtype(dtype),
-                planner_data=planner_data, on_progress=on_progress, device=device,
-                check_finite=[index[str(c.path)] for c in checkpoints],
-            )
-
-            def publish_all() -> None:
-                for (acc, final, step), files, staging in zip(targets, written.files, stagings, strict=True):
-                    folded = [c for c in acc.new if c.step <= step]
-                    Manifest(
-                        kind="ema" if final == acc.final else "snapshot",
-                        profile=acc.profile.to_dict(),
-                        dtype=dtype,
-                        step=step,
-                        source_format=newest.format_name,
-                        checkpoints=(acc.previous.checkpoints if acc.previous else [])
-                        + [FoldedCheckpoint(str(c.path.resolve()), c.step, fingerprint(c.path)) for c in folded],
-                        selection=selection,
-                        files={f.name: {"size": f.size, "crc32": f.crc32} for f in files},
-                        skipped=(acc.previous.skipped if acc.previous else []) + _skip_records(skipped),
-                        warnings=[w for o in plan.outputs if o.name == acc.name for w in o.warnings],
-                    ).write(staging)
-                # snapshots first: a crash before the EMAs are swapped in makes the next run redo
-                # the same fold and rewrite the same snapshots, byte for byte
-                for (_acc, final, _step), staging in zip(targets, stagings, strict=True):
-                    publish(staging, final)
-
-            group.run(publish_all if group.is_coordinator else lambda: None)
-
-    first = accumulators[0]
-    folded_all = {c.path: c for acc in active for c in acc.new}
-    return AccumulateResult(
-        out_path, max(step for *_, step in targets),
-        [FoldedCheckpoint(str(c.path.resolve()), c.step, fingerprint(c.path))
-         for c in sorted(folded_all.values(), key=lambda c: c.step)],
-        False, notes, terms=_fold_terms(first), keys=len(keys),
-        terms_by_output={str(a.final): _fold_terms(a) for a in accumulators},
-        bytes_read=written.bytes_read, bytes_written=written.bytes_written,
-        seconds=time.perf_counter() - started,
-        profile="; ".join(a.profile.describe() for a in accumulators),
-        outputs=[a.final for a in accumulators],
-        snapshots=[final for acc, final, _ in targets if final != acc.final],
-        plan=plan,
-    )
-
-
-def _spec(name: str, rows: list[tuple[str, int, float]], index: dict[str, int]) -> OutputSpec:
-    return OutputSpec(name, tuple(Update(index[p], w) for p, _, w in rows), mode="fold")
-
-
-__all__ = ["AccumulateResult", "FoldTerm", "SnapshotInput", "accumulate", "default_out", "make_profile",
-           "MANIFEST_NAME"]
+__all__ = ["DEFAULT_OUT_NAME", "MANIFEST_NAME", "AccumulateJob", "AccumulateOptions", "AccumulateResult",
+           "FoldTerm", "accumulate", "default_out", "make_profile"]

@@ -10,25 +10,51 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from ._lazy import torch
-from .consolidate import OUTPUT_DTYPES, _check_not_overlapping
-from .dtypes import torch_dtype
-from .dist import current_workers, in_worker_group, run_workers
-from .engine import OutputSpec, PlannedRegion, Progress, Update
+from .dtypes import OUTPUT_DTYPES, is_float
+from .engine import OutputSpec, Update
 from .errors import UsageError
-from .execute import write_dcp_outputs
-from .formats import open_checkpoint
-from .formats.base import CheckpointReader
-from .fs import OutputLock, discard_on_error, new_staging_dir, output_path, publish, recover
-from .layout import dim0_shard_regions
+from .formats.base import stored_tensors
+from .fs import check_not_overlapping, output_path
+from .jobs import Job, JobContext, Target, run_job
 from .manifest import MANIFEST_NAME, Manifest
+from .progress import Progress
 from .selection import select_keys
+from .writers.base import OutputTensor
+
+_RUNTIME = {"recorded": False}
+
+
+@dataclass(frozen=True, slots=True)
+class ReshardOptions:
+    """Everything a :func:`reshard` run needs; checked when made."""
+
+    src: Path
+    out: Path
+    world_size: int
+    dtype: str | None = None
+    include: tuple[str, ...] = ()
+    exclude: tuple[str, ...] = ()
+    all_keys: bool = False
+    overwrite: bool = field(default=False, metadata=_RUNTIME)
+    wait_seconds: float = field(default=0.0, metadata=_RUNTIME)
+    workers: int = field(default=1, metadata=_RUNTIME)
+    device: str = field(default="cpu", metadata=_RUNTIME)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "src", Path(self.src))
+        object.__setattr__(self, "out", output_path(self.out))
+        object.__setattr__(self, "include", tuple(self.include))
+        object.__setattr__(self, "exclude", tuple(self.exclude))
+        if self.world_size < 1:
+            raise UsageError(f"--world-size must be at least 1, got {self.world_size}")
+        check_not_overlapping(self.src, self.out)
+        if self.dtype is not None and self.dtype not in OUTPUT_DTYPES:
+            raise UsageError(f"--dtype must be one of {', '.join(OUTPUT_DTYPES)}, got {self.dtype!r}")
 
 
 @dataclass(slots=True)
@@ -62,64 +88,77 @@ def reshard(
 
     Keys are kept as they are (``model.…`` stays ``model.…``). ``all_keys`` also carries
     non-model tensors (optimizer state) instead of the model part only.
+
+    Example:
+        >>> reshard("ckpts/ema", world_size=8, out="ema-8").files[:1]   # doctest: +SKIP
+        [('__0_0.distcp', 1048576)]
     """
-    if workers > 1 and not in_worker_group():
-        return run_workers(workers, reshard, src, world_size=world_size, out=out, dtype=dtype, include=include,
-                           exclude=exclude, all_keys=all_keys, overwrite=overwrite, wait_seconds=wait_seconds,
-                           local_kwargs={"on_progress": on_progress})
-    started = time.perf_counter()
-    src, out = Path(src), output_path(out)
-    if world_size < 1:
-        raise UsageError(f"--world-size must be at least 1, got {world_size}")
-    _check_not_overlapping(src, out)
-    if dtype is not None and dtype not in OUTPUT_DTYPES:
-        raise UsageError(f"--dtype must be one of {', '.join(OUTPUT_DTYPES)}, got {dtype!r}")
-    cast = torch_dtype(dtype) if dtype else None
-    group = current_workers()
-    notes: list[str] = []
-    with contextlib.ExitStack() as stack:
+    options = ReshardOptions(Path(src), Path(out), world_size, dtype=dtype, include=tuple(include),
+                             exclude=tuple(exclude), all_keys=all_keys, overwrite=overwrite,
+                             wait_seconds=wait_seconds, workers=workers)
+    return run_job(ReshardJob(options), on_progress=on_progress)
 
-        def prepare() -> Path:
-            stack.enter_context(OutputLock(out, wait_seconds=wait_seconds))
-            recover(out)
-            if out.exists() and not overwrite:
-                raise UsageError(f"{out} exists; pass --overwrite to replace it")
-            return new_staging_dir(out)
 
-        staging = group.broadcast(group.run(prepare if group.is_coordinator else lambda: None))
-        with discard_on_error([staging], owner=group.is_coordinator):
+@dataclass(slots=True)
+class _Written:
+    keys: int
+    files: list[tuple[str, int, int | None]]
+    notes: list[str]
 
-            def open_source() -> tuple[CheckpointReader, list[str]]:
-                reader = stack.enter_context(contextlib.closing(open_checkpoint(src)))
-                keys = list(reader.specs()) if all_keys else select_keys(reader, include, exclude)
-                if not keys:
-                    raise UsageError(f"{src}: no tensor keys to write")
-                return reader, keys
 
-            reader, keys = group.run(open_source)
-            specs = reader.specs()
-            regions = [PlannedRegion(key, box, rank) for key in keys
-                       for rank, box in dim0_shard_regions(specs[key].shape, world_size)]
-            rows = max((specs[k].shape[0] for k in keys if specs[k].shape), default=0)
-            if world_size > rows:
-                notes.append(f"--world-size {world_size} is more than the largest tensor's {rows} rows: "
-                             f"ranks {rows} and above hold nothing")
-            written = write_dcp_outputs(
-                group, [reader], [OutputSpec("reshard", (Update(0, 1.0),), mode="copy")], [staging], regions,
-                specs, copy_source=0, accumulate_dtype=torch.float32,
-                output_dtype=lambda spec: cast if cast is not None and spec.is_float else spec.dtype,
-                planner_data=getattr(reader, "planner_data", None), max_file_bytes=None,
-                on_progress=on_progress,
-            )
+@dataclass
+class ReshardJob(Job[None, _Written, ReshardResult]):
+    """:func:`reshard` as a job of the runner (:mod:`ema_ckpt.jobs`)."""
 
-            def publish_all() -> None:
-                manifest = Manifest.read(src) if src.is_dir() and (src / MANIFEST_NAME).exists() else None
-                if manifest is not None:
-                    manifest.files = {f.name: {"size": f.size, "crc32": f.crc32} for f in written.files[0]}
-                    manifest.write(staging)
-                publish(staging, out)
+    options: ReshardOptions
 
-            group.run(publish_all if group.is_coordinator else lambda: None)
-    files = [(f.name, f.size) for f in written.files[0]] if written.files else []
-    return ReshardResult(out, world_size, len(keys), files, sum(s for _, s in files),
-                         time.perf_counter() - started, notes)
+    def lock_path(self) -> Path:
+        return self.options.out
+
+    def plan(self, notes: list[str]) -> None:
+        return None
+
+    def targets(self, plan: None) -> list[Target]:
+        return [Target(self.options.out, replace=self.options.overwrite)]
+
+    def compute(self, plan: None, context: JobContext) -> _Written:
+        opts = self.options
+
+        def open_source() -> tuple[Any, list[str]]:
+            [reader] = context.open_sources([opts.src])
+            keys = list(reader.specs()) if opts.all_keys else select_keys(reader, opts.include, opts.exclude)
+            if not keys:
+                raise UsageError(f"{opts.src}: no tensor keys to write")
+            return reader, keys
+
+        reader, keys = context.check(open_source)
+        stored = stored_tensors(reader)
+        tensors = [OutputTensor(k, k, tuple(stored[k][0]),
+                                opts.dtype if opts.dtype is not None and is_float(stored[k][1]) else stored[k][1],
+                                stored[k][1]) for k in keys]
+        notes = []
+        rows = max((t.shape[0] for t in tensors if t.shape), default=0)
+        if opts.world_size > rows:
+            notes.append(f"--world-size {opts.world_size} is more than the largest tensor's {rows} rows: "
+                         f"ranks {rows} and above hold nothing")
+        writer = context.writer(0, "dcp", world_size=opts.world_size, max_file_bytes=None,
+                                planner_data=getattr(reader, "planner_data", None))
+        written = context.write([reader], [OutputSpec("reshard", (Update(0, 1.0),), mode="copy")], [writer],
+                                tensors, layout=reader, copy_source=0)
+        return _Written(len(keys), [(f.name, f.size, f.crc32) for f in written.files[0]], notes)
+
+    def manifests(self, plan: None, computed: _Written) -> list[Manifest | None]:
+        src = self.options.src
+        manifest = Manifest.read(src) if src.is_dir() and (src / MANIFEST_NAME).exists() else None
+        if manifest is not None:  # an ema-ckpt output stays one, with its new files
+            manifest.files = {name: {"size": size, "crc32": crc} for name, size, crc in computed.files}
+        return [manifest]
+
+    def result(self, plan: None, computed: _Written | None, seconds: float) -> ReshardResult:
+        assert computed is not None
+        files = [(name, size) for name, size, _ in computed.files]
+        return ReshardResult(self.options.out, self.options.world_size, computed.keys, files,
+                             sum(s for _, s in files), seconds, computed.notes)
+
+
+__all__ = ["ReshardJob", "ReshardOptions", "ReshardResult", "reshard"]

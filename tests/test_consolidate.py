@@ -177,14 +177,14 @@ def test_reshard_loads_exactly_into_fsdp2(fsdp_sequence, tmp_path, world):
 
 
 def test_byte_copy_runs_without_torch_and_equals_the_tensor_path(fsdp_sequence, tmp_path, monkeypatch):
-    import ema_ckpt.consolidate as module
+    from ema_ckpt.writers.outputs import SafetensorsOutput
 
     ckpt = fsdp_sequence("fsdp1", 3, "float32", True)[-1]
     code = ("import sys; from ema_ckpt.consolidate import consolidate; "
             f"consolidate({str(ckpt)!r}, {str(tmp_path / 'fast.safetensors')!r}); "
             "assert 'torch' not in sys.modules, 'torch was imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
-    monkeypatch.setattr(module, "_byte_runs", lambda *args: None)
+    monkeypatch.setattr(SafetensorsOutput, "copies_stored", lambda *args: False)
     consolidate(ckpt, tmp_path / "tensors.safetensors")
     assert (tmp_path / "fast.safetensors").read_bytes() == (tmp_path / "tensors.safetensors").read_bytes()
 
