@@ -37,7 +37,7 @@ class PosthocOptions:
     """Everything a :func:`posthoc` run needs; checked when made."""
 
     checkpoints: tuple[Path, ...]
-    out: Path
+    out: Path = field(metadata=_RUNTIME)
     sigma_rels: tuple[str, ...] = ()
     gammas: tuple[str, ...] = ()
     at_step: int | None = None
@@ -67,7 +67,7 @@ class AverageOptions:
     """Everything an :func:`average` run needs; checked when made."""
 
     checkpoints: tuple[Path, ...]
-    out: Path
+    out: Path = field(metadata=_RUNTIME)
     last: int | None = None
     from_step: int | None = None
     to_step: int | None = None
