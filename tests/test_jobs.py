@@ -15,7 +15,8 @@ from ema_ckpt.fs import new_staging_dir
 from ema_ckpt.jobs import Job, JobContext, Target, recorded_options, run_job
 from ema_ckpt.manifest import Manifest
 
-COMMAND_MODULES = ["accumulate", "averaging", "consolidate", "reshard", "folding", "plans"]
+COMMAND_MODULES = ["commands/accumulate", "commands/averaging", "commands/consolidate", "commands/reshard",
+                   "commands/diff", "commands/inspect", "folding", "plans"]
 
 
 @dataclass(frozen=True)
@@ -139,8 +140,8 @@ def test_workers_receive_the_whole_job_and_only_the_coordinator_publishes(tmp_pa
 
 
 def test_options_are_frozen_and_checked_when_made(tmp_path):
-    from ema_ckpt.accumulate import AccumulateOptions
-    from ema_ckpt.consolidate import ConsolidateOptions
+    from ema_ckpt.commands.accumulate import AccumulateOptions
+    from ema_ckpt.commands.consolidate import ConsolidateOptions
 
     options = ConsolidateOptions(tmp_path / "src", tmp_path / "out.safetensors")
     with pytest.raises(dataclasses.FrozenInstanceError):

@@ -10,7 +10,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from typer.testing import CliRunner
 
-from ema_ckpt.accumulate import accumulate
+from ema_ckpt.commands.accumulate import accumulate
 from ema_ckpt.cli import app
 from ema_ckpt.errors import CheckpointFormatError
 from ema_ckpt.formats import open_checkpoint
@@ -234,7 +234,7 @@ def test_leftovers_are_removed_when_the_note_says_so(tmp_path):
 def test_reshard_for_far_more_ranks_than_rows_costs_the_rows_not_the_ranks(tmp_path):
     import time
 
-    from ema_ckpt.reshard import reshard
+    from ema_ckpt.commands.reshard import reshard
 
     _train_and_save(tmp_path / "c", [1])
     started = time.perf_counter()

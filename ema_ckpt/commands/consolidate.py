@@ -20,16 +20,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .dtypes import OUTPUT_DTYPES, is_float
-from .engine import OutputSpec, Update
-from .errors import UsageError
-from .formats.base import stored_tensors
-from .fs import check_not_overlapping, output_path
-from .jobs import Job, JobContext, Target, run_job
-from .progress import Progress
-from .selection import container_prefix, output_names, select_keys
-from .writers.base import OutputTensor, output_format_for
-from .writers.safetensors import check_key
+from ..dtypes import OUTPUT_DTYPES, is_float
+from ..engine import OutputSpec, Update
+from ..errors import UsageError
+from ..formats.base import stored_tensors
+from ..fs import check_not_overlapping, output_path
+from ..jobs import Job, JobContext, Target, run_job
+from ..progress import Progress
+from ..selection import container_prefix, output_names, select_keys
+from ..writers.base import OutputTensor, output_format_for
+from ..writers.safetensors import check_key
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}

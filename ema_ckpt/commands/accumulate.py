@@ -30,11 +30,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from .averaging import averaged_tensors
-from .discovery import FoundCheckpoint, checkpoint_paths, discover
-from .dtypes import ACCUMULATE_DTYPES, torch_dtype
-from .engine import check_device
-from .errors import CheckpointFormatError, CheckpointNotFoundError, EmaCkptError, NonFiniteError, UsageError
-from .folding import (
+from ..discovery import FoundCheckpoint, checkpoint_paths, discover
+from ..dtypes import ACCUMULATE_DTYPES, torch_dtype
+from ..engine import check_device
+from ..errors import CheckpointFormatError, CheckpointNotFoundError, EmaCkptError, NonFiniteError, UsageError
+from ..folding import (
     DEFAULT_OUT_NAME,
     Accumulator,
     FoldTerm,
@@ -54,14 +54,14 @@ from .folding import (
     skip_records,
     snapshot_steps,
 )
-from .formats import open_checkpoint
-from .fs import output_path
-from .jobs import Job, JobContext, Target, WrittenOutputs, recorded_options, run_job
-from .manifest import MANIFEST_NAME, FoldedCheckpoint, Manifest, fingerprint
-from .plans import Plan as AveragePlan
-from .plans import find_snapshots
-from .progress import Progress
-from .schedules import PowerProfile
+from ..formats import open_checkpoint
+from ..fs import output_path
+from ..jobs import Job, JobContext, Target, WrittenOutputs, recorded_options, run_job
+from ..manifest import MANIFEST_NAME, FoldedCheckpoint, Manifest, fingerprint
+from ..plans import Plan as AveragePlan
+from ..plans import find_snapshots
+from ..progress import Progress
+from ..schedules import PowerProfile
 
 _RUNTIME = {"recorded": False}
 

@@ -15,16 +15,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .dtypes import OUTPUT_DTYPES, is_float
-from .engine import OutputSpec, Update
-from .errors import UsageError
-from .formats.base import stored_tensors
-from .fs import check_not_overlapping, output_path
-from .jobs import Job, JobContext, Target, run_job
-from .manifest import MANIFEST_NAME, Manifest
-from .progress import Progress
-from .selection import select_keys
-from .writers.base import OutputTensor
+from ..dtypes import OUTPUT_DTYPES, is_float
+from ..engine import OutputSpec, Update
+from ..errors import UsageError
+from ..formats.base import stored_tensors
+from ..fs import check_not_overlapping, output_path
+from ..jobs import Job, JobContext, Target, run_job
+from ..manifest import MANIFEST_NAME, Manifest
+from ..progress import Progress
+from ..selection import select_keys
+from ..writers.base import OutputTensor
 
 _RUNTIME = {"recorded": False}
 

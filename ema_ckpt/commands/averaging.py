@@ -17,17 +17,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, overload
 
-from .discovery import checkpoint_paths
-from .dtypes import ACCUMULATE_DTYPES, torch_dtype
-from .engine import OutputSpec, Update, check_device
-from .errors import UsageError
-from .fs import output_path
-from .jobs import Job, JobContext, Target, WrittenOutputs, recorded_options, run_job
-from .manifest import FoldedCheckpoint, Manifest, fingerprint
-from .plans import Plan, PlannedOutput, SnapshotInput, Term, find_snapshots, plan_average, plan_posthoc
-from .progress import Progress
-from .selection import check_compatible, select_keys
-from .writers.base import OutputTensor
+from ..discovery import checkpoint_paths
+from ..dtypes import ACCUMULATE_DTYPES, torch_dtype
+from ..engine import OutputSpec, Update, check_device
+from ..errors import UsageError
+from ..fs import output_path
+from ..jobs import Job, JobContext, Target, WrittenOutputs, recorded_options, run_job
+from ..manifest import FoldedCheckpoint, Manifest, fingerprint
+from ..plans import Plan, PlannedOutput, SnapshotInput, Term, find_snapshots, plan_average, plan_posthoc
+from ..progress import Progress
+from ..selection import check_compatible, select_keys
+from ..writers.base import OutputTensor
 
 _RUNTIME = {"recorded": False}
 
@@ -190,8 +190,8 @@ class SumJob(Job[Plan, _Summed, "Plan | RunResult"]):
 
 def averaged_tensors(newest: Any, keys: Sequence[str], dtype: str) -> list[OutputTensor]:
     """The tensors of an average: floats accumulated and stored in ``dtype``, others as stored."""
-    from .dtypes import is_float
-    from .formats.base import stored_tensors
+    from ..dtypes import is_float
+    from ..formats.base import stored_tensors
 
     stored = stored_tensors(newest)
     return [OutputTensor(k, k, tuple(stored[k][0]), dtype if is_float(stored[k][1]) else stored[k][1], stored[k][1])
