@@ -21,7 +21,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ema_ckpt.dtypes import name_of
-from ema_ckpt.formats import CheckpointReader, detect_format, locate_model, open_checkpoint, registered_formats
+from ema_ckpt.formats import (
+    CheckpointReader,
+    detect_format,
+    locate_model,
+    open_checkpoint,
+    registered_formats,
+)
 from ema_ckpt.layout import Box, boxes_cover
 from tests.ds_fixtures import Config
 
@@ -118,7 +124,7 @@ def test_specs_layout_and_reads(checkpoint):
             if spec.numel:
                 assert boxes_cover(spec.shape, boxes), key
             assert [c.box for c in reader.chunks(key)] == boxes or sorted(
-                (c.box.offsets for c in reader.chunks(key))) == sorted(b.offsets for b in boxes)
+                c.box.offsets for c in reader.chunks(key)) == sorted(b.offsets for b in boxes)
             full = _full(reader, key)
             assert tuple(full.shape) == spec.shape and full.dtype == spec.dtype
             for box in boxes:

@@ -71,7 +71,7 @@ _STORAGE_DTYPES = {
 
 
 class _StorageRef:
-    __slots__ = ("key", "dtype", "numel")
+    __slots__ = ("dtype", "key", "numel")
 
     def __init__(self, key: str, dtype: str, numel: int) -> None:
         self.key, self.dtype, self.numel = key, dtype, numel

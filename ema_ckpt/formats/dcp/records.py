@@ -164,7 +164,7 @@ class ChunkRecords:
 
     def _record_from_index(
         self, key: str, chunk: StoredChunk, members: dict[str, tuple[int, int, int]], source: str
-    ) -> tuple[int, TensorRecord] | None | bool:
+    ) -> tuple[int, TensorRecord] | bool | None:
         """The record through the fast zip index; False to let the zipfile path decide."""
         fd = self._fd(chunk.file)
         pkl = next((n for n in members if n.endswith("/data.pkl") or n == "data.pkl"), None)
