@@ -19,9 +19,9 @@ from __future__ import annotations
 import io
 import pickle
 import struct
-from typing import Any
+from typing import Any, ClassVar
 
-_Base: type = pickle._Unpickler  # type: ignore[attr-defined]
+_Base: Any = pickle._Unpickler
 _Stop: type[BaseException] = pickle._Stop  # type: ignore[attr-defined]
 
 
@@ -29,7 +29,7 @@ class InMemoryUnpickler(_Base):  # type: ignore[misc]
     """The pure-Python unpickler over a pickle held in memory (no memo bombs, no large
     allocations a few bytes ask for). Subclasses override ``find_class``/``persistent_load``."""
 
-    dispatch = dict(_Base.dispatch)
+    dispatch: ClassVar[dict[int, Any]] = dict(_Base.dispatch)
     dispatch[pickle.FRAME[0]] = lambda self: self.read(8)
 
     def _load_bytearray8(self) -> None:
@@ -47,8 +47,10 @@ class InMemoryUnpickler(_Base):  # type: ignore[misc]
         super().__init__(self._buffer)
 
     def load(self) -> Any:
-        self.read, self.readline, self.readinto = self._buffer.read, self._buffer.readline, self._buffer.readinto
-        self.metastack, self.stack = [], []
+        buffer = self._buffer
+        self.read, self.readline, self.readinto = buffer.read, buffer.readline, buffer.readinto
+        self.metastack: list[Any] = []
+        self.stack: list[Any] = []
         self.append = self.stack.append
         self.proto = 0
         read, dispatch = self.read, self.dispatch

@@ -173,7 +173,7 @@ class CheckpointReader(abc.ABC):
 
         full = self.path / file if file else self.path
         fd = os.open(full, os.O_RDONLY | os.O_CLOEXEC)
-        return FileWindow(fd, offset, length, owns_fd=True)
+        return FileWindow(fd, offset, length, owns_fd=True)  # type: ignore[return-value]
 
     def read_bytes(self, key: str) -> bytes:
         """The raw stored record of a non-tensor entry (one of :attr:`non_tensor_keys`), never unpickled."""

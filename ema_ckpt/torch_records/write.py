@@ -175,7 +175,7 @@ def write_tensor_record(out: RecordSink, tensor: torch.Tensor) -> int:
 def _write_tensor_record_zip64(out: RecordSink, tensor: torch.Tensor) -> int:
     """The same record through the zipfile module, for storages of 4 GiB and more (zip64)."""
     stream = _RecordStream(out)
-    archive = zipfile.ZipFile(stream, "w", compression=zipfile.ZIP_STORED)  # type: ignore[arg-type]
+    archive = zipfile.ZipFile(stream, "w", compression=zipfile.ZIP_STORED)  # type: ignore[call-overload]
     for name, data in (("archive/data.pkl", tensor_pickle(tensor)), ("archive/.format_version", b"1"),
                        ("archive/.storage_alignment", b"64"), ("archive/byteorder", b"little")):
         archive.writestr(zipfile.ZipInfo(name, date_time=_ZIP_TIME), data)
