@@ -13,10 +13,7 @@ Example:
 
 from __future__ import annotations
 
-import collections
-import io
 import os
-import pickle
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -24,51 +21,8 @@ from typing import Any
 
 import torch
 
-from ..errors import OutputError, UsageError
-
-_STORAGE_NAMES = {
-    torch.float64: "DoubleStorage", torch.float32: "FloatStorage", torch.float16: "HalfStorage",
-    torch.bfloat16: "BFloat16Storage", torch.int64: "LongStorage", torch.int32: "IntStorage",
-    torch.int16: "ShortStorage", torch.int8: "CharStorage", torch.uint8: "ByteStorage",
-    torch.bool: "BoolStorage", torch.complex64: "ComplexFloatStorage", torch.complex128: "ComplexDoubleStorage",
-}
-
-
-class _StorageRef:
-    def __init__(self, key: str, dtype: torch.dtype, numel: int) -> None:
-        self.key, self.dtype, self.numel = key, dtype, numel
-
-
-class _TensorStub:
-    """Pickles exactly as a contiguous CPU tensor does, without any data."""
-
-    def __init__(self, ref: _StorageRef, shape: tuple[int, ...]) -> None:
-        self.ref, self.shape = ref, shape
-
-    def __reduce_ex__(self, protocol: int) -> Any:
-        stride = []
-        acc = 1
-        for dim in reversed(self.shape):
-            stride.append(acc)
-            acc *= dim
-        return (torch._utils._rebuild_tensor_v2,
-                (self.ref, 0, torch.Size(self.shape), tuple(reversed(stride)), False, collections.OrderedDict()))
-
-
-class _Pickler(pickle.Pickler):
-    def persistent_id(self, obj: Any) -> Any:
-        if isinstance(obj, _StorageRef):
-            return ("storage", getattr(torch, _STORAGE_NAMES[obj.dtype]), obj.key, "cpu", obj.numel)
-        return None
-
-
-def tensor_pickle(tensor: torch.Tensor) -> bytes:
-    """The ``data.pkl`` of a ``torch.save`` of one contiguous CPU tensor (storage key "0")."""
-    if tensor.dtype not in _STORAGE_NAMES:
-        raise UsageError(f"dtype {tensor.dtype} is not supported in DCP records here")
-    buffer = io.BytesIO()
-    _Pickler(buffer, protocol=2).dump(_TensorStub(_StorageRef("0", tensor.dtype, tensor.numel()), tuple(tensor.shape)))
-    return buffer.getvalue()
+from ..errors import OutputError
+from ..torch_records import state_dict_pickle
 
 
 class TorchFileWriter:
@@ -81,15 +35,8 @@ class TorchFileWriter:
         self._zip: Any = None
 
     def begin(self, tensors: Sequence[tuple[str, tuple[int, ...], torch.dtype]]) -> None:
-        state = {}
-        for index, (key, shape, dtype) in enumerate(tensors):
-            if dtype not in _STORAGE_NAMES:
-                raise UsageError(f"{key}: dtype {dtype} is not supported in torch files here")
-            state[key] = _TensorStub(_StorageRef(str(index), dtype, int(torch.Size(shape).numel())), tuple(shape))
-            self._order.append((key, tuple(shape), dtype))
-        buffer = io.BytesIO()
-        _Pickler(buffer, protocol=2).dump(state)
-        data = buffer.getvalue()
+        data = state_dict_pickle({key: (tuple(shape), dtype) for key, shape, dtype in tensors})
+        self._order.extend((key, tuple(shape), dtype) for key, shape, dtype in tensors)
         try:
             self._zip = torch._C.PyTorchFileWriter(str(self.path))
             self._zip.write_record("data.pkl", data, len(data))
