@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from .commands.diff import diff
     from .commands.inspect import inspect_checkpoint as inspect
     from .commands.reshard import reshard
-    from .verify import verify
+    from .commands.verify import verify
     from .formats import open_checkpoint
 
 _PUBLIC = {
@@ -47,7 +47,7 @@ _PUBLIC = {
     "consolidate": ("ema_ckpt.commands.consolidate", "consolidate"),
     "reshard": ("ema_ckpt.commands.reshard", "reshard"),
     "inspect": ("ema_ckpt.commands.inspect", "inspect_checkpoint"),
-    "verify": ("ema_ckpt.verify", "verify"),
+    "verify": ("ema_ckpt.commands.verify", "verify"),
     "diff": ("ema_ckpt.commands.diff", "diff"),
     "open_checkpoint": ("ema_ckpt.formats", "open_checkpoint"),
 }

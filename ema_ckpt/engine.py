@@ -252,9 +252,9 @@ class _Buffers:
 def _read(reader: CheckpointReader, key: str, box: Box, spec: TensorSpec, buffers: _Buffers | None,
           slot: object = "read", out: torch.Tensor | None = None) -> torch.Tensor:
     """``box`` of ``key``: into ``out`` when given, else into the reused buffer ``slot``."""
-    if buffers is not None and getattr(reader, "supports_out", False):
+    if buffers is not None and reader.supports_out:
         target = out if out is not None else buffers.get(slot, box.sizes, spec.dtype)
-        return reader.read(key, box, out=target)  # type: ignore[call-arg]
+        return reader.read(key, box, out=target)
     value = reader.read(key, box).detach()
     return out.copy_(value) if out is not None else value
 

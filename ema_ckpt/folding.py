@@ -28,7 +28,7 @@ from .plans import Plan as AveragePlan
 from .plans import PlannedOutput, Term
 from .schedules import ExponentialProfile, PowerProfile, fold_coefficients, profile_from_dict
 from .selection import check_compatible, select_keys
-from .verify import damage
+from .commands.verify import damage
 
 DEFAULT_OUT_NAME = "ema"
 Profile = ExponentialProfile | PowerProfile

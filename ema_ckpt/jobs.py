@@ -322,29 +322,16 @@ def owned_regions(regions: Sequence[PlannedRegion], rank: int, world_size: int) 
 def _open_checkpoints(workers: Workers, paths: Sequence[Path], stack: contextlib.ExitStack
                       ) -> list[CheckpointReader]:
     def opened(path: Path, shared: Any = None) -> CheckpointReader:
-        return stack.enter_context(contextlib.closing(_reopen(path, shared)))
+        return stack.enter_context(contextlib.closing(open_checkpoint(path, shared=shared)))
 
     if workers.world_size == 1:
         return [opened(p) for p in paths]
     mine = workers.run(lambda: {i: opened(p) for i, p in enumerate(paths)
                                 if i % workers.world_size == workers.rank})
     shared: dict[int, Any] = {}
-    for part in workers.exchange({i: state for i, r in mine.items() if (state := _share(r)) is not None}):
+    for part in workers.exchange({i: state for i, r in mine.items() if (state := r.share()) is not None}):
         shared.update(part)
     return workers.run(lambda: [mine[i] if i in mine else opened(p, shared.get(i)) for i, p in enumerate(paths)])
-
-
-def _share(reader: CheckpointReader) -> Any:
-    share = getattr(reader, "share", None)
-    return share() if share is not None else None
-
-
-def _reopen(path: Path, shared: Any) -> CheckpointReader:
-    if shared is None:
-        return open_checkpoint(path)
-    from .formats.dcp import DcpReader
-
-    return DcpReader(path, shared=shared)
 
 
 __all__ = ["Job", "JobContext", "Target", "WrittenOutputs", "owned_regions", "recorded_options", "run_job"]

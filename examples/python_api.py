@@ -25,7 +25,7 @@ from ema_ckpt.commands.accumulate import accumulate
 from ema_ckpt.commands.averaging import Plan, RunResult, posthoc
 from ema_ckpt.commands.consolidate import consolidate
 from ema_ckpt.errors import EmaCkptError
-from ema_ckpt.verify import verify
+from ema_ckpt.commands.verify import verify
 
 
 def fold_ema(ckpts: Path, out: Path, decay: float) -> None:

@@ -43,7 +43,7 @@ from ema_ckpt.errors import EmaCkptError
 from ema_ckpt.formats import open_checkpoint
 from ema_ckpt.layout import Box
 from ema_ckpt.manifest import MANIFEST_NAME, Manifest
-from ema_ckpt.verify import verify
+from ema_ckpt.commands.verify import verify
 from ema_ckpt.writers.dcp import DcpWriter
 from tests.test_deepspeed import _write_zero
 

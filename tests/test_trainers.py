@@ -503,7 +503,7 @@ def test_a_checkpoint_already_folded_is_never_folded_again_under_another_step(co
 
 
 def test_verify_checks_a_deepspeed_tags_own_crcs(copy_of):
-    from ema_ckpt.verify import verify
+    from ema_ckpt.commands.verify import verify
 
     work = copy_of("hf-trainer-zero3-final")
     folder = work / "ckpts" / "checkpoint-4"

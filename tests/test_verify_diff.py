@@ -23,7 +23,7 @@ from ema_ckpt.commands.consolidate import consolidate
 from ema_ckpt.commands.diff import diff, pair_keys
 from ema_ckpt.errors import CheckpointNotFoundError
 from ema_ckpt.manifest import MANIFEST_NAME, Manifest
-from ema_ckpt.verify import verify
+from ema_ckpt.commands.verify import verify
 from tests.dcp_helpers import write_dcp
 
 app = typer.Typer(add_completion=False)

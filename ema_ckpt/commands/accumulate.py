@@ -357,7 +357,7 @@ class AccumulateJob(Job[FoldPlan, _Folded, AccumulateResult]):
                                                      opts.exclude, opts.allow_new_keys))
         newest = readers[-1]
         tensors = averaged_tensors(newest, keys, opts.dtype)
-        writers = [context.writer(i, "dcp", planner_data=getattr(newest, "planner_data", None))
+        writers = [context.writer(i, "dcp", planner_data=newest.planner_data)
                    for i in range(len(outputs))]
         written = context.write(readers, outputs, writers, tensors, layout=newest, copy_source=len(readers) - 1,
                                 accumulate_dtype=torch_dtype(opts.dtype),

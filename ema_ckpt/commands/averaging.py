@@ -169,7 +169,7 @@ class SumJob(Job[Plan, _Summed, "Plan | RunResult"]):
                                             for t in sorted(o.terms, key=lambda t: index[t.path])), mode="sum")
                    for o in plan.outputs]
         tensors = averaged_tensors(newest, keys, opts.dtype)
-        writers = [context.writer(i, "dcp", planner_data=getattr(newest, "planner_data", None))
+        writers = [context.writer(i, "dcp", planner_data=newest.planner_data)
                    for i in range(len(outputs))]
         written = context.write(readers, outputs, writers, tensors, layout=newest, copy_source=len(readers) - 1,
                                 accumulate_dtype=torch_dtype(opts.dtype), check_finite=range(len(readers)))
@@ -191,9 +191,8 @@ class SumJob(Job[Plan, _Summed, "Plan | RunResult"]):
 def averaged_tensors(newest: Any, keys: Sequence[str], dtype: str) -> list[OutputTensor]:
     """The tensors of an average: floats accumulated and stored in ``dtype``, others as stored."""
     from ..dtypes import is_float
-    from ..formats.base import stored_tensors
 
-    stored = stored_tensors(newest)
+    stored = newest.stored()
     return [OutputTensor(k, k, tuple(stored[k][0]), dtype if is_float(stored[k][1]) else stored[k][1], stored[k][1])
             for k in keys]
 

@@ -23,7 +23,6 @@ from typing import Any
 from ..dtypes import OUTPUT_DTYPES, is_float
 from ..engine import OutputSpec, Update
 from ..errors import UsageError
-from ..formats.base import stored_tensors
 from ..fs import check_not_overlapping, output_path
 from ..jobs import Job, JobContext, Target, run_job
 from ..progress import Progress
@@ -182,7 +181,7 @@ class ConsolidateJob(Job[None, _Written, ConsolidateResult]):
         if layout != "torch":  # before anything is written: a key the format cannot hold
             for name in names.values():
                 check_key(name, opts.out)
-        stored = stored_tensors(reader)
+        stored = reader.stored()
         tensors = [OutputTensor(k, names[k], tuple(stored[k][0]),
                                 opts.dtype if opts.dtype is not None and is_float(stored[k][1]) else stored[k][1],
                                 stored[k][1]) for k in keys]

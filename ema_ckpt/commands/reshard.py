@@ -18,7 +18,6 @@ from typing import Any
 from ..dtypes import OUTPUT_DTYPES, is_float
 from ..engine import OutputSpec, Update
 from ..errors import UsageError
-from ..formats.base import stored_tensors
 from ..fs import check_not_overlapping, output_path
 from ..jobs import Job, JobContext, Target, run_job
 from ..manifest import MANIFEST_NAME, Manifest
@@ -132,7 +131,7 @@ class ReshardJob(Job[None, _Written, ReshardResult]):
             return reader, keys
 
         reader, keys = context.check(open_source)
-        stored = stored_tensors(reader)
+        stored = reader.stored()
         tensors = [OutputTensor(k, k, tuple(stored[k][0]),
                                 opts.dtype if opts.dtype is not None and is_float(stored[k][1]) else stored[k][1],
                                 stored[k][1]) for k in keys]
@@ -142,7 +141,7 @@ class ReshardJob(Job[None, _Written, ReshardResult]):
             notes.append(f"--world-size {opts.world_size} is more than the largest tensor's {rows} rows: "
                          f"ranks {rows} and above hold nothing")
         writer = context.writer(0, "dcp", world_size=opts.world_size, max_file_bytes=None,
-                                planner_data=getattr(reader, "planner_data", None))
+                                planner_data=reader.planner_data)
         written = context.write([reader], [OutputSpec("reshard", (Update(0, 1.0),), mode="copy")], [writer],
                                 tensors, layout=reader, copy_source=0)
         return _Written(len(keys), [(f.name, f.size, f.crc32) for f in written.files[0]], notes)

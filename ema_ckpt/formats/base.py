@@ -21,7 +21,7 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
+from typing import IO, TYPE_CHECKING, Any, ClassVar, Protocol
 
 from ..dtypes import name_of
 from ..errors import CheckpointNotFoundError
@@ -196,29 +196,6 @@ def deliver(key: str, box: Box, value: torch.Tensor, out: torch.Tensor | None) -
     if tuple(out.shape) != box.sizes or out.dtype != value.dtype or not out.is_contiguous():
         raise ValueError(f"{key}: buffer {tuple(out.shape)} {out.dtype} does not fit {box} {value.dtype}")
     return out.copy_(value)
-
-
-@runtime_checkable
-class ByteRangeReader(Protocol):
-    """What byte-level copies use: every :class:`CheckpointReader` has it (kept for its callers)."""
-
-    path: Path
-
-    def stored(self) -> Mapping[str, tuple[tuple[int, ...], str]]: ...
-
-    def byte_ranges(self, key: str) -> list[tuple[str, int, int]] | None: ...
-
-    def open_data(self, file: str) -> int: ...
-
-
-def stored_tensors(reader: CheckpointReader) -> Mapping[str, tuple[tuple[int, ...], str]]:
-    """{key: (shape, dtype name)}: ``reader.stored()`` (kept for its callers).
-
-    Example:
-        >>> stored_tensors(reader)["fc.weight"]   # doctest: +SKIP
-        ((16, 8), 'float32')
-    """
-    return reader.stored()
 
 
 def _no_step(_path: Path) -> int | None:

@@ -45,14 +45,6 @@ def _nbytes(box: Box, dtype: str) -> int:
     return box.numel * itemsize(dtype)
 
 
-def _stored_chunks(source: CheckpointReader, key: str) -> list[tuple[Box, int]]:
-    """(box, writing rank) of each stored chunk of ``key``."""
-    chunks = getattr(source, "chunks", None)
-    if chunks is None:
-        return [(box, 0) for box in source.layout(key)]
-    return [(c.box, c.rank or 0) for c in chunks(key)]
-
-
 class DcpOutput(OutputWriter):
     """A DCP checkpoint directory, written chunk by chunk by any number of workers.
 
@@ -84,7 +76,7 @@ class DcpOutput(OutputWriter):
             if self.world_size is not None:
                 ranked.extend((tensor, box, rank) for rank, box in dim0_shard_regions(tensor.shape, self.world_size))
                 continue
-            chunks = _stored_chunks(source, tensor.key)
+            chunks = [(c.box, c.rank or 0) for c in source.chunks(tensor.key)]
             ranked.extend((tensor, box, rank) for box, rank in chunks or [(Box.full(tensor.shape), 0)])
         return self._split_files(ranked)
 
@@ -194,9 +186,8 @@ class SafetensorsOutput(OutputWriter):
 
     def copies_stored(self, tensors: Sequence[OutputTensor], source: CheckpointReader) -> bool:
         """Every tensor is stored as it is in ``source`` (no cast) and as plain runs of bytes."""
-        byte_ranges = getattr(source, "byte_ranges", None)
-        return byte_ranges is not None and all(t.dtype == t.stored_dtype for t in tensors) and all(
-            byte_ranges(t.key) is not None for t in tensors)
+        return all(t.dtype == t.stored_dtype for t in tensors) and all(
+            source.byte_ranges(t.key) is not None for t in tensors)
 
     def _file_for(self, region: PlannedRegion) -> Any:
         from .safetensors import SafetensorsFileWriter

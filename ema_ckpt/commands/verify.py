@@ -27,11 +27,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import CheckpointError, CheckpointNotFoundError, EmaCkptError
-from .formats import open_checkpoint
-from .formats.base import CheckpointReader
-from .layout import split_rows
-from .manifest import MANIFEST_NAME, Manifest
+from ..errors import CheckpointError, CheckpointNotFoundError, EmaCkptError
+from ..formats import open_checkpoint
+from ..formats.base import CheckpointReader
+from ..layout import split_rows
+from ..manifest import MANIFEST_NAME, Manifest
 
 HASH_BLOCK_BYTES = 8 << 20
 """CRC-32 is computed over blocks of this many bytes (memory stays bounded by one block)."""
