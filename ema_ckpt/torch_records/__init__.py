@@ -8,11 +8,12 @@ into :class:`TensorRecord` s (where each tensor's bytes lie, nothing built);
 """
 
 from .pickles import TensorRecord, load_state_dict_records, load_tensor_record, refuse
-from .write import state_dict_pickle, tensor_pickle, writable_dtype, write_tensor_record
+from .write import StateDictFileWriter, state_dict_pickle, tensor_pickle, writable_dtype, write_tensor_record
 from .zipfmt import FileWindow, member_start, pread_into, scan_record
 
 __all__ = [
     "FileWindow",
+    "StateDictFileWriter",
     "TensorRecord",
     "load_state_dict_records",
     "load_tensor_record",

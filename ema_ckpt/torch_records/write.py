@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import collections
 import io
+import math
+import os
 import pickle
 import struct
 import zipfile
 import zlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 from .._lazy import torch
@@ -189,3 +191,83 @@ def _write_tensor_record_zip64(out: RecordSink, tensor: torch.Tensor) -> int:
     archive.writestr(zipfile.ZipInfo("archive/version", date_time=_ZIP_TIME), b"3")
     archive.close()
     return stream.position
+
+
+class StateDictFileWriter:
+    """A ``torch.save`` file of a flat ``{key: tensor}`` dict, streamed block by block.
+
+    ``torch.save`` needs the whole state dict in memory; the format does not. Its
+    ``data.pkl`` names storages by key, each storage is its own zip member, and a member can
+    be written as its bytes arrive (zip64 for 4 GiB and more). So the pickle is written first
+    from shapes and dtypes alone, then each tensor's rows in order: memory holds one block.
+    ``torch.load(..., weights_only=True)`` reads the file.
+
+    Example:
+        >>> w = StateDictFileWriter(Path("model.pt"), [("w", (2, 3), torch.float32)])  # doctest: +SKIP
+        >>> w.write("w", torch.ones(1, 3)); w.write("w", torch.zeros(1, 3))          # doctest: +SKIP
+        >>> w.finish()                                                                  # doctest: +SKIP
+    """
+
+    def __init__(self, path: Any, tensors: Sequence[tuple[str, tuple[int, ...], torch.dtype]]) -> None:
+        self.path = path
+        self._order = [(key, tuple(shape), dtype) for key, shape, dtype in tensors]
+        for key, _shape, dtype in self._order:
+            if not writable_dtype(dtype):
+                raise UsageError(f"{key}: dtype {dtype} is not supported in torch files here")
+        self._cursor = 0
+        self._member: Any = None
+        self._remaining = 0
+        self._handle = open(path, "wb")  # noqa: SIM115 (closed in finish/abort)
+        self._zip = zipfile.ZipFile(self._handle, "w", compression=zipfile.ZIP_STORED, allowZip64=True)
+        state = state_dict_pickle({key: (shape, dtype) for key, shape, dtype in self._order})
+        for name, data in (("archive/data.pkl", state), ("archive/.format_version", b"1"),
+                           ("archive/.storage_alignment", b"64"), ("archive/byteorder", b"little")):
+            self._zip.writestr(zipfile.ZipInfo(name, date_time=_ZIP_TIME), data)
+
+    def write(self, key: str, block: torch.Tensor) -> None:
+        """The next rows of ``key`` (tensors in the order given, each tensor's rows in order)."""
+        if self._member is None:
+            self._open_member()
+        expected, _shape, dtype = self._order[self._cursor]
+        if key != expected or block.dtype != dtype:
+            raise ValueError(f"expected bytes of {expected} ({dtype}), got {key} ({block.dtype})")
+        data = memoryview(block.contiguous().reshape(-1).view(torch.uint8).numpy()) if block.numel() else b""
+        if len(data) > self._remaining:
+            raise ValueError(f"{key}: {len(data)} bytes more than the {self._remaining} left of its storage")
+        self._member.write(data)
+        self._remaining -= len(data)
+        if self._remaining == 0:
+            self._member.close()
+            self._member = None
+            self._cursor += 1
+
+    def _open_member(self) -> None:
+        _key, shape, dtype = self._order[self._cursor]
+        nbytes = math.prod(shape) * dtype.itemsize
+        member = zipfile.ZipInfo(f"archive/data/{self._cursor}", date_time=_ZIP_TIME)
+        member.file_size = nbytes
+        zip64 = nbytes >= ZIP32_LIMIT
+        header = LOCAL_HEADER.size + len(member.filename) + (20 if zip64 else 0)
+        # align the storage bytes as torch does (mmap needs it)
+        pad = -(self._handle.tell() + header + 4) % STORAGE_ALIGNMENT
+        member.extra = struct.pack("<HH", _PAD_FIELD, pad) + b"\0" * pad
+        self._member = self._zip.open(member, "w", force_zip64=zip64)
+        self._remaining = nbytes
+
+    def finish(self) -> int:
+        """Close the zip, fsync; returns the file size."""
+        while self._cursor < len(self._order) and math.prod(self._order[self._cursor][1]) == 0:
+            self.write(self._order[self._cursor][0], torch.empty(0, dtype=self._order[self._cursor][2]))
+        if self._cursor != len(self._order):
+            raise ValueError(f"{self.path}: {len(self._order) - self._cursor} tensors were not written")
+        self._zip.writestr(zipfile.ZipInfo("archive/version", date_time=_ZIP_TIME), b"3")
+        self._zip.close()
+        self._handle.flush()
+        os.fsync(self._handle.fileno())
+        size = self._handle.tell()
+        self._handle.close()
+        return size
+
+    def abort(self) -> None:
+        """Close the file without finishing it (the caller removes it)."""
+        self._handle.close()

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..dtypes import itemsize, torch_dtype
+from ..errors import OutputError
 from ..layout import Box, dim0_shard_regions, row_blocks
 from .base import OutputFormat, OutputTensor, OutputWriter, PlannedRegion, WrittenFile, register_output
 
@@ -179,9 +180,7 @@ class SafetensorsOutput(OutputWriter):
                     full = Box.full(tensor.shape)
                     regions.append(PlannedRegion(tensor.key, full, name, _nbytes(full, tensor.dtype), raw=True))
                     continue
-                limit = max(1, self.block_bytes // max(itemsize(tensor.stored_dtype), 1))
-                for box in row_blocks(tensor.shape, list(source.layout(tensor.key)), limit):
-                    regions.append(PlannedRegion(tensor.key, box, name, _nbytes(box, tensor.stored_dtype)))
+                regions.extend(_row_block_regions([tensor], source, name, self.block_bytes))
         return regions
 
     def copies_stored(self, tensors: Sequence[OutputTensor], source: CheckpointReader) -> bool:
@@ -241,35 +240,43 @@ class SafetensorsOutput(OutputWriter):
 
 
 class TorchFileOutput(OutputWriter):
-    """A ``torch.save``-format file of a flat state dict (``torch.load(weights_only=True)`` reads it)."""
+    """A ``torch.save``-format file of a flat state dict, streamed in row blocks
+    (``torch.load(weights_only=True)`` reads it)."""
 
     name = "torch"
     single_file = True
 
-    def __init__(self, staging: Path, final_name: str) -> None:
+    def __init__(self, staging: Path, final_name: str, *, block_bytes: int = BLOCK_BYTES) -> None:
         super().__init__(staging, final_name)
+        self.block_bytes = block_bytes
         self._tensors: dict[str, OutputTensor] = {}
         self._writer: Any = None
         self._size: dict[str, int] = {}
 
     def plan(self, tensors: Sequence[OutputTensor], source: CheckpointReader) -> list[PlannedRegion]:
         self._tensors = {t.key: t for t in tensors}
-        return [PlannedRegion(t.key, Box.full(t.shape), self.final_name, _nbytes(Box.full(t.shape), t.stored_dtype))
-                for t in tensors]
+        return _row_block_regions(tensors, source, self.final_name, self.block_bytes)
 
     def write(self, region: PlannedRegion, tensor: torch.Tensor) -> None:
         if self._writer is None:
-            from .torch_file import TorchFileWriter
+            from ..torch_records import StateDictFileWriter
 
-            self._writer = TorchFileWriter(self.staging / self.final_name)
-            self._writer.begin([(t.name, t.shape, torch_dtype(t.dtype)) for t in self._tensors.values()])
-        self._writer.write(self._tensors[region.key].name, tensor)
+            self._writer = self._guarded(lambda: StateDictFileWriter(
+                self.staging / self.final_name,
+                [(t.name, t.shape, torch_dtype(t.dtype)) for t in self._tensors.values()]))
+        self._guarded(lambda: self._writer.write(self._tensors[region.key].name, tensor))
 
     def close(self) -> dict[str, int]:
         if self._writer is not None:
-            self._size[self.final_name] = self._writer.finish()
+            self._size[self.final_name] = self._guarded(self._writer.finish)
             self._writer = None
         return dict(self._size)
+
+    def _guarded(self, step: Any) -> Any:
+        try:
+            return step()
+        except OSError as err:
+            raise OutputError(f"{self.staging / self.final_name}: write failed ({err.strerror})") from None
 
     def finish(self, states: Sequence[Any]) -> list[WrittenFile]:
         sizes = {name: size for state in states for name, size in state.items()}
@@ -279,6 +286,17 @@ class TorchFileOutput(OutputWriter):
         if self._writer is not None:
             self._writer.abort()
             self._writer = None
+
+
+def _row_block_regions(tensors: Sequence[OutputTensor], source: CheckpointReader, file: str,
+                       block_bytes: int) -> list[PlannedRegion]:
+    """Each tensor in blocks of whole rows (following the stored chunks where they allow)."""
+    regions = []
+    for tensor in tensors:
+        limit = max(1, block_bytes // max(itemsize(tensor.stored_dtype), 1))
+        for box in row_blocks(tensor.shape, list(source.layout(tensor.key)), limit):
+            regions.append(PlannedRegion(tensor.key, box, file, _nbytes(box, tensor.stored_dtype)))
+    return regions
 
 
 register_output(OutputFormat("dcp", DcpOutput))
