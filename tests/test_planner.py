@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import doctest
+import importlib
 import math
 
 import numpy as np
@@ -10,17 +11,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ema_ckpt import planner
-from ema_ckpt.errors import UsageError
-from ema_ckpt.planner import (
+from ema_ckpt.errors import OptionError, UsageError
+from ema_ckpt.maths import (
     SIGMA_REL_MAX,
+    ExponentialProfile,
     Snapshot,
     describe_plan,
     effective_half_life,
     exponential_coefficients,
     exponential_window,
     gamma_to_sigma_rel,
-    parse_sigma_list,
     posthoc_coefficients,
     posthoc_plan,
     power_coefficients,
@@ -33,16 +33,23 @@ from ema_ckpt.planner import (
     uniform_coefficients,
     uniform_selection,
 )
-from ema_ckpt.schedules import ExponentialProfile
+from ema_ckpt.profile_specs import parse_sigma_list
 
 step_lists = st.lists(st.integers(0, 2_000_000), min_size=1, max_size=40, unique=True).map(sorted)
 positive_step_lists = st.lists(st.integers(1, 2_000_000), min_size=1, max_size=40, unique=True).map(sorted)
 
 
+MATHS_MODULES = ["ema_ckpt.maths", "ema_ckpt.maths.exponential", "ema_ckpt.maths.power", "ema_ckpt.maths.uniform",
+                 "ema_ckpt.maths.posthoc", "ema_ckpt.maths.stats", "ema_ckpt.maths.profiles", "ema_ckpt.profile_specs"]
+
+
 def test_doctests():
-    result = doctest.testmod(planner, optionflags=doctest.ELLIPSIS)
-    assert result.attempted > 15
-    assert result.failed == 0
+    attempted = 0
+    for name in MATHS_MODULES:
+        result = doctest.testmod(importlib.import_module(name), optionflags=doctest.ELLIPSIS)
+        assert result.failed == 0, name
+        attempted += result.attempted
+    assert attempted > 40
 
 
 # --------------------------------------------------------------------------- σ_rel ↔ γ
@@ -70,8 +77,9 @@ def test_gamma_sigma_round_trip(gamma):
 
 @pytest.mark.parametrize("bad", [0.0, -0.05, SIGMA_REL_MAX, 0.3, 1.0, math.nan, math.inf, "x"])
 def test_sigma_rel_out_of_range_is_refused(bad):
-    with pytest.raises(UsageError, match="--sigma-rel"):
+    with pytest.raises(OptionError, match="^sigma_rel ") as info:
         sigma_rel_to_gamma(bad)
+    assert info.value.option == "sigma_rel" and info.value.value is bad
 
 
 @pytest.mark.parametrize("bad", [-0.5, math.nan, math.inf])
@@ -180,9 +188,10 @@ def test_power_at_step_uses_newest_checkpoint_at_or_before():
     steps = [100, 200, 300]
     assert power_coefficients(steps, 1.0, at_step=250) == power_coefficients([100, 200], 1.0) + [0.0]
     assert power_coefficients(steps, 1.0, at_step=300) == power_coefficients(steps, 1.0)
-    with pytest.raises(UsageError, match="after the newest checkpoint"):  # never labelled a step it is not
+    with pytest.raises(OptionError, match="after the newest checkpoint") as info:  # never labelled a step it is not
         power_coefficients(steps, 1.0, at_step=10**6)
-    with pytest.raises(UsageError, match="before the first checkpoint"):
+    assert info.value.option == "at_step" and info.value.value == 10**6
+    with pytest.raises(OptionError, match=r"^at_step 99 is before the first checkpoint \(step 100\)$"):
         power_coefficients(steps, 1.0, at_step=99)
 
 
@@ -346,9 +355,10 @@ def test_posthoc_at_step_between_snapshots_and_refusals():
     assert plan.at_step == 2000 and plan.used == [0, 1] and plan.coefficients[2] == 0.0
     assert math.fsum(plan.coefficients) == pytest.approx(1.0)
     # Off the snapshot grid the fit error is large (EDM2's reference refuses it): refused, not mislabelled.
-    with pytest.raises(UsageError, match="not a snapshot step; a post-hoc EMA ends at one: step 2000 or 3000"):
+    with pytest.raises(OptionError, match="not a snapshot step; a post-hoc EMA ends at one: step 2000 or 3000") as info:
         posthoc_plan(snaps, 6.94, at_step=2500)
-    with pytest.raises(UsageError, match="before the first snapshot"):
+    assert info.value.option == "at_step" and info.value.value == 2500
+    with pytest.raises(OptionError, match="^at_step 999 is before the first snapshot"):
         posthoc_plan(snaps, 6.94, at_step=999)
     with pytest.raises(UsageError):
         posthoc_plan([], 6.94)
@@ -425,5 +435,6 @@ def test_parse_sigma_list():
      "0.1:0.2:0", "0.2:0.1:0.01", "0.01:0.25:0.000001", "1_0", "0.05;0.1"],
 )
 def test_parse_sigma_list_refusals(text):
-    with pytest.raises(UsageError, match="--sigma-rel"):
+    with pytest.raises(OptionError, match="^sigma_rels[ :]") as info:
         parse_sigma_list(text)
+    assert info.value.option == "sigma_rels" and info.value.value is not None

@@ -4,8 +4,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ema_ckpt.errors import UsageError
-from ema_ckpt.schedules import ExponentialProfile, fold_coefficients
+from ema_ckpt.errors import OptionError, UsageError
+from ema_ckpt.maths import ExponentialProfile, fold_coefficients
 
 
 def test_half_life_round_trip():
@@ -53,8 +53,9 @@ def test_fold_coefficients_equal_the_classic_formula():
 
 @pytest.mark.parametrize("bad", [0.0, 1.0, -0.1, 1.5, float("nan")])
 def test_bad_decay_is_refused(bad):
-    with pytest.raises(UsageError, match="--decay"):
+    with pytest.raises(OptionError, match="^decay must lie strictly between 0 and 1") as info:
         ExponentialProfile(bad)
+    assert info.value.option == "decay"
 
 
 def test_steps_must_increase():

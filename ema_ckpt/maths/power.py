@@ -243,7 +243,7 @@ class PowerProfile:
     Example:
         >>> p = PowerProfile(gamma=1.0, label="1")
         >>> p.update_weight(100, 200), round(p.sigma_rel, 4)
-        (0.75, 0.2108)
+        (0.75, 0.2357)
     """
 
     gamma: float
