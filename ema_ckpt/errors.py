@@ -187,7 +187,8 @@ class NonFiniteError(IncompatibleCheckpointError):
 
     exit_code = 6
 
-    def __init__(self, source: int, message: str, *, remedy: str | None = None, mentions: Iterable[str] = ()) -> None:
+    def __init__(self, source: int, message: str, *, remedy: str | None = None,
+                 mentions: Iterable[str] = ()) -> None:
         super().__init__(message, remedy=remedy, mentions=mentions)
         self.source = source
 

@@ -39,6 +39,13 @@ def _decimal(text: str, item: str, whole: str) -> Decimal:
         raise _refuse(f": {item!r} is not a number", whole) from None
 
 
+def _exponent(number: Decimal) -> int:
+    """The decimal exponent of a finite number (``_NUMBER`` admits no NaN or infinity)."""
+    exponent = number.as_tuple().exponent
+    assert isinstance(exponent, int)
+    return exponent
+
+
 def parse_sigma_list(text: str) -> list[tuple[str, float]]:
     """Parse σ_rel values: comma lists and EDM2 ranges ``start:stop:step`` (inclusive).
 
@@ -75,15 +82,15 @@ def parse_sigma_list(text: str) -> list[tuple[str, float]]:
         count = int((stop - start) // step) + 1
         if count > _MAX_LIST or len(out) + count > _MAX_LIST:
             raise _refuse(f": range {item!r} has {count} values (at most {_MAX_LIST})", text)
-        quantum = Decimal(1).scaleb(min(d.as_tuple().exponent for d in (start, stop, step)))
+        quantum = Decimal(1).scaleb(min(_exponent(d) for d in (start, stop, step)))
         for k in range(count):
-            value = (start + k * step).quantize(quantum)
-            out.append((format(value, "f"), check_sigma_rel(float(value), "sigma_rels")))
+            point = (start + k * step).quantize(quantum)
+            out.append((format(point, "f"), check_sigma_rel(float(point), "sigma_rels")))
     seen: dict[float, str] = {}
-    for label, value in out:
-        if value in seen:
-            raise _refuse(f": {label} is listed twice (also as {seen[value]})", text)
-        seen[value] = label
+    for label, sigma in out:
+        if sigma in seen:
+            raise _refuse(f": {label} is listed twice (also as {seen[sigma]})", text)
+        seen[sigma] = label
     return out
 
 

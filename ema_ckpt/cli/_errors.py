@@ -55,7 +55,6 @@ FLAGS: dict[str, str] = {
     "sigma_rels": "--sigma-rel",
     "gamma": "--gamma",
     "gammas": "--gamma",
-    "target_gamma": "--gamma",
     "snapshot_every": "--snapshot-every",
     "restart": "--restart",
     "skip_nonfinite": "--skip-nonfinite",
@@ -139,11 +138,11 @@ def reports_errors(command: F) -> F:
             err_console.print(f"{what}; the previous output is intact", style="yellow", highlight=False)
             raise typer.Exit(exit_code(stop)) from None
         except Exception as err:
-            stop = _interrupt_behind(err)
-            if stop is not None:  # Ctrl-C or SIGTERM that Python wrapped (e.g. while a class was created)
-                what = "terminated (SIGTERM)" if isinstance(stop, Terminated) else "interrupted"
+            wrapped = _interrupt_behind(err)
+            if wrapped is not None:  # Ctrl-C or SIGTERM that Python wrapped (e.g. while a class was created)
+                what = "terminated (SIGTERM)" if isinstance(wrapped, Terminated) else "interrupted"
                 err_console.print(f"{what}; the previous output is intact", style="yellow", highlight=False)
-                raise typer.Exit(exit_code(stop)) from None
+                raise typer.Exit(exit_code(wrapped)) from None
             if os.environ.get("EMA_CKPT_DEBUG") and not isinstance(err, EmaCkptError):
                 raise
             message, code = error_message(err)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Sequence
+from itertools import pairwise
 from numbers import Integral
 
 from ..errors import OptionError, UsageError
@@ -23,7 +24,8 @@ def as_step(value: object, what: str) -> int:
     problem = _step_problem(value)
     if problem is not None:
         raise UsageError(f"{what} {problem}")
-    return int(value)  # type: ignore[call-overload]
+    assert isinstance(value, Integral)
+    return int(value)
 
 
 def option_step(value: object, option: str) -> int:
@@ -31,7 +33,8 @@ def option_step(value: object, option: str) -> int:
     problem = _step_problem(value)
     if problem is not None:
         raise OptionError(option, problem, value=value)
-    return int(value)  # type: ignore[call-overload]
+    assert isinstance(value, Integral)
+    return int(value)
 
 
 def check_steps(steps: Sequence[int]) -> list[int]:
@@ -39,7 +42,7 @@ def check_steps(steps: Sequence[int]) -> list[int]:
     out = [as_step(s, "checkpoint step") for s in steps]
     if not out:
         raise UsageError("no checkpoints to combine")
-    for a, b in zip(out, out[1:]):
+    for a, b in pairwise(out):
         if b <= a:
             what = "appears twice" if a == b else f"comes after step {a}"
             raise UsageError(f"checkpoint steps must strictly increase: step {b} {what}")

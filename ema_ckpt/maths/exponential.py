@@ -61,7 +61,8 @@ class ExponentialProfile:
 
     def __post_init__(self) -> None:
         if not (0.0 < self.decay < 1.0) or math.isnan(self.decay):
-            raise OptionError("decay", f"must lie strictly between 0 and 1, got {self.decay}", value=self.decay)
+            raise OptionError("decay", f"must lie strictly between 0 and 1, got {self.decay}",
+                              value=self.decay)
         if self.per_checkpoint and self.warmup:
             raise OptionError("warmup", "{warmup} counts optimizer steps; it cannot be combined with "
                               "{per_checkpoint}", value=True, mentions=("per_checkpoint",))
@@ -75,7 +76,8 @@ class ExponentialProfile:
             0.999
         """
         if not (half_life > 0) or math.isinf(half_life):
-            raise OptionError("half_life", f"must be a positive number of steps, got {half_life}", value=half_life)
+            raise OptionError("half_life", f"must be a positive number of steps, got {half_life}",
+                              value=half_life)
         return cls(decay=2.0 ** (-1.0 / half_life), warmup=warmup)
 
     @property

@@ -21,7 +21,7 @@ import numpy as np
 
 from ..errors import OptionError, UsageError
 from ._steps import as_step, option_step
-from .power import check_gamma, gamma_problem, gamma_to_sigma_rel, sigma_rel_to_gamma
+from .power import gamma_problem, gamma_to_sigma_rel, sigma_rel_to_gamma
 
 __all__ = ["PosthocPlan", "Snapshot", "posthoc_coefficients", "posthoc_plan", "profile_inner_product"]
 
@@ -127,7 +127,9 @@ def _gram(us: np.ndarray, gs: np.ndarray) -> np.ndarray:
     u_hi = np.where(swap, us[:, None], us[None, :])
     g_lo = np.where(swap, gs[None, :], gs[:, None])
     g_hi = np.where(swap, gs[:, None], gs[None, :])
-    return (g_lo + 1.0) * (g_hi + 1.0) / ((g_lo + g_hi + 1.0) * u_hi) * np.exp(g_hi * np.log(u_lo / u_hi))
+    gram: np.ndarray = (g_lo + 1.0) * (g_hi + 1.0) / ((g_lo + g_hi + 1.0) * u_hi) \
+        * np.exp(g_hi * np.log(u_lo / u_hi))
+    return gram
 
 
 def posthoc_plan(
@@ -153,7 +155,9 @@ def posthoc_plan(
     for s in snaps:
         if not isinstance(s, Snapshot):
             raise UsageError(f"expected Snapshot objects, got {s!r}")
-    gq = check_gamma(target_gamma, "target_gamma")
+    gq, problem = gamma_problem(target_gamma)
+    if problem is not None:
+        raise UsageError(f"target gamma {problem}")
     first = min(s.step for s in snaps)
     if at_step is None:
         big_t = max(s.step for s in snaps)
@@ -209,7 +213,7 @@ def posthoc_plan(
     sigma_rel = math.sqrt(var) if var >= 0 else math.nan
 
     coefficients = [0.0] * len(snaps)
-    for i, c in zip(used, x.tolist()):
+    for i, c in zip(used, x.tolist(), strict=True):
         coefficients[i] = c
 
     warnings: list[str] = []

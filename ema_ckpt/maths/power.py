@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import OptionError, UsageError
-from ._steps import check_pair, check_steps, option_step, used_count
+from ._steps import as_step, check_pair, check_steps, used_count
 
 __all__ = [
     "GAMMA_MAX",
@@ -228,7 +228,7 @@ def power_window(gamma: float, at_step: int) -> float:
         >>> round(power_window(sigma_rel_to_gamma(0.05), 100_000))
         5000
     """
-    return gamma_to_sigma_rel(gamma) * option_step(at_step, "at_step")
+    return gamma_to_sigma_rel(gamma) * as_step(at_step, "at_step")
 
 
 # --------------------------------------------------------------------------- kept incrementally

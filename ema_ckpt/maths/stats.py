@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 
 from ..errors import UsageError
 from ._steps import check_steps
@@ -74,8 +75,8 @@ def describe_plan(
     total = math.fsum(cs)
     sq = math.fsum(c * c for c in cs)
     if total != 0.0:
-        mean = math.fsum(c * t for c, t in zip(cs, ts)) / total
-        var = math.fsum(c * (t - mean) ** 2 for c, t in zip(cs, ts)) / total
+        mean = math.fsum(c * t for c, t in zip(cs, ts, strict=True)) / total
+        var = math.fsum(c * (t - mean) ** 2 for c, t in zip(cs, ts, strict=True)) / total
         sigma_rel = math.sqrt(var) / big_t if var >= 0 and big_t > 0 else math.nan
         mean_age = big_t - mean
     else:
@@ -115,7 +116,7 @@ def spacing_warning(steps: Sequence[int], window: float) -> str | None:
         raise UsageError(f"the averaging window must be positive, got {window!r}")
     if len(ts) < 2:
         return None
-    gaps = [b - a for a, b in zip(ts, ts[1:])]
+    gaps = [b - a for a, b in pairwise(ts)]
     k = max(gaps)
     if k <= window / 20.0:
         return None
