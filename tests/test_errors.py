@@ -143,15 +143,15 @@ CASES = [
      "sigma_rels needs at least one value",
      "--sigma-rel needs at least one value"),
     (lambda: parse_sigma_list("0.5"),
-     "sigma_rels must lie between 1.0e-06 and 1/√12 ≈ 0.2887 (a relative width of the averaging window, not γ), "
-     "got 0.5",
-     "--sigma-rel must lie between 1.0e-06 and 1/√12 ≈ 0.2887 (a relative width of the averaging window, not γ), "
-     "got 0.5"),
+     "sigma_rels must lie between 1.0e-06 and 1/√12 ≈ 0.2887 (a relative width of the averaging window, "
+     "not γ), got 0.5",
+     "--sigma-rel must lie between 1.0e-06 and 1/√12 ≈ 0.2887 (a relative width of the averaging window, "
+     "not γ), got 0.5"),
     (lambda: sigma_rel_to_gamma(0.3),
-     "sigma_rel must lie between 1.0e-06 and 1/√12 ≈ 0.2887 (a relative width of the averaging window, not γ), "
-     "got 0.3",
-     "--sigma-rel must lie between 1.0e-06 and 1/√12 ≈ 0.2887 (a relative width of the averaging window, not γ), "
-     "got 0.3"),
+     "sigma_rel must lie between 1.0e-06 and 1/√12 ≈ 0.2887 (a relative width of the averaging window, "
+     "not γ), got 0.3",
+     "--sigma-rel must lie between 1.0e-06 and 1/√12 ≈ 0.2887 (a relative width of the averaging window, "
+     "not γ), got 0.3"),
     (lambda: check_gamma("-1"),
      "gamma (the power-EMA exponent γ) must lie between 0 and 1e+06, got '-1'",
      "--gamma (the power-EMA exponent γ) must lie between 0 and 1e+06, got '-1'"),
@@ -187,8 +187,8 @@ def test_remedies_are_data():
     assert err.remedy == "restart" and err.exit_code == 5
     assert str(err) == "ema was made with decay 0.9, not 0.99; pass restart=True to start over"
     assert error_message(err) == ("ema was made with decay 0.9, not 0.99; pass --restart to start over", 5)
-    nan = NonFiniteError(2, "step_3: key 'w' holds NaN or Inf (pass {skip_nonfinite=True} to skip that checkpoint)",
-                         remedy="skip_nonfinite")
+    nan = NonFiniteError(2, "step_3: key 'w' holds NaN or Inf (pass {skip_nonfinite=True} to skip that "
+                            "checkpoint)", remedy="skip_nonfinite")
     assert nan.source == 2
     assert error_message(nan)[0].endswith("(pass --skip-nonfinite to skip that checkpoint)")
     waiting = UsageError("retry later or pass {wait_seconds=SECONDS}", remedy="wait_seconds")
@@ -197,7 +197,8 @@ def test_remedies_are_data():
 
 
 def test_text_from_users_or_checkpoints_is_never_a_placeholder():
-    err = CheckpointFormatError("/ckpts/{at_step}/x{y}", "key '{z}' is odd; pass {overwrite=True}", remedy="overwrite")
+    err = CheckpointFormatError("/ckpts/{at_step}/x{y}", "key '{z}' is odd; pass {overwrite=True}",
+                                remedy="overwrite")
     assert str(err) == "/ckpts/{at_step}/x{y}: key '{z}' is odd; pass overwrite=True"
     assert error_message(err)[0] == "/ckpts/{at_step}/x{y}: key '{z}' is odd; pass --overwrite"
     plain = UsageError("no {decay} here")  # declares nothing: the braces are text
