@@ -220,3 +220,20 @@ def test_errors_cross_processes_whole(err):
 def test_errors_without_data_read_as_before():
     assert str(UsageError("no checkpoints to combine")) == "no checkpoints to combine"
     assert error_message(CheckpointFormatError("/a", "bad")) == ("/a: bad", 3)
+
+
+@pytest.mark.parametrize(("args", "line"), [
+    (["--decay", "1.5"], "error: --decay must lie strictly between 0 and 1, got 1.5"),
+    (["--half-life", "-2"], "error: --half-life must be a positive number of steps, got -2.0"),
+    (["--decay", "0.9", "--per-checkpoint", "--warmup"],
+     "error: --warmup counts optimizer steps; it cannot be combined with --per-checkpoint"),
+    (["--sigma-rel", "abc"], "error: --sigma-rel: 'abc' is not a number or a start:stop:step range"),
+    (["--gamma", "-1"], "error: --gamma (the power-EMA exponent γ) must lie between 0 and 1e+06, got '-1'"),
+])
+def test_the_cli_words_library_errors_with_its_flags(tmp_path, args, line):
+    from typer.testing import CliRunner
+
+    from ema_ckpt.cli import app
+
+    result = CliRunner().invoke(app, ["accumulate", str(tmp_path), *args, "--dry-run"])
+    assert result.exit_code == 2 and result.output.strip() == line, result.output
