@@ -40,9 +40,11 @@ remedy is worded where it belongs, ``{restart=True}`` reading ``restart=True`` i
     >>> str(OptionError("from_step", "40 is after {to_step} 20", value=40, mentions=("to_step",)))
     'from_step 40 is after to_step 20'
 
-To convert an error that names a flag: replace the flag by its placeholder, declare the
+To convert an error that names a flag: replace the flag by its placeholder (doubled braces in
+an f-string: ``f"{path} exists; pass {{overwrite=True}} to replace it"``), declare the
 parameter (``option=``, ``remedy=`` or ``mentions=``, as string literals: a test reads them
-from the source), and add the parameter to the CLI's table if it is new there.
+from the source), and add the parameter to the CLI's table if it is new there. Errors pickle
+whole (data included), so a worker can hand one to rank 0 as itself.
 """
 
 from __future__ import annotations
