@@ -22,7 +22,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from ema_ckpt.planner import (  # noqa: E402
+from ema_ckpt.maths import (  # noqa: E402
     Snapshot,
     describe_plan,
     equivalent_step_decay,
@@ -34,7 +34,7 @@ from ema_ckpt.planner import (  # noqa: E402
     sigma_rel_to_gamma,
     spacing_warning,
 )
-from ema_ckpt.schedules import ExponentialProfile  # noqa: E402
+from ema_ckpt.maths import ExponentialProfile  # noqa: E402
 from make_profiles_plot import power_profile, staircase  # noqa: E402  (beside this script)
 
 HERE = Path(__file__).resolve().parent

@@ -19,7 +19,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from ema_ckpt.planner import (  # noqa: E402
+from ema_ckpt.maths import (  # noqa: E402
     Snapshot,
     exponential_coefficients,
     posthoc_plan,
@@ -27,7 +27,7 @@ from ema_ckpt.planner import (  # noqa: E402
     sigma_rel_to_gamma,
     uniform_coefficients,
 )
-from ema_ckpt.schedules import ExponentialProfile  # noqa: E402
+from ema_ckpt.maths import ExponentialProfile  # noqa: E402
 
 T = 100_000
 EVERY = 2_000

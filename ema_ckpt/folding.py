@@ -3,7 +3,7 @@ each new checkpoint gets.
 
 Each EMA is an :class:`Accumulator`: its profile, the manifest of what it already holds,
 and the checkpoints newer than it. Its fold is ordered lerp weights (the previous EMA
-first, with weight 1), which :func:`~ema_ckpt.schedules.fold_coefficients` turns into the
+first, with weight 1), which :func:`~ema_ckpt.maths.fold_coefficients` turns into the
 Σ cᵢ·θᵢ a dry run shows.
 
 Example:
@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import planner
+from . import maths, profile_specs
 from .discovery import FoundCheckpoint
 from .engine import OutputSpec, Update
 from .errors import CheckpointFormatError, IncompatibleCheckpointError, ManifestMismatchError, UsageError
@@ -26,7 +26,7 @@ from .formats.base import CheckpointReader
 from .manifest import Manifest, fingerprint
 from .plans import Plan as AveragePlan
 from .plans import PlannedOutput, Term
-from .schedules import ExponentialProfile, PowerProfile, fold_coefficients, profile_from_dict
+from .maths import ExponentialProfile, PowerProfile, fold_coefficients, profile_from_dict
 from .selection import check_compatible, select_keys
 from .commands.verify import damage
 
@@ -80,16 +80,8 @@ def named_profiles(
     if sigma_rels or gammas:
         if decay is not None or half_life is not None or per_checkpoint or warmup:
             raise UsageError("--sigma-rel/--gamma (power EMAs) cannot be combined with --decay/--half-life")
-        named: list[tuple[str, Profile]] = []
-        for text in sigma_rels:
-            for typed, value in planner.parse_sigma_list(text):
-                named.append((f"sigma_rel_{typed}", PowerProfile(planner.sigma_rel_to_gamma(value), typed)))
-        for text in gammas:
-            for item in (i.strip() for i in text.split(",")):
-                named.append((f"gamma_{item}", PowerProfile(planner.check_gamma(item), item)))
-        if len({n for n, _ in named}) != len(named):
-            raise UsageError("the same profile is requested twice")
-        return named
+        return [(name, PowerProfile(gamma, typed))
+                for name, gamma, typed in profile_specs.power_profiles(sigma_rels, gammas)]
     if snapshot_every is not None:
         raise UsageError("--snapshot-every keeps power EMAs: use it with --sigma-rel or --gamma")
     return [(DEFAULT_OUT_NAME, make_profile(decay=decay, half_life=half_life,
@@ -206,14 +198,14 @@ def fold_plan(accumulators: list[Accumulator]) -> AveragePlan:
         terms = [Term(p, s, c) for (p, s, _), c in zip(rows, coeffs, strict=True)]
         profile = acc.profile
         steps = [t.step for t in terms]
-        stats = planner.describe_plan(steps, coeffs, profile=profile if isinstance(profile, ExponentialProfile) else None)
+        stats = maths.describe_plan(steps, coeffs, profile=profile if isinstance(profile, ExponentialProfile) else None)
         if isinstance(profile, PowerProfile):
-            window = planner.power_window(profile.gamma, steps[-1])
+            window = maths.power_window(profile.gamma, steps[-1])
             sigma, gamma = profile.sigma_rel, profile.gamma
         else:
             window = 1.0 / (1.0 - stats.step_decay) if stats.step_decay and stats.step_decay < 1 else float("inf")
             sigma, gamma = stats.sigma_rel, None
-        warning = planner.spacing_warning(steps, window) if window != float("inf") else None
+        warning = maths.spacing_warning(steps, window) if window != float("inf") else None
         outputs.append(PlannedOutput(
             acc.name, steps[-1], terms, sigma_rel=sigma, gamma=gamma, profile=profile.to_dict(),
             warnings=[warning] if warning else [],

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import planner
+from . import maths, profile_specs
 from .discovery import FoundCheckpoint, checkpoint_paths, discover
 from .errors import UsageError
 from .manifest import MANIFEST_NAME, Manifest
@@ -102,28 +102,17 @@ def find_snapshots(paths: Sequence[Path]) -> list[SnapshotInput]:
                 manifest = Manifest.read(child) if (child / MANIFEST_NAME).is_file() else None
                 if manifest is not None and manifest.kind == SNAPSHOT_KIND:
                     gamma = float(manifest.profile["gamma"])
-                    found.append(SnapshotInput(child, manifest.step, gamma, planner.gamma_to_sigma_rel(gamma)))
+                    found.append(SnapshotInput(child, manifest.step, gamma, maths.gamma_to_sigma_rel(gamma)))
     found.sort(key=lambda s: (s.step, s.gamma))
     return found
 
 
 def _targets(sigma_rels: Sequence[str], gammas: Sequence[str]) -> list[tuple[str, float, float]]:
     """(output name, γ, σ_rel) for each requested profile, names as typed."""
-    targets: list[tuple[str, float, float]] = []
-    for text in sigma_rels:
-        for typed, value in planner.parse_sigma_list(text):
-            targets.append((f"sigma_rel_{typed}", planner.sigma_rel_to_gamma(value), value))
-    for text in gammas:
-        for item in text.split(","):
-            item = item.strip()
-            gamma = planner.check_gamma(item)
-            targets.append((f"gamma_{item}", gamma, planner.gamma_to_sigma_rel(gamma)))
-    if not targets:
+    if not sigma_rels and not gammas:
         raise UsageError("give at least one --sigma-rel or --gamma")
-    names = [t[0] for t in targets]
-    if len(set(names)) != len(names):
-        raise UsageError("the same profile is requested twice")
-    return targets
+    return [(name, gamma, maths.gamma_to_sigma_rel(gamma))
+            for name, gamma, _typed in profile_specs.power_profiles(sigma_rels, gammas)]
 
 
 def plan_posthoc(
@@ -150,11 +139,11 @@ def plan_posthoc(
     steps = [c.step for c in found.checkpoints]
     outputs = []
     for name, gamma, sigma_rel in targets:
-        coeffs = planner.power_coefficients(steps, gamma, at_step)
+        coeffs = maths.power_coefficients(steps, gamma, at_step)
         big_t = max(s for s in steps if at_step is None or s <= at_step)
         used = [i for i, s in enumerate(steps) if s <= big_t]
         terms = [Term(str(found.checkpoints[i].path), steps[i], coeffs[i]) for i in used]
-        warning = planner.spacing_warning([t.step for t in terms], planner.power_window(gamma, big_t))
+        warning = maths.spacing_warning([t.step for t in terms], maths.power_window(gamma, big_t))
         warnings = [warning] if warning else []
         if at_step is not None and big_t != at_step:
             warnings.append(f"no checkpoint at --at-step {at_step}: the EMA ends at step {big_t}, "
@@ -170,10 +159,10 @@ def plan_posthoc(
 
 def _plan_from_snapshots(snapshots: list[SnapshotInput], targets, at_step: int | None) -> Plan:
     inputs = [FoundCheckpoint(s.path, s.step, "dcp") for s in snapshots]
-    specs = [planner.Snapshot(s.step, s.gamma) for s in snapshots]
+    specs = [maths.Snapshot(s.step, s.gamma) for s in snapshots]
     outputs = []
     for name, gamma, sigma_rel in targets:
-        result = planner.posthoc_plan(specs, gamma, at_step)
+        result = maths.posthoc_plan(specs, gamma, at_step)
         terms = [Term(str(snapshots[i].path), snapshots[i].step, result.coefficients[i], snapshots[i].sigma_rel)
                  for i in result.used]
         outputs.append(PlannedOutput(
@@ -201,7 +190,7 @@ def plan_average(
         raise UsageError("choose the checkpoints: --last K, or --from-step A and/or --to-step B")
     found = discover(checkpoint_paths(checkpoints), step_regex=step_regex, exclude=exclude_paths, skip=skip)
     steps = [c.step for c in found.checkpoints]
-    coeffs = planner.uniform_coefficients(steps, last=last, from_step=from_step, to_step=to_step)
+    coeffs = maths.uniform_coefficients(steps, last=last, from_step=from_step, to_step=to_step)
     terms = [Term(str(c.path), c.step, w) for c, w in zip(found.checkpoints, coeffs, strict=True) if w != 0.0]
     output = PlannedOutput(
         "average", terms[-1].step, terms,
@@ -212,5 +201,5 @@ def plan_average(
 
 
 def _stats(steps: list[int], coeffs: list[float]) -> dict[str, float | None]:
-    s = planner.describe_plan(steps, coeffs)
+    s = maths.describe_plan(steps, coeffs)
     return {"sigma_rel": s.sigma_rel, "mean_age": s.mean_age, "n_eff": s.n_eff, "max_abs": s.max_abs}

@@ -14,10 +14,11 @@ Example:
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from decimal import Decimal, InvalidOperation
 
-from .errors import OptionError
-from .maths.power import check_gamma, check_sigma_rel
+from .errors import OptionError, UsageError
+from .maths.power import check_gamma, check_sigma_rel, sigma_rel_to_gamma
 
 __all__ = ["parse_gamma_list", "parse_sigma_list"]
 
@@ -105,3 +106,22 @@ def parse_gamma_list(text: str) -> list[tuple[str, float]]:
         [('7', 7.0)]
     """
     return [(item, check_gamma(item, "gammas")) for item in (i.strip() for i in text.split(","))]
+
+
+def power_profiles(sigma_rels: Sequence[str], gammas: Sequence[str]) -> list[tuple[str, float, str]]:
+    """(output name, γ, value as typed) of every power-function EMA asked for, in order.
+
+    Each ``sigma_rels`` text is a value, a comma list or a range; each ``gammas`` text a comma
+    list. Outputs are named ``sigma_rel_<typed>`` / ``gamma_<typed>``; a profile asked for
+    twice is refused (the outputs would collide).
+
+    Example:
+        >>> [(name, round(g, 2)) for name, g, _ in power_profiles(["0.05,0.1"], ["7"])]
+        [('sigma_rel_0.05', 15.48), ('sigma_rel_0.1', 6.94), ('gamma_7', 7.0)]
+    """
+    named = [(f"sigma_rel_{typed}", sigma_rel_to_gamma(value), typed)
+             for text in sigma_rels for typed, value in parse_sigma_list(text)]
+    named += [(f"gamma_{typed}", value, typed) for text in gammas for typed, value in parse_gamma_list(text)]
+    if len({name for name, _, _ in named}) != len(named):
+        raise UsageError("the same profile is requested twice")
+    return named

@@ -13,7 +13,7 @@ from ema_ckpt.errors import IncompatibleCheckpointError, ManifestMismatchError, 
 from ema_ckpt.formats.dcp import DcpReader
 from ema_ckpt.layout import Box
 from ema_ckpt.manifest import Manifest
-from ema_ckpt.schedules import ExponentialProfile
+from ema_ckpt.maths import ExponentialProfile
 from tests.conftest import STEPS
 from tests.dcp_helpers import write_dcp
 from tests.ema_reference import assert_close_relative, full_load, reference_ema

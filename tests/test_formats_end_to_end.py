@@ -17,7 +17,7 @@ from ema_ckpt.commands.consolidate import consolidate
 from ema_ckpt.discovery import discover
 from ema_ckpt.formats import open_checkpoint
 from ema_ckpt.layout import Box
-from ema_ckpt.schedules import ExponentialProfile
+from ema_ckpt.maths import ExponentialProfile
 from tests.ds_fixtures import STEPS as DS_STEPS
 from tests.ds_fixtures import Config
 from tests.ema_reference import assert_close_relative, reference_ema

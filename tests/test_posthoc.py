@@ -11,13 +11,13 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from ema_ckpt import planner
+from ema_ckpt import maths
 from ema_ckpt.commands.accumulate import accumulate
 from ema_ckpt.commands.averaging import average, find_snapshots, posthoc
 from ema_ckpt.cli import app
 from ema_ckpt.formats import open_checkpoint
 from ema_ckpt.layout import Box
-from ema_ckpt.schedules import ExponentialProfile
+from ema_ckpt.maths import ExponentialProfile
 from tests.conftest import STEPS
 from tests.dcp_helpers import write_dcp
 from tests.ema_reference import assert_close_relative, full_load
@@ -46,7 +46,7 @@ def test_power_ema_from_raw_checkpoints_equals_the_closed_form(tmp_path):
     result = posthoc(ck, out=tmp_path / "out", sigma_rels=["0.05", "0.10,0.2"], dtype="float64")
     assert [p.name for p in result.outputs] == ["sigma_rel_0.05", "sigma_rel_0.10", "sigma_rel_0.2"]
     for path, sigma in zip(result.outputs, [0.05, 0.10, 0.2]):
-        want = planner.power_coefficients(ONE_HOT_STEPS, planner.sigma_rel_to_gamma(sigma))
+        want = maths.power_coefficients(ONE_HOT_STEPS, maths.sigma_rel_to_gamma(sigma))
         assert _vector(path) == pytest.approx(want, abs=1e-12)
         with open_checkpoint(path) as reader:
             assert reader.read("model.count", Box((), ())).item() == ONE_HOT_STEPS[-1]
@@ -55,7 +55,7 @@ def test_power_ema_from_raw_checkpoints_equals_the_closed_form(tmp_path):
 def test_at_step_uses_only_checkpoints_up_to_T(tmp_path):
     ck = _one_hot_sequence(tmp_path / "ck")
     result = posthoc(ck, out=tmp_path / "out", gammas=["6.94"], at_step=1000, dtype="float64")
-    want = planner.power_coefficients(ONE_HOT_STEPS, 6.94, at_step=1000)
+    want = maths.power_coefficients(ONE_HOT_STEPS, 6.94, at_step=1000)
     assert _vector(result.outputs[0]) == pytest.approx(want, abs=1e-12)
     assert result.plan.outputs[0].step == 1000 and result.outputs[0].name == "gamma_6.94"
 
@@ -102,7 +102,7 @@ def test_snapshot_scheme_reconstructs_any_sigma_rel(tmp_path):
             shutil.rmtree(live / f"step_{step}")
     # the running power EMAs equal the closed form (incremental == closed form)
     for sigma in ("0.05", "0.10"):
-        want = planner.power_coefficients(ONE_HOT_STEPS, planner.sigma_rel_to_gamma(float(sigma)))
+        want = maths.power_coefficients(ONE_HOT_STEPS, maths.sigma_rel_to_gamma(float(sigma)))
         assert _vector(snap / f"sigma_rel_{sigma}") == pytest.approx(want, abs=1e-12)
     snapshots = find_snapshots([snap])
     assert sorted({s.step for s in snapshots}) == [700, 1000, 1600, 2000]
@@ -120,9 +120,9 @@ def test_snapshot_scheme_reconstructs_any_sigma_rel(tmp_path):
     run = posthoc(snap, out=tmp_path / "post", sigma_rels=["0.07"], dtype="float64")
     want = [0.0] * len(ONE_HOT_STEPS)
     for term in run.plan.outputs[0].terms:
-        gamma = planner.sigma_rel_to_gamma(term.sigma_rel)
+        gamma = maths.sigma_rel_to_gamma(term.sigma_rel)
         steps = [s for s in ONE_HOT_STEPS if s <= term.step]
-        for i, c in enumerate(planner.power_coefficients(steps, gamma)):
+        for i, c in enumerate(maths.power_coefficients(steps, gamma)):
             want[i] += term.coefficient * c
     assert _vector(run.outputs[0]) == pytest.approx(want, abs=1e-9)
 
@@ -148,7 +148,7 @@ def test_posthoc_on_a_real_fsdp_sequence(fsdp_sequence, tmp_path):
     ckpts = fsdp_sequence("fsdp2", 3)
     result = posthoc(ckpts[0].parent, out=tmp_path / "out", sigma_rels=["0.15"])
     states = [full_load(c, tmp_path) for c in ckpts]
-    coeffs = planner.power_coefficients(STEPS, planner.sigma_rel_to_gamma(0.15))
+    coeffs = maths.power_coefficients(STEPS, maths.sigma_rel_to_gamma(0.15))
     with open_checkpoint(result.outputs[0]) as reader:
         for key, spec in reader.specs().items():
             got = reader.read(key, Box.full(spec.shape))
@@ -165,7 +165,7 @@ def test_posthoc_on_a_real_deepspeed_sequence(ds_run, zero_to_fp32, tmp_path):
 
     folder = ds_run(Config(2, 3, "fp32"))
     result = posthoc(folder, out=tmp_path / "out", sigma_rels=["0.2"])
-    coeffs = planner.power_coefficients(DS_STEPS, planner.sigma_rel_to_gamma(0.2))
+    coeffs = maths.power_coefficients(DS_STEPS, maths.sigma_rel_to_gamma(0.2))
     states = [zero_to_fp32(folder, f"global_step{s}") for s in DS_STEPS]
     with open_checkpoint(result.outputs[0]) as reader:
         for key, value in states[-1].items():

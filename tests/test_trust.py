@@ -150,7 +150,7 @@ def test_plan_warnings_reach_stderr_json_and_the_manifest(tmp_path):
 
 
 def test_a_poor_snapshot_fit_is_warned_about():
-    from ema_ckpt.planner import Snapshot, posthoc_plan, sigma_rel_to_gamma
+    from ema_ckpt.maths import Snapshot, posthoc_plan, sigma_rel_to_gamma
 
     plan = posthoc_plan([Snapshot(1000, sigma_rel_to_gamma(0.05))], sigma_rel_to_gamma(0.2))
     assert plan.rel_error > 1 and any("fit the target profile poorly" in w for w in plan.warnings)

@@ -61,7 +61,7 @@ from ..manifest import MANIFEST_NAME, FoldedCheckpoint, Manifest, fingerprint
 from ..plans import Plan as AveragePlan
 from ..plans import find_snapshots
 from ..progress import Progress
-from ..schedules import PowerProfile
+from ..maths import PowerProfile
 
 _RUNTIME = {"recorded": False}
 

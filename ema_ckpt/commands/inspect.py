@@ -17,7 +17,7 @@ from typing import Any
 from ..discovery import step_record
 from ..formats import locate_model, open_checkpoint, registered_formats
 from ..manifest import Manifest
-from ..schedules import profile_from_dict
+from ..maths import profile_from_dict
 from ..selection import container_prefix, select_keys
 
 
