@@ -2,8 +2,8 @@
 
 A :class:`Box` is a rectangular region of a tensor (offsets and sizes per dimension),
 the same idea as DCP's ``ChunkStorageMetadata``. A :class:`TensorSpec` is what a key is,
-known from metadata alone. A :class:`Region` is one box of one key: the unit of work,
-of I/O and of memory in the engine.
+known from metadata alone. The engine's unit of work, of I/O and of memory is one box of
+one key (:class:`~ema_ckpt.writers.base.PlannedRegion`).
 
 Example:
     >>> a = Box((0, 0), (4, 6))
@@ -79,18 +79,6 @@ class TensorSpec:
     @property
     def is_float(self) -> bool:
         return self.dtype.is_floating_point or self.dtype.is_complex
-
-
-@dataclass(frozen=True, slots=True)
-class Region:
-    """One box of one key: the unit the engine reads, combines and writes."""
-
-    key: str
-    box: Box
-
-    @property
-    def numel(self) -> int:
-        return self.box.numel
 
 
 def boxes_cover(shape: tuple[int, ...], boxes: list[Box]) -> bool:
