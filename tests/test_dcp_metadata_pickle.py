@@ -1,10 +1,10 @@
 """The torch-free ``.metadata`` pickler against torch's own DCP metadata classes.
 
 ``dump_metadata`` names torch's classes (private ``_StorageInfo`` and
-``_MEM_FORMAT_ENCODING`` included) without importing them; these tests are the
-compatibility check for the pinned torch: plain ``pickle.loads`` must build objects equal
-to the ones torch's classes would hold, and torch's ``dcp.load`` must read a checkpoint
-whose metadata was written this way.
+``_MEM_FORMAT_ENCODING`` included) without importing them: for any checkpoint, plain
+``pickle.loads`` must build objects equal to the ones torch's classes would hold, and
+torch's ``dcp.load`` must read a checkpoint whose metadata was written this way. The
+definitions it mirrors and its fallback are checked in ``tests/test_compat.py``.
 """
 
 from __future__ import annotations
@@ -27,11 +27,16 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from ema_ckpt._compat.dcp_metadata import dump_metadata
 from ema_ckpt._pickle import load_dcp_metadata_bytes
 from ema_ckpt.dtypes import torch_dtype
 from ema_ckpt.layout import Box
-from ema_ckpt.writers._dcp_metadata import dump_metadata
+from ema_ckpt.writers import _dcp_metadata
 from ema_ckpt.writers.dcp import DcpWriter
+
+
+def test_the_writers_name_is_the_same_pickler():
+    assert _dcp_metadata.dump_metadata is dump_metadata
 
 
 def _torch_metadata(tensors, blobs, planner) -> Metadata:
