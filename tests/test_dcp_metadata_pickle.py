@@ -53,7 +53,8 @@ def _torch_metadata(tensors, blobs, planner) -> Metadata:
         state[key] = BytesStorageMetadata()
         storage[MetadataIndex(key)] = _StorageInfo(*record)
     planner_data = {key: tuple(planner.get(key, (key,))) for key in state}
-    return Metadata(state_dict_metadata=state, planner_data=planner_data, storage_data=storage, version="1.0.0")
+    return Metadata(state_dict_metadata=state, planner_data=planner_data, storage_data=storage,
+                    version="1.0.0")
 
 
 def _assert_same(ours: Metadata, theirs: Metadata) -> None:
@@ -116,7 +117,8 @@ def _checkpoints(draw):
             chunks.append((offsets, shape, record))
         dtype = draw(st.sampled_from(["float32", "bfloat16", "float8_e4m3fn", "int64", "bool", "complex64"]))
         tensors[key] = (dtype, shape, chunks)
-    planner = {key: tuple(draw(st.lists(_names, min_size=1, max_size=3))) for key in tensors if draw(st.booleans())}
+    planner = {key: tuple(draw(st.lists(_names, min_size=1, max_size=3)))
+               for key in tensors if draw(st.booleans())}
     return tensors, blobs, planner
 
 
