@@ -360,15 +360,15 @@ def emitter_matches_torch() -> bool:
 def installed_layout() -> dict[str, ClassLayout | str | None]:
     """The installed torch's definitions of the names in :data:`EXPECTED_LAYOUT` (``None``:
     not defined at the top level of that module)."""
-    sources: dict[str, str] = {}
     found: dict[str, ClassLayout | str | None] = {}
-    for qualified in EXPECTED_LAYOUT:
-        module, name = qualified.split(".")
-        if module not in sources:
-            sources[module] = _torch_source(module)
-        source = sources[module]
-        is_constant = isinstance(EXPECTED_LAYOUT[qualified], str)
-        found[qualified] = _constant(source, name) if is_constant else _layout(source, name)
+    for module in dict.fromkeys(qualified.split(".")[0] for qualified in EXPECTED_LAYOUT):
+        source = _torch_source(module)
+        wanted = {q.split(".")[1]: want for q, want in EXPECTED_LAYOUT.items() if q.startswith(f"{module}.")}
+        classes = _classes(source, [name for name, want in wanted.items() if not isinstance(want, str)])
+        for name, want in wanted.items():
+            node = classes.get(name)
+            found[f"{module}.{name}"] = (_constant(source, name) if isinstance(want, str)
+                                         else None if node is None else _layout(node))
     return found
 
 
@@ -385,16 +385,16 @@ def _constant(source: str, name: str) -> str | None:
     return match.group(1) if match else None
 
 
-def _layout(source: str, name: str) -> ClassLayout | None:
-    """The layout of the top-level class ``name``, from its block alone (parsing the whole
-    ``filesystem.py`` would take 20 ms)."""
-    block = re.search(rf"^(?:@[^\n]*\n)*class {name}\b.*?(?=^\S|\Z)", source, re.MULTILINE | re.DOTALL)
-    if block is None:
-        return None
-    tree = ast.parse(block.group(0))
-    node = tree.body[0] if len(tree.body) == 1 else None
-    if not isinstance(node, ast.ClassDef):
-        return None
+def _classes(source: str, names: list[str]) -> dict[str, ast.ClassDef]:
+    """The top-level classes ``names`` of ``source``, parsed from their blocks alone
+    (parsing the whole ``filesystem.py`` would take 20 ms)."""
+    pattern = rf"^(?:@[^\n]*\n)*class (?:{'|'.join(names)})\b.*?(?=^\S|\Z)"
+    blocks = [block.group(0) for block in re.finditer(pattern, source, re.MULTILINE | re.DOTALL)]
+    tree = ast.parse("\n".join(blocks))
+    return {node.name: node for node in tree.body if isinstance(node, ast.ClassDef)}
+
+
+def _layout(node: ast.ClassDef) -> ClassLayout:
     fields: list[str] = []
     hooks: list[str] = []
     state_order: tuple[str, ...] = ()
