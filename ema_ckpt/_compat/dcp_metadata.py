@@ -15,7 +15,7 @@ with torch installed builds exactly the objects torch would have saved.
 
 **When it is gone:** :func:`emitter_matches_torch` compares the installed torch's class
 definitions with :data:`EXPECTED_LAYOUT`, reading their source without importing the package
-(about 1 ms, once per process, on the first DCP write). On any difference, or source that
+(a few milliseconds, once per process, on the first DCP write). On any difference, or source that
 cannot be read, :func:`dump_metadata` builds torch's own dataclasses and pickles them
 instead: the same loadable result, at the import's cost. ``tests/test_compat.py`` fails
 loudly on such a torch, so the emitter is brought up to date rather than left slow.
@@ -348,7 +348,7 @@ def emitter_matches_torch() -> bool:
 
     Compares :func:`installed_layout` with :data:`EXPECTED_LAYOUT` and checks how torch
     pickles dtypes, layouts and sizes; never imports ``torch.distributed.checkpoint``. Runs
-    once per process (about 1 ms; a cache lookup after). Source that cannot be read or
+    once per process (a few milliseconds; a cache lookup after). Source that cannot be read or
     parsed counts as a difference.
     """
     try:
