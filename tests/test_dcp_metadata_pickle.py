@@ -1,10 +1,10 @@
 """The torch-free ``.metadata`` pickler against torch's own DCP metadata classes.
 
 ``dump_metadata`` names torch's classes (private ``_StorageInfo`` and
-``_MEM_FORMAT_ENCODING`` included) without importing them; these tests are the
-compatibility check for the pinned torch: plain ``pickle.loads`` must build objects equal
-to the ones torch's classes would hold, and torch's ``dcp.load`` must read a checkpoint
-whose metadata was written this way.
+``_MEM_FORMAT_ENCODING`` included) without importing them: for any checkpoint, plain
+``pickle.loads`` must build objects equal to the ones torch's classes would hold, and
+torch's ``dcp.load`` must read a checkpoint whose metadata was written this way. The
+definitions it mirrors and its fallback are checked in ``tests/test_compat.py``.
 """
 
 from __future__ import annotations
@@ -27,11 +27,16 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from ema_ckpt._compat.dcp_metadata import dump_metadata
 from ema_ckpt._pickle import load_dcp_metadata_bytes
 from ema_ckpt.dtypes import torch_dtype
 from ema_ckpt.layout import Box
-from ema_ckpt.writers._dcp_metadata import dump_metadata
+from ema_ckpt.writers import _dcp_metadata
 from ema_ckpt.writers.dcp import DcpWriter
+
+
+def test_the_writers_name_is_the_same_pickler():
+    assert _dcp_metadata.dump_metadata is dump_metadata
 
 
 def _torch_metadata(tensors, blobs, planner) -> Metadata:
@@ -48,7 +53,8 @@ def _torch_metadata(tensors, blobs, planner) -> Metadata:
         state[key] = BytesStorageMetadata()
         storage[MetadataIndex(key)] = _StorageInfo(*record)
     planner_data = {key: tuple(planner.get(key, (key,))) for key in state}
-    return Metadata(state_dict_metadata=state, planner_data=planner_data, storage_data=storage, version="1.0.0")
+    return Metadata(state_dict_metadata=state, planner_data=planner_data, storage_data=storage,
+                    version="1.0.0")
 
 
 def _assert_same(ours: Metadata, theirs: Metadata) -> None:
@@ -111,7 +117,8 @@ def _checkpoints(draw):
             chunks.append((offsets, shape, record))
         dtype = draw(st.sampled_from(["float32", "bfloat16", "float8_e4m3fn", "int64", "bool", "complex64"]))
         tensors[key] = (dtype, shape, chunks)
-    planner = {key: tuple(draw(st.lists(_names, min_size=1, max_size=3))) for key in tensors if draw(st.booleans())}
+    planner = {key: tuple(draw(st.lists(_names, min_size=1, max_size=3)))
+               for key in tensors if draw(st.booleans())}
     return tensors, blobs, planner
 
 

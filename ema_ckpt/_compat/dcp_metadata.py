@@ -1,0 +1,483 @@
+"""DCP's ``.metadata`` pickle, written without importing ``torch.distributed.checkpoint``.
+
+**Relies on** the pickled form of DCP's metadata, which torch does not promise to keep:
+the private ``torch.distributed.checkpoint.filesystem._StorageInfo`` and
+``metadata._MEM_FORMAT_ENCODING``, the private ``torch.serialization._get_layout``, and the
+field names, defaults and pickling hooks of ``Metadata``, ``TensorStorageMetadata``,
+``ChunkStorageMetadata``, ``TensorProperties``, ``BytesStorageMetadata`` and
+``MetadataIndex``.
+
+**Why it pays:** ``torch.distributed.checkpoint`` takes about 0.7 s to import on top of
+torch, and building its dataclasses then pickling them costs more for a 20,000-key
+checkpoint. The pickle's shape is simple and fixed, so this module emits it directly, opcode
+by opcode (protocol 4), naming the same globals torch's own pickle names: ``pickle.load``
+with torch installed builds exactly the objects torch would have saved.
+
+**When it is gone:** :func:`emitter_matches_torch` compares the installed torch's class
+definitions with :data:`EXPECTED_LAYOUT`, reading their source without importing the package
+(a few milliseconds, once per process, on the first DCP write). On any difference, or source that
+cannot be read, :func:`dump_metadata` builds torch's own dataclasses and pickles them
+instead: the same loadable result, at the import's cost. ``tests/test_compat.py`` fails
+loudly on such a torch, so the emitter is brought up to date rather than left slow.
+
+Strings and globals are memoized by value and referenced again with ``BINGET``; nothing
+else is memoized, which keeps the pickle small and the output a function of its inputs
+only (the same bytes whatever objects the caller happened to share).
+
+Example:
+    >>> data = dump_metadata(
+    ...     tensors={"w": ("float32", (4,), [((0,), (4,), ("__0_0.distcp", 0, 1024))])},
+    ...     blobs={}, planner_data={"w": ("w",)})
+    >>> data[:2]
+    b'\\x80\\x04'
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import importlib.util
+import re
+import struct
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import NamedTuple
+
+_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
+_FILESYSTEM_MODULE = "torch.distributed.checkpoint.filesystem"
+
+# Opcodes (pickle protocol 4; see Lib/pickletools.py for their definitions).
+_PROTO4 = b"\x80\x04"
+_SHORT_BINUNICODE = b"\x8c"
+_BINUNICODE = b"X"
+_MEMOIZE = b"\x94"
+_BINGET = b"h"
+_LONG_BINGET = b"j"
+_STACK_GLOBAL = b"\x93"
+_EMPTY_TUPLE = b")"
+_NEWOBJ = b"\x81"
+_EMPTY_DICT = b"}"
+_EMPTY_LIST = b"]"
+_MARK = b"("
+_SETITEMS = b"u"
+_APPENDS = b"e"
+_BUILD = b"b"
+_TUPLE = b"t"
+_TUPLE1 = b"\x85"
+_REDUCE = b"R"
+_NONE = b"N"
+_NEWFALSE = b"\x89"
+_STOP = b"."
+_VERSION = "1.0.0"  # DCP's metadata version, torch.distributed.checkpoint.filesystem.CURRENT_DCP_VERSION
+_BATCH = 1000  # items per SETITEMS/APPENDS, as the stock pickler batches them
+
+# ``TensorProperties`` pickles its memory format as an enum value; 0 is contiguous.
+_CONTIGUOUS_FORMAT = 0
+
+ChunkRecord = tuple[tuple[int, ...], tuple[int, ...], "tuple[str, int, int] | None"]
+"""(offsets, sizes, (data file, offset, length) of its stored record, or None)."""
+
+
+class _Emitter:
+    """Appends pickle opcodes to one buffer; memoizes strings and globals by value."""
+
+    def __init__(self) -> None:
+        self.out = bytearray(_PROTO4)
+        self._memo: dict[object, int] = {}
+        self._fragments: dict[object, bytes] = {}
+
+    def fragment(self, key: object, write: Callable[[], None]) -> None:
+        """``write()``, or the bytes it gave last time: once every string and global it
+        names is memoized, its bytes are only references and constants, the same each time."""
+        cached = self._fragments.get(key)
+        if cached is not None:
+            self.out += cached
+            return
+        start, known = len(self.out), len(self._memo)
+        write()
+        if len(self._memo) == known:
+            self._fragments[key] = bytes(self.out[start:])
+
+    def _recall(self, key: object) -> bool:
+        index = self._memo.get(key)
+        if index is None:
+            return False
+        self.out += _BINGET + bytes((index,)) if index < 256 else _LONG_BINGET + struct.pack("<I", index)
+        return True
+
+    def _remember(self, key: object) -> None:
+        self._memo[key] = len(self._memo)
+        self.out += _MEMOIZE
+
+    def string(self, text: str) -> None:
+        if self._recall(text):
+            return
+        data = text.encode("utf-8", "surrogatepass")
+        if len(data) < 256:
+            self.out += _SHORT_BINUNICODE + bytes((len(data),)) + data
+        else:
+            self.out += _BINUNICODE + struct.pack("<I", len(data)) + data
+        self._remember(text)
+
+    def global_(self, module: str, name: str) -> None:
+        key = (_STACK_GLOBAL, module, name)
+        if self._recall(key):
+            return
+        self.string(module)
+        self.string(name)
+        self.out += _STACK_GLOBAL
+        self._remember(key)
+
+    def integer(self, value: int) -> None:
+        if 0 <= value < 256:
+            self.out += b"K" + bytes((value,))
+        elif 0 <= value < 65536:
+            self.out += b"M" + struct.pack("<H", value)
+        elif -(1 << 31) <= value < (1 << 31):
+            self.out += b"J" + struct.pack("<i", value)
+        else:
+            data = value.to_bytes((value.bit_length() + 8) // 8, "little", signed=True)
+            self.out += b"\x8a" + bytes((len(data),)) + data  # LONG1
+
+    def size(self, dims: tuple[int, ...]) -> None:
+        """``torch.Size(dims)``, as torch pickles it: ``Size`` called on a tuple."""
+        self.fragment(dims, lambda: self._size(dims))
+
+    def _size(self, dims: tuple[int, ...]) -> None:
+        self.global_("torch", "Size")
+        self.out += _MARK
+        for dim in dims:
+            self.integer(dim)
+        self.out += _TUPLE + _TUPLE1 + _REDUCE
+
+    def new(self, module: str, name: str) -> None:
+        """An instance of a dataclass, created without ``__init__`` (``cls.__new__(cls)``)."""
+        self.global_(module, name)
+        self.out += _EMPTY_TUPLE + _NEWOBJ
+
+    def begin_state(self) -> None:
+        self.out += _EMPTY_DICT + _MARK
+
+    def end_state(self) -> None:
+        self.out += _SETITEMS + _BUILD
+
+
+def _tensor_header(emit: _Emitter, dtype: str) -> None:
+    """A ``TensorStorageMetadata`` up to its size: the class, then properties of ``dtype``."""
+    emit.new(_METADATA_MODULE, "TensorStorageMetadata")
+    emit.begin_state()
+    emit.string("properties")
+    emit.new(_METADATA_MODULE, "TensorProperties")
+    emit.out += _MARK  # its state is a 5-tuple: dtype, layout, requires_grad, memory format, pinned
+    emit.global_("torch", dtype)
+    emit.global_("torch.serialization", "_get_layout")
+    emit.string("torch.strided")
+    emit.out += _TUPLE1 + _REDUCE + _NEWFALSE
+    emit.global_(_METADATA_MODULE, "_MEM_FORMAT_ENCODING")
+    emit.integer(_CONTIGUOUS_FORMAT)
+    emit.out += _TUPLE1 + _REDUCE + _NEWFALSE + _TUPLE + _BUILD
+    emit.string("size")
+
+
+def _chunk_header(emit: _Emitter) -> None:
+    emit.new(_METADATA_MODULE, "ChunkStorageMetadata")
+    emit.begin_state()
+    emit.string("offsets")
+
+
+def _index_header(emit: _Emitter) -> None:
+    emit.new(_METADATA_MODULE, "MetadataIndex")
+    emit.begin_state()  # the attributes MetadataIndex.__init__ sets: offset only for tensors
+    emit.string("fqn")
+
+
+def _storage_header(emit: _Emitter) -> None:
+    emit.new(_FILESYSTEM_MODULE, "_StorageInfo")
+    emit.begin_state()
+    emit.string("relative_path")
+
+
+Tensors = Mapping[str, tuple[str, Sequence[int], Sequence[ChunkRecord]]]
+Blobs = Mapping[str, tuple[str, int, int]]
+
+
+def dump_metadata(tensors: Tensors, blobs: Blobs, planner_data: Mapping[str, Sequence[str]]) -> bytes:
+    """The bytes of DCP ``Metadata`` (version ``1.0.0``) describing a checkpoint.
+
+    ``tensors``: key → (dtype name, shape, chunks) with each chunk's storage record;
+    ``blobs``: key → (data file, offset, length) of a non-tensor entry; ``planner_data``:
+    key → the path of the key in the nested state dict. Keys keep the given order.
+    Emitted directly while :func:`emitter_matches_torch`, else pickled by torch's classes.
+    """
+    if emitter_matches_torch():
+        return _emit_metadata(tensors, blobs, planner_data)
+    return _pickle_with_torch(tensors, blobs, planner_data)
+
+
+def _emit_metadata(tensors: Tensors, blobs: Blobs, planner_data: Mapping[str, Sequence[str]]) -> bytes:
+    emit = _Emitter()
+    out = emit.out
+    storage: list[tuple[str, tuple[int, ...] | None, int | None, tuple[str, int, int]]] = []
+
+    emit.new(_METADATA_MODULE, "Metadata")
+    emit.begin_state()
+    emit.string("state_dict_metadata")
+    out += _EMPTY_DICT
+    entries = [(key, value) for key, value in tensors.items()] + [(key, None) for key in blobs]
+    for start in range(0, len(entries), _BATCH):
+        out += _MARK
+        for key, tensor in entries[start:start + _BATCH]:
+            emit.string(key)
+            if tensor is None:
+                emit.new(_METADATA_MODULE, "BytesStorageMetadata")
+                storage.append((key, None, None, blobs[key]))
+                continue
+            dtype, shape, chunks = tensor
+            emit.fragment(("properties", dtype), functools.partial(_tensor_header, emit, dtype))
+            emit.size(tuple(shape))
+            emit.string("chunks")
+            out += _EMPTY_LIST
+            for chunk_start in range(0, len(chunks), _BATCH):
+                out += _MARK
+                for index, (offsets, sizes, record) in enumerate(chunks[chunk_start:chunk_start + _BATCH],
+                                                                 chunk_start):
+                    emit.fragment("chunk", lambda: _chunk_header(emit))
+                    emit.size(tuple(offsets))
+                    emit.string("sizes")
+                    emit.size(tuple(sizes))
+                    emit.end_state()
+                    if record is not None:
+                        storage.append((key, tuple(offsets), index, record))
+                out += _APPENDS
+            emit.end_state()
+        out += _SETITEMS
+
+    emit.string("planner_data")
+    out += _EMPTY_DICT
+    keys = [key for key, _ in entries]
+    for start in range(0, len(keys), _BATCH):
+        out += _MARK
+        for key in keys[start:start + _BATCH]:
+            emit.string(key)
+            out += _MARK
+            for part in planner_data.get(key, (key,)):
+                emit.string(part)
+            out += _TUPLE
+        out += _SETITEMS
+
+    emit.string("storage_data")
+    out += _EMPTY_DICT
+    for start in range(0, len(storage), _BATCH):
+        out += _MARK
+        for key, chunk_offsets, chunk_index, (relative_path, offset, length) in storage[start:start + _BATCH]:
+            emit.fragment("index", lambda: _index_header(emit))
+            emit.string(key)
+            emit.string("index")
+            if chunk_index is None:
+                out += _NONE
+            else:
+                emit.integer(chunk_index)
+                emit.string("offset")
+                emit.size(chunk_offsets or ())
+            emit.end_state()
+            emit.fragment("storage", lambda: _storage_header(emit))
+            emit.string(relative_path)
+            emit.string("offset")
+            emit.integer(offset)
+            emit.string("length")
+            emit.integer(length)
+            emit.end_state()
+        out += _SETITEMS
+
+    emit.string("storage_meta")
+    out += _NONE
+    emit.string("version")
+    emit.string(_VERSION)
+    emit.end_state()
+    out += _STOP
+    return bytes(out)
+
+
+# --- The check: the installed torch's definitions, read from its source ---------------------
+
+
+class ClassLayout(NamedTuple):
+    """What unpickling the emitted bytes relies on in one class definition of torch's."""
+
+    decorators: tuple[str, ...]
+    bases: tuple[str, ...]
+    fields: tuple[str, ...]
+    """``name`` or ``name=default`` in order (an Enum's ``MEMBER=value``)."""
+    hooks: tuple[str, ...] = ()
+    """The methods it defines that change how it pickles or compares, sorted."""
+    state_order: tuple[str, ...] = ()
+    """Where its ``__setstate__`` unpacks a tuple state, in order."""
+
+
+_HOOKS = frozenset({"__new__", "__getstate__", "__setstate__", "__reduce__", "__reduce_ex__",
+                    "__getnewargs__", "__getnewargs_ex__", "__slots__", "__eq__", "__hash__"})
+_DATACLASS = ("dataclass",)
+
+EXPECTED_LAYOUT: dict[str, ClassLayout | str] = {
+    "metadata.Metadata": ClassLayout(_DATACLASS, (), (
+        "state_dict_metadata", "planner_data=None", "storage_data=None", "storage_meta=None",
+        "version=None")),
+    "metadata.TensorStorageMetadata": ClassLayout(_DATACLASS, (), ("properties", "size", "chunks")),
+    "metadata.ChunkStorageMetadata": ClassLayout(_DATACLASS, (), ("offsets", "sizes")),
+    "metadata.BytesStorageMetadata": ClassLayout(_DATACLASS, (), ()),
+    "metadata.TensorProperties": ClassLayout(_DATACLASS, (), (
+        "dtype=field(default_factory=torch.get_default_dtype)", "layout=field(default=torch.strided)",
+        "requires_grad=False", "memory_format=field(default=torch.contiguous_format)", "pin_memory=False"),
+        ("__getstate__", "__setstate__"),
+        ("self.dtype", "self.layout", "self.requires_grad", "mem_format_encoding", "self.pin_memory")),
+    "metadata.MetadataIndex": ClassLayout(("dataclass(frozen=True)",), (), (
+        "fqn", "offset=None", "index=field(hash=False, compare=False, default=None)")),
+    "metadata._MEM_FORMAT_ENCODING": ClassLayout((), ("Enum",), (
+        "TORCH_CONTIGUOUS_FORMAT=0", "TORCH_CHANNELS_LAST=1", "TORCH_PRESERVE_FORMAT=2")),
+    "filesystem._StorageInfo": ClassLayout(_DATACLASS, (), (
+        "relative_path", "offset", "length", "transform_descriptors=None"), ("__getstate__",)),
+    "filesystem.CURRENT_DCP_VERSION": _VERSION,
+}
+"""The definitions in ``torch/distributed/checkpoint/{metadata,filesystem}.py`` the emitter
+mirrors, as :func:`installed_layout` reads them."""
+
+
+@functools.cache
+def emitter_matches_torch() -> bool:
+    """Whether the installed torch would pickle DCP metadata as :func:`dump_metadata` emits it.
+
+    Compares :func:`installed_layout` with :data:`EXPECTED_LAYOUT` and checks how torch
+    pickles dtypes, layouts and sizes; never imports ``torch.distributed.checkpoint``. Runs
+    once per process (a few milliseconds; a cache lookup after). Source that cannot be read or
+    parsed counts as a difference.
+    """
+    try:
+        return installed_layout() == EXPECTED_LAYOUT and _torch_pickles_as_emitted()
+    except Exception:  # any surprise in torch's files: fall back rather than fail the write
+        return False
+
+
+def installed_layout() -> dict[str, ClassLayout | str | None]:
+    """The installed torch's definitions of the names in :data:`EXPECTED_LAYOUT` (``None``:
+    not defined at the top level of that module)."""
+    found: dict[str, ClassLayout | str | None] = {}
+    for module in dict.fromkeys(qualified.split(".")[0] for qualified in EXPECTED_LAYOUT):
+        source = _torch_source(module)
+        wanted = {q.split(".")[1]: want for q, want in EXPECTED_LAYOUT.items() if q.startswith(f"{module}.")}
+        classes = _classes(source, [name for name, want in wanted.items() if not isinstance(want, str)])
+        for name, want in wanted.items():
+            node = classes.get(name)
+            found[f"{module}.{name}"] = (_constant(source, name) if isinstance(want, str)
+                                         else None if node is None else _layout(node))
+    return found
+
+
+def _torch_source(module: str) -> str:
+    spec = importlib.util.find_spec("torch")  # torch's own spec: imports nothing below it
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError("torch is not installed")
+    root = Path(next(iter(spec.submodule_search_locations)))
+    return (root / "distributed" / "checkpoint" / f"{module}.py").read_text(encoding="utf-8")
+
+
+def _constant(source: str, name: str) -> str | None:
+    match = re.search(rf"^{name}\b[^=\n]*=\s*[\"']([^\"'\n]*)[\"']\s*$", source, re.MULTILINE)
+    return match.group(1) if match else None
+
+
+def _classes(source: str, names: list[str]) -> dict[str, ast.ClassDef]:
+    """The top-level classes ``names`` of ``source``, parsed from their blocks alone
+    (parsing the whole ``filesystem.py`` would take 20 ms)."""
+    pattern = rf"^(?:@[^\n]*\n)*class (?:{'|'.join(names)})\b.*?(?=^\S|\Z)"
+    blocks = [block.group(0) for block in re.finditer(pattern, source, re.MULTILINE | re.DOTALL)]
+    tree = ast.parse("\n".join(blocks))
+    return {node.name: node for node in tree.body if isinstance(node, ast.ClassDef)}
+
+
+def _layout(node: ast.ClassDef) -> ClassLayout:
+    fields: list[str] = []
+    hooks: list[str] = []
+    state_order: tuple[str, ...] = ()
+    for statement in node.body:
+        if isinstance(statement, ast.AnnAssign) and isinstance(statement.target, ast.Name):
+            default = "" if statement.value is None else "=" + ast.unparse(statement.value)
+            fields.append(statement.target.id + default)
+        elif isinstance(statement, ast.Assign) and len(statement.targets) == 1 and isinstance(
+                statement.targets[0], ast.Name):
+            target = statement.targets[0].id
+            if target in _HOOKS:
+                hooks.append(target)
+            elif not target.startswith("_"):
+                fields.append(f"{target}={ast.unparse(statement.value)}")
+        elif isinstance(statement, (ast.FunctionDef, ast.AsyncFunctionDef)) and statement.name in _HOOKS:
+            hooks.append(statement.name)
+            if statement.name == "__setstate__":
+                state_order = _unpacked_into(statement)
+    decorators = tuple(ast.unparse(decorator) for decorator in node.decorator_list)
+    bases = tuple(ast.unparse(base) for base in node.bases)
+    return ClassLayout(decorators, bases, tuple(fields), tuple(sorted(hooks)), state_order)
+
+
+def _unpacked_into(method: ast.FunctionDef | ast.AsyncFunctionDef) -> tuple[str, ...]:
+    """The targets of the method's first statement when it unpacks a tuple (``a, b = state``)."""
+    body = [s for s in method.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
+    first = body[0] if body else None
+    if isinstance(first, ast.Assign) and len(first.targets) == 1 and isinstance(first.targets[0], ast.Tuple):
+        return tuple(ast.unparse(element) for element in first.targets[0].elts)
+    return ()
+
+
+def _torch_pickles_as_emitted() -> bool:
+    """Dtypes as globals of ``torch``, layouts through ``torch.serialization._get_layout`` of
+    their name, ``torch.Size`` as a call on a tuple: what :class:`_Emitter` writes."""
+    import copyreg
+
+    import torch
+
+    get_layout = getattr(torch.serialization, "_get_layout", None)
+    layout_reduce = copyreg.dispatch_table.get(torch.layout)
+    return (
+        get_layout is not None and layout_reduce is not None
+        and layout_reduce(torch.strided) == (get_layout, ("torch.strided",))
+        and get_layout("torch.strided") is torch.strided
+        and torch.float32.__reduce__() == "float32"
+        and torch.Size((2, 3)).__reduce__() == (torch.Size, ((2, 3),))
+    )
+
+
+# --- The fallback: torch's own classes, pickled --------------------------------------------
+
+
+def _pickle_with_torch(tensors: Tensors, blobs: Blobs, planner_data: Mapping[str, Sequence[str]]) -> bytes:
+    """What :func:`_emit_metadata` describes, built from torch's classes and pickled by
+    ``pickle`` (protocol 4); imports ``torch.distributed.checkpoint``."""
+    import pickle
+
+    import torch
+    from torch.distributed.checkpoint import metadata as dcp
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    same: dict[str, str] = {}
+
+    def text(value: str) -> str:  # equal strings as one object: the bytes depend on values only
+        return same.setdefault(value, value)
+
+    state: dict[str, dcp.TensorStorageMetadata | dcp.BytesStorageMetadata] = {}
+    storage: dict[dcp.MetadataIndex, _StorageInfo] = {}
+    for key, (dtype, shape, chunks) in tensors.items():
+        key = text(key)
+        boxes = [dcp.ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes))
+                 for offsets, sizes, _ in chunks]
+        state[key] = dcp.TensorStorageMetadata(
+            dcp.TensorProperties(dtype=getattr(torch, dtype)), torch.Size(shape), boxes)
+        for index, (offsets, _sizes, record) in enumerate(chunks):
+            if record is not None:
+                storage[dcp.MetadataIndex(key, offsets, index)] = _StorageInfo(text(record[0]), *record[1:])
+    for key, (relative_path, offset, length) in blobs.items():
+        key = text(key)
+        state[key] = dcp.BytesStorageMetadata()
+        storage[dcp.MetadataIndex(key)] = _StorageInfo(text(relative_path), offset, length)
+    planner = {key: tuple(text(part) for part in planner_data.get(key, (key,))) for key in state}
+    metadata = dcp.Metadata(state_dict_metadata=dict(state), planner_data=planner, storage_data=storage,
+                            version=_VERSION)
+    return pickle.dumps(metadata, protocol=4)

@@ -1,0 +1,396 @@
+"""Conformance of the private torch and CPython behaviour ema-ckpt relies on (ema_ckpt/_compat).
+
+Each test here fails when the installed torch or Python changes a behaviour one of the
+modules relies on: the message names what changed, and the module's docstring says what to
+update.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import gc
+import io
+import pickle
+import subprocess
+import sys
+import textwrap
+import weakref
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import filesystem
+from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from ema_ckpt import _gc
+from ema_ckpt._compat import dcp_metadata as compat
+from ema_ckpt._pickle import check_written_metadata, load_dcp_metadata_bytes
+from ema_ckpt.layout import Box
+from ema_ckpt.writers.dcp import DcpWriter
+
+# --- DCP .metadata: the emitter against the installed torch -----------------------------------
+
+_TENSORS = {
+    "model.w": ("float32", (4, 2), [((0, 0), (2, 2), ("__0_0.distcp", 0, 100)),
+                                    ((2, 0), (2, 2), ("__1_0.distcp", 0, 100))]),
+    "model.scalar": ("bfloat16", (), [((), (), ("__0_0.distcp", 100, 50))]),
+    "model.empty": ("int64", (0, 3), [((0, 0), (0, 3), None)]),
+    "model.ключ": ("float8_e4m3fn", (1 << 33,), [((0,), (1 << 33,), ("__1_0.distcp", 1 << 35, 1 << 33))]),
+}
+_BLOBS = {"step": ("__0_0.distcp", 150, 12)}
+_PLANNER = {"model.w": ("model", "w"), "model.scalar": ("model", "scalar"), "step": ("step",)}
+
+
+def _torchs_metadata() -> dcp_metadata.Metadata:
+    """What torch's own classes hold for the checkpoint described by _TENSORS and _BLOBS."""
+    state: dict = {}
+    storage: dict = {}
+    for key, (dtype, shape, chunks) in _TENSORS.items():
+        state[key] = dcp_metadata.TensorStorageMetadata(
+            dcp_metadata.TensorProperties(dtype=getattr(torch, dtype)), torch.Size(shape),
+            [dcp_metadata.ChunkStorageMetadata(torch.Size(o), torch.Size(s)) for o, s, _ in chunks])
+        for index, (offsets, _sizes, record) in enumerate(chunks):
+            if record is not None:
+                storage[dcp_metadata.MetadataIndex(key, offsets, index)] = filesystem._StorageInfo(*record)
+    for key, record in _BLOBS.items():
+        state[key] = dcp_metadata.BytesStorageMetadata()
+        storage[dcp_metadata.MetadataIndex(key)] = filesystem._StorageInfo(*record)
+    planner = {key: tuple(_PLANNER.get(key, (key,))) for key in state}
+    return dcp_metadata.Metadata(state_dict_metadata=state, planner_data=planner, storage_data=storage,
+                                 version="1.0.0")
+
+
+def _structure(value: object) -> object:
+    """Everything about ``value`` that torch could tell apart: types, fields in declaration
+    order, the attributes actually set, the index hints equality ignores."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        cls = type(value)
+        return (cls.__module__, cls.__qualname__, sorted(vars(value)),
+                [(f.name, _structure(getattr(value, f.name))) for f in dataclasses.fields(cls)])
+    if isinstance(value, dict):
+        return ("dict", [(_structure(k), _structure(v)) for k, v in value.items()])
+    if isinstance(value, (list, tuple)):
+        return (type(value).__qualname__, [_structure(item) for item in value])
+    if isinstance(value, enum.Enum):
+        return (type(value).__qualname__, value.name, value.value)
+    return (type(value).__qualname__, value)
+
+
+def _emitted() -> bytes:
+    return compat.dump_metadata(_TENSORS, _BLOBS, _PLANNER)
+
+
+def test_the_installed_torch_defines_what_the_emitter_mirrors():
+    found = compat.installed_layout()
+    changed = {name: (found[name], want) for name, want in compat.EXPECTED_LAYOUT.items()
+               if found[name] != want}
+    assert not changed, f"update ema_ckpt/_compat/dcp_metadata.py (found, expected): {changed}"
+    assert compat.emitter_matches_torch.__wrapped__() is True
+
+
+def test_the_source_reader_agrees_with_torchs_live_classes():
+    """The check reads torch's source; what it reads is what the imported classes are."""
+    modules = {"metadata": dcp_metadata, "filesystem": filesystem}
+    for qualified, layout in compat.EXPECTED_LAYOUT.items():
+        module_name, name = qualified.split(".")
+        live = getattr(modules[module_name], name)
+        if isinstance(layout, str):
+            assert live == layout, qualified
+            continue
+        assert live.__module__ == modules[module_name].__name__, f"{qualified} moved to {live.__module__}"
+        names = [field.split("=")[0] for field in layout.fields]
+        if issubclass(live, enum.Enum):
+            assert [f"{m.name}={m.value}" for m in live] == list(layout.fields), qualified
+            continue
+        assert [f.name for f in dataclasses.fields(live)] == names, qualified
+        for hook in ("__setstate__", "__getstate__", "__reduce__", "__reduce_ex__", "__new__"):
+            assert (hook in vars(live)) == (hook in layout.hooks), (qualified, hook)
+    index = {f.name: f for f in dataclasses.fields(dcp_metadata.MetadataIndex)}["index"]
+    assert index.compare is False and index.hash is False
+
+
+def test_emitted_bytes_unpickle_to_what_torch_itself_pickles():
+    ours = pickle.loads(_emitted())
+    built = _torchs_metadata()
+    theirs = pickle.loads(pickle.dumps(built))  # what torch's own save and load give back
+    assert ours == built
+    assert _structure(ours) == _structure(theirs)
+    assert [(i.fqn, i.offset, i.index) for i in ours.storage_data] == [
+        (i.fqn, i.offset, i.index) for i in built.storage_data]
+    for value in ours.state_dict_metadata.values():
+        if isinstance(value, dcp_metadata.TensorStorageMetadata):
+            assert value.properties.memory_format is torch.contiguous_format
+            assert value.properties.layout is torch.strided
+
+
+def _globals_named(data: bytes) -> set[tuple[str, str]]:
+    named: set[tuple[str, str]] = set()
+
+    class Recording(pickle.Unpickler):
+        def find_class(self, module: str, name: str):
+            named.add((module, name))
+            return super().find_class(module, name)
+
+    Recording(io.BytesIO(data)).load()
+    return named
+
+
+def test_emitted_bytes_name_the_globals_torchs_pickle_names():
+    assert _globals_named(_emitted()) == _globals_named(pickle.dumps(_torchs_metadata(), protocol=4))
+
+
+def test_a_changed_or_missing_torch_definition_is_noticed(monkeypatch):
+    real = compat._torch_source
+
+    def renamed(module: str) -> str:
+        return real(module).replace("    relative_path: str", "    path: str")
+
+    monkeypatch.setattr(compat, "_torch_source", renamed)
+    assert compat.installed_layout()["filesystem._StorageInfo"].fields[0] == "path"
+    assert compat.emitter_matches_torch.__wrapped__() is False
+
+    def missing(module: str) -> str:
+        raise FileNotFoundError(module)
+
+    monkeypatch.setattr(compat, "_torch_source", missing)
+    assert compat.emitter_matches_torch.__wrapped__() is False
+
+
+def test_the_check_runs_once_only_when_metadata_is_written_and_imports_no_dcp(tmp_path):
+    code = textwrap.dedent(f"""
+        import pathlib, sys, time, torch
+        import ema_ckpt.cli, ema_ckpt.writers.dcp
+        from ema_ckpt._compat.dcp_metadata import emitter_matches_torch
+        from ema_ckpt.layout import Box
+        assert emitter_matches_torch.cache_info().misses == 0, "checked before any DCP output"
+        for name in ("a", "b"):
+            w = ema_ckpt.writers.dcp.DcpWriter(pathlib.Path({str(tmp_path)!r}) / name)
+            w.declare("w", (2,), torch.float32)
+            w.write("w", Box((0,), (2,)), torch.ones(2))
+            w.finish()
+        info = emitter_matches_torch.cache_info()
+        assert (info.misses, info.hits) == (1, 1), info
+        assert "torch.distributed.checkpoint" not in sys.modules
+    """)
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_the_fallback_pickles_the_same_metadata_with_torchs_classes(monkeypatch):
+    emitted = _emitted()
+    monkeypatch.setattr(compat, "emitter_matches_torch", lambda: False)
+    fallback = _emitted()
+    assert fallback != emitted  # it really is torch's pickler
+    assert _structure(pickle.loads(fallback)) == _structure(pickle.loads(emitted))
+    assert fallback == _emitted()  # a function of the values only, like the emitter's
+    check_written_metadata(fallback, len(_TENSORS) + len(_BLOBS))
+    inert = load_dcp_metadata_bytes(fallback, "x")
+    assert list(inert.state_dict_metadata) == list(_TENSORS) + list(_BLOBS)
+
+
+def _write_checkpoint(path: Path) -> None:
+    w = DcpWriter(path)
+    w.declare("model.w", (4, 3), torch.float32)
+    w.write("model.w", Box((0, 0), (2, 3)), torch.arange(6.0).reshape(2, 3), rank=0)
+    w.write("model.w", Box((2, 0), (2, 3)), -torch.arange(6.0).reshape(2, 3), rank=1)
+    w.declare("model.h", (5,), torch.bfloat16)
+    w.write("model.h", Box((0,), (5,)), torch.ones(5, dtype=torch.bfloat16), rank=1)
+    w.declare("model.none", (0, 2), torch.int64)
+    w.write("model.none", Box((0, 0), (0, 2)), torch.zeros(0, 2, dtype=torch.int64))
+    record = io.BytesIO()
+    torch.save(7, record)
+    w.write_bytes("step", record.getvalue())
+    w.finish({"model.w": ("model", "w"), "model.h": ("model", "h"), "model.none": ("model", "none")})
+
+
+def _loaded(path: Path) -> dict:
+    state = {"model": {"w": torch.zeros(4, 3), "h": torch.zeros(5, dtype=torch.bfloat16),
+                       "none": torch.zeros(0, 2, dtype=torch.int64)}, "step": 0}
+    dcp.load(state, checkpoint_id=str(path))
+    return state
+
+
+def test_a_checkpoint_written_through_the_fallback_loads_like_the_emitters(tmp_path, monkeypatch):
+    _write_checkpoint(tmp_path / "emitted")
+    calls = []
+    pickle_with_torch = compat._pickle_with_torch
+    monkeypatch.setattr(compat, "emitter_matches_torch", lambda: False)
+    monkeypatch.setattr(compat, "_pickle_with_torch", lambda *a: calls.append(1) or pickle_with_torch(*a))
+    _write_checkpoint(tmp_path / "fallback")
+    assert calls == [1]
+    ours, theirs = _loaded(tmp_path / "emitted"), _loaded(tmp_path / "fallback")
+    assert theirs["step"] == ours["step"] == 7
+    for key in ours["model"]:
+        assert torch.equal(ours["model"][key], theirs["model"][key]), key
+    assert torch.equal(theirs["model"]["w"], torch.cat([torch.arange(6.0), -torch.arange(6.0)]).reshape(4, 3))
+    read = [filesystem.FileSystemReader(str(tmp_path / name)).read_metadata()
+            for name in ("emitted", "fallback")]
+    for metadata in read:
+        assert metadata.storage_meta.load_id  # set by the reader, a fresh id each time
+        metadata.storage_meta = None
+    assert _structure(read[0]) == _structure(read[1])
+    for name in ("emitted", "fallback"):
+        dcp_to_torch_save(tmp_path / name, tmp_path / f"{name}.pt")
+    flat = [torch.load(tmp_path / f"{name}.pt", weights_only=True) for name in ("emitted", "fallback")]
+    assert flat[0].keys() == flat[1].keys() and flat[0]["step"] == 7
+    for key in flat[0]["model"]:
+        assert torch.equal(flat[0]["model"][key], flat[1]["model"][key]), key
+
+
+# --- Ending the process: atexit._run_exitfuncs + os._exit ---------------------------------------
+
+_EXITING = """
+import atexit, sys
+{prelude}
+from ema_ckpt._compat.fast_exit import exit_now
+
+class Teardown:
+    def __del__(self):
+        sys.stderr.write("teardown\\n")
+
+alive_until_teardown = Teardown()
+atexit.register(lambda: sys.stdout.write("registered first, run last\\n"))
+atexit.register(lambda: sys.stdout.write("handler\\n"))
+sys.stdout.write("x" * 100_000 + "\\n")  # a pipe: block-buffered, still in the buffer
+exit_now({code})
+"""
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["os._exit", "without _run_exitfuncs"])
+@pytest.mark.parametrize("code", [0, 3])
+def test_exit_now_runs_the_handlers_flushes_the_output_and_keeps_the_code(fast, code):
+    prelude = "" if fast else "del atexit._run_exitfuncs"
+    script = _EXITING.format(prelude=prelude, code=code)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert proc.returncode == code, proc.stderr
+    assert proc.stdout == "x" * 100_000 + "\nhandler\nregistered first, run last\n"
+    if fast:
+        assert "teardown" not in proc.stderr  # the interpreter was not torn down
+    assert "Traceback" not in proc.stderr
+
+
+def test_exit_now_reports_output_lost_when_the_final_flush_fails(tmp_path):
+    marker = tmp_path / "handler-ran"
+    script = textwrap.dedent(f"""
+        import atexit, io, pathlib, sys
+        from ema_ckpt._compat.fast_exit import exit_now
+
+        class FullDisk(io.RawIOBase):
+            def writable(self):
+                return True
+
+            def write(self, data):
+                raise OSError(28, "No space left on device")
+
+        atexit.register(pathlib.Path({str(marker)!r}).touch)
+        sys.stdout = io.TextIOWrapper(io.BufferedWriter(FullDisk()))
+        sys.stdout.write("lost")  # buffered: fails only when flushed
+        exit_now(0)
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert proc.returncode == 120 and marker.exists(), proc.stderr
+
+
+def test_atexit_run_exitfuncs_runs_the_handlers_last_first_and_clears_them():
+    script = (
+        "import atexit, sys\n"
+        "atexit.register(lambda: sys.stdout.write('first\\n'))\n"
+        "atexit.register(lambda: sys.stdout.write('second\\n'))\n"
+        "atexit._run_exitfuncs()\n"
+        "sys.stdout.write('after\\n')\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    assert proc.stdout == "second\nfirst\nafter\n"  # and not again at the real exit
+
+
+# --- The collector: gc.freeze semantics and the helpers in ema_ckpt._gc --------------------------
+
+
+class _Cyclic:
+    def __init__(self) -> None:
+        self.me = self
+
+
+def _cycle() -> weakref.ref:
+    """A reference cycle nothing else holds: only a cyclic collection frees it."""
+    return weakref.ref(_Cyclic())
+
+
+@pytest.fixture
+def collector():
+    assert gc.get_freeze_count() == 0, "something else left objects frozen"
+    enabled = gc.isenabled()
+    gc.disable()  # no collection at a moment the tests do not choose
+    yield
+    gc.unfreeze()
+    if enabled:
+        gc.enable()
+
+
+def test_gc_freeze_leaves_frozen_objects_out_of_collections_until_unfrozen(collector):
+    before = _cycle()
+    gc.freeze()
+    assert gc.get_freeze_count() > 0
+    after = _cycle()
+    gc.collect()
+    assert before() is not None and after() is None
+    gc.unfreeze()
+    assert gc.get_freeze_count() == 0
+    gc.collect()
+    assert before() is None
+
+
+def test_frozen_heap_nests_and_restores_the_freeze_count(collector):
+    outside = _cycle()
+    with _gc.frozen_heap():
+        outer = gc.get_freeze_count()
+        inside = _cycle()
+        made_inside = [[] for _ in range(1000)]  # lists: tracked by the collector
+        with _gc.frozen_heap():  # a nested block sets aside what was made since
+            assert gc.get_freeze_count() >= outer + 1000
+        nested = _cycle()
+        gc.collect()
+        assert outside() is not None and inside() is not None and nested() is None
+        assert gc.get_freeze_count() >= outer + 1000  # frozen until the outermost block ends
+    assert gc.get_freeze_count() == 0 and made_inside
+    gc.collect()
+    assert outside() is None and inside() is None
+
+
+def test_frozen_heap_restores_the_count_when_the_block_fails(collector):
+    with pytest.raises(KeyError), _gc.frozen_heap():
+        raise KeyError("x")
+    assert gc.get_freeze_count() == 0
+
+
+def test_frozen_heap_leaves_a_callers_own_freeze_alone(collector):
+    gc.freeze()  # a caller's own freeze (before a fork, say)
+    frozen = gc.get_freeze_count()
+    with _gc.frozen_heap():
+        [[] for _ in range(1000)]
+        assert gc.get_freeze_count() == frozen
+    assert gc.get_freeze_count() == frozen  # not unfrozen either
+
+
+def test_frozen_heap_does_nothing_without_gc_freeze(collector, monkeypatch):
+    monkeypatch.setattr(_gc, "_CAN_FREEZE", False)
+    with _gc.frozen_heap():
+        assert gc.get_freeze_count() == 0
+
+
+def test_paused_gc_restores_the_collectors_state():
+    enabled = gc.isenabled()
+    try:
+        gc.enable()
+        with pytest.raises(KeyError), _gc.paused_gc():
+            assert not gc.isenabled()
+            raise KeyError("x")
+        assert gc.isenabled()
+        gc.disable()
+        with _gc.paused_gc():
+            pass
+        assert not gc.isenabled()
+    finally:
+        (gc.enable if enabled else gc.disable)()
