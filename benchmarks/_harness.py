@@ -12,6 +12,22 @@ from pathlib import Path
 
 PY = sys.executable
 EMA = str(Path(sys.executable).with_name("ema-ckpt"))
+BASELINE = os.environ.get("EMA_CKPT_BENCH_BASELINE")
+"""A source tree of another ema-ckpt version: each ema-ckpt row is run again with it, side by side."""
+
+
+def with_baseline(runs: dict[str, dict]) -> dict[str, dict]:
+    """``runs`` plus, when ``EMA_CKPT_BENCH_BASELINE`` names a source tree, each ema-ckpt run
+    again with that tree first on ``PYTHONPATH`` (row "… [baseline]")."""
+    if not BASELINE:
+        return runs
+    out = dict(runs)
+    for name, spec in runs.items():
+        cmd = spec["cmd"]
+        if isinstance(cmd, list) and cmd and cmd[0] == EMA:
+            env = {**(spec.get("env") or {}), "PYTHONPATH": BASELINE}
+            out[f"{name} [baseline]"] = {**spec, "env": env}
+    return out
 
 
 @dataclass
@@ -40,6 +56,17 @@ def run_timed(cmd: list[str] | str, *, shell: bool = False, env: dict | None = N
     parts = [float(p) for p in wall_text.split(":")]
     wall = sum(p * 60**i for i, p in enumerate(reversed(parts)))
     return wall, rss
+
+
+def baseline_ratios(results: dict[str, Measurement]) -> str:
+    """Lines "name: time and peak RSS of this tree / the baseline's", for each ema-ckpt run."""
+    lines = []
+    for name, m in results.items():
+        base = results.get(f"{name} [baseline]")
+        if base is not None:
+            lines.append(f"{name}: time {m.wall_median / base.wall_median:.2f}×, "
+                         f"peak RSS {m.rss_median / base.rss_median:.2f}× the baseline's")
+    return "\n".join(lines)
 
 
 def dir_bytes(path: Path) -> int:

@@ -13,7 +13,10 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _harness import EMA, PY, Measurement, dir_bytes, machine_description, run_timed, table  # noqa: E402
+from _harness import (  # noqa: E402
+    EMA, PY, Measurement, dir_bytes, machine_description, run_timed, table, with_baseline,
+    baseline_ratios,
+)
 
 
 def main() -> None:
@@ -46,13 +49,14 @@ def main() -> None:
     if not args.skip_handwritten:
         runs["hand-written loop (full loads + lerp_ + dcp.save)"] = dict(
             cmd=[PY, str(here / "handwritten_ema.py"), str(out_root / "hand"), "0.999", *map(str, ckpts)])
+    runs = with_baseline(runs)
     results = {name: Measurement(name, [], []) for name in runs}
     for _ in range(args.repeat):
         for name, spec in runs.items():
             for target in ("ema", "hand"):
                 if not (target == "ema" and name.startswith("hand")):
                     shutil.rmtree(out_root / target, ignore_errors=True)
-            wall, rss = run_timed(spec["cmd"], shell=spec.get("shell", False))
+            wall, rss = run_timed(spec["cmd"], shell=spec.get("shell", False), env=spec.get("env"))
             results[name].wall.append(wall)
             results[name].rss_mib.append(rss)
     output_bytes = dir_bytes(out_root / "ema") if (out_root / "ema").exists() else 0
@@ -71,6 +75,9 @@ def main() -> None:
         print(f"accumulate / hand-written: time {ema.wall_median / hand.wall_median:.2f}, "
               f"peak RSS {ema.rss_median / hand.rss_median:.2f}")
     print(f"output: {output_bytes / 2**30:.2f} GiB")
+
+    if baseline_ratios(results):
+        print("\n" + baseline_ratios(results))
 
 
 if __name__ == "__main__":

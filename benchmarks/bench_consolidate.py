@@ -12,7 +12,10 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _harness import EMA, PY, Measurement, dir_bytes, machine_description, run_timed, table  # noqa: E402
+from _harness import (  # noqa: E402
+    EMA, PY, Measurement, dir_bytes, machine_description, run_timed, table, with_baseline,
+    baseline_ratios,
+)
 
 
 def main() -> None:
@@ -39,14 +42,15 @@ def main() -> None:
         "ema-ckpt reshard --world-size 8": [EMA, "reshard", str(ckpt), "-n", "8", "-o", str(out / "r8"),
                                             "--quiet", "--overwrite"],
     }
-    results = {name: Measurement(name, [], []) for name in runs}
+    specs = with_baseline({name: {"cmd": cmd} for name, cmd in runs.items()})
+    results = {name: Measurement(name, [], []) for name in specs}
     for _ in range(args.repeat):
-        for name, cmd in runs.items():
+        for name, spec in specs.items():
             # every tool writes a fresh output: deleting the last run's gigabyte is not timed
             shutil.rmtree(out)
             out.mkdir()
             subprocess.run(["sync"], check=True)
-            wall, rss = run_timed(cmd)
+            wall, rss = run_timed(spec["cmd"], env=spec.get("env"))
             results[name].wall.append(wall)
             results[name].rss_mib.append(rss)
     base = results["torch dcp_to_torch_save"]
@@ -55,6 +59,9 @@ def main() -> None:
     print(f"Machine: {machine_description()}")
     print(f"Input: {ckpt} ({dir_bytes(ckpt) / 2**30:.2f} GiB); medians of {args.repeat} runs, hot page cache\n")
     print(table(rows, ("command", "wall s", "peak RSS MiB", "time vs torch", "RSS vs torch")))
+
+    if baseline_ratios(results):
+        print("\n" + baseline_ratios(results))
 
 
 if __name__ == "__main__":

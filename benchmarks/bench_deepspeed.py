@@ -25,7 +25,10 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _harness import EMA, PY, Measurement, dir_bytes, machine_description, run_timed, table  # noqa: E402
+from _harness import (  # noqa: E402
+    EMA, PY, Measurement, dir_bytes, machine_description, run_timed, table, with_baseline,
+    baseline_ratios,
+)
 
 ZERO_TO_FP32 = (
     "import sys\n"
@@ -75,6 +78,7 @@ def main() -> None:
     mib = -(-output_bytes // 2**20)
     runs["dd output-sized file, conv=fsync"] = dict(
         cmd=f"dd if=/dev/zero of={out_root / 'dd.bin'} bs=1M count={mib} conv=fsync status=none", shell=True)
+    runs = with_baseline(runs)
     results = {name: Measurement(name, [], []) for name in runs}
     for _ in range(args.repeat):
         for name, spec in runs.items():
@@ -103,6 +107,9 @@ def main() -> None:
               f"peak RSS {cons.rss_median / z2f.rss_median:.2f}")
     print(f"EMA output: {dir_bytes(out_root / 'ema') / 2**30:.2f} GiB; accumulate peak RSS "
           f"{'under' if ema.rss_median < 900 else 'OVER'} the 900 MiB budget")
+
+    if baseline_ratios(results):
+        print("\n" + baseline_ratios(results))
 
 
 if __name__ == "__main__":

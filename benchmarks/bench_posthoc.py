@@ -17,7 +17,10 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _harness import EMA, PY, Measurement, dir_bytes, machine_description, run_timed, table  # noqa: E402
+from _harness import (  # noqa: E402
+    EMA, PY, Measurement, dir_bytes, machine_description, run_timed, table, with_baseline,
+    baseline_ratios,
+)
 
 
 def main() -> None:
@@ -47,15 +50,16 @@ def main() -> None:
         "posthoc K=4 (σ_rel 0.05,0.10,0.15,0.20)": dict(cmd=[EMA, "posthoc", str(args.data), "--sigma-rel",
                                                              "0.05,0.10,0.15,0.20", "--out", str(out), "--quiet"]),
     }
+    runs = with_baseline(runs)
     results = {name: Measurement(name, [], []) for name in runs}
     for _ in range(args.repeat):
         for name, spec in runs.items():
             shutil.rmtree(out, ignore_errors=True)
-            wall, rss = run_timed(spec["cmd"], shell=spec.get("shell", False))
+            wall, rss = run_timed(spec["cmd"], shell=spec.get("shell", False), env=spec.get("env"))
             results[name].wall.append(wall)
             results[name].rss_mib.append(rss)
     shutil.rmtree(out, ignore_errors=True)
-    cat, torch_start, write1, write4, one, four = results.values()
+    cat, torch_start, write1, write4, one, four = list(results.values())[:6]
     floor1 = cat.wall_median + torch_start.wall_median + write1.wall_median
     floor4 = cat.wall_median + torch_start.wall_median + write4.wall_median
     print(f"Machine: {machine_description()}")
@@ -67,6 +71,9 @@ def main() -> None:
     print(f"floor K=4 (cat + import torch + 4 durable outputs) = {floor4:.2f} s; posthoc K=4 / floor = "
           f"{four.wall_median / floor4:.2f}")
     print(f"K=4 / K=1 time = {four.wall_median / one.wall_median:.2f} (floors: {floor4 / floor1:.2f})")
+
+    if baseline_ratios(results):
+        print("\n" + baseline_ratios(results))
 
 
 if __name__ == "__main__":
