@@ -1,4 +1,4 @@
-"""Draw the figures of ``docs/concepts.md`` from ``ema_ckpt.planner`` and ``ema_ckpt.schedules``.
+"""Draw the figures of ``docs/concepts.md`` from ``ema_ckpt.maths``.
 
 Writes ``docs/gaps.png``, ``docs/power.png`` and ``docs/posthoc.png``. Every curve is
 computed by the library itself (the same functions ``--dry-run`` prints), so the figures

@@ -1,4 +1,4 @@
-"""Draw the averaging profiles implied by ``ema_ckpt.planner`` into ``docs/profiles.png``.
+"""Draw the averaging profiles implied by ``ema_ckpt.maths`` into ``docs/profiles.png``.
 
 Every plan is Σ cᵢ·θᵢ. With "hold" semantics checkpoint i stands for the steps (tᵢ₋₁, tᵢ],
 so its weight per step is cᵢ/(tᵢ − tᵢ₋₁): the staircases below. Smooth curves are the
