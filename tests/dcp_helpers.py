@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.state_dict_loader import load
 from torch.distributed.checkpoint.state_dict_saver import save
 
 from ema_ckpt.layout import Box, dim0_shard_boxes
+from ema_ckpt.writers.dcp import DcpWriter
 
 
 def fsdp_boxes(shape: tuple[int, ...], world_size: int) -> list[Box]:
@@ -139,6 +140,20 @@ def _save_as_ranks(path: Path, states: list[dict[str, Any]], planners: list[_Ran
         future.wait()
         results.append(future.value())
     writers[0].finish(metadata, results)
+
+
+def write_dcp_with_dcp_writer(
+    path: Path, tensors: Mapping[str, torch.Tensor], *, world_size: int = 1
+) -> Path:
+    """The same layout as :func:`write_dcp`, written by ema-ckpt's ``DcpWriter``: for tests of that writer."""
+    writer = DcpWriter(path)
+    for key, value in tensors.items():
+        writer.declare(key, tuple(value.shape), value.dtype)
+        for rank, box in enumerate(fsdp_boxes(tuple(value.shape), world_size)):
+            part = value[box.slices()] if box.sizes else value
+            writer.write(key, box, part.contiguous(), rank=rank % max(world_size, 1))
+    writer.finish({k: tuple(k.split(".", 1)) for k in tensors})
+    return path
 
 
 def torch_load_flat(path: Path, like: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
