@@ -116,8 +116,8 @@ def write_dcp(
                 memory_format=torch.contiguous_format)
     planners = [_RankPlanner(rank_chunks) for rank_chunks in chunks]
     if ranks == 1:
-        save(_nested(states[0]), storage_writer=FileSystemWriter(path, sync_files=False),
-                 planner=planners[0], no_dist=True)
+        writer = FileSystemWriter(path, sync_files=False)
+        save(_nested(states[0]), storage_writer=writer, planner=planners[0], no_dist=True)
         return path
     _save_as_ranks(path, [_nested(state) for state in states], planners)
     return path
