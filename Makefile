@@ -1,5 +1,5 @@
 # ema-ckpt developer commands. Everything runs in a local virtualenv ($(VENV)).
-#   make test   install the package with its test dependencies and run the whole suite
+#   make test   install the package with its test dependencies, lint (ruff, mypy) and run the whole suite
 #   make demo   train a tiny transformer with FSDP2 on CPU, then EMA, post-hoc sweep, consolidate, reshard,
 #               and compare held-out losses (table + demo/demo.png)
 #   make bench  benchmark scripts (see docs/performance.md)
@@ -18,7 +18,7 @@ DEMO_DIR ?= demo
 FIXTURES_VENV ?= .venv-fixtures
 FIXTURES_PY := $(FIXTURES_VENV)/bin/python
 
-.PHONY: install install-test test demo bench docs docs-site clean fixtures
+.PHONY: install install-test test lint demo bench docs docs-site clean fixtures
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -40,8 +40,13 @@ install: $(VENV)/.installed
 
 install-test: $(VENV)/.installed-test
 
-test: $(VENV)/.installed-test
+test: $(VENV)/.installed-test lint
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q
+
+# ruff over everything; mypy strict on the package (both configured in pyproject.toml)
+lint: $(VENV)/.installed-test
+	$(PY) -m ruff check ema_ckpt tests benchmarks examples docs
+	$(PY) -m mypy
 
 $(VENV)/.installed-demo: $(VENV)/.installed
 	$(PY) -m pip install -q -e ".[demo]"

@@ -162,10 +162,8 @@ def _format_step(path: Path, fmt: CheckpointFormat) -> StepRecord | None:
     """The step the format itself records (DeepSpeed ``global_steps``)."""
     if not fmt.records_step:
         return None
-    with contextlib.closing(open_checkpoint(path)) as reader:
-        if reader.step is not None:
-            return StepRecord(int(reader.step), fmt.step_label or f"{fmt.name} record")
-    return None
+    step = fmt.step_of(locate_model(path).path)  # cheap: no reader is built, no tensor opened
+    return StepRecord(int(step), fmt.step_label or f"{fmt.name} record") if step is not None else None
 
 
 STEP_SOURCES: tuple[Callable[[Path, CheckpointFormat], StepRecord | None], ...] = (

@@ -124,6 +124,10 @@ class Workers:
         if failed:
             raise WorkerFailed(f"worker {rank}: {message}", code)
 
+    def on_coordinator(self, step: Callable[[], T]) -> T:
+        """Run ``step`` on the coordinator only; every rank gets its result, or its error."""
+        return self.broadcast(self.run(step if self.is_coordinator else _nothing))
+
     def run(self, step: Callable[[], T]) -> T:
         """Run ``step`` on this rank, then synchronise: every rank fails if one did."""
         try:
@@ -133,6 +137,10 @@ class Workers:
             raise
         self.check(None)
         return result
+
+
+def _nothing() -> Any:
+    return None
 
 
 _CHECKPOINT_ERRORS = {cls.__name__: cls for cls in (CheckpointFormatError, UnsafePickleError)}

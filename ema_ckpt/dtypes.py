@@ -55,6 +55,12 @@ class DtypeName(str):
     __slots__ = ()
 
 
+OUTPUT_DTYPES = ("bfloat16", "float16", "float32", "float64")
+"""What floating tensors of an exported checkpoint may be cast to."""
+ACCUMULATE_DTYPES = ("float32", "float64")
+"""What averages accumulate (and are stored) in."""
+
+
 def canonical(name: str) -> str:
     """``name`` without aliases: ``"half"`` → ``"float16"``."""
     return ALIASES.get(name, name)

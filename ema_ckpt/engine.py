@@ -15,7 +15,7 @@ the disk takes region i while region i+1 is read and combined.
 
 Example:
     >>> outputs = [OutputSpec("ema", (Update(0, 1.0), Update(1, 0.1)))]
-    >>> combine_regions(readers, outputs, [writer], regions, specs, copy_source=1)  # doctest: +SKIP
+    >>> combine_regions(readers, outputs, [writer], regions, tensors, copy_source=1)  # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -25,14 +25,15 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Literal
 
 from ._lazy import torch
-from .dist import assign_by_bytes
+from .dtypes import is_float, torch_dtype
 from .errors import NonFiniteError, UsageError
 from .formats.base import CheckpointReader
 from .layout import Box, TensorSpec, split_rows
 from .progress import Progress
+from .writers.base import OutputTensor, OutputWriter, PlannedRegion
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,24 +62,6 @@ class OutputSpec:
             raise ValueError(f"{self.name}: a fold starts with weight 1 on its first source")
 
 
-@dataclass(frozen=True, slots=True)
-class PlannedRegion:
-    """One region of the output layout and the file it goes to: ``__<rank>_<part>.distcp``."""
-
-    key: str
-    box: Box
-    rank: int = 0
-    part: int = 0
-
-
-class RegionSink(Protocol):
-    """Where an output's regions go (a DCP writer, a safetensors writer, …)."""
-
-    def declare(self, key: str, shape: tuple[int, ...], dtype: torch.dtype) -> None: ...
-
-    def write(self, key: str, box: Box, tensor: torch.Tensor, *, rank: int = 0, part: int = 0) -> None: ...
-
-
 @dataclass(slots=True)
 class EngineStats:
     """What a run read and wrote."""
@@ -88,34 +71,6 @@ class EngineStats:
     bytes_written: int = 0
     seconds: float = 0.0
     per_output_bytes: list[int] = field(default_factory=list)
-
-
-def layout_regions(reader: CheckpointReader, keys: Sequence[str]) -> list[PlannedRegion]:
-    """The regions of ``keys`` as ``reader`` stores them, each tagged with its rank file."""
-    regions: list[PlannedRegion] = []
-    chunks_of = getattr(reader, "chunks", None)
-    for key in keys:
-        if chunks_of is not None:
-            for chunk in chunks_of(key):
-                regions.append(PlannedRegion(key, chunk.box, chunk.rank or 0))
-        else:
-            regions.extend(PlannedRegion(key, box, 0) for box in reader.layout(key))
-        if not regions or regions[-1].key != key:  # every stored chunk was empty
-            shape = reader.specs()[key].shape
-            regions.append(PlannedRegion(key, Box.full(shape), 0))
-    return regions
-
-
-DEFAULT_FILE_BYTES = 256 << 20
-MIN_FILE_BYTES = 16 << 20
-# Each region also costs fixed Python work (records to parse, a record to write), about what
-# reading 256 KiB costs: counted in, files of many small tensors split finely enough to share out.
-REGION_OVERHEAD_BYTES = 256 << 10
-
-
-def region_cost(region: PlannedRegion, specs: Mapping[str, TensorSpec]) -> int:
-    """The work of one region, in bytes: its data plus the fixed per-region overhead."""
-    return region.box.numel * specs[region.key].dtype.itemsize + REGION_OVERHEAD_BYTES
 
 
 def check_device(device: str) -> None:
@@ -129,120 +84,97 @@ def check_device(device: str) -> None:
     raise UsageError(f"--device must be cpu or cuda, got {device!r}")
 
 
-def split_files(
-    regions: Sequence[PlannedRegion], specs: Mapping[str, TensorSpec], max_file_bytes: int | None
-) -> list[PlannedRegion]:
-    """Give each rank's regions consecutive parts of at most ``max_file_bytes`` of work.
-
-    Work is :func:`region_cost`. Files are the unit workers share out, so the split depends
-    only on the layout, never on the number of workers: the output is the same bytes whatever
-    N. ``None``: one file per rank.
-    """
-    out: list[PlannedRegion] = []
-    used: dict[int, tuple[int, int]] = {}  # rank -> (part, work in it)
-    rank_bytes: dict[int, int] = {}
-    for region in regions:
-        rank_bytes[region.rank] = rank_bytes.get(region.rank, 0) + region_cost(region, specs)
-    for region in regions:
-        nbytes = region_cost(region, specs)
-        part, size = used.get(region.rank, (0, 0))
-        # about 8 parts per rank file (16 MiB to max_file_bytes each): enough to share out
-        cap = None if max_file_bytes is None else min(max_file_bytes, max(MIN_FILE_BYTES, rank_bytes[region.rank] // 8))
-        if cap is not None and size and size + nbytes > cap:
-            part, size = part + 1, 0
-        used[region.rank] = (part, size + nbytes)
-        out.append(PlannedRegion(region.key, region.box, region.rank, part))
-    return out
-
-
-def owned_regions(
-    regions: Sequence[PlannedRegion], specs: Mapping[str, TensorSpec], rank: int, world_size: int
-) -> list[PlannedRegion]:
-    """The regions whose files this worker writes (files balanced across workers by work)."""
-    if world_size == 1:
-        return list(regions)
-    files: dict[tuple[int, int], int] = {}
-    for region in regions:
-        key = (region.rank, region.part)
-        files[key] = files.get(key, 0) + region_cost(region, specs)
-    names = sorted(files)
-    owners = dict(zip(names, assign_by_bytes([files[n] for n in names], world_size), strict=True))
-    return [r for r in regions if owners[(r.rank, r.part)] == rank]
-
-
 def combine_regions(
     sources: Sequence[CheckpointReader],
     outputs: Sequence[OutputSpec],
-    sinks: Sequence[RegionSink],
+    writers: Sequence[OutputWriter],
     regions: Sequence[PlannedRegion],
-    specs: Mapping[str, TensorSpec],
+    tensors: Mapping[str, OutputTensor],
     *,
     copy_source: int,
     accumulate_dtype: torch.dtype | None = None,
-    output_dtype: Callable[[TensorSpec], torch.dtype] | None = None,
     on_progress: Callable[[Progress], None] | None = None,
     device: str = "cpu",
     check_finite: Sequence[int] = (),
 ) -> EngineStats:
-    """Stream every region through the outputs' updates and into their sinks.
+    """Stream every region through the outputs' updates and into their writers.
 
-    ``output_dtype`` chooses the stored dtype of floating tensors (default: the
-    accumulation dtype, so an EMA kept across runs never loses precision). Floating regions
-    of the sources in ``check_finite`` are checked for NaN/Inf (:class:`NonFiniteError`).
+    Each tensor is stored in its ``tensors[key].dtype``. Floating regions of the sources in
+    ``check_finite`` are checked for NaN/Inf (:class:`NonFiniteError`). A ``raw`` region
+    (planned so by its writer) is copied as stored bytes from ``copy_source``.
     """
-    if len(sinks) != len(outputs):
-        raise ValueError("one sink per output")
+    if len(writers) != len(outputs):
+        raise ValueError("one writer per output")
     started = time.perf_counter()
-    if accumulate_dtype is None:
-        accumulate_dtype = torch.float32
     stats = EngineStats(per_output_bytes=[0] * len(outputs))
-    out_dtype = output_dtype or (lambda spec: accumulate_dtype if spec.is_float else spec.dtype)
-    declared: set[str] = set()
-    total = sum(specs[r.key].dtype.itemsize * r.box.numel for r in regions)
+    total = sum(r.nbytes for r in regions)
     done = 0
     needed = sorted({u.source for out in outputs for u in out.updates})
     buffers = _Buffers()
-    with _WriteBehind(len(sinks)) as behind:
+    finite = frozenset(check_finite)
+    with _WriteBehind(len(writers)) as behind:
         for region_index, region in enumerate(regions):
-            parity = region_index % 2  # what goes to the writer alternates slots: i-1 may still be written
-            spec = specs[region.key]
-            writes: list[list[Callable[[], None]]] = [[] for _ in sinks]  # per sink, in order
-            if region.key not in declared:
-                for sink, calls in zip(sinks, writes, strict=True):
-                    calls.append(lambda sink=sink, key=region.key, spec=spec: sink.declare(key, spec.shape,
-                                                                                         out_dtype(spec)))
-                declared.add(region.key)
-            if not spec.is_float:
-                value = _read(sources[copy_source], region.key, region.box, sources[copy_source].specs()[region.key],
-                              buffers, slot=("copy", parity))
-                stats.bytes_read += value.numel() * value.element_size()
-                results = [value] * len(sinks)
+            if region.raw:
+                behind.wait()  # raw copies and tensor writes to one file stay in order
+                for k, writer in enumerate(writers):
+                    writer.copy_stored(region, sources[copy_source])
+                    stats.per_output_bytes[k] += region.nbytes
+                stats.bytes_read += region.nbytes
             else:
-                accs = _accumulate_region(sources, outputs, needed, region, accumulate_dtype, stats, device,
-                                          buffers, frozenset(check_finite), parity)
-                results = []
-                for k, acc in enumerate(accs):
-                    target = out_dtype(spec)
-                    if acc.device.type == "cpu" and acc.dtype != target:
-                        results.append(buffers.get(("out", k, parity), region.box.sizes, target).copy_(acc))
-                    else:
-                        results.append(acc.to(device="cpu", dtype=target))
-                del accs
-            region_bytes = 0
-            for k, (sink, result) in enumerate(zip(sinks, results, strict=True)):
-                writes[k].append(lambda sink=sink, result=result, region=region: sink.write(
-                    region.key, region.box, result, rank=region.rank, part=region.part))
-                stats.per_output_bytes[k] += result.numel() * result.element_size()
-                region_bytes += result.numel() * result.element_size()
-            del results
-            behind.submit(writes, background=region_bytes >= _WRITE_BEHIND_BYTES)
+                _combine_one(sources, outputs, writers, region, tensors[region.key], needed, copy_source,
+                             accumulate_dtype, device, buffers, finite, region_index % 2, stats, behind)
             stats.regions += 1
-            done += spec.dtype.itemsize * region.box.numel
+            done += region.nbytes
             if on_progress is not None:
                 on_progress(Progress(done, total, region_index + 1, len(regions), region.key))
     stats.bytes_written = sum(stats.per_output_bytes)
     stats.seconds = time.perf_counter() - started
     return stats
+
+
+def _combine_one(
+    sources: Sequence[CheckpointReader],
+    outputs: Sequence[OutputSpec],
+    writers: Sequence[OutputWriter],
+    region: PlannedRegion,
+    tensor: OutputTensor,
+    needed: Sequence[int],
+    copy_source: int,
+    accumulate_dtype: torch.dtype | None,
+    device: str,
+    buffers: _Buffers,
+    check_finite: frozenset[int],
+    parity: int,
+    stats: EngineStats,
+    behind: _WriteBehind,
+) -> None:
+    """One region: read, combine, and hand every output's result to the write-behind thread."""
+    # what goes to the writer alternates buffer slots: region i-1 may still be being written
+    target = torch_dtype(tensor.dtype)
+    if not is_float(tensor.stored_dtype):
+        copy = sources[copy_source]
+        value = _read(copy, region.key, region.box, copy.specs()[region.key], buffers, slot=("copy", parity))
+        stats.bytes_read += value.numel() * value.element_size()
+        results = [value if value.dtype == target else value.to(target)] * len(writers)
+    else:
+        dtype = accumulate_dtype if accumulate_dtype is not None else torch.float32
+        accs = _accumulate_region(sources, outputs, needed, region, dtype, stats, device, buffers,
+                                  check_finite, parity)
+        results = []
+        for k, acc in enumerate(accs):
+            if acc.device.type == "cpu" and acc.dtype != target:
+                results.append(buffers.get(("out", k, parity), region.box.sizes, target).copy_(acc))
+            else:
+                results.append(acc.to(device="cpu", dtype=target))
+        del accs
+    writes: list[list[Callable[[], None]]] = []
+    region_bytes = 0
+    for k, (writer, result) in enumerate(zip(writers, results, strict=True)):
+        writes.append([lambda writer=writer, result=result: writer.write(region, result)])
+        stats.per_output_bytes[k] += result.numel() * result.element_size()
+        region_bytes += result.numel() * result.element_size()
+    del results
+    behind.submit(writes, background=region_bytes >= _WRITE_BEHIND_BYTES)
 
 
 _WRITE_BEHIND_BYTES = 1 << 20  # smaller regions are written inline: a thread handoff would cost more
@@ -320,9 +252,9 @@ class _Buffers:
 def _read(reader: CheckpointReader, key: str, box: Box, spec: TensorSpec, buffers: _Buffers | None,
           slot: object = "read", out: torch.Tensor | None = None) -> torch.Tensor:
     """``box`` of ``key``: into ``out`` when given, else into the reused buffer ``slot``."""
-    if buffers is not None and getattr(reader, "supports_out", False):
+    if buffers is not None and reader.supports_out:
         target = out if out is not None else buffers.get(slot, box.sizes, spec.dtype)
-        return reader.read(key, box, out=target)  # type: ignore[call-arg]
+        return reader.read(key, box, out=target)
     value = reader.read(key, box).detach()
     return out.copy_(value) if out is not None else value
 

@@ -10,17 +10,112 @@ Example:
     ... except EmaCkptError as err:
     ...     print(err.exit_code, err)
     3 /ckpts/step_10/.metadata: not a DCP metadata file
+
+Errors carry data; the CLI words them
+-------------------------------------
+The library never names a command-line flag. An error about a parameter says which
+*library parameter* is at fault (:class:`OptionError`'s ``option``), and a fix that another
+parameter offers is data too (``remedy``). Inside a message, ``{name}`` stands for the
+parameter ``name`` and ``{name=text}`` for passing it a value; only the names the error
+declares (``option``, ``remedy``, ``mentions``) are placeholders, so text from checkpoints
+or users can never be mistaken for one. ``str(err)`` names the library parameters; the CLI
+renders the same error with its flags from one table (``ema_ckpt.cli._errors.FLAGS``):
+
+    >>> err = OptionError("at_step", "5 is before the first checkpoint (step 10)", value=5)
+    >>> str(err), err.option, err.value
+    ('at_step 5 is before the first checkpoint (step 10)', 'at_step', 5)
+    >>> err.render({"at_step": "--at-step"}.__getitem__)
+    '--at-step 5 is before the first checkpoint (step 10)'
+
+An :class:`OptionError` message starts with its option unless it places it (``{at_step}``); a
+remedy is worded where it belongs, ``{restart=True}`` reading ``restart=True`` in the library and
+``--restart`` on the command line (``{wait_seconds=SECONDS}``: ``--wait SECONDS``):
+
+    >>> err = ManifestMismatchError("out/ema was made with decay 0.9; pass {restart=True} to start over",
+    ...                             remedy="restart")
+    >>> str(err)
+    'out/ema was made with decay 0.9; pass restart=True to start over'
+    >>> err.render({"restart": "--restart"}.__getitem__)
+    'out/ema was made with decay 0.9; pass --restart to start over'
+    >>> str(OptionError("from_step", "40 is after {to_step} 20", value=40, mentions=("to_step",)))
+    'from_step 40 is after to_step 20'
+
+To convert an error that names a flag: replace the flag by its placeholder (doubled braces in
+an f-string: ``f"{path} exists; pass {{overwrite=True}} to replace it"``), declare the
+parameter (``option=``, ``remedy=`` or ``mentions=``, as string literals: a test reads them
+from the source), and add the parameter to the CLI's table if it is new there. Errors pickle
+whole (data included), so a worker can hand one to rank 0 as itself.
 """
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
+
+_PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)(?:=([^{}]*))?\}")
+
+
+def library_name(parameter: str, value: str | None) -> str:
+    """How the library words a parameter placeholder: ``at_step``, ``restart=True``."""
+    return parameter if value is None else f"{parameter}={value}"
+
+
+def _restore(cls: type[EmaCkptError], args: tuple[Any, ...], state: dict[str, Any]) -> EmaCkptError:
+    err = cls.__new__(cls, *args)
+    Exception.__init__(err, *args)
+    err.__dict__.update(state)
+    return err
 
 
 class EmaCkptError(Exception):
-    """Base of every error raised on purpose by ema-ckpt."""
+    """Base of every error raised on purpose by ema-ckpt.
+
+    ``message`` may name library parameters as ``{name}`` / ``{name=text}`` placeholders for
+    the names in ``remedy`` and ``mentions`` (see the module docstring); ``str(err)`` is
+    :meth:`render` with the library's names.
+    """
 
     exit_code: int = 1
+    template: str = ""
+    remedy: str | None = None
+    mentions: tuple[str, ...] = ()
+
+    def __init__(self, message: str = "", *, remedy: str | None = None, mentions: Iterable[str] = ()) -> None:
+        self.template = message
+        self.remedy = remedy
+        self.mentions = tuple(mentions)
+        super().__init__(self.render())
+
+    @property
+    def parameters(self) -> tuple[str, ...]:
+        """Every library parameter the message names (placeholders), the remedy included."""
+        return self.mentions + ((self.remedy,) if self.remedy is not None else ())
+
+    def render(self, name_of: Callable[[str], str] | None = None) -> str:
+        """The message with each placeholder worded: ``name_of(parameter)`` gives a flag.
+
+        Without ``name_of``, the library's own names (``str(err)``). With it, ``{name=True}``
+        becomes the flag alone and ``{name=text}`` the flag followed by ``text``.
+        """
+        if not self.template:
+            return str(self.args[0]) if self.args else ""
+        names = set(self.parameters)
+
+        def word(match: re.Match[str]) -> str:
+            name, value = match.group(1), match.group(2)
+            if name not in names:
+                return match.group(0)
+            if name_of is None:
+                return library_name(name, value)
+            flag = name_of(name)
+            return flag if value in (None, "True") else f"{flag} {value}"
+
+        return _PLACEHOLDER.sub(word, self.template)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_restore, (type(self), self.args, self.__dict__))
 
 
 class UsageError(EmaCkptError, ValueError):
@@ -29,15 +124,40 @@ class UsageError(EmaCkptError, ValueError):
     exit_code = 2
 
 
+class OptionError(UsageError):
+    """A library parameter whose value cannot work.
+
+    Attributes:
+        option: the library parameter (``"at_step"``, ``"sigma_rels"``), never a flag.
+        value: the value given (``None`` when the message is about its absence or form).
+        remedy: the parameter that would fix it, if one does.
+
+    The message words the problem; it starts with the option unless it places ``{option}``
+    itself. Example:
+
+        >>> OptionError("decay", "must lie strictly between 0 and 1, got 1.5", value=1.5).args[0]
+        'decay must lie strictly between 0 and 1, got 1.5'
+    """
+
+    def __init__(self, option: str, message: str, *, value: object = None, remedy: str | None = None,
+                 mentions: Iterable[str] = ()) -> None:
+        self.option = option
+        self.value = value
+        if not re.search(r"\{" + re.escape(option) + r"(?:=[^{}]*)?\}", message):
+            message = f"{{{option}}} {message}"
+        super().__init__(message, remedy=remedy, mentions=(option, *mentions))
+
+
 class CheckpointError(EmaCkptError):
     """A problem with one checkpoint file or directory; names the path."""
 
     exit_code = 3
 
-    def __init__(self, path: str | Path, reason: str) -> None:
+    def __init__(self, path: str | Path, reason: str, *, remedy: str | None = None,
+                 mentions: Iterable[str] = ()) -> None:
         self.path = str(path)
         self.reason = reason
-        super().__init__(f"{self.path}: {reason}")
+        super().__init__(f"{self.path}: {reason}", remedy=remedy, mentions=mentions)
 
 
 class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
@@ -69,12 +189,10 @@ class NonFiniteError(IncompatibleCheckpointError):
 
     exit_code = 6
 
-    def __init__(self, source: int, message: str) -> None:
-        super().__init__(message)
+    def __init__(self, source: int, message: str, *, remedy: str | None = None,
+                 mentions: Iterable[str] = ()) -> None:
+        super().__init__(message, remedy=remedy, mentions=mentions)
         self.source = source
-
-    def __reduce__(self) -> tuple:
-        return (type(self), (self.source, str(self)))
 
 
 class OutputLockedError(EmaCkptError):

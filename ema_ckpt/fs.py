@@ -32,7 +32,7 @@ from pathlib import Path
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from .errors import OutputError, OutputLockedError
+from .errors import OutputError, OutputLockedError, UsageError
 
 _RENAME_EXCHANGE = 2
 _SYNC_FILE_RANGE_WRITE = 2
@@ -161,6 +161,24 @@ def publish(staging: Path, final: Path) -> None:
             fsync_dir(final.parent)
     except OSError as err:
         raise OutputError(f"{final}: cannot publish the new output ({err.strerror})") from None
+
+
+def check_not_overlapping(src: Path, out: Path) -> None:
+    """Refuse an output inside its source, or a source inside its output."""
+    a, b = src.resolve(), out.resolve()
+    if a == b or a in b.parents or b in a.parents:
+        raise UsageError(f"--out {out} overlaps the source {src}; write the output elsewhere")
+
+
+def publish_file(staging: Path, final: Path) -> None:
+    """Move the one file built in ``staging`` (named like ``final``) onto ``final``, atomically."""
+    try:
+        fsync_tree(staging)
+        os.replace(staging / final.name, final)
+        fsync_dir(final.parent)
+    except OSError as err:
+        raise OutputError(f"{final}: cannot write ({err.strerror})") from None
+    shutil.rmtree(staging, ignore_errors=True)
 
 
 def recover(final: Path) -> list[str]:

@@ -54,6 +54,8 @@ class Manifest:
     skipped: list[dict[str, Any]] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     """What the plan warned about when this output was made (sparse checkpoints, a poor fit)."""
+    options: dict[str, Any] = field(default_factory=dict)
+    """The options of the run that made it (those that shape the result, not where it ran)."""
     tool_version: str = __version__
     format_version: int = MANIFEST_FORMAT
 

@@ -12,18 +12,13 @@ import fnmatch
 from collections.abc import Sequence
 
 from .errors import IncompatibleCheckpointError
-from .formats.base import CheckpointReader, stored_tensors
+from .formats.base import CheckpointReader
 
 _NON_MODEL_ROOTS = {
     "optim", "optimizer", "optimizers", "lr_scheduler", "lr_schedulers", "scheduler",
     "train_state", "dataloader", "data_loader", "rng", "rng_state", "extra_state",
 }
 MODEL_ROOT = "model"
-
-
-def _root_of(reader: CheckpointReader, key: str) -> str | None:
-    root_of = getattr(reader, "root_of", None)
-    return root_of(key) if root_of is not None else None
 
 
 def select_keys(
@@ -34,8 +29,8 @@ def select_keys(
     A DCP saved as ``{"model": …, "optim": …}`` contributes its ``model`` part; a checkpoint
     without a ``model`` root contributes everything but optimizer and training state.
     """
-    keys = list(stored_tensors(reader))
-    roots = {k: _root_of(reader, k) for k in keys}
+    keys = list(reader.stored())
+    roots = {k: reader.root_of(k) for k in keys}
     if MODEL_ROOT in roots.values():
         keys = [k for k in keys if roots[k] == MODEL_ROOT]
     elif any(r is not None for r in roots.values()):
@@ -133,10 +128,9 @@ def container_prefix(reader: CheckpointReader, keys: Sequence[str]) -> str | Non
     attribute that happens to be called ``model`` is part of the model's own names, and
     DeepSpeed and safetensors sources never have one.
     """
-    container_of = getattr(reader, "container_of", None)
-    if container_of is None or not keys:
+    if not keys:
         return None
-    containers = {container_of(k) for k in keys}
+    containers = {reader.container_of(k) for k in keys}
     if len(containers) != 1:
         return None
     (container,) = containers

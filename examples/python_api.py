@@ -21,11 +21,11 @@ from pathlib import Path
 
 from safetensors.torch import load_file
 
-from ema_ckpt.accumulate import accumulate
-from ema_ckpt.averaging import Plan, RunResult, posthoc
-from ema_ckpt.consolidate import consolidate
+from ema_ckpt.commands.accumulate import accumulate
+from ema_ckpt.commands.averaging import Plan, RunResult, posthoc
+from ema_ckpt.commands.consolidate import consolidate
 from ema_ckpt.errors import EmaCkptError
-from ema_ckpt.verify import verify
+from ema_ckpt.commands.verify import verify
 
 
 def fold_ema(ckpts: Path, out: Path, decay: float) -> None:

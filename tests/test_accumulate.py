@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ema_ckpt.accumulate import accumulate
+from ema_ckpt.commands.accumulate import accumulate
 from ema_ckpt.errors import IncompatibleCheckpointError, ManifestMismatchError, UsageError
 from ema_ckpt.formats.dcp import DcpReader
 from ema_ckpt.layout import Box

@@ -15,12 +15,12 @@ from hypothesis import strategies as st
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from ema_ckpt.accumulate import accumulate
-from ema_ckpt.consolidate import consolidate, parse_size
+from ema_ckpt.commands.accumulate import accumulate
+from ema_ckpt.commands.consolidate import consolidate, parse_size
 from ema_ckpt.errors import UsageError
 from ema_ckpt.formats.dcp import DcpReader
 from ema_ckpt.layout import Box
-from ema_ckpt.reshard import reshard
+from ema_ckpt.commands.reshard import reshard
 from ema_ckpt.writers.safetensors import plan_shards
 from tests.dcp_helpers import write_dcp
 from tests.ema_reference import full_load
@@ -177,14 +177,14 @@ def test_reshard_loads_exactly_into_fsdp2(fsdp_sequence, tmp_path, world):
 
 
 def test_byte_copy_runs_without_torch_and_equals_the_tensor_path(fsdp_sequence, tmp_path, monkeypatch):
-    import ema_ckpt.consolidate as module
+    from ema_ckpt.writers.outputs import SafetensorsOutput
 
     ckpt = fsdp_sequence("fsdp1", 3, "float32", True)[-1]
-    code = ("import sys; from ema_ckpt.consolidate import consolidate; "
+    code = ("import sys; from ema_ckpt.commands.consolidate import consolidate; "
             f"consolidate({str(ckpt)!r}, {str(tmp_path / 'fast.safetensors')!r}); "
             "assert 'torch' not in sys.modules, 'torch was imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
-    monkeypatch.setattr(module, "_byte_runs", lambda *args: None)
+    monkeypatch.setattr(SafetensorsOutput, "copies_stored", lambda *args: False)
     consolidate(ckpt, tmp_path / "tensors.safetensors")
     assert (tmp_path / "fast.safetensors").read_bytes() == (tmp_path / "tensors.safetensors").read_bytes()
 

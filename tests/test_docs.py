@@ -30,7 +30,7 @@ def test_site_builds_strict(tmp_path):
     assert proc.returncode == 0, f"mkdocs build --strict failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     assert (site / "index.html").is_file()
     assert (site / "api" / "commands" / "index.html").is_file()
-    assert "ema_ckpt.accumulate.accumulate" in (site / "api" / "commands" / "index.html").read_text()
+    assert "ema_ckpt.commands.accumulate.accumulate" in (site / "api" / "commands" / "index.html").read_text()
 
 
 def test_exit_code_table_matches_errors():

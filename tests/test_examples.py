@@ -139,7 +139,7 @@ def test_readme_names_every_example() -> None:
 def test_train_fsdp2_saves_dcp_checkpoints(fsdp2_ckpts: Path, fsdp2_weights: dict) -> None:
     from torch.distributed.checkpoint import FileSystemReader
 
-    from ema_ckpt.verify import verify
+    from ema_ckpt.commands.verify import verify
 
     assert sorted(p.name for p in fsdp2_ckpts.iterdir()) == [f"step_{s}" for s in FSDP2_STEPS]  # --keep 4
     for step in FSDP2_STEPS:
@@ -203,7 +203,7 @@ def test_cron_script(fsdp2_ckpts: Path, fsdp2_weights: dict, tmp_path: Path) -> 
 
 def _posthoc_oracle(result: dict, weights: dict[int, Weights], out: Path, scratch: Path) -> None:
     """Each output equals Σ coefficient × checkpoint for the coefficients it reports."""
-    from ema_ckpt.verify import verify
+    from ema_ckpt.commands.verify import verify
 
     for output in result["outputs"]:
         coeffs = {t["step"]: t["coefficient"] for t in output["terms"]}

@@ -12,8 +12,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from ema_ckpt.accumulate import accumulate
-from ema_ckpt.consolidate import consolidate
+from ema_ckpt.commands.accumulate import accumulate
+from ema_ckpt.commands.consolidate import consolidate
 from ema_ckpt.discovery import discover
 from ema_ckpt.formats import open_checkpoint
 from ema_ckpt.layout import Box

@@ -39,11 +39,11 @@ from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 from safetensors.torch import save_file
 
+from ema_ckpt.commands.verify import verify
 from ema_ckpt.errors import EmaCkptError
 from ema_ckpt.formats import open_checkpoint
 from ema_ckpt.layout import Box
 from ema_ckpt.manifest import MANIFEST_NAME, Manifest
-from ema_ckpt.verify import verify
 from tests.dcp_helpers import write_dcp
 from tests.test_deepspeed import _write_zero
 
@@ -613,7 +613,8 @@ def test_dcp_planner_data_value_that_is_not_a_path(tmp_path):
     _read_strict(ck)
 
 
-@pytest.mark.parametrize("loader", ["load_dcp_metadata_bytes", "load_tensor_record"])
+@pytest.mark.parametrize("loader", [
+    "_pickle import load_dcp_metadata_bytes", "torch_records import load_tensor_record"])
 @pytest.mark.parametrize("bomb", [
     # PROTO 4, NONE, LONG_BINPUT 30_000_000, STOP: 10 bytes that make CPython's C unpickler grow
     # its memo to 60M slots (480 MB); LONG_BINPUT 0xFFFFFFFF asks for 64 GB.
@@ -624,7 +625,7 @@ def test_dcp_planner_data_value_that_is_not_a_path(tmp_path):
 def test_a_pickle_memo_index_allocates_no_memory(loader, bomb):
     code = f"""
 import resource, struct
-from ema_ckpt._pickle import {loader} as load
+from ema_ckpt.{loader} as load
 from ema_ckpt.errors import EmaCkptError
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 try:

@@ -14,11 +14,11 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
-from ema_ckpt.accumulate import accumulate
+from ema_ckpt.commands.accumulate import accumulate
 from ema_ckpt.cli import app
-from ema_ckpt.consolidate import consolidate
+from ema_ckpt.commands.consolidate import consolidate
 from ema_ckpt.errors import EmaCkptError
-from ema_ckpt.reshard import reshard
+from ema_ckpt.commands.reshard import reshard
 
 runner = CliRunner()
 

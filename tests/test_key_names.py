@@ -16,13 +16,13 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from typer.testing import CliRunner
 
-from ema_ckpt.accumulate import accumulate
+from ema_ckpt.commands.accumulate import accumulate
 from ema_ckpt.cli import app
-from ema_ckpt.consolidate import consolidate
-from ema_ckpt.diff import diff
+from ema_ckpt.commands.consolidate import consolidate
+from ema_ckpt.commands.diff import diff
 from ema_ckpt.errors import CheckpointFormatError, IncompatibleCheckpointError, UnsafePickleError
 from ema_ckpt.formats import open_checkpoint
-from ema_ckpt.inspection import inspect_checkpoint
+from ema_ckpt.commands.inspect import inspect_checkpoint
 from ema_ckpt.layout import Box
 
 runner = CliRunner()
@@ -228,7 +228,7 @@ def test_a_truncated_torch_file_is_one_clear_error(tmp_path):
 
 
 def test_posthoc_and_average_leave_a_checkpoint_out_too(tmp_path):
-    from ema_ckpt.averaging import average, posthoc
+    from ema_ckpt.commands.averaging import average, posthoc
 
     ckpts = _titan_like(tmp_path)
     with pytest.raises(IncompatibleCheckpointError, match="--skip"):

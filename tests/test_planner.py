@@ -3,24 +3,29 @@
 from __future__ import annotations
 
 import doctest
+import importlib
 import math
+from decimal import Decimal, localcontext
+from itertools import pairwise
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ema_ckpt import planner
-from ema_ckpt.errors import UsageError
-from ema_ckpt.planner import (
+from ema_ckpt.errors import OptionError, UsageError
+from ema_ckpt.maths import (
     SIGMA_REL_MAX,
+    ExponentialProfile,
+    PowerProfile,
     Snapshot,
     describe_plan,
     effective_half_life,
     exponential_coefficients,
     exponential_window,
+    fold_coefficients,
     gamma_to_sigma_rel,
-    parse_sigma_list,
+    log_power_keep,
     posthoc_coefficients,
     posthoc_plan,
     power_coefficients,
@@ -33,16 +38,25 @@ from ema_ckpt.planner import (
     uniform_coefficients,
     uniform_selection,
 )
-from ema_ckpt.schedules import ExponentialProfile
+from ema_ckpt.profile_specs import parse_sigma_list
 
 step_lists = st.lists(st.integers(0, 2_000_000), min_size=1, max_size=40, unique=True).map(sorted)
 positive_step_lists = st.lists(st.integers(1, 2_000_000), min_size=1, max_size=40, unique=True).map(sorted)
 
 
+MATHS_MODULES = [
+    "ema_ckpt.maths", "ema_ckpt.maths.exponential", "ema_ckpt.maths.power", "ema_ckpt.maths.uniform",
+    "ema_ckpt.maths.posthoc", "ema_ckpt.maths.stats", "ema_ckpt.maths.profiles", "ema_ckpt.profile_specs",
+]
+
+
 def test_doctests():
-    result = doctest.testmod(planner, optionflags=doctest.ELLIPSIS)
-    assert result.attempted > 15
-    assert result.failed == 0
+    attempted = 0
+    for name in MATHS_MODULES:
+        result = doctest.testmod(importlib.import_module(name), optionflags=doctest.ELLIPSIS)
+        assert result.failed == 0, name
+        attempted += result.attempted
+    assert attempted > 40
 
 
 # --------------------------------------------------------------------------- σ_rel ↔ γ
@@ -70,8 +84,9 @@ def test_gamma_sigma_round_trip(gamma):
 
 @pytest.mark.parametrize("bad", [0.0, -0.05, SIGMA_REL_MAX, 0.3, 1.0, math.nan, math.inf, "x"])
 def test_sigma_rel_out_of_range_is_refused(bad):
-    with pytest.raises(UsageError, match="--sigma-rel"):
+    with pytest.raises(OptionError, match=r"^sigma_rel ") as info:
         sigma_rel_to_gamma(bad)
+    assert info.value.option == "sigma_rel" and info.value.value is bad
 
 
 @pytest.mark.parametrize("bad", [-0.5, math.nan, math.inf])
@@ -130,7 +145,7 @@ def _hold(trajectory: np.ndarray, steps: list[int]) -> np.ndarray:
     """Per-step values (steps 1…T): the value at step τ is that of the next checkpoint."""
     values = np.empty(steps[-1] + 1)
     prev = 0
-    for t, x in zip(steps, trajectory):
+    for t, x in zip(steps, trajectory, strict=False):
         values[prev + 1 : t + 1] = x
         prev = t
     values[0] = trajectory[0]
@@ -146,7 +161,7 @@ def test_power_closed_form_matches_incremental_and_per_step_recursions(gamma):
     closed = float(np.dot(power_coefficients(steps, gamma), theta))
 
     acc, prev = 0.0, 0
-    for t, x in zip(steps, theta):
+    for t, x in zip(steps, theta, strict=False):
         r = power_update_ratio(prev, t, gamma)
         assert 1.0 - r == pytest.approx(power_update_weight(prev, t, gamma), rel=1e-12, abs=1e-300)
         acc = r * acc + (1.0 - r) * x
@@ -178,11 +193,13 @@ def test_power_coefficients_large_gamma_and_small_gaps():
 
 def test_power_at_step_uses_newest_checkpoint_at_or_before():
     steps = [100, 200, 300]
-    assert power_coefficients(steps, 1.0, at_step=250) == power_coefficients([100, 200], 1.0) + [0.0]
+    assert power_coefficients(steps, 1.0, at_step=250) == [*power_coefficients([100, 200], 1.0), 0.0]
     assert power_coefficients(steps, 1.0, at_step=300) == power_coefficients(steps, 1.0)
-    with pytest.raises(UsageError, match="after the newest checkpoint"):  # never labelled a step it is not
+    # never labelled a step it is not
+    with pytest.raises(OptionError, match="after the newest checkpoint") as info:
         power_coefficients(steps, 1.0, at_step=10**6)
-    with pytest.raises(UsageError, match="before the first checkpoint"):
+    assert info.value.option == "at_step" and info.value.value == 10**6
+    with pytest.raises(OptionError, match=r"^at_step 99 is before the first checkpoint \(step 100\)$"):
         power_coefficients(steps, 1.0, at_step=99)
 
 
@@ -206,14 +223,14 @@ def test_exponential_matches_the_closed_form_with_gaps():
     c = exponential_coefficients(steps, ExponentialProfile(beta))
     big_t = steps[-1]
     expected = [beta ** (big_t - steps[0])] + [
-        beta ** (big_t - t) * (1 - beta ** (t - s)) for s, t in zip(steps, steps[1:])
+        beta ** (big_t - t) * (1 - beta ** (t - s)) for s, t in pairwise(steps)
     ]
     assert c == pytest.approx(expected, rel=1e-12)
 
 
 def test_exponential_at_step_and_half_life():
     p = ExponentialProfile(0.9)
-    assert exponential_coefficients([1, 2, 5], p, at_step=4) == exponential_coefficients([1, 2], p) + [0.0]
+    assert exponential_coefficients([1, 2, 5], p, at_step=4) == [*exponential_coefficients([1, 2], p), 0.0]
     assert effective_half_life([0, 10], ExponentialProfile.from_half_life(693.0)) == pytest.approx(693.0)
     per_ckpt = ExponentialProfile(0.999, per_checkpoint=True)
     assert effective_half_life([0, 50, 100], per_ckpt) == pytest.approx(50 * math.log(2) / -math.log(0.999))
@@ -290,12 +307,12 @@ def test_posthoc_solve_matches_quadrature():
     # the residual jumps at each snapshot step: integrate piece by piece between them
     knots = [0, 3000, 6000, 8000]
     total = norm = 0.0
-    for lo, hi in zip(knots, knots[1:]):
+    for lo, hi in pairwise(knots):
         grid = np.linspace(lo, hi, 100_001)
         # snapshot s covers this piece entirely when hi ≤ s.step, and not at all otherwise
         pieces = [(s.gamma + 1) * (grid / s.step) ** s.gamma / s.step * (hi <= s.step) for s in snaps]
         q = (target + 1) * (grid / big_t) ** target / big_t
-        residual = sum(c * p for c, p in zip(plan.coefficients, pieces)) - q
+        residual = sum(c * p for c, p in zip(plan.coefficients, pieces, strict=False)) - q
         total += np.trapezoid(residual**2, grid)
         norm += np.trapezoid(q**2, grid)
     numeric_error = math.sqrt(total / norm)
@@ -346,9 +363,11 @@ def test_posthoc_at_step_between_snapshots_and_refusals():
     assert plan.at_step == 2000 and plan.used == [0, 1] and plan.coefficients[2] == 0.0
     assert math.fsum(plan.coefficients) == pytest.approx(1.0)
     # Off the snapshot grid the fit error is large (EDM2's reference refuses it): refused, not mislabelled.
-    with pytest.raises(UsageError, match="not a snapshot step; a post-hoc EMA ends at one: step 2000 or 3000"):
+    ends = "not a snapshot step; a post-hoc EMA ends at one: step 2000 or 3000"
+    with pytest.raises(OptionError, match=ends) as info:
         posthoc_plan(snaps, 6.94, at_step=2500)
-    with pytest.raises(UsageError, match="before the first snapshot"):
+    assert info.value.option == "at_step" and info.value.value == 2500
+    with pytest.raises(OptionError, match=r"^at_step 999 is before the first snapshot"):
         posthoc_plan(snaps, 6.94, at_step=999)
     with pytest.raises(UsageError):
         posthoc_plan([], 6.94)
@@ -425,5 +444,82 @@ def test_parse_sigma_list():
      "0.1:0.2:0", "0.2:0.1:0.01", "0.01:0.25:0.000001", "1_0", "0.05;0.1"],
 )
 def test_parse_sigma_list_refusals(text):
-    with pytest.raises(UsageError, match="--sigma-rel"):
+    with pytest.raises(OptionError, match=r"^sigma_rels[ :]") as info:
         parse_sigma_list(text)
+    assert info.value.option == "sigma_rels" and info.value.value is not None
+
+
+# --------------------------------------------------------------------------- one formula, float64 references
+
+gap_pairs = st.tuples(st.integers(1, 10**12), st.integers(1, 10**6)).map(lambda p: (p[0], p[0] + p[1]))
+
+
+def _exact_log_keep(t_prev: int, t_new: int, gamma: float) -> float:
+    """(γ+1)·ln(t_prev/t_new) with 50 significant digits, rounded once to float64."""
+    with localcontext() as ctx:
+        ctx.prec = 50
+        return float((Decimal(gamma) + 1) * (Decimal(t_prev) / Decimal(t_new)).ln())
+
+
+@given(gap_pairs, st.floats(0.0, 1000.0))
+def test_power_decay_is_within_a_few_ulps_of_the_exact_value(pair, gamma):
+    t_prev, t_new = pair
+    exact = _exact_log_keep(t_prev, t_new, gamma)
+    assert log_power_keep(t_prev, t_new, gamma) == pytest.approx(exact, rel=1e-14, abs=1e-300)
+
+
+@given(gap_pairs, st.floats(0.0, 1000.0))
+def test_power_decay_agrees_with_the_plain_float64_formula(pair, gamma):
+    """The log1p form and EDM2's (γ+1)·log(t_prev/t_new) agree; only the rounding of the ratio differs."""
+    t_prev, t_new = pair
+    plain = (gamma + 1.0) * math.log(t_prev / t_new)  # the ratio's rounding: up to (γ+1)·2⁻⁵³ absolute
+    assert log_power_keep(t_prev, t_new, gamma) == pytest.approx(plain, rel=1e-12, abs=(gamma + 1.0) * 2e-16)
+
+
+def test_power_decay_keeps_digits_the_ratio_form_loses():
+    t_prev, t_new, gamma = 10**12, 10**12 + 1, 6.94
+    exact = _exact_log_keep(t_prev, t_new, gamma)
+    assert log_power_keep(t_prev, t_new, gamma) == pytest.approx(exact, rel=1e-15)
+    assert abs((gamma + 1.0) * math.log(t_prev / t_new) / exact - 1) > 1e-6  # the ratio rounds first
+
+
+def test_sigma_rel_matches_a_decimal_reference():
+    with localcontext() as ctx:
+        ctx.prec = 40
+        for gamma in (0.0, 1.0, 6.94, 16.97, 97.0, 1e5):
+            g = Decimal(gamma)
+            exact = float(((g + 1) / ((g + 2) ** 2 * (g + 3))).sqrt())
+            assert gamma_to_sigma_rel(gamma) == pytest.approx(exact, rel=1e-15)
+            assert PowerProfile(gamma, "x").sigma_rel == gamma_to_sigma_rel(gamma)
+
+
+@given(positive_step_lists, st.floats(0.0, 120.0))
+def test_the_incremental_fold_equals_the_closed_form(steps, gamma):
+    """accumulate folds with PowerProfile.update_weight; posthoc plans with power_coefficients."""
+    profile = PowerProfile(gamma, "x")
+    weights = [profile.update_weight(a, b) for a, b in zip([0, *steps[:-1]], steps, strict=True)]
+    assert weights[0] == 1.0
+    folded = fold_coefficients(weights)
+    assert folded == pytest.approx(power_coefficients(steps, gamma), rel=1e-9, abs=1e-15)
+    assert [power_update_weight(a, b, gamma) for a, b in zip([0, *steps[:-1]], steps, strict=True)] == weights
+
+
+@given(step_lists, st.floats(0.5, 0.99999), st.sampled_from(["step", "checkpoint", "warmup"]))
+def test_exponential_coefficients_are_the_fold_of_the_update_weights(steps, beta, kind):
+    profile = ExponentialProfile(beta, per_checkpoint=kind == "checkpoint", warmup=kind == "warmup")
+    weights = [1.0] + [profile.update_weight(a, b) for a, b in pairwise(steps)]
+    assert exponential_coefficients(steps, profile) == fold_coefficients(weights)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(2, 24), st.integers(100, 10_000), st.sampled_from([0, 1]), st.data())
+def test_a_stored_profile_is_reconstructed_from_a_regular_grid(count, spacing, which, data):
+    """Where the Gram matrix is well-conditioned, a snapshot's own profile comes back one-hot."""
+    sigmas = (0.05, 0.10)
+    snaps = [Snapshot.from_sigma_rel(k * spacing, s) for k in range(1, count + 1) for s in sigmas]
+    index = data.draw(st.integers(0, count - 1)) * 2 + which
+    plan = posthoc_plan(snaps, snaps[index].gamma, at_step=snaps[index].step)
+    assert plan.condition < 1e10
+    assert math.fsum(plan.coefficients) == pytest.approx(1.0, abs=1e-12)
+    assert plan.coefficients[index] == pytest.approx(1.0, abs=1e-6)
+    assert plan.rel_error < 1e-6

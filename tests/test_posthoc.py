@@ -12,8 +12,8 @@ import torch
 from typer.testing import CliRunner
 
 from ema_ckpt import planner
-from ema_ckpt.accumulate import accumulate
-from ema_ckpt.averaging import average, find_snapshots, posthoc
+from ema_ckpt.commands.accumulate import accumulate
+from ema_ckpt.commands.averaging import average, find_snapshots, posthoc
 from ema_ckpt.cli import app
 from ema_ckpt.formats import open_checkpoint
 from ema_ckpt.layout import Box

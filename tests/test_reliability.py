@@ -16,7 +16,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from ema_ckpt.accumulate import accumulate
+from ema_ckpt.commands.accumulate import accumulate
 from ema_ckpt.cli import app
 from ema_ckpt.errors import NonFiniteError
 from ema_ckpt.formats.dcp import DcpReader
@@ -68,7 +68,7 @@ def test_nan_is_refused_naming_the_key_and_skip_records_it(tmp_path):
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
 @pytest.mark.parametrize(("culprit", "where"), [(0, 0), (1, 2**19 + 3), (2, -1)])
 def test_a_nonfinite_value_anywhere_names_its_checkpoint(tmp_path, bad, culprit, where):
-    from ema_ckpt.averaging import posthoc
+    from ema_ckpt.commands.averaging import posthoc
 
     g = torch.Generator().manual_seed(culprit)
     for i, step in enumerate((10, 20, 30)):

@@ -1,11 +1,12 @@
+import itertools
 import math
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ema_ckpt.errors import UsageError
-from ema_ckpt.schedules import ExponentialProfile, fold_coefficients
+from ema_ckpt.errors import OptionError, UsageError
+from ema_ckpt.maths import ExponentialProfile, fold_coefficients
 
 
 def test_half_life_round_trip():
@@ -43,18 +44,19 @@ def test_fold_coefficients_sum_to_one(weights):
 def test_fold_coefficients_equal_the_classic_formula():
     beta, steps = 0.97, [5, 9, 30, 31, 60]
     p = ExponentialProfile(beta)
-    weights = [1.0] + [p.update_weight(a, b) for a, b in zip(steps, steps[1:])]
+    weights = [1.0] + [p.update_weight(a, b) for a, b in itertools.pairwise(steps)]
     coeffs = fold_coefficients(weights)
     T = steps[-1]
-    for i, (c, t) in enumerate(zip(coeffs, steps)):
+    for i, (c, t) in enumerate(zip(coeffs, steps, strict=False)):
         expected = beta ** (T - t) * (1 if i == 0 else 1 - beta ** (t - steps[i - 1]))
         assert c == pytest.approx(expected, rel=1e-12)
 
 
 @pytest.mark.parametrize("bad", [0.0, 1.0, -0.1, 1.5, float("nan")])
 def test_bad_decay_is_refused(bad):
-    with pytest.raises(UsageError, match="--decay"):
+    with pytest.raises(OptionError, match=r"^decay must lie strictly between 0 and 1") as info:
         ExponentialProfile(bad)
+    assert info.value.option == "decay"
 
 
 def test_steps_must_increase():

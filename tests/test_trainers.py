@@ -24,10 +24,10 @@ from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 from ema_ckpt.cli import app
-from ema_ckpt.consolidate import consolidate
+from ema_ckpt.commands.consolidate import consolidate
 from ema_ckpt.discovery import discover
 from ema_ckpt.errors import IncompatibleCheckpointError
-from ema_ckpt.inspection import inspect_checkpoint
+from ema_ckpt.commands.inspect import inspect_checkpoint
 from tests.ema_reference import assert_close_relative
 from tests.producers.launch import free_port
 
@@ -503,7 +503,7 @@ def test_a_checkpoint_already_folded_is_never_folded_again_under_another_step(co
 
 
 def test_verify_checks_a_deepspeed_tags_own_crcs(copy_of):
-    from ema_ckpt.verify import verify
+    from ema_ckpt.commands.verify import verify
 
     work = copy_of("hf-trainer-zero3-final")
     folder = work / "ckpts" / "checkpoint-4"

@@ -10,7 +10,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from typer.testing import CliRunner
 
-from ema_ckpt.accumulate import accumulate
+from ema_ckpt.commands.accumulate import accumulate
 from ema_ckpt.cli import app
 from ema_ckpt.errors import CheckpointFormatError
 from ema_ckpt.formats import open_checkpoint
@@ -234,7 +234,7 @@ def test_leftovers_are_removed_when_the_note_says_so(tmp_path):
 def test_reshard_for_far_more_ranks_than_rows_costs_the_rows_not_the_ranks(tmp_path):
     import time
 
-    from ema_ckpt.reshard import reshard
+    from ema_ckpt.commands.reshard import reshard
 
     _train_and_save(tmp_path / "c", [1])
     started = time.perf_counter()
@@ -251,7 +251,7 @@ def test_reshard_for_far_more_ranks_than_rows_costs_the_rows_not_the_ranks(tmp_p
 
 def test_verify_finds_a_flipped_byte_in_a_training_checkpoints_optimizer_records(tmp_path):
     from ema_ckpt.formats.dcp import DcpReader
-    from ema_ckpt.verify import verify
+    from ema_ckpt.commands.verify import verify
 
     _train_and_save(tmp_path / "c", [1])
     ckpt = tmp_path / "c" / "step_1"
@@ -270,7 +270,7 @@ def test_verify_finds_a_flipped_byte_in_a_training_checkpoints_optimizer_records
 
 
 def test_verify_checks_deepspeed_and_torch_files_crcs(tmp_path):
-    from ema_ckpt.verify import verify
+    from ema_ckpt.commands.verify import verify
 
     torch.save({"w": torch.randn(64, 64)}, tmp_path / "m.pt")
     assert "file CRC-32s" in verify(tmp_path / "m.pt").checks and verify(tmp_path / "m.pt").ok
@@ -305,7 +305,7 @@ def test_a_first_run_that_skips_everything_is_an_error(tmp_path):
 
 
 def test_verify_notes_checkpoints_without_crcs_instead_of_failing(tmp_path):
-    from ema_ckpt.verify import verify
+    from ema_ckpt.commands.verify import verify
 
     torch.serialization.set_crc32_options(False)
     try:

@@ -14,16 +14,16 @@ import typer
 from safetensors.torch import save_file
 from typer.testing import CliRunner
 
-from ema_ckpt.accumulate import accumulate
+from ema_ckpt.commands.accumulate import accumulate
 from ema_ckpt.cli.diff import EPILOG as DIFF_EPILOG
 from ema_ckpt.cli.diff import diff_command
 from ema_ckpt.cli.verify import EPILOG as VERIFY_EPILOG
 from ema_ckpt.cli.verify import verify_command
-from ema_ckpt.consolidate import consolidate
-from ema_ckpt.diff import diff, pair_keys
+from ema_ckpt.commands.consolidate import consolidate
+from ema_ckpt.commands.diff import diff, pair_keys
 from ema_ckpt.errors import CheckpointNotFoundError
 from ema_ckpt.manifest import MANIFEST_NAME, Manifest
-from ema_ckpt.verify import verify
+from ema_ckpt.commands.verify import verify
 from tests.dcp_helpers import write_dcp
 
 app = typer.Typer(add_completion=False)

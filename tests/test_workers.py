@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from ema_ckpt.accumulate import accumulate
-from ema_ckpt.averaging import posthoc
-from ema_ckpt.consolidate import consolidate
+from ema_ckpt.commands.accumulate import accumulate
+from ema_ckpt.commands.averaging import posthoc
+from ema_ckpt.commands.consolidate import consolidate
 from ema_ckpt.dist import WorkerFailed, assign_by_bytes, current_workers, run_workers
 from ema_ckpt.errors import EmaCkptError, UsageError
-from ema_ckpt.reshard import reshard
+from ema_ckpt.commands.reshard import reshard
 from tests.dcp_helpers import write_dcp
 from tests.producers.launch import free_port
 
@@ -62,7 +62,7 @@ def test_posthoc_from_snapshots_is_the_same_bytes_in_every_process(sequence, tmp
     snapshots = tmp_path / "snap" / "snapshots"
     posthoc(snapshots, out=tmp_path / "w2", sigma_rels=["0.04"], workers=2)
     for seed in ("1", "2", "3"):
-        code = ("from ema_ckpt.averaging import posthoc; "
+        code = ("from ema_ckpt.commands.averaging import posthoc; "
                 f"posthoc({str(snapshots)!r}, out={str(tmp_path / seed)!r}, sigma_rels=['0.04'])")
         subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONHASHSEED": seed})
         assert _tree(tmp_path / seed) == _tree(tmp_path / "w2"), f"PYTHONHASHSEED={seed}"

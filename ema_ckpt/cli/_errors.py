@@ -4,6 +4,13 @@ Every command body runs inside :func:`reports_errors`: an ema-ckpt error becomes
 on stderr and its documented exit code; an unexpected failure becomes one line too, with
 a hint to set ``EMA_CKPT_DEBUG=1`` for the traceback.
 
+Library errors name library parameters (``at_step``, ``restart=True``); :data:`FLAGS` is the
+one table that words them as this CLI's flags (see :mod:`ema_ckpt.errors`):
+
+    >>> from ema_ckpt.errors import OptionError
+    >>> error_message(OptionError("at_step", "5 is before the first checkpoint (step 10)", value=5))
+    ('--at-step 5 is before the first checkpoint (step 10)', 2)
+
 Exit codes (also in ``docs/cli.md``):
 
 ====  ======================================================================
@@ -38,6 +45,52 @@ from ._output import err_console
 
 F = TypeVar("F", bound=Callable[..., Any])
 
+FLAGS: dict[str, str] = {
+    # accumulate: the kept EMAs
+    "decay": "--decay",
+    "half_life": "--half-life",
+    "per_checkpoint": "--per-checkpoint",
+    "warmup": "--warmup",
+    "sigma_rel": "--sigma-rel",
+    "sigma_rels": "--sigma-rel",
+    "gamma": "--gamma",
+    "gammas": "--gamma",
+    "snapshot_every": "--snapshot-every",
+    "restart": "--restart",
+    "skip_nonfinite": "--skip-nonfinite",
+    "skip_damaged": "--skip-damaged",
+    # posthoc / average: where the output ends, which checkpoints
+    "at_step": "--at-step",
+    "last": "--last",
+    "from_step": "--from-step",
+    "to_step": "--to-step",
+    # inputs and outputs, shared by several commands
+    "out": "--out",
+    "dtype": "--dtype",
+    "include": "--include",
+    "exclude": "--exclude",
+    "step_regex": "--step-regex",
+    "skip": "--skip",
+    "allow_new_keys": "--allow-new-keys",
+    "overwrite": "--overwrite",
+    "wait_seconds": "--wait",
+    "workers": "--workers",
+    "device": "--device",
+    "max_shard_size": "--max-shard-size",
+    "keep_prefix": "--keep-prefix",
+    "world_size": "--world-size",
+    "dry_run": "--dry-run",
+}
+"""Library parameter → the flag that sets it: the one place where errors learn flag names."""
+
+
+def flag_for(parameter: str) -> str:
+    """The flag of a library parameter (``at_step`` → ``--at-step``).
+
+    A parameter missing from :data:`FLAGS` is spelt the usual way (a test keeps the table whole).
+    """
+    return FLAGS.get(parameter, "--" + parameter.replace("_", "-"))
+
 INTERNAL_ERROR = 1
 INTERRUPTED = 130
 OS_ERROR = 7
@@ -51,7 +104,7 @@ def _first_line(text: str) -> str:
 def error_message(err: BaseException) -> tuple[str, int]:
     """The one-line message and exit code for ``err``."""
     if isinstance(err, EmaCkptError):
-        return escaped(_first_line(str(err))), err.exit_code
+        return escaped(_first_line(err.render(flag_for))), err.exit_code
     if isinstance(err, OSError):
         where = f"{err.filename}: " if err.filename else ""
         return escaped(f"{where}{err.strerror or _first_line(str(err))}"), OS_ERROR
@@ -85,11 +138,11 @@ def reports_errors(command: F) -> F:
             err_console.print(f"{what}; the previous output is intact", style="yellow", highlight=False)
             raise typer.Exit(exit_code(stop)) from None
         except Exception as err:
-            stop = _interrupt_behind(err)
-            if stop is not None:  # Ctrl-C or SIGTERM that Python wrapped (e.g. while a class was created)
-                what = "terminated (SIGTERM)" if isinstance(stop, Terminated) else "interrupted"
+            wrapped = _interrupt_behind(err)
+            if wrapped is not None:  # Ctrl-C or SIGTERM that Python wrapped (e.g. while a class was created)
+                what = "terminated (SIGTERM)" if isinstance(wrapped, Terminated) else "interrupted"
                 err_console.print(f"{what}; the previous output is intact", style="yellow", highlight=False)
-                raise typer.Exit(exit_code(stop)) from None
+                raise typer.Exit(exit_code(wrapped)) from None
             if os.environ.get("EMA_CKPT_DEBUG") and not isinstance(err, EmaCkptError):
                 raise
             message, code = error_message(err)

@@ -12,7 +12,7 @@ from rich.text import Text
 from ._output import console, err_console, shown
 
 if TYPE_CHECKING:
-    from ..averaging import Plan
+    from ..commands.averaging import Plan
 
 BAR_WIDTH = 32
 

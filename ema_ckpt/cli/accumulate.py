@@ -94,7 +94,7 @@ def accumulate_command(
     quiet: QuietOpt = False,
 ) -> None:
     """Fold every checkpoint newer than the EMA into it (incremental, crash-safe)."""
-    from ..accumulate import accumulate  # imported here: it loads torch, which --help never needs
+    from ..commands.accumulate import accumulate  # imported here: it loads torch, which --help never needs
 
     with progress_bar("accumulate", enabled=not (quiet or json_output or dry_run)) as on_progress:
         result = accumulate(

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from ..consolidate import consolidate
+from ..commands.consolidate import consolidate
 from ._errors import reports_errors
 from ._options import WorkersOpt, ExcludeOpt, IncludeOpt, JsonOpt, OverwriteOpt, QuietOpt, WaitOpt
 from ._output import console, human_bytes, note, print_json, progress_bar

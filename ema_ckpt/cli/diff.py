@@ -15,7 +15,7 @@ from ._options import ExcludeOpt, IncludeOpt, JsonOpt
 from ._output import console, err_console, print_json, shown
 
 if TYPE_CHECKING:
-    from ..diff import KeyDiff
+    from ..commands.diff import KeyDiff
 
 EPILOG = """\
 Examples:
@@ -55,7 +55,7 @@ def diff_command(
     json_output: JsonOpt = False,
 ) -> None:
     """Max abs / rel difference per key; exit 0 when equal (within --atol), 4 when not."""
-    from ..diff import diff  # imported here: it loads torch, which --help never needs
+    from ..commands.diff import diff  # imported here: it loads torch, which --help never needs
 
     result = diff(a, b, include=include or (), exclude=exclude or ())
     if json_output:

@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from ..inspection import inspect_checkpoint
+from ..commands.inspect import inspect_checkpoint
 from ._errors import reports_errors
 from ._options import JsonOpt
 from ._output import console, human_bytes, print_json, shown

@@ -53,7 +53,7 @@ def _warn(plan) -> None:
 
 
 def _finish(result, json_output: bool, quiet: bool) -> None:
-    from ..averaging import Plan
+    from ..commands.averaging import Plan
 
     if isinstance(result, Plan):
         if json_output:
@@ -103,7 +103,7 @@ def posthoc_command(
     if out is None and not dry_run:
         raise UsageError("--out is required (unless --dry-run)")
     with progress_bar("posthoc", enabled=not (quiet or json_output or dry_run)) as on_progress:
-        from ..averaging import posthoc
+        from ..commands.averaging import posthoc
 
         result = posthoc(checkpoints, out=out or Path("posthoc"), sigma_rels=sigma_rel or (), gammas=gamma or (),
                          at_step=at_step, dry_run=dry_run, dtype=dtype, include=include or (), workers=workers, device=device,
@@ -136,7 +136,7 @@ def average_command(
     if out is None and not dry_run:
         raise UsageError("--out is required (unless --dry-run)")
     with progress_bar("average", enabled=not (quiet or json_output or dry_run)) as on_progress:
-        from ..averaging import average
+        from ..commands.averaging import average
 
         result = average(checkpoints, out=out or Path("average"), last=last, from_step=from_step,
                          to_step=to_step, dry_run=dry_run, dtype=dtype, include=include or (), workers=workers, device=device,

@@ -38,7 +38,7 @@ def reshard_command(
     quiet: QuietOpt = False,
 ) -> None:
     """Write SRC as a DCP checkpoint sharded on dim 0 like FSDP2, one file per rank."""
-    from ..reshard import reshard  # imported here: it loads torch, which --help never needs
+    from ..commands.reshard import reshard  # imported here: it loads torch, which --help never needs
 
     with progress_bar("reshard", enabled=not (quiet or json_output)) as on_progress:
         result = reshard(src, world_size=world_size, out=out, dtype=dtype, include=include or (),

@@ -10,7 +10,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ..errors import CheckpointFormatError
-from ..verify import verify
+from ..commands.verify import verify
 from ._errors import reports_errors
 from ._options import JsonOpt
 from ._output import console, err_console, human_bytes, note, print_json, shown

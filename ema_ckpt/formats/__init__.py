@@ -10,7 +10,6 @@ from . import deepspeed as _deepspeed  # noqa: F401  (registers "deepspeed")
 from . import hf_safetensors as _hf_safetensors  # noqa: F401  (registers "safetensors")
 from . import torch_file as _torch_file  # noqa: F401  (registers "torch")
 from .base import (
-    ByteRangeReader,
     CheckpointFormat,
     CheckpointReader,
     ModelLocation,
@@ -20,11 +19,9 @@ from .base import (
     open_checkpoint,
     register_format,
     registered_formats,
-    stored_tensors,
 )
 
 __all__ = [
-    "ByteRangeReader",
     "CheckpointFormat",
     "CheckpointReader",
     "ModelLocation",
@@ -34,5 +31,4 @@ __all__ = [
     "open_checkpoint",
     "register_format",
     "registered_formats",
-    "stored_tensors",
 ]

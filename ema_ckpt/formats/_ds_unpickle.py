@@ -39,7 +39,6 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
-
 from .._lazy import torch
 from ..errors import CheckpointFormatError, CheckpointNotFoundError, UnsafePickleError
 

@@ -1,4 +1,4 @@
-"""The reader protocol every checkpoint format implements, and the format registry.
+"""The reader contract every checkpoint format implements, and the format registry.
 
 Formats are detected by marker files (``.metadata`` for DCP, ``latest`` or
 ``*_optim_states.pt`` for DeepSpeed, ``*.safetensors`` for Hugging Face), never by
@@ -14,12 +14,14 @@ Example:
 
 from __future__ import annotations
 
+import abc
 import json
+import os
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import IO, TYPE_CHECKING, Any, ClassVar, Protocol
 
 from ..dtypes import name_of
 from ..errors import CheckpointNotFoundError
@@ -29,71 +31,175 @@ if TYPE_CHECKING:
     import torch
 
 
-@runtime_checkable
-class CheckpointReader(Protocol):
+class Chunk(Protocol):
+    """One stored box of a tensor, as :meth:`CheckpointReader.chunks` gives it."""
+
+    @property
+    def box(self) -> Box: ...
+
+    @property
+    def rank(self) -> int | None:
+        """The rank that wrote it, when the format records one (DCP's ``__<rank>_<n>.distcp``)."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class StoredBox:
+    """A stored box with no rank: the default :meth:`CheckpointReader.chunks` entry."""
+
+    box: Box
+    rank: int | None = None
+
+
+class CheckpointReader(abc.ABC):
     """Read access to one checkpoint, key by key and box by box.
 
-    Why a protocol: the engine, ``inspect``, ``consolidate`` and ``reshard`` must work on
-    any format without knowing how it is stored. A reader answers from metadata alone
-    (``specs``, ``layout``) and reads any box of a tensor on demand (``read``), so memory
-    stays bounded by the box asked for, never by the model.
-    """
+    Why one base class: the engine, ``inspect``, ``consolidate``, ``reshard`` and ``verify``
+    work on any format without knowing how it is stored, and without probing a reader for
+    what it can do. A reader answers from metadata alone (``specs``, ``layout``) and reads
+    any box of a tensor on demand (``read``), so memory stays bounded by the box asked for.
 
-    path: Path
-    format_name: str
-    step: int | None
-    """The training step recorded inside the checkpoint, when the format records one."""
-
-    def specs(self) -> Mapping[str, TensorSpec]:
-        """Every tensor key with its shape and dtype, from metadata alone."""
-        ...
-
-    def layout(self, key: str) -> Sequence[Box]:
-        """The boxes ``key`` is stored in (zero-volume boxes omitted)."""
-        ...
-
-    def read(self, key: str, box: Box) -> torch.Tensor:
-        """A new tensor holding ``box`` of ``key`` in its stored dtype."""
-        ...
-
-    def info(self) -> dict[str, Any]:
-        """Format-specific facts for ``inspect`` (JSON-serialisable)."""
-        ...
-
-    def close(self) -> None:
-        """Release open files."""
-        ...
-
-
-@runtime_checkable
-class ByteRangeReader(Protocol):
-    """A reader that can say where a tensor's bytes lie, for copies that never touch torch."""
-
-    path: Path
-
-    def stored(self) -> Mapping[str, tuple[tuple[int, ...], str]]:
-        """{key: (shape, canonical dtype name)} without importing torch."""
-        ...
-
-    def byte_ranges(self, key: str) -> list[tuple[str, int, int]] | None:
-        """``key``'s bytes in row-major order as (file, offset, length), or None if not plain runs."""
-        ...
-
-    def open_data(self, file: str) -> int:
-        """A read-only descriptor of a data file named by :meth:`byte_ranges` (the reader closes it)."""
-        ...
-
-
-def stored_tensors(reader: CheckpointReader) -> Mapping[str, tuple[tuple[int, ...], str]]:
-    """{key: (shape, dtype name)}: without torch where the reader allows it.
+    A format implements the five abstract methods and sets ``path``, ``step`` and
+    ``format_name``; every other capability has a default that is right for a format
+    without it (no ranks, no containers, no byte runs, no torch.save records, nothing to
+    share between workers). A reader is a context manager; ``close`` may be called twice.
 
     Example:
-        >>> stored_tensors(reader)["fc.weight"]   # doctest: +SKIP
-        ((16, 8), 'float32')
+        >>> with open_checkpoint("ckpts/step_10") as reader:          # doctest: +SKIP
+        ...     reader.read("fc.weight", Box((0, 0), (2, 8))).shape
+        torch.Size([2, 8])
     """
-    if isinstance(reader, ByteRangeReader):
-        return reader.stored()
-    return {key: (spec.shape, name_of(spec.dtype)) for key, spec in reader.specs().items()}
+
+    format_name: ClassVar[str]
+    """The registered format's name (``dcp``, ``deepspeed``, ``safetensors``, ``torch``)."""
+    path: Path
+    """What was opened."""
+    step: int | None = None
+    """The training step recorded inside the checkpoint, when the format records one."""
+
+    supports_out: ClassVar[bool] = False
+    """True when ``read(..., out=buf)`` fills ``buf`` straight from storage, with no
+    intermediate tensor: callers that reuse buffers then pass them. Every reader accepts
+    ``out``; without this flag it reads into a new tensor and copies."""
+
+    whole_file_records: ClassVar[bool] = False
+    """True when each of :meth:`stored_records` is a whole file (a DeepSpeed ``.pt``, a
+    ``torch.save`` file), not a record inside a larger data file (DCP)."""
+
+    planner_data: Mapping[str, tuple[str, ...]] | None = None
+    """DCP's ``planner_data`` (flat key → the nested path it was saved under), or None
+    for formats that do not record one. Passed on to a DCP writer as it is."""
+
+    non_tensor_keys: Sequence[str] = ()
+    """Entries that are not tensors (DCP ``BytesStorageMetadata``), readable with :meth:`read_bytes`."""
+
+    # -- required -----------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def specs(self) -> Mapping[str, TensorSpec]:
+        """Every tensor key with its shape and dtype, from metadata alone."""
+
+    @abc.abstractmethod
+    def layout(self, key: str) -> Sequence[Box]:
+        """The boxes ``key`` is best read by (stored chunks; zero-volume boxes omitted)."""
+
+    @abc.abstractmethod
+    def read(self, key: str, box: Box, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``box`` of ``key`` in its stored dtype: a new tensor, or ``out`` filled and returned.
+
+        ``out`` must be contiguous, of the box's shape and the key's dtype (else ValueError);
+        see :attr:`supports_out`.
+        """
+
+    @abc.abstractmethod
+    def info(self) -> dict[str, Any]:
+        """Format-specific facts for ``inspect`` (JSON-serialisable)."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release open files; a second call does nothing."""
+
+    # -- with defaults ------------------------------------------------------------------
+
+    @classmethod
+    def step_of(cls, path: Path) -> int | None:
+        """The step :attr:`step` would hold for the checkpoint at ``path``, cheaply: opening no
+        tensors and building no reader (discovery asks this of every checkpoint on every run)."""
+        return None
+
+    def chunks(self, key: str) -> Sequence[Chunk]:
+        """``key``'s stored boxes with the rank that wrote each (default: :meth:`layout`, no rank)."""
+        return [StoredBox(box) for box in self.layout(key)]
+
+    def root_of(self, key: str) -> str | None:
+        """The top-level state-dict name ``key`` was saved under (``model``, ``optim``), or None
+        when the format records none."""
+        return None
+
+    def container_of(self, key: str) -> str | None:
+        """The state-dict container ``key`` was nested in when saved (``model`` of
+        ``{"model": model.state_dict()}``), or None when it was not nested."""
+        return None
+
+    def share(self) -> object | None:
+        """What opening this checkpoint parsed, as plain picklable data, or None.
+
+        ``open_checkpoint(path, shared=reader.share())`` in another process rebuilds the reader
+        without parsing again (workers split the parsing of many inputs).
+        """
+        return None
+
+    def stored(self) -> Mapping[str, tuple[tuple[int, ...], str]]:
+        """{key: (shape, canonical dtype name)}; without importing torch where the format allows."""
+        return {key: (spec.shape, name_of(spec.dtype)) for key, spec in self.specs().items()}
+
+    def byte_ranges(self, key: str) -> list[tuple[str, int, int]] | None:
+        """``key``'s bytes in row-major order as (data file, offset, length), or None when they
+        are not plain runs of stored bytes (the default: copy through :meth:`read`)."""
+        return None
+
+    def open_data(self, file: str) -> int:
+        """A read-only descriptor of a data file :meth:`byte_ranges` names (the reader closes it)."""
+        raise ValueError(f"{self.path}: {self.format_name} readers name no data files ({file!r})")
+
+    def stored_records(self) -> Sequence[tuple[str, int, int]]:
+        """Every ``torch.save`` zip record of the checkpoint as (file relative to :attr:`path`,
+        offset, length): what ``verify`` checks the CRC-32s of. Default: none."""
+        return ()
+
+    def open_record(self, file: str, offset: int, length: int) -> IO[bytes]:
+        """A read-only, seekable file object of one of :meth:`stored_records` (the caller closes it)."""
+        from ..torch_records import FileWindow
+
+        full = self.path / file if file else self.path
+        fd = os.open(full, os.O_RDONLY | os.O_CLOEXEC)
+        return FileWindow(fd, offset, length, owns_fd=True)  # type: ignore[return-value]
+
+    def read_bytes(self, key: str) -> bytes:
+        """The raw stored record of a non-tensor entry (one of :attr:`non_tensor_keys`), never unpickled."""
+        raise KeyError(key)
+
+    # -- context manager ----------------------------------------------------------------
+
+    def __enter__(self) -> CheckpointReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def deliver(key: str, box: Box, value: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """``value`` (``box`` of ``key``), or ``out`` filled with it: ``read(out=)`` for readers
+    whose :attr:`~CheckpointReader.supports_out` is False."""
+    if out is None:
+        return value
+    if tuple(out.shape) != box.sizes or out.dtype != value.dtype or not out.is_contiguous():
+        raise ValueError(f"{key}: buffer {tuple(out.shape)} {out.dtype} does not fit {box} {value.dtype}")
+    return out.copy_(value)
+
+
+def _no_step(_path: Path) -> int | None:
+    return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,7 +209,9 @@ class CheckpointFormat:
     ``incomplete`` answers whether a directory looks like a checkpoint of this format
     that is still being written (a reason string) or not (None); discovery skips those.
     ``records_step`` says the reader's ``step`` comes from inside the checkpoint (DeepSpeed's
-    ``global_steps``) and beats the step parsed from the directory name.
+    ``global_steps``) and beats the step parsed from the directory name; ``step_of`` reads
+    that step cheaply (the reader class's :meth:`CheckpointReader.step_of`). ``reopen``
+    rebuilds a reader from what its ``share()`` returned.
     """
 
     name: str
@@ -113,6 +221,8 @@ class CheckpointFormat:
     records_step: bool = False
     step_label: str | None = None
     """How ``inspect`` names the record the step comes from (``DeepSpeed global_steps``)."""
+    step_of: Callable[[Path], int | None] = _no_step
+    reopen: Callable[[Path, Any], CheckpointReader] | None = None
 
 
 _REGISTRY: dict[str, CheckpointFormat] = {}
@@ -251,8 +361,11 @@ def detect_format(path: str | Path) -> CheckpointFormat | None:
     return _own_format(locate_model(path).path)
 
 
-def open_checkpoint(path: str | Path) -> CheckpointReader:
+def open_checkpoint(path: str | Path, *, shared: object | None = None) -> CheckpointReader:
     """Open the checkpoint at ``path`` with the reader of its format.
+
+    ``shared``: what :meth:`CheckpointReader.share` returned for this checkpoint in another
+    process; the reader is rebuilt from it instead of parsing the checkpoint again.
 
     Raises:
         CheckpointNotFoundError: ``path`` does not exist or holds no known checkpoint.
@@ -272,4 +385,6 @@ def open_checkpoint(path: str | Path) -> CheckpointReader:
             raise CheckpointNotFoundError(path, reason)
         names = ", ".join(_REGISTRY)
         raise CheckpointNotFoundError(path, f"not a checkpoint of any known format ({names})")
+    if shared is not None and fmt.reopen is not None:
+        return fmt.reopen(location.path, shared)
     return fmt.open(location.path)

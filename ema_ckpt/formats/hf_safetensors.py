@@ -45,7 +45,7 @@ from safetensors import SafetensorError, safe_open
 from .._lazy import torch
 from ..errors import CheckpointFormatError, CheckpointNotFoundError
 from ..layout import Box, TensorSpec
-from .base import CheckpointFormat, register_format, trainer_state_step
+from .base import CheckpointFormat, CheckpointReader, deliver, register_format, trainer_state_step
 
 SUFFIX = ".safetensors"
 INDEX_SUFFIX = ".safetensors.index.json"
@@ -242,7 +242,7 @@ def _incomplete(path: Path) -> str | None:
     return None
 
 
-class SafetensorsReader:
+class SafetensorsReader(CheckpointReader):
     """Reader for one safetensors checkpoint (see the module docstring).
 
     Opens at most ``max_open_files`` shard files at a time (least recently used are
@@ -309,7 +309,15 @@ class SafetensorsReader:
         spec = self._specs[key]
         return [Box.full(spec.shape)] if spec.numel else []
 
-    def read(self, key: str, box: Box) -> torch.Tensor:
+    @classmethod
+    def step_of(cls, path: Path) -> int | None:
+        """``trainer_state.json``'s ``global_step`` beside the weights, as :attr:`step`."""
+        return trainer_state_step(path) if path.is_dir() else None
+
+    def read(self, key: str, box: Box, out: torch.Tensor | None = None) -> torch.Tensor:
+        return deliver(key, box, self._read(key, box), out)
+
+    def _read(self, key: str, box: Box) -> torch.Tensor:
         spec = self._specs[key]
         if len(box.sizes) != len(spec.shape) or any(
             o < 0 or s < 0 or o + s > d for o, s, d in zip(box.offsets, box.sizes, spec.shape, strict=True)
@@ -350,12 +358,6 @@ class SafetensorsReader:
         for handle in handles:
             handle.__exit__(None, None, None)
 
-    def __enter__(self) -> SafetensorsReader:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
     # -- files -----------------------------------------------------------------------
 
     def _handle(self, file: Path) -> Any:
@@ -384,5 +386,6 @@ def open_safetensors(path: Path) -> SafetensorsReader:
 
 
 FORMAT = register_format(
-    CheckpointFormat("safetensors", detect=_detect, open=open_safetensors, incomplete=_incomplete)
+    CheckpointFormat("safetensors", detect=_detect, open=open_safetensors, incomplete=_incomplete,
+                     step_of=SafetensorsReader.step_of)
 )

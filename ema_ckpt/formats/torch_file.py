@@ -2,7 +2,7 @@
 
 What ``consolidate --out model.pt`` writes, and what ``pytorch_model.bin`` files hold: a
 zip whose ``data.pkl`` maps keys to tensors and whose ``data/<n>`` members hold each storage's
-bytes. The pickle goes through the restricted unpickler of :mod:`ema_ckpt._pickle` (only the
+bytes. The pickle goes through the restricted unpickler of :mod:`ema_ckpt.torch_records` (only the
 globals a plain tensor needs); tensors are read straight from their storage members with
 ``pread``, box by box, so memory holds the box asked for. Nested dicts are flattened with
 ``.``; values that are not tensors are left out. Keys that share a storage (tied weights)
@@ -26,11 +26,11 @@ from pathlib import Path
 from typing import Any
 
 from .._lazy import torch
-from .._pickle import TensorRecord, load_state_dict_records
 from ..dtypes import itemsize, torch_dtype
 from ..errors import CheckpointFormatError
 from ..layout import Box, TensorSpec
-from .base import CheckpointFormat, register_format
+from ..torch_records import TensorRecord, load_state_dict_records, member_start, pread_into
+from .base import CheckpointFormat, CheckpointReader, deliver, register_format
 
 SUFFIXES = (".pt", ".pth", ".bin")
 _ZIP_MAGIC = b"PK\x03\x04"
@@ -62,7 +62,7 @@ def _dtype(path: Path, key: str, name: str) -> torch.dtype:
         raise CheckpointFormatError(path, f"key {key!r}: dtype {name} is not supported") from None
 
 
-class TorchFileReader:
+class TorchFileReader(CheckpointReader):
     """Reader for one ``torch.save`` state-dict file (see the module docstring)."""
 
     format_name = "torch"
@@ -139,12 +139,10 @@ class TorchFileReader:
         return tensors
 
     def _data_start(self, member: zipfile.ZipInfo) -> int:
-        header = os.pread(self._fd, 30, member.header_offset)
-        if len(header) != 30 or header[:4] != _ZIP_MAGIC:
+        start = member_start(self._fd, 0, self._size, member.header_offset)
+        if start is None:
             raise CheckpointFormatError(self.path, f"corrupt zip header of {member.filename}")
-        name_len = int.from_bytes(header[26:28], "little")
-        extra_len = int.from_bytes(header[28:30], "little")
-        return member.header_offset + 30 + name_len + extra_len
+        return start
 
     def specs(self) -> Mapping[str, TensorSpec]:
         return self._specs
@@ -153,7 +151,10 @@ class TorchFileReader:
         spec = self._specs[key]
         return [Box.full(spec.shape)] if spec.numel else []
 
-    def read(self, key: str, box: Box) -> torch.Tensor:
+    def read(self, key: str, box: Box, out: torch.Tensor | None = None) -> torch.Tensor:
+        return deliver(key, box, self._read(key, box), out)
+
+    def _read(self, key: str, box: Box) -> torch.Tensor:
         stored = self._tensors[key]
         record, spec = stored.record, self._specs[key]
         size = itemsize(record.dtype)
@@ -177,14 +178,8 @@ class TorchFileReader:
 
     def _pread_into(self, out: torch.Tensor, offset: int) -> None:
         view = memoryview(out.reshape(-1).view(torch.uint8).numpy())
-        done = 0
-        while done < len(view):
-            n = os.preadv(self._fd, [view[done:]], offset + done)
-            if n <= 0:
-                raise CheckpointFormatError(
-                    self.path, f"truncated: expected {len(view)} bytes at offset {offset}"
-                )
-            done += n
+        if not pread_into(self._fd, view, offset):
+            raise CheckpointFormatError(self.path, f"truncated: expected {len(view)} bytes at offset {offset}")
 
     def root_of(self, key: str) -> str:
         """The top-level name ``key`` was saved under (``model`` of ``{"model": …}``)."""
@@ -194,6 +189,12 @@ class TorchFileReader:
         """The dict ``key`` was nested in at the top level, or None for a flat state dict."""
         path = self._tensors[key].path
         return path[0] if len(path) > 1 else None
+
+    whole_file_records = True
+
+    def stored_records(self) -> Sequence[tuple[str, int, int]]:
+        """The file itself: one ``torch.save`` zip."""
+        return [("", 0, self._size)]
 
     def info(self) -> dict[str, Any]:
         storages = Counter(t.record.storage_key for t in self._tensors.values())
@@ -207,12 +208,6 @@ class TorchFileReader:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
-
-    def __enter__(self) -> TorchFileReader:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 def _span(record: TensorRecord) -> int:

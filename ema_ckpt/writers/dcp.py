@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import functools
 import os
-import struct
-import zipfile
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -27,102 +25,17 @@ from pathlib import Path
 from typing import IO
 
 from .._lazy import torch
-from ..dtypes import name_of
 from .._pickle import check_written_metadata
+from ..dtypes import name_of
 from ..errors import CheckpointFormatError, OutputError
-from ..fs import fsync_dir, start_writeback
 from ..formats.dcp import METADATA_FILE
+from ..fs import fsync_dir, start_writeback
 from ..layout import Box, boxes_cover
+from ..torch_records import write_tensor_record
 from ._dcp_metadata import dump_metadata
 
-
-_ZIP_TIME = (1980, 1, 1, 0, 0, 0)  # fixed: the same tensor always gives the same bytes
-_ALIGN = 64  # torch aligns storage data to 64 bytes inside a record (needed to mmap it)
-_PAD_FIELD = 0x5A5A  # an unassigned zip extra-field id, used only to pad
-
-
-class _RecordStream:
-    """Positions relative to the record start, as the record's own zip offsets must be."""
-
-    def __init__(self, out: _ChecksumFile) -> None:
-        self._out, self.position = out, 0
-
-    def write(self, data: bytes | memoryview) -> int:
-        self._out.write(data)
-        self.position += len(data)
-        return len(data)
-
-    def tell(self) -> int:
-        return self.position
-
-    def flush(self) -> None:
-        pass
-
-
-_LOCAL = struct.Struct("<4sHHHHHIIIHH")
-_CENTRAL_DIR = struct.Struct("<4sHHHHHHIIIHHHHHII")
-_END = struct.Struct("<4sHHHHIIH")
-_DOS_DATE = (0 << 11) | (0 << 5) | 0, (1980 - 1980) << 9 | 1 << 5 | 1  # (time, date) = 1980-01-01
-
-
-def _write_tensor_record(out: _ChecksumFile, tensor: torch.Tensor) -> int:
-    """Append a standalone ``torch.save``-format zip holding ``tensor``; returns its length.
-
-    Written from the tensor's memory as it is (a view of a reused buffer included): the data
-    is hashed once (its zip CRC-32, folded into the file's CRC-32 with crc32_combine) and
-    written once, with no copy and no pickle of anything but a plain tensor reference.
-    """
-    from .torch_file import tensor_pickle
-
-    nbytes = tensor.numel() * tensor.element_size()
-    if nbytes >= 0xFFFFFFFF:
-        return _write_tensor_record_zip64(out, tensor)
-    data = memoryview(tensor.reshape(-1).view(torch.uint8).numpy()) if nbytes else memoryview(b"")
-    members: list[tuple[bytes, bytes | memoryview]] = [
-        (b"archive/data.pkl", tensor_pickle(tensor)), (b"archive/.format_version", b"1"),
-        (b"archive/.storage_alignment", b"64"), (b"archive/byteorder", b"little"),
-        (b"archive/data/0", data), (b"archive/version", b"3"),
-    ]
-    position = 0
-    central: list[bytes] = []
-    for name, payload in members:
-        crc = zlib.crc32(payload)
-        extra = b""
-        if name == b"archive/data/0":  # align the storage bytes as torch does (mmap needs it)
-            pad = -(position + _LOCAL.size + len(name) + 4) % _ALIGN
-            extra = struct.pack("<HH", _PAD_FIELD, pad) + b"\0" * pad
-        header = _LOCAL.pack(b"PK\x03\x04", 20, 0, 0, _DOS_DATE[0], _DOS_DATE[1], crc, len(payload),
-                             len(payload), len(name), len(extra)) + name + extra
-        central.append(_CENTRAL_DIR.pack(b"PK\x01\x02", 20, 20, 0, 0, _DOS_DATE[0], _DOS_DATE[1], crc,
-                                         len(payload), len(payload), len(name), 0, 0, 0, 0, 0, position) + name)
-        out.write(header)
-        out.write(payload, crc=crc)
-        position += len(header) + len(payload)
-    directory = b"".join(central)
-    out.write(directory)
-    out.write(_END.pack(b"PK\x05\x06", 0, 0, len(members), len(members), len(directory), position, 0))
-    return position + len(directory) + _END.size
-
-
-def _write_tensor_record_zip64(out: _ChecksumFile, tensor: torch.Tensor) -> int:
-    """The same record through the zipfile module, for storages of 4 GiB and more (zip64)."""
-    from .torch_file import tensor_pickle
-
-    stream = _RecordStream(out)
-    archive = zipfile.ZipFile(stream, "w", compression=zipfile.ZIP_STORED)  # type: ignore[arg-type]
-    for name, data in (("archive/data.pkl", tensor_pickle(tensor)), ("archive/.format_version", b"1"),
-                       ("archive/.storage_alignment", b"64"), ("archive/byteorder", b"little")):
-        archive.writestr(zipfile.ZipInfo(name, date_time=_ZIP_TIME), data)
-    member = zipfile.ZipInfo("archive/data/0", date_time=_ZIP_TIME)
-    member.file_size = tensor.numel() * tensor.element_size()
-    header = 30 + len(member.filename) + 20
-    pad = -(stream.tell() + header + 4) % _ALIGN
-    member.extra = struct.pack("<HH", _PAD_FIELD, pad) + b"\0" * pad
-    with archive.open(member, "w", force_zip64=True) as handle:
-        handle.write(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))
-    archive.writestr(zipfile.ZipInfo("archive/version", date_time=_ZIP_TIME), b"3")
-    archive.close()
-    return stream.position
+# Looked up at each call, so a test can stand in for it (a full disk mid-record).
+_write_tensor_record = write_tensor_record
 
 
 def _gf2_times(matrix: Sequence[int], vector: int) -> int:

@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import IO, Any
 
 from .._lazy import torch
-from ..dtypes import SAFETENSORS_CODES, itemsize, name_of
 from .._text import escaped
+from ..dtypes import SAFETENSORS_CODES, itemsize, name_of
 from ..errors import CheckpointFormatError, OutputError, UsageError
 from ..fs import start_writeback
 

@@ -26,7 +26,7 @@ from rich.table import Table
 from safetensors.torch import load_file
 from task import TinyTransformer, floor_loss, held_out, lm_loss, markov_table
 
-from ema_ckpt.averaging import plan_posthoc
+from ema_ckpt.plans import plan_posthoc
 from ema_ckpt.planner import exponential_coefficients
 from ema_ckpt.schedules import ExponentialProfile
 

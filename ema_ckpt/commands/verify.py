@@ -27,11 +27,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import CheckpointError, CheckpointNotFoundError, EmaCkptError
-from .formats import open_checkpoint
-from .formats.base import CheckpointReader
-from .layout import split_rows
-from .manifest import MANIFEST_NAME, Manifest
+from ..errors import CheckpointError, CheckpointNotFoundError, EmaCkptError
+from ..formats import open_checkpoint
+from ..formats.base import CheckpointReader
+from ..layout import split_rows
+from ..manifest import MANIFEST_NAME, Manifest
 
 HASH_BLOCK_BYTES = 8 << 20
 """CRC-32 is computed over blocks of this many bytes (memory stays bounded by one block)."""
@@ -160,28 +160,22 @@ def _check_record_crcs(path: Path, result: VerifyResult) -> None:
     except EmaCkptError:
         return  # already reported by the readability check
     with contextlib.closing(reader):
-        records = getattr(reader, "stored_records", None)
-        if records is not None:
-            result.checks.append("record CRC-32s")
-            for file, offset, length in records():
-                try:
-                    source = reader.open_record(file, offset, length)
-                except EmaCkptError as err:
-                    result.problem(str(err))
-                    continue
-                _zip_crcs_ok(source, f"{path / file} (record at offset {offset})", result)
+        records = reader.stored_records()
+        if not records:
             return
-    files: list[Path] = []
-    if reader.format_name == "deepspeed":
-        from .formats.deepspeed import find_tag_dir
-
-        files = sorted((find_tag_dir(path) or path).glob("*.pt"))
-    elif reader.format_name == "torch":
-        files = [path]
-    if files:
-        result.checks.append("file CRC-32s")
-        for file in files:
-            _zip_crcs_ok(file, str(file), result)
+        result.checks.append("file CRC-32s" if reader.whole_file_records else "record CRC-32s")
+        for file, offset, length in records:
+            name = str(path / file) if reader.whole_file_records else f"{path / file} (record at offset {offset})"
+            try:
+                source = reader.open_record(file, offset, length)
+            except EmaCkptError as err:
+                result.problem(str(err))
+                continue
+            except OSError as err:
+                result.problem(f"{path / file}: cannot read ({err.strerror})")
+                continue
+            with contextlib.closing(source):
+                _zip_crcs_ok(source, name, result)
 
 
 def damage(path: str | Path, *, block_bytes: int = HASH_BLOCK_BYTES) -> list[str]:
@@ -332,12 +326,9 @@ def _read_everything(reader: CheckpointReader, result: VerifyResult, block_bytes
             continue
         result.keys += 1
     # DCP non-tensor entries (``BytesStorageMetadata``): their records must lie in their files.
-    read_bytes = getattr(reader, "read_bytes", None)
-    for key in getattr(reader, "non_tensor_keys", ()):
-        if read_bytes is None:
-            break
+    for key in reader.non_tensor_keys:
         try:
-            result.bytes_read += len(read_bytes(key))
+            result.bytes_read += len(reader.read_bytes(key))
         except KeyError:
             result.problem(f"{reader.path}: non-tensor entry {key!r} has no stored record")
         except EmaCkptError as err:

@@ -14,11 +14,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .discovery import step_record
-from .formats import locate_model, open_checkpoint, registered_formats
-from .manifest import Manifest
-from .schedules import profile_from_dict
-from .selection import container_prefix, select_keys
+from ..discovery import step_record
+from ..formats import locate_model, open_checkpoint, registered_formats
+from ..manifest import Manifest
+from ..schedules import profile_from_dict
+from ..selection import container_prefix, select_keys
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,9 +29,9 @@ from typing import Any
 
 import torch
 
-from .formats import open_checkpoint
-from .formats.base import CheckpointReader
-from .layout import TensorSpec, row_blocks
+from ..formats import open_checkpoint
+from ..formats.base import CheckpointReader
+from ..layout import TensorSpec, row_blocks
 
 MODEL_PREFIX = "model."
 BLOCK_BYTES = 32 << 20

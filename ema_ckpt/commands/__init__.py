@@ -1,0 +1,1 @@
+"""One module per command: its options, its job for the runner, and its library function."""

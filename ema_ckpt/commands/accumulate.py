@@ -1,0 +1,467 @@
+"""``accumulate``: fold new checkpoints into running EMAs kept on disk.
+
+Made for cron: each run folds only the checkpoints newer than the step an EMA stands at,
+with the right decay across each gap, so the EMA goes on after the training job's retention
+deleted old checkpoints. Each new EMA is built beside the old one and swapped in whole; a
+killed run leaves the old EMA as it was, and the next run does the work again.
+
+Two families of profiles:
+
+* a classic EMA (``decay``/``half_life``), kept in ``out``;
+* power-function EMAs (EDM2; ``sigma_rels``/``gammas``), one per value in
+  ``out/sigma_rel_<value>``, updated with r = (t_prev/t_new)^(γ+1), plus, with
+  ``snapshot_every=K``, a snapshot of each every K steps in ``out/snapshots/`` from which
+  ``posthoc`` reconstructs any other σ_rel after the raw checkpoints are gone.
+
+Every accumulator and snapshot is computed in the same pass: each input region is read once.
+
+Example:
+    >>> result = accumulate("ckpts/", decay=0.999)        # doctest: +SKIP
+    >>> result.step, [c.step for c in result.folded]      # doctest: +SKIP
+    (3000, [2000, 3000])
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from .averaging import averaged_tensors
+from ..discovery import FoundCheckpoint, checkpoint_paths, discover
+from ..dtypes import ACCUMULATE_DTYPES, torch_dtype
+from ..engine import check_device
+from ..errors import CheckpointFormatError, CheckpointNotFoundError, EmaCkptError, NonFiniteError, UsageError
+from ..folding import (
+    DEFAULT_OUT_NAME,
+    Accumulator,
+    FoldTerm,
+    check_fold_keys,
+    check_same_settings,
+    default_out,
+    fold_inputs,
+    fold_output,
+    fold_plan,
+    fold_terms,
+    fold_weights,
+    make_profile,
+    named_profiles,
+    record_skips,
+    refuse_backwards,
+    refuse_damaged_emas,
+    skip_records,
+    snapshot_steps,
+)
+from ..formats import open_checkpoint
+from ..fs import output_path
+from ..jobs import Job, JobContext, Target, WrittenOutputs, recorded_options, run_job
+from ..manifest import MANIFEST_NAME, FoldedCheckpoint, Manifest, fingerprint
+from ..plans import Plan as AveragePlan
+from ..plans import find_snapshots
+from ..progress import Progress
+from ..schedules import PowerProfile
+
+_RUNTIME = {"recorded": False}
+
+
+@dataclass(slots=True)
+class AccumulateResult:
+    """What an ``accumulate`` run did (or, with ``dry_run``, would do: see ``plan``)."""
+
+    out: Path
+    step: int
+    folded: list[FoldedCheckpoint]
+    up_to_date: bool
+    notes: list[str] = field(default_factory=list)
+    terms: list[FoldTerm] = field(default_factory=list)
+    """The first EMA's terms (see ``terms_by_output`` for every EMA of a power-EMA run)."""
+    terms_by_output: dict[str, list[FoldTerm]] = field(default_factory=dict)
+    """Each EMA's terms, by its output directory."""
+    keys: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    seconds: float = 0.0
+    profile: str = ""
+    outputs: list[Path] = field(default_factory=list)
+    snapshots: list[Path] = field(default_factory=list)
+    plan: AveragePlan | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class AccumulateOptions:
+    """Everything an :func:`accumulate` run needs; checked when made (see :func:`accumulate`)."""
+
+    checkpoints: tuple[Path, ...]
+    out: Path | None = field(default=None, metadata=_RUNTIME)
+    decay: float | None = None
+    half_life: float | None = None
+    per_checkpoint: bool = False
+    warmup: bool = False
+    sigma_rels: tuple[str, ...] = ()
+    gammas: tuple[str, ...] = ()
+    snapshot_every: int | None = None
+    dtype: str = "float32"
+    include: tuple[str, ...] = ()
+    exclude: tuple[str, ...] = ()
+    step_regex: str | None = None
+    restart: bool = False
+    allow_new_keys: bool = False
+    skip_nonfinite: bool = False
+    skip_damaged: bool = False
+    skip: tuple[Path, ...] = ()
+    dry_run: bool = field(default=False, metadata=_RUNTIME)
+    wait_seconds: float = field(default=0.0, metadata=_RUNTIME)
+    workers: int = field(default=1, metadata=_RUNTIME)
+    device: str = field(default="cpu", metadata=_RUNTIME)
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__
+        set_(self, "checkpoints", tuple(checkpoint_paths(self.checkpoints)))
+        for name in ("sigma_rels", "gammas", "include", "exclude"):
+            set_(self, name, tuple(getattr(self, name)))
+        set_(self, "skip", tuple(Path(p) for p in self.skip))
+        if self.snapshot_every is not None and self.snapshot_every < 1:
+            raise UsageError(f"--snapshot-every must be a positive number of steps, got {self.snapshot_every}")
+        self.profiles()  # refuses a contradictory or invalid profile
+        if self.dtype not in ACCUMULATE_DTYPES:
+            raise UsageError(f"--dtype must be one of {', '.join(ACCUMULATE_DTYPES)}, got {self.dtype!r}")
+        set_(self, "out", output_path(self.out if self.out is not None else default_out(list(self.checkpoints))))
+        check_device(self.device)
+
+    @property
+    def out_path(self) -> Path:
+        assert self.out is not None
+        return self.out
+
+    @property
+    def power(self) -> bool:
+        return bool(self.sigma_rels or self.gammas)
+
+    def profiles(self) -> list[tuple[str, PowerProfile | object]]:
+        return named_profiles(self.decay, self.half_life, self.per_checkpoint, self.warmup,  # type: ignore[return-value]
+                              self.sigma_rels, self.gammas, self.snapshot_every)
+
+    @property
+    def selection(self) -> dict[str, list[str]]:
+        return {"include": list(self.include), "exclude": list(self.exclude)}
+
+
+def accumulate(
+    checkpoints: str | Path | Sequence[str | Path],
+    *,
+    out: str | Path | None = None,
+    on_progress: Callable[[Progress], None] | None = None,
+    decay: float | None = None,
+    half_life: float | None = None,
+    per_checkpoint: bool = False,
+    warmup: bool = False,
+    sigma_rels: Sequence[str] = (),
+    gammas: Sequence[str] = (),
+    snapshot_every: int | None = None,
+    dtype: str = "float32",
+    include: Sequence[str] = (),
+    exclude: Sequence[str] = (),
+    step_regex: str | None = None,
+    restart: bool = False,
+    wait_seconds: float = 0.0,
+    dry_run: bool = False,
+    allow_new_keys: bool = False,
+    skip_nonfinite: bool = False,
+    skip_damaged: bool = False,
+    skip: Sequence[str | Path] = (),
+    workers: int = 1,
+    device: str = "cpu",
+) -> AccumulateResult:
+    """Fold every checkpoint newer than the EMA(s) at ``out`` into them.
+
+    Args:
+        checkpoints: a folder of checkpoints, or several checkpoint paths.
+        out: the EMA directory (default ``<folder>/ema``).
+        on_progress: called after each region.
+        decay: β per optimizer step (``per_checkpoint`` makes it per checkpoint).
+        half_life: alternatively, the half-life in steps (β = 2^(−1/h)).
+        warmup: decay at step n is min(β, (1 + n)/(10 + n)).
+        sigma_rels, gammas: power-function EMAs instead (values, lists or ranges as typed).
+        snapshot_every: with power EMAs, keep a snapshot of each every K steps.
+        dtype: accumulation and storage dtype of floating tensors (float32 or float64).
+        include, exclude: glob patterns on keys.
+        step_regex: a regex with one group for the step in directory names.
+        restart: discard an existing EMA made with other settings and start over.
+        wait_seconds: how long to wait for another run holding the output's lock.
+        dry_run: plan only; read no tensor and write nothing (``result.plan``).
+        allow_new_keys: accept keys added or removed during training (an added key's average
+            starts where it first appears; a removed key leaves the EMA).
+        skip_nonfinite: skip a checkpoint holding NaN/Inf (recorded in the manifest) instead
+            of refusing the run.
+        skip_damaged: skip a damaged checkpoint (truncated or corrupt files, refused pickles),
+            recorded in the manifest, instead of refusing the run.
+        skip: checkpoints to leave out (each noted), e.g. an export under other key names.
+        workers: split the work over N local processes (torch.distributed; under torchrun the
+            group comes from the environment instead).
+        device: ``cpu`` or ``cuda``: where the arithmetic runs.
+
+    Returns:
+        An :class:`AccumulateResult`; ``up_to_date`` is True when nothing was new (and
+        nothing was written).
+
+    Example:
+        >>> accumulate("ckpts/", decay=0.999, dry_run=True).terms[-1]   # doctest: +SKIP
+        FoldTerm(path='ckpts/step_3000', step=3000, coefficient=0.632...)
+    """
+    paths = (checkpoints,) if isinstance(checkpoints, (str, Path)) else tuple(checkpoints)
+    options = AccumulateOptions(
+        tuple(Path(p) for p in paths), out=Path(out) if out is not None else None, decay=decay,
+        half_life=half_life, per_checkpoint=per_checkpoint, warmup=warmup, sigma_rels=tuple(sigma_rels),
+        gammas=tuple(gammas), snapshot_every=snapshot_every, dtype=dtype, include=tuple(include),
+        exclude=tuple(exclude), step_regex=step_regex, restart=restart, allow_new_keys=allow_new_keys,
+        skip_nonfinite=skip_nonfinite, skip_damaged=skip_damaged, skip=tuple(Path(p) for p in skip),
+        dry_run=dry_run, wait_seconds=wait_seconds, workers=workers, device=device,
+    )
+    return run_job(AccumulateJob(options), on_progress=on_progress)
+
+
+@dataclass(slots=True)
+class FoldPlan:
+    """What one run folds: each EMA with its new checkpoints, and what was skipped so far."""
+
+    accumulators: list[Accumulator]
+    plan: AveragePlan
+    notes: list[str] = field(default_factory=list)
+    skipped: list[tuple[FoundCheckpoint, str]] = field(default_factory=list)
+    """(checkpoint, reason) left out during this run, recorded in the manifests."""
+
+    def targets(self, out: Path) -> list[tuple[Accumulator, Path, int]]:
+        """(accumulator, final path, step) of every output: snapshots first, then the EMAs.
+
+        Snapshots first: a crash before the EMAs are swapped in makes the next run redo the
+        same fold and rewrite the same snapshots, byte for byte.
+        """
+        active = [acc for acc in self.accumulators if acc.new]
+        snapshots = [(acc, out / "snapshots" / f"{acc.name}-step_{snap}", snap)
+                     for acc in active for snap in acc.snapshot_steps]
+        return snapshots + [(acc, acc.final, acc.new[-1].step) for acc in active]
+
+
+@dataclass(slots=True)
+class _Folded:
+    written: WrittenOutputs
+    keys: int
+    source_format: str
+
+
+@dataclass
+class AccumulateJob(Job[FoldPlan, _Folded, AccumulateResult]):
+    """:func:`accumulate` as a job of the runner (:mod:`ema_ckpt.jobs`)."""
+
+    options: AccumulateOptions
+
+    def lock_path(self) -> Path | None:
+        return None if self.options.dry_run else self.options.out_path
+
+    def recover_paths(self) -> list[Path]:
+        opts = self.options
+        if opts.dry_run:
+            return []
+        if not opts.power:
+            return [opts.out_path]
+        # staging directories of sweeps live beside OUT
+        return [opts.out_path] + [opts.out_path / name for name, _ in opts.profiles()]
+
+    def plan(self, notes: list[str]) -> FoldPlan:
+        opts = self.options
+        out_path = opts.out_path
+        accumulators = []
+        for name, profile in opts.profiles():
+            final = out_path / name if opts.power else out_path
+            previous = Manifest.read(final) if final.is_dir() else None
+            if not opts.power and final.exists() and previous is None and any(final.iterdir()):
+                raise UsageError(f"{final} exists and is not an ema-ckpt output; choose another --out")
+            if previous is not None and not opts.restart:
+                check_same_settings(previous, profile, opts.dtype, opts.selection, final)  # type: ignore[arg-type]
+            accumulators.append(Accumulator(name, final, profile, None if opts.restart else previous))  # type: ignore[arg-type]
+        if opts.power and not opts.dry_run and (out_path / "snapshots").is_dir():
+            for leftover in (out_path / "snapshots").iterdir():
+                if leftover.name.startswith(".") and ".tmp-" in leftover.name:
+                    shutil.rmtree(leftover, ignore_errors=True)
+        self._find_new(accumulators, notes)
+        if not opts.dry_run:
+            refuse_damaged_emas(accumulators)
+        plan = FoldPlan(accumulators, fold_plan(accumulators), notes)
+        if opts.dry_run and any(acc.new for acc in accumulators):
+            active, sources, checkpoints = fold_inputs(accumulators)
+            with contextlib.ExitStack() as readers_stack:
+                readers = [readers_stack.enter_context(contextlib.closing(open_checkpoint(p))) for p in sources]
+                check_fold_keys(readers, sources, checkpoints, active, opts.include, opts.exclude,
+                                opts.allow_new_keys)
+        if not any(acc.new for acc in accumulators) and not any(acc.previous for acc in accumulators):
+            raise CheckpointNotFoundError(out_path, "nothing to fold")
+        return plan
+
+    def _find_new(self, accumulators: list[Accumulator], notes: list[str]) -> None:
+        """Each accumulator's new checkpoints (and snapshot steps), from discovery."""
+        opts = self.options
+        out_path = opts.out_path
+        folded = {Path(c.path).resolve(): c.step for acc in accumulators if acc.previous is not None
+                  for c in acc.previous.checkpoints}
+        starts = [acc.previous.step if acc.previous is not None else None for acc in accumulators]
+        found = discover(list(opts.checkpoints), step_regex=opts.step_regex, exclude=[out_path], skip=opts.skip,
+                         known=folded,
+                         compare_after=None if None in starts else min(s for s in starts if s is not None))
+        notes.extend(found.notes)
+        for c in found.checkpoints:
+            done = folded.get(c.path.resolve())
+            if done is not None and done != c.step:
+                notes.append(f"skipped {c.path}: folded before at step {done}, it now reads step {c.step}")
+        snapshots_on_disk = find_snapshots([out_path]) if opts.snapshot_every else []
+        for acc in accumulators:
+            start = acc.previous.step if acc.previous is not None else None
+            recorded = {s.get("path"): s for s in (acc.previous.skipped if acc.previous else [])}
+            acc.new = []
+            for c in found.checkpoints:
+                if (start is not None and c.step <= start) or c.path.resolve() in folded:
+                    continue
+                skip_record = recorded.get(str(c.path.resolve()))
+                if skip_record is not None and skip_record.get("fingerprint") in (None, fingerprint(c.path)):
+                    if acc is accumulators[0]:
+                        notes.append(f"skipped {c.path} (step {c.step}): recorded as skipped "
+                                     f"({skip_record.get('reason')}) in {acc.final / MANIFEST_NAME}")
+                    continue
+                acc.new.append(c)
+            if start is not None:
+                refuse_backwards(acc, found.checkpoints, start)
+            if opts.snapshot_every:
+                assert isinstance(acc.profile, PowerProfile)
+                taken = [s.step for s in snapshots_on_disk if abs(s.gamma - acc.profile.gamma) < 1e-12]
+                acc.snapshot_steps = snapshot_steps([c.step for c in acc.new], max(taken, default=None),
+                                                    opts.snapshot_every)
+
+    def targets(self, plan: FoldPlan) -> list[Target]:
+        if self.options.dry_run:
+            return []
+        out = self.options.out_path
+        return [Target(final, near=out if final != out else None, replace=True)
+                for _, final, _ in plan.targets(out)]
+
+    def compute(self, plan: FoldPlan, context: JobContext) -> _Folded:
+        opts = self.options
+        active, sources, checkpoints = fold_inputs(plan.accumulators)
+        index = {str(p): i for i, p in enumerate(sources)}
+        outputs = []
+        for acc, final, step in plan.targets(opts.out_path):
+            name = acc.name if final == acc.final else final.name
+            outputs.append(fold_output(name, fold_weights(acc, upto=None if final == acc.final else step), index))
+        readers = context.open_sources(sources)
+        keys = context.check(lambda: check_fold_keys(readers, sources, checkpoints, active, opts.include,
+                                                     opts.exclude, opts.allow_new_keys))
+        newest = readers[-1]
+        tensors = averaged_tensors(newest, keys, opts.dtype)
+        writers = [context.writer(i, "dcp", planner_data=newest.planner_data)
+                   for i in range(len(outputs))]
+        written = context.write(readers, outputs, writers, tensors, layout=newest, copy_source=len(readers) - 1,
+                                accumulate_dtype=torch_dtype(opts.dtype),
+                                check_finite=[index[str(c.path)] for c in checkpoints])
+        return _Folded(written, len(keys), newest.format_name)
+
+    def manifests(self, plan: FoldPlan, computed: _Folded) -> list[Manifest | None]:
+        opts = self.options
+        manifests: list[Manifest | None] = []
+        for (acc, final, step), files in zip(plan.targets(opts.out_path), computed.written.files, strict=True):
+            folded = [c for c in acc.new if c.step <= step]
+            manifests.append(Manifest(
+                kind="ema" if final == acc.final else "snapshot",
+                profile=acc.profile.to_dict(),
+                dtype=opts.dtype,
+                step=step,
+                source_format=computed.source_format,
+                checkpoints=(acc.previous.checkpoints if acc.previous else [])
+                + [FoldedCheckpoint(str(c.path.resolve()), c.step, fingerprint(c.path)) for c in folded],
+                selection=opts.selection,
+                files={f.name: {"size": f.size, "crc32": f.crc32} for f in files},
+                skipped=(acc.previous.skipped if acc.previous else []) + skip_records(plan.skipped),
+                warnings=[w for o in plan.plan.outputs if o.name == acc.name for w in o.warnings],
+                options=recorded_options(opts),
+            ))
+        return manifests
+
+    def finish_without_output(self, plan: FoldPlan) -> None:
+        if not self.options.dry_run:
+            record_skips(plan.accumulators, plan.skipped)
+
+    def retry(self, plan: FoldPlan, error: EmaCkptError) -> FoldPlan | None:
+        """Skip the checkpoint behind a NaN/Inf or damaged-file error and fold the rest.
+
+        Only with ``skip_nonfinite`` / ``skip_damaged``; otherwise the error stops the run,
+        saying which option would skip it.
+        """
+        opts = self.options
+        _, sources, checkpoints = fold_inputs(plan.accumulators)
+        by_path = {c.path: c for c in checkpoints}
+        if isinstance(error, NonFiniteError):
+            bad = by_path.get(sources[error.source]) if 0 <= error.source < len(sources) else None
+            if not opts.skip_nonfinite or bad is None:
+                raise NonFiniteError(error.source, f"{error} (pass --skip-nonfinite to skip that checkpoint)") \
+                    from None
+            reason = "NaN/Inf"
+        elif isinstance(error, CheckpointFormatError):
+            bad = _checkpoint_holding(checkpoints, Path(error.path))
+            if bad is None:
+                return None
+            if not opts.skip_damaged:
+                raise type(error)(error.path, f"{error.reason} (pass --skip-damaged to skip that checkpoint)") \
+                    from None
+            reason = f"damaged: {error.reason}"
+        else:
+            return None
+        skipped = [*plan.skipped, (bad, reason)]
+        accumulators = [replace(acc, new=[c for c in acc.new if c.path != bad.path],
+                                snapshot_steps=[s for s in acc.snapshot_steps if s != bad.step])
+                        for acc in plan.accumulators]
+        if not any(acc.new for acc in accumulators) and not any(acc.previous for acc in accumulators):
+            raise CheckpointFormatError(opts.out_path, "every checkpoint was skipped: no EMA was written ("
+                                        + "; ".join(f"{c.path}: {r}" for c, r in skipped) + ")")
+        notes = [*plan.notes, f"skipped {bad.path} (step {bad.step}): {reason}"]
+        return FoldPlan(accumulators, fold_plan(accumulators), notes, skipped)
+
+    def result(self, plan: FoldPlan, computed: _Folded | None, seconds: float) -> AccumulateResult:
+        accumulators = plan.accumulators
+        common = {
+            "terms": fold_terms(accumulators[0]),
+            "terms_by_output": {str(a.final): fold_terms(a) for a in accumulators},
+            "profile": "; ".join(a.profile.describe() for a in accumulators),
+            "outputs": [a.final for a in accumulators],
+            "plan": plan.plan,
+            "seconds": seconds,
+        }
+        out = self.options.out_path
+        if computed is None:
+            up_to_date = not any(acc.new for acc in accumulators)
+            steps = [acc.previous.step for acc in accumulators if acc.previous is not None]
+            step = min(steps) if up_to_date else max(c.step for a in accumulators for c in a.new)
+            return AccumulateResult(out, step, [], up_to_date, plan.notes, **common)  # type: ignore[arg-type]
+        targets = plan.targets(out)
+        folded_all = {c.path: c for acc in accumulators for c in acc.new}
+        return AccumulateResult(
+            out, max(step for *_, step in targets),
+            [FoldedCheckpoint(str(c.path.resolve()), c.step, fingerprint(c.path))
+             for c in sorted(folded_all.values(), key=lambda c: c.step)],
+            False, plan.notes, keys=computed.keys, bytes_read=computed.written.bytes_read,
+            bytes_written=computed.written.bytes_written,
+            snapshots=[final for acc, final, _ in targets if final != acc.final],
+            **common,  # type: ignore[arg-type]
+        )
+
+
+def _checkpoint_holding(checkpoints: Sequence[FoundCheckpoint], path: Path) -> FoundCheckpoint | None:
+    """The new checkpoint a damaged file belongs to, or None (then it is not a checkpoint's fault)."""
+    target = path.resolve()
+    for c in checkpoints:
+        root = c.path.resolve()
+        if target == root or root in target.parents:
+            return c
+    return None
+
+
+__all__ = ["DEFAULT_OUT_NAME", "MANIFEST_NAME", "AccumulateJob", "AccumulateOptions", "AccumulateResult",
+           "FoldTerm", "accumulate", "default_out", "make_profile"]

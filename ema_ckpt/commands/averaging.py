@@ -1,0 +1,305 @@
+"""``posthoc`` and ``average``: weighted sums of checkpoints, planned first, then streamed.
+
+A run is a :class:`~ema_ckpt.plans.Plan` (outputs × terms), computed from steps and manifests
+alone; ``dry_run=True`` returns it without reading a tensor. Executing it reads each input
+region once and adds it into every output, so a sweep of K profiles costs one pass over the
+inputs.
+
+Example:
+    >>> posthoc("ckpts/", out="posthoc/", sigma_rels=["0.05", "0.10"])   # doctest: +SKIP
+    >>> average("ckpts/", out="avg/", last=5)                               # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, overload
+
+from ..discovery import checkpoint_paths
+from ..dtypes import ACCUMULATE_DTYPES, torch_dtype
+from ..engine import OutputSpec, Update, check_device
+from ..errors import UsageError
+from ..fs import output_path
+from ..jobs import Job, JobContext, Target, WrittenOutputs, recorded_options, run_job
+from ..manifest import FoldedCheckpoint, Manifest, fingerprint
+from ..plans import Plan, PlannedOutput, SnapshotInput, Term, find_snapshots, plan_average, plan_posthoc
+from ..progress import Progress
+from ..selection import check_compatible, select_keys
+from ..writers.base import OutputTensor
+
+_RUNTIME = {"recorded": False}
+
+
+@dataclass(frozen=True, slots=True)
+class PosthocOptions:
+    """Everything a :func:`posthoc` run needs; checked when made."""
+
+    checkpoints: tuple[Path, ...]
+    out: Path = field(metadata=_RUNTIME)
+    sigma_rels: tuple[str, ...] = ()
+    gammas: tuple[str, ...] = ()
+    at_step: int | None = None
+    step_regex: str | None = None
+    skip: tuple[Path, ...] = ()
+    dtype: str = "float32"
+    include: tuple[str, ...] = ()
+    exclude: tuple[str, ...] = ()
+    dry_run: bool = field(default=False, metadata=_RUNTIME)
+    overwrite: bool = field(default=False, metadata=_RUNTIME)
+    wait_seconds: float = field(default=0.0, metadata=_RUNTIME)
+    workers: int = field(default=1, metadata=_RUNTIME)
+    device: str = field(default="cpu", metadata=_RUNTIME)
+
+    def __post_init__(self) -> None:
+        _check_run_fields(self)
+        if not self.sigma_rels and not self.gammas:
+            raise UsageError("give at least one --sigma-rel or --gamma")
+
+    def make_plan(self) -> Plan:
+        return plan_posthoc(self.checkpoints, sigma_rels=self.sigma_rels, gammas=self.gammas, at_step=self.at_step,
+                            step_regex=self.step_regex, exclude_paths=[self.out], skip=self.skip)
+
+
+@dataclass(frozen=True, slots=True)
+class AverageOptions:
+    """Everything an :func:`average` run needs; checked when made."""
+
+    checkpoints: tuple[Path, ...]
+    out: Path = field(metadata=_RUNTIME)
+    last: int | None = None
+    from_step: int | None = None
+    to_step: int | None = None
+    step_regex: str | None = None
+    skip: tuple[Path, ...] = ()
+    dtype: str = "float32"
+    include: tuple[str, ...] = ()
+    exclude: tuple[str, ...] = ()
+    dry_run: bool = field(default=False, metadata=_RUNTIME)
+    overwrite: bool = field(default=False, metadata=_RUNTIME)
+    wait_seconds: float = field(default=0.0, metadata=_RUNTIME)
+    workers: int = field(default=1, metadata=_RUNTIME)
+    device: str = field(default="cpu", metadata=_RUNTIME)
+
+    def __post_init__(self) -> None:
+        _check_run_fields(self)
+        if self.last is None and self.from_step is None and self.to_step is None:
+            raise UsageError("choose the checkpoints: --last K, or --from-step A and/or --to-step B")
+
+    def make_plan(self) -> Plan:
+        return plan_average(self.checkpoints, last=self.last, from_step=self.from_step, to_step=self.to_step,
+                            step_regex=self.step_regex, exclude_paths=[self.out], skip=self.skip)
+
+
+def _check_run_fields(options: PosthocOptions | AverageOptions) -> None:
+    set_ = object.__setattr__
+    set_(options, "checkpoints", tuple(checkpoint_paths(options.checkpoints)))
+    set_(options, "out", output_path(options.out))
+    for name in ("include", "exclude"):
+        set_(options, name, tuple(getattr(options, name)))
+    set_(options, "skip", tuple(Path(p) for p in options.skip))
+    if options.dtype not in ACCUMULATE_DTYPES:
+        raise UsageError(f"--dtype must be one of {', '.join(ACCUMULATE_DTYPES)}, got {options.dtype!r}")
+    check_device(options.device)
+
+
+@dataclass(slots=True)
+class RunResult:
+    """What a :func:`posthoc` or :func:`average` run wrote."""
+
+    plan: Plan
+    outputs: list[Path]
+    bytes_read: int
+    bytes_written: int
+    seconds: float
+
+
+@dataclass(slots=True)
+class _Summed:
+    written: WrittenOutputs
+    source_format: str
+
+
+@dataclass
+class SumJob(Job[Plan, _Summed, "Plan | RunResult"]):
+    """A weighted sum of checkpoints (``posthoc``, ``average``) as a job of the runner."""
+
+    options: PosthocOptions | AverageOptions
+
+    @property
+    def single_output(self) -> bool:
+        return isinstance(self.options, AverageOptions)
+
+    def lock_path(self) -> Path | None:
+        return None if self.options.dry_run else self.options.out
+
+    def plan(self, notes: list[str]) -> Plan:
+        return self.options.make_plan()
+
+    def _finals(self, plan: Plan) -> list[Path]:
+        out = self.options.out
+        return [out] if self.single_output else [out / o.name for o in plan.outputs]
+
+    def targets(self, plan: Plan) -> list[Target]:
+        if self.options.dry_run:
+            return []
+        near = None if self.single_output else self.options.out
+        return [Target(final, near=near, replace=self.options.overwrite) for final in self._finals(plan)]
+
+    def compute(self, plan: Plan, context: JobContext) -> _Summed:
+        opts = self.options
+        steps = {str(c.path): c.step for c in plan.inputs}
+        # (step, path): snapshots of several profiles share a step, and the order of the sum must
+        # not depend on set order (string hashing differs per process) or the bits would
+        used = sorted({t.path for o in plan.outputs for t in o.terms}, key=lambda p: (steps[p], p))
+        index = {p: i for i, p in enumerate(used)}
+        readers = context.open_sources([Path(p) for p in used])
+
+        def check_all() -> list[str]:
+            keys = select_keys(readers[-1], opts.include, opts.exclude)
+            if not keys:
+                raise UsageError(f"{readers[-1].path}: no tensor keys left after --include/--exclude")
+            check_compatible(readers, keys, reference=len(readers) - 1, include=opts.include, exclude=opts.exclude)
+            return keys
+
+        keys = context.check(check_all)
+        newest = readers[-1]
+        outputs = [OutputSpec(o.name, tuple(Update(index[t.path], t.coefficient)
+                                            for t in sorted(o.terms, key=lambda t: index[t.path])), mode="sum")
+                   for o in plan.outputs]
+        tensors = averaged_tensors(newest, keys, opts.dtype)
+        writers = [context.writer(i, "dcp", planner_data=newest.planner_data)
+                   for i in range(len(outputs))]
+        written = context.write(readers, outputs, writers, tensors, layout=newest, copy_source=len(readers) - 1,
+                                accumulate_dtype=torch_dtype(opts.dtype), check_finite=range(len(readers)))
+        return _Summed(written, newest.format_name)
+
+    def manifests(self, plan: Plan, computed: _Summed) -> list[Manifest | None]:
+        opts = self.options
+        return [output_manifest(plan.kind, output, files, opts.dtype, computed.source_format, opts.include,
+                                opts.exclude, recorded_options(opts))
+                for output, files in zip(plan.outputs, computed.written.files, strict=True)]
+
+    def result(self, plan: Plan, computed: _Summed | None, seconds: float) -> Plan | RunResult:
+        if computed is None:
+            return plan
+        written = computed.written
+        return RunResult(plan, self._finals(plan), written.bytes_read, written.bytes_written, seconds)
+
+
+def averaged_tensors(newest: Any, keys: Sequence[str], dtype: str) -> list[OutputTensor]:
+    """The tensors of an average: floats accumulated and stored in ``dtype``, others as stored."""
+    from ..dtypes import is_float
+
+    stored = newest.stored()
+    return [OutputTensor(k, k, tuple(stored[k][0]), dtype if is_float(stored[k][1]) else stored[k][1], stored[k][1])
+            for k in keys]
+
+
+def output_manifest(kind: str, output: PlannedOutput, files: Sequence[Any], dtype: str, source_format: str,
+                    include: Sequence[str], exclude: Sequence[str], options: dict[str, Any]) -> Manifest:
+    """The manifest of one output of a weighted sum."""
+    return Manifest(
+        kind=kind, profile=output.profile, dtype=dtype, step=output.step, source_format=source_format,
+        checkpoints=[FoldedCheckpoint(str(Path(t.path).resolve()), t.step, fingerprint(Path(t.path)))
+                     for t in output.terms],
+        selection={"include": list(include), "exclude": list(exclude)},
+        files={f.name: {"size": f.size, "crc32": f.crc32} for f in files},
+        terms=[{"path": str(Path(t.path).resolve()), "step": t.step, "coefficient": t.coefficient}
+               for t in output.terms],
+        warnings=list(output.warnings),
+        options=options,
+    )
+
+
+@overload
+def posthoc(checkpoints: str | Path | Sequence[str | Path], *, out: str | Path, dry_run: Literal[False] = ...,
+            on_progress: Callable[[Progress], None] | None = ..., **options: Any) -> RunResult: ...
+@overload
+def posthoc(checkpoints: str | Path | Sequence[str | Path], *, out: str | Path, dry_run: Literal[True],
+            on_progress: Callable[[Progress], None] | None = ..., **options: Any) -> Plan: ...
+@overload
+def posthoc(checkpoints: str | Path | Sequence[str | Path], *, out: str | Path, dry_run: bool = ...,
+            on_progress: Callable[[Progress], None] | None = ..., **options: Any) -> Plan | RunResult: ...
+
+
+def posthoc(
+    checkpoints: str | Path | Sequence[str | Path],
+    *,
+    out: str | Path,
+    dry_run: bool = False,
+    on_progress: Callable[[Progress], None] | None = None,
+    **options: Any,
+) -> Plan | RunResult:
+    """Post-hoc power-function EMAs (EDM2), one per value, at ``out/sigma_rel_<value>``.
+
+    Args:
+        checkpoints: a folder of raw checkpoints, or of ``accumulate --snapshot-every`` snapshots.
+        out: parent directory of the outputs.
+        dry_run: return the :class:`~ema_ckpt.plans.Plan` (coefficients) and read no tensor.
+        on_progress: called after each region.
+        **options: the fields of :class:`PosthocOptions`: ``sigma_rels``, ``gammas`` (the
+            profiles as typed: ``"0.05"``, ``"0.05:0.2:0.05"``), ``at_step`` (T, default the
+            newest checkpoint), ``step_regex``, ``skip``, ``dtype``, ``include``, ``exclude``,
+            ``overwrite``, ``wait_seconds``, ``workers``, ``device``.
+
+    Example:
+        >>> plan = posthoc("ckpts", out="posthoc", sigma_rels=["0.05", "0.1"], dry_run=True)  # doctest: +SKIP
+        >>> [round(sum(t.coefficient for t in o.terms), 12) for o in plan.outputs]              # doctest: +SKIP
+        [1.0, 1.0]
+    """
+    opts = PosthocOptions(_paths(checkpoints), Path(out), dry_run=dry_run, **_tuples(options))
+    return run_job(SumJob(opts), on_progress=on_progress)
+
+
+@overload
+def average(checkpoints: str | Path | Sequence[str | Path], *, out: str | Path, dry_run: Literal[False] = ...,
+            on_progress: Callable[[Progress], None] | None = ..., **options: Any) -> RunResult: ...
+@overload
+def average(checkpoints: str | Path | Sequence[str | Path], *, out: str | Path, dry_run: Literal[True],
+            on_progress: Callable[[Progress], None] | None = ..., **options: Any) -> Plan: ...
+@overload
+def average(checkpoints: str | Path | Sequence[str | Path], *, out: str | Path, dry_run: bool = ...,
+            on_progress: Callable[[Progress], None] | None = ..., **options: Any) -> Plan | RunResult: ...
+
+
+def average(
+    checkpoints: str | Path | Sequence[str | Path],
+    *,
+    out: str | Path,
+    dry_run: bool = False,
+    on_progress: Callable[[Progress], None] | None = None,
+    **options: Any,
+) -> Plan | RunResult:
+    """Uniform average of the selected checkpoints into ``out`` (one DCP checkpoint).
+
+    Args:
+        checkpoints: a folder of checkpoints, or a list of them.
+        out: the output directory.
+        dry_run: return the :class:`~ema_ckpt.plans.Plan` and read no tensor.
+        **options: the fields of :class:`AverageOptions`: ``last`` (the newest K), or
+            ``from_step``/``to_step``; and as for :func:`posthoc`.
+
+    Example:
+        >>> average("ckpts", out="avg", last=5)  # doctest: +SKIP
+    """
+    opts = AverageOptions(_paths(checkpoints), Path(out), dry_run=dry_run, **_tuples(options))
+    return run_job(SumJob(opts), on_progress=on_progress)
+
+
+def _paths(checkpoints: str | Path | Sequence[str | Path]) -> tuple[Path, ...]:
+    if isinstance(checkpoints, (str, Path)):
+        return (Path(checkpoints),)
+    return tuple(Path(p) for p in checkpoints)
+
+
+def _tuples(options: dict[str, Any]) -> dict[str, Any]:
+    unknown = set(options) - set(PosthocOptions.__dataclass_fields__) - set(AverageOptions.__dataclass_fields__)
+    if unknown:
+        raise TypeError(f"unexpected option(s): {', '.join(sorted(unknown))}")
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in options.items()}
+
+
+__all__ = ["AverageOptions", "Plan", "PlannedOutput", "PosthocOptions", "RunResult", "SnapshotInput", "SumJob",
+           "Term", "average", "find_snapshots", "posthoc"]

@@ -1,0 +1,205 @@
+"""``consolidate``: any supported checkpoint → safetensors, the HF sharded layout, or a torch file.
+
+Streams: headers are written from metadata first, then each tensor's bytes block by block
+as they are read (and cast), so memory holds one block of rows, never the model or the file.
+When a safetensors output needs no cast and every tensor is stored as plain runs of bytes
+(dim-0 shards of a DCP checkpoint), the kernel copies those runs file to file and torch is
+never imported. Nothing is written in place: the output is built beside its final path and
+swapped in.
+
+Example:
+    >>> consolidate("ckpts/ema", "ema.safetensors", dtype="bfloat16")   # doctest: +SKIP
+    >>> consolidate("ckpts/step_1000", "hf-out/", max_shard_size="2GB")  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..dtypes import OUTPUT_DTYPES, is_float
+from ..engine import OutputSpec, Update
+from ..errors import UsageError
+from ..fs import check_not_overlapping, output_path
+from ..jobs import Job, JobContext, Target, run_job
+from ..progress import Progress
+from ..selection import container_prefix, output_names, select_keys
+from ..writers.base import OutputTensor, output_format_for
+from ..writers.safetensors import check_key
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_RUNTIME = {"recorded": False}  # how a run ran, not what it made
+
+
+def parse_size(text: str | int) -> int:
+    """Bytes in a size such as ``5GB`` (10⁹, as Hugging Face counts), ``500MiB`` or ``20KB``.
+
+    Example:
+        >>> parse_size("5GB"), parse_size("20KB"), parse_size("1MiB")
+        (5000000000, 20000, 1048576)
+    """
+    if isinstance(text, int):
+        return text
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
+    unit = match.group(2).upper() if match else ""
+    if not match or unit not in _UNITS:
+        raise UsageError(f"size {text!r} not understood; use e.g. 5GB, 500MB, 20KB or 1GiB")
+    value = int(float(match.group(1)) * _UNITS[unit])
+    if value <= 0:
+        raise UsageError(f"size {text!r} must be positive")
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class ConsolidateOptions:
+    """Everything a :func:`consolidate` run needs; checked when made.
+
+    ``out``: ``*.safetensors``, ``*.pt``/``*.bin``/``*.pth``, or a directory (HF sharded).
+    """
+
+    src: Path
+    out: Path
+    max_shard_size: str | int = "5GB"
+    dtype: str | None = None
+    keep_prefix: bool = False
+    include: tuple[str, ...] = ()
+    exclude: tuple[str, ...] = ()
+    overwrite: bool = field(default=False, metadata=_RUNTIME)
+    wait_seconds: float = field(default=0.0, metadata=_RUNTIME)
+    workers: int = field(default=1, metadata=_RUNTIME)
+    device: str = field(default="cpu", metadata=_RUNTIME)
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__
+        set_(self, "src", Path(self.src))
+        set_(self, "out", output_path(self.out))
+        set_(self, "include", tuple(self.include))
+        set_(self, "exclude", tuple(self.exclude))
+        check_not_overlapping(self.src, self.out)
+        parse_size(self.max_shard_size)
+        if self.dtype is not None and self.dtype not in OUTPUT_DTYPES:
+            raise UsageError(f"--dtype must be one of {', '.join(OUTPUT_DTYPES)}, got {self.dtype!r}")
+
+    @property
+    def layout(self) -> str:
+        """The output format its path asks for: ``safetensors``, ``hf-sharded`` or ``torch``."""
+        return output_format_for(self.out).name
+
+
+@dataclass(slots=True)
+class ConsolidateResult:
+    """What :func:`consolidate` wrote."""
+
+    out: Path
+    layout: str
+    files: list[tuple[str, int]] = field(default_factory=list)
+    keys: int = 0
+    bytes_written: int = 0
+    seconds: float = 0.0
+    renamed_prefix: str | None = None
+    """The DCP container level removed from every key (``"model."``), or None."""
+    notes: list[str] = field(default_factory=list)
+
+
+def consolidate(
+    src: str | Path,
+    out: str | Path,
+    *,
+    max_shard_size: str | int = "5GB",
+    dtype: str | None = None,
+    keep_prefix: bool = False,
+    include: Sequence[str] = (),
+    exclude: Sequence[str] = (),
+    overwrite: bool = False,
+    wait_seconds: float = 0.0,
+    workers: int = 1,
+    on_progress: Callable[[Progress], None] | None = None,
+) -> ConsolidateResult:
+    """Stream the checkpoint at ``src`` into one loadable file or an HF sharded folder.
+
+    Args:
+        src: any supported checkpoint (an ema-ckpt output, DCP, DeepSpeed, safetensors).
+        out: ``*.safetensors``, ``*.pt``/``*.bin``, or a directory (HF sharded layout).
+        max_shard_size: shard limit for the directory layout (``5GB``, ``500MB``, …).
+        dtype: cast floating tensors to ``bfloat16``/``float16``/``float32``/``float64``.
+        keep_prefix: keep the ``model.`` prefix of a DCP ``{"model": …}`` checkpoint.
+        include, exclude: glob patterns on the source keys.
+        overwrite: replace an existing output.
+        workers: write the shards of a directory output in N processes (a single-file
+            output is written by one of them).
+
+    Example:
+        >>> consolidate("ckpts/ema", "ema.safetensors").files   # doctest: +SKIP
+        [('ema.safetensors', 3145816)]
+    """
+    options = ConsolidateOptions(Path(src), Path(out), max_shard_size=max_shard_size, dtype=dtype,
+                                 keep_prefix=keep_prefix, include=tuple(include), exclude=tuple(exclude),
+                                 overwrite=overwrite, wait_seconds=wait_seconds, workers=workers)
+    return run_job(ConsolidateJob(options), on_progress=on_progress)
+
+
+@dataclass(slots=True)
+class _Written:
+    keys: int
+    files: list[tuple[str, int]]
+    renamed_prefix: str | None
+
+
+@dataclass
+class ConsolidateJob(Job[None, _Written, ConsolidateResult]):
+    """:func:`consolidate` as a job of the runner (:mod:`ema_ckpt.jobs`)."""
+
+    options: ConsolidateOptions
+
+    def lock_path(self) -> Path:
+        return self.options.out
+
+    def plan(self, notes: list[str]) -> None:
+        return None
+
+    def targets(self, plan: None) -> list[Target]:
+        layout = output_format_for(self.options.out)
+        return [Target(self.options.out, single_file=layout.name != "hf-sharded", replace=self.options.overwrite)]
+
+    def compute(self, plan: None, context: JobContext) -> _Written:
+        opts = self.options
+
+        def open_source() -> tuple[Any, list[str]]:
+            [reader] = context.open_sources([opts.src])
+            keys = select_keys(reader, opts.include, opts.exclude)
+            if not keys:
+                raise UsageError(f"{opts.src}: no tensor keys to write")
+            return reader, keys
+
+        reader, keys = context.check(open_source)
+        names = output_names(reader, keys, keep_prefix=opts.keep_prefix)
+        layout = opts.layout
+        if layout != "torch":  # before anything is written: a key the format cannot hold
+            for name in names.values():
+                check_key(name, opts.out)
+        stored = reader.stored()
+        tensors = [OutputTensor(k, names[k], tuple(stored[k][0]),
+                                opts.dtype if opts.dtype is not None and is_float(stored[k][1]) else stored[k][1],
+                                stored[k][1]) for k in keys]
+        settings = {"max_shard_bytes": parse_size(opts.max_shard_size)} if layout == "hf-sharded" else {}
+        writer = context.writer(0, layout, **settings)
+        written = context.write([reader], [OutputSpec("out", (Update(0, 1.0),), mode="copy")], [writer], tensors,
+                                layout=reader, copy_source=0)
+        prefix = None if opts.keep_prefix else container_prefix(reader, keys)
+        return _Written(len(keys), [(f.name, f.size) for f in written.files[0]], prefix)
+
+    def result(self, plan: None, computed: _Written | None, seconds: float) -> ConsolidateResult:
+        assert computed is not None
+        result = ConsolidateResult(self.options.out, self.options.layout, computed.files, computed.keys,
+                                   sum(size for _, size in computed.files), seconds, computed.renamed_prefix)
+        if computed.renamed_prefix:
+            result.notes.append(f"keys written without the DCP container level {computed.renamed_prefix!r} "
+                                "(--keep-prefix keeps it)")
+        return result
+
+
+__all__ = ["ConsolidateJob", "ConsolidateOptions", "ConsolidateResult", "consolidate", "parse_size"]

@@ -1,0 +1,163 @@
+"""``reshard``: any supported checkpoint → a DCP checkpoint laid out for N ranks.
+
+Each tensor is cut on dim 0 as FSDP2's ``fully_shard`` cuts it (``torch.chunk``
+boundaries) and rank r's chunks go to ``__r_0.distcp``, so each of N ranks reads only its
+own file when it loads. Streams one chunk at a time.
+
+Example:
+    >>> reshard("ckpts/ema", world_size=16, out="ema-16")   # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..dtypes import OUTPUT_DTYPES, is_float
+from ..engine import OutputSpec, Update
+from ..errors import UsageError
+from ..fs import check_not_overlapping, output_path
+from ..jobs import Job, JobContext, Target, run_job
+from ..manifest import MANIFEST_NAME, Manifest
+from ..progress import Progress
+from ..selection import select_keys
+from ..writers.base import OutputTensor
+
+_RUNTIME = {"recorded": False}
+
+
+@dataclass(frozen=True, slots=True)
+class ReshardOptions:
+    """Everything a :func:`reshard` run needs; checked when made."""
+
+    src: Path
+    out: Path
+    world_size: int
+    dtype: str | None = None
+    include: tuple[str, ...] = ()
+    exclude: tuple[str, ...] = ()
+    all_keys: bool = False
+    overwrite: bool = field(default=False, metadata=_RUNTIME)
+    wait_seconds: float = field(default=0.0, metadata=_RUNTIME)
+    workers: int = field(default=1, metadata=_RUNTIME)
+    device: str = field(default="cpu", metadata=_RUNTIME)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "src", Path(self.src))
+        object.__setattr__(self, "out", output_path(self.out))
+        object.__setattr__(self, "include", tuple(self.include))
+        object.__setattr__(self, "exclude", tuple(self.exclude))
+        if self.world_size < 1:
+            raise UsageError(f"--world-size must be at least 1, got {self.world_size}")
+        check_not_overlapping(self.src, self.out)
+        if self.dtype is not None and self.dtype not in OUTPUT_DTYPES:
+            raise UsageError(f"--dtype must be one of {', '.join(OUTPUT_DTYPES)}, got {self.dtype!r}")
+
+
+@dataclass(slots=True)
+class ReshardResult:
+    """What :func:`reshard` wrote."""
+
+    out: Path
+    world_size: int
+    keys: int
+    files: list[tuple[str, int]]
+    bytes_written: int
+    seconds: float
+    notes: list[str] = field(default_factory=list)
+
+
+def reshard(
+    src: str | Path,
+    *,
+    world_size: int,
+    out: str | Path,
+    dtype: str | None = None,
+    include: Sequence[str] = (),
+    exclude: Sequence[str] = (),
+    all_keys: bool = False,
+    overwrite: bool = False,
+    wait_seconds: float = 0.0,
+    workers: int = 1,
+    on_progress: Callable[[Progress], None] | None = None,
+) -> ReshardResult:
+    """Write ``src`` as a DCP checkpoint sharded on dim 0 for ``world_size`` ranks.
+
+    Keys are kept as they are (``model.…`` stays ``model.…``). ``all_keys`` also carries
+    non-model tensors (optimizer state) instead of the model part only.
+
+    Example:
+        >>> reshard("ckpts/ema", world_size=8, out="ema-8").files[:1]   # doctest: +SKIP
+        [('__0_0.distcp', 1048576)]
+    """
+    options = ReshardOptions(Path(src), Path(out), world_size, dtype=dtype, include=tuple(include),
+                             exclude=tuple(exclude), all_keys=all_keys, overwrite=overwrite,
+                             wait_seconds=wait_seconds, workers=workers)
+    return run_job(ReshardJob(options), on_progress=on_progress)
+
+
+@dataclass(slots=True)
+class _Written:
+    keys: int
+    files: list[tuple[str, int, int | None]]
+    notes: list[str]
+
+
+@dataclass
+class ReshardJob(Job[None, _Written, ReshardResult]):
+    """:func:`reshard` as a job of the runner (:mod:`ema_ckpt.jobs`)."""
+
+    options: ReshardOptions
+
+    def lock_path(self) -> Path:
+        return self.options.out
+
+    def plan(self, notes: list[str]) -> None:
+        return None
+
+    def targets(self, plan: None) -> list[Target]:
+        return [Target(self.options.out, replace=self.options.overwrite)]
+
+    def compute(self, plan: None, context: JobContext) -> _Written:
+        opts = self.options
+
+        def open_source() -> tuple[Any, list[str]]:
+            [reader] = context.open_sources([opts.src])
+            keys = list(reader.specs()) if opts.all_keys else select_keys(reader, opts.include, opts.exclude)
+            if not keys:
+                raise UsageError(f"{opts.src}: no tensor keys to write")
+            return reader, keys
+
+        reader, keys = context.check(open_source)
+        stored = reader.stored()
+        tensors = [OutputTensor(k, k, tuple(stored[k][0]),
+                                opts.dtype if opts.dtype is not None and is_float(stored[k][1]) else stored[k][1],
+                                stored[k][1]) for k in keys]
+        notes = []
+        rows = max((t.shape[0] for t in tensors if t.shape), default=0)
+        if opts.world_size > rows:
+            notes.append(f"--world-size {opts.world_size} is more than the largest tensor's {rows} rows: "
+                         f"ranks {rows} and above hold nothing")
+        writer = context.writer(0, "dcp", world_size=opts.world_size, max_file_bytes=None,
+                                planner_data=reader.planner_data)
+        written = context.write([reader], [OutputSpec("reshard", (Update(0, 1.0),), mode="copy")], [writer],
+                                tensors, layout=reader, copy_source=0)
+        return _Written(len(keys), [(f.name, f.size, f.crc32) for f in written.files[0]], notes)
+
+    def manifests(self, plan: None, computed: _Written) -> list[Manifest | None]:
+        src = self.options.src
+        manifest = Manifest.read(src) if src.is_dir() and (src / MANIFEST_NAME).exists() else None
+        if manifest is not None:  # an ema-ckpt output stays one, with its new files
+            manifest.files = {name: {"size": size, "crc32": crc} for name, size, crc in computed.files}
+        return [manifest]
+
+    def result(self, plan: None, computed: _Written | None, seconds: float) -> ReshardResult:
+        assert computed is not None
+        files = [(name, size) for name, size, _ in computed.files]
+        return ReshardResult(self.options.out, self.options.world_size, computed.keys, files,
+                             sum(s for _, s in files), seconds, computed.notes)
+
+
+__all__ = ["ReshardJob", "ReshardOptions", "ReshardResult", "reshard"]

@@ -1,0 +1,262 @@
+"""What an ``accumulate`` run folds: the EMAs kept at OUT, their profiles, and the weight
+each new checkpoint gets.
+
+Each EMA is an :class:`Accumulator`: its profile, the manifest of what it already holds,
+and the checkpoints newer than it. Its fold is ordered lerp weights (the previous EMA
+first, with weight 1), which :func:`~ema_ckpt.schedules.fold_coefficients` turns into the
+Σ cᵢ·θᵢ a dry run shows.
+
+Example:
+    >>> make_profile(decay=0.999, half_life=None, per_checkpoint=False, warmup=False).describe()  # doctest: +SKIP
+    'EMA with decay 0.999 per step'
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from . import planner
+from .discovery import FoundCheckpoint
+from .engine import OutputSpec, Update
+from .errors import CheckpointFormatError, IncompatibleCheckpointError, ManifestMismatchError, UsageError
+from .formats.base import CheckpointReader
+from .manifest import Manifest, fingerprint
+from .plans import Plan as AveragePlan
+from .plans import PlannedOutput, Term
+from .schedules import ExponentialProfile, PowerProfile, fold_coefficients, profile_from_dict
+from .selection import check_compatible, select_keys
+from .commands.verify import damage
+
+DEFAULT_OUT_NAME = "ema"
+Profile = ExponentialProfile | PowerProfile
+
+
+@dataclass(frozen=True, slots=True)
+class FoldTerm:
+    """One input's share of an EMA after this run (Σ coefficients = 1)."""
+
+    path: str
+    step: int
+    coefficient: float
+
+@dataclass(slots=True)
+class Accumulator:
+    name: str
+    final: Path
+    profile: Profile
+    previous: Manifest | None
+    new: list[FoundCheckpoint] = field(default_factory=list)
+    snapshot_steps: list[int] = field(default_factory=list)
+
+
+def default_out(checkpoints: Sequence[Path]) -> Path:
+    """``<folder>/ema`` for a single folder of checkpoints."""
+    if len(checkpoints) == 1 and checkpoints[0].is_dir():
+        return checkpoints[0] / DEFAULT_OUT_NAME
+    raise UsageError("--out is required when more than one path is given")
+
+
+def make_profile(
+    *, decay: float | None, half_life: float | None, per_checkpoint: bool, warmup: bool
+) -> ExponentialProfile:
+    """The classic profile named by exactly one of ``decay`` / ``half_life``."""
+    if (decay is None) == (half_life is None):
+        raise UsageError("give exactly one of --decay or --half-life (or --sigma-rel/--gamma)")
+    if half_life is not None:
+        if per_checkpoint:
+            raise UsageError("--half-life counts steps; use --decay with --per-checkpoint")
+        return ExponentialProfile.from_half_life(half_life, warmup=warmup)
+    assert decay is not None
+    return ExponentialProfile(decay=decay, per_checkpoint=per_checkpoint, warmup=warmup)
+
+
+def named_profiles(
+    decay: float | None, half_life: float | None, per_checkpoint: bool, warmup: bool,
+    sigma_rels: Sequence[str], gammas: Sequence[str], snapshot_every: int | None,
+) -> list[tuple[str, Profile]]:
+    if sigma_rels or gammas:
+        if decay is not None or half_life is not None or per_checkpoint or warmup:
+            raise UsageError("--sigma-rel/--gamma (power EMAs) cannot be combined with --decay/--half-life")
+        named: list[tuple[str, Profile]] = []
+        for text in sigma_rels:
+            for typed, value in planner.parse_sigma_list(text):
+                named.append((f"sigma_rel_{typed}", PowerProfile(planner.sigma_rel_to_gamma(value), typed)))
+        for text in gammas:
+            for item in (i.strip() for i in text.split(",")):
+                named.append((f"gamma_{item}", PowerProfile(planner.check_gamma(item), item)))
+        if len({n for n, _ in named}) != len(named):
+            raise UsageError("the same profile is requested twice")
+        return named
+    if snapshot_every is not None:
+        raise UsageError("--snapshot-every keeps power EMAs: use it with --sigma-rel or --gamma")
+    return [(DEFAULT_OUT_NAME, make_profile(decay=decay, half_life=half_life,
+                                            per_checkpoint=per_checkpoint, warmup=warmup))]
+
+def refuse_backwards(acc: Accumulator, checkpoints: list[FoundCheckpoint], start: int) -> None:
+    """Refuse a checkpoint that appeared at or before the EMA's step: steps went backwards."""
+    known = {c.path for c in acc.previous.checkpoints} if acc.previous else set()
+    known |= {s["path"] for s in (acc.previous.skipped if acc.previous else [])}
+    late = [c for c in checkpoints if c.step <= start and str(c.path.resolve()) not in known]
+    if late:
+        raise IncompatibleCheckpointError(
+            f"{late[0].path}: step {late[0].step} is at or before step {start}, where the EMA {acc.final} "
+            "stands, but was never folded: steps went backwards (a job restarted into the same folder?); "
+            "move it away, or pass --restart to rebuild the EMA"
+        )
+
+
+def refuse_damaged_emas(accumulators: list[Accumulator]) -> None:
+    """Every EMA about to be folded into matches its manifest (sizes, CRC-32s), or the run stops.
+
+    A flipped bit in the previous EMA would otherwise be folded in and then covered by fresh
+    checksums. Checked before anything is written; the damaged EMA is left as it is.
+    """
+    for acc in accumulators:
+        if acc.previous is None or not acc.new:
+            continue
+        problems = damage(acc.final)
+        if problems:
+            more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+            raise CheckpointFormatError(
+                acc.final,
+                f"the EMA does not match its manifest: {problems[0]}{more}; it is left as it is. "
+                "Restore it from a backup, or rebuild it with --restart (every checkpoint still on "
+                "disk is folded again)",
+            )
+
+
+def skip_records(skipped: Sequence[tuple[FoundCheckpoint, str]]) -> list[dict[str, Any]]:
+    return [{"path": str(c.path.resolve()), "step": c.step, "reason": reason, "fingerprint": fingerprint(c.path)}
+            for c, reason in skipped]
+
+
+def record_skips(accumulators: list[Accumulator], skipped: Sequence[tuple[FoundCheckpoint, str]]) -> None:
+    """Remember skips in each existing EMA's manifest when nothing else is written this run.
+
+    Only the manifest file changes, replaced atomically; the EMA's data stay as they are.
+    """
+    for acc in accumulators:
+        if acc.previous is None or not skipped:
+            continue
+        acc.previous.skipped = acc.previous.skipped + skip_records(skipped)
+        acc.previous.replace(acc.final)
+
+def snapshot_steps(new_steps: list[int], last: int | None, every: int) -> list[int]:
+    """Checkpoint steps at which a snapshot is taken: the first at or after each multiple of K."""
+    chosen = []
+    for step in new_steps:
+        if step // every > (last // every if last is not None else 0):
+            chosen.append(step)
+            last = step
+    return chosen
+
+
+def check_same_settings(previous: Manifest, profile: Profile, dtype: str, selection: dict, out: Path) -> None:
+    wanted = profile.to_dict()
+    if previous.kind != "ema" or previous.profile != wanted:
+        try:
+            before = profile_from_dict(previous.profile).describe()
+        except (ValueError, KeyError, UsageError):
+            before = str(previous.profile)
+        raise ManifestMismatchError(
+            f"{out} holds an {before}, not an {profile.describe()}; "
+            "pass --restart to start a new EMA there, or choose another --out"
+        )
+    if previous.dtype != dtype:
+        raise ManifestMismatchError(
+            f"{out} accumulates in {previous.dtype}, not {dtype}; pass --restart or keep --dtype {previous.dtype}"
+        )
+    if previous.selection != selection:
+        raise ManifestMismatchError(
+            f"{out} was made with key selection {previous.selection}, not {selection}; pass --restart"
+        )
+
+
+def fold_weights(acc: Accumulator, upto: int | None = None) -> list[tuple[str, int, float]]:
+    """(label, step, lerp weight) of an accumulator's fold: previous EMA first, then new checkpoints."""
+    rows: list[tuple[str, int, float]] = []
+    prev = acc.previous.step if acc.previous is not None else None
+    if acc.previous is not None:
+        rows.append((str(acc.final), acc.previous.step, 1.0))
+    for ckpt in acc.new:
+        if upto is not None and ckpt.step > upto:
+            break
+        rows.append((str(ckpt.path), ckpt.step, 1.0 if prev is None else acc.profile.update_weight(prev, ckpt.step)))
+        prev = ckpt.step
+    return rows
+
+
+def fold_terms(acc: Accumulator) -> list[FoldTerm]:
+    rows = fold_weights(acc)
+    return [FoldTerm(p, s, c) for (p, s, _), c in zip(rows, fold_coefficients([w for *_, w in rows]), strict=True)]
+
+
+def fold_plan(accumulators: list[Accumulator]) -> AveragePlan:
+    outputs = []
+    inputs: dict[str, FoundCheckpoint] = {}
+    for acc in accumulators:
+        rows = fold_weights(acc)
+        inputs.update({str(c.path): c for c in acc.new})
+        if not rows:
+            continue
+        coeffs = fold_coefficients([w for *_, w in rows])
+        terms = [Term(p, s, c) for (p, s, _), c in zip(rows, coeffs, strict=True)]
+        profile = acc.profile
+        steps = [t.step for t in terms]
+        stats = planner.describe_plan(steps, coeffs, profile=profile if isinstance(profile, ExponentialProfile) else None)
+        if isinstance(profile, PowerProfile):
+            window = planner.power_window(profile.gamma, steps[-1])
+            sigma, gamma = profile.sigma_rel, profile.gamma
+        else:
+            window = 1.0 / (1.0 - stats.step_decay) if stats.step_decay and stats.step_decay < 1 else float("inf")
+            sigma, gamma = stats.sigma_rel, None
+        warning = planner.spacing_warning(steps, window) if window != float("inf") else None
+        outputs.append(PlannedOutput(
+            acc.name, steps[-1], terms, sigma_rel=sigma, gamma=gamma, profile=profile.to_dict(),
+            warnings=[warning] if warning else [],
+            stats={"sigma_rel": stats.sigma_rel, "mean_age": stats.mean_age, "n_eff": stats.n_eff,
+                   "max_abs": stats.max_abs, "half_life": stats.half_life},
+        ))
+    return AveragePlan("accumulate", sorted(inputs.values(), key=lambda c: c.step), outputs)
+
+
+def fold_inputs(accumulators: list[Accumulator]) -> tuple[list[Accumulator], list[Path], list[FoundCheckpoint]]:
+    """(accumulators with new checkpoints, every path to read: their EMAs then the checkpoints, checkpoints)."""
+    active = [acc for acc in accumulators if acc.new]
+    sources: list[Path] = [acc.final for acc in active if acc.previous is not None]
+    checkpoints = sorted({c.path: c for acc in active for c in acc.new}.values(), key=lambda c: c.step)
+    return active, sources + [c.path for c in checkpoints], checkpoints
+
+
+def check_fold_keys(
+    readers: Sequence[CheckpointReader],
+    sources: Sequence[Path],
+    checkpoints: Sequence[FoundCheckpoint],
+    active: Sequence[Accumulator],
+    include: Sequence[str],
+    exclude: Sequence[str],
+    allow_new_keys: bool,
+) -> list[str]:
+    """The keys to fold, once every source agrees on them (metadata only: no tensor is read)."""
+    index = {str(p): i for i, p in enumerate(sources)}
+    keys = select_keys(readers[-1], include, exclude)
+    if not keys:
+        raise UsageError(f"{readers[-1].path}: no tensor keys left after --include/--exclude")
+    raw = [index[str(c.path)] for c in checkpoints]
+    check_compatible(readers, keys, reference=len(readers) - 1, allow_new_keys=allow_new_keys,
+                     same_selection=raw, include=include, exclude=exclude)
+    for acc in active:
+        if acc.previous is not None and not allow_new_keys:
+            extra = sorted(set(readers[index[str(acc.final)]].specs()) - set(keys))
+            if extra:
+                raise IncompatibleCheckpointError(
+                    f"{readers[-1].path}: key {extra[0]!r} of the EMA {acc.final} is gone "
+                    "from the newest checkpoint"
+                )
+    return keys
+
+def fold_output(name: str, rows: list[tuple[str, int, float]], index: dict[str, int]) -> OutputSpec:
+    return OutputSpec(name, tuple(Update(index[p], w) for p, _, w in rows), mode="fold")

@@ -1,0 +1,143 @@
+"""Indexing parsed DCP metadata: every tensor's stored chunks, checked to cover it exactly once."""
+
+from __future__ import annotations
+
+import stat
+from pathlib import Path
+from typing import Any
+
+from ...dtypes import DtypeName, itemsize
+from ...errors import CheckpointFormatError
+from ...layout import Box, boxes_cover
+from .metadata import METADATA_FILE, StoredChunk, load_metadata, metadata_int, planner_data_of
+
+
+class MetadataIndex:
+    """What parsing ``.metadata`` gives a :class:`~.reader.DcpReader` (a base class of it)."""
+
+    path: Path
+    metadata_files: list[Path]
+    _version: Any
+    planner_data: dict[str, tuple[str, ...]]
+    non_tensor_keys: list[str]
+    _stored: dict[str, tuple[tuple[int, ...], str]]
+    _chunks: dict[str, list[StoredChunk]]
+    _starts: dict[str, tuple[list[int], int]]
+    _bytes_records: dict[str, tuple[str, int, int]]
+    _file_ends: dict[str, int]
+    _records_all: list[tuple[str, int, int]]
+
+
+    def _parse(self) -> None:
+        metadata, self.metadata_files = load_metadata(self.path)
+        self._version = getattr(metadata, "version", None)
+        self.planner_data: dict[str, tuple[str, ...]] = planner_data_of(metadata)
+        self.non_tensor_keys: list[str] = []
+        self._stored: dict[str, tuple[tuple[int, ...], str]] = {}  # key → (shape, dtype name)
+        self._chunks: dict[str, list[StoredChunk]] = {}
+        self._starts: dict[str, tuple[list[int], int]] = {}
+        self._bytes_records: dict[str, tuple[str, int, int]] = {}
+        self._file_ends: dict[str, int] = {}  # data file → the end of its last record
+        self._records_all: list[tuple[str, int, int]] = []  # every stored record, optimizer's too
+        try:
+            self._index(metadata)
+        except (AttributeError, TypeError, ValueError, OverflowError) as err:
+            raise CheckpointFormatError(
+                self.metadata_files[0], f"malformed DCP metadata ({type(err).__name__}: {err})"
+            ) from None
+        self._check_file_sizes()
+
+
+    def _check_file_sizes(self) -> None:
+        """Every data file the metadata names is there and as long as its last record needs.
+
+        One ``stat`` per file, so a checkpoint cut short anywhere (also in records a run never
+        reads, such as the optimizer's) is refused before anything of it is used.
+        """
+        for file, end in sorted(self._file_ends.items()):
+            full = self.path / file
+            try:
+                info = full.stat()
+            except FileNotFoundError:
+                raise CheckpointFormatError(full, "data file named by the metadata is missing") from None
+            except OSError as err:
+                raise CheckpointFormatError(full, f"cannot stat data file ({err.strerror})") from None
+            if not stat.S_ISREG(info.st_mode):
+                raise CheckpointFormatError(full, "not a regular file")
+            size = info.st_size
+            if size < end:
+                raise CheckpointFormatError(
+                    full, f"truncated: {size} bytes, but the metadata has records up to byte {end}"
+                )
+
+
+    def _index(self, metadata: Any) -> None:
+        storage = self._storage_index(metadata)
+        for key, entry in metadata.state_dict_metadata.items():
+            if not isinstance(key, str):
+                raise TypeError(f"key {key!r} is not a string")
+            if not hasattr(entry, "chunks"):
+                self.non_tensor_keys.append(key)
+                if key in storage.get("bytes", {}):
+                    self._bytes_records[key] = storage["bytes"][key]
+                continue
+            shape = tuple(metadata_int(d) for d in entry.size)
+            dtype = entry.properties.dtype
+            if not isinstance(dtype, DtypeName):
+                raise TypeError(f"key {key!r}: dtype {dtype!r} is not a torch dtype")
+            chunks = []
+            for chunk in entry.chunks:
+                box = Box(tuple(metadata_int(o) for o in chunk.offsets), tuple(metadata_int(s) for s in chunk.sizes))
+                if any(s < 0 for s in box.sizes) or box.numel == 0:
+                    if any(s < 0 for s in box.sizes):
+                        raise ValueError(f"key {key!r}: negative chunk size {list(box.sizes)}")
+                    continue
+                where = storage["tensor"].get((key, box.offsets))
+                if where is None:
+                    raise CheckpointFormatError(
+                        self.metadata_files[0], f"key {key!r}: chunk at {box.offsets} has no storage entry"
+                    )
+                if box.numel * itemsize(dtype) > where[2]:
+                    raise ValueError(f"key {key!r}: chunk at {list(box.offsets)} is larger than its record")
+                chunks.append(StoredChunk(box, *where))
+            if not boxes_cover(shape, [c.box for c in chunks]):
+                raise CheckpointFormatError(
+                    self.metadata_files[0],
+                    f"key {key!r}: stored chunks do not cover shape {list(shape)} exactly once"
+                    + (" (a rank's __<r>.metadata file is missing?)" if len(self.metadata_files) > 1 or
+                       self.metadata_files[0].name != METADATA_FILE else ""),
+                )
+            chunks.sort(key=lambda c: c.box.offsets[:1])
+            self._stored[key] = (shape, str(dtype))
+            self._chunks[key] = chunks
+            self._starts[key] = (
+                [c.box.offsets[0] for c in chunks] if shape else [],
+                max((c.box.sizes[0] for c in chunks), default=0) if shape else 0,
+            )
+
+
+    def _storage_index(self, metadata: Any) -> dict[str, dict[Any, tuple[str, int, int]]]:
+        tensor: dict[Any, tuple[str, int, int]] = {}
+        blobs: dict[Any, tuple[str, int, int]] = {}
+        for index, info in (metadata.storage_data or {}).items():
+            rel = info.relative_path
+            if not isinstance(rel, str) or "/" in rel or "\\" in rel or "\0" in rel or rel in {"", ".", ".."}:
+                raise CheckpointFormatError(
+                    self.metadata_files[0], f"storage path {rel!r} leaves the checkpoint directory"
+                )
+            if getattr(info, "transform_descriptors", None):
+                raise CheckpointFormatError(
+                    self.metadata_files[0],
+                    f"key {index.fqn!r}: transformed records ({info.transform_descriptors}) are not supported",
+                )
+            where = (rel, metadata_int(info.offset), metadata_int(info.length))
+            if where[1] < 0 or where[2] < 0:
+                raise ValueError(f"key {index.fqn!r}: negative storage offset or length")
+            self._file_ends[rel] = max(self._file_ends.get(rel, 0), where[1] + where[2])
+            self._records_all.append(where)
+            if index.offset is None:
+                blobs[index.fqn] = where
+            else:
+                tensor[(index.fqn, tuple(int(o) for o in index.offset))] = where
+        return {"tensor": tensor, "bytes": blobs}
+

@@ -1,0 +1,120 @@
+"""DCP metadata: finding it, loading it (rank-local files merged), and the stored-chunk record.
+
+torch's own tools read only rank 0's ``__0.metadata`` when a checkpoint was saved with
+``use_collectives=False``; here every rank's file is read and merged.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..._pickle import load_dcp_metadata_bytes
+from ...errors import CheckpointFormatError, CheckpointNotFoundError
+from ...layout import Box
+
+METADATA_FILE = ".metadata"
+
+
+RANK_METADATA = re.compile(r"^__(\d+)\.metadata$")
+
+
+DATA_FILE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
+
+
+
+def planner_data_of(metadata: Any) -> dict[str, tuple[str, ...]]:
+    """``planner_data`` as {key: path of strings}; anything malformed is dropped (it is only a hint)."""
+    raw = getattr(metadata, "planner_data", None)
+    if not isinstance(raw, dict):
+        return {}
+    clean: dict[str, tuple[str, ...]] = {}
+    for key, path in raw.items():
+        if isinstance(key, str) and isinstance(path, (tuple, list)) and path and all(isinstance(p, str) for p in path):
+            clean[key] = tuple(path)
+    return clean
+
+
+
+def metadata_int(value: Any) -> int:
+    """An int from metadata, refusing floats, strings and other look-alikes."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{value!r} is not an integer")
+    return value
+
+
+
+@dataclass(frozen=True, slots=True)
+class StoredChunk:
+    """One stored chunk of a tensor: its box and where its record lies."""
+
+    box: Box
+    file: str
+    offset: int
+    length: int
+
+    @property
+    def rank(self) -> int | None:
+        """The writing rank, from the ``__<rank>_<n>.distcp`` file name."""
+        match = DATA_FILE.match(self.file)
+        return int(match.group(1)) if match else None
+
+
+
+def is_dcp(path: Path) -> bool:
+    if not path.is_dir():
+        return False
+    if (path / METADATA_FILE).is_file():
+        return True
+    return any(RANK_METADATA.match(p.name) and p.is_file() for p in path.iterdir())
+
+
+
+def incomplete(path: Path) -> str | None:
+    if path.is_dir() and not is_dcp(path) and any(DATA_FILE.match(p.name) for p in path.iterdir()):
+        return "DCP data files but no .metadata yet (a save in progress?)"
+    return None
+
+
+
+def _read_metadata_file(file: Path) -> Any:
+    try:
+        data = file.read_bytes()
+    except OSError as err:
+        raise CheckpointFormatError(file, f"cannot read ({err.strerror})") from None
+    return load_dcp_metadata_bytes(data, str(file))
+
+
+
+def load_metadata(path: Path) -> tuple[Any, list[Path]]:
+    """The checkpoint's metadata and the metadata files it came from.
+
+    With only rank-local ``__<r>.metadata`` files, every rank's file is read and their
+    chunks and storage entries are merged.
+    """
+    global_file = path / METADATA_FILE
+    if global_file.is_file():
+        return _read_metadata_file(global_file), [global_file]
+    files = sorted(
+        (p for p in path.iterdir() if RANK_METADATA.match(p.name) and p.is_file()),
+        key=lambda p: int(RANK_METADATA.match(p.name).group(1)),  # type: ignore[union-attr]
+    )
+    if not files:
+        raise CheckpointNotFoundError(path, "no .metadata file: not a DCP checkpoint")
+    merged = _read_metadata_file(files[0])
+    for file in files[1:]:
+        md = _read_metadata_file(file)
+        for key, entry in md.state_dict_metadata.items():
+            known = merged.state_dict_metadata.get(key)
+            if known is None:
+                merged.state_dict_metadata[key] = entry
+            elif hasattr(known, "chunks") and hasattr(entry, "chunks"):
+                seen = {tuple(c.offsets) for c in known.chunks}
+                known.chunks.extend(c for c in entry.chunks if tuple(c.offsets) not in seen)
+        merged.storage_data = {**(md.storage_data or {}), **(merged.storage_data or {})}
+        if md.planner_data:
+            merged.planner_data = {**md.planner_data, **(merged.planner_data or {})}
+    return merged, files
+

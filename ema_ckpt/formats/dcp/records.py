@@ -1,0 +1,272 @@
+"""Reading DCP chunk records: locate a record's tensor bytes and read them straight into a buffer.
+
+A record is a standalone ``torch.save`` zip (see :mod:`ema_ckpt.torch_records`). Its zip
+directory and ``data.pkl`` are parsed with an allowlist; the raw bytes are then read with
+``pread`` into the destination, one read per chunk, no pickle code, no extra copy. Records
+that are not plain contiguous tensors go through torch's weights-only loader.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import stat
+import warnings
+import zipfile
+from collections.abc import Mapping
+from pathlib import Path
+
+from ..._lazy import torch
+from ...dtypes import itemsize, name_of
+from ...errors import CheckpointFormatError, EmaCkptError, UnsafePickleError
+from ...layout import Box, TensorSpec
+from ...torch_records import (
+    FileWindow,
+    TensorRecord,
+    load_tensor_record,
+    member_start,
+    pread_into,
+    scan_record,
+)
+from ...torch_records.zipfmt import LOCAL_HEADER, LOCAL_MAGIC
+from .._ds_unpickle import _GLOBAL_IN_MESSAGE, _first_line, _globals_in_pickle, _torch_allows
+from .metadata import StoredChunk
+
+_MAX_PICKLE_BYTES = 1 << 20  # a tensor record's data.pkl is a few hundred bytes
+
+
+
+def _pread_into(fd: int, view: memoryview, offset: int, file: str) -> None:
+    if not pread_into(fd, view, offset):
+        raise CheckpointFormatError(file, f"truncated: expected {len(view)} bytes at offset {offset}")
+
+
+def _refused_in_record(message: str, record: bytes) -> str | None:
+    """The global torch's weights-only loader refused in a record, from its message or its pickle."""
+    if "weights_only" not in message and "Weights only" not in message and "GLOBAL" not in message:
+        return None
+    match = _GLOBAL_IN_MESSAGE.search(message)
+    if match:
+        name = match.group(1)
+        return name if "." in name else f"builtins.{name}"
+    try:
+        with zipfile.ZipFile(io.BytesIO(record)) as archive:
+            pkl = next((n for n in archive.namelist() if n.endswith("/data.pkl") or n == "data.pkl"), None)
+            names = _globals_in_pickle(archive.read(pkl)) if pkl else []
+    except Exception:  # a damaged record: reported as unreadable, not as a refused global
+        return None
+    refused = [n for n in names if not _torch_allows(n)]
+    return refused[0] if refused else None
+
+
+
+def _tensor_bytes(t: torch.Tensor) -> memoryview:
+    """A writable byte view of a contiguous tensor's memory."""
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+
+class ChunkRecords:
+    """Open data files and parsed records of a :class:`~.reader.DcpReader` (a base class of it)."""
+
+    path: Path
+    _fds: dict[str, int]
+    _file_sizes: dict[str, int]
+    _names: dict[str, str]
+    _fallback: tuple[tuple[str, int], torch.Tensor] | None
+    _records: dict[tuple[str, int], tuple[int, TensorRecord] | None]
+    _stored: dict[str, tuple[tuple[int, ...], str]]
+
+    def specs(self) -> Mapping[str, TensorSpec]:
+        raise NotImplementedError
+
+
+    def _fd(self, file: str) -> int:
+        fd = self._fds.get(file)
+        if fd is None:
+            full = self.path / file
+            try:
+                fd = os.open(full, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+            except OSError as err:
+                raise CheckpointFormatError(full, f"cannot open data file ({err.strerror})") from None
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                os.close(fd)
+                raise CheckpointFormatError(full, "not a regular file")
+            self._fds[file] = fd
+            self._file_sizes[file] = info.st_size
+        return fd
+
+
+    def _name(self, file: str) -> str:
+        """The data file's full path, for messages (cached: built on every read otherwise)."""
+        name = self._names.get(file)
+        if name is None:
+            name = self._names[file] = str(self.path / file)
+        return name
+
+
+    def _check_extent(self, file: str, offset: int, length: int) -> None:
+        self._fd(file)
+        if offset < 0 or length < 0 or offset + length > self._file_sizes[file]:
+            raise CheckpointFormatError(
+                self.path / file,
+                f"truncated: a record ends at byte {offset + length} but the file has "
+                f"{self._file_sizes[file]}",
+            )
+
+
+    def _record(self, key: str, chunk: StoredChunk) -> tuple[int, TensorRecord] | None:
+        """(absolute data offset, record) for a plain tensor record, else None."""
+        cache_key = (chunk.file, chunk.offset)
+        if cache_key in self._records:
+            return self._records[cache_key]
+        self._check_extent(chunk.file, chunk.offset, chunk.length)
+        fd = self._fd(chunk.file)
+        source = f"{self._name(chunk.file)} (key {key!r})"
+        fast = scan_record(fd, chunk.offset, chunk.length)
+        if fast is not None:
+            found = self._record_from_index(key, chunk, fast, source)
+            if found is not False:
+                self._records[cache_key] = found  # type: ignore[assignment]
+                return found  # type: ignore[return-value]
+        try:
+            archive = zipfile.ZipFile(FileWindow(fd, chunk.offset, chunk.length))
+            names = archive.namelist()
+            pkl = next(n for n in names if n.endswith("/data.pkl") or n == "data.pkl")
+            pkl_info = archive.getinfo(pkl)
+            if pkl_info.compress_type != zipfile.ZIP_STORED or pkl_info.file_size > _MAX_PICKLE_BYTES:
+                raise CheckpointFormatError(source, "unexpected tensor record layout")
+            record = load_tensor_record(archive.read(pkl), source)
+            member = archive.getinfo(pkl[: -len("data.pkl")] + "data/" + record.storage_key)
+        except OSError as err:
+            raise CheckpointFormatError(self.path / chunk.file, f"cannot read ({err})") from None
+        except Exception:  # anything unusual: torch's weights-only loader decides, or refuses
+            self._records[cache_key] = None
+            return None
+        if not (0 <= member.header_offset < chunk.length) or record.storage_offset < 0 or record.storage_numel < 0:
+            raise CheckpointFormatError(self.path / chunk.file, f"key {key!r}: corrupt record")
+        header = os.pread(fd, LOCAL_HEADER.size, chunk.offset + member.header_offset)
+        if len(header) != LOCAL_HEADER.size or header[:4] != LOCAL_MAGIC:
+            raise CheckpointFormatError(self.path / chunk.file, f"key {key!r}: corrupt record header")
+        fields = LOCAL_HEADER.unpack(header)
+        start = member.header_offset + LOCAL_HEADER.size + fields[9] + fields[10]
+        nbytes = record.storage_numel * itemsize(record.dtype)
+        if member.compress_type != zipfile.ZIP_STORED or member.file_size != nbytes:
+            self._records[cache_key] = None
+            return None
+        if start + nbytes > chunk.length:
+            raise CheckpointFormatError(self.path / chunk.file, f"key {key!r}: record overruns its extent")
+        result = (chunk.offset + start, record)
+        self._records[cache_key] = result
+        return result
+
+
+    def _record_from_index(
+        self, key: str, chunk: StoredChunk, members: dict[str, tuple[int, int, int]], source: str
+    ) -> tuple[int, TensorRecord] | bool | None:
+        """The record through the fast zip index; False to let the zipfile path decide."""
+        fd = self._fd(chunk.file)
+        pkl = next((n for n in members if n.endswith("/data.pkl") or n == "data.pkl"), None)
+        if pkl is None:
+            return False
+        method, size, local = members[pkl]
+        if method != 0 or size > _MAX_PICKLE_BYTES:
+            return False
+        start = member_start(fd, chunk.offset, chunk.length, local)
+        if start is None or start + size > chunk.length:
+            return False
+        try:
+            record = load_tensor_record(os.pread(fd, size, chunk.offset + start), source)
+        except EmaCkptError:
+            return False
+        data = members.get(pkl[: -len("data.pkl")] + "data/" + record.storage_key)
+        if data is None or data[0] != 0:
+            return False
+        if record.storage_offset < 0 or record.storage_numel < 0:
+            raise CheckpointFormatError(self.path / chunk.file, f"key {key!r}: corrupt record")
+        nbytes = record.storage_numel * itemsize(record.dtype)
+        if data[1] != nbytes:
+            return None
+        begin = member_start(fd, chunk.offset, chunk.length, data[2])
+        if begin is None:
+            return False
+        if begin + nbytes > chunk.length:
+            raise CheckpointFormatError(self.path / chunk.file, f"key {key!r}: record overruns its extent")
+        return (chunk.offset + begin, record)
+
+
+    def _load_record_fallback(self, key: str, chunk: StoredChunk) -> torch.Tensor:
+        """Load an unusual record (non-contiguous, new layout) with torch's weights-only loader.
+
+        The last one loaded is kept: callers read a chunk block by block, and reloading the
+        whole record for each block would cost its size once per block.
+        """
+        if self._fallback is not None and self._fallback[0] == (chunk.file, chunk.offset):
+            return self._fallback[1]
+        self._fallback = None  # release the previous record before loading the next
+        fd = self._fd(chunk.file)
+        self._check_extent(chunk.file, chunk.offset, chunk.length)
+        data = os.pread(fd, chunk.length, chunk.offset)
+        try:
+            with warnings.catch_warnings():  # a corrupt record's odd protocol is reported below, not warned
+                warnings.simplefilter("ignore")
+                value = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+        except Exception as err:
+            refused = _refused_in_record(str(err), data)
+            if refused is not None:  # torch's own advice (load it with weights_only=False) is never relayed
+                raise UnsafePickleError(
+                    self.path / chunk.file,
+                    f"key {key!r}: the record at offset {chunk.offset} refers to {refused}, which is not "
+                    "allowed; nothing from the file was run",
+                ) from None
+            first = _first_line(str(err)) or type(err).__name__
+            if "weights_only" in first or "will likely succeed" in first:  # torch's advice: never relayed
+                first = "refused by torch's weights-only loader"
+            raise CheckpointFormatError(
+                self.path / chunk.file, f"key {key!r}: unreadable record at offset {chunk.offset} ({first})"
+            ) from None
+        if not isinstance(value, torch.Tensor):
+            raise CheckpointFormatError(self.path / chunk.file, f"key {key!r}: record is not a tensor")
+        self._fallback = ((chunk.file, chunk.offset), value)
+        return value
+
+
+    def _read_chunk_part(self, key: str, chunk: StoredChunk, part: Box, dest: torch.Tensor) -> None:
+        spec = self.specs()[key]
+        found = self._record(key, chunk)
+        if found is None or not found[1].is_contiguous:
+            value = self._load_record_fallback(key, chunk)
+            self._check_record(key, chunk, tuple(value.shape), name_of(value.dtype))
+            dest.copy_(value[part.slices()] if part.sizes else value)
+            return
+        data_offset, record = found
+        self._check_record(key, chunk, record.size, record.dtype)
+        if record.storage_offset + chunk.box.numel > record.storage_numel:
+            raise CheckpointFormatError(self.path / chunk.file, f"key {key!r}: record storage too small")
+        itemsize = spec.dtype.itemsize
+        base = data_offset + record.storage_offset * itemsize
+        if not part.sizes:  # 0-d
+            _pread_into(self._fd(chunk.file), _tensor_bytes(dest), base, self._name(chunk.file))
+            return
+        row_numel = chunk.box.numel // chunk.box.sizes[0]
+        first, rows = part.offsets[0], part.sizes[0]
+        offset = base + first * row_numel * itemsize
+        full_rows = part.sizes[1:] == chunk.box.sizes[1:]
+        if full_rows and dest.is_contiguous():
+            _pread_into(self._fd(chunk.file), _tensor_bytes(dest), offset, self._name(chunk.file))
+            return
+        block = torch.empty((rows, *chunk.box.sizes[1:]), dtype=spec.dtype)
+        _pread_into(self._fd(chunk.file), _tensor_bytes(block), offset, self._name(chunk.file))
+        dest.copy_(block[(slice(None), *part.slices()[1:])])
+
+
+    def _check_record(self, key: str, chunk: StoredChunk, size: tuple[int, ...], dtype: str) -> None:
+        expected = self._stored[key][1]
+        if tuple(size) != chunk.box.sizes or dtype != expected:
+            raise CheckpointFormatError(
+                self.path / chunk.file,
+                f"key {key!r}: record holds torch.{dtype} {list(size)}, metadata says "
+                f"torch.{expected} {list(chunk.box.sizes)}",
+            )
+

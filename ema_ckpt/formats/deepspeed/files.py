@@ -1,0 +1,283 @@
+"""DeepSpeed checkpoint files: tag folders, ``latest``, detection, saves still in progress, the step.
+
+Only file names are looked at, except for the first model-states file, whose pickle holds
+``dp_world_size`` and ``global_steps``: it is read once per file version (memory-mapped,
+through the restricted loader of :mod:`.._ds_unpickle`) and remembered.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+from ...errors import CheckpointFormatError, UnsafePickleError
+from .._ds_unpickle import load_ds_file
+
+FORMAT_NAME = "deepspeed"
+
+OPTIM_RE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
+
+ZERO3_MODEL_RE = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
+
+MODEL_RE = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
+
+UNSUPPORTED_FILES = (
+    (re.compile(r"^layer_\d+-model_\d+-model_states\.pt$"), "pipeline-parallel layer files"),
+    (re.compile(r"^layer_\d+_expert_\d+_.*model_states\.pt$"), "MoE expert files"),
+    (re.compile(r"^expp_rank_\d+_.*optim_states\.pt$"), "MoE expert-parallel optimizer files"),
+)
+
+TAG_STEP_RE = re.compile(r"(?:global_step|checkpoint-|step)(\d+)$")
+
+
+
+def ds_files(folder: Path) -> tuple[list[Path], list[Path]]:
+    """The ``*_model_states.pt`` and ``*optim_states.pt`` files directly in ``folder``."""
+    try:
+        names = sorted(p.name for p in folder.iterdir())
+    except OSError:
+        return [], []
+    models = [folder / n for n in names if n.endswith("_model_states.pt")]
+    optims = [folder / n for n in names if n.endswith("optim_states.pt")]
+    return models, optims
+
+
+
+def _read_latest(folder: Path) -> str | None:
+    """The tag named by ``folder/latest`` (DeepSpeed writes it without a newline), or None."""
+    latest = folder / "latest"
+    if not latest.is_file():
+        return None
+    try:
+        tag = latest.read_text(encoding="utf-8", errors="replace").strip()
+    except OSError:
+        return None
+    # A tag is one path component inside the folder, never a way out of it.
+    if not tag or "/" in tag or "\\" in tag or tag in (".", ".."):
+        return None
+    return tag
+
+
+
+def find_tag_dir(path: str | Path) -> Path | None:
+    """The DeepSpeed tag folder ``path`` is or names through ``latest``; None if neither.
+
+    Accepts a tag folder (``save_dir/global_step10``), a save folder whose ``latest`` names a
+    tag folder, and so Hugging Face Trainer's ``checkpoint-N`` (``latest`` + ``global_stepN``).
+    Only file names are looked at.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        return None
+    models, optims = ds_files(path)
+    if models and optims:
+        return path
+    tag = _read_latest(path)
+    if tag is not None:
+        tag_dir = path / tag
+        if tag_dir.is_dir():
+            models, optims = ds_files(tag_dir)
+            if models and optims:
+                return tag_dir
+    return None
+
+
+
+def name_gaps(tag_dir: Path) -> str | None:
+    """Why the file names of ``tag_dir`` show missing rank files, or None (names only)."""
+    models, optims = ds_files(tag_dir)
+    ranks = sorted(int(m.group(2)) for m in (OPTIM_RE.match(p.name) for p in optims) if m)
+    if ranks and ranks != list(range(len(ranks))):
+        missing = sorted(set(range(max(ranks) + 1)) - set(ranks))
+        return f"optimizer files of data-parallel rank(s) {missing} are missing"
+    zero3_models = [p for p in models if ZERO3_MODEL_RE.match(p.name)]
+    if zero3_models and len(zero3_models) != len(optims):
+        return (
+            f"{len(zero3_models)} ZeRO-3 model-states files but {len(optims)} optimizer files "
+            "(a rank did not finish saving)"
+        )
+    return None
+
+
+
+def is_deepspeed(path: str | Path) -> bool:
+    """Detection by marker files: a tag folder, directly or via ``latest``, that is not
+    :func:`incomplete` (so a checkpoint still being written is skipped, not half-read)."""
+    tag_dir = find_tag_dir(path)
+    return tag_dir is not None and incomplete(tag_dir) is None
+
+
+
+def incomplete(path: str | Path) -> str | None:
+    """A reason when ``path`` looks like a DeepSpeed checkpoint still being written, else None.
+
+    Checks, cheapest first: ``latest`` naming a missing tag, a tag folder with model states but
+    no optimizer files (or the reverse), gaps in the rank numbers, and fewer optimizer files
+    than the ``dp_world_size`` recorded in the model states.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        return None
+    tag = _read_latest(path)
+    tag_dir = path
+    models, optims = ds_files(path)
+    if not models and not optims:
+        if tag is None:
+            return _tag_without_latest(path)
+        tag_dir = path / tag
+        if not tag_dir.is_dir():
+            return f"'latest' names tag {tag!r} but {tag_dir} does not exist (still being written?)"
+        models, optims = ds_files(tag_dir)
+        if not models and not optims:
+            return f"DeepSpeed tag folder {tag_dir} holds no model or optimizer states yet"
+    if not models and not optims:
+        return None
+    if not optims:
+        return (
+            f"DeepSpeed tag folder {tag_dir} holds model states but no *_optim_states.pt files "
+            "(still being written, or a ZeRO-0 checkpoint, which is not supported)"
+        )
+    if not models:
+        return f"DeepSpeed tag folder {tag_dir} holds optimizer states but no *_model_states.pt file"
+    reason = name_gaps(tag_dir)
+    if reason:
+        return f"DeepSpeed tag folder {tag_dir}: {reason}"
+    first = _first_model_file(models)
+    try:
+        expected = _recorded_world_size(first)
+    except UnsafePickleError:
+        return None  # complete but refused: opening it gives the real error
+    except CheckpointFormatError as err:
+        return f"{first} is unreadable, perhaps still being written ({err.reason})"
+    if isinstance(expected, int) and len(optims) < expected:
+        return (
+            f"DeepSpeed tag folder {tag_dir} holds {len(optims)} of the {expected} optimizer "
+            "files its dp_world_size asks for (still being written?)"
+        )
+    return None
+
+
+
+_TRAINER_FILES = {"trainer_state.json", "config.json", "training_args.bin", "zero_to_fp32.py"}
+
+"""Files a trainer writes beside its DeepSpeed tag (the Hugging Face Trainer's checkpoint-N)."""
+
+
+def _tag_without_latest(path: Path) -> str | None:
+    """A reason when a folder without ``latest`` holds a DeepSpeed tag that is still being written.
+
+    DeepSpeed writes ``latest`` after every rank's files, so a Hugging Face Trainer
+    ``checkpoint-N/global_stepN/`` holding rank 0's files only is a save in progress (or one
+    that died). A folder of several tags is a save folder: each tag is judged on its own, and a
+    folder without a trainer's files beside its subfolders (a folder of checkpoints) is not
+    looked into at all.
+    """
+    try:
+        files = [p.name for p in path.iterdir() if p.is_file()]
+        if not any(n in _TRAINER_FILES or n.endswith(".safetensors") for n in files):
+            return None
+        tags = [c for c in sorted(path.iterdir()) if c.is_dir() and any(ds_files(c))]
+    except OSError:
+        return None
+    if len(tags) != 1:
+        return None
+    reason = incomplete(tags[0])
+    if reason:
+        return f"no 'latest' yet and {reason}"
+    # Complete rank files but no `latest` yet, beside a trainer's other weights: read now, the
+    # folder would pass for its bf16 copy and, once `latest` appears, for the fp32 tag.
+    return f"DeepSpeed tag {tags[0].name} but no 'latest' naming it yet (still being written?)"
+
+
+
+# (path, device, inode, size, mtime_ns) -> (dp_world_size, global_steps) of a settled model-states file.
+_SUMMARIES: dict[tuple[str, int, int, int, int], tuple[Any, Any]] = {}
+_SETTLED_SECONDS = 2.0  # files modified more recently are read afresh (a same-size rewrite
+# within the file system's timestamp granularity would otherwise look unchanged)
+
+
+def _model_summary(path: Path) -> tuple[Any, Any]:
+    """``(dp_world_size, global_steps)`` from a model-states file (None if absent), remembered
+    per file version.
+
+    Detection and discovery ask this of the same files several times per run (``detect_format``,
+    the step, then opening), and unpickling a ZeRO-3 model-states file costs tens of
+    milliseconds. Errors are not remembered, so a file still being written is read again.
+    """
+    try:
+        st = path.stat()
+    except OSError:
+        st = None
+    key = (str(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns) if st is not None else None
+    if key is not None and key in _SUMMARIES:
+        return _SUMMARIES[key]
+    state = load_ds_file(path)
+    summary = (state.get("dp_world_size"), state.get("global_steps")) if isinstance(state, dict) else (None, None)
+    if key is not None and st is not None and time.time() - st.st_mtime > _SETTLED_SECONDS:
+        if len(_SUMMARIES) >= 4096:
+            _SUMMARIES.clear()
+        _SUMMARIES[key] = summary
+    return summary
+
+
+def _recorded_world_size(path: Path) -> Any:
+    """``dp_world_size`` from a model-states file (None if absent)."""
+    return _model_summary(path)[0]
+
+
+def step_from(global_steps: Any, tag: str) -> int | None:
+    """A DeepSpeed checkpoint's step: ``global_steps`` when recorded, else the number in the tag name."""
+    if isinstance(global_steps, int):
+        return global_steps
+    m = TAG_STEP_RE.search(tag)
+    return int(m.group(1)) if m else None
+
+
+def model_files(models: list[Path]) -> list[Path]:
+    """The model-states files a reader uses, in rank order: ZeRO-3's per-rank files, else ``mp_rank_00``."""
+    zero3 = sorted(((int(m.group(1)), p) for p in models if (m := ZERO3_MODEL_RE.match(p.name))), key=lambda t: t[0])
+    return [p for _, p in zero3] or [p for p in models if MODEL_RE.match(p.name)]
+
+
+def step_of(path: str | Path) -> int | None:
+    """The step a :class:`~.reader.DeepSpeedReader` of ``path`` reports, from the first
+    model-states file's ``global_steps`` alone (no optimizer file is opened, no tensor read).
+
+    Example:
+        >>> step_of("out/checkpoint-500")  # doctest: +SKIP
+        500
+    """
+    tag_dir = find_tag_dir(path)
+    if tag_dir is None:
+        return None
+    files = model_files(ds_files(tag_dir)[0])
+    if not files:
+        return None
+    return step_from(_model_summary(files[0])[1], tag_dir.name)
+
+
+def _first_model_file(models: list[Path]) -> Path:
+    for p in models:
+        if p.name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt"):
+            return p
+    return models[0]
+
+
+
+def deepspeed_tags(save_dir: str | Path) -> list[Path]:
+    """Every tag folder directly under a DeepSpeed ``save_dir``, oldest first.
+
+    ``save_dir/latest`` names only the newest tag; an EMA wants them all. Order is by the step
+    in the tag name (``global_step<N>``), then by name.
+    """
+    save_dir = Path(save_dir)
+    tags = [c for c in sorted(save_dir.iterdir()) if c.is_dir() and all(ds_files(c))]
+
+    def order(p: Path) -> tuple[int, str]:
+        m = TAG_STEP_RE.search(p.name)
+        return (int(m.group(1)) if m else -1, p.name)
+
+    return sorted(tags, key=order)
+

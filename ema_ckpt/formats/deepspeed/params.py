@@ -1,0 +1,327 @@
+"""Where each key's data lies in a DeepSpeed checkpoint: ZeRO 1/2 and 3 parameter maps, frozen
+parameters, buffers and tied aliases, as flat ranges of the memory-mapped rank tensors."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..._lazy import torch
+from ...errors import CheckpointFormatError
+from ...layout import TensorSpec
+
+
+@dataclass(frozen=True, slots=True)
+class _Piece:
+    """Elements ``[dst, dst + length)`` of a key's flattened data are ``src[start : start + length]``."""
+
+    dst: int
+    length: int
+    src: torch.Tensor  # 1-D, a view on a memory-mapped file
+    start: int
+    releasable: bool = False  # src's pages may be dropped after a copy (see release_pages)
+
+
+
+@dataclass(slots=True)
+class _Entry:
+    spec: TensorSpec
+    kind: str  # "param", "frozen", "buffer" or "tied"
+    pieces: tuple[_Piece, ...] = ()  # flat-range sources (ZeRO partitions)
+    tensor: torch.Tensor | None = None  # or one whole stored tensor (buffers, stage 1/2 frozen)
+    owner: str | None = None  # for "tied": the key whose data this one reads
+    releasable: bool = False  # ``tensor``'s pages may be dropped after a copy
+
+
+
+class _FlatChunks:
+    """Several 1-D tensors seen as their concatenation, without concatenating them."""
+
+    def __init__(self, chunks: Sequence[torch.Tensor], releasable: Sequence[bool] | None = None) -> None:
+        self.chunks = list(chunks)
+        self.releasable = list(releasable) if releasable is not None else [False] * len(self.chunks)
+        self.starts = [0]
+        for c in self.chunks:
+            self.starts.append(self.starts[-1] + c.numel())
+
+    @property
+    def numel(self) -> int:
+        return self.starts[-1]
+
+    def pieces(self, start: int, length: int, dst: int) -> list[_Piece]:
+        """Pieces for ``concat[start : start + length]`` placed at ``dst`` of a key."""
+        out: list[_Piece] = []
+        end = start + length
+        for i, chunk in enumerate(self.chunks):
+            lo, hi = max(start, self.starts[i]), min(end, self.starts[i + 1])
+            if lo < hi:
+                out.append(_Piece(dst + lo - start, hi - lo, chunk, lo - self.starts[i], self.releasable[i]))
+        return out
+
+
+
+def _flat(t: Any, where: Path, what: str) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise CheckpointFormatError(where, f"{what} is {type(t).__name__}, not a tensor")
+    if t.dim() != 1:
+        t = t.reshape(-1)
+    return t
+
+
+
+def _same_storage(view: torch.Tensor, original: torch.Tensor) -> bool:
+    """Whether ``view`` still shares ``original``'s memory (``reshape`` copies when it must)."""
+    return view.untyped_storage().data_ptr() == original.untyped_storage().data_ptr()
+
+
+
+def _shape(value: Any, where: Path, name: str) -> tuple[int, ...]:
+    """A recorded shape as a tuple of non-negative ints, or a format error naming the file."""
+    try:
+        shape = tuple(int(d) for d in value)
+    except (TypeError, ValueError):
+        raise CheckpointFormatError(where, f"shape of {name} is not a list of sizes: {value!r}") from None
+    if any(d < 0 for d in shape):
+        raise CheckpointFormatError(where, f"shape of {name} has a negative size: {shape}")
+    return shape
+
+
+
+def _row_major_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for d in reversed(shape):
+        strides.append(acc)
+        acc *= d
+    return tuple(reversed(strides))
+
+
+
+class ParameterMaps:
+    """Building the key map of a :class:`~.reader.DeepSpeedReader` (a base class of it)."""
+
+    tag_dir: Path
+    stage: int
+    world_size: int
+    master_dtype: torch.dtype
+    _optim_files: list[Path]
+    _model_files: list[Path]
+    _releasable: dict[Path, bool]
+
+    def _load(self, path: Path) -> Any:
+        raise NotImplementedError
+
+
+    def _map_keys(self, model0_path: Path, model0: dict, osds: list[dict]) -> dict[str, _Entry]:
+        """Every key: buffers, frozen, trainable (masters), tied aliases; in state_dict order."""
+        entries: dict[str, _Entry] = {}
+        module = model0.get("module") or {}
+        if not isinstance(module, Mapping):
+            raise CheckpointFormatError(model0_path, "'module' is not a state dict")
+        buffer_names = list(model0.get("buffer_names") or [])
+        for name in buffer_names:
+            t = module.get(name)
+            if not isinstance(t, torch.Tensor):
+                continue
+            dtype = torch.float32 if t.is_floating_point() else t.dtype
+            spec = TensorSpec(name, tuple(t.shape), dtype)
+            entries[name] = _Entry(spec, "buffer", tensor=t, releasable=self._releasable[model0_path])
+
+        param_shapes = model0.get("param_shapes")
+        if not isinstance(param_shapes, list):
+            raise CheckpointFormatError(model0_path, "no param_shapes (not a ZeRO checkpoint)")
+        if self.stage <= 2:
+            trainable = self._stage12_params(param_shapes, osds)
+        else:
+            trainable = self._stage3_params(param_shapes, osds)
+
+        frozen = self._frozen(model0_path, model0, module, buffer_names, trainable)
+        entries.update(frozen)
+        entries.update(trainable)
+        masters = {e.pieces[0].src.dtype for e in trainable.values() if e.pieces}
+        self.master_dtype = masters.pop() if len(masters) == 1 else torch.float32
+
+        shared = model0.get("shared_params") or {}
+        if not isinstance(shared, Mapping):
+            raise CheckpointFormatError(model0_path, "shared_params is not a mapping")
+        for alias, owner in shared.items():
+            if owner in entries and alias not in entries:
+                entries[alias] = _Entry(
+                    TensorSpec(alias, entries[owner].spec.shape, entries[owner].spec.dtype),
+                    "tied",
+                    owner=owner,
+                )
+
+        # Keys in the module's own state_dict order where known, then zero_to_fp32's order.
+        order = [k for k in module if k in entries]
+        seen = set(order)
+        order += [k for k in entries if k not in seen]
+        return {k: entries[k] for k in order}
+
+
+    def _stage12_params(self, param_shapes: list, osds: list[dict]) -> dict[str, _Entry]:
+        key = "single_partition_of_fp32_groups"
+        per_rank = []
+        mapped: list[list[bool]] = []  # per rank, per group: pages releasable
+        for p, osd in zip(self._optim_files, osds, strict=True):
+            groups = osd.get(key)
+            if not isinstance(groups, list | tuple):
+                raise CheckpointFormatError(p, f"no {key}")
+            flats = [_flat(t, p, f"{key}[{i}]") for i, t in enumerate(groups)]
+            per_rank.append(flats)
+            mapped.append(
+                [self._releasable[p] and _same_storage(f, t) for f, t in zip(flats, groups, strict=True)]
+            )
+        n_groups = len(per_rank[0])
+        if any(len(g) != n_groups for g in per_rank) or len(param_shapes) != n_groups:
+            raise CheckpointFormatError(
+                self._optim_files[0],
+                f"{n_groups} flat groups per rank but {len(param_shapes)} param_shapes groups",
+            )
+        alignment = osds[0].get("param_alignment_paddings")
+        align_to = 2 * self.world_size  # DeepSpeed pads each group to a multiple of 2·ws
+        entries: dict[str, _Entry] = {}
+        for g, shapes in enumerate(param_shapes):
+            if not isinstance(shapes, Mapping):
+                raise CheckpointFormatError(self._model_files[0], f"param_shapes[{g}] is not a mapping")
+            flat = _FlatChunks([ranks[g] for ranks in per_rank], [m[g] for m in mapped])
+            paddings = alignment[g] if alignment is not None else None
+            if paddings is not None and len(paddings) != len(shapes):
+                raise CheckpointFormatError(
+                    self._optim_files[0],
+                    f"group {g}: {len(paddings)} alignment paddings for {len(shapes)} params",
+                )
+            offset = 0
+            for j, (name, shape) in enumerate(shapes.items()):
+                shape = _shape(shape, self._model_files[0], name)
+                n = math.prod(shape)
+                if offset + n > flat.numel:
+                    raise CheckpointFormatError(
+                        self.tag_dir, f"group {g}: {name} needs elements up to {offset + n} of {flat.numel}"
+                    )
+                spec = TensorSpec(name, shape, flat.chunks[0].dtype)
+                entries[name] = _Entry(spec, "param", pieces=tuple(flat.pieces(offset, n, 0)))
+                offset += n + (int(paddings[j]) if paddings is not None else 0)
+            if math.ceil(offset / align_to) != math.ceil(flat.numel / align_to):
+                raise CheckpointFormatError(
+                    self.tag_dir,
+                    f"group {g}: consumed {offset} numels out of {flat.numel}; the layout is not understood",
+                )
+        return entries
+
+
+    def _stage3_params(self, param_shapes: list, osds: list[dict]) -> dict[str, _Entry]:
+        key = "fp32_flat_groups"
+        ws = self.world_size
+        per_rank = []
+        for p, osd in zip(self._optim_files, osds, strict=True):
+            groups = osd.get(key)
+            if not isinstance(groups, list | tuple):
+                raise CheckpointFormatError(p, f"no {key}")
+            flats = [_flat(t, p, f"{key}[{i}]") for i, t in enumerate(groups)]
+            mapped = [self._releasable[p] and _same_storage(f, t) for f, t in zip(flats, groups, strict=True)]
+            per_rank.append(_FlatChunks(flats, mapped))
+        merged: dict[str, tuple[int, ...]] = {}
+        for g, shapes in enumerate(param_shapes):
+            if not isinstance(shapes, Mapping):
+                raise CheckpointFormatError(self._model_files[0], f"param_shapes[{g}] is not a mapping")
+            for name, shape in shapes.items():
+                merged[name] = _shape(shape, self._model_files[0], name)
+        entries: dict[str, _Entry] = {}
+        offset = 0  # within every rank's flat (all sub-groups back to back)
+        for name, shape in merged.items():
+            n = math.prod(shape)
+            part = math.ceil(n / ws)
+            pieces: list[_Piece] = []
+            for r, flat in enumerate(per_rank):
+                length = min(part, n - r * part)
+                if length > 0:
+                    pieces.extend(flat.pieces(offset, length, r * part))
+            dtype = per_rank[0].chunks[0].dtype if per_rank[0].chunks else torch.float32
+            entries[name] = _Entry(TensorSpec(name, shape, dtype), "param", pieces=tuple(pieces))
+            offset += part
+        for p, flat in zip(self._optim_files, per_rank, strict=True):
+            if flat.numel != offset:
+                raise CheckpointFormatError(
+                    p, f"consumed {offset} numels out of {flat.numel} in {key}; the layout is not understood"
+                )
+        return entries
+
+
+    def _frozen(
+        self,
+        model0_path: Path,
+        model0: dict,
+        module: Mapping,
+        buffer_names: list[str],
+        trainable: Mapping[str, _Entry],
+    ) -> dict[str, _Entry]:
+        entries: dict[str, _Entry] = {}
+        shapes = model0.get("frozen_param_shapes")
+        if shapes is not None and not isinstance(shapes, Mapping):
+            raise CheckpointFormatError(model0_path, "frozen_param_shapes is not a mapping")
+        if shapes is None:
+            if self.stage == 3:
+                return entries  # saved with exclude_frozen_parameters: nothing to read
+            # ZeRO-1 records no frozen parameters (zero_to_fp32 drops them); they are the
+            # module's tensors that are neither optimized nor buffers nor tied aliases.
+            aliases = set((model0.get("shared_params") or {}).keys())
+            skip = set(trainable) | set(buffer_names) | aliases
+            for name, t in module.items():
+                if name not in skip and isinstance(t, torch.Tensor):
+                    entries[name] = _Entry(
+                        TensorSpec(name, tuple(t.shape), t.dtype),
+                        "frozen",
+                        tensor=t,
+                        releasable=self._releasable[model0_path],
+                    )
+            return entries
+        if self.stage <= 2:
+            fragments = model0.get("frozen_param_fragments") or {}
+            for name, shape in shapes.items():
+                shape = _shape(shape, model0_path, name)
+                t = fragments.get(name)
+                if not isinstance(t, torch.Tensor) or t.numel() != math.prod(shape):
+                    raise CheckpointFormatError(
+                        model0_path, f"frozen parameter {name} is missing or the wrong size"
+                    )
+                whole = t.reshape(shape)
+                entries[name] = _Entry(
+                    TensorSpec(name, shape, t.dtype),
+                    "frozen",
+                    tensor=whole,
+                    releasable=self._releasable[model0_path] and _same_storage(whole, t),
+                )
+            return entries
+        ws = self.world_size
+        per_rank = []
+        for p in self._model_files:
+            state = self._load(p)
+            per_rank.append(
+                (p, (state.get("frozen_param_fragments") if isinstance(state, dict) else None) or {})
+            )
+        for name, shape in shapes.items():
+            shape = _shape(shape, model0_path, name)
+            n = math.prod(shape)
+            part = math.ceil(n / ws)
+            pieces = []
+            dtype = None
+            for r, (p, fragments) in enumerate(per_rank):
+                t = fragments.get(name)
+                if not isinstance(t, torch.Tensor) or t.numel() != part:
+                    raise CheckpointFormatError(
+                        p, f"frozen fragment of {name} is missing or not {part} elements"
+                    )
+                dtype = t.dtype
+                length = min(part, n - r * part)
+                if length > 0:
+                    flat = t.reshape(-1)
+                    releasable = self._releasable[p] and _same_storage(flat, t)
+                    pieces.append(_Piece(r * part, length, flat, 0, releasable))
+            entries[name] = _Entry(
+                TensorSpec(name, shape, dtype or torch.float32), "frozen", pieces=tuple(pieces)
+            )
+        return entries
+

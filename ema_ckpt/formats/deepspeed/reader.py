@@ -1,0 +1,447 @@
+"""DeepSpeed ZeRO 1/2/3 checkpoints, read without DeepSpeed.
+
+A DeepSpeed checkpoint is a *tag folder* (``save_dir/global_step1000/``) holding one or more
+``*_model_states.pt`` files and one ``[bf16_]zero_pp_rank_<r>_mp_rank_00_optim_states.pt``
+file per data-parallel rank; ``save_dir/latest`` names the newest tag. The reader serves the
+fp32 master weights exactly as DeepSpeed's ``zero_to_fp32`` rebuilds them, key for key and bit
+for bit, plus what ``zero_to_fp32`` drops at ZeRO-1 (frozen parameters):
+
+* trainable parameters: fp32 masters, from ``single_partition_of_fp32_groups`` (stage 1/2, and
+  BF16_Optimizer) or ``fp32_flat_groups`` (stage 3);
+* frozen parameters: ``frozen_param_fragments`` (stage 2: whole; stage 3: one padded slice per
+  rank), or, at stage 1 where DeepSpeed records nothing, the tensors of the model-states
+  ``module`` that are neither trainable nor buffers; in their saved (training) dtype;
+* buffers: from ``module``; floating ones upcast to fp32 as ``zero_to_fp32`` does, integer
+  and bool ones in their own dtype;
+* tied parameters (``shared_params``): the alias key reads the owner's data.
+
+Nothing is gathered at open: every ``.pt`` file is memory-mapped once (see
+:mod:`._ds_unpickle`) and each key knows which flat ranges of which rank tensors hold it.
+``read`` copies only the flat span that covers the box asked for, then hands the mapped pages
+it touched back to the kernel (:func:`~._ds_unpickle.release_pages`): without that, every page
+read from every rank file of every open checkpoint would stay resident (4 GiB for four 1 GiB
+steps). ``layout`` offers tensors over 32 MiB as row blocks, so a run's memory is a few such
+blocks, whatever the largest parameter and however it straddles ranks.
+
+Refused with :class:`~ema_ckpt.errors.CheckpointFormatError` (naming the file): tensor
+parallelism (``mp_rank_01``), pipeline ``layer_*`` files, MoE (``expp_rank_*``, expert
+layers), NVMe-offloaded tensors, ZeRO-0, and a world size that does not match the number of
+optimizer files.
+
+Example:
+    >>> from ema_ckpt.formats import open_checkpoint                  # doctest: +SKIP
+    >>> with open_checkpoint("out/checkpoint-500") as reader:          # doctest: +SKIP
+    ...     reader.info()["stage"], reader.step
+    (3, 500)
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from ..._lazy import torch
+from ...errors import CheckpointFormatError, CheckpointNotFoundError, EmaCkptError
+from ...layout import Box, TensorSpec, split_rows
+from .._ds_unpickle import load_ds_file_releasable, release_pages
+from ..base import CheckpointFormat, CheckpointReader, deliver, register_format
+from .files import (
+    FORMAT_NAME,
+    OPTIM_RE,
+    UNSUPPORTED_FILES,
+    ZERO3_MODEL_RE,
+    ds_files,
+    find_tag_dir,
+    incomplete,
+    is_deepspeed,
+    model_files,
+    name_gaps,
+    step_from,
+    step_of,
+)
+from .params import ParameterMaps, _Entry, _row_major_strides
+
+_RELEASE_SLICE_BYTES = 16 << 20  # copy mapped spans this much at a time, then drop their pages
+
+_REGION_BYTES = 32 << 20  # layout(): larger tensors are served in row blocks of at most this
+
+
+
+class DeepSpeedReader(ParameterMaps, CheckpointReader):
+    """Reads one DeepSpeed ZeRO 1/2/3 checkpoint (a tag folder) key by key, box by box.
+
+    ``path`` is what was opened (a tag folder, or a save folder / HF ``checkpoint-N`` whose
+    ``latest`` names the tag); ``tag_dir`` is the tag folder itself.
+
+    Raises:
+        CheckpointNotFoundError: no DeepSpeed tag folder at ``path``.
+        CheckpointFormatError: a file is corrupt, or the checkpoint uses something this reader
+            does not support (tensor/pipeline/expert parallelism, NVMe offload, ZeRO-0, a
+            world size that does not match the optimizer files).
+        UnsafePickleError: a file refers to code outside the allowlist (nothing ran).
+    """
+
+
+    format_name = FORMAT_NAME
+
+
+    path: Path
+
+
+    step: int | None
+
+
+    """``global_steps`` from the model states, else the number in the tag name, else None."""
+
+
+    tag_dir: Path
+
+
+    tag: str
+
+
+    stage: int
+
+
+    world_size: int
+
+
+    optimizer_kind: str
+
+
+    """``"zero"`` (DeepSpeedZeroOptimizer / stage 3) or ``"bf16_optimizer"`` (BF16_Optimizer)."""
+
+
+    train_dtype: str
+
+
+    """``"fp32"``, ``"bf16"`` or ``"fp16"``: the precision the model trained in."""
+
+
+    master_dtype: torch.dtype
+
+
+    ds_version: str | None
+
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        tag_dir = find_tag_dir(self.path)
+        if tag_dir is None:
+            reason = (
+                incomplete(self.path) or "no DeepSpeed tag folder (no *_model_states.pt and *optim_states.pt)"
+            )
+            raise CheckpointNotFoundError(self.path, reason)
+        self.tag_dir = tag_dir
+        self.tag = tag_dir.name
+        self._states: dict[Path, Any] = {}  # file -> loaded (memory-mapped) object
+        self._releasable: dict[Path, bool] = {}  # file -> its mapped pages may be dropped
+        self._entries: dict[str, _Entry] = {}
+        self._closed = False
+        try:
+            self._build()
+        except EmaCkptError:
+            raise
+        except Exception as err:  # any malformed field: one line naming the checkpoint
+            first = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
+            raise CheckpointFormatError(self.tag_dir, f"malformed DeepSpeed checkpoint ({type(err).__name__}: {first})") from None
+
+
+    def specs(self) -> Mapping[str, TensorSpec]:
+        self._check_open()
+        return {k: e.spec for k, e in self._entries.items()}
+
+
+    def layout(self, key: str) -> Sequence[Box]:
+        """The regions to read ``key`` by: whole rows, at most 32 MiB each.
+
+        A ZeRO rank's share is a flat range, not a box, so there are no stored boxes to
+        follow; one box covering the tensor (the answer for every tensor up to 32 MiB) would
+        make memory scale with the largest parameter (a 250k-token embedding is GiBs), so
+        larger tensors are cut into row blocks that ``read`` serves as cheaply.
+        """
+        spec = self._entry(key).spec
+        if spec.numel == 0:
+            return []
+        return split_rows(Box.full(spec.shape), max(1, _REGION_BYTES // max(1, spec.dtype.itemsize)))
+
+
+    whole_file_records = True
+
+    @classmethod
+    def step_of(cls, path: Path) -> int | None:
+        """``global_steps`` from the first model-states file alone (see :func:`.files.step_of`)."""
+        return step_of(path)
+
+    def stored_records(self) -> Sequence[tuple[str, int, int]]:
+        """Every ``.pt`` file of the tag folder, each one ``torch.save`` zip (relative to :attr:`path`)."""
+        self._check_open()
+        base = self.tag_dir.relative_to(self.path) if self.tag_dir != self.path else Path()
+        return [(str(base / p.name) if base.parts else p.name, 0, p.stat().st_size)
+                for p in sorted(self.tag_dir.glob("*.pt"))]
+
+    def read(self, key: str, box: Box, out: torch.Tensor | None = None) -> torch.Tensor:
+        return deliver(key, box, self._read(key, box), out)
+
+    def _read(self, key: str, box: Box) -> torch.Tensor:
+        entry = self._entry(key)
+        spec = entry.spec
+        if entry.owner is not None:
+            entry = self._entries[entry.owner]
+        shape = spec.shape
+        if len(box.offsets) != len(shape) or len(box.sizes) != len(shape):
+            raise ValueError(f"{key}: box {box} has {len(box.sizes)} dims, tensor has {len(shape)}")
+        if any(o < 0 or s < 0 or o + s > d for o, s, d in zip(box.offsets, box.sizes, shape, strict=True)):
+            raise ValueError(f"{key}: box {box} is outside shape {shape}")
+        out = torch.empty(box.sizes, dtype=spec.dtype)
+        if out.numel() == 0:
+            return out
+        if entry.tensor is not None:
+            part = entry.tensor[box.slices()]
+            if not entry.releasable:
+                out.copy_(part)
+                return out
+            row = part[0].numel() * part.element_size() if part.dim() else 1
+            rows = max(1, _RELEASE_SLICE_BYTES // max(1, row))
+            for r in range(0, part.shape[0], rows) if part.dim() else (None,):
+                dst, src = (out, part) if r is None else (out[r : r + rows], part[r : r + rows])
+                dst.copy_(src)
+                release_pages(src)
+            return out
+        strides = _row_major_strides(shape)
+        lo = sum(o * s for o, s in zip(box.offsets, strides, strict=True))
+        hi = sum((o + n - 1) * s for o, n, s in zip(box.offsets, box.sizes, strides, strict=True)) + 1
+        if hi - lo == out.numel():  # the box is one contiguous run (rows, or a whole tensor)
+            self._gather(entry, lo, hi, out.view(-1))
+            return out
+        span = torch.empty(hi - lo, dtype=entry.pieces[0].src.dtype if entry.pieces else spec.dtype)
+        self._gather(entry, lo, hi, span)
+        out.copy_(span.as_strided(box.sizes, strides))
+        return out
+
+
+    def info(self) -> dict[str, Any]:
+        self._check_open()
+        kinds = [e.kind for e in self._entries.values()]
+        return {
+            "format": FORMAT_NAME,
+            "tag": self.tag,
+            "tag_dir": str(self.tag_dir),
+            "stage": self.stage,
+            "optimizer": self.optimizer_kind,
+            "world_size": self.world_size,
+            "dtype": self.train_dtype,
+            "master_dtype": str(self.master_dtype).removeprefix("torch."),
+            "global_step": self.step,
+            "ds_version": self.ds_version,
+            "params": kinds.count("param"),
+            "frozen": kinds.count("frozen"),
+            "tied": kinds.count("tied"),
+            "buffers": kinds.count("buffer"),
+            "tensors": len(kinds),
+            "model_states_files": [p.name for p in self._model_files],
+            "optim_states_files": [p.name for p in self._optim_files],
+        }
+
+
+    def close(self) -> None:
+        self._entries = {}
+        self._states = {}
+        self._closed = True
+
+
+    def __repr__(self) -> str:
+        return f"DeepSpeedReader({str(self.path)!r}, tag={self.tag!r})"
+
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ValueError(f"{self.path}: reader is closed")
+
+
+    def _entry(self, key: str) -> _Entry:
+        self._check_open()
+        try:
+            return self._entries[key]
+        except KeyError:
+            raise KeyError(f"{key!r} is not a tensor of {self.tag_dir}") from None
+
+
+    def _load(self, path: Path) -> Any:
+        if path not in self._states:
+            self._states[path], self._releasable[path] = load_ds_file_releasable(path)
+        return self._states[path]
+
+
+    @staticmethod
+    def _gather(entry: _Entry, lo: int, hi: int, out: torch.Tensor) -> None:
+        """Fill ``out`` (1-D, ``hi - lo`` long) with flat elements ``[lo, hi)`` of ``entry``."""
+        for p in entry.pieces:
+            a, b = max(lo, p.dst), min(hi, p.dst + p.length)
+            if a >= b:
+                continue
+            # Mapped sources go in slices, each handed back once copied: resident file pages
+            # stay within one slice, not one rank's share of the parameter.
+            step = max(1, _RELEASE_SLICE_BYTES // p.src.element_size()) if p.releasable else b - a
+            for x in range(a, b, step):
+                y = min(b, x + step)
+                src = p.src[p.start + x - p.dst : p.start + y - p.dst]
+                out[x - lo : y - lo].copy_(src)
+                if p.releasable:
+                    release_pages(src)
+
+
+    def _build(self) -> None:
+        """Index the files, check the layout is one this reader understands, map every key."""
+        self._refuse_unsupported_files()
+        parsed, zero3_models = self._index_files()
+        model0_path = self._model_files[0]
+        model0 = self._load(model0_path)
+        osds = self._check_states(model0_path, model0, zero3_models)
+        self._describe(model0, bf16_file_names=any(bf16 for _, _, bf16 in parsed))
+        self._entries = self._map_keys(model0_path, model0, osds)
+
+
+    def _index_files(self) -> tuple[list[tuple[int, Path, bool]], list[tuple[int, Path]]]:
+        """Sort the rank files by data-parallel rank; refuse names this reader does not know."""
+        tag_dir = self.tag_dir
+        models, optims = ds_files(tag_dir)
+        parsed = []
+        for p in optims:
+            m = OPTIM_RE.match(p.name)
+            if m is None:
+                raise CheckpointFormatError(p, "unrecognised optimizer-states file name")
+            parsed.append((int(m.group(2)), p, bool(m.group(1))))
+        parsed.sort(key=lambda t: t[0])
+        self._optim_files = [p for _, p, _ in parsed]
+        reason = name_gaps(tag_dir)
+        if reason:
+            raise CheckpointFormatError(tag_dir, reason)
+
+        zero3_models = sorted(
+            ((int(m.group(1)), p) for p in models if (m := ZERO3_MODEL_RE.match(p.name))),
+            key=lambda t: t[0],
+        )
+        self._model_files = model_files(models)
+        if not self._model_files:
+            raise CheckpointFormatError(models[0], "unrecognised model-states file name")
+        return parsed, zero3_models
+
+
+    def _check_states(self, model0_path: Path, model0: Any, zero3_models: list) -> list[dict]:
+        """Stage, world size and file counts; returns each rank's ``optimizer_state_dict``."""
+        tag_dir = self.tag_dir
+        if not isinstance(model0, dict) or "buffer_names" not in model0:
+            raise CheckpointFormatError(model0_path, "not a DeepSpeed model-states file (no buffer_names)")
+        for moe_key in ("num_experts", "ds_autoep_layers", "ds_autoep_layers_v1"):
+            if model0.get(moe_key):
+                raise CheckpointFormatError(
+                    model0_path, f"mixture-of-experts checkpoints ({moe_key}) are not supported"
+                )
+        if model0.get("mp_world_size", 1) not in (None, 1):
+            raise CheckpointFormatError(
+                model0_path,
+                f"tensor-parallel checkpoints (mp_world_size={model0['mp_world_size']}) are not supported",
+            )
+
+        osds = []
+        for p in self._optim_files:
+            state = self._load(p)
+            osd = state.get("optimizer_state_dict") if isinstance(state, dict) else None
+            if not isinstance(osd, dict):
+                raise CheckpointFormatError(
+                    p, "not a DeepSpeed optimizer-states file (no optimizer_state_dict)"
+                )
+            osds.append(osd)
+        osd0 = osds[0]
+        if "zero_stage" in osd0:
+            self.stage = int(osd0["zero_stage"])
+            self.optimizer_kind = "zero"
+        elif "single_partition_of_fp32_groups" in osd0:
+            self.stage = 1  # BF16_Optimizer: ZeRO-1 layout, no zero_stage, no loss scaler
+            self.optimizer_kind = "bf16_optimizer"
+        else:
+            raise CheckpointFormatError(self._optim_files[0], "not a ZeRO checkpoint (no zero_stage)")
+        if self.stage not in (1, 2, 3):
+            raise CheckpointFormatError(self._optim_files[0], f"ZeRO stage {self.stage} is not supported")
+
+        counts = osd0.get("partition_count")
+        if isinstance(counts, list | tuple):
+            if len(set(counts)) > 1:
+                raise CheckpointFormatError(
+                    self._optim_files[0],
+                    f"parameter groups are split over different rank counts {list(counts)} "
+                    "(expert or hierarchical partitioning), which is not supported",
+                )
+            counts = counts[0] if counts else None
+        if not isinstance(counts, int) or counts < 1:
+            raise CheckpointFormatError(
+                self._optim_files[0], f"bad partition_count {osd0.get('partition_count')!r}"
+            )
+        self.world_size = counts
+        if counts != len(self._optim_files):
+            raise CheckpointFormatError(
+                tag_dir,
+                f"expected {counts} *_optim_states.pt files (partition_count) but found "
+                f"{len(self._optim_files)}: an old checkpoint was overwritten, a rank did not save, "
+                "or the run used hierarchical partitioning (MiCS/hpZ), which is not supported",
+            )
+        if self.stage == 3 and len(self._model_files) != counts:
+            raise CheckpointFormatError(
+                tag_dir, f"expected {counts} ZeRO-3 model-states files but found {len(self._model_files)}"
+            )
+        if self.stage < 3 and zero3_models:
+            raise CheckpointFormatError(
+                zero3_models[0][1], f"ZeRO-3 model-states file in a stage-{self.stage} checkpoint"
+            )
+        return osds
+
+
+    def _describe(self, model0: dict, *, bf16_file_names: bool) -> None:
+        """Training dtype, DeepSpeed version and step, for ``info()`` and ``step``."""
+        ds_config = model0.get("ds_config") if isinstance(model0.get("ds_config"), dict) else {}
+        if bf16_file_names or (ds_config.get("bf16") or {}).get("enabled"):
+            self.train_dtype = "bf16"
+        elif (ds_config.get("fp16") or {}).get("enabled"):
+            self.train_dtype = "fp16"
+        else:
+            self.train_dtype = "fp32"
+        self.ds_version = str(model0.get("ds_version")) if model0.get("ds_version") is not None else None
+        self.step = step_from(model0.get("global_steps"), self.tag)
+
+    def _refuse_unsupported_files(self) -> None:
+        for child in sorted(self.tag_dir.iterdir()):
+            name = child.name
+            if child.is_dir() and name == "offloaded_tensors":
+                raise CheckpointFormatError(child, "NVMe-offloaded optimizer state is not supported")
+            for pattern, what in UNSUPPORTED_FILES:
+                if pattern.match(name):
+                    raise CheckpointFormatError(child, f"{what} are not supported")
+            m = re.search(r"mp_rank_(\d+)", name)
+            if m and int(m.group(1)) != 0 and name.endswith(".pt"):
+                raise CheckpointFormatError(
+                    child, "tensor-parallel checkpoints (mp_rank_01 and up) are not supported"
+                )
+
+
+
+def open_deepspeed(path: str | Path) -> DeepSpeedReader:
+    """Open a DeepSpeed checkpoint (tag folder, or a folder whose ``latest`` names one)."""
+    return DeepSpeedReader(path)
+
+
+
+register_format(
+    CheckpointFormat(
+        name=FORMAT_NAME,
+        detect=is_deepspeed,
+        open=open_deepspeed,
+        incomplete=incomplete,
+        records_step=True,
+        step_label="DeepSpeed global_steps",
+        step_of=DeepSpeedReader.step_of,
+    )
+)
+

@@ -1,0 +1,337 @@
+"""The job runner: the one place that knows the order of a run and which worker does what.
+
+Every command (``accumulate``, ``posthoc``, ``average``, ``consolidate``, ``reshard``) is a
+:class:`Job`. :func:`run_job` runs it in this order:
+
+1. **lock** the output and **recover** what a killed run left beside it (coordinator);
+2. **plan** from metadata alone (coordinator), then share the plan with every worker;
+3. **stage**: one staging directory per output target, beside its final path (coordinator);
+4. **compute** (every worker): open the sources, check them, and stream the engine over this
+   worker's share of the output files (:meth:`JobContext.write`);
+5. **manifest** each output and **publish** it atomically, in the order the job lists its
+   targets (coordinator).
+
+A failure anywhere removes the staging directories and leaves every published output as it
+was. A job may answer a checkpoint's error with a new plan (:meth:`Job.retry`: skip that
+checkpoint and go on); the lock is held throughout.
+
+Spawned workers (``workers=N``) receive the job itself, options included, so no option can
+be lost on the way to a rank.
+
+Example:
+    >>> result = run_job(ConsolidateJob(ConsolidateOptions("ckpts/ema", "ema.safetensors")))  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
+
+from ._gc import frozen_heap
+from .dist import Workers, assign_by_bytes, current_workers, in_worker_group, run_workers
+from .engine import EngineStats, OutputSpec, combine_regions
+from .errors import EmaCkptError, UsageError
+from .formats import open_checkpoint
+from .formats.base import CheckpointReader
+from .fs import OutputLock, discard_on_error, new_staging_dir, publish, publish_file, recover
+from .manifest import Manifest
+from .progress import Progress
+from .writers.base import OutputTensor, OutputWriter, PlannedRegion, WrittenFile
+from .writers.outputs import region_cost
+
+if TYPE_CHECKING:
+    import torch
+
+PlanT = TypeVar("PlanT")
+ComputedT = TypeVar("ComputedT")
+ResultT = TypeVar("ResultT")
+T = TypeVar("T")
+
+
+class RunSettings(Protocol):
+    """The fields of every command's options that the runner itself reads."""
+
+    @property
+    def workers(self) -> int: ...
+
+    @property
+    def device(self) -> str: ...
+
+    @property
+    def wait_seconds(self) -> float: ...
+
+
+def recorded_options(options: Any) -> dict[str, Any]:
+    """An options dataclass as its manifest records it: JSON values, without the fields that
+    only say where or how a run ran (``metadata={"recorded": False}``).
+
+    Example:
+        >>> @dataclasses.dataclass(frozen=True)
+        ... class Opts:
+        ...     dtype: str = "float32"
+        ...     workers: int = field(default=1, metadata={"recorded": False})
+        >>> recorded_options(Opts())
+        {'dtype': 'float32'}
+    """
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(options):
+        if f.metadata.get("recorded", True):
+            out[f.name] = _jsonable(getattr(options, f.name))
+    return out
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, (tuple, list)):
+        return [_jsonable(v) for v in value]
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """One output of a run: its final path, and how it is staged.
+
+    ``near``: stage beside this directory instead (the outputs of a sweep live inside it,
+    and no half-built output may appear there). ``single_file``: the output is one file.
+    ``replace``: an existing output may be replaced (else the run stops before writing).
+    """
+
+    final: Path
+    near: Path | None = None
+    single_file: bool = False
+    replace: bool = False
+
+
+@dataclass(slots=True)
+class WrittenOutputs:
+    """Files of each output (on every worker) and totals over all workers."""
+
+    files: list[list[WrittenFile]] = field(default_factory=list)
+    bytes_read: int = 0
+    bytes_written: int = 0
+
+
+class Job(abc.ABC, Generic[PlanT, ComputedT, ResultT]):
+    """One command's run, as the runner asks for it (see the module docstring).
+
+    Only :meth:`compute` runs on every worker; :meth:`plan`, :meth:`manifests` and
+    :meth:`finish_without_output` run on the coordinator. Plans and computed values cross
+    processes, so they must pickle.
+    """
+
+    options: RunSettings
+
+    def lock_path(self) -> Path | None:
+        """The output the run locks; None when it writes nothing (a dry run)."""
+        return None
+
+    def recover_paths(self) -> Sequence[Path]:
+        """Outputs to repair before planning (a killed run's staging or backup beside them)."""
+        lock = self.lock_path()
+        return [lock] if lock is not None else []
+
+    @abc.abstractmethod
+    def plan(self, notes: list[str]) -> PlanT:
+        """What to compute, from metadata only (under the lock; ``notes`` from recovery)."""
+
+    @abc.abstractmethod
+    def targets(self, plan: PlanT) -> Sequence[Target]:
+        """The outputs to stage and publish, in publish order; none: nothing to compute."""
+
+    @abc.abstractmethod
+    def compute(self, plan: PlanT, context: JobContext) -> ComputedT:
+        """Every worker: write the outputs into ``context.stagings``."""
+
+    def manifests(self, plan: PlanT, computed: ComputedT) -> Sequence[Manifest | None]:
+        """The manifest of each target (None: it has none)."""
+        return [None] * len(self.targets(plan))
+
+    def finish_without_output(self, plan: PlanT) -> None:
+        """Coordinator, when the plan has no target (e.g. record a skip in an existing manifest)."""
+        return None
+
+    def retry(self, plan: PlanT, error: EmaCkptError) -> PlanT | None:
+        """A new plan after ``error`` (the same on every worker), or None to stop with it."""
+        return None
+
+    @abc.abstractmethod
+    def result(self, plan: PlanT, computed: ComputedT | None, seconds: float) -> ResultT:
+        """What the library call returns (``computed`` is None when nothing was written)."""
+
+
+def run_job(job: Job[PlanT, ComputedT, ResultT], *,
+            on_progress: Callable[[Progress], None] | None = None) -> ResultT:
+    """Run ``job`` on this process or its worker group (see the module docstring)."""
+    settings = job.options
+    if settings.workers > 1 and not in_worker_group() and job.lock_path() is not None:
+        return run_workers(settings.workers, run_job, job, local_kwargs={"on_progress": on_progress})
+    started = time.perf_counter()
+    group = current_workers(settings.device)
+    with contextlib.ExitStack() as stack:
+
+        def prepare() -> PlanT:
+            notes: list[str] = []
+            lock = job.lock_path()
+            if lock is not None:
+                stack.enter_context(OutputLock(lock, wait_seconds=settings.wait_seconds))
+                for path in job.recover_paths():
+                    notes += recover(path)
+            return job.plan(notes)
+
+        plan = group.on_coordinator(prepare)
+        while True:
+            targets = list(job.targets(plan))
+            if not targets:
+                group.on_coordinator(lambda: job.finish_without_output(plan))
+                return job.result(plan, None, time.perf_counter() - started)
+            try:
+                computed = _stage_compute_publish(job, plan, targets, group, on_progress)
+            except EmaCkptError as err:
+                again = job.retry(plan, err)
+                if again is None:
+                    raise
+                plan = again
+                continue
+            return job.result(plan, computed, time.perf_counter() - started)
+
+
+def _stage_compute_publish(job: Job[PlanT, ComputedT, Any], plan: PlanT, targets: Sequence[Target],
+                           group: Workers, on_progress: Callable[[Progress], None] | None) -> ComputedT:
+    def stage() -> list[Path]:
+        for target in targets:
+            recover(target.final)
+            if target.final.exists() and not target.replace:
+                raise UsageError(f"{target.final} exists; pass --overwrite to replace it")
+        return [new_staging_dir(t.final, near=t.near) for t in targets]
+
+    stagings = group.on_coordinator(stage)
+    with discard_on_error(stagings, owner=group.is_coordinator), contextlib.ExitStack() as readers:
+        context = JobContext(group, list(stagings), list(targets), readers, job.options.device, on_progress)
+        computed = job.compute(plan, context)
+
+        def publish_all() -> None:
+            manifests = job.manifests(plan, computed)
+            for target, staging, manifest in zip(targets, stagings, manifests, strict=True):
+                if manifest is not None:
+                    manifest.write(staging)
+            for target, staging in zip(targets, stagings, strict=True):
+                (publish_file if target.single_file else publish)(staging, target.final)
+
+        group.on_coordinator(publish_all)
+    return computed
+
+
+@dataclass
+class JobContext:
+    """What :meth:`Job.compute` works with: the workers, the staging directories, and the
+    engine's entry points."""
+
+    workers: Workers
+    stagings: list[Path]
+    targets: list[Target]
+    stack: contextlib.ExitStack
+    device: str = "cpu"
+    on_progress: Callable[[Progress], None] | None = None
+
+    def check(self, step: Callable[[], T]) -> T:
+        """Run ``step`` on every worker; all fail alike if one does (a synchronisation point)."""
+        return self.workers.run(step)
+
+    def open_sources(self, paths: Sequence[Path]) -> list[CheckpointReader]:
+        """Open every checkpoint on every worker, parsing each DCP ``.metadata`` only once.
+
+        Parsing metadata (a restricted pure-Python unpickle) costs about a second per 10,000
+        keys. With N workers, worker r parses inputs r, r+N, … and the parsed indexes are
+        exchanged, so the parse is split instead of repeated. The readers close when the
+        run's attempt ends.
+        """
+        readers = _open_checkpoints(self.workers, paths, self.stack)
+        # their indexes live as long as the readers: kept out of cyclic collections (ema_ckpt._gc)
+        self.stack.enter_context(frozen_heap())
+        return readers
+
+    def writer(self, index: int, format_name: str, **settings: Any) -> OutputWriter:
+        """The writer of target ``index`` in the output format ``format_name``."""
+        from .writers.base import output_format
+
+        return output_format(format_name).make(self.stagings[index], self.targets[index].final.name, **settings)
+
+    def write(
+        self,
+        sources: Sequence[CheckpointReader],
+        outputs: Sequence[OutputSpec],
+        writers: Sequence[OutputWriter],
+        tensors: Sequence[OutputTensor],
+        *,
+        layout: CheckpointReader,
+        copy_source: int,
+        accumulate_dtype: torch.dtype | None = None,
+        check_finite: Sequence[int] = (),
+    ) -> WrittenOutputs:
+        """Stream this worker's share of every output through the engine, then finish them.
+
+        Every writer plans the same regions (outputs of one run share ``layout``'s chunks);
+        files are shared out among the workers by work; the coordinator writes each output's
+        metadata once every worker has closed its files.
+        """
+        plans = [w.plan(tensors, layout) for w in writers]
+        regions = plans[0]
+        if any(p != regions for p in plans[1:]):
+            raise ValueError("the outputs of one run must share one layout")
+        mine = owned_regions(regions, self.workers.rank, self.workers.world_size)
+        by_key = {t.key: t for t in tensors}
+
+        def compute() -> tuple[list[Any], EngineStats]:
+            with frozen_heap():  # the plan's regions and specs live for the whole loop
+                stats = combine_regions(sources, outputs, writers, mine, by_key, copy_source=copy_source,
+                                        accumulate_dtype=accumulate_dtype, on_progress=self.on_progress,
+                                        device=self.device, check_finite=check_finite)
+            return [w.close() for w in writers], stats
+
+        try:
+            states, stats = self.workers.run(compute)
+        except BaseException:
+            for writer in writers:
+                writer.abort()
+            raise
+        gathered = self.workers.exchange((states, stats.bytes_read, stats.bytes_written))
+        files = self.workers.on_coordinator(
+            lambda: [w.finish([g[0][k] for g in gathered]) for k, w in enumerate(writers)])
+        return WrittenOutputs(files, sum(g[1] for g in gathered), sum(g[2] for g in gathered))
+
+
+def owned_regions(regions: Sequence[PlannedRegion], rank: int, world_size: int) -> list[PlannedRegion]:
+    """The regions whose files this worker writes (files balanced across workers by work)."""
+    if world_size == 1:
+        return list(regions)
+    work: dict[str, int] = {}
+    for region in regions:
+        work[region.file] = work.get(region.file, 0) + region_cost(region)
+    names = list(work)
+    owners = dict(zip(names, assign_by_bytes([work[n] for n in names], world_size), strict=True))
+    return [r for r in regions if owners[r.file] == rank]
+
+
+def _open_checkpoints(workers: Workers, paths: Sequence[Path], stack: contextlib.ExitStack
+                      ) -> list[CheckpointReader]:
+    def opened(path: Path, shared: Any = None) -> CheckpointReader:
+        return stack.enter_context(contextlib.closing(open_checkpoint(path, shared=shared)))
+
+    if workers.world_size == 1:
+        return [opened(p) for p in paths]
+    mine = workers.run(lambda: {i: opened(p) for i, p in enumerate(paths)
+                                if i % workers.world_size == workers.rank})
+    shared: dict[int, Any] = {}
+    for part in workers.exchange({i: state for i, r in mine.items() if (state := r.share()) is not None}):
+        shared.update(part)
+    return workers.run(lambda: [mine[i] if i in mine else opened(p, shared.get(i)) for i, p in enumerate(paths)])
+
+
+__all__ = ["Job", "JobContext", "Target", "WrittenOutputs", "owned_regions", "recorded_options", "run_job"]

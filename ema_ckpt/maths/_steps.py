@@ -1,0 +1,75 @@
+"""Checks shared by the coefficient families: steps are integers from the start of training."""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+from itertools import pairwise
+from numbers import Integral
+
+from ..errors import OptionError, UsageError
+
+
+def _step_problem(value: object) -> str | None:
+    """What is wrong with ``value`` as a step, worded after its name; None when it is one."""
+    if isinstance(value, bool) or not isinstance(value, Integral):
+        return f"must be an integer step, got {value!r}"
+    if int(value) < 0:
+        return f"must be ≥ 0 (steps count from the start of training), got {int(value)}"
+    return None
+
+
+def as_step(value: object, what: str) -> int:
+    """``value`` as a step ≥ 0, else ``UsageError`` naming ``what`` (a datum, not a parameter)."""
+    problem = _step_problem(value)
+    if problem is not None:
+        raise UsageError(f"{what} {problem}")
+    assert isinstance(value, Integral)
+    return int(value)
+
+
+def option_step(value: object, option: str) -> int:
+    """``value`` of the library parameter ``option`` as a step ≥ 0, else ``OptionError``."""
+    problem = _step_problem(value)
+    if problem is not None:
+        raise OptionError(option, problem, value=value)
+    assert isinstance(value, Integral)
+    return int(value)
+
+
+def check_steps(steps: Sequence[int]) -> list[int]:
+    """Checkpoint steps as ints, strictly increasing and non-empty."""
+    out = [as_step(s, "checkpoint step") for s in steps]
+    if not out:
+        raise UsageError("no checkpoints to combine")
+    for a, b in pairwise(out):
+        if b <= a:
+            what = "appears twice" if a == b else f"comes after step {a}"
+            raise UsageError(f"checkpoint steps must strictly increase: step {b} {what}")
+    return out
+
+
+def check_pair(t_prev: int, t_new: int) -> tuple[int, int]:
+    """Two steps of an incremental update, the second after the first."""
+    a, b = as_step(t_prev, "t_prev"), as_step(t_new, "t_new")
+    if b <= a:
+        raise UsageError(f"steps must increase: {a} then {b}")
+    return a, b
+
+
+def used_count(steps: list[int], at_step: int | None) -> int:
+    """How many checkpoints lie at or before ``at_step`` (all of them when it is None).
+
+    Raw checkpoints stand for the steps up to them, so an ``at_step`` past the newest one
+    is refused: nothing after it is known.
+    """
+    if at_step is None:
+        return len(steps)
+    t = option_step(at_step, "at_step")
+    n = bisect.bisect_right(steps, t)
+    if n == 0:
+        raise OptionError("at_step", f"{t} is before the first checkpoint (step {steps[0]})", value=t)
+    if t > steps[-1]:
+        raise OptionError("at_step", f"{t} is after the newest checkpoint (step {steps[-1]}): "
+                          "nothing after it is known", value=t)
+    return n

@@ -1,0 +1,69 @@
+"""Plain averaging of checkpoints (fairseq ``average_checkpoints``, LAWA): 1/k on a selection.
+
+Example:
+    >>> uniform_coefficients([10, 20, 30, 40], last=2)
+    [0.0, 0.0, 0.5, 0.5]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from numbers import Integral
+
+from ..errors import OptionError, UsageError
+from ._steps import check_steps, option_step
+
+__all__ = ["uniform_coefficients", "uniform_selection"]
+
+
+def uniform_selection(
+    steps: Sequence[int],
+    *,
+    last: int | None = None,
+    from_step: int | None = None,
+    to_step: int | None = None,
+) -> list[int]:
+    """Indices averaged by ``uniform_coefficients``: steps in [from_step, to_step], then the last k.
+
+    Both bounds are inclusive; ``last`` keeps the newest k of what the bounds leave.
+
+    Example:
+        >>> uniform_selection([10, 20, 30, 40, 50], last=2, to_step=40)
+        [2, 3]
+    """
+    ts = check_steps(steps)
+    lo = option_step(from_step, "from_step") if from_step is not None else None
+    hi = option_step(to_step, "to_step") if to_step is not None else None
+    if lo is not None and hi is not None and lo > hi:
+        raise OptionError("from_step", f"{lo} is after {{to_step}} {hi}", value=lo, mentions=("to_step",))
+    picked = [i for i, t in enumerate(ts) if (lo is None or t >= lo) and (hi is None or t <= hi)]
+    if last is not None:
+        if isinstance(last, bool) or not isinstance(last, Integral) or last < 1:
+            raise OptionError("last", f"must be a positive number of checkpoints, got {last!r}", value=last)
+        picked = picked[-int(last):]
+    if not picked:
+        bounds = f"[{lo if lo is not None else ts[0]}, {hi if hi is not None else ts[-1]}]"
+        raise UsageError(f"no checkpoint in the selected steps {bounds} (checkpoints span {ts[0]}–{ts[-1]})")
+    return picked
+
+
+def uniform_coefficients(
+    steps: Sequence[int],
+    *,
+    last: int | None = None,
+    from_step: int | None = None,
+    to_step: int | None = None,
+) -> list[float]:
+    """Plain averaging: 1/k on each checkpoint of ``uniform_selection``, 0 elsewhere.
+
+    An empty selection is a ``UsageError``.
+
+    Example:
+        >>> uniform_coefficients([10, 20, 30, 40, 50], from_step=20, to_step=30)
+        [0.0, 0.5, 0.5, 0.0, 0.0]
+    """
+    picked = uniform_selection(steps, last=last, from_step=from_step, to_step=to_step)
+    out = [0.0] * len(steps)
+    for i in picked:
+        out[i] = 1.0 / len(picked)
+    return out

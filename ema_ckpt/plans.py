@@ -1,0 +1,216 @@
+"""Plans: outputs × terms (checkpoint, coefficient), from steps and manifests alone.
+
+A :class:`Plan` is what ``posthoc``, ``average`` and ``accumulate`` compute before reading a
+tensor (``--dry-run`` shows it). The coefficients come from the pure planner
+(:mod:`ema_ckpt.planner`):
+
+* from raw checkpoints, a power-function EMA in closed form (EDM2, Karras et al. 2024):
+  cᵢ = (tᵢ/T)^(γ+1) − (tᵢ₋₁/T)^(γ+1);
+* from the power-EMA snapshots ``accumulate --sigma-rel … --snapshot-every K`` keeps, EDM2's
+  least-squares reconstruction;
+* a uniform average of a selection (fairseq ``average_checkpoints``, LAWA).
+
+Example:
+    >>> plan = plan_posthoc("ckpts/", sigma_rels=["0.05", "0.10"])        # doctest: +SKIP
+    >>> [o.name for o in plan.outputs]                                       # doctest: +SKIP
+    ['sigma_rel_0.05', 'sigma_rel_0.10']
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from . import planner
+from .discovery import FoundCheckpoint, checkpoint_paths, discover
+from .errors import UsageError
+from .manifest import MANIFEST_NAME, Manifest
+
+SNAPSHOT_KIND = "snapshot"
+
+
+@dataclass(frozen=True, slots=True)
+class Term:
+    """One input's share of an output."""
+
+    path: str
+    step: int
+    coefficient: float
+    sigma_rel: float | None = None  # snapshot inputs only
+
+
+@dataclass(slots=True)
+class PlannedOutput:
+    """One output of a plan: its name, profile, time T and terms."""
+
+    name: str
+    step: int
+    terms: list[Term]
+    sigma_rel: float | None = None
+    gamma: float | None = None
+    profile: dict[str, Any] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+    stats: dict[str, float | None] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        terms = []
+        for t in self.terms:
+            item: dict[str, Any] = {"path": t.path, "step": t.step}
+            if t.sigma_rel is not None:
+                item["sigma_rel"] = t.sigma_rel
+            item["coefficient"] = t.coefficient
+            terms.append(item)
+        return {"name": self.name, "sigma_rel": self.sigma_rel, "gamma": self.gamma, "step": self.step,
+                "terms": terms, "warnings": list(self.warnings)}
+
+
+@dataclass(slots=True)
+class Plan:
+    """Outputs × terms over a list of inputs; nothing read but metadata."""
+
+    kind: str
+    inputs: list[FoundCheckpoint]
+    outputs: list[PlannedOutput]
+    notes: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"outputs": [o.to_json() for o in self.outputs], "notes": list(self.notes)}
+
+
+@dataclass(frozen=True, slots=True)
+class SnapshotInput:
+    """A power-EMA snapshot written by ``accumulate --snapshot-every``."""
+
+    path: Path
+    step: int
+    gamma: float
+    sigma_rel: float
+
+
+def find_snapshots(paths: Sequence[Path]) -> list[SnapshotInput]:
+    """Snapshot directories in ``paths`` (or their ``snapshots/`` folders), sorted by step and γ."""
+    found: list[SnapshotInput] = []
+    for root in paths:
+        for folder in (root, root / "snapshots"):
+            if not folder.is_dir():
+                continue
+            for child in sorted(folder.iterdir()):
+                if child.name.startswith("."):  # staging directories of an interrupted run
+                    continue
+                manifest = Manifest.read(child) if (child / MANIFEST_NAME).is_file() else None
+                if manifest is not None and manifest.kind == SNAPSHOT_KIND:
+                    gamma = float(manifest.profile["gamma"])
+                    found.append(SnapshotInput(child, manifest.step, gamma, planner.gamma_to_sigma_rel(gamma)))
+    found.sort(key=lambda s: (s.step, s.gamma))
+    return found
+
+
+def _targets(sigma_rels: Sequence[str], gammas: Sequence[str]) -> list[tuple[str, float, float]]:
+    """(output name, γ, σ_rel) for each requested profile, names as typed."""
+    targets: list[tuple[str, float, float]] = []
+    for text in sigma_rels:
+        for typed, value in planner.parse_sigma_list(text):
+            targets.append((f"sigma_rel_{typed}", planner.sigma_rel_to_gamma(value), value))
+    for text in gammas:
+        for item in text.split(","):
+            item = item.strip()
+            gamma = planner.check_gamma(item)
+            targets.append((f"gamma_{item}", gamma, planner.gamma_to_sigma_rel(gamma)))
+    if not targets:
+        raise UsageError("give at least one --sigma-rel or --gamma")
+    names = [t[0] for t in targets]
+    if len(set(names)) != len(names):
+        raise UsageError("the same profile is requested twice")
+    return targets
+
+
+def plan_posthoc(
+    checkpoints: str | Path | Sequence[str | Path],
+    *,
+    sigma_rels: Sequence[str] = (),
+    gammas: Sequence[str] = (),
+    at_step: int | None = None,
+    step_regex: str | None = None,
+    exclude_paths: Sequence[Path] = (),
+    skip: Sequence[str | Path] = (),
+) -> Plan:
+    """Coefficients of each requested power-function EMA at T (the newest step, or ``at_step``).
+
+    From raw checkpoints: the closed form cᵢ = (tᵢ/T)^(γ+1) − (tᵢ₋₁/T)^(γ+1), t₀ = 0. From
+    snapshots: EDM2's least-squares fit of the target profile by the snapshots' profiles.
+    """
+    paths = checkpoint_paths(checkpoints)
+    targets = _targets(sigma_rels, gammas)
+    snapshots = find_snapshots(paths)
+    if snapshots:
+        return _plan_from_snapshots(snapshots, targets, at_step)
+    found = discover(paths, step_regex=step_regex, exclude=exclude_paths, skip=skip)
+    steps = [c.step for c in found.checkpoints]
+    outputs = []
+    for name, gamma, sigma_rel in targets:
+        coeffs = planner.power_coefficients(steps, gamma, at_step)
+        big_t = max(s for s in steps if at_step is None or s <= at_step)
+        used = [i for i, s in enumerate(steps) if s <= big_t]
+        terms = [Term(str(found.checkpoints[i].path), steps[i], coeffs[i]) for i in used]
+        warning = planner.spacing_warning([t.step for t in terms], planner.power_window(gamma, big_t))
+        warnings = [warning] if warning else []
+        if at_step is not None and big_t != at_step:
+            warnings.append(f"no checkpoint at --at-step {at_step}: the EMA ends at step {big_t}, "
+                            "the newest checkpoint before it")
+        outputs.append(PlannedOutput(
+            name, big_t, terms, sigma_rel=sigma_rel, gamma=gamma,
+            profile={"kind": "power", "sigma_rel": sigma_rel, "gamma": gamma},
+            warnings=warnings,
+            stats=_stats([t.step for t in terms], [t.coefficient for t in terms]),
+        ))
+    return Plan("posthoc", found.checkpoints, outputs, found.notes)
+
+
+def _plan_from_snapshots(snapshots: list[SnapshotInput], targets, at_step: int | None) -> Plan:
+    inputs = [FoundCheckpoint(s.path, s.step, "dcp") for s in snapshots]
+    specs = [planner.Snapshot(s.step, s.gamma) for s in snapshots]
+    outputs = []
+    for name, gamma, sigma_rel in targets:
+        result = planner.posthoc_plan(specs, gamma, at_step)
+        terms = [Term(str(snapshots[i].path), snapshots[i].step, result.coefficients[i], snapshots[i].sigma_rel)
+                 for i in result.used]
+        outputs.append(PlannedOutput(
+            name, result.at_step, terms, sigma_rel=sigma_rel, gamma=gamma,
+            profile={"kind": "power", "sigma_rel": sigma_rel, "gamma": gamma, "from": "snapshots"},
+            warnings=list(result.warnings),
+            stats={"sigma_rel": result.sigma_rel, "mean_age": result.mean_age, "condition": result.condition,
+                   "rel_error": result.rel_error, "max_abs": max(abs(t.coefficient) for t in terms)},
+        ))
+    return Plan("posthoc", inputs, outputs)
+
+
+def plan_average(
+    checkpoints: str | Path | Sequence[str | Path],
+    *,
+    last: int | None = None,
+    from_step: int | None = None,
+    to_step: int | None = None,
+    step_regex: str | None = None,
+    exclude_paths: Sequence[Path] = (),
+    skip: Sequence[str | Path] = (),
+) -> Plan:
+    """Uniform average (fairseq ``average_checkpoints``, LAWA) of a selection of checkpoints."""
+    if last is None and from_step is None and to_step is None:
+        raise UsageError("choose the checkpoints: --last K, or --from-step A and/or --to-step B")
+    found = discover(checkpoint_paths(checkpoints), step_regex=step_regex, exclude=exclude_paths, skip=skip)
+    steps = [c.step for c in found.checkpoints]
+    coeffs = planner.uniform_coefficients(steps, last=last, from_step=from_step, to_step=to_step)
+    terms = [Term(str(c.path), c.step, w) for c, w in zip(found.checkpoints, coeffs, strict=True) if w != 0.0]
+    output = PlannedOutput(
+        "average", terms[-1].step, terms,
+        profile={"kind": "uniform", "last": last, "from_step": from_step, "to_step": to_step},
+        stats=_stats([t.step for t in terms], [t.coefficient for t in terms]),
+    )
+    return Plan("average", found.checkpoints, [output], found.notes)
+
+
+def _stats(steps: list[int], coeffs: list[float]) -> dict[str, float | None]:
+    s = planner.describe_plan(steps, coeffs)
+    return {"sigma_rel": s.sigma_rel, "mean_age": s.mean_age, "n_eff": s.n_eff, "max_abs": s.max_abs}

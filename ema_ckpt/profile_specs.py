@@ -1,0 +1,107 @@
+"""Profile specifications as text: σ_rel lists with EDM2 ranges, and γ lists.
+
+The library accepts the same strings as the command line (``accumulate(..., sigma_rels=
+["0.05,0.10"])``, ``posthoc(..., sigma_rels=["0.010:0.250:0.005"])``), so their parsing lives
+here, beside the maths, and words its errors as ``OptionError`` on the library parameter.
+
+Example:
+    >>> parse_sigma_list("0.05,0.08:0.10:0.01")
+    [('0.05', 0.05), ('0.08', 0.08), ('0.09', 0.09), ('0.10', 0.1)]
+    >>> parse_gamma_list("6.94, 16.97")
+    [('6.94', 6.94), ('16.97', 16.97)]
+"""
+
+from __future__ import annotations
+
+import re
+from decimal import Decimal, InvalidOperation
+
+from .errors import OptionError
+from .maths.power import check_gamma, check_sigma_rel
+
+__all__ = ["parse_gamma_list", "parse_sigma_list"]
+
+_NUMBER = re.compile(r"(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")
+_MAX_LIST = 10_000
+
+
+def _refuse(problem: str, text: str) -> OptionError:
+    """An error about the ``sigma_rels`` value ``text``: ``problem`` follows the option's name."""
+    return OptionError("sigma_rels", "{sigma_rels}" + problem, value=text)
+
+
+def _decimal(text: str, item: str, whole: str) -> Decimal:
+    if not _NUMBER.fullmatch(text):
+        raise _refuse(f": {item!r} is not a number or a start:stop:step range", whole)
+    try:
+        return Decimal(text)
+    except InvalidOperation:  # pragma: no cover - the regex already filters
+        raise _refuse(f": {item!r} is not a number", whole) from None
+
+
+def _exponent(number: Decimal) -> int:
+    """The decimal exponent of a finite number (``_NUMBER`` admits no NaN or infinity)."""
+    exponent = number.as_tuple().exponent
+    assert isinstance(exponent, int)
+    return exponent
+
+
+def parse_sigma_list(text: str) -> list[tuple[str, float]]:
+    """Parse σ_rel values: comma lists and EDM2 ranges ``start:stop:step`` (inclusive).
+
+    Returns (text, value) pairs, the text as typed (ranges: printed with the most decimals
+    among start, stop and step), so outputs can be named ``sigma_rel_<text>``. Every value
+    must lie in (0, 1/√12); duplicates are refused (their outputs would collide). Errors are
+    ``OptionError`` on ``sigma_rels``, the parameter such text is given as.
+
+    Example:
+        >>> parse_sigma_list("0.05, 0.10")
+        [('0.05', 0.05), ('0.10', 0.1)]
+        >>> [t for t, _ in parse_sigma_list("0.010:0.025:0.005")]
+        ['0.010', '0.015', '0.020', '0.025']
+    """
+    if not isinstance(text, str) or not text.strip():
+        raise _refuse(" needs at least one value", text)
+    out: list[tuple[str, float]] = []
+    for raw in text.split(","):
+        item = raw.strip()
+        if not item:
+            raise _refuse(f": empty entry in {text!r}", text)
+        parts = [p.strip() for p in item.split(":")]
+        if len(parts) == 1:
+            value = _decimal(parts[0], item, text)
+            out.append((parts[0], check_sigma_rel(float(value), "sigma_rels")))
+            continue
+        if len(parts) != 3:
+            raise _refuse(f": range {item!r} must be start:stop:step", text)
+        start, stop, step = (_decimal(p, item, text) for p in parts)
+        if step <= 0:
+            raise _refuse(f": range {item!r} needs a positive step", text)
+        if stop < start:
+            raise _refuse(f": range {item!r} ends before it starts", text)
+        count = int((stop - start) // step) + 1
+        if count > _MAX_LIST or len(out) + count > _MAX_LIST:
+            raise _refuse(f": range {item!r} has {count} values (at most {_MAX_LIST})", text)
+        quantum = Decimal(1).scaleb(min(_exponent(d) for d in (start, stop, step)))
+        for k in range(count):
+            point = (start + k * step).quantize(quantum)
+            out.append((format(point, "f"), check_sigma_rel(float(point), "sigma_rels")))
+    seen: dict[float, str] = {}
+    for label, sigma in out:
+        if sigma in seen:
+            raise _refuse(f": {label} is listed twice (also as {seen[sigma]})", text)
+        seen[sigma] = label
+    return out
+
+
+def parse_gamma_list(text: str) -> list[tuple[str, float]]:
+    """Parse a comma list of power-EMA exponents γ into (text, value) pairs, the text as typed.
+
+    Each value must lie in [0, 1e6], else ``OptionError`` on ``gammas``. Duplicates are kept
+    (the caller names outputs ``gamma_<text>`` and refuses collisions).
+
+    Example:
+        >>> parse_gamma_list("7")
+        [('7', 7.0)]
+    """
+    return [(item, check_gamma(item, "gammas")) for item in (i.strip() for i in text.split(","))]

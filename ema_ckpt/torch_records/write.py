@@ -1,0 +1,273 @@
+"""Writing ``torch.save`` records: the pickles and the zip, byte for byte what torch writes.
+
+:func:`tensor_pickle` / :func:`state_dict_pickle` emit the ``data.pkl`` of contiguous CPU
+tensors from shapes and dtypes alone (no data); :func:`write_tensor_record` appends one
+standalone record (a DCP chunk) to a file, straight from the tensor's memory, zip64 included.
+
+Example:
+    >>> import io, torch                                              # doctest: +SKIP
+    >>> sink = io.BytesIO()                                           # doctest: +SKIP
+    >>> write_tensor_record(sink, torch.ones(2, 3))                   # doctest: +SKIP
+    1125
+"""
+
+from __future__ import annotations
+
+import collections
+import io
+import math
+import os
+import pickle
+import struct
+import zipfile
+import zlib
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
+
+from .._lazy import torch
+from ..errors import UsageError
+from .zipfmt import (
+    CENTRAL_HEADER,
+    CENTRAL_MAGIC,
+    END_MAGIC,
+    END_OF_CENTRAL,
+    LOCAL_HEADER,
+    LOCAL_MAGIC,
+    ZIP32_LIMIT,
+)
+
+STORAGE_ALIGNMENT = 64
+"""torch aligns storage data to 64 bytes inside a record (needed to mmap it)."""
+_ZIP_TIME = (1980, 1, 1, 0, 0, 0)  # fixed: the same tensor always gives the same bytes
+_DOS_DATE = (0 << 11) | (0 << 5) | 0, (1980 - 1980) << 9 | 1 << 5 | 1  # (time, date) = 1980-01-01
+_PAD_FIELD = 0x5A5A  # an unassigned zip extra-field id, used only to pad
+
+
+def _storage_names() -> dict[Any, str]:
+    return {
+        torch.float64: "DoubleStorage", torch.float32: "FloatStorage", torch.float16: "HalfStorage",
+        torch.bfloat16: "BFloat16Storage", torch.int64: "LongStorage", torch.int32: "IntStorage",
+        torch.int16: "ShortStorage", torch.int8: "CharStorage", torch.uint8: "ByteStorage",
+        torch.bool: "BoolStorage", torch.complex64: "ComplexFloatStorage",
+        torch.complex128: "ComplexDoubleStorage",
+    }
+
+
+def writable_dtype(dtype: torch.dtype) -> bool:
+    """Whether records of ``dtype`` can be written here (the dtypes with a legacy typed storage)."""
+    return dtype in _storage_names()
+
+
+class _StorageRef:
+    def __init__(self, key: str, dtype: torch.dtype, numel: int) -> None:
+        self.key, self.dtype, self.numel = key, dtype, numel
+
+
+class _TensorStub:
+    """Pickles exactly as a contiguous CPU tensor does, without any data."""
+
+    def __init__(self, ref: _StorageRef, shape: tuple[int, ...]) -> None:
+        self.ref, self.shape = ref, shape
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        stride = []
+        acc = 1
+        for dim in reversed(self.shape):
+            stride.append(acc)
+            acc *= dim
+        return (torch._utils._rebuild_tensor_v2,
+                (self.ref, 0, torch.Size(self.shape), tuple(reversed(stride)), False, collections.OrderedDict()))
+
+
+class _Pickler(pickle.Pickler):
+    def persistent_id(self, obj: Any) -> Any:
+        if isinstance(obj, _StorageRef):
+            return ("storage", getattr(torch, _storage_names()[obj.dtype]), obj.key, "cpu", obj.numel)
+        return None
+
+
+def _dump(obj: Any) -> bytes:
+    buffer = io.BytesIO()
+    _Pickler(buffer, protocol=2).dump(obj)
+    return buffer.getvalue()
+
+
+def tensor_pickle(tensor: torch.Tensor) -> bytes:
+    """The ``data.pkl`` of a ``torch.save`` of one contiguous CPU tensor (storage key "0")."""
+    if tensor.dtype not in _storage_names():
+        raise UsageError(f"dtype {tensor.dtype} is not supported in DCP records here")
+    return _dump(_TensorStub(_StorageRef("0", tensor.dtype, tensor.numel()), tuple(tensor.shape)))
+
+
+def state_dict_pickle(tensors: Mapping[str, tuple[tuple[int, ...], torch.dtype]]) -> bytes:
+    """The ``data.pkl`` of ``torch.save({key: tensor})``, storages keyed "0", "1", … in order.
+
+    Raises:
+        UsageError: a dtype has no typed storage (see :func:`writable_dtype`).
+    """
+    state = {}
+    for index, (key, (shape, dtype)) in enumerate(tensors.items()):
+        if dtype not in _storage_names():
+            raise UsageError(f"{key}: dtype {dtype} is not supported in torch files here")
+        state[key] = _TensorStub(_StorageRef(str(index), dtype, int(torch.Size(shape).numel())), tuple(shape))
+    return _dump(state)
+
+
+class RecordSink(Protocol):
+    """Where records go: ``write`` may be told the data's CRC-32, already computed."""
+
+    def write(self, data: bytes | memoryview, *, crc: int | None = None) -> int: ...
+
+
+class _RecordStream:
+    """Positions relative to the record start, as the record's own zip offsets must be."""
+
+    def __init__(self, out: RecordSink) -> None:
+        self._out, self.position = out, 0
+
+    def write(self, data: bytes | memoryview) -> int:
+        self._out.write(data)
+        self.position += len(data)
+        return len(data)
+
+    def tell(self) -> int:
+        return self.position
+
+    def flush(self) -> None:
+        pass
+
+
+def write_tensor_record(out: RecordSink, tensor: torch.Tensor) -> int:
+    """Append a standalone ``torch.save``-format zip holding ``tensor``; returns its length.
+
+    Written from the tensor's memory as it is (a view of a reused buffer included): the data
+    is hashed once (its zip CRC-32, handed to ``out.write``) and written once, with no copy
+    and no pickle of anything but a plain tensor reference.
+    """
+    nbytes = tensor.numel() * tensor.element_size()
+    if nbytes >= ZIP32_LIMIT:
+        return _write_tensor_record_zip64(out, tensor)
+    data = memoryview(tensor.reshape(-1).view(torch.uint8).numpy()) if nbytes else memoryview(b"")
+    members: list[tuple[bytes, bytes | memoryview]] = [
+        (b"archive/data.pkl", tensor_pickle(tensor)), (b"archive/.format_version", b"1"),
+        (b"archive/.storage_alignment", b"64"), (b"archive/byteorder", b"little"),
+        (b"archive/data/0", data), (b"archive/version", b"3"),
+    ]
+    position = 0
+    central: list[bytes] = []
+    for name, payload in members:
+        crc = zlib.crc32(payload)
+        extra = b""
+        if name == b"archive/data/0":  # align the storage bytes as torch does (mmap needs it)
+            pad = -(position + LOCAL_HEADER.size + len(name) + 4) % STORAGE_ALIGNMENT
+            extra = struct.pack("<HH", _PAD_FIELD, pad) + b"\0" * pad
+        header = LOCAL_HEADER.pack(LOCAL_MAGIC, 20, 0, 0, _DOS_DATE[0], _DOS_DATE[1], crc, len(payload),
+                                   len(payload), len(name), len(extra)) + name + extra
+        central.append(CENTRAL_HEADER.pack(CENTRAL_MAGIC, 20, 20, 0, 0, _DOS_DATE[0], _DOS_DATE[1], crc,
+                                           len(payload), len(payload), len(name), 0, 0, 0, 0, 0, position) + name)
+        out.write(header)
+        out.write(payload, crc=crc)
+        position += len(header) + len(payload)
+    directory = b"".join(central)
+    out.write(directory)
+    out.write(END_OF_CENTRAL.pack(END_MAGIC, 0, 0, len(members), len(members), len(directory), position, 0))
+    return position + len(directory) + END_OF_CENTRAL.size
+
+
+def _write_tensor_record_zip64(out: RecordSink, tensor: torch.Tensor) -> int:
+    """The same record through the zipfile module, for storages of 4 GiB and more (zip64)."""
+    stream = _RecordStream(out)
+    archive = zipfile.ZipFile(stream, "w", compression=zipfile.ZIP_STORED)  # type: ignore[call-overload]
+    for name, data in (("archive/data.pkl", tensor_pickle(tensor)), ("archive/.format_version", b"1"),
+                       ("archive/.storage_alignment", b"64"), ("archive/byteorder", b"little")):
+        archive.writestr(zipfile.ZipInfo(name, date_time=_ZIP_TIME), data)
+    member = zipfile.ZipInfo("archive/data/0", date_time=_ZIP_TIME)
+    member.file_size = tensor.numel() * tensor.element_size()
+    header = 30 + len(member.filename) + 20
+    pad = -(stream.tell() + header + 4) % STORAGE_ALIGNMENT
+    member.extra = struct.pack("<HH", _PAD_FIELD, pad) + b"\0" * pad
+    with archive.open(member, "w", force_zip64=True) as handle:
+        handle.write(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))
+    archive.writestr(zipfile.ZipInfo("archive/version", date_time=_ZIP_TIME), b"3")
+    archive.close()
+    return stream.position
+
+
+class StateDictFileWriter:
+    """A ``torch.save`` file of a flat ``{key: tensor}`` dict, streamed block by block.
+
+    ``torch.save`` needs the whole state dict in memory; the format does not. Its
+    ``data.pkl`` names storages by key, each storage is its own zip member, and a member can
+    be written as its bytes arrive (zip64 for 4 GiB and more). So the pickle is written first
+    from shapes and dtypes alone, then each tensor's rows in order: memory holds one block.
+    ``torch.load(..., weights_only=True)`` reads the file.
+
+    Example:
+        >>> w = StateDictFileWriter(Path("model.pt"), [("w", (2, 3), torch.float32)])  # doctest: +SKIP
+        >>> w.write("w", torch.ones(1, 3)); w.write("w", torch.zeros(1, 3))          # doctest: +SKIP
+        >>> w.finish()                                                                  # doctest: +SKIP
+    """
+
+    def __init__(self, path: Any, tensors: Sequence[tuple[str, tuple[int, ...], torch.dtype]]) -> None:
+        self.path = path
+        self._order = [(key, tuple(shape), dtype) for key, shape, dtype in tensors]
+        for key, _shape, dtype in self._order:
+            if not writable_dtype(dtype):
+                raise UsageError(f"{key}: dtype {dtype} is not supported in torch files here")
+        self._cursor = 0
+        self._member: Any = None
+        self._remaining = 0
+        self._handle = open(path, "wb")  # noqa: SIM115 (closed in finish/abort)
+        self._zip = zipfile.ZipFile(self._handle, "w", compression=zipfile.ZIP_STORED, allowZip64=True)
+        state = state_dict_pickle({key: (shape, dtype) for key, shape, dtype in self._order})
+        for name, data in (("archive/data.pkl", state), ("archive/.format_version", b"1"),
+                           ("archive/.storage_alignment", b"64"), ("archive/byteorder", b"little")):
+            self._zip.writestr(zipfile.ZipInfo(name, date_time=_ZIP_TIME), data)
+
+    def write(self, key: str, block: torch.Tensor) -> None:
+        """The next rows of ``key`` (tensors in the order given, each tensor's rows in order)."""
+        if self._member is None:
+            self._open_member()
+        expected, _shape, dtype = self._order[self._cursor]
+        if key != expected or block.dtype != dtype:
+            raise ValueError(f"expected bytes of {expected} ({dtype}), got {key} ({block.dtype})")
+        data = memoryview(block.contiguous().reshape(-1).view(torch.uint8).numpy()) if block.numel() else b""
+        if len(data) > self._remaining:
+            raise ValueError(f"{key}: {len(data)} bytes more than the {self._remaining} left of its storage")
+        self._member.write(data)
+        self._remaining -= len(data)
+        if self._remaining == 0:
+            self._member.close()
+            self._member = None
+            self._cursor += 1
+
+    def _open_member(self) -> None:
+        _key, shape, dtype = self._order[self._cursor]
+        nbytes = math.prod(shape) * dtype.itemsize
+        member = zipfile.ZipInfo(f"archive/data/{self._cursor}", date_time=_ZIP_TIME)
+        member.file_size = nbytes
+        zip64 = nbytes >= ZIP32_LIMIT
+        header = LOCAL_HEADER.size + len(member.filename) + (20 if zip64 else 0)
+        # align the storage bytes as torch does (mmap needs it)
+        pad = -(self._handle.tell() + header + 4) % STORAGE_ALIGNMENT
+        member.extra = struct.pack("<HH", _PAD_FIELD, pad) + b"\0" * pad
+        self._member = self._zip.open(member, "w", force_zip64=zip64)
+        self._remaining = nbytes
+
+    def finish(self) -> int:
+        """Close the zip, fsync; returns the file size."""
+        while self._cursor < len(self._order) and math.prod(self._order[self._cursor][1]) == 0:
+            self.write(self._order[self._cursor][0], torch.empty(0, dtype=self._order[self._cursor][2]))
+        if self._cursor != len(self._order):
+            raise ValueError(f"{self.path}: {len(self._order) - self._cursor} tensors were not written")
+        self._zip.writestr(zipfile.ZipInfo("archive/version", date_time=_ZIP_TIME), b"3")
+        self._zip.close()
+        self._handle.flush()
+        os.fsync(self._handle.fileno())
+        size = self._handle.tell()
+        self._handle.close()
+        return size
+
+    def abort(self) -> None:
+        """Close the file without finishing it (the caller removes it)."""
+        self._handle.close()
