@@ -16,7 +16,7 @@ from ema_ckpt.errors import CheckpointFormatError, CheckpointNotFoundError, Unsa
 from ema_ckpt.formats import detect_format, open_checkpoint
 from ema_ckpt.formats.dcp import DcpReader
 from ema_ckpt.layout import Box
-from tests.dcp_helpers import torch_load_flat, write_dcp
+from tests.dcp_helpers import torch_load_flat, write_dcp, write_dcp_with_dcp_writer
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.bool]
 
@@ -51,13 +51,17 @@ def test_any_box_read_equals_the_slice_and_torch_reads_what_we_wrote(tmp_path, c
     path = tmp_path / f"ck{seed}"
     shutil.rmtree(path, ignore_errors=True)
     value = _random_tensor(shape, dtype, seed)
-    write_dcp(path, {"model.t": value}, world_size=world)
-    assert torch.equal(torch_load_flat(path, {"model.t": value})["model.t"], value)
-    with DcpReader(path) as reader:
-        assert reader.specs()["model.t"].shape == shape
-        assert torch.equal(reader.read("model.t", Box.full(shape)), value)
-        if box is not None:
-            assert torch.equal(reader.read("model.t", box), value[box.slices()])
+    ours = path.with_name(f"{path.name}-ours")
+    shutil.rmtree(ours, ignore_errors=True)
+    write_dcp(path, {"model.t": value}, world_size=world)  # saved by torch
+    write_dcp_with_dcp_writer(ours, {"model.t": value}, world_size=world)
+    assert torch.equal(torch_load_flat(ours, {"model.t": value})["model.t"], value)
+    for written in (path, ours):
+        with DcpReader(written) as reader:
+            assert reader.specs()["model.t"].shape == shape
+            assert torch.equal(reader.read("model.t", Box.full(shape)), value)
+            if box is not None:
+                assert torch.equal(reader.read("model.t", box), value[box.slices()])
 
 
 def test_reads_a_checkpoint_written_by_torch(tmp_path):

@@ -39,12 +39,12 @@ from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 from safetensors.torch import save_file
 
+from ema_ckpt.commands.verify import verify
 from ema_ckpt.errors import EmaCkptError
 from ema_ckpt.formats import open_checkpoint
 from ema_ckpt.layout import Box
 from ema_ckpt.manifest import MANIFEST_NAME, Manifest
-from ema_ckpt.commands.verify import verify
-from ema_ckpt.writers.dcp import DcpWriter
+from tests.dcp_helpers import write_dcp
 from tests.test_deepspeed import _write_zero
 
 EXAMPLES = int(os.environ.get("EMA_CKPT_FUZZ_EXAMPLES", "200"))
@@ -344,24 +344,19 @@ def apply_structural(root: Any, ops: list[tuple[int, Any]]) -> Any:
 
 
 def _write_base_dcp(path: Path) -> Path:
+    """Row and column chunks on two ranks, a bfloat16, a scalar, an empty tensor and a blob (torch saves)."""
     g = torch.Generator().manual_seed(0)
-    writer = DcpWriter(path)
     tensors = {
-        "model.w": (torch.randn(6, 4, generator=g), [Box((0, 0), (3, 4)), Box((3, 0), (3, 4))]),
-        "model.b": (torch.randn(5, generator=g).to(torch.bfloat16), [Box((0,), (5,))]),
-        "model.n": (torch.tensor(7), [Box((), ())]),
-        "model.e": (torch.zeros(0, 3), [Box((0, 0), (0, 3))]),
-        "model.g": (
-            torch.arange(12, dtype=torch.int32).reshape(3, 4), [Box((0, 0), (3, 2)), Box((0, 2), (3, 2))]
-        ),
+        "model.w": torch.randn(6, 4, generator=g),
+        "model.b": torch.randn(5, generator=g).to(torch.bfloat16),
+        "model.n": torch.tensor(7),
+        "model.e": torch.zeros(0, 3),
+        "model.g": torch.arange(12, dtype=torch.int32).reshape(3, 4),
+        "train.step": 7,
     }
-    for key, (value, boxes) in tensors.items():
-        writer.declare(key, tuple(value.shape), value.dtype)
-        for rank, box in enumerate(boxes):
-            writer.write(key, box, (value[box.slices()] if box.sizes else value).contiguous(), rank=rank)
-    writer.write_bytes("train.step", pickle.dumps(7), rank=1)
-    writer.finish({**{k: tuple(k.split(".", 1)) for k in tensors}, "train.step": ("train", "step")})
-    return path
+    boxes = {"model.w": [Box((0, 0), (3, 4)), Box((3, 0), (3, 4))],
+             "model.g": [Box((0, 0), (3, 2)), Box((0, 2), (3, 2))]}
+    return write_dcp(path, tensors, world_size=2, boxes=boxes, rank_of={"train.step": 1})
 
 
 @pytest.fixture(scope="module")
@@ -593,10 +588,7 @@ def test_mutators_do_what_they_say():
 
 def _edit_dcp_metadata(tmp_path: Path, edit: Callable[[Any], None]) -> Path:
     ck = tmp_path / "ck"
-    writer = DcpWriter(ck)
-    writer.declare("model.w", (2,), torch.float32)
-    writer.write("model.w", Box((0,), (2,)), torch.ones(2))
-    writer.finish({"model.w": ("model", "w")})
+    write_dcp(ck, {"model.w": torch.ones(2)})
     meta = pickle.loads((ck / ".metadata").read_bytes())
     edit(meta)
     (ck / ".metadata").write_bytes(pickle.dumps(meta))
@@ -621,7 +613,8 @@ def test_dcp_planner_data_value_that_is_not_a_path(tmp_path):
     _read_strict(ck)
 
 
-@pytest.mark.parametrize("loader", ["_pickle import load_dcp_metadata_bytes", "torch_records import load_tensor_record"])
+@pytest.mark.parametrize("loader", [
+    "_pickle import load_dcp_metadata_bytes", "torch_records import load_tensor_record"])
 @pytest.mark.parametrize("bomb", [
     # PROTO 4, NONE, LONG_BINPUT 30_000_000, STOP: 10 bytes that make CPython's C unpickler grow
     # its memo to 60M slots (480 MB); LONG_BINPUT 0xFFFFFFFF asks for 64 GB.
