@@ -29,7 +29,7 @@ from typing import Literal
 
 from ._lazy import torch
 from .dtypes import is_float, torch_dtype
-from .errors import NonFiniteError, UsageError
+from .errors import NonFiniteError, OptionError
 from .formats.base import CheckpointReader
 from .layout import Box, TensorSpec, split_rows
 from .progress import Progress
@@ -79,9 +79,10 @@ def check_device(device: str) -> None:
         return
     if device.startswith("cuda"):
         if not torch.cuda.is_available():
-            raise UsageError(f"--device {device}: no CUDA device is available here; use --device cpu")
+            raise OptionError("device", f"{device}: no CUDA device is available here; use {{device=cpu}}",
+                              value=device)
         return
-    raise UsageError(f"--device must be cpu or cuda, got {device!r}")
+    raise OptionError("device", f"must be cpu or cuda, got {device!r}", value=device)
 
 
 def combine_regions(
@@ -293,7 +294,7 @@ def _accumulate_region(
     for source in needed:
         users = [k for k in range(len(outputs)) if source in weights[k]]
         spec = sources[source].specs().get(region.key) if users else None
-        if spec is not None:  # None: a key added during training (--allow-new-keys) starts where it appears
+        if spec is not None:  # None: a key added during training (allow_new_keys) starts where it appears
             inputs.append((source, spec, users))
     results: list[torch.Tensor | None] = [None] * len(outputs)
 

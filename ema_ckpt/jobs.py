@@ -208,7 +208,7 @@ def _stage_compute_publish(job: Job[PlanT, ComputedT, Any], plan: PlanT, targets
         for target in targets:
             recover(target.final)
             if target.final.exists() and not target.replace:
-                raise UsageError(f"{target.final} exists; pass --overwrite to replace it")
+                raise UsageError(f"{target.final} exists; pass {{overwrite=True}} to replace it", remedy="overwrite")
         return [new_staging_dir(t.final, near=t.near) for t in targets]
 
     stagings = group.on_coordinator(stage)

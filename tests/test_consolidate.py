@@ -93,8 +93,9 @@ def test_outputs_are_never_clobbered_or_inside_the_source(tmp_path):
     src = write_dcp(tmp_path / "ck", {"model.w": torch.randn(4, 3)})
     consolidate(src, tmp_path / "a.safetensors")
     before = (tmp_path / "a.safetensors").read_bytes()
-    with pytest.raises(UsageError, match="--overwrite"):
+    with pytest.raises(UsageError, match="pass overwrite=True") as info:
         consolidate(src, tmp_path / "a.safetensors", dtype="float16")
+    assert info.value.remedy == "overwrite"
     assert (tmp_path / "a.safetensors").read_bytes() == before
     consolidate(src, tmp_path / "a.safetensors", dtype="float16", overwrite=True)
     assert load_file(tmp_path / "a.safetensors")["w"].dtype == torch.float16

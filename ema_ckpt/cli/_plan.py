@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING
 from rich.table import Table
 from rich.text import Text
 
-from ._output import console, err_console, shown
+from ._flags import cli_text
+from ._output import console, note, shown, warn
 
 if TYPE_CHECKING:
     from ..commands.averaging import Plan
@@ -79,6 +80,6 @@ def render_plan(plan: Plan) -> None:
             parts.append(f"cond(A) {_number(stats['condition'], '.2e')}, fit error {_number(stats['rel_error'], '.2e')}")
         console.print("  " + ", ".join(parts), highlight=False)
         for warning in output.warnings:
-            err_console.print(f"warning: {output.name}: {warning}", style="yellow", highlight=False)
-    for note in plan.notes:
-        err_console.print(note, style="dim", highlight=False)
+            warn(f"{output.name}: {cli_text(warning)}")
+    for line in plan.notes:
+        note(line)

@@ -20,7 +20,8 @@ from ._options import (
     WaitOpt,
     WorkersOpt,
 )
-from ._output import console, err_console, human_bytes, note, print_json, progress_bar
+from ._flags import cli_text
+from ._output import console, human_bytes, note, print_json, progress_bar, warn
 from ._plan import render_plan
 
 EPILOG = """\
@@ -46,7 +47,7 @@ def _warnings(result) -> list[str]:
     """The plan's warnings of the EMAs this run wrote ("name: warning")."""
     if result.plan is None or result.up_to_date:
         return []
-    return [f"{o.name}: {w}" for o in result.plan.outputs for w in o.warnings]
+    return [f"{o.name}: {cli_text(w)}" for o in result.plan.outputs for w in o.warnings]
 
 
 @reports_errors
@@ -131,7 +132,7 @@ def accumulate_command(
         return
     if not quiet:
         for line in _warnings(result):
-            err_console.print(f"warning: {line}", style="yellow", highlight=False)
+            warn(line)
         for line in result.notes:
             note(line)
     if result.up_to_date:

@@ -21,7 +21,8 @@ from ._options import (
     WaitOpt,
     WorkersOpt,
 )
-from ._output import console, err_console, human_bytes, note, print_json, progress_bar
+from ._flags import cli_text
+from ._output import console, human_bytes, note, print_json, progress_bar, warn
 from ._plan import render_plan
 
 POSTHOC_EPILOG = """\
@@ -49,7 +50,7 @@ def _warn(plan) -> None:
     """A real run's plan warnings, on stderr (the dry-run table prints its own)."""
     for output in plan.outputs:
         for warning in output.warnings:
-            err_console.print(f"warning: {output.name}: {warning}", style="yellow", highlight=False)
+            warn(f"{output.name}: {cli_text(warning)}")
 
 
 def _finish(result, json_output: bool, quiet: bool) -> None:
