@@ -430,7 +430,8 @@ def discover(
             found.notes.append(Note(f"{{skip}} {target}: no such checkpoint was found", mentions=("skip",)))
     sources = {_record_kind(c.step_source) for c in found.checkpoints}
     if len(sources) > 1:
-        ordered = sorted(sources, key=lambda s: (not Note.of(s).template.startswith("{"), s))  # the user's pattern first
+        # the user's own pattern first, as it always has been listed
+        ordered = sorted(sources, key=lambda s: (not Note.of(s).template.startswith("{"), s))
         found.notes.append("steps come from different records: " + Note.joined(", ", ordered)
                            + Note(" (check the order with {dry_run=True})", mentions=("dry_run",)))
     found.checkpoints.sort(key=lambda c: (c.step, str(c.path)))

@@ -21,6 +21,7 @@ Example:
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import os
 import pickle
@@ -127,13 +128,14 @@ class Workers:
 
     def on_coordinator(self, step: Callable[[], T]) -> T:
         """Run ``step`` on the coordinator only; every rank gets its result, or its error."""
-        return self.broadcast(self.run(step if self.is_coordinator else _nothing))
+        chosen: Callable[[], T] = step if self.is_coordinator else _nothing
+        return self.broadcast(self.run(chosen))
 
     def run(self, step: Callable[[], T]) -> T:
         """Run ``step`` on this rank, then synchronise: every rank fails if one did."""
         try:
             result = step()
-        except BaseException as err:  # noqa: BLE001 - re-raised after telling the peers
+        except BaseException as err:
             self.check(err)
             raise
         self.check(None)
@@ -157,7 +159,7 @@ def _portable(error: BaseException, details: str = "") -> EmaCkptError:
     if isinstance(error, EmaCkptError):
         try:
             pickle.dumps(error)
-        except Exception:  # noqa: BLE001 - an attribute that cannot cross: send the message
+        except Exception:
             return WorkerFailed(error.note(), error.exit_code)
         return error
     return WorkerFailed(f"{type(error).__name__}: {error}{details}", 1)
@@ -212,7 +214,7 @@ def _shutdown() -> None:
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+        return int(sock.getsockname()[1])
 
 
 _GROUP_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -223,7 +225,8 @@ def _group_environment(rank: int, world: int, port: int) -> dict[str, str]:
                 MASTER_PORT=str(port))
 
 
-def _worker_main(rank: int, world: int, port: int, func: Callable[..., Any], args: tuple, kwargs: dict,
+def _worker_main(rank: int, world: int, port: int, func: Callable[..., Any], args: tuple[Any, ...],
+                 kwargs: dict[str, Any],
                  queue: Any) -> None:
     """A spawned worker (rank ≥ 1): run ``func`` in the group, leave it, then report."""
     os.environ.update(_group_environment(rank, world, port))
@@ -235,13 +238,11 @@ def _worker_main(rank: int, world: int, port: int, func: Callable[..., Any], arg
         torch.set_num_threads(1)
         func(*args, **kwargs)
         report = (rank, "ok", None)
-    except BaseException as err:  # noqa: BLE001 - reported to the parent
+    except BaseException as err:
         details = "\n" + traceback.format_exc() if os.environ.get("EMA_CKPT_DEBUG") else ""
         report = (rank, "error", _portable(err, details))
-    try:
+    with contextlib.suppress(Exception):  # the group is gone either way; the report matters
         _shutdown()  # before reporting: rank 0 (the parent) hosts the group's store
-    except Exception:  # noqa: BLE001 - the group is gone either way; the report matters
-        pass
     queue.put(report)
     # everything is written and reported: skip tearing down an interpreter that loaded torch
     # (about 0.4 s the parent would wait for)
@@ -316,7 +317,7 @@ def run_workers(world_size: int, func: Callable[..., T], /, *args: Any,
                 import torch
 
                 torch.set_num_threads(threads)
-        except BaseException:  # noqa: BLE001 - e.g. torch half imported when a signal came: the peers still end
+        except BaseException:
             grace = 0.0
         for name, value in saved.items():
             if value is None:
@@ -351,9 +352,8 @@ def _collect(procs: Sequence[Any], queue: Any, timeout: float | None = None) -> 
         if not queue.empty():
             rank, status, payload = queue.get()
             reports[rank] = (status, payload)
-        elif not any(p.is_alive() for p in procs) and queue.empty():
-            break
-        elif deadline is not None and time.monotonic() > deadline:
+        elif (not any(p.is_alive() for p in procs) and queue.empty()) or (
+                deadline is not None and time.monotonic() > deadline):
             break
         else:
             for proc in procs:

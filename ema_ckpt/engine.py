@@ -20,6 +20,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -171,7 +172,7 @@ def _combine_one(
     writes: list[list[Callable[[], None]]] = []
     region_bytes = 0
     for k, (writer, result) in enumerate(zip(writers, results, strict=True)):
-        writes.append([lambda writer=writer, result=result: writer.write(region, result)])
+        writes.append([functools.partial(writer.write, region, result)])
         stats.per_output_bytes[k] += result.numel() * result.element_size()
         region_bytes += result.numel() * result.element_size()
     del results
@@ -302,7 +303,7 @@ def _accumulate_region(
         if results[k] is None:
             results[k] = (buffers.get(("acc", k, parity), shape, result_dtype) if buffers is not None and
                           device == "cpu" else torch.empty(shape, dtype=result_dtype, device=device))
-        return results[k]  # type: ignore[return-value]
+        return results[k]
 
     for block in _blocks(region.box, dtype.itemsize, device):
         where = block.relative_to(region.box).slices()

@@ -19,16 +19,16 @@ from pathlib import Path
 from typing import Any
 
 from . import maths, profile_specs
+from .commands.verify import damage
 from .discovery import FoundCheckpoint
 from .engine import OutputSpec, Update
 from .errors import CheckpointFormatError, IncompatibleCheckpointError, ManifestMismatchError, OptionError, UsageError
 from .formats.base import CheckpointReader
 from .manifest import Manifest, fingerprint
+from .maths import ExponentialProfile, PowerProfile, fold_coefficients, profile_from_dict
 from .plans import Plan as AveragePlan
 from .plans import PlannedOutput, Term
-from .maths import ExponentialProfile, PowerProfile, fold_coefficients, profile_from_dict
 from .selection import check_compatible, select_keys
-from .commands.verify import damage
 
 DEFAULT_OUT_NAME = "ema"
 Profile = ExponentialProfile | PowerProfile
@@ -150,7 +150,7 @@ def snapshot_steps(new_steps: list[int], last: int | None, every: int) -> list[i
     return chosen
 
 
-def check_same_settings(previous: Manifest, profile: Profile, dtype: str, selection: dict, out: Path) -> None:
+def check_same_settings(previous: Manifest, profile: Profile, dtype: str, selection: dict[str, Any], out: Path) -> None:
     wanted = profile.to_dict()
     if previous.kind != "ema" or previous.profile != wanted:
         try:

@@ -28,8 +28,8 @@ import secrets
 import shutil
 import stat
 import time
-from pathlib import Path
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 from .errors import OptionError, OutputError, OutputLockedError

@@ -158,7 +158,8 @@ def plan_posthoc(
     return Plan("posthoc", found.checkpoints, outputs, found.notes)
 
 
-def _plan_from_snapshots(snapshots: list[SnapshotInput], targets, at_step: int | None) -> Plan:
+def _plan_from_snapshots(snapshots: list[SnapshotInput], targets: list[tuple[str, float, float]],
+                         at_step: int | None) -> Plan:
     inputs = [FoundCheckpoint(s.path, s.step, "dcp") for s in snapshots]
     specs = [maths.Snapshot(s.step, s.gamma) for s in snapshots]
     outputs = []

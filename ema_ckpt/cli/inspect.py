@@ -10,8 +10,8 @@ from rich.table import Table
 
 from ..commands.inspect import inspect_checkpoint
 from ._errors import reports_errors
-from ._options import JsonOpt
 from ._flags import cli_text
+from ._options import JsonOpt
 from ._output import console, human_bytes, print_json, shown
 
 EPILOG = """\
@@ -63,7 +63,8 @@ def inspect_command(
     table = Table("key", "shape", "dtype", "bytes", "chunks", show_edge=False)
     rows = report.tensors if all_keys else report.tensors[:MAX_ROWS]
     for t in rows:
-        table.add_row(shown(t.key), "×".join(map(str, t.shape)) or "scalar", t.dtype, human_bytes(t.nbytes), str(t.chunks))
+        table.add_row(shown(t.key), "×".join(map(str, t.shape)) or "scalar", t.dtype, human_bytes(t.nbytes),
+                      str(t.chunks))
     console.print(table)
     if len(rows) < len(report.tensors):
         console.print(f"… {len(report.tensors) - len(rows)} more keys (--all lists them)", style="dim")

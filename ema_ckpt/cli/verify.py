@@ -9,11 +9,11 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
-from ..errors import CheckpointFormatError
 from ..commands.verify import verify
+from ..errors import CheckpointFormatError
 from ._errors import reports_errors
-from ._options import JsonOpt
 from ._flags import cli_text
+from ._options import JsonOpt
 from ._output import console, err_console, human_bytes, note, print_json, shown
 
 EPILOG = """\

@@ -29,7 +29,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from .averaging import averaged_tensors
 from ..discovery import FoundCheckpoint, checkpoint_paths, discover
 from ..dtypes import ACCUMULATE_DTYPES, torch_dtype
 from ..engine import check_device
@@ -66,10 +65,11 @@ from ..formats import open_checkpoint
 from ..fs import output_path
 from ..jobs import Job, JobContext, Target, WrittenOutputs, recorded_options, run_job
 from ..manifest import MANIFEST_NAME, FoldedCheckpoint, Manifest, fingerprint
+from ..maths import PowerProfile
 from ..plans import Plan as AveragePlan
 from ..plans import find_snapshots
 from ..progress import Progress
-from ..maths import PowerProfile
+from .averaging import averaged_tensors
 
 _RUNTIME = {"recorded": False}
 
