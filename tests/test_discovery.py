@@ -87,7 +87,7 @@ def test_empty_folder_and_explicit_partial_directory(tmp_path):
         discover([tmp_path])
     (tmp_path / "step_1").mkdir()
     (tmp_path / "step_1" / "__0_0.distcp").write_bytes(b"x")
-    with pytest.raises(CheckpointNotFoundError, match="no .metadata yet"):
+    with pytest.raises(CheckpointNotFoundError, match=r"no \.metadata yet"):
         discover([tmp_path / "step_1"])
 
 

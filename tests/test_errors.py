@@ -91,7 +91,7 @@ def test_every_parameter_an_error_can_name_has_a_flag():
     assert {"at_step", "decay", "half_life", "warmup", "per_checkpoint", "sigma_rel", "sigma_rels", "gamma",
             "gammas", "last", "from_step", "to_step"} <= names  # the scan sees them
     missing = sorted(names - FLAGS.keys())
-    assert not missing, f"add these library parameters to ema_ckpt.cli._errors.FLAGS: {missing}"
+    assert not missing, f"add these library parameters to ema_ckpt.cli._flags.FLAGS: {missing}"
 
 
 def test_flags_are_flags():

@@ -16,13 +16,13 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from typer.testing import CliRunner
 
-from ema_ckpt.commands.accumulate import accumulate
 from ema_ckpt.cli import app
+from ema_ckpt.commands.accumulate import accumulate
 from ema_ckpt.commands.consolidate import consolidate
 from ema_ckpt.commands.diff import diff
+from ema_ckpt.commands.inspect import inspect_checkpoint
 from ema_ckpt.errors import CheckpointFormatError, IncompatibleCheckpointError, UnsafePickleError
 from ema_ckpt.formats import open_checkpoint
-from ema_ckpt.commands.inspect import inspect_checkpoint
 from ema_ckpt.layout import Box
 
 runner = CliRunner()

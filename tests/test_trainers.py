@@ -26,9 +26,9 @@ from typer.testing import CliRunner
 from ema_ckpt.cli import app
 from ema_ckpt.cli._flags import cli_text
 from ema_ckpt.commands.consolidate import consolidate
+from ema_ckpt.commands.inspect import inspect_checkpoint
 from ema_ckpt.discovery import discover
 from ema_ckpt.errors import IncompatibleCheckpointError
-from ema_ckpt.commands.inspect import inspect_checkpoint
 from tests.ema_reference import assert_close_relative
 from tests.producers.launch import free_port
 
@@ -402,7 +402,7 @@ def test_torchtitan_last_save_in_hf_is_refused_with_the_way_out(copy_of, tmp_pat
     assert result.exit_code == 0, result.output
     items = [item for item in checkpoints_of("torchtitan-last-hf") if item[0] != "step-5"]
     want = reference_ema([oracle("torchtitan-last-hf", info) for _, info in items], [2, 4], 0.8)
-    got = consolidated_ema(tmp_path / "ema", want, tmp_path)
+    consolidated_ema(tmp_path / "ema", want, tmp_path)
 
 
 # --- Megatron -------------------------------------------------------------------------------

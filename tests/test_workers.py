@@ -13,9 +13,9 @@ import torch
 from ema_ckpt.commands.accumulate import accumulate
 from ema_ckpt.commands.averaging import posthoc
 from ema_ckpt.commands.consolidate import consolidate
+from ema_ckpt.commands.reshard import reshard
 from ema_ckpt.dist import WorkerFailed, assign_by_bytes, current_workers, run_workers
 from ema_ckpt.errors import EmaCkptError, OptionError, UsageError
-from ema_ckpt.commands.reshard import reshard
 from tests.dcp_helpers import write_dcp
 from tests.producers.launch import free_port
 
@@ -40,7 +40,7 @@ def test_assignment_balances_bytes_deterministically():
     sizes = [10, 1, 1, 1, 9]
     owners = assign_by_bytes(sizes, 2)
     assert owners == assign_by_bytes(sizes, 2)
-    assert sorted(sum(s for s, o in zip(sizes, owners) if o == r) for r in range(2)) == [11, 11]
+    assert sorted(sum(s for s, o in zip(sizes, owners, strict=True) if o == r) for r in range(2)) == [11, 11]
     assert assign_by_bytes([], 3) == []
 
 
