@@ -117,7 +117,7 @@ def power_profiles(sigma_rels: Sequence[str], gammas: Sequence[str]) -> list[tup
 
     Example:
         >>> [(name, round(g, 2)) for name, g, _ in power_profiles(["0.05,0.1"], ["7"])]
-        [('sigma_rel_0.05', 15.48), ('sigma_rel_0.1', 6.94), ('gamma_7', 7.0)]
+        [('sigma_rel_0.05', 16.97), ('sigma_rel_0.1', 6.94), ('gamma_7', 7.0)]
     """
     named = [(f"sigma_rel_{typed}", sigma_rel_to_gamma(value), typed)
              for text in sigma_rels for typed, value in parse_sigma_list(text)]
