@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import CheckpointNotFoundError, EmaCkptError, IncompatibleCheckpointError, UsageError
+from .errors import CheckpointNotFoundError, EmaCkptError, IncompatibleCheckpointError, Note, OptionError, UsageError
 from .formats import detect_format, locate_model, open_checkpoint, registered_formats
 from .formats.base import (
     NESTED_MODELS,
@@ -59,16 +59,18 @@ def step_from_name(name: str, step_regex: str | None = None) -> int | None:
         try:
             pattern = re.compile(step_regex)
         except re.error as err:
-            raise UsageError(f"--step-regex {step_regex!r} is not a valid regular expression: {err}") from None
+            raise OptionError("step_regex", f"{step_regex!r} is not a valid regular expression: {err}",
+                              value=step_regex) from None
         if pattern.groups < 1:
-            raise UsageError(f"--step-regex {step_regex!r} has no group: put the step's digits in (...), "
-                             r"e.g. 'ckpt_(\d+)'")
+            raise OptionError("step_regex", f"{step_regex!r} has no group: put the step's digits in (...), "
+                              r"e.g. 'ckpt_(\d+)'", value=step_regex)
         match = pattern.search(name)
         if not match:
             return None
         text = match.group("step") if "step" in pattern.groupindex else match.group(1)
         if text is None or not re.fullmatch(r"[0-9]+", text):
-            raise UsageError(f"--step-regex {step_regex!r} matched {text!r} in {name!r}, not digits")
+            raise OptionError("step_regex", f"{step_regex!r} matched {text!r} in {name!r}, not digits",
+                              value=step_regex)
         return int(text)
     for pattern in _STEP_PATTERNS:
         match = pattern.search(name)
@@ -94,6 +96,7 @@ class Discovery:
 
     checkpoints: list[FoundCheckpoint] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    """What was skipped and why: :class:`~ema_ckpt.errors.Note` strings where they name a parameter."""
 
 
 def checkpoint_paths(checkpoints: str | Path | Sequence[str | Path]) -> list[Path]:
@@ -201,7 +204,7 @@ def step_record(path: str | Path, step_regex: str | None = None) -> StepRecord |
     if step_regex is not None:
         step = step_from_name(owner.name, step_regex)
         if step is not None:
-            return StepRecord(step, f"--step-regex on the folder name {owner.name}")
+            return StepRecord(step, Note("{step_regex} on the folder name ", mentions=("step_regex",)) + owner.name)
     fmt = detect_format(owner)
     if fmt is not None:
         for source in STEP_SOURCES:
@@ -217,7 +220,7 @@ def step_record(path: str | Path, step_regex: str | None = None) -> StepRecord |
         if trainer in _NAMES_COUNT_SAVES:
             raise StepUnknown(
                 f"no step record ({trainer}'s {owner.name} counts saves, not steps); "
-                "pass --step-regex to take the name as the step"
+                + Note("pass {step_regex} to take the name as the step", mentions=("step_regex",))
             )
     step = step_from_name(owner.name)
     return StepRecord(step, "folder name") if step is not None else None
@@ -249,9 +252,9 @@ def _found(path: Path, fmt: CheckpointFormat, step_regex: str | None) -> FoundCh
     try:
         record = step_record(path, step_regex)
     except StepUnknown as why:
-        return str(why)
+        return Note.of(why.args[0])
     if record is None:
-        return "no step in its name (see --step-regex)"
+        return Note("no step in its name (see {step_regex})", mentions=("step_regex",))
     return FoundCheckpoint(path, record.step, fmt.name, record.source)
 
 
@@ -317,7 +320,7 @@ def _drop_identical_copies(found: Discovery, known: Mapping[Path, int], compare_
         if not same:
             raise IncompatibleCheckpointError(
                 f"{previous.path} and {candidate.path} both hold step {candidate.step} with different "
-                "weights; leave one out with --skip PATH"
+                "weights; leave one out with {skip=PATH}", remedy="skip"
             )
         kept[-1] = keep
         unread = compare_after is not None and candidate.step <= compare_after
@@ -347,7 +350,7 @@ def _scan_folder(path: Path, found: Discovery, step_regex: str | None, excluded:
         if _inside(child, excluded):
             continue
         if _skipped(child, skipped, used):
-            found.notes.append(f"skipped {child}: left out (--skip)")
+            found.notes.append(Note(f"skipped {child}: left out ({{skip}})", mentions=("skip",)))
             continue
         if (child / MANIFEST_NAME).exists():
             continue
@@ -355,13 +358,19 @@ def _scan_folder(path: Path, found: Discovery, step_regex: str | None, excluded:
         if child_fmt is None:
             reason = _incomplete_reason(child)
             if reason:
-                found.notes.append(f"skipped {child}: {reason}")
+                found.notes.append(f"skipped {child}: " + reason)
             continue
         checkpoint = _found(child, child_fmt, step_regex)
         if isinstance(checkpoint, str):
-            found.notes.append(f"skipped {child}: {checkpoint}")
+            found.notes.append(f"skipped {child}: " + checkpoint)
             continue
         found.checkpoints.append(checkpoint)
+
+
+def _record_kind(source: str) -> str:
+    """A step source without the folder it was read from (``step_regex on the folder name x``)."""
+    note = Note.of(source)
+    return Note(note.template.split(" on the folder name")[0], mentions=note.mentions)
 
 
 def discover(
@@ -376,7 +385,7 @@ def discover(
     """Find the checkpoints in ``paths`` (each a checkpoint or a folder of them).
 
     ``exclude`` lists paths never taken, silently (outputs); ``skip`` lists checkpoints the
-    user leaves out (``--skip``), each noted. ``known`` maps checkpoints already folded to
+    user leaves out, each noted. ``known`` maps checkpoints already folded to
     their steps: of two copies of one step the known one is kept, and copies of steps up to
     ``compare_after`` are not compared byte for byte (that run reads neither).
 
@@ -394,7 +403,7 @@ def discover(
         if not path.exists():
             raise CheckpointNotFoundError(path, "no such file or directory")
         if _skipped(path, skipped, used):
-            found.notes.append(f"skipped {path}: left out (--skip)")
+            found.notes.append(Note(f"skipped {path}: left out ({{skip}})", mentions=("skip",)))
             continue
         fmt = detect_format(path)
         if fmt is not None and _holds_checkpoints(path):
@@ -402,7 +411,7 @@ def discover(
         if fmt is not None and not (path / MANIFEST_NAME).exists():
             checkpoint = _found(path, fmt, step_regex)
             if isinstance(checkpoint, str):
-                raise CheckpointNotFoundError(path, f"cannot tell the training step: {checkpoint}")
+                raise CheckpointNotFoundError(path, "cannot tell the training step: " + checkpoint)
             found.checkpoints.append(checkpoint)
             continue
         if not path.is_dir():
@@ -418,15 +427,17 @@ def discover(
             _scan_folder(project, found, step_regex, excluded, skipped, used)
     for target in skipped:
         if target not in used:
-            found.notes.append(f"--skip {target}: no such checkpoint was found")
-    sources = {c.step_source.split(" on the folder name")[0] for c in found.checkpoints}
+            found.notes.append(Note(f"{{skip}} {target}: no such checkpoint was found", mentions=("skip",)))
+    sources = {_record_kind(c.step_source) for c in found.checkpoints}
     if len(sources) > 1:
-        found.notes.append("steps come from different records: " + ", ".join(sorted(sources))
-                           + " (check the order with --dry-run)")
+        # the user's own pattern first, as it always has been listed
+        ordered = sorted(sources, key=lambda s: (not Note.of(s).template.startswith("{"), s))
+        found.notes.append("steps come from different records: " + Note.joined(", ", ordered)
+                           + Note(" (check the order with {dry_run=True})", mentions=("dry_run",)))
     found.checkpoints.sort(key=lambda c: (c.step, str(c.path)))
     _drop_identical_copies(found, {Path(p).resolve(): s for p, s in (known or {}).items()}, compare_after)
     if not found.checkpoints:
         where = ", ".join(str(p) for p in paths)
         raise CheckpointNotFoundError(where, "no checkpoints found" + (
-            f" ({'; '.join(found.notes)})" if found.notes else ""))
+            " (" + Note.joined("; ", found.notes) + ")" if found.notes else ""))
     return found

@@ -2,7 +2,7 @@
 
 Two ways in:
 
-* ``--workers N`` on one machine: :func:`run_workers` makes the calling process rank 0 and
+* ``workers=N`` on one machine: :func:`run_workers` makes the calling process rank 0 and
   spawns ranks 1…N-1 on a free local port; each runs the same library call with its own rank.
 * under ``torchrun`` (one or many nodes over a shared filesystem): RANK, WORLD_SIZE and
   MASTER_ADDR/PORT come from the environment and :func:`current_workers` joins that group.
@@ -21,8 +21,10 @@ Example:
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import os
+import pickle
 import socket
 import sys
 import traceback
@@ -31,14 +33,18 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from ._gc import paused_gc
-from .errors import CheckpointError, CheckpointFormatError, EmaCkptError, NonFiniteError, UnsafePickleError, UsageError
+from .errors import CheckpointFormatError, EmaCkptError, NonFiniteError, OptionError, UnsafePickleError
 
 T = TypeVar("T")
 _TIMEOUT = datetime.timedelta(hours=6)
 
 
 class WorkerFailed(EmaCkptError):
-    """Another worker failed; its message is carried here with its exit code."""
+    """Another worker failed; its message is carried here with its exit code.
+
+    The message may be a worker's error as a :class:`~ema_ckpt.errors.Note`: the parameters
+    it names stay data, so the CLI words them as flags on rank 0 too.
+    """
 
     def __init__(self, message: str, exit_code: int) -> None:
         super().__init__(message)
@@ -107,32 +113,29 @@ class Workers:
 
     def check(self, error: BaseException | None) -> None:
         """A synchronisation point: raise on every rank if any rank hit an error."""
-        states = self.all_gather(_describe(error) if error is not None else None)
+        states = self.all_gather(_portable(error) if error is not None else None)
         failed = [(rank, s) for rank, s in enumerate(states) if s is not None]
         if failed:
             # An error about one checkpoint (NaN/Inf, damaged files) is raised alike on every rank,
             # the lowest rank's, so a run that skips it and goes on skips the same one everywhere.
-            rank, state = failed[0]
-            message, code = state[:2]
-            if len(state) > 2 and state[2] is not None:
-                raise NonFiniteError(state[2], message)
-            if len(state) > 3:
-                name, path, reason = state[3]
-                raise _CHECKPOINT_ERRORS[name](path, reason)
+            rank, first = failed[0]
+            if isinstance(first, NonFiniteError) or type(first) in _CHECKPOINT_ERRORS:
+                raise first
         if error is not None:
             raise error
         if failed:
-            raise WorkerFailed(f"worker {rank}: {message}", code)
+            raise WorkerFailed(f"worker {rank}: " + first.note(), first.exit_code)
 
     def on_coordinator(self, step: Callable[[], T]) -> T:
         """Run ``step`` on the coordinator only; every rank gets its result, or its error."""
-        return self.broadcast(self.run(step if self.is_coordinator else _nothing))
+        chosen: Callable[[], T] = step if self.is_coordinator else _nothing
+        return self.broadcast(self.run(chosen))
 
     def run(self, step: Callable[[], T]) -> T:
         """Run ``step`` on this rank, then synchronise: every rank fails if one did."""
         try:
             result = step()
-        except BaseException as err:  # noqa: BLE001 - re-raised after telling the peers
+        except BaseException as err:
             self.check(err)
             raise
         self.check(None)
@@ -143,19 +146,23 @@ def _nothing() -> Any:
     return None
 
 
-_CHECKPOINT_ERRORS = {cls.__name__: cls for cls in (CheckpointFormatError, UnsafePickleError)}
+_CHECKPOINT_ERRORS = (CheckpointFormatError, UnsafePickleError)
 """Errors about one checkpoint's files, raised again as themselves on every rank (a run may
 skip that checkpoint and go on, which every rank must decide alike)."""
 
 
-def _describe(error: BaseException) -> tuple:
-    if isinstance(error, NonFiniteError):
-        return str(error), error.exit_code, error.source
-    if type(error).__name__ in _CHECKPOINT_ERRORS and isinstance(error, CheckpointError):
-        return str(error), error.exit_code, None, (type(error).__name__, error.path, error.reason)
+def _portable(error: BaseException, details: str = "") -> EmaCkptError:
+    """``error`` as it crosses to the other ranks: itself, data included, when it pickles.
+
+    Any other exception goes as its type and message (``details`` appended), exit code 1.
+    """
     if isinstance(error, EmaCkptError):
-        return str(error), error.exit_code
-    return f"{type(error).__name__}: {error}", 1
+        try:
+            pickle.dumps(error)
+        except Exception:
+            return WorkerFailed(error.note(), error.exit_code)
+        return error
+    return WorkerFailed(f"{type(error).__name__}: {error}{details}", 1)
 
 
 def assign_by_bytes(sizes: Sequence[int], world_size: int) -> list[int]:
@@ -207,7 +214,7 @@ def _shutdown() -> None:
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+        return int(sock.getsockname()[1])
 
 
 _GROUP_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -218,7 +225,8 @@ def _group_environment(rank: int, world: int, port: int) -> dict[str, str]:
                 MASTER_PORT=str(port))
 
 
-def _worker_main(rank: int, world: int, port: int, func: Callable[..., Any], args: tuple, kwargs: dict,
+def _worker_main(rank: int, world: int, port: int, func: Callable[..., Any], args: tuple[Any, ...],
+                 kwargs: dict[str, Any],
                  queue: Any) -> None:
     """A spawned worker (rank ≥ 1): run ``func`` in the group, leave it, then report."""
     os.environ.update(_group_environment(rank, world, port))
@@ -230,15 +238,11 @@ def _worker_main(rank: int, world: int, port: int, func: Callable[..., Any], arg
         torch.set_num_threads(1)
         func(*args, **kwargs)
         report = (rank, "ok", None)
-    except BaseException as err:  # noqa: BLE001 - reported to the parent
-        message, code = _describe(err)[:2]
-        if not isinstance(err, EmaCkptError) and os.environ.get("EMA_CKPT_DEBUG"):
-            message += "\n" + traceback.format_exc()
-        report = (rank, "error", (message, code))
-    try:
+    except BaseException as err:
+        details = "\n" + traceback.format_exc() if os.environ.get("EMA_CKPT_DEBUG") else ""
+        report = (rank, "error", _portable(err, details))
+    with contextlib.suppress(Exception):  # the group is gone either way; the report matters
         _shutdown()  # before reporting: rank 0 (the parent) hosts the group's store
-    except Exception:  # noqa: BLE001 - the group is gone either way; the report matters
-        pass
     queue.put(report)
     # everything is written and reported: skip tearing down an interpreter that loaded torch
     # (about 0.4 s the parent would wait for)
@@ -261,7 +265,7 @@ def run_workers(world_size: int, func: Callable[..., T], /, *args: Any,
     its exit code; a worker that dies without a report (killed, out of memory) is one too.
     """
     if world_size < 1:
-        raise UsageError(f"--workers must be at least 1, got {world_size}")
+        raise OptionError("workers", f"must be at least 1, got {world_size}", value=world_size)
     if world_size == 1 or in_worker_group():
         return func(*args, **kwargs, **(local_kwargs or {}))
     import multiprocessing
@@ -269,7 +273,7 @@ def run_workers(world_size: int, func: Callable[..., T], /, *args: Any,
     # torch.distributed not imported yet means no group; torch itself loads after the spawn
     dist = sys.modules.get("torch.distributed")
     if dist is not None and dist.is_available() and dist.is_initialized():
-        raise UsageError("--workers: this process already belongs to a torch.distributed group; "
+        raise OptionError("workers", "{workers}: this process already belongs to a torch.distributed group; "
                          "start it under torchrun instead (its ranks become the workers)")
     ctx = multiprocessing.get_context("spawn")  # a fork would copy this process's threads and locks
     queue = ctx.SimpleQueue()
@@ -313,7 +317,7 @@ def run_workers(world_size: int, func: Callable[..., T], /, *args: Any,
                 import torch
 
                 torch.set_num_threads(threads)
-        except BaseException:  # noqa: BLE001 - e.g. torch half imported when a signal came: the peers still end
+        except BaseException:
             grace = 0.0
         for name, value in saved.items():
             if value is None:
@@ -348,9 +352,8 @@ def _collect(procs: Sequence[Any], queue: Any, timeout: float | None = None) -> 
         if not queue.empty():
             rank, status, payload = queue.get()
             reports[rank] = (status, payload)
-        elif not any(p.is_alive() for p in procs) and queue.empty():
-            break
-        elif deadline is not None and time.monotonic() > deadline:
+        elif (not any(p.is_alive() for p in procs) and queue.empty()) or (
+                deadline is not None and time.monotonic() > deadline):
             break
         else:
             for proc in procs:
@@ -365,8 +368,8 @@ def _failure(reports: dict[int, tuple[str, Any]], procs: Sequence[Any], *, only_
     latter (after rank 0 failed, the peers' reports are consequences of its failure)."""
     errors = sorted((rank, payload) for rank, (status, payload) in reports.items() if status == "error")
     if errors and not only_deaths:
-        message, code = errors[0][1][:2]
-        return WorkerFailed(message, code)
+        first: EmaCkptError = errors[0][1]
+        return WorkerFailed(first.note(), first.exit_code)
     silent = [p for rank, p in enumerate(procs, start=1) if rank not in reports and p.exitcode is not None]
     if silent or (not only_deaths and len(reports) < len(procs)):
         return WorkerFailed("a worker process died without a report (out of memory?)", 1)

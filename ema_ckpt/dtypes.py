@@ -72,7 +72,7 @@ def itemsize(name: str) -> int:
 
 
 def is_float(name: str) -> bool:
-    """Floating point or complex: the dtypes a ``--dtype`` cast applies to."""
+    """Floating point or complex: the dtypes a ``dtype`` cast applies to."""
     return canonical(name).startswith(("float", "bfloat", "complex"))
 
 

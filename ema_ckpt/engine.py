@@ -20,6 +20,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -29,7 +30,7 @@ from typing import Literal
 
 from ._lazy import torch
 from .dtypes import is_float, torch_dtype
-from .errors import NonFiniteError, UsageError
+from .errors import NonFiniteError, OptionError
 from .formats.base import CheckpointReader
 from .layout import Box, TensorSpec, split_rows
 from .progress import Progress
@@ -79,9 +80,10 @@ def check_device(device: str) -> None:
         return
     if device.startswith("cuda"):
         if not torch.cuda.is_available():
-            raise UsageError(f"--device {device}: no CUDA device is available here; use --device cpu")
+            raise OptionError("device", f"{device}: no CUDA device is available here; use {{device=cpu}}",
+                              value=device)
         return
-    raise UsageError(f"--device must be cpu or cuda, got {device!r}")
+    raise OptionError("device", f"must be cpu or cuda, got {device!r}", value=device)
 
 
 def combine_regions(
@@ -170,7 +172,7 @@ def _combine_one(
     writes: list[list[Callable[[], None]]] = []
     region_bytes = 0
     for k, (writer, result) in enumerate(zip(writers, results, strict=True)):
-        writes.append([lambda writer=writer, result=result: writer.write(region, result)])
+        writes.append([functools.partial(writer.write, region, result)])
         stats.per_output_bytes[k] += result.numel() * result.element_size()
         region_bytes += result.numel() * result.element_size()
     del results
@@ -293,7 +295,7 @@ def _accumulate_region(
     for source in needed:
         users = [k for k in range(len(outputs)) if source in weights[k]]
         spec = sources[source].specs().get(region.key) if users else None
-        if spec is not None:  # None: a key added during training (--allow-new-keys) starts where it appears
+        if spec is not None:  # None: a key added during training (allow_new_keys) starts where it appears
             inputs.append((source, spec, users))
     results: list[torch.Tensor | None] = [None] * len(outputs)
 
@@ -301,7 +303,7 @@ def _accumulate_region(
         if results[k] is None:
             results[k] = (buffers.get(("acc", k, parity), shape, result_dtype) if buffers is not None and
                           device == "cpu" else torch.empty(shape, dtype=result_dtype, device=device))
-        return results[k]  # type: ignore[return-value]
+        return results[k]
 
     for block in _blocks(region.box, dtype.itemsize, device):
         where = block.relative_to(region.box).slices()

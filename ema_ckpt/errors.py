@@ -19,7 +19,7 @@ parameter offers is data too (``remedy``). Inside a message, ``{name}`` stands f
 parameter ``name`` and ``{name=text}`` for passing it a value; only the names the error
 declares (``option``, ``remedy``, ``mentions``) are placeholders, so text from checkpoints
 or users can never be mistaken for one. ``str(err)`` names the library parameters; the CLI
-renders the same error with its flags from one table (``ema_ckpt.cli._errors.FLAGS``):
+renders the same error with its flags from one table (``ema_ckpt.cli._flags.FLAGS``):
 
     >>> err = OptionError("at_step", "5 is before the first checkpoint (step 10)", value=5)
     >>> str(err), err.option, err.value
@@ -45,6 +45,16 @@ an f-string: ``f"{path} exists; pass {{overwrite=True}} to replace it"``), decla
 parameter (``option=``, ``remedy=`` or ``mentions=``, as string literals: a test reads them
 from the source), and add the parameter to the CLI's table if it is new there. Errors pickle
 whole (data included), so a worker can hand one to rank 0 as itself.
+
+Notes and warnings in results are :class:`Note` strings: the same placeholders, the same two
+wordings. A note reads as plain text (library names); ``+`` keeps its placeholders, and an
+error given a note as its message takes them over:
+
+    >>> note = Note("skipped step_3: left out ({skip})", mentions=("skip",))
+    >>> note, note.render({"skip": "--skip"}.__getitem__)
+    ('skipped step_3: left out (skip)', 'skipped step_3: left out (--skip)')
+    >>> str(CheckpointNotFoundError("ckpts", "no checkpoints found (" + note + ")"))
+    'ckpts: no checkpoints found (skipped step_3: left out (skip))'
 """
 
 from __future__ import annotations
@@ -60,6 +70,79 @@ _PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)(?:=([^{}]*))?\}")
 def library_name(parameter: str, value: str | None) -> str:
     """How the library words a parameter placeholder: ``at_step``, ``restart=True``."""
     return parameter if value is None else f"{parameter}={value}"
+
+
+def _worded(template: str, names: Iterable[str], name_of: Callable[[str], str] | None) -> str:
+    """``template`` with each placeholder of ``names`` worded (see :meth:`EmaCkptError.render`)."""
+    declared = set(names)
+
+    def word(match: re.Match[str]) -> str:
+        name, value = match.group(1), match.group(2)
+        if name not in declared:
+            return match.group(0)
+        if name_of is None:
+            return library_name(name, value)
+        flag = name_of(name)
+        return flag if value in (None, "True") else f"{flag} {value}"
+
+    return _PLACEHOLDER.sub(word, template) if declared else template
+
+
+class Note(str):
+    """A note or warning in a result: plain text naming library parameters, placeholders kept.
+
+    ``str`` of it (its value) is the library's wording; :meth:`render` words the placeholders
+    of ``mentions`` as another caller names them (the CLI: flags). ``+`` with text or another
+    note keeps every placeholder:
+
+        >>> hint = Note("pass {step_regex} to take the name as the step", mentions=("step_regex",))
+        >>> ("no step record; " + hint).render(lambda name: "--step-regex")
+        'no step record; pass --step-regex to take the name as the step'
+    """
+
+    template: str
+    mentions: tuple[str, ...]
+
+    def __new__(cls, template: str = "", *, mentions: Iterable[str] = ()) -> Note:
+        mentions = tuple(mentions)
+        self = super().__new__(cls, _worded(template, mentions, None))
+        self.template = template
+        self.mentions = mentions
+        return self
+
+    @staticmethod
+    def of(text: str) -> Note:
+        """``text`` as a note: itself when it is one, else plain text (no placeholders)."""
+        return text if isinstance(text, Note) else Note(text)
+
+    @staticmethod
+    def joined(separator: str, texts: Iterable[str]) -> Note:
+        """``separator.join(texts)``, keeping the placeholders of the notes among ``texts``."""
+        notes = [Note.of(text) for text in texts]
+        return Note(separator.join(n.template for n in notes),
+                    mentions=dict.fromkeys(name for n in notes for name in n.mentions))
+
+    def render(self, name_of: Callable[[str], str] | None = None) -> str:
+        """The text with each placeholder worded by ``name_of`` (None: the library's names)."""
+        return _worded(self.template, self.mentions, name_of)
+
+    def __add__(self, other: str) -> Note:
+        return Note.joined("", (self, other))
+
+    def __radd__(self, other: str) -> Note:
+        return Note.joined("", (other, self))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_note, (self.template, self.mentions))
+
+
+def _note(template: str, mentions: tuple[str, ...]) -> Note:
+    return Note(template, mentions=mentions)
+
+
+def worded(text: str, name_of: Callable[[str], str] | None = None) -> str:
+    """A note, warning or plain text worded by ``name_of``: ``Note.render``, or the text itself."""
+    return text.render(name_of) if isinstance(text, Note) else str(text)
 
 
 def _restore(cls: type[EmaCkptError], args: tuple[Any, ...], state: dict[str, Any]) -> EmaCkptError:
@@ -83,9 +166,12 @@ class EmaCkptError(Exception):
     mentions: tuple[str, ...] = ()
 
     def __init__(self, message: str = "", *, remedy: str | None = None, mentions: Iterable[str] = ()) -> None:
+        if isinstance(message, Note):  # its placeholders become the error's
+            mentions = (*message.mentions, *mentions)
+            message = message.template
         self.template = message
         self.remedy = remedy
-        self.mentions = tuple(mentions)
+        self.mentions = tuple(dict.fromkeys(mentions))
         super().__init__(self.render())
 
     @property
@@ -101,18 +187,11 @@ class EmaCkptError(Exception):
         """
         if not self.template:
             return str(self.args[0]) if self.args else ""
-        names = set(self.parameters)
+        return _worded(self.template, self.parameters, name_of)
 
-        def word(match: re.Match[str]) -> str:
-            name, value = match.group(1), match.group(2)
-            if name not in names:
-                return match.group(0)
-            if name_of is None:
-                return library_name(name, value)
-            flag = name_of(name)
-            return flag if value in (None, "True") else f"{flag} {value}"
-
-        return _PLACEHOLDER.sub(word, self.template)
+    def note(self) -> Note:
+        """The message as a :class:`Note`, placeholders kept: to build another message on it."""
+        return Note(self.template, mentions=self.parameters) if self.template else Note.of(str(self))
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (_restore, (type(self), self.args, self.__dict__))
@@ -157,7 +236,7 @@ class CheckpointError(EmaCkptError):
                  mentions: Iterable[str] = ()) -> None:
         self.path = str(path)
         self.reason = reason
-        super().__init__(f"{self.path}: {reason}", remedy=remedy, mentions=mentions)
+        super().__init__(Note.of(self.path) + ": " + reason, remedy=remedy, mentions=mentions)
 
 
 class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
@@ -179,7 +258,7 @@ class IncompatibleCheckpointError(EmaCkptError):
 
 
 class ManifestMismatchError(EmaCkptError):
-    """The existing output was made with other settings; ``--restart`` starts over."""
+    """The existing output was made with other settings; ``restart=True`` starts over."""
 
     exit_code = 5
 

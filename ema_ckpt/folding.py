@@ -19,16 +19,16 @@ from pathlib import Path
 from typing import Any
 
 from . import maths, profile_specs
+from .commands.verify import damage
 from .discovery import FoundCheckpoint
 from .engine import OutputSpec, Update
-from .errors import CheckpointFormatError, IncompatibleCheckpointError, ManifestMismatchError, UsageError
+from .errors import CheckpointFormatError, IncompatibleCheckpointError, ManifestMismatchError, OptionError, UsageError
 from .formats.base import CheckpointReader
 from .manifest import Manifest, fingerprint
+from .maths import ExponentialProfile, PowerProfile, fold_coefficients, profile_from_dict
 from .plans import Plan as AveragePlan
 from .plans import PlannedOutput, Term
-from .maths import ExponentialProfile, PowerProfile, fold_coefficients, profile_from_dict
 from .selection import check_compatible, select_keys
-from .commands.verify import damage
 
 DEFAULT_OUT_NAME = "ema"
 Profile = ExponentialProfile | PowerProfile
@@ -56,7 +56,7 @@ def default_out(checkpoints: Sequence[Path]) -> Path:
     """``<folder>/ema`` for a single folder of checkpoints."""
     if len(checkpoints) == 1 and checkpoints[0].is_dir():
         return checkpoints[0] / DEFAULT_OUT_NAME
-    raise UsageError("--out is required when more than one path is given")
+    raise OptionError("out", "is required when more than one path is given")
 
 
 def make_profile(
@@ -64,10 +64,12 @@ def make_profile(
 ) -> ExponentialProfile:
     """The classic profile named by exactly one of ``decay`` / ``half_life``."""
     if (decay is None) == (half_life is None):
-        raise UsageError("give exactly one of --decay or --half-life (or --sigma-rel/--gamma)")
+        raise UsageError("give exactly one of {decay} or {half_life} (or {sigma_rels}/{gammas})",
+                         mentions=("decay", "half_life", "sigma_rels", "gammas"))
     if half_life is not None:
         if per_checkpoint:
-            raise UsageError("--half-life counts steps; use --decay with --per-checkpoint")
+            raise OptionError("half_life", "counts steps; use {decay} with {per_checkpoint}",
+                              mentions=("decay", "per_checkpoint"))
         return ExponentialProfile.from_half_life(half_life, warmup=warmup)
     assert decay is not None
     return ExponentialProfile(decay=decay, per_checkpoint=per_checkpoint, warmup=warmup)
@@ -79,11 +81,13 @@ def named_profiles(
 ) -> list[tuple[str, Profile]]:
     if sigma_rels or gammas:
         if decay is not None or half_life is not None or per_checkpoint or warmup:
-            raise UsageError("--sigma-rel/--gamma (power EMAs) cannot be combined with --decay/--half-life")
+            raise UsageError("{sigma_rels}/{gammas} (power EMAs) cannot be combined with {decay}/{half_life}",
+                             mentions=("sigma_rels", "gammas", "decay", "half_life"))
         return [(name, PowerProfile(gamma, typed))
                 for name, gamma, typed in profile_specs.power_profiles(sigma_rels, gammas)]
     if snapshot_every is not None:
-        raise UsageError("--snapshot-every keeps power EMAs: use it with --sigma-rel or --gamma")
+        raise OptionError("snapshot_every", "keeps power EMAs: use it with {sigma_rels} or {gammas}",
+                          value=snapshot_every, mentions=("sigma_rels", "gammas"))
     return [(DEFAULT_OUT_NAME, make_profile(decay=decay, half_life=half_life,
                                             per_checkpoint=per_checkpoint, warmup=warmup))]
 
@@ -96,7 +100,7 @@ def refuse_backwards(acc: Accumulator, checkpoints: list[FoundCheckpoint], start
         raise IncompatibleCheckpointError(
             f"{late[0].path}: step {late[0].step} is at or before step {start}, where the EMA {acc.final} "
             "stands, but was never folded: steps went backwards (a job restarted into the same folder?); "
-            "move it away, or pass --restart to rebuild the EMA"
+            "move it away, or pass {restart=True} to rebuild the EMA", remedy="restart"
         )
 
 
@@ -115,8 +119,8 @@ def refuse_damaged_emas(accumulators: list[Accumulator]) -> None:
             raise CheckpointFormatError(
                 acc.final,
                 f"the EMA does not match its manifest: {problems[0]}{more}; it is left as it is. "
-                "Restore it from a backup, or rebuild it with --restart (every checkpoint still on "
-                "disk is folded again)",
+                "Restore it from a backup, or rebuild it with {restart=True} (every checkpoint still on "
+                "disk is folded again)", remedy="restart",
             )
 
 
@@ -146,7 +150,7 @@ def snapshot_steps(new_steps: list[int], last: int | None, every: int) -> list[i
     return chosen
 
 
-def check_same_settings(previous: Manifest, profile: Profile, dtype: str, selection: dict, out: Path) -> None:
+def check_same_settings(previous: Manifest, profile: Profile, dtype: str, selection: dict[str, Any], out: Path) -> None:
     wanted = profile.to_dict()
     if previous.kind != "ema" or previous.profile != wanted:
         try:
@@ -155,15 +159,18 @@ def check_same_settings(previous: Manifest, profile: Profile, dtype: str, select
             before = str(previous.profile)
         raise ManifestMismatchError(
             f"{out} holds an {before}, not an {profile.describe()}; "
-            "pass --restart to start a new EMA there, or choose another --out"
+            "pass {restart=True} to start a new EMA there, or choose another {out}",
+            remedy="restart", mentions=("out",),
         )
     if previous.dtype != dtype:
         raise ManifestMismatchError(
-            f"{out} accumulates in {previous.dtype}, not {dtype}; pass --restart or keep --dtype {previous.dtype}"
+            f"{out} accumulates in {previous.dtype}, not {dtype}; pass {{restart=True}} or keep "
+            f"{{dtype={previous.dtype}}}", remedy="restart", mentions=("dtype",),
         )
     if previous.selection != selection:
         raise ManifestMismatchError(
-            f"{out} was made with key selection {previous.selection}, not {selection}; pass --restart"
+            f"{out} was made with key selection {previous.selection}, not {selection}; pass {{restart=True}}",
+            remedy="restart",
         )
 
 
@@ -236,7 +243,8 @@ def check_fold_keys(
     index = {str(p): i for i, p in enumerate(sources)}
     keys = select_keys(readers[-1], include, exclude)
     if not keys:
-        raise UsageError(f"{readers[-1].path}: no tensor keys left after --include/--exclude")
+        raise UsageError(f"{readers[-1].path}: no tensor keys left after {{include}}/{{exclude}}",
+                         mentions=("include", "exclude"))
     raw = [index[str(c.path)] for c in checkpoints]
     check_compatible(readers, keys, reference=len(readers) - 1, allow_new_keys=allow_new_keys,
                      same_selection=raw, include=include, exclude=exclude)

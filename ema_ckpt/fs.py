@@ -28,11 +28,11 @@ import secrets
 import shutil
 import stat
 import time
-from pathlib import Path
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
-from .errors import OutputError, OutputLockedError, UsageError
+from .errors import OptionError, OutputError, OutputLockedError
 
 _RENAME_EXCHANGE = 2
 _SYNC_FILE_RANGE_WRITE = 2
@@ -167,7 +167,7 @@ def check_not_overlapping(src: Path, out: Path) -> None:
     """Refuse an output inside its source, or a source inside its output."""
     a, b = src.resolve(), out.resolve()
     if a == b or a in b.parents or b in a.parents:
-        raise UsageError(f"--out {out} overlaps the source {src}; write the output elsewhere")
+        raise OptionError("out", f"{out} overlaps the source {src}; write the output elsewhere", value=out)
 
 
 def publish_file(staging: Path, final: Path) -> None:
@@ -266,7 +266,8 @@ class OutputLock:
                     os.close(fd)
                     raise OutputLockedError(
                         f"{self.final}: another ema-ckpt run is writing this output "
-                        f"(lock {self.path.name}); retry later or pass --wait SECONDS"
+                        f"(lock {self.path.name}); retry later or pass {{wait_seconds=SECONDS}}",
+                        remedy="wait_seconds",
                     ) from None
                 time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
         self._fd = fd

@@ -27,6 +27,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import dataclasses
+import functools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -171,7 +172,8 @@ def run_job(job: Job[PlanT, ComputedT, ResultT], *,
     """Run ``job`` on this process or its worker group (see the module docstring)."""
     settings = job.options
     if settings.workers > 1 and not in_worker_group() and job.lock_path() is not None:
-        return run_workers(settings.workers, run_job, job, local_kwargs={"on_progress": on_progress})
+        result: ResultT = run_workers(settings.workers, run_job, job, local_kwargs={"on_progress": on_progress})
+        return result
     started = time.perf_counter()
     group = current_workers(settings.device)
     with contextlib.ExitStack() as stack:
@@ -189,7 +191,7 @@ def run_job(job: Job[PlanT, ComputedT, ResultT], *,
         while True:
             targets = list(job.targets(plan))
             if not targets:
-                group.on_coordinator(lambda: job.finish_without_output(plan))
+                group.on_coordinator(functools.partial(job.finish_without_output, plan))
                 return job.result(plan, None, time.perf_counter() - started)
             try:
                 computed = _stage_compute_publish(job, plan, targets, group, on_progress)
@@ -208,7 +210,7 @@ def _stage_compute_publish(job: Job[PlanT, ComputedT, Any], plan: PlanT, targets
         for target in targets:
             recover(target.final)
             if target.final.exists() and not target.replace:
-                raise UsageError(f"{target.final} exists; pass --overwrite to replace it")
+                raise UsageError(f"{target.final} exists; pass {{overwrite=True}} to replace it", remedy="overwrite")
         return [new_staging_dir(t.final, near=t.near) for t in targets]
 
     stagings = group.on_coordinator(stage)
@@ -218,7 +220,7 @@ def _stage_compute_publish(job: Job[PlanT, ComputedT, Any], plan: PlanT, targets
 
         def publish_all() -> None:
             manifests = job.manifests(plan, computed)
-            for target, staging, manifest in zip(targets, stagings, manifests, strict=True):
+            for staging, manifest in zip(stagings, manifests, strict=True):
                 if manifest is not None:
                     manifest.write(staging)
             for target, staging in zip(targets, stagings, strict=True):

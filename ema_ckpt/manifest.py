@@ -49,7 +49,7 @@ class Manifest:
     source_format: str
     checkpoints: list[FoldedCheckpoint] = field(default_factory=list)
     selection: dict[str, Any] = field(default_factory=dict)
-    files: dict[str, dict[str, int]] = field(default_factory=dict)
+    files: dict[str, dict[str, int | None]] = field(default_factory=dict)
     terms: list[dict[str, Any]] = field(default_factory=list)
     skipped: list[dict[str, Any]] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)

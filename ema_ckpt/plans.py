@@ -1,12 +1,12 @@
 """Plans: outputs × terms (checkpoint, coefficient), from steps and manifests alone.
 
 A :class:`Plan` is what ``posthoc``, ``average`` and ``accumulate`` compute before reading a
-tensor (``--dry-run`` shows it). The coefficients come from the pure planner
+tensor (a dry run shows it). The coefficients come from the pure planner
 (:mod:`ema_ckpt.planner`):
 
 * from raw checkpoints, a power-function EMA in closed form (EDM2, Karras et al. 2024):
   cᵢ = (tᵢ/T)^(γ+1) − (tᵢ₋₁/T)^(γ+1);
-* from the power-EMA snapshots ``accumulate --sigma-rel … --snapshot-every K`` keeps, EDM2's
+* from the power-EMA snapshots ``accumulate(sigma_rels=…, snapshot_every=K)`` keeps, EDM2's
   least-squares reconstruction;
 * a uniform average of a selection (fairseq ``average_checkpoints``, LAWA).
 
@@ -25,7 +25,7 @@ from typing import Any
 
 from . import maths, profile_specs
 from .discovery import FoundCheckpoint, checkpoint_paths, discover
-from .errors import UsageError
+from .errors import Note, UsageError
 from .manifest import MANIFEST_NAME, Manifest
 
 SNAPSHOT_KIND = "snapshot"
@@ -52,6 +52,7 @@ class PlannedOutput:
     gamma: float | None = None
     profile: dict[str, Any] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
+    """Caveats: :class:`~ema_ckpt.errors.Note` strings where they name a parameter."""
     stats: dict[str, float | None] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
@@ -81,7 +82,7 @@ class Plan:
 
 @dataclass(frozen=True, slots=True)
 class SnapshotInput:
-    """A power-EMA snapshot written by ``accumulate --snapshot-every``."""
+    """A power-EMA snapshot written by ``accumulate(snapshot_every=…)``."""
 
     path: Path
     step: int
@@ -110,7 +111,7 @@ def find_snapshots(paths: Sequence[Path]) -> list[SnapshotInput]:
 def _targets(sigma_rels: Sequence[str], gammas: Sequence[str]) -> list[tuple[str, float, float]]:
     """(output name, γ, σ_rel) for each requested profile, names as typed."""
     if not sigma_rels and not gammas:
-        raise UsageError("give at least one --sigma-rel or --gamma")
+        raise UsageError("give at least one {sigma_rels} or {gammas}", mentions=("sigma_rels", "gammas"))
     return [(name, gamma, maths.gamma_to_sigma_rel(gamma))
             for name, gamma, _typed in profile_specs.power_profiles(sigma_rels, gammas)]
 
@@ -146,8 +147,8 @@ def plan_posthoc(
         warning = maths.spacing_warning([t.step for t in terms], maths.power_window(gamma, big_t))
         warnings = [warning] if warning else []
         if at_step is not None and big_t != at_step:
-            warnings.append(f"no checkpoint at --at-step {at_step}: the EMA ends at step {big_t}, "
-                            "the newest checkpoint before it")
+            warnings.append(Note(f"no checkpoint at {{at_step={at_step}}}: the EMA ends at step {big_t}, "
+                                 "the newest checkpoint before it", mentions=("at_step",)))
         outputs.append(PlannedOutput(
             name, big_t, terms, sigma_rel=sigma_rel, gamma=gamma,
             profile={"kind": "power", "sigma_rel": sigma_rel, "gamma": gamma},
@@ -157,7 +158,8 @@ def plan_posthoc(
     return Plan("posthoc", found.checkpoints, outputs, found.notes)
 
 
-def _plan_from_snapshots(snapshots: list[SnapshotInput], targets, at_step: int | None) -> Plan:
+def _plan_from_snapshots(snapshots: list[SnapshotInput], targets: list[tuple[str, float, float]],
+                         at_step: int | None) -> Plan:
     inputs = [FoundCheckpoint(s.path, s.step, "dcp") for s in snapshots]
     specs = [maths.Snapshot(s.step, s.gamma) for s in snapshots]
     outputs = []
@@ -187,7 +189,8 @@ def plan_average(
 ) -> Plan:
     """Uniform average (fairseq ``average_checkpoints``, LAWA) of a selection of checkpoints."""
     if last is None and from_step is None and to_step is None:
-        raise UsageError("choose the checkpoints: --last K, or --from-step A and/or --to-step B")
+        raise UsageError("choose the checkpoints: {last=K}, or {from_step=A} and/or {to_step=B}",
+                         mentions=("last", "from_step", "to_step"))
     found = discover(checkpoint_paths(checkpoints), step_regex=step_regex, exclude=exclude_paths, skip=skip)
     steps = [c.step for c in found.checkpoints]
     coeffs = maths.uniform_coefficients(steps, last=last, from_step=from_step, to_step=to_step)

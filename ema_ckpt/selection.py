@@ -68,7 +68,8 @@ def check_compatible(
         if extra:
             raise IncompatibleCheckpointError(
                 f"{readers[index].path}: key {extra[0]!r} is not in the newest checkpoint "
-                f"{readers[reference].path} (pass --allow-new-keys to accept keys added or removed)"
+                f"{readers[reference].path} (pass {{allow_new_keys=True}} to accept keys added or removed)",
+                remedy="allow_new_keys",
             )
     for reader in readers:
         specs = reader.specs()
@@ -76,8 +77,8 @@ def check_compatible(
         if missing and not allow_new_keys:
             more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
             raise IncompatibleCheckpointError(
-                f"{reader.path}: key {missing[0]!r}{more} missing (pass --allow-new-keys to accept keys "
-                "added during training)"
+                f"{reader.path}: key {missing[0]!r}{more} missing (pass {{allow_new_keys=True}} to accept keys "
+                "added during training)", remedy="allow_new_keys",
             )
         for key in keys:
             if key not in specs:
@@ -115,8 +116,8 @@ def _check_overlap(
             if shared < MIN_SHARED_KEYS * min(len(keys), len(previous[1])):
                 raise IncompatibleCheckpointError(
                     f"{reader.path} shares only {shared} of its {len(keys)} keys with {previous[0].path} "
-                    "(the same model under other names?); leave it out with --skip "
-                    f"{reader.path}"
+                    "(the same model under other names?); leave it out with {skip} "
+                    f"{reader.path}", remedy="skip",
                 )
         previous = (reader, keys)
 

@@ -149,10 +149,12 @@ def test_other_settings_are_refused_unless_restart(fsdp_sequence, tmp_path):
     out = tmp_path / "ema"
     accumulate(ckpts[0].parent, decay=0.99, out=out)
     before = _snapshot(out)
-    with pytest.raises(ManifestMismatchError, match="--restart"):
+    with pytest.raises(ManifestMismatchError, match="pass restart=True") as info:
         accumulate(ckpts[0].parent, decay=0.9, out=out)
-    with pytest.raises(ManifestMismatchError, match="float32"):
+    assert info.value.remedy == "restart"
+    with pytest.raises(ManifestMismatchError, match="float32") as info:
         accumulate(ckpts[0].parent, decay=0.99, out=out, dtype="float64")
+    assert info.value.remedy == "restart" and "keep dtype=float32" in str(info.value)
     assert _snapshot(out) == before
     result = accumulate(ckpts[0].parent, decay=0.9, out=out, restart=True)
     assert [c.step for c in result.folded] == STEPS

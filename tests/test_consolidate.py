@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -17,10 +18,10 @@ from safetensors.torch import load_file
 
 from ema_ckpt.commands.accumulate import accumulate
 from ema_ckpt.commands.consolidate import consolidate, parse_size
+from ema_ckpt.commands.reshard import reshard
 from ema_ckpt.errors import UsageError
 from ema_ckpt.formats.dcp import DcpReader
 from ema_ckpt.layout import Box
-from ema_ckpt.commands.reshard import reshard
 from ema_ckpt.writers.safetensors import plan_shards
 from tests.dcp_helpers import write_dcp
 from tests.ema_reference import full_load
@@ -93,8 +94,9 @@ def test_outputs_are_never_clobbered_or_inside_the_source(tmp_path):
     src = write_dcp(tmp_path / "ck", {"model.w": torch.randn(4, 3)})
     consolidate(src, tmp_path / "a.safetensors")
     before = (tmp_path / "a.safetensors").read_bytes()
-    with pytest.raises(UsageError, match="--overwrite"):
+    with pytest.raises(UsageError, match="pass overwrite=True") as info:
         consolidate(src, tmp_path / "a.safetensors", dtype="float16")
+    assert info.value.remedy == "overwrite"
     assert (tmp_path / "a.safetensors").read_bytes() == before
     consolidate(src, tmp_path / "a.safetensors", dtype="float16", overwrite=True)
     assert load_file(tmp_path / "a.safetensors")["w"].dtype == torch.float16
@@ -230,7 +232,7 @@ def test_layouts_that_are_not_byte_runs_take_the_tensor_path(tmp_path):
 def test_byte_ranges_concatenate_to_the_tensor(tmp_path_factory, rows, cols, cuts, dtype):
     value = (torch.arange(rows * cols) * 3 - 7).reshape(rows, cols).to(dtype)
     bounds = sorted({0, rows, *(c for c in cuts if c <= rows)})
-    boxes = [Box((a, 0), (b - a, cols)) for a, b in zip(bounds, bounds[1:])] or [Box((0, 0), (0, cols))]
+    boxes = [Box((a, 0), (b - a, cols)) for a, b in itertools.pairwise(bounds)] or [Box((0, 0), (0, cols))]
     ckpt = write_dcp(tmp_path_factory.mktemp("ck") / "c", {"model.v": value}, boxes={"model.v": boxes})
     with DcpReader(ckpt) as reader:
         ranges = reader.byte_ranges("model.v")

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import ast
+import json
 import pickle
 from pathlib import Path
 
 import pytest
+import torch
 
 import ema_ckpt
 from ema_ckpt.cli._errors import FLAGS, error_message, flag_for
@@ -89,7 +91,7 @@ def test_every_parameter_an_error_can_name_has_a_flag():
     assert {"at_step", "decay", "half_life", "warmup", "per_checkpoint", "sigma_rel", "sigma_rels", "gamma",
             "gammas", "last", "from_step", "to_step"} <= names  # the scan sees them
     missing = sorted(names - FLAGS.keys())
-    assert not missing, f"add these library parameters to ema_ckpt.cli._errors.FLAGS: {missing}"
+    assert not missing, f"add these library parameters to ema_ckpt.cli._flags.FLAGS: {missing}"
 
 
 def test_flags_are_flags():
@@ -237,3 +239,74 @@ def test_the_cli_words_library_errors_with_its_flags(tmp_path, args, line):
 
     result = CliRunner().invoke(app, ["accumulate", str(tmp_path), *args, "--dry-run"])
     assert result.exit_code == 2 and result.output.strip() == line, result.output
+
+
+# --------------------------------------------------------------------------- notes and warnings, every module
+
+
+def _docstrings(tree: ast.AST) -> set[int]:
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                found.add(id(first.value))
+    return found
+
+
+def test_the_library_names_no_flag_outside_the_cli():
+    import re
+
+    flag = re.compile(r"(?<![\w-])--[a-z]")
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if "cli" in path.relative_to(PACKAGE).parts:
+            continue
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        docstrings = _docstrings(tree)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+                assert not flag.search(node.value), f"{path.relative_to(PACKAGE)}: {node.value!r}"
+
+
+def test_notes_read_as_text_and_keep_their_placeholders():
+    from ema_ckpt.cli._flags import cli_json, cli_text
+    from ema_ckpt.errors import Note
+
+    note = Note("skipped /c/step_2: left out ({skip})", mentions=("skip",))
+    assert note == "skipped /c/step_2: left out (skip)" and isinstance(note, str)
+    assert cli_text(note) == "skipped /c/step_2: left out (--skip)"
+    longer = "(" + note + "); " + Note("see {step_regex}", mentions=("step_regex",))
+    assert isinstance(longer, Note) and longer.mentions == ("skip", "step_regex")
+    assert cli_text(longer) == "(skipped /c/step_2: left out (--skip)); see --step-regex"
+    assert pickle.loads(pickle.dumps(longer)).render(flag_for) == cli_text(longer)
+    assert cli_text("plain {skip} text") == "plain {skip} text"
+    assert cli_json({"notes": [note], "n": 1, "nested": ({"w": note},)}) == {
+        "notes": ["skipped /c/step_2: left out (--skip)"], "n": 1,
+        "nested": [{"w": "skipped /c/step_2: left out (--skip)"}]}
+    err = CheckpointFormatError("/c", "no checkpoints found (" + Note.joined("; ", [note, "other"]) + ")")
+    assert str(err) == "/c: no checkpoints found (skipped /c/step_2: left out (skip); other)"
+    assert error_message(err)[0] == "/c: no checkpoints found (skipped /c/step_2: left out (--skip); other)"
+
+
+def test_an_error_built_on_another_keeps_both_placeholders():
+    inner = CheckpointFormatError("/c/step_2", "rebuild it with {restart=True}", remedy="restart")
+    outer = CheckpointFormatError(inner.path, inner.note() + " (pass {skip_damaged=True})", remedy="skip_damaged")
+    assert str(outer) == "/c/step_2: /c/step_2: rebuild it with restart=True (pass skip_damaged=True)"
+    assert error_message(outer)[0] == "/c/step_2: /c/step_2: rebuild it with --restart (pass --skip-damaged)"
+
+
+def test_the_cli_words_notes_on_stderr_and_in_json(tmp_path):
+    from typer.testing import CliRunner
+
+    from ema_ckpt.cli import app
+    from tests.dcp_helpers import write_dcp
+
+    for step in (1, 2):
+        write_dcp(tmp_path / f"step_{step}", {"model.w": torch.ones(2) * step})
+    runner = CliRunner()
+    args = ["accumulate", str(tmp_path), "--decay", "0.9", "--skip", str(tmp_path / "step_2"), "--dry-run"]
+    shown = runner.invoke(app, args)
+    assert shown.exit_code == 0 and f"skipped {tmp_path / 'step_2'}: left out (--skip)" in shown.output
+    as_json = runner.invoke(app, [*args, "--json"])
+    assert as_json.exit_code == 0
+    assert json.loads(as_json.stdout)["notes"] == [f"skipped {tmp_path / 'step_2'}: left out (--skip)"]

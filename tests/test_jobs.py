@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import ema_ckpt
-from ema_ckpt.errors import CheckpointFormatError, EmaCkptError, UsageError
+from ema_ckpt.errors import CheckpointFormatError, EmaCkptError, OptionError, UsageError
 from ema_ckpt.fs import new_staging_dir
 from ema_ckpt.jobs import Job, JobContext, Target, recorded_options, run_job
 from ema_ckpt.manifest import Manifest
@@ -146,8 +146,9 @@ def test_options_are_frozen_and_checked_when_made(tmp_path):
     options = ConsolidateOptions(tmp_path / "src", tmp_path / "out.safetensors")
     with pytest.raises(dataclasses.FrozenInstanceError):
         options.dtype = "float16"  # type: ignore[misc]
-    with pytest.raises(UsageError, match="--dtype"):
+    with pytest.raises(OptionError, match="dtype must be one of") as info:
         ConsolidateOptions(tmp_path / "src", tmp_path / "out.safetensors", dtype="int8")
+    assert (info.value.option, info.value.value) == ("dtype", "int8")
     with pytest.raises(UsageError, match="overlaps"):
         ConsolidateOptions(tmp_path / "src", tmp_path / "src" / "out.safetensors")
     with pytest.raises(UsageError, match="exactly one"):

@@ -16,13 +16,13 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from typer.testing import CliRunner
 
-from ema_ckpt.commands.accumulate import accumulate
 from ema_ckpt.cli import app
+from ema_ckpt.commands.accumulate import accumulate
 from ema_ckpt.commands.consolidate import consolidate
 from ema_ckpt.commands.diff import diff
+from ema_ckpt.commands.inspect import inspect_checkpoint
 from ema_ckpt.errors import CheckpointFormatError, IncompatibleCheckpointError, UnsafePickleError
 from ema_ckpt.formats import open_checkpoint
-from ema_ckpt.commands.inspect import inspect_checkpoint
 from ema_ckpt.layout import Box
 
 runner = CliRunner()
@@ -96,9 +96,10 @@ def test_a_renamed_model_is_refused_even_with_allow_new_keys(tmp_path):
     ckpts = _titan_like(tmp_path)
     for dry_run in (True, False):
         with pytest.raises(
-            IncompatibleCheckpointError, match=r"shares only 1 of its 7 keys.*--skip .*step-30"
-        ):
+            IncompatibleCheckpointError, match=r"shares only 1 of its 7 keys.*with skip .*step-30"
+        ) as info:
             accumulate(ckpts, decay=0.9, out=tmp_path / "ema", allow_new_keys=True, dry_run=dry_run)
+        assert info.value.remedy == "skip"
     with pytest.raises(IncompatibleCheckpointError, match="shares only 1 of its 7 keys"):
         accumulate(ckpts, decay=0.9, out=tmp_path / "ema", dry_run=True)
     assert not (tmp_path / "ema").exists()
@@ -150,7 +151,7 @@ def test_keys_added_during_training_still_need_only_allow_new_keys(tmp_path):
     base = {f"model.w{i}": torch.randn(3) for i in range(6)}
     _save(base, tmp_path / "ckpts" / "step_1")
     _save(base | {"model.new": torch.randn(3)}, tmp_path / "ckpts" / "step_2")
-    with pytest.raises(IncompatibleCheckpointError, match="--allow-new-keys"):
+    with pytest.raises(IncompatibleCheckpointError, match="pass allow_new_keys=True"):
         accumulate(tmp_path / "ckpts", decay=0.9, out=tmp_path / "ema", dry_run=True)
     accumulate(tmp_path / "ckpts", decay=0.9, out=tmp_path / "ema", allow_new_keys=True)
 
@@ -231,11 +232,12 @@ def test_posthoc_and_average_leave_a_checkpoint_out_too(tmp_path):
     from ema_ckpt.commands.averaging import average, posthoc
 
     ckpts = _titan_like(tmp_path)
-    with pytest.raises(IncompatibleCheckpointError, match="--skip"):
+    with pytest.raises(IncompatibleCheckpointError, match="with skip ") as info:
         posthoc(ckpts, out=tmp_path / "ph", sigma_rels=["0.2"])
     result = posthoc(ckpts, out=tmp_path / "ph", sigma_rels=["0.2"], skip=[ckpts / "step-30"])
     assert [t.step for t in result.plan.outputs[0].terms] == [10, 20]
-    assert any("left out (--skip)" in n for n in result.plan.notes)
+    assert info.value.remedy == "skip"
+    assert any("left out (skip)" in n and n.mentions == ("skip",) for n in result.plan.notes)
     plan = average(ckpts, out=tmp_path / "avg", last=2, skip=[ckpts / "step-30"], dry_run=True)
     assert [t.step for t in plan.outputs[0].terms] == [10, 20]
     cli = runner.invoke(

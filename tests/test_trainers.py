@@ -24,10 +24,11 @@ from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 from ema_ckpt.cli import app
+from ema_ckpt.cli._flags import cli_text
 from ema_ckpt.commands.consolidate import consolidate
+from ema_ckpt.commands.inspect import inspect_checkpoint
 from ema_ckpt.discovery import discover
 from ema_ckpt.errors import IncompatibleCheckpointError
-from ema_ckpt.commands.inspect import inspect_checkpoint
 from tests.ema_reference import assert_close_relative
 from tests.producers.launch import free_port
 
@@ -401,7 +402,7 @@ def test_torchtitan_last_save_in_hf_is_refused_with_the_way_out(copy_of, tmp_pat
     assert result.exit_code == 0, result.output
     items = [item for item in checkpoints_of("torchtitan-last-hf") if item[0] != "step-5"]
     want = reference_ema([oracle("torchtitan-last-hf", info) for _, info in items], [2, 4], 0.8)
-    got = consolidated_ema(tmp_path / "ema", want, tmp_path)
+    consolidated_ema(tmp_path / "ema", want, tmp_path)
 
 
 # --- Megatron -------------------------------------------------------------------------------
@@ -467,17 +468,20 @@ def test_an_accelerate_folder_without_a_step_record_waits_instead_of_using_its_s
     # Told so, the user can take the names as steps.
     forced = discover([checkpoints], step_regex=r"checkpoint_(\d+)")
     assert [c.step for c in forced.checkpoints] == [0, 1, 2]
-    assert all(c.step_source.startswith("--step-regex") for c in forced.checkpoints)
+    assert all(c.step_source.startswith("step_regex") and c.step_source.mentions == ("step_regex",)
+               for c in forced.checkpoints)
+    assert all(cli_text(c.step_source).startswith("--step-regex") for c in forced.checkpoints)
 
 
 def test_a_step_regex_wins_over_a_trainers_record(copy_of):
     work = copy_of("hf-trainer-zero2-bf16")
     found = discover([work / "ckpts"], step_regex=r"checkpoint-(\d+)")
-    assert [c.step_source for c in found.checkpoints] == [
+    assert [cli_text(c.step_source) for c in found.checkpoints] == [
         "--step-regex on the folder name checkpoint-2",
         "--step-regex on the folder name checkpoint-4",
         "--step-regex on the folder name checkpoint-6",
     ]
+    assert found.checkpoints[0].step_source == "step_regex on the folder name checkpoint-2"
 
 
 def test_skip_takes_the_nested_model_folder_an_error_names(copy_of, tmp_path):

@@ -13,9 +13,9 @@ import torch
 from ema_ckpt.commands.accumulate import accumulate
 from ema_ckpt.commands.averaging import posthoc
 from ema_ckpt.commands.consolidate import consolidate
-from ema_ckpt.dist import WorkerFailed, assign_by_bytes, current_workers, run_workers
-from ema_ckpt.errors import EmaCkptError, UsageError
 from ema_ckpt.commands.reshard import reshard
+from ema_ckpt.dist import WorkerFailed, assign_by_bytes, current_workers, run_workers
+from ema_ckpt.errors import EmaCkptError, OptionError, UsageError
 from tests.dcp_helpers import write_dcp
 from tests.producers.launch import free_port
 
@@ -40,7 +40,7 @@ def test_assignment_balances_bytes_deterministically():
     sizes = [10, 1, 1, 1, 9]
     owners = assign_by_bytes(sizes, 2)
     assert owners == assign_by_bytes(sizes, 2)
-    assert sorted(sum(s for s, o in zip(sizes, owners) if o == r) for r in range(2)) == [11, 11]
+    assert sorted(sum(s for s, o in zip(sizes, owners, strict=True) if o == r) for r in range(2)) == [11, 11]
     assert assign_by_bytes([], 3) == []
 
 
@@ -174,6 +174,27 @@ def test_an_error_on_a_spawned_worker_reaches_the_caller():
     with pytest.raises(EmaCkptError, match="only rank 1 sees this") as info:
         run_workers(2, _fails_on_rank_one)
     assert info.value.exit_code == UsageError("x").exit_code
+
+
+def _option_error_on_rank_one(at_sync: bool) -> str:
+    workers = current_workers()
+
+    def step() -> str:
+        if workers.rank == 1:
+            raise OptionError("at_step", "5 is before the first checkpoint (step 10)", value=5)
+        return "rank 0 ran"
+
+    return workers.run(step) if at_sync else step()
+
+
+@pytest.mark.parametrize(("at_sync", "prefix"), [(True, "worker 1: "), (False, "")])
+def test_a_workers_error_reaches_rank_zero_with_its_data(at_sync, prefix):
+    from ema_ckpt.cli._errors import error_message
+
+    with pytest.raises(WorkerFailed) as info:
+        run_workers(2, _option_error_on_rank_one, at_sync)
+    assert str(info.value) == prefix + "at_step 5 is before the first checkpoint (step 10)"
+    assert error_message(info.value) == (prefix + "--at-step 5 is before the first checkpoint (step 10)", 2)
 
 
 def test_a_worker_that_dies_without_a_word_is_one_clean_error():

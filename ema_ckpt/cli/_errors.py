@@ -4,8 +4,8 @@ Every command body runs inside :func:`reports_errors`: an ema-ckpt error becomes
 on stderr and its documented exit code; an unexpected failure becomes one line too, with
 a hint to set ``EMA_CKPT_DEBUG=1`` for the traceback.
 
-Library errors name library parameters (``at_step``, ``restart=True``); :data:`FLAGS` is the
-one table that words them as this CLI's flags (see :mod:`ema_ckpt.errors`):
+Library errors name library parameters (``at_step``, ``restart=True``); :data:`FLAGS` (in
+:mod:`._flags`) is the one table that words them as this CLI's flags (see :mod:`ema_ckpt.errors`):
 
     >>> from ema_ckpt.errors import OptionError
     >>> error_message(OptionError("at_step", "5 is before the first checkpoint (step 10)", value=5))
@@ -41,55 +41,12 @@ from .. import _signals
 from .._signals import Terminated, exit_code
 from .._text import escaped
 from ..errors import EmaCkptError
+from ._flags import FLAGS, flag_for
 from ._output import err_console
 
+__all__ = ["FLAGS", "error_message", "flag_for", "reports_errors"]
+
 F = TypeVar("F", bound=Callable[..., Any])
-
-FLAGS: dict[str, str] = {
-    # accumulate: the kept EMAs
-    "decay": "--decay",
-    "half_life": "--half-life",
-    "per_checkpoint": "--per-checkpoint",
-    "warmup": "--warmup",
-    "sigma_rel": "--sigma-rel",
-    "sigma_rels": "--sigma-rel",
-    "gamma": "--gamma",
-    "gammas": "--gamma",
-    "snapshot_every": "--snapshot-every",
-    "restart": "--restart",
-    "skip_nonfinite": "--skip-nonfinite",
-    "skip_damaged": "--skip-damaged",
-    # posthoc / average: where the output ends, which checkpoints
-    "at_step": "--at-step",
-    "last": "--last",
-    "from_step": "--from-step",
-    "to_step": "--to-step",
-    # inputs and outputs, shared by several commands
-    "out": "--out",
-    "dtype": "--dtype",
-    "include": "--include",
-    "exclude": "--exclude",
-    "step_regex": "--step-regex",
-    "skip": "--skip",
-    "allow_new_keys": "--allow-new-keys",
-    "overwrite": "--overwrite",
-    "wait_seconds": "--wait",
-    "workers": "--workers",
-    "device": "--device",
-    "max_shard_size": "--max-shard-size",
-    "keep_prefix": "--keep-prefix",
-    "world_size": "--world-size",
-    "dry_run": "--dry-run",
-}
-"""Library parameter → the flag that sets it: the one place where errors learn flag names."""
-
-
-def flag_for(parameter: str) -> str:
-    """The flag of a library parameter (``at_step`` → ``--at-step``).
-
-    A parameter missing from :data:`FLAGS` is spelt the usual way (a test keeps the table whole).
-    """
-    return FLAGS.get(parameter, "--" + parameter.replace("_", "-"))
 
 INTERNAL_ERROR = 1
 INTERRUPTED = 130

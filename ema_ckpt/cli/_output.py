@@ -25,6 +25,7 @@ from rich.progress import (
 
 from .._text import escaped
 from ..progress import Progress as EngineProgress
+from ._flags import cli_json, cli_text
 
 # Under torchrun every rank runs the command; only rank 0 speaks.
 _PRIMARY = os.environ.get("RANK", "0") == "0"
@@ -52,15 +53,21 @@ def shown(name: object) -> str:
 
 
 def print_json(data: Any) -> None:
-    """One JSON document on stdout."""
+    """One JSON document on stdout; notes and warnings in it name flags (:func:`cli_json`)."""
     if not _PRIMARY:
         return
-    sys.stdout.write(json.dumps(data, indent=2, default=str) + "\n")
+    sys.stdout.write(json.dumps(cli_json(data), indent=2, default=str) + "\n")
     sys.stdout.flush()
 
 
 def note(message: str) -> None:
-    err_console.print(message, style="dim", highlight=False)
+    """A note of a result, on stderr, naming flags."""
+    err_console.print(cli_text(message), style="dim", highlight=False)
+
+
+def warn(message: str) -> None:
+    """A warning of a result, on stderr, naming flags."""
+    err_console.print(f"warning: {cli_text(message)}", style="yellow", highlight=False)
 
 
 @contextmanager

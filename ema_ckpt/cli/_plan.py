@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING
 from rich.table import Table
 from rich.text import Text
 
-from ._output import console, err_console, shown
+from ._flags import cli_text
+from ._output import console, note, shown, warn
 
 if TYPE_CHECKING:
     from ..commands.averaging import Plan
@@ -59,7 +60,7 @@ def render_plan(plan: Plan) -> None:
         scale = max((abs(t.coefficient) for t in output.terms), default=0.0)
         for term in output.terms:
             name = os.path.relpath(str(term.path), common) if common is not None else str(term.path)
-            row = [shown(name), str(term.step)]
+            row: list[str | Text] = [shown(name), str(term.step)]
             if snapshot_inputs:
                 row.append(_number(term.sigma_rel))
             row += [f"{term.coefficient:+.6g}", _bar(term.coefficient, scale)]
@@ -76,9 +77,10 @@ def render_plan(plan: Plan) -> None:
         if stats.get("n_eff") is not None:
             parts.append(f"N_eff {_number(stats['n_eff'], '.3g')}")
         if stats.get("condition") is not None:
-            parts.append(f"cond(A) {_number(stats['condition'], '.2e')}, fit error {_number(stats['rel_error'], '.2e')}")
+            parts.append(f"cond(A) {_number(stats['condition'], '.2e')}, "
+                         f"fit error {_number(stats['rel_error'], '.2e')}")
         console.print("  " + ", ".join(parts), highlight=False)
         for warning in output.warnings:
-            err_console.print(f"warning: {output.name}: {warning}", style="yellow", highlight=False)
-    for note in plan.notes:
-        err_console.print(note, style="dim", highlight=False)
+            warn(f"{output.name}: {cli_text(warning)}")
+    for line in plan.notes:
+        note(line)

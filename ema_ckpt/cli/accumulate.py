@@ -4,11 +4,15 @@ from __future__ import annotations
 
 from dataclasses import asdict
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
+if TYPE_CHECKING:
+    from ..commands.accumulate import AccumulateResult
+
 from ._errors import reports_errors
+from ._flags import cli_text
 from ._options import (
     DeviceOpt,
     ExcludeOpt,
@@ -20,7 +24,7 @@ from ._options import (
     WaitOpt,
     WorkersOpt,
 )
-from ._output import console, err_console, human_bytes, note, print_json, progress_bar
+from ._output import console, human_bytes, note, print_json, progress_bar, warn
 from ._plan import render_plan
 
 EPILOG = """\
@@ -42,11 +46,11 @@ Examples:
 """
 
 
-def _warnings(result) -> list[str]:
+def _warnings(result: AccumulateResult) -> list[str]:
     """The plan's warnings of the EMAs this run wrote ("name: warning")."""
     if result.plan is None or result.up_to_date:
         return []
-    return [f"{o.name}: {w}" for o in result.plan.outputs for w in o.warnings]
+    return [f"{o.name}: {cli_text(w)}" for o in result.plan.outputs for w in o.warnings]
 
 
 @reports_errors
@@ -74,12 +78,15 @@ def accumulate_command(
     include: IncludeOpt = None,
     exclude: ExcludeOpt = None,
     step_regex: StepRegexOpt = None,
-    restart: Annotated[bool, typer.Option("--restart", help="Start over if the EMA at --out has other settings.")] = False,
+    restart: Annotated[
+        bool, typer.Option("--restart", help="Start over if the EMA at --out has other settings.")
+    ] = False,
     allow_new_keys: Annotated[
         bool, typer.Option("--allow-new-keys", help="Accept keys added or removed during training.")
     ] = False,
     skip_nonfinite: Annotated[
-        bool, typer.Option("--skip-nonfinite", help="Skip (and record) a checkpoint holding NaN/Inf instead of failing.")
+        bool, typer.Option("--skip-nonfinite",
+                           help="Skip (and record) a checkpoint holding NaN/Inf instead of failing.")
     ] = False,
     skip_damaged: Annotated[
         bool, typer.Option("--skip-damaged",
@@ -131,7 +138,7 @@ def accumulate_command(
         return
     if not quiet:
         for line in _warnings(result):
-            err_console.print(f"warning: {line}", style="yellow", highlight=False)
+            warn(line)
         for line in result.notes:
             note(line)
     if result.up_to_date:

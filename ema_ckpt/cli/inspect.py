@@ -10,6 +10,7 @@ from rich.table import Table
 
 from ..commands.inspect import inspect_checkpoint
 from ._errors import reports_errors
+from ._flags import cli_text
 from ._options import JsonOpt
 from ._output import console, human_bytes, print_json, shown
 
@@ -41,7 +42,7 @@ def inspect_command(
     summary.add_row("format", report.format_name)
     if report.trainer is not None and report.model_path is not None:
         summary.add_row("model", f"{report.model_path} (nested by {report.trainer})")
-    step = "unknown" if report.step is None else f"{report.step} (from {report.step_source})"
+    step = "unknown" if report.step is None else f"{report.step} (from {cli_text(report.step_source or '')})"
     summary.add_row("step", step)
     summary.add_row("keys", str(report.key_count))
     summary.add_row("bytes", f"{human_bytes(report.total_bytes)} ({report.total_bytes:,})")
@@ -53,7 +54,7 @@ def inspect_command(
     if report.container:
         summary.add_row("container", f"{report.container!r}: consolidate writes the keys without it")
     for line in report.notes:
-        summary.add_row("note", line)
+        summary.add_row("note", cli_text(line))
     if report.manifest:
         m = report.manifest
         summary.add_row("ema-ckpt", f"{m['kind']}: {m['description']}, in {m['dtype']}, "
@@ -62,7 +63,8 @@ def inspect_command(
     table = Table("key", "shape", "dtype", "bytes", "chunks", show_edge=False)
     rows = report.tensors if all_keys else report.tensors[:MAX_ROWS]
     for t in rows:
-        table.add_row(shown(t.key), "×".join(map(str, t.shape)) or "scalar", t.dtype, human_bytes(t.nbytes), str(t.chunks))
+        table.add_row(shown(t.key), "×".join(map(str, t.shape)) or "scalar", t.dtype, human_bytes(t.nbytes),
+                      str(t.chunks))
     console.print(table)
     if len(rows) < len(report.tensors):
         console.print(f"… {len(report.tensors) - len(rows)} more keys (--all lists them)", style="dim")

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
+if TYPE_CHECKING:
+    from ..commands.averaging import Plan, RunResult
+
 from ..errors import UsageError
 from ._errors import reports_errors
+from ._flags import cli_text
 from ._options import (
     DeviceOpt,
     ExcludeOpt,
@@ -21,7 +25,7 @@ from ._options import (
     WaitOpt,
     WorkersOpt,
 )
-from ._output import console, err_console, human_bytes, note, print_json, progress_bar
+from ._output import console, human_bytes, note, print_json, progress_bar, warn
 from ._plan import render_plan
 
 POSTHOC_EPILOG = """\
@@ -45,14 +49,14 @@ DtypeOpt = Annotated[str, typer.Option(help="Accumulate and store floats in floa
 DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Show the plan (coefficients); read no tensor.")]
 
 
-def _warn(plan) -> None:
+def _warn(plan: Plan) -> None:
     """A real run's plan warnings, on stderr (the dry-run table prints its own)."""
     for output in plan.outputs:
         for warning in output.warnings:
-            err_console.print(f"warning: {output.name}: {warning}", style="yellow", highlight=False)
+            warn(f"{output.name}: {cli_text(warning)}")
 
 
-def _finish(result, json_output: bool, quiet: bool) -> None:
+def _finish(result: Plan | RunResult, json_output: bool, quiet: bool) -> None:
     from ..commands.averaging import Plan
 
     if isinstance(result, Plan):
@@ -106,7 +110,8 @@ def posthoc_command(
         from ..commands.averaging import posthoc
 
         result = posthoc(checkpoints, out=out or Path("posthoc"), sigma_rels=sigma_rel or (), gammas=gamma or (),
-                         at_step=at_step, dry_run=dry_run, dtype=dtype, include=include or (), workers=workers, device=device,
+                         at_step=at_step, dry_run=dry_run, dtype=dtype, include=include or (),
+                         workers=workers, device=device,
                          exclude=exclude or (), step_regex=step_regex, skip=skip or (), overwrite=overwrite,
                          wait_seconds=wait, on_progress=on_progress)
     _finish(result, json_output, quiet)
@@ -139,7 +144,8 @@ def average_command(
         from ..commands.averaging import average
 
         result = average(checkpoints, out=out or Path("average"), last=last, from_step=from_step,
-                         to_step=to_step, dry_run=dry_run, dtype=dtype, include=include or (), workers=workers, device=device,
+                         to_step=to_step, dry_run=dry_run, dtype=dtype, include=include or (),
+                         workers=workers, device=device,
                          exclude=exclude or (), step_regex=step_regex, skip=skip or (), overwrite=overwrite,
                          wait_seconds=wait, on_progress=on_progress)
     _finish(result, json_output, quiet)

@@ -9,9 +9,10 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
-from ..errors import CheckpointFormatError
 from ..commands.verify import verify
+from ..errors import CheckpointFormatError
 from ._errors import reports_errors
+from ._flags import cli_text
 from ._options import JsonOpt
 from ._output import console, err_console, human_bytes, note, print_json, shown
 
@@ -58,5 +59,5 @@ def verify_command(
             soft_wrap=True, markup=False,
         )
         for problem in result.problems:
-            err_console.print(problem, highlight=False, soft_wrap=True, markup=False)
+            err_console.print(cli_text(problem), highlight=False, soft_wrap=True, markup=False)
         raise typer.Exit(CheckpointFormatError.exit_code)

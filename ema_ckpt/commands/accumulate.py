@@ -29,11 +29,18 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from .averaging import averaged_tensors
 from ..discovery import FoundCheckpoint, checkpoint_paths, discover
 from ..dtypes import ACCUMULATE_DTYPES, torch_dtype
 from ..engine import check_device
-from ..errors import CheckpointFormatError, CheckpointNotFoundError, EmaCkptError, NonFiniteError, UsageError
+from ..errors import (
+    CheckpointFormatError,
+    CheckpointNotFoundError,
+    EmaCkptError,
+    NonFiniteError,
+    Note,
+    OptionError,
+    UsageError,
+)
 from ..folding import (
     DEFAULT_OUT_NAME,
     Accumulator,
@@ -58,10 +65,11 @@ from ..formats import open_checkpoint
 from ..fs import output_path
 from ..jobs import Job, JobContext, Target, WrittenOutputs, recorded_options, run_job
 from ..manifest import MANIFEST_NAME, FoldedCheckpoint, Manifest, fingerprint
+from ..maths import PowerProfile
 from ..plans import Plan as AveragePlan
 from ..plans import find_snapshots
 from ..progress import Progress
-from ..maths import PowerProfile
+from .averaging import averaged_tensors
 
 _RUNTIME = {"recorded": False}
 
@@ -123,10 +131,12 @@ class AccumulateOptions:
             set_(self, name, tuple(getattr(self, name)))
         set_(self, "skip", tuple(Path(p) for p in self.skip))
         if self.snapshot_every is not None and self.snapshot_every < 1:
-            raise UsageError(f"--snapshot-every must be a positive number of steps, got {self.snapshot_every}")
+            raise OptionError("snapshot_every", f"must be a positive number of steps, got {self.snapshot_every}",
+                              value=self.snapshot_every)
         self.profiles()  # refuses a contradictory or invalid profile
         if self.dtype not in ACCUMULATE_DTYPES:
-            raise UsageError(f"--dtype must be one of {', '.join(ACCUMULATE_DTYPES)}, got {self.dtype!r}")
+            raise OptionError("dtype", f"must be one of {', '.join(ACCUMULATE_DTYPES)}, got {self.dtype!r}",
+                              value=self.dtype)
         set_(self, "out", output_path(self.out if self.out is not None else default_out(list(self.checkpoints))))
         check_device(self.device)
 
@@ -277,7 +287,8 @@ class AccumulateJob(Job[FoldPlan, _Folded, AccumulateResult]):
             final = out_path / name if opts.power else out_path
             previous = Manifest.read(final) if final.is_dir() else None
             if not opts.power and final.exists() and previous is None and any(final.iterdir()):
-                raise UsageError(f"{final} exists and is not an ema-ckpt output; choose another --out")
+                raise UsageError(f"{final} exists and is not an ema-ckpt output; choose another {{out}}",
+                                 mentions=("out",))
             if previous is not None and not opts.restart:
                 check_same_settings(previous, profile, opts.dtype, opts.selection, final)  # type: ignore[arg-type]
             accumulators.append(Accumulator(name, final, profile, None if opts.restart else previous))  # type: ignore[arg-type]
@@ -401,17 +412,17 @@ class AccumulateJob(Job[FoldPlan, _Folded, AccumulateResult]):
         if isinstance(error, NonFiniteError):
             bad = by_path.get(sources[error.source]) if 0 <= error.source < len(sources) else None
             if not opts.skip_nonfinite or bad is None:
-                raise NonFiniteError(error.source, f"{error} (pass --skip-nonfinite to skip that checkpoint)") \
-                    from None
+                raise NonFiniteError(error.source, error.note() + " (pass {skip_nonfinite=True} to skip that "
+                                     "checkpoint)", remedy="skip_nonfinite") from None
             reason = "NaN/Inf"
         elif isinstance(error, CheckpointFormatError):
             bad = _checkpoint_holding(checkpoints, Path(error.path))
             if bad is None:
                 return None
             if not opts.skip_damaged:
-                raise type(error)(error.path, f"{error.reason} (pass --skip-damaged to skip that checkpoint)") \
-                    from None
-            reason = f"damaged: {error.reason}"
+                raise type(error)(error.path, Note.of(error.reason) + " (pass {skip_damaged=True} to skip that "
+                                  "checkpoint)", remedy="skip_damaged", mentions=error.parameters) from None
+            reason = "damaged: " + error.reason
         else:
             return None
         skipped = [*plan.skipped, (bad, reason)]
@@ -421,7 +432,7 @@ class AccumulateJob(Job[FoldPlan, _Folded, AccumulateResult]):
         if not any(acc.new for acc in accumulators) and not any(acc.previous for acc in accumulators):
             raise CheckpointFormatError(opts.out_path, "every checkpoint was skipped: no EMA was written ("
                                         + "; ".join(f"{c.path}: {r}" for c, r in skipped) + ")")
-        notes = [*plan.notes, f"skipped {bad.path} (step {bad.step}): {reason}"]
+        notes = [*plan.notes, f"skipped {bad.path} (step {bad.step}): " + reason]
         return FoldPlan(accumulators, fold_plan(accumulators), notes, skipped)
 
     def result(self, plan: FoldPlan, computed: _Folded | None, seconds: float) -> AccumulateResult:

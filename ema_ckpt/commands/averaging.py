@@ -20,7 +20,7 @@ from typing import Any, Literal, overload
 from ..discovery import checkpoint_paths
 from ..dtypes import ACCUMULATE_DTYPES, torch_dtype
 from ..engine import OutputSpec, Update, check_device
-from ..errors import UsageError
+from ..errors import OptionError, UsageError
 from ..fs import output_path
 from ..jobs import Job, JobContext, Target, WrittenOutputs, recorded_options, run_job
 from ..manifest import FoldedCheckpoint, Manifest, fingerprint
@@ -55,7 +55,7 @@ class PosthocOptions:
     def __post_init__(self) -> None:
         _check_run_fields(self)
         if not self.sigma_rels and not self.gammas:
-            raise UsageError("give at least one --sigma-rel or --gamma")
+            raise UsageError("give at least one {sigma_rels} or {gammas}", mentions=("sigma_rels", "gammas"))
 
     def make_plan(self) -> Plan:
         return plan_posthoc(self.checkpoints, sigma_rels=self.sigma_rels, gammas=self.gammas, at_step=self.at_step,
@@ -85,7 +85,8 @@ class AverageOptions:
     def __post_init__(self) -> None:
         _check_run_fields(self)
         if self.last is None and self.from_step is None and self.to_step is None:
-            raise UsageError("choose the checkpoints: --last K, or --from-step A and/or --to-step B")
+            raise UsageError("choose the checkpoints: {last=K}, or {from_step=A} and/or {to_step=B}",
+                             mentions=("last", "from_step", "to_step"))
 
     def make_plan(self) -> Plan:
         return plan_average(self.checkpoints, last=self.last, from_step=self.from_step, to_step=self.to_step,
@@ -100,7 +101,8 @@ def _check_run_fields(options: PosthocOptions | AverageOptions) -> None:
         set_(options, name, tuple(getattr(options, name)))
     set_(options, "skip", tuple(Path(p) for p in options.skip))
     if options.dtype not in ACCUMULATE_DTYPES:
-        raise UsageError(f"--dtype must be one of {', '.join(ACCUMULATE_DTYPES)}, got {options.dtype!r}")
+        raise OptionError("dtype", f"must be one of {', '.join(ACCUMULATE_DTYPES)}, got {options.dtype!r}",
+                          value=options.dtype)
     check_device(options.device)
 
 
@@ -159,7 +161,8 @@ class SumJob(Job[Plan, _Summed, "Plan | RunResult"]):
         def check_all() -> list[str]:
             keys = select_keys(readers[-1], opts.include, opts.exclude)
             if not keys:
-                raise UsageError(f"{readers[-1].path}: no tensor keys left after --include/--exclude")
+                raise UsageError(f"{readers[-1].path}: no tensor keys left after {{include}}/{{exclude}}",
+                                 mentions=("include", "exclude"))
             check_compatible(readers, keys, reference=len(readers) - 1, include=opts.include, exclude=opts.exclude)
             return keys
 
@@ -235,7 +238,7 @@ def posthoc(
     """Post-hoc power-function EMAs (EDM2), one per value, at ``out/sigma_rel_<value>``.
 
     Args:
-        checkpoints: a folder of raw checkpoints, or of ``accumulate --snapshot-every`` snapshots.
+        checkpoints: a folder of raw checkpoints, or of the snapshots ``accumulate(snapshot_every=…)`` keeps.
         out: parent directory of the outputs.
         dry_run: return the :class:`~ema_ckpt.plans.Plan` (coefficients) and read no tensor.
         on_progress: called after each region.

@@ -22,7 +22,7 @@ from typing import Any
 
 from ..dtypes import OUTPUT_DTYPES, is_float
 from ..engine import OutputSpec, Update
-from ..errors import UsageError
+from ..errors import Note, OptionError, UsageError
 from ..fs import check_not_overlapping, output_path
 from ..jobs import Job, JobContext, Target, run_job
 from ..progress import Progress
@@ -82,7 +82,8 @@ class ConsolidateOptions:
         check_not_overlapping(self.src, self.out)
         parse_size(self.max_shard_size)
         if self.dtype is not None and self.dtype not in OUTPUT_DTYPES:
-            raise UsageError(f"--dtype must be one of {', '.join(OUTPUT_DTYPES)}, got {self.dtype!r}")
+            raise OptionError("dtype", f"must be one of {', '.join(OUTPUT_DTYPES)}, got {self.dtype!r}",
+                              value=self.dtype)
 
     @property
     def layout(self) -> str:
@@ -197,8 +198,8 @@ class ConsolidateJob(Job[None, _Written, ConsolidateResult]):
         result = ConsolidateResult(self.options.out, self.options.layout, computed.files, computed.keys,
                                    sum(size for _, size in computed.files), seconds, computed.renamed_prefix)
         if computed.renamed_prefix:
-            result.notes.append(f"keys written without the DCP container level {computed.renamed_prefix!r} "
-                                "(--keep-prefix keeps it)")
+            result.notes.append(Note(f"keys written without the DCP container level {computed.renamed_prefix!r} "
+                                     "({keep_prefix=True} keeps it)", mentions=("keep_prefix",)))
         return result
 
 

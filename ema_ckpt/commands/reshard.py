@@ -17,7 +17,7 @@ from typing import Any
 
 from ..dtypes import OUTPUT_DTYPES, is_float
 from ..engine import OutputSpec, Update
-from ..errors import UsageError
+from ..errors import Note, OptionError, UsageError
 from ..fs import check_not_overlapping, output_path
 from ..jobs import Job, JobContext, Target, run_job
 from ..manifest import MANIFEST_NAME, Manifest
@@ -50,10 +50,11 @@ class ReshardOptions:
         object.__setattr__(self, "include", tuple(self.include))
         object.__setattr__(self, "exclude", tuple(self.exclude))
         if self.world_size < 1:
-            raise UsageError(f"--world-size must be at least 1, got {self.world_size}")
+            raise OptionError("world_size", f"must be at least 1, got {self.world_size}", value=self.world_size)
         check_not_overlapping(self.src, self.out)
         if self.dtype is not None and self.dtype not in OUTPUT_DTYPES:
-            raise UsageError(f"--dtype must be one of {', '.join(OUTPUT_DTYPES)}, got {self.dtype!r}")
+            raise OptionError("dtype", f"must be one of {', '.join(OUTPUT_DTYPES)}, got {self.dtype!r}",
+                              value=self.dtype)
 
 
 @dataclass(slots=True)
@@ -135,11 +136,11 @@ class ReshardJob(Job[None, _Written, ReshardResult]):
         tensors = [OutputTensor(k, k, tuple(stored[k][0]),
                                 opts.dtype if opts.dtype is not None and is_float(stored[k][1]) else stored[k][1],
                                 stored[k][1]) for k in keys]
-        notes = []
+        notes: list[str] = []
         rows = max((t.shape[0] for t in tensors if t.shape), default=0)
         if opts.world_size > rows:
-            notes.append(f"--world-size {opts.world_size} is more than the largest tensor's {rows} rows: "
-                         f"ranks {rows} and above hold nothing")
+            notes.append(Note(f"{{world_size}} {opts.world_size} is more than the largest tensor's {rows} rows: "
+                              f"ranks {rows} and above hold nothing", mentions=("world_size",)))
         writer = context.writer(0, "dcp", world_size=opts.world_size, max_file_bytes=None,
                                 planner_data=reader.planner_data)
         written = context.write([reader], [OutputSpec("reshard", (Update(0, 1.0),), mode="copy")], [writer],

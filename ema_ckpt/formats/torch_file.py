@@ -1,6 +1,6 @@
 """``torch.save`` files holding a state dict (``.pt``, ``.pth``, ``.bin``), read without unpickling code.
 
-What ``consolidate --out model.pt`` writes, and what ``pytorch_model.bin`` files hold: a
+What ``consolidate(src, "model.pt")`` writes, and what ``pytorch_model.bin`` files hold: a
 zip whose ``data.pkl`` maps keys to tensors and whose ``data/<n>`` members hold each storage's
 bytes. The pickle goes through the restricted unpickler of :mod:`ema_ckpt.torch_records` (only the
 globals a plain tensor needs); tensors are read straight from their storage members with

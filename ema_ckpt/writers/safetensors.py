@@ -26,7 +26,7 @@ from typing import IO, Any
 from .._lazy import torch
 from .._text import escaped
 from ..dtypes import SAFETENSORS_CODES, itemsize, name_of
-from ..errors import CheckpointFormatError, OutputError, UsageError
+from ..errors import CheckpointFormatError, OptionError, OutputError, UsageError
 from ..fs import start_writeback
 
 _COPY_BLOCK = 64 << 20
@@ -44,7 +44,7 @@ def plan_shards(sizes: Sequence[tuple[str, int]], max_shard_bytes: int) -> list[
     exactly one shard; no shard is empty.
     """
     if max_shard_bytes <= 0:
-        raise UsageError("--max-shard-size must be positive")
+        raise OptionError("max_shard_size", "must be positive", value=max_shard_bytes)
     shards: list[list[str]] = []
     current: list[str] = []
     used = 0
