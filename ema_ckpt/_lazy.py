@@ -1,7 +1,8 @@
 """A module imported on first attribute access.
 
 Byte-copying commands (a DCP checkpoint to safetensors) never touch a tensor, so the
-modules on their path refer to ``torch`` through this proxy and never pay its ~1.5 s import.
+modules on their path refer to ``torch`` through this proxy and never pay its import (a large
+share of such a run: docs/performance.md).
 
 Example:
     >>> json = LazyModule("json")

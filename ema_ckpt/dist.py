@@ -245,7 +245,7 @@ def _worker_main(rank: int, world: int, port: int, func: Callable[..., Any], arg
         _shutdown()  # before reporting: rank 0 (the parent) hosts the group's store
     queue.put(report)
     # everything is written and reported: skip tearing down an interpreter that loaded torch
-    # (about 0.4 s the parent would wait for)
+    # (the parent would wait for it)
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
     os._exit(0 if report[1] == "ok" else 1)

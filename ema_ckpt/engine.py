@@ -188,7 +188,7 @@ class _WriteBehind:
     Writing (page-cache copies, CRC-32, the disk's back-pressure) and reading/arithmetic all
     release the GIL, so they overlap. Each sink's calls run in order on one thread; the sinks
     of a multi-output run write side by side, since copying into the page cache costs kernel
-    time per byte (about 1.4 s per GiB here) that one thread would pay for all of them.
+    time per byte that one thread would pay for all of them.
     :meth:`submit` first waits for the previous region's writes, which is what lets the
     engine alternate between two buffer pools; a write error surfaces at the next submit or
     on exit.

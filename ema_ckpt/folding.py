@@ -19,10 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from . import maths, profile_specs
-from .commands.verify import damage
 from .discovery import FoundCheckpoint
 from .engine import OutputSpec, Update
-from .errors import CheckpointFormatError, IncompatibleCheckpointError, ManifestMismatchError, OptionError, UsageError
+from .errors import IncompatibleCheckpointError, ManifestMismatchError, OptionError, UsageError
 from .formats.base import CheckpointReader
 from .manifest import Manifest, fingerprint
 from .maths import ExponentialProfile, PowerProfile, fold_coefficients, profile_from_dict
@@ -102,26 +101,6 @@ def refuse_backwards(acc: Accumulator, checkpoints: list[FoundCheckpoint], start
             "stands, but was never folded: steps went backwards (a job restarted into the same folder?); "
             "move it away, or pass {restart=True} to rebuild the EMA", remedy="restart"
         )
-
-
-def refuse_damaged_emas(accumulators: list[Accumulator]) -> None:
-    """Every EMA about to be folded into matches its manifest (sizes, CRC-32s), or the run stops.
-
-    A flipped bit in the previous EMA would otherwise be folded in and then covered by fresh
-    checksums. Checked before anything is written; the damaged EMA is left as it is.
-    """
-    for acc in accumulators:
-        if acc.previous is None or not acc.new:
-            continue
-        problems = damage(acc.final)
-        if problems:
-            more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-            raise CheckpointFormatError(
-                acc.final,
-                f"the EMA does not match its manifest: {problems[0]}{more}; it is left as it is. "
-                "Restore it from a backup, or rebuild it with {restart=True} (every checkpoint still on "
-                "disk is folded again)", remedy="restart",
-            )
 
 
 def skip_records(skipped: Sequence[tuple[FoundCheckpoint, str]]) -> list[dict[str, Any]]:

@@ -249,8 +249,8 @@ class JobContext:
     def open_sources(self, paths: Sequence[Path]) -> list[CheckpointReader]:
         """Open every checkpoint on every worker, parsing each DCP ``.metadata`` only once.
 
-        Parsing metadata (a restricted pure-Python unpickle) costs about a second per 10,000
-        keys. With N workers, worker r parses inputs r, r+N, … and the parsed indexes are
+        Parsing metadata (a restricted pure-Python unpickle) costs time in proportion to the
+        keys, the largest fixed cost of a run over many small tensors. With N workers, worker r parses inputs r, r+N, … and the parsed indexes are
         exchanged, so the parse is split instead of repeated. The readers close when the
         run's attempt ends.
         """
@@ -263,7 +263,9 @@ class JobContext:
         """The writer of target ``index`` in the output format ``format_name``."""
         from .writers.base import output_format
 
-        return output_format(format_name).make(self.stagings[index], self.targets[index].final.name, **settings)
+        writer = output_format(format_name).make(self.stagings[index], self.targets[index].final.name, **settings)
+        writer.final = self.targets[index].final
+        return writer
 
     def write(
         self,

@@ -31,12 +31,12 @@ from ema_ckpt._compat.dcp_metadata import dump_metadata
 from ema_ckpt._pickle import load_dcp_metadata_bytes
 from ema_ckpt.dtypes import torch_dtype
 from ema_ckpt.layout import Box
-from ema_ckpt.writers import _dcp_metadata
+from ema_ckpt.writers import dcp as dcp_writer
 from ema_ckpt.writers.dcp import DcpWriter
 
 
-def test_the_writers_name_is_the_same_pickler():
-    assert _dcp_metadata.dump_metadata is dump_metadata
+def test_the_writer_uses_the_checked_pickler():
+    assert dcp_writer.dump_metadata is dump_metadata
 
 
 def _torch_metadata(tensors, blobs, planner) -> Metadata:

@@ -7,9 +7,9 @@ field names, defaults and pickling hooks of ``Metadata``, ``TensorStorageMetadat
 ``ChunkStorageMetadata``, ``TensorProperties``, ``BytesStorageMetadata`` and
 ``MetadataIndex``.
 
-**Why it pays:** ``torch.distributed.checkpoint`` takes about 0.7 s to import on top of
-torch, and building its dataclasses then pickling them costs more for a 20,000-key
-checkpoint. The pickle's shape is simple and fixed, so this module emits it directly, opcode
+**Why it pays:** importing ``torch.distributed.checkpoint`` on top of torch, then building
+its dataclasses and pickling them, costs a run more than writing its data for checkpoints
+of many keys (docs/performance.md). The pickle's shape is simple and fixed, so this module emits it directly, opcode
 by opcode (protocol 4), naming the same globals torch's own pickle names: ``pickle.load``
 with torch installed builds exactly the objects torch would have saved.
 
@@ -387,7 +387,7 @@ def _constant(source: str, name: str) -> str | None:
 
 def _classes(source: str, names: list[str]) -> dict[str, ast.ClassDef]:
     """The top-level classes ``names`` of ``source``, parsed from their blocks alone
-    (parsing the whole ``filesystem.py`` would take 20 ms)."""
+    (parsing the whole of ``filesystem.py`` would cost many times more)."""
     pattern = rf"^(?:@[^\n]*\n)*class (?:{'|'.join(names)})\b.*?(?=^\S|\Z)"
     blocks = [block.group(0) for block in re.finditer(pattern, source, re.MULTILINE | re.DOTALL)]
     tree = ast.parse("\n".join(blocks))

@@ -4,7 +4,8 @@
 handlers (last registered first) and clears them, as the interpreter does when it exits.
 
 **Why it pays:** tearing down an interpreter that has loaded torch (its modules, their
-objects, the thread pools) costs about 0.4 s and does nothing a finished command needs. So
+objects, the thread pools) takes a noticeable share of a short command (docs/performance.md)
+and does nothing a finished command needs. So
 :func:`exit_now` runs the exit handlers, flushes the standard streams and calls
 ``os._exit``. Unlike a normal exit it does not wait for non-daemon threads.
 

@@ -57,7 +57,6 @@ from ..folding import (
     named_profiles,
     record_skips,
     refuse_backwards,
-    refuse_damaged_emas,
     skip_records,
     snapshot_steps,
 )
@@ -70,6 +69,7 @@ from ..plans import Plan as AveragePlan
 from ..plans import find_snapshots
 from ..progress import Progress
 from .averaging import averaged_tensors
+from .verify import damage
 
 _RUNTIME = {"recorded": False}
 
@@ -462,6 +462,26 @@ class AccumulateJob(Job[FoldPlan, _Folded, AccumulateResult]):
             snapshots=[final for acc, final, _ in targets if final != acc.final],
             **common,  # type: ignore[arg-type]
         )
+
+
+def refuse_damaged_emas(accumulators: list[Accumulator]) -> None:
+    """Every EMA about to be folded into matches its manifest (sizes, CRC-32s), or the run stops.
+
+    A flipped bit in the previous EMA would otherwise be folded in and then covered by fresh
+    checksums. Checked before anything is written; the damaged EMA is left as it is.
+    """
+    for acc in accumulators:
+        if acc.previous is None or not acc.new:
+            continue
+        problems = damage(acc.final)
+        if problems:
+            more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+            raise CheckpointFormatError(
+                acc.final,
+                f"the EMA does not match its manifest: {problems[0]}{more}; it is left as it is. "
+                "Restore it from a backup, or rebuild it with {restart=True} (every checkpoint still on "
+                "disk is folded again)", remedy="restart",
+            )
 
 
 def _checkpoint_holding(checkpoints: Sequence[FoundCheckpoint], path: Path) -> FoundCheckpoint | None:

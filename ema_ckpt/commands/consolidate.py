@@ -28,7 +28,6 @@ from ..jobs import Job, JobContext, Target, run_job
 from ..progress import Progress
 from ..selection import container_prefix, output_names, select_keys
 from ..writers.base import OutputTensor, output_format_for
-from ..writers.safetensors import check_key
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
@@ -163,8 +162,8 @@ class ConsolidateJob(Job[None, _Written, ConsolidateResult]):
         return None
 
     def targets(self, plan: None) -> list[Target]:
-        layout = output_format_for(self.options.out)
-        return [Target(self.options.out, single_file=layout.name != "hf-sharded", replace=self.options.overwrite)]
+        fmt = output_format_for(self.options.out)
+        return [Target(self.options.out, single_file=fmt.single_file, replace=self.options.overwrite)]
 
     def compute(self, plan: None, context: JobContext) -> _Written:
         opts = self.options
@@ -178,16 +177,13 @@ class ConsolidateJob(Job[None, _Written, ConsolidateResult]):
 
         reader, keys = context.check(open_source)
         names = output_names(reader, keys, keep_prefix=opts.keep_prefix)
-        layout = opts.layout
-        if layout != "torch":  # before anything is written: a key the format cannot hold
-            for name in names.values():
-                check_key(name, opts.out)
+        fmt = output_format_for(opts.out)
         stored = reader.stored()
         tensors = [OutputTensor(k, names[k], tuple(stored[k][0]),
                                 opts.dtype if opts.dtype is not None and is_float(stored[k][1]) else stored[k][1],
                                 stored[k][1]) for k in keys]
-        settings = {"max_shard_bytes": parse_size(opts.max_shard_size)} if layout == "hf-sharded" else {}
-        writer = context.writer(0, layout, **settings)
+        settings = {"max_shard_bytes": parse_size(opts.max_shard_size)} if "max_shard_bytes" in fmt.settings else {}
+        writer = context.writer(0, fmt.name, **settings)
         written = context.write([reader], [OutputSpec("out", (Update(0, 1.0),), mode="copy")], [writer], tensors,
                                 layout=reader, copy_source=0)
         prefix = None if opts.keep_prefix else container_prefix(reader, keys)

@@ -84,10 +84,17 @@ class OutputWriter(abc.ABC):
 
     name: str = ""
     single_file: bool = False
+    final: Path | None = None
+    """The output's published path, for messages (set by the runner)."""
 
     def __init__(self, staging: Path, final_name: str) -> None:
         self.staging = staging
         self.final_name = final_name
+
+    @property
+    def shown_path(self) -> Path:
+        """The path errors name: the published output's, else the staged file's."""
+        return self.final if self.final is not None else self.staging / self.final_name
 
     @abc.abstractmethod
     def plan(self, tensors: Sequence[OutputTensor], source: CheckpointReader) -> list[PlannedRegion]:
@@ -128,6 +135,10 @@ class OutputFormat:
     """Output paths ending so are this format (``.safetensors``); none: chosen by name only."""
     is_default: bool = False
     """The format of an output path no suffix claims (a directory)."""
+    single_file: bool = False
+    """The output is one file (else a directory)."""
+    settings: tuple[str, ...] = ()
+    """The keyword settings ``make`` takes beyond the staging path and name (``max_shard_bytes``)."""
 
 
 _OUTPUTS: dict[str, OutputFormat] = {}

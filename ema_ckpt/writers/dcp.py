@@ -32,7 +32,7 @@ from ..formats.dcp import METADATA_FILE
 from ..fs import fsync_dir, start_writeback
 from ..layout import Box, boxes_cover
 from ..torch_records import write_tensor_record
-from ._dcp_metadata import dump_metadata
+from .._compat.dcp_metadata import dump_metadata
 
 # Looked up at each call, so a test can stand in for it (a full disk mid-record).
 _write_tensor_record = write_tensor_record

@@ -160,8 +160,10 @@ class SafetensorsOutput(OutputWriter):
         self._written: dict[str, int] = {}
 
     def plan(self, tensors: Sequence[OutputTensor], source: CheckpointReader) -> list[PlannedRegion]:
-        from .safetensors import plan_shards, shard_file_names
+        from .safetensors import check_key, plan_shards, shard_file_names
 
+        for tensor in tensors:  # before anything is written: a key the format cannot hold
+            check_key(tensor.name, self.shown_path)
         self._tensors = {t.key: t for t in tensors}
         if self.max_shard_bytes is None:
             groups = [list(tensors)]
@@ -300,6 +302,6 @@ def _row_block_regions(tensors: Sequence[OutputTensor], source: CheckpointReader
 
 
 register_output(OutputFormat("dcp", DcpOutput))
-register_output(OutputFormat("safetensors", SafetensorsOutput, suffixes=(".safetensors",)))
-register_output(OutputFormat("hf-sharded", SafetensorsOutput, is_default=True))
-register_output(OutputFormat("torch", TorchFileOutput, suffixes=(".pt", ".bin", ".pth")))
+register_output(OutputFormat("safetensors", SafetensorsOutput, suffixes=(".safetensors",), single_file=True))
+register_output(OutputFormat("hf-sharded", SafetensorsOutput, is_default=True, settings=("max_shard_bytes",)))
+register_output(OutputFormat("torch", TorchFileOutput, suffixes=(".pt", ".bin", ".pth"), single_file=True))
