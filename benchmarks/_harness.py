@@ -85,7 +85,8 @@ def machine_description() -> str:
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     import torch
 
-    return f"{os.cpu_count()} cores ({cpu}), {mem:.0f} GiB RAM, Python {sys.version.split()[0]}, torch {torch.__version__}"
+    python = sys.version.split()[0]
+    return f"{os.cpu_count()} cores ({cpu}), {mem:.0f} GiB RAM, Python {python}, torch {torch.__version__}"
 
 
 def table(rows: list[tuple[str, ...]], header: tuple[str, ...]) -> str:

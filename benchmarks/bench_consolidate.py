@@ -12,9 +12,16 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _harness import (  # noqa: E402
-    EMA, PY, Measurement, dir_bytes, machine_description, run_timed, table, with_baseline,
+from _harness import (
+    EMA,
+    PY,
+    Measurement,
     baseline_ratios,
+    dir_bytes,
+    machine_description,
+    run_timed,
+    table,
+    with_baseline,
 )
 
 

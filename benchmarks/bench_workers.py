@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import subprocess
 import sys
 import warnings
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _harness import EMA, Measurement, machine_description, run_timed, table  # noqa: E402
+from _harness import EMA, Measurement, machine_description, run_timed, table
 
 
 def make(root: Path, count: int, tensors: int) -> None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import sys
 import warnings
 
-import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 

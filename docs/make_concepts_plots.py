@@ -19,10 +19,12 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
+import matplotlib.pyplot as plt
+import numpy as np
+from make_profiles_plot import power_profile, staircase  # beside this script
 
-from ema_ckpt.maths import (  # noqa: E402
+from ema_ckpt.maths import (
+    ExponentialProfile,
     Snapshot,
     describe_plan,
     equivalent_step_decay,
@@ -34,8 +36,6 @@ from ema_ckpt.maths import (  # noqa: E402
     sigma_rel_to_gamma,
     spacing_warning,
 )
-from ema_ckpt.maths import ExponentialProfile  # noqa: E402
-from make_profiles_plot import power_profile, staircase  # noqa: E402  (beside this script)
 
 HERE = Path(__file__).resolve().parent
 DPI = 90
@@ -158,7 +158,7 @@ def posthoc() -> Path:
     snaps = [Snapshot.from_sigma_rel(t, s) for t in range(every, t_end + 1, every) for s in stored]
     for target, color in ((0.07, "C0"), (0.03, "C3")):
         plan = posthoc_plan(snaps, sigma_rel_to_gamma(target))
-        for s, marker in zip(stored, ("o", "s")):
+        for s, marker in zip(stored, ("o", "s"), strict=True):
             idx = [i for i, snap in enumerate(snaps) if abs(snap.sigma_rel - s) < 1e-9]
             ax.plot([snaps[i].step for i in idx], [plan.coefficients[i] for i in idx], marker=marker,
                     ls="-", lw=0.8, ms=5, color=color, mfc="none" if s == stored[1] else color,

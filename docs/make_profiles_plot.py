@@ -10,16 +10,18 @@ Run:  .venv/bin/python docs/make_profiles_plot.py   (needs matplotlib, a docs-on
 
 from __future__ import annotations
 
+import itertools
 import math
 from pathlib import Path
 
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
+import matplotlib.pyplot as plt
+import numpy as np
 
-from ema_ckpt.maths import (  # noqa: E402
+from ema_ckpt.maths import (
+    ExponentialProfile,
     Snapshot,
     exponential_coefficients,
     posthoc_plan,
@@ -27,7 +29,6 @@ from ema_ckpt.maths import (  # noqa: E402
     sigma_rel_to_gamma,
     uniform_coefficients,
 )
-from ema_ckpt.maths import ExponentialProfile  # noqa: E402
 
 T = 100_000
 EVERY = 2_000
@@ -38,7 +39,7 @@ TAU = np.linspace(0.0, T, 4001)
 def staircase(ax, steps, coeffs, **kw):
     """Weight per step: cᵢ spread over (tᵢ₋₁, tᵢ]."""
     edges = [0, *steps]
-    heights = [c / (b - a) for a, b, c in zip(edges, edges[1:], coeffs)]
+    heights = [c / (b - a) for (a, b), c in zip(itertools.pairwise(edges), coeffs, strict=True)]
     ax.stairs(heights, edges, **kw)
 
 
@@ -77,7 +78,7 @@ def main() -> None:
     snaps = [Snapshot.from_sigma_rel(t, s) for t in range(4000, T + 1, 4000) for s in (0.05, 0.10)]
     for sigma in (0.07, 0.15, 0.03):
         plan = posthoc_plan(snaps, sigma_rel_to_gamma(sigma))
-        recon = sum(c * power_profile(TAU, s.step, s.gamma) for c, s in zip(plan.coefficients, snaps))
+        recon = sum(c * power_profile(TAU, s.step, s.gamma) for c, s in zip(plan.coefficients, snaps, strict=True))
         label = f"σ_rel {sigma}: rel. L2 error {plan.rel_error:.1e}, cond {plan.condition:.1e}"
         ax.plot(TAU, recon, label=label)
         ax.plot(TAU, power_profile(TAU, T, plan.target_gamma), lw=1, ls="--", color="k")

@@ -51,9 +51,10 @@ def frozen_heap() -> Iterator[None]:
     block ends.
 
     For the job runner's data loop: the parsed indexes of every input (millions of objects)
-    live for the whole run, and each full collection would walk them all again. Objects made inside the block are collected as usual;
-    a nested block also sets aside what was made since the outer one began. A process that
-    froze objects for its own reasons (``gc.freeze`` before a fork) is left as it is.
+    live for the whole run, and each full collection would walk them all again. Objects made
+    inside the block are collected as usual; a nested block also sets aside what was made since
+    the outer one began. A process that froze objects for its own reasons (``gc.freeze``
+    before a fork) is left as it is.
     """
     global _freezes
     with _freezes_lock:

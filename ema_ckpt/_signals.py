@@ -25,12 +25,19 @@ import contextlib
 import signal
 import threading
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, TypedDict
 
 TERMINATED_EXIT = 143
 INTERRUPTED_EXIT = 130
 
-_state: dict[str, Any] = {"armed": False, "pending": None, "entered": False}
+
+class _State(TypedDict):
+    armed: bool  # inside a command's body: a signal raises
+    pending: int | None  # a signal recorded outside it
+    entered: bool  # the body has begun
+
+
+_state: _State = {"armed": False, "pending": None, "entered": False}
 
 
 class Terminated(KeyboardInterrupt):

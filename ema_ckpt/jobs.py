@@ -250,9 +250,9 @@ class JobContext:
         """Open every checkpoint on every worker, parsing each DCP ``.metadata`` only once.
 
         Parsing metadata (a restricted pure-Python unpickle) costs time in proportion to the
-        keys, the largest fixed cost of a run over many small tensors. With N workers, worker r parses inputs r, r+N, … and the parsed indexes are
-        exchanged, so the parse is split instead of repeated. The readers close when the
-        run's attempt ends.
+        keys, the largest fixed cost of a run over many small tensors. With N workers, worker r
+        parses inputs r, r+N, … and the parsed indexes are exchanged, so the parse is split
+        instead of repeated. The readers close when the run's attempt ends.
         """
         readers = _open_checkpoints(self.workers, paths, self.stack)
         # their indexes live as long as the readers: kept out of cyclic collections (ema_ckpt._gc)

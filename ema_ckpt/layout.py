@@ -14,6 +14,7 @@ Example:
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -106,7 +107,7 @@ def boxes_cover(shape: tuple[int, ...], boxes: list[Box]) -> bool:
         return len(live) == 1
     live.sort(key=lambda b: b.offsets[0])
     if all(b.sizes[1:] == shape[1:] for b in live):
-        return all(a.offsets[0] + a.sizes[0] == b.offsets[0] for a, b in zip(live, live[1:]))
+        return all(a.offsets[0] + a.sizes[0] == b.offsets[0] for a, b in itertools.pairwise(live))
     for i, a in enumerate(live):  # volumes add up, so no overlap means exact cover
         end = a.offsets[0] + a.sizes[0]
         for b in live[i + 1 :]:

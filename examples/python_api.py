@@ -24,8 +24,8 @@ from safetensors.torch import load_file
 from ema_ckpt.commands.accumulate import accumulate
 from ema_ckpt.commands.averaging import Plan, RunResult, posthoc
 from ema_ckpt.commands.consolidate import consolidate
-from ema_ckpt.errors import EmaCkptError
 from ema_ckpt.commands.verify import verify
+from ema_ckpt.errors import EmaCkptError
 
 
 def fold_ema(ckpts: Path, out: Path, decay: float) -> None:

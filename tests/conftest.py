@@ -10,7 +10,7 @@ import pytest
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from tests.ds_fixtures import ds_run, zero_to_fp32  # noqa: E402,F401  (session fixtures)
+from tests.ds_fixtures import ds_run, zero_to_fp32  # noqa: F401  (session fixtures)
 
 STEPS = [3, 7, 20, 21, 30]
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import torch
@@ -29,7 +30,7 @@ def full_load(path: Path, tmp: Path) -> dict[str, torch.Tensor]:
 def reference_ema(states: list[dict[str, torch.Tensor]], steps: list[int], keep) -> dict[str, torch.Tensor]:
     """ema₁ = θ₁, emaₖ = bₖ·emaₖ₋₁ + (1 − bₖ)·θₖ in float64, bₖ = keep(sₖ₋₁, sₖ); ints from the newest."""
     ema = {k: v.double() for k, v in states[0].items() if v.is_floating_point()}
-    for prev, step, state in zip(steps, steps[1:], states[1:]):
+    for (prev, step), state in zip(itertools.pairwise(steps), states[1:], strict=True):
         b = keep(prev, step)
         for k in ema:
             ema[k] = b * ema[k] + (1 - b) * state[k].double()

@@ -39,7 +39,7 @@ def chunked_tensors(draw):
     box = None
     if ndim:
         offsets = [draw(st.integers(0, d)) for d in shape]
-        sizes = [draw(st.integers(0, d - o)) for d, o in zip(shape, offsets)]
+        sizes = [draw(st.integers(0, d - o)) for d, o in zip(shape, offsets, strict=True)]
         box = Box(tuple(offsets), tuple(sizes))
     return shape, dtype, world, box, draw(st.integers(0, 2**16))
 
@@ -123,7 +123,7 @@ def test_flipped_record_bytes_are_caught(tmp_path):
     raw[:64] = b"\0" * 64  # destroy the record's zip header
     raw[-40:] = b"\0" * 40
     data.write_bytes(bytes(raw))
-    with DcpReader(tmp_path / "ck") as reader, pytest.raises(CheckpointFormatError, match="__0_0.distcp"):
+    with DcpReader(tmp_path / "ck") as reader, pytest.raises(CheckpointFormatError, match=r"__0_0\.distcp"):
         reader.read("model.w", Box.full((4, 4)))
 
 
@@ -160,7 +160,7 @@ def test_save_in_progress_is_not_a_checkpoint(tmp_path):
     (tmp_path / "ck").mkdir()
     (tmp_path / "ck" / "__0_0.distcp").write_bytes(b"partial")
     assert detect_format(tmp_path / "ck") is None
-    with pytest.raises(CheckpointNotFoundError, match="no .metadata yet"):
+    with pytest.raises(CheckpointNotFoundError, match=r"no \.metadata yet"):
         open_checkpoint(tmp_path / "ck")
 
 

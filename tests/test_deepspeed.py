@@ -9,8 +9,6 @@ refusals, unsafe pickles.
 
 from __future__ import annotations
 
-import contextlib
-import io
 import math
 import os
 import shutil
@@ -19,7 +17,6 @@ import sys
 import tempfile
 import zipfile
 from collections import OrderedDict
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -32,8 +29,7 @@ from ema_ckpt.formats import CheckpointReader, detect_format, open_checkpoint, r
 from ema_ckpt.formats._ds_unpickle import fragment_address, load_ds_file
 from ema_ckpt.formats.deepspeed import DeepSpeedReader, deepspeed_tags, incomplete, is_deepspeed
 from ema_ckpt.layout import Box, TensorSpec
-
-from tests.ds_fixtures import CONFIGS, STEPS, ZERO_TO_FP32_CONFIGS, Config, _require_deepspeed
+from tests.ds_fixtures import CONFIGS, STEPS, ZERO_TO_FP32_CONFIGS, Config
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -228,7 +224,7 @@ def test_missing_last_rank_is_incomplete_and_world_size_mismatch_is_refused(tag_
     assert not is_deepspeed(tag_copy)
     with pytest.raises(CheckpointNotFoundError, match="still being written"):
         open_checkpoint(tag_copy)
-    with pytest.raises(CheckpointFormatError, match="expected 3 .* found 2"):
+    with pytest.raises(CheckpointFormatError, match=r"expected 3 .* found 2"):
         DeepSpeedReader(tag_copy)
 
 
@@ -509,7 +505,7 @@ def test_incomplete_reasons_for_folders_being_written(tmp_path):
         p.unlink()
     assert "no *_optim_states.pt" in incomplete(save)
     assert incomplete(tmp_path) is None  # not DeepSpeed at all
-    with pytest.raises(CheckpointNotFoundError, match="no \\*_optim_states.pt"):
+    with pytest.raises(CheckpointNotFoundError, match=r"no \*_optim_states\.pt"):
         open_checkpoint(save)
 
 
@@ -567,7 +563,7 @@ def test_pickle_that_would_run_a_command_is_refused_and_nothing_runs(tmp_path, p
     with pytest.raises(UnsafePickleError):
         load_ds_file(victim)
     torch.save({"x": _Evaluates()}, victim, pickle_protocol=protocol)
-    with pytest.raises(UnsafePickleError, match="refers to builtins.eval"):
+    with pytest.raises(UnsafePickleError, match=r"refers to builtins\.eval"):
         load_ds_file(victim)
     assert not marker.exists()
 
@@ -598,7 +594,7 @@ def test_stand_ins_are_inert_and_only_the_deepspeed_names_are_allowed(tmp_path):
         load_ds_file(path)
     assert not isinstance(err.value, UnsafePickleError)
     path.write_bytes(b"not a checkpoint at all")
-    with pytest.raises(CheckpointFormatError, match="not a torch.save file"):
+    with pytest.raises(CheckpointFormatError, match=r"not a torch\.save file"):
         load_ds_file(path)
     with pytest.raises(CheckpointNotFoundError):
         load_ds_file(tmp_path / "missing.pt")

@@ -3,6 +3,7 @@ raw copies, progress, single reads, and how files are shared among workers."""
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import pytest
@@ -145,7 +146,7 @@ def test_every_output_reads_each_source_region_once():
     regions = len(sources[-1].layout("w"))
     for source in sources[:2]:
         assert len([r for r in source.reads if r[0] == "w"]) == regions
-    for a, b in zip(writers, writers[1:], strict=False):
+    for a, b in itertools.pairwise(writers):
         assert torch.equal(a.written["w"], b.written["w"])
 
 

@@ -107,7 +107,7 @@ def _save_hf(folder: Path, state: dict[str, torch.Tensor], sharded: bool) -> Non
     parts = [keys[:2], keys[2:]]
     names = [f"model-0000{i + 1}-of-00002.safetensors" for i in range(2)]
     weight_map = {}
-    for part, name in zip(parts, names):
+    for part, name in zip(parts, names, strict=True):
         save_file({k: state[k] for k in part}, folder / name, metadata={"format": "pt"})
         weight_map.update({k: name for k in part})
     total = sum(v.numel() * v.element_size() for v in state.values())

@@ -295,7 +295,7 @@ def test_shards_without_index_are_incomplete(sharded: Path) -> None:
         assert registered_formats()["safetensors"].incomplete(sharded) is not None
         assert detect_format(sharded) is None
         (sharded / shard).unlink()  # down to one lone shard: still not a whole checkpoint
-    with pytest.raises(CheckpointNotFoundError, match="no .*index"):
+    with pytest.raises(CheckpointNotFoundError, match=r"no .*index"):
         open_checkpoint(sharded)
 
 
@@ -335,7 +335,7 @@ def _write_raw(file: Path, header: dict, data: bytes) -> None:
              "b": {"dtype": "U8", "shape": [4], "data_offsets": [2, 6]}},
             b"\0" * 6,
             "overlaps",
-        ),  # fmt: skip
+        ),
         ({"w": {"dtype": "F4", "shape": [2], "data_offsets": [0, 1]}}, b"\0", "not supported"),
         ({"w": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]}}, b"\0" * 4, "bad shape"),
         ({"w": {"dtype": "F32", "shape": [1], "data_offsets": [4, 0]}}, b"\0" * 4, "bad data_offsets"),
@@ -378,7 +378,7 @@ def test_index_key_missing_from_its_shard(sharded: Path) -> None:
     doc = json.loads(index.read_text())
     doc["weight_map"]["model.ghost"] = "model-00001-of-00003.safetensors"
     index.write_text(json.dumps(doc))
-    with pytest.raises(CheckpointFormatError, match="model.ghost") as err:
+    with pytest.raises(CheckpointFormatError, match=r"model\.ghost") as err:
         open_checkpoint(sharded)
     assert err.value.path == str(index)
     assert str(sharded / "model-00001-of-00003.safetensors") in str(err.value)

@@ -14,16 +14,18 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
-from ema_ckpt.commands.accumulate import accumulate
 from ema_ckpt.cli import app
+from ema_ckpt.commands.accumulate import accumulate
 from ema_ckpt.commands.consolidate import consolidate
-from ema_ckpt.errors import EmaCkptError
 from ema_ckpt.commands.reshard import reshard
+from ema_ckpt.errors import EmaCkptError
 
 runner = CliRunner()
 
 # Surrogates, controls (ESC, OSC's BEL, newlines), bidi overrides, path-like and very long names.
-_hostile = st.sampled_from(["\udcff", "\x1b[2J", "\x1b]0;x\x07", "\n", "\r", "\u202e", "/", "..", "[red]", "\x00", "\u2028"])
+_hostile = st.sampled_from(
+    ["\udcff", "\x1b[2J", "\x1b]0;x\x07", "\n", "\r", "\u202e", "/", "..", "[red]", "\x00", "\u2028"]
+)
 keys = st.lists(
     st.one_of(
         st.text(min_size=1, max_size=12),

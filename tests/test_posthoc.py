@@ -12,9 +12,9 @@ import torch
 from typer.testing import CliRunner
 
 from ema_ckpt import maths
+from ema_ckpt.cli import app
 from ema_ckpt.commands.accumulate import accumulate
 from ema_ckpt.commands.averaging import average, find_snapshots, posthoc
-from ema_ckpt.cli import app
 from ema_ckpt.formats import open_checkpoint
 from ema_ckpt.layout import Box
 from ema_ckpt.maths import ExponentialProfile
@@ -45,7 +45,7 @@ def test_power_ema_from_raw_checkpoints_equals_the_closed_form(tmp_path):
     ck = _one_hot_sequence(tmp_path / "ck")
     result = posthoc(ck, out=tmp_path / "out", sigma_rels=["0.05", "0.10,0.2"], dtype="float64")
     assert [p.name for p in result.outputs] == ["sigma_rel_0.05", "sigma_rel_0.10", "sigma_rel_0.2"]
-    for path, sigma in zip(result.outputs, [0.05, 0.10, 0.2]):
+    for path, sigma in zip(result.outputs, [0.05, 0.10, 0.2], strict=True):
         want = maths.power_coefficients(ONE_HOT_STEPS, maths.sigma_rel_to_gamma(sigma))
         assert _vector(path) == pytest.approx(want, abs=1e-12)
         with open_checkpoint(path) as reader:
@@ -153,7 +153,7 @@ def test_posthoc_on_a_real_fsdp_sequence(fsdp_sequence, tmp_path):
         for key, spec in reader.specs().items():
             got = reader.read(key, Box.full(spec.shape))
             if spec.is_float:
-                want = sum(c * s[key].double() for c, s in zip(coeffs, states))
+                want = sum(c * s[key].double() for c, s in zip(coeffs, states, strict=True))
                 assert_close_relative(got, want)
             else:
                 assert torch.equal(got, states[-1][key])
@@ -173,7 +173,7 @@ def test_posthoc_on_a_real_deepspeed_sequence(ds_run, zero_to_fp32, tmp_path):
             if not reader.specs()[key].is_float:
                 assert torch.equal(got, value.to(got.dtype))  # integer buffers: the newest
                 continue
-            want = sum(c * s[key].double() for c, s in zip(coeffs, states))
+            want = sum(c * s[key].double() for c, s in zip(coeffs, states, strict=True))
             assert_close_relative(got, want)
 
 

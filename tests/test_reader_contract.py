@@ -130,7 +130,10 @@ def test_specs_layout_and_reads(checkpoint):
             for box in boxes:
                 part = reader.read(key, box)
                 assert torch.equal(part, full[box.slices()] if box.sizes else full), (key, box)
-            out = torch.full(spec.shape, 1, dtype=spec.dtype) if spec.numel else torch.empty(spec.shape, dtype=spec.dtype)
+            if spec.numel:
+                out = torch.full(spec.shape, 1, dtype=spec.dtype)
+            else:
+                out = torch.empty(spec.shape, dtype=spec.dtype)
             assert reader.read(key, Box.full(spec.shape), out=out) is out
             assert torch.equal(out, full)
             ranges = reader.byte_ranges(key)

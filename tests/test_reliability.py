@@ -16,8 +16,8 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from ema_ckpt.commands.accumulate import accumulate
 from ema_ckpt.cli import app
+from ema_ckpt.commands.accumulate import accumulate
 from ema_ckpt.errors import NonFiniteError
 from ema_ckpt.formats.dcp import DcpReader
 from ema_ckpt.layout import Box
@@ -236,7 +236,9 @@ def test_kill_at_any_moment_of_every_command(tmp_path, command):
     assert leftovers == []
 
 
-@pytest.mark.parametrize(("sig", "code", "word"), [(signal.SIGTERM, 143, "terminated"), (signal.SIGINT, 130, "interrupted")])
+@pytest.mark.parametrize(
+    ("sig", "code", "word"), [(signal.SIGTERM, 143, "terminated"), (signal.SIGINT, 130, "interrupted")]
+)
 def test_sigterm_and_sigint_at_any_moment_end_in_one_line(tmp_path, sig, code, word):
     ck = _big_sequence(tmp_path / "ck", [10, 20, 30])
     out = tmp_path / "ema"
@@ -245,7 +247,6 @@ def test_sigterm_and_sigint_at_any_moment_end_in_one_line(tmp_path, sig, code, w
     subprocess.run(args, check=True)
     duration = time.perf_counter() - started
     previous = _tree(out)
-    import shutil
 
     shutil.rmtree(out)
     stopped = 0
@@ -255,7 +256,7 @@ def test_sigterm_and_sigint_at_any_moment_end_in_one_line(tmp_path, sig, code, w
         proc = subprocess.Popen(args, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         time.sleep(delay)
         proc.send_signal(sig)
-        stdout, stderr = proc.communicate(timeout=120)
+        _stdout, stderr = proc.communicate(timeout=120)
         if proc.returncode == 0:
             assert _tree(out) == previous  # finished before the signal: the complete EMA
             shutil.rmtree(out)

@@ -39,7 +39,7 @@ def test_a_written_record_loads_in_torch_and_is_located(tmp_path, tensor):
     try:
         members = scan_record(fd, 7, length)
         assert members is not None and set(members) >= {"archive/data.pkl", "archive/data/0"}
-        method, size, local = members["archive/data.pkl"]
+        _method, size, local = members["archive/data.pkl"]
         start = member_start(fd, 7, length, local)
         record = load_tensor_record(os.pread(fd, size, 7 + start), "x")
         assert record.size == tuple(tensor.shape) and record.is_contiguous

@@ -10,8 +10,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from typer.testing import CliRunner
 
-from ema_ckpt.commands.accumulate import accumulate
 from ema_ckpt.cli import app
+from ema_ckpt.commands.accumulate import accumulate
 from ema_ckpt.errors import CheckpointFormatError
 from ema_ckpt.formats import open_checkpoint
 from ema_ckpt.manifest import Manifest
@@ -43,7 +43,8 @@ def _cut_the_optimizer_records(checkpoint, nbytes=200):
 def test_a_data_file_shorter_than_its_metadata_is_refused_naming_both_sizes(tmp_path):
     _train_and_save(tmp_path / "c", [1, 2])
     data = _cut_the_optimizer_records(tmp_path / "c" / "step_2")
-    with pytest.raises(CheckpointFormatError, match=r"truncated: \d+ bytes, but the metadata has records up to byte \d+"):
+    message = r"truncated: \d+ bytes, but the metadata has records up to byte \d+"
+    with pytest.raises(CheckpointFormatError, match=message):
         open_checkpoint(tmp_path / "c" / "step_2")
     result = runner.invoke(app, ["accumulate", str(tmp_path / "c"), "--decay", "0.9"])
     assert result.exit_code == 3 and str(data) in result.output and "--skip-damaged" in result.output
@@ -250,8 +251,8 @@ def test_reshard_for_far_more_ranks_than_rows_costs_the_rows_not_the_ranks(tmp_p
 
 
 def test_verify_finds_a_flipped_byte_in_a_training_checkpoints_optimizer_records(tmp_path):
-    from ema_ckpt.formats.dcp import DcpReader
     from ema_ckpt.commands.verify import verify
+    from ema_ckpt.formats.dcp import DcpReader
 
     _train_and_save(tmp_path / "c", [1])
     ckpt = tmp_path / "c" / "step_1"

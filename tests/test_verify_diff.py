@@ -14,16 +14,16 @@ import typer
 from safetensors.torch import save_file
 from typer.testing import CliRunner
 
-from ema_ckpt.commands.accumulate import accumulate
 from ema_ckpt.cli.diff import EPILOG as DIFF_EPILOG
 from ema_ckpt.cli.diff import diff_command
 from ema_ckpt.cli.verify import EPILOG as VERIFY_EPILOG
 from ema_ckpt.cli.verify import verify_command
+from ema_ckpt.commands.accumulate import accumulate
 from ema_ckpt.commands.consolidate import consolidate
 from ema_ckpt.commands.diff import diff, pair_keys
+from ema_ckpt.commands.verify import verify
 from ema_ckpt.errors import CheckpointNotFoundError
 from ema_ckpt.manifest import MANIFEST_NAME, Manifest
-from ema_ckpt.commands.verify import verify
 from tests.dcp_helpers import write_dcp
 
 app = typer.Typer(add_completion=False)
@@ -276,11 +276,11 @@ def test_diff_across_dtypes_compares_values(tmp_path):
 
 
 def test_pair_keys_prefers_the_largest_overlap():
-    pairs, only_a, only_b, how = pair_keys(["model.w", "model.b", "step"], ["w", "b"])
+    pairs, only_a, _only_b, how = pair_keys(["model.w", "model.b", "step"], ["w", "b"])
     assert how == "strip-a" and pairs == [("model.w", "w"), ("model.b", "b")] and only_a == ["step"]
     assert pair_keys(["w"], ["w"])[3] == "exact"
     # stripping that would make two keys collide is never used
-    pairs, only_a, only_b, how = pair_keys(["model.w", "w"], ["w"])
+    pairs, only_a, _only_b, how = pair_keys(["model.w", "w"], ["w"])
     assert how == "exact" and pairs == [("w", "w")] and only_a == ["model.w"]
 
 

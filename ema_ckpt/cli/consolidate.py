@@ -9,7 +9,7 @@ import typer
 
 from ..commands.consolidate import consolidate
 from ._errors import reports_errors
-from ._options import WorkersOpt, ExcludeOpt, IncludeOpt, JsonOpt, OverwriteOpt, QuietOpt, WaitOpt
+from ._options import ExcludeOpt, IncludeOpt, JsonOpt, OverwriteOpt, QuietOpt, WaitOpt, WorkersOpt
 from ._output import console, human_bytes, note, print_json, progress_bar
 
 EPILOG = """\
@@ -27,7 +27,9 @@ Examples:
 
 @reports_errors
 def consolidate_command(
-    src: Annotated[Path, typer.Argument(help="Any supported checkpoint: DCP, ema-ckpt output, DeepSpeed, safetensors.")],
+    src: Annotated[
+        Path, typer.Argument(help="Any supported checkpoint: DCP, ema-ckpt output, DeepSpeed, safetensors.")
+    ],
     out: Annotated[Path, typer.Option("--out", "-o", help="*.safetensors, *.pt/*.bin, or a directory (HF sharded).")],
     max_shard_size: Annotated[
         str, typer.Option("--max-shard-size", metavar="SIZE", help="Shard limit for a directory output.")

@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from ._errors import reports_errors
-from ._options import WorkersOpt, ExcludeOpt, IncludeOpt, JsonOpt, OverwriteOpt, QuietOpt, WaitOpt
+from ._options import ExcludeOpt, IncludeOpt, JsonOpt, OverwriteOpt, QuietOpt, WaitOpt, WorkersOpt
 from ._output import console, human_bytes, note, print_json, progress_bar
 
 EPILOG = """\
@@ -27,8 +27,12 @@ def reshard_command(
     src: Annotated[Path, typer.Argument(help="Any supported checkpoint.")],
     world_size: Annotated[int, typer.Option("--world-size", "-n", min=1, help="Number of ranks to lay out for.")],
     out: Annotated[Path, typer.Option("--out", "-o", help="Output DCP directory.")],
-    dtype: Annotated[str | None, typer.Option(help="Cast floating tensors (bfloat16, float16, float32, float64).")] = None,
-    all_keys: Annotated[bool, typer.Option("--all-keys", help="Keep optimizer/training state too, not only the model.")] = False,
+    dtype: Annotated[
+        str | None, typer.Option(help="Cast floating tensors (bfloat16, float16, float32, float64).")
+    ] = None,
+    all_keys: Annotated[
+        bool, typer.Option("--all-keys", help="Keep optimizer/training state too, not only the model.")
+    ] = False,
     include: IncludeOpt = None,
     exclude: ExcludeOpt = None,
     overwrite: OverwriteOpt = False,
@@ -42,8 +46,8 @@ def reshard_command(
 
     with progress_bar("reshard", enabled=not (quiet or json_output)) as on_progress:
         result = reshard(src, world_size=world_size, out=out, dtype=dtype, include=include or (),
-                         exclude=exclude or (), all_keys=all_keys, overwrite=overwrite, wait_seconds=wait, workers=workers,
-                         on_progress=on_progress)
+                         exclude=exclude or (), all_keys=all_keys, overwrite=overwrite, wait_seconds=wait,
+                         workers=workers, on_progress=on_progress)
     if json_output:
         print_json({"out": str(result.out), "world_size": result.world_size, "keys": result.keys,
                     "files": [{"name": n, "bytes": s} for n, s in result.files],

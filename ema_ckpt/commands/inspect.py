@@ -87,6 +87,8 @@ def inspect_checkpoint(path: str | Path) -> InspectResult:
             for k, s in specs.items()
         ]
         manifest = Manifest.read(path) if path.is_dir() else None
+        step: int | None
+        source: str | None
         if manifest is not None:
             step, source = manifest.step, "ema-ckpt.json"
         else:

@@ -36,6 +36,7 @@ import sys
 import threading
 import warnings
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -100,7 +101,7 @@ class fragment_address(_AttributeBag):  # the pickled qualname
     numel: int
     start: int
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[int]:
         return iter((self.numel, self.start))
 
 
@@ -305,11 +306,11 @@ def _globals_in_pickle(data: bytes) -> list[str]:
             elif isinstance(arg, str) and ("UNICODE" in op.name or "STRING" in op.name):
                 pushed = arg
             elif op.name in ("BINPUT", "LONG_BINPUT", "PUT", "MEMOIZE"):
-                key = len(memo) if op.name == "MEMOIZE" else int(arg)
+                key = len(memo) if arg is None else int(arg)  # MEMOIZE alone has no argument
                 if top is not None:
                     memo[key] = top
                 continue  # memoising leaves the stack (and ``top``) as it was
-            elif op.name in ("BINGET", "LONG_BINGET", "GET"):
+            elif op.name in ("BINGET", "LONG_BINGET", "GET") and arg is not None:
                 pushed = memo.get(int(arg))
             if pushed is not None:
                 strings.append(pushed)

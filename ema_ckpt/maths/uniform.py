@@ -38,7 +38,8 @@ def uniform_selection(
         raise OptionError("from_step", f"{lo} is after {{to_step}} {hi}", value=lo, mentions=("to_step",))
     picked = [i for i, t in enumerate(ts) if (lo is None or t >= lo) and (hi is None or t <= hi)]
     if last is not None:
-        if isinstance(last, bool) or not isinstance(last, Integral) or last < 1:
+        count: object = last  # checked as any value: callers need not be type-checked
+        if isinstance(count, bool) or not isinstance(count, Integral) or count < 1:
             raise OptionError("last", f"must be a positive number of checkpoints, got {last!r}", value=last)
         picked = picked[-int(last):]
     if not picked:

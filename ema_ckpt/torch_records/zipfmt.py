@@ -79,7 +79,8 @@ def scan_record(fd: int, offset: int, length: int) -> dict[str, tuple[int, int, 
     tail = os.pread(fd, tail_len, offset + length - tail_len)
     if len(tail) != tail_len:
         return None
-    sig, _, _, _, entries, cd_size, cd_offset, comment = END_OF_CENTRAL.unpack_from(tail, tail_len - END_OF_CENTRAL.size)
+    fields = END_OF_CENTRAL.unpack_from(tail, tail_len - END_OF_CENTRAL.size)
+    sig, _, _, _, entries, cd_size, cd_offset, comment = fields
     if sig != END_MAGIC or comment or entries == 0xFFFF or cd_offset == ZIP32_LIMIT:
         return None
     if cd_offset + cd_size + END_OF_CENTRAL.size > length:  # a zip64 end record may sit in between

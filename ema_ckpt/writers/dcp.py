@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
+from .._compat.dcp_metadata import dump_metadata
 from .._lazy import torch
 from .._pickle import check_written_metadata
 from ..dtypes import name_of
@@ -32,7 +33,6 @@ from ..formats.dcp import METADATA_FILE
 from ..fs import fsync_dir, start_writeback
 from ..layout import Box, boxes_cover
 from ..torch_records import write_tensor_record
-from .._compat.dcp_metadata import dump_metadata
 
 # Looked up at each call, so a test can stand in for it (a full disk mid-record).
 _write_tensor_record = write_tensor_record

@@ -26,9 +26,8 @@ from rich.table import Table
 from safetensors.torch import load_file
 from task import TinyTransformer, floor_loss, held_out, lm_loss, markov_table
 
+from ema_ckpt.maths import ExponentialProfile, exponential_coefficients
 from ema_ckpt.plans import plan_posthoc
-from ema_ckpt.maths import exponential_coefficients
-from ema_ckpt.maths import ExponentialProfile
 
 HELD_OUT = 1024  # sequences, SEQ_LEN - 1 scored predictions each
 console = Console()

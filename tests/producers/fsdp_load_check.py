@@ -22,7 +22,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
 sys.path.insert(0, str(Path(__file__).parent))
-from fsdp_train import TinyModel, wrap  # noqa: E402
+from fsdp_train import TinyModel, wrap
 
 
 def main() -> int:

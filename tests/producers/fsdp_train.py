@@ -127,6 +127,8 @@ def wrap(model: nn.Module, kind: str) -> nn.Module:
     if kind == "fsdp1":
         from torch.distributed.fsdp import (
             FullyShardedDataParallel as FSDP,
+        )
+        from torch.distributed.fsdp import (
             ShardedStateDictConfig,
             StateDictType,
         )

@@ -40,9 +40,9 @@ def planner_data_of(metadata: Any) -> dict[str, tuple[str, ...]]:
 
 def metadata_int(value: Any) -> int:
     """An int from metadata, refusing floats, strings and other look-alikes."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{value!r} is not an integer")
-    return value
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    raise TypeError(f"{value!r} is not an integer")
 
 
 

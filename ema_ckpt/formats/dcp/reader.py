@@ -39,6 +39,9 @@ class DcpReader(MetadataIndex, ChunkRecords, CheckpointReader):
     """Reader for one DCP checkpoint directory (see the module docstring)."""
 
     format_name = "dcp"
+    # MetadataIndex's concrete types, which CheckpointReader's declarations admit
+    planner_data: dict[str, tuple[str, ...]]
+    non_tensor_keys: list[str]
 
 
     def __init__(self, path: str | Path, *, shared: Mapping[str, Any] | None = None) -> None:
@@ -53,10 +56,11 @@ class DcpReader(MetadataIndex, ChunkRecords, CheckpointReader):
         if shared is not None:  # parsed by another worker: see share()
             for name in self._SHARED:
                 setattr(self, name, shared[name])
+            packed: dict[str, list[tuple[tuple[int, ...], tuple[int, ...], str, int, int]]] = shared["_chunks"]
             with paused_gc():  # sent as tuples: see share()
                 self._chunks = {key: [StoredChunk(Box(offsets, sizes), file, offset, length)
                                       for offsets, sizes, file, offset, length in chunks]
-                                for key, chunks in self._chunks.items()}
+                                for key, chunks in packed.items()}
             return
         with paused_gc():
             self._parse()

@@ -74,7 +74,9 @@ def _flat(t: Any, where: Path, what: str) -> torch.Tensor:
 
 def _same_storage(view: torch.Tensor, original: torch.Tensor) -> bool:
     """Whether ``view`` still shares ``original``'s memory (``reshape`` copies when it must)."""
-    return view.untyped_storage().data_ptr() == original.untyped_storage().data_ptr()
+    view_ptr: int = view.untyped_storage().data_ptr()
+    original_ptr: int = original.untyped_storage().data_ptr()
+    return view_ptr == original_ptr
 
 
 
@@ -114,7 +116,7 @@ class ParameterMaps:
         raise NotImplementedError
 
 
-    def _map_keys(self, model0_path: Path, model0: dict, osds: list[dict]) -> dict[str, _Entry]:
+    def _map_keys(self, model0_path: Path, model0: dict[str, Any], osds: list[dict[str, Any]]) -> dict[str, _Entry]:
         """Every key: buffers, frozen, trainable (masters), tied aliases; in state_dict order."""
         entries: dict[str, _Entry] = {}
         module = model0.get("module") or {}
@@ -161,7 +163,7 @@ class ParameterMaps:
         return {k: entries[k] for k in order}
 
 
-    def _stage12_params(self, param_shapes: list, osds: list[dict]) -> dict[str, _Entry]:
+    def _stage12_params(self, param_shapes: list[Any], osds: list[dict[str, Any]]) -> dict[str, _Entry]:
         key = "single_partition_of_fp32_groups"
         per_rank = []
         mapped: list[list[bool]] = []  # per rank, per group: pages releasable
@@ -212,7 +214,7 @@ class ParameterMaps:
         return entries
 
 
-    def _stage3_params(self, param_shapes: list, osds: list[dict]) -> dict[str, _Entry]:
+    def _stage3_params(self, param_shapes: list[Any], osds: list[dict[str, Any]]) -> dict[str, _Entry]:
         key = "fp32_flat_groups"
         ws = self.world_size
         per_rank = []
@@ -253,8 +255,8 @@ class ParameterMaps:
     def _frozen(
         self,
         model0_path: Path,
-        model0: dict,
-        module: Mapping,
+        model0: dict[str, Any],
+        module: Mapping[str, Any],
         buffer_names: list[str],
         trainable: Mapping[str, _Entry],
     ) -> dict[str, _Entry]:

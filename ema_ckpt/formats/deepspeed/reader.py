@@ -146,7 +146,8 @@ class DeepSpeedReader(ParameterMaps, CheckpointReader):
             raise
         except Exception as err:  # any malformed field: one line naming the checkpoint
             first = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
-            raise CheckpointFormatError(self.tag_dir, f"malformed DeepSpeed checkpoint ({type(err).__name__}: {first})") from None
+            message = f"malformed DeepSpeed checkpoint ({type(err).__name__}: {first})"
+            raise CheckpointFormatError(self.tag_dir, message) from None
 
 
     def specs(self) -> Mapping[str, TensorSpec]:
@@ -330,7 +331,9 @@ class DeepSpeedReader(ParameterMaps, CheckpointReader):
         return parsed, zero3_models
 
 
-    def _check_states(self, model0_path: Path, model0: Any, zero3_models: list) -> list[dict]:
+    def _check_states(
+        self, model0_path: Path, model0: Any, zero3_models: list[tuple[int, Path]]
+    ) -> list[dict[str, Any]]:
         """Stage, world size and file counts; returns each rank's ``optimizer_state_dict``."""
         tag_dir = self.tag_dir
         if not isinstance(model0, dict) or "buffer_names" not in model0:
@@ -399,9 +402,11 @@ class DeepSpeedReader(ParameterMaps, CheckpointReader):
         return osds
 
 
-    def _describe(self, model0: dict, *, bf16_file_names: bool) -> None:
+    def _describe(self, model0: dict[str, Any], *, bf16_file_names: bool) -> None:
         """Training dtype, DeepSpeed version and step, for ``info()`` and ``step``."""
-        ds_config = model0.get("ds_config") if isinstance(model0.get("ds_config"), dict) else {}
+        ds_config = model0.get("ds_config")
+        if not isinstance(ds_config, dict):
+            ds_config = {}
         if bf16_file_names or (ds_config.get("bf16") or {}).get("enabled"):
             self.train_dtype = "bf16"
         elif (ds_config.get("fp16") or {}).get("enabled"):
