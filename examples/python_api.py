@@ -21,21 +21,20 @@ from pathlib import Path
 
 from safetensors.torch import load_file
 
-from ema_ckpt.commands.accumulate import accumulate
-from ema_ckpt.commands.averaging import Plan, RunResult, posthoc
-from ema_ckpt.commands.consolidate import consolidate
-from ema_ckpt.commands.verify import verify
+import ema_ckpt
+from ema_ckpt.commands.averaging import RunResult
 from ema_ckpt.errors import EmaCkptError
+from ema_ckpt.plans import Plan
 
 
 def fold_ema(ckpts: Path, out: Path, decay: float) -> None:
     """Show the plan (metadata only), fold the checkpoints into ``out``, then see nothing is left."""
-    plan = accumulate(ckpts, decay=decay, out=out, dry_run=True)
+    plan = ema_ckpt.accumulate(ckpts, decay=decay, out=out, dry_run=True)
     print(f"plan: EMA at step {plan.step}, {plan.profile}")
     for term in plan.terms:
         print(f"  {term.coefficient:.5f} x step {term.step}  {term.path}")
 
-    result = accumulate(ckpts, decay=decay, out=out, wait_seconds=60)
+    result = ema_ckpt.accumulate(ckpts, decay=decay, out=out, wait_seconds=60)
     if result.up_to_date:
         print(f"accumulate: {result.out} already at step {result.step}")
     else:
@@ -45,19 +44,19 @@ def fold_ema(ckpts: Path, out: Path, decay: float) -> None:
             f"({result.keys} keys, {result.bytes_read} bytes read, {result.bytes_written} written)"
         )
 
-    again = accumulate(ckpts, decay=decay, out=out)
+    again = ema_ckpt.accumulate(ckpts, decay=decay, out=out)
     print(f"accumulate again: up to date = {again.up_to_date}, step {again.step}")
 
 
 def posthoc_emas(ckpts: Path, out: Path, sigma_rels: list[str]) -> list[Path]:
     """EDM2 post-hoc EMAs: the coefficients first, then one pass over the checkpoints for all of them."""
-    plan = posthoc(ckpts, out=out, sigma_rels=sigma_rels, dry_run=True)
+    plan = ema_ckpt.posthoc(ckpts, out=out, sigma_rels=sigma_rels, dry_run=True)
     assert isinstance(plan, Plan)
     for output in plan.outputs:
         terms = ", ".join(f"{t.coefficient:.4f} x step {t.step}" for t in output.terms)
         print(f"plan: {output.name} at step {output.step}: {terms}")
 
-    run = posthoc(ckpts, out=out, sigma_rels=sigma_rels, overwrite=True)
+    run = ema_ckpt.posthoc(ckpts, out=out, sigma_rels=sigma_rels, overwrite=True)
     assert isinstance(run, RunResult)
     for path in run.outputs:
         print(f"posthoc: wrote {path}")
@@ -77,14 +76,14 @@ def main() -> None:
     fold_ema(args.ckpts, ema_dir, args.decay)
     posthoc_dirs = posthoc_emas(args.ckpts, args.out / "posthoc", sigma_rels)
 
-    single = consolidate(ema_dir, args.out / "ema.safetensors", overwrite=True)
+    single = ema_ckpt.consolidate(ema_dir, args.out / "ema.safetensors", overwrite=True)
     state = load_file(single.out)  # plain tensors, ready for model.load_state_dict(state)
     print(f"consolidate: {single.out} ({single.layout}, {single.keys} tensors, {single.bytes_written} bytes)")
     name, tensor = next(iter(state.items()))
     print(f"  {name}: {tuple(tensor.shape)} {tensor.dtype}")
 
     for path in [ema_dir, *posthoc_dirs]:
-        check = verify(path)
+        check = ema_ckpt.verify(path)
         status = "OK" if check.ok else "; ".join(check.problems)
         print(f"verify {path}: {status} ({check.keys} keys, {check.bytes_checked} bytes checked)")
         if not check.ok:

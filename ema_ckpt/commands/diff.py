@@ -213,6 +213,11 @@ def diff(
             an ``include`` pattern (or there are none) and neither matches an ``exclude``.
         block_bytes: memory bound per side for one block of rows, widened to 64 bits.
 
+    Example:
+        >>> result = diff("ckpts/ema", "ema.safetensors")     # doctest: +SKIP
+        >>> result.equal(), result.only_in_a, result.only_in_b  # doctest: +SKIP
+        (True, [], [])
+
     Raises:
         CheckpointNotFoundError, CheckpointFormatError: a path holds no readable checkpoint.
     """

@@ -77,7 +77,15 @@ class InspectResult:
 
 
 def inspect_checkpoint(path: str | Path) -> InspectResult:
-    """Describe the checkpoint at ``path``: format, step, keys, dtypes, bytes, layout."""
+    """Describe the checkpoint at ``path``: format, step, keys, dtypes, bytes, layout.
+
+    Metadata only: no tensor is read.
+
+    Example:
+        >>> info = inspect_checkpoint("ckpts/step_1000")        # doctest: +SKIP
+        >>> info.format_name, info.step, info.key_count         # doctest: +SKIP
+        ('dcp', 1000, 120)
+    """
     path = Path(path)
     location = locate_model(path)
     with contextlib.closing(open_checkpoint(path)) as reader:

@@ -97,6 +97,11 @@ def verify(
 ) -> VerifyResult:
     """Check the checkpoint at ``path`` (see the module docstring).
 
+    Example:
+        >>> result = verify("ckpts/ema")                     # doctest: +SKIP
+        >>> result.ok, result.checks                         # doctest: +SKIP
+        (True, ['files', 'readable'])
+
     Raises:
         CheckpointNotFoundError: ``path`` does not exist, or (without a manifest) holds no
             checkpoint of any known format.

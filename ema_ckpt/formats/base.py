@@ -367,6 +367,11 @@ def open_checkpoint(path: str | Path, *, shared: object | None = None) -> Checkp
     ``shared``: what :meth:`CheckpointReader.share` returned for this checkpoint in another
     process; the reader is rebuilt from it instead of parsing the checkpoint again.
 
+    Example:
+        >>> with open_checkpoint("ckpts/step_1000") as reader:      # doctest: +SKIP
+        ...     key = next(iter(reader.specs()))
+        ...     first_chunk = reader.read(key, reader.layout(key)[0])
+
     Raises:
         CheckpointNotFoundError: ``path`` does not exist or holds no known checkpoint.
     """
