@@ -16,12 +16,14 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-
-import numpy as np
+from typing import TYPE_CHECKING
 
 from ..errors import OptionError, UsageError
 from ._steps import as_step, option_step
 from .power import gamma_problem, gamma_to_sigma_rel, sigma_rel_to_gamma
+
+if TYPE_CHECKING:
+    import numpy as np
 
 __all__ = ["PosthocPlan", "Snapshot", "posthoc_coefficients", "posthoc_plan", "profile_inner_product"]
 
@@ -121,6 +123,8 @@ class PosthocPlan:
 
 
 def _gram(us: np.ndarray, gs: np.ndarray) -> np.ndarray:
+    import numpy as np
+
     """A_ij = T·⟨p_i, p_j⟩ with end times as ratios u = t/T (vectorised ``profile_inner_product``)."""
     swap = us[:, None] > us[None, :]
     u_lo = np.where(swap, us[None, :], us[:, None])
@@ -149,6 +153,8 @@ def posthoc_plan(
         >>> [abs(round(c, 6)) for c in plan.coefficients], plan.rel_error < 1e-6
         ([0.0, 0.0, 0.0, 1.0], True)
     """
+    import numpy as np  # here: only a post-hoc solve needs it
+
     snaps = list(snapshots)
     if not snaps:
         raise UsageError("post-hoc reconstruction needs at least one power-EMA snapshot")

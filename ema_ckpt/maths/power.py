@@ -24,8 +24,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from ..errors import OptionError, UsageError
 from ._steps import as_step, check_pair, check_steps, used_count
 
@@ -127,6 +125,8 @@ def sigma_rel_to_gamma(sigma_rel: float) -> float:
         >>> round(sigma_rel_to_gamma(0.05), 2), round(sigma_rel_to_gamma(0.10), 2)
         (16.97, 6.94)
     """
+    import numpy as np  # here: importing the maths (a manifest's profile) must not load numpy
+
     s = check_sigma_rel(sigma_rel) ** -2
     roots = np.roots((1.0, 7.0, 16.0 - s, 12.0 - s))
     real = [r.real for r in roots if abs(r.imag) <= 1e-7 * max(1.0, abs(r))]
