@@ -46,7 +46,12 @@ class Measurement:
 
 
 def run_timed(cmd: list[str] | str, *, shell: bool = False, env: dict | None = None) -> tuple[float, float]:
-    """(wall seconds, peak RSS MiB) of one run, measured by GNU time."""
+    """(wall seconds, peak RSS MiB) of one run, measured by GNU time.
+
+    Dirty pages a previous run left are written back first (not timed), so no run pays for
+    another's writes.
+    """
+    os.sync()
     full = ["/usr/bin/time", "-v", *(["bash", "-c", cmd] if shell else cmd)]
     proc = subprocess.run(full, capture_output=True, text=True, env={**os.environ, **(env or {})})
     if proc.returncode != 0:
@@ -56,6 +61,13 @@ def run_timed(cmd: list[str] | str, *, shell: bool = False, env: dict | None = N
     parts = [float(p) for p in wall_text.split(":")]
     wall = sum(p * 60**i for i, p in enumerate(reversed(parts)))
     return wall, rss
+
+
+def in_turn(runs: dict[str, dict], repeat: int) -> list[tuple[str, dict]]:
+    """The runs of repeat ``repeat``: in order, then reversed on every other repeat, so no
+    row always follows the same one (page-cache and write-back state)."""
+    items = list(runs.items())
+    return items if repeat % 2 == 0 else items[::-1]
 
 
 def baseline_ratios(results: dict[str, Measurement]) -> str:

@@ -19,6 +19,7 @@ from _harness import (
     Measurement,
     baseline_ratios,
     dir_bytes,
+    in_turn,
     machine_description,
     run_timed,
     table,
@@ -58,8 +59,8 @@ def main() -> None:
             cmd=[PY, str(here / "handwritten_ema.py"), str(out_root / "hand"), "0.999", *map(str, ckpts)])
     runs = with_baseline(runs)
     results = {name: Measurement(name, [], []) for name in runs}
-    for _ in range(args.repeat):
-        for name, spec in runs.items():
+    for repeat in range(args.repeat):
+        for name, spec in in_turn(runs, repeat):
             for target in ("ema", "hand"):
                 if not (target == "ema" and name.startswith("hand")):
                     shutil.rmtree(out_root / target, ignore_errors=True)

@@ -18,6 +18,7 @@ from _harness import (
     Measurement,
     baseline_ratios,
     dir_bytes,
+    in_turn,
     machine_description,
     run_timed,
     table,
@@ -51,8 +52,8 @@ def main() -> None:
     }
     specs = with_baseline({name: {"cmd": cmd} for name, cmd in runs.items()})
     results = {name: Measurement(name, [], []) for name in specs}
-    for _ in range(args.repeat):
-        for name, spec in specs.items():
+    for repeat in range(args.repeat):
+        for name, spec in in_turn(specs, repeat):
             # every tool writes a fresh output: deleting the last run's gigabyte is not timed
             shutil.rmtree(out)
             out.mkdir()

@@ -31,6 +31,7 @@ from _harness import (
     Measurement,
     baseline_ratios,
     dir_bytes,
+    in_turn,
     machine_description,
     run_timed,
     table,
@@ -87,8 +88,8 @@ def main() -> None:
         cmd=f"dd if=/dev/zero of={out_root / 'dd.bin'} bs=1M count={mib} conv=fsync status=none", shell=True)
     runs = with_baseline(runs)
     results = {name: Measurement(name, [], []) for name in runs}
-    for _ in range(args.repeat):
-        for name, spec in runs.items():
+    for repeat in range(args.repeat):
+        for name, spec in in_turn(runs, repeat):
             shutil.rmtree(out_root / "z2f", ignore_errors=True)
             (out_root / "dd.bin").unlink(missing_ok=True)
             # Flush what earlier commands wrote (untimed): on ext4 an fsync waits for every dirty

@@ -23,6 +23,7 @@ from _harness import (
     Measurement,
     baseline_ratios,
     dir_bytes,
+    in_turn,
     machine_description,
     run_timed,
     table,
@@ -59,8 +60,8 @@ def main() -> None:
     }
     runs = with_baseline(runs)
     results = {name: Measurement(name, [], []) for name in runs}
-    for _ in range(args.repeat):
-        for name, spec in runs.items():
+    for repeat in range(args.repeat):
+        for name, spec in in_turn(runs, repeat):
             shutil.rmtree(out, ignore_errors=True)
             wall, rss = run_timed(spec["cmd"], shell=spec.get("shell", False), env=spec.get("env"))
             results[name].wall.append(wall)
