@@ -7,7 +7,6 @@ from typing import Annotated
 
 import typer
 
-from ..commands.consolidate import consolidate
 from ._errors import reports_errors
 from ._options import ExcludeOpt, IncludeOpt, JsonOpt, OverwriteOpt, QuietOpt, WaitOpt, WorkersOpt
 from ._output import console, human_bytes, note, print_json, progress_bar
@@ -50,6 +49,7 @@ def consolidate_command(
     quiet: QuietOpt = False,
 ) -> None:
     """Stream a sharded checkpoint into safetensors, the HF sharded layout, or a torch file."""
+    from ..commands.consolidate import consolidate  # here: the library loads on use, so --help and --version stay fast
     with progress_bar("consolidate", enabled=not (quiet or json_output)) as on_progress:
         result = consolidate(
             src, out, max_shard_size=max_shard_size, dtype=dtype, keep_prefix=keep_prefix,

@@ -8,7 +8,6 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from ..commands.inspect import inspect_checkpoint
 from ._errors import reports_errors
 from ._flags import cli_text
 from ._options import JsonOpt
@@ -31,6 +30,9 @@ def inspect_command(
     json_output: JsonOpt = False,
 ) -> None:
     """Show format, step, keys, dtypes, bytes and chunk layout (reads no tensor)."""
+    from ..commands.inspect import (
+        inspect_checkpoint,  # here: the library loads on use, so --help and --version stay fast
+    )
     report = inspect_checkpoint(path)
     if json_output:
         print_json(report.to_dict())

@@ -9,7 +9,6 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
-from ..commands.verify import verify
 from ..errors import CheckpointFormatError
 from ._errors import reports_errors
 from ._flags import cli_text
@@ -36,6 +35,7 @@ def verify_command(
     json_output: JsonOpt = False,
 ) -> None:
     """Check data files against ema-ckpt.json (size, CRC-32; missing or extra files) and read every tensor."""
+    from ..commands.verify import verify  # here: the library loads on use, so --help and --version stay fast
     result = verify(path)
     if json_output:
         print_json(result.to_dict())
