@@ -305,7 +305,11 @@ def _accumulate_region(
                           device == "cpu" else torch.empty(shape, dtype=result_dtype, device=device))
         return results[k]
 
-    for block in _blocks(region.box, dtype.itemsize, device):
+    # blocks keep a block of every input in cache while each output uses it; a pure copy
+    # (consolidate, reshard) has nothing to keep and reads each region whole
+    copies_only = all(out.mode == "copy" for out in outputs)
+    blocks = [region.box] if copies_only else _blocks(region.box, dtype.itemsize, device)
+    for block in blocks:
         where = block.relative_to(region.box).slices()
         started = [False] * len(outputs)
         for source, spec, users in inputs:
@@ -314,7 +318,7 @@ def _accumulate_region(
             first = users[0]
             into = None
             if device == "cpu" and len(users) == 1 and not started[first]:
-                if outputs[first].mode == "copy":
+                if outputs[first].mode == "copy" and sources[source].supports_out:
                     into = result(first, spec.dtype)[where]
                 elif outputs[first].mode == "fold" and spec.dtype == dtype:
                     into = result(first, dtype)[where]
@@ -325,7 +329,10 @@ def _accumulate_region(
                 continue
             if all(outputs[k].mode == "copy" for k in users):
                 for k in users:  # written as stored (or cast to the output dtype), never converted
-                    result(k, raw.dtype)[where].copy_(raw)
+                    if results[k] is None and copies_only and not sources[source].supports_out:
+                        results[k] = raw  # a tensor of its own, the whole region: it is the result
+                    else:
+                        result(k, raw.dtype)[where].copy_(raw)
                 continue
             if device != "cpu":
                 value = _to_device(raw, device, dtype)
