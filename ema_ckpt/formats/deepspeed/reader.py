@@ -46,7 +46,7 @@ from ..._lazy import torch
 from ...errors import CheckpointFormatError, CheckpointNotFoundError, EmaCkptError
 from ...layout import Box, TensorSpec, split_rows
 from .._ds_unpickle import load_ds_file_releasable, release_pages
-from ..base import CheckpointFormat, CheckpointReader, deliver, register_format
+from ..base import CheckpointFormat, CheckpointReader, register_format
 from .files import (
     FORMAT_NAME,
     OPTIM_RE,
@@ -183,10 +183,12 @@ class DeepSpeedReader(ParameterMaps, CheckpointReader):
         return [(str(base / p.name) if base.parts else p.name, 0, p.stat().st_size)
                 for p in sorted(self.tag_dir.glob("*.pt"))]
 
-    def read(self, key: str, box: Box, out: torch.Tensor | None = None) -> torch.Tensor:
-        return deliver(key, box, self._read(key, box), out)
+    supports_out = True  # pieces are gathered straight into a caller's buffer (the engine reuses its buffers)
 
-    def _read(self, key: str, box: Box) -> torch.Tensor:
+    def read(self, key: str, box: Box, out: torch.Tensor | None = None) -> torch.Tensor:
+        return self._read(key, box, out)
+
+    def _read(self, key: str, box: Box, given: torch.Tensor | None = None) -> torch.Tensor:
         entry = self._entry(key)
         spec = entry.spec
         if entry.owner is not None:
@@ -196,7 +198,10 @@ class DeepSpeedReader(ParameterMaps, CheckpointReader):
             raise ValueError(f"{key}: box {box} has {len(box.sizes)} dims, tensor has {len(shape)}")
         if any(o < 0 or s < 0 or o + s > d for o, s, d in zip(box.offsets, box.sizes, shape, strict=True)):
             raise ValueError(f"{key}: box {box} is outside shape {shape}")
-        out = torch.empty(box.sizes, dtype=spec.dtype)
+        if given is not None and (tuple(given.shape) != box.sizes or given.dtype != spec.dtype
+                                  or not given.is_contiguous()):
+            raise ValueError(f"{key}: buffer {tuple(given.shape)} {given.dtype} does not fit {box} {spec.dtype}")
+        out = given if given is not None else torch.empty(box.sizes, dtype=spec.dtype)
         if out.numel() == 0:
             return out
         if entry.tensor is not None:
