@@ -136,6 +136,8 @@ def test_specs_layout_and_reads(checkpoint):
                 out = torch.empty(spec.shape, dtype=spec.dtype)
             assert reader.read(key, Box.full(spec.shape), out=out) is out
             assert torch.equal(out, full)
+            # a caller's buffer stays plain data, even when the saved tensor required grad
+            assert not out.requires_grad and out.grad_fn is None and not part.requires_grad, key
             ranges = reader.byte_ranges(key)
             if ranges is not None:
                 data = b"".join(os.pread(reader.open_data(f), n, o) for f, o, n in ranges if n)

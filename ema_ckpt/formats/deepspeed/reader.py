@@ -186,7 +186,8 @@ class DeepSpeedReader(ParameterMaps, CheckpointReader):
     supports_out = True  # pieces are gathered straight into a caller's buffer (the engine reuses its buffers)
 
     def read(self, key: str, box: Box, out: torch.Tensor | None = None) -> torch.Tensor:
-        return self._read(key, box, out)
+        with torch.no_grad():  # saved parameters may require grad: a caller's buffer must not
+            return self._read(key, box, out)
 
     def _read(self, key: str, box: Box, given: torch.Tensor | None = None) -> torch.Tensor:
         entry = self._entry(key)
