@@ -114,6 +114,7 @@ def combine_regions(
     needed = sorted({u.source for out in outputs for u in out.updates})
     buffers = _Buffers()
     finite = frozenset(check_finite)
+    kinds: dict[str, tuple[torch.dtype, bool]] = {}  # key -> (stored dtype of the output, floating)
     with _WriteBehind(len(writers)) as behind:
         for region_index, region in enumerate(regions):
             if region.raw:
@@ -123,7 +124,11 @@ def combine_regions(
                     stats.per_output_bytes[k] += region.nbytes
                 stats.bytes_read += region.nbytes
             else:
-                _combine_one(sources, outputs, writers, region, tensors[region.key], needed, copy_source,
+                kind = kinds.get(region.key)
+                if kind is None:  # once per key, not per region
+                    tensor = tensors[region.key]
+                    kind = kinds[region.key] = (torch_dtype(tensor.dtype), is_float(tensor.stored_dtype))
+                _combine_one(sources, outputs, writers, region, kind, needed, copy_source,
                              accumulate_dtype, device, buffers, finite, region_index % 2, stats, behind)
             stats.regions += 1
             done += region.nbytes
@@ -139,7 +144,7 @@ def _combine_one(
     outputs: Sequence[OutputSpec],
     writers: Sequence[OutputWriter],
     region: PlannedRegion,
-    tensor: OutputTensor,
+    kind: tuple[torch.dtype, bool],
     needed: Sequence[int],
     copy_source: int,
     accumulate_dtype: torch.dtype | None,
@@ -152,8 +157,8 @@ def _combine_one(
 ) -> None:
     """One region: read, combine, and hand every output's result to the write-behind thread."""
     # what goes to the writer alternates buffer slots: region i-1 may still be being written
-    target = torch_dtype(tensor.dtype)
-    if not is_float(tensor.stored_dtype):
+    target, floating = kind
+    if not floating:
         copy = sources[copy_source]
         value = _read(copy, region.key, region.box, copy.specs()[region.key], buffers, slot=("copy", parity))
         stats.bytes_read += value.numel() * value.element_size()
