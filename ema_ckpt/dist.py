@@ -302,9 +302,11 @@ def run_workers(world_size: int, func: Callable[..., T], /, *args: Any,
             raise
         except Exception as err:  # a collective failed (a peer died?) or a fault of this rank's own
             grace = 0.0  # peers still waiting for this rank in a collective would wait for hours
-            killed = _failure(_collect(procs, queue, timeout=2.0), procs, only_deaths=True)
-            if killed is not None:
-                raise killed from None
+            # a peer that failed on its own reports soon (its error is the cause); peers waiting
+            # for this rank in a collective do not
+            cause = _failure(_collect(procs, queue, timeout=2.0), procs, only_reported=True)
+            if cause is not None:
+                raise cause from None
             raise WorkerFailed(f"worker 0: {type(err).__name__}: {err}", 1) from err
         failure = _failure(_collect(procs, queue), procs)
         if failure is not None:
@@ -361,17 +363,17 @@ def _collect(procs: Sequence[Any], queue: Any, timeout: float | None = None) -> 
     return reports
 
 
-def _failure(reports: dict[int, tuple[str, Any]], procs: Sequence[Any], *, only_deaths: bool = False
+def _failure(reports: dict[int, tuple[str, Any]], procs: Sequence[Any], *, only_reported: bool = False
              ) -> WorkerFailed | None:
     """The error to raise for the spawned workers (ranks 1…): the first reported error by rank,
-    or a worker that exited without a report; None when all ran. ``only_deaths``: only the
-    latter (after rank 0 failed, the peers' reports are consequences of its failure)."""
+    or a worker that exited without a report; None when all ran. ``only_reported``: a worker
+    still running without a report is no failure (rank 0 stopped waiting for it)."""
     errors = sorted((rank, payload) for rank, (status, payload) in reports.items() if status == "error")
-    if errors and not only_deaths:
+    if errors:
         first: EmaCkptError = errors[0][1]
         return WorkerFailed(first.note(), first.exit_code)
     silent = [p for rank, p in enumerate(procs, start=1) if rank not in reports and p.exitcode is not None]
-    if silent or (not only_deaths and len(reports) < len(procs)):
+    if silent or (not only_reported and len(reports) < len(procs)):
         return WorkerFailed("a worker process died without a report (out of memory?)", 1)
     return None
 

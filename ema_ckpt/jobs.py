@@ -216,7 +216,8 @@ def _stage_compute_publish(job: Job[PlanT, ComputedT, Any], plan: PlanT, targets
     stagings = group.on_coordinator(stage)
     with discard_on_error(stagings, owner=group.is_coordinator), contextlib.ExitStack() as readers:
         context = JobContext(group, list(stagings), list(targets), readers, job.options.device, on_progress)
-        computed = job.compute(plan, context)
+        # every worker has finished writing into the stagings before the coordinator publishes them
+        computed = group.run(functools.partial(job.compute, plan, context))
 
         def publish_all() -> None:
             manifests = job.manifests(plan, computed)

@@ -4,6 +4,7 @@ what a failure leaves, retries, and what runs where (on fake jobs that write sma
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,6 +27,7 @@ class FileOptions:
     overwrite: bool = False
     fail: str | None = None  # "compute", "manifest", "once"
     no_targets: bool = False
+    late_seconds: float = field(default=0.0, metadata={"recorded": False})
     workers: int = field(default=1, metadata={"recorded": False})
     device: str = field(default="cpu", metadata={"recorded": False})
     wait_seconds: float = field(default=0.0, metadata={"recorded": False})
@@ -54,6 +56,8 @@ class FileJob(Job[dict, list, dict]):
             (context.stagings[0] / "partial").write_text("half")
             raise CheckpointFormatError(self.options.out / "in", "damaged")
         ranks = context.workers.all_gather(context.workers.rank)
+        if context.workers.rank == 1:
+            time.sleep(self.options.late_seconds)  # the coordinator has long finished its own share
         (context.stagings[0] / f"data-{context.workers.rank}.txt").write_text(plan["text"])
         return ranks
 
@@ -134,7 +138,7 @@ def test_recovery_runs_before_planning(tmp_path):
 
 def test_workers_receive_the_whole_job_and_only_the_coordinator_publishes(tmp_path):
     out = tmp_path / "out"
-    result = run_job(FileJob(FileOptions(out, text="shared", workers=2)))
+    result = run_job(FileJob(FileOptions(out, text="shared", workers=2, late_seconds=1.0)))
     assert result["computed"] == [0, 1]
     assert (out / "data-0.txt").read_text() == "shared" and (out / "data-1.txt").read_text() == "shared"
 

@@ -289,3 +289,16 @@ def test_progress_reports_rank_zeros_share_with_workers(sequence, tmp_path):
     assert _tree(tmp_path / "two") == _tree(tmp_path / "one")
     assert events and events[-1].bytes_done == events[-1].bytes_total > 0
     assert [e.bytes_done for e in events] == sorted(e.bytes_done for e in events)
+
+
+def _rank_one_fails_alone() -> None:
+    workers = current_workers()
+    if workers.rank == 1:
+        raise ValueError("rank 1 broke on its own")
+    workers.all_gather("waiting")  # rank 0 then fails in this collective: the peer has gone
+
+
+def test_a_peers_own_fault_is_reported_not_the_collective_it_broke():
+    with pytest.raises(WorkerFailed, match="rank 1 broke on its own"):
+        run_workers(2, _rank_one_fails_alone)
+    assert not torch.distributed.is_initialized()
