@@ -25,7 +25,10 @@ class LazyModule:
 
     def __getattr__(self, attr: str) -> Any:
         module = sys.modules.get(self._name) or importlib.import_module(self._name)
-        return getattr(module, attr)
+        value = getattr(module, attr)
+        # kept on the proxy: later reads are plain attribute reads (hot loops read torch.* per tensor)
+        setattr(self, attr, value)
+        return value
 
     def __repr__(self) -> str:
         return f"<lazy module {self._name!r}>"

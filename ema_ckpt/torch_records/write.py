@@ -14,6 +14,7 @@ Example:
 from __future__ import annotations
 
 import collections
+import functools
 import io
 import math
 import os
@@ -43,6 +44,7 @@ _DOS_DATE = (0 << 11) | (0 << 5) | 0, (1980 - 1980) << 9 | 1 << 5 | 1  # (time, 
 _PAD_FIELD = 0x5A5A  # an unassigned zip extra-field id, used only to pad
 
 
+@functools.cache
 def _storage_names() -> dict[Any, str]:
     return {
         torch.float64: "DoubleStorage", torch.float32: "FloatStorage", torch.float16: "HalfStorage",
@@ -96,7 +98,15 @@ def tensor_pickle(tensor: torch.Tensor) -> bytes:
     """The ``data.pkl`` of a ``torch.save`` of one contiguous CPU tensor (storage key "0")."""
     if tensor.dtype not in _storage_names():
         raise UsageError(f"dtype {tensor.dtype} is not supported in DCP records here")
-    return _dump(_TensorStub(_StorageRef("0", tensor.dtype, tensor.numel()), tuple(tensor.shape)))
+    return _shaped_tensor_pickle(tensor.dtype, tuple(tensor.shape))
+
+
+@functools.lru_cache(maxsize=4096)  # models repeat a few shapes many times
+def _shaped_tensor_pickle(dtype: torch.dtype, shape: tuple[int, ...]) -> bytes:
+    numel = 1
+    for size in shape:
+        numel *= size
+    return _dump(_TensorStub(_StorageRef("0", dtype, numel), shape))
 
 
 def state_dict_pickle(tensors: Mapping[str, tuple[tuple[int, ...], torch.dtype]]) -> bytes:
