@@ -4,26 +4,39 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
+from rich.console import Console, ConsoleOptions
+from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
 from ._flags import cli_text
 from ._output import console, note, shown, warn
+from ._tables import Name, name_table
 
 if TYPE_CHECKING:
     from ..commands.averaging import Plan
+    from ..plans import Term
 
 BAR_WIDTH = 32
+MIN_BAR_WIDTH = 8
 
 
-def _bar(value: float, scale: float) -> Text:
-    cells = 0 if scale == 0 else value / scale * BAR_WIDTH
-    full = int(abs(cells))
-    partial = " ▏▎▍▌▋▊▉"[int((abs(cells) - full) * 8)]
-    text = "█" * full + (partial if partial != " " else "")
-    return Text(text or "·", style="red" if value < 0 else "green")
+class _Bar:
+    """A coefficient as a bar, the largest filling the column; red when negative."""
+
+    def __init__(self, value: float, scale: float) -> None:
+        self.value, self.scale = value, scale
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> Iterator[Text]:
+        width = max(1, min(BAR_WIDTH, options.max_width))
+        cells = 0 if self.scale == 0 else abs(self.value) / self.scale * width
+        full = int(cells)
+        partial = " ▏▎▍▌▋▊▉"[int((cells - full) * 8)]
+        text = "█" * full + (partial if partial != " " else "")
+        yield Text(text or "·", style="red" if self.value < 0 else "green", no_wrap=True, overflow="crop")
 
 
 def _number(value: float | None, fmt: str = ".4g") -> str:
@@ -43,29 +56,43 @@ def _common_folder(paths: list[str]) -> str | None:
     return common if common and common not in paths else None
 
 
+def _terms_table(terms: list[Term], names: list[str], snapshot_inputs: bool, title: str) -> Table:
+    """The inputs, steps and coefficients, with a bar as wide as the terminal leaves room for
+    (at least ``MIN_BAR_WIDTH``); past that the input names fold."""
+
+    def table(bar_width: int | None) -> Table:
+        out = name_table("input", "step", *(["σ_rel"] if snapshot_inputs else []), "coefficient",
+                         right={"step", "σ_rel", "coefficient"}, title=title, title_justify="left")
+        if bar_width is not None:
+            out.add_column("weight", width=bar_width, no_wrap=True)
+        scale = max((abs(t.coefficient) for t in terms), default=0.0)
+        for term, name in zip(terms, names, strict=True):
+            row: list[str | Name | _Bar] = [Name(name), str(term.step)]
+            if snapshot_inputs:
+                row.append(_number(term.sigma_rel))
+            row.append(f"{term.coefficient:+.6g}")
+            if bar_width is not None:
+                row.append(_Bar(term.coefficient, scale))
+            out.add_row(*row)
+        return out
+
+    natural = Measurement.get(console, console.options, table(None)).maximum
+    room = console.width - natural - 3  # the bar column's separator and padding
+    return table(max(MIN_BAR_WIDTH, min(BAR_WIDTH, room)))
+
+
 def render_plan(plan: Plan) -> None:
     """Print each output's terms, weights and summary; warnings go to stderr."""
     for output in plan.outputs:
         snapshot_inputs = any(t.sigma_rel is not None for t in output.terms)
-        columns = ["input", "step"] + (["σ_rel"] if snapshot_inputs else []) + ["coefficient", "weight"]
         title = f"{output.name} at step {output.step}"
         if output.gamma is not None:
             title += f"  (σ_rel {_number(output.sigma_rel)}, γ {_number(output.gamma)})"
         common = _common_folder([str(t.path) for t in output.terms])
         if common is not None:
             title += f"\ninputs in {shown(common)}{os.sep}"
-        table = Table(title=title, title_justify="left", show_edge=False)
-        for column in columns:  # a path is folded onto more lines, never cut to look like another
-            table.add_column(column, overflow="fold")
-        scale = max((abs(t.coefficient) for t in output.terms), default=0.0)
-        for term in output.terms:
-            name = os.path.relpath(str(term.path), common) if common is not None else str(term.path)
-            row: list[str | Text] = [shown(name), str(term.step)]
-            if snapshot_inputs:
-                row.append(_number(term.sigma_rel))
-            row += [f"{term.coefficient:+.6g}", _bar(term.coefficient, scale)]
-            table.add_row(*row)
-        console.print(table)
+        names = [os.path.relpath(str(t.path), common) if common is not None else str(t.path) for t in output.terms]
+        console.print(_terms_table(output.terms, names, snapshot_inputs, title))
         stats = output.stats
         parts = [f"Σc = {sum(t.coefficient for t in output.terms):.12g}"]
         if stats.get("sigma_rel") is not None:

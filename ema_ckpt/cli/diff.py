@@ -6,16 +6,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
-from rich.table import Table
 from rich.text import Text
 
 from ..errors import IncompatibleCheckpointError
 from ._errors import reports_errors
-from ._options import ExcludeOpt, IncludeOpt, JsonOpt
-from ._output import console, err_console, print_json, shown
+from ._options import ExcludeOpt, IncludeOpt, JsonOpt, WorkersOpt
+from ._output import console, err_console, print_json, progress_bar, shown
+from ._tables import Name, name_table
 
 if TYPE_CHECKING:
-    from ..commands.diff import KeyDiff
+    from ..commands.diff import DiffResult, KeyDiff
 
 EPILOG = """\
 Examples:
@@ -25,6 +25,8 @@ Examples:
   ema-ckpt diff ckpts/ema other/ema --atol 1e-6 --include 'model.layers.*'
 
   ema-ckpt diff a b --json | jq '.keys[] | select(.matches | not)'
+
+  ema-ckpt diff ckpts/ema ema.pt --quiet --workers 4  # exit code only; keys shared out among 4 processes
 
 Exit codes: 0 the same keys, shapes and values (within --atol); 4 they differ;
 3 a checkpoint is missing or unreadable. Dtypes are shown but do not count: values
@@ -42,6 +44,39 @@ def _status(k: KeyDiff, atol: float) -> Text:
     return Text("=", style="green") if k.matches(atol) else Text("differs", style="red")
 
 
+def _name(k: KeyDiff) -> str:
+    """The name a row is known by: the key, or, where names were paired without a leading
+    ``model.``, the shorter of the two (the other is it with the prefix)."""
+    return k.key_a if k.key_a == k.key_b else min(k.key_a, k.key_b, key=len)
+
+
+_PAIRING = {
+    "strip-a": "names shown without the leading model. of the keys of A",
+    "strip-b": "names shown without the leading model. of the keys of B",
+    "strip-both": "names shown without the leading model. of the keys of A and B",
+}
+
+
+def render_diff(result: DiffResult, atol: float) -> None:
+    """The table of compared keys, the keys only one side holds, and how names were paired."""
+    table = name_table("key", "shape", "dtype", "max abs", "max rel", "differ", "",
+                       right={"max abs", "max rel", "differ"})
+    for k in result.keys:
+        shape = "×".join(map(str, k.shape_a)) or "scalar"
+        if not k.same_shape:
+            shape += " / " + ("×".join(map(str, k.shape_b)) or "scalar")
+        dtype = k.dtype_a if k.same_dtype else f"{k.dtype_a} / {k.dtype_b}"
+        table.add_row(Name(_name(k)), shape, dtype, _fmt(k.max_abs), _fmt(k.max_rel),
+                      f"{k.mismatched:,}" if k.same_shape else "-", _status(k, atol))
+    console.print(table)
+    for label, keys in (("only in A", result.only_in_a), ("only in B", result.only_in_b)):
+        if keys:
+            names = ", ".join(map(shown, keys[:10])) + (f", … ({len(keys) - 10:,} more)" if len(keys) > 10 else "")
+            console.print(f"{label} ({len(keys):,}): {names}", highlight=False)
+    if result.pairing in _PAIRING:
+        console.print(_PAIRING[result.pairing], style="dim", highlight=False)
+
+
 @reports_errors
 def diff_command(
     a: Annotated[Path, typer.Argument(help="The first checkpoint (directory or file).")],
@@ -52,42 +87,32 @@ def diff_command(
     ] = 0.0,
     include: IncludeOpt = None,
     exclude: ExcludeOpt = None,
+    workers: WorkersOpt = 1,
     json_output: JsonOpt = False,
+    quiet: Annotated[
+        bool, typer.Option("--quiet", "-q", help="Print nothing but errors; the exit code says equal (0) or not (4).")
+    ] = False,
 ) -> None:
     """Max abs / rel difference per key; exit 0 when equal (within --atol), 4 when not."""
     from ..commands.diff import diff  # imported here: it loads torch, which --help never needs
 
-    result = diff(a, b, include=include or (), exclude=exclude or ())
+    with progress_bar("diff", enabled=not (quiet or json_output)) as on_progress:
+        result = diff(a, b, include=include or (), exclude=exclude or (), workers=workers, on_progress=on_progress)
     if json_output:
         print_json(result.to_dict(atol))
-    else:
-        table = Table("key", "shape", "dtype", "max abs", "max rel", "differ", "", show_edge=False)
-        for k in result.keys:
-            shape = "×".join(map(str, k.shape_a)) or "scalar"
-            if not k.same_shape:
-                shape += " / " + ("×".join(map(str, k.shape_b)) or "scalar")
-            dtype = k.dtype_a if k.same_dtype else f"{k.dtype_a} / {k.dtype_b}"
-            name = k.key_a if k.key_a == k.key_b else f"{k.key_a} ~ {k.key_b}"
-            table.add_row(Text(shown(name)), shape, dtype, _fmt(k.max_abs), _fmt(k.max_rel),
-                          f"{k.mismatched:,}" if k.same_shape else "-", _status(k, atol))
-        console.print(table)
-        for label, keys in (("only in A", result.only_in_a), ("only in B", result.only_in_b)):
-            if keys:
-                names = ", ".join(map(shown, keys[:10])) + (f", … ({len(keys) - 10} more)" if len(keys) > 10 else "")
-                console.print(f"{label} ({len(keys)}): {names}", highlight=False)
-        if result.pairing != "exact":
-            console.print(f"keys paired after stripping 'model.' ({result.pairing})", style="dim")
+    elif not quiet:
+        render_diff(result, atol)
     if not result.equal(atol):
         differing = len(result.differing(atol))
         beyond = f" beyond --atol {atol:g}" if atol else ""
-        parts = [f"{differing} of {len(result.keys)} keys differ{beyond}"]
+        parts = [f"{differing:,} of {len(result.keys):,} keys differ{beyond}"]
         if result.only_in_a:
-            parts.append(f"{len(result.only_in_a)} only in {a}")
+            parts.append(f"{len(result.only_in_a):,} only in {a}")
         if result.only_in_b:
-            parts.append(f"{len(result.only_in_b)} only in {b}")
+            parts.append(f"{len(result.only_in_b):,} only in {b}")
         err_console.print(f"error: {a} and {b} differ: {'; '.join(parts)}", style="red", highlight=False,
                           soft_wrap=True, markup=False)
         raise typer.Exit(IncompatibleCheckpointError.exit_code)
-    if not json_output:
-        console.print(f"{len(result.keys)} keys equal" + (f" within --atol {atol:g}" if atol else ""),
+    if not (json_output or quiet):
+        console.print(f"{len(result.keys):,} keys equal" + (f" within --atol {atol:g}" if atol else ""),
                       highlight=False)

@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import re
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
-from rich.table import Table
 
 from ._errors import reports_errors
 from ._flags import cli_text
 from ._options import JsonOpt
 from ._output import console, human_bytes, print_json, shown
+from ._tables import Name, name_table, summary_grid
+
+if TYPE_CHECKING:
+    from ..commands.inspect import InspectResult
 
 EPILOG = """\
 Examples:
@@ -19,15 +24,129 @@ Examples:
   ema-ckpt inspect ckpts/step_1000
 
   ema-ckpt inspect ckpts/ema --json | jq .manifest
+
+The summary shows each fact once; --json holds everything the format records.
 """
 MAX_ROWS = 40
+MAX_ITEMS = 8
+"""A list in the summary (file names, non-tensor keys) shows this many items without --all."""
+
+InspectWorkersOpt = Annotated[
+    int,
+    typer.Option("--workers", "-j", min=1, metavar="N",
+                 help="Accepted like every command's; inspect reads metadata only, so there is nothing to split."),
+]
+
+_LABELS = {
+    "total_bytes": "file size",
+    "metadata": "header metadata",
+    "index_metadata": "index metadata",
+    "rank_local_metadata": "rank-local metadata",
+    "non_tensor_keys": "non-tensor keys",
+    "keys_sharing_storage": "keys sharing a storage",
+    "dtype": "training dtype",
+    "ds_version": "DeepSpeed version",
+    "global_step": "global step",
+}
+_BYTES = re.compile(r"(^|_)(bytes|total_size)$")
+"""Detail names whose integers count bytes."""
+
+
+def _bytes(n: int) -> str:
+    return f"{human_bytes(n)} ({n:,} bytes)"
+
+
+def fact(name: str, value: Any, *, all_items: bool = False) -> str | None:
+    """A detail's value as text, or None when it says nothing (None, empty, off, zero).
+
+    Example:
+        >>> fact("total_bytes", 419288), fact("metadata", {"format": "pt"}), fact("index", None)
+        ('409.5 KiB (419,288 bytes)', 'format pt', None)
+    """
+    if value is None or value is False or (isinstance(value, (str, list, tuple, dict)) and not value):
+        return None
+    if value is True:
+        return "yes"
+    if isinstance(value, int):
+        if value == 0:
+            return None
+        return _bytes(value) if _BYTES.search(name) else f"{value:,}"
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    if isinstance(value, Mapping):
+        parts = [(shown(k), fact(str(k), v, all_items=all_items)) for k, v in value.items()]
+        return ", ".join(f"{k} {v}" for k, v in parts if v is not None) or None
+    if isinstance(value, (list, tuple)):
+        items = [text for v in value if (text := fact(name, v, all_items=all_items)) is not None]
+        if not all_items and len(items) > MAX_ITEMS:
+            return ", ".join(items[:MAX_ITEMS]) + f", … ({len(items)} in all; --all lists them)"
+        return ", ".join(items) or None
+    return shown(value)
+
+
+def _said_already(report: InspectResult, name: str, value: Any) -> bool:
+    """Whether a detail repeats a row of the summary (format, step, keys, dtypes, path)."""
+    details = report.details
+    core: dict[str, Any] = {
+        "format": report.format_name, "step": report.step, "global_step": report.step,
+        "tensors": report.key_count, "keys": report.key_count, "dtypes": report.dtypes, "file": report.path.name,
+    }
+    if name in core:
+        return bool(value == core[name])
+    if name == "indexed":
+        return "index" in details  # the index row names the file
+    if name == "tag_dir" and isinstance(value, str):
+        return Path(value) in {report.path, report.path / str(details.get("tag")), report.model_path}
+    if name == "top_level" and isinstance(value, list):
+        return len(value) >= report.key_count  # a flat state dict: every key is its own top level
+    return False
+
+
+def summary_rows(report: InspectResult, *, all_items: bool = False) -> list[tuple[str, str]]:
+    """The summary above the key table: each fact once, as text.
+
+    Example:
+        >>> rows = summary_rows(inspect_checkpoint("ema.safetensors"))    # doctest: +SKIP
+        >>> dict(rows)["tensor data"]                                     # doctest: +SKIP
+        '407.1 KiB (416,832 bytes)'
+    """
+    rows = [("path", shown(report.path)), ("format", report.format_name)]
+    if report.trainer is not None and report.model_path is not None:
+        rows.append(("model", f"{shown(report.model_path)} (nested by {report.trainer})"))
+    if report.step is None:
+        rows.append(("step", "unknown"))
+    else:
+        rows.append(("step", f"{report.step:,} (from {cli_text(report.step_source or '')})"))
+    rows.append(("keys", f"{report.key_count:,}"))
+    rows.append(("tensor data", _bytes(report.total_bytes)))
+    rows.append(("dtypes", ", ".join(f"{d} ×{n:,}" for d, n in sorted(report.dtypes.items()))))
+    for name, value in report.details.items():
+        if _said_already(report, name, value):
+            continue
+        text = fact(name, value, all_items=all_items)
+        if text is not None:
+            rows.append((_LABELS.get(name, name.replace("_", " ")), text))
+    if report.container:
+        rows.append(("container", f"{shown(report.container)} (consolidate writes the keys without it)"))
+    rows += [("note", cli_text(line)) for line in report.notes]
+    if report.manifest:
+        m = report.manifest
+        rows.append(("ema-ckpt", f"{m['kind']}: {m['description']}, in {m['dtype']}, "
+                                 f"{m['checkpoints']:,} checkpoints folded, at step {m['step']:,}"))
+    return rows
 
 
 @reports_errors
 def inspect_command(
     path: Annotated[Path, typer.Argument(help="A checkpoint directory (or file).")],
-    all_keys: Annotated[bool, typer.Option("--all", help=f"List every key (default: the first {MAX_ROWS}).")] = False,
+    all_keys: Annotated[
+        bool, typer.Option("--all", help=f"List every key (default: the first {MAX_ROWS}) and every listed name.")
+    ] = False,
     json_output: JsonOpt = False,
+    quiet: Annotated[
+        bool, typer.Option("--quiet", "-q", help="Print nothing; the exit code says whether the checkpoint reads.")
+    ] = False,
+    workers: InspectWorkersOpt = 1,
 ) -> None:
     """Show format, step, keys, dtypes, bytes and chunk layout (reads no tensor)."""
     from ..commands.inspect import (
@@ -37,36 +156,17 @@ def inspect_command(
     if json_output:
         print_json(report.to_dict())
         return
-    summary = Table.grid(padding=(0, 2))
-    summary.add_column(no_wrap=True)
-    summary.add_column(overflow="fold")  # paths and notes fold onto more lines, never cut
-    summary.add_row("path", str(report.path))
-    summary.add_row("format", report.format_name)
-    if report.trainer is not None and report.model_path is not None:
-        summary.add_row("model", f"{report.model_path} (nested by {report.trainer})")
-    step = "unknown" if report.step is None else f"{report.step} (from {cli_text(report.step_source or '')})"
-    summary.add_row("step", step)
-    summary.add_row("keys", str(report.key_count))
-    summary.add_row("bytes", f"{human_bytes(report.total_bytes)} ({report.total_bytes:,})")
-    summary.add_row("dtypes", ", ".join(f"{d} ×{n}" for d, n in sorted(report.dtypes.items())))
-    for name, value in report.details.items():
-        if isinstance(value, list):
-            value = ", ".join(map(str, value)) if value else "-"
-        summary.add_row(name.replace("_", " "), str(value))
-    if report.container:
-        summary.add_row("container", f"{report.container!r}: consolidate writes the keys without it")
-    for line in report.notes:
-        summary.add_row("note", cli_text(line))
-    if report.manifest:
-        m = report.manifest
-        summary.add_row("ema-ckpt", f"{m['kind']}: {m['description']}, in {m['dtype']}, "
-                        f"{m['checkpoints']} checkpoints folded, at step {m['step']}")
+    if quiet:
+        return
+    summary = summary_grid()
+    for label, value in summary_rows(report, all_items=all_keys):
+        summary.add_row(label, Name(value))
     console.print(summary)
-    table = Table("key", "shape", "dtype", "bytes", "chunks", show_edge=False)
+    table = name_table("key", "shape", "dtype", "bytes", "chunks", right={"bytes", "chunks"})
     rows = report.tensors if all_keys else report.tensors[:MAX_ROWS]
     for t in rows:
-        table.add_row(shown(t.key), "×".join(map(str, t.shape)) or "scalar", t.dtype, human_bytes(t.nbytes),
-                      str(t.chunks))
+        table.add_row(Name(t.key), "×".join(map(str, t.shape)) or "scalar", t.dtype, human_bytes(t.nbytes),
+                      f"{t.chunks:,}")
     console.print(table)
     if len(rows) < len(report.tensors):
-        console.print(f"… {len(report.tensors) - len(rows)} more keys (--all lists them)", style="dim")
+        console.print(f"… {len(report.tensors) - len(rows):,} more keys (--all lists them)", style="dim")

@@ -22,16 +22,18 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from ..dist import assign_by_bytes, current_workers, run_workers
 from ..formats import open_checkpoint
 from ..formats.base import CheckpointReader
 from ..layout import TensorSpec, row_blocks
+from ..progress import Progress
 
 MODEL_PREFIX = "model."
 BLOCK_BYTES = 32 << 20
@@ -204,6 +206,8 @@ def diff(
     include: Sequence[str] = (),
     exclude: Sequence[str] = (),
     block_bytes: int = BLOCK_BYTES,
+    workers: int = 1,
+    on_progress: Callable[[Progress], None] | None = None,
 ) -> DiffResult:
     """Compare the checkpoints at ``a`` and ``b`` key by key (see the module docstring).
 
@@ -212,6 +216,10 @@ def diff(
         include, exclude: glob patterns; a pair is kept when either side's name matches
             an ``include`` pattern (or there are none) and neither matches an ``exclude``.
         block_bytes: memory bound per side for one block of rows, widened to 64 bits.
+        workers: compare the keys in N processes (keys shared out by bytes; each key is
+            compared by one worker, so the result is the same for any N).
+        on_progress: called after each key this process compared (with workers, this
+            process's share).
 
     Example:
         >>> result = diff("ckpts/ema", "ema.safetensors")     # doctest: +SKIP
@@ -221,21 +229,61 @@ def diff(
     Raises:
         CheckpointNotFoundError, CheckpointFormatError: a path holds no readable checkpoint.
     """
-    a, b = Path(a), Path(b)
+    result: DiffResult = run_workers(workers, _diff, Path(a), Path(b), tuple(include), tuple(exclude), block_bytes,
+                                     local_kwargs={"on_progress": on_progress})
+    return result
+
+
+def _diff(a: Path, b: Path, include: tuple[str, ...], exclude: tuple[str, ...], block_bytes: int,
+          on_progress: Callable[[Progress], None] | None = None) -> DiffResult:
+    """:func:`diff` on this worker: every worker pairs the keys alike and compares its share."""
+    group = current_workers()
     with contextlib.ExitStack() as stack:
-        reader_a = stack.enter_context(contextlib.closing(open_checkpoint(a)))
-        reader_b = stack.enter_context(contextlib.closing(open_checkpoint(b)))
+
+        def open_both() -> tuple[CheckpointReader, CheckpointReader]:
+            return (stack.enter_context(contextlib.closing(open_checkpoint(a))),
+                    stack.enter_context(contextlib.closing(open_checkpoint(b))))
+
+        reader_a, reader_b = group.run(open_both)  # every worker opens both: a bad path fails alike everywhere
         specs_a, specs_b = reader_a.specs(), reader_b.specs()
         pairs, only_a, only_b, pairing = pair_keys(list(specs_a), list(specs_b))
         result = DiffResult(a, b, reader_a.format_name, reader_b.format_name, pairing=pairing)
         result.only_in_a = [k for k in only_a if _selected(k, include, exclude)]
         result.only_in_b = [k for k in only_b if _selected(k, include, exclude)]
-        for key_a, key_b in pairs:
-            if _pair_selected(key_a, key_b, include, exclude):
-                result.keys.append(
-                    _compare_key(reader_a, reader_b, specs_a[key_a], specs_b[key_b], block_bytes, result)
-                )
+        chosen = [(specs_a[ka], specs_b[kb]) for ka, kb in pairs if _pair_selected(ka, kb, include, exclude)]
+        owners = assign_by_bytes([sa.nbytes + sb.nbytes for sa, sb in chosen], group.world_size)
+        mine = [i for i, owner in enumerate(owners) if owner == group.rank]
+
+        def compare() -> tuple[dict[int, KeyDiff], int]:
+            total = sum(sa.nbytes + sb.nbytes for sa, sb in (chosen[i] for i in mine) if sa.shape == sb.shape)
+            tally = _Tally(total, len(mine), on_progress)
+            tally.add(0, "")  # the total, before the first key
+            done = {i: _compare_key(reader_a, reader_b, *chosen[i], block_bytes, tally) for i in mine}
+            return done, tally.bytes_done
+
+        parts = group.all_gather(group.run(compare))
+    compared = {i: k for done, _ in parts for i, k in done.items()}
+    result.keys = [compared[i] for i in range(len(chosen))]
+    result.bytes_read = sum(n for _, n in parts)
     return result
+
+
+@dataclass(slots=True)
+class _Tally:
+    """Bytes and keys this worker has read, reported to ``on_progress`` as they grow."""
+
+    bytes_total: int
+    keys_total: int
+    on_progress: Callable[[Progress], None] | None
+    bytes_done: int = 0
+    keys_done: int = 0
+
+    def add(self, nbytes: int, key: str, *, key_done: bool = False) -> None:
+        self.bytes_done += nbytes
+        self.keys_done += key_done
+        if self.on_progress is not None:
+            self.on_progress(Progress(self.bytes_done, max(self.bytes_total, self.bytes_done), self.keys_done,
+                                      self.keys_total, key))
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -248,13 +296,14 @@ def _compare_key(
     spec_a: TensorSpec,
     spec_b: TensorSpec,
     block_bytes: int,
-    result: DiffResult,
+    tally: _Tally,
 ) -> KeyDiff:
     out = KeyDiff(
         spec_a.key, spec_b.key, spec_a.shape, spec_b.shape,
         _dtype_name(spec_a.dtype), _dtype_name(spec_b.dtype), numel=spec_a.numel,
     )
     if spec_a.shape != spec_b.shape:
+        tally.add(0, spec_a.key, key_done=True)
         return out
     complex_ = spec_a.dtype.is_complex or spec_b.dtype.is_complex
     floating = complex_ or spec_a.dtype.is_floating_point or spec_b.dtype.is_floating_point
@@ -268,13 +317,14 @@ def _compare_key(
             continue
         block_a = reader_a.read(spec_a.key, box)
         block_b = reader_b.read(spec_b.key, box)
-        result.bytes_read += block_a.nbytes + block_b.nbytes
+        tally.add(block_a.nbytes + block_b.nbytes, spec_a.key)
         x, y = block_a.to(wide), block_b.to(wide)
         del block_a, block_b
         block_abs, block_max_b, block_mismatched = _compare_block(x, y, floating)
         max_abs = max(max_abs, block_abs)
         max_b = max(max_b, block_max_b)
         mismatched += block_mismatched
+    tally.add(0, spec_a.key, key_done=True)
     out.max_abs = max_abs
     out.mismatched = mismatched
     if max_abs == 0:

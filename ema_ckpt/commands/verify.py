@@ -23,15 +23,18 @@ from __future__ import annotations
 import contextlib
 import zipfile
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..dist import assign_by_bytes, current_workers, run_workers
 from ..errors import CheckpointError, CheckpointNotFoundError, EmaCkptError
 from ..formats import open_checkpoint
 from ..formats.base import CheckpointReader
-from ..layout import split_rows
+from ..layout import TensorSpec, split_rows
 from ..manifest import MANIFEST_NAME, Manifest
+from ..progress import Progress
 
 HASH_BLOCK_BYTES = 8 << 20
 """CRC-32 is computed over blocks of this many bytes (memory stays bounded by one block)."""
@@ -47,6 +50,10 @@ class VerifyResult:
 
     ``files`` are the data files whose size and CRC-32 matched the manifest; ``keys`` the
     tensor keys read back in full without error. ``ok`` is True when ``problems`` is empty.
+    ``bytes_hashed`` counts each byte whose checksum was checked once: the listed files'
+    sizes on disk (against the manifest), or the ``torch.save`` records' lengths (against
+    their own zip CRC-32s) for a checkpoint without a manifest. ``bytes_read`` counts the
+    tensor and non-tensor data read back, a second pass over (mostly) the same bytes.
     """
 
     path: Path
@@ -57,7 +64,13 @@ class VerifyResult:
     """What was checked: ``"files"`` (sizes and CRC-32s against the manifest), ``"readable"``."""
     files: list[str] = field(default_factory=list)
     keys: int = 0
+    entries: int = 0
+    """Non-tensor entries (DCP bytes records) read back."""
     bytes_hashed: int = 0
+    hashed_files: int = 0
+    """Files whose bytes were checked against a checksum (manifest or zip CRC-32s)."""
+    records: int = 0
+    """``torch.save`` records whose zip CRC-32s were checked (no manifest)."""
     bytes_read: int = 0
     problems: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
@@ -68,12 +81,25 @@ class VerifyResult:
 
     @property
     def bytes_checked(self) -> int:
-        """Bytes hashed plus tensor bytes read back."""
-        return self.bytes_hashed + self.bytes_read
+        """Bytes checked against a checksum, each counted once (:attr:`bytes_hashed`)."""
+        return self.bytes_hashed
 
     def problem(self, message: str) -> None:
         if message not in self.problems:
             self.problems.append(message)
+
+    def add(self, part: VerifyResult) -> None:
+        """Take in what one check found (see :func:`verify`'s workers)."""
+        for message in part.problems:
+            self.problem(message)
+        self.notes += [n for n in part.notes if n not in self.notes]
+        self.files += part.files
+        self.keys += part.keys
+        self.entries += part.entries
+        self.bytes_hashed += part.bytes_hashed
+        self.hashed_files += part.hashed_files
+        self.records += part.records
+        self.bytes_read += part.bytes_read
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -84,7 +110,10 @@ class VerifyResult:
             "checks": list(self.checks),
             "files": list(self.files),
             "keys": self.keys,
+            "entries": self.entries,
             "bytes_hashed": self.bytes_hashed,
+            "hashed_files": self.hashed_files,
+            "records": self.records,
             "bytes_read": self.bytes_read,
             "bytes_checked": self.bytes_checked,
             "problems": list(self.problems),
@@ -93,9 +122,18 @@ class VerifyResult:
 
 
 def verify(
-    path: str | Path, *, hash_block_bytes: int = HASH_BLOCK_BYTES, read_block_bytes: int = READ_BLOCK_BYTES
+    path: str | Path,
+    *,
+    hash_block_bytes: int = HASH_BLOCK_BYTES,
+    read_block_bytes: int = READ_BLOCK_BYTES,
+    workers: int = 1,
+    on_progress: Callable[[Progress], None] | None = None,
 ) -> VerifyResult:
     """Check the checkpoint at ``path`` (see the module docstring).
+
+    ``workers``: share the files to hash, the keys to read and the records to check among N
+    processes (by bytes); the result is the same for any N. ``on_progress`` is called as
+    this process's share is read (bytes hashed and read; regions count checks).
 
     Example:
         >>> result = verify("ckpts/ema")                     # doctest: +SKIP
@@ -106,29 +144,114 @@ def verify(
         CheckpointNotFoundError: ``path`` does not exist, or (without a manifest) holds no
             checkpoint of any known format.
     """
-    path = Path(path)
-    if not path.exists() and not path.is_symlink():
-        raise CheckpointNotFoundError(path, "no such file or directory")
-    result = VerifyResult(path)
-    manifest_file = path / MANIFEST_NAME
-    result.manifest = path.is_dir() and (manifest_file.exists() or manifest_file.is_symlink())
-    if result.manifest:
-        result.checks.append("files")
-        manifest = _read_manifest(path, result)
-        if manifest is not None:
-            _check_files(path, manifest, result, hash_block_bytes)
-    else:
-        result.notes.append(f"no {MANIFEST_NAME}: the checkpoint's own zip CRC-32s are checked (where it has "
-                            "them) and every tensor read back")
-    result.checks.append("readable")
-    _check_readable(path, result, read_block_bytes, strict=result.manifest)
-    if not result.manifest:
-        _check_record_crcs(path, result)
+    result: VerifyResult = run_workers(workers, _verify, Path(path), hash_block_bytes, read_block_bytes,
+                                       local_kwargs={"on_progress": on_progress})
     return result
 
 
-def _zip_crcs_ok(source: Any, name: str, result: VerifyResult) -> None:
-    """Every member of the zip at ``source`` against the CRC-32 its headers record.
+@dataclass(frozen=True, slots=True)
+class _Check:
+    """One piece of the work, done by one worker into a fresh :class:`VerifyResult`."""
+
+    cost: int
+    run: Callable[[VerifyResult, _Tally], None]
+
+
+@dataclass(slots=True)
+class _Tally:
+    """Bytes and checks this worker has done, reported to ``on_progress``."""
+
+    bytes_total: int
+    checks_total: int
+    on_progress: Callable[[Progress], None] | None
+    bytes_done: int = 0
+    checks_done: int = 0
+
+    def add(self, nbytes: int, what: str, *, check_done: bool = False) -> None:
+        self.bytes_done += nbytes
+        self.checks_done += check_done
+        if self.on_progress is not None:
+            self.on_progress(Progress(self.bytes_done, max(self.bytes_total, self.bytes_done), self.checks_done,
+                                      self.checks_total, what))
+
+
+def _verify(path: Path, hash_block_bytes: int, read_block_bytes: int,
+            on_progress: Callable[[Progress], None] | None = None) -> VerifyResult:
+    """:func:`verify` on this worker: every worker lists the same checks and does its share."""
+    if not path.exists() and not path.is_symlink():
+        raise CheckpointNotFoundError(path, "no such file or directory")
+    group = current_workers()
+    result = VerifyResult(path)
+    manifest_file = path / MANIFEST_NAME
+    result.manifest = path.is_dir() and (manifest_file.exists() or manifest_file.is_symlink())
+    checks: list[_Check] = []
+    with contextlib.ExitStack() as stack:
+        if result.manifest:
+            result.checks.append("files")
+            found = VerifyResult(path)
+            manifest = _read_manifest(path, found)  # every worker reads it; the first check reports it
+            checks.append(_Check(0, lambda part, _: part.add(found)))
+            if manifest is not None:
+                checks += _file_checks(path, manifest, hash_block_bytes)
+        else:
+            result.notes.append(f"no {MANIFEST_NAME}: the checkpoint's own zip CRC-32s are checked (where it has "
+                                "them) and every tensor read back")
+        result.checks.append("readable")
+        opened = group.run(lambda: _open(path, strict=result.manifest))
+        if isinstance(opened, str):
+            checks.append(_reporting(opened))
+        else:
+            reader = stack.enter_context(contextlib.closing(opened))
+            result.format_name = reader.format_name
+            checks += _read_checks(reader, read_block_bytes)
+            if not result.manifest and reader.stored_records():
+                result.checks.append("file CRC-32s" if reader.whole_file_records else "record CRC-32s")
+                checks += _record_checks(path, reader)
+        owners = assign_by_bytes([c.cost for c in checks], group.world_size)
+        mine = [i for i, owner in enumerate(owners) if owner == group.rank]
+
+        def run_mine() -> dict[int, VerifyResult]:
+            tally = _Tally(sum(checks[i].cost for i in mine), len(mine), on_progress)
+            tally.add(0, "")  # the total, before the first check
+            done = {}
+            for i in mine:
+                done[i] = VerifyResult(path)
+                checks[i].run(done[i], tally)
+                tally.add(0, "", check_done=True)
+            return done
+
+        parts = group.all_gather(group.run(run_mine))
+    found_parts = {i: part for done in parts for i, part in done.items()}
+    for i in range(len(checks)):
+        result.add(found_parts[i])
+    return result
+
+
+def _reporting(problem: str) -> _Check:
+    """A check that only reports ``problem`` (found while listing the checks)."""
+
+    def report(part: VerifyResult, tally: _Tally) -> None:
+        part.problem(problem)
+
+    return _Check(0, report)
+
+
+def _open(path: Path, *, strict: bool) -> CheckpointReader | str:
+    """The reader, or the problem that stops it opening (a path that holds no checkpoint at
+    all raises, unless a manifest says it should hold one)."""
+    try:
+        return open_checkpoint(path)
+    except CheckpointNotFoundError as err:
+        if not strict:
+            raise  # not a checkpoint at all, and no manifest says it should be one
+        return str(err)
+    except EmaCkptError as err:
+        return str(err)
+
+
+def _zip_crcs_ok(source: Any, name: str, result: VerifyResult) -> bool:
+    """Every member of the zip at ``source`` against the CRC-32 its headers record; whether
+    there was anything to check.
 
     Members saved without checksums (``torch.serialization.set_crc32_options(False)`` writes
     CRC 0) and files in torch's legacy, non-zip format carry nothing to check: noted, not wrong.
@@ -136,51 +259,57 @@ def _zip_crcs_ok(source: Any, name: str, result: VerifyResult) -> None:
     try:
         if not zipfile.is_zipfile(source):
             result.notes.append(f"{name}: legacy torch.save format, no CRC-32s to check")
-            return
+            return False
         with zipfile.ZipFile(source) as archive:
             infos = archive.infolist()
             unchecked = [i for i in infos if i.CRC == 0 and i.file_size > 0]
             if unchecked and len(unchecked) == len([i for i in infos if i.file_size > 0]):
                 result.notes.append(f"{name}: saved without CRC-32s, nothing to check")
-                return
-            for info in infos:
-                result.bytes_hashed += info.file_size
+                return False
             bad = archive.testzip()
     except Exception as err:  # any odd header (a compression or encryption flag): one line, not a crash
         result.problem(f"{name}: not a readable zip record ({err})")
-        return
+        return True
     if bad is not None:
         result.problem(f"{name}: member {bad!r} does not match the CRC-32 its zip header records (corrupt data)")
+    return True
 
 
-def _check_record_crcs(path: Path, result: VerifyResult) -> None:
+def _record_checks(path: Path, reader: CheckpointReader) -> list[_Check]:
     """A training checkpoint's own checksums: every ``torch.save`` zip's CRC-32s, which neither
     torch nor DeepSpeed ever checks when loading.
 
     DCP: every record the metadata names (optimizer and bytes entries too); DeepSpeed: every
     ``.pt`` file of the tag; a ``torch.save`` file: itself. Safetensors carries no checksum.
+    The first check of each file counts it in :attr:`VerifyResult.hashed_files`.
     """
-    try:
-        reader = open_checkpoint(path)
-    except EmaCkptError:
-        return  # already reported by the readability check
-    with contextlib.closing(reader):
-        records = reader.stored_records()
-        if not records:
-            return
-        result.checks.append("file CRC-32s" if reader.whole_file_records else "record CRC-32s")
-        for file, offset, length in records:
-            name = str(path / file) if reader.whole_file_records else f"{path / file} (record at offset {offset})"
+    checks = []
+    seen: set[str] = set()
+    for file, offset, length in reader.stored_records():
+        first = file not in seen
+        seen.add(file)
+
+        def check(part: VerifyResult, tally: _Tally, file: str = file, offset: int = offset, length: int = length,
+                  first: bool = first) -> None:
+            whole = reader.whole_file_records
+            name = str(path / file) if whole else f"{path / file} (record at offset {offset})"
             try:
                 source = reader.open_record(file, offset, length)
             except EmaCkptError as err:
-                result.problem(str(err))
-                continue
+                part.problem(str(err))
+                return
             except OSError as err:
-                result.problem(f"{path / file}: cannot read ({err.strerror})")
-                continue
+                part.problem(f"{path / file}: cannot read ({err.strerror})")
+                return
             with contextlib.closing(source):
-                _zip_crcs_ok(source, name, result)
+                if _zip_crcs_ok(source, name, part):
+                    part.records += 1
+                    part.bytes_hashed += length
+                    part.hashed_files += first
+            tally.add(length, name)
+
+        checks.append(_Check(length, check))
+    return checks
 
 
 def damage(path: str | Path, *, block_bytes: int = HASH_BLOCK_BYTES) -> list[str]:
@@ -197,7 +326,9 @@ def damage(path: str | Path, *, block_bytes: int = HASH_BLOCK_BYTES) -> list[str
     result = VerifyResult(path)
     manifest = _read_manifest(path, result)
     if manifest is not None:
-        _check_files(path, manifest, result, block_bytes, extras=False)
+        tally = _Tally(0, 0, None)
+        for check in _file_checks(path, manifest, block_bytes, extras=False):
+            check.run(result, tally)
     return result.problems
 
 
@@ -230,44 +361,54 @@ def _entry(value: Any) -> tuple[int, int] | None:
     return size, crc
 
 
-def _check_files(
-    path: Path, manifest: Manifest, result: VerifyResult, block_bytes: int, *, extras: bool = True
-) -> None:
+def _file_checks(path: Path, manifest: Manifest, block_bytes: int, *, extras: bool = True) -> list[_Check]:
+    """One check per file the manifest lists (its size and CRC-32), then one for files it
+    does not list (``extras``)."""
     listed: dict[str, Any] = manifest.files
     manifest_file = path / MANIFEST_NAME
+    checks = []
     for name in sorted(listed, key=str):
-        if not isinstance(name, str) or Path(name).name != name or name in {"", ".", ".."} or "\0" in name:
-            result.problem(f"{manifest_file}: lists {name!r}, which is not a file name in this directory")
-            continue
-        file = path / name
         expected = _entry(listed[name])
-        if expected is None:
-            result.problem(
-                f"{manifest_file}: entry for {name!r} has no valid size and crc32 ({listed[name]!r})"
-            )
-            continue
-        if not file.exists():
-            result.problem(f"{file}: missing (listed in {MANIFEST_NAME})")
-            continue
-        if not file.is_file():
-            result.problem(f"{file}: not a regular file")
-            continue
-        size, crc = expected
-        try:
-            actual_size, actual_crc = _size_and_crc32(file, block_bytes)
-        except OSError as err:
-            result.problem(f"{file}: cannot read ({err.strerror or err})")
-            continue
-        result.bytes_hashed += actual_size
-        if actual_size != size:
-            what = "truncated" if actual_size < size else "longer than recorded"
-            result.problem(f"{file}: {what}: {actual_size} bytes, {MANIFEST_NAME} says {size}")
-        elif actual_crc != crc:
-            result.problem(f"{file}: CRC-32 {actual_crc:08x}, {MANIFEST_NAME} says {crc:08x} (corrupt data)")
-        else:
-            result.files.append(name)
-    if not extras:
-        return
+
+        def check(part: VerifyResult, tally: _Tally, name: Any = name, expected: tuple[int, int] | None = expected
+                  ) -> None:
+            if not isinstance(name, str) or Path(name).name != name or name in {"", ".", ".."} or "\0" in name:
+                part.problem(f"{manifest_file}: lists {name!r}, which is not a file name in this directory")
+                return
+            file = path / name
+            if expected is None:
+                part.problem(f"{manifest_file}: entry for {name!r} has no valid size and crc32 ({listed[name]!r})")
+                return
+            if not file.exists():
+                part.problem(f"{file}: missing (listed in {MANIFEST_NAME})")
+                return
+            if not file.is_file():
+                part.problem(f"{file}: not a regular file")
+                return
+            size, crc = expected
+            try:
+                actual_size, actual_crc = _size_and_crc32(file, block_bytes)
+            except OSError as err:
+                part.problem(f"{file}: cannot read ({err.strerror or err})")
+                return
+            part.bytes_hashed += actual_size
+            part.hashed_files += 1
+            tally.add(actual_size, name)
+            if actual_size != size:
+                what = "truncated" if actual_size < size else "longer than recorded"
+                part.problem(f"{file}: {what}: {actual_size} bytes, {MANIFEST_NAME} says {size}")
+            elif actual_crc != crc:
+                part.problem(f"{file}: CRC-32 {actual_crc:08x}, {MANIFEST_NAME} says {crc:08x} (corrupt data)")
+            else:
+                part.files.append(name)
+
+        checks.append(_Check(expected[0] if expected is not None else 0, check))
+    if extras:
+        checks.append(_Check(0, lambda part, _: _check_extras(path, listed, part)))
+    return checks
+
+
+def _check_extras(path: Path, listed: dict[str, Any], result: VerifyResult) -> None:
     try:
         present = sorted(path.iterdir())
     except OSError as err:
@@ -296,45 +437,47 @@ def _size_and_crc32(file: Path, block_bytes: int) -> tuple[int, int]:
     return size, crc
 
 
-def _check_readable(path: Path, result: VerifyResult, block_bytes: int, *, strict: bool) -> None:
-    try:
-        reader = open_checkpoint(path)
-    except CheckpointNotFoundError as err:
-        if not strict:
-            raise  # not a checkpoint at all, and no manifest says it should be one
-        result.problem(str(err))
-        return
-    except EmaCkptError as err:
-        result.problem(str(err))
-        return
-    with contextlib.closing(reader):
-        result.format_name = reader.format_name
-        _read_everything(reader, result, block_bytes)
-
-
-def _read_everything(reader: CheckpointReader, result: VerifyResult, block_bytes: int) -> None:
+def _read_checks(reader: CheckpointReader, block_bytes: int) -> list[_Check]:
+    """One check per tensor key (every stored box read back in row blocks), one per non-tensor
+    entry (its record read as raw bytes, never unpickled)."""
     try:
         specs = dict(reader.specs())
     except EmaCkptError as err:
-        result.problem(str(err))
-        return
+        return [_reporting(str(err))]
+    checks = []
     for key, spec in specs.items():
-        limit = max(1, block_bytes // max(1, spec.dtype.itemsize))
-        try:
-            for box in reader.layout(key):
-                for part in split_rows(box, limit):
-                    value = reader.read(key, part)
-                    result.bytes_read += value.numel() * value.element_size()
-                    del value
-        except EmaCkptError as err:
-            result.problem(str(err))
-            continue
-        result.keys += 1
+
+        def read_key(part: VerifyResult, tally: _Tally, key: str = key, spec: TensorSpec = spec) -> None:
+            limit = max(1, block_bytes // max(1, spec.dtype.itemsize))
+            try:
+                for box in reader.layout(key):
+                    for piece in split_rows(box, limit):
+                        value = reader.read(key, piece)
+                        nbytes = value.numel() * value.element_size()
+                        del value
+                        part.bytes_read += nbytes
+                        tally.add(nbytes, key)
+            except EmaCkptError as err:
+                part.problem(str(err))
+                return
+            part.keys += 1
+
+        checks.append(_Check(spec.nbytes, read_key))
     # DCP non-tensor entries (``BytesStorageMetadata``): their records must lie in their files.
     for key in reader.non_tensor_keys:
-        try:
-            result.bytes_read += len(reader.read_bytes(key))
-        except KeyError:
-            result.problem(f"{reader.path}: non-tensor entry {key!r} has no stored record")
-        except EmaCkptError as err:
-            result.problem(str(err))
+
+        def read_entry(part: VerifyResult, tally: _Tally, key: str = key) -> None:
+            try:
+                nbytes = len(reader.read_bytes(key))
+            except KeyError:
+                part.problem(f"{reader.path}: non-tensor entry {key!r} has no stored record")
+                return
+            except EmaCkptError as err:
+                part.problem(str(err))
+                return
+            part.bytes_read += nbytes
+            part.entries += 1
+            tally.add(nbytes, key)
+
+        checks.append(_Check(0, read_entry))
+    return checks
