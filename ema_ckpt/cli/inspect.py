@@ -34,7 +34,7 @@ MAX_ITEMS = 8
 InspectWorkersOpt = Annotated[
     int,
     typer.Option("--workers", "-j", min=1, metavar="N",
-                 help="Accepted like every command's; inspect reads metadata only, so there is nothing to split."),
+                 help="Accepted as by every command; inspect reads metadata only, so there is nothing to split."),
 ]
 
 _LABELS = {
@@ -98,6 +98,8 @@ def _said_already(report: InspectResult, name: str, value: Any) -> bool:
     if name == "tag_dir" and isinstance(value, str):
         return Path(value) in {report.path, report.path / str(details.get("tag")), report.model_path}
     if name == "top_level" and isinstance(value, list):
+        if report.container and value == [report.container.removesuffix(".")]:
+            return True  # the container row names it
         return len(value) >= report.key_count  # a flat state dict: every key is its own top level
     return False
 

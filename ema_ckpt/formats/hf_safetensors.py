@@ -88,10 +88,11 @@ def _is_candidate(p: Path, suffix: str) -> bool:
 
 def _locate(path: Path) -> tuple[Path | None, list[Path]] | None:
     """``(index, files)`` for a recognised path; ``files`` is empty when indexed."""
-    if path.is_file():
-        if path.name.endswith(INDEX_SUFFIX):
+    if path.is_file():  # a file named on purpose: its suffix in any case, as outputs are chosen
+        name = path.name.lower()
+        if name.endswith(INDEX_SUFFIX):
             return path, []
-        return (None, [path]) if path.name.endswith(SUFFIX) else None
+        return (None, [path]) if name.endswith(SUFFIX) else None
     if not path.is_dir():
         return None
     if (path / SINGLE_FILE).is_file():
