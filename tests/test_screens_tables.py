@@ -21,8 +21,7 @@ from rich.cells import cell_len
 from safetensors.torch import save_file
 from typer.testing import CliRunner
 
-from ema_ckpt.cli import app
-from ema_ckpt.cli import _output
+from ema_ckpt.cli import _output, app
 from ema_ckpt.cli._output import human_bytes
 from ema_ckpt.cli._tables import wrap_name
 from ema_ckpt.cli.inspect import summary_rows
@@ -98,7 +97,8 @@ def long_keys(tmp_path_factory) -> Path:
     checkpoints whose values differ."""
     root = tmp_path_factory.mktemp("long-keys")
     keys = [
-        *(f"optim.state.model.layers.{i}.self_attn.q_proj.weight.{s}" for i in (0, 1) for s in ("exp_avg", "exp_avg_sq")),
+        *(f"optim.state.model.layers.{i}.self_attn.q_proj.weight.{s}"
+          for i in (0, 1) for s in ("exp_avg", "exp_avg_sq")),
         "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight",
         "decoder.layers.0.self_attention.linear_qkv.layer_norm_bias",
         "model.blocks.0.norm1.weight", "model.blocks.0.norm1.bias",
