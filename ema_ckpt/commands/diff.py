@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -29,11 +30,12 @@ from typing import Any
 
 import torch
 
-from ..dist import assign_by_bytes, current_workers, run_workers
+from ..dist import Workers
 from ..formats import open_checkpoint
 from ..formats.base import CheckpointReader
 from ..layout import TensorSpec, row_blocks
 from ..progress import Progress
+from ..reading import Piece, Tally, run_reading, share_out
 
 MODEL_PREFIX = "model."
 BLOCK_BYTES = 32 << 20
@@ -229,61 +231,37 @@ def diff(
     Raises:
         CheckpointNotFoundError, CheckpointFormatError: a path holds no readable checkpoint.
     """
-    result: DiffResult = run_workers(workers, _diff, Path(a), Path(b), tuple(include), tuple(exclude), block_bytes,
-                                     local_kwargs={"on_progress": on_progress})
+    result: DiffResult = run_reading(workers, _diff, Path(a), Path(b), tuple(include), tuple(exclude), block_bytes,
+                                     on_progress=on_progress)
     return result
 
 
-def _diff(a: Path, b: Path, include: tuple[str, ...], exclude: tuple[str, ...], block_bytes: int,
+def _diff(workers: Workers, a: Path, b: Path, include: tuple[str, ...], exclude: tuple[str, ...], block_bytes: int,
           on_progress: Callable[[Progress], None] | None = None) -> DiffResult:
-    """:func:`diff` on this worker: every worker pairs the keys alike and compares its share."""
-    group = current_workers()
+    """:func:`diff` on one worker: every worker pairs the keys alike; each pair is compared by one."""
     with contextlib.ExitStack() as stack:
 
         def open_both() -> tuple[CheckpointReader, CheckpointReader]:
             return (stack.enter_context(contextlib.closing(open_checkpoint(a))),
                     stack.enter_context(contextlib.closing(open_checkpoint(b))))
 
-        reader_a, reader_b = group.run(open_both)  # every worker opens both: a bad path fails alike everywhere
+        reader_a, reader_b = workers.run(open_both)  # every worker opens both: a bad path fails alike everywhere
         specs_a, specs_b = reader_a.specs(), reader_b.specs()
         pairs, only_a, only_b, pairing = pair_keys(list(specs_a), list(specs_b))
         result = DiffResult(a, b, reader_a.format_name, reader_b.format_name, pairing=pairing)
         result.only_in_a = [k for k in only_a if _selected(k, include, exclude)]
         result.only_in_b = [k for k in only_b if _selected(k, include, exclude)]
-        chosen = [(specs_a[ka], specs_b[kb]) for ka, kb in pairs if _pair_selected(ka, kb, include, exclude)]
-        owners = assign_by_bytes([sa.nbytes + sb.nbytes for sa, sb in chosen], group.world_size)
-        mine = [i for i, owner in enumerate(owners) if owner == group.rank]
-
-        def compare() -> tuple[dict[int, KeyDiff], int]:
-            total = sum(sa.nbytes + sb.nbytes for sa, sb in (chosen[i] for i in mine) if sa.shape == sb.shape)
-            tally = _Tally(total, len(mine), on_progress)
-            tally.add(0, "")  # the total, before the first key
-            done = {i: _compare_key(reader_a, reader_b, *chosen[i], block_bytes, tally) for i in mine}
-            return done, tally.bytes_done
-
-        parts = group.all_gather(group.run(compare))
-    compared = {i: k for done, _ in parts for i, k in done.items()}
-    result.keys = [compared[i] for i in range(len(chosen))]
-    result.bytes_read = sum(n for _, n in parts)
+        pieces = []
+        for key_a, key_b in pairs:
+            if _pair_selected(key_a, key_b, include, exclude):
+                spec_a, spec_b = specs_a[key_a], specs_b[key_b]
+                cost = spec_a.nbytes + spec_b.nbytes if spec_a.shape == spec_b.shape else 0
+                pieces.append(Piece(cost, functools.partial(_compare_key, reader_a, reader_b, spec_a, spec_b,
+                                                            block_bytes)))
+        compared = share_out(workers, pieces, on_progress)
+    result.keys = [k for k, _ in compared]
+    result.bytes_read = sum(n for _, n in compared)
     return result
-
-
-@dataclass(slots=True)
-class _Tally:
-    """Bytes and keys this worker has read, reported to ``on_progress`` as they grow."""
-
-    bytes_total: int
-    keys_total: int
-    on_progress: Callable[[Progress], None] | None
-    bytes_done: int = 0
-    keys_done: int = 0
-
-    def add(self, nbytes: int, key: str, *, key_done: bool = False) -> None:
-        self.bytes_done += nbytes
-        self.keys_done += key_done
-        if self.on_progress is not None:
-            self.on_progress(Progress(self.bytes_done, max(self.bytes_total, self.bytes_done), self.keys_done,
-                                      self.keys_total, key))
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -296,15 +274,15 @@ def _compare_key(
     spec_a: TensorSpec,
     spec_b: TensorSpec,
     block_bytes: int,
-    tally: _Tally,
-) -> KeyDiff:
+    tally: Tally,
+) -> tuple[KeyDiff, int]:
+    """How ``spec_a``'s key compares with ``spec_b``'s, and the bytes read."""
     out = KeyDiff(
         spec_a.key, spec_b.key, spec_a.shape, spec_b.shape,
         _dtype_name(spec_a.dtype), _dtype_name(spec_b.dtype), numel=spec_a.numel,
     )
     if spec_a.shape != spec_b.shape:
-        tally.add(0, spec_a.key, key_done=True)
-        return out
+        return out, 0
     complex_ = spec_a.dtype.is_complex or spec_b.dtype.is_complex
     floating = complex_ or spec_a.dtype.is_floating_point or spec_b.dtype.is_floating_point
     wide = torch.complex128 if complex_ else (torch.float64 if floating else torch.int64)
@@ -312,11 +290,13 @@ def _compare_key(
     max_abs = 0.0
     max_b = 0.0
     mismatched = 0
+    nbytes = 0
     for box in row_blocks(spec_a.shape, list(reader_a.layout(spec_a.key)), limit):
         if box.numel == 0:
             continue
         block_a = reader_a.read(spec_a.key, box)
         block_b = reader_b.read(spec_b.key, box)
+        nbytes += block_a.nbytes + block_b.nbytes
         tally.add(block_a.nbytes + block_b.nbytes, spec_a.key)
         x, y = block_a.to(wide), block_b.to(wide)
         del block_a, block_b
@@ -324,7 +304,6 @@ def _compare_key(
         max_abs = max(max_abs, block_abs)
         max_b = max(max_b, block_max_b)
         mismatched += block_mismatched
-    tally.add(0, spec_a.key, key_done=True)
     out.max_abs = max_abs
     out.mismatched = mismatched
     if max_abs == 0:
@@ -333,7 +312,7 @@ def _compare_key(
         out.max_rel = math.inf
     else:
         out.max_rel = max_abs / max_b
-    return out
+    return out, nbytes
 
 
 def _compare_block(x: torch.Tensor, y: torch.Tensor, floating: bool) -> tuple[float, float, int]:

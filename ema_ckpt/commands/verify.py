@@ -21,6 +21,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import functools
 import zipfile
 import zlib
 from collections.abc import Callable
@@ -28,13 +29,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..dist import assign_by_bytes, current_workers, run_workers
+from ..dist import Workers
 from ..errors import CheckpointError, CheckpointNotFoundError, EmaCkptError
 from ..formats import open_checkpoint
 from ..formats.base import CheckpointReader
 from ..layout import TensorSpec, split_rows
 from ..manifest import MANIFEST_NAME, Manifest
 from ..progress import Progress
+from ..reading import Piece, Tally, run_reading, share_out
 
 HASH_BLOCK_BYTES = 8 << 20
 """CRC-32 is computed over blocks of this many bytes (memory stays bounded by one block)."""
@@ -144,8 +146,8 @@ def verify(
         CheckpointNotFoundError: ``path`` does not exist, or (without a manifest) holds no
             checkpoint of any known format.
     """
-    result: VerifyResult = run_workers(workers, _verify, Path(path), hash_block_bytes, read_block_bytes,
-                                       local_kwargs={"on_progress": on_progress})
+    result: VerifyResult = run_reading(workers, _verify, Path(path), hash_block_bytes, read_block_bytes,
+                                       on_progress=on_progress)
     return result
 
 
@@ -154,33 +156,15 @@ class _Check:
     """One piece of the work, done by one worker into a fresh :class:`VerifyResult`."""
 
     cost: int
-    run: Callable[[VerifyResult, _Tally], None]
+    run: Callable[[VerifyResult, Tally], None]
+    """Adds what it finds to the result it is given, and the bytes it reads to the tally."""
 
 
-@dataclass(slots=True)
-class _Tally:
-    """Bytes and checks this worker has done, reported to ``on_progress``."""
-
-    bytes_total: int
-    checks_total: int
-    on_progress: Callable[[Progress], None] | None
-    bytes_done: int = 0
-    checks_done: int = 0
-
-    def add(self, nbytes: int, what: str, *, check_done: bool = False) -> None:
-        self.bytes_done += nbytes
-        self.checks_done += check_done
-        if self.on_progress is not None:
-            self.on_progress(Progress(self.bytes_done, max(self.bytes_total, self.bytes_done), self.checks_done,
-                                      self.checks_total, what))
-
-
-def _verify(path: Path, hash_block_bytes: int, read_block_bytes: int,
+def _verify(group: Workers, path: Path, hash_block_bytes: int, read_block_bytes: int,
             on_progress: Callable[[Progress], None] | None = None) -> VerifyResult:
-    """:func:`verify` on this worker: every worker lists the same checks and does its share."""
+    """:func:`verify` on one worker: every worker lists the same checks; each is done by one."""
     if not path.exists() and not path.is_symlink():
         raise CheckpointNotFoundError(path, "no such file or directory")
-    group = current_workers()
     result = VerifyResult(path)
     manifest_file = path / MANIFEST_NAME
     result.manifest = path.is_dir() and (manifest_file.exists() or manifest_file.is_symlink())
@@ -207,30 +191,23 @@ def _verify(path: Path, hash_block_bytes: int, read_block_bytes: int,
             if not result.manifest and reader.stored_records():
                 result.checks.append("file CRC-32s" if reader.whole_file_records else "record CRC-32s")
                 checks += _record_checks(path, reader)
-        owners = assign_by_bytes([c.cost for c in checks], group.world_size)
-        mine = [i for i, owner in enumerate(owners) if owner == group.rank]
-
-        def run_mine() -> dict[int, VerifyResult]:
-            tally = _Tally(sum(checks[i].cost for i in mine), len(mine), on_progress)
-            tally.add(0, "")  # the total, before the first check
-            done = {}
-            for i in mine:
-                done[i] = VerifyResult(path)
-                checks[i].run(done[i], tally)
-                tally.add(0, "", check_done=True)
-            return done
-
-        parts = group.all_gather(group.run(run_mine))
-    found_parts = {i: part for done in parts for i, part in done.items()}
-    for i in range(len(checks)):
-        result.add(found_parts[i])
+        pieces = [Piece(c.cost, functools.partial(_run_check, path, c.run)) for c in checks]
+        parts = share_out(group, pieces, on_progress)
+    for part in parts:
+        result.add(part)
     return result
+
+
+def _run_check(path: Path, run: Callable[[VerifyResult, Tally], None], tally: Tally) -> VerifyResult:
+    part = VerifyResult(path)
+    run(part, tally)
+    return part
 
 
 def _reporting(problem: str) -> _Check:
     """A check that only reports ``problem`` (found while listing the checks)."""
 
-    def report(part: VerifyResult, tally: _Tally) -> None:
+    def report(part: VerifyResult, tally: Tally) -> None:
         part.problem(problem)
 
     return _Check(0, report)
@@ -289,7 +266,7 @@ def _record_checks(path: Path, reader: CheckpointReader) -> list[_Check]:
         first = file not in seen
         seen.add(file)
 
-        def check(part: VerifyResult, tally: _Tally, file: str = file, offset: int = offset, length: int = length,
+        def check(part: VerifyResult, tally: Tally, file: str = file, offset: int = offset, length: int = length,
                   first: bool = first) -> None:
             whole = reader.whole_file_records
             name = str(path / file) if whole else f"{path / file} (record at offset {offset})"
@@ -326,7 +303,7 @@ def damage(path: str | Path, *, block_bytes: int = HASH_BLOCK_BYTES) -> list[str
     result = VerifyResult(path)
     manifest = _read_manifest(path, result)
     if manifest is not None:
-        tally = _Tally(0, 0, None)
+        tally = Tally(0, 0, None)
         for check in _file_checks(path, manifest, block_bytes, extras=False):
             check.run(result, tally)
     return result.problems
@@ -370,7 +347,7 @@ def _file_checks(path: Path, manifest: Manifest, block_bytes: int, *, extras: bo
     for name in sorted(listed, key=str):
         expected = _entry(listed[name])
 
-        def check(part: VerifyResult, tally: _Tally, name: Any = name, expected: tuple[int, int] | None = expected
+        def check(part: VerifyResult, tally: Tally, name: Any = name, expected: tuple[int, int] | None = expected
                   ) -> None:
             if not isinstance(name, str) or Path(name).name != name or name in {"", ".", ".."} or "\0" in name:
                 part.problem(f"{manifest_file}: lists {name!r}, which is not a file name in this directory")
@@ -447,7 +424,7 @@ def _read_checks(reader: CheckpointReader, block_bytes: int) -> list[_Check]:
     checks = []
     for key, spec in specs.items():
 
-        def read_key(part: VerifyResult, tally: _Tally, key: str = key, spec: TensorSpec = spec) -> None:
+        def read_key(part: VerifyResult, tally: Tally, key: str = key, spec: TensorSpec = spec) -> None:
             limit = max(1, block_bytes // max(1, spec.dtype.itemsize))
             try:
                 for box in reader.layout(key):
@@ -466,7 +443,7 @@ def _read_checks(reader: CheckpointReader, block_bytes: int) -> list[_Check]:
     # DCP non-tensor entries (``BytesStorageMetadata``): their records must lie in their files.
     for key in reader.non_tensor_keys:
 
-        def read_entry(part: VerifyResult, tally: _Tally, key: str = key) -> None:
+        def read_entry(part: VerifyResult, tally: Tally, key: str = key) -> None:
             try:
                 nbytes = len(reader.read_bytes(key))
             except KeyError:
