@@ -206,7 +206,7 @@ def _big_sequence(root: Path, steps) -> Path:
     [
         ["posthoc", "{ck}", "--sigma-rel", "0.05,0.1", "--out", "{out}", "--overwrite", "--quiet"],
         ["average", "{ck}", "--last", "3", "--out", "{out}", "--overwrite", "--quiet"],
-        ["consolidate", "{ck}/step_30", "--out", "{out}", "--max-shard-size", "3MB", "--overwrite", "--quiet"],
+        ["consolidate", "{ck}/step_30", "--out", "{out}/", "--max-shard-size", "3MB", "--overwrite", "--quiet"],
         ["reshard", "{ck}/step_30", "--world-size", "3", "--out", "{out}", "--overwrite", "--quiet"],
     ],
     ids=["posthoc", "average", "consolidate", "reshard"],

@@ -7,6 +7,7 @@ from typing import Annotated
 
 import typer
 
+from ..writers.base import path_formats
 from ._errors import reports_errors
 from ._options import ExcludeOpt, IncludeOpt, JsonOpt, OverwriteOpt, QuietOpt, WaitOpt, WorkersOpt
 from ._output import console, human_bytes, note, print_json, progress_bar
@@ -21,7 +22,10 @@ Examples:
   ema-ckpt consolidate ds_ckpt/global_step500 --out model.pt
 
   ema-ckpt consolidate ckpts/ema --out hf/ --max-shard-size 500MB --workers 2
+
+  ema-ckpt consolidate ckpts/ema --out weights --format torch   # a path without a suffix
 """
+_FORMATS = ", ".join(fmt.name for fmt in path_formats())
 
 
 @reports_errors
@@ -29,7 +33,14 @@ def consolidate_command(
     src: Annotated[
         Path, typer.Argument(help="Any supported checkpoint: DCP, ema-ckpt output, DeepSpeed, safetensors.")
     ],
-    out: Annotated[Path, typer.Option("--out", "-o", help="*.safetensors, *.pt/*.bin, or a directory (HF sharded).")],
+    out: Annotated[
+        str, typer.Option("--out", "-o", metavar="PATH",
+                          help="*.safetensors, *.pt/*.bin/*.pth, or a directory (HF sharded): existing or ending in /.")
+    ],
+    out_format: Annotated[
+        str | None, typer.Option("--format", metavar="NAME",
+                                 help=f"The output format, for a path that does not say: {_FORMATS}.")
+    ] = None,
     max_shard_size: Annotated[
         str, typer.Option("--max-shard-size", metavar="SIZE", help="Shard limit for a directory output.")
     ] = "5GB",
@@ -52,7 +63,7 @@ def consolidate_command(
     from ..commands.consolidate import consolidate  # here: the library loads on use, so --help and --version stay fast
     with progress_bar("consolidate", enabled=not (quiet or json_output)) as on_progress:
         result = consolidate(
-            src, out, max_shard_size=max_shard_size, dtype=dtype, keep_prefix=keep_prefix,
+            src, out, format=out_format, max_shard_size=max_shard_size, dtype=dtype, keep_prefix=keep_prefix,
             include=include or (), exclude=exclude or (), overwrite=overwrite, wait_seconds=wait, workers=workers,
             on_progress=on_progress,
         )

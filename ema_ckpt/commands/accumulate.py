@@ -68,6 +68,7 @@ from ..maths import PowerProfile
 from ..plans import Plan as AveragePlan
 from ..plans import find_snapshots
 from ..progress import Progress
+from ..writers.base import check_directory_output
 from .averaging import averaged_tensors
 from .verify import damage
 
@@ -137,6 +138,8 @@ class AccumulateOptions:
         if self.dtype not in ACCUMULATE_DTYPES:
             raise OptionError("dtype", f"must be one of {', '.join(ACCUMULATE_DTYPES)}, got {self.dtype!r}",
                               value=self.dtype)
+        if self.out is not None:
+            check_directory_output(self.out)
         set_(self, "out", output_path(self.out if self.out is not None else default_out(list(self.checkpoints))))
         check_device(self.device)
 

@@ -27,7 +27,7 @@ from ..manifest import FoldedCheckpoint, Manifest, fingerprint
 from ..plans import Plan, PlannedOutput, SnapshotInput, Term, find_snapshots, plan_average, plan_posthoc
 from ..progress import Progress
 from ..selection import check_compatible, select_keys
-from ..writers.base import OutputTensor
+from ..writers.base import OutputTensor, check_directory_output
 
 _RUNTIME = {"recorded": False}
 
@@ -96,6 +96,7 @@ class AverageOptions:
 def _check_run_fields(options: PosthocOptions | AverageOptions) -> None:
     set_ = object.__setattr__
     set_(options, "checkpoints", tuple(checkpoint_paths(options.checkpoints)))
+    check_directory_output(options.out)
     set_(options, "out", output_path(options.out))
     for name in ("include", "exclude"):
         set_(options, name, tuple(getattr(options, name)))

@@ -23,7 +23,7 @@ from ..jobs import Job, JobContext, Target, run_job
 from ..manifest import MANIFEST_NAME, Manifest
 from ..progress import Progress
 from ..selection import select_keys
-from ..writers.base import OutputTensor
+from ..writers.base import OutputTensor, check_directory_output
 
 _RUNTIME = {"recorded": False}
 
@@ -46,6 +46,7 @@ class ReshardOptions:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "src", Path(self.src))
+        check_directory_output(self.out)
         object.__setattr__(self, "out", output_path(self.out))
         object.__setattr__(self, "include", tuple(self.include))
         object.__setattr__(self, "exclude", tuple(self.exclude))
