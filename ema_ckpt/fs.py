@@ -233,6 +233,32 @@ def output_path(out: str | Path) -> Path:
     return target
 
 
+def files_on_disk(path: Path) -> list[tuple[str, int]]:
+    """(name, size) of every regular file of a published output: the file itself, or each file
+    under the directory (names relative to it, sorted; symlinks are not followed).
+
+    What a summary says was written: the bytes on disk, index and manifest included.
+
+    Example:
+        >>> files_on_disk(Path("ema"))   # doctest: +SKIP
+        [('.metadata', 1712), ('__0_0.distcp', 98304), ('ema-ckpt.json', 2154)]
+    """
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except FileNotFoundError:
+        return []
+    if stat.S_ISREG(st.st_mode):
+        return [(path.name, st.st_size)]
+    found = []
+    for root, _dirs, files in os.walk(path):
+        for name in files:
+            full = os.path.join(root, name)
+            st = os.stat(full, follow_symlinks=False)
+            if stat.S_ISREG(st.st_mode):
+                found.append((os.path.relpath(full, path), st.st_size))
+    return sorted(found)
+
+
 class OutputLock:
     """An exclusive ``flock`` on ``.<name>.lock`` beside an output, removed when released.
 

@@ -292,6 +292,8 @@ class JobContext:
             raise ValueError("the outputs of one run must share one layout")
         mine = owned_regions(regions, self.workers.rank, self.workers.world_size)
         by_key = {t.key: t for t in tensors}
+        if self.on_progress is not None:  # the total, before the first region is read
+            self.on_progress(Progress(0, sum(r.nbytes for r in mine), 0, len(mine), ""))
 
         def compute() -> tuple[list[Any], EngineStats]:
             with frozen_heap():  # the plan's regions and specs live for the whole loop

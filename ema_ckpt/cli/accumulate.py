@@ -24,7 +24,7 @@ from ._options import (
     WaitOpt,
     WorkersOpt,
 )
-from ._output import console, human_bytes, note, print_json, progress_bar, warn
+from ._output import console, files_written, human_bytes, note, plural, print_json, progress_bar, shown, warn
 from ._plan import render_plan
 
 EPILOG = """\
@@ -123,7 +123,8 @@ def accumulate_command(
                     note(line)
             render_plan(result.plan)
             if result.up_to_date:
-                console.print(f"{result.out}: up to date at step {result.step}; nothing new to fold")
+                console.print(f"{shown(result.out)}: up to date at step {result.step}; nothing new to fold",
+                              highlight=False)
         return
     if json_output:
         print_json({
@@ -131,6 +132,7 @@ def accumulate_command(
             "folded": [asdict(c) for c in result.folded], "terms": [asdict(t) for t in result.terms],
             "terms_by_output": {out: [asdict(t) for t in terms] for out, terms in result.terms_by_output.items()},
             "keys": result.keys, "bytes_read": result.bytes_read, "bytes_written": result.bytes_written,
+            "files_written": result.files_written,
             "seconds": round(result.seconds, 3), "profile": result.profile, "notes": result.notes,
             "warnings": _warnings(result),
             "outputs": [str(p) for p in result.outputs], "snapshots": [str(p) for p in result.snapshots],
@@ -143,16 +145,18 @@ def accumulate_command(
             note(line)
     if result.up_to_date:
         if not quiet:
-            console.print(f"{result.out}: up to date at step {result.step}; nothing new to fold", highlight=False)
+            console.print(f"{shown(result.out)}: up to date at step {result.step}; nothing new to fold",
+                          highlight=False)
         return
     if quiet:
         return
     steps = ", ".join(str(c.step) for c in result.folded)
     for snapshot in result.snapshots:
-        console.print(f"snapshot {snapshot}", highlight=False)
+        console.print(f"snapshot {shown(snapshot)}", highlight=False)
     console.print(
-        f"{result.out}: folded step(s) {steps}; EMA now at step {result.step} "
-        f"({result.keys} keys, {human_bytes(result.bytes_read)} read, "
-        f"{human_bytes(result.bytes_written)} written, {result.seconds:.1f} s)\n{result.profile}",
+        f"{shown(result.out)}: folded {'step' if len(result.folded) == 1 else 'steps'} {steps}; "
+        f"EMA now at step {result.step} ({plural(result.keys, 'key')}, {human_bytes(result.bytes_read)} of tensors "
+        f"read, {files_written(result.files_written, result.bytes_written)}, {result.seconds:.1f} s)\n"
+        f"{result.profile}",
         highlight=False,
     )

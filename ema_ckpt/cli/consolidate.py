@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from ..writers.base import path_formats
+if TYPE_CHECKING:
+    from ..commands.consolidate import ConsolidateResult
+
+from ..writers.base import output_format, path_formats
 from ._errors import reports_errors
 from ._options import ExcludeOpt, IncludeOpt, JsonOpt, OverwriteOpt, QuietOpt, WaitOpt, WorkersOpt
-from ._output import console, human_bytes, note, print_json, progress_bar
+from ._output import console, human_bytes, note, plural, print_json, progress_bar, shown
 
 EPILOG = """\
 Examples:
@@ -71,9 +74,17 @@ def consolidate_command(
         print_json({"out": str(result.out), "layout": result.layout, "keys": result.keys,
                     "files": [{"name": n, "bytes": s} for n, s in result.files],
                     "bytes_written": result.bytes_written, "seconds": round(result.seconds, 3),
-                    "renamed_prefix": result.renamed_prefix, "notes": result.notes})
+                    "index": result.index, "renamed_prefix": result.renamed_prefix, "notes": result.notes})
     elif not quiet:
         for line in result.notes:
             note(line)
-        console.print(f"{result.out}: {result.layout}, {result.keys} tensors in {len(result.files)} file(s), "
-                      f"{human_bytes(result.bytes_written)}, {result.seconds:.1f} s", highlight=False)
+        console.print(f"{shown(result.out)}: {result.layout}, {plural(result.keys, 'tensor')} in {_files(result)}, "
+                      f"{human_bytes(result.bytes_written)} on disk, {result.seconds:.1f} s", highlight=False)
+
+
+def _files(result: ConsolidateResult) -> str:
+    """What was written, named as the layout names it: ``1 file``, ``6 shards + index``."""
+    if output_format(result.layout).single_file:
+        return plural(len(result.files), "file")
+    shards = plural(len(result.files) - (result.index is not None), "shard")
+    return f"{shards} + index" if result.index is not None else shards

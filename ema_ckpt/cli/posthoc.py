@@ -25,7 +25,7 @@ from ._options import (
     WaitOpt,
     WorkersOpt,
 )
-from ._output import console, human_bytes, note, print_json, progress_bar, warn
+from ._output import console, files_written, human_bytes, note, plural, print_json, progress_bar, shown, warn
 from ._plan import render_plan
 
 POSTHOC_EPILOG = """\
@@ -68,7 +68,8 @@ def _finish(result: Plan | RunResult, json_output: bool, quiet: bool) -> None:
     if json_output:
         data = result.plan.to_json()
         data.update({"paths": [str(p) for p in result.outputs], "bytes_read": result.bytes_read,
-                     "bytes_written": result.bytes_written, "seconds": round(result.seconds, 3)})
+                     "bytes_written": result.bytes_written, "files_written": result.files_written,
+                     "seconds": round(result.seconds, 3)})
         print_json(data)
     elif not quiet:
         _warn(result.plan)
@@ -76,9 +77,11 @@ def _finish(result: Plan | RunResult, json_output: bool, quiet: bool) -> None:
         for line in result.plan.notes:
             note(line)
         for output, path in zip(result.plan.outputs, result.outputs, strict=True):
-            console.print(f"{path}: step {output.step}, {len(output.terms)} inputs", highlight=False)
-        console.print(f"{human_bytes(result.bytes_read)} read once for {len(result.outputs)} output(s), "
-                      f"{human_bytes(result.bytes_written)} written, {result.seconds:.1f} s", highlight=False)
+            console.print(f"{shown(path)}: step {output.step}, {plural(len(output.terms), 'input')}", highlight=False)
+        console.print(f"{human_bytes(result.bytes_read)} of tensors read once for "
+                      f"{plural(len(result.outputs), 'output')}, "
+                      f"{files_written(result.files_written, result.bytes_written)}, {result.seconds:.1f} s",
+                      highlight=False)
 
 
 @reports_errors

@@ -23,7 +23,7 @@ from typing import Any
 from ..dtypes import OUTPUT_DTYPES, is_float
 from ..engine import OutputSpec, Update
 from ..errors import Note, OptionError, UsageError
-from ..fs import check_not_overlapping, output_path
+from ..fs import check_not_overlapping, files_on_disk, output_path
 from ..jobs import Job, JobContext, Target, run_job
 from ..progress import Progress
 from ..selection import container_prefix, output_names, select_keys
@@ -98,7 +98,8 @@ class ConsolidateOptions:
 
 @dataclass(slots=True)
 class ConsolidateResult:
-    """What :func:`consolidate` wrote."""
+    """What :func:`consolidate` wrote: ``files`` (name, size) and ``bytes_written`` are the files
+    on disk, the index included."""
 
     out: Path
     layout: str
@@ -109,6 +110,8 @@ class ConsolidateResult:
     renamed_prefix: str | None = None
     """The DCP container level removed from every key (``"model."``), or None."""
     notes: list[str] = field(default_factory=list)
+    index: str | None = None
+    """The file among ``files`` that names the others (the HF layout's index), or None."""
 
 
 def consolidate(
@@ -158,7 +161,7 @@ def consolidate(
 @dataclass(slots=True)
 class _Written:
     keys: int
-    files: list[tuple[str, int]]
+    index: str | None
     renamed_prefix: str | None
 
 
@@ -200,12 +203,15 @@ class ConsolidateJob(Job[None, _Written, ConsolidateResult]):
         written = context.write([reader], [OutputSpec("out", (Update(0, 1.0),), mode="copy")], [writer], tensors,
                                 layout=reader, copy_source=0)
         prefix = None if opts.keep_prefix else container_prefix(reader, keys)
-        return _Written(len(keys), [(f.name, f.size) for f in written.files[0]], prefix)
+        index = next((f.name for f in written.files[0] if f.role == "index"), None)
+        return _Written(len(keys), index, prefix)
 
     def result(self, plan: None, computed: _Written | None, seconds: float) -> ConsolidateResult:
         assert computed is not None
-        result = ConsolidateResult(self.options.out, self.options.layout, computed.files, computed.keys,
-                                   sum(size for _, size in computed.files), seconds, computed.renamed_prefix)
+        files = files_on_disk(self.options.out)
+        result = ConsolidateResult(self.options.out, self.options.layout, files, computed.keys,
+                                   sum(size for _, size in files), seconds, computed.renamed_prefix,
+                                   index=computed.index)
         if computed.renamed_prefix:
             result.notes.append(Note(f"keys written without the DCP container level {computed.renamed_prefix!r} "
                                      "({keep_prefix=True} keeps it)", mentions=("keep_prefix",)))

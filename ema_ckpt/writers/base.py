@@ -76,11 +76,16 @@ class PlannedRegion:
 
 @dataclass(frozen=True, slots=True)
 class WrittenFile:
-    """One file of a finished output, with its size and CRC-32 (when the format computes one)."""
+    """One file of a finished output, with its size and CRC-32 (when the format computes one).
+
+    ``role``: ``"data"`` for a file of tensors, ``"index"`` for one that names the others
+    (``model.safetensors.index.json``), so a summary can count what it names ("6 shards + index").
+    """
 
     name: str
     size: int
     crc32: int | None = None
+    role: str = "data"
 
 
 class OutputWriter(abc.ABC):
