@@ -30,19 +30,21 @@ from ._plan import render_plan
 EPILOG = """\
 Examples:
 
-  ema-ckpt accumulate ckpts/ --decay 0.999                 # EMA in ckpts/ema
+  ema-ckpt accumulate ckpts/ --decay 0.999              # EMA in ckpts/ema
 
-  ema-ckpt accumulate ckpts/ --half-life 2000 --out /ema   # same, by half-life in steps
+  ema-ckpt accumulate ckpts/ --half-life 2000 --out ema/   # by half-life
 
-  */30 * * * * ema-ckpt accumulate /ckpts --decay 0.9999 --quiet --wait 600   # crontab
+  ema-ckpt accumulate ckpts/ --decay 0.999 --dry-run    # weights, no data read
 
-  ema-ckpt accumulate ckpts/ --sigma-rel 0.05 --sigma-rel 0.10 --snapshot-every 10000 --out snap/
-
-  ema-ckpt accumulate ckpts/ --decay 0.999 --dry-run       # the weights each checkpoint gets
+  ema-ckpt accumulate ckpts/ --sigma-rel 0.05,0.1 --snapshot-every 10000
 
   ema-ckpt accumulate ckpts/ --decay 0.999 --skip-nonfinite --workers 2
 
-  ema-ckpt accumulate ckpts/ --decay 0.999 --skip ckpts/step-100   # leave one checkpoint out
+  ema-ckpt accumulate ckpts/ --decay 0.999 --skip ckpts/step_100  # leave out
+
+  A crontab line (every 30 minutes; a run still going makes the next one wait):
+
+  */30 * * * * ema-ckpt accumulate /ckpts --decay 0.9999 --quiet --wait 600
 """
 
 

@@ -20,13 +20,16 @@ Examples:
 
   ema-ckpt consolidate ckpts/ema --out ema.safetensors --dtype bfloat16
 
-  ema-ckpt consolidate ckpts/step_1000 --out hf/ --max-shard-size 2GB   # model-0000i-of-0000N + index
+  ema-ckpt consolidate ckpts/step_1000 --out hf/ --max-shard-size 2GB
 
   ema-ckpt consolidate ds_ckpt/global_step500 --out model.pt
 
   ema-ckpt consolidate ckpts/ema --out hf/ --max-shard-size 500MB --workers 2
 
-  ema-ckpt consolidate ckpts/ema --out weights --format torch   # a path without a suffix
+  ema-ckpt consolidate ckpts/ema --out weights --format torch   # no suffix
+
+  A directory output (hf/: the trailing / says so) holds model-0000i-of-0000N
+  shards and their index. Any other path without a known suffix is refused.
 """
 _FORMATS = ", ".join(fmt.name for fmt in path_formats())
 

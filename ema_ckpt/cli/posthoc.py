@@ -29,20 +29,25 @@ from ._output import console, files_written, human_bytes, note, plural, print_js
 from ._plan import render_plan
 
 POSTHOC_EPILOG = """\
-Examples:
+Examples (outputs go to OUT/sigma_rel_<value>):
 
-  ema-ckpt posthoc ckpts/ --sigma-rel 0.05 --sigma-rel 0.10 --out posthoc/    # posthoc/sigma_rel_0.05, ...
+  ema-ckpt posthoc ckpts/ --sigma-rel 0.05,0.10 --out posthoc/
 
-  ema-ckpt posthoc ckpts/ --sigma-rel 0.010:0.250:0.005 --dry-run             # EDM2 range syntax
+  ema-ckpt posthoc ckpts/ --sigma-rel 0.010:0.250:0.005 --dry-run   # a range
 
-  ema-ckpt posthoc ema/ --sigma-rel 0.07 --out posthoc/   # from accumulate --snapshot-every snapshots
+  ema-ckpt posthoc ema/ --sigma-rel 0.07 --out posthoc/   # from snapshots
+
+  The last reads the snapshots of accumulate --snapshot-every, so it works after
+  the raw checkpoints are gone.
 """
 AVERAGE_EPILOG = """\
 Examples:
 
   ema-ckpt average ckpts/ --last 5 --out avg-last5
 
-  ema-ckpt average ckpts/ --from-step 90000 --to-step 100000 --out avg --dry-run --json
+  ema-ckpt average ckpts/ --from-step 90000 --to-step 100000 --out avg/
+
+  ema-ckpt average ckpts/ --last 5 --dry-run --json   # the plan, as JSON
 """
 
 DtypeOpt = Annotated[str, typer.Option(help="Accumulate and store floats in float32 or float64.")]

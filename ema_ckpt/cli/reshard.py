@@ -12,9 +12,9 @@ from ._options import ExcludeOpt, IncludeOpt, JsonOpt, OverwriteOpt, QuietOpt, W
 from ._output import console, files_written, note, plural, print_json, progress_bar, shown
 
 EPILOG = """\
-Examples:
+Examples (rank r of N then reads only __r_0.distcp):
 
-  ema-ckpt reshard ckpts/ema --world-size 16 --out ema-16   # rank r reads only __r_0.distcp
+  ema-ckpt reshard ckpts/ema --world-size 16 --out ema-16
 
   ema-ckpt reshard ds_ckpt/ema --world-size 8 --out fsdp-ready --dtype bfloat16
 
