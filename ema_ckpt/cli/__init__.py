@@ -91,13 +91,12 @@ def run(args: Sequence[str] | None = None) -> int:
         error: consolidate: no such option --outt (did you mean --out?); see 'ema-ckpt consolidate --help'
     """
     argv = list(sys.argv[1:] if args is None else args)
-    if not argv:
-        app(args=["--help"], prog_name="ema-ckpt", standalone_mode=False)
-        return 2  # as a usage error: a script calling ``ema-ckpt`` alone is told so
     try:
         returned = app(args=argv, prog_name="ema-ckpt", standalone_mode=False)
     except typer.TyperException as err:  # Click's errors as Typer raises them: parsing, usage
-        named = argv[0] if argv[0] in _COMMANDS else None  # for the errors raised before a command's context
+        if not err.format_message().strip():  # ``ema-ckpt`` alone: its error is the help, printed already
+            return err.exit_code
+        named = argv[0] if argv and argv[0] in _COMMANDS else None  # for the errors raised before a command's context
         message, code = usage_error_line(err, named)
         err_console.print(f"error: {message}", style="red", highlight=False, soft_wrap=True)
         return code

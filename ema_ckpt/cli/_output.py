@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from rich.console import Console
-from rich.progress import BarColumn, Progress, ProgressColumn, Task, TextColumn, TimeRemainingColumn
+from rich.progress import BarColumn, Progress, ProgressColumn, Task, TextColumn
 from rich.table import Column
 from rich.text import Text
 
@@ -90,6 +90,18 @@ class _SpeedColumn(_Figure):
         return Text("" if speed is None else f"{human_bytes(speed)}/s", style="progress.data.speed")
 
 
+class _EtaColumn(_Figure):
+    """Time left, ``0:01:05``; nothing until it can be estimated (never ``-:--:--``)."""
+
+    def render(self, task: Task) -> Text:
+        left = task.time_remaining
+        if task.total is None or left is None:
+            return Text("")
+        minutes, seconds = divmod(int(left), 60)
+        hours, minutes = divmod(minutes, 60)
+        return Text(f"{hours}:{minutes:02d}:{seconds:02d}", style="progress.remaining")
+
+
 class _ShownOnceStarted(_Figure):
     """Another column, blank until the bar has its total (no ``?`` or ``-:--:--`` while planning)."""
 
@@ -117,7 +129,7 @@ def progress_bar(description: str, *, enabled: bool) -> Iterator[Callable[[Engin
         _BytesColumn(),
         _SpeedColumn(),
         _ShownOnceStarted(TextColumn("{task.fields[regions]}")),
-        _ShownOnceStarted(TimeRemainingColumn()),
+        _EtaColumn(),
     )
     with Progress(*columns, console=err_console, transient=True, expand=True) as bar:
         task = bar.add_task(description, total=None, regions="")
