@@ -104,7 +104,8 @@ def test_other_parse_errors_are_one_line(capsys):
 def test_the_installed_program_prints_parse_errors_in_one_line(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "80"}
     for args, expected in [
-        (["consolidate", "--outt", "x", str(tmp_path)], "error: consolidate: no such option --outt (did you mean --out?)"),
+        (["consolidate", "--outt", "x", str(tmp_path)],
+         "error: consolidate: no such option --outt (did you mean --out?)"),
         (["accumulate", str(tmp_path), "--decay", "abc"], "error: accumulate: invalid value for --decay"),
         (["accumulate"], "error: accumulate: missing argument CHECKPOINTS..."),
     ]:

@@ -73,7 +73,8 @@ def test_accumulate_and_posthoc_count_the_files_they_wrote(ckpts, tmp_path):
     assert f"{human_bytes(size)} in {plural(files, 'file')}" in line and "of tensors read" in line
     assert "(s)" not in result.output
     write_dcp(ckpts / "step_40", {f"model.layer{i}.weight": torch.zeros(64, 64) for i in range(6)}, world_size=2)
-    doc = json.loads(runner.invoke(app, ["accumulate", str(ckpts), "--decay", "0.9", "--out", str(ema), "--json"]).stdout)
+    again = runner.invoke(app, ["accumulate", str(ckpts), "--decay", "0.9", "--out", str(ema), "--json"])
+    doc = json.loads(again.stdout)
     assert (doc["files_written"], doc["bytes_written"]) == _disk(ema)
     once = runner.invoke(app, ["accumulate", str(ckpts / "step_10"), "--decay", "0.9", "--out", str(tmp_path / "e1")])
     assert "folded step 10;" in once.stdout, once.output

@@ -68,9 +68,12 @@ def accumulate_command(
     warmup: Annotated[bool, typer.Option("--warmup", help="Decay at step n is min(decay, (1+n)/(10+n)).")] = False,
     sigma_rel: Annotated[
         list[str] | None,
-        typer.Option("--sigma-rel", help="Power-function EMA(s) instead (EDM2), e.g. 0.05; kept in OUT/sigma_rel_<v>."),
+        typer.Option("--sigma-rel",
+                     help="Power-function EMAs instead (EDM2), e.g. 0.05 or 0.05,0.1; each in OUT/sigma_rel_<v>."),
     ] = None,
-    gamma: Annotated[list[str] | None, typer.Option("--gamma", help="Power-EMA exponent(s) instead of σ_rel.")] = None,
+    gamma: Annotated[
+        list[str] | None, typer.Option("--gamma", help="Power-EMA exponents instead of σ_rel (one or more).")
+    ] = None,
     snapshot_every: Annotated[
         int | None, typer.Option("--snapshot-every", metavar="STEPS", min=1,
                                  help="With power EMAs: keep a snapshot of each every STEPS steps (for posthoc).")

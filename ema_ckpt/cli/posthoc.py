@@ -94,9 +94,11 @@ def posthoc_command(
     checkpoints: Annotated[list[Path], typer.Argument(help="Raw checkpoints (a folder) or a snapshot folder.")],
     out: Annotated[Path | None, typer.Option("--out", "-o", help="Outputs go to OUT/sigma_rel_<value>.")] = None,
     sigma_rel: Annotated[
-        list[str] | None, typer.Option("--sigma-rel", help="Relative EMA width(s): 0.05, 0.05,0.1 or 0.01:0.25:0.01.")
+        list[str] | None, typer.Option("--sigma-rel", help="Relative EMA widths: 0.05, 0.05,0.1 or 0.01:0.25:0.01.")
     ] = None,
-    gamma: Annotated[list[str] | None, typer.Option("--gamma", help="Power-EMA exponent(s) instead of σ_rel.")] = None,
+    gamma: Annotated[
+        list[str] | None, typer.Option("--gamma", help="Power-EMA exponents instead of σ_rel (one or more).")
+    ] = None,
     at_step: Annotated[int | None, typer.Option("--at-step", help="End time T (default: the newest step).")] = None,
     dtype: DtypeOpt = "float32",
     include: IncludeOpt = None,

@@ -190,7 +190,7 @@ def accumulate(
     workers: int = 1,
     device: str = "cpu",
 ) -> AccumulateResult:
-    """Fold every checkpoint newer than the EMA(s) at ``out`` into them.
+    """Fold every checkpoint newer than the EMAs at ``out`` (one, or one per power profile) into them.
 
     Args:
         checkpoints: a folder of checkpoints, or several checkpoint paths.

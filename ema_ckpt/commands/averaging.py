@@ -308,7 +308,7 @@ def _paths(checkpoints: str | Path | Sequence[str | Path]) -> tuple[Path, ...]:
 def _tuples(options: dict[str, Any]) -> dict[str, Any]:
     unknown = set(options) - set(PosthocOptions.__dataclass_fields__) - set(AverageOptions.__dataclass_fields__)
     if unknown:
-        raise TypeError(f"unexpected option(s): {', '.join(sorted(unknown))}")
+        raise TypeError(f"unexpected option{'s' if len(unknown) > 1 else ''}: {', '.join(sorted(unknown))}")
     return {k: tuple(v) if isinstance(v, list) else v for k, v in options.items()}
 
 
