@@ -166,7 +166,7 @@ def test_reshard_loads_exactly_into_fsdp2(fsdp_sequence, tmp_path, world):
     torch.save(_model_part(full_load(ckpt, tmp_path)), expected)
     out = tmp_path / f"for{world}"
     result = reshard(ckpt, world_size=world, out=out)
-    assert sorted(name for name, _ in result.files) == [f"__{r}_0.distcp" for r in range(world)]
+    assert sorted(name for name, _ in result.files) == [".metadata"] + [f"__{r}_0.distcp" for r in range(world)]
     with DcpReader(out) as reader:
         for key in reader.specs():
             for chunk in reader.chunks(key):

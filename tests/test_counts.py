@@ -70,7 +70,7 @@ def test_accumulate_and_posthoc_count_the_files_they_wrote(ckpts, tmp_path):
     files, size = _disk(ema)
     line = result.stdout.strip().splitlines()[0]
     assert result.exit_code == 0 and "folded steps 10, 20, 30;" in line, result.output
-    assert f"{human_bytes(size)} in {plural(files, 'file')}" in line and "of tensors read" in line
+    assert f"{human_bytes(size)} written in {plural(files, 'file')}" in line and "of tensors read" in line
     assert "(s)" not in result.output
     write_dcp(ckpts / "step_40", {f"model.layer{i}.weight": torch.zeros(64, 64) for i in range(6)}, world_size=2)
     again = runner.invoke(app, ["accumulate", str(ckpts), "--decay", "0.9", "--out", str(ema), "--json"])
@@ -82,7 +82,7 @@ def test_accumulate_and_posthoc_count_the_files_they_wrote(ckpts, tmp_path):
     result = runner.invoke(app, ["posthoc", str(ckpts), "--sigma-rel", "0.1,0.2", "--out", str(ph)])
     files, size = _disk(ph)
     assert result.exit_code == 0, result.output
-    assert f"for 2 outputs, {human_bytes(size)} in {plural(files, 'file')}," in result.stdout
+    assert f"for 2 outputs, {human_bytes(size)} written in {plural(files, 'file')}," in result.stdout
     assert ": step 40, 4 inputs" in result.stdout and "(s)" not in result.output
     doc = json.loads(runner.invoke(app, ["average", str(ckpts), "--last", "1", "--out", str(tmp_path / "a"),
                                          "--json"]).stdout)
@@ -93,7 +93,7 @@ def test_reshard_counts_every_file(ckpts, tmp_path):
     out = tmp_path / "r3"
     result = runner.invoke(app, ["reshard", str(ckpts / "step_30"), "--world-size", "3", "--out", str(out)])
     files, size = _disk(out)
-    assert f": 6 tensors for 3 ranks, {human_bytes(size)} in {plural(files, 'file')}, " in _summary(result)
+    assert f": 6 tensors for 3 ranks, {human_bytes(size)} written in {plural(files, 'file')}, " in _summary(result)
     one = runner.invoke(app, ["reshard", str(ckpts / "step_30"), "--world-size", "1", "--out", str(tmp_path / "r1")])
     assert "for 1 rank, " in _summary(one)
 
@@ -148,4 +148,4 @@ def test_the_bar_counts_binary_units_and_knows_its_total_before_it_draws_it(tmp_
         assert " / " in line or "planning…" in line, line
     assert re.search(r"\d+(\.\d)? [KMG]iB/s", " ".join(counted)), counted
     summary = next(line for line in lines if "folded steps" in line)
-    assert re.search(rf"{read} of tensors read, [\d.]+ MiB in \d+ files", summary), summary
+    assert re.search(rf"{read} of tensors read, [\d.]+ MiB written in \d+ files", summary), summary

@@ -166,5 +166,5 @@ def plural(n: int, word: str, many: str | None = None) -> str:
 
 
 def files_written(files: int, total: int) -> str:
-    """What a run wrote, counted on disk: ``460.0 KiB in 5 files``."""
-    return f"{human_bytes(total)} in {plural(files, 'file')}"
+    """What a run wrote, counted on disk: ``460.0 KiB written in 5 files``."""
+    return f"{human_bytes(total)} written in {plural(files, 'file')}"

@@ -82,7 +82,7 @@ def consolidate_command(
         for line in result.notes:
             note(line)
         console.print(f"{shown(result.out)}: {result.layout}, {plural(result.keys, 'tensor')} in {_files(result)}, "
-                      f"{human_bytes(result.bytes_written)} on disk, {result.seconds:.1f} s", highlight=False)
+                      f"{human_bytes(result.bytes_written)} written, {result.seconds:.1f} s", highlight=False)
 
 
 def _files(result: ConsolidateResult) -> str:
