@@ -142,7 +142,7 @@ longer EMA (a larger sigma_rels)
     count = f"only {sparse.in_window} checkpoint{' falls' if sparse.in_window == 1 else 's fall'}"
     pct = 100 * sparse.rel_error
     error = f"by roughly {pct:.0f}%" if pct < 100 else "by more than 100%"
-    every = math.floor(sparse.window / 20)
+    every = math.floor(sparse.window / 20 * (1 + 1e-9))  # the spacing the planner accepts (999.99…/20: 50)
     often = f"at least every {every:,} steps" if every > 1 else "every step"
     return Note.joined("", [
         f"this EMA averages over about the last {max(sparse.window, 1):,.0f} steps, but checkpoints are up to "
