@@ -25,8 +25,8 @@ from .errors import IncompatibleCheckpointError, ManifestMismatchError, OptionEr
 from .formats.base import CheckpointReader
 from .manifest import Manifest, fingerprint
 from .maths import ExponentialProfile, PowerProfile, fold_coefficients, profile_from_dict
+from .plans import EXPONENTIAL_LONGER, POWER_LONGER, PlannedOutput, Term, sparse_warning
 from .plans import Plan as AveragePlan
-from .plans import PlannedOutput, Term
 from .selection import check_compatible, select_keys
 
 DEFAULT_OUT_NAME = "ema"
@@ -187,11 +187,11 @@ def fold_plan(accumulators: list[Accumulator]) -> AveragePlan:
         stats = maths.describe_plan(steps, coeffs, profile=profile if isinstance(profile, ExponentialProfile) else None)
         if isinstance(profile, PowerProfile):
             window = maths.power_window(profile.gamma, steps[-1])
-            sigma, gamma = profile.sigma_rel, profile.gamma
+            sigma, gamma, longer = profile.sigma_rel, profile.gamma, POWER_LONGER
         else:
             window = 1.0 / (1.0 - stats.step_decay) if stats.step_decay and stats.step_decay < 1 else float("inf")
-            sigma, gamma = stats.sigma_rel, None
-        warning = maths.spacing_warning(steps, window) if window != float("inf") else None
+            sigma, gamma, longer = stats.sigma_rel, None, EXPONENTIAL_LONGER
+        warning = sparse_warning(steps, window, longer) if window != float("inf") else None
         outputs.append(PlannedOutput(
             acc.name, steps[-1], terms, sigma_rel=sigma, gamma=gamma, profile=profile.to_dict(),
             warnings=[warning] if warning else [],

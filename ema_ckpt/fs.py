@@ -233,11 +233,42 @@ def output_path(out: str | Path) -> Path:
     return target
 
 
-class OutputLock:
-    """An exclusive ``flock`` on ``.<name>.lock`` beside an output.
+def files_on_disk(path: Path) -> list[tuple[str, int]]:
+    """(name, size) of every regular file of a published output: the file itself, or each file
+    under the directory (names relative to it, sorted; symlinks are not followed).
 
-    The kernel drops the lock when its holder dies, so a crashed run never leaves a
-    stale lock behind. ``wait_seconds=0`` fails at once with :class:`OutputLockedError`.
+    What a summary says was written: the bytes on disk, index and manifest included.
+
+    Example:
+        >>> files_on_disk(Path("ema"))   # doctest: +SKIP
+        [('.metadata', 1712), ('__0_0.distcp', 98304), ('ema-ckpt.json', 2154)]
+    """
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except FileNotFoundError:
+        return []
+    if stat.S_ISREG(st.st_mode):
+        return [(path.name, st.st_size)]
+    found = []
+    for root, _dirs, files in os.walk(path):
+        for name in files:
+            full = os.path.join(root, name)
+            st = os.stat(full, follow_symlinks=False)
+            if stat.S_ISREG(st.st_mode):
+                found.append((os.path.relpath(full, path), st.st_size))
+    return sorted(found)
+
+
+class OutputLock:
+    """An exclusive ``flock`` on ``.<name>.lock`` beside an output, removed when released.
+
+    The kernel drops the lock when its holder dies, so a crashed run never leaves a held lock
+    behind (only an unheld file, which the next run takes over and removes). The holder
+    unlinks the file before it unlocks; an acquirer that wins ``flock`` then checks that the
+    path still names the file it locked (``st_dev``/``st_ino``) and starts over if not, so two
+    runs never hold the lock at once, even while one of them removes the file. The lock file is
+    never followed through a symlink and never written. ``wait_seconds=0`` fails at once with
+    :class:`OutputLockedError`.
     """
 
     def __init__(self, final: Path, *, wait_seconds: float = 0.0) -> None:
@@ -246,8 +277,7 @@ class OutputLock:
         self.wait_seconds = wait_seconds
         self._fd: int | None = None
 
-    def __enter__(self) -> OutputLock:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+    def _open(self) -> int:
         try:
             # never follow a planted symlink; the lock file's content is never written
             fd = os.open(self.path, os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, 0o644)
@@ -256,25 +286,56 @@ class OutputLock:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             os.close(fd)
             raise OutputError(f"{self.path}: the lock file is not a regular file")
+        return fd
+
+    def _names(self, fd: int) -> bool:
+        """The lock path still names the file open as ``fd`` (not removed or replaced since)."""
+        try:
+            st = os.stat(self.path, follow_symlinks=False)
+        except FileNotFoundError:
+            return False
+        mine = os.fstat(fd)
+        return (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino)
+
+    def __enter__(self) -> OutputLock:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
         deadline = time.monotonic() + self.wait_seconds
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    os.close(fd)
-                    raise OutputLockedError(
-                        f"{self.final}: another ema-ckpt run is writing this output "
-                        f"(lock {self.path.name}); retry later or pass {{wait_seconds=SECONDS}}",
-                        remedy="wait_seconds",
-                    ) from None
-                time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
-        self._fd = fd
-        return self
+        pause = 0.001
+        fd = self._open()
+        try:
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    if time.monotonic() >= deadline:
+                        raise OutputLockedError(
+                            f"{self.final}: another ema-ckpt run is writing this output "
+                            f"(lock {self.path.name}); retry later or pass {{wait_seconds=SECONDS}}",
+                            remedy="wait_seconds",
+                        ) from None
+                    time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
+                    pause = min(0.2, pause * 2)  # a short wait is noticed at once, a long one polls gently
+                    continue
+                if self._names(fd):
+                    self._fd = fd
+                    return self
+                # the holder removed the file we waited on (or it was replaced): lock the one the path names now
+                os.close(fd)
+                fd = -1
+                fd = self._open()
+        except BaseException:
+            if fd >= 0:
+                os.close(fd)
+            raise
 
     def __exit__(self, *exc: object) -> None:
-        if self._fd is not None:
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
-            os.close(self._fd)
-            self._fd = None
+        fd, self._fd = self._fd, None
+        if fd is None:
+            return
+        try:
+            if self._names(fd):  # removed while still held: no one can lock this file and take it as current
+                with contextlib.suppress(OSError):  # a file left behind is harmless: the next run removes it
+                    os.unlink(self.path)
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)

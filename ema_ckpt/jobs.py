@@ -284,7 +284,8 @@ class JobContext:
 
         Every writer plans the same regions (outputs of one run share ``layout``'s chunks);
         files are shared out among the workers by work; the coordinator writes each output's
-        metadata once every worker has closed its files.
+        metadata once every worker has closed its files. Progress is reported in bytes of
+        tensor data read (what the results' ``bytes_read`` counts), the total first.
         """
         plans = [w.plan(tensors, layout) for w in writers]
         regions = plans[0]
@@ -292,11 +293,14 @@ class JobContext:
             raise ValueError("the outputs of one run must share one layout")
         mine = owned_regions(regions, self.workers.rank, self.workers.world_size)
         by_key = {t.key: t for t in tensors}
+        on_region = None
+        if self.on_progress is not None:
+            on_region = _reads_progress(self.on_progress, mine, sources, outputs, by_key)
 
         def compute() -> tuple[list[Any], EngineStats]:
             with frozen_heap():  # the plan's regions and specs live for the whole loop
                 stats = combine_regions(sources, outputs, writers, mine, by_key, copy_source=copy_source,
-                                        accumulate_dtype=accumulate_dtype, on_progress=self.on_progress,
+                                        accumulate_dtype=accumulate_dtype, on_progress=on_region,
                                         device=self.device, check_finite=check_finite)
             return [w.close() for w in writers], stats
 
@@ -310,6 +314,39 @@ class JobContext:
         files = self.workers.on_coordinator(
             lambda: [w.finish([g[0][k] for g in gathered]) for k, w in enumerate(writers)])
         return WrittenOutputs(files, sum(g[1] for g in gathered), sum(g[2] for g in gathered))
+
+
+def _reads_progress(report: Callable[[Progress], None], regions: Sequence[PlannedRegion],
+                    sources: Sequence[CheckpointReader], outputs: Sequence[OutputSpec],
+                    tensors: dict[str, OutputTensor]) -> Callable[[Progress], None]:
+    """The engine's per-region reports restated in bytes read, as the results count them.
+
+    A floating region is read from every source an output sums or folds (in each source's own
+    dtype), any other from one source; ``report`` gets the total at once, before any region
+    is read, so a progress bar never starts without it.
+    """
+    from .dtypes import is_float
+
+    needed = sorted({u.source for out in outputs for u in out.updates})
+    per_element: dict[str, int] = {}
+    done = [0]
+    for region in regions:
+        cost = per_element.get(region.key)
+        if cost is None:
+            if is_float(tensors[region.key].stored_dtype):
+                specs = [sources[s].specs().get(region.key) for s in needed]
+                cost = sum(spec.dtype.itemsize for spec in specs if spec is not None)
+            else:
+                cost = -1  # copied from one source: the region's own bytes
+            per_element[region.key] = cost
+        done.append(done[-1] + (region.nbytes if region.raw or cost < 0 else region.box.numel * cost))
+    total = done[-1]
+    report(Progress(0, total, 0, len(regions), ""))
+
+    def on_region(p: Progress) -> None:
+        report(Progress(done[p.regions_done], total, p.regions_done, p.regions_total, p.key))
+
+    return on_region
 
 
 def owned_regions(regions: Sequence[PlannedRegion], rank: int, world_size: int) -> list[PlannedRegion]:

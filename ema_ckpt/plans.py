@@ -18,6 +18,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -116,6 +117,40 @@ def _targets(sigma_rels: Sequence[str], gammas: Sequence[str]) -> list[tuple[str
             for name, gamma, _typed in profile_specs.power_profiles(sigma_rels, gammas)]
 
 
+POWER_LONGER = Note("a larger {sigma_rels}", mentions=("sigma_rels",))
+"""How a power EMA is made longer, for :func:`sparse_warning`."""
+EXPONENTIAL_LONGER = Note("a longer {half_life}, or a {decay} closer to 1", mentions=("half_life", "decay"))
+"""How a classic EMA is made longer, for :func:`sparse_warning`."""
+
+
+def sparse_warning(steps: Sequence[int], window: float, longer: Note) -> Note | None:
+    """The plain-words warning for checkpoints too sparse for an EMA's window, or None.
+
+    It says what goes wrong (the average rests on a few checkpoints, so it is noisy: the
+    planner's relative error ≈ sqrt(k/window)) and what to do (save more often, or ``longer``).
+
+    Example:
+        >>> print(sparse_warning([100, 200, 300], 1000.0, POWER_LONGER))
+        this EMA averages over about the last 1,000 steps, but checkpoints are up to 100 steps apart (between \
+steps 100 and 200), so only 3 checkpoints fall in that span: the result is a noisy average of a few checkpoints \
+rather than a smooth EMA, off by roughly 32%; save checkpoints more often (at least every 50 steps), or choose a \
+longer EMA (a larger sigma_rels)
+    """
+    sparse = maths.sparse_checkpoints(steps, window)
+    if sparse is None:
+        return None
+    count = f"only {sparse.in_window} checkpoint{' falls' if sparse.in_window == 1 else 's fall'}"
+    pct = 100 * sparse.rel_error
+    error = f"by roughly {pct:.0f}%" if pct < 100 else "by more than 100%"
+    every = math.floor(sparse.window / 20 * (1 + 1e-9))  # the spacing the planner accepts (999.99…/20: 50)
+    often = f"at least every {every:,} steps" if every > 1 else "every step"
+    return Note.joined("", [
+        f"this EMA averages over about the last {max(sparse.window, 1):,.0f} steps, but checkpoints are up to "
+        f"{sparse.gap} steps apart (between steps {sparse.after} and {sparse.before}), so {count} in that span: "
+        f"the result is a noisy average of a few checkpoints rather than a smooth EMA, off {error}; save "
+        f"checkpoints more often ({often}), or choose a longer EMA (", longer, ")"])
+
+
 def plan_posthoc(
     checkpoints: str | Path | Sequence[str | Path],
     *,
@@ -144,8 +179,8 @@ def plan_posthoc(
         big_t = max(s for s in steps if at_step is None or s <= at_step)
         used = [i for i, s in enumerate(steps) if s <= big_t]
         terms = [Term(str(found.checkpoints[i].path), steps[i], coeffs[i]) for i in used]
-        warning = maths.spacing_warning([t.step for t in terms], maths.power_window(gamma, big_t))
-        warnings = [warning] if warning else []
+        warning = sparse_warning([t.step for t in terms], maths.power_window(gamma, big_t), POWER_LONGER)
+        warnings: list[str] = [warning] if warning else []
         if at_step is not None and big_t != at_step:
             warnings.append(Note(f"no checkpoint at {{at_step={at_step}}}: the EMA ends at step {big_t}, "
                                  "the newest checkpoint before it", mentions=("at_step",)))

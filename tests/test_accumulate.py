@@ -207,7 +207,7 @@ def test_interrupted_publish_is_repaired(tmp_path):
     assert result.up_to_date
     assert any("restored" in n for n in result.notes)
     assert _snapshot(out) == before
-    assert sorted(p.name for p in (tmp_path / "c").iterdir()) == [".ema.lock", "ema", "step_1", "step_2"]
+    assert sorted(p.name for p in (tmp_path / "c").iterdir()) == ["ema", "step_1", "step_2"]  # no lock file left
 
 
 @pytest.mark.parametrize(("make", "loads_wanted"), [

@@ -54,7 +54,7 @@ def test_sharded_layout_and_torch_file_equal_the_single_file(fsdp_sequence, tmp_
     ckpt = fsdp_sequence("fsdp1", 3, "float32", True)[-1]
     consolidate(ckpt, tmp_path / "one.safetensors")
     single = load_file(tmp_path / "one.safetensors")
-    result = consolidate(ckpt, tmp_path / "hf", max_shard_size="2KB")
+    result = consolidate(ckpt, f"{tmp_path}/hf/", max_shard_size="2KB")  # a directory: ends in /
     index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
     shards = sorted(p.name for p in (tmp_path / "hf").glob("*.safetensors"))
     assert len(shards) > 2 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
@@ -68,7 +68,7 @@ def test_sharded_layout_and_torch_file_equal_the_single_file(fsdp_sequence, tmp_
     consolidate(ckpt, tmp_path / "model.pt")
     loaded = torch.load(tmp_path / "model.pt", weights_only=True)
     assert set(loaded) == set(single) and all(torch.equal(loaded[k], single[k]) for k in single)
-    consolidate(ckpt, tmp_path / "whole", max_shard_size="5GB")
+    consolidate(ckpt, tmp_path / "whole", format="hf-sharded", max_shard_size="5GB")
     assert sorted(p.name for p in (tmp_path / "whole").iterdir()) == ["model.safetensors"]
 
 
@@ -166,7 +166,7 @@ def test_reshard_loads_exactly_into_fsdp2(fsdp_sequence, tmp_path, world):
     torch.save(_model_part(full_load(ckpt, tmp_path)), expected)
     out = tmp_path / f"for{world}"
     result = reshard(ckpt, world_size=world, out=out)
-    assert sorted(name for name, _ in result.files) == [f"__{r}_0.distcp" for r in range(world)]
+    assert sorted(name for name, _ in result.files) == [".metadata"] + [f"__{r}_0.distcp" for r in range(world)]
     with DcpReader(out) as reader:
         for key in reader.specs():
             for chunk in reader.chunks(key):
@@ -202,7 +202,7 @@ def test_byte_copy_falls_back_when_the_kernel_cannot_copy(fsdp_sequence, tmp_pat
         raise OSError(errno.EXDEV, "Invalid cross-device link")
 
     monkeypatch.setattr(os, "copy_file_range", refuse)
-    consolidate(ckpt, tmp_path / "pread", max_shard_size="3KB")
+    consolidate(ckpt, tmp_path / "pread", format="hf-sharded", max_shard_size="3KB")
     merged = {}
     for shard in sorted((tmp_path / "pread").glob("*.safetensors")):
         merged.update(load_file(shard))

@@ -81,7 +81,7 @@ def _reshard(src: Path, tmp: Path, workers: int) -> Path:
 
 CASES: dict[str, tuple[Callable[[Path, Path, int], Path], Callable[[Path], dict[str, torch.Tensor]]]] = {
     "safetensors": (_consolidate("model.safetensors"), _load_safetensors),
-    "hf-sharded": (_consolidate("hf", max_shard_size="20KB"), _load_sharded),
+    "hf-sharded": (_consolidate("hf", format="hf-sharded", max_shard_size="20KB"), _load_sharded),
     "torch": (_consolidate("model.pt"), _load_torch),
     "dcp": (_reshard, _load_dcp),
 }
@@ -114,7 +114,7 @@ def test_a_cast_changes_floats_only(name, source, tmp_path):
     _make, load = CASES[name]
     suffix = {"safetensors": "model.safetensors", "torch": "model.pt", "hf-sharded": "hf"}[name]
     out = tmp_path / suffix
-    ema_ckpt.consolidate(source, out, dtype="float16", max_shard_size="20KB")
+    ema_ckpt.consolidate(source, out, format=name, dtype="float16", max_shard_size="20KB")
     loaded = load(out)
     for key, value in _state().items():
         want = value.to(torch.float16) if value.is_floating_point() else value

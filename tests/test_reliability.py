@@ -178,16 +178,18 @@ def test_overlapping_runs_wait_or_exit_75(tmp_path):
     holder.stdin.flush()
     holder.wait()
     assert waiting.wait(timeout=120) == 0, waiting.stderr.read()
+    assert not (ck / ".ema.lock").exists()  # the run that waited removed the lock file when done
     # a holder killed with -9 leaves no stale lock: the kernel drops it
     holder = subprocess.Popen([sys.executable, "-c", (
         "import fcntl, os, time\n"
-        f"fd = os.open({str(ck / '.ema.lock')!r}, os.O_RDONLY)\nfcntl.flock(fd, fcntl.LOCK_EX)\n"
+        f"fd = os.open({str(ck / '.ema.lock')!r}, os.O_RDONLY | os.O_CREAT)\nfcntl.flock(fd, fcntl.LOCK_EX)\n"
         "print('locked', flush=True)\ntime.sleep(60)\n")], stdout=subprocess.PIPE, text=True)
     holder.stdout.readline()
     holder.kill()
     holder.wait()
     again = subprocess.run([EMA_CKPT, "accumulate", str(ck), "--decay", "0.9"], capture_output=True, text=True)
     assert again.returncode == 0, again.stderr
+    assert not (ck / ".ema.lock").exists()
 
 
 def _big_sequence(root: Path, steps) -> Path:
@@ -204,7 +206,7 @@ def _big_sequence(root: Path, steps) -> Path:
     [
         ["posthoc", "{ck}", "--sigma-rel", "0.05,0.1", "--out", "{out}", "--overwrite", "--quiet"],
         ["average", "{ck}", "--last", "3", "--out", "{out}", "--overwrite", "--quiet"],
-        ["consolidate", "{ck}/step_30", "--out", "{out}", "--max-shard-size", "3MB", "--overwrite", "--quiet"],
+        ["consolidate", "{ck}/step_30", "--out", "{out}/", "--max-shard-size", "3MB", "--overwrite", "--quiet"],
         ["reshard", "{ck}/step_30", "--world-size", "3", "--out", "{out}", "--overwrite", "--quiet"],
     ],
     ids=["posthoc", "average", "consolidate", "reshard"],

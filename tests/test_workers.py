@@ -73,8 +73,8 @@ def test_reshard_and_consolidate_bytes_do_not_depend_on_workers(sequence, tmp_pa
     reshard(ck, world_size=4, out=tmp_path / "r1")
     reshard(ck, world_size=4, out=tmp_path / "r2", workers=2)
     assert _tree(tmp_path / "r1") == _tree(tmp_path / "r2")
-    consolidate(ck, tmp_path / "c1", max_shard_size="1KB")
-    consolidate(ck, tmp_path / "c2", max_shard_size="1KB", workers=2)
+    consolidate(ck, tmp_path / "c1", format="hf-sharded", max_shard_size="1KB")
+    consolidate(ck, tmp_path / "c2", format="hf-sharded", max_shard_size="1KB", workers=2)
     assert _tree(tmp_path / "c1") == _tree(tmp_path / "c2") and len(_tree(tmp_path / "c1")) > 3
     consolidate(ck, tmp_path / "s2.safetensors", workers=2)
     consolidate(ck, tmp_path / "s1.safetensors")

@@ -7,9 +7,11 @@ module, parses options, calls one library function and renders its result.
 from __future__ import annotations
 
 import sys
-from typing import Annotated
+from collections.abc import Sequence
+from typing import Annotated, Any
 
 import typer
+from typer.core import TyperArgument, TyperCommand
 
 from .. import _signals
 from .._compat.fast_exit import exit_now
@@ -21,6 +23,8 @@ from . import inspect as _inspect
 from . import posthoc as _posthoc
 from . import reshard as _reshard
 from . import verify as _verify
+from ._errors import usage_error_line, usage_name
+from ._output import err_console
 
 app = typer.Typer(
     name="ema-ckpt",
@@ -47,14 +51,64 @@ def _root(
     """EMAs, post-hoc EMAs and consolidation of sharded PyTorch checkpoints, offline."""
 
 
-app.command("accumulate", epilog=_accumulate.EPILOG)(_accumulate.accumulate_command)
-app.command("inspect", epilog=_inspect.EPILOG)(_inspect.inspect_command)
-app.command("posthoc", epilog=_posthoc.POSTHOC_EPILOG)(_posthoc.posthoc_command)
-app.command("average", epilog=_posthoc.AVERAGE_EPILOG)(_posthoc.average_command)
-app.command("consolidate", epilog=_consolidate.EPILOG)(_consolidate.consolidate_command)
-app.command("reshard", epilog=_reshard.EPILOG)(_reshard.reshard_command)
-app.command("verify", epilog=_verify.EPILOG)(_verify.verify_command)
-app.command("diff", epilog=_diff.EPILOG)(_diff.diff_command)
+class _Command(TyperCommand):
+    """A command whose usage line names its arguments plainly: ``CHECKPOINTS...``, ``SRC``."""
+
+    def collect_usage_pieces(self, ctx: Any) -> list[str]:
+        pieces = [self.options_metavar] if self.options_metavar else []
+        for param in self.get_params(ctx):
+            if isinstance(param, TyperArgument):
+                pieces.append(usage_name(param))
+            else:
+                pieces.extend(param.get_usage_pieces(ctx))
+        return pieces
+
+
+_COMMANDS: set[str] = set()
+
+
+def _command(name: str, epilog: str) -> Any:
+    _COMMANDS.add(name)
+    return app.command(name, cls=_Command, epilog=epilog)
+
+
+_command("accumulate", _accumulate.EPILOG)(_accumulate.accumulate_command)
+_command("inspect", _inspect.EPILOG)(_inspect.inspect_command)
+_command("posthoc", _posthoc.POSTHOC_EPILOG)(_posthoc.posthoc_command)
+_command("average", _posthoc.AVERAGE_EPILOG)(_posthoc.average_command)
+_command("consolidate", _consolidate.EPILOG)(_consolidate.consolidate_command)
+_command("reshard", _reshard.EPILOG)(_reshard.reshard_command)
+_command("verify", _verify.EPILOG)(_verify.verify_command)
+_command("diff", _diff.EPILOG)(_diff.diff_command)
+
+
+def run(args: Sequence[str] | None = None) -> int:
+    """Run the command line on ``args`` (default: ``sys.argv[1:]``); the exit code.
+
+    Parse errors (an unknown option, a bad value, a missing argument) are one line on stderr
+    and exit 2, like every other error:
+
+        error: consolidate: no such option --outt (did you mean --out?); see 'ema-ckpt consolidate --help'
+    """
+    argv = list(sys.argv[1:] if args is None else args)
+    try:
+        returned = app(args=argv, prog_name="ema-ckpt", standalone_mode=False)
+    except typer.TyperException as err:  # Click's errors as Typer raises them: parsing, usage
+        if not err.format_message().strip():  # ``ema-ckpt`` alone: its error is the help, printed already
+            return err.exit_code
+        named = argv[0] if argv and argv[0] in _COMMANDS else None  # for the errors raised before a command's context
+        message, code = usage_error_line(err, named)
+        err_console.print(f"error: {message}", style="red", highlight=False, soft_wrap=True)
+        return code
+    except typer.Abort:
+        err_console.print("error: aborted", style="red", highlight=False)
+        return 1
+    except SystemExit as stop:
+        if stop.code is None or isinstance(stop.code, int):
+            return stop.code or 0
+        print(stop.code, file=sys.stderr)
+        return 1
+    return returned if isinstance(returned, int) else 0  # an exit code, or a command's None
 
 
 def main() -> None:
@@ -64,15 +118,7 @@ def main() -> None:
     interpreter teardown (:func:`ema_ckpt._compat.fast_exit.exit_now`).
     """
     _signals.install()
-    try:
-        app()
-        code = 0
-    except SystemExit as stop:
-        if stop.code is None or isinstance(stop.code, int):
-            code = stop.code or 0
-        else:
-            print(stop.code, file=sys.stderr)
-            code = 1
+    code = run()
     signum = _signals.pending()
     if signum is not None and not _signals.entered():
         # stopped while starting up or parsing, before any command ran: nothing was written

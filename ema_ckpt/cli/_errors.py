@@ -32,10 +32,12 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import typer
+from typer.core import TyperArgument
 
 from .. import _signals
 from .._signals import Terminated, exit_code
@@ -44,7 +46,7 @@ from ..errors import EmaCkptError
 from ._flags import FLAGS, flag_for
 from ._output import err_console
 
-__all__ = ["FLAGS", "error_message", "flag_for", "reports_errors"]
+__all__ = ["FLAGS", "error_message", "flag_for", "reports_errors", "usage_error_line", "usage_name"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -66,6 +68,57 @@ def error_message(err: BaseException) -> tuple[str, int]:
         where = f"{err.filename}: " if err.filename else ""
         return escaped(f"{where}{err.strerror or _first_line(str(err))}"), OS_ERROR
     return escaped(f"internal error: {type(err).__name__}: {_first_line(str(err))}"), INTERNAL_ERROR
+
+
+def usage_name(param: Any) -> str:
+    """How a usage line and an error name a command's parameter: ``CHECKPOINTS...``, ``SRC``, ``--out``."""
+    if isinstance(param, TyperArgument):
+        name = (param.metavar or param.name or "").upper() + ("..." if param.nargs != 1 else "")
+        return name if param.required else f"[{name}]"
+    opts = list(getattr(param, "opts", ()))
+    return max(opts, key=len) if opts else str(getattr(param, "name", ""))
+
+
+def _clause(text: str) -> str:
+    """A parser message as a clause: first letter lower case (unless the word is upper case), no stop."""
+    text = _first_line(text).rstrip(".")
+    return text[:1].lower() + text[1:] if text[:2] != text[:2].upper() else text
+
+
+def usage_error_line(err: typer.TyperException, command: str | None = None) -> tuple[str, int]:
+    """A command-line parse error (Typer's Click errors) as one line, and its exit code.
+
+    Typer raises Click's errors (``UsageError`` and its kinds) as :class:`typer.TyperException`;
+    what kind each is shows in the attributes it carries (``option_name`` and ``possibilities``
+    for an unknown option, ``param`` for a bad or missing value, ``ctx`` for the command; ``command``
+    names it where the error carries no ``ctx``):
+
+        >>> class NoSuchOption(typer.TyperException):
+        ...     exit_code, ctx, option_name, possibilities = 2, None, "--outt", ["--out"]
+        >>> usage_error_line(NoSuchOption("No such option: --outt"))
+        ("no such option --outt (did you mean --out?); see 'ema-ckpt --help'", 2)
+    """
+    ctx = getattr(err, "ctx", None)
+    param = getattr(err, "param", None)
+    possibilities = getattr(err, "possibilities", None)
+    if hasattr(err, "option_name") and hasattr(err, "possibilities"):
+        what = f"no such option {err.option_name}"
+    elif param is not None and hasattr(err, "param_type"):
+        what = f"missing {'argument' if isinstance(param, TyperArgument) else 'option'} {usage_name(param)}"
+    elif param is not None:
+        what = f"invalid value for {usage_name(param)}: {_clause(err.message)}"
+    else:  # Typer words its suggestion of a command into the message: "… Did you mean 'x'?"
+        what = re.sub(r"\. Did you mean (.+)\?$", r" (did you mean \1?)", _clause(err.format_message()))
+        possibilities = None
+    if possibilities:
+        what += f" (did you mean {next(iter(possibilities))}?)"
+    if ctx is not None:
+        command = ctx.info_name if ctx.parent is not None else None
+    line = f"{command}: {what}" if command else what
+    code = int(getattr(err, "exit_code", 2))
+    if code == 2:
+        line += f"; see 'ema-ckpt {command} --help'" if command else "; see 'ema-ckpt --help'"
+    return escaped(line), code
 
 
 def _interrupt_behind(err: BaseException) -> KeyboardInterrupt | None:

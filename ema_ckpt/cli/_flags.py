@@ -37,6 +37,7 @@ FLAGS: dict[str, str] = {
     "to_step": "--to-step",
     # inputs and outputs, shared by several commands
     "out": "--out",
+    "format": "--format",
     "dtype": "--dtype",
     "include": "--include",
     "exclude": "--exclude",

@@ -1,7 +1,8 @@
 """Terminal output: results on stdout, messages and progress on stderr.
 
 Progress bars show only on an interactive terminal and never with ``--json`` or
-``--quiet``, so cron logs and scripts get clean output.
+``--quiet``, so cron logs and scripts get clean output. Every byte count on screen, bar and
+summaries alike, is in binary units from one formatter, :func:`human_bytes`.
 """
 
 from __future__ import annotations
@@ -14,14 +15,9 @@ from contextlib import contextmanager
 from typing import Any
 
 from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    DownloadColumn,
-    Progress,
-    TextColumn,
-    TimeRemainingColumn,
-    TransferSpeedColumn,
-)
+from rich.progress import BarColumn, Progress, ProgressColumn, Task, TextColumn
+from rich.table import Column
+from rich.text import Text
 
 from .._text import escaped
 from ..progress import Progress as EngineProgress
@@ -70,33 +66,105 @@ def warn(message: str) -> None:
     err_console.print(f"warning: {cli_text(message)}", style="yellow", highlight=False)
 
 
+class _Figure(ProgressColumn):
+    """A column of figures: never wrapped or cut, the bar gives way instead."""
+
+    def __init__(self) -> None:
+        super().__init__(table_column=Column(no_wrap=True))
+
+
+class _BytesColumn(_Figure):
+    """``12.5 MiB / 1.2 GiB`` (binary units, as the summaries), or what happens before the total is known."""
+
+    def render(self, task: Task) -> Text:
+        if task.total is None:
+            return Text("planning…", style="progress.description")
+        return Text(f"{human_bytes(task.completed)} / {human_bytes(task.total)}", style="progress.download")
+
+
+class _SpeedColumn(_Figure):
+    """``310.2 MiB/s`` in binary units; nothing until a speed is measured."""
+
+    def render(self, task: Task) -> Text:
+        speed = task.finished_speed or task.speed
+        return Text("" if speed is None else f"{human_bytes(speed)}/s", style="progress.data.speed")
+
+
+class _EtaColumn(_Figure):
+    """Time left, ``0:01:05``; nothing until it can be estimated (never ``-:--:--``)."""
+
+    def render(self, task: Task) -> Text:
+        left = task.time_remaining
+        if task.total is None or left is None:
+            return Text("")
+        minutes, seconds = divmod(int(left), 60)
+        hours, minutes = divmod(minutes, 60)
+        return Text(f"{hours}:{minutes:02d}:{seconds:02d}", style="progress.remaining")
+
+
+class _ShownOnceStarted(_Figure):
+    """Another column, blank until the bar has its total (no ``?`` or ``-:--:--`` while planning)."""
+
+    def __init__(self, column: ProgressColumn) -> None:
+        super().__init__()
+        self.column = column
+
+    def render(self, task: Task) -> Any:
+        return Text("") if task.total is None else self.column.render(task)
+
+
 @contextmanager
 def progress_bar(description: str, *, enabled: bool) -> Iterator[Callable[[EngineProgress], None] | None]:
-    """A byte progress bar fed by the engine's callback, or None when disabled."""
+    """A byte progress bar fed by the engine's callback, or None when disabled.
+
+    Until the run has planned its work the bar pulses beside "planning…"; the first report
+    (sent before any region is read) gives it its total.
+    """
     if not enabled or not err_console.is_terminal:
         yield None
         return
     columns = (
-        TextColumn("{task.description}"),
-        BarColumn(),
-        DownloadColumn(),
-        TransferSpeedColumn(),
-        TextColumn("{task.fields[regions]}"),
-        TimeRemainingColumn(),
+        TextColumn("{task.description}", table_column=Column(no_wrap=True)),
+        BarColumn(bar_width=None),  # the bar takes what the figures leave: they are never cut at 80 columns
+        _BytesColumn(),
+        _SpeedColumn(),
+        _ShownOnceStarted(TextColumn("{task.fields[regions]}")),
+        _EtaColumn(),
     )
-    with Progress(*columns, console=err_console, transient=True) as bar:
+    with Progress(*columns, console=err_console, transient=True, expand=True) as bar:
         task = bar.add_task(description, total=None, regions="")
 
         def update(p: EngineProgress) -> None:
             bar.update(task, completed=p.bytes_done, total=p.bytes_total,
-                       regions=f"{p.regions_done}/{p.regions_total} regions")
+                       regions=f"{p.regions_done}/{plural(p.regions_total, 'region')}")
 
         yield update
 
 
 def human_bytes(n: float) -> str:
+    """A byte count in binary units, the one formatter of every count shown.
+
+    Example:
+        >>> human_bytes(512), human_bytes(471_040), human_bytes(3 << 30)
+        ('512 B', '460.0 KiB', '3.0 GiB')
+    """
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} TiB"
+
+
+def plural(n: int, word: str, many: str | None = None) -> str:
+    """``n`` and the word, singular or plural: ``1 file``, ``3 files``, ``2 indexes``.
+
+    Example:
+        >>> plural(1, "shard"), plural(6, "shard"), plural(0, "key")
+        ('1 shard', '6 shards', '0 keys')
+    """
+    return f"{n:,} {word if n == 1 else (many or word + 's')}"
+
+
+def files_written(files: int, total: int) -> str:
+    """What a run wrote, counted on disk: ``460.0 KiB written in 5 files``."""
+    return f"{human_bytes(total)} written in {plural(files, 'file')}"

@@ -24,25 +24,27 @@ from ._options import (
     WaitOpt,
     WorkersOpt,
 )
-from ._output import console, human_bytes, note, print_json, progress_bar, warn
+from ._output import console, files_written, human_bytes, note, plural, print_json, progress_bar, shown, warn
 from ._plan import render_plan
 
 EPILOG = """\
 Examples:
 
-  ema-ckpt accumulate ckpts/ --decay 0.999                 # EMA in ckpts/ema
+  ema-ckpt accumulate ckpts/ --decay 0.999              # EMA in ckpts/ema
 
-  ema-ckpt accumulate ckpts/ --half-life 2000 --out /ema   # same, by half-life in steps
+  ema-ckpt accumulate ckpts/ --half-life 2000 --out ema/   # by half-life
 
-  */30 * * * * ema-ckpt accumulate /ckpts --decay 0.9999 --quiet --wait 600   # crontab
+  ema-ckpt accumulate ckpts/ --decay 0.999 --dry-run    # weights, no data read
 
-  ema-ckpt accumulate ckpts/ --sigma-rel 0.05 --sigma-rel 0.10 --snapshot-every 10000 --out snap/
-
-  ema-ckpt accumulate ckpts/ --decay 0.999 --dry-run       # the weights each checkpoint gets
+  ema-ckpt accumulate ckpts/ --sigma-rel 0.05,0.1 --snapshot-every 10000
 
   ema-ckpt accumulate ckpts/ --decay 0.999 --skip-nonfinite --workers 2
 
-  ema-ckpt accumulate ckpts/ --decay 0.999 --skip ckpts/step-100   # leave one checkpoint out
+  ema-ckpt accumulate ckpts/ --decay 0.999 --skip ckpts/step_100  # leave out
+
+  A crontab line (every 30 minutes; a run still going makes the next one wait):
+
+  */30 * * * * ema-ckpt accumulate /ckpts --decay 0.9999 --quiet --wait 600
 """
 
 
@@ -66,9 +68,12 @@ def accumulate_command(
     warmup: Annotated[bool, typer.Option("--warmup", help="Decay at step n is min(decay, (1+n)/(10+n)).")] = False,
     sigma_rel: Annotated[
         list[str] | None,
-        typer.Option("--sigma-rel", help="Power-function EMA(s) instead (EDM2), e.g. 0.05; kept in OUT/sigma_rel_<v>."),
+        typer.Option("--sigma-rel",
+                     help="Power-function EMAs instead (EDM2), e.g. 0.05 or 0.05,0.1; each in OUT/sigma_rel_<v>."),
     ] = None,
-    gamma: Annotated[list[str] | None, typer.Option("--gamma", help="Power-EMA exponent(s) instead of σ_rel.")] = None,
+    gamma: Annotated[
+        list[str] | None, typer.Option("--gamma", help="Power-EMA exponents instead of σ_rel (one or more).")
+    ] = None,
     snapshot_every: Annotated[
         int | None, typer.Option("--snapshot-every", metavar="STEPS", min=1,
                                  help="With power EMAs: keep a snapshot of each every STEPS steps (for posthoc).")
@@ -123,7 +128,8 @@ def accumulate_command(
                     note(line)
             render_plan(result.plan)
             if result.up_to_date:
-                console.print(f"{result.out}: up to date at step {result.step}; nothing new to fold")
+                console.print(f"{shown(result.out)}: up to date at step {result.step}; nothing new to fold",
+                              highlight=False)
         return
     if json_output:
         print_json({
@@ -131,6 +137,7 @@ def accumulate_command(
             "folded": [asdict(c) for c in result.folded], "terms": [asdict(t) for t in result.terms],
             "terms_by_output": {out: [asdict(t) for t in terms] for out, terms in result.terms_by_output.items()},
             "keys": result.keys, "bytes_read": result.bytes_read, "bytes_written": result.bytes_written,
+            "files_written": result.files_written,
             "seconds": round(result.seconds, 3), "profile": result.profile, "notes": result.notes,
             "warnings": _warnings(result),
             "outputs": [str(p) for p in result.outputs], "snapshots": [str(p) for p in result.snapshots],
@@ -143,16 +150,18 @@ def accumulate_command(
             note(line)
     if result.up_to_date:
         if not quiet:
-            console.print(f"{result.out}: up to date at step {result.step}; nothing new to fold", highlight=False)
+            console.print(f"{shown(result.out)}: up to date at step {result.step}; nothing new to fold",
+                          highlight=False)
         return
     if quiet:
         return
     steps = ", ".join(str(c.step) for c in result.folded)
     for snapshot in result.snapshots:
-        console.print(f"snapshot {snapshot}", highlight=False)
+        console.print(f"snapshot {shown(snapshot)}", highlight=False)
     console.print(
-        f"{result.out}: folded step(s) {steps}; EMA now at step {result.step} "
-        f"({result.keys} keys, {human_bytes(result.bytes_read)} read, "
-        f"{human_bytes(result.bytes_written)} written, {result.seconds:.1f} s)\n{result.profile}",
+        f"{shown(result.out)}: folded {'step' if len(result.folded) == 1 else 'steps'} {steps}; "
+        f"EMA now at step {result.step} ({plural(result.keys, 'key')}, {human_bytes(result.bytes_read)} of tensors "
+        f"read, {files_written(result.files_written, result.bytes_written)}, {result.seconds:.1f} s)\n"
+        f"{result.profile}",
         highlight=False,
     )

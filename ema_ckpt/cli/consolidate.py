@@ -3,25 +3,35 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
+if TYPE_CHECKING:
+    from ..commands.consolidate import ConsolidateResult
+
+from ..writers.base import output_format, path_formats
 from ._errors import reports_errors
 from ._options import ExcludeOpt, IncludeOpt, JsonOpt, OverwriteOpt, QuietOpt, WaitOpt, WorkersOpt
-from ._output import console, human_bytes, note, print_json, progress_bar
+from ._output import console, human_bytes, note, plural, print_json, progress_bar, shown
 
 EPILOG = """\
 Examples:
 
   ema-ckpt consolidate ckpts/ema --out ema.safetensors --dtype bfloat16
 
-  ema-ckpt consolidate ckpts/step_1000 --out hf/ --max-shard-size 2GB   # model-0000i-of-0000N + index
+  ema-ckpt consolidate ckpts/step_1000 --out hf/ --max-shard-size 2GB
 
   ema-ckpt consolidate ds_ckpt/global_step500 --out model.pt
 
   ema-ckpt consolidate ckpts/ema --out hf/ --max-shard-size 500MB --workers 2
+
+  ema-ckpt consolidate ckpts/ema --out weights --format torch   # no suffix
+
+  A directory output (hf/: the trailing / says so) holds model-0000i-of-0000N
+  shards and their index. Any other path without a known suffix is refused.
 """
+_FORMATS = ", ".join(fmt.name for fmt in path_formats())
 
 
 @reports_errors
@@ -29,7 +39,14 @@ def consolidate_command(
     src: Annotated[
         Path, typer.Argument(help="Any supported checkpoint: DCP, ema-ckpt output, DeepSpeed, safetensors.")
     ],
-    out: Annotated[Path, typer.Option("--out", "-o", help="*.safetensors, *.pt/*.bin, or a directory (HF sharded).")],
+    out: Annotated[
+        str, typer.Option("--out", "-o", metavar="PATH",
+                          help="*.safetensors, *.pt/*.bin/*.pth, or a directory (HF sharded): existing or ending in /.")
+    ],
+    out_format: Annotated[
+        str | None, typer.Option("--format", metavar="NAME",
+                                 help=f"The output format, for a path that does not say: {_FORMATS}.")
+    ] = None,
     max_shard_size: Annotated[
         str, typer.Option("--max-shard-size", metavar="SIZE", help="Shard limit for a directory output.")
     ] = "5GB",
@@ -52,7 +69,7 @@ def consolidate_command(
     from ..commands.consolidate import consolidate  # here: the library loads on use, so --help and --version stay fast
     with progress_bar("consolidate", enabled=not (quiet or json_output)) as on_progress:
         result = consolidate(
-            src, out, max_shard_size=max_shard_size, dtype=dtype, keep_prefix=keep_prefix,
+            src, out, format=out_format, max_shard_size=max_shard_size, dtype=dtype, keep_prefix=keep_prefix,
             include=include or (), exclude=exclude or (), overwrite=overwrite, wait_seconds=wait, workers=workers,
             on_progress=on_progress,
         )
@@ -60,9 +77,17 @@ def consolidate_command(
         print_json({"out": str(result.out), "layout": result.layout, "keys": result.keys,
                     "files": [{"name": n, "bytes": s} for n, s in result.files],
                     "bytes_written": result.bytes_written, "seconds": round(result.seconds, 3),
-                    "renamed_prefix": result.renamed_prefix, "notes": result.notes})
+                    "index": result.index, "renamed_prefix": result.renamed_prefix, "notes": result.notes})
     elif not quiet:
         for line in result.notes:
             note(line)
-        console.print(f"{result.out}: {result.layout}, {result.keys} tensors in {len(result.files)} file(s), "
-                      f"{human_bytes(result.bytes_written)}, {result.seconds:.1f} s", highlight=False)
+        console.print(f"{shown(result.out)}: {result.layout}, {plural(result.keys, 'tensor')} in {_files(result)}, "
+                      f"{human_bytes(result.bytes_written)} written, {result.seconds:.1f} s", highlight=False)
+
+
+def _files(result: ConsolidateResult) -> str:
+    """What was written, named as the layout names it: ``1 file``, ``6 shards + index``."""
+    if output_format(result.layout).single_file:
+        return plural(len(result.files), "file")
+    shards = plural(len(result.files) - (result.index is not None), "shard")
+    return f"{shards} + index" if result.index is not None else shards

@@ -25,24 +25,29 @@ from ._options import (
     WaitOpt,
     WorkersOpt,
 )
-from ._output import console, human_bytes, note, print_json, progress_bar, warn
+from ._output import console, files_written, human_bytes, note, plural, print_json, progress_bar, shown, warn
 from ._plan import render_plan
 
 POSTHOC_EPILOG = """\
-Examples:
+Examples (outputs go to OUT/sigma_rel_<value>):
 
-  ema-ckpt posthoc ckpts/ --sigma-rel 0.05 --sigma-rel 0.10 --out posthoc/    # posthoc/sigma_rel_0.05, ...
+  ema-ckpt posthoc ckpts/ --sigma-rel 0.05,0.10 --out posthoc/
 
-  ema-ckpt posthoc ckpts/ --sigma-rel 0.010:0.250:0.005 --dry-run             # EDM2 range syntax
+  ema-ckpt posthoc ckpts/ --sigma-rel 0.010:0.250:0.005 --dry-run   # a range
 
-  ema-ckpt posthoc ema/ --sigma-rel 0.07 --out posthoc/   # from accumulate --snapshot-every snapshots
+  ema-ckpt posthoc ema/ --sigma-rel 0.07 --out posthoc/   # from snapshots
+
+  The last reads the snapshots of accumulate --snapshot-every, so it works after
+  the raw checkpoints are gone.
 """
 AVERAGE_EPILOG = """\
 Examples:
 
   ema-ckpt average ckpts/ --last 5 --out avg-last5
 
-  ema-ckpt average ckpts/ --from-step 90000 --to-step 100000 --out avg --dry-run --json
+  ema-ckpt average ckpts/ --from-step 90000 --to-step 100000 --out avg/
+
+  ema-ckpt average ckpts/ --last 5 --dry-run --json   # the plan, as JSON
 """
 
 DtypeOpt = Annotated[str, typer.Option(help="Accumulate and store floats in float32 or float64.")]
@@ -68,7 +73,8 @@ def _finish(result: Plan | RunResult, json_output: bool, quiet: bool) -> None:
     if json_output:
         data = result.plan.to_json()
         data.update({"paths": [str(p) for p in result.outputs], "bytes_read": result.bytes_read,
-                     "bytes_written": result.bytes_written, "seconds": round(result.seconds, 3)})
+                     "bytes_written": result.bytes_written, "files_written": result.files_written,
+                     "seconds": round(result.seconds, 3)})
         print_json(data)
     elif not quiet:
         _warn(result.plan)
@@ -76,9 +82,11 @@ def _finish(result: Plan | RunResult, json_output: bool, quiet: bool) -> None:
         for line in result.plan.notes:
             note(line)
         for output, path in zip(result.plan.outputs, result.outputs, strict=True):
-            console.print(f"{path}: step {output.step}, {len(output.terms)} inputs", highlight=False)
-        console.print(f"{human_bytes(result.bytes_read)} read once for {len(result.outputs)} output(s), "
-                      f"{human_bytes(result.bytes_written)} written, {result.seconds:.1f} s", highlight=False)
+            console.print(f"{shown(path)}: step {output.step}, {plural(len(output.terms), 'input')}", highlight=False)
+        console.print(f"{human_bytes(result.bytes_read)} of tensors read once for "
+                      f"{plural(len(result.outputs), 'output')}, "
+                      f"{files_written(result.files_written, result.bytes_written)}, {result.seconds:.1f} s",
+                      highlight=False)
 
 
 @reports_errors
@@ -86,9 +94,11 @@ def posthoc_command(
     checkpoints: Annotated[list[Path], typer.Argument(help="Raw checkpoints (a folder) or a snapshot folder.")],
     out: Annotated[Path | None, typer.Option("--out", "-o", help="Outputs go to OUT/sigma_rel_<value>.")] = None,
     sigma_rel: Annotated[
-        list[str] | None, typer.Option("--sigma-rel", help="Relative EMA width(s): 0.05, 0.05,0.1 or 0.01:0.25:0.01.")
+        list[str] | None, typer.Option("--sigma-rel", help="Relative EMA widths: 0.05, 0.05,0.1 or 0.01:0.25:0.01.")
     ] = None,
-    gamma: Annotated[list[str] | None, typer.Option("--gamma", help="Power-EMA exponent(s) instead of σ_rel.")] = None,
+    gamma: Annotated[
+        list[str] | None, typer.Option("--gamma", help="Power-EMA exponents instead of σ_rel (one or more).")
+    ] = None,
     at_step: Annotated[int | None, typer.Option("--at-step", help="End time T (default: the newest step).")] = None,
     dtype: DtypeOpt = "float32",
     include: IncludeOpt = None,

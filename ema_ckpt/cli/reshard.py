@@ -9,12 +9,12 @@ import typer
 
 from ._errors import reports_errors
 from ._options import ExcludeOpt, IncludeOpt, JsonOpt, OverwriteOpt, QuietOpt, WaitOpt, WorkersOpt
-from ._output import console, human_bytes, note, print_json, progress_bar
+from ._output import console, files_written, note, plural, print_json, progress_bar, shown
 
 EPILOG = """\
-Examples:
+Examples (rank r of N then reads only __r_0.distcp):
 
-  ema-ckpt reshard ckpts/ema --world-size 16 --out ema-16   # rank r reads only __r_0.distcp
+  ema-ckpt reshard ckpts/ema --world-size 16 --out ema-16
 
   ema-ckpt reshard ds_ckpt/ema --world-size 8 --out fsdp-ready --dtype bfloat16
 
@@ -51,10 +51,12 @@ def reshard_command(
     if json_output:
         print_json({"out": str(result.out), "world_size": result.world_size, "keys": result.keys,
                     "files": [{"name": n, "bytes": s} for n, s in result.files],
-                    "bytes_written": result.bytes_written, "seconds": round(result.seconds, 3),
+                    "files_written": len(result.files), "bytes_written": result.bytes_written,
+                    "seconds": round(result.seconds, 3),
                     "notes": result.notes})
     elif not quiet:
         for line in result.notes:
             note(line)
-        console.print(f"{result.out}: {result.keys} tensors for {result.world_size} rank(s), "
-                      f"{human_bytes(result.bytes_written)}, {result.seconds:.1f} s", highlight=False)
+        console.print(f"{shown(result.out)}: {plural(result.keys, 'tensor')} for {plural(result.world_size, 'rank')}, "
+                      f"{files_written(len(result.files), result.bytes_written)}, {result.seconds:.1f} s",
+                      highlight=False)

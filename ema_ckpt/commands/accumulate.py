@@ -61,13 +61,14 @@ from ..folding import (
     snapshot_steps,
 )
 from ..formats import open_checkpoint
-from ..fs import output_path
+from ..fs import files_on_disk, output_path
 from ..jobs import Job, JobContext, Target, WrittenOutputs, recorded_options, run_job
 from ..manifest import MANIFEST_NAME, FoldedCheckpoint, Manifest, fingerprint
 from ..maths import PowerProfile
 from ..plans import Plan as AveragePlan
 from ..plans import find_snapshots
 from ..progress import Progress
+from ..writers.base import check_directory_output
 from .averaging import averaged_tensors
 from .verify import damage
 
@@ -89,7 +90,10 @@ class AccumulateResult:
     """Each EMA's terms, by its output directory."""
     keys: int = 0
     bytes_read: int = 0
+    """Bytes of tensor data read from the checkpoints and the previous EMAs."""
     bytes_written: int = 0
+    """Bytes of the files written (on disk: data, ``.metadata`` and manifests, snapshots included)."""
+    files_written: int = 0
     seconds: float = 0.0
     profile: str = ""
     outputs: list[Path] = field(default_factory=list)
@@ -137,6 +141,8 @@ class AccumulateOptions:
         if self.dtype not in ACCUMULATE_DTYPES:
             raise OptionError("dtype", f"must be one of {', '.join(ACCUMULATE_DTYPES)}, got {self.dtype!r}",
                               value=self.dtype)
+        if self.out is not None:
+            check_directory_output(self.out)
         set_(self, "out", output_path(self.out if self.out is not None else default_out(list(self.checkpoints))))
         check_device(self.device)
 
@@ -184,7 +190,7 @@ def accumulate(
     workers: int = 1,
     device: str = "cpu",
 ) -> AccumulateResult:
-    """Fold every checkpoint newer than the EMA(s) at ``out`` into them.
+    """Fold every checkpoint newer than the EMAs at ``out`` (one, or one per power profile) into them.
 
     Args:
         checkpoints: a folder of checkpoints, or several checkpoint paths.
@@ -452,13 +458,14 @@ class AccumulateJob(Job[FoldPlan, _Folded, AccumulateResult]):
             step = min(steps) if up_to_date else max(c.step for a in accumulators for c in a.new)
             return AccumulateResult(out, step, [], up_to_date, plan.notes, **common)  # type: ignore[arg-type]
         targets = plan.targets(out)
+        written = [f for _, final, _ in targets for f in files_on_disk(final)]
         folded_all = {c.path: c for acc in accumulators for c in acc.new}
         return AccumulateResult(
             out, max(step for *_, step in targets),
             [FoldedCheckpoint(str(c.path.resolve()), c.step, fingerprint(c.path))
              for c in sorted(folded_all.values(), key=lambda c: c.step)],
             False, plan.notes, keys=computed.keys, bytes_read=computed.written.bytes_read,
-            bytes_written=computed.written.bytes_written,
+            bytes_written=sum(size for _, size in written), files_written=len(written),
             snapshots=[final for acc, final, _ in targets if final != acc.final],
             **common,  # type: ignore[arg-type]
         )

@@ -21,13 +21,13 @@ from ..discovery import checkpoint_paths
 from ..dtypes import ACCUMULATE_DTYPES, torch_dtype
 from ..engine import OutputSpec, Update, check_device
 from ..errors import OptionError, UsageError
-from ..fs import output_path
+from ..fs import files_on_disk, output_path
 from ..jobs import Job, JobContext, Target, WrittenOutputs, recorded_options, run_job
 from ..manifest import FoldedCheckpoint, Manifest, fingerprint
 from ..plans import Plan, PlannedOutput, SnapshotInput, Term, find_snapshots, plan_average, plan_posthoc
 from ..progress import Progress
 from ..selection import check_compatible, select_keys
-from ..writers.base import OutputTensor
+from ..writers.base import OutputTensor, check_directory_output
 
 _RUNTIME = {"recorded": False}
 
@@ -96,6 +96,7 @@ class AverageOptions:
 def _check_run_fields(options: PosthocOptions | AverageOptions) -> None:
     set_ = object.__setattr__
     set_(options, "checkpoints", tuple(checkpoint_paths(options.checkpoints)))
+    check_directory_output(options.out)
     set_(options, "out", output_path(options.out))
     for name in ("include", "exclude"):
         set_(options, name, tuple(getattr(options, name)))
@@ -108,13 +109,18 @@ def _check_run_fields(options: PosthocOptions | AverageOptions) -> None:
 
 @dataclass(slots=True)
 class RunResult:
-    """What a :func:`posthoc` or :func:`average` run wrote."""
+    """What a :func:`posthoc` or :func:`average` run wrote.
+
+    ``bytes_read`` counts the tensor data read (each input once, however many outputs);
+    ``bytes_written`` and ``files_written`` the files on disk (``.metadata`` and manifests included).
+    """
 
     plan: Plan
     outputs: list[Path]
     bytes_read: int
     bytes_written: int
     seconds: float
+    files_written: int = 0
 
 
 @dataclass(slots=True)
@@ -187,8 +193,10 @@ class SumJob(Job[Plan, _Summed, "Plan | RunResult"]):
     def result(self, plan: Plan, computed: _Summed | None, seconds: float) -> Plan | RunResult:
         if computed is None:
             return plan
-        written = computed.written
-        return RunResult(plan, self._finals(plan), written.bytes_read, written.bytes_written, seconds)
+        finals = self._finals(plan)
+        files = [f for final in finals for f in files_on_disk(final)]
+        return RunResult(plan, finals, computed.written.bytes_read, sum(size for _, size in files), seconds,
+                         files_written=len(files))
 
 
 def averaged_tensors(newest: Any, keys: Sequence[str], dtype: str) -> list[OutputTensor]:
@@ -300,7 +308,7 @@ def _paths(checkpoints: str | Path | Sequence[str | Path]) -> tuple[Path, ...]:
 def _tuples(options: dict[str, Any]) -> dict[str, Any]:
     unknown = set(options) - set(PosthocOptions.__dataclass_fields__) - set(AverageOptions.__dataclass_fields__)
     if unknown:
-        raise TypeError(f"unexpected option(s): {', '.join(sorted(unknown))}")
+        raise TypeError(f"unexpected option{'s' if len(unknown) > 1 else ''}: {', '.join(sorted(unknown))}")
     return {k: tuple(v) if isinstance(v, list) else v for k, v in options.items()}
 
 

@@ -23,11 +23,11 @@ from typing import Any
 from ..dtypes import OUTPUT_DTYPES, is_float
 from ..engine import OutputSpec, Update
 from ..errors import Note, OptionError, UsageError
-from ..fs import check_not_overlapping, output_path
+from ..fs import check_not_overlapping, files_on_disk, output_path
 from ..jobs import Job, JobContext, Target, run_job
 from ..progress import Progress
 from ..selection import container_prefix, output_names, select_keys
-from ..writers.base import OutputTensor, output_format_for
+from ..writers.base import OutputTensor, choose_output_format, ends_in_separator, output_format
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
@@ -57,11 +57,14 @@ def parse_size(text: str | int) -> int:
 class ConsolidateOptions:
     """Everything a :func:`consolidate` run needs; checked when made.
 
-    ``out``: ``*.safetensors``, ``*.pt``/``*.bin``/``*.pth``, or a directory (HF sharded).
+    ``out``: ``*.safetensors``, ``*.pt``/``*.bin``/``*.pth``, or a directory (HF sharded);
+    ``format`` names the output format instead (see :func:`~ema_ckpt.writers.base.choose_output_format`).
+    Once made, ``format`` is the format chosen.
     """
 
     src: Path
     out: Path
+    format: str | None = None
     max_shard_size: str | int = "5GB"
     dtype: str | None = None
     keep_prefix: bool = False
@@ -75,7 +78,9 @@ class ConsolidateOptions:
     def __post_init__(self) -> None:
         set_ = object.__setattr__
         set_(self, "src", Path(self.src))
+        directory = ends_in_separator(self.out)  # before the Path drops the trailing "/"
         set_(self, "out", output_path(self.out))
+        set_(self, "format", choose_output_format(self.out, self.format, directory=directory).name)
         set_(self, "include", tuple(self.include))
         set_(self, "exclude", tuple(self.exclude))
         check_not_overlapping(self.src, self.out)
@@ -86,13 +91,15 @@ class ConsolidateOptions:
 
     @property
     def layout(self) -> str:
-        """The output format its path asks for: ``safetensors``, ``hf-sharded`` or ``torch``."""
-        return output_format_for(self.out).name
+        """The output format: ``safetensors``, ``hf-sharded`` or ``torch``."""
+        assert self.format is not None
+        return self.format
 
 
 @dataclass(slots=True)
 class ConsolidateResult:
-    """What :func:`consolidate` wrote."""
+    """What :func:`consolidate` wrote: ``files`` (name, size) and ``bytes_written`` are the files
+    on disk, the index included."""
 
     out: Path
     layout: str
@@ -103,12 +110,15 @@ class ConsolidateResult:
     renamed_prefix: str | None = None
     """The DCP container level removed from every key (``"model."``), or None."""
     notes: list[str] = field(default_factory=list)
+    index: str | None = None
+    """The file among ``files`` that names the others (the HF layout's index), or None."""
 
 
 def consolidate(
     src: str | Path,
     out: str | Path,
     *,
+    format: str | None = None,
     max_shard_size: str | int = "5GB",
     dtype: str | None = None,
     keep_prefix: bool = False,
@@ -123,7 +133,11 @@ def consolidate(
 
     Args:
         src: any supported checkpoint (an ema-ckpt output, DCP, DeepSpeed, safetensors).
-        out: ``*.safetensors``, ``*.pt``/``*.bin``, or a directory (HF sharded layout).
+        out: ``*.safetensors``, ``*.pt``/``*.bin``/``*.pth``, or a directory for the HF sharded
+            layout: an existing one, or a ``str`` ending in ``/``. Any other path is refused
+            (``model.safetensor`` would otherwise become a directory).
+        format: the output format by name (``safetensors``, ``hf-sharded``, ``torch``), for a
+            path that does not say.
         max_shard_size: shard limit for the directory layout (``5GB``, ``500MB``, …).
         dtype: cast floating tensors to ``bfloat16``/``float16``/``float32``/``float64``.
         keep_prefix: keep the ``model.`` prefix of a DCP ``{"model": …}`` checkpoint.
@@ -136,7 +150,9 @@ def consolidate(
         >>> consolidate("ckpts/ema", "ema.safetensors").files   # doctest: +SKIP
         [('ema.safetensors', 3145816)]
     """
-    options = ConsolidateOptions(Path(src), Path(out), max_shard_size=max_shard_size, dtype=dtype,
+    if format is None and ends_in_separator(out):  # "hf/": said before Path(out) drops the "/"
+        format = choose_output_format(out).name
+    options = ConsolidateOptions(Path(src), Path(out), format=format, max_shard_size=max_shard_size, dtype=dtype,
                                  keep_prefix=keep_prefix, include=tuple(include), exclude=tuple(exclude),
                                  overwrite=overwrite, wait_seconds=wait_seconds, workers=workers)
     return run_job(ConsolidateJob(options), on_progress=on_progress)
@@ -145,7 +161,7 @@ def consolidate(
 @dataclass(slots=True)
 class _Written:
     keys: int
-    files: list[tuple[str, int]]
+    index: str | None
     renamed_prefix: str | None
 
 
@@ -162,7 +178,7 @@ class ConsolidateJob(Job[None, _Written, ConsolidateResult]):
         return None
 
     def targets(self, plan: None) -> list[Target]:
-        fmt = output_format_for(self.options.out)
+        fmt = output_format(self.options.layout)
         return [Target(self.options.out, single_file=fmt.single_file, replace=self.options.overwrite)]
 
     def compute(self, plan: None, context: JobContext) -> _Written:
@@ -177,7 +193,7 @@ class ConsolidateJob(Job[None, _Written, ConsolidateResult]):
 
         reader, keys = context.check(open_source)
         names = output_names(reader, keys, keep_prefix=opts.keep_prefix)
-        fmt = output_format_for(opts.out)
+        fmt = output_format(opts.layout)
         stored = reader.stored()
         tensors = [OutputTensor(k, names[k], tuple(stored[k][0]),
                                 opts.dtype if opts.dtype is not None and is_float(stored[k][1]) else stored[k][1],
@@ -187,12 +203,15 @@ class ConsolidateJob(Job[None, _Written, ConsolidateResult]):
         written = context.write([reader], [OutputSpec("out", (Update(0, 1.0),), mode="copy")], [writer], tensors,
                                 layout=reader, copy_source=0)
         prefix = None if opts.keep_prefix else container_prefix(reader, keys)
-        return _Written(len(keys), [(f.name, f.size) for f in written.files[0]], prefix)
+        index = next((f.name for f in written.files[0] if f.role == "index"), None)
+        return _Written(len(keys), index, prefix)
 
     def result(self, plan: None, computed: _Written | None, seconds: float) -> ConsolidateResult:
         assert computed is not None
-        result = ConsolidateResult(self.options.out, self.options.layout, computed.files, computed.keys,
-                                   sum(size for _, size in computed.files), seconds, computed.renamed_prefix)
+        files = files_on_disk(self.options.out)
+        result = ConsolidateResult(self.options.out, self.options.layout, files, computed.keys,
+                                   sum(size for _, size in files), seconds, computed.renamed_prefix,
+                                   index=computed.index)
         if computed.renamed_prefix:
             result.notes.append(Note(f"keys written without the DCP container level {computed.renamed_prefix!r} "
                                      "({keep_prefix=True} keeps it)", mentions=("keep_prefix",)))

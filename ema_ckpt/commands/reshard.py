@@ -18,12 +18,12 @@ from typing import Any
 from ..dtypes import OUTPUT_DTYPES, is_float
 from ..engine import OutputSpec, Update
 from ..errors import Note, OptionError, UsageError
-from ..fs import check_not_overlapping, output_path
+from ..fs import check_not_overlapping, files_on_disk, output_path
 from ..jobs import Job, JobContext, Target, run_job
 from ..manifest import MANIFEST_NAME, Manifest
 from ..progress import Progress
 from ..selection import select_keys
-from ..writers.base import OutputTensor
+from ..writers.base import OutputTensor, check_directory_output
 
 _RUNTIME = {"recorded": False}
 
@@ -46,6 +46,7 @@ class ReshardOptions:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "src", Path(self.src))
+        check_directory_output(self.out)
         object.__setattr__(self, "out", output_path(self.out))
         object.__setattr__(self, "include", tuple(self.include))
         object.__setattr__(self, "exclude", tuple(self.exclude))
@@ -59,7 +60,8 @@ class ReshardOptions:
 
 @dataclass(slots=True)
 class ReshardResult:
-    """What :func:`reshard` wrote."""
+    """What :func:`reshard` wrote: ``files`` (name, size) and ``bytes_written`` are the files on
+    disk, ``.metadata`` and a manifest included."""
 
     out: Path
     world_size: int
@@ -156,7 +158,7 @@ class ReshardJob(Job[None, _Written, ReshardResult]):
 
     def result(self, plan: None, computed: _Written | None, seconds: float) -> ReshardResult:
         assert computed is not None
-        files = [(name, size) for name, size, _ in computed.files]
+        files = files_on_disk(self.options.out)
         return ReshardResult(self.options.out, self.options.world_size, computed.keys, files,
                              sum(s for _, s in files), seconds, computed.notes)
 

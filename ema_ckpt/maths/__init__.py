@@ -49,7 +49,7 @@ from .power import (
     sigma_rel_to_gamma,
 )
 from .profiles import Profile, profile_from_dict
-from .stats import PlanStats, describe_plan, spacing_warning
+from .stats import PlanStats, SparseCheckpoints, describe_plan, spacing_warning, sparse_checkpoints
 from .uniform import uniform_coefficients, uniform_selection
 
 __all__ = [
@@ -62,6 +62,7 @@ __all__ = [
     "PowerProfile",
     "Profile",
     "Snapshot",
+    "SparseCheckpoints",
     "check_gamma",
     "check_sigma_rel",
     "describe_plan",
@@ -82,6 +83,7 @@ __all__ = [
     "profile_inner_product",
     "sigma_rel_to_gamma",
     "spacing_warning",
+    "sparse_checkpoints",
     "uniform_coefficients",
     "uniform_selection",
 ]

@@ -19,7 +19,7 @@ from ..errors import UsageError
 from ._steps import check_steps
 from .exponential import ExponentialProfile, effective_half_life, equivalent_step_decay
 
-__all__ = ["PlanStats", "describe_plan", "spacing_warning"]
+__all__ = ["PlanStats", "SparseCheckpoints", "describe_plan", "spacing_warning", "sparse_checkpoints"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,18 +98,33 @@ def describe_plan(
     )
 
 
-def spacing_warning(steps: Sequence[int], window: float) -> str | None:
-    """A message when the largest gap between consecutive checkpoints exceeds window/20.
+@dataclass(frozen=True, slots=True)
+class SparseCheckpoints:
+    """Checkpoints too sparse for an averaging window: the numbers behind the spacing warning.
 
-    window = 1/(1 − β) for a classic EMA (``exponential_window``), σ_rel·T for a power EMA
-    (``power_window``). Sparse checkpoints make the output LAWA-like averaging rather than
-    the online EMA: relative error ≈ sqrt(k/window). None when spacing is fine.
+    Attributes:
+        gap: the largest gap between consecutive checkpoints, in steps (k).
+        after, before: the steps on either side of that gap.
+        window: the averaging window in steps (1/(1 − β), or σ_rel·T).
+        in_window: how many checkpoints fall within the last ``window`` steps.
+        rel_error: the relative error to expect, ≈ sqrt(k/window).
+    """
+
+    gap: int
+    after: int
+    before: int
+    window: float
+    in_window: int
+    rel_error: float
+
+
+def sparse_checkpoints(steps: Sequence[int], window: float) -> SparseCheckpoints | None:
+    """The numbers of :func:`spacing_warning`, or None when spacing is fine (gaps ≤ window/20).
 
     Example:
-        >>> spacing_warning([0, 100, 200], window=10_000) is None
-        True
-        >>> spacing_warning([0, 1000], window=10_000)[:32]
-        'checkpoint spacing of 1000 steps'
+        >>> s = sparse_checkpoints([0, 1000, 1100], window=10_000)
+        >>> s.gap, s.after, s.before, s.in_window, round(s.rel_error, 3)
+        (1000, 0, 1000, 3, 0.316)
     """
     ts = check_steps(steps)
     if not (window > 0):
@@ -118,12 +133,33 @@ def spacing_warning(steps: Sequence[int], window: float) -> str | None:
         return None
     gaps = [b - a for a, b in pairwise(ts)]
     k = max(gaps)
-    if k <= window / 20.0:
+    if k <= window / 20.0 * (1 + 1e-9):  # 1/(1 − 0.999) is 999.99…: a spacing of 50 is fine for it
         return None
     i = gaps.index(k)
+    recent = sum(1 for t in ts if t > ts[-1] - window)
+    return SparseCheckpoints(k, ts[i], ts[i + 1], window, recent, math.sqrt(k / window))
+
+
+def spacing_warning(steps: Sequence[int], window: float) -> str | None:
+    """A message when the largest gap between consecutive checkpoints exceeds window/20.
+
+    window = 1/(1 − β) for a classic EMA (``exponential_window``), σ_rel·T for a power EMA
+    (``power_window``). Sparse checkpoints make the output LAWA-like averaging rather than
+    the online EMA: relative error ≈ sqrt(k/window). None when spacing is fine. The numbers
+    alone: :func:`sparse_checkpoints`.
+
+    Example:
+        >>> spacing_warning([0, 100, 200], window=10_000) is None
+        True
+        >>> spacing_warning([0, 1000], window=10_000)[:32]
+        'checkpoint spacing of 1000 steps'
+    """
+    sparse = sparse_checkpoints(steps, window)
+    if sparse is None:
+        return None
     return (
-        f"checkpoint spacing of {k} steps (between steps {ts[i]} and {ts[i + 1]}) exceeds "
+        f"checkpoint spacing of {sparse.gap} steps (between steps {sparse.after} and {sparse.before}) exceeds "
         f"1/20 of the averaging window ({window:.4g} steps): the result is an average of sparse "
         f"checkpoints rather than the online EMA; expect a relative error near "
-        f"sqrt(k/window) ≈ {math.sqrt(k / window):.2g}"
+        f"sqrt(k/window) ≈ {sparse.rel_error:.2g}"
     )

@@ -11,23 +11,31 @@ A writer is made for one output and works in three phases:
 3. :meth:`OutputWriter.finish` (the coordinator, once every worker closed): the metadata or
    index that names the files, written last.
 
-Formats register with :func:`register_output`; :func:`output_format` picks one by the
-output's path (``.safetensors`` → one file, ``.pt`` → a torch file, a directory → HF sharded)
-or by name (``dcp``).
+Formats register with :func:`register_output`; :func:`output_format` picks one by name
+(``dcp``), :func:`choose_output_format` by what an output path asks for (``.safetensors`` →
+one file, ``.pt`` → a torch file, a directory → HF sharded) and refuses a path that asks for
+none, so a typo never silently becomes a directory.
 
 Example:
-    >>> output_format_for("model.safetensors").name, output_format_for("out/").name
+    >>> choose_output_format("model.safetensors").name, choose_output_format("out/").name
     ('safetensors', 'hf-sharded')
+    >>> choose_output_format("model.safetensor")
+    Traceback (most recent call last):
+    ...
+    ema_ckpt.errors.OptionError: out model.safetensor: unknown output suffix .safetensor (did you mean ...
 """
 
 from __future__ import annotations
 
 import abc
+import difflib
+import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..errors import OptionError
 from ..layout import Box
 
 if TYPE_CHECKING:
@@ -68,11 +76,16 @@ class PlannedRegion:
 
 @dataclass(frozen=True, slots=True)
 class WrittenFile:
-    """One file of a finished output, with its size and CRC-32 (when the format computes one)."""
+    """One file of a finished output, with its size and CRC-32 (when the format computes one).
+
+    ``role``: ``"data"`` for a file of tensors, ``"index"`` for one that names the others
+    (``model.safetensors.index.json``), so a summary can count what it names ("6 shards + index").
+    """
 
     name: str
     size: int
     crc32: int | None = None
+    role: str = "data"
 
 
 class OutputWriter(abc.ABC):
@@ -163,13 +176,112 @@ def output_format(name: str) -> OutputFormat:
 
 
 def output_format_for(path: str | Path) -> OutputFormat:
-    """The output format an output path asks for, by its suffix."""
+    """The output format an output path's suffix names, else the directory format (no checks:
+    see :func:`choose_output_format`)."""
     _load_builtin()
     suffix = Path(path).suffix.lower()
     for fmt in _OUTPUTS.values():
         if suffix in fmt.suffixes:
             return fmt
+    return _directory_format()
+
+
+def _directory_format() -> OutputFormat:
     return next(fmt for fmt in _OUTPUTS.values() if fmt.is_default)
+
+
+def path_formats() -> list[OutputFormat]:
+    """The formats an output path can ask for: by a suffix, or as a directory (the default).
+
+    These are the choices of ``consolidate``'s ``format``.
+    """
+    _load_builtin()
+    return [fmt for fmt in _OUTPUTS.values() if fmt.suffixes or fmt.is_default]
+
+
+def ends_in_separator(path: str | Path) -> bool:
+    """``path`` was written with a trailing ``/`` (a ``Path`` drops it: only a ``str`` can say so)."""
+    return isinstance(path, str) and path.endswith((os.sep, os.altsep or os.sep))
+
+
+def _or_list(items: Sequence[str]) -> str:
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " or " + items[-1]
+
+
+def _accepted_forms(formats: Sequence[OutputFormat]) -> str:
+    suffixes = [suffix for fmt in formats for suffix in fmt.suffixes]
+    return (f"use a path ending in {_or_list(suffixes)}, a directory for {_directory_format().name} (an existing "
+            f"one, or a path ending in /), or pass {{format=NAME}} ({', '.join(f.name for f in formats)})")
+
+
+def choose_output_format(out: str | Path, format: str | None = None, *, directory: bool | None = None
+                         ) -> OutputFormat:
+    """The output format ``out`` asks for, or an :class:`~ema_ckpt.errors.OptionError` naming the forms accepted.
+
+    Accepted: ``format`` (a name from :func:`path_formats`), a suffix a format claims
+    (``.safetensors``), an existing directory, or a path written with a trailing ``/``
+    (``directory``; by default read from a ``str`` ``out``). Anything else is refused, with a
+    suggestion when the suffix is close to a known one, so ``ema.safetensor`` never becomes a
+    directory.
+
+    Example:
+        >>> choose_output_format("model", "safetensors").name
+        'safetensors'
+    """
+    formats = path_formats()
+    path = Path(out)
+    directory = ends_in_separator(out) if directory is None else directory
+    suffix = path.suffix.lower()
+    claimed = next((fmt for fmt in formats if suffix in fmt.suffixes), None)
+    if format is not None:
+        chosen = next((fmt for fmt in formats if fmt.name == format), None)
+        if chosen is None:
+            raise OptionError("format", f"must be one of {', '.join(f.name for f in formats)}, got {format!r}",
+                              value=format)
+        if claimed is not None and claimed is not chosen:
+            raise OptionError("format", f"{format} does not match {{out}} {out} (its suffix {suffix} is "
+                              f"{claimed.name})", value=format, mentions=("out",))
+        if chosen.single_file and (directory or path.is_dir()):
+            raise OptionError("format", f"{format} writes one file, but {{out}} {out} is a directory",
+                              value=format, mentions=("out",))
+        return chosen
+    if directory:
+        if claimed is not None:
+            raise OptionError("out", f"{out}: a directory whose name ends in {suffix} ({claimed.name}) would be "
+                              f"mistaken for one file; {_accepted_forms(formats)}", value=out, mentions=("format",))
+        return _directory_format()
+    if claimed is not None:
+        return claimed
+    if path.is_dir():
+        return _directory_format()
+    if suffix:
+        known = [s for fmt in formats for s in fmt.suffixes]
+        close = difflib.get_close_matches(suffix, known, n=1, cutoff=0.6)
+        hint = f" (did you mean {path.with_suffix(close[0]).name}?)" if close else ""
+        problem = f"unknown output suffix {suffix}{hint}"
+    else:
+        problem = "no such directory, and no suffix to tell a file format"
+    raise OptionError("out", f"{out}: {problem}; {_accepted_forms(formats)}", value=out, mentions=("format",))
+
+
+def check_directory_output(out: str | Path, format_name: str = "dcp") -> None:
+    """Refuse a directory output (DCP: ``accumulate``, ``posthoc``, ``average``, ``reshard``)
+    whose name ends in a file format's suffix: ``--out ema.safetensors`` would be a directory
+    every tool then takes for a safetensors file.
+
+    Example:
+        >>> check_directory_output("ema-16")
+        >>> check_directory_output("ema.safetensors")
+        Traceback (most recent call last):
+        ...
+        ema_ckpt.errors.OptionError: out ema.safetensors: a dcp directory here would be taken for a safetensors file ...
+    """
+    suffix = Path(out).suffix.lower()
+    claimed = next((fmt for fmt in path_formats() if fmt.single_file and suffix in fmt.suffixes), None)
+    if claimed is not None:
+        raise OptionError("out", f"{out}: a {format_name} directory here would be taken for a {claimed.name} "
+                          f"file (its suffix {suffix}); name it otherwise, or write one file with consolidate",
+                          value=out)
 
 
 def _load_builtin() -> None:

@@ -232,7 +232,7 @@ class SafetensorsOutput(OutputWriter):
             weight_map = {t.name: name for name, group in self._by_file.items() for t in group}
             total = sum(math.prod(t.shape) * itemsize(t.dtype) for t in self._tensors.values())
             write_index(self.staging, weight_map, total)
-            files.append(WrittenFile(INDEX_NAME, (self.staging / INDEX_NAME).stat().st_size))
+            files.append(WrittenFile(INDEX_NAME, (self.staging / INDEX_NAME).stat().st_size, role="index"))
         return files
 
     def abort(self) -> None:
