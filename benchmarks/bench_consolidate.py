@@ -43,7 +43,7 @@ def main() -> None:
                                     str(ckpt), str(out / "torch.pt")],
         "ema-ckpt consolidate → .safetensors": [EMA, "consolidate", str(ckpt), "-o", str(out / "m.safetensors"),
                                                 "--quiet", "--overwrite"],
-        "ema-ckpt consolidate → HF shards (500MB)": [EMA, "consolidate", str(ckpt), "-o", str(out / "hf"),
+        "ema-ckpt consolidate → HF shards (500MB)": [EMA, "consolidate", str(ckpt), "-o", f"{out / 'hf'}/",
                                                      "--max-shard-size", "500MB", "--quiet", "--overwrite"],
         "ema-ckpt consolidate → .pt": [EMA, "consolidate", str(ckpt), "-o", str(out / "m.pt"), "--quiet",
                                       "--overwrite"],

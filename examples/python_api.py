@@ -40,7 +40,8 @@ def fold_ema(ckpts: Path, out: Path, decay: float) -> None:
     else:
         steps = ", ".join(str(c.step) for c in result.folded)
         print(
-            f"accumulate: folded step(s) {steps} into {result.out}, now at step {result.step} "
+            f"accumulate: folded step{'s' if len(result.folded) != 1 else ''} {steps} into {result.out}, "
+            f"now at step {result.step} "
             f"({result.keys} keys, {result.bytes_read} bytes read, {result.bytes_written} written)"
         )
 

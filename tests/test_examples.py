@@ -172,7 +172,7 @@ def test_cron_script(fsdp2_ckpts: Path, fsdp2_weights: dict, tmp_path: Path) -> 
     arrive(20, 30)
     first = cron()
     assert first.returncode == 0, first.stderr
-    assert len(log_lines(first)) == 1 and "ok: folded step(s) 20,30; EMA at step 30" in first.stdout
+    assert len(log_lines(first)) == 1 and "ok: folded steps 20,30; EMA at step 30" in first.stdout
     files = {p.name: p.read_bytes() for p in ema.iterdir()}
 
     again = cron()  # nothing new: exit 0, no byte changed
@@ -186,7 +186,7 @@ def test_cron_script(fsdp2_ckpts: Path, fsdp2_weights: dict, tmp_path: Path) -> 
     shutil.copy(fsdp2_ckpts / "step_50" / "__0_0.distcp", ckpts / "step_60")
     third = cron()
     assert third.returncode == 0 and len(log_lines(third)) == 1
-    assert "ok: folded step(s) 40,50; EMA at step 50" in third.stdout
+    assert "ok: folded steps 40,50; EMA at step 50" in third.stdout
     assert f"[skipped {ckpts / 'step_60'}: " in third.stdout
     assert run([EMA_CKPT, "verify", str(ema)]).returncode == 0
     assert_close(
@@ -263,7 +263,7 @@ def test_python_api(fsdp2_ckpts: Path, fsdp2_weights: dict, tmp_path: Path) -> N
     assert proc.returncode == 0, proc.stderr
     text = proc.stdout
     assert "plan: EMA at step 50" in text
-    assert "accumulate: folded step(s) 20, 30, 40, 50" in text
+    assert "accumulate: folded steps 20, 30, 40, 50" in text
     assert "accumulate again: up to date = True, step 50" in text
     assert "plan: sigma_rel_0.05 at step 50" in text and "plan: sigma_rel_0.10 at step 50" in text
     assert text.count("verify ") == 3 and text.count(": OK (") == 3

@@ -39,7 +39,8 @@ if r["up_to_date"]:
     line = "up to date at step %d" % r["step"]
 else:
     steps = ",".join(str(c["step"]) for c in r["folded"])
-    line = "folded step(s) %s; EMA at step %d (%.1f s)" % (steps, r["step"], r["seconds"])
+    word = "step" if len(r["folded"]) == 1 else "steps"
+    line = "folded %s %s; EMA at step %d (%.1f s)" % (word, steps, r["step"], r["seconds"])
 notes = " | ".join(" ".join(n.split()) for n in r["notes"])  # e.g. a checkpoint still being written
 print(line + (" [%s]" % notes if notes else ""))
 ') || summary="done (its JSON summary was unreadable)"
