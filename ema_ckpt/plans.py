@@ -126,29 +126,34 @@ EXPONENTIAL_LONGER = Note("a longer {half_life}, or a {decay} closer to 1", ment
 def sparse_warning(steps: Sequence[int], window: float, longer: Note) -> Note | None:
     """The plain-words warning for checkpoints too sparse for an EMA's window, or None.
 
-    It says what goes wrong (the average rests on a few checkpoints, so it is noisy: the
-    planner's relative error ≈ sqrt(k/window)) and what to do (save more often, or ``longer``).
+    It says what goes wrong (the average rests on a few checkpoints, so it averages out less
+    training noise: relative error ≈ sqrt(k/window), docs/math.md) and what to do (save more
+    often, or ``longer``).
 
     Example:
         >>> print(sparse_warning([100, 200, 300], 1000.0, POWER_LONGER))
         this EMA averages over about the last 1,000 steps, but checkpoints are up to 100 steps apart (between \
-steps 100 and 200), so only 3 checkpoints fall in that span: the result is a noisy average of a few checkpoints \
-rather than a smooth EMA, off by roughly 32%; save checkpoints more often (at least every 50 steps), or choose a \
-longer EMA (a larger sigma_rels)
+steps 100 and 200), so only 3 checkpoints fall in that span: the result is an average of those few checkpoints \
+and keeps more of the training noise than an EMA of every step would (a relative error of about 32%); save checkpoints more often (at least \
+every 50 steps), or choose a longer EMA (a larger sigma_rels)
     """
     sparse = maths.sparse_checkpoints(steps, window)
     if sparse is None:
         return None
     count = f"only {sparse.in_window} checkpoint{' falls' if sparse.in_window == 1 else 's fall'}"
-    pct = 100 * sparse.rel_error
-    error = f"by roughly {pct:.0f}%" if pct < 100 else "by more than 100%"
     every = math.floor(sparse.window / 20 * (1 + 1e-9))  # the spacing the planner accepts (999.99…/20: 50)
     often = f"at least every {every:,} steps" if every > 1 else "every step"
     return Note.joined("", [
         f"this EMA averages over about the last {max(sparse.window, 1):,.0f} steps, but checkpoints are up to "
-        f"{sparse.gap} steps apart (between steps {sparse.after} and {sparse.before}), so {count} in that span: "
-        f"the result is a noisy average of a few checkpoints rather than a smooth EMA, off {error}; save "
-        f"checkpoints more often ({often}), or choose a longer EMA (", longer, ")"])
+        f"{sparse.gap:,} steps apart (between steps {sparse.after:,} and {sparse.before:,}), so {count} in that "
+        f"span: the result is an average of those few checkpoints and keeps more of the training noise than an "
+        f"EMA of every step would (a relative error {_rough_percent(sparse.rel_error)}); save checkpoints more "
+        f"often ({often}), or choose a longer EMA (", longer, ")"])
+
+
+def _rough_percent(fraction: float) -> str:
+    """'of about 32%'; 'over 100%' from there on (the estimate means little beyond)."""
+    return f"of about {100 * fraction:.0f}%" if fraction < 1 else "over 100%"
 
 
 def plan_posthoc(

@@ -41,6 +41,10 @@ class _SafeConsole(Console):
 
 console = _SafeConsole(soft_wrap=True, quiet=not _PRIMARY, markup=False)
 err_console = _SafeConsole(stderr=True, soft_wrap=True, quiet=not _PRIMARY, markup=False)
+# On a terminal, long messages wrap between words at its width; into a file or a pipe each stays
+# one line (logs are read by grep, not by eye).
+for _console in (console, err_console):
+    _console.soft_wrap = not _console.is_terminal
 
 
 def shown(name: object) -> str:

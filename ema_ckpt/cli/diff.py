@@ -51,9 +51,9 @@ def _name(k: KeyDiff) -> str:
 
 
 _PAIRING = {
-    "strip-a": "names shown without the leading model. of the keys of A",
-    "strip-b": "names shown without the leading model. of the keys of B",
-    "strip-both": "names shown without the leading model. of the keys of A and B",
+    "strip-a": "keys in A start with model., keys in B do not: paired without it (rows show the names in B)",
+    "strip-b": "keys in B start with model., keys in A do not: paired without it (rows show the names in A)",
+    "strip-both": "keys in A and B paired without their leading model. (rows show them without it)",
 }
 
 

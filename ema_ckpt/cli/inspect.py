@@ -49,6 +49,7 @@ _LABELS = {
     "global_step": "global step",
 }
 _BYTES = re.compile(r"(^|_)(bytes|total_size)$")
+_STEPS = re.compile(r"step|iter|epoch")
 """Detail names whose integers count bytes."""
 
 
@@ -70,7 +71,10 @@ def fact(name: str, value: Any, *, all_items: bool = False) -> str | None:
     if isinstance(value, int):
         if value == 0:
             return None
-        return _bytes(value) if _BYTES.search(name) else f"{value:,}"
+        if _BYTES.search(name):
+            return _bytes(value)
+        # steps are names (step_1000), never written 1,000
+        return str(value) if _STEPS.search(name) else f"{value:,}"
     if isinstance(value, float):
         return f"{value:.6g}"
     if isinstance(value, Mapping):
@@ -118,7 +122,7 @@ def summary_rows(report: InspectResult, *, all_items: bool = False) -> list[tupl
     if report.step is None:
         rows.append(("step", "unknown"))
     else:
-        rows.append(("step", f"{report.step:,} (from {cli_text(report.step_source or '')})"))
+        rows.append(("step", f"{report.step} (from {cli_text(report.step_source or '')})"))
     rows.append(("keys", f"{report.key_count:,}"))
     rows.append(("tensor data", _bytes(report.total_bytes)))
     rows.append(("dtypes", ", ".join(f"{d} ×{n:,}" for d, n in sorted(report.dtypes.items()))))
@@ -134,7 +138,7 @@ def summary_rows(report: InspectResult, *, all_items: bool = False) -> list[tupl
     if report.manifest:
         m = report.manifest
         rows.append(("ema-ckpt", f"{m['kind']}: {m['description']}, in {m['dtype']}, "
-                                 f"{m['checkpoints']:,} checkpoints folded, at step {m['step']:,}"))
+                                 f"{m['checkpoints']:,} checkpoints folded, at step {m['step']}"))
     return rows
 
 
