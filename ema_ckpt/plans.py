@@ -134,8 +134,8 @@ def sparse_warning(steps: Sequence[int], window: float, longer: Note) -> Note | 
         >>> print(sparse_warning([100, 200, 300], 1000.0, POWER_LONGER))
         this EMA averages over about the last 1,000 steps, but checkpoints are up to 100 steps apart (between \
 steps 100 and 200), so only 3 checkpoints fall in that span: the result is an average of those few checkpoints \
-and keeps more of the training noise than an EMA of every step would (a relative error of about 32%); save checkpoints more often (at least \
-every 50 steps), or choose a longer EMA (a larger sigma_rels)
+and keeps more of the training noise than an EMA of every step would (a relative error of about 32%); save \
+checkpoints more often (at least every 50 steps), or choose a longer EMA (a larger sigma_rels)
     """
     sparse = maths.sparse_checkpoints(steps, window)
     if sparse is None:
