@@ -190,3 +190,11 @@ def test_accumulate_progress_counts_in_the_summarys_units_with_its_total(large_s
     for value, unit in mentioned:  # "written" is what is on disk
         factor = {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30}[unit]
         assert abs(float(value) * factor - written) <= 0.06 * factor, (value, unit, written, screen.text)
+
+
+def test_the_screens_in_the_docs_are_current():
+    """docs/*.md show screens captured by docs/make_screens.py; they must match today's CLI."""
+    script = Path(__file__).parent.parent / "docs" / "make_screens.py"
+    done = subprocess.run([sys.executable, str(script), "--check", "--cli", CLI], capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr
