@@ -6,18 +6,19 @@ then the model is scored on the same held-out sequences::
 
     python examples/demo/evaluate.py demo              # table, demo/results.json, demo/demo.png
     python examples/demo/evaluate.py demo --check demo/best.safetensors demo/best-4ranks
+    python examples/demo/evaluate.py demo --cron   # ema/ against demo/ema-one-shot and a float64 EMA
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import math
 import sys
 import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -29,8 +30,12 @@ from task import TinyTransformer, floor_loss, held_out, lm_loss, markov_table
 from ema_ckpt.maths import ExponentialProfile, exponential_coefficients
 from ema_ckpt.plans import plan_posthoc
 
-HELD_OUT = 1024  # sequences, SEQ_LEN - 1 scored predictions each
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+HELD_OUT = 512  # sequences, SEQ_LEN - 1 scored predictions each
 console = Console()
+Weights = dict[str, torch.Tensor]
 
 
 @dataclass
@@ -42,20 +47,19 @@ class Result:
     sigma_rel: float | None = None
 
 
-def load_weights(model: torch.nn.Module, path: Path) -> None:
-    """Load ``path`` into ``model``; every parameter must be there, with its shape."""
+def read_model(path: Path) -> Weights:
+    """The model's tensors in ``path`` (a safetensors file, or a DCP directory's ``model.*`` keys)."""
     if path.is_file():
-        model.load_state_dict(load_file(path))
-        return
-    state = model.state_dict()
+        return load_file(path)
+    state = TinyTransformer().state_dict()
     dcp.load({"model": state}, checkpoint_id=str(path), no_dist=True)  # DCP keys are model.<param>
-    model.load_state_dict(state)
+    return state
 
 
 @torch.inference_mode()
 def held_out_loss(path: Path, data: torch.Tensor) -> float:
     model = TinyTransformer()
-    load_weights(model, path)
+    model.load_state_dict(read_model(path))  # every parameter must be there, with its shape
     total = sum(float(lm_loss(model(seq[:, :-1]), seq)) * len(seq) for seq in data.split(256))
     return total / len(data)
 
@@ -64,17 +68,63 @@ def step_of(path: Path) -> int:
     return int(path.name.split("_")[-1])
 
 
+def checkpoints(folder: Path) -> list[Path]:
+    return sorted(folder.glob("step_*"), key=step_of)
+
+
+def manifest(ema: Path) -> dict:
+    return json.loads((ema / "ema-ckpt.json").read_text())
+
+
 def ema_decay(ema: Path) -> float | None:
     """The per-step decay ema-ckpt recorded in the EMA's manifest (None if not a per-step EMA)."""
-    profile = json.loads((ema / "ema-ckpt.json").read_text())["profile"]
+    profile = manifest(ema)["profile"]
     per_step = profile.get("kind") == "exponential" and not profile.get("per_checkpoint")
     return profile.get("decay") if per_step else None
+
+
+def span(steps: list[int]) -> str:
+    return ", ".join(map(str, steps)) if len(steps) <= 3 else f"{steps[0]} … {steps[-1]}"
+
+
+def cron_check(demo: Path) -> int:
+    """The EMA that cron runs built, folding new checkpoints only, against one run over every checkpoint
+    ever saved (the same bits) and a float64 EMA computed here with torch (float32 rounding apart)."""
+    folded = [c["step"] for c in manifest(demo / "ema")["checkpoints"]]
+    every = checkpoints(demo / "every-checkpoint")
+    kept = {step_of(p) for p in checkpoints(demo / "ckpts")}
+    deleted = [s for s in folded if s not in kept]
+    print(f"ema/ folded {len(folded)} checkpoints (steps {span(folded)}); "
+          f"retention has deleted {len(deleted)} of them since (steps {span(deleted)})")
+    if folded != [step_of(p) for p in every]:
+        print(f"DIFFERENT: training saved steps {span([step_of(p) for p in every])}")
+        return 1
+
+    ema, one_shot = read_model(demo / "ema"), read_model(demo / "ema-one-shot")
+    same = sum(torch.equal(ema[k], one_shot[k]) for k in ema)
+    print(f"ema/ (cron runs 1 and 2) against ema-one-shot/ (one run over all {len(every)}): "
+          f"{'the same bits' if same == len(ema) else 'DIFFERENT bits'} in {same} of {len(ema)} tensors")
+
+    decay = ema_decay(demo / "ema")
+    assert decay is not None, "the demo's EMA is a per-step EMA (--half-life)"
+    reference, prev = {}, 0
+    for path in every:  # ema₁ = θ₁, then emaₖ = β^Δ·emaₖ₋₁ + (1 − β^Δ)·θₖ
+        weights, step = read_model(path), step_of(path)
+        w = 1.0 if not reference else 1.0 - decay ** (step - prev)
+        for k, v in weights.items():
+            reference[k] = v.double() if k not in reference else torch.lerp(reference[k], v.double(), w)
+        prev = step
+    worst = max(float((ema[k].double() - reference[k]).abs().max()) for k in ema)
+    close = worst <= 1e-5
+    print(f"ema/ against a float64 EMA of the same {len(every)} checkpoints: max abs difference {worst:.1e}"
+          f"{' (float32 rounding)' if close else ', DIFFERENT'}")
+    return int(same != len(ema) or not close)
 
 
 def evaluate(demo: Path, data: torch.Tensor) -> tuple[list[Result], list[tuple[int, float]]]:
     """The variants (last raw checkpoint, best raw of the second half, EMA, post-hoc EMAs) and the
     held-out loss of every raw checkpoint of the second half of training."""
-    raw = sorted((demo / "ckpts").glob("step_*"), key=step_of)
+    raw = checkpoints(demo / "ckpts")
     last = raw[-1]
     curve = [(step_of(p), held_out_loss(p, data)) for p in raw if 2 * step_of(p) >= step_of(last)]
     results = [Result(f"raw {last.name}", "the last checkpoint, as saved", str(last), curve[-1][1])]
@@ -115,62 +165,131 @@ def print_table(results: list[Result], floor: float, best: Result) -> None:
     console.print(table)
 
 
+@dataclass
+class Weighting:
+    """What the plot's weights panel shows: each average's coefficient per checkpoint step."""
+
+    label: str
+    steps: list[int]
+    coefficients: list[float]
+
+
+def weightings(demo: Path, results: list[Result]) -> tuple[Weighting | None, Weighting | None, int | None]:
+    """The best post-hoc EMA's and the EMA's weight per checkpoint, and the oldest step retention kept
+    (the EMA's weights come from its manifest: every checkpoint it folded, deleted ones included)."""
+    sweep = [r for r in results if r.sigma_rel is not None]
+    posthoc = None
+    if sweep:
+        best = min(sweep, key=lambda r: r.loss)
+        plan = plan_posthoc(demo / "ckpts", sigma_rels=[f"{best.sigma_rel:g}"]).outputs[0]
+        posthoc = Weighting(f"{best.name} (best post-hoc)", [t.step for t in plan.terms],
+                            [t.coefficient for t in plan.terms])
+    ema, decay = None, ema_decay(demo / "ema") if (demo / "ema").is_dir() else None
+    if decay is not None:
+        folded = [c["step"] for c in manifest(demo / "ema")["checkpoints"]]
+        ema = Weighting("EMA (accumulate)", folded, exponential_coefficients(folded, ExponentialProfile(decay=decay)))
+    kept = checkpoints(demo / "ckpts")
+    return posthoc, ema, step_of(kept[0]) if kept else None
+
+
+def figure(
+    results: list[Result],
+    curve: list[tuple[int, float]],
+    floor: float,
+    posthoc: Weighting | None,
+    ema_weights: Weighting | None,
+    oldest_kept: int | None,
+) -> Figure:
+    """Four panels: loss by σ_rel; each checkpoint's weight; the raw checkpoints against the best average;
+    every variant's loss above the floor, one labelled bar each (the averages differ by a hair)."""
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullLocator
+    from matplotlib.transforms import blended_transform_factory
+
+    raw, ema = results[0], next((r for r in results if r.name == "EMA"), None)
+    sweep = [r for r in results if r.sigma_rel is not None]
+    best = min(results, key=lambda r: r.loss)
+    fig, ((left, weights), (over_time, bars)) = plt.subplots(2, 2, figsize=(14, 9))
+
+    if sweep:
+        sigmas = [r.sigma_rel for r in sweep]
+        best_sweep = min(sweep, key=lambda r: r.loss)
+        left.plot(sigmas, [r.loss for r in sweep], "o-", color="C0", label="post-hoc EMA (ema-ckpt posthoc)")
+        left.plot([best_sweep.sigma_rel], [best_sweep.loss], "*", color="C0", markersize=16,
+                  label=f"{best_sweep.name}: the sweep's lowest")
+        left.set_xscale("log")
+        left.xaxis.set_minor_locator(NullLocator())
+        left.set_xticks(sigmas, [f"{s:g}" for s in sigmas])
+    left.axhline(raw.loss, color="C3", ls="--", label=f"{raw.name} (no averaging)")
+    if ema is not None:  # a mark on the right edge: a line at its level would run along the sweep's curve
+        edge = blended_transform_factory(left.transAxes, left.transData)
+        left.plot([1.0], [ema.loss], "<", color="C2", ms=11, transform=edge, clip_on=False,
+                  label=f"EMA ({ema.what.split(', ')[-1]}), on the right edge")
+    left.axhline(floor, color="gray", ls=":", label="floor (the chain's own probabilities)")
+    shown = [raw.loss, floor, *(r.loss for r in sweep)]
+    low, high = min(shown), max(shown)
+    left.set_ylim(low - 0.05 * (high - low), high + 0.5 * (high - low))  # room for the legend above the lines
+    left.set_xlabel("σ_rel (EMA length relative to training time)")
+    left.set_ylabel("held-out loss")
+    left.set_title("Held-out loss by EMA length")
+    left.legend(fontsize=8, loc="upper center", ncol=2)
+
+    deleted = [s for s in ema_weights.steps if s < oldest_kept] if ema_weights and oldest_kept is not None else []
+    if deleted:
+        weights.axvspan(deleted[0], deleted[-1], color="0.9", label="checkpoints deleted by retention (in the EMA)")
+    if posthoc is not None:
+        gaps = [b - a for a, b in zip(posthoc.steps, posthoc.steps[1:], strict=False)]
+        width = 0.4 * min(gaps, default=1)
+        weights.bar([s - width / 2 for s in posthoc.steps], posthoc.coefficients, width=width, color="C0",
+                    label=posthoc.label)
+    if ema_weights is not None:
+        gaps = [b - a for a, b in zip(ema_weights.steps, ema_weights.steps[1:], strict=False)]
+        width = 0.4 * min(gaps, default=1)
+        weights.bar([s + width / 2 for s in ema_weights.steps], ema_weights.coefficients, width=width,
+                    color="C2", label=ema_weights.label)
+    weights.set_xlabel("checkpoint step")
+    weights.set_ylabel("coefficient (weights sum to 1)")
+    weights.set_title("Weight of each checkpoint")
+    weights.legend(fontsize=8)
+
+    raw_steps, raw_losses = zip(*curve, strict=True)
+    over_time.plot(raw_steps, raw_losses, "o-", color="C3", ms=3, label="raw checkpoints")
+    over_time.axhline(best.loss, color="C0" if best.sigma_rel is not None else "C2",
+                      label=f"{best.name}: the lowest loss (every variant in the next panel)")
+    over_time.axhline(floor, color="gray", ls=":", label="floor")
+    over_time.set_xlabel("checkpoint step")
+    over_time.set_ylabel("held-out loss")
+    over_time.set_title("Raw checkpoints against the best average (2nd half)")
+    over_time.legend(fontsize=8)
+
+    def colour(r: Result) -> str:
+        return "C2" if r is ema else "C0" if r.sigma_rel is not None else "C3"
+
+    rows = list(range(len(results)))[::-1]  # the table's order, top to bottom
+    excess = [r.loss - floor for r in results]
+    drawn = bars.barh(rows, excess, color=[colour(r) for r in results],
+                      edgecolor=["black" if r is best else "none" for r in results])
+    bars.bar_label(drawn, labels=[f"{r.loss:.4f}" for r in results], padding=3, fontsize=8)
+    bars.set_yticks(rows, [("★ " if r is best else "") + r.name for r in results], fontsize=8)
+    bars.set_xlim(0, 1.18 * max(excess))
+    bars.set_xlabel("held-out loss above the floor (bar labels: the loss)")
+    bars.set_title("Every variant (★ lowest)")
+
+    fig.tight_layout()
+    return fig
+
+
 def plot(demo: Path, results: list[Result], curve: list[tuple[int, float]], floor: float) -> Path | None:
-    """DEMO/demo.png: loss by σ_rel, the best σ_rel's weight per checkpoint, raw checkpoints' losses."""
+    """DEMO/demo.png (see ``figure``), or None without matplotlib."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-        from matplotlib.ticker import NullLocator
     except ImportError:
         print("matplotlib is not installed: no plot (pip install matplotlib, then run the demo again)")
         return None
-    raw, ema = results[0], next((r for r in results if r.name == "EMA"), None)
-    sweep = [r for r in results if r.sigma_rel is not None]
-    best = min(sweep, key=lambda r: r.loss)
-    fig, (left, middle, right) = plt.subplots(1, 3, figsize=(16, 4.4))
-
-    sigmas = [r.sigma_rel for r in sweep]
-    left.plot(sigmas, [r.loss for r in sweep], "o-", color="C0", label="post-hoc EMA (ema-ckpt posthoc)")
-    left.plot([best.sigma_rel], [best.loss], "*", color="C0", markersize=16)
-    left.axhline(raw.loss, color="C3", ls="--", label=f"{raw.name} (no averaging)")
-    if ema is not None:
-        left.axhline(ema.loss, color="C2", ls="-.", label=f"EMA ({ema.what.split(', ')[-1]})")
-    left.axhline(floor, color="gray", ls=":", label="floor (the chain's own probabilities)")
-    left.set_xscale("log")
-    left.xaxis.set_minor_locator(NullLocator())
-    left.set_xticks(sigmas, [f"{s:g}" for s in sigmas])
-    left.set_xlabel("σ_rel (EMA length relative to training time)")
-    left.set_ylabel("held-out loss")
-    left.set_title("Held-out loss by EMA length")
-    left.legend(fontsize=8)
-
-    plan = plan_posthoc(demo / "ckpts", sigma_rels=[f"{best.sigma_rel:g}"]).outputs[0]
-    steps, coeffs = [t.step for t in plan.terms], [t.coefficient for t in plan.terms]
-    width = 0.8 * min((b - a for a, b in itertools.pairwise(steps)), default=1)
-    middle.bar(steps, coeffs, width=width, color="C0", label=f"σ_rel {best.sigma_rel:g} (best post-hoc)")
-    decay = ema_decay(Path(ema.path)) if ema is not None else None
-    if decay is not None:
-        ema_coeffs = exponential_coefficients(steps, ExponentialProfile(decay=decay))
-        middle.step(steps, ema_coeffs, where="mid", color="C2", label="EMA (accumulate)")
-    middle.set_xlabel("checkpoint step")
-    middle.set_ylabel("coefficient (weights sum to 1)")
-    middle.set_title("Weight of each checkpoint")
-    middle.legend(fontsize=8)
-
-    raw_steps, raw_losses = zip(*curve, strict=True)
-    right.plot(raw_steps, raw_losses, "o-", color="C3", ms=3, label="raw checkpoints")
-    right.axhline(best.loss, color="C0", label=f"σ_rel {best.sigma_rel:g}")
-    if ema is not None:
-        right.axhline(ema.loss, color="C2", ls="-.", label="EMA")
-    right.axhline(floor, color="gray", ls=":", label="floor")
-    right.set_xlabel("checkpoint step")
-    right.set_ylabel("held-out loss")
-    right.set_title("Raw checkpoints vs their averages (2nd half)")
-    right.legend(fontsize=8)
-
-    fig.tight_layout()
+    fig = figure(results, curve, floor, *weightings(demo, results))
     out = demo / "demo.png"
     fig.savefig(out, dpi=100)
     plt.close(fig)
@@ -194,11 +313,13 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("demo", type=Path, help="the demo folder (ckpts/, ema/, posthoc/)")
     p.add_argument("--check", type=Path, nargs="+", help="score these weights against the best variant")
+    p.add_argument("--cron", action="store_true", help="check ema/ against ema-one-shot/ and a float64 EMA")
     args = p.parse_args()
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # dcp.load(no_dist=True)
+    if args.check or args.cron:
+        status = check(args.demo, args.check, held_out(HELD_OUT)) if args.check else 0
+        return status | (cron_check(args.demo) if args.cron else 0)
     data = held_out(HELD_OUT)
-    if args.check:
-        return check(args.demo, args.check, data)
 
     results, curve = evaluate(args.demo, data)
     floor = floor_loss(markov_table(), data)
