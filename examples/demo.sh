@@ -8,14 +8,18 @@
 # one run over every checkpoint ever saved. Then a post-hoc sweep over sigma_rel, every variant scored
 # on the same held-out data (table + DIR/demo.png), and the best one shipped as safetensors and as a
 # 4-rank DCP checkpoint.
-# Settings: DEMO_STEPS (400) in all, the first job stopping at DEMO_FIRST_JOB (215); DEMO_SAVE_EVERY
+# Settings: DEMO_STEPS (400) in all, the first job stopping at DEMO_FIRST_JOB (215 of 400); DEMO_SAVE_EVERY
 # (25,10: the first job's interval, the second's); DEMO_KEEP (20, the retention); DEMO_HALF_LIFE
 # (20 steps) for the EMA; DEMO_SIGMAS (a comma-separated list) for the post-hoc sweep.
 set -euo pipefail
 PY="${1:-python}"
 DIR="${2:-demo}"
 STEPS="${DEMO_STEPS:-400}"
-FIRST_JOB="${DEMO_FIRST_JOB:-215}"
+FIRST_JOB="${DEMO_FIRST_JOB:-$((STEPS * 215 / 400))}"
+if ((FIRST_JOB < 1 || FIRST_JOB >= STEPS)); then
+    echo "error: DEMO_FIRST_JOB ($FIRST_JOB), the first job's last step, must be above 0 and below DEMO_STEPS ($STEPS)" >&2
+    exit 2
+fi
 IFS=, read -r SAVE_EVERY_1 SAVE_EVERY_2 <<<"${DEMO_SAVE_EVERY:-25,10}"
 SAVE_EVERY_2="${SAVE_EVERY_2:-$SAVE_EVERY_1}"
 KEEP="${DEMO_KEEP:-20}"

@@ -118,6 +118,10 @@ def test_every_page_marks_its_commands_and_the_lists_stay_small_and_current():
     every = [c for page in PAGES for c in commands(page)]
     for page in PAGES:
         assert any(c.kind == "shell" and c.key.startswith("ema-ckpt ") for c in commands(page)), page
+        # every shell block is marked (a python block may stay unmarked: loading needs the user's model)
+        text = (REPO / page).read_text()
+        shell_blocks = len(re.findall(r"^```(?:bash|console|sh|shell)$", text, flags=re.MULTILINE))
+        assert shell_blocks == sum(lang != "python" for _, lang, _ in marked_blocks(page)), page
     keys = {c.key for c in every}
     assert len(SKIPPED) <= 6 and len(EXIT_STATUS) <= 2
     assert set(SKIPPED) <= keys, f"no longer documented: {sorted(set(SKIPPED) - keys)}"

@@ -94,8 +94,8 @@ def cron_check(demo: Path) -> int:
     every = checkpoints(demo / "every-checkpoint")
     kept = {step_of(p) for p in checkpoints(demo / "ckpts")}
     deleted = [s for s in folded if s not in kept]
-    print(f"ema/ folded {len(folded)} checkpoints (steps {span(folded)}); "
-          f"retention has deleted {len(deleted)} of them since (steps {span(deleted)})")
+    gone = f"{len(deleted)} of them since (steps {span(deleted)})" if deleted else "none of them"
+    print(f"ema/ folded {len(folded)} checkpoints (steps {span(folded)}); retention has deleted {gone}")
     if folded != [step_of(p) for p in every]:
         print(f"DIFFERENT: training saved steps {span([step_of(p) for p in every])}")
         return 1
