@@ -61,10 +61,10 @@ def test_demo(tmp_path: Path) -> None:
     assert "retention (the newest 6 kept) deleted step_20, step_40, step_45" in text
     assert sorted(int(p.name.split("_")[1]) for p in (out / "ckpts").glob("step_*")) == JOB_2
     run_1 = section(text, "cron run 1")
-    assert "ema: folded step(s) 20, 40, 45; EMA now at step 45 " in run_1
+    assert "ema: folded steps 20, 40, 45; EMA now at step 45 " in run_1
     run_2 = section(text, "cron run 2")
     assert "--dry-run" in run_2 and "ema at step 100" in run_2
-    assert "ema: folded step(s) 50, 60, 70, 80, 90, 100; EMA now at step 100 " in run_2
+    assert "ema: folded steps 50, 60, 70, 80, 90, 100; EMA now at step 100 " in run_2
     assert "ema: up to date at step 100; nothing new to fold" in section(text, "cron run 3")
     manifest = json.loads((out / "ema" / "ema-ckpt.json").read_text())
     assert [c["step"] for c in manifest["checkpoints"]] == JOB_1 + JOB_2  # deleted ones included
