@@ -14,6 +14,7 @@ exits non-zero naming the first key off by more than ``--rel`` of its scale.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import torch
@@ -51,10 +52,13 @@ def main() -> int:
             failure = failure or f"{key}: off by {error} (scale {scale})"
     dist.barrier()
     if dist.get_rank() == 0:
-        print(failure or f"OK: {len(want)} keys on {dist.get_world_size()} ranks")
+        print(failure or f"OK: {len(want)} keys on {dist.get_world_size()} ranks", flush=True)
     dist.destroy_process_group()
     return 1 if failure else 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # skip interpreter teardown: gloo threads can abort it ("terminate called ...")
