@@ -159,6 +159,11 @@ def human_bytes(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
+def exact_bytes(n: int) -> str:
+    """A size and its exact count: ``926.3 KiB (948,528 bytes)``."""
+    return f"{human_bytes(n)} ({n:,} bytes)"
+
+
 def plural(n: int, word: str, many: str | None = None) -> str:
     """``n`` and the word, singular or plural: ``1 file``, ``3 files``, ``2 indexes``.
 

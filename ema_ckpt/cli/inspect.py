@@ -12,7 +12,7 @@ import typer
 from ._errors import reports_errors
 from ._flags import cli_text
 from ._options import JsonOpt
-from ._output import console, human_bytes, print_json, shown
+from ._output import console, exact_bytes, human_bytes, print_json, shown
 from ._tables import Name, name_table, summary_grid
 
 if TYPE_CHECKING:
@@ -53,8 +53,6 @@ _STEPS = re.compile(r"step|iter|epoch")
 """Detail names whose integers count bytes."""
 
 
-def _bytes(n: int) -> str:
-    return f"{human_bytes(n)} ({n:,} bytes)"
 
 
 def fact(name: str, value: Any, *, all_items: bool = False) -> str | None:
@@ -72,7 +70,7 @@ def fact(name: str, value: Any, *, all_items: bool = False) -> str | None:
         if value == 0:
             return None
         if _BYTES.search(name):
-            return _bytes(value)
+            return exact_bytes(value)
         # steps are names (step_1000), never written 1,000
         return str(value) if _STEPS.search(name) else f"{value:,}"
     if isinstance(value, float):
@@ -124,7 +122,7 @@ def summary_rows(report: InspectResult, *, all_items: bool = False) -> list[tupl
     else:
         rows.append(("step", f"{report.step} (from {cli_text(report.step_source or '')})"))
     rows.append(("keys", f"{report.key_count:,}"))
-    rows.append(("tensor data", _bytes(report.total_bytes)))
+    rows.append(("tensor data", exact_bytes(report.total_bytes)))
     rows.append(("dtypes", ", ".join(f"{d} ×{n:,}" for d, n in sorted(report.dtypes.items()))))
     for name, value in report.details.items():
         if _said_already(report, name, value):

@@ -11,7 +11,7 @@ from ..errors import CheckpointFormatError
 from ._errors import reports_errors
 from ._flags import cli_text
 from ._options import JsonOpt, WorkersOpt
-from ._output import console, err_console, human_bytes, note, print_json, progress_bar
+from ._output import console, err_console, exact_bytes, note, plural, print_json, progress_bar
 from ._tables import Name, summary_grid
 
 if TYPE_CHECKING:
@@ -44,8 +44,8 @@ def checked_text(result: VerifyResult) -> str:
         if result.manifest:
             return "no data file could be checked against ema-ckpt.json"
         return f"nothing: {result.format_name or 'this format'} records no checksums"
-    amount = f"{human_bytes(result.bytes_hashed)} ({result.bytes_hashed:,} bytes)"
-    files = f"{result.hashed_files:,} file{'s' if result.hashed_files != 1 else ''}"
+    amount = exact_bytes(result.bytes_hashed)
+    files = plural(result.hashed_files, "file")
     if result.manifest:
         return f"{amount} in {files}, against ema-ckpt.json (sizes and CRC-32s)"
     if result.hashed_files == 1 and result.records == 1:
@@ -57,9 +57,9 @@ def checked_text(result: VerifyResult) -> str:
 
 def read_back_text(result: VerifyResult) -> str:
     """What was read back: tensor keys, and non-tensor entries where the format has them."""
-    text = f"{result.keys:,} key{'s' if result.keys != 1 else ''}"
+    text = plural(result.keys, "key")
     if result.entries:
-        text += f" and {result.entries:,} non-tensor entr{'ies' if result.entries != 1 else 'y'}"
+        text += " and " + plural(result.entries, "non-tensor entry", "non-tensor entries")
     return text
 
 
