@@ -1,11 +1,18 @@
-"""A post-hoc sweep of K = 4 σ_rel values against K = 1, side by side (each input read once per run).
+"""Post-hoc sweeps against their own floors, side by side in one run.
 
-Beside them, the floor of each: reading the inputs (cat), starting torch, and writing K outputs
-of the same size durably (dd with fsync, one file per output, written concurrently). Their
-ratio bounds what any tool that reads once and writes durably can reach for K = 4 against
-K = 1 on this machine.
+Two cases (``--case raw``, ``--case edm2``, or both):
 
-Usage: python benchmarks/bench_posthoc.py [--data bench-data/dcp-1g] [--repeat 3]
+- **raw**: 4 × 1 GiB fp32 DCP checkpoints, ``posthoc`` with K = 1 and K = 4 σ_rel values.
+- **edm2**: 8 raw checkpoints of 256 MiB → ``accumulate --sigma-rel 0.05 --sigma-rel 0.10
+  --snapshot-every`` → 16 power-EMA snapshots (setup, not timed); then ``posthoc`` from those
+  snapshots with K = 8 σ_rel values (0.04 … 0.20) and with K = 1.
+
+The floor of a run reads every input once (``cat``), starts torch, and writes its K outputs
+durably (``dd conv=fsync``, one file per output, written concurrently: this disk takes several
+streams faster than one after another). Each run is reported as a ratio of its own floor;
+medians of ``--repeat`` runs, hot page cache, rows interleaved.
+
+Usage: python benchmarks/bench_posthoc.py [--case raw|edm2|all] [--repeat 3]
 """
 
 from __future__ import annotations
@@ -30,58 +37,114 @@ from _harness import (
     with_baseline,
 )
 
+EDM2_SIGMAS = "0.04,0.0629,0.0857,0.1086,0.1314,0.1543,0.1771,0.20"  # K = 8, evenly spaced
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--data", type=Path, default=Path("bench-data/dcp-1g"))
-    parser.add_argument("--repeat", type=int, default=3)
-    args = parser.parse_args()
-    subprocess.run([PY, str(Path(__file__).parent / "make_dcp_sequence.py"), str(args.data), "--count", "4"],
-                   check=True, stdout=subprocess.DEVNULL)
-    out = args.data.parent / "bench-posthoc"
-    ckpts = sorted(p for p in args.data.iterdir() if p.name.startswith("step_"))
-    files = " ".join(str(f) for c in ckpts for f in sorted(c.iterdir()))
-    out_mib = max(1, dir_bytes(ckpts[-1]) >> 20)  # an fp32 output is the size of an fp32 input
 
-    def durable_writes(k: int) -> str:
-        # concurrently: this disk takes four streams faster than four files one after another
-        return " ".join(f"dd if=/dev/zero of={out}/dd{i}.bin bs=1M count={out_mib} conv=fsync status=none &"
-                        for i in range(k)) + " wait"
+def _files(folders: list[Path]) -> str:
+    return " ".join(str(f) for c in folders for f in sorted(c.rglob("*")) if f.is_file())
 
-    runs = {
-        "cat inputs > /dev/null": dict(cmd=f"cat {files} > /dev/null", shell=True),
-        "python -c 'import torch'": dict(cmd=[PY, "-c", "import torch"]),
-        "write 1 output durably (dd, fsync)": dict(cmd=f"mkdir -p {out} && {durable_writes(1)}", shell=True),
-        "write 4 outputs durably (dd, fsync)": dict(cmd=f"mkdir -p {out} && {durable_writes(4)}", shell=True),
-        "posthoc K=1 (σ_rel 0.10)": dict(cmd=[EMA, "posthoc", str(args.data), "--sigma-rel", "0.10",
-                                              "--out", str(out), "--quiet"]),
-        "posthoc K=4 (σ_rel 0.05,0.10,0.15,0.20)": dict(cmd=[EMA, "posthoc", str(args.data), "--sigma-rel",
-                                                             "0.05,0.10,0.15,0.20", "--out", str(out), "--quiet"]),
-    }
+
+def _durable_writes(out: Path, count: int, mib: int) -> str:
+    return (f"mkdir -p {out} && " + " ".join(
+        f"dd if=/dev/zero of={out}/dd{i}.bin bs=1M count={mib} conv=fsync status=none &" for i in range(count))
+        + " wait")
+
+
+def _measure(runs: dict[str, dict], out: Path, repeat: int) -> dict[str, Measurement]:
     runs = with_baseline(runs)
     results = {name: Measurement(name, [], []) for name in runs}
-    for repeat in range(args.repeat):
-        for name, spec in in_turn(runs, repeat):
+    for r in range(repeat):
+        for name, spec in in_turn(runs, r):
             shutil.rmtree(out, ignore_errors=True)
             wall, rss = run_timed(spec["cmd"], shell=spec.get("shell", False), env=spec.get("env"))
             results[name].wall.append(wall)
             results[name].rss_mib.append(rss)
     shutil.rmtree(out, ignore_errors=True)
-    cat, torch_start, write1, write4, one, four = list(results.values())[:6]
-    floor1 = cat.wall_median + torch_start.wall_median + write1.wall_median
-    floor4 = cat.wall_median + torch_start.wall_median + write4.wall_median
-    print(f"Machine: {machine_description()}")
-    print(f"Input: 4 × 1 GiB fp32 DCP checkpoints; medians of {args.repeat} runs, hot page cache\n")
+    return results
+
+
+def _report(title: str, results: dict[str, Measurement], floors: dict[str, tuple[str, ...]],
+            pair: tuple[str, str] | None = None) -> None:
+    """``floors``: ema-ckpt row → the rows whose medians add up to its floor."""
+    print(f"\n### {title}\n")
     print(table([(m.name, f"{m.wall_median:.2f}", f"{m.rss_median:.0f}") for m in results.values()],
                 ("command", "wall s", "peak RSS MiB")))
-    print(f"\nfloor K=1 (cat + import torch + 1 durable output) = {floor1:.2f} s; posthoc K=1 / floor = "
-          f"{one.wall_median / floor1:.2f}")
-    print(f"floor K=4 (cat + import torch + 4 durable outputs) = {floor4:.2f} s; posthoc K=4 / floor = "
-          f"{four.wall_median / floor4:.2f}")
-    print(f"K=4 / K=1 time = {four.wall_median / one.wall_median:.2f} (floors: {floor4 / floor1:.2f})")
-
+    print()
+    for name, parts in floors.items():
+        floor = sum(results[p].wall_median for p in parts)
+        print(f"- {name}: {results[name].wall_median:.2f} s against a floor of {floor:.2f} s "
+              f"({' + '.join(parts)}) = **{results[name].wall_median / floor:.2f}× its floor**")
+    if pair is not None:
+        many, one = results[pair[0]], results[pair[1]]
+        print(f"- {pair[0]} / {pair[1]}: {many.wall_median / one.wall_median:.2f}× the time")
     if baseline_ratios(results):
         print("\n" + baseline_ratios(results))
+
+
+def raw_case(data: Path, repeat: int) -> None:
+    subprocess.run([PY, str(Path(__file__).parent / "make_dcp_sequence.py"), str(data), "--count", "4"],
+                   check=True, stdout=subprocess.DEVNULL)
+    out = data.parent / "bench-posthoc"
+    ckpts = sorted(p for p in data.iterdir() if p.name.startswith("step_"))
+    mib = max(1, dir_bytes(ckpts[-1]) >> 20)  # an fp32 output is the size of an fp32 input
+    one, four = "posthoc K=1 (σ_rel 0.10)", "posthoc K=4 (σ_rel 0.05,0.10,0.15,0.20)"
+    runs = {
+        "cat inputs > /dev/null": dict(cmd=f"cat {_files(ckpts)} > /dev/null", shell=True),
+        "python -c 'import torch'": dict(cmd=[PY, "-c", "import torch"]),
+        "write 1 output durably": dict(cmd=_durable_writes(out, 1, mib), shell=True),
+        "write 4 outputs durably": dict(cmd=_durable_writes(out, 4, mib), shell=True),
+        one: dict(cmd=[EMA, "posthoc", str(data), "--sigma-rel", "0.10", "--out", str(out), "--quiet"]),
+        four: dict(cmd=[EMA, "posthoc", str(data), "--sigma-rel", "0.05,0.10,0.15,0.20", "--out", str(out),
+                        "--quiet"]),
+    }
+    results = _measure(runs, out, repeat)
+    base = ("cat inputs > /dev/null", "python -c 'import torch'")
+    _report("Raw sweep: 4 × 1 GiB fp32 DCP checkpoints", results,
+            {one: (*base, "write 1 output durably"), four: (*base, "write 4 outputs durably")}, (four, one))
+
+
+def edm2_case(root: Path, repeat: int) -> None:
+    raw = root / "dcp-256m-x8"
+    subprocess.run([PY, str(Path(__file__).parent / "make_dcp_sequence.py"), str(raw), "--size-gib", "0.25",
+                    "--count", "8"], check=True, stdout=subprocess.DEVNULL)
+    power = root / "power-ema-256m"
+    if not (power / "ema-ckpt.json").exists():
+        subprocess.run([EMA, "accumulate", str(raw), "--sigma-rel", "0.05,0.10", "--snapshot-every", "1000",
+                        "--out", str(power), "--quiet", "--restart"], check=True)
+    snapshot_root = power / "snapshots"
+    snapshots = sorted(p for p in snapshot_root.rglob(".metadata"))
+    if len(snapshots) != 16:
+        raise SystemExit(f"{snapshot_root}: expected 16 snapshots, found {len(snapshots)}")
+    folders = [p.parent for p in snapshots]
+    mib = max(1, dir_bytes(folders[0]) >> 20)
+    out = root / "bench-posthoc-edm2"
+    one, eight = "posthoc K=1 (σ_rel 0.10)", "posthoc K=8 (σ_rel 0.04 … 0.20)"
+    runs = {
+        "cat snapshots > /dev/null": dict(cmd=f"cat {_files(folders)} > /dev/null", shell=True),
+        "python -c 'import torch'": dict(cmd=[PY, "-c", "import torch"]),
+        "write 1 output durably": dict(cmd=_durable_writes(out, 1, mib), shell=True),
+        "write 8 outputs durably": dict(cmd=_durable_writes(out, 8, mib), shell=True),
+        one: dict(cmd=[EMA, "posthoc", str(snapshot_root), "--sigma-rel", "0.10", "--out", str(out), "--quiet"]),
+        eight: dict(cmd=[EMA, "posthoc", str(snapshot_root), "--sigma-rel", EDM2_SIGMAS, "--out", str(out),
+                         "--quiet"]),
+    }
+    results = _measure(runs, out, repeat)
+    base = ("cat snapshots > /dev/null", "python -c 'import torch'")
+    _report("EDM2-shaped sweep: 16 power-EMA snapshots of 256 MiB (σ_rel 0.05 and 0.10, 8 steps)", results,
+            {one: (*base, "write 1 output durably"), eight: (*base, "write 8 outputs durably")}, (eight, one))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--case", choices=("raw", "edm2", "all"), default="all")
+    parser.add_argument("--data", type=Path, default=Path("bench-data/dcp-1g"))
+    parser.add_argument("--repeat", type=int, default=3)
+    args = parser.parse_args()
+    print(f"Machine: {machine_description()}; medians of {args.repeat} runs, hot page cache")
+    if args.case in ("raw", "all"):
+        raw_case(args.data, args.repeat)
+    if args.case in ("edm2", "all"):
+        edm2_case(args.data.parent, args.repeat)
 
 
 if __name__ == "__main__":

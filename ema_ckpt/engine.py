@@ -6,6 +6,9 @@ Each output is a combination of the sources, given as ordered updates:
   with w = 1, initialises ``acc``). This is how an EMA is kept, and doing it the same way
   in a one-shot run and in an incremental run makes both produce the same bits.
 * ``sum`` outputs compute ``acc = Σ wₛ·θₛ`` (post-hoc EMA, where weights may be negative).
+  Two or more sum outputs over the same sources (a sweep) are computed together, one small
+  matrix product per block: the K × N coefficients times the N sources' block gives the K
+  output blocks in one pass over the inputs, with the bits of the one-output loop.
 
 For each region (one stored chunk of the output layout), each source's matching box is
 read once and folded into every output that uses it, then the results are written and
@@ -20,10 +23,11 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Literal
@@ -115,7 +119,7 @@ def combine_regions(
     buffers = _Buffers()
     finite = frozenset(check_finite)
     kinds: dict[str, tuple[torch.dtype, bool]] = {}  # key -> (stored dtype of the output, floating)
-    with _WriteBehind(len(writers)) as behind:
+    with _one_compute_thread(device, computes=not all(r.raw for r in regions)), _WriteBehind(len(writers)) as behind:
         for region_index, region in enumerate(regions):
             if region.raw:
                 behind.wait()  # raw copies and tensor writes to one file stay in order
@@ -185,6 +189,27 @@ def _combine_one(
 
 
 _WRITE_BEHIND_BYTES = 1 << 20  # smaller regions are written inline: a thread handoff would cost more
+
+
+@contextlib.contextmanager
+def _one_compute_thread(device: str, *, computes: bool = True) -> Iterator[None]:
+    """The run's arithmetic on one intra-op thread (CPU), the previous setting restored after.
+
+    The arithmetic is a few passes over cache-sized blocks, far cheaper than reading and
+    writing them; the cores are better spent on the write-behind threads (page-cache copies,
+    CRC-32) and on ``--workers``. OpenMP's idle workers also spin between operations, taking
+    those cores from the writers. Results do not depend on the thread count either way. A run
+    of byte copies only (``computes`` False) never imports torch.
+    """
+    if device != "cpu" or not computes:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 class _WriteBehind:
@@ -269,12 +294,14 @@ def _read(reader: CheckpointReader, key: str, box: Box, spec: TensorSpec, buffer
 # Row blocks of a region, per source: small enough to stay in the CPU's cache while every
 # output uses them, so each input byte crosses memory once however many outputs there are.
 _BLOCK_BYTES = 2 << 20
+# A sweep's block of every source at once (its matrix product's input): the same goal.
+_SWEEP_STACK_BYTES = 8 << 20
 
 
-def _blocks(box: Box, itemsize: int, device: str) -> list[Box]:
+def _blocks(box: Box, itemsize: int, device: str, budget: int = _BLOCK_BYTES) -> list[Box]:
     if device != "cpu" or not box.sizes:  # a GPU wants large transfers
         return [box]
-    return split_rows(box, max(1, _BLOCK_BYTES // itemsize))
+    return split_rows(box, max(1, budget // itemsize))
 
 
 def _accumulate_region(
@@ -292,7 +319,8 @@ def _accumulate_region(
     """Every output's values over ``region``, computed row block by row block.
 
     Elementwise arithmetic on blocks gives the same bits as on the whole region; within a
-    block, sources are applied in order, as in a one-shot or incremental run.
+    block, sources are applied in order, as in a one-shot or incremental run. A sweep's sum
+    outputs (see :func:`_sweep`) are one matrix product per block instead.
     """
     weights = [{u.source: u.weight for u in out.updates} for out in outputs]
     shape = region.box.sizes
@@ -313,11 +341,35 @@ def _accumulate_region(
     # blocks keep a block of every input in cache while each output uses it; a pure copy
     # (consolidate, reshard) has nothing to keep and reads each region whole
     copies_only = all(out.mode == "copy" for out in outputs)
-    blocks = [region.box] if copies_only else _blocks(region.box, dtype.itemsize, device)
+    sweep = None if copies_only or device != "cpu" else _sweep(outputs, weights, inputs, region.box.numel, dtype)
+    if sweep is not None:
+        # the sweep's outputs are rows of one buffer, so a block's product lands in place
+        together = (buffers.get(("sweep", parity), (len(sweep.outputs), region.box.numel), dtype)
+                    if buffers is not None else torch.empty((len(sweep.outputs), region.box.numel), dtype=dtype))
+        for row, k in enumerate(sweep.outputs):
+            results[k] = together[row].view(shape)
+    stacked = len(sweep.sources) if sweep is not None else 1
+    blocks = ([region.box] if copies_only else _blocks(region.box, dtype.itemsize, device) if sweep is None
+              else _blocks(region.box, dtype.itemsize * stacked, device, _SWEEP_STACK_BYTES))
+    row_numel = region.box.numel // shape[0] if shape and shape[0] else 1
     for block in blocks:
         where = block.relative_to(region.box).slices()
         started = [False] * len(outputs)
+        if sweep is not None:
+            stack = (buffers.get("stack", (stacked, block.numel), dtype) if buffers is not None
+                     else torch.empty((stacked, block.numel), dtype=dtype))
         for source, spec, users in inputs:
+            if sweep is not None and source in sweep.row_of:
+                target = stack[sweep.row_of[source]].view(block.sizes)
+                raw = _read(sources[source], region.key, block, spec, buffers,
+                            out=target if spec.dtype == dtype else None)
+                stats.bytes_read += raw.numel() * raw.element_size()
+                if raw.data_ptr() != target.data_ptr():
+                    target.copy_(raw)
+                for k in users:
+                    if k not in sweep.members:
+                        _apply(outputs[k], weights[k][source], target, raw, result, dtype, where, started, k)
+                continue
             # a copy, or a fold's first update, is the input itself: read it straight into the
             # output's buffer (saves a pass over the block)
             first = users[0]
@@ -347,22 +399,86 @@ def _accumulate_region(
                 value = (buffers.get("convert", block.sizes, dtype).copy_(raw) if buffers is not None
                          else raw.to(dtype))
             for k in users:
-                w = weights[k][source]
-                acc = result(k, dtype)[where]
-                if not started[k]:
-                    started[k] = True
-                    if outputs[k].mode == "fold":
-                        acc.copy_(value)
-                    else:
-                        torch.mul(value, w, out=acc)
-                elif outputs[k].mode == "fold":
-                    acc.lerp_(value, w)
-                else:
-                    acc.add_(value, alpha=w)
+                _apply(outputs[k], weights[k][source], value, raw, result, dtype, where, started, k)
             del raw, value
+        if sweep is not None:
+            first_row = (block.offsets[0] - region.box.offsets[0]) * row_numel if shape else 0
+            sweep.combine(stack, together[:, first_row:first_row + block.numel])
         if check_finite and not all(_all_finite(r[where]) for r in results if r is not None):
             _find_nonfinite(sources, inputs, region.key, block, buffers, check_finite)
     return [r if r is not None else torch.zeros(shape, dtype=dtype, device=device) for r in results]
+
+
+def _apply(output: OutputSpec, weight: float, value: torch.Tensor, raw: torch.Tensor,
+           result: Callable[[int, torch.dtype], torch.Tensor], dtype: torch.dtype, where: tuple[slice, ...],
+           started: list[bool], k: int) -> None:
+    """One source's update of output ``k`` over a block (``value``: the source in ``dtype``)."""
+    if output.mode == "copy":
+        result(k, raw.dtype)[where].copy_(raw)
+        return
+    acc = result(k, dtype)[where]
+    if not started[k]:
+        started[k] = True
+        if output.mode == "fold":
+            acc.copy_(value)
+        else:
+            torch.mul(value, weight, out=acc)
+    elif output.mode == "fold":
+        acc.lerp_(value, weight)
+    else:
+        acc.add_(value, alpha=weight)
+
+
+@dataclass(frozen=True, slots=True)
+class _Sweep:
+    """Sum outputs over the same sources, computed as ``coefficients @ stack`` per block.
+
+    ``coefficients`` is K × N (outputs × sources, in source order); ``stack`` holds the N
+    sources' block as rows. Each element of the product is accumulated source by source in
+    order, as the one-output loop does (``acc = w₀·θ₀``, then ``acc += wₛ·θₛ``); a one-column
+    block, which BLAS would take as a matrix-vector product, is computed by that loop.
+    The same shapes give the same bits for any thread count and any number of workers.
+    """
+
+    outputs: tuple[int, ...]
+    members: frozenset[int]
+    sources: tuple[int, ...]
+    row_of: Mapping[int, int]
+    coefficients: torch.Tensor
+
+    def combine(self, stack: torch.Tensor, out: torch.Tensor) -> None:
+        if stack.shape[1] >= 2:
+            torch.mm(self.coefficients, stack, out=out)
+            return
+        for row in range(len(self.outputs)):
+            torch.mul(stack[0], float(self.coefficients[row, 0]), out=out[row])
+            for column in range(1, len(self.sources)):
+                out[row].add_(stack[column], alpha=float(self.coefficients[row, column]))
+
+
+def _sweep(outputs: Sequence[OutputSpec], weights: Sequence[Mapping[int, float]],
+           inputs: Sequence[tuple[int, TensorSpec, list[int]]], numel: int, dtype: torch.dtype) -> _Sweep | None:
+    """The largest set (two or more) of sum outputs that use exactly the same present sources.
+
+    Only outputs over the same sources join: an output that skips a source must not see it
+    at weight 0 (0 · Inf is NaN, and -0 could turn into +0).
+    """
+    if numel < 2:
+        return None
+    present = [source for source, _spec, _users in inputs]
+    by_sources: dict[tuple[int, ...], list[int]] = {}
+    for k, output in enumerate(outputs):
+        if output.mode == "sum":
+            used = tuple(s for s in present if s in weights[k])
+            if used:
+                by_sources.setdefault(used, []).append(k)
+    if not by_sources:
+        return None
+    used, members = max(by_sources.items(), key=lambda item: len(item[1]))
+    if len(members) < 2:
+        return None
+    coefficients = torch.tensor([[weights[k][s] for s in used] for k in members], dtype=torch.float64).to(dtype)
+    return _Sweep(tuple(members), frozenset(members), used, {s: i for i, s in enumerate(used)}, coefficients)
 
 
 def _find_nonfinite(sources: Sequence[CheckpointReader], inputs: Sequence[tuple[int, TensorSpec, list[int]]],

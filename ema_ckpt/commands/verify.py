@@ -23,12 +23,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import zipfile
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .._crc import crc32
 from ..dist import Workers
 from ..errors import CheckpointError, CheckpointNotFoundError, EmaCkptError
 from ..formats import open_checkpoint
@@ -409,7 +409,7 @@ def _size_and_crc32(file: Path, block_bytes: int) -> tuple[int, int]:
             n = handle.readinto(buffer)
             if not n:
                 break
-            crc = zlib.crc32(view[:n], crc)
+            crc = crc32(view[:n], crc)
             size += n
     return size, crc
 

@@ -21,10 +21,10 @@ import os
 import pickle
 import struct
 import zipfile
-import zlib
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
+from .._crc import crc32
 from .._lazy import torch
 from ..errors import UsageError
 from .zipfmt import (
@@ -166,7 +166,7 @@ def write_tensor_record(out: RecordSink, tensor: torch.Tensor) -> int:
     position = 0
     central: list[bytes] = []
     for name, payload in members:
-        crc = zlib.crc32(payload)
+        crc = crc32(payload)
         extra = b""
         if name == b"archive/data/0":  # align the storage bytes as torch does (mmap needs it)
             pad = -(position + LOCAL_HEADER.size + len(name) + 4) % STORAGE_ALIGNMENT

@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import functools
 import os
-import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
 from .._compat.dcp_metadata import dump_metadata
+from .._crc import crc32
 from .._lazy import torch
 from .._pickle import check_written_metadata
 from ..dtypes import name_of
@@ -67,7 +67,7 @@ def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
     crc(A) is carried over len(B) zero bytes, one cached operator per set bit of len(B).
 
     Example:
-        >>> crc32_combine(zlib.crc32(b"ab"), zlib.crc32(b"cd"), 2) == zlib.crc32(b"abcd")
+        >>> crc32_combine(crc32(b"ab"), crc32(b"cd"), 2) == crc32(b"abcd")
         True
     """
     power = 0
@@ -101,7 +101,7 @@ class _ChecksumFile:
         if crc is not None and len(data) > 4096:
             self.crc32 = crc32_combine(self.crc32, crc, len(data))
         else:
-            self.crc32 = zlib.crc32(data, self.crc32)
+            self.crc32 = crc32(data, self.crc32)
         self.position += len(data)
         if self.position - self._written_back >= _WRITEBACK_BYTES:
             self._handle.flush()

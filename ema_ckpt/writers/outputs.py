@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..dtypes import itemsize, torch_dtype
 from ..errors import OutputError
-from ..layout import Box, dim0_shard_regions, row_blocks
+from ..layout import Box, dim0_shard_regions, row_blocks, split_rows
 from .base import OutputFormat, OutputTensor, OutputWriter, PlannedRegion, WrittenFile, register_output
 
 if TYPE_CHECKING:
@@ -30,6 +30,10 @@ if TYPE_CHECKING:
 DEFAULT_FILE_BYTES = 256 << 20
 """Largest DCP data file the engine starts (a file is the unit workers share out)."""
 MIN_FILE_BYTES = 16 << 20
+DEFAULT_CHUNK_BYTES = 16 << 20
+"""Largest chunk a DCP output stores when it follows the source's layout: a larger stored chunk
+is written as several, each whole rows of it, so the engine holds a few of these per output
+(a sweep of K outputs), never a few whole shards of each."""
 # Each region also costs fixed Python work (records to parse, a record to write), about what
 # reading 256 KiB costs: counted in, files of many small tensors split finely enough to share out.
 REGION_OVERHEAD_BYTES = 256 << 10
@@ -54,6 +58,10 @@ class DcpOutput(OutputWriter):
             as FSDP2's ``fully_shard`` does, rank r's rows in ``__r_<part>.distcp``.
         max_file_bytes: split each rank's chunks into files of about this much work
             (None: one file per rank).
+        max_chunk_bytes: with ``world_size`` None, cut a larger source chunk on its first
+            dim into chunks of at most this many bytes (None: keep every chunk whole). The
+            cut depends only on the layout, so an incremental run reads the previous EMA
+            chunk for chunk.
         planner_data: DCP's key paths (``{"model.w": ("model", "w")}``) for ``.metadata``.
     """
 
@@ -61,10 +69,12 @@ class DcpOutput(OutputWriter):
 
     def __init__(self, staging: Path, final_name: str, *, world_size: int | None = None,
                  max_file_bytes: int | None = DEFAULT_FILE_BYTES,
+                 max_chunk_bytes: int | None = DEFAULT_CHUNK_BYTES,
                  planner_data: Mapping[str, tuple[str, ...]] | None = None) -> None:
         super().__init__(staging, final_name)
         self.world_size = world_size
         self.max_file_bytes = max_file_bytes
+        self.max_chunk_bytes = max_chunk_bytes
         self.planner_data = dict(planner_data or {})
         self._tensors: list[OutputTensor] = []
         self._files: dict[str, tuple[int, int]] = {}
@@ -78,7 +88,11 @@ class DcpOutput(OutputWriter):
                 ranked.extend((tensor, box, rank) for rank, box in dim0_shard_regions(tensor.shape, self.world_size))
                 continue
             chunks = [(c.box, c.rank or 0) for c in source.chunks(tensor.key)]
-            ranked.extend((tensor, box, rank) for box, rank in chunks or [(Box.full(tensor.shape), 0)])
+            limit = (None if self.max_chunk_bytes is None
+                     else max(1, self.max_chunk_bytes // max(itemsize(tensor.stored_dtype), itemsize(tensor.dtype), 1)))
+            for box, rank in chunks or [(Box.full(tensor.shape), 0)]:
+                pieces = [box] if limit is None else split_rows(box, limit)
+                ranked.extend((tensor, piece, rank) for piece in pieces)
         return self._split_files(ranked)
 
     def _split_files(self, ranked: Sequence[tuple[OutputTensor, Box, int]]) -> list[PlannedRegion]:
