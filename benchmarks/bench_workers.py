@@ -1,22 +1,26 @@
-"""--workers 2 against 1 on a CPU-bound case: averaging checkpoints of many small tensors.
+"""--workers 2 against 1, on a CPU-bound case and on an I/O-bound one.
 
-Per-chunk work (parsing a record, reading it, folding it, writing a record) is Python-bound;
-large tensors are memory-bound instead, and torch already spreads their arithmetic over the
-cores of one process.
+- **CPU-bound**: averaging 4 checkpoints of 20k small tensors. Per-chunk work (parsing a
+  record, reading it, folding it, writing a record) is Python-bound, so a second worker halves it.
+- **I/O-bound**: accumulate over 4 × 1 GiB checkpoints of large tensors (bench-data/dcp-1g).
+  Each byte is copied from the page cache, folded and copied back into the page cache and to
+  the disk; with 2 cores the kernel's copies and the disk's write-back already run beside the
+  arithmetic, so the ceiling is the floor (cat + dd of the output), shown beside it.
 
-Usage: python benchmarks/bench_workers.py [--repeat 3]
+Usage: python benchmarks/bench_workers.py [--repeat 3] [--large bench-data/dcp-1g]
 """
 
 from __future__ import annotations
 
 import argparse
 import shutil
+import subprocess
 import sys
 import warnings
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _harness import EMA, Measurement, machine_description, run_timed, table
+from _harness import EMA, PY, Measurement, dir_bytes, machine_description, run_timed, table
 
 
 def make(root: Path, count: int, tensors: int) -> None:
@@ -39,6 +43,7 @@ def main() -> None:
     parser.add_argument("--count", type=int, default=4)
     parser.add_argument("--tensors", type=int, default=20000)
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--large", type=Path, default=Path("bench-data/dcp-1g"))
     args = parser.parse_args()
     make(args.data, args.count, args.tensors)
     out = args.data.parent / "bench-workers"
@@ -59,6 +64,42 @@ def main() -> None:
     print(table([(m.name, f"{m.wall_median:.2f}", f"{m.rss_median:.0f}") for m in results.values()],
                 ("command", "wall s", "peak RSS MiB (largest process)")))
     print(f"\nspeed-up with 2 workers = {one.wall_median / two.wall_median:.2f}×")
+    if args.large:
+        large_case(args.large, args.repeat)
+
+
+def large_case(data: Path, repeat: int) -> None:
+    subprocess.run([PY, str(Path(__file__).parent / "make_dcp_sequence.py"), str(data), "--count", "4"],
+                   check=True, stdout=subprocess.DEVNULL)
+    out = data.parent / "bench-workers-large"
+    ckpts = sorted(p for p in data.iterdir() if p.name.startswith("step_"))
+    files = " ".join(str(f) for c in ckpts for f in sorted(c.iterdir()))
+    mib = max(1, dir_bytes(ckpts[-1]) >> 20)
+    runs: dict[str, dict] = {
+        "cat inputs": dict(cmd=f"cat {files} > /dev/null", shell=True),
+        "import torch": dict(cmd=[PY, "-c", "import torch"]),
+        "write the output durably": dict(cmd=f"mkdir -p {out} && dd if=/dev/zero of={out}/dd.bin bs=1M "
+                                             f"count={mib} conv=fsync status=none", shell=True),
+    }
+    for n in (1, 2):
+        runs[f"accumulate --workers {n}"] = dict(cmd=[EMA, "accumulate", str(data), "--decay", "0.999", "--out",
+                                                      str(out), "--quiet", "--restart", "--workers", str(n)])
+    results = {name: Measurement(name, [], []) for name in runs}
+    for r in range(repeat):
+        for name, spec in (list(runs.items()) if r % 2 == 0 else list(runs.items())[::-1]):
+            shutil.rmtree(out, ignore_errors=True)
+            wall, rss = run_timed(spec["cmd"], shell=spec.get("shell", False))
+            results[name].wall.append(wall)
+            results[name].rss_mib.append(rss)
+    shutil.rmtree(out, ignore_errors=True)
+    floor = sum(results[name].wall_median for name in ("cat inputs", "import torch", "write the output durably"))
+    one, two = results["accumulate --workers 1"], results["accumulate --workers 2"]
+    print("\n### I/O-bound: accumulate over 4 × 1 GiB checkpoints of large tensors\n")
+    print(table([(m.name, f"{m.wall_median:.2f}", f"{m.rss_median:.0f}") for m in results.values()],
+                ("command", "wall s", "peak RSS MiB (largest process)")))
+    print(f"\nspeed-up with 2 workers = {one.wall_median / two.wall_median:.2f}×; floor (cat + import torch + dd) "
+          f"{floor:.2f} s: 1 worker at {one.wall_median / floor:.2f}×, 2 workers at {two.wall_median / floor:.2f}× "
+          "the floor")
 
 
 if __name__ == "__main__":
