@@ -21,12 +21,12 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
 
 from .._compat.dcp_metadata import dump_metadata
 from .._crc import crc32
 from .._lazy import torch
 from .._pickle import check_written_metadata
+from ..direct_io import DirectAppender
 from ..dtypes import name_of
 from ..errors import CheckpointFormatError, OutputError
 from ..formats.dcp import METADATA_FILE
@@ -89,7 +89,7 @@ class _ChecksumFile:
     closing fsync waits for the tail instead of the whole file.
     """
 
-    def __init__(self, handle: IO[bytes]) -> None:
+    def __init__(self, handle: DirectAppender) -> None:
         self._handle = handle
         self.crc32 = 0
         self.position = 0
@@ -103,7 +103,7 @@ class _ChecksumFile:
         else:
             self.crc32 = crc32(data, self.crc32)
         self.position += len(data)
-        if self.position - self._written_back >= _WRITEBACK_BYTES:
+        if self.position - self._written_back >= _WRITEBACK_BYTES and not getattr(self._handle, "direct", False):
             self._handle.flush()
             start_writeback(self._handle.fileno(), self._written_back, self.position - self._written_back)
             self._written_back = self.position
@@ -165,7 +165,7 @@ class DcpWriter:
         self._entries: dict[str, _Entry] = {}
         self._bytes: dict[str, tuple[str, int, int]] = {}
         self._storage: dict[tuple[str, tuple[int, ...]], tuple[str, int, int]] = {}
-        self._handles: dict[str, tuple[IO[bytes], _ChecksumFile]] = {}
+        self._handles: dict[str, tuple[DirectAppender, _ChecksumFile]] = {}
         self.files: list[WrittenFile] = []
 
     def declare(self, key: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:
@@ -176,7 +176,7 @@ class DcpWriter:
     def _file(self, name: str) -> _ChecksumFile:
         if name not in self._handles:
             try:
-                handle = open(self.path / name, "wb")  # noqa: SIM115 (closed in finish/abort)
+                handle = DirectAppender(self.path / name)
             except OSError as err:
                 raise OutputError(f"{self.path / name}: cannot create ({err.strerror})") from None
             self._handles[name] = (handle, _ChecksumFile(handle))
@@ -280,7 +280,7 @@ class DcpWriter:
     def abort(self) -> None:
         """Close open files without writing metadata."""
         for handle, _ in self._handles.values():
-            handle.close()
+            handle.abort()
         self._handles.clear()
 
     def _metadata(self, planner_data: dict[str, tuple[str, ...]] | None) -> bytes:

@@ -1,0 +1,175 @@
+"""Appending a file past the page cache (``O_DIRECT``), with a buffered fallback.
+
+Writing through the page cache copies every byte into kernel pages, and the kernel then
+writes them back, reclaims them and competes for memory with the reads. For an output that
+nothing reads back soon (an EMA, a sweep's outputs), writing straight from an aligned buffer
+to the disk costs about a tenth of the CPU time and is several times faster on a busy
+machine. ``O_DIRECT`` wants the buffer's address, the file offset and the length aligned to
+the device's block: bytes are gathered in a page-aligned buffer and written in whole blocks;
+the last, partial block goes through the page cache at close. Where the file system refuses
+``O_DIRECT`` (at open or at the first write), the file is written through the page cache.
+
+Example:
+    >>> with DirectAppender(Path("out.bin")) as out:  # doctest: +SKIP
+    ...     out.write(b"header"); out.write(memoryview(tensor.numpy()))
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+from pathlib import Path
+from typing import IO
+
+ALIGNMENT = 4096
+"""Offsets and lengths of direct writes: a multiple of every common logical block size."""
+BUFFER_BYTES = 8 << 20
+"""One direct write: large enough to keep the disk busy, small enough to stay in cache."""
+_ENV_OFF = "EMA_CKPT_NO_DIRECT_IO"
+
+
+def direct_io_enabled() -> bool:
+    """Whether outputs are written with ``O_DIRECT`` (``EMA_CKPT_NO_DIRECT_IO=1`` turns it off)."""
+    return hasattr(os, "O_DIRECT") and os.environ.get(_ENV_OFF, "") in ("", "0")
+
+
+class DirectAppender:
+    """A write-only file, appended in order, written past the page cache where possible.
+
+    ``write``, ``flush``, ``fileno``, ``tell`` and ``close`` as a file object's; ``direct``
+    says whether ``O_DIRECT`` is in use. With ``O_DIRECT``, ``close`` writes what is left and
+    fsyncs it; a caller fsyncs before ``close`` as for a buffered file (a no-op's cost here).
+    """
+
+    def __init__(self, path: Path, *, buffer_bytes: int = BUFFER_BYTES) -> None:
+        self.path = Path(path)
+        self._buffered: IO[bytes] | None = None
+        self._fd = -1
+        self.direct = False
+        if direct_io_enabled():
+            try:
+                self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+                self.direct = True
+            except OSError as err:
+                if err.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
+                    raise
+        if not self.direct:
+            self._buffered = open(self.path, "wb")  # noqa: SIM115 (closed in close)
+            return
+        self._size = max(ALIGNMENT, buffer_bytes // ALIGNMENT * ALIGNMENT)
+        self._memory = mmap.mmap(-1, self._size)  # anonymous: page-aligned
+        self._view = memoryview(self._memory)
+        self._fill = 0
+        self._flushed = 0  # bytes on the file through direct writes (a multiple of ALIGNMENT)
+
+    def write(self, data: bytes | bytearray | memoryview) -> int:
+        if self._buffered is not None:
+            return int(self._buffered.write(data))
+        view = memoryview(data).cast("B")
+        total = len(view)
+        while len(view):
+            n = min(len(view), self._size - self._fill)
+            self._view[self._fill:self._fill + n] = view[:n]
+            self._fill += n
+            view = view[n:]
+            if self._fill == self._size:
+                self._write_blocks(self._size)
+                fallback = self._fallback()
+                if fallback is not None:  # the rest goes through the page cache
+                    fallback.write(view)
+                    break
+        return total
+
+    def _write_blocks(self, length: int) -> None:
+        """Write the buffer's first ``length`` bytes (aligned) with ``O_DIRECT``; keep the rest."""
+        try:
+            written = 0
+            while written < length:
+                written += os.write(self._fd, self._view[written:length])
+        except OSError as err:
+            if err.errno != errno.EINVAL or self._flushed:
+                raise
+            self._fall_back()  # refused at the first write: this file system takes no O_DIRECT
+            return
+        self._flushed += length
+        rest = self._fill - length
+        if rest:
+            self._view[:rest] = self._view[length:self._fill]
+        self._fill = rest
+
+    def _fall_back(self) -> None:
+        os.close(self._fd)
+        self._fd = -1
+        self.direct = False
+        self._buffered = open(self.path, "wb")  # noqa: SIM115 (closed in close)
+        self._buffered.write(self._view[:self._fill])
+        self._release()
+
+    def _fallback(self) -> IO[bytes] | None:
+        """The buffered file, once O_DIRECT was refused (``_write_blocks`` may switch to it)."""
+        return self._buffered
+
+    def _release(self) -> None:
+        try:
+            self._view.release()
+            self._memory.close()
+        except BufferError:  # a slice is still referenced (an error's traceback): freed with it
+            pass
+
+    def flush(self) -> None:
+        if self._buffered is not None:
+            self._buffered.flush()
+
+    def fileno(self) -> int:
+        return int(self._buffered.fileno()) if self._buffered is not None else self._fd
+
+    def tell(self) -> int:
+        return int(self._buffered.tell()) if self._buffered is not None else self._flushed + self._fill
+
+    def close(self) -> None:
+        """Write what is left (the unaligned tail through the page cache) and close."""
+        if self._buffered is not None:
+            self._buffered.close()
+            return
+        if self._fd < 0:
+            return
+        try:
+            aligned = self._fill // ALIGNMENT * ALIGNMENT
+            if aligned:
+                self._write_blocks(aligned)
+            fallback = self._fallback()
+            if fallback is not None:  # at that write
+                fallback.close()
+                return
+            if self._fill:
+                with open(self.path, "r+b") as tail:
+                    tail.seek(self._flushed)
+                    tail.write(self._view[:self._fill])
+                    tail.flush()
+                    os.fsync(tail.fileno())
+            else:
+                os.fsync(self._fd)
+        finally:
+            if self._fd >= 0:
+                os.close(self._fd)
+                self._fd = -1
+                self._release()
+
+    def abort(self) -> None:
+        """Close without writing what is left (the caller removes the file)."""
+        if self._buffered is not None:
+            self._buffered.close()
+        elif self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+            self._release()
+
+    def __enter__(self) -> DirectAppender:
+        return self
+
+    def __exit__(self, exc_type: object, *_rest: object) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()

@@ -1,0 +1,108 @@
+"""Outputs appended past the page cache: the same bytes as a buffered write, whatever the sizes,
+and a clean fallback where a file system refuses O_DIRECT (at open or at the first write)."""
+
+from __future__ import annotations
+
+import errno
+import os
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ema_ckpt import direct_io
+from ema_ckpt.direct_io import ALIGNMENT, DirectAppender
+
+
+def _write(path, pieces, **kwargs):
+    with DirectAppender(path, **kwargs) as out:
+        for piece in pieces:
+            out.write(piece)
+        position = out.tell()
+        out.flush()
+        os.fsync(out.fileno())
+        direct = out.direct
+    return position, direct
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(0, 3 * ALIGNMENT + 5), max_size=12), st.sampled_from([ALIGNMENT, 2 * ALIGNMENT, 1 << 16]))
+def test_any_sequence_of_writes_gives_the_same_bytes(tmp_path_factory, sizes, buffer_bytes):
+    path = tmp_path_factory.mktemp("d") / "f.bin"
+    pieces = [os.urandom(n) for n in sizes]
+    position, _ = _write(path, [memoryview(p) for p in pieces], buffer_bytes=buffer_bytes)
+    assert path.read_bytes() == b"".join(pieces) and position == sum(sizes)
+
+
+def test_direct_io_is_used_where_the_file_system_takes_it(tmp_path):
+    data = os.urandom(5 * ALIGNMENT + 17)
+    _, direct = _write(tmp_path / "f.bin", [data])
+    assert (tmp_path / "f.bin").read_bytes() == data
+    if direct_io.direct_io_enabled():
+        try:
+            fd = os.open(tmp_path / "probe", os.O_WRONLY | os.O_CREAT | os.O_DIRECT)
+            os.close(fd)
+        except OSError:
+            pytest.skip("this file system refuses O_DIRECT")
+        assert direct
+
+
+def test_refused_at_open_falls_back_to_the_page_cache(tmp_path, monkeypatch):
+    real_open = os.open
+
+    def no_direct(path, flags, *args):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", no_direct)
+    data = os.urandom(3 * ALIGNMENT + 1)
+    _, direct = _write(tmp_path / "f.bin", [data[:10], data[10:]], buffer_bytes=ALIGNMENT)
+    assert not direct and (tmp_path / "f.bin").read_bytes() == data
+
+
+def test_refused_at_the_first_write_falls_back_with_every_byte(tmp_path, monkeypatch):
+    real_write = os.write
+    calls = []
+
+    def refuse_once(fd, data):
+        calls.append(len(data))
+        if len(calls) == 1:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_write(fd, data)
+
+    monkeypatch.setattr(os, "write", refuse_once)
+    data = os.urandom(4 * ALIGNMENT + 99)
+    with DirectAppender(tmp_path / "f.bin", buffer_bytes=ALIGNMENT) as out:
+        if not out.direct:
+            pytest.skip("this file system refuses O_DIRECT")
+        out.write(data)
+        assert not out.direct
+    assert (tmp_path / "f.bin").read_bytes() == data
+
+
+def test_the_environment_turns_it_off(tmp_path, monkeypatch):
+    monkeypatch.setenv("EMA_CKPT_NO_DIRECT_IO", "1")
+    assert not direct_io.direct_io_enabled()
+    _, direct = _write(tmp_path / "f.bin", [b"abc"])
+    assert not direct and (tmp_path / "f.bin").read_bytes() == b"abc"
+
+
+def test_a_later_write_error_is_raised(tmp_path, monkeypatch):
+    real_write = os.write
+    calls = []
+
+    def fail_second(fd, data):
+        calls.append(1)
+        if len(calls) == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(fd, data)
+
+    monkeypatch.setattr(os, "write", fail_second)
+    out = DirectAppender(tmp_path / "f.bin", buffer_bytes=ALIGNMENT)
+    if not out.direct:
+        pytest.skip("this file system refuses O_DIRECT")
+    with pytest.raises(OSError) as info:
+        out.write(os.urandom(3 * ALIGNMENT))
+    assert info.value.errno == errno.ENOSPC
+    out.abort()
