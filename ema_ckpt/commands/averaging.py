@@ -34,6 +34,7 @@ from ..plans import Plan, PlannedOutput, SnapshotInput, Term, find_snapshots, pl
 from ..progress import Progress
 from ..selection import check_compatible, container_prefix, output_names, select_keys
 from ..writers.base import OutputTensor, OutputWriter, WrittenFile, check_directory_output, output_format
+from ..writers.outputs import SafetensorsOutput
 
 _RUNTIME = {"recorded": False}
 SUM_FORMATS = ("dcp", "safetensors")
@@ -257,12 +258,25 @@ class SumJob(Job[SumPlan, _Summed, "Plan | RunResult"]):
                          files_written=len(files), format=plan.format, files=[path for path, _ in files])
 
 
+class _SummedSafetensors(SafetensorsOutput):
+    """A safetensors output of a weighted sum: every region goes through the engine's sum.
+
+    The writer copies stored bytes file to file when nothing is cast, which is right only for
+    a copy (``consolidate``); a sum of float32 checkpoints stored as float32 would otherwise be
+    the newest checkpoint's bytes.
+    """
+
+    def copies_stored(self, tensors: Sequence[OutputTensor], source: Any) -> bool:
+        return False
+
+
 def _file_writer(context: JobContext, index: int, format_name: str) -> OutputWriter:
     """The writer of a one-file output inside target ``index``'s directory (its manifest beside it).
 
     Every output's file has the same name, so the outputs of a run plan the same regions.
     """
-    writer = output_format(format_name).make(context.stagings[index], SAFETENSORS_FILE)
+    make = output_format(format_name).make
+    writer = (_SummedSafetensors if make is SafetensorsOutput else make)(context.stagings[index], SAFETENSORS_FILE)
     writer.final = context.targets[index].final / SAFETENSORS_FILE
     return writer
 
