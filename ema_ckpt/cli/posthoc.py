@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -33,6 +34,9 @@ Examples (outputs go to OUT/sigma_rel_<value>):
 
   ema-ckpt posthoc ckpts/ --sigma-rel 0.05,0.10 --out posthoc/
 
+  ema-ckpt posthoc ckpts/ --sigma-rel 0.05,0.10 --out sweep/ --format safetensors
+  # → sweep/sigma_rel_0.05/model.safetensors, …
+
   ema-ckpt posthoc ckpts/ --sigma-rel 0.010:0.250:0.005 --dry-run   # a range
 
   ema-ckpt posthoc ema/ --sigma-rel 0.07 --out posthoc/   # from snapshots
@@ -52,6 +56,25 @@ Examples:
 
 DtypeOpt = Annotated[str, typer.Option(help="Accumulate and store floats in float32 or float64.")]
 DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Show the plan (coefficients); read no tensor.")]
+FormatOpt = Annotated[str | None, typer.Option(
+    "--format", metavar="FORMAT",
+    help="Each output as dcp or safetensors (OUT/…/model.safetensors); default: safetensors for safetensors "
+         "inputs, else dcp.")]
+KeepPrefixOpt = Annotated[bool, typer.Option(
+    "--keep-prefix", help="safetensors: keep the container level of a DCP {'model': ...} checkpoint ('model.').")]
+
+
+def _format_line(plan: Plan, out: Path | None) -> str:
+    """What a dry run would write: the format and where its files go."""
+    from ..commands.averaging import SAFETENSORS_FILE
+
+    fmt = getattr(plan, "format", "dcp")
+    where = shown(out) if out is not None else "OUT"
+    if len(plan.outputs) == 1 and plan.kind != "posthoc":
+        target = f"{where}{os.sep}" + (SAFETENSORS_FILE if fmt == "safetensors" else "")
+    else:
+        target = f"{where}{os.sep}<name>{os.sep}" + (SAFETENSORS_FILE if fmt == "safetensors" else "")
+    return f"output format {fmt}: {target}"
 
 
 def _warn(plan: Plan) -> None:
@@ -61,7 +84,7 @@ def _warn(plan: Plan) -> None:
             warn(f"{output.name}: {cli_text(warning)}")
 
 
-def _finish(result: Plan | RunResult, json_output: bool, quiet: bool) -> None:
+def _finish(result: Plan | RunResult, json_output: bool, quiet: bool, out: Path | None) -> None:
     from ..commands.averaging import Plan
 
     if isinstance(result, Plan):
@@ -69,10 +92,12 @@ def _finish(result: Plan | RunResult, json_output: bool, quiet: bool) -> None:
             print_json(result.to_json())
         else:
             render_plan(result)
+            note(_format_line(result, out))
         return
     if json_output:
         data = result.plan.to_json()
-        data.update({"paths": [str(p) for p in result.outputs], "bytes_read": result.bytes_read,
+        data.update({"format": result.format, "paths": [str(p) for p in result.outputs],
+                     "files": [str(p) for p in result.files], "bytes_read": result.bytes_read,
                      "bytes_written": result.bytes_written, "files_written": result.files_written,
                      "seconds": round(result.seconds, 3)})
         print_json(data)
@@ -101,6 +126,8 @@ def posthoc_command(
     ] = None,
     at_step: Annotated[int | None, typer.Option("--at-step", help="End time T (default: the newest step).")] = None,
     dtype: DtypeOpt = "float32",
+    out_format: FormatOpt = None,
+    keep_prefix: KeepPrefixOpt = False,
     include: IncludeOpt = None,
     exclude: ExcludeOpt = None,
     step_regex: StepRegexOpt = None,
@@ -120,21 +147,24 @@ def posthoc_command(
         from ..commands.averaging import posthoc
 
         result = posthoc(checkpoints, out=out or Path("posthoc"), sigma_rels=sigma_rel or (), gammas=gamma or (),
-                         at_step=at_step, dry_run=dry_run, dtype=dtype, include=include or (),
+                         at_step=at_step, dry_run=dry_run, dtype=dtype, format=out_format,
+                         keep_prefix=keep_prefix, include=include or (),
                          workers=workers, device=device,
                          exclude=exclude or (), step_regex=step_regex, skip=skip or (), overwrite=overwrite,
                          wait_seconds=wait, on_progress=on_progress)
-    _finish(result, json_output, quiet)
+    _finish(result, json_output, quiet, out)
 
 
 @reports_errors
 def average_command(
     checkpoints: Annotated[list[Path], typer.Argument(help="A folder of checkpoints, or checkpoint paths.")],
-    out: Annotated[Path | None, typer.Option("--out", "-o", help="Output DCP directory.")] = None,
+    out: Annotated[Path | None, typer.Option("--out", "-o", help="Output directory.")] = None,
     last: Annotated[int | None, typer.Option("--last", min=1, help="Average the newest K checkpoints.")] = None,
     from_step: Annotated[int | None, typer.Option("--from-step", help="First step to include.")] = None,
     to_step: Annotated[int | None, typer.Option("--to-step", help="Last step to include.")] = None,
     dtype: DtypeOpt = "float32",
+    out_format: FormatOpt = None,
+    keep_prefix: KeepPrefixOpt = False,
     include: IncludeOpt = None,
     exclude: ExcludeOpt = None,
     step_regex: StepRegexOpt = None,
@@ -154,8 +184,9 @@ def average_command(
         from ..commands.averaging import average
 
         result = average(checkpoints, out=out or Path("average"), last=last, from_step=from_step,
-                         to_step=to_step, dry_run=dry_run, dtype=dtype, include=include or (),
+                         to_step=to_step, dry_run=dry_run, dtype=dtype, format=out_format,
+                         keep_prefix=keep_prefix, include=include or (),
                          workers=workers, device=device,
                          exclude=exclude or (), step_regex=step_regex, skip=skip or (), overwrite=overwrite,
                          wait_seconds=wait, on_progress=on_progress)
-    _finish(result, json_output, quiet)
+    _finish(result, json_output, quiet, out)

@@ -5,13 +5,19 @@ alone; ``dry_run=True`` returns it without reading a tensor. Executing it reads 
 region once and adds it into every output, so a sweep of K profiles costs one pass over the
 inputs.
 
+Each output is a directory with its manifest (``ema-ckpt.json``): a DCP checkpoint, or
+(``format="safetensors"``) one ``model.safetensors`` file named as ``consolidate`` names it.
+
 Example:
     >>> posthoc("ckpts/", out="posthoc/", sigma_rels=["0.05", "0.10"])   # doctest: +SKIP
+    >>> posthoc("ckpts/", out="sweep/", sigma_rels=["0.05"], format="safetensors")  # doctest: +SKIP
     >>> average("ckpts/", out="avg/", last=5)                               # doctest: +SKIP
 """
 
 from __future__ import annotations
 
+import dataclasses
+import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,16 +26,22 @@ from typing import Any, Literal, overload
 from ..discovery import checkpoint_paths
 from ..dtypes import ACCUMULATE_DTYPES, torch_dtype
 from ..engine import OutputSpec, Update, check_device
-from ..errors import OptionError, UsageError
+from ..errors import Note, OptionError, UsageError
 from ..fs import files_on_disk, output_path
 from ..jobs import Job, JobContext, Target, WrittenOutputs, recorded_options, run_job
 from ..manifest import FoldedCheckpoint, Manifest, fingerprint
 from ..plans import Plan, PlannedOutput, SnapshotInput, Term, find_snapshots, plan_average, plan_posthoc
 from ..progress import Progress
-from ..selection import check_compatible, select_keys
-from ..writers.base import OutputTensor, check_directory_output
+from ..selection import check_compatible, container_prefix, output_names, select_keys
+from ..writers.base import OutputTensor, OutputWriter, WrittenFile, check_directory_output, output_format
+from ..writers.outputs import SafetensorsOutput
 
 _RUNTIME = {"recorded": False}
+SUM_FORMATS = ("dcp", "safetensors")
+"""The output formats of ``posthoc`` and ``average``: each output a directory holding its manifest."""
+SAFETENSORS_FILE = "model.safetensors"
+"""The one data file of a ``safetensors`` output (the name Hugging Face loaders look for)."""
+_CRC_BLOCK_BYTES = 8 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +56,8 @@ class PosthocOptions:
     step_regex: str | None = None
     skip: tuple[Path, ...] = ()
     dtype: str = "float32"
+    format: str | None = None
+    keep_prefix: bool = False
     include: tuple[str, ...] = ()
     exclude: tuple[str, ...] = ()
     dry_run: bool = field(default=False, metadata=_RUNTIME)
@@ -74,6 +88,8 @@ class AverageOptions:
     step_regex: str | None = None
     skip: tuple[Path, ...] = ()
     dtype: str = "float32"
+    format: str | None = None
+    keep_prefix: bool = False
     include: tuple[str, ...] = ()
     exclude: tuple[str, ...] = ()
     dry_run: bool = field(default=False, metadata=_RUNTIME)
@@ -96,7 +112,10 @@ class AverageOptions:
 def _check_run_fields(options: PosthocOptions | AverageOptions) -> None:
     set_ = object.__setattr__
     set_(options, "checkpoints", tuple(checkpoint_paths(options.checkpoints)))
-    check_directory_output(options.out)
+    if options.format is not None and options.format not in SUM_FORMATS:
+        raise OptionError("format", f"must be one of {', '.join(SUM_FORMATS)}, got {options.format!r}",
+                          value=options.format)
+    check_directory_output(options.out, options.format or "dcp")
     set_(options, "out", output_path(options.out))
     for name in ("include", "exclude"):
         set_(options, name, tuple(getattr(options, name)))
@@ -108,11 +127,34 @@ def _check_run_fields(options: PosthocOptions | AverageOptions) -> None:
 
 
 @dataclass(slots=True)
+class SumPlan(Plan):
+    """A :class:`~ema_ckpt.plans.Plan` and the output format it writes (chosen when planned)."""
+
+    format: str = "dcp"
+
+
+def default_format(plan: Plan) -> str:
+    """The output format when none is asked for: the newest input's, where a sum can write it.
+
+    Safetensors inputs give ``safetensors``; DCP, DeepSpeed and torch-file inputs give ``dcp``
+    (``torch.distributed.checkpoint.load`` reads it on any number of ranks).
+    """
+    steps = {str(c.path): (c.step, str(c.path)) for c in plan.inputs}
+    used = [t.path for o in plan.outputs for t in o.terms]
+    if not used:
+        return "dcp"
+    newest = max(used, key=lambda p: steps.get(p, (-1, p)))
+    name = next((c.format_name for c in plan.inputs if str(c.path) == newest), "dcp")
+    return name if name in SUM_FORMATS else "dcp"
+
+
+@dataclass(slots=True)
 class RunResult:
     """What a :func:`posthoc` or :func:`average` run wrote.
 
     ``bytes_read`` counts the tensor data read (each input once, however many outputs);
-    ``bytes_written`` and ``files_written`` the files on disk (``.metadata`` and manifests included).
+    ``bytes_written`` and ``files_written`` the files on disk (``.metadata`` and manifests included),
+    ``files`` their paths; ``format`` is the outputs' format.
     """
 
     plan: Plan
@@ -121,16 +163,20 @@ class RunResult:
     bytes_written: int
     seconds: float
     files_written: int = 0
+    format: str = "dcp"
+    files: list[Path] = field(default_factory=list)
 
 
 @dataclass(slots=True)
 class _Summed:
     written: WrittenOutputs
     source_format: str
+    stagings: list[Path]
+    renamed_prefix: str | None = None
 
 
 @dataclass
-class SumJob(Job[Plan, _Summed, "Plan | RunResult"]):
+class SumJob(Job[SumPlan, _Summed, "Plan | RunResult"]):
     """A weighted sum of checkpoints (``posthoc``, ``average``) as a job of the runner."""
 
     options: PosthocOptions | AverageOptions
@@ -142,20 +188,22 @@ class SumJob(Job[Plan, _Summed, "Plan | RunResult"]):
     def lock_path(self) -> Path | None:
         return None if self.options.dry_run else self.options.out
 
-    def plan(self, notes: list[str]) -> Plan:
-        return self.options.make_plan()
+    def plan(self, notes: list[str]) -> SumPlan:
+        plan = self.options.make_plan()
+        fields = {f.name: getattr(plan, f.name) for f in dataclasses.fields(plan)}
+        return SumPlan(**fields, format=self.options.format or default_format(plan))
 
-    def _finals(self, plan: Plan) -> list[Path]:
+    def _finals(self, plan: SumPlan) -> list[Path]:
         out = self.options.out
         return [out] if self.single_output else [out / o.name for o in plan.outputs]
 
-    def targets(self, plan: Plan) -> list[Target]:
+    def targets(self, plan: SumPlan) -> list[Target]:
         if self.options.dry_run:
             return []
         near = None if self.single_output else self.options.out
         return [Target(final, near=near, replace=self.options.overwrite) for final in self._finals(plan)]
 
-    def compute(self, plan: Plan, context: JobContext) -> _Summed:
+    def compute(self, plan: SumPlan, context: JobContext) -> _Summed:
         opts = self.options
         steps = {str(c.path): c.step for c in plan.inputs}
         # (step, path): snapshots of several profiles share a step, and the order of the sum must
@@ -177,34 +225,87 @@ class SumJob(Job[Plan, _Summed, "Plan | RunResult"]):
         outputs = [OutputSpec(o.name, tuple(Update(index[t.path], t.coefficient)
                                             for t in sorted(o.terms, key=lambda t: index[t.path])), mode="sum")
                    for o in plan.outputs]
-        tensors = averaged_tensors(newest, keys, opts.dtype)
-        writers = [context.writer(i, "dcp", planner_data=newest.planner_data)
-                   for i in range(len(outputs))]
+        renamed = None
+        if plan.format == "dcp":  # the keys as stored, so dcp.load takes the same state dict
+            tensors = averaged_tensors(newest, keys, opts.dtype)
+            writers = [context.writer(i, "dcp", planner_data=newest.planner_data) for i in range(len(outputs))]
+        else:
+            names = output_names(newest, keys, keep_prefix=opts.keep_prefix)
+            renamed = None if opts.keep_prefix else container_prefix(newest, keys)
+            tensors = averaged_tensors(newest, keys, opts.dtype, names=names)
+            writers = [_file_writer(context, i, plan.format) for i in range(len(outputs))]
         written = context.write(readers, outputs, writers, tensors, layout=newest, copy_source=len(readers) - 1,
                                 accumulate_dtype=torch_dtype(opts.dtype), check_finite=range(len(readers)))
-        return _Summed(written, newest.format_name)
+        return _Summed(written, newest.format_name, list(context.stagings), renamed)
 
-    def manifests(self, plan: Plan, computed: _Summed) -> list[Manifest | None]:
+    def manifests(self, plan: SumPlan, computed: _Summed) -> list[Manifest | None]:
         opts = self.options
-        return [output_manifest(plan.kind, output, files, opts.dtype, computed.source_format, opts.include,
-                                opts.exclude, recorded_options(opts))
-                for output, files in zip(plan.outputs, computed.written.files, strict=True)]
+        recorded = {**recorded_options(opts), "format": plan.format}
+        return [output_manifest(plan.kind, output, _with_crc32(staging, files), opts.dtype, computed.source_format,
+                                opts.include, opts.exclude, recorded)
+                for output, files, staging in zip(plan.outputs, computed.written.files, computed.stagings,
+                                                  strict=True)]
 
-    def result(self, plan: Plan, computed: _Summed | None, seconds: float) -> Plan | RunResult:
+    def result(self, plan: SumPlan, computed: _Summed | None, seconds: float) -> Plan | RunResult:
         if computed is None:
             return plan
+        if computed.renamed_prefix:
+            plan.notes.append(Note(f"keys written without the DCP container level {computed.renamed_prefix!r} "
+                                   "({keep_prefix=True} keeps it)", mentions=("keep_prefix",)))
         finals = self._finals(plan)
-        files = [f for final in finals for f in files_on_disk(final)]
+        files = [(final / name, size) for final in finals for name, size in files_on_disk(final)]
         return RunResult(plan, finals, computed.written.bytes_read, sum(size for _, size in files), seconds,
-                         files_written=len(files))
+                         files_written=len(files), format=plan.format, files=[path for path, _ in files])
 
 
-def averaged_tensors(newest: Any, keys: Sequence[str], dtype: str) -> list[OutputTensor]:
-    """The tensors of an average: floats accumulated and stored in ``dtype``, others as stored."""
+class _SummedSafetensors(SafetensorsOutput):
+    """A safetensors output of a weighted sum: every region goes through the engine's sum.
+
+    The writer copies stored bytes file to file when nothing is cast, which is right only for
+    a copy (``consolidate``); a sum of float32 checkpoints stored as float32 would otherwise be
+    the newest checkpoint's bytes.
+    """
+
+    def copies_stored(self, tensors: Sequence[OutputTensor], source: Any) -> bool:
+        return False
+
+
+def _file_writer(context: JobContext, index: int, format_name: str) -> OutputWriter:
+    """The writer of a one-file output inside target ``index``'s directory (its manifest beside it).
+
+    Every output's file has the same name, so the outputs of a run plan the same regions.
+    """
+    make = output_format(format_name).make
+    writer = (_SummedSafetensors if make is SafetensorsOutput else make)(context.stagings[index], SAFETENSORS_FILE)
+    writer.final = context.targets[index].final / SAFETENSORS_FILE
+    return writer
+
+
+def _with_crc32(staging: Path, files: Sequence[WrittenFile]) -> list[WrittenFile]:
+    """``files`` with the CRC-32 of each staged file whose writer computes none (safetensors),
+    so that ``verify`` can check every listed file against the manifest."""
+    done = []
+    for f in files:
+        if f.crc32 is None:
+            crc = 0
+            with open(staging / f.name, "rb") as handle:
+                while block := handle.read(_CRC_BLOCK_BYTES):
+                    crc = zlib.crc32(block, crc)
+            f = dataclasses.replace(f, crc32=crc)
+        done.append(f)
+    return done
+
+
+def averaged_tensors(newest: Any, keys: Sequence[str], dtype: str,
+                     names: dict[str, str] | None = None) -> list[OutputTensor]:
+    """The tensors of an average: floats accumulated and stored in ``dtype``, others as stored;
+    named ``names[key]`` in the output (default: the key)."""
     from ..dtypes import is_float
 
     stored = newest.stored()
-    return [OutputTensor(k, k, tuple(stored[k][0]), dtype if is_float(stored[k][1]) else stored[k][1], stored[k][1])
+    names = names or {}
+    return [OutputTensor(k, names.get(k, k), tuple(stored[k][0]),
+                         dtype if is_float(stored[k][1]) else stored[k][1], stored[k][1])
             for k in keys]
 
 
@@ -245,6 +346,9 @@ def posthoc(
 ) -> Plan | RunResult:
     """Post-hoc power-function EMAs (EDM2), one per value, at ``out/sigma_rel_<value>``.
 
+    Each output is a directory with its manifest: a DCP checkpoint, or (``format="safetensors"``)
+    ``model.safetensors``, its keys named as :func:`~ema_ckpt.consolidate` names them.
+
     Args:
         checkpoints: a folder of raw checkpoints, or of the snapshots ``accumulate(snapshot_every=…)`` keeps.
         out: parent directory of the outputs.
@@ -252,8 +356,10 @@ def posthoc(
         on_progress: called after each region.
         **options: the fields of :class:`PosthocOptions`: ``sigma_rels``, ``gammas`` (the
             profiles as typed: ``"0.05"``, ``"0.05:0.2:0.05"``), ``at_step`` (T, default the
-            newest checkpoint), ``step_regex``, ``skip``, ``dtype``, ``include``, ``exclude``,
-            ``overwrite``, ``wait_seconds``, ``workers``, ``device``.
+            newest checkpoint), ``step_regex``, ``skip``, ``dtype``, ``format`` (``dcp`` or
+            ``safetensors``; default: safetensors for safetensors inputs, else dcp), ``keep_prefix``
+            (safetensors: keep the ``model.`` of a DCP ``{"model": …}`` save), ``include``,
+            ``exclude``, ``overwrite``, ``wait_seconds``, ``workers``, ``device``.
 
     Example:
         >>> plan = posthoc("ckpts", out="posthoc", sigma_rels=["0.05", "0.1"], dry_run=True)  # doctest: +SKIP
@@ -283,7 +389,7 @@ def average(
     on_progress: Callable[[Progress], None] | None = None,
     **options: Any,
 ) -> Plan | RunResult:
-    """Uniform average of the selected checkpoints into ``out`` (one DCP checkpoint).
+    """Uniform average of the selected checkpoints into ``out`` (one directory, as :func:`posthoc` writes).
 
     Args:
         checkpoints: a folder of checkpoints, or a list of them.
@@ -312,5 +418,5 @@ def _tuples(options: dict[str, Any]) -> dict[str, Any]:
     return {k: tuple(v) if isinstance(v, list) else v for k, v in options.items()}
 
 
-__all__ = ["AverageOptions", "Plan", "PlannedOutput", "PosthocOptions", "RunResult", "SnapshotInput", "SumJob",
-           "Term", "average", "find_snapshots", "posthoc"]
+__all__ = ["SUM_FORMATS", "AverageOptions", "Plan", "PlannedOutput", "PosthocOptions", "RunResult", "SnapshotInput",
+           "SumJob", "SumPlan", "Term", "average", "default_format", "find_snapshots", "posthoc"]
