@@ -111,6 +111,8 @@ def combine_regions(
     """
     if len(writers) != len(outputs):
         raise ValueError("one writer per output")
+    if any(r.raw for r in regions) and not all(out.mode == "copy" for out in outputs):
+        raise ValueError("raw regions copy stored bytes: only copy outputs may plan them")
     started = time.perf_counter()
     stats = EngineStats(per_output_bytes=[0] * len(outputs))
     total = sum(r.nbytes for r in regions)

@@ -287,6 +287,9 @@ class JobContext:
         metadata once every worker has closed its files. Progress is reported in bytes of
         tensor data read (what the results' ``bytes_read`` counts), the total first.
         """
+        copies = all(out.mode == "copy" for out in outputs)
+        for writer in writers:
+            writer.may_copy_stored = copies
         plans = [w.plan(tensors, layout) for w in writers]
         regions = plans[0]
         if any(p != regions for p in plans[1:]):

@@ -17,12 +17,12 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, overload
 
+from .._crc import crc32
 from ..discovery import checkpoint_paths
 from ..dtypes import ACCUMULATE_DTYPES, torch_dtype
 from ..engine import OutputSpec, Update, check_device
@@ -34,7 +34,6 @@ from ..plans import Plan, PlannedOutput, SnapshotInput, Term, find_snapshots, pl
 from ..progress import Progress
 from ..selection import check_compatible, container_prefix, output_names, select_keys
 from ..writers.base import OutputTensor, OutputWriter, WrittenFile, check_directory_output, output_format
-from ..writers.outputs import SafetensorsOutput
 
 _RUNTIME = {"recorded": False}
 SUM_FORMATS = ("dcp", "safetensors")
@@ -258,25 +257,13 @@ class SumJob(Job[SumPlan, _Summed, "Plan | RunResult"]):
                          files_written=len(files), format=plan.format, files=[path for path, _ in files])
 
 
-class _SummedSafetensors(SafetensorsOutput):
-    """A safetensors output of a weighted sum: every region goes through the engine's sum.
-
-    The writer copies stored bytes file to file when nothing is cast, which is right only for
-    a copy (``consolidate``); a sum of float32 checkpoints stored as float32 would otherwise be
-    the newest checkpoint's bytes.
-    """
-
-    def copies_stored(self, tensors: Sequence[OutputTensor], source: Any) -> bool:
-        return False
-
-
 def _file_writer(context: JobContext, index: int, format_name: str) -> OutputWriter:
     """The writer of a one-file output inside target ``index``'s directory (its manifest beside it).
 
     Every output's file has the same name, so the outputs of a run plan the same regions.
     """
     make = output_format(format_name).make
-    writer = (_SummedSafetensors if make is SafetensorsOutput else make)(context.stagings[index], SAFETENSORS_FILE)
+    writer = make(context.stagings[index], SAFETENSORS_FILE)
     writer.final = context.targets[index].final / SAFETENSORS_FILE
     return writer
 
@@ -290,7 +277,7 @@ def _with_crc32(staging: Path, files: Sequence[WrittenFile]) -> list[WrittenFile
             crc = 0
             with open(staging / f.name, "rb") as handle:
                 while block := handle.read(_CRC_BLOCK_BYTES):
-                    crc = zlib.crc32(block, crc)
+                    crc = crc32(block, crc)
             f = dataclasses.replace(f, crc32=crc)
         done.append(f)
     return done

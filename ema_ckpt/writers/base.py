@@ -99,6 +99,9 @@ class OutputWriter(abc.ABC):
     single_file: bool = False
     final: Path | None = None
     """The output's published path, for messages (set by the runner)."""
+    may_copy_stored: bool = True
+    """Whether regions may be planned ``raw`` (stored bytes copied as they are). The runner sets
+    it False when an output is computed (a fold or a sum): only a copy may skip the engine."""
 
     def __init__(self, staging: Path, final_name: str) -> None:
         self.staging = staging

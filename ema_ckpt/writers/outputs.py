@@ -171,7 +171,7 @@ class SafetensorsOutput(OutputWriter):
         self._by_file: dict[str, list[OutputTensor]] = {}
         self._tensors: dict[str, OutputTensor] = {}
         self._open_file: tuple[str, Any] | None = None
-        self._written: dict[str, int] = {}
+        self._written: dict[str, tuple[int, int | None]] = {}
 
     def plan(self, tensors: Sequence[OutputTensor], source: CheckpointReader) -> list[PlannedRegion]:
         from .safetensors import check_key, plan_shards, shard_file_names
@@ -187,7 +187,7 @@ class SafetensorsOutput(OutputWriter):
             shards = plan_shards(sizes, self.max_shard_bytes)
             groups = [[self._tensors[k] for k in shard] for shard in shards]
             names = shard_file_names(len(shards))
-        raw = self.copies_stored(tensors, source)
+        raw = self.may_copy_stored and self.copies_stored(tensors, source)
         regions = []
         for name, group in zip(names, groups, strict=True):
             self._by_file[name] = group
@@ -219,7 +219,7 @@ class SafetensorsOutput(OutputWriter):
         if self._open_file is not None:
             name, writer = self._open_file
             self._open_file = None
-            self._written[name] = writer.finish()
+            self._written[name] = (writer.finish(), writer.crc32)
 
     def write(self, region: PlannedRegion, tensor: torch.Tensor) -> None:
         self._file_for(region).write(self._tensors[region.key].name, tensor)
@@ -231,17 +231,17 @@ class SafetensorsOutput(OutputWriter):
             fd = source.open_data(file) if length else -1
             writer.copy_range(name, source.path / file, fd, offset, length)
 
-    def close(self) -> dict[str, int]:
+    def close(self) -> dict[str, tuple[int, int | None]]:
         self._end_open_file()
         return dict(self._written)
 
     def finish(self, states: Sequence[Any]) -> list[WrittenFile]:
         from .safetensors import INDEX_NAME, write_index
 
-        sizes: dict[str, int] = {}
+        written: dict[str, tuple[int, int | None]] = {}
         for state in states:
-            sizes.update(state)
-        files = [WrittenFile(name, sizes[name]) for name in self._by_file]
+            written.update(state)
+        files = [WrittenFile(name, *written[name]) for name in self._by_file]
         if len(self._by_file) > 1:
             weight_map = {t.name: name for name, group in self._by_file.items() for t in group}
             total = sum(math.prod(t.shape) * itemsize(t.dtype) for t in self._tensors.values())

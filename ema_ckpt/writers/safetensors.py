@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from .._crc import crc32
 from .._lazy import torch
 from .._text import escaped
 from ..dtypes import SAFETENSORS_CODES, itemsize, name_of
@@ -87,6 +88,8 @@ class SafetensorsFileWriter:
     _written: int = 0
     _data_start: int = 0
     _kernel_copy: bool = True
+    crc32: int | None = 0
+    """The CRC-32 of the file as written (None once bytes were copied file to file, unseen)."""
 
     def begin(self, tensors: Sequence[tuple[str, tuple[int, ...], Any]]) -> None:
         """Write the header for ``(key, shape, dtype)`` in order; dtype a torch dtype or its name."""
@@ -107,8 +110,9 @@ class SafetensorsFileWriter:
         self._data_start = 8 + len(text)
         try:
             self._handle = open(self.path, "wb")  # noqa: SIM115 (closed in finish/abort)
-            self._handle.write(struct.pack("<Q", len(text)))
-            self._handle.write(text)
+            prefix = struct.pack("<Q", len(text)) + text
+            self._handle.write(prefix)
+            self.crc32 = crc32(prefix)
         except OSError as err:
             raise OutputError(f"{self.path}: cannot write ({err.strerror})") from None
 
@@ -121,7 +125,10 @@ class SafetensorsFileWriter:
         if part.numel():
             assert self._handle is not None
             try:
-                self._handle.write(memoryview(part.reshape(-1).view(torch.uint8).numpy()))
+                data = memoryview(part.reshape(-1).view(torch.uint8).numpy())
+                self._handle.write(data)
+                if self.crc32 is not None:
+                    self.crc32 = crc32(data, self.crc32)
             except OSError as err:
                 raise OutputError(f"{self.path}: write failed ({err.strerror})") from None
         self._advance(key, part.numel() * part.element_size())
@@ -138,6 +145,7 @@ class SafetensorsFileWriter:
                              f"{planned.key}, got {length} of {key}")
         assert self._handle is not None
         dst = self._data_start + planned.start + self._written
+        self.crc32 = None
         try:
             self._handle.flush()
             done = 0
