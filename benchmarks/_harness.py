@@ -105,3 +105,21 @@ def table(rows: list[tuple[str, ...]], header: tuple[str, ...]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
     return "\n".join(lines)
+
+
+def durable_writes(out: Path, count: int, mib: int, *, direct: bool) -> str:
+    """A shell command writing ``count`` files of ``mib`` MiB durably under ``out``, concurrently.
+
+    ``direct``: past the page cache (``oflag=direct``, as ema-ckpt writes DCP outputs), else
+    through it. A floor takes the faster of the two: the cheapest way this disk takes the bytes.
+    """
+    flag = " oflag=direct" if direct else ""
+    return (f"mkdir -p {out} && " + " ".join(
+        f"dd if=/dev/zero of={out}/dd{i}.bin bs=8M count={max(1, mib // 8)}{flag} conv=fsync status=none &"
+        for i in range(count)) + " wait")
+
+
+def write_floor(results: dict[str, Measurement], buffered: str, direct: str) -> tuple[float, str]:
+    """The faster durable write of the two rows, and its name."""
+    best = min((buffered, direct), key=lambda name: results[name].wall_median)
+    return results[best].wall_median, best

@@ -9,7 +9,8 @@ Two cases (``--case raw``, ``--case edm2``, or both):
 
 The floor of a run reads every input once (``cat``), starts torch, and writes its K outputs
 durably (``dd conv=fsync``, one file per output, written concurrently: this disk takes several
-streams faster than one after another). Each run is reported as a ratio of its own floor;
+streams faster than one after another), through the page cache or past it (``oflag=direct``),
+whichever is faster. Each run is reported as a ratio of its own floor;
 medians of ``--repeat`` runs, hot page cache, rows interleaved.
 
 Usage: python benchmarks/bench_posthoc.py [--case raw|edm2|all] [--repeat 3]
@@ -30,11 +31,13 @@ from _harness import (
     Measurement,
     baseline_ratios,
     dir_bytes,
+    durable_writes,
     in_turn,
     machine_description,
     run_timed,
     table,
     with_baseline,
+    write_floor,
 )
 
 EDM2_SIGMAS = "0.04,0.0629,0.0857,0.1086,0.1314,0.1543,0.1771,0.20"  # K = 8, evenly spaced
@@ -44,10 +47,16 @@ def _files(folders: list[Path]) -> str:
     return " ".join(str(f) for c in folders for f in sorted(c.rglob("*")) if f.is_file())
 
 
-def _durable_writes(out: Path, count: int, mib: int) -> str:
-    return (f"mkdir -p {out} && " + " ".join(
-        f"dd if=/dev/zero of={out}/dd{i}.bin bs=1M count={mib} conv=fsync status=none &" for i in range(count))
-        + " wait")
+def _write_rows(out: Path, counts: tuple[int, ...], mib: int) -> dict[str, dict]:
+    rows = {}
+    for count in counts:
+        for direct in (False, True):
+            rows[_write_name(count, direct)] = dict(cmd=durable_writes(out, count, mib, direct=direct), shell=True)
+    return rows
+
+
+def _write_name(count: int, direct: bool) -> str:
+    return f"write {count} output{'s' if count > 1 else ''} durably{' (O_DIRECT)' if direct else ''}"
 
 
 def _measure(runs: dict[str, dict], out: Path, repeat: int) -> dict[str, Measurement]:
@@ -65,12 +74,16 @@ def _measure(runs: dict[str, dict], out: Path, repeat: int) -> dict[str, Measure
 
 def _report(title: str, results: dict[str, Measurement], floors: dict[str, tuple[str, ...]],
             pair: tuple[str, str] | None = None) -> None:
-    """``floors``: ema-ckpt row → the rows whose medians add up to its floor."""
+    """``floors``: ema-ckpt row → the rows whose medians add up to its floor (a row name that is
+    a write count, ``"write 4"``, stands for the faster of its buffered and direct rows)."""
     print(f"\n### {title}\n")
     print(table([(m.name, f"{m.wall_median:.2f}", f"{m.rss_median:.0f}") for m in results.values()],
                 ("command", "wall s", "peak RSS MiB")))
     print()
-    for name, parts in floors.items():
+    for name, counted in floors.items():
+        parts = tuple(write_floor(results, _write_name(int(p.split()[1]), False),
+                                  _write_name(int(p.split()[1]), True))[1] if p.startswith("write ") else p
+                      for p in counted)
         floor = sum(results[p].wall_median for p in parts)
         print(f"- {name}: {results[name].wall_median:.2f} s against a floor of {floor:.2f} s "
               f"({' + '.join(parts)}) = **{results[name].wall_median / floor:.2f}× its floor**")
@@ -91,8 +104,7 @@ def raw_case(data: Path, repeat: int) -> None:
     runs = {
         "cat inputs > /dev/null": dict(cmd=f"cat {_files(ckpts)} > /dev/null", shell=True),
         "python -c 'import torch'": dict(cmd=[PY, "-c", "import torch"]),
-        "write 1 output durably": dict(cmd=_durable_writes(out, 1, mib), shell=True),
-        "write 4 outputs durably": dict(cmd=_durable_writes(out, 4, mib), shell=True),
+        **_write_rows(out, (1, 4), mib),
         one: dict(cmd=[EMA, "posthoc", str(data), "--sigma-rel", "0.10", "--out", str(out), "--quiet"]),
         four: dict(cmd=[EMA, "posthoc", str(data), "--sigma-rel", "0.05,0.10,0.15,0.20", "--out", str(out),
                         "--quiet"]),
@@ -100,7 +112,7 @@ def raw_case(data: Path, repeat: int) -> None:
     results = _measure(runs, out, repeat)
     base = ("cat inputs > /dev/null", "python -c 'import torch'")
     _report("Raw sweep: 4 × 1 GiB fp32 DCP checkpoints", results,
-            {one: (*base, "write 1 output durably"), four: (*base, "write 4 outputs durably")}, (four, one))
+            {one: (*base, "write 1"), four: (*base, "write 4")}, (four, one))
 
 
 def edm2_case(root: Path, repeat: int) -> None:
@@ -122,8 +134,7 @@ def edm2_case(root: Path, repeat: int) -> None:
     runs = {
         "cat snapshots > /dev/null": dict(cmd=f"cat {_files(folders)} > /dev/null", shell=True),
         "python -c 'import torch'": dict(cmd=[PY, "-c", "import torch"]),
-        "write 1 output durably": dict(cmd=_durable_writes(out, 1, mib), shell=True),
-        "write 8 outputs durably": dict(cmd=_durable_writes(out, 8, mib), shell=True),
+        **_write_rows(out, (1, 8), mib),
         one: dict(cmd=[EMA, "posthoc", str(snapshot_root), "--sigma-rel", "0.10", "--out", str(out), "--quiet"]),
         eight: dict(cmd=[EMA, "posthoc", str(snapshot_root), "--sigma-rel", EDM2_SIGMAS, "--out", str(out),
                          "--quiet"]),
@@ -131,7 +142,7 @@ def edm2_case(root: Path, repeat: int) -> None:
     results = _measure(runs, out, repeat)
     base = ("cat snapshots > /dev/null", "python -c 'import torch'")
     _report("EDM2-shaped sweep: 16 power-EMA snapshots of 256 MiB (σ_rel 0.05 and 0.10, 8 steps)", results,
-            {one: (*base, "write 1 output durably"), eight: (*base, "write 8 outputs durably")}, (eight, one))
+            {one: (*base, "write 1"), eight: (*base, "write 8")}, (eight, one))
 
 
 def main() -> None:

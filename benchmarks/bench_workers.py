@@ -20,7 +20,17 @@ import warnings
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _harness import EMA, PY, Measurement, dir_bytes, machine_description, run_timed, table
+from _harness import (
+    EMA,
+    PY,
+    Measurement,
+    dir_bytes,
+    durable_writes,
+    machine_description,
+    run_timed,
+    table,
+    write_floor,
+)
 
 
 def make(root: Path, count: int, tensors: int) -> None:
@@ -78,8 +88,8 @@ def large_case(data: Path, repeat: int) -> None:
     runs: dict[str, dict] = {
         "cat inputs": dict(cmd=f"cat {files} > /dev/null", shell=True),
         "import torch": dict(cmd=[PY, "-c", "import torch"]),
-        "write the output durably": dict(cmd=f"mkdir -p {out} && dd if=/dev/zero of={out}/dd.bin bs=1M "
-                                             f"count={mib} conv=fsync status=none", shell=True),
+        "write the output durably": dict(cmd=durable_writes(out, 1, mib, direct=False), shell=True),
+        "write the output durably (O_DIRECT)": dict(cmd=durable_writes(out, 1, mib, direct=True), shell=True),
     }
     for n in (1, 2):
         runs[f"accumulate --workers {n}"] = dict(cmd=[EMA, "accumulate", str(data), "--decay", "0.999", "--out",
@@ -92,7 +102,8 @@ def large_case(data: Path, repeat: int) -> None:
             results[name].wall.append(wall)
             results[name].rss_mib.append(rss)
     shutil.rmtree(out, ignore_errors=True)
-    floor = sum(results[name].wall_median for name in ("cat inputs", "import torch", "write the output durably"))
+    floor = (sum(results[name].wall_median for name in ("cat inputs", "import torch"))
+             + write_floor(results, "write the output durably", "write the output durably (O_DIRECT)")[0])
     one, two = results["accumulate --workers 1"], results["accumulate --workers 2"]
     print("\n### I/O-bound: accumulate over 4 × 1 GiB checkpoints of large tensors\n")
     print(table([(m.name, f"{m.wall_median:.2f}", f"{m.rss_median:.0f}") for m in results.values()],

@@ -26,6 +26,8 @@ ALIGNMENT = 4096
 """Offsets and lengths of direct writes: a multiple of every common logical block size."""
 BUFFER_BYTES = 8 << 20
 """One direct write: large enough to keep the disk busy, small enough to stay in cache."""
+DRAIN_BYTES = 1 << 20
+"""What :meth:`DirectAppender.drain` lets gather before writing: small records share direct writes."""
 _ENV_OFF = "EMA_CKPT_NO_DIRECT_IO"
 
 
@@ -105,6 +107,21 @@ class DirectAppender:
         self._buffered = open(self.path, "wb")  # noqa: SIM115 (closed in close)
         self._buffered.write(self._view[:self._fill])
         self._release()
+
+    def drain(self, at_least: int = DRAIN_BYTES) -> None:
+        """Once ``at_least`` bytes are gathered, write every whole block and hand the buffer's
+        pages back to the system.
+
+        A writer with many files open (a DCP output's parts, several outputs) calls this after
+        each record, so an idle file holds at most ``at_least`` bytes, not a buffer's worth.
+        """
+        if self._buffered is not None or self._fd < 0 or self._fill < at_least:
+            return
+        aligned = self._fill // ALIGNMENT * ALIGNMENT
+        if aligned:
+            self._write_blocks(aligned)
+        if self._fallback() is None and self._size > ALIGNMENT:
+            self._memory.madvise(mmap.MADV_DONTNEED, ALIGNMENT, self._size - ALIGNMENT)
 
     def _fallback(self) -> IO[bytes] | None:
         """The buffered file, once O_DIRECT was refused (``_write_blocks`` may switch to it)."""

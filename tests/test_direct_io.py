@@ -106,3 +106,13 @@ def test_a_later_write_error_is_raised(tmp_path, monkeypatch):
         out.write(os.urandom(3 * ALIGNMENT))
     assert info.value.errno == errno.ENOSPC
     out.abort()
+
+
+def test_drain_writes_whole_blocks_and_keeps_the_bytes(tmp_path):
+    data = [os.urandom(n) for n in (100, 3 * ALIGNMENT + 5, 17, 2 << 20, 9)]
+    with DirectAppender(tmp_path / "f.bin", buffer_bytes=1 << 20) as out:
+        for piece in data:
+            out.write(piece)
+            out.drain(at_least=1)
+            assert out.tell() == sum(len(p) for p in data[: data.index(piece) + 1])
+    assert (tmp_path / "f.bin").read_bytes() == b"".join(data)

@@ -196,6 +196,7 @@ class DcpWriter:
         start = out.tell()
         try:
             length = _write_tensor_record(out, tensor)
+            self._handles[name][0].drain()  # files stay open for the whole run: idle ones hold no buffer
         except OSError as err:
             raise OutputError(f"{self.path}: write failed ({err.strerror})") from None
         self._storage[(key, box.offsets)] = (name, start, length)
