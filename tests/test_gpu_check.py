@@ -1,4 +1,5 @@
-"""benchmarks/gpu_check.sh on the CPU (its device run is a second CPU run), and its comparison.
+"""benchmarks/gpu_check.sh on the CPU (its device run is a second CPU run), its comparison, and
+the ``--device`` check that runs before any work.
 
 The script is meant for a GPU machine; here it must pass comparing the CPU with itself
 (bit-identical), and its comparison must find and size the differences it exists to catch.
@@ -16,6 +17,8 @@ from types import ModuleType
 import pytest
 import torch
 
+from ema_ckpt.engine import check_device
+from ema_ckpt.errors import OptionError
 from tests.dcp_helpers import write_dcp
 
 REPO = Path(__file__).resolve().parents[1]
@@ -139,3 +142,35 @@ def test_ulps_apart(dtype: torch.dtype) -> None:
     b[1] = torch.nextafter(torch.nextafter(a[1], torch.tensor(-3.0, dtype=dtype)), torch.tensor(-3.0, dtype=dtype))
     far = gpu_compare._FAR
     assert gpu_compare.ulps_apart(a, b).tolist() == [1, 2, 0, far, 0, far, 0, 0]
+
+
+@pytest.mark.parametrize("device", ["cudax", "cuda:", "cuda:-1", "cuda:0 "])
+def test_device_strings_torch_cannot_parse_are_option_errors(device: str) -> None:
+    with pytest.raises(OptionError, match=r"must be cpu, cuda or cuda:N") as err:
+        check_device(device)
+    assert err.value.option == "device"
+
+
+def test_a_gpu_index_past_the_last_is_an_option_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the machine's GPU count is what is stubbed here, not any format: the check runs before any allocation
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    check_device("cuda")
+    check_device("cuda:0")
+    with pytest.raises(OptionError, match=r"cuda:1: this machine has 1 CUDA device \(cuda:0\)$"):
+        check_device("cuda:1")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    with pytest.raises(OptionError, match=r"8 CUDA devices \(cuda:0 to cuda:7\)"):
+        check_device("cuda:8")
+
+
+def test_cli_names_a_malformed_device_in_one_line(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from ema_ckpt.cli import app
+
+    write_dcp(tmp_path / "ckpts" / "step_10", {"model.w": torch.ones(3)})
+    result = CliRunner().invoke(app, ["accumulate", str(tmp_path / "ckpts"), "--decay", "0.9", "--device", "cuda:x",
+                                      "--out", str(tmp_path / "ema")])
+    assert result.exit_code == 2
+    assert result.stderr.strip() == "error: --device must be cpu, cuda or cuda:N, got 'cuda:x'"
