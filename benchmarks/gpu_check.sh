@@ -48,12 +48,14 @@ OUT="$(cd "$OUT" && pwd)" WORK="$(cd "$WORK" && pwd)"
 TIMES="$OUT/timings.tsv" CKPTS="$WORK/ckpts-${SIZE}g-$COUNT"
 : >"$TIMES"
 rm -f "$OUT"/logs/*.log "$OUT"/compare-*.json "$OUT/gpu_check.json"
-DEADLINE_AT=$(($(date +%s) + DEADLINE))
+STARTED=$(date +%s)
+DEADLINE_AT=$((STARTED + DEADLINE))
 FAILED=""
 EMA=("$PY" -m ema_ckpt)
 
 # step NAME DEVICE LIMIT CMD...: CMD under timeout (at most LIMIT s, never past the deadline),
-# its output in OUT/logs; timed into OUT/timings.tsv unless DEVICE is "-". A failure is noted
+# its output in OUT/logs, its time in OUT/timings.tsv (DEVICE "-": a step that is not compared
+# across devices, listed apart). A failure is noted
 # (FAILED) and its log's tail shown, unless QUIET_FAILURE is set (the caller says it instead).
 step() {
   local name=$1 device=$2 limit=$3 rc t0 t1 log
@@ -65,14 +67,12 @@ step() {
     return 124
   fi
   ((limit > left)) && limit=$left
-  sync  # dirty pages of the previous step are written back, untimed
+  timeout 60 sync  # dirty pages of the previous step are written back, untimed (bounded: a slow disk)
   t0=$(date +%s.%N)
   timeout --kill-after=5 "$limit" "$@" >>"$log" 2>&1
   rc=$?
   t1=$(date +%s.%N)
-  if [[ "$device" != "-" ]]; then
-    printf '%s\t%s\t%s\t%s\n' "$name" "$device" "$(awk "BEGIN { printf \"%.3f\", $t1 - $t0 }")" "$rc" >>"$TIMES"
-  fi
+  printf '%s\t%s\t%s\t%s\n' "$name" "$device" "$(awk "BEGIN { printf \"%.3f\", $t1 - $t0 }")" "$rc" >>"$TIMES"
   if ((rc != 0)) && [[ -z "${QUIET_FAILURE:-}" ]]; then
     [[ -n "$FAILED" ]] || FAILED="$name ($device): exit $rc$( ((rc == 124)) && echo ", timed out after ${limit} s")"
     echo "step failed: $name ($device), exit $rc; last lines of $log:" >&2
@@ -85,9 +85,9 @@ finish() {
   local rc=$1
   timeout --kill-after=5 30 "$PY" "$ROOT/benchmarks/gpu_compare.py" summary --timings "$TIMES" --json-dir "$OUT" \
     --device "$DEV" --count "$COUNT" --size-gib "$SIZE" --dtype "$DTYPE" --repeat "$REPEAT" \
-    ${FAILED:+--failed-step "$FAILED"}
+    --elapsed-s $(($(date +%s) - STARTED)) ${FAILED:+--failed-step "$FAILED"}
   local summary_rc=$?
-  ((KEEP)) || rm -rf "$WORK"/acc-* "$WORK"/posthoc-*
+  ((KEEP)) || rm -rf "$WORK"/accumulate-{ref,dev} "$WORK"/posthoc-{ref,dev} "$WORK/continued"
   [[ -z "$FAILED" ]] || exit 3
   ((rc == 0)) || exit "$rc"
   exit "$summary_rc"
@@ -110,10 +110,11 @@ fi
 step "generate inputs" - 150 "$PY" "$ROOT/benchmarks/make_dcp_sequence.py" "$CKPTS" --size-gib "$SIZE" \
   --count "$COUNT" || finish 3
 mapfile -t INPUTS < <(find "$CKPTS" -type f | sort)
-mapfile -t FIRST_HALF < <(find "$CKPTS" -mindepth 1 -maxdepth 1 -name 'step_*' | sort -t_ -k2 -n | head -n $((COUNT / 2)))
+FIRST_HALF=()  # make_dcp_sequence.py's steps: 1000, 2000, ...
+for ((n = 1; n <= COUNT / 2; n++)); do FIRST_HALF+=("$CKPTS/step_$((1000 * n))"); done
 
 # 3. floors: reading the inputs (the page cache is warmed first), starting torch (and the device)
-cat "${INPUTS[@]}" >/dev/null
+timeout 60 cat "${INPUTS[@]}" >/dev/null
 for ((r = 0; r < REPEAT; r++)); do
   step "cat inputs (read floor)" cpu 60 bash -c 'cat "$@" >/dev/null' _ "${INPUTS[@]}" || finish 3
   step "start torch" cpu 60 "$PY" -c "import torch" || finish 3
@@ -123,34 +124,42 @@ for ((r = 0; r < REPEAT; r++)); do
   fi
 done
 
-# 4. the runs, CPU and DEV in turn
-ACC=(accumulate "$CKPTS" --sigma-rel 0.05,0.25 --dtype "$DTYPE" --quiet)
-POSTHOC=(posthoc "$CKPTS" --sigma-rel 0.05:0.19:0.02 --dtype "$DTYPE" --quiet)
-for ((r = 0; r < REPEAT; r++)); do
-  order=(0 1)
-  ((r % 2)) && order=(1 0)  # neither side always runs first
-  for i in "${order[@]}"; do
-    device=$DEV side=dev
-    ((i == 0)) && device=cpu side=ref
-    rm -rf "$WORK/acc-$side" "$WORK/posthoc-$side"
-    step "accumulate (2 EMAs)" "$device" 120 "${EMA[@]}" "${ACC[@]}" --out "$WORK/acc-$side" --device "$device" ||
-      finish 3
-    step "posthoc K=8" "$device" 180 "${EMA[@]}" "${POSTHOC[@]}" --out "$WORK/posthoc-$side" --device "$device" ||
-      finish 3
+# 4. the runs, CPU and DEV in turn, each pair's bits compared at once (exit 1 of a comparison, a
+# difference over --max-ulps, is a result, not a failed step)
+status=0
+compare() {  # compare NAME REF OTHER
+  local saved=$FAILED rc
+  step "compare $1" - 120 "$PY" "$ROOT/benchmarks/gpu_compare.py" compare --json-dir "$OUT" --max-ulps "$MAX_ULPS" \
+    --pair "$1" "$2" "$3"
+  rc=$?
+  cat "$OUT/logs/compare_$1--.log"
+  if ((rc == 1)); then status=1 FAILED=$saved; elif ((rc != 0)); then finish 3; fi
+}
+pairs() {  # pairs NAME DIR LIMIT ARGS...: ema-ckpt ARGS on the CPU (WORK/DIR-ref) and on DEV (WORK/DIR-dev)
+  local name=$1 dir=$2 limit=$3 r i device side
+  shift 3
+  for ((r = 0; r < REPEAT; r++)); do
+    order=(0 1)
+    ((r % 2)) && order=(1 0)  # neither side always runs first
+    for i in "${order[@]}"; do
+      device=$DEV side=dev
+      ((i == 0)) && device=cpu side=ref
+      rm -rf "$WORK/$dir-$side"
+      step "$name" "$device" "$limit" "${EMA[@]}" "$@" --out "$WORK/$dir-$side" --device "$device" || finish 3
+    done
   done
-done
-# an EMA started on the CPU (first half of the checkpoints) and continued on DEV
-rm -rf "$WORK/acc-mixed"
-step "accumulate, first half" - 120 "${EMA[@]}" accumulate "${FIRST_HALF[@]}" --sigma-rel 0.05,0.25 --dtype "$DTYPE" \
-  --quiet --out "$WORK/acc-mixed" --device cpu || finish 3
-step "accumulate, continued" - 120 "${EMA[@]}" "${ACC[@]}" --out "$WORK/acc-mixed" --device "$DEV" || finish 3
+}
+KINDS=(--sigma-rel 0.05,0.25 --dtype "$DTYPE" --quiet)
+pairs "accumulate (2 EMAs)" accumulate 120 accumulate "$CKPTS" "${KINDS[@]}"
+compare accumulate "$WORK/accumulate-ref" "$WORK/accumulate-dev"
+pairs "posthoc K=8" posthoc 180 posthoc "$CKPTS" --sigma-rel 0.05:0.19:0.02 --dtype "$DTYPE" --quiet
+compare posthoc "$WORK/posthoc-ref" "$WORK/posthoc-dev"
 
-# 5. the bits (exit 1 of the comparison, a difference over --max-ulps, is a result, not a failed step)
-saved=$FAILED
-step "compare" - 150 "$PY" "$ROOT/benchmarks/gpu_compare.py" compare --json-dir "$OUT" --max-ulps "$MAX_ULPS" \
-  --pair accumulate "$WORK/acc-ref" "$WORK/acc-dev" --pair accumulate-continued "$WORK/acc-ref" "$WORK/acc-mixed" \
-  --pair posthoc "$WORK/posthoc-ref" "$WORK/posthoc-dev"
-rc=$?
-cat "$OUT/logs/compare--.log"
-if ((rc == 1)); then FAILED=$saved; elif ((rc != 0)); then finish 3; fi
-finish "$rc"
+# 5. an EMA started on the CPU (first half of the checkpoints) and continued on DEV
+rm -rf "$WORK/continued"
+step "start an EMA on the CPU" - 120 "${EMA[@]}" accumulate "${FIRST_HALF[@]}" "${KINDS[@]}" --out "$WORK/continued" \
+  --device cpu || finish 3
+step "continue it on $DEV" - 120 "${EMA[@]}" accumulate "$CKPTS" "${KINDS[@]}" --out "$WORK/continued" \
+  --device "$DEV" || finish 3
+compare accumulate-continued "$WORK/accumulate-ref" "$WORK/continued"
+finish "$status"

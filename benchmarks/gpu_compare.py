@@ -193,6 +193,8 @@ def timing_rows(timings: dict[str, dict[str, Any]], device: str) -> list[dict[st
     cat = min(timings.get(READ_FLOOR, {}).get("cpu", [0.0]))
     rows = []
     for name, runs in timings.items():
+        if not any(dev in runs for dev in devices):
+            continue  # a step of the check itself (generating inputs, comparing), not a timing
         row: dict[str, Any] = {"step": name}
         for dev in devices:
             row[f"{dev}_s"] = min(runs[dev]) if dev in runs else None
@@ -223,7 +225,9 @@ def table(rows: list[dict[str, Any]], device: str) -> list[str]:
 
 def cmd_summary(args: argparse.Namespace) -> int:
     device = args.device
-    rows = timing_rows(read_timings(args.timings), device) if args.timings.exists() else []
+    timings = read_timings(args.timings) if args.timings.exists() else {}
+    rows = timing_rows(timings, device)
+    others = [(name, sum(runs["-"])) for name, runs in timings.items() if "-" in runs]
     compared = [json.loads(p.read_text()) for p in sorted(args.json_dir.glob("compare-*.json"))]
     gpu = (torch.cuda.get_device_name(torch.device(device))
            if device.startswith("cuda") and torch.cuda.is_available() else None)
@@ -232,7 +236,8 @@ def cmd_summary(args: argparse.Namespace) -> int:
         "passed": passed, "failed_step": args.failed_step, "device": device, "gpu": gpu,
         "machine": machine_description(), "cuda": torch.version.cuda,
         "inputs": {"count": args.count, "size_gib": args.size_gib, "dtype": "float32"},
-        "accumulate_dtype": args.dtype, "repeat": args.repeat, "expected": EXPECTED, "timings": rows,
+        "accumulate_dtype": args.dtype, "repeat": args.repeat, "expected": EXPECTED, "elapsed_s": args.elapsed_s,
+        "timings": rows, "other_steps_s": dict(others),
         "comparisons": [
             {k: c[k] for k in ("name", "passed", "worst_ulps", "max_ulps_allowed")}
             | {"outputs": [{"output": o["output"], "tensors": len(o["tensors"]),
@@ -246,6 +251,8 @@ def cmd_summary(args: argparse.Namespace) -> int:
     print(f"inputs: {args.count} × {args.size_gib} GiB fp32 DCP checkpoints, accumulating in {args.dtype}; "
           f"seconds: fastest of {args.repeat} run(s), hot page cache")
     print("\n".join(table(rows, device)))
+    print("other steps: " + ", ".join(f"{name} {seconds:.1f} s" for name, seconds in others)
+          + (f"; {args.elapsed_s} s in all" if args.elapsed_s is not None else ""))
     for c in compared:
         same = sum(t["status"] == "identical" for o in c["outputs"] for t in o["tensors"])
         total = sum(len(o["tensors"]) for o in c["outputs"])
@@ -274,6 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     summary.add_argument("--dtype", default="float32")
     summary.add_argument("--repeat", type=int, default=1)
     summary.add_argument("--failed-step")
+    summary.add_argument("--elapsed-s", type=int)
     args = parser.parse_args(argv)
     return cmd_compare(args) if args.command == "compare" else cmd_summary(args)
 

@@ -61,7 +61,20 @@ def test_gpu_check_passes_cpu_against_cpu(tmp_path: Path) -> None:
     assert list(steps) == ["cat inputs (read floor)", "start torch", "accumulate (2 EMAs)", "posthoc K=8"]
     assert len(steps["posthoc K=8"]["runs"]["cpu"]) == 2  # the reference run and the "device" run
     assert steps["posthoc K=8"]["cpu_over_read_floor"] > 0
-    assert not list((tmp_path / "work").glob("posthoc-*")), "outputs are removed unless --keep"
+    assert list(summary["other_steps_s"]) == ["generate inputs", "compare accumulate", "compare posthoc",
+                                              "start an EMA on the CPU", "continue it on cpu",
+                                              "compare accumulate-continued"]
+    assert [p.name for p in (tmp_path / "work").iterdir()] == ["ckpts-0.001g-3"], "outputs are removed, inputs kept"
+
+
+def test_gpu_check_stops_at_its_deadline_and_still_summarises(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    proc = _script("--device", "cpu", "--out", str(out), "--work", str(tmp_path / "work"), "--deadline", "1",
+                   timeout=60)
+    assert proc.returncode == 3, proc.stderr
+    summary = json.loads((out / "gpu_check.json").read_text())
+    assert not summary["passed"] and summary["failed_step"] == "generate inputs (-): no time left before the deadline"
+    assert "FAIL" in proc.stdout.splitlines()[-1]
 
 
 def test_gpu_check_refuses_a_missing_device_in_one_line(tmp_path: Path) -> None:
