@@ -79,15 +79,27 @@ class EngineStats:
 
 
 def check_device(device: str) -> None:
-    """Refuse a device this machine does not have, with one clear line."""
+    """Refuse a device this machine does not have, with one clear line.
+
+    Checked before any work: a malformed ``cuda:N`` or an index past the last GPU would
+    otherwise fail in the first allocation, as an internal error.
+    """
     if device == "cpu":
         return
-    if device.startswith("cuda"):
-        if not torch.cuda.is_available():
-            raise OptionError("device", f"{device}: no CUDA device is available here; use {{device=cpu}}",
-                              value=device)
-        return
-    raise OptionError("device", f"must be cpu or cuda, got {device!r}", value=device)
+    if not device.startswith("cuda"):
+        raise OptionError("device", f"must be cpu or cuda, got {device!r}", value=device)
+    try:
+        index = torch.device(device).index
+    except RuntimeError:
+        raise OptionError("device", f"must be cpu, cuda or cuda:N, got {device!r}", value=device) from None
+    if not torch.cuda.is_available():
+        raise OptionError("device", f"{device}: no CUDA device is available here; use {{device=cpu}}",
+                          value=device)
+    count = torch.cuda.device_count()
+    if index is not None and index >= count:
+        names = "cuda:0" if count == 1 else f"cuda:0 to cuda:{count - 1}"
+        raise OptionError("device", f"{device}: this machine has {count} CUDA device{'s' if count != 1 else ''} "
+                          f"({names})", value=device)
 
 
 def combine_regions(
