@@ -195,7 +195,8 @@ def current_workers(device: str = "cpu") -> Workers:
         if backend == "nccl":
             import torch
 
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            # more workers than GPUs share them round-robin (an index past the last would fail)
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % max(1, torch.cuda.device_count()))
         dist.init_process_group(backend, timeout=_TIMEOUT)
         # tear the group down before interpreter exit: gloo's threads abort the process
         # ("terminate called without an active exception") when left to static destructors
