@@ -195,8 +195,12 @@ def current_workers(device: str = "cpu") -> Workers:
         if backend == "nccl":
             import torch
 
-            # more workers than GPUs share them round-robin (an index past the last would fail)
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % max(1, torch.cuda.device_count()))
+            gpus = max(1, torch.cuda.device_count())
+            if int(os.environ.get("LOCAL_WORLD_SIZE", str(world))) > gpus:
+                # more workers than GPUs share them round-robin; NCCL takes one rank per GPU, and
+                # the workers exchange only small objects, which gloo carries as well
+                backend = "gloo"
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % gpus)
         dist.init_process_group(backend, timeout=_TIMEOUT)
         # tear the group down before interpreter exit: gloo's threads abort the process
         # ("terminate called without an active exception") when left to static destructors
