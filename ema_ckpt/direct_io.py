@@ -60,9 +60,11 @@ class DirectAppender:
             self._buffered = open(self.path, "wb")  # noqa: SIM115 (closed in close)
             return
         self._size = max(ALIGNMENT, buffer_bytes // ALIGNMENT * ALIGNMENT)
-        self._memory = mmap.mmap(-1, self._size)  # anonymous: page-aligned
+        # anonymous and private: page-aligned, and MADV_DONTNEED really frees its pages
+        self._memory = mmap.mmap(-1, self._size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         self._view = memoryview(self._memory)
         self._fill = 0
+        self._touched = 0  # how far into the buffer pages were written since last handed back
         self._flushed = 0  # bytes on the file through direct writes (a multiple of ALIGNMENT)
 
     def write(self, data: bytes | bytearray | memoryview) -> int:
@@ -74,6 +76,7 @@ class DirectAppender:
             n = min(len(view), self._size - self._fill)
             self._view[self._fill:self._fill + n] = view[:n]
             self._fill += n
+            self._touched = max(self._touched, self._fill)
             view = view[n:]
             if self._fill == self._size:
                 self._write_blocks(self._size)
@@ -115,13 +118,14 @@ class DirectAppender:
         A writer with many files open (a DCP output's parts, several outputs) calls this after
         each record, so an idle file holds at most ``at_least`` bytes, not a buffer's worth.
         """
-        if self._buffered is not None or self._fd < 0 or self._fill < at_least:
+        if self._buffered is not None or self._fd < 0:
             return
-        aligned = self._fill // ALIGNMENT * ALIGNMENT
-        if aligned:
-            self._write_blocks(aligned)
-        if self._fallback() is None and self._size > ALIGNMENT:
-            self._memory.madvise(mmap.MADV_DONTNEED, ALIGNMENT, self._size - ALIGNMENT)
+        if self._fill >= at_least:
+            self._write_blocks(self._fill // ALIGNMENT * ALIGNMENT)
+        kept = -(-self._fill // ALIGNMENT) * ALIGNMENT  # the pages holding what is left
+        if self._fallback() is None and self._touched - kept >= at_least:
+            self._memory.madvise(mmap.MADV_DONTNEED, kept, self._size - kept)
+            self._touched = kept
 
     def _fallback(self) -> IO[bytes] | None:
         """The buffered file, once O_DIRECT was refused (``_write_blocks`` may switch to it)."""
