@@ -37,6 +37,7 @@ Example:
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -45,7 +46,8 @@ from typing import Any
 from ..._lazy import torch
 from ...errors import CheckpointFormatError, CheckpointNotFoundError, EmaCkptError
 from ...layout import Box, TensorSpec, split_rows
-from .._ds_unpickle import load_ds_file_releasable, release_pages
+from ...torch_records import pread_into
+from .._ds_unpickle import load_ds_file_releasable, release_pages, storage_file_offsets
 from ..base import CheckpointFormat, CheckpointReader, register_format
 from .files import (
     FORMAT_NAME,
@@ -138,6 +140,7 @@ class DeepSpeedReader(ParameterMaps, CheckpointReader):
         self.tag = tag_dir.name
         self._states: dict[Path, Any] = {}  # file -> loaded (memory-mapped) object
         self._releasable: dict[Path, bool] = {}  # file -> its mapped pages may be dropped
+        self._fds: dict[Path, int] = {}  # files read with pread, opened on first read
         self._entries: dict[str, _Entry] = {}
         self._closed = False
         try:
@@ -182,6 +185,38 @@ class DeepSpeedReader(ParameterMaps, CheckpointReader):
         base = self.tag_dir.relative_to(self.path) if self.tag_dir != self.path else Path()
         return [(str(base / p.name) if base.parts else p.name, 0, p.stat().st_size)
                 for p in sorted(self.tag_dir.glob("*.pt"))]
+
+    def data_ranges(self) -> list[tuple[Path, int, int]]:
+        """``(file, offset, length)``: the bytes reading every key takes from the files, merged.
+
+        The fp32 partitions of the optimizer files (never the optimizer's moments), and every
+        model-states file whole (buffers, frozen parameters; they are small). Partitions read
+        through the mapping instead (legacy or foreign-endian files) are not listed. What a
+        benchmark reads to know the floor of a run.
+
+        Example:
+            >>> sum(n for _, _, n in reader.data_ranges())  # doctest: +SKIP
+            1088548864
+        """
+        self._check_open()
+        ranges: dict[Path, list[tuple[int, int]]] = {p: [(0, p.stat().st_size)] for p in self._model_files}
+        for entry in self._entries.values():
+            for p in entry.pieces:
+                if p.file is not None:
+                    start = p.file_start + p.start * p.src.element_size()
+                    ranges.setdefault(p.file, []).append((start, start + p.length * p.src.element_size()))
+        merged: list[tuple[Path, int, int]] = []
+        for path, spans in sorted(ranges.items()):
+            spans.sort()
+            lo, hi = spans[0] if spans else (0, 0)
+            for a, b in spans[1:]:
+                if a > hi:
+                    merged.append((path, lo, hi - lo))
+                    lo = a
+                hi = max(hi, b)
+            if hi > lo:
+                merged.append((path, lo, hi - lo))
+        return merged
 
     supports_out = True  # pieces are gathered straight into a caller's buffer (the engine reuses its buffers)
 
@@ -256,6 +291,9 @@ class DeepSpeedReader(ParameterMaps, CheckpointReader):
     def close(self) -> None:
         self._entries = {}
         self._states = {}
+        fds, self._fds = self._fds, {}
+        for fd in fds.values():
+            os.close(fd)
         self._closed = True
 
 
@@ -282,12 +320,32 @@ class DeepSpeedReader(ParameterMaps, CheckpointReader):
         return self._states[path]
 
 
-    @staticmethod
-    def _gather(entry: _Entry, lo: int, hi: int, out: torch.Tensor) -> None:
+    def _storage_offsets(self, path: Path) -> dict[int, int] | None:
+        return storage_file_offsets(path, self._load(path))
+
+    def _fd(self, path: Path) -> int:
+        fd = self._fds.get(path)
+        if fd is None:
+            try:
+                fd = self._fds[path] = os.open(path, os.O_RDONLY)
+            except OSError as err:
+                raise CheckpointFormatError(path, f"cannot open: {err.strerror or err}") from None
+        return fd
+
+    def _gather(self, entry: _Entry, lo: int, hi: int, out: torch.Tensor) -> None:
         """Fill ``out`` (1-D, ``hi - lo`` long) with flat elements ``[lo, hi)`` of ``entry``."""
         for p in entry.pieces:
             a, b = max(lo, p.dst), min(hi, p.dst + p.length)
             if a >= b:
+                continue
+            if p.file is not None and out.dtype == p.src.dtype:
+                # Straight from the file into the buffer: one copy by the kernel, no page
+                # faults on the mapping and no pages to hand back.
+                size = out.element_size()
+                view = memoryview(out[a - lo : b - lo].view(torch.uint8).numpy())
+                offset = p.file_start + (p.start + a - p.dst) * size
+                if not pread_into(self._fd(p.file), view, offset):
+                    raise CheckpointFormatError(p.file, f"truncated: expected {len(view)} bytes at offset {offset}")
                 continue
             # Mapped sources go in slices, each handed back once copied: resident file pages
             # stay within one slice, not one rank's share of the parameter.
