@@ -29,6 +29,7 @@ import ctypes
 import enum
 import io
 import mmap
+import os
 import pickle
 import pickletools
 import re
@@ -42,6 +43,7 @@ from typing import Any
 
 from .._lazy import torch
 from ..errors import CheckpointFormatError, CheckpointNotFoundError, UnsafePickleError
+from ..torch_records import member_start, scan_record
 
 __all__ = [
     "STAND_INS",
@@ -53,6 +55,7 @@ __all__ = [
     "load_ds_file_releasable",
     "pages_releasable",
     "release_pages",
+    "storage_file_offsets",
 ]
 
 
@@ -256,6 +259,85 @@ def release_pages(t: torch.Tensor) -> None:
     lo = start - start % _PAGE
     hi = end + (-end) % _PAGE
     _madvise(lo, hi - lo, mmap.MADV_DONTNEED)
+
+
+def storage_file_offsets(path: str | Path, state: Any) -> dict[int, int] | None:
+    """Where each storage of a memory-mapped load lies in its file: ``{data_ptr: byte offset}``.
+
+    ``state`` is what :func:`load_ds_file_releasable` returned for ``path`` (flagged
+    releasable). torch maps the whole file once and slices every storage out of that mapping
+    at its zip member's data offset, so one base address ties every storage pointer to a
+    member; the base is accepted only when *every* storage found in ``state`` then starts
+    exactly at a stored member of its size. With the offsets a reader ``pread`` s a flat range
+    straight into its buffer (no page faults, no parallel copy, no pages to hand back).
+    None when the file's members cannot be listed or the storages do not line up (read
+    through the mapping then).
+
+    Example:
+        >>> state, ok = load_ds_file_releasable("zero_pp_rank_0_mp_rank_00_optim_states.pt")  # doctest: +SKIP
+        >>> flat = state["optimizer_state_dict"]["fp32_flat_groups"][0]  # doctest: +SKIP
+        >>> storage_file_offsets(path, state)[flat.untyped_storage().data_ptr()]  # doctest: +SKIP
+        3540
+    """
+    storages: dict[int, int] = {}  # data_ptr -> nbytes
+    _collect_storages(state, storages, depth=0)
+    members = _stored_members(Path(path))
+    if not storages or not members:
+        return None
+    lowest = min(storages)
+    for start in sorted(members):
+        base = lowest - start
+        if all(members.get(ptr - base) == nbytes for ptr, nbytes in storages.items()):
+            return {ptr: ptr - base for ptr in storages}
+    return None
+
+
+def _collect_storages(obj: Any, into: dict[int, int], depth: int) -> None:
+    """Every non-empty CPU storage under ``obj`` (dicts, lists, tuples, the stand-ins' attributes)."""
+    if depth > 64:
+        return
+    if isinstance(obj, torch.Tensor):
+        storage = obj.untyped_storage()
+        if storage.nbytes() > 0 and obj.device.type == "cpu":
+            into[storage.data_ptr()] = storage.nbytes()
+        return
+    if isinstance(obj, dict):
+        items: Any = obj.values()
+    elif isinstance(obj, list | tuple):
+        items = obj
+    elif isinstance(obj, _AttributeBag | argparse.Namespace):
+        items = vars(obj).values()
+    else:
+        return
+    for item in items:
+        _collect_storages(item, into, depth + 1)
+
+
+def _stored_members(path: Path) -> dict[int, int] | None:
+    """``{data offset: size}`` of the uncompressed ``data/<key>`` members of a ``torch.save`` zip."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        size = os.fstat(fd).st_size
+        listed = scan_record(fd, 0, size)
+        if listed is None:
+            with zipfile.ZipFile(path) as zf:
+                listed = {i.filename: (i.compress_type, i.file_size, i.header_offset) for i in zf.infolist()}
+        members: dict[int, int] = {}
+        for name, (method, length, local) in listed.items():
+            if method != zipfile.ZIP_STORED or "/data/" not in f"/{name}" or length == 0:
+                continue
+            start = member_start(fd, 0, size, local)
+            if start is None or start + length > size:
+                return None
+            members[start] = length
+        return members
+    except (OSError, zipfile.BadZipFile, ValueError):
+        return None
+    finally:
+        os.close(fd)
 
 
 def _first_line(message: str) -> str:

@@ -23,6 +23,8 @@ class _Piece:
     src: torch.Tensor  # 1-D, a view on a memory-mapped file
     start: int
     releasable: bool = False  # src's pages may be dropped after a copy (see release_pages)
+    file: Path | None = None  # or read with pread: src[0] lies at byte ``file_start`` of this file
+    file_start: int = 0
 
 
 
@@ -40,9 +42,15 @@ class _Entry:
 class _FlatChunks:
     """Several 1-D tensors seen as their concatenation, without concatenating them."""
 
-    def __init__(self, chunks: Sequence[torch.Tensor], releasable: Sequence[bool] | None = None) -> None:
+    def __init__(
+        self,
+        chunks: Sequence[torch.Tensor],
+        releasable: Sequence[bool] | None = None,
+        files: Sequence[tuple[Path, int] | None] | None = None,
+    ) -> None:
         self.chunks = list(chunks)
         self.releasable = list(releasable) if releasable is not None else [False] * len(self.chunks)
+        self.files = list(files) if files is not None else [None] * len(self.chunks)
         self.starts = [0]
         for c in self.chunks:
             self.starts.append(self.starts[-1] + c.numel())
@@ -58,7 +66,9 @@ class _FlatChunks:
         for i, chunk in enumerate(self.chunks):
             lo, hi = max(start, self.starts[i]), min(end, self.starts[i + 1])
             if lo < hi:
-                out.append(_Piece(dst + lo - start, hi - lo, chunk, lo - self.starts[i], self.releasable[i]))
+                file, file_start = self.files[i] or (None, 0)
+                out.append(_Piece(dst + lo - start, hi - lo, chunk, lo - self.starts[i], self.releasable[i],
+                                  file, file_start))
         return out
 
 
@@ -115,6 +125,24 @@ class ParameterMaps:
     def _load(self, path: Path) -> Any:
         raise NotImplementedError
 
+    def _file_places(
+        self, path: Path, flats: Sequence[torch.Tensor], loaded: Sequence[Any]
+    ) -> list[tuple[Path, int] | None]:
+        """For each flat tensor of ``path``, ``(path, byte offset of its first element)`` when it can
+        be read from the file directly (see :func:`~.._ds_unpickle.storage_file_offsets`), else None."""
+        offsets = self._storage_offsets(path) if self._releasable[path] else None
+        places: list[tuple[Path, int] | None] = []
+        for flat, original in zip(flats, loaded, strict=True):
+            start = offsets.get(flat.untyped_storage().data_ptr()) if offsets is not None else None
+            if start is None or not _same_storage(flat, original) or flat.stride() != (1,):
+                places.append(None)
+            else:
+                places.append((path, start + flat.storage_offset() * flat.element_size()))
+        return places
+
+    def _storage_offsets(self, path: Path) -> dict[int, int] | None:
+        raise NotImplementedError
+
 
     def _map_keys(self, model0_path: Path, model0: dict[str, Any], osds: list[dict[str, Any]]) -> dict[str, _Entry]:
         """Every key: buffers, frozen, trainable (masters), tied aliases; in state_dict order."""
@@ -167,6 +195,7 @@ class ParameterMaps:
         key = "single_partition_of_fp32_groups"
         per_rank = []
         mapped: list[list[bool]] = []  # per rank, per group: pages releasable
+        places: list[list[tuple[Path, int] | None]] = []  # per rank, per group: where in the file
         for p, osd in zip(self._optim_files, osds, strict=True):
             groups = osd.get(key)
             if not isinstance(groups, list | tuple):
@@ -176,6 +205,7 @@ class ParameterMaps:
             mapped.append(
                 [self._releasable[p] and _same_storage(f, t) for f, t in zip(flats, groups, strict=True)]
             )
+            places.append(self._file_places(p, flats, groups))
         n_groups = len(per_rank[0])
         if any(len(g) != n_groups for g in per_rank) or len(param_shapes) != n_groups:
             raise CheckpointFormatError(
@@ -188,7 +218,7 @@ class ParameterMaps:
         for g, shapes in enumerate(param_shapes):
             if not isinstance(shapes, Mapping):
                 raise CheckpointFormatError(self._model_files[0], f"param_shapes[{g}] is not a mapping")
-            flat = _FlatChunks([ranks[g] for ranks in per_rank], [m[g] for m in mapped])
+            flat = _FlatChunks([ranks[g] for ranks in per_rank], [m[g] for m in mapped], [f[g] for f in places])
             paddings = alignment[g] if alignment is not None else None
             if paddings is not None and len(paddings) != len(shapes):
                 raise CheckpointFormatError(
@@ -224,7 +254,7 @@ class ParameterMaps:
                 raise CheckpointFormatError(p, f"no {key}")
             flats = [_flat(t, p, f"{key}[{i}]") for i, t in enumerate(groups)]
             mapped = [self._releasable[p] and _same_storage(f, t) for f, t in zip(flats, groups, strict=True)]
-            per_rank.append(_FlatChunks(flats, mapped))
+            per_rank.append(_FlatChunks(flats, mapped, self._file_places(p, flats, groups)))
         merged: dict[str, tuple[int, ...]] = {}
         for g, shapes in enumerate(param_shapes):
             if not isinstance(shapes, Mapping):

@@ -15,12 +15,13 @@ for bit, plus what ``zero_to_fp32`` drops at ZeRO-1 (frozen parameters):
   and bool ones in their own dtype;
 * tied parameters (``shared_params``): the alias key reads the owner's data.
 
-Nothing is gathered at open: every ``.pt`` file is memory-mapped once (see
-:mod:`._ds_unpickle`) and each key knows which flat ranges of which rank tensors hold it.
-``read`` copies only the flat span that covers the box asked for, then hands the mapped pages
-it touched back to the kernel (:func:`~._ds_unpickle.release_pages`): without that, every page
-read from every rank file of every open checkpoint would stay resident (4 GiB for four 1 GiB
-steps). ``layout`` offers tensors over 32 MiB as row blocks, so a run's memory is a few such
+Nothing is gathered at open: every ``.pt`` file is memory-mapped once for its structure (see
+:mod:`._ds_unpickle`) and each key knows which flat ranges of which rank tensors hold it, and
+where those lie in the file. ``read`` takes only the flat span that covers the box asked for:
+fp32 partitions with ``pread`` straight into the caller's buffer (one copy by the kernel; the
+Adam moments beside them are never touched), anything else from the mapping, whose pages it
+then hands back to the kernel (:func:`~._ds_unpickle.release_pages`) so that they do not stay
+resident. ``layout`` offers tensors over 32 MiB as row blocks, so a run's memory is a few such
 blocks, whatever the largest parameter and however it straddles ranks.
 
 Refused with :class:`~ema_ckpt.errors.CheckpointFormatError` (naming the file): tensor
@@ -37,6 +38,7 @@ Example:
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -45,7 +47,8 @@ from typing import Any
 from ..._lazy import torch
 from ...errors import CheckpointFormatError, CheckpointNotFoundError, EmaCkptError
 from ...layout import Box, TensorSpec, split_rows
-from .._ds_unpickle import load_ds_file_releasable, release_pages
+from ...torch_records import pread_into
+from .._ds_unpickle import load_ds_file_releasable, release_pages, storage_file_offsets
 from ..base import CheckpointFormat, CheckpointReader, register_format
 from .files import (
     FORMAT_NAME,
@@ -61,7 +64,7 @@ from .files import (
     step_from,
     step_of,
 )
-from .params import ParameterMaps, _Entry, _row_major_strides
+from .params import ParameterMaps, _Entry, _Piece, _row_major_strides
 
 _RELEASE_SLICE_BYTES = 16 << 20  # copy mapped spans this much at a time, then drop their pages
 
@@ -138,13 +141,16 @@ class DeepSpeedReader(ParameterMaps, CheckpointReader):
         self.tag = tag_dir.name
         self._states: dict[Path, Any] = {}  # file -> loaded (memory-mapped) object
         self._releasable: dict[Path, bool] = {}  # file -> its mapped pages may be dropped
+        self._identities: dict[Path, tuple[int, ...]] = {}  # file -> (dev, inode, size, mtime) when mapped
         self._entries: dict[str, _Entry] = {}
         self._closed = False
         try:
             self._build()
         except EmaCkptError:
+            self.close()
             raise
         except Exception as err:  # any malformed field: one line naming the checkpoint
+            self.close()
             first = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
             message = f"malformed DeepSpeed checkpoint ({type(err).__name__}: {first})"
             raise CheckpointFormatError(self.tag_dir, message) from None
@@ -182,6 +188,38 @@ class DeepSpeedReader(ParameterMaps, CheckpointReader):
         base = self.tag_dir.relative_to(self.path) if self.tag_dir != self.path else Path()
         return [(str(base / p.name) if base.parts else p.name, 0, p.stat().st_size)
                 for p in sorted(self.tag_dir.glob("*.pt"))]
+
+    def data_ranges(self) -> list[tuple[Path, int, int]]:
+        """``(file, offset, length)``: the bytes reading every key takes from the files, merged.
+
+        The fp32 partitions of the optimizer files (never the optimizer's moments), and every
+        model-states file whole (buffers, frozen parameters; they are small). Partitions read
+        through the mapping instead (legacy or foreign-endian files) are not listed. What a
+        benchmark reads to know the floor of a run.
+
+        Example:
+            >>> sum(n for _, _, n in reader.data_ranges())  # doctest: +SKIP
+            1088548864
+        """
+        self._check_open()
+        ranges: dict[Path, list[tuple[int, int]]] = {p: [(0, p.stat().st_size)] for p in self._model_files}
+        for entry in self._entries.values():
+            for p in entry.pieces:
+                if p.file is not None:
+                    start = p.file_start + p.start * p.src.element_size()
+                    ranges.setdefault(p.file, []).append((start, start + p.length * p.src.element_size()))
+        merged: list[tuple[Path, int, int]] = []
+        for path, spans in sorted(ranges.items()):
+            spans.sort()
+            lo, hi = spans[0] if spans else (0, 0)
+            for a, b in spans[1:]:
+                if a > hi:
+                    merged.append((path, lo, hi - lo))
+                    lo = a
+                hi = max(hi, b)
+            if hi > lo:
+                merged.append((path, lo, hi - lo))
+        return merged
 
     supports_out = True  # pieces are gathered straight into a caller's buffer (the engine reuses its buffers)
 
@@ -278,26 +316,86 @@ class DeepSpeedReader(ParameterMaps, CheckpointReader):
 
     def _load(self, path: Path) -> Any:
         if path not in self._states:
+            # The file's identity is taken before the mapping is made and kept only if the path
+            # still names that file afterwards; pread checks it again on every open, so a tag
+            # folder rewritten meanwhile is never read partly from the old file and partly from
+            # the new one (the mapping, which holds the old file, is read instead).
+            try:
+                before: tuple[int, ...] | None = _identity(path.stat())
+            except OSError:
+                before = None
             self._states[path], self._releasable[path] = load_ds_file_releasable(path)
+            try:
+                after: tuple[int, ...] | None = _identity(path.stat())
+            except OSError:
+                after = None
+            if before is not None and before == after:
+                self._identities[path] = before
         return self._states[path]
 
 
-    @staticmethod
-    def _gather(entry: _Entry, lo: int, hi: int, out: torch.Tensor) -> None:
+    def _storage_offsets(self, path: Path) -> dict[int, int] | None:
+        state = self._load(path)
+        return storage_file_offsets(path, state) if path in self._identities else None
+
+    def _gather(self, entry: _Entry, lo: int, hi: int, out: torch.Tensor) -> None:
         """Fill ``out`` (1-D, ``hi - lo`` long) with flat elements ``[lo, hi)`` of ``entry``."""
-        for p in entry.pieces:
-            a, b = max(lo, p.dst), min(hi, p.dst + p.length)
-            if a >= b:
-                continue
-            # Mapped sources go in slices, each handed back once copied: resident file pages
-            # stay within one slice, not one rank's share of the parameter.
-            step = max(1, _RELEASE_SLICE_BYTES // p.src.element_size()) if p.releasable else b - a
-            for x in range(a, b, step):
-                y = min(b, x + step)
-                src = p.src[p.start + x - p.dst : p.start + y - p.dst]
-                out[x - lo : y - lo].copy_(src)
-                if p.releasable:
-                    release_pages(src)
+        fds: dict[Path, int | None] = {}
+        try:
+            for p in entry.pieces:
+                a, b = max(lo, p.dst), min(hi, p.dst + p.length)
+                if a < b:
+                    fd = self._open(p.file, fds) if p.file is not None and out.dtype == p.src.dtype else None
+                    self._copy_piece(p, a, b, out[a - lo : b - lo], fd)
+        finally:
+            for fd in fds.values():
+                if fd is not None:
+                    os.close(fd)
+
+    def _open(self, path: Path, fds: dict[Path, int | None]) -> int | None:
+        """A descriptor on ``path`` (kept in ``fds``) if it is still the file that was mapped, else None.
+
+        Opened per read rather than held: a run over many checkpoints of many ranks would
+        otherwise hold more descriptors than a process may have.
+        """
+        if path not in fds:
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except OSError:
+                fds[path] = None
+                return None
+            now, then = _identity(os.fstat(fd)), self._identities.get(path)
+            if now == then:
+                fds[path] = fd
+            else:
+                os.close(fd)
+                if then is not None and now[:2] == then[:2]:
+                    # Changed in place: the private mapping shows the new bytes too, so there
+                    # is no consistent copy left to read.
+                    raise CheckpointFormatError(path, "changed while being read (written to since it was opened)")
+                fds[path] = None  # replaced: the mapping still holds the file that was opened
+        return fds[path]
+
+    @staticmethod
+    def _copy_piece(p: _Piece, a: int, b: int, out: torch.Tensor, fd: int | None) -> None:
+        """Flat elements ``[a, b)`` of a key, which lie in piece ``p``, into ``out``."""
+        if fd is not None:
+            # Straight from the file into the buffer: one copy by the kernel, no page faults
+            # on the mapping and no pages to hand back.
+            view = memoryview(out.view(torch.uint8).numpy())
+            offset = p.file_start + (p.start + a - p.dst) * out.element_size()
+            if not pread_into(fd, view, offset):
+                raise CheckpointFormatError(str(p.file), f"truncated: expected {len(view)} bytes at offset {offset}")
+            return
+        # Mapped sources go in slices, each handed back once copied: resident file pages stay
+        # within one slice, not one rank's share of the parameter.
+        step = max(1, _RELEASE_SLICE_BYTES // p.src.element_size()) if p.releasable else b - a
+        for x in range(a, b, step):
+            y = min(b, x + step)
+            src = p.src[p.start + x - p.dst : p.start + y - p.dst]
+            out[x - a : y - a].copy_(src)
+            if p.releasable:
+                release_pages(src)
 
 
     def _build(self) -> None:
@@ -436,6 +534,11 @@ class DeepSpeedReader(ParameterMaps, CheckpointReader):
                     child, "tensor-parallel checkpoints (mp_rank_01 and up) are not supported"
                 )
 
+
+
+def _identity(st: os.stat_result) -> tuple[int, ...]:
+    """What tells one version of a file from another: device, inode, size, modification time."""
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
 def open_deepspeed(path: str | Path) -> DeepSpeedReader:
