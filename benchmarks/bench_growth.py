@@ -58,7 +58,7 @@ def _many_tensors(path: Path, count: int) -> None:
 
 
 def size_case(root: Path, sizes: list[float], repeat: int) -> None:
-    rows, per_gib, rss = [], [], []
+    rows, per_gib, rss, points = [], [], [], []
     for size in sizes:
         data = root / f"growth-{size:g}g"
         out = root / "bench-growth-out"
@@ -87,14 +87,30 @@ def size_case(root: Path, sizes: list[float], repeat: int) -> None:
         floor = sum(results[name].wall_median for name in ("cat", "torch")) + write_floor(results, "dd", "dd direct")[0]
         gib = mib / 1024
         per_gib.append(acc.wall_median / gib)
+        points.append((gib, acc.wall_median))
         rss.append(acc.rss_median)
         rows.append((f"{gib:.2f}", f"{acc.wall_median:.2f}", f"{acc.wall_median / gib:.2f}", f"{floor:.2f}",
                      f"{acc.wall_median / floor:.2f}", f"{acc.rss_median:.0f}"))
     print("\n### Growth with checkpoint size (accumulate, one checkpoint into a fresh EMA)\n")
     print(table(rows, ("GiB", "accumulate s", "s per GiB", "floor s (cat + import torch + faster dd)", "× floor",
                        "peak RSS MiB")))
-    print(f"\n- seconds per GiB: spread {max(per_gib) / min(per_gib) - 1:.1%} (largest / smallest - 1)")
+    fixed, slope, worst = linear_fit(points)
+    print(f"\n- linear fit: {fixed:.2f} s + {slope:.2f} s per GiB; the furthest point is {worst:.1%} from it")
+    print(f"- seconds per GiB: spread {max(per_gib) / min(per_gib) - 1:.1%} (largest / smallest - 1; the fixed "
+          "cost, starting torch, weighs most on the smallest)")
     print(f"- peak RSS: spread {max(rss) / min(rss) - 1:.1%}")
+
+
+def linear_fit(points: list[tuple[float, float]]) -> tuple[float, float, float]:
+    """Least squares ``time = fixed + slope · size``, and the largest relative distance of a point from it."""
+    n = len(points)
+    mean_x = sum(x for x, _ in points) / n
+    mean_y = sum(y for _, y in points) / n
+    sxx = sum((x - mean_x) ** 2 for x, _ in points)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in points) / sxx if sxx else 0.0
+    fixed = mean_y - slope * mean_x
+    worst = max(abs(y - (fixed + slope * x)) / (fixed + slope * x) for x, y in points)
+    return fixed, slope, worst
 
 
 def tensors_case(root: Path, count: int, repeat: int) -> None:

@@ -65,6 +65,7 @@ class DirectAppender:
         self._view = memoryview(self._memory)
         self._fill = 0
         self._touched = 0  # how far into the buffer pages were written since last handed back
+        self._zero_copy = True
         self._flushed = 0  # bytes on the file through direct writes (a multiple of ALIGNMENT)
 
     def write(self, data: bytes | bytearray | memoryview) -> int:
@@ -72,6 +73,8 @@ class DirectAppender:
             return int(self._buffered.write(data))
         view = memoryview(data).cast("B")
         total = len(view)
+        if len(view) >= 2 * ALIGNMENT and self._zero_copy and self._fill % ALIGNMENT == 0:
+            view = self._write_from_memory(view)
         while len(view):
             n = min(len(view), self._size - self._fill)
             self._view[self._fill:self._fill + n] = view[:n]
@@ -85,6 +88,33 @@ class DirectAppender:
                     fallback.write(view)
                     break
         return total
+
+    def _write_from_memory(self, view: memoryview) -> memoryview:
+        """Write ``view``'s whole blocks straight from its memory when it starts on a page (the
+        file offset is on a block boundary already); what is left to buffer.
+
+        This spares copying the bytes into the buffer, with the interpreter's lock held.
+        """
+        import numpy as np
+
+        if np.frombuffer(view, dtype=np.uint8).ctypes.data % ALIGNMENT:
+            return view
+        if self._fill:
+            self._write_blocks(self._fill)
+            if self._fallback() is not None:
+                return view
+        whole = len(view) // ALIGNMENT * ALIGNMENT
+        written = 0
+        try:
+            while written < whole:
+                written += os.write(self._fd, view[written:whole])
+        except OSError as err:
+            if err.errno != errno.EINVAL or written:
+                raise
+            self._zero_copy = False  # this device wants more than page alignment: copy instead
+            return view
+        self._flushed += whole
+        return view[whole:]
 
     def _write_blocks(self, length: int) -> None:
         """Write the buffer's first ``length`` bytes (aligned) with ``O_DIRECT``; keep the rest."""

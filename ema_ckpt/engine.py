@@ -281,6 +281,8 @@ class _Buffers:
 
     Fresh multi-megabyte allocations cost page faults on every region (as much as the read
     itself); reusing a few buffers keeps memory at a few regions and reads at memory speed.
+    Each starts on a page boundary, so a result can go to the disk straight from its memory
+    (``O_DIRECT`` wants aligned addresses: :mod:`ema_ckpt.direct_io`).
     """
 
     def __init__(self) -> None:
@@ -290,9 +292,19 @@ class _Buffers:
         numel = math.prod(shape)
         flat = self._flat.get((slot, dtype))
         if flat is None or flat.numel() < numel:
-            flat = torch.empty(numel, dtype=dtype)
+            flat = _page_aligned(numel, dtype)
             self._flat[(slot, dtype)] = flat
         return flat[:numel].view(shape)
+
+
+_PAGE = 4096
+
+
+def _page_aligned(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised 1-D tensor of ``numel`` elements whose data starts on a page boundary."""
+    raw = torch.empty(numel * dtype.itemsize + _PAGE, dtype=torch.uint8)
+    skip = -raw.data_ptr() % _PAGE
+    return raw[skip:skip + numel * dtype.itemsize].view(dtype)
 
 
 def _read(reader: CheckpointReader, key: str, box: Box, spec: TensorSpec, buffers: _Buffers | None,

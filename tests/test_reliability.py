@@ -120,11 +120,11 @@ def test_disk_full_while_writing_keeps_the_previous_output(tmp_path, monkeypatch
     real = dcp_writer._write_tensor_record
     calls = {"n": 0}
 
-    def full_disk(out, tensor):
+    def full_disk(out, tensor, **alignment):
         calls["n"] += 1
         if calls["n"] > 1:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        return real(out, tensor)
+        return real(out, tensor, **alignment)
 
     monkeypatch.setattr(dcp_writer, "_write_tensor_record", full_disk)
     result = _invoke("accumulate", str(ck), "--decay", "0.9")
@@ -144,11 +144,11 @@ def test_disk_full_on_one_of_several_outputs_written_side_by_side(tmp_path, monk
     real = dcp_writer._write_tensor_record
     calls = {"n": 0}
 
-    def full_disk(out, tensor):
+    def full_disk(out, tensor, **alignment):
         calls["n"] += 1
         if tensor.numel() >= 256 * 1024 and calls["n"] > 4:  # a 1 MiB chunk, written in the background
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        return real(out, tensor)
+        return real(out, tensor, **alignment)
 
     monkeypatch.setattr(dcp_writer, "_write_tensor_record", full_disk)
     out = tmp_path / "sweep"

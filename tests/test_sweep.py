@@ -159,3 +159,17 @@ def test_block_product_matches_the_loop_for_every_block_width():
                     loop.add_(stack[s], alpha=float(coefficients[k, s]))
                 assert torch.equal(out[k], loop), (sources, outputs, width, k)
     assert Box((0,), (1,)).numel == 1
+
+
+def test_only_copies_may_plan_raw_regions():
+    """A computed output never takes a source's stored bytes: the engine refuses raw regions for it."""
+    reader = FakeReader({"w": torch.ones(4, 2)})
+    writer = FakeWriter()
+    writer.raw_keys = {"w"}
+    tensors = _tensors(reader)
+    regions = writer.plan(tensors, reader)
+    assert all(r.raw for r in regions)
+    for mode in ("fold", "sum"):
+        with pytest.raises(ValueError, match="only copy outputs"):
+            combine_regions([reader], [OutputSpec("x", (Update(0, 1.0),), mode=mode)], [writer], regions,
+                            {t.key: t for t in tensors}, copy_source=0)

@@ -147,13 +147,19 @@ class _RecordStream:
         pass
 
 
-def write_tensor_record(out: RecordSink, tensor: torch.Tensor) -> int:
+def write_tensor_record(out: RecordSink, tensor: torch.Tensor, *, start: int = 0,
+                        data_alignment: int = STORAGE_ALIGNMENT) -> int:
     """Append a standalone ``torch.save``-format zip holding ``tensor``; returns its length.
 
     Written from the tensor's memory as it is (a view of a reused buffer included): the data
     is hashed once (its zip CRC-32, handed to ``out.write``) and written once, with no copy
-    and no pickle of anything but a plain tensor reference.
+    and no pickle of anything but a plain tensor reference. The storage bytes start at a
+    multiple of ``data_alignment`` counted from ``start``, the file offset where the record
+    begins (a multiple of 64 whenever ``data_alignment`` is more than torch's 64: the bytes
+    are then 64-aligned within the record too, as torch writes them).
     """
+    if data_alignment != STORAGE_ALIGNMENT and (start % STORAGE_ALIGNMENT or data_alignment % STORAGE_ALIGNMENT):
+        raise ValueError(f"a record at offset {start} cannot align its data to {data_alignment}")
     nbytes = tensor.numel() * tensor.element_size()
     if nbytes >= ZIP32_LIMIT:
         return _write_tensor_record_zip64(out, tensor)
@@ -169,7 +175,7 @@ def write_tensor_record(out: RecordSink, tensor: torch.Tensor) -> int:
         crc = crc32(payload)
         extra = b""
         if name == b"archive/data/0":  # align the storage bytes as torch does (mmap needs it)
-            pad = -(position + LOCAL_HEADER.size + len(name) + 4) % STORAGE_ALIGNMENT
+            pad = -(start + position + LOCAL_HEADER.size + len(name) + 4) % data_alignment
             extra = struct.pack("<HH", _PAD_FIELD, pad) + b"\0" * pad
         header = LOCAL_HEADER.pack(LOCAL_MAGIC, 20, 0, 0, _DOS_DATE[0], _DOS_DATE[1], crc, len(payload),
                                    len(payload), len(name), len(extra)) + name + extra
