@@ -375,6 +375,10 @@ def _accumulate_region(
         for row, k in enumerate(sweep.outputs):
             results[k] = together[row].view(shape)
     stacked = len(sweep.sources) if sweep is not None else 1
+    # every output of a sweep uses every one of its sources, so a NaN or Inf in any of them
+    # makes every output non-finite at that element (c · Inf is ±Inf or NaN, even for c = 0):
+    # checking the first output checks them all
+    unchecked = sweep.members - {sweep.outputs[0]} if sweep is not None else frozenset()
     blocks = ([region.box] if copies_only else _blocks(region.box, dtype.itemsize, device) if sweep is None
               else _blocks(region.box, dtype.itemsize * stacked, device, _SWEEP_STACK_BYTES))
     row_numel = region.box.numel // shape[0] if shape and shape[0] else 1
@@ -430,7 +434,8 @@ def _accumulate_region(
         if sweep is not None:
             first_row = (block.offsets[0] - region.box.offsets[0]) * row_numel if shape else 0
             sweep.combine(stack, together[:, first_row:first_row + block.numel])
-        if check_finite and not all(_all_finite(r[where]) for r in results if r is not None):
+        if check_finite and not all(_all_finite(r[where]) for k, r in enumerate(results)
+                                    if r is not None and k not in unchecked):
             _find_nonfinite(sources, inputs, region.key, block, buffers, check_finite)
     return [r if r is not None else torch.zeros(shape, dtype=dtype, device=device) for r in results]
 

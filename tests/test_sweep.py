@@ -173,3 +173,17 @@ def test_only_copies_may_plan_raw_regions():
         with pytest.raises(ValueError, match="only copy outputs"):
             combine_regions([reader], [OutputSpec("x", (Update(0, 1.0),), mode=mode)], [writer], regions,
                             {t.key: t for t in tensors}, copy_source=0)
+
+
+def test_a_sweep_names_the_checkpoint_holding_nan(tmp_path):
+    from ema_ckpt.errors import NonFiniteError
+
+    g = torch.Generator().manual_seed(2)
+    for step in (10, 20, 30):
+        w = torch.randn(64, 16, generator=g)
+        if step == 20:
+            w[5, 3] = float("nan")
+        write_dcp(tmp_path / "ck" / f"step_{step}", {"model.w": w})
+    with pytest.raises(NonFiniteError, match="step_20"):
+        posthoc(tmp_path / "ck", out=tmp_path / "out", sigma_rels=list(SIGMAS))
+    assert not (tmp_path / "out").exists() or not list((tmp_path / "out").iterdir())
