@@ -172,6 +172,7 @@ class DcpWriter:
         self._bytes: dict[str, tuple[str, int, int]] = {}
         self._storage: dict[tuple[str, tuple[int, ...]], tuple[str, int, int]] = {}
         self._handles: dict[str, tuple[DirectAppender, _ChecksumFile]] = {}
+        self._current = ""
         self.files: list[WrittenFile] = []
 
     def declare(self, key: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:
@@ -180,6 +181,9 @@ class DcpWriter:
             self._entries[key] = _Entry(tuple(shape), dtype)
 
     def _file(self, name: str) -> _ChecksumFile:
+        if name != self._current and self._current in self._handles:
+            self._handles[self._current][0].drain()  # files stay open for the run: an idle one holds no buffer
+        self._current = name
         if name not in self._handles:
             try:
                 handle = DirectAppender(self.path / name)
@@ -206,7 +210,6 @@ class DcpWriter:
             start = out.tell()
             length = _write_tensor_record(out, tensor, start=start,
                                           data_alignment=PAGE if big else STORAGE_ALIGNMENT)
-            self._handles[name][0].drain()  # files stay open for the whole run: idle ones hold no buffer
         except OSError as err:
             raise OutputError(f"{self.path}: write failed ({err.strerror})") from None
         self._storage[(key, box.offsets)] = (name, start, length)
