@@ -123,3 +123,19 @@ def write_floor(results: dict[str, Measurement], buffered: str, direct: str) -> 
     """The faster durable write of the two rows, and its name."""
     best = min((buffered, direct), key=lambda name: results[name].wall_median)
     return results[best].wall_median, best
+
+
+def measure_in_turn(runs: dict[str, dict], out: Path, repeat: int) -> dict[str, Measurement]:
+    """Run every row ``repeat`` times, interleaved (:func:`in_turn`), ``out`` removed before each
+    run (not timed): the rows' wall times and peak RSS."""
+    import shutil
+
+    results = {name: Measurement(name, [], []) for name in runs}
+    for r in range(repeat):
+        for name, spec in in_turn(runs, r):
+            shutil.rmtree(out, ignore_errors=True)
+            wall, rss = run_timed(spec["cmd"], shell=spec.get("shell", False), env=spec.get("env"))
+            results[name].wall.append(wall)
+            results[name].rss_mib.append(rss)
+    shutil.rmtree(out, ignore_errors=True)
+    return results

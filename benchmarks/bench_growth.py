@@ -24,7 +24,18 @@ import warnings
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _harness import EMA, PY, Measurement, dir_bytes, durable_writes, machine_description, run_timed, table, write_floor
+from _harness import (
+    EMA,
+    PY,
+    Measurement,
+    dir_bytes,
+    durable_writes,
+    machine_description,
+    measure_in_turn,
+    run_timed,
+    table,
+    write_floor,
+)
 
 _DCP_LOAD = """
 import sys, time, warnings
@@ -74,14 +85,7 @@ def size_case(root: Path, sizes: list[float], repeat: int) -> None:
             "accumulate": dict(cmd=[EMA, "accumulate", str(data), "--decay", "0.999", "--out", str(out), "--quiet",
                                     "--restart"]),
         }
-        results = {name: Measurement(name, [], []) for name in runs}
-        for r in range(repeat):
-            for name, spec in (list(runs.items()) if r % 2 == 0 else list(runs.items())[::-1]):
-                shutil.rmtree(out, ignore_errors=True)
-                wall, peak = run_timed(spec["cmd"], shell=spec.get("shell", False))
-                results[name].wall.append(wall)
-                results[name].rss_mib.append(peak)
-        shutil.rmtree(out, ignore_errors=True)
+        results = measure_in_turn(runs, out, repeat)
         shutil.rmtree(data, ignore_errors=True)
         acc = results["accumulate"]
         floor = sum(results[name].wall_median for name in ("cat", "torch")) + write_floor(results, "dd", "dd direct")[0]

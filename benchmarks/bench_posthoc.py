@@ -19,7 +19,6 @@ Usage: python benchmarks/bench_posthoc.py [--case raw|edm2|all] [--repeat 3]
 from __future__ import annotations
 
 import argparse
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -32,9 +31,8 @@ from _harness import (
     baseline_ratios,
     dir_bytes,
     durable_writes,
-    in_turn,
     machine_description,
-    run_timed,
+    measure_in_turn,
     table,
     with_baseline,
     write_floor,
@@ -60,16 +58,7 @@ def _write_name(count: int, direct: bool) -> str:
 
 
 def _measure(runs: dict[str, dict], out: Path, repeat: int) -> dict[str, Measurement]:
-    runs = with_baseline(runs)
-    results = {name: Measurement(name, [], []) for name in runs}
-    for r in range(repeat):
-        for name, spec in in_turn(runs, r):
-            shutil.rmtree(out, ignore_errors=True)
-            wall, rss = run_timed(spec["cmd"], shell=spec.get("shell", False), env=spec.get("env"))
-            results[name].wall.append(wall)
-            results[name].rss_mib.append(rss)
-    shutil.rmtree(out, ignore_errors=True)
-    return results
+    return measure_in_turn(with_baseline(runs), out, repeat)
 
 
 def _report(title: str, results: dict[str, Measurement], floors: dict[str, tuple[str, ...]],

@@ -13,7 +13,6 @@ Usage: python benchmarks/bench_workers.py [--repeat 3] [--large bench-data/dcp-1
 from __future__ import annotations
 
 import argparse
-import shutil
 import subprocess
 import sys
 import warnings
@@ -23,11 +22,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _harness import (
     EMA,
     PY,
-    Measurement,
     dir_bytes,
     durable_writes,
     machine_description,
-    run_timed,
+    measure_in_turn,
     table,
     write_floor,
 )
@@ -57,16 +55,9 @@ def main() -> None:
     args = parser.parse_args()
     make(args.data, args.count, args.tensors)
     out = args.data.parent / "bench-workers"
-    runs = {f"average --workers {n}": n for n in (1, 2)}
-    results = {name: Measurement(name, [], []) for name in runs}
-    for _ in range(args.repeat):
-        for name, n in runs.items():
-            shutil.rmtree(out, ignore_errors=True)
-            wall, rss = run_timed([EMA, "average", str(args.data), "--last", str(args.count),
-                                   "--out", str(out), "--quiet", "--workers", str(n)])
-            results[name].wall.append(wall)
-            results[name].rss_mib.append(rss)
-    shutil.rmtree(out, ignore_errors=True)
+    runs = {f"average --workers {n}": dict(cmd=[EMA, "average", str(args.data), "--last", str(args.count),
+                                                "--out", str(out), "--quiet", "--workers", str(n)]) for n in (1, 2)}
+    results = measure_in_turn(runs, out, args.repeat)
     one, two = results.values()
     print(f"Machine: {machine_description()}")
     print(f"Input: {args.count} DCP checkpoints of {args.tensors} fp32 tensors of 4 KiB; "
@@ -94,14 +85,7 @@ def large_case(data: Path, repeat: int) -> None:
     for n in (1, 2):
         runs[f"accumulate --workers {n}"] = dict(cmd=[EMA, "accumulate", str(data), "--decay", "0.999", "--out",
                                                       str(out), "--quiet", "--restart", "--workers", str(n)])
-    results = {name: Measurement(name, [], []) for name in runs}
-    for r in range(repeat):
-        for name, spec in (list(runs.items()) if r % 2 == 0 else list(runs.items())[::-1]):
-            shutil.rmtree(out, ignore_errors=True)
-            wall, rss = run_timed(spec["cmd"], shell=spec.get("shell", False))
-            results[name].wall.append(wall)
-            results[name].rss_mib.append(rss)
-    shutil.rmtree(out, ignore_errors=True)
+    results = measure_in_turn(runs, out, repeat)
     floor = (sum(results[name].wall_median for name in ("cat inputs", "import torch"))
              + write_floor(results, "write the output durably", "write the output durably (O_DIRECT)")[0])
     one, two = results["accumulate --workers 1"], results["accumulate --workers 2"]
