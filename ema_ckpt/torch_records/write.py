@@ -175,7 +175,9 @@ def write_tensor_record(out: RecordSink, tensor: torch.Tensor, *, start: int = 0
         crc = crc32(payload)
         extra = b""
         if name == b"archive/data/0":  # align the storage bytes as torch does (mmap needs it)
-            pad = -(start + position + LOCAL_HEADER.size + len(name) + 4) % data_alignment
+            # torch's 64 counts from the record's start; a larger alignment from the file's
+            origin = start if data_alignment != STORAGE_ALIGNMENT else 0
+            pad = -(origin + position + LOCAL_HEADER.size + len(name) + 4) % data_alignment
             extra = struct.pack("<HH", _PAD_FIELD, pad) + b"\0" * pad
         header = LOCAL_HEADER.pack(LOCAL_MAGIC, 20, 0, 0, _DOS_DATE[0], _DOS_DATE[1], crc, len(payload),
                                    len(payload), len(name), len(extra)) + name + extra
