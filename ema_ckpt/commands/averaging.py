@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, overload
 
-from .._crc import crc32
 from ..discovery import checkpoint_paths
 from ..dtypes import ACCUMULATE_DTYPES, torch_dtype
 from ..engine import OutputSpec, Update, check_device
@@ -33,14 +32,13 @@ from ..manifest import FoldedCheckpoint, Manifest, fingerprint
 from ..plans import Plan, PlannedOutput, SnapshotInput, Term, find_snapshots, plan_average, plan_posthoc
 from ..progress import Progress
 from ..selection import check_compatible, container_prefix, output_names, select_keys
-from ..writers.base import OutputTensor, OutputWriter, WrittenFile, check_directory_output, output_format
+from ..writers.base import OutputTensor, OutputWriter, check_directory_output, output_format
 
 _RUNTIME = {"recorded": False}
 SUM_FORMATS = ("dcp", "safetensors")
 """The output formats of ``posthoc`` and ``average``: each output a directory holding its manifest."""
 SAFETENSORS_FILE = "model.safetensors"
 """The one data file of a ``safetensors`` output (the name Hugging Face loaders look for)."""
-_CRC_BLOCK_BYTES = 8 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,7 +168,6 @@ class RunResult:
 class _Summed:
     written: WrittenOutputs
     source_format: str
-    stagings: list[Path]
     renamed_prefix: str | None = None
 
 
@@ -235,15 +232,14 @@ class SumJob(Job[SumPlan, _Summed, "Plan | RunResult"]):
             writers = [_file_writer(context, i, plan.format) for i in range(len(outputs))]
         written = context.write(readers, outputs, writers, tensors, layout=newest, copy_source=len(readers) - 1,
                                 accumulate_dtype=torch_dtype(opts.dtype), check_finite=range(len(readers)))
-        return _Summed(written, newest.format_name, list(context.stagings), renamed)
+        return _Summed(written, newest.format_name, renamed)
 
     def manifests(self, plan: SumPlan, computed: _Summed) -> list[Manifest | None]:
         opts = self.options
         recorded = {**recorded_options(opts), "format": plan.format}
-        return [output_manifest(plan.kind, output, _with_crc32(staging, files), opts.dtype, computed.source_format,
+        return [output_manifest(plan.kind, output, files, opts.dtype, computed.source_format,
                                 opts.include, opts.exclude, recorded)
-                for output, files, staging in zip(plan.outputs, computed.written.files, computed.stagings,
-                                                  strict=True)]
+                for output, files in zip(plan.outputs, computed.written.files, strict=True)]
 
     def result(self, plan: SumPlan, computed: _Summed | None, seconds: float) -> Plan | RunResult:
         if computed is None:
@@ -266,21 +262,6 @@ def _file_writer(context: JobContext, index: int, format_name: str) -> OutputWri
     writer = make(context.stagings[index], SAFETENSORS_FILE)
     writer.final = context.targets[index].final / SAFETENSORS_FILE
     return writer
-
-
-def _with_crc32(staging: Path, files: Sequence[WrittenFile]) -> list[WrittenFile]:
-    """``files`` with the CRC-32 of each staged file whose writer computes none (safetensors),
-    so that ``verify`` can check every listed file against the manifest."""
-    done = []
-    for f in files:
-        if f.crc32 is None:
-            crc = 0
-            with open(staging / f.name, "rb") as handle:
-                while block := handle.read(_CRC_BLOCK_BYTES):
-                    crc = crc32(block, crc)
-            f = dataclasses.replace(f, crc32=crc)
-        done.append(f)
-    return done
 
 
 def averaged_tensors(newest: Any, keys: Sequence[str], dtype: str,

@@ -91,8 +91,9 @@ _WRITEBACK_BYTES = 32 << 20
 class _ChecksumFile:
     """A write-only file wrapper that keeps a CRC-32 and the position of what it wrote.
 
-    Every 32 MiB it starts the disk write of what came before (``sync_file_range``), so the
-    closing fsync waits for the tail instead of the whole file.
+    Through the page cache (where ``O_DIRECT`` was refused), every 32 MiB it starts the disk
+    write of what came before (``sync_file_range``), so the closing fsync waits for the tail
+    instead of the whole file.
     """
 
     def __init__(self, handle: DirectAppender) -> None:
@@ -109,7 +110,7 @@ class _ChecksumFile:
         else:
             self.crc32 = crc32(data, self.crc32)
         self.position += len(data)
-        if self.position - self._written_back >= _WRITEBACK_BYTES and not getattr(self._handle, "direct", False):
+        if self.position - self._written_back >= _WRITEBACK_BYTES and not self._handle.direct:
             self._handle.flush()
             start_writeback(self._handle.fileno(), self._written_back, self.position - self._written_back)
             self._written_back = self.position
