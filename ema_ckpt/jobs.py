@@ -250,7 +250,7 @@ class JobContext:
     def open_sources(self, paths: Sequence[Path]) -> list[CheckpointReader]:
         """Open every checkpoint on every worker, parsing each DCP ``.metadata`` only once.
 
-        Parsing metadata (a restricted pure-Python unpickle) costs time in proportion to the
+        Parsing metadata (a bounds-checked, restricted unpickle) costs time in proportion to the
         keys, the largest fixed cost of a run over many small tensors. With N workers, worker r
         parses inputs r, r+N, … and the parsed indexes are exchanged, so the parse is split
         instead of repeated. The readers close when the run's attempt ends.

@@ -619,6 +619,7 @@ def test_dcp_planner_data_value_that_is_not_a_path(tmp_path):
     # PROTO 4, NONE, LONG_BINPUT 30_000_000, STOP: 10 bytes that make CPython's C unpickler grow
     # its memo to 60M slots (480 MB); LONG_BINPUT 0xFFFFFFFF asks for 64 GB.
     'b"\\x80\\x04Nr" + struct.pack("<I", 30_000_000) + b"."',
+    'b"Np4000000000\\n."',  # the same through protocol 0's text PUT
     # PROTO 5, BYTEARRAY8 of a declared 1 GB with no data: the stock handler allocates it first
     'b"\\x80\\x05\\x96" + struct.pack("<Q", 10**9) + b"."',
 ])

@@ -1,47 +1,116 @@
-"""What :mod:`ema_ckpt._unpickler` relies on in CPython's private pure-Python unpickler still holds."""
+""":mod:`ema_ckpt._unpickler`: the bounds walk before CPython's C unpickler loads a pickle."""
 
 from __future__ import annotations
 
+import contextlib
 import pickle
+import pickletools
 import struct
+import tracemalloc
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from ema_ckpt._unpickler import InMemoryUnpickler
+from ema_ckpt._unpickler import (
+    _ARGUMENTS,
+    _LENGTH1,
+    _LENGTH4,
+    _LENGTH4U,
+    _LENGTH8U,
+    _LINE,
+    _PUT_LINE,
+    _TWO_LINES,
+    InMemoryUnpickler,
+    check_pickle_bounds,
+)
 
 
-def test_the_private_unpickler_has_the_shape_relied_on():
-    base = pickle._Unpickler  # type: ignore[attr-defined]
-    assert isinstance(base.dispatch, dict)
-    assert all(isinstance(k, int) for k in base.dispatch)  # keyed by opcode byte
-    for opcode in (pickle.FRAME, pickle.BYTEARRAY8, pickle.STOP, pickle.GLOBAL, pickle.BINPERSID):
-        assert opcode[0] in base.dispatch
-    assert issubclass(pickle._Stop, Exception) and hasattr(pickle._Stop(1), "value")  # type: ignore[attr-defined]
-    for name in ("find_class", "persistent_load", "load"):
-        assert callable(getattr(base, name))
+def test_the_opcode_table_matches_pickletools():
+    lengths = {
+        pickletools.TAKEN_FROM_ARGUMENT1: {_LENGTH1},
+        pickletools.TAKEN_FROM_ARGUMENT4: {_LENGTH4},
+        pickletools.TAKEN_FROM_ARGUMENT4U: {_LENGTH4U},
+        pickletools.TAKEN_FROM_ARGUMENT8U: {_LENGTH8U},
+        pickletools.UP_TO_NEWLINE: {_LINE, _PUT_LINE, _TWO_LINES},
+    }
+    assert {op.code.encode("latin-1") for op in pickletools.opcodes} == set(_ARGUMENTS)
+    for op in pickletools.opcodes:
+        kind = _ARGUMENTS[op.code.encode("latin-1")]
+        if op.name in ("STOP", "FRAME", "LONG_BINPUT"):
+            continue  # handled on their own
+        if op.arg is None:
+            assert kind == 0, op.name
+        elif op.arg.n >= 0:
+            assert kind == op.arg.n, op.name
+        else:
+            assert kind in lengths[op.arg.n], op.name
+        assert (kind == _TWO_LINES) == (op.arg is not None and op.arg.name == "stringnl_noescape_pair")
 
 
 @pytest.mark.parametrize("protocol", range(0, pickle.HIGHEST_PROTOCOL + 1))
 def test_loads_what_pickle_dumps(protocol):
-    value = {"a": [1, 2.5, "x", b"y", (None, True)], "b": bytearray(b"zz"), "c": {3: frozenset({4})}}
+    value = {"a": [1, 2.5, "x", b"y", (None, True)], "b": bytearray(b"zz"), "c": {3: frozenset({4})},
+             "big": 2**300, "long": "é" * 300, "bytes": b"\n" * 300, "neg": -(2**70)}
     assert InMemoryUnpickler(pickle.dumps(value, protocol=protocol)).load() == value
 
 
-def test_frames_are_skipped_not_read_through():
-    data = pickle.dumps(list(range(10_000)), protocol=4)
-    assert pickle.FRAME in data
-    assert InMemoryUnpickler(data).load() == list(range(10_000))
+_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text() | st.binary(),
+    lambda inner: st.lists(inner, max_size=4) | st.tuples(inner, inner)
+    | st.dictionaries(st.text(max_size=3), inner, max_size=4),
+    max_leaves=30,
+)
 
 
-def test_a_bytearray8_longer_than_the_data_is_refused_before_allocating():
-    bomb = b"\x80\x05\x96" + struct.pack("<Q", 10**12) + b"."
-    with pytest.raises(pickle.UnpicklingError, match="longer than the data"):
+@given(value=_VALUES, protocol=st.integers(0, pickle.HIGHEST_PROTOCOL))
+@settings(max_examples=300, deadline=None)
+def test_any_pickle_walks_to_its_stop_as_pickletools_does(value, protocol):
+    data = pickle.dumps(value, protocol=protocol) + b"trailing bytes are not read"
+    check_pickle_bounds(data)
+    assert InMemoryUnpickler(data).load() == value
+    stop = max(pos for _op, _arg, pos in pickletools.genops(data))
+    check_pickle_bounds(data[: stop + 1])
+    with pytest.raises((EOFError, pickle.UnpicklingError)):
+        check_pickle_bounds(data[:stop])  # any cut before STOP is refused by the walk
+
+
+@given(data=st.binary(max_size=64))
+@settings(max_examples=500, deadline=None)
+def test_random_bytes_allocate_little_whatever_they_say(data):
+    tracemalloc.start()
+    with contextlib.suppress(Exception):
+        InMemoryUnpickler(b"\x80\x05" + data).load()
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert peak < 1 << 20
+
+
+@pytest.mark.parametrize("bomb", [
+    b"\x80\x04Nr" + struct.pack("<I", 0xFFFFFFFF) + b".",  # LONG_BINPUT: a 32 GiB memo
+    b"Np4000000000\n.",  # protocol 0 PUT
+    b"\x80\x05\x96" + struct.pack("<Q", 10**12) + b".",  # BYTEARRAY8 allocated before it is read
+    b"\x80\x04\x8e" + struct.pack("<Q", 10**12) + b".",  # BINBYTES8
+    b"\x80\x04\x95" + struct.pack("<Q", 10**12) + b"N.",  # FRAME
+    b"\x80\x02T" + struct.pack("<i", -5) + b".",  # a negative BINSTRING length
+])
+def test_bombs_are_refused_before_loading(bomb):
+    with pytest.raises(pickle.UnpicklingError):
         InMemoryUnpickler(bomb).load()
 
 
-def test_truncated_data_raises_eof():
-    with pytest.raises(EOFError):
+def test_an_unknown_opcode_is_named():
+    with pytest.raises(pickle.UnpicklingError, match="invalid opcode 0xff at byte 2"):
+        InMemoryUnpickler(b"\x80\x04\xff.").load()
+
+
+def test_truncated_data_is_refused():
+    with pytest.raises(pickle.UnpicklingError, match="frame"):  # the frame says more than is there
         InMemoryUnpickler(pickle.dumps([1, 2, 3])[:-1]).load()
+    with pytest.raises(EOFError):
+        InMemoryUnpickler(pickle.dumps([1, 2, 3], protocol=2)[:-1]).load()
+    with pytest.raises(EOFError):
+        InMemoryUnpickler(b"\x80\x04J\x01").load()  # a fixed-size argument cut short
 
 
 def test_find_class_is_the_only_way_to_a_global():
@@ -49,5 +118,6 @@ def test_find_class_is_the_only_way_to_a_global():
         def find_class(self, module, name):
             raise pickle.UnpicklingError(f"{module}.{name}")
 
-    with pytest.raises(pickle.UnpicklingError, match=r"builtins\.print"):
-        Refusing(pickle.dumps(print)).load()
+    for protocol in (0, 2, 4):
+        with pytest.raises(pickle.UnpicklingError, match=r"(__builtin__|builtins)\.print"):
+            Refusing(pickle.dumps(print, protocol=protocol)).load()
