@@ -78,7 +78,8 @@ def check_pickle_bounds(data: bytes) -> None:
     """
     kinds, size, pos, skip_fixed = _KINDS, len(data), 0, _FIXED_RUN.match
     while pos < size:
-        pos = skip_fixed(data, pos).end()  # most opcodes: a fixed-size argument
+        # most opcodes have a fixed-size argument; the pattern matches (maybe empty) anywhere
+        pos = skip_fixed(data, pos).end()  # type: ignore[union-attr]
         if pos >= size:
             break
         kind = kinds[data[pos]]
