@@ -9,8 +9,9 @@ Two ways in:
 
 Every rank plans the same work from metadata (the plan is deterministic), processes its own
 share of output files, and the coordinator (rank 0) writes metadata and the manifest. An
-error on any rank is raised on every rank at the next synchronisation point, so no rank
-waits forever on a failed peer.
+error on any rank is raised on every rank at the next synchronisation point; a rank that
+never joins or falls silent ends the others within a bound (:mod:`ema_ckpt._liveness`), so
+no rank waits forever on a failed peer.
 
 Example:
     >>> w = Workers.single()
@@ -33,7 +34,15 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from ._gc import paused_gc
-from .errors import CheckpointFormatError, EmaCkptError, NonFiniteError, OptionError, UnsafePickleError
+from ._liveness import Heartbeat, join, join_timeout, open_store, peer_timeout
+from .errors import (
+    CheckpointFormatError,
+    EmaCkptError,
+    NonFiniteError,
+    OptionError,
+    PeerLostError,
+    UnsafePickleError,
+)
 
 T = TypeVar("T")
 _TIMEOUT = datetime.timedelta(hours=6)
@@ -74,7 +83,8 @@ class Workers:
         import torch.distributed as dist
 
         gathered: list[Any] = [None] * self.world_size
-        dist.all_gather_object(gathered, value, group=self._group)
+        with _collective():
+            dist.all_gather_object(gathered, value, group=self._group)
         return gathered
 
     def exchange(self, value: T) -> list[T]:
@@ -91,12 +101,14 @@ class Workers:
 
         data = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
         sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
-        dist.all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64), group=self._group)
+        with _collective():
+            dist.all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64), group=self._group)
         longest = max(int(s) for s in sizes)
         buffers = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.world_size)]
         mine = torch.zeros(longest, dtype=torch.uint8)
         mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        dist.all_gather(buffers, mine, group=self._group)
+        with _collective():
+            dist.all_gather(buffers, mine, group=self._group)
         with paused_gc():  # many small long-lived objects (parsed indexes): see ema_ckpt._gc
             return [value if rank == self.rank else pickle.loads(buffers[rank][: int(sizes[rank])].numpy().tobytes())
                     for rank in range(self.world_size)]
@@ -108,7 +120,8 @@ class Workers:
         import torch.distributed as dist
 
         box = [value]
-        dist.broadcast_object_list(box, src=0, group=self._group)
+        with _collective():
+            dist.broadcast_object_list(box, src=0, group=self._group)
         return box[0]
 
     def check(self, error: BaseException | None) -> None:
@@ -143,6 +156,39 @@ class Workers:
 
 
 def _nothing() -> Any:
+    return None
+
+
+@contextlib.contextmanager
+def _collective() -> Any:
+    """Around each collective: a peer already known lost is raised before waiting for it, and
+    a collective broken by a peer that left (its sockets closed) is a :class:`PeerLostError`."""
+    heartbeat = _group_state.get("heartbeat")
+    if heartbeat is not None:
+        heartbeat.raise_if_lost()
+    try:
+        yield
+    except RuntimeError as err:  # gloo: "Connection closed by peer", "Timed out waiting …"
+        if heartbeat is not None and heartbeat.lost is not None:
+            raise heartbeat.lost from None
+        raise PeerLostError(f"a worker left the group during a collective ({_first_line(err)})") from err
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0][:200] if text else type(err).__name__
+
+
+_group_state: dict[str, Any] = {}
+"""This process's group: its store and heartbeat (set by :func:`current_workers`)."""
+_spawned: list[Any] = []
+"""Rank 0's spawned workers while :func:`run_workers` runs, watched while the group forms."""
+
+
+def _spawned_exited() -> str | None:
+    for rank, proc in enumerate(_spawned, start=1):
+        if proc.exitcode is not None:
+            return f"worker {rank} (process {proc.pid}) exited with code {proc.exitcode}"
     return None
 
 
@@ -201,7 +247,7 @@ def current_workers(device: str = "cpu") -> Workers:
                 # the workers exchange only small objects, which gloo carries as well
                 backend = "gloo"
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % gpus)
-        dist.init_process_group(backend, timeout=_TIMEOUT)
+        _join_group(backend, world)
         # tear the group down before interpreter exit: gloo's threads abort the process
         # ("terminate called without an active exception") when left to static destructors
         atexit.register(_shutdown)
@@ -209,11 +255,44 @@ def current_workers(device: str = "cpu") -> Workers:
     return Workers(dist.get_rank(), dist.get_world_size(), group)
 
 
+def _join_group(backend: str, world: int) -> None:
+    """Form the group with bounded waits (see :mod:`ema_ckpt._liveness`), then start the heartbeat.
+
+    Under torchrun the store is the agent's (every worker a client); otherwise rank 0 serves it.
+    """
+    import torch.distributed as dist
+
+    rank = int(os.environ.get("RANK", "0"))
+    host, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", "29500"))
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
+    waits, silence = join_timeout(), peer_timeout()
+    store = open_store(host, port, serve=rank == 0 and not agent, timeout=waits)
+    join(store, rank, world, timeout=waits, gone=_spawned_exited)
+    group_store = dist.PrefixStore("group/", store)  # type: ignore[attr-defined]
+    dist.init_process_group(backend, store=group_store, rank=rank, world_size=world, timeout=_TIMEOUT)
+    # its own connection, with a short timeout: a store that stops answering must not block the watch
+    watch = open_store(host, port, serve=False, timeout=min(30.0, silence))
+    # a worker started by a launcher (torchrun's agent, or rank 0's spawn) ends when the launcher does
+    launched = agent or "TORCHELASTIC_RUN_ID" in os.environ or _SPAWNED_VARIABLE in os.environ
+    heartbeat = Heartbeat(watch, rank, world, timeout=silence, on_lost=_kill_spawned, watch_parent=launched)
+    _group_state.update(store=store, heartbeat=heartbeat.start())
+
+
+def _kill_spawned() -> None:
+    for proc in list(_spawned):
+        with contextlib.suppress(Exception):
+            proc.kill()
+
+
 def _shutdown() -> None:
     import torch.distributed as dist
 
+    heartbeat = _group_state.pop("heartbeat", None)
+    if heartbeat is not None:
+        heartbeat.stop()
     if dist.is_initialized():
         dist.destroy_process_group()
+    _group_state.clear()
 
 
 def free_port() -> int:
@@ -222,6 +301,7 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+_SPAWNED_VARIABLE = "EMA_CKPT_SPAWNED_WORKER"
 _GROUP_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -235,6 +315,7 @@ def _worker_main(rank: int, world: int, port: int, func: Callable[..., Any], arg
                  queue: Any) -> None:
     """A spawned worker (rank ≥ 1): run ``func`` in the group, leave it, then report."""
     os.environ.update(_group_environment(rank, world, port))
+    os.environ[_SPAWNED_VARIABLE] = "1"
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     report: tuple[int, str, Any]
     try:
@@ -292,6 +373,7 @@ def run_workers(world_size: int, func: Callable[..., T], /, *args: Any,
             procs.append(ctx.Process(target=_worker_main, args=(rank, world_size, port, func, args, kwargs, queue),
                                      name=f"ema-ckpt-worker-{rank}", daemon=True))
             procs[-1].start()
+        _spawned[:] = procs
         import torch  # while the workers start and import it too
 
         threads = torch.get_num_threads()
@@ -299,6 +381,13 @@ def run_workers(world_size: int, func: Callable[..., T], /, *args: Any,
         torch.set_num_threads(max(1, threads // world_size))  # the workers share this machine's cores
         try:
             result = func(*args, **kwargs, **(local_kwargs or {}))
+        except PeerLostError as err:  # a worker died or fell silent: its own report says why, if it made one
+            grace = 0.0
+            heartbeat = _group_state.get("heartbeat")
+            if heartbeat is not None and heartbeat.lost is not None:
+                raise heartbeat.lost from None  # silent, then killed: its silence is the news
+            cause = _failure(_collect(procs, queue, timeout=2.0), procs, only_reported=True)
+            raise (cause if cause is not None else err) from None
         except EmaCkptError:  # peers learnt of it at the step's synchronisation and end too
             grace = 5.0
             raise
@@ -318,6 +407,7 @@ def run_workers(world_size: int, func: Callable[..., T], /, *args: Any,
             raise failure
         return result
     finally:
+        _spawned.clear()
         try:
             _shutdown()
             if threads is not None:
@@ -377,8 +467,12 @@ def _failure(reports: dict[int, tuple[str, Any]], procs: Sequence[Any], *, only_
     if errors:
         first: EmaCkptError = errors[0][1]
         return WorkerFailed(first.note(), first.exit_code)
-    silent = [p for rank, p in enumerate(procs, start=1) if rank not in reports and p.exitcode is not None]
-    if silent or (not only_reported and len(reports) < len(procs)):
+    silent = [(rank, p) for rank, p in enumerate(procs, start=1) if rank not in reports and p.exitcode is not None]
+    if silent:
+        rank, proc = silent[0]
+        how = f"killed by signal {-proc.exitcode}" if proc.exitcode < 0 else f"exit code {proc.exitcode}"
+        return WorkerFailed(f"worker {rank} (process {proc.pid}) died without a report ({how}; out of memory?)", 1)
+    if not only_reported and len(reports) < len(procs):
         return WorkerFailed("a worker process died without a report (out of memory?)", 1)
     return None
 

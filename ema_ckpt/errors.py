@@ -280,6 +280,12 @@ class OutputLockedError(EmaCkptError):
     exit_code = 75  # EX_TEMPFAIL: cron wrappers retry on it.
 
 
+class PeerLostError(EmaCkptError):
+    """A worker of the group is gone or silent (node down, network cut); nothing was published."""
+
+    exit_code = 8
+
+
 class OutputError(EmaCkptError, OSError):
     """Writing the output failed (disk full, permissions); the previous output is intact."""
 

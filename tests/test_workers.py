@@ -302,3 +302,42 @@ def test_a_peers_own_fault_is_reported_not_the_collective_it_broke():
     with pytest.raises(WorkerFailed, match="rank 1 broke on its own"):
         run_workers(2, _rank_one_fails_alone)
     assert not torch.distributed.is_initialized()
+
+
+def _dies_before_joining() -> None:
+    if os.environ.get("RANK") == "1":
+        os._exit(3)  # before it ever reaches the group
+    current_workers().all_gather("x")
+
+
+def test_a_worker_that_dies_before_joining_ends_the_run_at_once():
+    import time
+
+    started = time.monotonic()
+    with pytest.raises(WorkerFailed, match=r"worker 1 \(process \d+\) died without a report \(exit code 3"):
+        run_workers(2, _dies_before_joining)
+    assert time.monotonic() - started < 60  # not the join timeout (300 s), let alone torch's hours
+
+
+def _stops_on_rank_one() -> str:
+    import signal
+
+    workers = current_workers()
+    if workers.rank == 1:
+        os.kill(os.getpid(), signal.SIGSTOP)  # alive, sockets open, silent
+    workers.all_gather("x")
+    return "finished"
+
+
+def test_a_silent_worker_is_lost_within_the_peer_timeout(monkeypatch):
+    import multiprocessing
+    import time
+
+    from ema_ckpt.errors import PeerLostError
+
+    monkeypatch.setenv("EMA_CKPT_PEER_TIMEOUT", "2")
+    started = time.monotonic()
+    with pytest.raises(PeerLostError, match="worker 1 has not answered for 2 s") as info:
+        run_workers(2, _stops_on_rank_one)
+    assert time.monotonic() - started < 30 and info.value.exit_code == 8
+    assert not multiprocessing.active_children()  # the stopped worker was killed, not left behind

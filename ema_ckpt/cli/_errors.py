@@ -22,6 +22,7 @@ Exit codes (also in ``docs/cli.md``):
 5     the output was made with other settings (``--restart`` starts over)
 6     a checkpoint holds NaN/Inf values
 7     writing the output failed (disk full, permissions); the old output is intact
+8     a worker of the run was lost (node down, network cut, launcher killed)
 75    another run holds the output's lock (retry later, or ``--wait``)
 130   interrupted (Ctrl-C)
 143   terminated (SIGTERM, as Slurm, systemd, Kubernetes and ``timeout`` send it)
