@@ -19,6 +19,7 @@ Usage: python benchmarks/bench_posthoc.py [--case raw|edm2|all] [--repeat 3]
 from __future__ import annotations
 
 import argparse
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -102,6 +103,22 @@ def raw_case(data: Path, repeat: int) -> None:
     base = ("cat inputs > /dev/null", "python -c 'import torch'")
     _report("Raw sweep: 4 × 1 GiB fp32 DCP checkpoints", results,
             {one: (*base, "write 1"), four: (*base, "write 4")}, (four, one))
+    _with_compute(results, {one: (1, "write 1"), four: (4, "write 4")}, base, len(ckpts), mib, repeat)
+
+
+def _with_compute(results: dict[str, Measurement], runs: dict[str, tuple[int, str]], base: tuple[str, ...],
+                  inputs: int, mib: int, repeat: int) -> None:
+    """Each run against its floor plus the arithmetic its outputs need, timed alone
+    (``sweep_compute_floor.py``: the block products and the CRC-32 of every output byte)."""
+    from sweep_compute_floor import compute_floor
+
+    for name, (outputs, write) in runs.items():
+        count = int(write.split()[1])
+        writes = write_floor(results, _write_name(count, False), _write_name(count, True))[1]
+        floor = sum(results[p].wall_median for p in (*base, writes))
+        arithmetic = statistics.median(compute_floor(inputs, outputs, mib << 20) for _ in range(repeat))
+        print(f"- {name}: the arithmetic alone {arithmetic:.2f} s; against floor + arithmetic "
+              f"({floor + arithmetic:.2f} s) **{results[name].wall_median / (floor + arithmetic):.2f}×**")
 
 
 def edm2_case(root: Path, repeat: int) -> None:
