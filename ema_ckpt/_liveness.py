@@ -9,7 +9,8 @@ counter every few seconds and reads its peers'. A peer whose counter has not mov
 ``EMA_CKPT_PEER_TIMEOUT`` seconds (60 by default) or a store that cannot be reached for as
 long ends the run on every surviving worker: at its next collective with
 :class:`PeerLostError`, or, blocked inside one, a few seconds later with the same one line
-and exit code 8. A worker whose launcher died (``torchrun`` killed, or the process that
+and exit code 8 (a worker a launcher started; rank 0 of ``--workers`` kills the workers it
+spawned instead, which ends its collective). A worker whose launcher died (``torchrun`` killed, or the process that
 spawned it) stops at once, as SIGTERM stops a run, so no worker outlives its launcher. Nothing is
 published before every worker has finished, so the previous output stays intact, and the
 next run removes the staging left behind.
@@ -118,9 +119,10 @@ class Heartbeat:
 
     ``lost`` becomes the error to raise once a peer has been silent for ``timeout``
     seconds; if the process is still running ``grace`` seconds after that (blocked in a
-    collective that will never return), the thread prints the error and ends the process.
-    ``on_lost`` runs as soon as a peer is lost: rank 0 kills the workers it spawned, which
-    closes their sockets and so ends its own collective with an error at once.
+    collective that will never return), the thread prints the error and ends the process, if
+    a launcher started it (``watch_parent``). ``on_lost`` runs as soon as a peer is lost: rank 0
+    of ``--workers`` kills the workers it spawned, which closes their sockets and so ends its
+    own collective with an error at once.
     """
 
     def __init__(self, store: Any, rank: int, world_size: int, *, timeout: float, grace: float = 5.0,
@@ -207,6 +209,11 @@ class Heartbeat:
         self.lost = error
         with contextlib.suppress(Exception):
             self.on_lost()
+        if not self.watch_parent:
+            # a process no launcher started (rank 0 of --workers, maybe a caller's own program) is
+            # never ended from here: killing its spawned workers has closed their sockets, which
+            # ends its collective with an error
+            return
         if self._stop.wait(self.grace):
             return  # the run ended in the meantime
         if self._seen_by_run and self._stop.wait(6 * self.grace):
