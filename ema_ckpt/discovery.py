@@ -29,17 +29,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import CheckpointNotFoundError, EmaCkptError, IncompatibleCheckpointError, Note, OptionError, UsageError
-from .formats import detect_format, locate_model, open_checkpoint, registered_formats
+from .formats import detect_format, locate_model, open_checkpoint
 from .formats.base import (
     NESTED_MODELS,
     TRAINER_STATE,
     CheckpointFormat,
     CheckpointReader,
+    formats_for,
     nested_incomplete,
     trainer_state_step,
 )
 from .layout import Box, row_blocks
 from .manifest import MANIFEST_NAME
+from .remote import RemotePath, as_path, forget_listings
 from .selection import select_keys
 
 _STEP_PATTERNS = (
@@ -106,7 +108,8 @@ def checkpoint_paths(checkpoints: str | Path | Sequence[str | Path]) -> list[Pat
         >>> checkpoint_paths(["ckpts/step_100", "ckpts/step_200"])  # doctest: +SKIP
         [PosixPath('ckpts/step_100'), PosixPath('ckpts/step_200')]
     """
-    paths = [Path(checkpoints)] if isinstance(checkpoints, (str, Path)) else [Path(p) for p in checkpoints]
+    paths = [as_path(checkpoints)] if isinstance(checkpoints, (str, Path, RemotePath)) else [
+        as_path(p) for p in checkpoints]
     if not paths:
         raise UsageError("no checkpoint paths given")
     for path in paths:
@@ -199,7 +202,7 @@ def step_record(path: str | Path, step_regex: str | None = None) -> StepRecord |
         >>> step_record("out/checkpoint-500")  # doctest: +SKIP
         StepRecord(step=500, source='trainer_state.json global_step')
     """
-    path = Path(path)
+    path = as_path(path)
     owner = _owner(path)
     if step_regex is not None:
         step = step_from_name(owner.name, step_regex)
@@ -230,7 +233,7 @@ def _incomplete_reason(path: Path) -> str | None:
     nested = nested_incomplete(path)
     if nested:
         return nested
-    for fmt in registered_formats().values():
+    for fmt in formats_for(path):
         reason = fmt.incomplete(path)
         if reason:
             return reason
@@ -394,12 +397,13 @@ def discover(
             or nothing was found at all.
         IncompatibleCheckpointError: two checkpoints claim the same step with different weights.
     """
+    forget_listings()
     found = Discovery()
-    excluded = [Path(p).resolve() for p in exclude]
-    skipped = [Path(p).resolve() for p in skip]
+    excluded = [as_path(p).resolve() for p in exclude]
+    skipped = [as_path(p).resolve() for p in skip]
     used: set[Path] = set()
     for raw in paths:
-        path = Path(raw)
+        path = as_path(raw)
         if not path.exists():
             raise CheckpointNotFoundError(path, "no such file or directory")
         if _skipped(path, skipped, used):
@@ -435,7 +439,7 @@ def discover(
         found.notes.append("steps come from different records: " + Note.joined(", ", ordered)
                            + Note(" (check the order with {dry_run=True})", mentions=("dry_run",)))
     found.checkpoints.sort(key=lambda c: (c.step, str(c.path)))
-    _drop_identical_copies(found, {Path(p).resolve(): s for p, s in (known or {}).items()}, compare_after)
+    _drop_identical_copies(found, {as_path(p).resolve(): s for p, s in (known or {}).items()}, compare_after)
     if not found.checkpoints:
         where = ", ".join(str(p) for p in paths)
         raise CheckpointNotFoundError(where, "no checkpoints found" + (

@@ -286,6 +286,13 @@ class PeerLostError(EmaCkptError):
     exit_code = 8
 
 
+class RemoteStorageError(EmaCkptError):
+    """Object storage refused a request for good: access denied, no such bucket, a wrong region,
+    the endpoint unreachable, or transient errors past the client's retries."""
+
+    exit_code = 9
+
+
 class OutputError(EmaCkptError, OSError):
     """Writing the output failed (disk full, permissions); the previous output is intact."""
 

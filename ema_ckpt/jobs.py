@@ -43,6 +43,7 @@ from .formats.base import CheckpointReader
 from .fs import OutputLock, discard_on_error, new_staging_dir, publish, publish_file, recover
 from .manifest import Manifest
 from .progress import Progress
+from .remote import RemotePath
 from .writers.base import OutputTensor, OutputWriter, PlannedRegion, WrittenFile
 from .writers.outputs import region_cost
 
@@ -88,7 +89,7 @@ def recorded_options(options: Any) -> dict[str, Any]:
 
 
 def _jsonable(value: Any) -> Any:
-    if isinstance(value, Path):
+    if isinstance(value, (Path, RemotePath)):
         return str(value)
     if isinstance(value, (tuple, list)):
         return [_jsonable(v) for v in value]

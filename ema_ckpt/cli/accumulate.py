@@ -57,7 +57,7 @@ def _warnings(result: AccumulateResult) -> list[str]:
 
 @reports_errors
 def accumulate_command(
-    checkpoints: Annotated[list[Path], typer.Argument(help="A folder of checkpoints, or checkpoint paths.")],
+    checkpoints: Annotated[list[str], typer.Argument(help="A folder of checkpoints, or checkpoint paths.")],
     decay: Annotated[float | None, typer.Option(help="Decay per optimizer step, e.g. 0.999.")] = None,
     half_life: Annotated[
         float | None, typer.Option("--half-life", metavar="STEPS", help="Half-life in steps (decay 2^(-1/N)).")

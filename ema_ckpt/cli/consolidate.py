@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
@@ -37,7 +36,7 @@ _FORMATS = ", ".join(fmt.name for fmt in path_formats())
 @reports_errors
 def consolidate_command(
     src: Annotated[
-        Path, typer.Argument(help="Any supported checkpoint: DCP, ema-ckpt output, DeepSpeed, safetensors.")
+        str, typer.Argument(help="Any supported checkpoint: DCP, ema-ckpt output, DeepSpeed, safetensors.")
     ],
     out: Annotated[
         str, typer.Option("--out", "-o", metavar="PATH",

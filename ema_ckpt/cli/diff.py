@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
@@ -79,8 +78,8 @@ def render_diff(result: DiffResult, atol: float) -> None:
 
 @reports_errors
 def diff_command(
-    a: Annotated[Path, typer.Argument(help="The first checkpoint (directory or file).")],
-    b: Annotated[Path, typer.Argument(help="The second checkpoint.")],
+    a: Annotated[str, typer.Argument(help="The first checkpoint (directory or file).")],
+    b: Annotated[str, typer.Argument(help="The second checkpoint.")],
     atol: Annotated[
         float,
         typer.Option("--atol", min=0.0, help="Largest absolute difference that still matches (0: exact)."),

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
+from ..remote import as_path
 from ._errors import reports_errors
 from ._flags import cli_text
 from ._options import JsonOpt
@@ -98,7 +98,7 @@ def _said_already(report: InspectResult, name: str, value: Any) -> bool:
     if name == "indexed":
         return "index" in details  # the index row names the file
     if name == "tag_dir" and isinstance(value, str):
-        return Path(value) in {report.path, report.path / str(details.get("tag")), report.model_path}
+        return as_path(value) in {report.path, report.path / str(details.get("tag")), report.model_path}
     if name == "top_level" and isinstance(value, list):
         if report.container and value == [report.container.removesuffix(".")]:
             return True  # the container row names it
@@ -142,7 +142,7 @@ def summary_rows(report: InspectResult, *, all_items: bool = False) -> list[tupl
 
 @reports_errors
 def inspect_command(
-    path: Annotated[Path, typer.Argument(help="A checkpoint directory (or file).")],
+    path: Annotated[str, typer.Argument(help="A checkpoint directory (or file).")],
     all_keys: Annotated[
         bool, typer.Option("--all", help=f"List every key (default: the first {MAX_ROWS}) and every listed name.")
     ] = False,

@@ -116,7 +116,7 @@ def _finish(result: Plan | RunResult, json_output: bool, quiet: bool, out: Path 
 
 @reports_errors
 def posthoc_command(
-    checkpoints: Annotated[list[Path], typer.Argument(help="Raw checkpoints (a folder) or a snapshot folder.")],
+    checkpoints: Annotated[list[str], typer.Argument(help="Raw checkpoints (a folder) or a snapshot folder.")],
     out: Annotated[Path | None, typer.Option("--out", "-o", help="Outputs go to OUT/sigma_rel_<value>.")] = None,
     sigma_rel: Annotated[
         list[str] | None, typer.Option("--sigma-rel", help="Relative EMA widths: 0.05, 0.05,0.1 or 0.01:0.25:0.01.")
@@ -157,7 +157,7 @@ def posthoc_command(
 
 @reports_errors
 def average_command(
-    checkpoints: Annotated[list[Path], typer.Argument(help="A folder of checkpoints, or checkpoint paths.")],
+    checkpoints: Annotated[list[str], typer.Argument(help="A folder of checkpoints, or checkpoint paths.")],
     out: Annotated[Path | None, typer.Option("--out", "-o", help="Output directory.")] = None,
     last: Annotated[int | None, typer.Option("--last", min=1, help="Average the newest K checkpoints.")] = None,
     from_step: Annotated[int | None, typer.Option("--from-step", help="First step to include.")] = None,

@@ -24,7 +24,7 @@ Examples (rank r of N then reads only __r_0.distcp):
 
 @reports_errors
 def reshard_command(
-    src: Annotated[Path, typer.Argument(help="Any supported checkpoint.")],
+    src: Annotated[str, typer.Argument(help="Any supported checkpoint.")],
     world_size: Annotated[int, typer.Option("--world-size", "-n", min=1, help="Number of ranks to lay out for.")],
     out: Annotated[Path, typer.Option("--out", "-o", help="Output DCP directory.")],
     dtype: Annotated[

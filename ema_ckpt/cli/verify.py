@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
@@ -65,7 +64,7 @@ def read_back_text(result: VerifyResult) -> str:
 
 @reports_errors
 def verify_command(
-    path: Annotated[Path, typer.Argument(help="An ema-ckpt output directory, or any checkpoint.")],
+    path: Annotated[str, typer.Argument(help="An ema-ckpt output directory, or any checkpoint.")],
     workers: WorkersOpt = 1,
     json_output: JsonOpt = False,
     quiet: Annotated[

@@ -68,6 +68,7 @@ from ..maths import PowerProfile
 from ..plans import Plan as AveragePlan
 from ..plans import find_snapshots
 from ..progress import Progress
+from ..remote import as_path, local_output
 from ..writers.base import check_directory_output
 from .averaging import averaged_tensors
 from .verify import damage
@@ -228,7 +229,7 @@ def accumulate(
     """
     paths = (checkpoints,) if isinstance(checkpoints, (str, Path)) else tuple(checkpoints)
     options = AccumulateOptions(
-        tuple(Path(p) for p in paths), out=Path(out) if out is not None else None, decay=decay,
+        tuple(as_path(p) for p in paths), out=local_output(out) if out is not None else None, decay=decay,
         half_life=half_life, per_checkpoint=per_checkpoint, warmup=warmup, sigma_rels=tuple(sigma_rels),
         gammas=tuple(gammas), snapshot_every=snapshot_every, dtype=dtype, include=tuple(include),
         exclude=tuple(exclude), step_regex=step_regex, restart=restart, allow_new_keys=allow_new_keys,
@@ -320,7 +321,7 @@ class AccumulateJob(Job[FoldPlan, _Folded, AccumulateResult]):
         """Each accumulator's new checkpoints (and snapshot steps), from discovery."""
         opts = self.options
         out_path = opts.out_path
-        folded = {Path(c.path).resolve(): c.step for acc in accumulators if acc.previous is not None
+        folded = {as_path(c.path).resolve(): c.step for acc in accumulators if acc.previous is not None
                   for c in acc.previous.checkpoints}
         starts = [acc.previous.step if acc.previous is not None else None for acc in accumulators]
         found = discover(list(opts.checkpoints), step_regex=opts.step_regex, exclude=[out_path], skip=opts.skip,
@@ -422,7 +423,7 @@ class AccumulateJob(Job[FoldPlan, _Folded, AccumulateResult]):
                                      "checkpoint)", remedy="skip_nonfinite") from None
             reason = "NaN/Inf"
         elif isinstance(error, CheckpointFormatError):
-            bad = _checkpoint_holding(checkpoints, Path(error.path))
+            bad = _checkpoint_holding(checkpoints, as_path(error.path))
             if bad is None:
                 return None
             if not opts.skip_damaged:

@@ -31,6 +31,7 @@ from ..jobs import Job, JobContext, Target, WrittenOutputs, recorded_options, ru
 from ..manifest import FoldedCheckpoint, Manifest, fingerprint
 from ..plans import Plan, PlannedOutput, SnapshotInput, Term, find_snapshots, plan_average, plan_posthoc
 from ..progress import Progress
+from ..remote import as_path, local_output
 from ..selection import check_compatible, container_prefix, output_names, select_keys
 from ..writers.base import OutputTensor, OutputWriter, check_directory_output, output_format
 
@@ -206,7 +207,7 @@ class SumJob(Job[SumPlan, _Summed, "Plan | RunResult"]):
         # not depend on set order (string hashing differs per process) or the bits would
         used = sorted({t.path for o in plan.outputs for t in o.terms}, key=lambda p: (steps[p], p))
         index = {p: i for i, p in enumerate(used)}
-        readers = context.open_sources([Path(p) for p in used])
+        readers = context.open_sources([as_path(p) for p in used])
 
         def check_all() -> list[str]:
             keys = select_keys(readers[-1], opts.include, opts.exclude)
@@ -282,11 +283,11 @@ def output_manifest(kind: str, output: PlannedOutput, files: Sequence[Any], dtyp
     """The manifest of one output of a weighted sum."""
     return Manifest(
         kind=kind, profile=output.profile, dtype=dtype, step=output.step, source_format=source_format,
-        checkpoints=[FoldedCheckpoint(str(Path(t.path).resolve()), t.step, fingerprint(Path(t.path)))
+        checkpoints=[FoldedCheckpoint(str(as_path(t.path).resolve()), t.step, fingerprint(as_path(t.path)))
                      for t in output.terms],
         selection={"include": list(include), "exclude": list(exclude)},
         files={f.name: {"size": f.size, "crc32": f.crc32} for f in files},
-        terms=[{"path": str(Path(t.path).resolve()), "step": t.step, "coefficient": t.coefficient}
+        terms=[{"path": str(as_path(t.path).resolve()), "step": t.step, "coefficient": t.coefficient}
                for t in output.terms],
         warnings=list(output.warnings),
         options=options,
@@ -334,7 +335,7 @@ def posthoc(
         >>> [round(sum(t.coefficient for t in o.terms), 12) for o in plan.outputs]              # doctest: +SKIP
         [1.0, 1.0]
     """
-    opts = PosthocOptions(_paths(checkpoints), Path(out), dry_run=dry_run, **_tuples(options))
+    opts = PosthocOptions(_paths(checkpoints), local_output(out), dry_run=dry_run, **_tuples(options))
     return run_job(SumJob(opts), on_progress=on_progress)
 
 
@@ -369,14 +370,14 @@ def average(
     Example:
         >>> average("ckpts", out="avg", last=5)  # doctest: +SKIP
     """
-    opts = AverageOptions(_paths(checkpoints), Path(out), dry_run=dry_run, **_tuples(options))
+    opts = AverageOptions(_paths(checkpoints), local_output(out), dry_run=dry_run, **_tuples(options))
     return run_job(SumJob(opts), on_progress=on_progress)
 
 
 def _paths(checkpoints: str | Path | Sequence[str | Path]) -> tuple[Path, ...]:
     if isinstance(checkpoints, (str, Path)):
-        return (Path(checkpoints),)
-    return tuple(Path(p) for p in checkpoints)
+        return (as_path(checkpoints),)
+    return tuple(as_path(p) for p in checkpoints)
 
 
 def _tuples(options: dict[str, Any]) -> dict[str, Any]:

@@ -26,6 +26,7 @@ from ..errors import Note, OptionError, UsageError
 from ..fs import check_not_overlapping, files_on_disk, output_path
 from ..jobs import Job, JobContext, Target, run_job
 from ..progress import Progress
+from ..remote import as_path, local_output
 from ..selection import container_prefix, output_names, select_keys
 from ..writers.base import OutputTensor, choose_output_format, ends_in_separator, output_format
 
@@ -77,7 +78,7 @@ class ConsolidateOptions:
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
-        set_(self, "src", Path(self.src))
+        set_(self, "src", as_path(self.src))
         directory = ends_in_separator(self.out)  # before the Path drops the trailing "/"
         set_(self, "out", output_path(self.out))
         set_(self, "format", choose_output_format(self.out, self.format, directory=directory).name)
@@ -152,8 +153,8 @@ def consolidate(
     """
     if format is None and ends_in_separator(out):  # "hf/": said before Path(out) drops the "/"
         format = choose_output_format(out).name
-    options = ConsolidateOptions(Path(src), Path(out), format=format, max_shard_size=max_shard_size, dtype=dtype,
-                                 keep_prefix=keep_prefix, include=tuple(include), exclude=tuple(exclude),
+    options = ConsolidateOptions(as_path(src), local_output(out), format=format, max_shard_size=max_shard_size,
+                                 dtype=dtype, keep_prefix=keep_prefix, include=tuple(include), exclude=tuple(exclude),
                                  overwrite=overwrite, wait_seconds=wait_seconds, workers=workers)
     return run_job(ConsolidateJob(options), on_progress=on_progress)
 

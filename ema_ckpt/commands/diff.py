@@ -36,6 +36,7 @@ from ..formats.base import CheckpointReader
 from ..layout import TensorSpec, row_blocks
 from ..progress import Progress
 from ..reading import Piece, Tally, run_reading, share_out
+from ..remote import as_path
 
 MODEL_PREFIX = "model."
 BLOCK_BYTES = 32 << 20
@@ -231,8 +232,8 @@ def diff(
     Raises:
         CheckpointNotFoundError, CheckpointFormatError: a path holds no readable checkpoint.
     """
-    result: DiffResult = run_reading(workers, _diff, Path(a), Path(b), tuple(include), tuple(exclude), block_bytes,
-                                     on_progress=on_progress)
+    result: DiffResult = run_reading(workers, _diff, as_path(a), as_path(b), tuple(include), tuple(exclude),
+                                     block_bytes, on_progress=on_progress)
     return result
 
 

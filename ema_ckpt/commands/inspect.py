@@ -15,9 +15,11 @@ from pathlib import Path
 from typing import Any
 
 from ..discovery import step_record
-from ..formats import locate_model, open_checkpoint, registered_formats
+from ..formats import locate_model, open_checkpoint
+from ..formats.base import formats_for
 from ..manifest import Manifest
 from ..maths import profile_from_dict
+from ..remote import as_path
 from ..selection import container_prefix, select_keys
 
 
@@ -86,7 +88,7 @@ def inspect_checkpoint(path: str | Path) -> InspectResult:
         >>> info.format_name, info.step, info.key_count         # doctest: +SKIP
         ('dcp', 1000, 120)
     """
-    path = Path(path)
+    path = as_path(path)
     location = locate_model(path)
     with contextlib.closing(open_checkpoint(path)) as reader:
         specs = reader.specs()
@@ -133,7 +135,8 @@ def _ignored_weights(path: Path, chosen: str) -> list[str]:
     if not path.is_dir():
         return []
     notes = []
-    for name, fmt in registered_formats().items():
+    for fmt in formats_for(path):
+        name = fmt.name
         if name == chosen or not fmt.detect(path):
             continue
         suffixes = _SUFFIXES.get(name, ())

@@ -22,6 +22,7 @@ from ..fs import check_not_overlapping, files_on_disk, output_path
 from ..jobs import Job, JobContext, Target, run_job
 from ..manifest import MANIFEST_NAME, Manifest
 from ..progress import Progress
+from ..remote import as_path, local_output
 from ..selection import select_keys
 from ..writers.base import OutputTensor, check_directory_output
 
@@ -45,7 +46,7 @@ class ReshardOptions:
     device: str = field(default="cpu", metadata=_RUNTIME)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "src", Path(self.src))
+        object.__setattr__(self, "src", as_path(self.src))
         check_directory_output(self.out)
         object.__setattr__(self, "out", output_path(self.out))
         object.__setattr__(self, "include", tuple(self.include))
@@ -95,7 +96,7 @@ def reshard(
         >>> reshard("ckpts/ema", world_size=8, out="ema-8").files[:1]   # doctest: +SKIP
         [('__0_0.distcp', 1048576)]
     """
-    options = ReshardOptions(Path(src), Path(out), world_size, dtype=dtype, include=tuple(include),
+    options = ReshardOptions(as_path(src), local_output(out), world_size, dtype=dtype, include=tuple(include),
                              exclude=tuple(exclude), all_keys=all_keys, overwrite=overwrite,
                              wait_seconds=wait_seconds, workers=workers)
     return run_job(ReshardJob(options), on_progress=on_progress)

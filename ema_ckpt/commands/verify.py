@@ -37,6 +37,7 @@ from ..layout import TensorSpec, split_rows
 from ..manifest import MANIFEST_NAME, Manifest
 from ..progress import Progress
 from ..reading import Piece, Tally, run_reading, share_out
+from ..remote import as_path
 
 HASH_BLOCK_BYTES = 8 << 20
 """CRC-32 is computed over blocks of this many bytes (memory stays bounded by one block)."""
@@ -146,7 +147,7 @@ def verify(
         CheckpointNotFoundError: ``path`` does not exist, or (without a manifest) holds no
             checkpoint of any known format.
     """
-    result: VerifyResult = run_reading(workers, _verify, Path(path), hash_block_bytes, read_block_bytes,
+    result: VerifyResult = run_reading(workers, _verify, as_path(path), hash_block_bytes, read_block_bytes,
                                        on_progress=on_progress)
     return result
 
@@ -299,7 +300,7 @@ def damage(path: str | Path, *, block_bytes: int = HASH_BLOCK_BYTES) -> list[str
         >>> damage("ckpts/ema")   # doctest: +SKIP
         []
     """
-    path = Path(path)
+    path = as_path(path)
     result = VerifyResult(path)
     manifest = _read_manifest(path, result)
     if manifest is not None:

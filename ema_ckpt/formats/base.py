@@ -26,6 +26,7 @@ from typing import IO, TYPE_CHECKING, Any, ClassVar, Protocol
 from ..dtypes import name_of
 from ..errors import CheckpointNotFoundError
 from ..layout import Box, TensorSpec
+from ..remote import RemoteFile, as_path, is_remote
 
 if TYPE_CHECKING:
     import torch
@@ -158,8 +159,9 @@ class CheckpointReader(abc.ABC):
         are not plain runs of stored bytes (the default: copy through :meth:`read`)."""
         return None
 
-    def open_data(self, file: str) -> int:
-        """A read-only descriptor of a data file :meth:`byte_ranges` names (the reader closes it)."""
+    def open_data(self, file: str) -> int | RemoteFile:
+        """A read-only descriptor of a data file :meth:`byte_ranges` names (the reader closes it);
+        on object storage, a :class:`~ema_ckpt.remote.RemoteFile` read by ranged requests."""
         raise ValueError(f"{self.path}: {self.format_name} readers name no data files ({file!r})")
 
     def stored_records(self) -> Sequence[tuple[str, int, int]]:
@@ -223,6 +225,8 @@ class CheckpointFormat:
     """How ``inspect`` names the record the step comes from (``DeepSpeed global_steps``)."""
     step_of: Callable[[Path], int | None] = _no_step
     reopen: Callable[[Path, Any], CheckpointReader] | None = None
+    remote: bool = False
+    """Its reader reads from object storage too (a :class:`~ema_ckpt.remote.RemotePath`)."""
 
 
 _REGISTRY: dict[str, CheckpointFormat] = {}
@@ -279,9 +283,16 @@ class ModelLocation:
     """Further model folders of the same trainer left aside (accelerate's second model, …)."""
 
 
+def formats_for(path: Path) -> list[CheckpointFormat]:
+    """The registered formats, in detection order, that can be read at ``path`` (all of them
+    locally; on object storage, those whose reader reads there)."""
+    formats = list(_REGISTRY.values())
+    return [f for f in formats if f.remote] if is_remote(path) else formats
+
+
 def _own_format(path: Path) -> CheckpointFormat | None:
     earlier: list[CheckpointFormat] = []
-    for fmt in _REGISTRY.values():
+    for fmt in formats_for(path):
         if fmt.detect(path):
             # A save of a format detected earlier still in progress here makes the folder
             # incomplete: the Hugging Face Trainer writes model.safetensors before its DeepSpeed tag.
@@ -302,7 +313,7 @@ def locate_model(path: str | Path) -> ModelLocation:
         >>> locate_model("ckpts/checkpoints/checkpoint_3").path  # doctest: +SKIP
         PosixPath('ckpts/checkpoints/checkpoint_3/pytorch_model_fsdp_0')
     """
-    path = Path(path)
+    path = as_path(path)
     if not path.is_dir() or _own_format(path) is not None:
         return ModelLocation(path)
     try:
@@ -325,7 +336,7 @@ def locate_model(path: str | Path) -> ModelLocation:
 
 def nested_incomplete(path: str | Path) -> str | None:
     """Why a trainer folder's nested model folder is still being written, or None."""
-    path = Path(path)
+    path = as_path(path)
     if not path.is_dir() or _own_format(path) is not None:
         return None
     for nested in NESTED_MODELS:
@@ -333,7 +344,7 @@ def nested_incomplete(path: str | Path) -> str | None:
             continue
         names = [c.name for c in path.iterdir() if nested.pattern.match(c.name) and c.is_dir()]
         for name in sorted(names):
-            for fmt in _REGISTRY.values():
+            for fmt in formats_for(path):
                 reason = fmt.incomplete(path / name)
                 if reason:
                     return f"{name}/: {reason}"
@@ -349,7 +360,7 @@ def trainer_state_step(path: str | Path) -> int | None:
     A bonus over the folder name: a missing or unreadable file is no error.
     """
     try:
-        doc = json.loads((Path(path) / TRAINER_STATE).read_bytes())
+        doc = json.loads((as_path(path) / TRAINER_STATE).read_bytes())
     except (OSError, ValueError, UnicodeDecodeError):
         return None
     step = doc.get("global_step") if isinstance(doc, dict) else None
@@ -375,19 +386,23 @@ def open_checkpoint(path: str | Path, *, shared: object | None = None) -> Checkp
     Raises:
         CheckpointNotFoundError: ``path`` does not exist or holds no known checkpoint.
     """
-    path = Path(path)
+    path = as_path(path)
     if not path.exists():
         raise CheckpointNotFoundError(path, "no such file or directory")
     location = locate_model(path)
     fmt = _own_format(location.path)
     if fmt is None:
-        for candidate in _REGISTRY.values():
+        for candidate in formats_for(path):
             reason = candidate.incomplete(path)
             if reason:
                 raise CheckpointNotFoundError(path, reason)
         reason = nested_incomplete(path)
         if reason:
             raise CheckpointNotFoundError(path, reason)
+        if is_remote(path):
+            names = ", ".join(f.name for f in formats_for(path))
+            raise CheckpointNotFoundError(path, f"not a checkpoint of a format read from object storage ({names}; "
+                                                "copy others to a local disk first)")
         names = ", ".join(_REGISTRY)
         raise CheckpointNotFoundError(path, f"not a checkpoint of any known format ({names})")
     if shared is not None and fmt.reopen is not None:

@@ -3,7 +3,8 @@
 A ``torch.save`` file is a zip whose members are stored uncompressed. A DCP data file holds
 many such zips back to back (one per chunk); a DeepSpeed ``.pt`` or a ``.pt`` state dict is
 one. Everything here works on a descriptor plus the record's (offset, length), with
-``pread``, so one open file serves every record in it.
+``pread``, so one open file serves every record in it; a :class:`~ema_ckpt.remote.RemoteFile`
+(an object in object storage) stands in for a descriptor, read by ranged requests.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import io
 import os
 import struct
 from typing import Any
+
+from ..remote import RemoteFile, pread
 
 LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")
 """Local file header: signature, version, flags, method, time, date, crc, sizes, name/extra lengths."""
@@ -34,7 +37,7 @@ class FileWindow(io.RawIOBase):
     ``owns_fd``: closing the window closes the descriptor too (else its owner does).
     """
 
-    def __init__(self, fd: int, start: int, length: int, *, owns_fd: bool = False) -> None:
+    def __init__(self, fd: int | RemoteFile, start: int, length: int, *, owns_fd: bool = False) -> None:
         super().__init__()
         self._fd, self._start, self._length, self._pos, self._owns = fd, start, length, 0, owns_fd
 
@@ -56,18 +59,18 @@ class FileWindow(io.RawIOBase):
         n = max(0, min(len(buffer), self._length - self._pos))
         if n == 0:
             return 0
-        data = os.pread(self._fd, n, self._start + self._pos)
+        data = pread(self._fd, n, self._start + self._pos)
         buffer[: len(data)] = data
         self._pos += len(data)
         return len(data)
 
     def close(self) -> None:
-        if self._owns and not self.closed:
+        if self._owns and not self.closed and isinstance(self._fd, int):
             os.close(self._fd)
         super().close()
 
 
-def scan_record(fd: int, offset: int, length: int) -> dict[str, tuple[int, int, int]] | None:
+def scan_record(fd: int | RemoteFile, offset: int, length: int) -> dict[str, tuple[int, int, int]] | None:
     """{member name: (method, size, local header offset)} of a record's zip, from its tail.
 
     The common case (no archive comment, no zip64, central directory in the last 4 KiB) in
@@ -76,7 +79,7 @@ def scan_record(fd: int, offset: int, length: int) -> dict[str, tuple[int, int, 
     if length < END_OF_CENTRAL.size:
         return None
     tail_len = min(length, _TAIL_BYTES)
-    tail = os.pread(fd, tail_len, offset + length - tail_len)
+    tail = pread(fd, tail_len, offset + length - tail_len)
     if len(tail) != tail_len:
         return None
     fields = END_OF_CENTRAL.unpack_from(tail, tail_len - END_OF_CENTRAL.size)
@@ -106,20 +109,22 @@ def scan_record(fd: int, offset: int, length: int) -> dict[str, tuple[int, int, 
     return members
 
 
-def member_start(fd: int, offset: int, length: int, local: int) -> int | None:
+def member_start(fd: int | RemoteFile, offset: int, length: int, local: int) -> int | None:
     """Where a member's data starts in its record (relative to ``offset``), from its local
     header at ``local``; None if the header is malformed or outside the record."""
     if not 0 <= local <= length - LOCAL_HEADER.size:
         return None
-    header = os.pread(fd, LOCAL_HEADER.size, offset + local)
+    header = pread(fd, LOCAL_HEADER.size, offset + local)
     if len(header) != LOCAL_HEADER.size or header[:4] != LOCAL_MAGIC:
         return None
     fields = LOCAL_HEADER.unpack(header)
     return int(local + LOCAL_HEADER.size + fields[9] + fields[10])
 
 
-def pread_into(fd: int, view: memoryview, offset: int) -> bool:
+def pread_into(fd: int | RemoteFile, view: memoryview, offset: int) -> bool:
     """Fill ``view`` from ``fd`` at ``offset``; False when the file ends first."""
+    if not isinstance(fd, int):
+        return fd.readinto(view, offset) == len(view)
     done = 0
     total = len(view)
     while done < total:

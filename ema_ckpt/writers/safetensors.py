@@ -29,6 +29,7 @@ from .._text import escaped
 from ..dtypes import SAFETENSORS_CODES, itemsize, name_of
 from ..errors import CheckpointFormatError, OptionError, OutputError, UsageError
 from ..fs import start_writeback
+from ..remote import RemoteFile, pread
 
 _COPY_BLOCK = 64 << 20
 # copy_file_range is refused across some filesystems and by old kernels: copy through memory then
@@ -133,7 +134,8 @@ class SafetensorsFileWriter:
                 raise OutputError(f"{self.path}: write failed ({err.strerror})") from None
         self._advance(key, part.numel() * part.element_size())
 
-    def copy_range(self, key: str, source: Path, fd: int, offset: int, length: int) -> None:
+    def copy_range(self, key: str, source: Path, fd: int | RemoteFile, offset: int,
+                   length: int) -> None:
         """Append the next ``length`` bytes of ``key`` straight from ``fd`` at ``offset``.
 
         The kernel copies file to file (``copy_file_range``): the bytes never pass through
@@ -161,17 +163,17 @@ class SafetensorsFileWriter:
             raise OutputError(f"{self.path}: write failed ({err.strerror})") from None
         self._advance(key, length)
 
-    def _copy(self, fd: int, src: int, dst: int, count: int) -> int:
+    def _copy(self, fd: int | RemoteFile, src: int, dst: int, count: int) -> int:
         assert self._handle is not None
         out = self._handle.fileno()
-        if self._kernel_copy:
+        if self._kernel_copy and isinstance(fd, int):
             try:
                 return os.copy_file_range(fd, out, count, src, dst)
             except OSError as err:
                 if err.errno not in _NO_KERNEL_COPY:
                     raise
                 self._kernel_copy = False
-        data = os.pread(fd, count, src)
+        data = pread(fd, count, src)  # a remote object: one ranged read per block
         view, written = memoryview(data), 0
         while written < len(data):
             written += os.pwrite(out, view[written:], dst + written)

@@ -28,6 +28,7 @@ from ..._lazy import torch
 from ...dtypes import itemsize, torch_dtype
 from ...errors import CheckpointFormatError
 from ...layout import Box, TensorSpec
+from ...remote import RemoteFile, as_path, pread
 from ...torch_records import FileWindow, TensorRecord
 from ..base import CheckpointFormat, CheckpointReader, register_format
 from .index import MetadataIndex
@@ -45,9 +46,9 @@ class DcpReader(MetadataIndex, ChunkRecords, CheckpointReader):
 
 
     def __init__(self, path: str | Path, *, shared: Mapping[str, Any] | None = None) -> None:
-        self.path = Path(path)
+        self.path = as_path(path)
         self.step: int | None = None
-        self._fds: dict[str, int] = {}
+        self._fds: dict[str, int | RemoteFile] = {}
         self._file_sizes: dict[str, int] = {}
         self._names: dict[str, str] = {}
         self._fallback: tuple[tuple[str, int], torch.Tensor] | None = None
@@ -95,8 +96,9 @@ class DcpReader(MetadataIndex, ChunkRecords, CheckpointReader):
         return self._stored
 
 
-    def open_data(self, file: str) -> int:
-        """A read-only descriptor of data file ``file`` (owned by the reader; closed by :meth:`close`)."""
+    def open_data(self, file: str) -> int | RemoteFile:
+        """A read-only descriptor of data file ``file`` (owned by the reader; closed by :meth:`close`),
+        or on object storage its :class:`~ema_ckpt.remote.RemoteFile`."""
         return self._fd(file)
 
 
@@ -181,7 +183,7 @@ class DcpReader(MetadataIndex, ChunkRecords, CheckpointReader):
         file, offset, length = self._bytes_records[key]
         fd = self._fd(file)
         self._check_extent(file, offset, length)
-        return os.pread(fd, length, offset)
+        return pread(fd, length, offset)
 
 
     def info(self) -> dict[str, Any]:
@@ -237,7 +239,10 @@ class DcpReader(MetadataIndex, ChunkRecords, CheckpointReader):
     def close(self) -> None:
         self._fallback = None
         for fd in self._fds.values():
-            os.close(fd)
+            if isinstance(fd, int):
+                os.close(fd)
+            else:
+                fd.close()
         self._fds.clear()
 
 
@@ -254,6 +259,6 @@ def reopen_dcp(path: Path, shared: Any) -> DcpReader:
 
 
 FORMAT = register_format(
-    CheckpointFormat("dcp", detect=is_dcp, open=open_dcp, incomplete=incomplete, reopen=reopen_dcp)
+    CheckpointFormat("dcp", detect=is_dcp, open=open_dcp, incomplete=incomplete, reopen=reopen_dcp, remote=True)
 )
 

@@ -15,11 +15,13 @@ import warnings
 import zipfile
 from collections.abc import Mapping
 from pathlib import Path
+from typing import cast
 
 from ..._lazy import torch
 from ...dtypes import itemsize, name_of
 from ...errors import CheckpointFormatError, EmaCkptError, UnsafePickleError
 from ...layout import Box, TensorSpec
+from ...remote import RemoteFile, RemotePath, is_remote, pread
 from ...torch_records import (
     FileWindow,
     TensorRecord,
@@ -36,7 +38,7 @@ _MAX_PICKLE_BYTES = 1 << 20  # a tensor record's data.pkl is a few hundred bytes
 
 
 
-def _pread_into(fd: int, view: memoryview, offset: int, file: str) -> None:
+def _pread_into(fd: int | RemoteFile, view: memoryview, offset: int, file: str) -> None:
     if not pread_into(fd, view, offset):
         raise CheckpointFormatError(file, f"truncated: expected {len(view)} bytes at offset {offset}")
 
@@ -70,7 +72,7 @@ class ChunkRecords:
     """Open data files and parsed records of a :class:`~.reader.DcpReader` (a base class of it)."""
 
     path: Path
-    _fds: dict[str, int]
+    _fds: dict[str, int | RemoteFile]
     _file_sizes: dict[str, int]
     _names: dict[str, str]
     _fallback: tuple[tuple[str, int], torch.Tensor] | None
@@ -81,8 +83,13 @@ class ChunkRecords:
         raise NotImplementedError
 
 
-    def _fd(self, file: str) -> int:
+    def _fd(self, file: str) -> int | RemoteFile:
         fd = self._fds.get(file)
+        if fd is None and is_remote(self.path):
+            remote = RemoteFile(cast(RemotePath, self.path / file))
+            self._fds[file] = remote
+            self._file_sizes[file] = remote.size
+            return remote
         if fd is None:
             full = self.path / file
             try:
@@ -146,7 +153,7 @@ class ChunkRecords:
             return None
         if not (0 <= member.header_offset < chunk.length) or record.storage_offset < 0 or record.storage_numel < 0:
             raise CheckpointFormatError(self.path / chunk.file, f"key {key!r}: corrupt record")
-        header = os.pread(fd, LOCAL_HEADER.size, chunk.offset + member.header_offset)
+        header = pread(fd, LOCAL_HEADER.size, chunk.offset + member.header_offset)
         if len(header) != LOCAL_HEADER.size or header[:4] != LOCAL_MAGIC:
             raise CheckpointFormatError(self.path / chunk.file, f"key {key!r}: corrupt record header")
         fields = LOCAL_HEADER.unpack(header)
@@ -177,7 +184,7 @@ class ChunkRecords:
         if start is None or start + size > chunk.length:
             return False
         try:
-            record = load_tensor_record(os.pread(fd, size, chunk.offset + start), source)
+            record = load_tensor_record(pread(fd, size, chunk.offset + start), source)
         except EmaCkptError:
             return False
         data = members.get(pkl[: -len("data.pkl")] + "data/" + record.storage_key)
@@ -207,7 +214,7 @@ class ChunkRecords:
         self._fallback = None  # release the previous record before loading the next
         fd = self._fd(chunk.file)
         self._check_extent(chunk.file, chunk.offset, chunk.length)
-        data = os.pread(fd, chunk.length, chunk.offset)
+        data = pread(fd, chunk.length, chunk.offset)
         try:
             with warnings.catch_warnings():  # a corrupt record's odd protocol is reported below, not warned
                 warnings.simplefilter("ignore")

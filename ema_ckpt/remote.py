@@ -1,0 +1,421 @@
+"""Checkpoints on object storage (``s3://``, ``gs://``, ``az://``, any fsspec protocol), read in place.
+
+A URL becomes a :class:`RemotePath`: the part of :class:`pathlib.Path`'s interface that
+finding and reading checkpoints uses (``/``, ``name``, ``iterdir``, ``is_file``, ``stat``,
+``read_bytes``), over an fsspec filesystem. Data files are read by ranged requests of just
+the records needed (:class:`RemoteFile`), never downloaded whole. The filesystem comes
+from fsspec's registry (``pip install ema-ckpt[s3]`` for S3); endpoint, credentials and
+region are read the standard way (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, profiles, …).
+
+Example:
+    >>> as_path("ckpts/step_100")
+    PosixPath('ckpts/step_100')
+    >>> str(as_path("s3://bucket/run/ckpts") / "step_100")   # doctest: +SKIP
+    's3://bucket/run/ckpts/step_100'
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import stat as stat_module
+import threading
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import Any, cast
+
+from .errors import CheckpointNotFoundError, EmaCkptError, OptionError, RemoteStorageError
+
+_URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://(.*)$")
+
+
+def is_url(text: object) -> bool:
+    """``text`` names a location by URL (``s3://…``); ``file://`` URLs are local paths."""
+    if isinstance(text, RemotePath):
+        return True
+    match = _URL.match(text) if isinstance(text, str) else None
+    return match is not None and match.group(1).lower() != "file"
+
+
+def as_path(value: str | os.PathLike[str]) -> Path:
+    """A local :class:`~pathlib.Path`, or a :class:`RemotePath` for a URL.
+
+    A :class:`RemotePath` implements the part of ``Path`` that finding and reading
+    checkpoints uses, and is typed as one, so that each reader keeps one code path; only
+    formats registered with ``remote=True`` are ever handed one.
+    """
+    if is_remote(value):
+        return cast(Path, value)
+    if isinstance(value, str):
+        match = _URL.match(value)
+        if match is not None:
+            if match.group(1).lower() == "file":
+                return Path("/" + match.group(2).lstrip("/"))
+            return cast(Path, RemotePath.from_url(value))
+    return Path(value)
+
+
+def is_remote(path: object) -> bool:
+    """``path`` is a :class:`RemotePath` (one typed as a ``Path``: see :func:`as_path`)."""
+    return isinstance(path, RemotePath)
+
+
+def local_output(out: str | os.PathLike[str], option: str = "out") -> Path:
+    """``out`` as a local path; an object-storage URL is refused (outputs are written locally).
+
+    Raises:
+        OptionError: ``out`` is a URL such as ``s3://bucket/ema``.
+    """
+    if is_url(out):
+        raise OptionError(option, f"{out} is on object storage; outputs are written to a local disk or a "
+                          "shared filesystem (write there, then upload)", value=str(out))
+    return as_path(out)
+
+
+_FILESYSTEMS: dict[str, Any] = {}
+LISTING_SECONDS = 10.0
+"""How long a folder's listing is trusted for the entries in it."""
+
+
+def _filesystem(protocol: str) -> Any:
+    fs = _FILESYSTEMS.get(protocol)
+    if fs is None:
+        try:
+            import fsspec  # type: ignore[import-untyped]
+
+            # A folder's listing answers the existence checks of its entries (one request, not one
+            # per marker file) for a few seconds, so a long-lived process still sees new
+            # checkpoints; the client is built from the environment, not fsspec's instance cache.
+            try:
+                fs = fsspec.filesystem(protocol, use_listings_cache=True, listings_expiry_time=LISTING_SECONDS,
+                                       skip_instance_cache=True)
+            except TypeError:
+                fs = fsspec.filesystem(protocol, skip_instance_cache=True)
+        except ImportError as err:
+            extra = " (pip install 'ema-ckpt[s3]')" if protocol in ("s3", "s3a") else ""
+            raise RemoteStorageError(f"{protocol}:// needs a filesystem package that is not installed{extra}: "
+                                     f"{err}") from None
+        except ValueError as err:
+            raise RemoteStorageError(f"{protocol}:// is not a storage protocol fsspec knows ({err})") from None
+        _FILESYSTEMS[protocol] = fs
+    return fs
+
+
+@dataclass(frozen=True)
+class RemoteStat:
+    st_size: int
+    st_mode: int
+    st_mtime_ns: int = 0
+
+
+def _stat_of(info: dict[str, Any]) -> RemoteStat:
+    if info.get("type") == "directory":
+        return RemoteStat(0, stat_module.S_IFDIR | 0o755)
+    modified: Any = info.get("LastModified") or info.get("mtime") or info.get("last_modified")
+    if hasattr(modified, "timestamp"):
+        mtime_ns = int(modified.timestamp() * 1e9)
+    elif isinstance(modified, (int, float)):
+        mtime_ns = int(modified * 1e9)
+    else:
+        mtime_ns = 0
+    return RemoteStat(int(info.get("size") or 0), stat_module.S_IFREG | 0o644, mtime_ns)
+
+
+class RemotePath:
+    """A location in object storage, used where the code takes a :class:`~pathlib.Path`."""
+
+    __slots__ = ("_key", "protocol")
+
+    def __init__(self, protocol: str, key: str) -> None:
+        self.protocol = protocol
+        self._key = key.strip("/")
+
+    @classmethod
+    def from_url(cls, url: str) -> RemotePath:
+        match = _URL.match(url)
+        if match is None:
+            raise ValueError(f"not a URL: {url!r}")
+        return cls(match.group(1).lower(), match.group(2))
+
+    @property
+    def fs(self) -> Any:
+        return _filesystem(self.protocol)
+
+    @property
+    def key(self) -> str:
+        """The location without its protocol (``bucket/run/ckpts``), as fsspec takes it."""
+        return self._key
+
+    def __str__(self) -> str:
+        return f"{self.protocol}://{self._key}"
+
+    def __repr__(self) -> str:
+        return f"RemotePath({str(self)!r})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, RemotePath) and (self.protocol, self._key) == (other.protocol, other._key)
+
+    def __hash__(self) -> int:
+        return hash((self.protocol, self._key))
+
+    def __lt__(self, other: RemotePath) -> bool:
+        return str(self) < str(other)
+
+    def __truediv__(self, part: str | os.PathLike[str]) -> RemotePath:
+        return RemotePath(self.protocol, f"{self._key}/{os.fspath(part)}".rstrip("/"))
+
+    def joinpath(self, *parts: str) -> RemotePath:
+        out = self
+        for part in parts:
+            out = out / part
+        return out
+
+    @property
+    def name(self) -> str:
+        return PurePosixPath(self._key).name
+
+    @property
+    def suffix(self) -> str:
+        return PurePosixPath(self._key).suffix
+
+    @property
+    def stem(self) -> str:
+        return PurePosixPath(self._key).stem
+
+    @property
+    def parent(self) -> RemotePath:
+        return RemotePath(self.protocol, str(PurePosixPath(self._key).parent))
+
+    @property
+    def parents(self) -> list[RemotePath]:
+        return [RemotePath(self.protocol, str(p)) for p in PurePosixPath(self._key).parents if str(p) != "."]
+
+    def with_name(self, name: str) -> RemotePath:
+        return self.parent / name
+
+    def resolve(self) -> RemotePath:
+        return self
+
+    def absolute(self) -> RemotePath:
+        return self
+
+    def expanduser(self) -> RemotePath:
+        return self
+
+    def relative_to(self, other: RemotePath) -> PurePosixPath:
+        return PurePosixPath(self._key).relative_to(other._key)
+
+    def _info(self) -> dict[str, Any] | None:
+        try:
+            info: dict[str, Any] = _call(self, self.fs.info, self._key)
+        except FileNotFoundError:
+            return None
+        return info
+
+    def exists(self) -> bool:
+        return self._info() is not None
+
+    def is_dir(self) -> bool:
+        info = self._info()
+        return info is not None and info.get("type") == "directory"
+
+    def is_file(self) -> bool:
+        info = self._info()
+        return info is not None and info.get("type") == "file"
+
+    def is_symlink(self) -> bool:
+        return False
+
+    def stat(self) -> RemoteStat:
+        info = self._info()
+        if info is None:
+            raise FileNotFoundError(errno.ENOENT, "no such object", str(self))
+        return _stat_of(info)
+
+    def iterdir(self) -> Iterator[RemotePath]:
+        try:
+            names = _call(self, self.fs.ls, self._key, detail=False)
+        except FileNotFoundError:
+            raise FileNotFoundError(errno.ENOENT, "no such prefix", str(self)) from None
+        for name in sorted(names):
+            child = str(name).strip("/")
+            if child != self._key:
+                yield RemotePath(self.protocol, child)
+
+    def rglob(self, pattern: str) -> Iterator[RemotePath]:
+        """Every object under this prefix (``pattern`` must be ``*``: all of them)."""
+        if pattern != "*":
+            raise ValueError("RemotePath.rglob takes only '*'")
+        found = _call(self, self.fs.find, self._key, withdirs=False)
+        for name in sorted(found):
+            yield RemotePath(self.protocol, str(name))
+
+    def read_bytes(self) -> bytes:
+        data: bytes = _call(self, self.fs.cat_file, self._key)
+        return data
+
+    def read_text(self, encoding: str = "utf-8") -> str:
+        return self.read_bytes().decode(encoding)
+
+
+def _call(where: RemotePath, func: Any, *args: Any, **kwargs: Any) -> Any:
+    """``func(*args)`` with the store's permanent refusals as one clear error; a missing
+    object stays ``FileNotFoundError`` (callers treat it as on a local disk)."""
+    try:
+        return func(*args, **kwargs)
+    except FileNotFoundError as err:
+        if "bucket" in str(err).lower():
+            raise RemoteStorageError(f"{where}: no such bucket ({err})") from None
+        raise
+    except PermissionError as err:
+        raise RemoteStorageError(f"{where}: access denied ({err})") from None
+    except EmaCkptError:
+        raise
+    except Exception as err:  # endpoint unreachable, bad region, retries exhausted
+        raise RemoteStorageError(f"{where}: {type(err).__name__}: {_first_line(err)}") from None
+
+
+def forget_listings() -> None:
+    """Drop the folder listings kept (each search for new checkpoints starts from fresh ones)."""
+    for fs in _FILESYSTEMS.values():
+        cache = getattr(fs, "dircache", None)
+        if cache is not None:
+            cache.clear()
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0][:300] if text else type(err).__name__
+
+
+def remote_concurrency() -> int:
+    """Ranged requests kept in flight per object read (``EMA_CKPT_REMOTE_CONCURRENCY``, default 8)."""
+    raw = os.environ.get(CONCURRENCY_ENV, "").strip()
+    if not raw:
+        return _DEFAULT_CONCURRENCY
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise OptionError(CONCURRENCY_ENV, f"must be a whole number of requests, at least 1, got {raw!r}", value=raw)
+    return value
+
+
+CONCURRENCY_ENV = "EMA_CKPT_REMOTE_CONCURRENCY"
+_DEFAULT_CONCURRENCY = 8
+BLOCK_BYTES = 8 << 20
+"""Ranged requests fetch aligned blocks of this size (the last one of an object is shorter)."""
+_KEEP_USED = 2
+_POOLS: dict[int, ThreadPoolExecutor] = {}
+_POOLS_LOCK = threading.Lock()
+
+
+def _pool(workers: int) -> ThreadPoolExecutor:
+    with _POOLS_LOCK:
+        pool = _POOLS.get(workers)
+        if pool is None:
+            pool = _POOLS[workers] = ThreadPoolExecutor(workers, thread_name_prefix="ema-ckpt-fetch")
+        return pool
+
+
+class RemoteFile:
+    """One object read by ranged requests: the ``pread`` of a local descriptor.
+
+    Reads are served from aligned blocks of :data:`BLOCK_BYTES`; each read also starts the
+    requests for the blocks after it (up to :func:`remote_concurrency` in flight), so a
+    reader walking a file front to back keeps the link busy while it computes. Memory is
+    bounded by the blocks in flight plus the two used last (a record's header and data are
+    often read from one block twice); every block is requested once unless evicted first.
+
+    Example:
+        >>> f = RemoteFile(RemotePath.from_url("s3://bucket/ckpt/__0_0.distcp"))  # doctest: +SKIP
+        >>> f.pread(4, 0)                                                        # doctest: +SKIP
+        b'PK\x03\x04'
+    """
+
+    def __init__(self, path: RemotePath, *, concurrency: int | None = None) -> None:
+        self.path = path
+        try:
+            self.size = path.stat().st_size
+        except FileNotFoundError:
+            raise CheckpointNotFoundError(cast(Path, path), "no such object") from None
+        self._depth = concurrency if concurrency is not None else remote_concurrency()
+        self._blocks: dict[int, Future[bytes]] = {}
+        self._used: list[int] = []
+        self._lock = threading.Lock()
+        self.bytes_requested = 0
+        """Bytes fetched so far (the blocks requested): what a test checks "read once" by."""
+
+    def _fetch(self, index: int) -> bytes:
+        start = index * BLOCK_BYTES
+        end = min(self.size, start + BLOCK_BYTES)
+        data: bytes = _call(self.path, self.path.fs.cat_file, self.path.key, start=start, end=end)
+        if len(data) != end - start:
+            raise RemoteStorageError(f"{self.path}: a ranged read of bytes {start}-{end} returned {len(data)} bytes "
+                                     "(the object changed while it was read?)")
+        return data
+
+    def _block(self, index: int) -> Future[bytes]:
+        """The block's request, started if it is not in flight or kept (caller holds the lock)."""
+        future = self._blocks.get(index)
+        if future is None:
+            future = self._blocks[index] = _pool(self._depth).submit(self._fetch, index)
+            self.bytes_requested += min(self.size, (index + 1) * BLOCK_BYTES) - index * BLOCK_BYTES
+        return future
+
+    def _release(self, index: int) -> None:
+        """Keep the last blocks used; drop older used ones (caller holds the lock)."""
+        if index in self._used:
+            self._used.remove(index)
+        self._used.append(index)
+        while len(self._used) > _KEEP_USED:
+            self._blocks.pop(self._used.pop(0), None)
+
+    def readinto(self, view: memoryview, offset: int) -> int:
+        """Fill ``view`` with the bytes at ``offset`` (fewer where the object ends); their count."""
+        length = max(0, min(len(view), self.size - offset))
+        if length == 0:
+            return 0
+        first, last = offset // BLOCK_BYTES, (offset + length - 1) // BLOCK_BYTES
+        final = (self.size - 1) // BLOCK_BYTES
+        with self._lock:
+            wanted = [(i, self._block(i)) for i in range(first, last + 1)]
+            for ahead in range(last + 1, min(final, last + self._depth) + 1):
+                self._block(ahead)
+            for index in [i for i in self._blocks if not first <= i <= last + self._depth and i not in self._used]:
+                self._blocks.pop(index).cancel()  # skipped over, or behind: never needed again
+        done = 0
+        for index, future in wanted:
+            data = future.result()
+            lo = max(offset, index * BLOCK_BYTES) - index * BLOCK_BYTES
+            hi = min(offset + length, (index + 1) * BLOCK_BYTES) - index * BLOCK_BYTES
+            view[done:done + hi - lo] = memoryview(data)[lo:hi]
+            done += hi - lo
+            with self._lock:
+                self._release(index)
+        return done
+
+    def close(self) -> None:
+        """Drop every block kept and cancel the requests not yet started."""
+        with self._lock:
+            for future in self._blocks.values():
+                future.cancel()
+            self._blocks.clear()
+            self._used.clear()
+
+    def pread(self, length: int, offset: int) -> bytes:
+        if length <= 0 or offset >= self.size:
+            return b""
+        out = bytearray(min(length, self.size - offset))
+        return bytes(out[: self.readinto(memoryview(out), offset)])
+
+
+def pread(source: int | RemoteFile, length: int, offset: int) -> bytes:
+    """``os.pread`` of a local descriptor, or a ranged read of a :class:`RemoteFile`."""
+    if isinstance(source, int):
+        return os.pread(source, length, offset)
+    return source.pread(length, offset)

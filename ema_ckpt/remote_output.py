@@ -1,0 +1,292 @@
+"""Outputs on object storage: built on a local disk, uploaded, and committed last.
+
+An object store has no atomic rename of a folder and no ``flock``; what it has is the atomic
+PUT of one object (a reader sees all of it or none) and, on S3, a PUT that succeeds only if
+the key is new (``If-None-Match: *``). So an output ``s3://b/ema`` is published in this order:
+
+1. the lock ``s3://b/.ema.lock`` is created with a conditional PUT, holding a lease that its
+   holder renews (:class:`RemoteLock`);
+2. the marker ``ema/.ema-ckpt-staging/<generation>/started``;
+3. every data file, under a name carrying the generation (``__0_0.<generation>.distcp``), so
+   that the previous output's files stay as they were;
+4. copies of the commit files (``.metadata``, ``ema-ckpt.json``) beside the marker;
+5. ``.metadata``, then ``ema-ckpt.json``, at their keys: the commit;
+6. the previous generation's data files, then the staging prefix, deleted.
+
+A reader (``dcp.load``, ema-ckpt) sees the previous commit until step 5 and the new one after.
+A run killed before step 5 leaves the previous output whole, and the next run removes what it
+uploaded; one killed during step 5 or 6 is finished by the next run (:func:`recover_remote`).
+A single-file output (``consolidate --out s3://b/model.safetensors``) is one PUT (a multipart
+upload appears when it completes).
+
+Example:
+    >>> with RemoteLock(as_path("s3://b/ema")):             # doctest: +SKIP
+    ...     upload_output(local_staging, as_path("s3://b/ema"), generation="20261202T010203-ab12cd")
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import secrets
+import socket
+import tempfile
+import threading
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any, cast
+
+from .errors import OptionError, OutputError, OutputLockedError
+from .manifest import MANIFEST_NAME
+from .remote import RemotePath, _call
+
+STAGING_DIR = ".ema-ckpt-staging"
+"""The prefix inside an output that holds an upload in progress (one folder per generation)."""
+METADATA_FILE = ".metadata"
+COMMIT_ORDER = (METADATA_FILE, MANIFEST_NAME)
+"""The files uploaded last, in this order: what makes an upload the output."""
+LOCK_LEASE_SECONDS = 60.0
+"""How long a lock is honoured after its holder last renewed it (a killed run's lock expires);
+``EMA_CKPT_LOCK_LEASE`` sets it."""
+LEASE_ENV = "EMA_CKPT_LOCK_LEASE"
+STAGING_ENV = "EMA_CKPT_STAGING_DIR"
+_TAGGED = re.compile(r"^__\d+_\d+\.(?P<tag>[0-9A-Za-z-]+)\.distcp$")
+_PLAIN = re.compile(r"^__\d+_\d+\.distcp$")
+
+
+def lock_lease() -> float:
+    """The lease of a lock on object storage, in seconds (``EMA_CKPT_LOCK_LEASE``, default 60)."""
+    raw = os.environ.get(LEASE_ENV, "").strip()
+    if not raw:
+        return LOCK_LEASE_SECONDS
+    try:
+        value = float(raw)
+    except ValueError:
+        value = 0.0
+    if not value > 0:
+        raise OptionError(LEASE_ENV, f"must be a number of seconds above 0, got {raw!r}", value=raw)
+    return value
+
+
+def local_staging_dir(final: Path) -> Path:
+    """A local directory to build ``final`` (an object-storage output) in before it is
+    uploaded: under ``EMA_CKPT_STAGING_DIR``, else the system's temporary directory."""
+    root = os.environ.get(STAGING_ENV) or tempfile.gettempdir()
+    try:
+        return Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=root))
+    except OSError as err:
+        raise OutputError(f"{root}: cannot make a local staging directory for {final} ({err.strerror})") from None
+
+
+def new_generation() -> str:
+    """A fresh generation tag: UTC time (sortable) and random hex (``20261202T010203-ab12cd``)."""
+    return time.strftime("%Y%m%dT%H%M%S", time.gmtime()) + "-" + secrets.token_hex(3)
+
+
+def _remote(path: Path) -> RemotePath:
+    return cast(RemotePath, path)
+
+
+def _fs(path: Path) -> Any:
+    return _remote(path).fs
+
+
+def _put_bytes(path: Path, data: bytes, *, create: bool = False) -> None:
+    fs = _fs(path)
+    if create:
+        _call(_remote(path), fs.pipe_file, _remote(path).key, data, mode="create")
+    else:
+        _call(_remote(path), fs.pipe_file, _remote(path).key, data)
+
+
+def _upload(local: Path, path: Path) -> None:
+    _call(_remote(path), _fs(path).put_file, str(local), _remote(path).key)
+
+
+def _delete(paths: Iterable[Path]) -> None:
+    keys = [_remote(p).key for p in paths]
+    if keys:
+        first = _remote(next(iter(paths)))
+        with contextlib.suppress(FileNotFoundError):
+            _call(first, first.fs.rm, keys)
+
+
+def _children(path: Path) -> list[RemotePath]:
+    try:
+        return list(_remote(path).iterdir())
+    except FileNotFoundError:
+        return []
+
+
+class RemoteLock:
+    """An exclusive lock on an output in object storage: ``.<name>.lock`` beside it.
+
+    Taken by a conditional PUT (``If-None-Match: *``: only one run's PUT of a new key
+    succeeds), holding its owner and an expiry :data:`LOCK_LEASE_SECONDS` ahead, renewed by a
+    thread a third of the lease apart; a lock left by a killed run expires and is taken over.
+    A store without conditional writes is refused (:class:`~ema_ckpt.errors.OutputError`),
+    since two runs could then both publish.
+    """
+
+    def __init__(self, final: Path, *, wait_seconds: float = 0.0, lease: float | None = None) -> None:
+        self.final = final
+        self.path = final.parent / f".{final.name}.lock"
+        self.wait_seconds = wait_seconds
+        self.lease = lease if lease is not None else lock_lease()
+        self.owner = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(8)}"
+        self._stop = threading.Event()
+        self._renewer: threading.Thread | None = None
+        self.lost = False
+
+    def _body(self) -> bytes:
+        return json.dumps({"owner": self.owner, "expires": time.time() + self.lease}).encode()
+
+    def _holder(self) -> dict[str, Any] | None:
+        try:
+            doc = json.loads(_remote(self.path).read_bytes())
+        except FileNotFoundError:
+            return None
+        except ValueError:
+            return {"owner": "?", "expires": 0.0}  # unreadable: treated as expired
+        return doc if isinstance(doc, dict) else {"owner": "?", "expires": 0.0}
+
+    def _try(self) -> bool:
+        try:
+            _put_bytes(self.path, self._body(), create=True)
+        except FileExistsError:
+            holder = self._holder()
+            if holder is not None and float(holder.get("expires", 0)) > time.time():
+                return False
+            if holder is not None:  # expired: its run is gone; remove it, then race for a new one
+                _delete([self.path])
+            return False
+        except (TypeError, NotImplementedError):
+            raise OutputError(f"{self.path}: {_remote(self.path).protocol}:// offers no conditional write, so "
+                              "two runs could both publish this output; write it to a local disk or a "
+                              "shared filesystem instead") from None
+        return True
+
+    def __enter__(self) -> RemoteLock:
+        deadline = time.monotonic() + self.wait_seconds
+        pause = 0.05
+        while not self._try():
+            holder = self._holder()
+            if holder is None or float(holder.get("expires", 0)) <= time.time():
+                continue  # released or expired meanwhile: try again at once
+            if time.monotonic() >= deadline:
+                raise OutputLockedError(
+                    f"{self.final}: another ema-ckpt run is writing this output (lock {self.path.name}, "
+                    f"held by {holder.get('owner')}); retry later or pass {{wait_seconds=SECONDS}}",
+                    remedy="wait_seconds")
+            time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
+            pause = min(2.0, pause * 2)
+        self._renewer = threading.Thread(target=self._renew, name="ema-ckpt-lock-lease", daemon=True)
+        self._renewer.start()
+        return self
+
+    def _renew(self) -> None:
+        while not self._stop.wait(self.lease / 3):
+            try:
+                holder = self._holder()
+                if holder is None or holder.get("owner") != self.owner:
+                    self.lost = True
+                    return
+                _put_bytes(self.path, self._body())
+            except Exception:  # a failed renewal is retried; the lease covers two misses
+                continue
+
+    def check(self) -> None:
+        """Raise if the lock was lost (its lease ran out and another run took it)."""
+        holder = self._holder()
+        if self.lost or holder is None or holder.get("owner") != self.owner:
+            raise OutputError(f"{self.final}: the output's lock {self.path.name} was lost (its lease of "
+                              f"{self.lease:.0f} s ran out); nothing was published")
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._renewer is not None:
+            self._renewer.join()
+        with contextlib.suppress(Exception):
+            holder = self._holder()
+            if holder is not None and holder.get("owner") == self.owner:
+                _delete([self.path])
+
+
+def upload_data_files(local: Path, final: Path, names: Iterable[str]) -> None:
+    """Step 3, by the worker that wrote them: ``names`` (generation-tagged) from ``local``."""
+    for name in sorted(names):
+        if _TAGGED.match(name):
+            _upload(local / name, final / name)
+
+
+def begin_upload(final: Path, generation: str) -> None:
+    """Step 2: the marker that names the generation being uploaded."""
+    _put_bytes(final / STAGING_DIR / generation / "started", b"")
+
+
+def commit_upload(local: Path, final: Path, generation: str, *, lock: RemoteLock | None = None) -> None:
+    """Steps 3 (what is left), 4, 5 and 6 for a directory output built in ``local``."""
+    names = sorted(p.name for p in local.iterdir() if p.is_file())
+    existing = {p.name for p in _children(final)}
+    for name in names:  # data files not uploaded by the workers that wrote them
+        if _TAGGED.match(name) and name not in existing:
+            _upload(local / name, final / name)
+    others = [n for n in names if not _TAGGED.match(n) and n not in COMMIT_ORDER]
+    commit = [n for n in COMMIT_ORDER if n in names]
+    pending = final / STAGING_DIR / generation
+    for name in commit:
+        _upload(local / name, pending / name)
+    if lock is not None:
+        lock.check()
+    for name in others + commit:
+        _upload(local / name, final / name)
+    _clean_up(final, generation)
+
+
+def _clean_up(final: Path, generation: str) -> None:
+    old = [p for p in _children(final) if _PLAIN.match(p.name) or (
+        (m := _TAGGED.match(p.name)) is not None and m.group("tag") != generation)]
+    _delete(old)
+    _delete(list(_remote(final / STAGING_DIR / generation).rglob("*")))
+
+
+def upload_file(local: Path, final: Path) -> None:
+    """A single-file output: one PUT (a multipart upload is visible only once complete)."""
+    _upload(local, final)
+
+
+def recover_remote(final: Path) -> list[str]:
+    """Finish or undo what a killed upload left in ``final``; notes of what was done.
+
+    A generation whose ``.metadata`` copy equals the output's ``.metadata`` was committed:
+    its manifest is put in place and the older files removed. Any other generation was
+    not: its files and its staging prefix are removed, leaving the previous output whole.
+    """
+    notes: list[str] = []
+    staging = final / STAGING_DIR
+    generations = sorted(p.name for p in _children(staging))
+    for generation in generations:
+        pending = staging / generation
+        staged = {p.name: p for p in _children(pending)}
+        current = final / METADATA_FILE
+        committed = METADATA_FILE in staged and current.exists() and (
+            staged[METADATA_FILE].read_bytes() == current.read_bytes())
+        if committed:
+            for name in COMMIT_ORDER[1:]:
+                if name in staged:
+                    _call(_remote(final / name), _fs(final).pipe_file, _remote(final / name).key,
+                          staged[name].read_bytes())
+            _clean_up(final, generation)
+            notes.append(f"finished publishing {final} (generation {generation}: an earlier run was interrupted)")
+        else:
+            tagged = [p for p in _children(final) if (m := _TAGGED.match(p.name)) and m.group("tag") == generation]
+            _delete(tagged + list(_remote(pending).rglob("*")))
+            notes.append(f"removed what an interrupted run had uploaded to {final} (generation {generation})")
+    return notes
+
+
+__all__ = ["COMMIT_ORDER", "LOCK_LEASE_SECONDS", "STAGING_DIR", "RemoteLock", "begin_upload", "commit_upload",
+           "local_staging_dir", "lock_lease", "new_generation", "recover_remote", "upload_data_files", "upload_file"]

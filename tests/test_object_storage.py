@@ -1,0 +1,452 @@
+"""Checkpoints on object storage: every reading command against a real S3-compatible server.
+
+moto's server runs on loopback (``ThreadedMotoServer``); real FSDP2 checkpoints (torchrun +
+gloo) are uploaded to it with boto3, and each command's result on ``s3://`` paths is
+compared bit for bit with the same command on the local copies.
+"""
+
+from __future__ import annotations
+
+import http.server
+import json
+import logging
+import os
+import shlex
+import shutil
+import socket
+import socketserver
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from typer.testing import CliRunner
+
+from ema_ckpt import remote
+from ema_ckpt.cli import app
+from ema_ckpt.formats import open_checkpoint
+from ema_ckpt.layout import Box
+from tests.dcp_helpers import write_dcp
+
+moto_server = pytest.importorskip("moto.server")
+boto3 = pytest.importorskip("boto3")
+pytest.importorskip("s3fs")
+
+runner = CliRunner()
+BUCKET = "ckpts"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _use_endpoint(url: str) -> None:
+    os.environ["AWS_ENDPOINT_URL"] = url
+    remote._FILESYSTEMS.clear()  # the next request builds its client from the environment
+
+
+@pytest.fixture(scope="module")
+def s3() -> Iterator[str]:
+    """A real S3-compatible server on 127.0.0.1 (its endpoint URL), with bucket ``ckpts``."""
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    port = _free_port()
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    saved = {k: os.environ.get(k) for k in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
+                                            "AWS_DEFAULT_REGION")}
+    os.environ.update(AWS_ACCESS_KEY_ID="test", AWS_SECRET_ACCESS_KEY="test", AWS_DEFAULT_REGION="us-east-1")
+    endpoint = f"http://127.0.0.1:{port}"
+    _use_endpoint(endpoint)
+    boto3.client("s3").create_bucket(Bucket=BUCKET)
+    try:
+        yield endpoint
+    finally:
+        server.stop()
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        remote._FILESYSTEMS.clear()
+
+
+def upload(local: Path, prefix: str) -> str:
+    """Every file under ``local`` to ``s3://ckpts/<prefix>/…``; the URL of the prefix."""
+    client = boto3.client("s3")
+    for file in sorted(local.rglob("*")):
+        if file.is_file():
+            client.upload_file(str(file), BUCKET, f"{prefix}/{file.relative_to(local).as_posix()}")
+    return f"s3://{BUCKET}/{prefix}"
+
+
+def dcp_tensors(path: Path) -> dict[str, object]:
+    """A DCP checkpoint's entries, read by torch's own converter (the oracle)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    target = path.parent / f"{path.name}.oracle.pt"
+    dcp_to_torch_save(path, target)
+    loaded = torch.load(target, weights_only=False)
+    target.unlink()
+    flat: dict[str, object] = {}
+
+    def walk(value: object, prefix: str) -> None:
+        if isinstance(value, dict):
+            for key, item in value.items():
+                walk(item, f"{prefix}{key}.")
+        else:
+            flat[prefix[:-1]] = value
+
+    walk(loaded, "")
+    return flat
+
+
+def assert_same(a: dict[str, object], b: dict[str, object]) -> None:
+    assert sorted(a) == sorted(b)
+    for key, value in a.items():
+        other = b[key]
+        if isinstance(value, torch.Tensor):
+            assert isinstance(other, torch.Tensor) and value.dtype == other.dtype, key
+            assert torch.equal(value.view(torch.uint8) if value.dim() else value, other.view(torch.uint8)
+                               if other.dim() else other), key
+        else:
+            assert value == other, key
+
+
+def cli(*args: object, code: int = 0) -> str:
+    result = runner.invoke(app, [str(a) for a in args])
+    assert result.exit_code == code, result.output
+    return result.stdout if code == 0 else result.stderr
+
+
+@pytest.fixture(scope="module")
+def run(s3, fsdp_sequence, tmp_path_factory) -> tuple[Path, str]:
+    """Real FSDP2 checkpoints (2 ranks, 5 steps): the local folder and its copy on S3."""
+    local = tmp_path_factory.mktemp("s3-local") / "ckpts"
+    for ckpt in fsdp_sequence("fsdp2", 2):
+        shutil.copytree(ckpt, local / ckpt.name)
+    return local, upload(local, "run/ckpts")
+
+
+def test_inspect_verify_and_diff_read_objects_in_place(run):
+    local, url = run
+    step = max((p.name for p in local.iterdir()), key=lambda name: int(name.split("_")[-1]))
+    here = json.loads(cli("inspect", local / step, "--json"))
+    there = json.loads(cli("inspect", f"{url}/{step}", "--json"))
+    assert there["path"] == f"{url}/{step}"
+    for doc in (here, there):
+        doc.pop("path"), doc.pop("model_path", None)
+    assert here == there
+    assert json.loads(cli("verify", f"{url}/{step}", "--json"))["ok"] is True
+    same = json.loads(cli("diff", f"{url}/{step}", local / step, "--json"))
+    assert same["equal"] is True and same["compared"] > 0
+
+
+def test_accumulate_from_s3_is_bit_identical_and_incremental(run, tmp_path):
+    local, url = run
+    steps = sorted(local.iterdir(), key=lambda p: int(p.name.split("_")[-1]))
+    first = [s.name for s in steps[:3]]
+    # the EMA of the first checkpoints, then of all of them once more appear (a cron job's two runs)
+    partial = tmp_path / "partial"
+    for name in first:
+        shutil.copytree(local / name, partial / name)
+    cli("accumulate", url, "--decay", "0.9", "--out", tmp_path / "ema-s3")
+    cli("accumulate", local, "--decay", "0.9", "--out", tmp_path / "ema-local")
+    assert_same(dcp_tensors(tmp_path / "ema-s3"), dcp_tensors(tmp_path / "ema-local"))
+    manifest = json.loads((tmp_path / "ema-s3" / "ema-ckpt.json").read_text())
+    assert all(c["path"].startswith(f"{url}/") for c in manifest["checkpoints"])
+
+    # incremental: a run that has folded 3 checkpoints folds only the new ones, from S3
+    more = upload(partial, "inc/ckpts")
+    cli("accumulate", more, "--decay", "0.9", "--out", tmp_path / "ema-inc")
+    for step in steps[3:]:
+        upload(step, f"inc/ckpts/{step.name}")
+    summary = json.loads(cli("accumulate", more, "--decay", "0.9", "--out", tmp_path / "ema-inc", "--json"))
+    assert [c["step"] for c in summary["folded"]] == [int(s.name.split("_")[-1]) for s in steps[3:]]
+    assert_same(dcp_tensors(tmp_path / "ema-inc"), dcp_tensors(tmp_path / "ema-local"))
+
+
+def test_posthoc_average_consolidate_reshard_from_s3(run, tmp_path):
+    local, url = run
+    step = max((p.name for p in local.iterdir()), key=lambda name: int(name.split("_")[-1]))
+    for where, src in (("s3", url), ("local", local)):
+        cli("posthoc", src, "--sigma-rel", "0.05,0.1", "--out", tmp_path / where / "posthoc")
+        cli("average", src, "--last", "3", "--out", tmp_path / where / "average")
+        cli("consolidate", f"{src}/{step}", "--out", tmp_path / where / "model.safetensors")
+        cli("reshard", f"{src}/{step}", "--world-size", "3", "--out", tmp_path / where / "reshard")
+    for name in ("posthoc/sigma_rel_0.05", "posthoc/sigma_rel_0.1", "average", "reshard"):
+        assert_same(dcp_tensors(tmp_path / "s3" / name), dcp_tensors(tmp_path / "local" / name))
+    a = load_file(tmp_path / "s3" / "model.safetensors")
+    b = load_file(tmp_path / "local" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_each_input_byte_is_requested_once(s3, tmp_path):
+    # large tensors across several blocks, and small ones sharing a block
+    tensors = {f"model.big{i}": torch.randn(3_000_000 + i) for i in range(3)}
+    tensors.update({f"model.small{i}": torch.randn(100) for i in range(20)})
+    write_dcp(tmp_path / "ckpt", tensors, world_size=2)
+    url = upload(tmp_path / "ckpt", "once/ckpt")
+    reader = open_checkpoint(url)
+    try:
+        for key, spec in reader.specs().items():
+            assert torch.equal(reader.read(key, Box.full(tuple(spec.shape))), tensors[key]), key
+        files = dict(reader._fds)
+        sizes = {p.name: p.stat().st_size for p in (tmp_path / "ckpt").glob("*.distcp")}
+        assert set(files) == set(sizes)
+        for name, fd in files.items():
+            assert isinstance(fd, remote.RemoteFile)
+            assert fd.bytes_requested <= sizes[name], name
+    finally:
+        reader.close()
+
+
+def test_a_missing_bucket_or_checkpoint_is_one_line(run, tmp_path):
+    _, url = run
+    message = cli("inspect", "s3://no-such-bucket-here/ckpt", code=9)  # the store's refusal: its own code
+    assert len(message.strip().splitlines()) == 1 and "s3://no-such-bucket-here/ckpt: no such bucket" in message
+    message = cli("accumulate", f"{url}/missing", "--decay", "0.9", "--out", tmp_path / "ema", code=3)
+    assert "no such file or directory" in message and "Traceback" not in message
+    assert not (tmp_path / "ema").exists()
+
+
+def test_outputs_on_object_storage_are_refused_clearly(run, tmp_path):
+    _, url = run
+    message = cli("consolidate", f"{url}/step_30", "--out", "s3://ckpts/out/model.safetensors", code=2)
+    assert "object storage" in message and len(message.strip().splitlines()) == 1
+    message = cli("accumulate", url, "--decay", "0.9", code=2)  # default out: CKPTS/ema, on S3
+    assert "object storage" in message
+
+
+def test_other_formats_on_object_storage_are_named(s3, tmp_path):
+    from safetensors.torch import save_file
+
+    (tmp_path / "hf").mkdir()
+    save_file({"w": torch.ones(3)}, tmp_path / "hf" / "model.safetensors")
+    url = upload(tmp_path / "hf", "hf/ckpt")
+    message = cli("inspect", url, code=3)
+    assert "object storage" in message and "dcp" in message
+
+
+class _FlakyProxy(socketserver.ThreadingMixIn, http.server.HTTPServer):
+    daemon_threads = True
+
+
+def _flaky_proxy(target: str, every: int, fail_after_puts: int | None = None) -> tuple[_FlakyProxy, list[int]]:
+    """A loopback HTTP proxy answering every ``every``-th request with 503 SlowDown; with
+    ``fail_after_puts``, every request after that many PUTs (the server gone mid-write)."""
+    counts = [0, 0, 0]  # requests, 503s sent, PUTs forwarded
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+        def _forward(self) -> None:
+            body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            counts[0] += 1
+            gone = fail_after_puts is not None and counts[2] >= fail_after_puts
+            if self.command == "PUT" and not gone:
+                counts[2] += 1
+            if counts[0] % every == 0 or gone:
+                counts[1] += 1
+                error = b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>"
+                self.send_response(503)
+                self.send_header("Content-Length", str(len(error)))
+                self.end_headers()
+                self.wfile.write(error)
+                return
+            request = urllib.request.Request(target + self.path, data=body or None, method=self.command,
+                                             headers={k: v for k, v in self.headers.items() if k.lower() != "host"})
+            try:
+                with urllib.request.urlopen(request) as answer:
+                    status, headers, data = answer.status, answer.headers, answer.read()
+            except urllib.error.HTTPError as err:
+                status, headers, data = err.code, err.headers, err.read()
+            self.send_response(status)
+            for key, value in headers.items():
+                if key.lower() not in ("content-length", "transfer-encoding", "connection"):
+                    self.send_header(key, value)
+            # a HEAD's length is the object's, from the server; it has no body
+            length = headers.get("Content-Length", "0") if self.command == "HEAD" else str(len(data))
+            self.send_header("Content-Length", length)
+            self.end_headers()
+            if self.command != "HEAD":
+                self.wfile.write(data)
+
+        do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = _forward
+
+    proxy = _FlakyProxy(("127.0.0.1", 0), Handler)
+    threading.Thread(target=proxy.serve_forever, daemon=True).start()
+    return proxy, counts
+
+
+def test_transient_errors_are_retried_to_the_same_result(run, s3, tmp_path):
+    local, url = run
+    proxy, counts = _flaky_proxy(s3, every=20)
+    try:
+        _use_endpoint(f"http://127.0.0.1:{proxy.server_address[1]}")
+        cli("accumulate", url, "--decay", "0.9", "--out", tmp_path / "ema")
+    finally:
+        _use_endpoint(s3)
+        proxy.shutdown()
+    assert counts[1] > 0
+    cli("accumulate", local, "--decay", "0.9", "--out", tmp_path / "ema-local")
+    assert_same(dcp_tensors(tmp_path / "ema"), dcp_tensors(tmp_path / "ema-local"))
+
+
+def test_an_unreachable_endpoint_is_one_line_with_its_own_exit_code(run, s3, monkeypatch):
+    _, url = run
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    try:
+        _use_endpoint(f"http://127.0.0.1:{_free_port()}")
+        message = cli("inspect", url + "/step_30", code=9)
+    finally:
+        _use_endpoint(s3)
+    assert len(message.strip().splitlines()) == 1 and "s3://" in message
+
+
+RECIPE = Path(__file__).resolve().parents[1] / "docs" / "recipes" / "object-storage.md"
+EMA_CKPT = Path(sys.executable).with_name("ema-ckpt")
+
+
+def test_the_recipes_commands_run_as_written(run, s3, tmp_path):
+    """Every line of docs/recipes/object-storage.md's "Reading from S3" block, run by the
+    installed entry point in a fresh process, against this server."""
+    text = RECIPE.read_text()
+    block = text.split("## Reading from S3", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+    lines = [line.split("#", 1)[0].strip() for line in block.splitlines()]
+    commands = [shlex.split(line.replace("$BUCKET", BUCKET)) for line in lines if line.startswith("ema-ckpt ")]
+    assert len(commands) == 8 and lines[0].startswith("export AWS_ENDPOINT_URL=")
+    env = dict(os.environ, AWS_ENDPOINT_URL=s3)
+    for words in commands:
+        done = subprocess.run([str(EMA_CKPT), *words[1:]], cwd=tmp_path, env=env, capture_output=True, text=True,
+                              timeout=300)
+        assert done.returncode == 0, (words, done.stderr)
+    assert (tmp_path / "ema" / "ema-ckpt.json").exists() and (tmp_path / "model.safetensors").exists()
+    assert sorted(p.name for p in (tmp_path / "posthoc").iterdir()) == ["sigma_rel_0.05", "sigma_rel_0.1"]
+
+
+def download(url: str, local: Path) -> Path:
+    """Every object under ``url`` (``s3://ckpts/…``) to ``local`` (staging prefixes included)."""
+    client = boto3.client("s3")
+    prefix = url.removeprefix(f"s3://{BUCKET}/").rstrip("/") + "/"
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix):
+        for item in page.get("Contents", []):
+            target = local / item["Key"][len(prefix):]
+            target.parent.mkdir(parents=True, exist_ok=True)
+            client.download_file(BUCKET, item["Key"], str(target))
+    return local
+
+
+def keys_under(url: str) -> list[str]:
+    client = boto3.client("s3")
+    prefix = url.removeprefix(f"s3://{BUCKET}/").rstrip("/") + "/"
+    pages = client.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix)
+    return sorted(item["Key"][len(prefix):] for page in pages for item in page.get("Contents", []))
+
+
+def test_accumulate_s3_to_s3_is_bit_identical_incremental_and_loads_with_dcp(run, tmp_path):
+    local, _ = run
+    steps = sorted(local.iterdir(), key=lambda p: int(p.name.split("_")[-1]))
+    src = upload(steps[0], f"io/ckpts/{steps[0].name}").rsplit("/", 1)[0]
+    for step in steps[1:3]:
+        upload(step, f"io/ckpts/{step.name}")
+    out = f"s3://{BUCKET}/io/ema"
+    cli("accumulate", src, "--decay", "0.9", "--out", out)
+    first = keys_under(out)
+    assert ".metadata" in first and "ema-ckpt.json" in first and not any(k.startswith(".ema-ckpt") for k in first)
+    for step in steps[3:]:
+        upload(step, f"io/ckpts/{step.name}")
+    summary = json.loads(cli("accumulate", src, "--decay", "0.9", "--out", out, "--json"))
+    assert [c["step"] for c in summary["folded"]] == [int(s.name.split("_")[-1]) for s in steps[3:]]
+    second = keys_under(out)
+    assert not set(first) & {k for k in second if k.endswith(".distcp")}  # a new generation, the old removed
+    cli("accumulate", local, "--decay", "0.9", "--out", tmp_path / "ema-local")
+    assert_same(dcp_tensors(download(out, tmp_path / "ema-s3")), dcp_tensors(tmp_path / "ema-local"))
+    assert not (tmp_path / "ema-s3" / ".ema-ckpt-staging").exists()
+    # torch's own reader, straight from the bucket
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+
+    state = {k: torch.empty_like(v) for k, v in dcp_tensors(tmp_path / "ema-local").items()
+             if isinstance(v, torch.Tensor)}
+    del FileSystemReader
+    dcp.load(state, checkpoint_id=str(tmp_path / "ema-s3"))
+    assert json.loads(cli("verify", out, "--json"))["ok"] is True
+
+
+def test_single_file_and_resharded_outputs_on_s3(run, tmp_path):
+    local, url = run
+    step = max((p.name for p in local.iterdir()), key=lambda name: int(name.split("_")[-1]))
+    cli("consolidate", f"{url}/{step}", "--out", f"s3://{BUCKET}/out/model.safetensors")
+    cli("consolidate", local / step, "--out", tmp_path / "model.safetensors")
+    boto3.client("s3").download_file(BUCKET, "out/model.safetensors", str(tmp_path / "from-s3.safetensors"))
+    assert (tmp_path / "from-s3.safetensors").read_bytes() == (tmp_path / "model.safetensors").read_bytes()
+    assert keys_under(f"s3://{BUCKET}/out") == ["model.safetensors"]
+    cli("reshard", local / step, "--world-size", "3", "--out", f"s3://{BUCKET}/out/resharded")
+    cli("reshard", local / step, "--world-size", "3", "--out", tmp_path / "resharded")
+    assert_same(dcp_tensors(download(f"s3://{BUCKET}/out/resharded", tmp_path / "r")),
+                dcp_tensors(tmp_path / "resharded"))
+    message = cli("consolidate", local / step, "--out", f"s3://{BUCKET}/out/hf/", code=2)
+    assert "object storage" in message and len(message.strip().splitlines()) == 1
+
+
+def test_a_held_lock_refuses_and_an_expired_one_is_taken_over(run, tmp_path):
+    local, _ = run
+    out = f"s3://{BUCKET}/locked/ema"
+    client = boto3.client("s3")
+    lock = {"owner": "other-host:1:abc", "expires": time.time() + 600}
+    client.put_object(Bucket=BUCKET, Key="locked/.ema.lock", Body=json.dumps(lock).encode())
+    message = cli("accumulate", local, "--decay", "0.9", "--out", out, code=75)
+    assert "another ema-ckpt run" in message and "other-host:1:abc" in message
+    assert keys_under(f"s3://{BUCKET}/locked") == [".ema.lock"]
+    lock["expires"] = time.time() - 1  # its run died a lease ago
+    client.put_object(Bucket=BUCKET, Key="locked/.ema.lock", Body=json.dumps(lock).encode())
+    cli("accumulate", local, "--decay", "0.9", "--out", out)
+    assert ".ema.lock" not in keys_under(f"s3://{BUCKET}/locked")  # released
+
+
+class _FailingAfter(socketserver.ThreadingMixIn, http.server.HTTPServer):
+    daemon_threads = True
+
+
+def test_a_run_cut_off_mid_upload_leaves_the_previous_ema_and_the_rerun_recovers(run, s3, tmp_path, monkeypatch):
+    local, _ = run
+    steps = sorted(local.iterdir(), key=lambda p: int(p.name.split("_")[-1]))
+    for step in steps[:3]:
+        upload(step, f"cut/ckpts/{step.name}")
+    src, out = f"s3://{BUCKET}/cut/ckpts", f"s3://{BUCKET}/cut/ema"
+    cli("accumulate", src, "--decay", "0.9", "--out", out)
+    before = {k: boto3.client("s3").get_object(Bucket=BUCKET, Key=f"cut/ema/{k}")["Body"].read()
+              for k in keys_under(out)}
+    for step in steps[3:]:
+        upload(step, f"cut/ckpts/{step.name}")
+    # the server goes away after the new generation's marker and first data file: every
+    # request from then on fails, as a server stopped mid-write does
+    proxy, counts = _flaky_proxy(s3, every=10**9, fail_after_puts=2)
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    try:
+        _use_endpoint(f"http://127.0.0.1:{proxy.server_address[1]}")
+        message = cli("accumulate", src, "--decay", "0.9", "--out", out, code=9)
+    finally:
+        _use_endpoint(s3)
+        proxy.shutdown()
+    assert len(message.strip().splitlines()) == 1
+    after = keys_under(out)
+    assert any(k.startswith(".ema-ckpt-staging/") for k in after)  # the cut-off run's marker
+    for key, data in before.items():  # the previous EMA, untouched
+        assert boto3.client("s3").get_object(Bucket=BUCKET, Key=f"cut/ema/{key}")["Body"].read() == data
+    summary = json.loads(cli("accumulate", src, "--decay", "0.9", "--out", out, "--json"))
+    assert any("interrupted" in note for note in summary.get("notes", [])), summary.get("notes")
+    assert not any(k.startswith(".ema-ckpt-staging/") for k in keys_under(out))
+    cli("accumulate", local, "--decay", "0.9", "--out", tmp_path / "ema-local")
+    assert_same(dcp_tensors(download(out, tmp_path / "ema-s3")), dcp_tensors(tmp_path / "ema-local"))
