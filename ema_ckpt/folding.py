@@ -27,7 +27,7 @@ from .manifest import Manifest, fingerprint
 from .maths import ExponentialProfile, PowerProfile, fold_coefficients, profile_from_dict
 from .plans import EXPONENTIAL_LONGER, POWER_LONGER, PlannedOutput, Term, sparse_warning
 from .plans import Plan as AveragePlan
-from .remote import local_output
+from .remote import output_location
 from .selection import check_compatible, select_keys
 
 DEFAULT_OUT_NAME = "ema"
@@ -55,7 +55,7 @@ class Accumulator:
 def default_out(checkpoints: Sequence[Path]) -> Path:
     """``<folder>/ema`` for a single folder of checkpoints."""
     if len(checkpoints) == 1 and checkpoints[0].is_dir():
-        return local_output(checkpoints[0] / DEFAULT_OUT_NAME)
+        return output_location(checkpoints[0] / DEFAULT_OUT_NAME)
     raise OptionError("out", "is required when more than one path is given")
 
 

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import OptionError, OutputError, OutputLockedError
+from .remote import as_path, is_remote, remote_files
 
 _RENAME_EXCHANGE = 2
 _SYNC_FILE_RANGE_WRITE = 2
@@ -221,8 +222,8 @@ def output_path(out: str | Path) -> Path:
     Raises:
         OutputError: the link cannot be followed (a loop), or its target's folder is missing.
     """
-    out = Path(out)
-    if not out.is_symlink():
+    out = as_path(out)
+    if is_remote(out) or not out.is_symlink():
         return out
     try:
         target = out.resolve(strict=False)
@@ -243,6 +244,8 @@ def files_on_disk(path: Path) -> list[tuple[str, int]]:
         >>> files_on_disk(Path("ema"))   # doctest: +SKIP
         [('.metadata', 1712), ('__0_0.distcp', 98304), ('ema-ckpt.json', 2154)]
     """
+    if is_remote(path):
+        return remote_files(path)
     try:
         st = os.stat(path, follow_symlinks=False)
     except FileNotFoundError:

@@ -28,6 +28,7 @@ import abc
 import contextlib
 import dataclasses
 import functools
+import shutil
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -37,13 +38,23 @@ from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 from ._gc import frozen_heap
 from .dist import Workers, assign_by_bytes, current_workers, in_worker_group, run_workers
 from .engine import EngineStats, OutputSpec, combine_regions
-from .errors import EmaCkptError, UsageError
+from .errors import EmaCkptError, OptionError, UsageError
 from .formats import open_checkpoint
 from .formats.base import CheckpointReader
 from .fs import OutputLock, discard_on_error, new_staging_dir, publish, publish_file, recover
 from .manifest import Manifest
 from .progress import Progress
-from .remote import RemotePath
+from .remote import RemotePath, is_remote
+from .remote_output import (
+    RemoteLock,
+    begin_upload,
+    commit_upload,
+    local_staging_dir,
+    new_generation,
+    recover_remote,
+    upload_data_files,
+    upload_file,
+)
 from .writers.base import OutputTensor, OutputWriter, PlannedRegion, WrittenFile
 from .writers.outputs import region_cost
 
@@ -179,13 +190,18 @@ def run_job(job: Job[PlanT, ComputedT, ResultT], *,
     group = current_workers(settings.device)
     with contextlib.ExitStack() as stack:
 
+        held: list[RemoteLock] = []
+
         def prepare() -> PlanT:
             notes: list[str] = []
             lock = job.lock_path()
             if lock is not None:
-                stack.enter_context(OutputLock(lock, wait_seconds=settings.wait_seconds))
+                if is_remote(lock):
+                    held.append(stack.enter_context(RemoteLock(lock, wait_seconds=settings.wait_seconds)))
+                else:
+                    stack.enter_context(OutputLock(lock, wait_seconds=settings.wait_seconds))
                 for path in job.recover_paths():
-                    notes += recover(path)
+                    notes += recover_output(path)
             return job.plan(notes)
 
         plan = group.on_coordinator(prepare)
@@ -195,7 +211,8 @@ def run_job(job: Job[PlanT, ComputedT, ResultT], *,
                 group.on_coordinator(functools.partial(job.finish_without_output, plan))
                 return job.result(plan, None, time.perf_counter() - started)
             try:
-                computed = _stage_compute_publish(job, plan, targets, group, on_progress)
+                computed = _stage_compute_publish(job, plan, targets, group, on_progress,
+                                                  held[0] if held else None)
             except EmaCkptError as err:
                 again = job.retry(plan, err)
                 if again is None:
@@ -205,18 +222,37 @@ def run_job(job: Job[PlanT, ComputedT, ResultT], *,
             return job.result(plan, computed, time.perf_counter() - started)
 
 
+def recover_output(final: Path) -> list[str]:
+    """Repair what a killed run left at ``final`` (local or on object storage); notes of it."""
+    return recover_remote(final) if is_remote(final) else recover(final)
+
+
 def _stage_compute_publish(job: Job[PlanT, ComputedT, Any], plan: PlanT, targets: Sequence[Target],
-                           group: Workers, on_progress: Callable[[Progress], None] | None) -> ComputedT:
-    def stage() -> list[Path]:
+                           group: Workers, on_progress: Callable[[Progress], None] | None,
+                           lock: RemoteLock | None = None) -> ComputedT:
+    def stage() -> tuple[list[Path], list[str | None]]:
         for target in targets:
-            recover(target.final)
+            recover_output(target.final)
             if target.final.exists() and not target.replace:
                 raise UsageError(f"{target.final} exists; pass {{overwrite=True}} to replace it", remedy="overwrite")
-        return [new_staging_dir(t.final, near=t.near) for t in targets]
+        stagings, generations = [], []
+        generation = new_generation()  # one per run: the outputs of a run share one layout
+        for target in targets:
+            if is_remote(target.final):  # built on a local disk, uploaded under a new generation
+                stagings.append(local_staging_dir(target.final))
+                generations.append(None if target.single_file else generation)
+            else:
+                stagings.append(new_staging_dir(target.final, near=target.near))
+                generations.append(None)
+        for target, tag in zip(targets, generations, strict=True):
+            if tag is not None:
+                begin_upload(target.final, tag)
+        return stagings, generations
 
-    stagings = group.on_coordinator(stage)
+    stagings, generations = group.on_coordinator(stage)
     with discard_on_error(stagings, owner=group.is_coordinator), contextlib.ExitStack() as readers:
-        context = JobContext(group, list(stagings), list(targets), readers, job.options.device, on_progress)
+        context = JobContext(group, list(stagings), list(targets), readers, job.options.device, on_progress,
+                             list(generations))
         # every worker has finished writing into the stagings before the coordinator publishes them
         computed = group.run(functools.partial(job.compute, plan, context))
 
@@ -225,8 +261,17 @@ def _stage_compute_publish(job: Job[PlanT, ComputedT, Any], plan: PlanT, targets
             for staging, manifest in zip(stagings, manifests, strict=True):
                 if manifest is not None:
                     manifest.write(staging)
-            for target, staging in zip(targets, stagings, strict=True):
-                (publish_file if target.single_file else publish)(staging, target.final)
+            for target, staging, generation in zip(targets, stagings, generations, strict=True):
+                if not is_remote(target.final):
+                    (publish_file if target.single_file else publish)(staging, target.final)
+                    continue
+                if lock is not None:
+                    lock.check()
+                if generation is None:
+                    upload_file(staging / target.final.name, target.final)
+                else:
+                    commit_upload(staging, target.final, generation, lock=lock)
+                shutil.rmtree(staging, ignore_errors=True)
 
         group.on_coordinator(publish_all)
     return computed
@@ -243,6 +288,8 @@ class JobContext:
     stack: contextlib.ExitStack
     device: str = "cpu"
     on_progress: Callable[[Progress], None] | None = None
+    generations: list[str | None] = field(default_factory=list)
+    """Per target on object storage, the generation its data files are named by (else None)."""
 
     def check(self, step: Callable[[], T]) -> T:
         """Run ``step`` on every worker; all fail alike if one does (a synchronisation point)."""
@@ -265,8 +312,14 @@ class JobContext:
         """The writer of target ``index`` in the output format ``format_name``."""
         from .writers.base import output_format
 
-        writer = output_format(format_name).make(self.stagings[index], self.targets[index].final.name, **settings)
-        writer.final = self.targets[index].final
+        target = self.targets[index]
+        if is_remote(target.final):
+            check_remote_output(target, format_name, self.workers.world_size)
+        writer = output_format(format_name).make(self.stagings[index], target.final.name, **settings)
+        writer.final = target.final
+        generation = self.generations[index] if index < len(self.generations) else None
+        if generation is not None:
+            writer.file_tag = generation
         return writer
 
     def write(
@@ -306,7 +359,11 @@ class JobContext:
                 stats = combine_regions(sources, outputs, writers, mine, by_key, copy_source=copy_source,
                                         accumulate_dtype=accumulate_dtype, on_progress=on_region,
                                         device=self.device, check_finite=check_finite)
-            return [w.close() for w in writers], stats
+            states = [w.close() for w in writers]
+            for writer, state in zip(writers, states, strict=True):
+                if writer.final is not None and is_remote(writer.final) and writer.file_tag is not None:
+                    upload_data_files(writer.staging, writer.final, writer.own_files(state))
+            return states, stats
 
         try:
             states, stats = self.workers.run(compute)
@@ -318,6 +375,19 @@ class JobContext:
         files = self.workers.on_coordinator(
             lambda: [w.finish([g[0][k] for g in gathered]) for k, w in enumerate(writers)])
         return WrittenOutputs(files, sum(g[1] for g in gathered), sum(g[2] for g in gathered))
+
+
+def check_remote_output(target: Target, format_name: str, world_size: int) -> None:
+    """Refuse an output that cannot be published on object storage as :mod:`.remote_output` does."""
+    if target.single_file:
+        if world_size > 1:
+            raise OptionError("out", f"{target.final}: a single-file output on object storage is written by one "
+                              "worker; run with one worker (or write a DCP directory)", value=str(target.final))
+        return
+    if format_name != "dcp":
+        raise OptionError("out", f"{target.final}: on object storage, a directory output is written as DCP (its "
+                          f"data files named by generation, .metadata last) or as one file; not as {format_name}",
+                          value=str(target.final))
 
 
 def _reads_progress(report: Callable[[Progress], None], regions: Sequence[PlannedRegion],

@@ -19,10 +19,11 @@ import json
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from ._version import __version__
 from .errors import CheckpointFormatError
+from .remote import RemotePath, is_remote
 
 MANIFEST_NAME = "ema-ckpt.json"
 MANIFEST_FORMAT = 1
@@ -83,6 +84,10 @@ class Manifest:
     def replace(self, directory: Path) -> None:
         """Rewrite the manifest of a published output in place, atomically (data untouched)."""
         file = directory / MANIFEST_NAME
+        if is_remote(directory):  # one PUT: a reader sees the old manifest or the new one
+            remote = cast(RemotePath, file)
+            remote.fs.pipe_file(remote.key, self.to_json().encode())
+            return
         temp = directory / f".{MANIFEST_NAME}.tmp-{os.getpid()}"
         try:
             with open(temp, "w") as handle:

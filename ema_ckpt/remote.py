@@ -63,16 +63,18 @@ def is_remote(path: object) -> bool:
     return isinstance(path, RemotePath)
 
 
-def local_output(out: str | os.PathLike[str], option: str = "out") -> Path:
-    """``out`` as a local path; an object-storage URL is refused (outputs are written locally).
+def output_location(out: str | os.PathLike[str]) -> Path:
+    """Where an output goes: a local path, or a :class:`RemotePath` for a URL (its filesystem
+    package loaded now, so a missing one is said before any work).
 
-    Raises:
-        OptionError: ``out`` is a URL such as ``s3://bucket/ema``.
+    Example:
+        >>> output_location("ema")
+        PosixPath('ema')
     """
-    if is_url(out):
-        raise OptionError(option, f"{out} is on object storage; outputs are written to a local disk or a "
-                          "shared filesystem (write there, then upload)", value=str(out))
-    return as_path(out)
+    path = as_path(out)
+    if is_remote(path):
+        _filesystem(cast(RemotePath, path).protocol)
+    return path
 
 
 _FILESYSTEMS: dict[str, Any] = {}
@@ -196,6 +198,9 @@ class RemotePath:
     def with_name(self, name: str) -> RemotePath:
         return self.parent / name
 
+    def with_suffix(self, suffix: str) -> RemotePath:
+        return self.with_name(self.stem + suffix)
+
     def resolve(self) -> RemotePath:
         return self
 
@@ -263,7 +268,8 @@ class RemotePath:
 
 def _call(where: RemotePath, func: Any, *args: Any, **kwargs: Any) -> Any:
     """``func(*args)`` with the store's permanent refusals as one clear error; a missing
-    object stays ``FileNotFoundError`` (callers treat it as on a local disk)."""
+    object stays ``FileNotFoundError`` (callers treat it as on a local disk), and a
+    conditional write's refusal ``FileExistsError``."""
     try:
         return func(*args, **kwargs)
     except FileNotFoundError as err:
@@ -272,8 +278,8 @@ def _call(where: RemotePath, func: Any, *args: Any, **kwargs: Any) -> Any:
         raise
     except PermissionError as err:
         raise RemoteStorageError(f"{where}: access denied ({err})") from None
-    except EmaCkptError:
-        raise
+    except (EmaCkptError, FileExistsError, NotImplementedError, TypeError):
+        raise  # ours, a conditional write's refusal, or a filesystem without the call
     except Exception as err:  # endpoint unreachable, bad region, retries exhausted
         raise RemoteStorageError(f"{where}: {type(err).__name__}: {_first_line(err)}") from None
 
@@ -284,6 +290,20 @@ def forget_listings() -> None:
         cache = getattr(fs, "dircache", None)
         if cache is not None:
             cache.clear()
+
+
+def remote_files(path: Path) -> list[tuple[str, int]]:
+    """(name, size) of the object at ``path``, or of every object under it (names relative)."""
+    where = cast(RemotePath, path)
+    info = where._info()
+    if info is None:
+        return []
+    if info.get("type") == "file":
+        return [(where.name, int(info.get("size") or 0))]
+    found = _call(where, where.fs.find, where.key, withdirs=False, detail=True)
+    prefix = where.key + "/"
+    return sorted((str(name).strip("/").removeprefix(prefix), int(item.get("size") or 0))
+                  for name, item in found.items())
 
 
 def _first_line(err: BaseException) -> str:

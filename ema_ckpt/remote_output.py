@@ -106,17 +106,23 @@ def _upload(local: Path, path: Path) -> None:
     _call(_remote(path), _fs(path).put_file, str(local), _remote(path).key)
 
 
-def _delete(paths: Iterable[Path]) -> None:
-    keys = [_remote(p).key for p in paths]
-    if keys:
-        first = _remote(next(iter(paths)))
+def _delete(paths: list[Path]) -> None:
+    if paths:
+        first = _remote(paths[0])
         with contextlib.suppress(FileNotFoundError):
-            _call(first, first.fs.rm, keys)
+            _call(first, first.fs.rm, [_remote(p).key for p in paths])
 
 
-def _children(path: Path) -> list[RemotePath]:
+def _children(path: Path) -> list[Path]:
     try:
-        return list(_remote(path).iterdir())
+        return [cast(Path, p) for p in _remote(path).iterdir()]
+    except FileNotFoundError:
+        return []
+
+
+def _everything_under(path: Path) -> list[Path]:
+    try:
+        return [cast(Path, p) for p in _remote(path).rglob("*")]
     except FileNotFoundError:
         return []
 
@@ -250,7 +256,7 @@ def _clean_up(final: Path, generation: str) -> None:
     old = [p for p in _children(final) if _PLAIN.match(p.name) or (
         (m := _TAGGED.match(p.name)) is not None and m.group("tag") != generation)]
     _delete(old)
-    _delete(list(_remote(final / STAGING_DIR / generation).rglob("*")))
+    _delete(_everything_under(final / STAGING_DIR / generation))
 
 
 def upload_file(local: Path, final: Path) -> None:
@@ -283,7 +289,7 @@ def recover_remote(final: Path) -> list[str]:
             notes.append(f"finished publishing {final} (generation {generation}: an earlier run was interrupted)")
         else:
             tagged = [p for p in _children(final) if (m := _TAGGED.match(p.name)) and m.group("tag") == generation]
-            _delete(tagged + list(_remote(pending).rglob("*")))
+            _delete(tagged + _everything_under(pending))
             notes.append(f"removed what an interrupted run had uploaded to {final} (generation {generation})")
     return notes
 

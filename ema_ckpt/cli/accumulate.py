@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import asdict
-from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
@@ -78,7 +77,8 @@ def accumulate_command(
         int | None, typer.Option("--snapshot-every", metavar="STEPS", min=1,
                                  help="With power EMAs: keep a snapshot of each every STEPS steps (for posthoc).")
     ] = None,
-    out: Annotated[Path | None, typer.Option("--out", "-o", help="EMA directory (default: CKPTS/ema).")] = None,
+    out: Annotated[str | None, typer.Option(
+        "--out", "-o", metavar="PATH", help="EMA directory (default: CKPTS/ema); a path or a URL (s3://…).")] = None,
     dtype: Annotated[str, typer.Option(help="Accumulate and store floats in float32 or float64.")] = "float32",
     include: IncludeOpt = None,
     exclude: ExcludeOpt = None,

@@ -64,7 +64,7 @@ KeepPrefixOpt = Annotated[bool, typer.Option(
     "--keep-prefix", help="safetensors: keep the container level of a DCP {'model': ...} checkpoint ('model.').")]
 
 
-def _format_line(plan: Plan, out: Path | None) -> str:
+def _format_line(plan: Plan, out: str | Path | None) -> str:
     """What a dry run would write: the format and where its files go."""
     from ..commands.averaging import SAFETENSORS_FILE
 
@@ -84,7 +84,7 @@ def _warn(plan: Plan) -> None:
             warn(f"{output.name}: {cli_text(warning)}")
 
 
-def _finish(result: Plan | RunResult, json_output: bool, quiet: bool, out: Path | None) -> None:
+def _finish(result: Plan | RunResult, json_output: bool, quiet: bool, out: str | Path | None) -> None:
     from ..commands.averaging import Plan
 
     if isinstance(result, Plan):
@@ -117,7 +117,8 @@ def _finish(result: Plan | RunResult, json_output: bool, quiet: bool, out: Path 
 @reports_errors
 def posthoc_command(
     checkpoints: Annotated[list[str], typer.Argument(help="Raw checkpoints (a folder) or a snapshot folder.")],
-    out: Annotated[Path | None, typer.Option("--out", "-o", help="Outputs go to OUT/sigma_rel_<value>.")] = None,
+    out: Annotated[str | None, typer.Option("--out", "-o", metavar="PATH",
+                                            help="Outputs go to OUT/sigma_rel_<value>.")] = None,
     sigma_rel: Annotated[
         list[str] | None, typer.Option("--sigma-rel", help="Relative EMA widths: 0.05, 0.05,0.1 or 0.01:0.25:0.01.")
     ] = None,
@@ -158,7 +159,7 @@ def posthoc_command(
 @reports_errors
 def average_command(
     checkpoints: Annotated[list[str], typer.Argument(help="A folder of checkpoints, or checkpoint paths.")],
-    out: Annotated[Path | None, typer.Option("--out", "-o", help="Output directory.")] = None,
+    out: Annotated[str | None, typer.Option("--out", "-o", metavar="PATH", help="Output directory.")] = None,
     last: Annotated[int | None, typer.Option("--last", min=1, help="Average the newest K checkpoints.")] = None,
     from_step: Annotated[int | None, typer.Option("--from-step", help="First step to include.")] = None,
     to_step: Annotated[int | None, typer.Option("--to-step", help="Last step to include.")] = None,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -26,7 +25,7 @@ Examples (rank r of N then reads only __r_0.distcp):
 def reshard_command(
     src: Annotated[str, typer.Argument(help="Any supported checkpoint.")],
     world_size: Annotated[int, typer.Option("--world-size", "-n", min=1, help="Number of ranks to lay out for.")],
-    out: Annotated[Path, typer.Option("--out", "-o", help="Output DCP directory.")],
+    out: Annotated[str, typer.Option("--out", "-o", metavar="PATH", help="Output DCP directory.")],
     dtype: Annotated[
         str | None, typer.Option(help="Cast floating tensors (bfloat16, float16, float32, float64).")
     ] = None,

@@ -68,7 +68,7 @@ from ..maths import PowerProfile
 from ..plans import Plan as AveragePlan
 from ..plans import find_snapshots
 from ..progress import Progress
-from ..remote import as_path, local_output
+from ..remote import as_path, output_location
 from ..writers.base import check_directory_output
 from .averaging import averaged_tensors
 from .verify import damage
@@ -229,7 +229,7 @@ def accumulate(
     """
     paths = (checkpoints,) if isinstance(checkpoints, (str, Path)) else tuple(checkpoints)
     options = AccumulateOptions(
-        tuple(as_path(p) for p in paths), out=local_output(out) if out is not None else None, decay=decay,
+        tuple(as_path(p) for p in paths), out=output_location(out) if out is not None else None, decay=decay,
         half_life=half_life, per_checkpoint=per_checkpoint, warmup=warmup, sigma_rels=tuple(sigma_rels),
         gammas=tuple(gammas), snapshot_every=snapshot_every, dtype=dtype, include=tuple(include),
         exclude=tuple(exclude), step_regex=step_regex, restart=restart, allow_new_keys=allow_new_keys,

@@ -31,7 +31,7 @@ from ..jobs import Job, JobContext, Target, WrittenOutputs, recorded_options, ru
 from ..manifest import FoldedCheckpoint, Manifest, fingerprint
 from ..plans import Plan, PlannedOutput, SnapshotInput, Term, find_snapshots, plan_average, plan_posthoc
 from ..progress import Progress
-from ..remote import as_path, local_output
+from ..remote import as_path, output_location
 from ..selection import check_compatible, container_prefix, output_names, select_keys
 from ..writers.base import OutputTensor, OutputWriter, check_directory_output, output_format
 
@@ -335,7 +335,7 @@ def posthoc(
         >>> [round(sum(t.coefficient for t in o.terms), 12) for o in plan.outputs]              # doctest: +SKIP
         [1.0, 1.0]
     """
-    opts = PosthocOptions(_paths(checkpoints), local_output(out), dry_run=dry_run, **_tuples(options))
+    opts = PosthocOptions(_paths(checkpoints), output_location(out), dry_run=dry_run, **_tuples(options))
     return run_job(SumJob(opts), on_progress=on_progress)
 
 
@@ -370,7 +370,7 @@ def average(
     Example:
         >>> average("ckpts", out="avg", last=5)  # doctest: +SKIP
     """
-    opts = AverageOptions(_paths(checkpoints), local_output(out), dry_run=dry_run, **_tuples(options))
+    opts = AverageOptions(_paths(checkpoints), output_location(out), dry_run=dry_run, **_tuples(options))
     return run_job(SumJob(opts), on_progress=on_progress)
 
 

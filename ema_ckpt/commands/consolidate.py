@@ -26,7 +26,7 @@ from ..errors import Note, OptionError, UsageError
 from ..fs import check_not_overlapping, files_on_disk, output_path
 from ..jobs import Job, JobContext, Target, run_job
 from ..progress import Progress
-from ..remote import as_path, local_output
+from ..remote import as_path, output_location
 from ..selection import container_prefix, output_names, select_keys
 from ..writers.base import OutputTensor, choose_output_format, ends_in_separator, output_format
 
@@ -153,7 +153,7 @@ def consolidate(
     """
     if format is None and ends_in_separator(out):  # "hf/": said before Path(out) drops the "/"
         format = choose_output_format(out).name
-    options = ConsolidateOptions(as_path(src), local_output(out), format=format, max_shard_size=max_shard_size,
+    options = ConsolidateOptions(as_path(src), output_location(out), format=format, max_shard_size=max_shard_size,
                                  dtype=dtype, keep_prefix=keep_prefix, include=tuple(include), exclude=tuple(exclude),
                                  overwrite=overwrite, wait_seconds=wait_seconds, workers=workers)
     return run_job(ConsolidateJob(options), on_progress=on_progress)

@@ -22,7 +22,7 @@ from ..fs import check_not_overlapping, files_on_disk, output_path
 from ..jobs import Job, JobContext, Target, run_job
 from ..manifest import MANIFEST_NAME, Manifest
 from ..progress import Progress
-from ..remote import as_path, local_output
+from ..remote import as_path, output_location
 from ..selection import select_keys
 from ..writers.base import OutputTensor, check_directory_output
 
@@ -96,7 +96,7 @@ def reshard(
         >>> reshard("ckpts/ema", world_size=8, out="ema-8").files[:1]   # doctest: +SKIP
         [('__0_0.distcp', 1048576)]
     """
-    options = ReshardOptions(as_path(src), local_output(out), world_size, dtype=dtype, include=tuple(include),
+    options = ReshardOptions(as_path(src), output_location(out), world_size, dtype=dtype, include=tuple(include),
                              exclude=tuple(exclude), all_keys=all_keys, overwrite=overwrite,
                              wait_seconds=wait_seconds, workers=workers)
     return run_job(ReshardJob(options), on_progress=on_progress)

@@ -26,7 +26,7 @@ import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from .._crc import crc32
 from ..dist import Workers
@@ -37,7 +37,7 @@ from ..layout import TensorSpec, split_rows
 from ..manifest import MANIFEST_NAME, Manifest
 from ..progress import Progress
 from ..reading import Piece, Tally, run_reading, share_out
-from ..remote import as_path
+from ..remote import RemoteFile, RemotePath, as_path, is_remote
 
 HASH_BLOCK_BYTES = 8 << 20
 """CRC-32 is computed over blocks of this many bytes (memory stays bounded by one block)."""
@@ -405,6 +405,15 @@ def _size_and_crc32(file: Path, block_bytes: int) -> tuple[int, int]:
     size = 0
     buffer = bytearray(max(1, block_bytes))
     view = memoryview(buffer)
+    if is_remote(file):  # ranged reads, with read-ahead, of the object
+        remote = RemoteFile(cast(RemotePath, file))
+        try:
+            while n := remote.readinto(view, size):
+                crc = crc32(view[:n], crc)
+                size += n
+        finally:
+            remote.close()
+        return size, crc
     with open(file, "rb", buffering=0) as handle:
         while True:
             n = handle.readinto(buffer)

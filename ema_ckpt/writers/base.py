@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import OptionError
 from ..layout import Box
+from ..remote import as_path
 
 if TYPE_CHECKING:
     import torch
@@ -99,6 +100,9 @@ class OutputWriter(abc.ABC):
     single_file: bool = False
     final: Path | None = None
     """The output's published path, for messages (set by the runner)."""
+    file_tag: str | None = None
+    """A tag the data files' names carry (set for an output on object storage: each upload
+    is a new generation of files, so the previous output's stay whole until the commit)."""
     may_copy_stored: bool = True
     """Whether regions may be planned ``raw`` (stored bytes copied as they are). The runner sets
     it False when an output is computed (a fold or a sum): only a copy may skip the engine."""
@@ -139,6 +143,10 @@ class OutputWriter(abc.ABC):
     def abort(self) -> None:
         """Close open files after a failure (the staging directory is removed by the caller)."""
         return None
+
+    def own_files(self, state: Any) -> list[str]:
+        """The data files this worker wrote, from its :meth:`close` state (names in staging)."""
+        return []
 
 
 @dataclass(frozen=True, slots=True)
@@ -232,7 +240,7 @@ def choose_output_format(out: str | Path, format: str | None = None, *, director
         'safetensors'
     """
     formats = path_formats()
-    path = Path(out)
+    path = as_path(out)
     directory = ends_in_separator(out) if directory is None else directory
     suffix = path.suffix.lower()
     claimed = next((fmt for fmt in formats if suffix in fmt.suffixes), None)
@@ -279,7 +287,7 @@ def check_directory_output(out: str | Path, format_name: str = "dcp") -> None:
         ...
         ema_ckpt.errors.OptionError: out ema.safetensors: a dcp directory here would be taken for a safetensors file ...
     """
-    suffix = Path(out).suffix.lower()
+    suffix = as_path(out).suffix.lower()
     claimed = next((fmt for fmt in path_formats() if fmt.single_file and suffix in fmt.suffixes), None)
     if claimed is not None:
         raise OptionError("out", f"{out}: a {format_name} directory here would be taken for a {claimed.name} "

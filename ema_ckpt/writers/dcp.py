@@ -150,13 +150,14 @@ class WriterState:
     files: list[WrittenFile] = field(default_factory=list)
 
 
-def data_file_name(rank: int, part: int = 0) -> str:
-    """``__<rank>_<part>.distcp``: rank's chunks, split in parts of bounded size."""
-    return f"__{rank}_{part}.distcp"
+def data_file_name(rank: int, part: int = 0, tag: str | None = None) -> str:
+    """``__<rank>_<part>.distcp``: rank's chunks, split in parts of bounded size; with a
+    ``tag``, ``__<rank>_<part>.<tag>.distcp``."""
+    return f"__{rank}_{part}.{tag}.distcp" if tag else f"__{rank}_{part}.distcp"
 
 
 def _file_sort_key(name: str) -> tuple[int, int, str]:
-    parts = name.removeprefix("__").removesuffix(".distcp").split("_")
+    parts = name.removeprefix("__").removesuffix(".distcp").split(".")[0].split("_")
     try:
         return int(parts[0]), int(parts[1]), name
     except (IndexError, ValueError):
@@ -166,8 +167,9 @@ def _file_sort_key(name: str) -> tuple[int, int, str]:
 class DcpWriter:
     """Writes a DCP checkpoint directory chunk by chunk (see the module docstring)."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, *, file_tag: str | None = None) -> None:
         self.path = Path(path)
+        self.file_tag = file_tag
         self.path.mkdir(parents=True, exist_ok=True)
         self._entries: dict[str, _Entry] = {}
         self._bytes: dict[str, tuple[str, int, int]] = {}
@@ -202,7 +204,7 @@ class DcpWriter:
             entry.boxes.append(box)
             return
         tensor = tensor.detach().cpu().contiguous()
-        name = data_file_name(rank, part)
+        name = data_file_name(rank, part, self.file_tag)
         out = self._file(name)
         big = tensor.numel() * tensor.element_size() >= _PAGE_ALIGNED_FROM
         try:
@@ -218,7 +220,7 @@ class DcpWriter:
 
     def write_bytes(self, key: str, record: bytes, *, rank: int = 0, part: int = 0) -> None:
         """Copy a non-tensor entry's stored record verbatim."""
-        name = data_file_name(rank, part)
+        name = data_file_name(rank, part, self.file_tag)
         out = self._file(name)
         start = out.tell()
         out.write(record)

@@ -117,7 +117,7 @@ class DcpOutput(OutputWriter):
             if cap is not None and size and size + nbytes + REGION_OVERHEAD_BYTES > cap:
                 part, size = part + 1, 0
             used[rank] = (part, size + nbytes + REGION_OVERHEAD_BYTES)
-            file = data_file_name(rank, part)
+            file = data_file_name(rank, part, self.file_tag)
             self._files[file] = (rank, part)
             regions.append(PlannedRegion(tensor.key, box, file, nbytes))
         return regions
@@ -126,7 +126,7 @@ class DcpOutput(OutputWriter):
         if self._writer is None:
             from .dcp import DcpWriter
 
-            self._writer = DcpWriter(self.staging)
+            self._writer = DcpWriter(self.staging, file_tag=self.file_tag)
             for tensor in self._tensors:
                 self._writer.declare(tensor.key, tensor.shape, torch_dtype(tensor.dtype))
         return self._writer
@@ -141,7 +141,8 @@ class DcpOutput(OutputWriter):
     def finish(self, states: Sequence[Any]) -> list[WrittenFile]:
         from .dcp import DcpWriter
 
-        merger = DcpWriter(self.staging)  # holds no data of its own: merges every worker's state
+        # holds no data of its own: merges every worker's state
+        merger = DcpWriter(self.staging, file_tag=self.file_tag)
         for tensor in self._tensors:
             merger.declare(tensor.key, tensor.shape, torch_dtype(tensor.dtype))
         files = merger.finish(self.planner_data, others=list(states), key_order=[t.key for t in self._tensors])
@@ -150,6 +151,9 @@ class DcpOutput(OutputWriter):
     def abort(self) -> None:
         if self._writer is not None:
             self._writer.abort()
+
+    def own_files(self, state: Any) -> list[str]:
+        return [f.name for f in state.files]
 
 
 class SafetensorsOutput(OutputWriter):

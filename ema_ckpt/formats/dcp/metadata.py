@@ -21,7 +21,8 @@ METADATA_FILE = ".metadata"
 RANK_METADATA = re.compile(r"^__(\d+)\.metadata$")
 
 
-DATA_FILE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
+DATA_FILE = re.compile(r"^__(\d+)_(\d+)(?:\.[0-9A-Za-z-]+)?\.distcp$")
+"""``__<rank>_<n>.distcp``, or ``__<rank>_<n>.<tag>.distcp`` (an output uploaded to object storage)."""
 
 
 
