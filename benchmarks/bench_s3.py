@@ -77,6 +77,8 @@ def main() -> None:
         out_mib = max(1, sum(int(p.stat().st_size) for p in ckpts[-1].iterdir()) >> 20)
         cat = ("import s3fs, sys; fs = s3fs.S3FileSystem(); "
                f"data = fs.cat({keys!r}); assert sum(map(len, data.values())) == {input_bytes}")
+        put = ("import s3fs; fs = s3fs.S3FileSystem(); "
+               f"fs.pipe_file('{BUCKET}/floor/out.bin', bytes({out_mib << 20}))")
         runs = {
             "s3fs cat of every object (one process, concurrent)": dict(cmd=[PY, "-c", cat]),
             "python -c 'import torch'": dict(cmd=[PY, "-c", "import torch"]),
@@ -86,6 +88,9 @@ def main() -> None:
                 cmd=durable_writes(out_root / "dd", 1, out_mib, direct=True), shell=True),
             "ema-ckpt accumulate s3:// → local": dict(cmd=[EMA, "accumulate", url, "--decay", "0.999", "--out",
                                                           str(out_root / "ema"), "--quiet", "--restart"]),
+            "s3fs put of the output bytes once": dict(cmd=[PY, "-c", put]),
+            "ema-ckpt accumulate s3:// → s3://": dict(cmd=[EMA, "accumulate", url, "--decay", "0.999", "--out",
+                                                          f"s3://{BUCKET}/run/ema", "--quiet", "--restart"]),
         }
         results = {name: Measurement(name, [], []) for name in runs}
         for repeat in range(args.repeat):
@@ -110,6 +115,11 @@ def main() -> None:
     with_torch = floor + results["python -c 'import torch'"].wall_median
     print(f"accumulate from S3: {ema.wall_median:.2f} s, {ema.wall_median / floor:.2f}x its floor, "
           f"{ema.wall_median / with_torch:.2f}x the floor plus starting torch; peak RSS {ema.rss_median:.0f} MiB")
+    both = results["ema-ckpt accumulate s3:// → s3://"]
+    floor_both = (results["s3fs cat of every object (one process, concurrent)"].wall_median
+                  + results["s3fs put of the output bytes once"].wall_median)
+    print(f"accumulate S3 to S3: {both.wall_median:.2f} s, {both.wall_median / floor_both:.2f}x its floor "
+          f"(s3fs cat + s3fs put of the output, {floor_both:.2f} s); peak RSS {both.rss_median:.0f} MiB")
 
 
 if __name__ == "__main__":

@@ -250,6 +250,23 @@ def _stage_compute_publish(job: Job[PlanT, ComputedT, Any], plan: PlanT, targets
         return stagings, generations
 
     stagings, generations = group.on_coordinator(stage)
+    stagings = list(stagings)
+    own: list[Path] = []  # this worker's local stagings of outputs on object storage
+    if not group.is_coordinator:  # built on this node's disk: the nodes need share no filesystem
+        for index, target in enumerate(targets):
+            if is_remote(target.final):
+                stagings[index] = local_staging_dir(target.final)
+                own.append(stagings[index])
+    try:
+        return _compute_publish(job, plan, targets, group, on_progress, lock, stagings, generations)
+    finally:
+        for path in own:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _compute_publish(job: Job[PlanT, ComputedT, Any], plan: PlanT, targets: Sequence[Target], group: Workers,
+                     on_progress: Callable[[Progress], None] | None, lock: RemoteLock | None, stagings: list[Path],
+                     generations: list[str | None]) -> ComputedT:
     with discard_on_error(stagings, owner=group.is_coordinator), contextlib.ExitStack() as readers:
         context = JobContext(group, list(stagings), list(targets), readers, job.options.device, on_progress,
                              list(generations))

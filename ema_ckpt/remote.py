@@ -311,25 +311,51 @@ def _first_line(err: BaseException) -> str:
     return text.splitlines()[0][:300] if text else type(err).__name__
 
 
-def remote_concurrency() -> int:
-    """Ranged requests kept in flight per object read (``EMA_CKPT_REMOTE_CONCURRENCY``, default 8)."""
-    raw = os.environ.get(CONCURRENCY_ENV, "").strip()
+def _positive_int(variable: str, default: int, what: str) -> int:
+    raw = os.environ.get(variable, "").strip()
     if not raw:
-        return _DEFAULT_CONCURRENCY
+        return default
     try:
         value = int(raw)
     except ValueError:
         value = 0
     if value < 1:
-        raise OptionError(CONCURRENCY_ENV, f"must be a whole number of requests, at least 1, got {raw!r}", value=raw)
+        raise OptionError(variable, f"must be a whole number of {what}, at least 1, got {raw!r}", value=raw)
     return value
 
 
+def remote_concurrency() -> int:
+    """Ranged requests in flight at most (``EMA_CKPT_REMOTE_CONCURRENCY``, default 8)."""
+    return _positive_int(CONCURRENCY_ENV, _DEFAULT_CONCURRENCY, "requests")
+
+
+def block_bytes() -> int:
+    """The size of a ranged request (``EMA_CKPT_REMOTE_BLOCK_MIB``, default 32 MiB)."""
+    return _positive_int(BLOCK_ENV, BLOCK_BYTES >> 20, "MiB") << 20
+
+
+def read_ahead_bytes() -> int:
+    """Bytes fetched ahead of the reads, over every object open (``EMA_CKPT_REMOTE_BUFFER_MIB``,
+    default 128 MiB): with the blocks being read, what bounds a remote read's memory."""
+    return _positive_int(BUFFER_ENV, _DEFAULT_BUFFER_MIB, "MiB") << 20
+
+
 CONCURRENCY_ENV = "EMA_CKPT_REMOTE_CONCURRENCY"
+BUFFER_ENV = "EMA_CKPT_REMOTE_BUFFER_MIB"
+BLOCK_ENV = "EMA_CKPT_REMOTE_BLOCK_MIB"
 _DEFAULT_CONCURRENCY = 8
-BLOCK_BYTES = 8 << 20
-"""Ranged requests fetch aligned blocks of this size (the last one of an object is shorter)."""
-_KEEP_USED = 2
+_DEFAULT_BUFFER_MIB = 128
+BLOCK_BYTES = 32 << 20
+"""Ranged requests fetch aligned blocks of this size (the last one of an object is shorter).
+Large enough that a request's fixed cost is small against its transfer; a checkpoint's tensor
+data is read front to back, so little of a block goes unused."""
+PROBE_BYTES = 256 << 10
+"""A read shorter than this, more than a block away from the previous read, is served from
+a piece of this size and starts no read-ahead: at most two such pieces per record longer
+than a block are read besides the blocks."""
+_PROBES_KEPT = 4
+_USED_KEPT = 2
+_OPEN: list[int] = [0]  # objects open for reading: they share the read-ahead budget
 _POOLS: dict[int, ThreadPoolExecutor] = {}
 _POOLS_LOCK = threading.Lock()
 
@@ -346,78 +372,121 @@ class RemoteFile:
     """One object read by ranged requests: the ``pread`` of a local descriptor.
 
     Reads are served from aligned blocks of :data:`BLOCK_BYTES`; each read also starts the
-    requests for the blocks after it (up to :func:`remote_concurrency` in flight), so a
-    reader walking a file front to back keeps the link busy while it computes. Memory is
-    bounded by the blocks in flight plus the two used last (a record's header and data are
-    often read from one block twice); every block is requested once unless evicted first.
+    requests for the blocks after it, so a reader walking a file front to back keeps the
+    link busy while it computes. The blocks fetched ahead are bounded over every object open
+    (:func:`read_ahead_bytes`, shared equally, at least one block each), plus each object's
+    block used last (a record's header and data are often read from one block twice). Every
+    block is requested once unless dropped before it was used.
 
     Example:
         >>> f = RemoteFile(RemotePath.from_url("s3://bucket/ckpt/__0_0.distcp"))  # doctest: +SKIP
         >>> f.pread(4, 0)                                                        # doctest: +SKIP
-        b'PK\x03\x04'
+        b'PK\\x03\\x04'
     """
 
-    def __init__(self, path: RemotePath, *, concurrency: int | None = None) -> None:
+    def __init__(self, path: RemotePath, *, concurrency: int | None = None, block: int | None = None) -> None:
         self.path = path
         try:
             self.size = path.stat().st_size
         except FileNotFoundError:
             raise CheckpointNotFoundError(cast(Path, path), "no such object") from None
-        self._depth = concurrency if concurrency is not None else remote_concurrency()
+        self._concurrency = concurrency if concurrency is not None else remote_concurrency()
+        self._budget = read_ahead_bytes()
+        self.block = block if block is not None else block_bytes()
         self._blocks: dict[int, Future[bytes]] = {}
-        self._used: list[int] = []
+        self._used: list[int] = []  # the blocks read from last, newest last
+        self._probes: dict[int, bytes] = {}  # pieces fetched for small reads, oldest first
+        self._cursor = 0  # where the previous read ended
         self._lock = threading.Lock()
+        self._open = True
+        _OPEN[0] += 1
         self.bytes_requested = 0
         """Bytes fetched so far (the blocks requested): what a test checks "read once" by."""
 
+    def _depth(self) -> int:
+        """Blocks to keep fetched ahead: this object's share of the budget, within the concurrency."""
+        share = self._budget // max(1, _OPEN[0]) // max(1, self.block)
+        return max(1, min(self._concurrency, share))
+
     def _fetch(self, index: int) -> bytes:
-        start = index * BLOCK_BYTES
-        end = min(self.size, start + BLOCK_BYTES)
+        start = index * self.block
+        end = min(self.size, start + self.block)
         data: bytes = _call(self.path, self.path.fs.cat_file, self.path.key, start=start, end=end)
         if len(data) != end - start:
             raise RemoteStorageError(f"{self.path}: a ranged read of bytes {start}-{end} returned {len(data)} bytes "
                                      "(the object changed while it was read?)")
         return data
 
-    def _block(self, index: int) -> Future[bytes]:
+    def _request(self, index: int) -> Future[bytes]:
         """The block's request, started if it is not in flight or kept (caller holds the lock)."""
         future = self._blocks.get(index)
         if future is None:
-            future = self._blocks[index] = _pool(self._depth).submit(self._fetch, index)
-            self.bytes_requested += min(self.size, (index + 1) * BLOCK_BYTES) - index * BLOCK_BYTES
+            future = self._blocks[index] = _pool(self._concurrency).submit(self._fetch, index)
+            self.bytes_requested += min(self.size, (index + 1) * self.block) - index * self.block
         return future
-
-    def _release(self, index: int) -> None:
-        """Keep the last blocks used; drop older used ones (caller holds the lock)."""
-        if index in self._used:
-            self._used.remove(index)
-        self._used.append(index)
-        while len(self._used) > _KEEP_USED:
-            self._blocks.pop(self._used.pop(0), None)
 
     def readinto(self, view: memoryview, offset: int) -> int:
         """Fill ``view`` with the bytes at ``offset`` (fewer where the object ends); their count."""
         length = max(0, min(len(view), self.size - offset))
         if length == 0:
             return 0
-        first, last = offset // BLOCK_BYTES, (offset + length - 1) // BLOCK_BYTES
-        final = (self.size - 1) // BLOCK_BYTES
+        near = abs(offset - self._cursor) <= self.block
+        self._cursor = offset + length
+        if length < PROBE_BYTES and not near:
+            return self._read_small(view, offset, length)
+        first, last = offset // self.block, (offset + length - 1) // self.block
+        final = (self.size - 1) // self.block
+        depth = self._depth()
         with self._lock:
-            wanted = [(i, self._block(i)) for i in range(first, last + 1)]
-            for ahead in range(last + 1, min(final, last + self._depth) + 1):
-                self._block(ahead)
-            for index in [i for i in self._blocks if not first <= i <= last + self._depth and i not in self._used]:
-                self._blocks.pop(index).cancel()  # skipped over, or behind: never needed again
+            wanted = [(i, self._request(i)) for i in range(first, last + 1)]
+            for ahead in range(last + 1, min(final, last + depth) + 1):
+                self._request(ahead)
+            for index in [i for i in self._blocks if i < first and i not in self._used]:
+                self._blocks.pop(index).cancel()  # behind the reads: not needed again
+            for index in [i for i in self._blocks if i > last + depth]:
+                if self._blocks[index].cancel():  # not started: more objects share the budget now
+                    del self._blocks[index]
         done = 0
         for index, future in wanted:
             data = future.result()
-            lo = max(offset, index * BLOCK_BYTES) - index * BLOCK_BYTES
-            hi = min(offset + length, (index + 1) * BLOCK_BYTES) - index * BLOCK_BYTES
+            lo = max(offset, index * self.block) - index * self.block
+            hi = min(offset + length, (index + 1) * self.block) - index * self.block
             view[done:done + hi - lo] = memoryview(data)[lo:hi]
             done += hi - lo
-            with self._lock:
-                self._release(index)
+            with self._lock:  # keep the last two read from: a record across a block boundary reads both again
+                if index in self._used:
+                    self._used.remove(index)
+                self._used.append(index)
+                while len(self._used) > _USED_KEPT:
+                    self._blocks.pop(self._used.pop(0), None)
         return done
+
+    def _read_small(self, view: memoryview, offset: int, length: int) -> int:
+        """A small read away from where the reads walk (the zip directory at the end of a record
+        longer than a block, then its header at the start): from a block already fetched or
+        in flight, else from an aligned piece of :data:`PROBE_BYTES` (the last few kept),
+        without read-ahead."""
+        index = offset // self.block
+        with self._lock:
+            block = self._blocks.get(index) if (offset + length - 1) // self.block == index else None
+        if block is not None:
+            data, start = block.result(), index * self.block
+        else:
+            start = offset // PROBE_BYTES * PROBE_BYTES
+            if offset + length > start + PROBE_BYTES:  # straddles two pieces: read it as it is
+                start = offset
+            data = self._probes.get(start, b"")
+            if len(data) < offset + length - start:
+                end = min(self.size, max(offset + length, start + PROBE_BYTES))
+                data = _call(self.path, self.path.fs.cat_file, self.path.key, start=start, end=end)
+                self.bytes_requested += end - start
+                with self._lock:
+                    self._probes[start] = data
+                    while len(self._probes) > _PROBES_KEPT:
+                        self._probes.pop(next(iter(self._probes)))
+        piece = memoryview(data)[offset - start: offset - start + length]
+        view[: len(piece)] = piece
+        return len(piece)
 
     def close(self) -> None:
         """Drop every block kept and cancel the requests not yet started."""
@@ -425,7 +494,11 @@ class RemoteFile:
             for future in self._blocks.values():
                 future.cancel()
             self._blocks.clear()
+            self._probes.clear()
             self._used.clear()
+            if self._open:
+                self._open = False
+                _OPEN[0] -= 1
 
     def pread(self, length: int, offset: int) -> bytes:
         if length <= 0 or offset >= self.size:

@@ -20,6 +20,7 @@ import sys
 import threading
 import time
 import urllib.request
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -217,14 +218,48 @@ def test_a_missing_bucket_or_checkpoint_is_one_line(run, tmp_path):
     assert not (tmp_path / "ema").exists()
 
 
-def test_other_formats_on_object_storage_are_named(s3, tmp_path):
+def test_safetensors_checkpoints_are_read_in_place(s3, tmp_path):
     from safetensors.torch import save_file
 
-    (tmp_path / "hf").mkdir()
-    save_file({"w": torch.ones(3)}, tmp_path / "hf" / "model.safetensors")
-    url = upload(tmp_path / "hf", "hf/ckpt")
-    message = cli("inspect", url, code=3)
-    assert "object storage" in message and "dcp" in message
+    torch.manual_seed(0)
+    # one file, and the HF sharded layout (index + shards), written by the safetensors library
+    one = {"w": torch.randn(300, 70), "b": torch.randn(70).to(torch.bfloat16), "n": torch.tensor(7)}
+    (tmp_path / "one").mkdir()
+    save_file(one, tmp_path / "one" / "model.safetensors")
+    sharded = tmp_path / "sharded"
+    sharded.mkdir()
+    shards = {"model-00001-of-00002.safetensors": {"a": torch.randn(64, 9)},
+              "model-00002-of-00002.safetensors": {"c": torch.randn(5, 3, 2), "d": torch.randn(11)}}
+    for name, tensors in shards.items():
+        save_file(tensors, sharded / name)
+    index = {"metadata": {"total_size": 0}, "weight_map": {k: n for n, t in shards.items() for k in t}}
+    (sharded / "model.safetensors.index.json").write_text(json.dumps(index))
+    for name in ("one", "sharded"):
+        url = upload(tmp_path / name, f"st/{name}")
+        cli("consolidate", url, "--out", tmp_path / f"{name}-from-s3.safetensors")
+        cli("consolidate", tmp_path / name, "--out", tmp_path / f"{name}-local.safetensors")
+        a, b = load_file(tmp_path / f"{name}-from-s3.safetensors"), load_file(tmp_path / f"{name}-local.safetensors")
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+        there = json.loads(cli("inspect", url, "--json"))
+        assert there["format"] == "safetensors"
+    sequence = tmp_path / "seq"
+    for step in (10, 20, 30):
+        (sequence / f"checkpoint-{step}").mkdir(parents=True)
+        save_file({"w": torch.full((40, 4), float(step))}, sequence / f"checkpoint-{step}" / "model.safetensors")
+    url = upload(sequence, "st/seq")
+    cli("average", url, "--out", tmp_path / "avg-s3")
+    cli("average", sequence, "--out", tmp_path / "avg-local")
+    a, b = (load_file(tmp_path / n / "model.safetensors") for n in ("avg-s3", "avg-local"))
+    assert torch.equal(a["w"], b["w"]) and torch.equal(a["w"], torch.full((40, 4), 20.0))
+
+
+def test_deepspeed_folders_on_object_storage_are_named(s3, ds_run):
+    from tests.ds_fixtures import CONFIGS
+
+    folder = ds_run(CONFIGS[0])
+    url = upload(folder, "ds/run")
+    message = cli("inspect", f"{url}/global_step2", code=3)
+    assert "object storage" in message and "dcp" in message and len(message.strip().splitlines()) == 1
 
 
 class _FlakyProxy(socketserver.ThreadingMixIn, http.server.HTTPServer):
@@ -313,14 +348,20 @@ RECIPE = Path(__file__).resolve().parents[1] / "docs" / "recipes" / "object-stor
 EMA_CKPT = Path(sys.executable).with_name("ema-ckpt")
 
 
-def test_the_recipes_commands_run_as_written(run, s3, tmp_path):
-    """Every line of docs/recipes/object-storage.md's "Reading from S3" block, run by the
-    installed entry point in a fresh process, against this server."""
+def _recipe_block(heading: str) -> list[list[str]]:
     text = RECIPE.read_text()
-    block = text.split("## Reading from S3", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+    block = text.split(heading, 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
     lines = [line.split("#", 1)[0].strip() for line in block.splitlines()]
-    commands = [shlex.split(line.replace("$BUCKET", BUCKET)) for line in lines if line.startswith("ema-ckpt ")]
-    assert len(commands) == 8 and lines[0].startswith("export AWS_ENDPOINT_URL=")
+    return [shlex.split(line.replace("$BUCKET", BUCKET)) for line in lines if line.startswith(("ema-ckpt ", "export "))]
+
+
+def test_the_recipes_commands_run_as_written(run, s3, tmp_path):
+    """Every line of docs/recipes/object-storage.md's "Reading from S3" and "Writing to S3"
+    blocks, run by the installed entry point in a fresh process, against this server."""
+    reading, writing = _recipe_block("## Reading from S3"), _recipe_block("## Writing to S3")
+    assert reading[0][0] == "export" and reading[0][1].startswith("AWS_ENDPOINT_URL=")
+    commands = reading[1:] + writing
+    assert len(commands) == 11
     env = dict(os.environ, AWS_ENDPOINT_URL=s3)
     for words in commands:
         done = subprocess.run([str(EMA_CKPT), *words[1:]], cwd=tmp_path, env=env, capture_output=True, text=True,
@@ -328,6 +369,8 @@ def test_the_recipes_commands_run_as_written(run, s3, tmp_path):
         assert done.returncode == 0, (words, done.stderr)
     assert (tmp_path / "ema" / "ema-ckpt.json").exists() and (tmp_path / "model.safetensors").exists()
     assert sorted(p.name for p in (tmp_path / "posthoc").iterdir()) == ["sigma_rel_0.05", "sigma_rel_0.1"]
+    written = keys_under(f"s3://{BUCKET}/run")
+    assert {"ema/ema-ckpt.json", "ema.safetensors", "posthoc/sigma_rel_0.1/.metadata"} <= set(written)
 
 
 def download(url: str, local: Path) -> Path:
@@ -460,3 +503,28 @@ def test_workers_and_a_sweep_write_to_s3_the_bytes_of_one_local_worker(run, tmp_
     for name in ("sigma_rel_0.05", "sigma_rel_0.1"):
         there = download(f"s3://{BUCKET}/w2/posthoc/{name}", tmp_path / "p" / name)
         assert_same(dcp_tensors(there), dcp_tensors(tmp_path / "posthoc" / name))
+
+
+def test_two_torchrun_agents_sharing_no_filesystem_write_the_bytes_of_one_worker(run, s3, tmp_path):
+    """Inputs and output on S3; each agent ("node") stages on its own directory."""
+    from tests.producers.launch import free_port
+    from tests.test_multinode import _agent_command, _env, _start
+
+    local, url = run
+    out = f"s3://{BUCKET}/nodes/ema"
+    endpoint, run_id = f"127.0.0.1:{free_port()}", uuid.uuid4().hex[:8]
+    agents, logs, disks = [], [], []
+    for node in ("a", "b"):
+        disk = tmp_path / f"node-{node}-disk"
+        disk.mkdir()
+        disks.append(disk)
+        logs.append(tmp_path / f"node-{node}.log")
+        env = _env(AWS_ENDPOINT_URL=s3, EMA_CKPT_STAGING_DIR=str(disk))
+        agents.append(_start(_agent_command(endpoint, run_id, ["accumulate", url, "--decay", "0.9", "--out", out]),
+                             logs[-1], env))
+        time.sleep(0.5)  # the first agent hosts the rendezvous store
+    for agent, log in zip(agents, logs, strict=True):
+        assert agent.wait(timeout=300) == 0, log.read_text()[-3000:]
+    assert all(not any(disk.iterdir()) for disk in disks)  # both nodes' stagings removed
+    cli("accumulate", local, "--decay", "0.9", "--out", tmp_path / "ema-local")
+    assert_same(dcp_tensors(download(out, tmp_path / "ema-s3")), dcp_tensors(tmp_path / "ema-local"))
