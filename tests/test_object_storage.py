@@ -247,8 +247,8 @@ def test_safetensors_checkpoints_are_read_in_place(s3, tmp_path):
         (sequence / f"checkpoint-{step}").mkdir(parents=True)
         save_file({"w": torch.full((40, 4), float(step))}, sequence / f"checkpoint-{step}" / "model.safetensors")
     url = upload(sequence, "st/seq")
-    cli("average", url, "--out", tmp_path / "avg-s3")
-    cli("average", sequence, "--out", tmp_path / "avg-local")
+    cli("average", url, "--last", "3", "--out", tmp_path / "avg-s3")
+    cli("average", sequence, "--last", "3", "--out", tmp_path / "avg-local")
     a, b = (load_file(tmp_path / n / "model.safetensors") for n in ("avg-s3", "avg-local"))
     assert torch.equal(a["w"], b["w"]) and torch.equal(a["w"], torch.full((40, 4), 20.0))
 
@@ -528,3 +528,20 @@ def test_two_torchrun_agents_sharing_no_filesystem_write_the_bytes_of_one_worker
     assert all(not any(disk.iterdir()) for disk in disks)  # both nodes' stagings removed
     cli("accumulate", local, "--decay", "0.9", "--out", tmp_path / "ema-local")
     assert_same(dcp_tensors(download(out, tmp_path / "ema-s3")), dcp_tensors(tmp_path / "ema-local"))
+
+
+TRAINERS = Path(__file__).resolve().parent / "fixtures" / "trainers"
+
+
+@pytest.mark.parametrize("trainer", ["hf-trainer-fsdp", "accelerate-fsdp2", "torchtitan", "megatron-torch-dist"])
+def test_trainers_folders_on_s3_fold_as_their_local_copies(s3, trainer, tmp_path):
+    """Folders the trainers' own saving code wrote (tests/fixtures/trainers), uploaded as they are."""
+    base = TRAINERS / trainer
+    local = base / "ckpts"
+    if not local.is_dir():  # the trainer's folder itself (torchtitan, Megatron): without the oracle
+        local = tmp_path / "ckpts"
+        shutil.copytree(base, local, ignore=shutil.ignore_patterns("oracle", "producer.json"))
+    url = upload(local, f"trainers/{trainer}")
+    cli("accumulate", url, "--decay", "0.9", "--out", tmp_path / "ema-s3")
+    cli("accumulate", local, "--decay", "0.9", "--out", tmp_path / "ema-local")
+    assert_same(dcp_tensors(tmp_path / "ema-s3"), dcp_tensors(tmp_path / "ema-local"))

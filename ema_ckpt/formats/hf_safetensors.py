@@ -28,23 +28,26 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
+import os
 import re
 import struct
 import threading
 from collections import Counter, OrderedDict
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from safetensors import SafetensorError, safe_open
 
 from .._lazy import torch
 from ..errors import CheckpointFormatError, CheckpointNotFoundError
 from ..layout import Box, TensorSpec
+from ..remote import RemoteFile, RemotePath, as_path, is_remote
 from .base import CheckpointFormat, CheckpointReader, deliver, register_format, trainer_state_step
 
 SUFFIX = ".safetensors"
@@ -80,6 +83,8 @@ class FileHeader:
     size: int
     metadata: dict[str, str]
     tensors: dict[str, TensorSpec]
+    offsets: dict[str, int] = field(default_factory=dict)
+    """Each tensor's first byte in the file (the header included)."""
 
 
 def _is_candidate(p: Path, suffix: str) -> bool:
@@ -139,10 +144,9 @@ def read_header(file: Path) -> FileHeader:
             that disagree with dtype × shape or do not tile the data area exactly.
     """
     try:
-        with file.open("rb") as f:
-            size = f.seek(0, 2)
-            f.seek(0)
-            head = f.read(8)
+        with _opened(file) as f:
+            size = f.size
+            head = f.pread(8, 0)
             if len(head) < 8:
                 raise CheckpointFormatError(file, f"truncated: {size} bytes, no header length")
             (length,) = struct.unpack("<Q", head)
@@ -152,7 +156,7 @@ def read_header(file: Path) -> FileHeader:
                 raise CheckpointFormatError(
                     file, f"truncated: header needs {8 + length} bytes, file has {size}"
                 )
-            raw = f.read(length)
+            raw = f.pread(length, 8)
     except OSError as err:
         raise CheckpointFormatError(file, f"cannot read ({err.strerror})") from None
     try:
@@ -166,9 +170,11 @@ def read_header(file: Path) -> FileHeader:
         raise CheckpointFormatError(file, "__metadata__ is not a string-to-string map")
     data_size = size - 8 - length
     tensors: dict[str, TensorSpec] = {}
+    starts: dict[str, int] = {}
     extents: list[tuple[int, int, str]] = []
     for key, entry in doc.items():
         spec, begin, end = _parse_entry(file, key, entry)
+        starts[key] = 8 + length + begin
         if end > data_size:
             raise CheckpointFormatError(
                 file,
@@ -184,7 +190,30 @@ def read_header(file: Path) -> FileHeader:
         position = end
     if position != data_size:
         raise CheckpointFormatError(file, f"{data_size - position} bytes after the last tensor")
-    return FileHeader(file, size, dict(metadata), tensors)
+    return FileHeader(file, size, dict(metadata), tensors, starts)
+
+
+class _LocalFile:
+    """A local file read with ``pread``: the part of :class:`~ema_ckpt.remote.RemoteFile` used here."""
+
+    def __init__(self, path: Path) -> None:
+        self._fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        self.size = os.fstat(self._fd).st_size
+
+    def pread(self, length: int, offset: int) -> bytes:
+        return os.pread(self._fd, length, offset)
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+
+@contextlib.contextmanager
+def _opened(file: Path) -> Iterator[_LocalFile | RemoteFile]:
+    handle: _LocalFile | RemoteFile = RemoteFile(cast(RemotePath, file)) if is_remote(file) else _LocalFile(file)
+    try:
+        yield handle
+    finally:
+        handle.close()
 
 
 def _parse_entry(file: Path, key: str, entry: Any) -> tuple[TensorSpec, int, int]:
@@ -253,7 +282,7 @@ class SafetensorsReader(CheckpointReader):
     format_name = "safetensors"
 
     def __init__(self, path: str | Path, *, max_open_files: int = 4) -> None:
-        self.path = Path(path)
+        self.path = as_path(path)
         if not self.path.exists():
             raise CheckpointNotFoundError(self.path, "no such file or directory")
         located = _locate(self.path)
@@ -270,6 +299,8 @@ class SafetensorsReader(CheckpointReader):
         else:
             self.headers, where = self._load_index(self.index)
         self._where: dict[str, Path] = where
+        self._starts = {key: start for header in self.headers for key, start in header.offsets.items()}
+        self._remote: dict[Path, RemoteFile] = {}
         self._specs: dict[str, TensorSpec] = {}
         for header in self.headers:
             self._specs.update(header.tensors)
@@ -327,6 +358,8 @@ class SafetensorsReader(CheckpointReader):
         if box.numel == 0:
             return torch.empty(box.sizes, dtype=spec.dtype)
         file = self._where[key]
+        if is_remote(file):
+            return self._read_remote(file, spec, box)
         handle = self._handle(file)
         try:
             part = handle.get_slice(key)
@@ -338,6 +371,25 @@ class SafetensorsReader(CheckpointReader):
             raise CheckpointFormatError(file, f"tensor {key!r}: {err}") from None
         # safe_open hands out views of its memory map: copy just the box.
         return out.clone(memory_format=torch.contiguous_format)
+
+    def _read_remote(self, file: Path, spec: TensorSpec, box: Box) -> torch.Tensor:
+        """The rows ``box`` spans, by one ranged read (with read-ahead) of the object; then the box."""
+        with self._lock:
+            source = self._remote.get(file)
+            if source is None:
+                source = self._remote[file] = RemoteFile(cast(RemotePath, file))
+        itemsize = spec.dtype.itemsize
+        row = math.prod(spec.shape[1:]) * itemsize if spec.shape else itemsize
+        first, count = (box.offsets[0], box.sizes[0]) if spec.shape else (0, 1)
+        rows = torch.empty(count * row, dtype=torch.uint8)
+        offset = self._starts[spec.key] + first * row
+        if source.readinto(memoryview(rows.numpy()), offset) != len(rows):
+            raise CheckpointFormatError(file, f"tensor {spec.key!r}: truncated at byte {offset}")
+        values = rows.view(spec.dtype).reshape((count, *spec.shape[1:]) if spec.shape else ())
+        if not spec.shape:
+            return values
+        inner = values[(slice(None), *box.slices()[1:])]
+        return inner if inner.is_contiguous() else inner.contiguous()
 
     def info(self) -> dict[str, Any]:
         dtypes = Counter(str(s.dtype).removeprefix("torch.") for s in self._specs.values())
@@ -356,8 +408,11 @@ class SafetensorsReader(CheckpointReader):
     def close(self) -> None:
         with self._lock:
             handles, self._handles = list(self._handles.values()), OrderedDict()
+            remote, self._remote = list(self._remote.values()), {}
         for handle in handles:
             handle.__exit__(None, None, None)
+        for source in remote:
+            source.close()
 
     # -- files -----------------------------------------------------------------------
 
@@ -388,5 +443,5 @@ def open_safetensors(path: Path) -> SafetensorsReader:
 
 FORMAT = register_format(
     CheckpointFormat("safetensors", detect=_detect, open=open_safetensors, incomplete=_incomplete,
-                     step_of=SafetensorsReader.step_of)
+                     step_of=SafetensorsReader.step_of, remote=True)
 )
