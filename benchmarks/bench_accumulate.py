@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from _harness import (
     PY,
     Measurement,
     baseline_ratios,
+    dcp_sequence,
     dir_bytes,
     durable_writes,
     in_turn,
@@ -38,10 +38,7 @@ def main() -> None:
     parser.add_argument("--skip-handwritten", action="store_true")
     args = parser.parse_args()
     here = Path(__file__).parent
-    subprocess.run([PY, str(here / "make_dcp_sequence.py"), str(args.data), "--size-gib", str(args.size_gib),
-                    "--count", str(args.count)], check=True, stdout=subprocess.DEVNULL)
-    ckpts = sorted((p for p in args.data.iterdir() if p.name.startswith("step_")),
-                   key=lambda p: int(p.name.split("_")[1]))[: args.count]
+    ckpts = dcp_sequence(args.data, args.size_gib, args.count)
     input_bytes = sum(dir_bytes(c) for c in ckpts)
     out_root = args.data.parent / "bench-out"
     shutil.rmtree(out_root, ignore_errors=True)

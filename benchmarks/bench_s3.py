@@ -15,7 +15,6 @@ import logging
 import os
 import shutil
 import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -24,6 +23,7 @@ from _harness import (
     EMA,
     PY,
     Measurement,
+    dcp_sequence,
     dir_bytes,
     durable_writes,
     in_turn,
@@ -46,11 +46,7 @@ def main() -> None:
     import boto3
     from moto.server import ThreadedMotoServer
 
-    here = Path(__file__).parent
-    subprocess.run([PY, str(here / "make_dcp_sequence.py"), str(args.data), "--size-gib", str(args.size_gib),
-                    "--count", str(args.count)], check=True, stdout=subprocess.DEVNULL)
-    ckpts = sorted((p for p in args.data.iterdir() if p.name.startswith("step_")),
-                   key=lambda p: int(p.name.split("_")[1]))[: args.count]
+    ckpts = dcp_sequence(args.data, args.size_gib, args.count)
     logging.getLogger("werkzeug").setLevel(logging.ERROR)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -33,7 +33,8 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from .errors import OptionError, PeerLostError
+from ._env import seconds
+from .errors import PeerLostError
 
 PEER_TIMEOUT_VARIABLE = "EMA_CKPT_PEER_TIMEOUT"
 JOIN_TIMEOUT_VARIABLE = "EMA_CKPT_JOIN_TIMEOUT"
@@ -42,27 +43,14 @@ _DEFAULT_JOIN_TIMEOUT = 300.0
 _DONE = b"done"
 
 
-def _seconds(variable: str, default: float, env: Mapping[str, str] | None) -> float:
-    text = (os.environ if env is None else env).get(variable, "").strip()
-    if not text:
-        return default
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0 < value < 1e7:
-        raise OptionError(variable, f"must be a number of seconds above 0, got {text!r}", value=text)
-    return value
-
-
 def peer_timeout(env: Mapping[str, str] | None = None) -> float:
     """Seconds a silent peer is waited for (``EMA_CKPT_PEER_TIMEOUT``, default 60)."""
-    return _seconds(PEER_TIMEOUT_VARIABLE, _DEFAULT_PEER_TIMEOUT, env)
+    return seconds(PEER_TIMEOUT_VARIABLE, _DEFAULT_PEER_TIMEOUT, env)
 
 
 def join_timeout(env: Mapping[str, str] | None = None) -> float:
     """Seconds every worker has to join the group (``EMA_CKPT_JOIN_TIMEOUT``, default 300)."""
-    return _seconds(JOIN_TIMEOUT_VARIABLE, _DEFAULT_JOIN_TIMEOUT, env)
+    return seconds(JOIN_TIMEOUT_VARIABLE, _DEFAULT_JOIN_TIMEOUT, env)
 
 
 def _store_prefix() -> str:

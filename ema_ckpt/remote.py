@@ -27,7 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any, cast
 
-from .errors import CheckpointNotFoundError, EmaCkptError, OptionError, RemoteStorageError
+from ._env import whole_number
+from .errors import CheckpointNotFoundError, EmaCkptError, RemoteStorageError
 
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://(.*)$")
 
@@ -311,33 +312,20 @@ def _first_line(err: BaseException) -> str:
     return text.splitlines()[0][:300] if text else type(err).__name__
 
 
-def _positive_int(variable: str, default: int, what: str) -> int:
-    raw = os.environ.get(variable, "").strip()
-    if not raw:
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise OptionError(variable, f"must be a whole number of {what}, at least 1, got {raw!r}", value=raw)
-    return value
-
-
 def remote_concurrency() -> int:
     """Ranged requests in flight at most (``EMA_CKPT_REMOTE_CONCURRENCY``, default 8)."""
-    return _positive_int(CONCURRENCY_ENV, _DEFAULT_CONCURRENCY, "requests")
+    return whole_number(CONCURRENCY_ENV, _DEFAULT_CONCURRENCY, "requests")
 
 
 def block_bytes() -> int:
     """The size of a ranged request (``EMA_CKPT_REMOTE_BLOCK_MIB``, default 32 MiB)."""
-    return _positive_int(BLOCK_ENV, BLOCK_BYTES >> 20, "MiB") << 20
+    return whole_number(BLOCK_ENV, BLOCK_BYTES >> 20, "MiB") << 20
 
 
 def read_ahead_bytes() -> int:
     """Bytes fetched ahead of the reads, over every object open (``EMA_CKPT_REMOTE_BUFFER_MIB``,
     default 128 MiB): with the blocks being read, what bounds a remote read's memory."""
-    return _positive_int(BUFFER_ENV, _DEFAULT_BUFFER_MIB, "MiB") << 20
+    return whole_number(BUFFER_ENV, _DEFAULT_BUFFER_MIB, "MiB") << 20
 
 
 CONCURRENCY_ENV = "EMA_CKPT_REMOTE_CONCURRENCY"

@@ -39,7 +39,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, cast
 
-from .errors import OptionError, OutputError, OutputLockedError
+from ._env import seconds
+from .errors import OutputError, OutputLockedError
 from .manifest import MANIFEST_NAME
 from .remote import RemotePath, _call
 
@@ -59,16 +60,7 @@ _PLAIN = re.compile(r"^__\d+_\d+\.distcp$")
 
 def lock_lease() -> float:
     """The lease of a lock on object storage, in seconds (``EMA_CKPT_LOCK_LEASE``, default 60)."""
-    raw = os.environ.get(LEASE_ENV, "").strip()
-    if not raw:
-        return LOCK_LEASE_SECONDS
-    try:
-        value = float(raw)
-    except ValueError:
-        value = 0.0
-    if not value > 0:
-        raise OptionError(LEASE_ENV, f"must be a number of seconds above 0, got {raw!r}", value=raw)
-    return value
+    return seconds(LEASE_ENV, LOCK_LEASE_SECONDS)
 
 
 def local_staging_dir(final: Path) -> Path:

@@ -1,0 +1,47 @@
+"""Settings read from the environment (``EMA_CKPT_*``), each refused in one line when malformed.
+
+Example:
+    >>> seconds("EMA_CKPT_LOCK_LEASE", 60.0, {})
+    60.0
+    >>> whole_number("EMA_CKPT_REMOTE_CONCURRENCY", 8, "requests", {"EMA_CKPT_REMOTE_CONCURRENCY": "4"})
+    4
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+from .errors import OptionError
+
+
+def _text(variable: str, env: Mapping[str, str] | None) -> str:
+    return (os.environ if env is None else env).get(variable, "").strip()
+
+
+def seconds(variable: str, default: float, env: Mapping[str, str] | None = None) -> float:
+    """A number of seconds above 0 (``default`` when unset)."""
+    text = _text(variable, env)
+    if not text:
+        return default
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 < value < 1e7:
+        raise OptionError(variable, f"must be a number of seconds above 0, got {text!r}", value=text)
+    return value
+
+
+def whole_number(variable: str, default: int, what: str, env: Mapping[str, str] | None = None) -> int:
+    """A whole number of ``what`` (``"requests"``, ``"MiB"``), at least 1 (``default`` when unset)."""
+    text = _text(variable, env)
+    if not text:
+        return default
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise OptionError(variable, f"must be a whole number of {what}, at least 1, got {text!r}", value=text)
+    return value
