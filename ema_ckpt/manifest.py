@@ -85,8 +85,7 @@ class Manifest:
         """Rewrite the manifest of a published output in place, atomically (data untouched)."""
         file = directory / MANIFEST_NAME
         if is_remote(directory):  # one PUT: a reader sees the old manifest or the new one
-            remote = cast(RemotePath, file)
-            remote.fs.pipe_file(remote.key, self.to_json().encode())
+            cast(RemotePath, file).write_bytes(self.to_json().encode())
             return
         temp = directory / f".{MANIFEST_NAME}.tmp-{os.getpid()}"
         try:

@@ -33,14 +33,6 @@ from .errors import CheckpointNotFoundError, EmaCkptError, RemoteStorageError
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://(.*)$")
 
 
-def is_url(text: object) -> bool:
-    """``text`` names a location by URL (``s3://…``); ``file://`` URLs are local paths."""
-    if isinstance(text, RemotePath):
-        return True
-    match = _URL.match(text) if isinstance(text, str) else None
-    return match is not None and match.group(1).lower() != "file"
-
-
 def as_path(value: str | os.PathLike[str]) -> Path:
     """A local :class:`~pathlib.Path`, or a :class:`RemotePath` for a URL.
 
@@ -208,9 +200,6 @@ class RemotePath:
     def absolute(self) -> RemotePath:
         return self
 
-    def expanduser(self) -> RemotePath:
-        return self
-
     def relative_to(self, other: RemotePath) -> PurePosixPath:
         return PurePosixPath(self._key).relative_to(other._key)
 
@@ -262,6 +251,18 @@ class RemotePath:
     def read_bytes(self) -> bytes:
         data: bytes = _call(self, self.fs.cat_file, self._key)
         return data
+
+    def write_bytes(self, data: bytes, *, exclusive: bool = False) -> None:
+        """One PUT of the whole object (a reader sees the old bytes or the new); ``exclusive``:
+        only if the key is new (``If-None-Match: *``), else ``FileExistsError``."""
+        if exclusive:
+            _call(self, self.fs.pipe_file, self._key, data, mode="create")
+        else:
+            _call(self, self.fs.pipe_file, self._key, data)
+
+    def upload(self, local: Path) -> None:
+        """The local file ``local`` as this object (a multipart upload appears once complete)."""
+        _call(self, self.fs.put_file, str(local), self._key)
 
     def read_text(self, encoding: str = "utf-8") -> str:
         return self.read_bytes().decode(encoding)

@@ -82,22 +82,6 @@ def _remote(path: Path) -> RemotePath:
     return cast(RemotePath, path)
 
 
-def _fs(path: Path) -> Any:
-    return _remote(path).fs
-
-
-def _put_bytes(path: Path, data: bytes, *, create: bool = False) -> None:
-    fs = _fs(path)
-    if create:
-        _call(_remote(path), fs.pipe_file, _remote(path).key, data, mode="create")
-    else:
-        _call(_remote(path), fs.pipe_file, _remote(path).key, data)
-
-
-def _upload(local: Path, path: Path) -> None:
-    _call(_remote(path), _fs(path).put_file, str(local), _remote(path).key)
-
-
 def _delete(paths: list[Path]) -> None:
     if paths:
         first = _remote(paths[0])
@@ -153,7 +137,7 @@ class RemoteLock:
 
     def _try(self) -> bool:
         try:
-            _put_bytes(self.path, self._body(), create=True)
+            _remote(self.path).write_bytes(self._body(), exclusive=True)
         except FileExistsError:
             holder = self._holder()
             if holder is not None and float(holder.get("expires", 0)) > time.time():
@@ -192,7 +176,7 @@ class RemoteLock:
                 if holder is None or holder.get("owner") != self.owner:
                     self.lost = True
                     return
-                _put_bytes(self.path, self._body())
+                _remote(self.path).write_bytes(self._body())
             except Exception:  # a failed renewal is retried; the lease covers two misses
                 continue
 
@@ -217,12 +201,12 @@ def upload_data_files(local: Path, final: Path, names: Iterable[str]) -> None:
     """Step 3, by the worker that wrote them: ``names`` (generation-tagged) from ``local``."""
     for name in sorted(names):
         if _TAGGED.match(name):
-            _upload(local / name, final / name)
+            _remote(final / name).upload(local / name)
 
 
 def begin_upload(final: Path, generation: str) -> None:
     """Step 2: the marker that names the generation being uploaded."""
-    _put_bytes(final / STAGING_DIR / generation / "started", b"")
+    _remote(final / STAGING_DIR / generation / "started").write_bytes(b"")
 
 
 def commit_upload(local: Path, final: Path, generation: str, *, lock: RemoteLock | None = None) -> None:
@@ -231,16 +215,16 @@ def commit_upload(local: Path, final: Path, generation: str, *, lock: RemoteLock
     existing = {p.name for p in _children(final)}
     for name in names:  # data files not uploaded by the workers that wrote them
         if _TAGGED.match(name) and name not in existing:
-            _upload(local / name, final / name)
+            _remote(final / name).upload(local / name)
     others = [n for n in names if not _TAGGED.match(n) and n not in COMMIT_ORDER]
     commit = [n for n in COMMIT_ORDER if n in names]
     pending = final / STAGING_DIR / generation
     for name in commit:
-        _upload(local / name, pending / name)
+        _remote(pending / name).upload(local / name)
     if lock is not None:
         lock.check()
     for name in others + commit:
-        _upload(local / name, final / name)
+        _remote(final / name).upload(local / name)
     _clean_up(final, generation)
 
 
@@ -253,7 +237,7 @@ def _clean_up(final: Path, generation: str) -> None:
 
 def upload_file(local: Path, final: Path) -> None:
     """A single-file output: one PUT (a multipart upload is visible only once complete)."""
-    _upload(local, final)
+    _remote(final).upload(local)
 
 
 def recover_remote(final: Path) -> list[str]:
@@ -275,8 +259,7 @@ def recover_remote(final: Path) -> list[str]:
         if committed:
             for name in COMMIT_ORDER[1:]:
                 if name in staged:
-                    _call(_remote(final / name), _fs(final).pipe_file, _remote(final / name).key,
-                          staged[name].read_bytes())
+                    _remote(final / name).write_bytes(staged[name].read_bytes())
             _clean_up(final, generation)
             notes.append(f"finished publishing {final} (generation {generation}: an earlier run was interrupted)")
         else:
