@@ -41,6 +41,8 @@ Examples:
 
   ema-ckpt accumulate ckpts/ --decay 0.999 --skip ckpts/step_100  # leave out
 
+  ema-ckpt accumulate s3://bucket/run/ckpts --decay 0.999 --out s3://bucket/run/ema
+
   A crontab line (every 30 minutes; a run still going makes the next one wait):
 
   */30 * * * * ema-ckpt accumulate /ckpts --decay 0.9999 --quiet --wait 600

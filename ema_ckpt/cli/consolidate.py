@@ -27,6 +27,8 @@ Examples:
 
   ema-ckpt consolidate ckpts/ema --out weights --format torch   # no suffix
 
+  ema-ckpt consolidate s3://bucket/run/ema --out ema.safetensors   # from S3
+
   A directory output (hf/: the trailing / says so) holds model-0000i-of-0000N
   shards and their index. Any other path without a known suffix is refused.
 """
