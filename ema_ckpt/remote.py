@@ -230,7 +230,11 @@ class RemotePath:
             raise FileNotFoundError(errno.ENOENT, "no such object", str(self))
         return _stat_of(info)
 
-    def iterdir(self) -> Iterator[RemotePath]:
+    def iterdir(self, *, fresh: bool = False) -> Iterator[RemotePath]:
+        """The entries under this prefix; ``fresh``: from a new listing, not one kept for a few
+        seconds (:data:`LISTING_SECONDS`)."""
+        if fresh:
+            self.fs.invalidate_cache(self._key)
         try:
             names = _call(self, self.fs.ls, self._key, detail=False)
         except FileNotFoundError:

@@ -4,8 +4,8 @@ An object store has no atomic rename of a folder and no ``flock``; what it has i
 PUT of one object (a reader sees all of it or none) and, on S3, a PUT that succeeds only if
 the key is new (``If-None-Match: *``). So an output ``s3://b/ema`` is published in this order:
 
-1. the lock ``s3://b/.ema.lock`` is created with a conditional PUT, holding a lease that its
-   holder renews (:class:`RemoteLock`);
+1. the lock is taken: the next object of ``s3://b/.ema.lock/`` created with a conditional PUT,
+   holding a lease that its holder renews (:class:`RemoteLock`);
 2. the marker ``ema/.ema-ckpt-staging/<generation>/started``;
 3. every data file, under a name carrying the generation (``__0_0.<generation>.distcp``), so
    that the previous output's files stay as they were;
@@ -104,11 +104,19 @@ def _everything_under(path: Path) -> list[Path]:
 
 
 class RemoteLock:
-    """An exclusive lock on an output in object storage: ``.<name>.lock`` beside it.
+    """An exclusive lock on an output in object storage, under ``.<name>.lock/`` beside it.
 
-    Taken by a conditional PUT (``If-None-Match: *``: only one run's PUT of a new key
-    succeeds), holding its owner and an expiry :data:`LOCK_LEASE_SECONDS` ahead, renewed by a
-    thread a third of the lease apart; a lock left by a killed run expires and is taken over.
+    The lock is a sequence of numbered objects (``.ema.lock/000000000007``), each created
+    with a conditional PUT (``If-None-Match: *``), so that of any runs creating the same
+    number, one succeeds. The highest number is the lock: it names its owner and an expiry
+    :data:`LOCK_LEASE_SECONDS` ahead, which the owner renews (a thread, a third of the lease
+    apart) by rewriting its own object, which no other run writes. A run takes a free lock
+    (none yet, or the highest released or expired) by creating the next number, then confirms
+    that its number is still the highest; the objects below it are deleted. Nothing is ever
+    overwritten or deleted by a run that does not hold the lock, so of two runs racing for
+    a lock that expired, one gets it. Released, the highest object stays as a record
+    (``"released": true``) until the next run takes the number after it.
+
     A store without conditional writes is refused (:class:`~ema_ckpt.errors.OutputError`),
     since two runs could then both publish.
     """
@@ -119,45 +127,79 @@ class RemoteLock:
         self.wait_seconds = wait_seconds
         self.lease = lease if lease is not None else lock_lease()
         self.owner = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(8)}"
+        self.number = 0
+        """The lock object this run holds (0: none)."""
         self._stop = threading.Event()
         self._renewer: threading.Thread | None = None
         self.lost = False
 
-    def _body(self) -> bytes:
-        return json.dumps({"owner": self.owner, "expires": time.time() + self.lease}).encode()
+    def _object(self, number: int) -> RemotePath:
+        return _remote(self.path / f"{number:012d}")
 
-    def _holder(self) -> dict[str, Any] | None:
+    def _body(self, *, released: bool = False) -> bytes:
+        doc: dict[str, Any] = {"owner": self.owner, "expires": time.time() + self.lease}
+        if released:
+            doc = {"owner": self.owner, "expires": 0.0, "released": True}
+        return json.dumps(doc).encode()
+
+    def _numbers(self) -> list[int]:
+        """The lock objects there now, in order (a fresh listing, never a cached one)."""
         try:
-            doc = json.loads(_remote(self.path).read_bytes())
+            names = [p.name for p in _remote(self.path).iterdir(fresh=True)]
+        except FileNotFoundError:
+            return []
+        return sorted(int(n) for n in names if n.isdigit())
+
+    def _read(self, number: int) -> dict[str, Any] | None:
+        try:
+            doc = json.loads(self._object(number).read_bytes())
         except FileNotFoundError:
             return None
         except ValueError:
             return {"owner": "?", "expires": 0.0}  # unreadable: treated as expired
         return doc if isinstance(doc, dict) else {"owner": "?", "expires": 0.0}
 
-    def _try(self) -> bool:
+    @staticmethod
+    def _free(holder: dict[str, Any] | None) -> bool:
+        return holder is None or float(holder.get("expires", 0)) <= time.time()
+
+    def _holder(self) -> tuple[int, dict[str, Any] | None]:
+        """The highest lock object's number and what it holds (0, None: no lock yet)."""
+        numbers = self._numbers()
+        if not numbers:
+            return 0, None
+        return numbers[-1], self._read(numbers[-1])
+
+    def _try(self) -> tuple[bool, dict[str, Any] | None]:
+        """One attempt: (taken, the holder that kept it from this run)."""
+        top, holder = self._holder()
+        if top and not self._free(holder):
+            return False, holder
+        mine = top + 1
         try:
-            _remote(self.path).write_bytes(self._body(), exclusive=True)
+            self._object(mine).write_bytes(self._body(), exclusive=True)
         except FileExistsError:
-            holder = self._holder()
-            if holder is not None and float(holder.get("expires", 0)) > time.time():
-                return False
-            if holder is not None:  # expired: its run is gone; remove it, then race for a new one
-                _delete([self.path])
-            return False
+            return False, None  # another run took this number first: look again
         except (TypeError, NotImplementedError):
             raise OutputError(f"{self.path}: {_remote(self.path).protocol}:// offers no conditional write, so "
                               "two runs could both publish this output; write it to a local disk or a "
                               "shared filesystem instead") from None
-        return True
+        if self._numbers()[-1:] != [mine]:  # a run that listed earlier made a higher one
+            _delete([cast(Path, self._object(mine))])
+            return False, None
+        self.number = mine
+        _delete([cast(Path, self._object(n)) for n in self._numbers() if n < mine])
+        return True, None
 
     def __enter__(self) -> RemoteLock:
         deadline = time.monotonic() + self.wait_seconds
         pause = 0.05
-        while not self._try():
-            holder = self._holder()
-            if holder is None or float(holder.get("expires", 0)) <= time.time():
-                continue  # released or expired meanwhile: try again at once
+        while True:
+            taken, holder = self._try()
+            if taken:
+                break
+            if holder is None:
+                continue  # a race for a free lock, lost: look again at once
             if time.monotonic() >= deadline:
                 raise OutputLockedError(
                     f"{self.final}: another ema-ckpt run is writing this output (lock {self.path.name}, "
@@ -169,21 +211,25 @@ class RemoteLock:
         self._renewer.start()
         return self
 
+    def _still_mine(self) -> bool:
+        """This run's object is the highest, names it, and its lease has not run out."""
+        top, holder = self._holder()
+        return (top == self.number and holder is not None and holder.get("owner") == self.owner
+                and not self._free(holder))
+
     def _renew(self) -> None:
         while not self._stop.wait(self.lease / 3):
             try:
-                holder = self._holder()
-                if holder is None or holder.get("owner") != self.owner:
+                if not self._still_mine():
                     self.lost = True
                     return
-                _remote(self.path).write_bytes(self._body())
+                self._object(self.number).write_bytes(self._body())
             except Exception:  # a failed renewal is retried; the lease covers two misses
                 continue
 
     def check(self) -> None:
         """Raise if the lock was lost (its lease ran out and another run took it)."""
-        holder = self._holder()
-        if self.lost or holder is None or holder.get("owner") != self.owner:
+        if self.lost or not self._still_mine():
             raise OutputError(f"{self.final}: the output's lock {self.path.name} was lost (its lease of "
                               f"{self.lease:.0f} s ran out); nothing was published")
 
@@ -192,9 +238,8 @@ class RemoteLock:
         if self._renewer is not None:
             self._renewer.join()
         with contextlib.suppress(Exception):
-            holder = self._holder()
-            if holder is not None and holder.get("owner") == self.owner:
-                _delete([self.path])
+            if self.number and self._still_mine():
+                self._object(self.number).write_bytes(self._body(released=True))
 
 
 def upload_data_files(local: Path, final: Path, names: Iterable[str]) -> None:

@@ -429,7 +429,8 @@ def test_single_file_and_resharded_outputs_on_s3(run, tmp_path):
     cli("consolidate", local / step, "--out", tmp_path / "model.safetensors")
     boto3.client("s3").download_file(BUCKET, "out/model.safetensors", str(tmp_path / "from-s3.safetensors"))
     assert (tmp_path / "from-s3.safetensors").read_bytes() == (tmp_path / "model.safetensors").read_bytes()
-    assert keys_under(f"s3://{BUCKET}/out") == ["model.safetensors"]
+    # beside it only the record of its released lock
+    assert keys_under(f"s3://{BUCKET}/out") == [".model.safetensors.lock/000000000001", "model.safetensors"]
     cli("reshard", local / step, "--world-size", "3", "--out", f"s3://{BUCKET}/out/resharded")
     cli("reshard", local / step, "--world-size", "3", "--out", tmp_path / "resharded")
     assert_same(dcp_tensors(download(f"s3://{BUCKET}/out/resharded", tmp_path / "r")),
@@ -443,14 +444,100 @@ def test_a_held_lock_refuses_and_an_expired_one_is_taken_over(run, tmp_path):
     out = f"s3://{BUCKET}/locked/ema"
     client = boto3.client("s3")
     lock = {"owner": "other-host:1:abc", "expires": time.time() + 600}
-    client.put_object(Bucket=BUCKET, Key="locked/.ema.lock", Body=json.dumps(lock).encode())
+    client.put_object(Bucket=BUCKET, Key="locked/.ema.lock/000000000003", Body=json.dumps(lock).encode())
     message = cli("accumulate", local, "--decay", "0.9", "--out", out, code=75)
     assert "another ema-ckpt run" in message and "other-host:1:abc" in message
-    assert keys_under(f"s3://{BUCKET}/locked") == [".ema.lock"]
+    assert keys_under(f"s3://{BUCKET}/locked") == [".ema.lock/000000000003"]
     lock["expires"] = time.time() - 1  # its run died a lease ago
-    client.put_object(Bucket=BUCKET, Key="locked/.ema.lock", Body=json.dumps(lock).encode())
+    client.put_object(Bucket=BUCKET, Key="locked/.ema.lock/000000000003", Body=json.dumps(lock).encode())
     cli("accumulate", local, "--decay", "0.9", "--out", out)
-    assert ".ema.lock" not in keys_under(f"s3://{BUCKET}/locked")  # released
+    # taken as the next number, the dead run's object deleted; released, it stays as a record
+    assert [k for k in keys_under(f"s3://{BUCKET}/locked") if ".lock" in k] == [".ema.lock/000000000004"]
+    released = json.loads(client.get_object(Bucket=BUCKET, Key="locked/.ema.lock/000000000004")["Body"].read())
+    assert released["released"] is True and released["expires"] == 0
+    cli("accumulate", local, "--decay", "0.9", "--out", out)  # a released lock is free
+    assert [k for k in keys_under(f"s3://{BUCKET}/locked") if ".lock" in k] == [".ema.lock/000000000005"]
+
+
+def test_of_runs_racing_for_an_expired_lock_one_gets_it(s3):
+    """Eight contenders start at once on a lock whose holder died: exactly one holds it."""
+    from ema_ckpt.errors import OutputLockedError
+    from ema_ckpt.remote import as_path
+    from ema_ckpt.remote_output import RemoteLock
+
+    final = as_path(f"s3://{BUCKET}/race/ema")
+    dead = {"owner": "dead-host:1:abc", "expires": time.time() - 1}
+    boto3.client("s3").put_object(Bucket=BUCKET, Key="race/.ema.lock/000000000001", Body=json.dumps(dead).encode())
+    start = threading.Barrier(8)
+    held: list[RemoteLock] = []
+    refused: list[str] = []
+
+    def contend() -> None:
+        lock = RemoteLock(final, lease=60)
+        start.wait()
+        try:
+            lock.__enter__()
+        except OutputLockedError as err:
+            refused.append(str(err))
+            return
+        held.append(lock)
+
+    threads = [threading.Thread(target=contend) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    try:
+        assert len(held) == 1 and len(refused) == 7, (len(held), refused)
+        winner = held[0]
+        assert all(winner.owner in message for message in refused)
+        winner.check()
+        assert [k for k in keys_under(f"s3://{BUCKET}/race") if ".lock" in k] == [f".ema.lock/{winner.number:012d}"]
+    finally:
+        for lock in held:
+            lock.__exit__(None, None, None)
+
+
+def test_a_run_acting_on_a_stale_view_of_the_lock_never_takes_it_from_its_holder(s3, monkeypatch):
+    """The interleavings a race can produce, made on purpose: a contender decides from a
+    listing taken before another run took the lock (the dead holder's object still the
+    highest, or no object at all), then acts. It must not end up holding the lock too."""
+    from ema_ckpt.remote import as_path
+    from ema_ckpt.remote_output import RemoteLock
+
+    final = as_path(f"s3://{BUCKET}/stale-view/ema")
+    dead = {"owner": "dead-host:1:abc", "expires": time.time() - 1}
+    boto3.client("s3").put_object(Bucket=BUCKET, Key="stale-view/.ema.lock/000000000001",
+                                  Body=json.dumps(dead).encode())
+    with RemoteLock(final, lease=60) as holder:
+        assert holder.number == 2  # the dead run's object 1 deleted
+        for stale in ((1, dead), (0, None)):  # what a contender saw before the holder took it
+            late = RemoteLock(final, lease=60)
+            monkeypatch.setattr(late, "_holder", lambda stale=stale: stale)
+            taken, _ = late._try()
+            assert not taken and late.number == 0
+            holder.check()
+        assert [k for k in keys_under(f"s3://{BUCKET}/stale-view") if ".lock" in k] == [".ema.lock/000000000002"]
+
+
+def test_a_holder_whose_lease_ran_out_cannot_publish_or_release_the_next_holders_lock(s3):
+    from ema_ckpt.errors import OutputError
+    from ema_ckpt.remote import as_path
+    from ema_ckpt.remote_output import RemoteLock
+
+    final = as_path(f"s3://{BUCKET}/stale/ema")
+    slow = RemoteLock(final, lease=0.6)
+    slow.__enter__()
+    slow._stop.set()  # frozen (a stopped VM, a long pause): it renews no more
+    slow._renewer.join()
+    time.sleep(0.8)
+    with RemoteLock(final, lease=60) as fresh:
+        assert fresh.number == slow.number + 1
+        with pytest.raises(OutputError, match="was lost"):
+            slow.check()  # before its commit: nothing is published
+        slow.__exit__(None, None, None)  # its release touches nothing of the new holder's
+        fresh.check()
+        assert [k for k in keys_under(f"s3://{BUCKET}/stale") if ".lock" in k] == [f".ema.lock/{fresh.number:012d}"]
 
 
 class _FailingAfter(socketserver.ThreadingMixIn, http.server.HTTPServer):
