@@ -16,17 +16,19 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import re
 import stat as stat_module
 import threading
-from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Iterable, Iterator, Mapping
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any, cast
 
+from ._crc import crc32, crc32_combine
 from ._env import whole_number
 from .errors import CheckpointNotFoundError, EmaCkptError, RemoteStorageError
 
@@ -377,7 +379,8 @@ class RemoteFile:
         b'PK\\x03\\x04'
     """
 
-    def __init__(self, path: RemotePath, *, concurrency: int | None = None, block: int | None = None) -> None:
+    def __init__(self, path: RemotePath, *, concurrency: int | None = None, block: int | None = None,
+                 checksums: bool = False) -> None:
         self.path = path
         try:
             self.size = path.stat().st_size
@@ -395,6 +398,7 @@ class RemoteFile:
         _OPEN[0] += 1
         self.bytes_requested = 0
         """Bytes fetched so far (the blocks requested): what a test checks "read once" by."""
+        self._block_crcs: dict[int, int] | None = {} if checksums else None
 
     def _depth(self) -> int:
         """Blocks to keep fetched ahead: this object's share of the budget, within the concurrency."""
@@ -408,7 +412,48 @@ class RemoteFile:
         if len(data) != end - start:
             raise RemoteStorageError(f"{self.path}: a ranged read of bytes {start}-{end} returned {len(data)} bytes "
                                      "(the object changed while it was read?)")
+        if self._block_crcs is not None:
+            value = crc32(data)  # on the fetching thread, with the GIL released
+            with self._lock:
+                self._block_crcs[index] = value
         return data
+
+    def block_checksums(self) -> tuple[int, dict[int, int]]:
+        """(block size, {block index: CRC-32}) of the blocks fetched so far (``checksums=True``)."""
+        with self._lock:
+            return self.block, dict(self._block_crcs or {})
+
+    def crc32(self, known: Iterable[tuple[int, Mapping[int, int]]] = ()) -> int:
+        """The whole object's CRC-32, from the blocks fetched so far (made with ``checksums=True``),
+        those ``known`` from other readers of it (:meth:`block_checksums`, same block size), and a
+        ranged read of each block never fetched: the object is read once in all.
+
+        Example:
+            >>> f = RemoteFile(RemotePath.from_url("s3://b/ema/__0_0.distcp"), checksums=True)  # doctest: +SKIP
+            >>> f.crc32() == zlib.crc32(f.pread(f.size, 0))                                     # doctest: +SKIP
+            True
+        """
+        if self._block_crcs is None:
+            raise ValueError("this RemoteFile keeps no checksums (open it with checksums=True)")
+        blocks = (self.size + self.block - 1) // self.block
+        with self._lock:
+            for block, crcs in known:
+                if block == self.block:
+                    self._block_crcs.update(crcs)
+            in_flight = [f for i, f in self._blocks.items() if i not in self._block_crcs and not f.cancelled()]
+        for future in in_flight:  # read ahead: its checksum comes with it
+            with contextlib.suppress(CancelledError):
+                future.result()
+        with self._lock:
+            missing = [i for i in range(blocks) if i not in self._block_crcs]
+        for index in missing:
+            self._fetch(index)
+            self.bytes_requested += min(self.size, (index + 1) * self.block) - index * self.block
+        total = 0
+        for index in range(blocks):
+            length = min(self.size, (index + 1) * self.block) - index * self.block
+            total = crc32_combine(total, self._block_crcs[index], length)
+        return total
 
     def _request(self, index: int) -> Future[bytes]:
         """The block's request, started if it is not in flight or kept (caller holds the lock)."""

@@ -9,6 +9,8 @@ import zlib
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ema_ckpt import _crc
 
@@ -43,3 +45,22 @@ def test_without_isal_the_crc_is_zlibs(monkeypatch):
 def test_isal_is_used_when_installed():
     pytest.importorskip("isal")
     assert _crc.IMPLEMENTATION == "isal"
+
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.binary(max_size=3000), min_size=1, max_size=6))
+def test_crc32_combine_joins_pieces_checksummed_apart(pieces):
+    whole = 0
+    for piece in pieces:
+        whole = _crc.crc32_combine(whole, zlib.crc32(piece), len(piece))
+    assert whole == zlib.crc32(b"".join(pieces))
+
+
+def test_crc32_combine_of_large_lengths():
+    # lengths far beyond what is hashed here: x^(8n) for n with many bits set, checked against
+    # combining a prefix with itself twice (A ‖ A ‖ A)
+    piece = os.urandom((1 << 20) + 7)
+    two = _crc.crc32_combine(zlib.crc32(piece), zlib.crc32(piece), len(piece))
+    assert _crc.crc32_combine(two, zlib.crc32(piece), len(piece)) == zlib.crc32(piece * 3)
+    assert _crc.crc32_combine(0x12345678, 0, 0) == 0x12345678

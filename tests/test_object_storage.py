@@ -422,6 +422,95 @@ def test_accumulate_s3_to_s3_is_bit_identical_incremental_and_loads_with_dcp(run
     assert json.loads(cli("verify", out, "--json"))["ok"] is True
 
 
+def _counting_reads(monkeypatch) -> dict[str, int]:
+    """Bytes requested per object by every read from here on (ranged or whole)."""
+    requested: dict[str, int] = {}
+    real = remote._call
+
+    def counting(where, func, *args, **kwargs):
+        data = real(where, func, *args, **kwargs)
+        if getattr(func, "__name__", "").lstrip("_") == "cat_file":
+            requested[str(where)] = requested.get(str(where), 0) + len(data)
+        return data
+
+    monkeypatch.setattr(remote, "_call", counting)
+    return requested
+
+
+def test_an_incremental_accumulate_downloads_the_previous_ema_once(run, tmp_path, monkeypatch):
+    """Its CRC-32s are checked from the blocks the fold reads, not by a download before it."""
+    local, _ = run
+    steps = sorted(local.iterdir(), key=lambda p: int(p.name.split("_")[-1]))
+    for step in steps[:3]:
+        upload(step, f"once/ckpts/{step.name}")
+    src, out = f"s3://{BUCKET}/once/ckpts", f"s3://{BUCKET}/once/ema"
+    cli("accumulate", src, "--decay", "0.9", "--out", out)
+    for step in steps[3:]:
+        upload(step, f"once/ckpts/{step.name}")
+    client = boto3.client("s3")
+    sizes = {f"{out}/{k}": client.head_object(Bucket=BUCKET, Key=f"once/ema/{k}")["ContentLength"]
+             for k in keys_under(out) if k.endswith(".distcp")}
+    requested = _counting_reads(monkeypatch)
+    cli("accumulate", src, "--decay", "0.9", "--out", out)
+    assert sizes and all(0 < requested.get(name, 0) <= size for name, size in sizes.items()), (requested, sizes)
+    cli("accumulate", local, "--decay", "0.9", "--out", tmp_path / "ema-local")
+    assert_same(dcp_tensors(download(out, tmp_path / "ema-s3")), dcp_tensors(tmp_path / "ema-local"))
+
+
+def test_a_remote_files_crc32_comes_from_the_blocks_read_and_reads_only_the_rest(s3):
+    import zlib
+
+    block = 1 << 16
+    data = os.urandom(5 * block + 123)
+    boto3.client("s3").put_object(Bucket=BUCKET, Key="crc/object", Body=data)
+    where = remote.RemotePath.from_url(f"s3://{BUCKET}/crc/object")
+    for reads in ([], [(0, 10)], [(block + 5, 3 * block)], [(0, len(data))]):
+        first = remote.RemoteFile(where, block=block, checksums=True)  # one worker's reader
+        second = remote.RemoteFile(where, block=block, checksums=True)  # another's, which checks
+        try:
+            for offset, length in reads:
+                assert first.pread(length, offset) == data[offset:offset + length]
+            for future in list(first._blocks.values()):  # its reads ahead land: their checksums known
+                future.result()
+            known = first.block_checksums()
+            before = second.bytes_requested
+            assert second.crc32([known]) == zlib.crc32(data)
+            unread = [i for i in range(6) if i not in known[1]]
+            assert second.bytes_requested - before == sum(min(len(data), (i + 1) * block) - i * block
+                                                          for i in unread)
+        finally:
+            first.close()
+            second.close()
+    with pytest.raises(ValueError, match="checksums=True"):
+        remote.RemoteFile(where).crc32()
+
+
+def test_a_damaged_ema_on_s3_is_refused_after_the_fold_and_nothing_is_published(run, tmp_path):
+    local, _ = run
+    steps = sorted(local.iterdir(), key=lambda p: int(p.name.split("_")[-1]))
+    for step in steps[:3]:
+        upload(step, f"flip/ckpts/{step.name}")
+    src, out = f"s3://{BUCKET}/flip/ckpts", f"s3://{BUCKET}/flip/ema"
+    cli("accumulate", src, "--decay", "0.9", "--out", out, "--workers", "2")
+    for step in steps[3:]:
+        upload(step, f"flip/ckpts/{step.name}")
+    client = boto3.client("s3")
+    victim = max((k for k in keys_under(out) if k.endswith(".distcp")),
+                 key=lambda k: client.head_object(Bucket=BUCKET, Key=f"flip/ema/{k}")["ContentLength"])
+    data = bytearray(client.get_object(Bucket=BUCKET, Key=f"flip/ema/{victim}")["Body"].read())
+    data[len(data) // 2] ^= 0x10  # one bit of tensor data: the size stays, the CRC-32 does not
+    client.put_object(Bucket=BUCKET, Key=f"flip/ema/{victim}", Body=bytes(data))
+    before = {k: client.get_object(Bucket=BUCKET, Key=f"flip/ema/{k}")["Body"].read()
+              for k in keys_under(out) if not k.startswith(".ema-ckpt-staging/")}
+    for workers in ("1", "2"):
+        message = cli("accumulate", src, "--decay", "0.9", "--out", out, "--workers", workers, code=3)
+        assert len(message.strip().splitlines()) == 1, message
+        assert "does not match its manifest" in message and victim in message and "CRC-32" in message
+        after = {k: client.get_object(Bucket=BUCKET, Key=f"flip/ema/{k}")["Body"].read()
+                 for k in keys_under(out) if k in before}
+        assert after == before  # the damaged EMA is left as it is; nothing was published over it
+
+
 def test_single_file_and_resharded_outputs_on_s3(run, tmp_path):
     local, url = run
     step = max((p.name for p in local.iterdir()), key=lambda name: int(name.split("_")[-1]))

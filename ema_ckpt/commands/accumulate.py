@@ -25,11 +25,13 @@ from __future__ import annotations
 
 import contextlib
 import shutil
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import cast
 
 from ..discovery import FoundCheckpoint, checkpoint_paths, discover
+from ..dist import Workers
 from ..dtypes import ACCUMULATE_DTYPES, torch_dtype
 from ..engine import check_device
 from ..errors import (
@@ -61,6 +63,8 @@ from ..folding import (
     snapshot_steps,
 )
 from ..formats import open_checkpoint
+from ..formats.base import CheckpointReader
+from ..formats.dcp.reader import DcpReader
 from ..fs import files_on_disk, output_path
 from ..jobs import Job, JobContext, Target, WrittenOutputs, recorded_options, run_job
 from ..manifest import MANIFEST_NAME, FoldedCheckpoint, Manifest, fingerprint
@@ -68,10 +72,10 @@ from ..maths import PowerProfile
 from ..plans import Plan as AveragePlan
 from ..plans import find_snapshots
 from ..progress import Progress
-from ..remote import as_path, output_location
+from ..remote import as_path, is_remote, output_location
 from ..writers.base import check_directory_output
 from .averaging import averaged_tensors
-from .verify import damage
+from .verify import crc_mismatch, damage
 
 _RUNTIME = {"recorded": False}
 
@@ -371,6 +375,9 @@ class AccumulateJob(Job[FoldPlan, _Folded, AccumulateResult]):
             name = acc.name if final == acc.final else final.name
             outputs.append(fold_output(name, fold_weights(acc, upto=None if final == acc.final else step), index))
         readers = context.open_sources(sources)
+        for acc in plan.accumulators:  # its CRC-32s are checked from what the fold reads
+            if acc.previous is not None and acc.new and is_remote(acc.final):
+                cast(DcpReader, readers[index[str(acc.final)]]).keep_checksums = True
         keys = context.check(lambda: check_fold_keys(readers, sources, checkpoints, active, opts.include,
                                                      opts.exclude, opts.allow_new_keys))
         newest = readers[-1]
@@ -380,6 +387,7 @@ class AccumulateJob(Job[FoldPlan, _Folded, AccumulateResult]):
         written = context.write(readers, outputs, writers, tensors, layout=newest, copy_source=len(readers) - 1,
                                 accumulate_dtype=torch_dtype(opts.dtype),
                                 check_finite=[index[str(c.path)] for c in checkpoints])
+        refuse_damaged_remote_emas(plan.accumulators, readers, index, context.workers)
         return _Folded(written, len(keys), newest.format_name)
 
     def manifests(self, plan: FoldPlan, computed: _Folded) -> list[Manifest | None]:
@@ -476,20 +484,52 @@ def refuse_damaged_emas(accumulators: list[Accumulator]) -> None:
     """Every EMA about to be folded into matches its manifest (sizes, CRC-32s), or the run stops.
 
     A flipped bit in the previous EMA would otherwise be folded in and then covered by fresh
-    checksums. Checked before anything is written; the damaged EMA is left as it is.
+    checksums. Checked before anything is written; the damaged EMA is left as it is. On object
+    storage the sizes are checked here and the CRC-32s as the fold reads the EMA
+    (:func:`refuse_damaged_remote_emas`), so that it is downloaded once.
     """
     for acc in accumulators:
         if acc.previous is None or not acc.new:
             continue
-        problems = damage(acc.final)
+        problems = damage(acc.final, crc=not is_remote(acc.final))
         if problems:
-            more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-            raise CheckpointFormatError(
-                acc.final,
-                f"the EMA does not match its manifest: {problems[0]}{more}; it is left as it is. "
-                "Restore it from a backup, or rebuild it with {restart=True} (every checkpoint still on "
-                "disk is folded again)", remedy="restart",
-            )
+            raise _damaged(acc.final, problems)
+
+
+def refuse_damaged_remote_emas(accumulators: list[Accumulator], readers: Sequence[CheckpointReader],
+                               index: Mapping[str, int], workers: Workers) -> None:
+    """After the fold, before anything is published: each EMA on object storage that was folded
+    into has the CRC-32s its manifest records, computed from the blocks the workers read
+    (blocks no worker read are read now). Every worker takes part; the coordinator checks."""
+    previous = [(acc, readers[index[str(acc.final)]]) for acc in accumulators
+                if acc.previous is not None and acc.new and is_remote(acc.final)]
+    if not previous:
+        return
+    read = workers.exchange([cast(DcpReader, reader).block_checksums() for _acc, reader in previous])
+
+    def check() -> None:
+        for k, (acc, reader) in enumerate(previous):
+            others = [r[k] for rank, r in enumerate(read) if rank != workers.rank]
+            problems = []
+            for name, entry in sorted(cast(Manifest, acc.previous).files.items()):
+                recorded = cast(int, entry["crc32"])  # entries were checked with the sizes, before the fold
+                actual = cast(DcpReader, reader).file_crc32(name, others)
+                if actual != recorded:
+                    problems.append(crc_mismatch(acc.final / name, actual, recorded))
+            if problems:
+                raise _damaged(acc.final, problems)
+
+    workers.on_coordinator(check)
+
+
+def _damaged(final: Path, problems: list[str]) -> CheckpointFormatError:
+    more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+    return CheckpointFormatError(
+        final,
+        f"the EMA does not match its manifest: {problems[0]}{more}; it is left as it is. "
+        "Restore it from a backup, or rebuild it with {restart=True} (every checkpoint still on "
+        "disk is folded again)", remedy="restart",
+    )
 
 
 def _checkpoint_holding(checkpoints: Sequence[FoundCheckpoint], path: Path) -> FoundCheckpoint | None:

@@ -290,11 +290,12 @@ def _record_checks(path: Path, reader: CheckpointReader) -> list[_Check]:
     return checks
 
 
-def damage(path: str | Path, *, block_bytes: int = HASH_BLOCK_BYTES) -> list[str]:
+def damage(path: str | Path, *, block_bytes: int = HASH_BLOCK_BYTES, crc: bool = True) -> list[str]:
     """What is wrong with an ema-ckpt output's data files against its manifest (empty: intact).
 
     Sizes and CRC-32s only, as ``verify`` checks them; files the manifest does not list are
-    not damage and are left to ``verify``. Reads every data file once.
+    not damage and are left to ``verify``. Reads every data file once; ``crc`` False checks
+    the sizes alone and reads nothing.
 
     Example:
         >>> damage("ckpts/ema")   # doctest: +SKIP
@@ -305,9 +306,14 @@ def damage(path: str | Path, *, block_bytes: int = HASH_BLOCK_BYTES) -> list[str
     manifest = _read_manifest(path, result)
     if manifest is not None:
         tally = Tally(0, 0, None)
-        for check in _file_checks(path, manifest, block_bytes, extras=False):
+        for check in _file_checks(path, manifest, block_bytes, extras=False, crc=crc):
             check.run(result, tally)
     return result.problems
+
+
+def crc_mismatch(file: Path, actual: int, recorded: int) -> str:
+    """The problem of a data file whose CRC-32 is not the one its manifest records."""
+    return f"{file}: CRC-32 {actual:08x}, {MANIFEST_NAME} says {recorded:08x} (corrupt data)"
 
 
 def _read_manifest(path: Path, result: VerifyResult) -> Manifest | None:
@@ -339,9 +345,10 @@ def _entry(value: Any) -> tuple[int, int] | None:
     return size, crc
 
 
-def _file_checks(path: Path, manifest: Manifest, block_bytes: int, *, extras: bool = True) -> list[_Check]:
-    """One check per file the manifest lists (its size and CRC-32), then one for files it
-    does not list (``extras``)."""
+def _file_checks(path: Path, manifest: Manifest, block_bytes: int, *, extras: bool = True, crc: bool = True
+                 ) -> list[_Check]:
+    """One check per file the manifest lists (its size and CRC-32, or its size alone without
+    ``crc``), then one for files it does not list (``extras``)."""
     listed: dict[str, Any] = manifest.files
     manifest_file = path / MANIFEST_NAME
     checks = []
@@ -363,20 +370,24 @@ def _file_checks(path: Path, manifest: Manifest, block_bytes: int, *, extras: bo
             if not file.is_file():
                 part.problem(f"{file}: not a regular file")
                 return
-            size, crc = expected
+            size, recorded = expected
             try:
-                actual_size, actual_crc = _size_and_crc32(file, block_bytes)
+                if crc:
+                    actual_size, actual_crc = _size_and_crc32(file, block_bytes)
+                else:
+                    actual_size, actual_crc = file.stat().st_size, recorded
             except OSError as err:
                 part.problem(f"{file}: cannot read ({err.strerror or err})")
                 return
-            part.bytes_hashed += actual_size
-            part.hashed_files += 1
-            tally.add(actual_size, name)
+            if crc:
+                part.bytes_hashed += actual_size
+                part.hashed_files += 1
+                tally.add(actual_size, name)
             if actual_size != size:
                 what = "truncated" if actual_size < size else "longer than recorded"
                 part.problem(f"{file}: {what}: {actual_size} bytes, {MANIFEST_NAME} says {size}")
-            elif actual_crc != crc:
-                part.problem(f"{file}: CRC-32 {actual_crc:08x}, {MANIFEST_NAME} says {crc:08x} (corrupt data)")
+            elif actual_crc != recorded:
+                part.problem(crc_mismatch(file, actual_crc, recorded))
             else:
                 part.files.append(name)
 

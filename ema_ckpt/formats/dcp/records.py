@@ -13,7 +13,7 @@ import os
 import stat
 import warnings
 import zipfile
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import cast
 
@@ -79,14 +79,29 @@ class ChunkRecords:
     _records: dict[tuple[str, int], tuple[int, TensorRecord] | None]
     _stored: dict[str, tuple[tuple[int, ...], str]]
 
+    keep_checksums = False
+    """On object storage, keep the CRC-32 of every block read (:meth:`file_crc32`); set before reading."""
+
     def specs(self) -> Mapping[str, TensorSpec]:
         raise NotImplementedError
+
+    def block_checksums(self) -> dict[str, tuple[int, dict[int, int]]]:
+        """Per data file read on object storage: (block size, {block index: CRC-32}) of what was read."""
+        return {file: fd.block_checksums() for file, fd in self._fds.items() if isinstance(fd, RemoteFile)}
+
+    def file_crc32(self, file: str, known: Iterable[Mapping[str, tuple[int, dict[int, int]]]] = ()) -> int:
+        """Data file ``file``'s CRC-32 on object storage, from the blocks this reader and the readers of
+        ``known`` (other workers' :meth:`block_checksums`) read, reading only the blocks none did."""
+        remote = self._fd(file)
+        if not isinstance(remote, RemoteFile):
+            raise ValueError(f"{file}: not on object storage")
+        return remote.crc32([k[file] for k in known if file in k])
 
 
     def _fd(self, file: str) -> int | RemoteFile:
         fd = self._fds.get(file)
         if fd is None and is_remote(self.path):
-            remote = RemoteFile(cast(RemotePath, self.path / file))
+            remote = RemoteFile(cast(RemotePath, self.path / file), checksums=self.keep_checksums)
             self._fds[file] = remote
             self._file_sizes[file] = remote.size
             return remote
