@@ -362,7 +362,7 @@ def test_the_recipes_commands_run_as_written(run, s3, tmp_path):
     reading, writing = _recipe_block("## Reading from S3"), _recipe_block("## Writing to S3")
     assert reading[0][0] == "export" and reading[0][1].startswith("AWS_ENDPOINT_URL=")
     commands = reading[1:] + writing
-    assert len(commands) == 11
+    assert len(commands) == 13
     env = dict(os.environ, AWS_ENDPOINT_URL=s3)
     for words in commands:
         done = subprocess.run([str(EMA_CKPT), *words[1:]], cwd=tmp_path, env=env, capture_output=True, text=True,
@@ -371,7 +371,8 @@ def test_the_recipes_commands_run_as_written(run, s3, tmp_path):
     assert (tmp_path / "ema" / "ema-ckpt.json").exists() and (tmp_path / "model.safetensors").exists()
     assert sorted(p.name for p in (tmp_path / "posthoc").iterdir()) == ["sigma_rel_0.05", "sigma_rel_0.1"]
     written = keys_under(f"s3://{BUCKET}/run")
-    assert {"ema/ema-ckpt.json", "ema.safetensors", "posthoc/sigma_rel_0.1/.metadata"} <= set(written)
+    assert {"ema/ema-ckpt.json", "ema.safetensors", "posthoc/sigma_rel_0.1/.metadata", "hf/model.safetensors",
+            "sweep/sigma_rel_0.1/model.safetensors", "sweep/sigma_rel_0.1/ema-ckpt.json"} <= set(written)
 
 
 def download(url: str, local: Path) -> Path:
