@@ -560,6 +560,38 @@ def test_hf_sharded_consolidate_to_s3_is_the_local_layout_and_loads(run, tmp_pat
     assert keys_under(out) == ["model.safetensors"]
     cli("consolidate", steps[1], "--out", f"{out}/", "--max-shard-size", SHARD, "--overwrite")
     assert_hf_layout_as_local(out, tmp_path / "hf1")
+    # a run holding the output's lock: the other refuses, writing nothing
+    client = boto3.client("s3")
+    client.put_object(Bucket=BUCKET, Key="hf/.model.lock",
+                      Body=json.dumps({"owner": "other-host:1:abc", "expires": time.time() + 600}).encode())
+    message = cli("consolidate", steps[-1], "--out", f"{out}/", "--max-shard-size", SHARD, "--overwrite", code=75)
+    assert "another ema-ckpt run" in message
+    client.delete_object(Bucket=BUCKET, Key="hf/.model.lock")
+    assert_hf_layout_as_local(out, tmp_path / "hf1")
+
+
+def test_a_consolidate_killed_after_its_index_is_finished_by_the_next_run(run, tmp_path, monkeypatch):
+    import ema_ckpt.remote_output as remote_output
+
+    local, _ = run
+    steps = _steps(local)
+    out = f"s3://{BUCKET}/hf-after/model"
+    cli("consolidate", steps[1], "--out", f"{out}/", "--max-shard-size", SHARD)
+    old = set(keys_under(out))
+
+    def killed(*args: object) -> None:
+        raise KeyboardInterrupt  # as a run stopped between the index's PUT and the clean-up
+
+    with monkeypatch.context() as patch:
+        patch.setattr(remote_output, "_clean_up", killed)
+        runner.invoke(app, ["consolidate", str(steps[-1]), "--out", f"{out}/", "--max-shard-size", SHARD,
+                            "--overwrite"])
+    cli("consolidate", steps[-1], "--out", f"{tmp_path / 'new'}/", "--max-shard-size", SHARD)
+    assert_reads_as(out, tmp_path / "new")  # the new index is the output; the old shards are garbage
+    assert old - {"model.safetensors.index.json"} <= set(keys_under(out))
+    notes = remote_output.recover_remote(remote.as_path(out))
+    assert len(notes) == 1 and notes[0].startswith("finished"), notes
+    assert_hf_layout_as_local(out, tmp_path / "new")
 
 
 def test_a_consolidate_cut_off_mid_upload_leaves_the_previous_shards_and_the_rerun_recovers(run, s3, tmp_path,
@@ -607,6 +639,9 @@ def test_posthoc_safetensors_sweep_to_s3_writes_each_local_output(run, tmp_path)
     cli("posthoc", local, "--sigma-rel", "0.05,0.1", "--format", "safetensors", "--out", tmp_path / "posthoc")
     _same_sweep(out, tmp_path / "posthoc", names)
     assert keys_under(out) == [f"{n}/{f}" for n in names for f in ("ema-ckpt.json", "model.safetensors")]
+    cli("average", url, "--last", "2", "--format", "safetensors", "--out", f"s3://{BUCKET}/sweep/avg")
+    cli("average", local, "--last", "2", "--format", "safetensors", "--out", tmp_path / "avg")
+    _same_sweep(f"s3://{BUCKET}/sweep", tmp_path, ["avg"])
 
 
 def test_a_sweep_cut_off_between_an_outputs_data_and_manifest_is_finished_by_the_next_run(run, s3, tmp_path,
