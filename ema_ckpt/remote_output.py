@@ -8,9 +8,9 @@ this order:
 1. the lock ``s3://b/.ema.lock`` is created with a conditional PUT, holding a lease that its
    holder renews (:class:`RemoteLock`);
 2. the marker ``ema/.ema-ckpt-staging/<generation>/started``;
-3. every data file named by a generation-free index, under a name carrying the generation
-   (``__0_0.<generation>.distcp``, ``model-00001-of-00004.<generation>.safetensors``), so
-   that the previous output's files stay as they were;
+3. the data files that ``.metadata`` or the index names, each under a name carrying the
+   generation (``__0_0.<generation>.distcp``, ``model-00001-of-00004.<generation>.safetensors``),
+   so that the previous output's files stay as they were;
 4. beside the marker, copies of the commit files (``.metadata``,
    ``model.safetensors.index.json``, ``ema-ckpt.json``), then ``commit.json``: the output's
    file names, and the size and CRC-32 of the file whose PUT switches readers to the new
@@ -326,13 +326,13 @@ def recover_remote(final: Path) -> list[str]:
         switch = record.get("switch")
         if isinstance(switch, dict):
             committed = _switched(final, switch)
-        else:  # staged without a record: committed if its .metadata copy is the output's
+        else:  # no record (an older ema-ckpt's staging): committed if its .metadata copy is the output's
             current = final / METADATA_FILE
             committed = METADATA_FILE in staged and current.exists() and (
                 staged[METADATA_FILE].read_bytes() == current.read_bytes())
             switch = {"name": METADATA_FILE}
         if committed:
-            for name in COMMIT_ORDER:  # those after the switch (put again if already there)
+            for name in COMMIT_ORDER:  # the commit files after the switch (the manifest)
                 if name in staged and name != switch["name"]:
                     _remote(final / name).write_bytes(staged[name].read_bytes())
             files = record.get("files")
