@@ -331,7 +331,7 @@ class JobContext:
 
         target = self.targets[index]
         if is_remote(target.final):
-            check_remote_output(target, format_name, self.workers.world_size)
+            check_remote_output(target, self.workers.world_size)
         writer = output_format(format_name).make(self.stagings[index], target.final.name, **settings)
         writer.final = target.final
         generation = self.generations[index] if index < len(self.generations) else None
@@ -394,17 +394,11 @@ class JobContext:
         return WrittenOutputs(files, sum(g[1] for g in gathered), sum(g[2] for g in gathered))
 
 
-def check_remote_output(target: Target, format_name: str, world_size: int) -> None:
+def check_remote_output(target: Target, world_size: int) -> None:
     """Refuse an output that cannot be published on object storage as :mod:`.remote_output` does."""
-    if target.single_file:
-        if world_size > 1:
-            raise OptionError("out", f"{target.final}: a single-file output on object storage is written by one "
-                              "worker; run with one worker (or write a DCP directory)", value=str(target.final))
-        return
-    if format_name != "dcp":
-        raise OptionError("out", f"{target.final}: on object storage, a directory output is written as DCP (its "
-                          f"data files named by generation, .metadata last) or as one file; not as {format_name}",
-                          value=str(target.final))
+    if target.single_file and world_size > 1:
+        raise OptionError("out", f"{target.final}: a single-file output on object storage is written by one "
+                          "worker; run with one worker (or write a directory)", value=str(target.final))
 
 
 def _reads_progress(report: Callable[[Progress], None], regions: Sequence[PlannedRegion],

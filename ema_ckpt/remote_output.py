@@ -2,26 +2,34 @@
 
 An object store has no atomic rename of a folder and no ``flock``; what it has is the atomic
 PUT of one object (a reader sees all of it or none) and, on S3, a PUT that succeeds only if
-the key is new (``If-None-Match: *``). So an output ``s3://b/ema`` is published in this order:
+the key is new (``If-None-Match: *``). So a directory output ``s3://b/ema`` is published in
+this order:
 
 1. the lock is taken: the next object of ``s3://b/.ema.lock/`` created with a conditional PUT,
    holding a lease that its holder renews (:class:`RemoteLock`);
 2. the marker ``ema/.ema-ckpt-staging/<generation>/started``;
-3. every data file, under a name carrying the generation (``__0_0.<generation>.distcp``), so
-   that the previous output's files stay as they were;
-4. copies of the commit files (``.metadata``, ``ema-ckpt.json``) beside the marker;
-5. ``.metadata``, then ``ema-ckpt.json``, at their keys: the commit;
-6. the previous generation's data files, then the staging prefix, deleted.
+3. the data files that ``.metadata`` or the index names, each under a name carrying the
+   generation (``__0_0.<generation>.distcp``, ``model-00001-of-00004.<generation>.safetensors``),
+   so that the previous output's files stay as they were;
+4. beside the marker, copies of the commit files (``.metadata``,
+   ``model.safetensors.index.json``, ``ema-ckpt.json``), then ``commit.json``: the output's
+   file names, and the size and CRC-32 of the file whose PUT switches readers to the new
+   output (its *switch*: ``.metadata``, the index, or a lone ``model.safetensors``);
+5. a lone ``model.safetensors``, then ``.metadata`` or the index, then ``ema-ckpt.json``, at
+   their keys: the commit;
+6. the files of the previous output that the new one does not have, then the staging prefix,
+   deleted.
 
-A reader (``dcp.load``, ema-ckpt) sees the previous commit until step 5 and the new one after.
-A run killed before step 5 leaves the previous output whole, and the next run removes what it
-uploaded; one killed during step 5 or 6 is finished by the next run (:func:`recover_remote`).
-A single-file output (``consolidate --out s3://b/model.safetensors``) is one PUT (a multipart
+A reader (``dcp.load``, ``from_pretrained``, ema-ckpt) sees the previous output until the
+switch is put and the new one after. A run killed before that leaves the previous output
+whole, and the next run removes what it uploaded; one killed after it (the switch at its key
+is the one ``commit.json`` records) is finished by the next run (:func:`recover_remote`). A
+single-file output (``consolidate --out s3://b/model.safetensors``) is one PUT (a multipart
 upload appears when it completes).
 
 Example:
     >>> with RemoteLock(as_path("s3://b/ema")):             # doctest: +SKIP
-    ...     upload_output(local_staging, as_path("s3://b/ema"), generation="20261202T010203-ab12cd")
+    ...     commit_upload(local_staging, as_path("s3://b/ema"), "20261202T010203-ab12cd")
 """
 
 from __future__ import annotations
@@ -43,19 +51,27 @@ from ._env import seconds
 from .errors import OutputError, OutputLockedError
 from .manifest import MANIFEST_NAME
 from .remote import RemotePath, _call
+from .writers.safetensors import INDEX_NAME
 
 STAGING_DIR = ".ema-ckpt-staging"
 """The prefix inside an output that holds an upload in progress (one folder per generation)."""
 METADATA_FILE = ".metadata"
-COMMIT_ORDER = (METADATA_FILE, MANIFEST_NAME)
-"""The files uploaded last, in this order: what makes an upload the output."""
+SINGLE_SAFETENSORS = "model.safetensors"
+COMMIT_ORDER = (METADATA_FILE, INDEX_NAME, MANIFEST_NAME)
+"""The files uploaded last, in this order (those an output has): what makes an upload the output."""
+SWITCHES = (METADATA_FILE, INDEX_NAME, SINGLE_SAFETENSORS)
+"""The file whose PUT switches readers to a new output: the first of these an output has."""
+RECORD = "commit.json"
+"""Beside the marker: the new output's file names and its switch's size and CRC-32."""
 LOCK_LEASE_SECONDS = 60.0
 """How long a lock is honoured after its holder last renewed it (a killed run's lock expires);
 ``EMA_CKPT_LOCK_LEASE`` sets it."""
 LEASE_ENV = "EMA_CKPT_LOCK_LEASE"
 STAGING_ENV = "EMA_CKPT_STAGING_DIR"
-_TAGGED = re.compile(r"^__\d+_\d+\.(?P<tag>[0-9A-Za-z-]+)\.distcp$")
-_PLAIN = re.compile(r"^__\d+_\d+\.distcp$")
+_TAGGED = re.compile(r"^(?:__\d+_\d+|model-\d+-of-\d+)\.(?P<tag>[0-9A-Za-z-]+)\.(?:distcp|safetensors)$")
+_PLAIN = re.compile(r"^(?:__\d+_\d+\.distcp|model-\d+-of-\d+\.safetensors)$")
+_NAMED = frozenset((*COMMIT_ORDER, SINGLE_SAFETENSORS))
+"""Files of an output that a new output without them leaves behind unless they are deleted."""
 
 
 def lock_lease() -> float:
@@ -266,17 +282,69 @@ def commit_upload(local: Path, final: Path, generation: str, *, lock: RemoteLock
     pending = final / STAGING_DIR / generation
     for name in commit:
         _remote(pending / name).upload(local / name)
+    _remote(pending / RECORD).write_bytes(_record(local, names))
     if lock is not None:
         lock.check()
     for name in others + commit:
         _remote(final / name).upload(local / name)
-    _clean_up(final, generation)
+    _clean_up(final, generation, set(names))
 
 
-def _clean_up(final: Path, generation: str) -> None:
-    old = [p for p in _children(final) if _PLAIN.match(p.name) or (
-        (m := _TAGGED.match(p.name)) is not None and m.group("tag") != generation)]
-    _delete(old)
+def _record(local: Path, names: list[str]) -> bytes:
+    """``commit.json``: the output's names and its switch's size and CRC-32.
+
+    Example:
+        >>> import tempfile; d = Path(tempfile.mkdtemp()); _ = (d / ".metadata").write_bytes(b"abc")
+        >>> json.loads(_record(d, [".metadata", "__0_0.t.distcp"]))["switch"]
+        {'crc32': 891568578, 'name': '.metadata', 'size': 3}
+    """
+    switch = next((n for n in SWITCHES if n in names), None)
+    doc: dict[str, Any] = {"files": names, "switch": None}
+    if switch is not None:
+        size, crc = _size_and_crc32(local / switch)
+        doc["switch"] = {"name": switch, "size": size, "crc32": crc}
+    return json.dumps(doc, sort_keys=True).encode()
+
+
+def _size_and_crc32(file: Path) -> tuple[int, int]:
+    from .commands import verify  # its one streaming hash, local or remote (imported late: a command module)
+
+    return verify._size_and_crc32(file, verify.HASH_BLOCK_BYTES)
+
+
+def _switched(final: Path, switch: dict[str, Any]) -> bool:
+    """The object at the switch's key is the one recorded (its size first: no read when it differs)."""
+    current = final / str(switch["name"])
+    try:
+        if current.stat().st_size != switch["size"]:
+            return False
+        return _size_and_crc32(current) == (switch["size"], switch["crc32"])
+    except FileNotFoundError:
+        return False
+
+
+def _read_record(path: Path | None) -> dict[str, Any]:
+    """A generation's ``commit.json`` (empty when it has none: killed before step 4)."""
+    if path is None:
+        return {}
+    try:
+        doc = json.loads(path.read_bytes())
+    except ValueError:
+        return {}
+    return doc if isinstance(doc, dict) else {}
+
+
+def _clean_up(final: Path, generation: str, keep: set[str] | None) -> None:
+    """Delete the files of earlier outputs, then the generation's staging: data files of other
+    generations, and the commit files (and lone ``model.safetensors``) not in ``keep`` (None:
+    staging without a record, whose output's names are unknown: data files only)."""
+
+    def stale(name: str) -> bool:
+        if (tagged := _TAGGED.match(name)) is not None:  # this generation's may come from any worker
+            return tagged.group("tag") != generation
+        return bool(_PLAIN.match(name)) or (keep is not None and name in _NAMED and name not in keep)
+
+    _delete([p for p in _children(final) if stale(p.name)])
     _delete(_everything_under(final / STAGING_DIR / generation))
 
 
@@ -288,9 +356,10 @@ def upload_file(local: Path, final: Path) -> None:
 def recover_remote(final: Path) -> list[str]:
     """Finish or undo what a killed upload left in ``final``; notes of what was done.
 
-    A generation whose ``.metadata`` copy equals the output's ``.metadata`` was committed:
-    its manifest is put in place and the older files removed. Any other generation was
-    not: its files and its staging prefix are removed, leaving the previous output whole.
+    A generation whose switch (``.metadata``, the index, or a lone ``model.safetensors``) is
+    the one its ``commit.json`` records was committed: the commit files after it are put in
+    place and the earlier output's files removed. Any other generation was not: its files
+    and its staging prefix are removed, leaving the previous output whole.
     """
     notes: list[str] = []
     staging = final / STAGING_DIR
@@ -298,14 +367,22 @@ def recover_remote(final: Path) -> list[str]:
     for generation in generations:
         pending = staging / generation
         staged = {p.name: p for p in _children(pending)}
-        current = final / METADATA_FILE
-        committed = METADATA_FILE in staged and current.exists() and (
-            staged[METADATA_FILE].read_bytes() == current.read_bytes())
+        record = _read_record(staged.get(RECORD))
+        switch = record.get("switch")
+        if isinstance(switch, dict):
+            committed = _switched(final, switch)
+        else:  # no record (an older ema-ckpt's staging): committed if its .metadata copy is the output's
+            current = final / METADATA_FILE
+            committed = METADATA_FILE in staged and current.exists() and (
+                staged[METADATA_FILE].read_bytes() == current.read_bytes())
+            switch = {"name": METADATA_FILE}
         if committed:
-            for name in COMMIT_ORDER[1:]:
-                if name in staged:
+            for name in COMMIT_ORDER:  # the commit files after the switch (the manifest)
+                if name in staged and name != switch["name"]:
                     _remote(final / name).write_bytes(staged[name].read_bytes())
-            _clean_up(final, generation)
+            files = record.get("files")
+            keep = {str(n) for n in files} if isinstance(files, list) else None
+            _clean_up(final, generation, keep)
             notes.append(f"finished publishing {final} (generation {generation}: an earlier run was interrupted)")
         else:
             tagged = [p for p in _children(final) if (m := _TAGGED.match(p.name)) and m.group("tag") == generation]
@@ -314,5 +391,6 @@ def recover_remote(final: Path) -> list[str]:
     return notes
 
 
-__all__ = ["COMMIT_ORDER", "LOCK_LEASE_SECONDS", "STAGING_DIR", "RemoteLock", "begin_upload", "commit_upload",
-           "local_staging_dir", "lock_lease", "new_generation", "recover_remote", "upload_data_files", "upload_file"]
+__all__ = ["COMMIT_ORDER", "LOCK_LEASE_SECONDS", "RECORD", "STAGING_DIR", "SWITCHES", "RemoteLock", "begin_upload",
+           "commit_upload", "local_staging_dir", "lock_lease", "new_generation", "recover_remote", "upload_data_files",
+           "upload_file"]

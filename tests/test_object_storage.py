@@ -266,10 +266,11 @@ class _FlakyProxy(socketserver.ThreadingMixIn, http.server.HTTPServer):
     daemon_threads = True
 
 
-def _flaky_proxy(target: str, every: int, fail_after_puts: int | None = None) -> tuple[_FlakyProxy, list[int]]:
+def _flaky_proxy(target: str, every: int, fail_after_puts: int | None = None,
+                 data_key: str = ".distcp") -> tuple[_FlakyProxy, list[int]]:
     """A loopback HTTP proxy answering every ``every``-th request with 503 SlowDown; with
-    ``fail_after_puts``, every request after that many PUTs of data files (``.distcp``): the
-    server gone mid-write."""
+    ``fail_after_puts``, every request after that many PUTs of data files (keys containing
+    ``data_key``): the server gone mid-write."""
     counts = [0, 0, 0]  # requests, 503s sent, PUTs forwarded
 
     class Handler(http.server.BaseHTTPRequestHandler):
@@ -282,7 +283,7 @@ def _flaky_proxy(target: str, every: int, fail_after_puts: int | None = None) ->
             body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
             counts[0] += 1
             gone = fail_after_puts is not None and counts[2] >= fail_after_puts
-            if self.command == "PUT" and ".distcp" in self.path and not gone:
+            if self.command == "PUT" and data_key in self.path and not gone:
                 counts[2] += 1
             if counts[0] % every == 0 or gone:
                 counts[1] += 1
@@ -361,7 +362,7 @@ def test_the_recipes_commands_run_as_written(run, s3, tmp_path):
     reading, writing = _recipe_block("## Reading from S3"), _recipe_block("## Writing to S3")
     assert reading[0][0] == "export" and reading[0][1].startswith("AWS_ENDPOINT_URL=")
     commands = reading[1:] + writing
-    assert len(commands) == 11
+    assert len(commands) == 13
     env = dict(os.environ, AWS_ENDPOINT_URL=s3)
     for words in commands:
         done = subprocess.run([str(EMA_CKPT), *words[1:]], cwd=tmp_path, env=env, capture_output=True, text=True,
@@ -370,7 +371,8 @@ def test_the_recipes_commands_run_as_written(run, s3, tmp_path):
     assert (tmp_path / "ema" / "ema-ckpt.json").exists() and (tmp_path / "model.safetensors").exists()
     assert sorted(p.name for p in (tmp_path / "posthoc").iterdir()) == ["sigma_rel_0.05", "sigma_rel_0.1"]
     written = keys_under(f"s3://{BUCKET}/run")
-    assert {"ema/ema-ckpt.json", "ema.safetensors", "posthoc/sigma_rel_0.1/.metadata"} <= set(written)
+    assert {"ema/ema-ckpt.json", "ema.safetensors", "posthoc/sigma_rel_0.1/.metadata", "hf/model.safetensors",
+            "sweep/sigma_rel_0.1/model.safetensors", "sweep/sigma_rel_0.1/ema-ckpt.json"} <= set(written)
 
 
 def download(url: str, local: Path) -> Path:
@@ -524,8 +526,6 @@ def test_single_file_and_resharded_outputs_on_s3(run, tmp_path):
     cli("reshard", local / step, "--world-size", "3", "--out", tmp_path / "resharded")
     assert_same(dcp_tensors(download(f"s3://{BUCKET}/out/resharded", tmp_path / "r")),
                 dcp_tensors(tmp_path / "resharded"))
-    message = cli("consolidate", local / step, "--out", f"s3://{BUCKET}/out/hf/", code=2)
-    assert "object storage" in message and len(message.strip().splitlines()) == 1
 
 
 def test_a_held_lock_refuses_and_an_expired_one_is_taken_over(run, tmp_path):
@@ -665,6 +665,198 @@ def test_a_run_cut_off_mid_upload_leaves_the_previous_ema_and_the_rerun_recovers
     assert not any(k.startswith(".ema-ckpt-staging/") for k in keys_under(out))
     cli("accumulate", local, "--decay", "0.9", "--out", tmp_path / "ema-local")
     assert_same(dcp_tensors(download(out, tmp_path / "ema-s3")), dcp_tensors(tmp_path / "ema-local"))
+
+
+SHARD = "2KB"  # several shards of the test model
+
+
+def _steps(local: Path) -> list[Path]:
+    return sorted(local.iterdir(), key=lambda p: int(p.name.split("_")[-1]))
+
+
+def _objects(url: str) -> dict[str, bytes]:
+    """Every object under ``url``, by key relative to it."""
+    client = boto3.client("s3")
+    prefix = url.removeprefix(f"s3://{BUCKET}/").rstrip("/")
+    return {k: client.get_object(Bucket=BUCKET, Key=f"{prefix}/{k}")["Body"].read() for k in keys_under(url)}
+
+
+def _untagged(name: str) -> str:
+    """``model-00001-of-00002.<generation>.safetensors`` → the local name ``model-00001-of-00002.safetensors``."""
+    parts = name.split(".")
+    return f"{parts[0]}.safetensors" if len(parts) == 3 and parts[2] == "safetensors" else name
+
+
+def assert_hf_layout_as_local(url: str, local: Path) -> None:
+    """The HF layout at ``url`` is ``local``'s: each shard byte for byte, the index but for the
+    shards' generation tag, and nothing else there."""
+    there = _objects(url)
+    index = json.loads(there["model.safetensors.index.json"])
+    named = set(index["weight_map"].values())
+    assert set(there) == named | {"model.safetensors.index.json"}, sorted(there)
+    assert {_untagged(n) for n in named} == {p.name for p in local.iterdir()} - {"model.safetensors.index.json"}
+    for name in named:
+        assert there[name] == (local / _untagged(name)).read_bytes(), name
+    index["weight_map"] = {k: _untagged(v) for k, v in index["weight_map"].items()}
+    assert index == json.loads((local / "model.safetensors.index.json").read_text())
+
+
+def assert_reads_as(url: str, local: Path) -> None:
+    """ema-ckpt's reader, straight from the bucket, gives ``local``'s tensors."""
+    with open_checkpoint(remote.as_path(url)) as there, open_checkpoint(local) as here:
+        specs = here.specs()
+        assert there.specs().keys() == specs.keys()
+        for key, spec in specs.items():
+            full = Box((0,) * len(spec.shape), tuple(spec.shape))
+            assert torch.equal(there.read(key, full), here.read(key, full)), key
+
+
+def test_hf_sharded_consolidate_to_s3_is_the_local_layout_and_loads(run, tmp_path):
+    local, url = run
+    steps = _steps(local)
+    out = f"s3://{BUCKET}/hf/model"
+    cli("consolidate", f"{url}/{steps[-1].name}", "--out", f"{out}/", "--max-shard-size", SHARD, "--workers", "2")
+    cli("consolidate", steps[-1], "--out", f"{tmp_path / 'hf'}/", "--max-shard-size", SHARD)
+    assert len(list((tmp_path / "hf").glob("model-*.safetensors"))) > 1
+    assert_hf_layout_as_local(out, tmp_path / "hf")
+    assert_reads_as(out, tmp_path / "hf")
+    assert json.loads(cli("verify", out, "--json"))["ok"] is True
+    shards = download(out, tmp_path / "hf-s3")
+    loaded = {k: v for f in sorted(shards.glob("*.safetensors")) for k, v in load_file(f).items()}
+    expected = {k: v for f in sorted((tmp_path / "hf").glob("*.safetensors")) for k, v in load_file(f).items()}
+    assert_same(loaded, expected)
+    # a rerun over it: a new generation of shards, the old ones removed, only the new index's names left
+    first = set(keys_under(out))
+    cli("consolidate", steps[1], "--out", f"{out}/", "--max-shard-size", SHARD, "--overwrite")
+    cli("consolidate", steps[1], "--out", f"{tmp_path / 'hf1'}/", "--max-shard-size", SHARD)
+    assert not (first - {"model.safetensors.index.json"}) & set(keys_under(out))
+    assert_hf_layout_as_local(out, tmp_path / "hf1")
+    # one shard (model.safetensors alone), then shards again: each layout replaces the other whole
+    cli("consolidate", steps[1], "--out", f"{out}/", "--overwrite")
+    assert keys_under(out) == ["model.safetensors"]
+    cli("consolidate", steps[1], "--out", f"{out}/", "--max-shard-size", SHARD, "--overwrite")
+    assert_hf_layout_as_local(out, tmp_path / "hf1")
+    # a run holding the output's lock: the other refuses, writing nothing
+    client = boto3.client("s3")
+    client.put_object(Bucket=BUCKET, Key="hf/.model.lock",
+                      Body=json.dumps({"owner": "other-host:1:abc", "expires": time.time() + 600}).encode())
+    message = cli("consolidate", steps[-1], "--out", f"{out}/", "--max-shard-size", SHARD, "--overwrite", code=75)
+    assert "another ema-ckpt run" in message
+    client.delete_object(Bucket=BUCKET, Key="hf/.model.lock")
+    assert_hf_layout_as_local(out, tmp_path / "hf1")
+
+
+def test_a_consolidate_killed_after_its_index_is_finished_by_the_next_run(run, tmp_path, monkeypatch):
+    import ema_ckpt.remote_output as remote_output
+
+    local, _ = run
+    steps = _steps(local)
+    out = f"s3://{BUCKET}/hf-after/model"
+    cli("consolidate", steps[1], "--out", f"{out}/", "--max-shard-size", SHARD)
+    old = set(keys_under(out))
+
+    def killed(*args: object) -> None:
+        raise KeyboardInterrupt  # as a run stopped between the index's PUT and the clean-up
+
+    with monkeypatch.context() as patch:
+        patch.setattr(remote_output, "_clean_up", killed)
+        runner.invoke(app, ["consolidate", str(steps[-1]), "--out", f"{out}/", "--max-shard-size", SHARD,
+                            "--overwrite"])
+    cli("consolidate", steps[-1], "--out", f"{tmp_path / 'new'}/", "--max-shard-size", SHARD)
+    assert_reads_as(out, tmp_path / "new")  # the new index is the output; the old shards are garbage
+    assert old - {"model.safetensors.index.json"} <= set(keys_under(out))
+    notes = remote_output.recover_remote(remote.as_path(out))
+    assert len(notes) == 1 and notes[0].startswith("finished"), notes
+    assert_hf_layout_as_local(out, tmp_path / "new")
+
+
+def test_a_consolidate_cut_off_mid_upload_leaves_the_previous_shards_and_the_rerun_recovers(run, s3, tmp_path,
+                                                                                            monkeypatch):
+    local, _ = run
+    steps = _steps(local)
+    out = f"s3://{BUCKET}/hf-cut/model"
+    cli("consolidate", steps[1], "--out", f"{out}/", "--max-shard-size", SHARD)
+    cli("consolidate", steps[1], "--out", f"{tmp_path / 'old'}/", "--max-shard-size", SHARD)
+    before = _objects(out)
+    proxy, _ = _flaky_proxy(s3, every=10**9, fail_after_puts=1, data_key=".safetensors")  # gone after one shard
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    monkeypatch.setenv("EMA_CKPT_LOCK_LEASE", "2")
+    try:
+        _use_endpoint(f"http://127.0.0.1:{proxy.server_address[1]}")
+        message = cli("consolidate", steps[-1], "--out", f"{out}/", "--max-shard-size", SHARD, "--overwrite", code=9)
+    finally:
+        _use_endpoint(s3)
+        proxy.shutdown()
+    assert len(message.strip().splitlines()) == 1
+    after = _objects(out)
+    assert any(k.startswith(".ema-ckpt-staging/") for k in after)
+    assert {k: v for k, v in after.items() if k in before} == before  # the previous output, untouched
+    assert_reads_as(out, tmp_path / "old")
+    cli("consolidate", steps[-1], "--out", f"{out}/", "--max-shard-size", SHARD, "--overwrite", "--wait", "20")
+    cli("consolidate", steps[-1], "--out", f"{tmp_path / 'new'}/", "--max-shard-size", SHARD)
+    assert_hf_layout_as_local(out, tmp_path / "new")  # the cut-off run's shard and marker removed
+
+
+def _same_sweep(url: str, local: Path, names: list[str]) -> None:
+    for name in names:
+        there = _objects(f"{url}/{name}")
+        assert sorted(there) == ["ema-ckpt.json", "model.safetensors"], sorted(there)
+        assert there["model.safetensors"] == (local / name / "model.safetensors").read_bytes(), name
+        manifest = json.loads(there["ema-ckpt.json"])
+        assert manifest["files"] == json.loads((local / name / "ema-ckpt.json").read_text())["files"]
+        assert json.loads(cli("verify", f"{url}/{name}", "--json"))["ok"] is True
+
+
+def test_posthoc_safetensors_sweep_to_s3_writes_each_local_output(run, tmp_path):
+    local, url = run
+    names = ["sigma_rel_0.05", "sigma_rel_0.1"]
+    out = f"s3://{BUCKET}/sweep/posthoc"
+    cli("posthoc", url, "--sigma-rel", "0.05,0.1", "--format", "safetensors", "--out", out)
+    cli("posthoc", local, "--sigma-rel", "0.05,0.1", "--format", "safetensors", "--out", tmp_path / "posthoc")
+    _same_sweep(out, tmp_path / "posthoc", names)
+    assert keys_under(out) == [f"{n}/{f}" for n in names for f in ("ema-ckpt.json", "model.safetensors")]
+    cli("average", url, "--last", "2", "--format", "safetensors", "--out", f"s3://{BUCKET}/sweep/avg")
+    cli("average", local, "--last", "2", "--format", "safetensors", "--out", tmp_path / "avg")
+    _same_sweep(f"s3://{BUCKET}/sweep", tmp_path, ["avg"])
+
+
+def test_a_sweep_cut_off_between_an_outputs_data_and_manifest_is_finished_by_the_next_run(run, s3, tmp_path,
+                                                                                          monkeypatch):
+    from ema_ckpt.remote_output import recover_remote
+
+    local, _ = run
+    steps = _steps(local)
+    for step in steps[:3]:
+        upload(step, f"sweep-cut/ckpts/{step.name}")
+    src, out = f"s3://{BUCKET}/sweep-cut/ckpts", f"s3://{BUCKET}/sweep-cut/posthoc"
+    names = ["sigma_rel_0.05", "sigma_rel_0.1"]
+    args = ["--sigma-rel", "0.05,0.1", "--format", "safetensors"]
+    cli("posthoc", src, *args, "--out", out)
+    before = {name: _objects(f"{out}/{name}") for name in names}
+    for step in steps[3:]:
+        upload(step, f"sweep-cut/ckpts/{step.name}")
+    # the first output's model.safetensors is put (its switch); its manifest is not
+    proxy, _ = _flaky_proxy(s3, every=10**9, fail_after_puts=1, data_key="model.safetensors")
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    monkeypatch.setenv("EMA_CKPT_LOCK_LEASE", "2")
+    try:
+        _use_endpoint(f"http://127.0.0.1:{proxy.server_address[1]}")
+        cli("posthoc", src, *args, "--out", out, "--overwrite", code=9)
+    finally:
+        _use_endpoint(s3)
+        proxy.shutdown()
+    first, second = (_objects(f"{out}/{name}") for name in names)
+    assert first["model.safetensors"] != before[names[0]]["model.safetensors"]
+    assert first["ema-ckpt.json"] == before[names[0]]["ema-ckpt.json"]  # the window: verify says so
+    assert "CRC-32" in cli("verify", f"{out}/{names[0]}", code=3)
+    assert {k: v for k, v in second.items() if not k.startswith(".ema-ckpt")} == before[names[1]]
+    notes = recover_remote(remote.as_path(f"{out}/{names[0]}")) + recover_remote(remote.as_path(f"{out}/{names[1]}"))
+    assert [n.split()[0] for n in notes] == ["finished", "removed"], notes
+    assert json.loads(cli("verify", f"{out}/{names[0]}", "--json"))["ok"] is True
+    assert _objects(f"{out}/{names[1]}") == before[names[1]]
+    cli("posthoc", src, *args, "--out", out, "--overwrite", "--wait", "20")
+    cli("posthoc", local, *args, "--out", tmp_path / "posthoc")
+    _same_sweep(out, tmp_path / "posthoc", names)
 
 
 def test_workers_and_a_sweep_write_to_s3_the_bytes_of_one_local_worker(run, tmp_path):

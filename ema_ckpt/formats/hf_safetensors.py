@@ -54,7 +54,7 @@ SUFFIX = ".safetensors"
 INDEX_SUFFIX = ".safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-_SHARD_NAME = re.compile(r"-\d+-of-\d+\.safetensors$")
+_SHARD_NAME = re.compile(r"-\d+-of-\d+(?:\.[0-9A-Za-z-]+)?\.safetensors$")  # tagged on object storage
 _MAX_HEADER = 100_000_000  # the limit safetensors itself enforces
 
 # Safetensors dtype names torch can hold; float8 and unsigned kinds only where this

@@ -190,7 +190,7 @@ class SafetensorsOutput(OutputWriter):
             sizes = [(t.key, math.prod(t.shape) * itemsize(t.dtype)) for t in tensors]
             shards = plan_shards(sizes, self.max_shard_bytes)
             groups = [[self._tensors[k] for k in shard] for shard in shards]
-            names = shard_file_names(len(shards))
+            names = shard_file_names(len(shards), self.file_tag)
         raw = self.may_copy_stored and self.copies_stored(tensors, source)
         regions = []
         for name, group in zip(names, groups, strict=True):
@@ -257,6 +257,9 @@ class SafetensorsOutput(OutputWriter):
         if self._open_file is not None:
             self._open_file[1].abort()
             self._open_file = None
+
+    def own_files(self, state: Any) -> list[str]:
+        return list(state)
 
 
 class TorchFileOutput(OutputWriter):

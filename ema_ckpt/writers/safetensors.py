@@ -61,11 +61,21 @@ def plan_shards(sizes: Sequence[tuple[str, int]], max_shard_bytes: int) -> list[
     return shards
 
 
-def shard_file_names(count: int) -> list[str]:
-    """Hugging Face's names: ``model.safetensors`` alone, else ``model-00001-of-0000N.safetensors``."""
+def shard_file_names(count: int, tag: str | None = None) -> list[str]:
+    """Hugging Face's names: ``model.safetensors`` alone, else ``model-00001-of-0000N.safetensors``.
+
+    ``tag`` (an output on object storage) goes before the suffix of each shard's name, so a
+    new output's shards never overwrite the previous one's; the index names them, and loaders
+    load what it names. A lone ``model.safetensors`` keeps its name (loaders look for it).
+
+    Example:
+        >>> shard_file_names(2, "20261202T010203-ab12cd")[0]
+        'model-00001-of-00002.20261202T010203-ab12cd.safetensors'
+    """
     if count == 1:
         return ["model.safetensors"]
-    return [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
+    middle = f".{tag}" if tag else ""
+    return [f"model-{i:05d}-of-{count:05d}{middle}.safetensors" for i in range(1, count + 1)]
 
 
 @dataclass(slots=True)
