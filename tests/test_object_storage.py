@@ -738,11 +738,13 @@ def test_hf_sharded_consolidate_to_s3_is_the_local_layout_and_loads(run, tmp_pat
     assert_hf_layout_as_local(out, tmp_path / "hf1")
     # a run holding the output's lock: the other refuses, writing nothing
     client = boto3.client("s3")
-    client.put_object(Bucket=BUCKET, Key="hf/.model.lock",
+    held = sorted(k for k in keys_under(f"s3://{BUCKET}/hf") if k.startswith(".model.lock/"))[-1]
+    number = int(held.rsplit("/", 1)[1]) + 1
+    client.put_object(Bucket=BUCKET, Key=f"hf/.model.lock/{number:012d}",
                       Body=json.dumps({"owner": "other-host:1:abc", "expires": time.time() + 600}).encode())
     message = cli("consolidate", steps[-1], "--out", f"{out}/", "--max-shard-size", SHARD, "--overwrite", code=75)
     assert "another ema-ckpt run" in message
-    client.delete_object(Bucket=BUCKET, Key="hf/.model.lock")
+    client.delete_object(Bucket=BUCKET, Key=f"hf/.model.lock/{number:012d}")
     assert_hf_layout_as_local(out, tmp_path / "hf1")
 
 
