@@ -30,10 +30,11 @@ import stat
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
+from ._crc import crc32
 from .errors import OptionError, OutputError, OutputLockedError
-from .remote import as_path, is_remote, remote_files
+from .remote import RemoteFile, RemotePath, as_path, is_remote, remote_files
 
 _RENAME_EXCHANGE = 2
 _SYNC_FILE_RANGE_WRITE = 2
@@ -342,3 +343,32 @@ class OutputLock:
         finally:
             fcntl.flock(fd, fcntl.LOCK_UN)
             os.close(fd)
+
+
+HASH_BLOCK_BYTES = 8 << 20
+"""CRC-32 is computed over blocks of this many bytes (memory stays bounded by one block)."""
+
+
+def size_and_crc32(file: Path, block_bytes: int = HASH_BLOCK_BYTES) -> tuple[int, int]:
+    """Stream ``file`` (local, or on object storage) once: its length and CRC-32 (as :mod:`zlib` computes it)."""
+    crc = 0
+    size = 0
+    buffer = bytearray(max(1, block_bytes))
+    view = memoryview(buffer)
+    if is_remote(file):  # ranged reads, with read-ahead, of the object
+        remote = RemoteFile(cast(RemotePath, file))
+        try:
+            while n := remote.readinto(view, size):
+                crc = crc32(view[:n], crc)
+                size += n
+        finally:
+            remote.close()
+        return size, crc
+    with open(file, "rb", buffering=0) as handle:
+        while True:
+            n = handle.readinto(buffer)
+            if not n:
+                break
+            crc = crc32(view[:n], crc)
+            size += n
+    return size, crc

@@ -49,6 +49,7 @@ from typing import Any, cast
 
 from ._env import seconds
 from .errors import OutputError, OutputLockedError
+from .fs import size_and_crc32
 from .manifest import MANIFEST_NAME
 from .remote import RemotePath, _call
 from .writers.safetensors import INDEX_NAME
@@ -301,15 +302,9 @@ def _record(local: Path, names: list[str]) -> bytes:
     switch = next((n for n in SWITCHES if n in names), None)
     doc: dict[str, Any] = {"files": names, "switch": None}
     if switch is not None:
-        size, crc = _size_and_crc32(local / switch)
+        size, crc = size_and_crc32(local / switch)
         doc["switch"] = {"name": switch, "size": size, "crc32": crc}
     return json.dumps(doc, sort_keys=True).encode()
-
-
-def _size_and_crc32(file: Path) -> tuple[int, int]:
-    from .commands import verify  # its one streaming hash, local or remote (imported late: a command module)
-
-    return verify._size_and_crc32(file, verify.HASH_BLOCK_BYTES)
 
 
 def _switched(final: Path, switch: dict[str, Any]) -> bool:
@@ -318,7 +313,7 @@ def _switched(final: Path, switch: dict[str, Any]) -> bool:
     try:
         if current.stat().st_size != switch["size"]:
             return False
-        return _size_and_crc32(current) == (switch["size"], switch["crc32"])
+        return size_and_crc32(current) == (switch["size"], switch["crc32"])
     except FileNotFoundError:
         return False
 

@@ -26,21 +26,19 @@ import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
-from .._crc import crc32
 from ..dist import Workers
 from ..errors import CheckpointError, CheckpointNotFoundError, EmaCkptError
 from ..formats import open_checkpoint
 from ..formats.base import CheckpointReader
+from ..fs import HASH_BLOCK_BYTES, size_and_crc32
 from ..layout import TensorSpec, split_rows
 from ..manifest import MANIFEST_NAME, Manifest
 from ..progress import Progress
 from ..reading import Piece, Tally, run_reading, share_out
-from ..remote import RemoteFile, RemotePath, as_path, is_remote
+from ..remote import as_path
 
-HASH_BLOCK_BYTES = 8 << 20
-"""CRC-32 is computed over blocks of this many bytes (memory stays bounded by one block)."""
 READ_BLOCK_BYTES = 64 << 20
 """Tensors are read back in row blocks of at most this many bytes (at least one row)."""
 _KNOWN_FILES = {MANIFEST_NAME, ".metadata"}
@@ -373,7 +371,7 @@ def _file_checks(path: Path, manifest: Manifest, block_bytes: int, *, extras: bo
             size, recorded = expected
             try:
                 if crc:
-                    actual_size, actual_crc = _size_and_crc32(file, block_bytes)
+                    actual_size, actual_crc = size_and_crc32(file, block_bytes)
                 else:
                     actual_size, actual_crc = file.stat().st_size, recorded
             except OSError as err:
@@ -408,31 +406,6 @@ def _check_extras(path: Path, listed: dict[str, Any], result: VerifyResult) -> N
             continue
         kind = "directory" if entry.is_dir() else "file"
         result.problem(f"{entry}: extra {kind} not listed in {MANIFEST_NAME}")
-
-
-def _size_and_crc32(file: Path, block_bytes: int) -> tuple[int, int]:
-    """Stream ``file`` once: its length and CRC-32 (as :mod:`zlib` computes it)."""
-    crc = 0
-    size = 0
-    buffer = bytearray(max(1, block_bytes))
-    view = memoryview(buffer)
-    if is_remote(file):  # ranged reads, with read-ahead, of the object
-        remote = RemoteFile(cast(RemotePath, file))
-        try:
-            while n := remote.readinto(view, size):
-                crc = crc32(view[:n], crc)
-                size += n
-        finally:
-            remote.close()
-        return size, crc
-    with open(file, "rb", buffering=0) as handle:
-        while True:
-            n = handle.readinto(buffer)
-            if not n:
-                break
-            crc = crc32(view[:n], crc)
-            size += n
-    return size, crc
 
 
 def _read_checks(reader: CheckpointReader, block_bytes: int) -> list[_Check]:
