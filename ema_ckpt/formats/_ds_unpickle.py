@@ -14,6 +14,12 @@ held open together is most of the data; :func:`release_pages` hands the pages of
 once it has been copied out (they stay in the page cache and refault from the file if read
 again), so resident memory stays near one span instead of growing with every file read.
 
+On object storage a file is never mapped nor fetched whole: :func:`load_ds_structure` reads its
+zip directory and ``data.pkl`` by ranged requests, unpickles them with the same unpickler and
+stand-ins, and leaves every tensor on the ``meta`` device, carrying its shape and dtype;
+:func:`meta_file_offset` then says where its bytes lie in the object, for ranged reads of just
+those bytes.
+
 Example:
     >>> from ema_ckpt.formats._ds_unpickle import load_ds_file  # doctest: +SKIP
     >>> state = load_ds_file("ckpt/global_step10/zero_pp_rank_0_mp_rank_00_optim_states.pt")
@@ -38,21 +44,26 @@ import threading
 import warnings
 import zipfile
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, cast
 
 from .._lazy import torch
 from ..errors import CheckpointFormatError, CheckpointNotFoundError, UnsafePickleError
-from ..torch_records import member_start, scan_record
+from ..remote import RangedReads, RangeSource, RemotePath
+from ..torch_records import FileWindow, member_start, scan_record
 
 __all__ = [
     "STAND_INS",
     "DynamicLossScaler",
     "LossScaler",
+    "RemoteStructure",
     "ZeroStageEnum",
     "fragment_address",
     "load_ds_file",
     "load_ds_file_releasable",
+    "load_ds_structure",
+    "meta_file_offset",
     "pages_releasable",
     "release_pages",
     "storage_file_offsets",
@@ -170,20 +181,34 @@ def _load(path: Path, mmap: bool) -> tuple[Any, bool]:
         raise CheckpointNotFoundError(path, "no such file") from None
     except OSError as err:
         raise CheckpointFormatError(path, f"cannot read: {err.strerror or err}") from None
+    is_zip = _check_magic(path, magic)
+    mapped = mmap and is_zip
+    return _safe_load(path, path, is_zip, map_location="cpu", mmap=mapped), mapped
+
+
+def _check_magic(path: Path, magic: bytes) -> bool:
+    """Whether the file is a zip-format ``torch.save`` file (else a legacy one); refuses anything else."""
     if not magic:
         raise CheckpointFormatError(path, "empty file (truncated, or still being written)")
     is_zip = magic == _ZIP_MAGIC
     if not is_zip and magic[:1] != b"\x80":
         raise CheckpointFormatError(path, "not a torch.save file (no zip or pickle header)")
+    return is_zip
+
+
+def _safe_load(path: Path, source: Path | IO[bytes], is_zip: bool, **options: Any) -> Any:
+    """``torch.load(source)`` with the weights-only unpickler and the stand-ins; every failure is
+    one :class:`~ema_ckpt.errors.CheckpointFormatError` naming ``path``."""
     try:
         with _LOAD_LOCK, torch.serialization.safe_globals(_SAFE_GLOBALS), warnings.catch_warnings():
             # torch warns about pickle protocols other than 2 and then refuses the file anyway.
             warnings.filterwarnings("ignore", message="Detected pickle protocol")
-            mapped = mmap and is_zip
-            return torch.load(path, map_location="cpu", weights_only=True, mmap=mapped), mapped
+            return torch.load(source, weights_only=True, **options)
     except pickle.UnpicklingError as err:
         try:
-            name = _refused_global(path, str(err), is_zip)
+            if not isinstance(source, Path):
+                source.seek(0)
+            name = _refused_global(source, str(err), is_zip)
         except Exception:  # a damaged archive: the pickle error below is the message
             name = None
         if name is not None:
@@ -340,6 +365,105 @@ def _stored_members(path: Path) -> dict[int, int] | None:
         os.close(fd)
 
 
+@dataclass(eq=False)
+class RemoteStructure:
+    """A ``.pt`` object on object storage, loaded for its structure only.
+
+    ``state`` is the unpickled object with every tensor on the ``meta`` device; ``members``
+    lists the zip members as ``(local header offset, method, size)``, sorted; ``source`` is
+    what the structure was read through (kept to check members' headers, then closed).
+    """
+
+    path: Path
+    state: Any
+    members: list[tuple[int, int, int]]
+    source: RangeSource
+    _checked: dict[int, int] = field(default_factory=dict)  # data offset -> size, verified
+
+    def close(self) -> None:
+        self.source.close()
+
+
+def load_ds_structure(path: Path) -> RemoteStructure:
+    """Load a DeepSpeed ``.pt`` object from object storage without reading its tensors' bytes.
+
+    The zip directory, ``data.pkl`` and the members' small records are read by ranged
+    requests and unpickled as :func:`load_ds_file` does (weights-only unpickler, stand-ins);
+    tensors come back on the ``meta`` device (torch's ``map_location="meta"``), each storage
+    knowing its offset in the object (:func:`meta_file_offset`).
+
+    Raises:
+        CheckpointNotFoundError: no such object.
+        UnsafePickleError: the pickle refers to a global outside the allowlist; nothing ran.
+        CheckpointFormatError: the object is truncated, corrupt, a legacy ``torch.save``
+            file, or written on a machine of the other byte order.
+    """
+    source = RangedReads(cast(RemotePath, path))
+    try:
+        is_zip = _check_magic(path, source.pread(4, 0))
+        if not is_zip:
+            raise CheckpointFormatError(path, "a legacy (non-zip) torch.save file, which is read from a local "
+                                              "copy only")
+        members = _zip_members(path, source)
+        source.fences = sorted(m[3] for m in members)
+        byteorder = next((m for m in members if m[0] == "byteorder" or m[0].endswith("/byteorder")), None)
+        if byteorder is not None:
+            start = member_start(source, 0, source.size, byteorder[3])
+            order = source.pread(byteorder[2], start).decode("ascii", "replace") if start is not None else ""
+            if order != sys.byteorder:
+                raise CheckpointFormatError(path, f"written {order or 'in an unknown'}-endian, which is read from a "
+                                                  "local copy only")
+        window = FileWindow(source, 0, source.size)
+        state = _safe_load(path, cast(IO[bytes], window), True, map_location="meta")
+        listed = sorted((local, method, size) for _, method, size, local in members)
+        return RemoteStructure(path, state, listed, source)
+    except BaseException:
+        source.close()
+        raise
+
+
+def _zip_members(path: Path, source: RangeSource) -> list[tuple[str, int, int, int]]:
+    """``(name, method, size, local header offset)`` of every member of a zip object."""
+    listed = scan_record(source, 0, source.size)
+    if listed is None:
+        try:
+            with zipfile.ZipFile(cast(IO[bytes], FileWindow(source, 0, source.size))) as zf:
+                return [(i.filename, i.compress_type, i.file_size, i.header_offset) for i in zf.infolist()]
+        except (zipfile.BadZipFile, ValueError, EOFError) as err:
+            raise CheckpointFormatError(path, f"truncated or corrupt torch.save file ({err})") from None
+    return [(name, method, size, local) for name, (method, size, local) in listed.items()]
+
+
+def meta_file_offset(loaded: RemoteStructure, t: torch.Tensor) -> int:
+    """Where ``t[0]`` (a tensor of ``loaded.state``) lies in the object, in bytes.
+
+    The storage's offset is the one torch records when it loads to ``meta``; it is accepted
+    only when the zip member whose header precedes it starts its data exactly there, is
+    stored uncompressed and holds the storage's bytes, so a ranged read of the span returns
+    the tensor's bytes or an error, never other bytes.
+
+    Raises:
+        CheckpointFormatError: the offset is unknown or does not match a member.
+    """
+    storage = t.untyped_storage()
+    # torch's load to "meta" records each storage's data offset on it (an attribute it reads back itself).
+    start = getattr(storage, "_checkpoint_offset", None)
+    nbytes = storage.nbytes()
+    if not isinstance(start, int):
+        raise CheckpointFormatError(loaded.path, "a tensor's place in the file is unknown")
+    if loaded._checked.get(start) != nbytes:
+        before = [m for m in loaded.members if m[0] < start]
+        if not before:
+            raise CheckpointFormatError(loaded.path, f"no zip member holds the storage at byte {start}")
+        local, method, size = before[-1]
+        data = member_start(loaded.source, 0, loaded.source.size, local)
+        if data != start or method != zipfile.ZIP_STORED or size != nbytes or start + nbytes > loaded.source.size:
+            raise CheckpointFormatError(loaded.path, f"the storage at byte {start} ({nbytes} bytes) does not match "
+                                                     "its zip member (truncated or corrupt)")
+        loaded._checked[start] = nbytes
+    return start + int(t.storage_offset()) * int(t.element_size())
+
+
 def _first_line(message: str) -> str:
     """The informative line of a torch error (past the weights-only preamble), shortened."""
     _, marker, rest = message.partition("WeightsUnpickler error:")
@@ -350,7 +474,7 @@ def _first_line(message: str) -> str:
     return ""
 
 
-def _refused_global(path: Path, message: str, is_zip: bool) -> str | None:
+def _refused_global(path: Path | IO[bytes], message: str, is_zip: bool) -> str | None:
     """The global the weights-only unpickler refused, from its message or from the pickle."""
     match = _GLOBAL_IN_MESSAGE.search(message)
     if match:

@@ -2,7 +2,8 @@
 
 Only file names are looked at, except for the first model-states file, whose pickle holds
 ``dp_world_size`` and ``global_steps``: it is read once per file version (memory-mapped,
-through the restricted loader of :mod:`.._ds_unpickle`) and remembered.
+through the restricted loader of :mod:`.._ds_unpickle`; on object storage its structure
+only, by ranged requests) and remembered.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import CheckpointFormatError, UnsafePickleError
-from .._ds_unpickle import load_ds_file
+from ...remote import as_path, is_remote
+from .._ds_unpickle import load_ds_file, load_ds_structure
 
 FORMAT_NAME = "deepspeed"
 
@@ -68,7 +70,7 @@ def find_tag_dir(path: str | Path) -> Path | None:
     tag folder, and so Hugging Face Trainer's ``checkpoint-N`` (``latest`` + ``global_stepN``).
     Only file names are looked at.
     """
-    path = Path(path)
+    path = as_path(path)
     if not path.is_dir():
         return None
     models, optims = ds_files(path)
@@ -117,7 +119,7 @@ def incomplete(path: str | Path) -> str | None:
     no optimizer files (or the reverse), gaps in the rank numbers, and fewer optimizer files
     than the ``dp_world_size`` recorded in the model states.
     """
-    path = Path(path)
+    path = as_path(path)
     if not path.is_dir():
         return None
     tag = _read_latest(path)
@@ -210,12 +212,18 @@ def _model_summary(path: Path) -> tuple[Any, Any]:
         st = path.stat()
     except OSError:
         st = None
-    key = (str(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns) if st is not None else None
+    key = ((str(path), getattr(st, "st_dev", 0), getattr(st, "st_ino", 0), st.st_size, st.st_mtime_ns)
+           if st is not None else None)
     if key is not None and key in _SUMMARIES:
         return _SUMMARIES[key]
-    state = load_ds_file(path)
+    if is_remote(path):
+        structure = load_ds_structure(path)
+        structure.close()
+        state = structure.state
+    else:
+        state = load_ds_file(path)
     summary = (state.get("dp_world_size"), state.get("global_steps")) if isinstance(state, dict) else (None, None)
-    if key is not None and st is not None and time.time() - st.st_mtime > _SETTLED_SECONDS:
+    if key is not None and st is not None and time.time() - st.st_mtime_ns / 1e9 > _SETTLED_SECONDS:
         if len(_SUMMARIES) >= 4096:
             _SUMMARIES.clear()
         _SUMMARIES[key] = summary
@@ -272,7 +280,7 @@ def deepspeed_tags(save_dir: str | Path) -> list[Path]:
     ``save_dir/latest`` names only the newest tag; an EMA wants them all. Order is by the step
     in the tag name (``global_step<N>``), then by name.
     """
-    save_dir = Path(save_dir)
+    save_dir = as_path(save_dir)
     tags = [c for c in sorted(save_dir.iterdir()) if c.is_dir() and all(ds_files(c))]
 
     def order(p: Path) -> tuple[int, str]:
