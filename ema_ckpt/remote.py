@@ -105,6 +105,8 @@ class RemoteStat:
     st_size: int
     st_mode: int
     st_mtime_ns: int = 0
+    etag: str = ""
+    """The object version's tag, where the store gives one (a rewrite changes it)."""
 
 
 def _stat_of(info: dict[str, Any]) -> RemoteStat:
@@ -117,7 +119,8 @@ def _stat_of(info: dict[str, Any]) -> RemoteStat:
         mtime_ns = int(modified * 1e9)
     else:
         mtime_ns = 0
-    return RemoteStat(int(info.get("size") or 0), stat_module.S_IFREG | 0o644, mtime_ns)
+    etag = info.get("ETag") or info.get("etag") or ""
+    return RemoteStat(int(info.get("size") or 0), stat_module.S_IFREG | 0o644, mtime_ns, str(etag))
 
 
 class RemotePath:

@@ -15,10 +15,10 @@ once it has been copied out (they stay in the page cache and refault from the fi
 again), so resident memory stays near one span instead of growing with every file read.
 
 On object storage a file is never mapped nor fetched whole: :func:`load_ds_structure` reads its
-zip directory and ``data.pkl`` by ranged requests, unpickles them with the same unpickler and
-stand-ins, and leaves every tensor on the ``meta`` device, carrying its shape and dtype;
-:func:`meta_file_offset` then says where its bytes lie in the object, for ranged reads of just
-those bytes.
+zip directory and ``data.pkl`` by ranged requests and unpickles it with the same weights-only
+unpickler and stand-ins, every storage an empty ``meta`` one of its size (tensors keep their
+shapes, dtypes and views); :func:`meta_file_offset` then says where a tensor's bytes lie in the
+object, for ranged reads of just those bytes.
 
 Example:
     >>> from ema_ckpt.formats._ds_unpickle import load_ds_file  # doctest: +SKIP
@@ -43,7 +43,7 @@ import sys
 import threading
 import warnings
 import zipfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, cast
@@ -183,7 +183,8 @@ def _load(path: Path, mmap: bool) -> tuple[Any, bool]:
         raise CheckpointFormatError(path, f"cannot read: {err.strerror or err}") from None
     is_zip = _check_magic(path, magic)
     mapped = mmap and is_zip
-    return _safe_load(path, path, is_zip, map_location="cpu", mmap=mapped), mapped
+    state = _safe_load(path, lambda: torch.load(path, map_location="cpu", weights_only=True, mmap=mapped), path, is_zip)
+    return state, mapped
 
 
 def _check_magic(path: Path, magic: bytes) -> bool:
@@ -196,19 +197,20 @@ def _check_magic(path: Path, magic: bytes) -> bool:
     return is_zip
 
 
-def _safe_load(path: Path, source: Path | IO[bytes], is_zip: bool, **options: Any) -> Any:
-    """``torch.load(source)`` with the weights-only unpickler and the stand-ins; every failure is
-    one :class:`~ema_ckpt.errors.CheckpointFormatError` naming ``path``."""
+def _safe_load(path: Path, load: Callable[[], Any], pickle_source: Path | bytes, is_zip: bool) -> Any:
+    """``load()`` (a load through the weights-only unpickler) with the stand-ins allowed; every
+    failure is one :class:`~ema_ckpt.errors.CheckpointFormatError` naming ``path``.
+
+    ``pickle_source``: the file, or its ``data.pkl`` bytes, searched for the global refused.
+    """
     try:
         with _LOAD_LOCK, torch.serialization.safe_globals(_SAFE_GLOBALS), warnings.catch_warnings():
             # torch warns about pickle protocols other than 2 and then refuses the file anyway.
             warnings.filterwarnings("ignore", message="Detected pickle protocol")
-            return torch.load(source, weights_only=True, **options)
+            return load()
     except pickle.UnpicklingError as err:
         try:
-            if not isinstance(source, Path):
-                source.seek(0)
-            name = _refused_global(source, str(err), is_zip)
+            name = _refused_global(pickle_source, str(err), is_zip)
         except Exception:  # a damaged archive: the pickle error below is the message
             name = None
         if name is not None:
@@ -370,15 +372,18 @@ class RemoteStructure:
     """A ``.pt`` object on object storage, loaded for its structure only.
 
     ``state`` is the unpickled object with every tensor on the ``meta`` device; ``members``
-    lists the zip members as ``(local header offset, method, size)``, sorted; ``source`` is
-    what the structure was read through (kept to check members' headers, then closed).
+    maps each zip member's name to ``(local header offset, method, size)``; ``storages`` maps
+    each ``meta`` storage (by ``id``) to its member's name; ``source`` is what the structure
+    was read through (member headers are read through it later).
     """
 
     path: Path
     state: Any
-    members: list[tuple[int, int, int]]
+    members: dict[str, tuple[int, int, int]]
+    storages: dict[int, str]
     source: RangeSource
-    _checked: dict[int, int] = field(default_factory=dict)  # data offset -> size, verified
+    _kept: list[Any] = field(default_factory=list)  # the storages, so that their ids stay theirs
+    _starts: dict[str, int] = field(default_factory=dict)  # member -> where its data starts, checked
 
     def close(self) -> None:
         self.source.close()
@@ -387,10 +392,11 @@ class RemoteStructure:
 def load_ds_structure(path: Path) -> RemoteStructure:
     """Load a DeepSpeed ``.pt`` object from object storage without reading its tensors' bytes.
 
-    The zip directory, ``data.pkl`` and the members' small records are read by ranged
-    requests and unpickled as :func:`load_ds_file` does (weights-only unpickler, stand-ins);
-    tensors come back on the ``meta`` device (torch's ``map_location="meta"``), each storage
-    knowing its offset in the object (:func:`meta_file_offset`).
+    The zip directory, ``data.pkl`` and ``byteorder`` are read by ranged requests; ``data.pkl``
+    goes through torch's weights-only unpickler with the stand-ins, as in :func:`load_ds_file`,
+    and each storage it names becomes an empty ``meta`` storage of its size, so tensors come
+    back on the ``meta`` device with their shapes, dtypes and views; :func:`meta_file_offset`
+    says where one's bytes lie.
 
     Raises:
         CheckpointNotFoundError: no such object.
@@ -400,67 +406,86 @@ def load_ds_structure(path: Path) -> RemoteStructure:
     """
     source = RangedReads(cast(RemotePath, path))
     try:
-        is_zip = _check_magic(path, source.pread(4, 0))
-        if not is_zip:
+        if not _check_magic(path, source.pread(4, 0)):
             raise CheckpointFormatError(path, "a legacy (non-zip) torch.save file, which is read from a local "
                                               "copy only")
-        members = _zip_members(path, source)
-        source.fences = sorted(m[3] for m in members)
-        byteorder = next((m for m in members if m[0] == "byteorder" or m[0].endswith("/byteorder")), None)
-        if byteorder is not None:
-            start = member_start(source, 0, source.size, byteorder[3])
-            order = source.pread(byteorder[2], start).decode("ascii", "replace") if start is not None else ""
-            if order != sys.byteorder:
-                raise CheckpointFormatError(path, f"written {order or 'in an unknown'}-endian, which is read from a "
-                                                  "local copy only")
-        window = FileWindow(source, 0, source.size)
-        state = _safe_load(path, cast(IO[bytes], window), True, map_location="meta")
-        listed = sorted((local, method, size) for _, method, size, local in members)
-        return RemoteStructure(path, state, listed, source)
+        try:
+            with zipfile.ZipFile(cast(IO[bytes], FileWindow(source, 0, source.size))) as zf:
+                infos = zf.infolist()
+                # A small read brings the bytes after it up to the next member's header, never into that member.
+                source.fences = sorted(i.header_offset for i in infos)
+                pkl = next((i.filename for i in infos if i.filename.endswith("/data.pkl") or i.filename == "data.pkl"),
+                           None)
+                if pkl is None:
+                    raise CheckpointFormatError(path, "not a torch.save file (no data.pkl)")
+                data = zf.read(pkl)
+                order = next((zf.read(i) for i in infos if i.filename.endswith("/byteorder")), b"little")
+        except (zipfile.BadZipFile, ValueError, EOFError, OSError) as err:
+            raise CheckpointFormatError(path, f"truncated or corrupt torch.save file ({_first_line(str(err))})") \
+                from None
+        if order.decode("ascii", "replace") != sys.byteorder:
+            raise CheckpointFormatError(path, f"written {order.decode('ascii', 'replace')}-endian, which is read "
+                                              "from a local copy only")
+        prefix = pkl[: -len("data.pkl")]
+        members = {i.filename: (i.header_offset, i.compress_type, i.file_size) for i in infos}
+        storages: dict[int, str] = {}
+        kept: list[Any] = []
+        state = _safe_load(path, lambda: _unpickle_to_meta(data, prefix, storages, kept), data, True)
+        return RemoteStructure(path, state, members, storages, source, kept)
     except BaseException:
         source.close()
         raise
 
 
-def _zip_members(path: Path, source: RangeSource) -> list[tuple[str, int, int, int]]:
-    """``(name, method, size, local header offset)`` of every member of a zip object."""
-    listed = scan_record(source, 0, source.size)
-    if listed is None:
-        try:
-            with zipfile.ZipFile(cast(IO[bytes], FileWindow(source, 0, source.size))) as zf:
-                return [(i.filename, i.compress_type, i.file_size, i.header_offset) for i in zf.infolist()]
-        except (zipfile.BadZipFile, ValueError, EOFError) as err:
-            raise CheckpointFormatError(path, f"truncated or corrupt torch.save file ({err})") from None
-    return [(name, method, size, local) for name, (method, size, local) in listed.items()]
+def _unpickle_to_meta(data: bytes, prefix: str, storages: dict[int, str], kept: list[Any]) -> Any:
+    """``data.pkl`` through torch's weights-only unpickler, each storage an empty ``meta`` one."""
+    from torch import _weights_only_unpickler as weights_only
+
+    typed: dict[str, Any] = {}
+
+    def persistent_load(saved_id: Any) -> Any:
+        # What torch.load's own persistent_load does, with a placeholder for the bytes.
+        if not isinstance(saved_id, tuple) or len(saved_id) != 5 or saved_id[0] not in ("storage", b"storage"):
+            raise pickle.UnpicklingError(f"unexpected persistent id {saved_id!r}")
+        _, storage_type, key, _location, numel = saved_id
+        key = key.decode("ascii") if isinstance(key, bytes) else str(key)
+        if key not in typed:
+            dtype = torch.uint8 if storage_type is torch.UntypedStorage else storage_type.dtype
+            if type(numel) is not int or numel < 0:
+                raise pickle.UnpicklingError(f"storage {key}: bad size {numel!r}")
+            storage = torch.UntypedStorage(numel * torch._utils._element_size(dtype), device="meta")
+            storages[id(storage)] = f"{prefix}data/{key}"
+            kept.append(storage)
+            typed[key] = torch.storage.TypedStorage(wrap_storage=storage, dtype=dtype, _internal=True)
+        return typed[key]
+
+    unpickler = weights_only.Unpickler(io.BytesIO(data), encoding="utf-8")
+    unpickler.persistent_load = persistent_load  # type: ignore[method-assign]
+    return unpickler.load()  # type: ignore[no-untyped-call]
 
 
 def meta_file_offset(loaded: RemoteStructure, t: torch.Tensor) -> int:
     """Where ``t[0]`` (a tensor of ``loaded.state``) lies in the object, in bytes.
 
-    The storage's offset is the one torch records when it loads to ``meta``; it is accepted
-    only when the zip member whose header precedes it starts its data exactly there, is
-    stored uncompressed and holds the storage's bytes, so a ranged read of the span returns
-    the tensor's bytes or an error, never other bytes.
+    Found from the zip member of ``t``'s storage: its header is read (once per member), and
+    the member must be stored uncompressed and hold exactly the storage's bytes.
 
     Raises:
-        CheckpointFormatError: the offset is unknown or does not match a member.
+        CheckpointFormatError: ``t`` is not a storage of the file, or its member does not match.
     """
     storage = t.untyped_storage()
-    # torch's load to "meta" records each storage's data offset on it (an attribute it reads back itself).
-    start = getattr(storage, "_checkpoint_offset", None)
-    nbytes = storage.nbytes()
-    if not isinstance(start, int):
+    name = loaded.storages.get(id(storage))
+    if name is None:
         raise CheckpointFormatError(loaded.path, "a tensor's place in the file is unknown")
-    if loaded._checked.get(start) != nbytes:
-        before = [m for m in loaded.members if m[0] < start]
-        if not before:
-            raise CheckpointFormatError(loaded.path, f"no zip member holds the storage at byte {start}")
-        local, method, size = before[-1]
-        data = member_start(loaded.source, 0, loaded.source.size, local)
-        if data != start or method != zipfile.ZIP_STORED or size != nbytes or start + nbytes > loaded.source.size:
-            raise CheckpointFormatError(loaded.path, f"the storage at byte {start} ({nbytes} bytes) does not match "
-                                                     "its zip member (truncated or corrupt)")
-        loaded._checked[start] = nbytes
+    start = loaded._starts.get(name)
+    if start is None:
+        local, method, size = loaded.members.get(name, (-1, -1, -1))
+        found = member_start(loaded.source, 0, loaded.source.size, local) if local >= 0 else None
+        if found is None or method != zipfile.ZIP_STORED or size != storage.nbytes() \
+                or found + size > loaded.source.size:
+            raise CheckpointFormatError(loaded.path, f"zip member {name} does not hold its storage's "
+                                                     f"{storage.nbytes()} bytes (truncated or corrupt)")
+        start = loaded._starts[name] = found
     return start + int(t.storage_offset()) * int(t.element_size())
 
 
@@ -474,8 +499,9 @@ def _first_line(message: str) -> str:
     return ""
 
 
-def _refused_global(path: Path | IO[bytes], message: str, is_zip: bool) -> str | None:
-    """The global the weights-only unpickler refused, from its message or from the pickle."""
+def _refused_global(path: Path | bytes, message: str, is_zip: bool) -> str | None:
+    """The global the weights-only unpickler refused, from its message or from the pickle
+    (``path``: the file, or its ``data.pkl`` bytes)."""
     match = _GLOBAL_IN_MESSAGE.search(message)
     if match:
         name = match.group(1)
@@ -483,12 +509,15 @@ def _refused_global(path: Path | IO[bytes], message: str, is_zip: bool) -> str |
         return name if "." in name else f"builtins.{name}"
     if not is_zip:
         return None
-    try:
-        with zipfile.ZipFile(path) as zf:
-            pkl = next((n for n in zf.namelist() if n.endswith("/data.pkl") or n == "data.pkl"), None)
-            data = zf.read(pkl) if pkl else b""
-    except (OSError, zipfile.BadZipFile, KeyError):
-        return None
+    if isinstance(path, bytes):
+        data = path
+    else:
+        try:
+            with zipfile.ZipFile(path) as zf:
+                pkl = next((n for n in zf.namelist() if n.endswith("/data.pkl") or n == "data.pkl"), None)
+                data = zf.read(pkl) if pkl else b""
+        except (OSError, zipfile.BadZipFile, KeyError):
+            return None
     for name in _globals_in_pickle(data):
         if name not in STAND_INS and not _torch_allows(name):
             return name

@@ -11,11 +11,11 @@ from __future__ import annotations
 import re
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from ...errors import CheckpointFormatError, UnsafePickleError
-from ...remote import as_path, is_remote
-from .._ds_unpickle import load_ds_file, load_ds_structure
+from ...remote import RemoteStat, as_path, is_remote
+from .._ds_unpickle import RemoteStructure, load_ds_file, load_ds_structure
 
 FORMAT_NAME = "deepspeed"
 
@@ -208,26 +208,46 @@ def _model_summary(path: Path) -> tuple[Any, Any]:
     the step, then opening), and unpickling a ZeRO-3 model-states file costs tens of
     milliseconds. Errors are not remembered, so a file still being written is read again.
     """
+    if is_remote(path):
+        state = remote_structure(path).state
+        return (state.get("dp_world_size"), state.get("global_steps")) if isinstance(state, dict) else (None, None)
     try:
         st = path.stat()
     except OSError:
         st = None
-    key = ((str(path), getattr(st, "st_dev", 0), getattr(st, "st_ino", 0), st.st_size, st.st_mtime_ns)
-           if st is not None else None)
+    key = (str(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns) if st is not None else None
     if key is not None and key in _SUMMARIES:
         return _SUMMARIES[key]
-    if is_remote(path):
-        structure = load_ds_structure(path)
-        structure.close()
-        state = structure.state
-    else:
-        state = load_ds_file(path)
+    state = load_ds_file(path)
     summary = (state.get("dp_world_size"), state.get("global_steps")) if isinstance(state, dict) else (None, None)
-    if key is not None and st is not None and time.time() - st.st_mtime_ns / 1e9 > _SETTLED_SECONDS:
+    if key is not None and st is not None and time.time() - st.st_mtime > _SETTLED_SECONDS:
         if len(_SUMMARIES) >= 4096:
             _SUMMARIES.clear()
         _SUMMARIES[key] = summary
     return summary
+
+
+_STRUCTURES: dict[tuple[str, str, int], RemoteStructure] = {}  # (URL, ETag, size) -> its structure
+_STRUCTURES_KEPT = 256
+
+
+def remote_structure(path: Path) -> RemoteStructure:
+    """A model-states object's structure (:func:`~.._ds_unpickle.load_ds_structure`), loaded once
+    per object version (its ETag) and shared by detection, discovery and the reader.
+
+    Without an ETag from the store it is loaded afresh each time.
+    """
+    st = cast(RemoteStat, path.stat())
+    key = (str(path), st.etag, st.st_size)
+    found = _STRUCTURES.get(key) if st.etag else None
+    if found is None:
+        found = load_ds_structure(path)
+        found.close()  # its pieces go; a later header check reads afresh
+        if st.etag:
+            if len(_STRUCTURES) >= _STRUCTURES_KEPT:
+                _STRUCTURES.pop(next(iter(_STRUCTURES)))
+            _STRUCTURES[key] = found
+    return found
 
 
 def _recorded_world_size(path: Path) -> Any:

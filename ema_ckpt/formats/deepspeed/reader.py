@@ -78,6 +78,7 @@ from .files import (
     is_deepspeed,
     model_files,
     name_gaps,
+    remote_structure,
     step_from,
     step_of,
 )
@@ -86,6 +87,8 @@ from .params import ParameterMaps, _Entry, _Piece, _row_major_strides
 _RELEASE_SLICE_BYTES = 16 << 20  # copy mapped spans this much at a time, then drop their pages
 
 _REGION_BYTES = 32 << 20  # layout(): larger tensors are served in row blocks of at most this
+
+_REMOTE_KEPT = 64  # stored tensors on object storage kept open (with their last blocks) per reader
 
 
 
@@ -353,7 +356,8 @@ class DeepSpeedReader(ParameterMaps, CheckpointReader):
 
     def _load(self, path: Path) -> Any:
         if path not in self._states and is_remote(path):
-            structure = self._structures[path] = load_ds_structure(path)
+            model_states = path.name.endswith("model_states.pt")
+            structure = self._structures[path] = remote_structure(path) if model_states else load_ds_structure(path)
             self._states[path], self._releasable[path] = structure.state, False
             self._sizes[path] = structure.source.size
         if path not in self._states:
@@ -425,11 +429,16 @@ class DeepSpeedReader(ParameterMaps, CheckpointReader):
         assert p.file is not None
         size = p.src.element_size()
         window = (p.file_start, p.src.numel() * size)
+        oldest = None
         with self._remote_lock:
-            source = self._remote.get((p.file, p.file_start))
+            source = self._remote.pop((p.file, p.file_start), None)
             if source is None:
-                source = self._remote[p.file, p.file_start] = RemoteFile(
-                    cast(RemotePath, p.file), size=self._sizes[p.file], window=window)
+                source = RemoteFile(cast(RemotePath, p.file), size=self._sizes[p.file], window=window)
+            self._remote[p.file, p.file_start] = source  # the most recently used last
+            if len(self._remote) > _REMOTE_KEPT:
+                oldest = self._remote.pop(next(iter(self._remote)))
+        if oldest is not None:
+            oldest.close()
         target = out if out.dtype == p.src.dtype else torch.empty(b - a, dtype=p.src.dtype)
         view = memoryview(target.view(torch.uint8).numpy())
         offset = p.file_start + (p.start + a - p.dst) * size
@@ -482,10 +491,7 @@ class DeepSpeedReader(ParameterMaps, CheckpointReader):
     def _place_in_objects(self, entries: dict[str, _Entry]) -> dict[str, _Entry]:
         """Every key of a checkpoint on object storage as byte spans of its objects: each
         ``meta`` tensor the structure gave becomes a piece read by ranged requests."""
-        owners: dict[int, RemoteStructure] = {}
-        for structure in self._structures.values():
-            for t in _tensors(structure.state):
-                owners[id(t.untyped_storage())] = structure
+        owners = {ident: structure for structure in self._structures.values() for ident in structure.storages}
 
         def place(src: torch.Tensor) -> tuple[Path, int]:
             structure = owners.get(id(src.untyped_storage()))
@@ -634,23 +640,6 @@ class DeepSpeedReader(ParameterMaps, CheckpointReader):
                     child, "tensor-parallel checkpoints (mp_rank_01 and up) are not supported"
                 )
 
-
-
-def _tensors(obj: Any, depth: int = 0) -> list[torch.Tensor]:
-    """Every tensor under ``obj`` (dicts, lists, tuples, the stand-ins' attributes)."""
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if depth > 64:
-        return []
-    if isinstance(obj, dict):
-        items: Any = obj.values()
-    elif isinstance(obj, list | tuple):
-        items = obj
-    elif hasattr(obj, "__dict__") and not isinstance(obj, type):
-        items = vars(obj).values()
-    else:
-        return []
-    return [t for item in items for t in _tensors(item, depth + 1)]
 
 
 def _identity(st: os.stat_result) -> tuple[int, ...]:
