@@ -203,3 +203,37 @@ def test_trainers_deepspeed_folders_on_s3_fold_as_their_local_copies(s3, trainer
     a = json.loads((tmp_path / "ema-s3" / "ema-ckpt.json").read_text())["checkpoints"]
     b = json.loads((tmp_path / "ema-local" / "ema-ckpt.json").read_text())["checkpoints"]
     assert [c["step"] for c in a] == [c["step"] for c in b] and a
+
+
+def test_an_optimizer_file_costs_its_fp32_partition_and_a_few_kib(s3, tmp_path, requests):
+    """Rank files of 1.6M fp32 masters with their Adam moments (as DeepSpeed orders them: the
+    moments first): about a third of each optimizer file is requested, never a moment."""
+    torch.manual_seed(0)
+    tag = tmp_path / "global_step5"
+    groups = [{"a": torch.randn(1000, 1000), "b": torch.randn(600_000)}]
+    expected = _write_zero(tag, stage=3, world_size=2, groups=groups, sub_group_numel=10**9)
+    for file in sorted(tag.glob("*optim_states.pt")):
+        state = torch.load(file, weights_only=True)
+        osd = state["optimizer_state_dict"]
+        flat = osd["fp32_flat_groups"][0]
+        moments = {"state": {0: {"step": torch.tensor(5.0), "exp_avg": torch.randn_like(flat),
+                                 "exp_avg_sq": torch.rand_like(flat)}}, "param_groups": [{"lr": 1e-3, "params": [0]}]}
+        state["optimizer_state_dict"] = {"zero_stage": 3, "partition_count": 2, "optimizer_state_dict": moments,
+                                         "fp32_flat_groups": osd["fp32_flat_groups"]}
+        torch.save(state, file)
+    url = upload(tmp_path, "ds-big")
+    with open_checkpoint(f"{url}/global_step5") as reader:
+        for key, value in expected.items():
+            assert torch.equal(reader.read(key, Box.full(tuple(value.shape))), value), key
+    for file in sorted(tag.glob("*optim_states.pt")):
+        asked = [(s, e) for k, s, e in requests if k.endswith(f"/global_step5/{file.name}")]
+        size = file.stat().st_size
+        state, _ = load_ds_file_releasable(file)
+        moments = _spans(state, file, ("state",))
+        fp32 = _spans(state, file, ("fp32_flat_groups",))
+        assert len(moments) == 3 and not [1 for s, e in asked for a, b in moments if s < b and a < e]
+        covered = _union(asked)
+        assert _union(fp32) <= covered < _union(fp32) + (64 << 10), file.name  # + the structure: under 64 KiB
+        assert covered < 0.34 * size, file.name
+        print(f"{file.name}: {covered} of {size} bytes requested ({covered / size:.1%}); "
+              f"{len(asked)} requests")

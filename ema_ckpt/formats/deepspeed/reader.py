@@ -495,7 +495,7 @@ class DeepSpeedReader(ParameterMaps, CheckpointReader):
 
         def place(src: torch.Tensor) -> tuple[Path, int]:
             structure = owners.get(id(src.untyped_storage()))
-            if structure is None or src.stride() != (1,):
+            if structure is None or src.dim() != 1 or (src.numel() > 1 and src.stride() != (1,)):
                 raise CheckpointFormatError(self.tag_dir, "a tensor is not stored as one contiguous span")
             return structure.path, meta_file_offset(structure, src)
 
