@@ -51,13 +51,13 @@ import re
 import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, cast
+from typing import IO, Any, cast
 
 from ..._lazy import torch
 from ...errors import CheckpointFormatError, CheckpointNotFoundError, EmaCkptError
 from ...layout import Box, TensorSpec, split_rows
 from ...remote import RemoteFile, RemotePath, as_path, is_remote
-from ...torch_records import pread_into
+from ...torch_records import FileWindow, pread_into
 from .._ds_unpickle import (
     RemoteStructure,
     load_ds_file_releasable,
@@ -213,14 +213,12 @@ class DeepSpeedReader(ParameterMaps, CheckpointReader):
         files = sorted(p for p in self.tag_dir.iterdir() if p.name.endswith(".pt"))
         return [(f"{base}/{p.name}" if base else p.name, 0, p.stat().st_size) for p in files]
 
-    def open_record(self, file: str, offset: int, length: int) -> Any:
+    def open_record(self, file: str, offset: int, length: int) -> IO[bytes]:
         """A read-only file view of one ``.pt`` file (on object storage: ranged reads of it)."""
         full = self.path / file
         if not is_remote(full):
             return super().open_record(file, offset, length)
-        from ...torch_records import FileWindow
-
-        return FileWindow(RemoteFile(cast(RemotePath, full)), offset, length, owns_fd=True)
+        return FileWindow(RemoteFile(cast(RemotePath, full)), offset, length, owns_fd=True)  # type: ignore[return-value]
 
     def data_ranges(self) -> list[tuple[Path, int, int]]:
         """``(file, offset, length)``: the bytes reading every key takes from the files, merged.
