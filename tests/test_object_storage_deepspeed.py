@@ -84,7 +84,7 @@ def test_inspect_consolidate_and_accumulate_from_s3_are_bit_identical(saved, sta
     assert [c["step"] for c in folded] == [2, 3, 7] and all(c["path"].startswith(f"{url}/") for c in folded)
 
 
-def test_posthoc_average_reshard_verify_and_diff_from_s3(saved, tmp_path):
+def test_posthoc_average_reshard_workers_verify_and_diff_from_s3(saved, tmp_path):
     local, url = saved[3]
     for where, src in (("s3", url), ("local", local)):
         cli("posthoc", src, "--sigma-rel", "0.05,0.1", "--out", tmp_path / where / "posthoc")
@@ -92,6 +92,9 @@ def test_posthoc_average_reshard_verify_and_diff_from_s3(saved, tmp_path):
         cli("reshard", f"{src}/global_step7", "--world-size", "3", "--out", tmp_path / where / "reshard")
     for name in ("posthoc/sigma_rel_0.05", "posthoc/sigma_rel_0.1", "average", "reshard"):
         assert_same(dcp_tensors(tmp_path / "s3" / name), dcp_tensors(tmp_path / "local" / name))
+    cli("accumulate", url, "--decay", "0.9", "--out", tmp_path / "s3" / "ema-w2", "--workers", "2")
+    cli("accumulate", local, "--decay", "0.9", "--out", tmp_path / "local" / "ema")
+    assert_same(dcp_tensors(tmp_path / "s3" / "ema-w2"), dcp_tensors(tmp_path / "local" / "ema"))
     checked = json.loads(cli("verify", f"{url}/global_step7", "--json"))
     assert checked["ok"] is True
     same = json.loads(cli("diff", f"{url}/global_step7", local / "global_step7", "--json"))
