@@ -453,7 +453,7 @@ def _unpickle_to_meta(data: bytes, prefix: str, storages: dict[int, str], kept: 
             dtype = torch.uint8 if storage_type is torch.UntypedStorage else storage_type.dtype
             if type(numel) is not int or numel < 0:
                 raise pickle.UnpicklingError(f"storage {key}: bad size {numel!r}")
-            storage = torch.UntypedStorage(numel * torch._utils._element_size(dtype), device="meta")
+            storage = torch.UntypedStorage(numel * dtype.itemsize, device="meta")
             storages[id(storage)] = f"{prefix}data/{key}"
             kept.append(storage)
             typed[key] = torch.storage.TypedStorage(wrap_storage=storage, dtype=dtype, _internal=True)
