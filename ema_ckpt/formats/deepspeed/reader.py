@@ -387,11 +387,16 @@ class DeepSpeedReader(ParameterMaps, CheckpointReader):
         try:
             for p in entry.pieces:
                 a, b = max(lo, p.dst), min(hi, p.dst + p.length)
-                if a < b and p.file is not None and is_remote(p.file):
-                    self._copy_remote(p, a, b, out[a - lo : b - lo])
-                elif a < b:
-                    fd = self._open(p.file, fds) if p.file is not None and out.dtype == p.src.dtype else None
-                    self._copy_piece(p, a, b, out[a - lo : b - lo], fd)
+                if a >= b:
+                    continue
+                source: int | RemoteFile | None = None
+                if p.file is not None and is_remote(p.file):
+                    source = self._remote_source(p)
+                elif p.file is not None and out.dtype == p.src.dtype:
+                    source = self._open(p.file, fds)
+                self._copy_piece(p, a, b, out[a - lo : b - lo], source)
+                if isinstance(source, RemoteFile) and p.start + b - p.dst == p.src.numel():
+                    self._drop_remote(p, source)  # read to its end: the blocks it keeps go
         finally:
             for fd in fds.values():
                 if fd is not None:
@@ -421,44 +426,45 @@ class DeepSpeedReader(ParameterMaps, CheckpointReader):
                 fds[path] = None  # replaced: the mapping still holds the file that was opened
         return fds[path]
 
-    def _copy_remote(self, p: _Piece, a: int, b: int, out: torch.Tensor) -> None:
-        """Flat elements ``[a, b)`` of a key, which lie in piece ``p`` of an object, into ``out``
-        by ranged reads of the stored tensor ``p.src`` (its bytes only, read ahead within it)."""
+    def _remote_source(self, p: _Piece) -> RemoteFile:
+        """Ranged reads of the stored tensor ``p.src`` in its object: its bytes only, read ahead
+        within it; kept for the next reads of it (the most recently used :data:`_REMOTE_KEPT`)."""
         assert p.file is not None
-        size = p.src.element_size()
-        window = (p.file_start, p.src.numel() * size)
+        key = (p.file, p.file_start)
         oldest = None
         with self._remote_lock:
-            source = self._remote.pop((p.file, p.file_start), None)
+            source = self._remote.pop(key, None)
             if source is None:
+                window = (p.file_start, p.src.numel() * p.src.element_size())
                 source = RemoteFile(cast(RemotePath, p.file), size=self._sizes[p.file], window=window)
-            self._remote[p.file, p.file_start] = source  # the most recently used last
+            self._remote[key] = source  # the most recently used last
             if len(self._remote) > _REMOTE_KEPT:
                 oldest = self._remote.pop(next(iter(self._remote)))
         if oldest is not None:
             oldest.close()
-        target = out if out.dtype == p.src.dtype else torch.empty(b - a, dtype=p.src.dtype)
-        view = memoryview(target.view(torch.uint8).numpy())
-        offset = p.file_start + (p.start + a - p.dst) * size
-        if not pread_into(source, view, offset):
-            raise CheckpointFormatError(str(p.file), f"truncated: expected {len(view)} bytes at offset {offset}")
-        if target is not out:
-            out.copy_(target)
-        if p.start + b - p.dst == p.src.numel():  # read to its end: drop the blocks it keeps
-            with self._remote_lock:
-                self._remote.pop((p.file, p.file_start), None)
-            source.close()
+        return source
+
+    def _drop_remote(self, p: _Piece, source: RemoteFile) -> None:
+        with self._remote_lock:
+            self._remote.pop((cast(Path, p.file), p.file_start), None)
+        source.close()
 
     @staticmethod
-    def _copy_piece(p: _Piece, a: int, b: int, out: torch.Tensor, fd: int | None) -> None:
-        """Flat elements ``[a, b)`` of a key, which lie in piece ``p``, into ``out``."""
-        if fd is not None:
+    def _copy_piece(p: _Piece, a: int, b: int, out: torch.Tensor, source: int | RemoteFile | None) -> None:
+        """Flat elements ``[a, b)`` of a key, which lie in piece ``p``, into ``out``: read from
+        ``source`` (a descriptor, or ranged reads of an object) at the piece's place in its
+        file, else copied from ``p.src`` (the mapping)."""
+        if source is not None:
             # Straight from the file into the buffer: one copy by the kernel, no page faults
-            # on the mapping and no pages to hand back.
-            view = memoryview(out.view(torch.uint8).numpy())
-            offset = p.file_start + (p.start + a - p.dst) * out.element_size()
-            if not pread_into(fd, view, offset):
+            # on the mapping and no pages to hand back (a stored dtype other than the key's,
+            # as for buffers kept in bf16, goes through a buffer of its own).
+            target = out if out.dtype == p.src.dtype else torch.empty(b - a, dtype=p.src.dtype)
+            view = memoryview(target.view(torch.uint8).numpy())
+            offset = p.file_start + (p.start + a - p.dst) * target.element_size()
+            if not pread_into(source, view, offset):
                 raise CheckpointFormatError(str(p.file), f"truncated: expected {len(view)} bytes at offset {offset}")
+            if target is not out:
+                out.copy_(target)
             return
         # Mapped sources go in slices, each handed back once copied: resident file pages stay
         # within one slice, not one rank's share of the parameter.
