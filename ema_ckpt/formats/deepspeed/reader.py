@@ -50,13 +50,14 @@ import os
 import re
 import threading
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import IO, Any, cast
 
 from ..._lazy import torch
 from ...errors import CheckpointFormatError, CheckpointNotFoundError, EmaCkptError
 from ...layout import Box, TensorSpec, split_rows
-from ...remote import RemoteFile, RemotePath, as_path, is_remote
+from ...remote import RemoteFile, RemotePath, as_path, is_remote, remote_concurrency
 from ...torch_records import FileWindow, pread_into
 from .._ds_unpickle import (
     RemoteStructure,
@@ -352,10 +353,22 @@ class DeepSpeedReader(ParameterMaps, CheckpointReader):
             raise KeyError(f"{key!r} is not a tensor of {self.tag_dir}") from None
 
 
+    def _load_remote(self, paths: Sequence[Path]) -> None:
+        """Load the structure of every object in ``paths`` not loaded yet, several at a time (each
+        is a few small requests, so latency, not bandwidth, is their cost)."""
+        todo = [p for p in paths if is_remote(p) and p not in self._states]
+        if len(todo) < 2:
+            return
+        with ThreadPoolExecutor(min(len(todo), remote_concurrency()), thread_name_prefix="ema-ckpt-ds") as pool:
+            loaded = dict(zip(todo, pool.map(_structure_of, todo), strict=True))
+        for path, structure in loaded.items():
+            self._structures[path] = structure
+            self._states[path], self._releasable[path] = structure.state, False
+            self._sizes[path] = structure.source.size
+
     def _load(self, path: Path) -> Any:
         if path not in self._states and is_remote(path):
-            model_states = path.name.endswith("model_states.pt")
-            structure = self._structures[path] = remote_structure(path) if model_states else load_ds_structure(path)
+            structure = self._structures[path] = _structure_of(path)
             self._states[path], self._releasable[path] = structure.state, False
             self._sizes[path] = structure.source.size
         if path not in self._states:
@@ -563,6 +576,7 @@ class DeepSpeedReader(ParameterMaps, CheckpointReader):
                 f"tensor-parallel checkpoints (mp_world_size={model0['mp_world_size']}) are not supported",
             )
 
+        self._load_remote([*self._optim_files, *self._model_files])
         osds = []
         for p in self._optim_files:
             state = self._load(p)
@@ -644,6 +658,11 @@ class DeepSpeedReader(ParameterMaps, CheckpointReader):
                     child, "tensor-parallel checkpoints (mp_rank_01 and up) are not supported"
                 )
 
+
+
+def _structure_of(path: Path) -> RemoteStructure:
+    """An object's structure: a model-states file's shared per version, an optimizer file's its own."""
+    return remote_structure(path) if path.name.endswith("model_states.pt") else load_ds_structure(path)
 
 
 def _identity(st: os.stat_result) -> tuple[int, ...]:
