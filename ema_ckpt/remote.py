@@ -371,6 +371,10 @@ class RemoteFile:
     block used last (a record's header and data are often read from one block twice). Every
     block is requested once unless dropped before it was used.
 
+    ``size``: the object's, when known (no ``HEAD`` then). ``window``: ``(offset, length)``, the
+    only bytes ever requested (one stored tensor of a larger object: blocks are aligned to its
+    start, and no read-ahead goes past its end).
+
     Example:
         >>> f = RemoteFile(RemotePath.from_url("s3://bucket/ckpt/__0_0.distcp"))  # doctest: +SKIP
         >>> f.pread(4, 0)                                                        # doctest: +SKIP
@@ -400,8 +404,6 @@ class RemoteFile:
         _OPEN[0] += 1
         self.bytes_requested = 0
         """Bytes fetched so far (the blocks requested): what a test checks "read once" by."""
-        self.ranges_requested: list[tuple[int, int]] = []
-        """``(start, end)`` of every request made, in order."""
 
     def _depth(self) -> int:
         """Blocks to keep fetched ahead: this object's share of the budget, within the concurrency."""
@@ -427,7 +429,6 @@ class RemoteFile:
             future = self._blocks[index] = _pool(self._concurrency).submit(self._fetch, index)
             start, end = self._block_span(index)
             self.bytes_requested += end - start
-            self.ranges_requested.append((start, end))
         return future
 
     def readinto(self, view: memoryview, offset: int) -> int:
@@ -490,7 +491,6 @@ class RemoteFile:
                 end = min(self._end, max(offset + length, start + PROBE_BYTES))
                 data = _call(self.path, self.path.fs.cat_file, self.path.key, start=start, end=end)
                 self.bytes_requested += end - start
-                self.ranges_requested.append((start, end))
                 with self._lock:
                     self._probes[start] = data
                     while len(self._probes) > _PROBES_KEPT:
@@ -555,8 +555,6 @@ class RangedReads:
         self.fences: list[int] = []
         """Sorted offsets a read is never extended past."""
         self.bytes_requested = 0
-        self.ranges_requested: list[tuple[int, int]] = []
-        """``(start, end)`` of every request made, in order."""
 
     def pread(self, length: int, offset: int) -> bytes:
         end = min(self.size, offset + max(0, length))
@@ -575,7 +573,6 @@ class RangedReads:
             raise RemoteStorageError(f"{self.path}: a ranged read of bytes {offset}-{fetch_end} returned "
                                      f"{len(data)} bytes (the object changed while it was read?)")
         self.bytes_requested += len(data)
-        self.ranges_requested.append((offset, fetch_end))
         self._pieces.append((offset, data))
         return data[: end - offset]
 
