@@ -9,6 +9,7 @@ only, by ranged requests) and remembered.
 from __future__ import annotations
 
 import re
+import threading
 import time
 from pathlib import Path
 from typing import Any, cast
@@ -229,6 +230,7 @@ def _model_summary(path: Path) -> tuple[Any, Any]:
 
 _STRUCTURES: dict[tuple[str, str, int], RemoteStructure] = {}  # (URL, ETag, size) -> its structure
 _STRUCTURES_KEPT = 256
+_STRUCTURES_LOCK = threading.Lock()  # the reader loads a tag's objects from several threads
 
 
 def remote_structure(path: Path) -> RemoteStructure:
@@ -239,14 +241,16 @@ def remote_structure(path: Path) -> RemoteStructure:
     """
     st = cast(RemoteStat, path.stat())
     key = (str(path), st.etag, st.st_size)
-    found = _STRUCTURES.get(key) if st.etag else None
+    with _STRUCTURES_LOCK:
+        found = _STRUCTURES.get(key) if st.etag else None
     if found is None:
         found = load_ds_structure(path)
         found.close()  # its pieces go; a later header check reads afresh
         if st.etag:
-            if len(_STRUCTURES) >= _STRUCTURES_KEPT:
-                _STRUCTURES.pop(next(iter(_STRUCTURES)))
-            _STRUCTURES[key] = found
+            with _STRUCTURES_LOCK:
+                if len(_STRUCTURES) >= _STRUCTURES_KEPT:
+                    _STRUCTURES.pop(next(iter(_STRUCTURES)))
+                _STRUCTURES[key] = found
     return found
 
 
