@@ -16,6 +16,7 @@ Example:
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import errno
 import os
@@ -26,7 +27,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 from ._crc import crc32, crc32_combine
 from ._env import whole_number
@@ -106,6 +107,8 @@ class RemoteStat:
     st_size: int
     st_mode: int
     st_mtime_ns: int = 0
+    etag: str = ""
+    """The object version's tag, where the store gives one (a rewrite changes it)."""
 
 
 def _stat_of(info: dict[str, Any]) -> RemoteStat:
@@ -118,7 +121,8 @@ def _stat_of(info: dict[str, Any]) -> RemoteStat:
         mtime_ns = int(modified * 1e9)
     else:
         mtime_ns = 0
-    return RemoteStat(int(info.get("size") or 0), stat_module.S_IFREG | 0o644, mtime_ns)
+    etag = info.get("ETag") or info.get("etag") or ""
+    return RemoteStat(int(info.get("size") or 0), stat_module.S_IFREG | 0o644, mtime_ns, str(etag))
 
 
 class RemotePath:
@@ -270,8 +274,8 @@ class RemotePath:
         """The local file ``local`` as this object (a multipart upload appears once complete)."""
         _call(self, self.fs.put_file, str(local), self._key)
 
-    def read_text(self, encoding: str = "utf-8") -> str:
-        return self.read_bytes().decode(encoding)
+    def read_text(self, encoding: str = "utf-8", errors: str = "strict") -> str:
+        return self.read_bytes().decode(encoding, errors)
 
 
 def _call(where: RemotePath, func: Any, *args: Any, **kwargs: Any) -> Any:
@@ -373,6 +377,10 @@ class RemoteFile:
     block used last (a record's header and data are often read from one block twice). Every
     block is requested once unless dropped before it was used.
 
+    ``size``: the object's, when known (no ``HEAD`` then). ``window``: ``(offset, length)``, the
+    only bytes ever requested (one stored tensor of a larger object: blocks are aligned to its
+    start, and no read-ahead goes past its end).
+
     Example:
         >>> f = RemoteFile(RemotePath.from_url("s3://bucket/ckpt/__0_0.distcp"))  # doctest: +SKIP
         >>> f.pread(4, 0)                                                        # doctest: +SKIP
@@ -380,12 +388,16 @@ class RemoteFile:
     """
 
     def __init__(self, path: RemotePath, *, concurrency: int | None = None, block: int | None = None,
-                 checksums: bool = False) -> None:
+                 size: int | None = None, window: tuple[int, int] | None = None, checksums: bool = False) -> None:
         self.path = path
-        try:
-            self.size = path.stat().st_size
-        except FileNotFoundError:
-            raise CheckpointNotFoundError(cast(Path, path), "no such object") from None
+        if size is None:
+            try:
+                size = path.stat().st_size
+            except FileNotFoundError:
+                raise CheckpointNotFoundError(cast(Path, path), "no such object") from None
+        self.size = size
+        # Only [base, end) is ever requested; blocks are aligned to ``base``.
+        self._base, self._end = (0, size) if window is None else (window[0], min(size, window[0] + window[1]))
         self._concurrency = concurrency if concurrency is not None else remote_concurrency()
         self._budget = read_ahead_bytes()
         self.block = block if block is not None else block_bytes()
@@ -405,9 +417,12 @@ class RemoteFile:
         share = self._budget // max(1, _OPEN[0]) // max(1, self.block)
         return max(1, min(self._concurrency, share))
 
+    def _block_span(self, index: int) -> tuple[int, int]:
+        start = self._base + index * self.block
+        return start, min(self._end, start + self.block)
+
     def _fetch(self, index: int) -> bytes:
-        start = index * self.block
-        end = min(self.size, start + self.block)
+        start, end = self._block_span(index)
         data: bytes = _call(self.path, self.path.fs.cat_file, self.path.key, start=start, end=end)
         if len(data) != end - start:
             raise RemoteStorageError(f"{self.path}: a ranged read of bytes {start}-{end} returned {len(data)} bytes "
@@ -433,8 +448,9 @@ class RemoteFile:
             >>> f.crc32() == zlib.crc32(f.pread(f.size, 0))                                     # doctest: +SKIP
             True
         """
-        if self._block_crcs is None:
-            raise ValueError("this RemoteFile keeps no checksums (open it with checksums=True)")
+        if self._block_crcs is None or (self._base, self._end) != (0, self.size):
+            raise ValueError("this RemoteFile keeps no checksums of the whole object (open it with checksums=True "
+                             "and no window)")
         blocks = (self.size + self.block - 1) // self.block
         with self._lock:
             for block, crcs in known:
@@ -448,11 +464,12 @@ class RemoteFile:
             missing = [i for i in range(blocks) if i not in self._block_crcs]
         for index in missing:
             self._fetch(index)
-            self.bytes_requested += min(self.size, (index + 1) * self.block) - index * self.block
+            start, end = self._block_span(index)
+            self.bytes_requested += end - start
         total = 0
         for index in range(blocks):
-            length = min(self.size, (index + 1) * self.block) - index * self.block
-            total = crc32_combine(total, self._block_crcs[index], length)
+            start, end = self._block_span(index)
+            total = crc32_combine(total, self._block_crcs[index], end - start)
         return total
 
     def _request(self, index: int) -> Future[bytes]:
@@ -460,20 +477,24 @@ class RemoteFile:
         future = self._blocks.get(index)
         if future is None:
             future = self._blocks[index] = _pool(self._concurrency).submit(self._fetch, index)
-            self.bytes_requested += min(self.size, (index + 1) * self.block) - index * self.block
+            start, end = self._block_span(index)
+            self.bytes_requested += end - start
         return future
 
     def readinto(self, view: memoryview, offset: int) -> int:
         """Fill ``view`` with the bytes at ``offset`` (fewer where the object ends); their count."""
-        length = max(0, min(len(view), self.size - offset))
+        if offset < self._base:
+            raise ValueError(f"{self.path}: offset {offset} is before the window read ({self._base})")
+        length = max(0, min(len(view), self._end - offset))
         if length == 0:
             return 0
         near = abs(offset - self._cursor) <= self.block
         self._cursor = offset + length
         if length < PROBE_BYTES and not near:
             return self._read_small(view, offset, length)
-        first, last = offset // self.block, (offset + length - 1) // self.block
-        final = (self.size - 1) // self.block
+        base = self._base
+        first, last = (offset - base) // self.block, (offset + length - 1 - base) // self.block
+        final = (self._end - 1 - base) // self.block
         depth = self._depth()
         with self._lock:
             wanted = [(i, self._request(i)) for i in range(first, last + 1)]
@@ -487,8 +508,9 @@ class RemoteFile:
         done = 0
         for index, future in wanted:
             data = future.result()
-            lo = max(offset, index * self.block) - index * self.block
-            hi = min(offset + length, (index + 1) * self.block) - index * self.block
+            block_start, block_end = self._block_span(index)
+            lo = max(offset, block_start) - block_start
+            hi = min(offset + length, block_end) - block_start
             view[done:done + hi - lo] = memoryview(data)[lo:hi]
             done += hi - lo
             with self._lock:  # keep the last two read from: a record across a block boundary reads both again
@@ -504,18 +526,19 @@ class RemoteFile:
         longer than a block, then its header at the start): from a block already fetched or
         in flight, else from an aligned piece of :data:`PROBE_BYTES` (the last few kept),
         without read-ahead."""
-        index = offset // self.block
+        base = self._base
+        index = (offset - base) // self.block
         with self._lock:
-            block = self._blocks.get(index) if (offset + length - 1) // self.block == index else None
+            block = self._blocks.get(index) if (offset + length - 1 - base) // self.block == index else None
         if block is not None:
-            data, start = block.result(), index * self.block
+            data, start = block.result(), self._block_span(index)[0]
         else:
-            start = offset // PROBE_BYTES * PROBE_BYTES
+            start = max(base, offset // PROBE_BYTES * PROBE_BYTES)
             if offset + length > start + PROBE_BYTES:  # straddles two pieces: read it as it is
                 start = offset
             data = self._probes.get(start, b"")
             if len(data) < offset + length - start:
-                end = min(self.size, max(offset + length, start + PROBE_BYTES))
+                end = min(self._end, max(offset + length, start + PROBE_BYTES))
                 data = _call(self.path, self.path.fs.cat_file, self.path.key, start=start, end=end)
                 self.bytes_requested += end - start
                 with self._lock:
@@ -539,13 +562,84 @@ class RemoteFile:
                 _OPEN[0] -= 1
 
     def pread(self, length: int, offset: int) -> bytes:
-        if length <= 0 or offset >= self.size:
+        if length <= 0 or offset >= self._end:
             return b""
-        out = bytearray(min(length, self.size - offset))
+        out = bytearray(min(length, self._end - offset))
         return bytes(out[: self.readinto(memoryview(out), offset)])
 
 
-def pread(source: int | RemoteFile, length: int, offset: int) -> bytes:
+class RangeSource(Protocol):
+    """An object read at offsets: a :class:`RemoteFile`, or :class:`RangedReads`."""
+
+    size: int
+
+    def pread(self, length: int, offset: int) -> bytes: ...
+
+    def readinto(self, view: memoryview, offset: int) -> int: ...
+
+    def close(self) -> None: ...
+
+
+class RangedReads:
+    """One object read by exact ranged requests, for the few small, scattered reads of a
+    file's structure (a zip directory, a pickle, member headers): no blocks, no read-ahead.
+
+    A read shorter than :data:`MIN_READ_BYTES` fetches that much (neighbouring headers come
+    with it), though never past the next of the ``fences`` set (the starts of a zip's
+    members, once known: a header read then brings no byte of the member after it); every
+    piece fetched is kept until :meth:`close`, and a read inside one is served from it.
+
+    Example:
+        >>> head = RangedReads(RemotePath.from_url("s3://bucket/ckpt/rank0.pt")).pread(4, 0)  # doctest: +SKIP
+    """
+
+    def __init__(self, path: RemotePath, *, size: int | None = None) -> None:
+        self.path = path
+        if size is None:
+            try:
+                size = path.stat().st_size
+            except FileNotFoundError:
+                raise CheckpointNotFoundError(cast(Path, path), "no such object") from None
+        self.size = size
+        self._pieces: list[tuple[int, bytes]] = []
+        self.fences: list[int] = []
+        """Sorted offsets a read is never extended past."""
+        self.bytes_requested = 0
+
+    def pread(self, length: int, offset: int) -> bytes:
+        end = min(self.size, offset + max(0, length))
+        if offset < 0 or end <= offset:
+            return b""
+        for start, piece in self._pieces:
+            if start <= offset and end <= start + len(piece):
+                return piece[offset - start: end - start]
+        extended = offset + MIN_READ_BYTES
+        fence = bisect.bisect_right(self.fences, offset)
+        if fence < len(self.fences):
+            extended = min(extended, self.fences[fence])
+        fetch_end = min(self.size, max(end, extended))
+        data: bytes = _call(self.path, self.path.fs.cat_file, self.path.key, start=offset, end=fetch_end)
+        if len(data) != fetch_end - offset:
+            raise RemoteStorageError(f"{self.path}: a ranged read of bytes {offset}-{fetch_end} returned "
+                                     f"{len(data)} bytes (the object changed while it was read?)")
+        self.bytes_requested += len(data)
+        self._pieces.append((offset, data))
+        return data[: end - offset]
+
+    def readinto(self, view: memoryview, offset: int) -> int:
+        data = self.pread(len(view), offset)
+        view[: len(data)] = data
+        return len(data)
+
+    def close(self) -> None:
+        self._pieces.clear()
+
+
+MIN_READ_BYTES = 1024
+"""The least :class:`RangedReads` fetches at once (a zip member's header with its name)."""
+
+
+def pread(source: int | RangeSource, length: int, offset: int) -> bytes:
     """``os.pread`` of a local descriptor, or a ranged read of a :class:`RemoteFile`."""
     if isinstance(source, int):
         return os.pread(source, length, offset)

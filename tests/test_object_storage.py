@@ -253,15 +253,6 @@ def test_safetensors_checkpoints_are_read_in_place(s3, tmp_path):
     assert torch.equal(a["w"], b["w"]) and torch.equal(a["w"], torch.full((40, 4), 20.0))
 
 
-def test_deepspeed_folders_on_object_storage_are_named(s3, ds_run):
-    from tests.ds_fixtures import CONFIGS
-
-    folder = ds_run(CONFIGS[0])
-    url = upload(folder, "ds/run")
-    message = cli("inspect", f"{url}/global_step2", code=3)
-    assert "object storage" in message and "dcp" in message and len(message.strip().splitlines()) == 1
-
-
 class _FlakyProxy(socketserver.ThreadingMixIn, http.server.HTTPServer):
     daemon_threads = True
 

@@ -14,7 +14,7 @@ import os
 import struct
 from typing import Any
 
-from ..remote import RemoteFile, pread
+from ..remote import RangeSource, pread
 
 LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")
 """Local file header: signature, version, flags, method, time, date, crc, sizes, name/extra lengths."""
@@ -37,7 +37,7 @@ class FileWindow(io.RawIOBase):
     ``owns_fd``: closing the window closes the descriptor too (else its owner does).
     """
 
-    def __init__(self, fd: int | RemoteFile, start: int, length: int, *, owns_fd: bool = False) -> None:
+    def __init__(self, fd: int | RangeSource, start: int, length: int, *, owns_fd: bool = False) -> None:
         super().__init__()
         self._fd, self._start, self._length, self._pos, self._owns = fd, start, length, 0, owns_fd
 
@@ -65,12 +65,15 @@ class FileWindow(io.RawIOBase):
         return len(data)
 
     def close(self) -> None:
-        if self._owns and not self.closed and isinstance(self._fd, int):
-            os.close(self._fd)
+        if self._owns and not self.closed:
+            if isinstance(self._fd, int):
+                os.close(self._fd)
+            else:
+                self._fd.close()
         super().close()
 
 
-def scan_record(fd: int | RemoteFile, offset: int, length: int) -> dict[str, tuple[int, int, int]] | None:
+def scan_record(fd: int | RangeSource, offset: int, length: int) -> dict[str, tuple[int, int, int]] | None:
     """{member name: (method, size, local header offset)} of a record's zip, from its tail.
 
     The common case (no archive comment, no zip64, central directory in the last 4 KiB) in
@@ -109,7 +112,7 @@ def scan_record(fd: int | RemoteFile, offset: int, length: int) -> dict[str, tup
     return members
 
 
-def member_start(fd: int | RemoteFile, offset: int, length: int, local: int) -> int | None:
+def member_start(fd: int | RangeSource, offset: int, length: int, local: int) -> int | None:
     """Where a member's data starts in its record (relative to ``offset``), from its local
     header at ``local``; None if the header is malformed or outside the record."""
     if not 0 <= local <= length - LOCAL_HEADER.size:
@@ -121,7 +124,7 @@ def member_start(fd: int | RemoteFile, offset: int, length: int, local: int) -> 
     return int(local + LOCAL_HEADER.size + fields[9] + fields[10])
 
 
-def pread_into(fd: int | RemoteFile, view: memoryview, offset: int) -> bool:
+def pread_into(fd: int | RangeSource, view: memoryview, offset: int) -> bool:
     """Fill ``view`` from ``fd`` at ``offset``; False when the file ends first."""
     if not isinstance(fd, int):
         return fd.readinto(view, offset) == len(view)

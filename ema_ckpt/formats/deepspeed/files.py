@@ -2,18 +2,21 @@
 
 Only file names are looked at, except for the first model-states file, whose pickle holds
 ``dp_world_size`` and ``global_steps``: it is read once per file version (memory-mapped,
-through the restricted loader of :mod:`.._ds_unpickle`) and remembered.
+through the restricted loader of :mod:`.._ds_unpickle`; on object storage its structure
+only, by ranged requests) and remembered.
 """
 
 from __future__ import annotations
 
 import re
+import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from ...errors import CheckpointFormatError, UnsafePickleError
-from .._ds_unpickle import load_ds_file
+from ...remote import RemoteStat, as_path, is_remote
+from .._ds_unpickle import RemoteStructure, load_ds_file, load_ds_structure
 
 FORMAT_NAME = "deepspeed"
 
@@ -68,7 +71,7 @@ def find_tag_dir(path: str | Path) -> Path | None:
     tag folder, and so Hugging Face Trainer's ``checkpoint-N`` (``latest`` + ``global_stepN``).
     Only file names are looked at.
     """
-    path = Path(path)
+    path = as_path(path)
     if not path.is_dir():
         return None
     models, optims = ds_files(path)
@@ -117,7 +120,7 @@ def incomplete(path: str | Path) -> str | None:
     no optimizer files (or the reverse), gaps in the rank numbers, and fewer optimizer files
     than the ``dp_world_size`` recorded in the model states.
     """
-    path = Path(path)
+    path = as_path(path)
     if not path.is_dir():
         return None
     tag = _read_latest(path)
@@ -206,6 +209,9 @@ def _model_summary(path: Path) -> tuple[Any, Any]:
     the step, then opening), and unpickling a ZeRO-3 model-states file costs tens of
     milliseconds. Errors are not remembered, so a file still being written is read again.
     """
+    if is_remote(path):
+        state = remote_structure(path).state
+        return (state.get("dp_world_size"), state.get("global_steps")) if isinstance(state, dict) else (None, None)
     try:
         st = path.stat()
     except OSError:
@@ -220,6 +226,32 @@ def _model_summary(path: Path) -> tuple[Any, Any]:
             _SUMMARIES.clear()
         _SUMMARIES[key] = summary
     return summary
+
+
+_STRUCTURES: dict[tuple[str, str, int], RemoteStructure] = {}  # (URL, ETag, size) -> its structure
+_STRUCTURES_KEPT = 256
+_STRUCTURES_LOCK = threading.Lock()  # the reader loads a tag's objects from several threads
+
+
+def remote_structure(path: Path) -> RemoteStructure:
+    """A model-states object's structure (:func:`~.._ds_unpickle.load_ds_structure`), loaded once
+    per object version (its ETag) and shared by detection, discovery and the reader.
+
+    Without an ETag from the store it is loaded afresh each time.
+    """
+    st = cast(RemoteStat, path.stat())
+    key = (str(path), st.etag, st.st_size)
+    with _STRUCTURES_LOCK:
+        found = _STRUCTURES.get(key) if st.etag else None
+    if found is None:
+        found = load_ds_structure(path)
+        found.close()  # its pieces go; a later header check reads afresh
+        if st.etag:
+            with _STRUCTURES_LOCK:
+                if len(_STRUCTURES) >= _STRUCTURES_KEPT:
+                    _STRUCTURES.pop(next(iter(_STRUCTURES)))
+                _STRUCTURES[key] = found
+    return found
 
 
 def _recorded_world_size(path: Path) -> Any:
@@ -272,7 +304,7 @@ def deepspeed_tags(save_dir: str | Path) -> list[Path]:
     ``save_dir/latest`` names only the newest tag; an EMA wants them all. Order is by the step
     in the tag name (``global_step<N>``), then by name.
     """
-    save_dir = Path(save_dir)
+    save_dir = as_path(save_dir)
     tags = [c for c in sorted(save_dir.iterdir()) if c.is_dir() and all(ds_files(c))]
 
     def order(p: Path) -> tuple[int, str]:

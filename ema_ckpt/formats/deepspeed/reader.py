@@ -24,6 +24,13 @@ then hands back to the kernel (:func:`~._ds_unpickle.release_pages`) so that the
 resident. ``layout`` offers tensors over 32 MiB as row blocks, so a run's memory is a few such
 blocks, whatever the largest parameter and however it straddles ranks.
 
+On object storage (a :class:`~ema_ckpt.remote.RemotePath`) nothing is mapped or fetched whole:
+each file's zip directory and pickle are read by ranged requests and unpickled by the same
+restricted loader with every tensor left on the ``meta`` device
+(:func:`~._ds_unpickle.load_ds_structure`); each key then knows the byte spans it lies in, and
+``read`` fetches those spans only (a :class:`~ema_ckpt.remote.RemoteFile` per stored tensor,
+read ahead within it), so an optimizer file's Adam moments are never requested.
+
 Refused with :class:`~ema_ckpt.errors.CheckpointFormatError` (naming the file): tensor
 parallelism (``mp_rank_01``), pipeline ``layer_*`` files, MoE (``expp_rank_*``, expert
 layers), NVMe-offloaded tensors, ZeRO-0, and a world size that does not match the number of
@@ -38,17 +45,28 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
+import threading
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, cast
 
 from ..._lazy import torch
 from ...errors import CheckpointFormatError, CheckpointNotFoundError, EmaCkptError
 from ...layout import Box, TensorSpec, split_rows
-from ...torch_records import pread_into
-from .._ds_unpickle import load_ds_file_releasable, release_pages, storage_file_offsets
+from ...remote import RemoteFile, RemotePath, as_path, is_remote, remote_concurrency
+from ...torch_records import FileWindow, pread_into
+from .._ds_unpickle import (
+    RemoteStructure,
+    load_ds_file_releasable,
+    load_ds_structure,
+    meta_file_offset,
+    release_pages,
+    storage_file_offsets,
+)
 from ..base import CheckpointFormat, CheckpointReader, register_format
 from .files import (
     FORMAT_NAME,
@@ -61,6 +79,7 @@ from .files import (
     is_deepspeed,
     model_files,
     name_gaps,
+    remote_structure,
     step_from,
     step_of,
 )
@@ -69,6 +88,8 @@ from .params import ParameterMaps, _Entry, _Piece, _row_major_strides
 _RELEASE_SLICE_BYTES = 16 << 20  # copy mapped spans this much at a time, then drop their pages
 
 _REGION_BYTES = 32 << 20  # layout(): larger tensors are served in row blocks of at most this
+
+_REMOTE_KEPT = 64  # stored tensors on object storage kept open (with their last blocks) per reader
 
 
 
@@ -130,7 +151,7 @@ class DeepSpeedReader(ParameterMaps, CheckpointReader):
 
 
     def __init__(self, path: str | Path) -> None:
-        self.path = Path(path)
+        self.path = as_path(path)
         tag_dir = find_tag_dir(self.path)
         if tag_dir is None:
             reason = (
@@ -143,6 +164,10 @@ class DeepSpeedReader(ParameterMaps, CheckpointReader):
         self._releasable: dict[Path, bool] = {}  # file -> its mapped pages may be dropped
         self._identities: dict[Path, tuple[int, ...]] = {}  # file -> (dev, inode, size, mtime) when mapped
         self._entries: dict[str, _Entry] = {}
+        self._structures: dict[Path, RemoteStructure] = {}  # object -> its structure, while building
+        self._sizes: dict[Path, int] = {}  # object -> its size in bytes
+        self._remote: dict[tuple[Path, int], RemoteFile] = {}  # (object, first byte) -> a stored tensor's reads
+        self._remote_lock = threading.Lock()
         self._closed = False
         try:
             self._build()
@@ -185,9 +210,16 @@ class DeepSpeedReader(ParameterMaps, CheckpointReader):
     def stored_records(self) -> Sequence[tuple[str, int, int]]:
         """Every ``.pt`` file of the tag folder, each one ``torch.save`` zip (relative to :attr:`path`)."""
         self._check_open()
-        base = self.tag_dir.relative_to(self.path) if self.tag_dir != self.path else Path()
-        return [(str(base / p.name) if base.parts else p.name, 0, p.stat().st_size)
-                for p in sorted(self.tag_dir.glob("*.pt"))]
+        base = self.tag_dir.name if self.tag_dir != self.path else ""
+        files = sorted(p for p in self.tag_dir.iterdir() if p.name.endswith(".pt"))
+        return [(f"{base}/{p.name}" if base else p.name, 0, p.stat().st_size) for p in files]
+
+    def open_record(self, file: str, offset: int, length: int) -> IO[bytes]:
+        """A read-only file view of one ``.pt`` file (on object storage: ranged reads of it)."""
+        full = self.path / file
+        if not is_remote(full):
+            return super().open_record(file, offset, length)
+        return FileWindow(RemoteFile(cast(RemotePath, full)), offset, length, owns_fd=True)  # type: ignore[return-value]
 
     def data_ranges(self) -> list[tuple[Path, int, int]]:
         """``(file, offset, length)``: the bytes reading every key takes from the files, merged.
@@ -294,6 +326,13 @@ class DeepSpeedReader(ParameterMaps, CheckpointReader):
     def close(self) -> None:
         self._entries = {}
         self._states = {}
+        for structure in self._structures.values():
+            structure.close()
+        self._structures = {}
+        with self._remote_lock:
+            sources, self._remote = list(self._remote.values()), {}
+        for source in sources:
+            source.close()
         self._closed = True
 
 
@@ -314,7 +353,24 @@ class DeepSpeedReader(ParameterMaps, CheckpointReader):
             raise KeyError(f"{key!r} is not a tensor of {self.tag_dir}") from None
 
 
+    def _load_remote(self, paths: Sequence[Path]) -> None:
+        """Load the structure of every object in ``paths`` not loaded yet, several at a time (each
+        is a few small requests, so latency, not bandwidth, is their cost)."""
+        todo = [p for p in paths if is_remote(p) and p not in self._states]
+        if len(todo) < 2:
+            return
+        with ThreadPoolExecutor(min(len(todo), remote_concurrency()), thread_name_prefix="ema-ckpt-ds") as pool:
+            loaded = dict(zip(todo, pool.map(_structure_of, todo), strict=True))
+        for path, structure in loaded.items():
+            self._structures[path] = structure
+            self._states[path], self._releasable[path] = structure.state, False
+            self._sizes[path] = structure.source.size
+
     def _load(self, path: Path) -> Any:
+        if path not in self._states and is_remote(path):
+            structure = self._structures[path] = _structure_of(path)
+            self._states[path], self._releasable[path] = structure.state, False
+            self._sizes[path] = structure.source.size
         if path not in self._states:
             # The file's identity is taken before the mapping is made and kept only if the path
             # still names that file afterwards; pread checks it again on every open, so a tag
@@ -344,9 +400,16 @@ class DeepSpeedReader(ParameterMaps, CheckpointReader):
         try:
             for p in entry.pieces:
                 a, b = max(lo, p.dst), min(hi, p.dst + p.length)
-                if a < b:
-                    fd = self._open(p.file, fds) if p.file is not None and out.dtype == p.src.dtype else None
-                    self._copy_piece(p, a, b, out[a - lo : b - lo], fd)
+                if a >= b:
+                    continue
+                source: int | RemoteFile | None = None
+                if p.file is not None and is_remote(p.file):
+                    source = self._remote_source(p)
+                elif p.file is not None and out.dtype == p.src.dtype:
+                    source = self._open(p.file, fds)
+                self._copy_piece(p, a, b, out[a - lo : b - lo], source)
+                if isinstance(source, RemoteFile) and p.start + b - p.dst == p.src.numel():
+                    self._drop_remote(p, source)  # read to its end: the blocks it keeps go
         finally:
             for fd in fds.values():
                 if fd is not None:
@@ -376,16 +439,45 @@ class DeepSpeedReader(ParameterMaps, CheckpointReader):
                 fds[path] = None  # replaced: the mapping still holds the file that was opened
         return fds[path]
 
+    def _remote_source(self, p: _Piece) -> RemoteFile:
+        """Ranged reads of the stored tensor ``p.src`` in its object: its bytes only, read ahead
+        within it; kept for the next reads of it (the most recently used :data:`_REMOTE_KEPT`)."""
+        assert p.file is not None
+        key = (p.file, p.file_start)
+        oldest = None
+        with self._remote_lock:
+            source = self._remote.pop(key, None)
+            if source is None:
+                window = (p.file_start, p.src.numel() * p.src.element_size())
+                source = RemoteFile(cast(RemotePath, p.file), size=self._sizes[p.file], window=window)
+            self._remote[key] = source  # the most recently used last
+            if len(self._remote) > _REMOTE_KEPT:
+                oldest = self._remote.pop(next(iter(self._remote)))
+        if oldest is not None:
+            oldest.close()
+        return source
+
+    def _drop_remote(self, p: _Piece, source: RemoteFile) -> None:
+        with self._remote_lock:
+            self._remote.pop((cast(Path, p.file), p.file_start), None)
+        source.close()
+
     @staticmethod
-    def _copy_piece(p: _Piece, a: int, b: int, out: torch.Tensor, fd: int | None) -> None:
-        """Flat elements ``[a, b)`` of a key, which lie in piece ``p``, into ``out``."""
-        if fd is not None:
+    def _copy_piece(p: _Piece, a: int, b: int, out: torch.Tensor, source: int | RemoteFile | None) -> None:
+        """Flat elements ``[a, b)`` of a key, which lie in piece ``p``, into ``out``: read from
+        ``source`` (a descriptor, or ranged reads of an object) at the piece's place in its
+        file, else copied from ``p.src`` (the mapping)."""
+        if source is not None:
             # Straight from the file into the buffer: one copy by the kernel, no page faults
-            # on the mapping and no pages to hand back.
-            view = memoryview(out.view(torch.uint8).numpy())
-            offset = p.file_start + (p.start + a - p.dst) * out.element_size()
-            if not pread_into(fd, view, offset):
+            # on the mapping and no pages to hand back (a stored dtype other than the key's,
+            # as for buffers kept in bf16, goes through a buffer of its own).
+            target = out if out.dtype == p.src.dtype else torch.empty(b - a, dtype=p.src.dtype)
+            view = memoryview(target.view(torch.uint8).numpy())
+            offset = p.file_start + (p.start + a - p.dst) * target.element_size()
+            if not pread_into(source, view, offset):
                 raise CheckpointFormatError(str(p.file), f"truncated: expected {len(view)} bytes at offset {offset}")
+            if target is not out:
+                out.copy_(target)
             return
         # Mapped sources go in slices, each handed back once copied: resident file pages stay
         # within one slice, not one rank's share of the parameter.
@@ -407,6 +499,37 @@ class DeepSpeedReader(ParameterMaps, CheckpointReader):
         osds = self._check_states(model0_path, model0, zero3_models)
         self._describe(model0, bf16_file_names=any(bf16 for _, _, bf16 in parsed))
         self._entries = self._map_keys(model0_path, model0, osds)
+        if self._structures:
+            self._entries = self._place_in_objects(self._entries)
+            for structure in self._structures.values():
+                structure.close()
+            self._structures = {}
+
+    def _place_in_objects(self, entries: dict[str, _Entry]) -> dict[str, _Entry]:
+        """Every key of a checkpoint on object storage as byte spans of its objects: each
+        ``meta`` tensor the structure gave becomes a piece read by ranged requests."""
+        owners = {ident: structure for structure in self._structures.values() for ident in structure.storages}
+
+        def place(src: torch.Tensor) -> tuple[Path, int]:
+            structure = owners.get(id(src.untyped_storage()))
+            if structure is None or src.dim() != 1 or (src.numel() > 1 and src.stride() != (1,)):
+                raise CheckpointFormatError(self.tag_dir, "a tensor is not stored as one contiguous span")
+            return structure.path, meta_file_offset(structure, src)
+
+        placed: dict[str, _Entry] = {}
+        for key, entry in entries.items():
+            pieces = list(entry.pieces)
+            if entry.tensor is not None:
+                t = entry.tensor
+                if not t.is_contiguous():
+                    raise CheckpointFormatError(self.tag_dir, f"{key} is not stored contiguously")
+                pieces = [_Piece(0, t.numel(), t.reshape(-1), 0)] if t.numel() else []
+            for i, p in enumerate(pieces):
+                if p.file is None or not is_remote(p.file):
+                    file, start = place(p.src)
+                    pieces[i] = dataclasses.replace(p, file=file, file_start=start, releasable=False)
+            placed[key] = dataclasses.replace(entry, pieces=tuple(pieces), tensor=None, releasable=False)
+        return placed
 
 
     def _index_files(self) -> tuple[list[tuple[int, Path, bool]], list[tuple[int, Path]]]:
@@ -453,6 +576,7 @@ class DeepSpeedReader(ParameterMaps, CheckpointReader):
                 f"tensor-parallel checkpoints (mp_world_size={model0['mp_world_size']}) are not supported",
             )
 
+        self._load_remote([*self._optim_files, *self._model_files])
         osds = []
         for p in self._optim_files:
             state = self._load(p)
@@ -536,6 +660,11 @@ class DeepSpeedReader(ParameterMaps, CheckpointReader):
 
 
 
+def _structure_of(path: Path) -> RemoteStructure:
+    """An object's structure: a model-states file's shared per version, an optimizer file's its own."""
+    return remote_structure(path) if path.name.endswith("model_states.pt") else load_ds_structure(path)
+
+
 def _identity(st: os.stat_result) -> tuple[int, ...]:
     """What tells one version of a file from another: device, inode, size, modification time."""
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
@@ -556,6 +685,7 @@ register_format(
         records_step=True,
         step_label="DeepSpeed global_steps",
         step_of=DeepSpeedReader.step_of,
+        remote=True,
     )
 )
 
