@@ -906,3 +906,27 @@ def test_trainers_folders_on_s3_fold_as_their_local_copies(s3, trainer, tmp_path
     cli("accumulate", url, "--decay", "0.9", "--out", tmp_path / "ema-s3")
     cli("accumulate", local, "--decay", "0.9", "--out", tmp_path / "ema-local")
     assert_same(dcp_tensors(tmp_path / "ema-s3"), dcp_tensors(tmp_path / "ema-local"))
+
+
+def test_an_hf_sharded_output_on_s3_loads_with_from_pretrained(s3, tmp_path):
+    """The generation-tagged shard names are what the index names: transformers loads them."""
+    from tests.test_trainers import FIXTURES, _llama
+
+    checkpoint = FIXTURES / "hf-trainer-fsdp" / "ckpts" / "checkpoint-6"
+    out = f"s3://{BUCKET}/llama/model"
+    cli("consolidate", checkpoint, "--out", f"{out}/", "--max-shard-size", "4KB")
+    cli("consolidate", checkpoint, "--out", f"{tmp_path / 'local'}/", "--max-shard-size", "4KB")
+    folder = download(out, tmp_path / "from-s3")
+    shards = sorted(p.name for p in folder.glob("model-*.safetensors"))
+    assert len(shards) > 1 and all(len(name.split(".")) == 3 for name in shards)  # model-…-of-….<generation>.…
+    config, model_class = _llama(tie=False)
+    config.save_pretrained(folder)
+    model, info = model_class.from_pretrained(folder, output_loading_info=True, dtype=torch.float32)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    local = {}
+    for shard in (tmp_path / "local").glob("model-*.safetensors"):
+        local.update(load_file(shard))
+    state = model.state_dict()
+    assert sorted(local) == sorted(state)
+    for key, value in local.items():
+        assert torch.equal(state[key], value.float()), key
