@@ -259,6 +259,15 @@ def _stage_compute_publish(job: Job[PlanT, ComputedT, Any], plan: PlanT, targets
                 own.append(stagings[index])
     try:
         return _compute_publish(job, plan, targets, group, on_progress, lock, stagings, generations)
+    except EmaCkptError:
+        # what this attempt uploaded goes, as a local staging does (an upload already switched
+        # over is finished instead); where the store itself failed, the next run recovers it
+        if group.is_coordinator:
+            for target, tag in zip(targets, generations, strict=True):
+                if tag is not None:
+                    with contextlib.suppress(Exception):
+                        recover_remote(target.final)
+        raise
     finally:
         for path in own:
             shutil.rmtree(path, ignore_errors=True)

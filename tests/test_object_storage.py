@@ -499,8 +499,8 @@ def test_a_damaged_ema_on_s3_is_refused_after_the_fold_and_nothing_is_published(
         message = cli("accumulate", src, "--decay", "0.9", "--out", out, "--workers", workers, code=3)
         assert len(message.strip().splitlines()) == 1, message
         assert "does not match its manifest" in message and victim in message and "CRC-32" in message
-        after = {k: client.get_object(Bucket=BUCKET, Key=f"flip/ema/{k}")["Body"].read()
-                 for k in keys_under(out) if k in before}
+        assert sorted(keys_under(out)) == sorted(before)  # what the run had uploaded is gone again
+        after = {k: client.get_object(Bucket=BUCKET, Key=f"flip/ema/{k}")["Body"].read() for k in before}
         assert after == before  # the damaged EMA is left as it is; nothing was published over it
 
 
