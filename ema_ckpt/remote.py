@@ -359,6 +359,22 @@ _POOLS: dict[int, ThreadPoolExecutor] = {}
 _POOLS_LOCK = threading.Lock()
 
 
+def _object_size(path: RemotePath) -> int:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        raise CheckpointNotFoundError(cast(Path, path), "no such object") from None
+
+
+def _read_range(path: RemotePath, start: int, end: int) -> bytes:
+    """Bytes ``start`` to ``end`` of the object, all of them (a short answer is an error)."""
+    data: bytes = _call(path, path.fs.cat_file, path.key, start=start, end=end)
+    if len(data) != end - start:
+        raise RemoteStorageError(f"{path}: a ranged read of bytes {start}-{end} returned {len(data)} bytes "
+                                 "(the object changed while it was read?)")
+    return data
+
+
 def _pool(workers: int) -> ThreadPoolExecutor:
     with _POOLS_LOCK:
         pool = _POOLS.get(workers)
@@ -390,12 +406,7 @@ class RemoteFile:
     def __init__(self, path: RemotePath, *, concurrency: int | None = None, block: int | None = None,
                  size: int | None = None, window: tuple[int, int] | None = None, checksums: bool = False) -> None:
         self.path = path
-        if size is None:
-            try:
-                size = path.stat().st_size
-            except FileNotFoundError:
-                raise CheckpointNotFoundError(cast(Path, path), "no such object") from None
-        self.size = size
+        self.size = size = size if size is not None else _object_size(path)
         # Only [base, end) is ever requested; blocks are aligned to ``base``.
         self._base, self._end = (0, size) if window is None else (window[0], min(size, window[0] + window[1]))
         self._concurrency = concurrency if concurrency is not None else remote_concurrency()
@@ -422,11 +433,7 @@ class RemoteFile:
         return start, min(self._end, start + self.block)
 
     def _fetch(self, index: int) -> bytes:
-        start, end = self._block_span(index)
-        data: bytes = _call(self.path, self.path.fs.cat_file, self.path.key, start=start, end=end)
-        if len(data) != end - start:
-            raise RemoteStorageError(f"{self.path}: a ranged read of bytes {start}-{end} returned {len(data)} bytes "
-                                     "(the object changed while it was read?)")
+        data = _read_range(self.path, *self._block_span(index))
         if self._block_crcs is not None:
             value = crc32(data)  # on the fetching thread, with the GIL released
             with self._lock:
@@ -595,12 +602,7 @@ class RangedReads:
 
     def __init__(self, path: RemotePath, *, size: int | None = None) -> None:
         self.path = path
-        if size is None:
-            try:
-                size = path.stat().st_size
-            except FileNotFoundError:
-                raise CheckpointNotFoundError(cast(Path, path), "no such object") from None
-        self.size = size
+        self.size = size if size is not None else _object_size(path)
         self._pieces: list[tuple[int, bytes]] = []
         self.fences: list[int] = []
         """Sorted offsets a read is never extended past."""
@@ -618,10 +620,7 @@ class RangedReads:
         if fence < len(self.fences):
             extended = min(extended, self.fences[fence])
         fetch_end = min(self.size, max(end, extended))
-        data: bytes = _call(self.path, self.path.fs.cat_file, self.path.key, start=offset, end=fetch_end)
-        if len(data) != fetch_end - offset:
-            raise RemoteStorageError(f"{self.path}: a ranged read of bytes {offset}-{fetch_end} returned "
-                                     f"{len(data)} bytes (the object changed while it was read?)")
+        data = _read_range(self.path, offset, fetch_end)
         self.bytes_requested += len(data)
         self._pieces.append((offset, data))
         return data[: end - offset]

@@ -415,6 +415,22 @@ def test_accumulate_s3_to_s3_is_bit_identical_incremental_and_loads_with_dcp(run
     assert json.loads(cli("verify", out, "--json"))["ok"] is True
 
 
+def _ema_of_the_first_steps(local: Path, prefix: str, *options: str) -> tuple[str, str, list[Path]]:
+    """Steps 1–3 uploaded to ``prefix/ckpts`` and folded from there into ``prefix/ema``: the
+    two URLs, and every step (:func:`_upload_the_rest` uploads the others)."""
+    steps = sorted(local.iterdir(), key=lambda p: int(p.name.split("_")[-1]))
+    for step in steps[:3]:
+        upload(step, f"{prefix}/ckpts/{step.name}")
+    src, out = f"s3://{BUCKET}/{prefix}/ckpts", f"s3://{BUCKET}/{prefix}/ema"
+    cli("accumulate", src, "--decay", "0.9", "--out", out, *options)
+    return src, out, steps
+
+
+def _upload_the_rest(steps: list[Path], prefix: str) -> None:
+    for step in steps[3:]:
+        upload(step, f"{prefix}/ckpts/{step.name}")
+
+
 def _counting_reads(monkeypatch) -> dict[str, int]:
     """Bytes requested per object by every read from here on (ranged or whole)."""
     requested: dict[str, int] = {}
@@ -433,13 +449,8 @@ def _counting_reads(monkeypatch) -> dict[str, int]:
 def test_an_incremental_accumulate_downloads_the_previous_ema_once(run, tmp_path, monkeypatch):
     """Its CRC-32s are checked from the blocks the fold reads, not by a download before it."""
     local, _ = run
-    steps = sorted(local.iterdir(), key=lambda p: int(p.name.split("_")[-1]))
-    for step in steps[:3]:
-        upload(step, f"once/ckpts/{step.name}")
-    src, out = f"s3://{BUCKET}/once/ckpts", f"s3://{BUCKET}/once/ema"
-    cli("accumulate", src, "--decay", "0.9", "--out", out)
-    for step in steps[3:]:
-        upload(step, f"once/ckpts/{step.name}")
+    src, out, steps = _ema_of_the_first_steps(local, "once")
+    _upload_the_rest(steps, "once")
     client = boto3.client("s3")
     sizes = {f"{out}/{k}": client.head_object(Bucket=BUCKET, Key=f"once/ema/{k}")["ContentLength"]
              for k in keys_under(out) if k.endswith(".distcp")}
@@ -480,13 +491,8 @@ def test_a_remote_files_crc32_comes_from_the_blocks_read_and_reads_only_the_rest
 
 def test_a_damaged_ema_on_s3_is_refused_after_the_fold_and_nothing_is_published(run, tmp_path):
     local, _ = run
-    steps = sorted(local.iterdir(), key=lambda p: int(p.name.split("_")[-1]))
-    for step in steps[:3]:
-        upload(step, f"flip/ckpts/{step.name}")
-    src, out = f"s3://{BUCKET}/flip/ckpts", f"s3://{BUCKET}/flip/ema"
-    cli("accumulate", src, "--decay", "0.9", "--out", out, "--workers", "2")
-    for step in steps[3:]:
-        upload(step, f"flip/ckpts/{step.name}")
+    src, out, steps = _ema_of_the_first_steps(local, "flip", "--workers", "2")
+    _upload_the_rest(steps, "flip")
     client = boto3.client("s3")
     victim = max((k for k in keys_under(out) if k.endswith(".distcp")),
                  key=lambda k: client.head_object(Bucket=BUCKET, Key=f"flip/ema/{k}")["ContentLength"])
@@ -626,15 +632,10 @@ class _FailingAfter(socketserver.ThreadingMixIn, http.server.HTTPServer):
 
 def test_a_run_cut_off_mid_upload_leaves_the_previous_ema_and_the_rerun_recovers(run, s3, tmp_path, monkeypatch):
     local, _ = run
-    steps = sorted(local.iterdir(), key=lambda p: int(p.name.split("_")[-1]))
-    for step in steps[:3]:
-        upload(step, f"cut/ckpts/{step.name}")
-    src, out = f"s3://{BUCKET}/cut/ckpts", f"s3://{BUCKET}/cut/ema"
-    cli("accumulate", src, "--decay", "0.9", "--out", out)
+    src, out, steps = _ema_of_the_first_steps(local, "cut")
     before = {k: boto3.client("s3").get_object(Bucket=BUCKET, Key=f"cut/ema/{k}")["Body"].read()
               for k in keys_under(out)}
-    for step in steps[3:]:
-        upload(step, f"cut/ckpts/{step.name}")
+    _upload_the_rest(steps, "cut")
     # the server goes away after the new generation's marker and first data file: every
     # request from then on fails, as a server stopped mid-write does
     proxy, _ = _flaky_proxy(s3, every=10**9, fail_after_puts=1)
