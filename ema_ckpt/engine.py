@@ -8,7 +8,8 @@ Each output is a combination of the sources, given as ordered updates:
 * ``sum`` outputs compute ``acc = Σ wₛ·θₛ`` (post-hoc EMA, where weights may be negative).
   Two or more sum outputs over the same sources (a sweep) are computed together, one small
   matrix product per block: the K × N coefficients times the N sources' block gives the K
-  output blocks in one pass over the inputs, with the bits of the one-output loop.
+  output blocks in one pass over the inputs, where this machine's BLAS gives the bits of the
+  one-output loop (:func:`product_is_exact`); elsewhere by that loop.
 
 For each region (one stored chunk of the output layout), each source's matching box is
 read once and folded into every output that uses it, then the results are written and
@@ -465,10 +466,11 @@ class _Sweep:
     """Sum outputs over the same sources, computed as ``coefficients @ stack`` per block.
 
     ``coefficients`` is K × N (outputs × sources, in source order); ``stack`` holds the N
-    sources' block as rows. Each element of the product is accumulated source by source in
-    order, as the one-output loop does (``acc = w₀·θ₀``, then ``acc += wₛ·θₛ``); a one-column
-    block, which BLAS would take as a matrix-vector product, is computed by that loop.
-    The same shapes give the same bits for any thread count and any number of workers.
+    sources' block as rows. Made only where the product accumulates each element source by
+    source in order, as the one-output loop does (``acc = w₀·θ₀``, then ``acc += wₛ·θₛ``:
+    :func:`product_is_exact`); a one-column block, which BLAS would take as a matrix-vector
+    product, is computed by that loop. The same shapes give the same bits for any thread
+    count and any number of workers.
     """
 
     outputs: tuple[int, ...]
@@ -506,10 +508,47 @@ def _sweep(outputs: Sequence[OutputSpec], weights: Sequence[Mapping[int, float]]
     if not by_sources:
         return None
     used, members = max(by_sources.items(), key=lambda item: len(item[1]))
-    if len(members) < 2:
+    if len(members) < 2 or not product_is_exact(len(members), len(used), dtype):
         return None
     coefficients = torch.tensor([[weights[k][s] for s in used] for k in members], dtype=torch.float64).to(dtype)
     return _Sweep(tuple(members), frozenset(members), used, {s: i for i, s in enumerate(used)}, coefficients)
+
+
+# Widths the probe tries: small ones (a BLAS's edge kernels), odd ones, and one past the sizes at
+# which a BLAS switches to packed, blocked kernels.
+_PROBE_WIDTHS = (2, 3, 5, 7, 16, 17, 64, 255, 1000, 4099, 65537)
+
+
+@functools.cache
+def product_is_exact(outputs: int, sources: int, dtype: torch.dtype) -> bool:
+    """This machine's BLAS gives a K × N product (``outputs`` × ``sources``) the bits of the
+    one-output loop (``acc = w₀·θ₀``, then ``acc += wₛ·θₛ`` fused, source by source).
+
+    Whether it does depends on the BLAS and the processor, not on the data: MKL on Intel
+    processors accumulates in source order with fused multiply-adds, as the loop does; on
+    other processors (AMD's) its kernels group the terms otherwise, and results differ in the
+    last bit. So the product is tried once per shape on random values at widths where kernels
+    change, under the run's thread settings, and used only where every element matches;
+    elsewhere a sweep's outputs are computed by the loop, one by one. Either way each output
+    has the loop's bits, on any machine.
+
+    Example:
+        >>> product_is_exact(4, 4, torch.float32) in (True, False)
+        True
+    """
+    g = torch.Generator().manual_seed(outputs * 1000 + sources)
+    coefficients = torch.randn(outputs, sources, dtype=torch.float64, generator=g).to(dtype)
+    weights = coefficients.tolist()
+    for width in _PROBE_WIDTHS:
+        stack = torch.randn(sources, width, dtype=torch.float64, generator=g).to(dtype)
+        product = torch.mm(coefficients, stack)
+        for k in range(outputs):
+            loop = torch.mul(stack[0], weights[k][0])
+            for s in range(1, sources):
+                loop.add_(stack[s], alpha=weights[k][s])
+            if not torch.equal(product[k], loop):
+                return False
+    return True
 
 
 def _find_nonfinite(sources: Sequence[CheckpointReader], inputs: Sequence[tuple[int, TensorSpec, list[int]]],

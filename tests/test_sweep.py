@@ -143,9 +143,12 @@ def _output_tensors(reader):
 
 
 def test_block_product_matches_the_loop_for_every_block_width():
-    """The product's bits equal the one-output loop's at every width, the one-column fallback included."""
+    """Where the product is used (this machine's BLAS passed the probe for the shape), its bits
+    equal the one-output loop's at every width, the one-column fallback included."""
     g = torch.Generator().manual_seed(0)
-    for sources, outputs in ((2, 2), (5, 3), (16, 8)):
+    for sources, outputs in ((2, 2), (4, 4), (5, 3), (16, 8)):
+        if not engine.product_is_exact(outputs, sources, torch.float32):
+            continue  # such sweeps are computed by the loop itself (the next test)
         coefficients = torch.randn(outputs, sources, dtype=torch.float64, generator=g).to(torch.float32)
         for width in (1, 2, 3, 5, 16, 17, 1000):
             stack = torch.randn(sources, width, generator=g)
@@ -159,6 +162,36 @@ def test_block_product_matches_the_loop_for_every_block_width():
                     loop.add_(stack[s], alpha=float(coefficients[k, s]))
                 assert torch.equal(out[k], loop), (sources, outputs, width, k)
     assert Box((0,), (1,)).numel == 1
+
+
+def test_where_the_product_is_not_exact_a_sweep_is_the_loop(sequence, tmp_path, monkeypatch):
+    """A BLAS that groups the terms otherwise (MKL on AMD processors) never computes a sweep:
+    its outputs are the loop's, the bits of each output computed alone."""
+    monkeypatch.setattr(engine, "product_is_exact", lambda outputs, sources, dtype: False)
+    used: list[int] = []
+    real = engine._Sweep.combine
+    monkeypatch.setattr(engine._Sweep, "combine", lambda self, stack, out: used.append(1) or real(self, stack, out))
+    together = posthoc(sequence, out=tmp_path / "together", sigma_rels=list(SIGMAS[:2]))
+    assert not used
+    alone = posthoc(sequence, out=tmp_path / "alone", sigma_rels=[SIGMAS[1]])
+    a, b = full_load(alone.outputs[0], tmp_path), full_load(together.outputs[1], tmp_path)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_the_probe_finds_a_product_that_is_not_the_loop(monkeypatch):
+    """The probe compares bits: a product one rounding away from the loop is refused."""
+    engine.product_is_exact.cache_clear()
+    real_mm = torch.mm
+
+    def off_by_one_ulp(a, b, **kwargs):
+        out = real_mm(a, b, **kwargs)
+        return torch.nextafter(out, torch.full_like(out, float("inf")))
+
+    monkeypatch.setattr(engine.torch, "mm", off_by_one_ulp)
+    try:
+        assert engine.product_is_exact(3, 5, torch.float32) is False
+    finally:
+        engine.product_is_exact.cache_clear()
 
 
 def test_only_copies_may_plan_raw_regions():
