@@ -541,7 +541,9 @@ def product_is_exact(outputs: int, sources: int, dtype: torch.dtype) -> bool:
     weights = coefficients.tolist()
     for width in _PROBE_WIDTHS:
         stack = torch.randn(sources, width, dtype=torch.float64, generator=g).to(dtype)
-        product = torch.mm(coefficients, stack)
+        # into columns of a wider buffer, as a block's product lands in its region's rows
+        product = torch.empty(outputs, width + 3, dtype=dtype)[:, 1:width + 1]
+        torch.mm(coefficients, stack, out=product)
         for k in range(outputs):
             loop = torch.mul(stack[0], weights[k][0])
             for s in range(1, sources):
