@@ -1,7 +1,8 @@
 """The arithmetic a sweep cannot skip, timed alone in a tight loop: the compute floor.
 
 A sweep of K outputs over N inputs must, for every output byte, form the weighted sum of the
-N inputs' values (one K × N by N × block matrix product per block) and checksum it (CRC-32,
+N inputs' values (one K × N by N × block matrix product per block where this machine's BLAS
+gives the one-output loop's bits, else that loop) and checksum it (CRC-32,
 required by the zip records DCP stores tensors in). This script times exactly that on
 in-memory blocks, on one thread as the engine computes, with no reading, writing or Python per
 tensor. Added to a run's I/O floor it gives the floor of a sweep that does the work its
@@ -21,16 +22,26 @@ def compute_floor(inputs: int, outputs: int, total_bytes: int, block_bytes: int 
     import torch
 
     from ema_ckpt._crc import crc32
+    from ema_ckpt.engine import product_is_exact
 
     torch.set_num_threads(1)
     elements = block_bytes // 4 // inputs  # the engine's sweep stack holds N inputs' blocks in 8 MiB
     stack = torch.randn(inputs, elements)
     weights = torch.rand(outputs, inputs, dtype=torch.float64).float()
+    listed = weights.tolist()
     result = torch.empty(outputs, elements)
     blocks = max(1, total_bytes // (elements * 4))
+    # as the engine computes: the product where it has the loop's bits on this machine, else the loop
+    product = outputs >= 2 and product_is_exact(outputs, inputs, torch.float32)
     started = time.perf_counter()
     for _ in range(blocks):
-        torch.mm(weights, stack, out=result)
+        if product:
+            torch.mm(weights, stack, out=result)
+        else:
+            for k in range(outputs):
+                torch.mul(stack[0], listed[k][0], out=result[k])
+                for n in range(1, inputs):
+                    result[k].add_(stack[n], alpha=listed[k][n])
         for k in range(outputs):
             crc32(memoryview(result[k].numpy()).cast("B"))
     return time.perf_counter() - started
