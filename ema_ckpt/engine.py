@@ -483,10 +483,16 @@ class _Sweep:
         if stack.shape[1] >= 2:
             torch.mm(self.coefficients, stack, out=out)
             return
-        for row in range(len(self.outputs)):
-            torch.mul(stack[0], float(self.coefficients[row, 0]), out=out[row])
-            for column in range(1, len(self.sources)):
-                out[row].add_(stack[column], alpha=float(self.coefficients[row, column]))
+        _loop_product(self.coefficients, stack, out)
+
+
+def _loop_product(coefficients: torch.Tensor, stack: torch.Tensor, out: torch.Tensor) -> None:
+    """``coefficients @ stack`` into ``out`` as the one-output loop computes each row:
+    ``acc = w₀·θ₀``, then ``acc += wₛ·θₛ`` (fused), source by source."""
+    for row, weights in enumerate(coefficients.tolist()):
+        torch.mul(stack[0], weights[0], out=out[row])
+        for column in range(1, len(weights)):
+            out[row].add_(stack[column], alpha=weights[column])
 
 
 def _sweep(outputs: Sequence[OutputSpec], weights: Sequence[Mapping[int, float]],
@@ -538,18 +544,15 @@ def product_is_exact(outputs: int, sources: int, dtype: torch.dtype) -> bool:
     """
     g = torch.Generator().manual_seed(outputs * 1000 + sources)
     coefficients = torch.randn(outputs, sources, dtype=torch.float64, generator=g).to(dtype)
-    weights = coefficients.tolist()
     for width in _PROBE_WIDTHS:
         stack = torch.randn(sources, width, dtype=torch.float64, generator=g).to(dtype)
         # into columns of a wider buffer, as a block's product lands in its region's rows
         product = torch.empty(outputs, width + 3, dtype=dtype)[:, 1:width + 1]
         torch.mm(coefficients, stack, out=product)
-        for k in range(outputs):
-            loop = torch.mul(stack[0], weights[k][0])
-            for s in range(1, sources):
-                loop.add_(stack[s], alpha=weights[k][s])
-            if not torch.equal(product[k], loop):
-                return False
+        loop = torch.empty(outputs, width, dtype=dtype)
+        _loop_product(coefficients, stack, loop)
+        if not torch.equal(product, loop):
+            return False
     return True
 
 

@@ -375,9 +375,8 @@ class AccumulateJob(Job[FoldPlan, _Folded, AccumulateResult]):
             name = acc.name if final == acc.final else final.name
             outputs.append(fold_output(name, fold_weights(acc, upto=None if final == acc.final else step), index))
         readers = context.open_sources(sources)
-        for acc in plan.accumulators:  # its CRC-32s are checked from what the fold reads
-            if acc.previous is not None and acc.new and is_remote(acc.final):
-                cast(DcpReader, readers[index[str(acc.final)]]).keep_checksums = True
+        for acc in _remote_emas_folded_into(plan.accumulators):  # CRC-32s checked from what the fold reads
+            cast(DcpReader, readers[index[str(acc.final)]]).keep_checksums = True
         keys = context.check(lambda: check_fold_keys(readers, sources, checkpoints, active, opts.include,
                                                      opts.exclude, opts.allow_new_keys))
         newest = readers[-1]
@@ -501,8 +500,7 @@ def refuse_damaged_remote_emas(accumulators: list[Accumulator], readers: Sequenc
     """After the fold, before anything is published: each EMA on object storage that was folded
     into has the CRC-32s its manifest records, computed from the blocks the workers read
     (blocks no worker read are read now). Every worker takes part; the coordinator checks."""
-    previous = [(acc, readers[index[str(acc.final)]]) for acc in accumulators
-                if acc.previous is not None and acc.new and is_remote(acc.final)]
+    previous = [(acc, readers[index[str(acc.final)]]) for acc in _remote_emas_folded_into(accumulators)]
     if not previous:
         return
     read = workers.exchange([cast(DcpReader, reader).block_checksums() for _acc, reader in previous])
@@ -520,6 +518,11 @@ def refuse_damaged_remote_emas(accumulators: list[Accumulator], readers: Sequenc
                 raise _damaged(acc.final, problems)
 
     workers.on_coordinator(check)
+
+
+def _remote_emas_folded_into(accumulators: Sequence[Accumulator]) -> list[Accumulator]:
+    """The accumulators whose previous EMA, on object storage, this run folds new checkpoints into."""
+    return [acc for acc in accumulators if acc.previous is not None and acc.new and is_remote(acc.final)]
 
 
 def _damaged(final: Path, problems: list[str]) -> CheckpointFormatError:
