@@ -18,15 +18,18 @@ from typing import Any
 _Crc32 = Callable[[Any, int], int]
 
 
-def _fastest() -> tuple[_Crc32, str]:
+_Combine = Callable[[int, int, int], int]
+
+
+def _fastest() -> tuple[_Crc32, _Combine | None, str]:
     try:
         from isal import isal_zlib
     except ImportError:  # an optional speed-up: a platform without the wheel keeps zlib's
-        return zlib.crc32, "zlib"
-    return isal_zlib.crc32, "isal"
+        return zlib.crc32, None, "zlib"
+    return isal_zlib.crc32, getattr(isal_zlib, "crc32_combine", None), "isal"
 
 
-_crc32, IMPLEMENTATION = _fastest()
+_crc32, _native_combine, IMPLEMENTATION = _fastest()
 
 
 def crc32(data: bytes | bytearray | memoryview, value: int = 0) -> int:
@@ -80,8 +83,17 @@ def _shift(length: int) -> int:
 def crc32_combine(first: int, second: int, second_length: int) -> int:
     """The CRC-32 of ``A ‖ B`` from ``crc32(A)``, ``crc32(B)`` and ``len(B)``.
 
+    ISA-L's where installed (about 1 µs a call), else this module's arithmetic (about 50 µs).
+
     Example:
         >>> crc32_combine(crc32(b"ab"), crc32(b"cd"), 2) == crc32(b"abcd")
         True
     """
+    if _native_combine is not None:
+        return _native_combine(first, second, second_length)
+    return combine_in_python(first, second, second_length)
+
+
+def combine_in_python(first: int, second: int, second_length: int) -> int:
+    """:func:`crc32_combine` without ISA-L (the fallback, kept tested)."""
     return _multiply(_shift(second_length), first) ^ second

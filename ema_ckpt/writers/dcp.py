@@ -16,14 +16,12 @@ Example:
 
 from __future__ import annotations
 
-import functools
 import os
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .._compat.dcp_metadata import dump_metadata
-from .._crc import crc32
+from .._crc import crc32, crc32_combine
 from .._lazy import torch
 from .._pickle import check_written_metadata
 from ..direct_io import ALIGNMENT as PAGE
@@ -42,47 +40,6 @@ _write_tensor_record = write_tensor_record
 # page boundary of the file (at most 4 KiB of padding per MiB): with a page-aligned tensor, its
 # bytes go to the disk straight from memory (ema_ckpt.direct_io). Small records pack densely.
 _PAGE_ALIGNED_FROM = 1 << 20
-
-
-def _gf2_times(matrix: Sequence[int], vector: int) -> int:
-    total, row = 0, 0
-    while vector:
-        if vector & 1:
-            total ^= matrix[row]
-        vector >>= 1
-        row += 1
-    return total
-
-
-@functools.cache
-def _zeros_operator(power: int) -> tuple[int, ...]:
-    """The GF(2) matrix that appends 2**power zero bytes to a CRC-32 (the same for every file)."""
-    if power == 0:
-        operator: Sequence[int] = [0xEDB88320] + [1 << n for n in range(31)]  # one zero bit
-        squarings = 3  # 1 → 2 → 4 → 8 bits
-    else:
-        operator, squarings = _zeros_operator(power - 1), 1
-    for _ in range(squarings):
-        operator = [_gf2_times(operator, operator[n]) for n in range(32)]
-    return tuple(operator)
-
-
-def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
-    """CRC-32 of A+B from crc(A), crc(B) and len(B), in GF(2) as zlib's crc32_combine.
-
-    crc(A) is carried over len(B) zero bytes, one cached operator per set bit of len(B).
-
-    Example:
-        >>> crc32_combine(crc32(b"ab"), crc32(b"cd"), 2) == crc32(b"abcd")
-        True
-    """
-    power = 0
-    while len2 > 0:
-        if len2 & 1:
-            crc1 = _gf2_times(_zeros_operator(power), crc1)
-        len2 >>= 1
-        power += 1
-    return crc1 ^ crc2
 
 
 _WRITEBACK_BYTES = 32 << 20
