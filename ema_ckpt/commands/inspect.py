@@ -9,12 +9,14 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import math
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ..discovery import step_record
+from ..dtypes import itemsize
 from ..formats import locate_model, open_checkpoint
 from ..formats.base import formats_for
 from ..manifest import Manifest
@@ -91,10 +93,9 @@ def inspect_checkpoint(path: str | Path) -> InspectResult:
     path = as_path(path)
     location = locate_model(path)
     with contextlib.closing(open_checkpoint(path)) as reader:
-        specs = reader.specs()
-        tensors = [
-            TensorInfo(k, s.shape, str(s.dtype).removeprefix("torch."), s.nbytes, len(reader.layout(k)))
-            for k, s in specs.items()
+        tensors = [  # from the stored shapes and dtype names: for most formats, without importing torch
+            TensorInfo(k, shape, dtype, math.prod(shape) * itemsize(dtype), len(reader.layout(k)))
+            for k, (shape, dtype) in reader.stored().items()
         ]
         manifest = Manifest.read(path) if path.is_dir() else None
         step: int | None
