@@ -40,8 +40,11 @@ install: $(VENV)/.installed
 
 install-test: $(VENV)/.installed-test
 
+# Test files are spread over $(TEST_WORKERS) processes (pytest-xdist; a file's tests stay together, so
+# its fixtures are built once); TEST_WORKERS=0 runs everything in this process.
+TEST_WORKERS ?= 2
 test: $(VENV)/.installed-test lint
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 
 # ruff over everything; mypy strict on the package (both configured in pyproject.toml)
 lint: $(VENV)/.installed-test

@@ -40,7 +40,7 @@ from hypothesis import strategies as st
 from safetensors.torch import save_file
 
 from ema_ckpt.commands.verify import verify
-from ema_ckpt.errors import EmaCkptError
+from ema_ckpt.errors import CheckpointFormatError, EmaCkptError
 from ema_ckpt.formats import open_checkpoint
 from ema_ckpt.layout import Box
 from ema_ckpt.manifest import MANIFEST_NAME, Manifest
@@ -402,6 +402,18 @@ def test_dcp_metadata_fields(dcp_base, ops, protocol):
         _read_all(ck)
 
 
+@pytest.mark.parametrize("size", [[0, 1 << 63], [-1, 4], [1 << 64, 0]])
+def test_dcp_sizes_beyond_64_bits_or_negative_are_refused(dcp_base, size):
+    # a key of no elements (one size 0) has no chunk to check against its records
+    with _copy_of(dcp_base) as ck:
+        meta = ck / ".metadata"
+        root = pickle.loads(meta.read_bytes())
+        root.state_dict_metadata["model.e"].size = size
+        meta.write_bytes(pickle.dumps(root))
+        with pytest.raises(CheckpointFormatError, match=r"64 bits|negative size"):
+            open_checkpoint(ck)
+
+
 @FUZZ
 @given(ops=BYTE_MUTATIONS, rank=st.sampled_from([0, 1]))
 def test_dcp_data_file_bytes(dcp_base, ops, rank):
@@ -627,7 +639,7 @@ def test_a_pickle_memo_index_allocates_no_memory(loader, bomb):
     code = f"""
 import resource, struct
 from ema_ckpt.{loader} as load
-from ema_ckpt.errors import EmaCkptError
+from ema_ckpt.errors import CheckpointFormatError, EmaCkptError
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 try:
     load({bomb}, "x")

@@ -82,6 +82,8 @@ class MetadataIndex:
                     self._bytes_records[key] = storage["bytes"][key]
                 continue
             shape = tuple(metadata_int(d) for d in entry.size)
+            if any(d < 0 for d in shape):
+                raise ValueError(f"key {key!r}: negative size {list(shape)}")
             dtype = entry.properties.dtype
             if not isinstance(dtype, DtypeName):
                 raise TypeError(f"key {key!r}: dtype {dtype!r} is not a torch dtype")

@@ -40,8 +40,11 @@ def planner_data_of(metadata: Any) -> dict[str, tuple[str, ...]]:
 
 
 def metadata_int(value: Any) -> int:
-    """An int from metadata, refusing floats, strings and other look-alikes."""
+    """An int from metadata, refusing floats, strings and other look-alikes, and integers that do
+    not fit in 64 bits (every size and offset becomes a torch size or a file offset)."""
     if isinstance(value, int) and not isinstance(value, bool):
+        if not -(1 << 63) <= value < 1 << 63:
+            raise ValueError(f"{value} does not fit in 64 bits")
         return value
     raise TypeError(f"{value!r} is not an integer")
 
