@@ -1,5 +1,5 @@
-"""``python -m ema_ckpt``."""
+"""``python -m ema_ckpt``: the same entry point as the ``ema-ckpt`` script."""
 
-from .cli import main
+from ._entry import main
 
 main()

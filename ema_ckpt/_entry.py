@@ -7,7 +7,7 @@ and every command before a worker can join the group.
 
 from __future__ import annotations
 
-from . import _signals
+from . import _gc, _signals
 
 
 def main() -> None:
@@ -17,6 +17,7 @@ def main() -> None:
     the modules are still being imported (:mod:`ema_ckpt._signals`).
     """
     _signals.install()  # here, not at import: the workers it spawns re-import this module
+    _gc.own_the_heap()  # this process is the command's: its imports may be set aside (ema_ckpt._gc)
     from .cli import main as cli_main  # a signal meanwhile is recorded: see _signals
 
     cli_main()

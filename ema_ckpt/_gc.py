@@ -8,7 +8,9 @@ the same several times over. Reference counting still frees everything as usual.
 Both helpers are context managers and change the collector of the whole process, so only
 the code that owns the process's work enters them: :func:`paused_gc` around one parse,
 :func:`frozen_heap` only in the job runner, around a command's data loop. Library
-functions never enter them on a caller's behalf, as decorators or otherwise.
+functions never enter them on a caller's behalf, as decorators or otherwise. Likewise
+:func:`import_module` sets an imported module's objects aside only in a process whose entry
+point declared it ema-ckpt's own (:func:`own_the_heap`: the command line, spawned workers).
 
 **Relies on** the freeze semantics of CPython's public ``gc.freeze`` / ``gc.unfreeze`` /
 ``gc.get_freeze_count`` (checked in ``tests/test_compat.py``): frozen objects are left out
@@ -24,8 +26,11 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import importlib
+import sys
 import threading
 from collections.abc import Iterator
+from types import ModuleType
 
 
 @contextlib.contextmanager
@@ -43,6 +48,44 @@ def paused_gc() -> Iterator[None]:
 _freezes = 0  # frozen_heap blocks open in this process
 _freezes_lock = threading.Lock()
 _CAN_FREEZE = all(hasattr(gc, name) for name in ("freeze", "unfreeze", "get_freeze_count"))
+_owns_heap = False  # set by the entry points of ema-ckpt's own processes: see own_the_heap
+# the freeze count import_module left: what this module set aside itself (the count only falls
+# after that, as frozen objects are freed, unless another freeze adds to it)
+_settled = 0
+
+
+def own_the_heap() -> None:
+    """Declare this process ema-ckpt's own (the command line, a spawned worker): from now on
+    :func:`import_module` may set the modules it imports aside. Never called by library code."""
+    global _owns_heap
+    _owns_heap = True
+
+
+def import_module(name: str) -> ModuleType:
+    """``importlib.import_module(name)``; in a process that owns its heap, imported without
+    cyclic collections and its objects then set aside (``gc.freeze``).
+
+    Importing torch creates about a million objects that live as long as the process; the
+    collections triggered while they are made, and every full collection after, walk them
+    all again: about a quarter of the import's time, and more later. Their reference cycles,
+    if any, stay until the outermost :func:`frozen_heap` block ends.
+    """
+    module = sys.modules.get(name)
+    if module is not None or not _owns_heap:
+        return module if module is not None else importlib.import_module(name)
+    with paused_gc():
+        module = importlib.import_module(name)
+        _settle()
+    return module
+
+
+def _settle() -> None:
+    global _settled
+    with _freezes_lock:
+        if _CAN_FREEZE and (_freezes > 0 or gc.get_freeze_count() <= _settled):
+            gc.freeze()  # inside a frozen_heap block: the outermost one unfreezes it with the rest
+            if _freezes == 0:
+                _settled = gc.get_freeze_count()
 
 
 @contextlib.contextmanager
@@ -56,9 +99,9 @@ def frozen_heap() -> Iterator[None]:
     the outer one began. A process that froze objects for its own reasons (``gc.freeze``
     before a fork) is left as it is.
     """
-    global _freezes
+    global _freezes, _settled
     with _freezes_lock:
-        owned = _CAN_FREEZE and (_freezes > 0 or not gc.get_freeze_count())
+        owned = _CAN_FREEZE and (_freezes > 0 or gc.get_freeze_count() <= _settled)
         if owned:
             gc.freeze()
             _freezes += 1
@@ -69,4 +112,5 @@ def frozen_heap() -> Iterator[None]:
             with _freezes_lock:
                 _freezes -= 1
                 if _freezes == 0:
-                    gc.unfreeze()
+                    gc.unfreeze()  # what import_module set aside too: one bookkeeping, no partial unfreeze
+                    _settled = 0

@@ -33,7 +33,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from ._gc import paused_gc
+from ._gc import import_module, own_the_heap, paused_gc
 from ._liveness import Heartbeat, join, join_timeout, open_store, peer_timeout
 from .errors import (
     CheckpointFormatError,
@@ -234,6 +234,7 @@ def current_workers(device: str = "cpu") -> Workers:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
         return Workers.single()
+    import_module("torch")
     import torch.distributed as dist
 
     if not dist.is_initialized():
@@ -318,9 +319,9 @@ def _worker_main(rank: int, world: int, port: int, func: Callable[..., Any], arg
     os.environ[_SPAWNED_VARIABLE] = "1"
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     report: tuple[int, str, Any]
+    own_the_heap()  # a process of ema-ckpt's own
     try:
-        import torch
-
+        torch = import_module("torch")
         torch.set_num_threads(1)
         func(*args, **kwargs)
         report = (rank, "ok", None)
@@ -374,8 +375,7 @@ def run_workers(world_size: int, func: Callable[..., T], /, *args: Any,
                                      name=f"ema-ckpt-worker-{rank}", daemon=True))
             procs[-1].start()
         _spawned[:] = procs
-        import torch  # while the workers start and import it too
-
+        torch = import_module("torch")  # while the workers start and import it too
         threads = torch.get_num_threads()
         os.environ.update(_group_environment(0, world_size, port))
         torch.set_num_threads(max(1, threads // world_size))  # the workers share this machine's cores

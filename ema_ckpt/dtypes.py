@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from ._gc import import_module
+
 if TYPE_CHECKING:
     import torch
 
@@ -83,6 +85,7 @@ def name_of(dtype: Any) -> str:
 
 def torch_dtype(name: str) -> torch.dtype:
     """The torch dtype called ``name``; imports torch."""
+    import_module("torch")  # the first import of a command's process: see ema_ckpt._gc
     import torch
 
     value = getattr(torch, canonical(name), None)

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
-from ._gc import frozen_heap
+from ._gc import frozen_heap, paused_gc
 from .dist import Workers, assign_by_bytes, current_workers, in_worker_group, run_workers
 from .engine import EngineStats, OutputSpec, combine_regions
 from .errors import EmaCkptError, OptionError, UsageError
@@ -329,9 +329,11 @@ class JobContext:
         parses inputs r, r+N, … and the parsed indexes are exchanged, so the parse is split
         instead of repeated. The readers close when the run's attempt ends.
         """
-        readers = _open_checkpoints(self.workers, paths, self.stack)
-        # their indexes live as long as the readers: kept out of cyclic collections (ema_ckpt._gc)
-        self.stack.enter_context(frozen_heap())
+        # their indexes (millions of objects) live as long as the readers: no collection while they are
+        # parsed, sent and received, then kept out of cyclic collections (ema_ckpt._gc)
+        with paused_gc():
+            readers = _open_checkpoints(self.workers, paths, self.stack)
+            self.stack.enter_context(frozen_heap())
         return readers
 
     def writer(self, index: int, format_name: str, **settings: Any) -> OutputWriter:
@@ -398,8 +400,12 @@ class JobContext:
                 writer.abort()
             raise
         gathered = self.workers.exchange((states, stats.bytes_read, stats.bytes_written))
-        files = self.workers.on_coordinator(
-            lambda: [w.finish([g[0][k] for g in gathered]) for k, w in enumerate(writers)])
+        def finish() -> list[list[WrittenFile]]:
+            # the workers' states and the metadata: tens of thousands of lasting objects each
+            with paused_gc():
+                return [w.finish([g[0][k] for g in gathered]) for k, w in enumerate(writers)]
+
+        files = self.workers.on_coordinator(finish)
         return WrittenOutputs(files, sum(g[1] for g in gathered), sum(g[2] for g in gathered))
 
 

@@ -394,3 +394,46 @@ def test_paused_gc_restores_the_collectors_state():
         assert not gc.isenabled()
     finally:
         (gc.enable if enabled else gc.disable)()
+
+
+def test_import_module_sets_modules_aside_only_in_a_process_that_owns_its_heap():
+    # a fresh interpreter: which modules are imported, and what is frozen, is this test's alone
+    code = """
+import gc, sys
+from ema_ckpt import _gc
+assert gc.get_freeze_count() == 0
+_gc.import_module("json")  # a library caller's process: a plain import
+assert "json" in sys.modules and gc.get_freeze_count() == 0
+_gc.own_the_heap()
+_gc.import_module("decimal")
+settled = gc.get_freeze_count()
+assert settled > 0 and gc.isenabled()
+with _gc.frozen_heap():  # the job runner's block still owns the collector, then unfreezes all
+    assert gc.get_freeze_count() >= settled
+assert gc.get_freeze_count() == 0
+gc.freeze()  # another freeze of the process's own (before a fork, say)
+theirs = gc.get_freeze_count()
+_gc.import_module("fractions")
+assert "fractions" in sys.modules and gc.get_freeze_count() <= theirs
+with _gc.frozen_heap():
+    assert gc.get_freeze_count() <= theirs
+print("ok")
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout == "ok\n", proc.stderr
+
+
+def test_the_command_line_and_python_m_own_their_heap():
+    for entry in ("from ema_ckpt import _entry; _entry.main()", "import runpy; runpy.run_module('ema_ckpt', run_name='__main__')"):
+        code = f"""
+import sys
+from ema_ckpt import _gc
+sys.argv = ["ema-ckpt", "--help"]
+try:
+    {entry}
+except SystemExit:
+    pass
+assert _gc._owns_heap
+"""
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr
