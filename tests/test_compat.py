@@ -424,7 +424,8 @@ print("ok")
 
 
 def test_the_command_line_and_python_m_own_their_heap():
-    for entry in ("from ema_ckpt import _entry; _entry.main()", "import runpy; runpy.run_module('ema_ckpt', run_name='__main__')"):
+    for entry in ("from ema_ckpt import _entry; _entry.main()",
+                  "import runpy; runpy.run_module('ema_ckpt', run_name='__main__')"):
         code = f"""
 import sys
 from ema_ckpt import _gc
