@@ -64,18 +64,20 @@ def test_refused_at_open_falls_back_to_the_page_cache(tmp_path, monkeypatch):
 def test_refused_at_the_first_write_falls_back_with_every_byte(tmp_path, monkeypatch):
     real_write = os.write
     calls = []
-
-    def refuse_once(fd, data):
-        calls.append(len(data))
-        if len(calls) == 1:
-            raise OSError(errno.EINVAL, "Invalid argument")
-        return real_write(fd, data)
-
-    monkeypatch.setattr(os, "write", refuse_once)
     data = os.urandom(4 * ALIGNMENT + 99)
     with DirectAppender(tmp_path / "f.bin", buffer_bytes=ALIGNMENT) as out:
         if not out.direct:
             pytest.skip("this file system refuses O_DIRECT")
+        direct_fd = out.fileno()
+
+        def refuse_once(fd, data):
+            if fd == direct_fd:  # only this file's writes: other threads of the process write too
+                calls.append(len(data))
+                if len(calls) == 1:
+                    raise OSError(errno.EINVAL, "Invalid argument")
+            return real_write(fd, data)
+
+        monkeypatch.setattr(os, "write", refuse_once)
         out.write(data)
         assert not out.direct
     assert (tmp_path / "f.bin").read_bytes() == data
@@ -91,17 +93,18 @@ def test_the_environment_turns_it_off(tmp_path, monkeypatch):
 def test_a_later_write_error_is_raised(tmp_path, monkeypatch):
     real_write = os.write
     calls = []
-
-    def fail_second(fd, data):
-        calls.append(1)
-        if len(calls) == 2:
-            raise OSError(errno.ENOSPC, "No space left on device")
-        return real_write(fd, data)
-
-    monkeypatch.setattr(os, "write", fail_second)
     out = DirectAppender(tmp_path / "f.bin", buffer_bytes=ALIGNMENT)
     if not out.direct:
         pytest.skip("this file system refuses O_DIRECT")
+
+    def fail_second(fd, data):
+        if fd == out.fileno():  # only this file's writes: other threads of the process write too
+            calls.append(1)
+            if len(calls) == 2:
+                raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(fd, data)
+
+    monkeypatch.setattr(os, "write", fail_second)
     with pytest.raises(OSError) as info:
         out.write(os.urandom(3 * ALIGNMENT))
     assert info.value.errno == errno.ENOSPC
