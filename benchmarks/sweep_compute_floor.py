@@ -22,13 +22,12 @@ def compute_floor(inputs: int, outputs: int, total_bytes: int, block_bytes: int 
     import torch
 
     from ema_ckpt._crc import crc32
-    from ema_ckpt.engine import product_is_exact
+    from ema_ckpt.engine import _loop_product, product_is_exact
 
     torch.set_num_threads(1)
     elements = block_bytes // 4 // inputs  # the engine's sweep stack holds N inputs' blocks in 8 MiB
     stack = torch.randn(inputs, elements)
     weights = torch.rand(outputs, inputs, dtype=torch.float64).float()
-    listed = weights.tolist()
     result = torch.empty(outputs, elements)
     blocks = max(1, total_bytes // (elements * 4))
     # as the engine computes: the product where it has the loop's bits on this machine, else the loop
@@ -38,10 +37,7 @@ def compute_floor(inputs: int, outputs: int, total_bytes: int, block_bytes: int 
         if product:
             torch.mm(weights, stack, out=result)
         else:
-            for k in range(outputs):
-                torch.mul(stack[0], listed[k][0], out=result[k])
-                for n in range(1, inputs):
-                    result[k].add_(stack[n], alpha=listed[k][n])
+            _loop_product(weights, stack, result)
         for k in range(outputs):
             crc32(memoryview(result[k].numpy()).cast("B"))
     return time.perf_counter() - started
