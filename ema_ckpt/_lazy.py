@@ -12,7 +12,6 @@ Example:
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 from ._gc import import_module
@@ -25,7 +24,7 @@ class LazyModule:
         self._name = name
 
     def __getattr__(self, attr: str) -> Any:
-        module = sys.modules.get(self._name) or import_module(self._name)
+        module = import_module(self._name)
         value = getattr(module, attr)
         # kept on the proxy: later reads are plain attribute reads (hot loops read torch.* per tensor)
         setattr(self, attr, value)
