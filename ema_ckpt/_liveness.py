@@ -58,15 +58,24 @@ def _store_prefix() -> str:
     return f"ema-ckpt/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
 
 
-def open_store(host: str, port: int, *, serve: bool, timeout: float) -> Any:
-    """A client of the group's TCP store at ``host:port`` (its server too when ``serve``)."""
+def open_store(host: str, port: int, *, serve: bool, timeout: float, listening: socket.socket | None = None) -> Any:
+    """A client of the group's TCP store at ``host:port`` (its server too when ``serve``).
+
+    ``listening``: the server's socket, already listening on ``port`` (it becomes the store's).
+    Clients that arrive before the server then connect at once; against a closed port, torch's
+    client retries with a back-off that can make them a second late.
+    """
     import torch.distributed as dist
 
+    listen_fd = listening.detach() if serve and listening is not None else None
     # TCPStore and PrefixStore are documented torch.distributed API, not in its __all__
     try:
         store = dist.TCPStore(  # type: ignore[attr-defined]
-            host, port, None, serve, datetime.timedelta(seconds=timeout), wait_for_workers=False)
+            host, port, None, serve, datetime.timedelta(seconds=timeout), wait_for_workers=False,
+            master_listen_fd=listen_fd)
     except (RuntimeError, ValueError) as err:  # DistNetworkError / DistStoreError: no store there in time
+        if listen_fd is not None:
+            os.close(listen_fd)
         raise PeerLostError(f"cannot reach the workers' store at {host}:{port} within {timeout:.0f} s "
                             f"({_first_line(err)})") from None
     return dist.PrefixStore(_store_prefix(), store)  # type: ignore[attr-defined]
@@ -99,7 +108,7 @@ def join(store: Any, rank: int, world_size: int, *, timeout: float,
                                 f"{world_size} did not join within {timeout:.0f} s "
                                 f"({JOIN_TIMEOUT_VARIABLE} sets the wait)")
         time.sleep(pause)
-        pause = min(0.2, pause * 2)
+        pause = min(0.02, pause * 2)
 
 
 class Heartbeat:

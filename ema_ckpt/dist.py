@@ -183,6 +183,8 @@ _group_state: dict[str, Any] = {}
 """This process's group: its store and heartbeat (set by :func:`current_workers`)."""
 _spawned: list[Any] = []
 """Rank 0's spawned workers while :func:`run_workers` runs, watched while the group forms."""
+_listening: list[socket.socket] = []
+"""Rank 0's socket for the group's store while :func:`run_workers` runs, until the store takes it."""
 
 
 def _spawned_exited() -> str | None:
@@ -267,7 +269,8 @@ def _join_group(backend: str, world: int) -> None:
     host, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", "29500"))
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
     waits, silence = join_timeout(), peer_timeout()
-    store = open_store(host, port, serve=rank == 0 and not agent, timeout=waits)
+    listening = _listening.pop() if _listening else None  # run_workers' socket on MASTER_PORT
+    store = open_store(host, port, serve=rank == 0 and not agent, timeout=waits, listening=listening)
     join(store, rank, world, timeout=waits, gone=_spawned_exited)
     group_store = dist.PrefixStore("group/", store)  # type: ignore[attr-defined]
     dist.init_process_group(backend, store=group_store, rank=rank, world_size=world, timeout=_TIMEOUT)
@@ -300,6 +303,19 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def _listening_socket() -> socket.socket:
+    """A socket listening on a free loopback port, for the store rank 0 serves: held from before
+    the spawn, so no other process can take the port and the workers never find it closed."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(128)
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 _SPAWNED_VARIABLE = "EMA_CKPT_SPAWNED_WORKER"
@@ -364,7 +380,9 @@ def run_workers(world_size: int, func: Callable[..., T], /, *args: Any,
                          "start it under torchrun instead (its ranks become the workers)")
     ctx = multiprocessing.get_context("spawn")  # a fork would copy this process's threads and locks
     queue = ctx.SimpleQueue()
-    port = free_port()
+    listening = _listening_socket()
+    port = int(listening.getsockname()[1])
+    _listening[:] = [listening]
     procs: list[Any] = []
     saved = {name: os.environ.get(name) for name in _GROUP_VARIABLES}
     threads: int | None = None
@@ -408,6 +426,8 @@ def run_workers(world_size: int, func: Callable[..., T], /, *args: Any,
         return result
     finally:
         _spawned.clear()
+        _listening.clear()
+        listening.close()  # a no-op once the store has taken it
         try:
             _shutdown()
             if threads is not None:

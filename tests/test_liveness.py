@@ -102,3 +102,27 @@ def test_a_store_that_stops_answering_is_lost_too():
     finally:
         beat.stop()
         del server
+
+
+def test_a_store_served_on_a_listening_socket_takes_it_and_clients_may_come_first():
+    import threading
+
+    from ema_ckpt.dist import _listening_socket
+
+    listening = _listening_socket()
+    port = listening.getsockname()[1]
+    found: list[bytes] = []
+
+    def early_client() -> None:  # connects before the store exists: the kernel holds the connection
+        client = open_store("127.0.0.1", port, serve=False, timeout=10)
+        found.append(client.get("ready"))
+
+    thread = threading.Thread(target=early_client)
+    thread.start()
+    time.sleep(0.3)
+    server = open_store("127.0.0.1", port, serve=True, timeout=10, listening=listening)
+    assert listening.fileno() == -1  # the store owns the descriptor now
+    server.set("ready", "yes")
+    thread.join(timeout=10)
+    assert found == [b"yes"]
+    del server
