@@ -20,6 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _harness import (
+    BASELINE,
     EMA,
     PY,
     dir_bytes,
@@ -27,6 +28,7 @@ from _harness import (
     machine_description,
     measure_in_turn,
     table,
+    with_baseline,
     write_floor,
 )
 
@@ -57,14 +59,19 @@ def main() -> None:
     out = args.data.parent / "bench-workers"
     runs = {f"average --workers {n}": dict(cmd=[EMA, "average", str(args.data), "--last", str(args.count),
                                                 "--out", str(out), "--quiet", "--workers", str(n)]) for n in (1, 2)}
-    results = measure_in_turn(runs, out, args.repeat)
-    one, two = results.values()
+    results = measure_in_turn(with_baseline(runs), out, args.repeat)
+    one, two = results["average --workers 1"], results["average --workers 2"]
     print(f"Machine: {machine_description()}")
     print(f"Input: {args.count} DCP checkpoints of {args.tensors} fp32 tensors of 4 KiB; "
           f"medians of {args.repeat} runs\n")
     print(table([(m.name, f"{m.wall_median:.2f}", f"{m.rss_median:.0f}") for m in results.values()],
                 ("command", "wall s", "peak RSS MiB (largest process)")))
     print(f"\nspeed-up with 2 workers = {one.wall_median / two.wall_median:.2f}×")
+    if BASELINE:
+        base_one, base_two = (results[f"average --workers {n} [baseline]"] for n in (1, 2))
+        print(f"baseline: speed-up {base_one.wall_median / base_two.wall_median:.2f}×; "
+              f"this tree against it: {one.wall_median / base_one.wall_median:.2f}× (1 worker), "
+              f"{two.wall_median / base_two.wall_median:.2f}× (2 workers)")
     if args.large:
         large_case(Path(args.large), args.repeat)
 

@@ -24,12 +24,13 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
+import itertools
 import os
 import pickle
 import socket
 import sys
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -124,6 +125,42 @@ class Workers:
             dist.broadcast_object_list(box, src=0, group=self._group)
         return box[0]
 
+    def claim_order(self, costs: Sequence[int]) -> list[int]:
+        """The order :meth:`claims` offers items in: largest first among several workers (the
+        shares then end close together), as given to one.
+
+        Example:
+            >>> Workers(rank=0, world_size=2).claim_order([3, 9, 5])
+            [1, 2, 0]
+        """
+        if self.world_size == 1:
+            return list(range(len(costs)))
+        return sorted(range(len(costs)), key=lambda i: (-costs[i], i))
+
+    def claims(self, costs: Sequence[int]) -> Iterator[int]:
+        """The items (indices into ``costs``) this rank works on, first come first served.
+
+        Every rank calls it, with the same costs; together they take each item exactly once.
+        Items are offered largest first and each rank takes the next one when it is free, so a
+        faster or less loaded worker takes more: the shares end within about one item of each
+        other. The group's store counts the claims. Without one (a group this process did not
+        form) the items are shared out by cost beforehand (:func:`assign_by_bytes`).
+
+        Example:
+            >>> list(Workers(rank=0, world_size=1).claims([3, 9, 5]))
+            [0, 1, 2]
+        """
+        order = self.claim_order(costs)
+        store = _group_state.get("store")
+        if self.world_size == 1:
+            return iter(order)
+        if store is None:
+            owners = assign_by_bytes(costs, self.world_size)
+            return iter([i for i in order if owners[i] == self.rank])
+        # taken now, not when the iterator first runs: every rank numbers its calls alike
+        counter = f"claims/{next(_group_state.setdefault('claim_calls', itertools.count()))}"
+        return _claimed(store, counter, order)
+
     def check(self, error: BaseException | None) -> None:
         """A synchronisation point: raise on every rank if any rank hit an error."""
         states = self.all_gather(_portable(error) if error is not None else None)
@@ -155,6 +192,15 @@ class Workers:
         return result
 
 
+def _claimed(store: Any, counter: str, order: Sequence[int]) -> Iterator[int]:
+    while True:
+        with _collective():
+            taken = int(store.add(counter, 1)) - 1
+        if taken >= len(order):
+            return
+        yield order[taken]
+
+
 def _nothing() -> Any:
     return None
 
@@ -180,7 +226,7 @@ def _first_line(err: BaseException) -> str:
 
 
 _group_state: dict[str, Any] = {}
-"""This process's group: its store and heartbeat (set by :func:`current_workers`)."""
+"""This process's group: its store, heartbeat and claim counter (set by :func:`current_workers`)."""
 _spawned: list[Any] = []
 """Rank 0's spawned workers while :func:`run_workers` runs, watched while the group forms."""
 _listening: list[socket.socket] = []
@@ -354,6 +400,75 @@ def _worker_main(rank: int, world: int, port: int, func: Callable[..., Any], arg
     os._exit(0 if report[1] == "ok" else 1)
 
 
+def _standby_main(connection: Any, queue: Any) -> None:
+    """A worker started before its command knew its job (:func:`start_standby_workers`): import
+    what every job needs, then wait for the job, or exit when the command ends without one."""
+    own_the_heap()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import_module("torch")
+    import pkgutil
+
+    import_module("ema_ckpt.jobs")  # the modules a job's pickle names
+    import_module("ema_ckpt.reading")
+    commands = import_module("ema_ckpt.commands")
+    for found in pkgutil.iter_modules(commands.__path__):
+        import_module(f"ema_ckpt.commands.{found.name}")
+    try:
+        rank, world, port, func, args, kwargs, environment = connection.recv()
+    except (EOFError, OSError):  # the command ended without a job for it
+        os._exit(0)
+    os.environ.clear()
+    os.environ.update(environment)  # the command's environment when the job began
+    _worker_main(rank, world, port, func, args, kwargs, queue)
+
+
+_standby: dict[str, Any] = {}
+"""Workers started ahead by :func:`start_standby_workers`: processes, connections, report
+queue and the store's socket, until :func:`run_workers` takes them."""
+
+
+def start_standby_workers(count: int) -> None:
+    """Start ``count`` worker processes now, while the command line still loads and checks its
+    options; the next :func:`run_workers` of ``count + 1`` workers gives them its job.
+
+    A worker's own start (an interpreter, ema-ckpt's modules, torch) then overlaps the
+    command's instead of following it. Workers not given a job exit when this process does.
+    """
+    if count < 1 or _standby or in_worker_group():
+        return
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    listening = _listening_socket()
+    procs, connections = [], []
+    for rank in range(1, count + 1):
+        mine, theirs = ctx.Pipe()
+        procs.append(ctx.Process(target=_standby_main, args=(theirs, queue), name=f"ema-ckpt-worker-{rank}",
+                                 daemon=True))
+        procs[-1].start()
+        theirs.close()
+        connections.append(mine)
+    _standby.update(procs=procs, connections=connections, queue=queue, listening=listening)
+
+
+def _take_standby(count: int) -> dict[str, Any] | None:
+    """The standby workers, if there are ``count`` of them and all still wait; else None (any
+    there were are ended)."""
+    taken = dict(_standby)
+    _standby.clear()
+    if not taken:
+        return None
+    if len(taken["procs"]) == count and all(p.exitcode is None for p in taken["procs"]):
+        return taken
+    for proc, connection in zip(taken["procs"], taken["connections"], strict=True):
+        connection.close()
+        with contextlib.suppress(Exception):
+            proc.kill()
+    taken["listening"].close()
+    return None
+
+
 def run_workers(world_size: int, func: Callable[..., T], /, *args: Any,
                 local_kwargs: dict[str, Any] | None = None, **kwargs: Any) -> T:
     """Run ``func(*args, **kwargs)`` as ``world_size`` workers; rank 0's result.
@@ -379,8 +494,9 @@ def run_workers(world_size: int, func: Callable[..., T], /, *args: Any,
         raise OptionError("workers", "{workers}: this process already belongs to a torch.distributed group; "
                          "start it under torchrun instead (its ranks become the workers)")
     ctx = multiprocessing.get_context("spawn")  # a fork would copy this process's threads and locks
-    queue = ctx.SimpleQueue()
-    listening = _listening_socket()
+    standby = _take_standby(world_size - 1)
+    queue = standby["queue"] if standby else ctx.SimpleQueue()
+    listening = standby["listening"] if standby else _listening_socket()
     port = int(listening.getsockname()[1])
     _listening[:] = [listening]
     procs: list[Any] = []
@@ -388,7 +504,13 @@ def run_workers(world_size: int, func: Callable[..., T], /, *args: Any,
     threads: int | None = None
     grace = 30.0  # for the workers to exit after they have reported
     try:
-        for rank in range(1, world_size):
+        if standby:
+            environment = dict(os.environ)
+            for rank, connection in enumerate(standby["connections"], start=1):
+                procs.append(standby["procs"][rank - 1])
+                connection.send((rank, world_size, port, func, args, kwargs, environment))
+                connection.close()
+        for rank in range(len(procs) + 1, world_size):
             procs.append(ctx.Process(target=_worker_main, args=(rank, world_size, port, func, args, kwargs, queue),
                                      name=f"ema-ckpt-worker-{rank}", daemon=True))
             procs[-1].start()

@@ -78,6 +78,14 @@ class EngineStats:
     seconds: float = 0.0
     per_output_bytes: list[int] = field(default_factory=list)
 
+    def add(self, other: EngineStats) -> None:
+        """Count ``other`` (another part of one run, with the same outputs) in these totals."""
+        self.regions += other.regions
+        self.bytes_read += other.bytes_read
+        self.bytes_written += other.bytes_written
+        self.seconds += other.seconds
+        self.per_output_bytes = [a + b for a, b in zip(self.per_output_bytes, other.per_output_bytes, strict=True)]
+
 
 def check_device(device: str) -> None:
     """Refuse a device this machine does not have, with one clear line.

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 from ._gc import frozen_heap, paused_gc
-from .dist import Workers, assign_by_bytes, current_workers, in_worker_group, run_workers
+from .dist import Workers, current_workers, in_worker_group, run_workers
 from .engine import EngineStats, OutputSpec, combine_regions
 from .errors import EmaCkptError, OptionError, UsageError
 from .formats import open_checkpoint
@@ -376,17 +376,26 @@ class JobContext:
         regions = plans[0]
         if any(p != regions for p in plans[1:]):
             raise ValueError("the outputs of one run must share one layout")
-        mine = owned_regions(regions, self.workers.rank, self.workers.world_size)
         by_key = {t.key: t for t in tensors}
-        on_region = None
+        by_file = regions_by_file(regions)
+        costs = [sum(region_cost(r) for r in part) for part in by_file]
+        claims = self.workers.claims(costs)
+        progress = None
         if self.on_progress is not None:
-            on_region = _reads_progress(self.on_progress, mine, sources, outputs, by_key)
+            progress = _ReadsProgress(self.on_progress, by_file, self.workers.claim_order(costs), sources, outputs,
+                                      by_key)
 
         def compute() -> tuple[list[Any], EngineStats]:
+            stats = EngineStats(per_output_bytes=[0] * len(outputs))
             with frozen_heap():  # the plan's regions and specs live for the whole loop
-                stats = combine_regions(sources, outputs, writers, mine, by_key, copy_source=copy_source,
-                                        accumulate_dtype=accumulate_dtype, on_progress=on_region,
-                                        device=self.device, check_finite=check_finite)
+                for index in claims:  # a whole output file at a time
+                    part = combine_regions(sources, outputs, writers, by_file[index], by_key, copy_source=copy_source,
+                                           accumulate_dtype=accumulate_dtype,
+                                           on_progress=None if progress is None else progress.file(index),
+                                           device=self.device, check_finite=check_finite)
+                    stats.add(part)
+            if progress is not None:
+                progress.finish()
             states = [w.close() for w in writers]
             for writer, state in zip(writers, states, strict=True):
                 if writer.final is not None and is_remote(writer.final) and writer.file_tag is not None:
@@ -416,49 +425,75 @@ def check_remote_output(target: Target, world_size: int) -> None:
                           "worker; run with one worker (or write a directory)", value=str(target.final))
 
 
-def _reads_progress(report: Callable[[Progress], None], regions: Sequence[PlannedRegion],
-                    sources: Sequence[CheckpointReader], outputs: Sequence[OutputSpec],
-                    tensors: dict[str, OutputTensor]) -> Callable[[Progress], None]:
-    """The engine's per-region reports restated in bytes read, as the results count them.
+class _ReadsProgress:
+    """The engine's per-region reports restated in bytes read (as the results count them), over
+    the whole run.
 
     A floating region is read from every source an output sums or folds (in each source's own
-    dtype), any other from one source; ``report`` gets the total at once, before any region
-    is read, so a progress bar never starts without it.
+    dtype), any other from one source. The total is reported at once, before any region is read,
+    so a progress bar never starts without it. With several workers, this one reports the work
+    claimed so far by any of them (files are claimed in turn, see :meth:`Workers.claims`) plus
+    its own progress in the file it works on: a little ahead of the truth, never backwards.
     """
-    from .dtypes import is_float
 
-    needed = sorted({u.source for out in outputs for u in out.updates})
-    per_element: dict[str, int] = {}
-    done = [0]
+    def __init__(self, report: Callable[[Progress], None], files: Sequence[Sequence[PlannedRegion]],
+                 order: Sequence[int], sources: Sequence[CheckpointReader], outputs: Sequence[OutputSpec],
+                 tensors: dict[str, OutputTensor]) -> None:
+        from .dtypes import is_float
+
+        needed = sorted({u.source for out in outputs for u in out.updates})
+        per_element: dict[str, int] = {}
+        self.report = report
+        self.done: list[list[int]] = []  # per file, the bytes read after each of its regions
+        for regions in files:
+            done = [0]
+            for region in regions:
+                cost = per_element.get(region.key)
+                if cost is None:
+                    if is_float(tensors[region.key].stored_dtype):
+                        specs = [sources[s].specs().get(region.key) for s in needed]
+                        cost = sum(spec.dtype.itemsize for spec in specs if spec is not None)
+                    else:
+                        cost = -1  # copied from one source: the region's own bytes
+                    per_element[region.key] = cost
+                done.append(done[-1] + (region.nbytes if region.raw or cost < 0 else region.box.numel * cost))
+            self.done.append(done)
+        self.total = sum(d[-1] for d in self.done)
+        self.regions_total = sum(len(regions) for regions in files)
+        self.reported = 0
+        self.position = {file: position for position, file in enumerate(order)}
+        self.order = list(order)
+        report(Progress(0, self.total, 0, self.regions_total, ""))
+
+    def file(self, index: int) -> Callable[[Progress], None]:
+        """The engine's callback while this worker works on file ``index``."""
+        before = self.order[: self.position[index]]  # claimed by some worker already
+        base = sum(self.done[i][-1] for i in before)
+        regions_base = sum(len(self.done[i]) - 1 for i in before)
+        done = self.done[index]
+
+        def on_region(p: Progress) -> None:
+            self._send(base + done[p.regions_done], regions_base + p.regions_done, p.key)
+
+        return on_region
+
+    def finish(self) -> None:
+        self._send(self.total, self.regions_total, "")
+
+    def _send(self, bytes_done: int, regions_done: int, key: str) -> None:
+        if bytes_done < self.reported:
+            return
+        self.reported = bytes_done
+        self.report(Progress(bytes_done, self.total, regions_done, self.regions_total, key))
+
+
+def regions_by_file(regions: Sequence[PlannedRegion]) -> list[list[PlannedRegion]]:
+    """The regions grouped by output file, files in order of their first region (each file is
+    written by one worker, in the order its regions were planned)."""
+    files: dict[str, list[PlannedRegion]] = {}
     for region in regions:
-        cost = per_element.get(region.key)
-        if cost is None:
-            if is_float(tensors[region.key].stored_dtype):
-                specs = [sources[s].specs().get(region.key) for s in needed]
-                cost = sum(spec.dtype.itemsize for spec in specs if spec is not None)
-            else:
-                cost = -1  # copied from one source: the region's own bytes
-            per_element[region.key] = cost
-        done.append(done[-1] + (region.nbytes if region.raw or cost < 0 else region.box.numel * cost))
-    total = done[-1]
-    report(Progress(0, total, 0, len(regions), ""))
-
-    def on_region(p: Progress) -> None:
-        report(Progress(done[p.regions_done], total, p.regions_done, p.regions_total, p.key))
-
-    return on_region
-
-
-def owned_regions(regions: Sequence[PlannedRegion], rank: int, world_size: int) -> list[PlannedRegion]:
-    """The regions whose files this worker writes (files balanced across workers by work)."""
-    if world_size == 1:
-        return list(regions)
-    work: dict[str, int] = {}
-    for region in regions:
-        work[region.file] = work.get(region.file, 0) + region_cost(region)
-    names = list(work)
-    owners = dict(zip(names, assign_by_bytes([work[n] for n in names], world_size), strict=True))
-    return [r for r in regions if owners[r.file] == rank]
+        files.setdefault(region.file, []).append(region)
+    return list(files.values())
 
 
 def _open_checkpoints(workers: Workers, paths: Sequence[Path], stack: contextlib.ExitStack
@@ -476,4 +511,4 @@ def _open_checkpoints(workers: Workers, paths: Sequence[Path], stack: contextlib
     return workers.run(lambda: [mine[i] if i in mine else opened(p, shared.get(i)) for i, p in enumerate(paths)])
 
 
-__all__ = ["Job", "JobContext", "Target", "WrittenOutputs", "owned_regions", "recorded_options", "run_job"]
+__all__ = ["Job", "JobContext", "Target", "WrittenOutputs", "recorded_options", "regions_by_file", "run_job"]

@@ -73,6 +73,8 @@ def check_compatible(
             )
     for reader in readers:
         specs = reader.specs()
+        if _same_structure(reader, readers[reference]):
+            continue
         missing = [k for k in keys if k not in specs]
         if missing and not allow_new_keys:
             more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
@@ -110,6 +112,8 @@ def _check_overlap(
     previous: tuple[CheckpointReader, set[str]] | None = None
     for index in order:
         reader = readers[index]
+        if previous is not None and _same_structure(reader, previous[0]):
+            continue
         keys = set(select_keys(reader, include, exclude))
         if previous is not None and keys and previous[1]:
             shared = len(keys & previous[1])
@@ -120,6 +124,12 @@ def _check_overlap(
                     f"{reader.path}", remedy="skip",
                 )
         previous = (reader, keys)
+
+
+def _same_structure(a: CheckpointReader, b: CheckpointReader) -> bool:
+    """Whether two readers share one parsed structure (same keys, shapes, dtypes and key paths):
+    DCP steps of one run do (see ``formats.dcp.index.Structure``), which an identity test shows."""
+    return type(a) is type(b) and a.stored() is b.stored() and a.planner_data is b.planner_data
 
 
 def container_prefix(reader: CheckpointReader, keys: Sequence[str]) -> str | None:

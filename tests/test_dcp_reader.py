@@ -12,7 +12,12 @@ import torch.distributed.checkpoint as dcp
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ema_ckpt.errors import CheckpointFormatError, CheckpointNotFoundError, UnsafePickleError
+from ema_ckpt.errors import (
+    CheckpointFormatError,
+    CheckpointNotFoundError,
+    IncompatibleCheckpointError,
+    UnsafePickleError,
+)
 from ema_ckpt.formats import detect_format, open_checkpoint
 from ema_ckpt.formats.dcp import DcpReader
 from ema_ckpt.layout import Box
@@ -172,3 +177,37 @@ def test_storage_paths_cannot_escape_the_directory(tmp_path):
     (tmp_path / "ck" / ".metadata").write_bytes(pickle.dumps(meta))
     with pytest.raises(CheckpointFormatError, match="leaves the checkpoint directory"):
         open_checkpoint(tmp_path / "ck")
+
+
+def test_steps_of_one_layout_share_one_parsed_structure(tmp_path):
+    import gc
+
+    from ema_ckpt.selection import check_compatible
+
+    def model(seed, shape=(8, 4), world_size=1):
+        g = torch.Generator().manual_seed(seed)
+        return {"model.w": torch.randn(shape, generator=g), "model.b": torch.randn(4, generator=g)}, world_size
+
+    paths = {}
+    for name, (tensors, world_size) in {"a": model(1), "b": model(2), "ranks": model(3, world_size=2),
+                                        "wider": model(4, shape=(8, 5))}.items():
+        paths[name] = write_dcp(tmp_path / name, tensors, world_size=world_size)
+    a, b, ranks, wider = (DcpReader(paths[n]) for n in ("a", "b", "ranks", "wider"))
+    assert a._structure is b._structure and a.specs() is b.specs()  # built once
+    assert ranks._structure is not a._structure  # the same keys and shapes, other chunks
+    assert wider._structure is not a._structure
+    for reader, name in ((a, "a"), (b, "b"), (ranks, "ranks")):
+        expected = torch_load_flat(paths[name], {"model.w": torch.empty(8, 4), "model.b": torch.empty(4)})
+        assert torch.equal(reader.read("model.w", Box((0, 0), (8, 4))), expected["model.w"])
+    check_compatible([a, b, ranks], ["model.w", "model.b"], reference=1)
+    with pytest.raises(IncompatibleCheckpointError, match=r"shape \[8, 5\]"):
+        check_compatible([a, wider], ["model.w", "model.b"], reference=0)
+
+    shared = pickle.loads(pickle.dumps(ranks.share()))  # as another worker receives it
+    assert DcpReader(paths["ranks"], shared=shared)._structure is ranks._structure
+    del a, b, ranks, wider
+    gc.collect()  # no live structure left to match: rebuilt from the message
+    rebuilt = DcpReader(paths["ranks"], shared=shared)
+    expected = torch_load_flat(paths["ranks"], {"model.w": torch.empty(8, 4), "model.b": torch.empty(4)})
+    assert torch.equal(rebuilt.read("model.w", Box((2, 0), (5, 4))), expected["model.w"][2:7])
+    assert [c.box for c in rebuilt.chunks("model.w")] == [Box((0, 0), (4, 4)), Box((4, 0), (4, 4))]

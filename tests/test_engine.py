@@ -11,10 +11,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ema_ckpt.dist import Workers
 from ema_ckpt.dtypes import name_of
 from ema_ckpt.engine import OutputSpec, Update, combine_regions
 from ema_ckpt.errors import NonFiniteError
-from ema_ckpt.jobs import owned_regions
+from ema_ckpt.jobs import regions_by_file
 from ema_ckpt.layout import Box, TensorSpec, split_rows
 from ema_ckpt.writers.base import OutputTensor, OutputWriter, PlannedRegion, WrittenFile
 
@@ -216,10 +217,16 @@ def test_the_result_does_not_depend_on_how_the_tensor_is_cut(rows, chunk, cols, 
 @settings(max_examples=40, deadline=None)
 @given(sizes=st.lists(st.integers(0, 1 << 22), min_size=1, max_size=30), world=st.integers(1, 6),
        per_file=st.integers(1, 4))
-def test_owned_regions_share_whole_files_among_workers(sizes, world, per_file):
+def test_workers_share_whole_files_each_exactly_once(sizes, world, per_file):
+    # without a store of the group's own (a group formed elsewhere), files are shared out beforehand
     regions = [PlannedRegion(f"k{i}", Box((0,), (1,)), f"f{i // per_file}", size) for i, size in enumerate(sizes)]
-    shares = [owned_regions(regions, rank, world) for rank in range(world)]
-    assert sorted((r for share in shares for r in share), key=regions.index) == regions
-    owners = {r.file: rank for rank, share in enumerate(shares) for r in share}
-    assert all(owners[r.file] == rank for rank, share in enumerate(shares) for r in share)
-    assert shares == [owned_regions(regions, rank, world) for rank in range(world)]  # deterministic
+    files = regions_by_file(regions)
+    assert [r for part in files for r in part] == regions  # regions of a file stay in planned order
+    assert all(len({r.file for r in part}) == 1 for part in files)
+    costs = [sum(r.nbytes for r in part) for part in files]
+    shares = [list(Workers(rank, world).claims(costs)) for rank in range(world)]
+    assert sorted(i for share in shares for i in share) == list(range(len(files)))
+    assert shares == [list(Workers(rank, world).claims(costs)) for rank in range(world)]  # deterministic
+    for share in shares:  # each in the order offered
+        order = Workers(0, world).claim_order(costs)
+        assert share == sorted(share, key=order.index)

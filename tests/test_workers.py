@@ -14,7 +14,7 @@ from ema_ckpt.commands.accumulate import accumulate
 from ema_ckpt.commands.averaging import posthoc
 from ema_ckpt.commands.consolidate import consolidate
 from ema_ckpt.commands.reshard import reshard
-from ema_ckpt.dist import WorkerFailed, assign_by_bytes, current_workers, run_workers
+from ema_ckpt.dist import WorkerFailed, Workers, assign_by_bytes, current_workers, run_workers
 from ema_ckpt.errors import EmaCkptError, OptionError, UsageError
 from tests.dcp_helpers import write_dcp
 from tests.producers.launch import free_port
@@ -341,3 +341,94 @@ def test_a_silent_worker_is_lost_within_the_peer_timeout(monkeypatch):
         run_workers(2, _stops_on_rank_one)
     assert time.monotonic() - started < 30 and info.value.exit_code == 8
     assert not multiprocessing.active_children()  # the stopped worker was killed, not left behind
+
+
+def _claim_files(costs: list[int], slow_rank: int) -> list[list[int]]:
+    import time
+
+    workers = current_workers()
+    workers.all_gather(None)  # both start together
+    taken = []
+    for index in workers.claims(costs):
+        taken.append(index)
+        # the work on one file; one worker slowed down (another load on its core, a slower node)
+        time.sleep(0.4 if workers.rank == slow_rank else 0.05)
+    return workers.all_gather(taken)
+
+
+def test_workers_claim_files_in_turn_so_a_slow_worker_takes_fewer():
+    costs = [5, 9, 5, 5, 1, 5, 5, 5, 5, 5, 2, 5]
+    shares = run_workers(2, _claim_files, costs, 1)
+    assert sorted(shares[0] + shares[1]) == list(range(len(costs)))  # each file exactly once
+    assert len(shares[0]) > len(shares[1]) >= 1
+    order = Workers(0, 2).claim_order(costs)
+    assert order[0] == 1 and order[-1] == 4  # largest first
+    for share in shares:
+        assert share == sorted(share, key=order.index)
+
+
+def _who_works() -> list[tuple[int, str | None]]:
+    workers = current_workers()
+    return workers.all_gather((os.getpid(), os.environ.get("EMA_CKPT_TEST_MARK")))
+
+
+def test_workers_started_ahead_take_the_next_job_with_its_environment(monkeypatch):
+    from ema_ckpt import dist
+
+    dist.start_standby_workers(1)
+    started = [proc.pid for proc in dist._standby["procs"]]
+    monkeypatch.setenv("EMA_CKPT_TEST_MARK", "set after the start")
+    gathered = run_workers(2, _who_works)
+    assert gathered == [(os.getpid(), "set after the start"), (started[0], "set after the start")]
+    assert not dist._standby
+    assert run_workers(2, _who_works)[1][0] not in started  # used once; the next run starts its own
+
+
+def test_workers_started_ahead_for_another_count_are_ended_and_replaced():
+    from ema_ckpt import dist
+
+    dist.start_standby_workers(2)
+    started = list(dist._standby["procs"])
+    gathered = run_workers(2, _who_works)
+    assert gathered[1][0] not in [p.pid for p in started]
+    for proc in started:
+        proc.join(timeout=10)
+        assert proc.exitcode is not None
+
+
+def test_workers_started_ahead_end_with_a_command_that_never_used_them(tmp_path):
+    script = ("import sys; from ema_ckpt import dist; dist.start_standby_workers(1); "
+              "print(dist._standby['procs'][0].pid, flush=True); sys.exit(3)")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 3, proc.stderr
+    pid = int(proc.stdout.split()[0])
+    import time
+
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            return
+        if state == "Z":  # exited, not yet reaped by its new parent
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"worker {pid} outlived its command")
+
+
+@pytest.mark.parametrize(("words", "count"), [
+    (["average", "c", "--workers", "2"], 2),
+    (["average", "c", "--workers=3"], 3),
+    (["average", "c", "-j", "4"], 4),
+    (["average", "c", "-j4"], 4),
+    (["average", "c", "-j", "many"], 1),
+    (["average", "c"], 1),
+    (["average", "c", "-j", "2", "--dry-run"], 1),
+    (["average", "--help", "-j", "2"], 1),
+    (["average", "--", "--workers", "2"], 1),
+    (["average", "c", "--workers", "100000"], 1),
+])
+def test_the_worker_count_is_read_ahead_only_where_the_words_say_it(words, count):
+    from ema_ckpt._entry import workers_requested
+
+    assert workers_requested(words) == count

@@ -31,7 +31,7 @@ from ...layout import Box, TensorSpec
 from ...remote import RemoteFile, as_path, pread
 from ...torch_records import FileWindow, TensorRecord
 from ..base import CheckpointFormat, CheckpointReader, register_format
-from .index import MetadataIndex
+from .index import MetadataIndex, shared_structure
 from .metadata import METADATA_FILE, StoredChunk, incomplete, is_dcp
 from .records import ChunkRecords
 
@@ -57,37 +57,39 @@ class DcpReader(MetadataIndex, ChunkRecords, CheckpointReader):
         if shared is not None:  # parsed by another worker: see share()
             for name in self._SHARED:
                 setattr(self, name, shared[name])
-            packed: dict[str, list[tuple[tuple[int, ...], tuple[int, ...], str, int, int]]] = shared["_chunks"]
-            with paused_gc():  # sent as tuples: see share()
-                self._chunks = {key: [StoredChunk(Box(offsets, sizes), file, offset, length)
-                                      for offsets, sizes, file, offset, length in chunks]
-                                for key, chunks in packed.items()}
+            with paused_gc():
+                self._adopt(shared_structure(shared["planner_data"], shared["_stored"], packed=shared["_chunks"]))
             return
         with paused_gc():
             self._parse()
 
 
-    _SHARED = ("metadata_files", "_version", "planner_data", "non_tensor_keys", "_stored", "_chunks", "_starts",
-               "_bytes_records")
+    _SHARED = ("metadata_files", "_version", "planner_data", "non_tensor_keys", "_stored", "_bytes_records")
 
 
     def share(self) -> dict[str, Any]:
         """What parsing the metadata produced, as plain data: ``DcpReader(path, shared=...)``
-        rebuilds this reader without parsing again (workers split the parsing of many inputs)."""
+        rebuilds this reader without parsing again (workers split the parsing of many inputs).
+
+        Inputs of one structure (see :class:`~.index.Structure`) share its objects, so a message
+        holding several of them pickles those once.
+        """
         shared = {name: getattr(self, name) for name in self._SHARED}
         # as tuples: pickling 20,000 dataclass instances to send them costs 10× more
         with paused_gc():
-            shared["_chunks"] = {key: [(c.box.offsets, c.box.sizes, c.file, c.offset, c.length) for c in chunks]
-                                 for key, chunks in self._chunks.items()}
+            shared["_chunks"] = self._structure.packed_chunks()
         return shared
 
 
     def specs(self) -> Mapping[str, TensorSpec]:
         if self._specs is None:
-            with paused_gc():
-                self._specs = {
-                    key: TensorSpec(key, shape, torch_dtype(dtype)) for key, (shape, dtype) in self._stored.items()
-                }
+            structure = self._structure
+            if structure.specs is None:
+                with paused_gc():
+                    structure.specs = {
+                        key: TensorSpec(key, shape, torch_dtype(dtype)) for key, (shape, dtype) in self._stored.items()
+                    }
+            self._specs = structure.specs
         return self._specs
 
 
