@@ -259,8 +259,8 @@ def test_the_library_names_no_flag_outside_the_cli():
 
     flag = re.compile(r"(?<![\w-])--[a-z]")
     for path in sorted(PACKAGE.rglob("*.py")):
-        if "cli" in path.relative_to(PACKAGE).parts:
-            continue
+        if "cli" in path.relative_to(PACKAGE).parts or path.name == "_entry.py":
+            continue  # _entry: the console script's entry point, which reads the words ahead of the CLI
         tree = ast.parse(path.read_text(encoding="utf-8"))
         docstrings = _docstrings(tree)
         for node in ast.walk(tree):
