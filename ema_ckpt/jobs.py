@@ -408,11 +408,17 @@ class JobContext:
             for writer in writers:
                 writer.abort()
             raise
-        gathered = self.workers.exchange((states, stats.bytes_read, stats.bytes_written))
+        # only the coordinator needs the states (it writes the metadata); every worker needs the totals
+        gathered = self.workers.exchange((states if not self.workers.is_coordinator else None, stats.bytes_read,
+                                          stats.bytes_written))
         def finish() -> list[list[WrittenFile]]:
             # the workers' states and the metadata: tens of thousands of lasting objects each
             with paused_gc():
-                return [w.finish([g[0][k] for g in gathered]) for k, w in enumerate(writers)]
+                every = [states]
+                for g in gathered[1:]:
+                    assert g[0] is not None  # sent by every worker but the coordinator
+                    every.append(g[0])
+                return [w.finish([part[k] for part in every]) for k, w in enumerate(writers)]
 
         files = self.workers.on_coordinator(finish)
         return WrittenOutputs(files, sum(g[1] for g in gathered), sum(g[2] for g in gathered))

@@ -194,9 +194,10 @@ class DcpWriter:
         except OSError as err:
             raise OutputError(f"{self.path}: write failed ({err.strerror})") from None
         self._handles.clear()
+        written = {k: e for k, e in self._entries.items() if e.boxes}  # the coordinator declares every key itself
         return WriterState(
-            entries={k: (e.shape, e.dtype) for k, e in self._entries.items()},
-            boxes={k: list(e.boxes) for k, e in self._entries.items()},
+            entries={k: (e.shape, e.dtype) for k, e in written.items()},
+            boxes={k: list(e.boxes) for k, e in written.items()},
             storage=dict(self._storage), blobs=dict(self._bytes), files=list(self.files),
         )
 
@@ -234,7 +235,8 @@ class DcpWriter:
         return self.files
 
     def _merge(self, states: list[WriterState], key_order: list[str] | None) -> None:
-        entries: dict[str, _Entry] = {}
+        # every key declared here, written or not (the cover check below then names a missing one)
+        entries = {key: _Entry(e.shape, e.dtype) for key, e in self._entries.items()}
         for state in states:
             for key, (shape, dtype) in state.entries.items():
                 entries.setdefault(key, _Entry(shape, dtype))
