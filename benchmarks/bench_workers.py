@@ -13,6 +13,7 @@ Usage: python benchmarks/bench_workers.py [--repeat 3] [--large bench-data/dcp-1
 from __future__ import annotations
 
 import argparse
+import statistics
 import subprocess
 import sys
 import warnings
@@ -59,14 +60,30 @@ def main() -> None:
     out = args.data.parent / "bench-workers"
     runs = {f"average --workers {n}": dict(cmd=[EMA, "average", str(args.data), "--last", str(args.count),
                                                 "--out", str(out), "--quiet", "--workers", str(n)]) for n in (1, 2)}
+    inputs = sorted(str(p) for p in args.data.iterdir() if p.name.startswith("step_"))[-args.count:]
+    parse = "from ema_ckpt.formats.dcp import DcpReader; import sys; [DcpReader(p) for p in sys.argv[1:]]"
+    halves = [" ".join(inputs[r::2]) for r in (0, 1)]
+    # the machine's own two-core scaling, measured beside the runs: the same Python-bound work
+    # (parsing the inputs' metadata) in one process, then split over two at once
+    runs["parse the inputs, 1 process"] = dict(cmd=[PY, "-c", parse, *inputs])
+    runs["parse the inputs, 2 processes at once"] = dict(
+        cmd=f"{PY} -c '{parse}' {halves[0]} & {PY} -c '{parse}' {halves[1]}; wait", shell=True)
     results = measure_in_turn(with_baseline(runs), out, args.repeat)
     one, two = results["average --workers 1"], results["average --workers 2"]
+    alone, split = results["parse the inputs, 1 process"], results["parse the inputs, 2 processes at once"]
     print(f"Machine: {machine_description()}")
     print(f"Input: {args.count} DCP checkpoints of {args.tensors} fp32 tensors of 4 KiB; "
           f"medians of {args.repeat} runs\n")
     print(table([(m.name, f"{m.wall_median:.2f}", f"{m.rss_median:.0f}") for m in results.values()],
                 ("command", "wall s", "peak RSS MiB (largest process)")))
     print(f"\nspeed-up with 2 workers = {one.wall_median / two.wall_median:.2f}×")
+    # each round runs both rows back to back: their ratio is steadier than the medians' on a
+    # machine whose speed drifts
+    rounds = [a / b for a, b in zip(one.wall, two.wall, strict=True)]
+    print(f"per round: {', '.join(f'{r:.2f}×' for r in rounds)}; median {statistics.median(rounds):.2f}×")
+    scaling = [a / b for a, b in zip(alone.wall, split.wall, strict=True)]
+    print(f"this machine's two-core scaling of Python-bound work (the parse): "
+          f"{alone.wall_median / split.wall_median:.2f}× (per round {', '.join(f'{r:.2f}×' for r in scaling)})")
     if BASELINE:
         base_one, base_two = (results[f"average --workers {n} [baseline]"] for n in (1, 2))
         print(f"baseline: speed-up {base_one.wall_median / base_two.wall_median:.2f}×; "
