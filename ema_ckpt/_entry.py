@@ -7,6 +7,7 @@ and every command before a worker can join the group.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 
 from . import _gc, _signals
@@ -36,10 +37,10 @@ def workers_requested(args: list[str]) -> int:
             value = args[index + 1]
         elif word.startswith("--workers="):
             value = word.partition("=")[2]
-        elif word.startswith("-j") and len(word) > 2 and word[2:].isdigit():
+        elif word.startswith("-j") and len(word) > 2 and word[2:].isascii() and word[2:].isdigit():
             value = word[2:]
         if value is not None:
-            count = int(value) if value.isdigit() else 1
+            count = int(value) if value.isascii() and value.isdigit() else 1
     return count if count <= _MOST_STARTED_AHEAD else 1
 
 
@@ -55,7 +56,8 @@ def main() -> None:
     if workers > 1:  # they start while the command line loads (ema_ckpt.dist.start_standby_workers)
         from .dist import start_standby_workers
 
-        start_standby_workers(workers - 1)
+        with contextlib.suppress(Exception):  # only a head start: the run starts its workers itself
+            start_standby_workers(workers - 1)
     from .cli import main as cli_main  # a signal meanwhile is recorded: see _signals
 
     cli_main()

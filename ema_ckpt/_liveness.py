@@ -74,8 +74,6 @@ def open_store(host: str, port: int, *, serve: bool, timeout: float, listening: 
             host, port, None, serve, datetime.timedelta(seconds=timeout), wait_for_workers=False,
             master_listen_fd=listen_fd)
     except (RuntimeError, ValueError) as err:  # DistNetworkError / DistStoreError: no store there in time
-        if listen_fd is not None:
-            os.close(listen_fd)
         raise PeerLostError(f"cannot reach the workers' store at {host}:{port} within {timeout:.0f} s "
                             f"({_first_line(err)})") from None
     return dist.PrefixStore(_store_prefix(), store)  # type: ignore[attr-defined]
@@ -87,11 +85,12 @@ def _first_line(err: BaseException) -> str:
 
 
 def join(store: Any, rank: int, world_size: int, *, timeout: float,
-         gone: Callable[[], str | None] = lambda: None) -> None:
+         gone: Callable[[], str | None] = lambda: None, longest_pause: float = 0.2) -> None:
     """Announce this rank in ``store`` and wait until all ``world_size`` ranks have.
 
     ``gone`` names a process this rank waits for that has already exited (a spawned
     worker), which ends the wait at once. Raises :class:`PeerLostError` after ``timeout``.
+    The store is polled at most ``longest_pause`` seconds apart (each poll reads every rank's key).
     """
     store.set(f"beat/{rank}", "0")
     store.set(f"joined/{rank}", socket.gethostname())
@@ -108,7 +107,7 @@ def join(store: Any, rank: int, world_size: int, *, timeout: float,
                                 f"{world_size} did not join within {timeout:.0f} s "
                                 f"({JOIN_TIMEOUT_VARIABLE} sets the wait)")
         time.sleep(pause)
-        pause = min(0.02, pause * 2)
+        pause = min(longest_pause, pause * 2)
 
 
 class Heartbeat:

@@ -24,13 +24,12 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
-import itertools
 import os
 import pickle
 import socket
 import sys
 import traceback
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -137,14 +136,15 @@ class Workers:
             return list(range(len(costs)))
         return sorted(range(len(costs)), key=lambda i: (-costs[i], i))
 
-    def claims(self, costs: Sequence[int]) -> Iterator[int]:
+    def claims(self, costs: Sequence[int]) -> Claims:
         """The items (indices into ``costs``) this rank works on, first come first served.
 
-        Every rank calls it, with the same costs; together they take each item exactly once.
-        Items are offered largest first and each rank takes the next one when it is free, so a
-        faster or less loaded worker takes more: the shares end within about one item of each
-        other. The group's store counts the claims. Without one (a group this process did not
-        form) the items are shared out by cost beforehand (:func:`assign_by_bytes`).
+        Every rank calls it, with the same costs (a collective); together they take each item
+        exactly once. Items are offered largest first and each rank takes the next one when it
+        is free, so a faster or less loaded worker takes more: the shares end within about one
+        item of each other. The group's store counts the claims, under a name the coordinator
+        chooses for this call. Without such a store (a group this process did not form) the
+        items are shared out by cost beforehand (:func:`assign_by_bytes`).
 
         Example:
             >>> list(Workers(rank=0, world_size=1).claims([3, 9, 5]))
@@ -153,13 +153,14 @@ class Workers:
         order = self.claim_order(costs)
         store = _group_state.get("store")
         if self.world_size == 1:
-            return iter(order)
+            return Claims(order)
         if store is None:
             owners = assign_by_bytes(costs, self.world_size)
-            return iter([i for i in order if owners[i] == self.rank])
-        # taken now, not when the iterator first runs: every rank numbers its calls alike
-        counter = f"claims/{next(_group_state.setdefault('claim_calls', itertools.count()))}"
-        return _claimed(store, counter, order)
+            return Claims([i for i in order if owners[i] == self.rank])
+        import secrets
+
+        name = self.broadcast(secrets.token_hex(8) if self.is_coordinator else "")
+        return Claims(order, store, f"claims/{name}")
 
     def check(self, error: BaseException | None) -> None:
         """A synchronisation point: raise on every rank if any rank hit an error."""
@@ -192,13 +193,36 @@ class Workers:
         return result
 
 
-def _claimed(store: Any, counter: str, order: Sequence[int]) -> Iterator[int]:
-    while True:
+class Claims:
+    """This rank's items from :meth:`Workers.claims`, each claimed when the iteration asks for it."""
+
+    def __init__(self, order: Sequence[int], store: Any = None, counter: str = "") -> None:
+        self._order, self._store, self._counter = list(order), store, counter
+        self._next = 0  # without a store: the position in this rank's own list
+
+    def __iter__(self) -> Claims:
+        return self
+
+    def __next__(self) -> int:
+        if self._store is None:
+            if self._next >= len(self._order):
+                raise StopIteration
+            self._next += 1
+            return self._order[self._next - 1]
         with _collective():
-            taken = int(store.add(counter, 1)) - 1
-        if taken >= len(order):
+            taken = int(self._store.add(self._counter, 1)) - 1
+        if taken >= len(self._order):
+            raise StopIteration
+        return self._order[taken]
+
+    def stop(self) -> None:
+        """Leave nothing more to claim, for any rank (this one failed: the run ends at the next
+        synchronisation, so the others need not do the rest first)."""
+        if self._store is None:
+            self._next = len(self._order)
             return
-        yield order[taken]
+        with contextlib.suppress(Exception):  # the group may be gone: the error matters, not this
+            self._store.add(self._counter, len(self._order) + 1)
 
 
 def _nothing() -> Any:
@@ -226,7 +250,7 @@ def _first_line(err: BaseException) -> str:
 
 
 _group_state: dict[str, Any] = {}
-"""This process's group: its store, heartbeat and claim counter (set by :func:`current_workers`)."""
+"""This process's group: its store and heartbeat (set by :func:`current_workers`)."""
 _spawned: list[Any] = []
 """Rank 0's spawned workers while :func:`run_workers` runs, watched while the group forms."""
 _listening: list[socket.socket] = []
@@ -317,7 +341,9 @@ def _join_group(backend: str, world: int) -> None:
     waits, silence = join_timeout(), peer_timeout()
     listening = _listening.pop() if _listening else None  # run_workers' socket on MASTER_PORT
     store = open_store(host, port, serve=rank == 0 and not agent, timeout=waits, listening=listening)
-    join(store, rank, world, timeout=waits, gone=_spawned_exited)
+    # a few spawned workers on one machine: poll often; a launcher's many ranks: spare its store
+    own_group = not agent and "TORCHELASTIC_RUN_ID" not in os.environ
+    join(store, rank, world, timeout=waits, gone=_spawned_exited, longest_pause=0.02 if own_group else 0.2)
     group_store = dist.PrefixStore("group/", store)  # type: ignore[attr-defined]
     dist.init_process_group(backend, store=group_store, rank=rank, world_size=world, timeout=_TIMEOUT)
     # its own connection, with a short timeout: a store that stops answering must not block the watch
@@ -403,20 +429,24 @@ def _worker_main(rank: int, world: int, port: int, func: Callable[..., Any], arg
 def _standby_main(connection: Any, queue: Any) -> None:
     """A worker started before its command knew its job (:func:`start_standby_workers`): import
     what every job needs, then wait for the job, or exit when the command ends without one."""
-    own_the_heap()
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    import_module("torch")
     import pkgutil
+    import signal
 
-    import_module("ema_ckpt.jobs")  # the modules a job's pickle names
-    import_module("ema_ckpt.reading")
-    commands = import_module("ema_ckpt.commands")
-    for found in pkgutil.iter_modules(commands.__path__):
-        import_module(f"ema_ckpt.commands.{found.name}")
+    # Ctrl-C reaches the whole process group: the command reports it; a worker without a job just ends
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
+        own_the_heap()
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        import_module("torch")
+        import_module("ema_ckpt.jobs")  # the modules a job's pickle names
+        import_module("ema_ckpt.reading")
+        commands = import_module("ema_ckpt.commands")
+        for found in pkgutil.iter_modules(commands.__path__):
+            import_module(f"ema_ckpt.commands.{found.name}")
         rank, world, port, func, args, kwargs, environment = connection.recv()
-    except (EOFError, OSError):  # the command ended without a job for it
+    except BaseException:  # the command ended without a job for it (EOF), or went wrong before
         os._exit(0)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # as a worker spawned with its job
     os.environ.clear()
     os.environ.update(environment)  # the command's environment when the job began
     _worker_main(rank, world, port, func, args, kwargs, queue)
@@ -461,12 +491,28 @@ def _take_standby(count: int) -> dict[str, Any] | None:
         return None
     if len(taken["procs"]) == count and all(p.exitcode is None for p in taken["procs"]):
         return taken
-    for proc, connection in zip(taken["procs"], taken["connections"], strict=True):
-        connection.close()
-        with contextlib.suppress(Exception):
-            proc.kill()
-    taken["listening"].close()
+    _end_standby(taken)
     return None
+
+
+def _end_standby(taken: dict[str, Any]) -> None:
+    for connection in taken["connections"]:
+        connection.close()  # a waiting worker reads the end of its pipe and exits
+    for proc in taken["procs"]:
+        proc.join(timeout=2.0)
+        if proc.exitcode is None:
+            with contextlib.suppress(Exception):
+                proc.kill()
+                proc.join(timeout=2.0)
+    taken["listening"].close()
+
+
+def release_standby_workers() -> None:
+    """End the workers :func:`start_standby_workers` started, if no run took them."""
+    taken = dict(_standby)
+    _standby.clear()
+    if taken:
+        _end_standby(taken)
 
 
 def run_workers(world_size: int, func: Callable[..., T], /, *args: Any,
@@ -482,6 +528,8 @@ def run_workers(world_size: int, func: Callable[..., T], /, *args: Any,
     :func:`current_workers`. An error on any rank is raised here (the first by rank), with
     its exit code; a worker that dies without a report (killed, out of memory) is one too.
     """
+    if world_size <= 1 or in_worker_group():
+        release_standby_workers()  # started for another run: they would only hold memory
     if world_size < 1:
         raise OptionError("workers", f"must be at least 1, got {world_size}", value=world_size)
     if world_size == 1 or in_worker_group():
@@ -506,10 +554,17 @@ def run_workers(world_size: int, func: Callable[..., T], /, *args: Any,
     try:
         if standby:
             environment = dict(os.environ)
-            for rank, connection in enumerate(standby["connections"], start=1):
-                procs.append(standby["procs"][rank - 1])
-                connection.send((rank, world_size, port, func, args, kwargs, environment))
-                connection.close()
+            try:
+                for rank, connection in enumerate(standby["connections"], start=1):
+                    connection.send((rank, world_size, port, func, args, kwargs, environment))
+                    procs.append(standby["procs"][rank - 1])
+            except BaseException:  # a worker gone, or a job that cannot be sent: none may wait for it
+                grace = 0.0
+                procs[:] = standby["procs"]
+                raise
+            finally:
+                for connection in standby["connections"]:
+                    connection.close()
         for rank in range(len(procs) + 1, world_size):
             procs.append(ctx.Process(target=_worker_main, args=(rank, world_size, port, func, args, kwargs, queue),
                                      name=f"ema-ckpt-worker-{rank}", daemon=True))

@@ -388,12 +388,16 @@ class JobContext:
         def compute() -> tuple[list[Any], EngineStats]:
             stats = EngineStats(per_output_bytes=[0] * len(outputs))
             with frozen_heap():  # the plan's regions and specs live for the whole loop
-                for index in claims:  # a whole output file at a time
-                    part = combine_regions(sources, outputs, writers, by_file[index], by_key, copy_source=copy_source,
-                                           accumulate_dtype=accumulate_dtype,
-                                           on_progress=None if progress is None else progress.file(index),
-                                           device=self.device, check_finite=check_finite)
-                    stats.add(part)
+                try:
+                    for index in claims:  # a whole output file at a time
+                        part = combine_regions(sources, outputs, writers, by_file[index], by_key,
+                                               copy_source=copy_source, accumulate_dtype=accumulate_dtype,
+                                               on_progress=None if progress is None else progress.file(index),
+                                               device=self.device, check_finite=check_finite)
+                        stats.add(part)
+                except BaseException:
+                    claims.stop()
+                    raise
             if progress is not None:
                 progress.finish()
             states = [w.close() for w in writers]

@@ -211,3 +211,15 @@ def test_steps_of_one_layout_share_one_parsed_structure(tmp_path):
     expected = torch_load_flat(paths["ranks"], {"model.w": torch.empty(8, 4), "model.b": torch.empty(4)})
     assert torch.equal(rebuilt.read("model.w", Box((2, 0), (5, 4))), expected["model.w"][2:7])
     assert [c.box for c in rebuilt.chunks("model.w")] == [Box((0, 0), (4, 4)), Box((4, 0), (4, 4))]
+
+
+def test_readers_of_the_same_keys_in_another_order_keep_their_own_order(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    values = {"model.a": torch.randn(3, generator=g), "model.b": torch.randn(2, 2, generator=g)}
+    forward = write_dcp(tmp_path / "forward", values)
+    backward = write_dcp(tmp_path / "backward", dict(reversed(list(values.items()))))
+    first, second = DcpReader(forward), DcpReader(backward)
+    assert list(first.stored()) == ["model.a", "model.b"] and list(second.stored()) == ["model.b", "model.a"]
+    assert first._structure is not second._structure  # the order decides a run's plan and its bytes
+    shared = pickle.loads(pickle.dumps(second.share()))
+    assert list(DcpReader(backward, shared=shared).stored()) == ["model.b", "model.a"]

@@ -427,8 +427,35 @@ def test_workers_started_ahead_end_with_a_command_that_never_used_them(tmp_path)
     (["average", "--help", "-j", "2"], 1),
     (["average", "--", "--workers", "2"], 1),
     (["average", "c", "--workers", "100000"], 1),
+    (["average", "c", "--workers", "\u00b2"], 1),  # a digit to str.isdigit, not to int()
 ])
 def test_the_worker_count_is_read_ahead_only_where_the_words_say_it(words, count):
     from ema_ckpt._entry import workers_requested
 
     assert workers_requested(words) == count
+
+
+def _stop_after_one(costs: list[int]) -> list[list[int]]:
+    workers = current_workers()
+    claims = workers.claims(costs)
+    taken = []
+    if workers.rank == 1:
+        taken.append(next(claims))
+        claims.stop()  # as a worker that failed on its file does
+    workers.all_gather(None)
+    taken.extend(claims)
+    return workers.all_gather(taken)
+
+
+def test_a_worker_that_fails_leaves_nothing_more_to_claim():
+    shares = run_workers(2, _stop_after_one, [5] * 8)
+    assert shares == [[], [0]]
+
+
+def test_workers_started_ahead_end_when_the_run_needs_none():
+    from ema_ckpt import dist
+
+    dist.start_standby_workers(1)
+    started = list(dist._standby["procs"])
+    assert run_workers(1, os.getpid) == os.getpid()
+    assert not dist._standby and all(proc.exitcode is not None for proc in started)

@@ -43,12 +43,15 @@ class Structure:
 
     def same_as(self, planner_data: dict[str, tuple[str, ...]], stored: dict[str, tuple[tuple[int, ...], str]],
                 chunks: dict[str, list[StoredChunk]] | None = None, packed: PackedChunks | None = None) -> bool:
-        """Whether these parts equal this structure's (``chunks`` or their ``packed`` form)."""
+        """Whether these parts equal this structure's (``chunks`` or their ``packed`` form), in
+        the same key order too: the order of the keys decides a run's plan and its output bytes."""
         if len(stored) != len(self.stored) or stored != self.stored or planner_data != self.planner_data:
             return False
+        if list(stored) != list(self.stored) or list(planner_data) != list(self.planner_data):
+            return False
         if packed is not None:
-            return packed is self.packed or packed == self.packed_chunks()
-        return chunks == self.chunks
+            return packed is self.packed or (packed == self.packed_chunks() and list(packed) == list(self.stored))
+        return chunks == self.chunks and list(chunks) == list(self.stored)
 
 
 _recent: list[weakref.ref[Structure]] = []
