@@ -235,7 +235,8 @@ def test_frozen_heap_nests_and_leaves_a_callers_own_freeze_alone():
         frozen = gc.get_freeze_count()
         with frozen_heap():
             pass
-        assert gc.get_freeze_count() == frozen
+        # neither unfrozen nor frozen again (frozen objects other threads free meanwhile leave the count)
+        assert frozen - 1000 <= gc.get_freeze_count() <= frozen
     finally:
         gc.unfreeze()
     with paused_gc():
