@@ -520,7 +520,7 @@ def run_workers(world_size: int, func: Callable[..., T], /, *args: Any,
     """Run ``func(*args, **kwargs)`` as ``world_size`` workers; rank 0's result.
 
     ``local_kwargs`` go to rank 0 only (this process): callbacks that cannot cross processes,
-    such as ``on_progress``, which then reports rank 0's share of the work.
+    such as ``on_progress``, which then counts the work every worker has claimed.
 
     This process is rank 0; ranks 1… are spawned processes. They start (and import torch)
     while this one goes on, so a run of N workers pays about one interpreter start, not two.
