@@ -471,15 +471,18 @@ class _ReadsProgress:
         self.total = sum(d[-1] for d in self.done)
         self.regions_total = sum(len(regions) for regions in files)
         self.reported = 0
-        self.position = {file: position for position, file in enumerate(order)}
-        self.order = list(order)
+        # per file, what the files offered before it hold: every one claimed by some worker already
+        self.before: dict[int, tuple[int, int]] = {}
+        claimed_bytes = claimed_regions = 0
+        for file in order:
+            self.before[file] = (claimed_bytes, claimed_regions)
+            claimed_bytes += self.done[file][-1]
+            claimed_regions += len(self.done[file]) - 1
         report(Progress(0, self.total, 0, self.regions_total, ""))
 
     def file(self, index: int) -> Callable[[Progress], None]:
         """The engine's callback while this worker works on file ``index``."""
-        before = self.order[: self.position[index]]  # claimed by some worker already
-        base = sum(self.done[i][-1] for i in before)
-        regions_base = sum(len(self.done[i]) - 1 for i in before)
+        base, regions_base = self.before[index]
         done = self.done[index]
 
         def on_region(p: Progress) -> None:
