@@ -371,12 +371,6 @@ def _shutdown() -> None:
     _group_state.clear()
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _listening_socket() -> socket.socket:
     """A socket listening on a free loopback port, for the store rank 0 serves: held from before
     the spawn, so no other process can take the port and the workers never find it closed."""

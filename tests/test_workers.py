@@ -252,7 +252,8 @@ def test_the_console_script_spares_spawned_workers_the_cli_import():
 def test_workers_refuse_a_process_that_already_has_a_group(tmp_path):
     code = (
         "import torch.distributed as dist\n"
-        "from ema_ckpt.dist import run_workers, free_port\n"
+        "from ema_ckpt.dist import run_workers\n"
+        "from tests.producers.launch import free_port\n"
         "from ema_ckpt.errors import UsageError\n"
         "dist.init_process_group('gloo', init_method=f'tcp://127.0.0.1:{free_port()}', rank=0, world_size=1)\n"
         "try:\n"
