@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from tests.producers.ds_launch import make_deepspeed_sequences
+from tests.shared_dirs import built_once
 
 STEPS = [2, 3, 7]
 
@@ -68,20 +69,23 @@ def ds_run(tmp_path_factory):
 
     def get(config: Config) -> Path:
         if config.world_size not in roots:
-            root = tmp_path_factory.mktemp(f"deepspeed-w{config.world_size}")
-            runs = [
-                {
-                    "out": root / c.name,
-                    "stage": c.stage,
-                    "dtype": c.dtype,
-                    "bf16_optimizer": c.bf16_optimizer,
-                    "zero": dict(c.zero),
-                }
-                for c in CONFIGS
-                if c.world_size == config.world_size
-            ]
-            make_deepspeed_sequences(runs, world_size=config.world_size, steps=STEPS, timeout=600)
-            roots[config.world_size] = root
+
+            def build(root: Path) -> list[Path]:
+                runs = [
+                    {
+                        "out": root / c.name,
+                        "stage": c.stage,
+                        "dtype": c.dtype,
+                        "bf16_optimizer": c.bf16_optimizer,
+                        "zero": dict(c.zero),
+                    }
+                    for c in CONFIGS
+                    if c.world_size == config.world_size
+                ]
+                make_deepspeed_sequences(runs, world_size=config.world_size, steps=STEPS, timeout=600)
+                return [root]
+
+            [roots[config.world_size]] = built_once(tmp_path_factory, f"deepspeed-w{config.world_size}", build)
         return roots[config.world_size] / config.name
 
     return get

@@ -47,7 +47,12 @@ def _env(**extra: str) -> dict[str, str]:
 
 
 def _agent_command(endpoint: str, run_id: str, args: list[str], *, nproc: int = 1,
-                   rdzv_conf: str = "join_timeout=60,read_timeout=20", local_addr: str | None = None) -> list[str]:
+                   rdzv_conf: str = "join_timeout=60,read_timeout=20", local_addr: str | None = None,
+                   host: bool | None = None) -> list[str]:
+    """One node's torchrun; ``host`` says whether it hosts the rendezvous store (a test that kills
+    a node must know which one does: on one machine either agent could bind the endpoint first)."""
+    if host is not None:
+        rdzv_conf += f",is_host={int(host)}"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", str(nproc),
            "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", run_id, "--rdzv-conf", rdzv_conf,
            "--max-restarts", "0"]
@@ -112,9 +117,8 @@ def sequence(tmp_path_factory) -> Path:
 def _two_nodes(args: list[str], tmp_path: Path, *, nproc: int = 1) -> tuple[list[subprocess.Popen], list[Path]]:
     endpoint, run_id = f"127.0.0.1:{free_port()}", uuid.uuid4().hex[:8]
     logs = [tmp_path / "node-a.log", tmp_path / "node-b.log"]
-    agents = [_start(_agent_command(endpoint, run_id, args, nproc=nproc), logs[0], _env())]
-    time.sleep(0.5)  # the first agent hosts the rendezvous store
-    agents.append(_start(_agent_command(endpoint, run_id, args, nproc=nproc), logs[1], _env()))
+    agents = [_start(_agent_command(endpoint, run_id, args, nproc=nproc, host=True), logs[0], _env())]
+    agents.append(_start(_agent_command(endpoint, run_id, args, nproc=nproc, host=False), logs[1], _env()))
     return agents, logs
 
 
@@ -212,11 +216,10 @@ def test_a_killed_launcher_leaves_no_worker_behind(tmp_path):
     endpoint, run_id = f"127.0.0.1:{free_port()}", uuid.uuid4().hex[:8]
     logs = [tmp_path / "node-a.log", tmp_path / "node-b.log"]
     agents = []
-    for log in logs:
-        cmd = _agent_command(endpoint, run_id, [], rdzv_conf="join_timeout=60,read_timeout=20")
+    for i, log in enumerate(logs):
+        cmd = _agent_command(endpoint, run_id, [], host=i == 0)
         cmd = [*cmd[: cmd.index("-m", 3)], str(LONG_STEP), "600"]
         agents.append(_start(cmd, log, _env()))
-        time.sleep(0.5)
     workers: list[int] = []
     try:
         deadline = time.monotonic() + 120

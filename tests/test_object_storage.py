@@ -882,9 +882,8 @@ def test_two_torchrun_agents_sharing_no_filesystem_write_the_bytes_of_one_worker
         disks.append(disk)
         logs.append(tmp_path / f"node-{node}.log")
         env = _env(AWS_ENDPOINT_URL=s3, EMA_CKPT_STAGING_DIR=str(disk))
-        agents.append(_start(_agent_command(endpoint, run_id, ["accumulate", url, "--decay", "0.9", "--out", out]),
-                             logs[-1], env))
-        time.sleep(0.5)  # the first agent hosts the rendezvous store
+        cmd = _agent_command(endpoint, run_id, ["accumulate", url, "--decay", "0.9", "--out", out], host=node == "a")
+        agents.append(_start(cmd, logs[-1], env))
     for agent, log in zip(agents, logs, strict=True):
         assert agent.wait(timeout=300) == 0, log.read_text()[-3000:]
     assert all(not any(disk.iterdir()) for disk in disks)  # both nodes' stagings removed
