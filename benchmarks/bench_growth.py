@@ -69,7 +69,7 @@ def _many_tensors(path: Path, count: int) -> None:
 
 
 def size_case(root: Path, sizes: list[float], repeat: int) -> None:
-    rows, per_gib, rss, points = [], [], [], []
+    rows, per_gib, rss, points, floor_points = [], [], [], [], []
     for size in sizes:
         data = root / f"growth-{size:g}g"
         out = root / "bench-growth-out"
@@ -92,6 +92,7 @@ def size_case(root: Path, sizes: list[float], repeat: int) -> None:
         gib = mib / 1024
         per_gib.append(acc.wall_median / gib)
         points.append((gib, acc.wall_median))
+        floor_points.append((gib, floor))
         rss.append(acc.rss_median)
         rows.append((f"{gib:.2f}", f"{acc.wall_median:.2f}", f"{acc.wall_median / gib:.2f}", f"{floor:.2f}",
                      f"{acc.wall_median / floor:.2f}", f"{acc.rss_median:.0f}"))
@@ -100,6 +101,9 @@ def size_case(root: Path, sizes: list[float], repeat: int) -> None:
                        "peak RSS MiB")))
     fixed, slope, worst = linear_fit(points)
     print(f"\n- linear fit: {fixed:.2f} s + {slope:.2f} s per GiB; the furthest point is {worst:.1%} from it")
+    fixed, slope, worst = linear_fit(floor_points)
+    print(f"- the floor's own linear fit, for scale: {fixed:.2f} s + {slope:.2f} s per GiB; its furthest point is "
+          f"{worst:.1%} from it")
     print(f"- seconds per GiB: spread {max(per_gib) / min(per_gib) - 1:.1%} (largest / smallest - 1; the fixed "
           "cost, starting torch, weighs most on the smallest)")
     print(f"- peak RSS: spread {max(rss) / min(rss) - 1:.1%}")

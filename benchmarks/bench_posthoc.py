@@ -107,18 +107,33 @@ def raw_case(data: Path, repeat: int) -> None:
 
 
 def _with_compute(results: dict[str, Measurement], runs: dict[str, tuple[int, str]], base: tuple[str, ...],
-                  inputs: int, mib: int, repeat: int) -> None:
+                  inputs: int, mib: int, repeat: int) -> dict[str, tuple[float, float]]:
     """Each run against its floor plus the arithmetic its outputs need, timed alone
-    (``sweep_compute_floor.py``: the block products and the CRC-32 of every output byte)."""
+    (``sweep_compute_floor.py``: the block products and the CRC-32 of every output byte).
+
+    Returns each run's (durable writes, arithmetic) in seconds."""
     from sweep_compute_floor import compute_floor
 
+    parts = {}
     for name, (outputs, write) in runs.items():
         count = int(write.split()[1])
         writes = write_floor(results, _write_name(count, False), _write_name(count, True))[1]
         floor = sum(results[p].wall_median for p in (*base, writes))
         arithmetic = statistics.median(compute_floor(inputs, outputs, mib << 20) for _ in range(repeat))
+        parts[name] = (results[writes].wall_median, arithmetic)
         print(f"- {name}: the arithmetic alone {arithmetic:.2f} s; against floor + arithmetic "
               f"({floor + arithmetic:.2f} s) **{results[name].wall_median / (floor + arithmetic):.2f}×**")
+    return parts
+
+
+def _least_ratio(results: dict[str, Measurement], parts: dict[str, tuple[float, float]], many: str,
+                 one: str) -> None:
+    """The least ``many`` / ``one`` could be: ``one``'s time plus the writes and the arithmetic
+    that ``many`` does beyond it, if none of that overlapped."""
+    extra = sum(parts[many]) - sum(parts[one])
+    least = (results[one].wall_median + extra) / results[one].wall_median
+    print(f"- {many} / {one}: {results[many].wall_median / results[one].wall_median:.2f}× the time; its extra "
+          f"writes and arithmetic alone ({extra:.2f} s) make it at least {least:.2f}× without overlap")
 
 
 def edm2_case(root: Path, repeat: int) -> None:
@@ -149,6 +164,8 @@ def edm2_case(root: Path, repeat: int) -> None:
     base = ("cat snapshots > /dev/null", "python -c 'import torch'")
     _report("EDM2-shaped sweep: 16 power-EMA snapshots of 256 MiB (σ_rel 0.05 and 0.10, 8 steps)", results,
             {one: (*base, "write 1"), eight: (*base, "write 8")}, (eight, one))
+    parts = _with_compute(results, {one: (1, "write 1"), eight: (8, "write 8")}, base, len(folders), mib, repeat)
+    _least_ratio(results, parts, eight, one)
 
 
 def main() -> None:
