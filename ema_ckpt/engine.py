@@ -329,18 +329,23 @@ def _read(reader: CheckpointReader, key: str, box: Box, spec: TensorSpec, buffer
 # Row blocks of a region, per source: small enough to stay in the CPU's cache while every
 # output uses them, so each input byte crosses memory once however many outputs there are.
 _BLOCK_BYTES = 2 << 20
-# ... and small enough that a source's block and every output's block fit in the cache together:
-# a K = 8 sweep on 2 MiB blocks cycles 18 MiB of accumulators per source, which falls out of a
-# shared L3 (measured, N = 16, K = 8: 512 KiB blocks take 0.6× the time of 2 MiB ones).
-_BLOCK_SET_BYTES = 4 << 20
+# A sweep's block of every source at once (its matrix product's input): the same goal.
+_SWEEP_STACK_BYTES = 8 << 20
+# With many outputs on the per-output path, the accumulators' blocks share the cache too: eight
+# outputs on 2 MiB blocks cycle 16 MiB of accumulators per source, out of a busy shared L3
+# (measured, 16 sources, 8 outputs: the arithmetic alone 0.6× as long on 512 KiB blocks, the
+# whole run 12% less CPU). The budget divides about 4 MiB among them, between these bounds.
+_ACCUMULATOR_SET_BYTES = 4 << 20
 _MIN_BLOCK_BYTES = 512 << 10
 
 
 def _block_budget(accumulators: int) -> int:
-    """Bytes of a row block when ``accumulators`` outputs fold or sum each source's block."""
-    return max(_MIN_BLOCK_BYTES, min(_BLOCK_BYTES, _BLOCK_SET_BYTES // max(1, accumulators)))
-# A sweep's block of every source at once (its matrix product's input): the same goal.
-_SWEEP_STACK_BYTES = 8 << 20
+    """Bytes of a row block when ``accumulators`` outputs fold or sum each source's block.
+
+    >>> _block_budget(1), _block_budget(4), _block_budget(8)
+    (2097152, 1048576, 524288)
+    """
+    return max(_MIN_BLOCK_BYTES, min(_BLOCK_BYTES, _ACCUMULATOR_SET_BYTES // max(1, accumulators)))
 
 
 def _blocks(box: Box, itemsize: int, device: str, budget: int = _BLOCK_BYTES) -> list[Box]:
@@ -398,6 +403,7 @@ def _accumulate_region(
     # makes every output non-finite at that element (c · Inf is ±Inf or NaN, even for c = 0):
     # checking the first output checks them all
     unchecked = sweep.members - {sweep.outputs[0]} if sweep is not None else frozenset()
+    # a sweep's other outputs (rare: ones over other sources) take the sweep's blocks
     accumulators = sum(out.mode != "copy" for out in outputs)
     blocks = ([region.box] if copies_only
               else _blocks(region.box, dtype.itemsize, device, _block_budget(accumulators)) if sweep is None

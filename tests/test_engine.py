@@ -233,21 +233,38 @@ def test_workers_share_whole_files_each_exactly_once(sizes, world, per_file):
 
 
 def test_many_outputs_take_smaller_blocks_with_the_bits_of_each_output_alone(monkeypatch):
-    """K outputs cut a region into smaller row blocks (so a source's block and every accumulator
-    stay in cache) than one output does; the bits are those of each output computed alone."""
+    """K outputs cut a region into smaller row blocks (so a source's block and the accumulators
+    stay in cache) than one output does; the bits are those of each output computed alone, for
+    sums (a sweep on the per-output path, as where the product is not exact) and for folds."""
     from ema_ckpt import engine
 
     assert engine._block_budget(1) == engine._block_budget(2) == 2 << 20
     assert engine._block_budget(4) == 1 << 20 and engine._block_budget(8) == engine._block_budget(64) == 512 << 10
-    monkeypatch.setattr(engine, "product_is_exact", lambda *args: False)  # the per-output path, as on AMD
-    sources = _checkpoints(5, shape=(3001, 257), seed=3)  # 3 MiB: several blocks at any budget
-    gen = torch.Generator().manual_seed(4)
+    monkeypatch.setattr(engine, "product_is_exact", lambda *args: False)
+    budgets: list[int] = []
+    real_blocks = engine._blocks
+
+    def spy(box, itemsize, device, budget=engine._BLOCK_BYTES):
+        budgets.append(budget)
+        return real_blocks(box, itemsize, device, budget)
+
+    monkeypatch.setattr(engine, "_blocks", spy)
+    gen = torch.Generator().manual_seed(3)
+    sources = [FakeReader({"w": torch.randn(3001, 257, generator=gen)}, rows=3001, path=f"ckpt{i}")
+               for i in range(5)]  # one region of 2.9 MiB: 2 blocks alone, 6 with eight outputs
     weights = (torch.rand(8, 5, generator=gen, dtype=torch.float64) - 0.3).tolist()
-    specs = [OutputSpec(f"o{k}", tuple(Update(i, w) for i, w in enumerate(row)), mode="sum")
+    sums = [OutputSpec(f"s{k}", tuple(Update(i, w) for i, w in enumerate(row)), mode="sum")
+            for k, row in enumerate(weights)]
+    folds = [OutputSpec(f"f{k}", (Update(0, 1.0), *(Update(i, abs(w) % 1) for i, w in enumerate(row[1:], 1))))
              for k, row in enumerate(weights)]
-    together = [FakeWriter() for _ in specs]
-    _run(sources, specs, together, _tensors(sources[-1], "float32"), accumulate_dtype=torch.float32)
-    for spec, writer in zip(specs, together, strict=True):
-        alone = FakeWriter()
-        _run(sources, [spec], [alone], _tensors(sources[-1], "float32"), accumulate_dtype=torch.float32)
-        assert torch.equal(writer.written["w"], alone.written["w"])
+    for specs in (sums, folds):
+        budgets.clear()
+        together = [FakeWriter() for _ in specs]
+        _run(sources, specs, together, _tensors(sources[-1], "float32"), accumulate_dtype=torch.float32)
+        assert budgets == [512 << 10]
+        for spec, writer in zip(specs, together, strict=True):
+            budgets.clear()
+            alone = FakeWriter()
+            _run(sources, [spec], [alone], _tensors(sources[-1], "float32"), accumulate_dtype=torch.float32)
+            assert budgets == [2 << 20]
+            assert torch.equal(writer.written["w"], alone.written["w"]), spec.name

@@ -244,6 +244,37 @@ def test_a_killed_launcher_leaves_no_worker_behind(tmp_path):
     assert "done" not in logs[0].read_text()
 
 
+def test_a_killed_launcher_that_hosts_the_rendezvous_leaves_no_worker_behind(tmp_path):
+    """torchrun killed on the node hosting the rendezvous store: the other node's torchrun loses
+    its store and ends (with torchrun's own report), and no worker on either node is left."""
+    endpoint, run_id = f"127.0.0.1:{free_port()}", uuid.uuid4().hex[:8]
+    logs = [tmp_path / "node-a.log", tmp_path / "node-b.log"]
+    agents = []
+    for i, log in enumerate(logs):
+        cmd = _agent_command(endpoint, run_id, [], host=i == 0)
+        cmd = [*cmd[: cmd.index("-m", 3)], str(LONG_STEP), "600"]
+        agents.append(_start(cmd, log, _env()))
+    workers: list[int] = []
+    try:
+        deadline = time.monotonic() + 120
+        while sum(log.read_text().count("joined as worker") for log in logs) < 2:
+            assert time.monotonic() < deadline and all(a.poll() is None for a in agents)
+            time.sleep(0.05)
+        workers = _children(agents[0].pid) + _children(agents[1].pid)
+        os.kill(agents[0].pid, signal.SIGKILL)  # the rendezvous host's agent alone
+        started = time.monotonic()
+        code = agents[1].wait(timeout=BOUND + 60)
+        waited = time.monotonic() - started
+        while [pid for pid in workers if _alive(pid)] and time.monotonic() - started < BOUND:
+            time.sleep(0.1)
+        left = [pid for pid in workers if _alive(pid)]
+    finally:
+        _kill_all(workers)
+    assert code != 0 and waited < BOUND, (waited, logs[1].read_text()[-3000:])
+    assert not left, "a worker outlived its launcher"
+    assert "done" not in logs[1].read_text()
+
+
 def test_a_node_that_never_comes_ends_at_the_rendezvous_deadline(sequence, tmp_path):
     endpoint, run_id = f"127.0.0.1:{free_port()}", uuid.uuid4().hex[:8]
     cmd = _agent_command(endpoint, run_id, ["accumulate", str(sequence), "--decay", "0.9", "--out",
