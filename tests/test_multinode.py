@@ -210,9 +210,10 @@ def test_a_node_that_stops_answering_ends_the_run_within_the_bound(sequence, tmp
 LONG_STEP = Path(__file__).with_name("workers_long_step.py")
 
 
-def test_a_killed_launcher_leaves_no_worker_behind(tmp_path):
-    """torchrun killed on one node (its workers orphaned) mid-step: they stop at once, the other
-    node's worker ends within the bound."""
+def _kill_an_agent_mid_step(tmp_path: Path, killed: int) -> tuple[int, float, list[int], list[str]]:
+    """Two agents (node a hosts the rendezvous) run a long step; once both workers have joined,
+    agent ``killed`` alone is SIGKILLed (its worker orphaned). Returns the survivor's exit code,
+    how long it took to exit, the workers still alive after the bound, and both nodes' logs."""
     endpoint, run_id = f"127.0.0.1:{free_port()}", uuid.uuid4().hex[:8]
     logs = [tmp_path / "node-a.log", tmp_path / "node-b.log"]
     agents = []
@@ -227,52 +228,38 @@ def test_a_killed_launcher_leaves_no_worker_behind(tmp_path):
             assert time.monotonic() < deadline and all(a.poll() is None for a in agents)
             time.sleep(0.05)
         workers = _children(agents[0].pid) + _children(agents[1].pid)
-        os.kill(agents[1].pid, signal.SIGKILL)  # the agent alone: its worker becomes an orphan
+        os.kill(agents[killed].pid, signal.SIGKILL)
         started = time.monotonic()
-        code = agents[0].wait(timeout=BOUND + 60)
+        code = agents[1 - killed].wait(timeout=BOUND + 60)
         waited = time.monotonic() - started
         while [pid for pid in workers if _alive(pid)] and time.monotonic() - started < BOUND:
             time.sleep(0.1)
         left = [pid for pid in workers if _alive(pid)]
     finally:
         _kill_all(workers)
-    assert code != 0 and waited < BOUND, (waited, logs[0].read_text()[-3000:])
+    return code, waited, left, [log.read_text() for log in logs]
+
+
+def test_a_killed_launcher_leaves_no_worker_behind(tmp_path):
+    """torchrun killed on one node (its workers orphaned) mid-step: they stop at once, the other
+    node's worker ends within the bound."""
+    code, waited, left, (survivor, orphaned) = _kill_an_agent_mid_step(tmp_path, killed=1)
+    assert code != 0 and waited < BOUND, (waited, survivor[-3000:])
     assert not left, "a worker outlived its launcher"
-    assert "its launcher" in logs[1].read_text() and "is gone" in logs[1].read_text()
-    errors = _one_error_line(logs[0].read_text())
-    assert len(errors) == 1 and "worker" in errors[0], logs[0].read_text()[-3000:]
-    assert "done" not in logs[0].read_text()
+    assert "its launcher" in orphaned and "is gone" in orphaned
+    errors = _one_error_line(survivor)
+    assert len(errors) == 1 and "worker" in errors[0], survivor[-3000:]
+    assert "done" not in survivor
 
 
 def test_a_killed_launcher_that_hosts_the_rendezvous_leaves_no_worker_behind(tmp_path):
     """torchrun killed on the node hosting the rendezvous store: the other node's torchrun loses
     its store and ends (with torchrun's own report), and no worker on either node is left."""
-    endpoint, run_id = f"127.0.0.1:{free_port()}", uuid.uuid4().hex[:8]
-    logs = [tmp_path / "node-a.log", tmp_path / "node-b.log"]
-    agents = []
-    for i, log in enumerate(logs):
-        cmd = _agent_command(endpoint, run_id, [], host=i == 0)
-        cmd = [*cmd[: cmd.index("-m", 3)], str(LONG_STEP), "600"]
-        agents.append(_start(cmd, log, _env()))
-    workers: list[int] = []
-    try:
-        deadline = time.monotonic() + 120
-        while sum(log.read_text().count("joined as worker") for log in logs) < 2:
-            assert time.monotonic() < deadline and all(a.poll() is None for a in agents)
-            time.sleep(0.05)
-        workers = _children(agents[0].pid) + _children(agents[1].pid)
-        os.kill(agents[0].pid, signal.SIGKILL)  # the rendezvous host's agent alone
-        started = time.monotonic()
-        code = agents[1].wait(timeout=BOUND + 60)
-        waited = time.monotonic() - started
-        while [pid for pid in workers if _alive(pid)] and time.monotonic() - started < BOUND:
-            time.sleep(0.1)
-        left = [pid for pid in workers if _alive(pid)]
-    finally:
-        _kill_all(workers)
-    assert code != 0 and waited < BOUND, (waited, logs[1].read_text()[-3000:])
+    code, waited, left, (orphaned, survivor) = _kill_an_agent_mid_step(tmp_path, killed=0)
+    assert code != 0 and waited < BOUND, (waited, survivor[-3000:])
     assert not left, "a worker outlived its launcher"
-    assert "done" not in logs[1].read_text()
+    assert "its launcher" in orphaned and "is gone" in orphaned
+    assert "done" not in survivor
 
 
 def test_a_node_that_never_comes_ends_at_the_rendezvous_deadline(sequence, tmp_path):
