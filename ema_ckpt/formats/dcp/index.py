@@ -45,9 +45,9 @@ class Structure:
                 chunks: dict[str, list[StoredChunk]] | None = None, packed: PackedChunks | None = None) -> bool:
         """Whether these parts equal this structure's (``chunks`` or their ``packed`` form), in
         the same key order too: the order of the keys decides a run's plan and its output bytes."""
-        if len(stored) != len(self.stored) or stored != self.stored or planner_data != self.planner_data:
-            return False
-        if list(stored) != list(self.stored) or list(planner_data) != list(self.planner_data):
+        # equal items in equal order: one pass each, sizes first
+        if (list(stored.items()) != list(self.stored.items())
+                or list(planner_data.items()) != list(self.planner_data.items())):
             return False
         if packed is not None:
             return packed is self.packed or (packed == self.packed_chunks() and list(packed) == list(self.stored))
