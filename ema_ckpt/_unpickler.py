@@ -67,16 +67,17 @@ _FIXED_RUN = _fixed_run_pattern()
 _LENGTH_PREFIX = {_LENGTH1: (1, False), _LENGTH4: (4, True), _LENGTH4U: (4, False), _LENGTH8U: (8, False)}
 
 
-def check_pickle_bounds(data: bytes) -> None:
-    """Walk ``data``'s opcodes up to STOP; refuse what would make loading allocate more than
-    a small multiple of ``len(data)``.
+def check_pickle_bounds(data: bytes, start: int = 0) -> int:
+    """Walk ``data``'s opcodes from ``start`` up to STOP; refuse what would make loading
+    allocate more than a small multiple of ``len(data)``. Returns where the pickle ends (the
+    byte after its STOP), so pickles written back to back can be told apart.
 
     Raises:
         pickle.UnpicklingError: an unknown opcode, a memo index past its own position, a
             length or frame longer than the data left.
         EOFError: the data ends before STOP.
     """
-    kinds, size, pos, skip_fixed = _KINDS, len(data), 0, _FIXED_RUN.match
+    kinds, size, pos, skip_fixed = _KINDS, len(data), start, _FIXED_RUN.match
     while pos < size:
         # most opcodes have a fixed-size argument; the pattern matches (maybe empty) anywhere
         pos = skip_fixed(data, pos).end()  # type: ignore[union-attr]
@@ -87,7 +88,7 @@ def check_pickle_bounds(data: bytes) -> None:
         if kind >= 0:  # a fixed-size argument the data is too short for
             break
         if kind == _STOP:
-            return
+            return pos
         elif kind in _LENGTH_PREFIX:
             width, signed = _LENGTH_PREFIX[kind]
             length = int.from_bytes(data[pos : pos + width], "little", signed=signed)

@@ -1,17 +1,17 @@
-"""Find checkpoints in a folder and the training step of each.
+"""Find checkpoints in a folder, each with its training step.
 
-A checkpoint is a folder (or file) of a known format, or a trainer's checkpoint folder whose
-model sits in a subfolder (accelerate's ``checkpoint_<i>/pytorch_model_fsdp_0/``). Its step
-comes from the first record that holds one (:data:`STEP_SOURCES`): the Hugging Face
-Trainer's ``trainer_state.json`` ``global_step``, the optimizer's own step counter saved
-beside a nested model, the format's own record (DeepSpeed ``global_steps``), and only then
-the directory name: ``step_1000``, ``step-1000``, ``global_step1000``, ``checkpoint-1000``,
-``iter_0001000``, ``epoch=3-step=1000`` or a bare ``1000``; ``step_regex`` overrides the
-name patterns. Directories still being written (DCP writes ``.metadata`` last) are skipped
-with a note. ema-ckpt's own outputs (they hold ``ema-ckpt.json``), hidden directories and the
-excluded paths are never taken as inputs. Two candidates holding the same step and the same
-model bytes (the Hugging Face Trainer's final ``save_model`` beside its last
-``checkpoint-N``) count once.
+A checkpoint is a folder or a file of a known format, or a trainer's checkpoint folder whose
+model sits in a subfolder (accelerate's ``checkpoint_<i>/pytorch_model_fsdp_0/``). A folder
+of checkpoint files (``epoch=3-step=1000.ckpt``, ``checkpoint-12.pth.tar``, ``ckpt_000100.pt``,
+``*.safetensors``) is a sequence exactly as a folder of checkpoint folders is. Each step comes
+from :func:`~ema_ckpt.steps.step_record`. Checkpoints still being written (DCP writes
+``.metadata`` last, a ``torch.save`` zip its directory) are skipped with a note, and so are
+files beside them that hold no model (``optimizer.pt``). ema-ckpt's own outputs (they hold
+``ema-ckpt.json``), hidden entries and the excluded paths are never taken as inputs. Two
+candidates holding the same step and the same model bytes (the Hugging Face Trainer's final
+``save_model`` beside its last ``checkpoint-N``, Lightning's ``last.ckpt`` beside the
+checkpoint it copies, a symlink or a hard link) count once, the named checkpoint kept over
+the alias. :attr:`Discovery.entries` says, for each entry of a folder, why it was taken or left.
 
 Example:
     >>> step_from_name("epoch=3-step=1000")
@@ -23,62 +23,29 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import os
 import re
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import CheckpointNotFoundError, EmaCkptError, IncompatibleCheckpointError, Note, OptionError, UsageError
+from .errors import CheckpointNotFoundError, IncompatibleCheckpointError, Note, UsageError
 from .formats import detect_format, locate_model, open_checkpoint
-from .formats.base import (
-    NESTED_MODELS,
-    TRAINER_STATE,
-    CheckpointFormat,
-    CheckpointReader,
-    formats_for,
-    nested_incomplete,
-    trainer_state_step,
-)
-from .layout import Box, row_blocks
+from .formats.base import TRAINER_STATE, CheckpointFormat, CheckpointReader, formats_for, nested_incomplete
+from .formats.torch_file import SUFFIXES as TORCH_SUFFIXES
+from .formats.torch_file import file_facts, has_torch_suffix
+from .layout import row_blocks
 from .manifest import MANIFEST_NAME
 from .remote import RemotePath, as_path, forget_listings
 from .selection import select_keys
+from .steps import EPOCHS, StepRecord, StepUnknown, step_from_name, step_record
 
-_STEP_PATTERNS = (
-    re.compile(r"(?:^|[^A-Za-z])step[_=-]?(\d+)"),
-    re.compile(r"^checkpoint[_-](\d+)$"),
-    re.compile(r"^iter[_-]?(\d+)$"),
-    re.compile(r"^(\d+)$"),
-)
-
-
-def step_from_name(name: str, step_regex: str | None = None) -> int | None:
-    """The step a checkpoint directory's name encodes, or None.
-
-    ``step_regex`` must contain one group (or a group named ``step``) matching digits.
-    """
-    if step_regex is not None:
-        try:
-            pattern = re.compile(step_regex)
-        except re.error as err:
-            raise OptionError("step_regex", f"{step_regex!r} is not a valid regular expression: {err}",
-                              value=step_regex) from None
-        if pattern.groups < 1:
-            raise OptionError("step_regex", f"{step_regex!r} has no group: put the step's digits in (...), "
-                              r"e.g. 'ckpt_(\d+)'", value=step_regex)
-        match = pattern.search(name)
-        if not match:
-            return None
-        text = match.group("step") if "step" in pattern.groupindex else match.group(1)
-        if text is None or not re.fullmatch(r"[0-9]+", text):
-            raise OptionError("step_regex", f"{step_regex!r} matched {text!r} in {name!r}, not digits",
-                              value=step_regex)
-        return int(text)
-    for pattern in _STEP_PATTERNS:
-        match = pattern.search(name)
-        if match:
-            return int(match.group(1))
-    return None
+CHECKPOINT_FILE_SUFFIXES = (*TORCH_SUFFIXES, ".safetensors")
+"""Files a folder scan looks at as possible checkpoints; other files are left unread."""
+ACCELERATE_CHECKPOINTS = "checkpoints"
+"""Where accelerate's ``automatic_checkpoint_naming`` saves, inside the project folder."""
+ALIAS_NAMES = re.compile(r"^(last|latest|best|model_best|final)([-_.=]|$)", re.IGNORECASE)
+"""Names of copies of another checkpoint (``last.ckpt``, ``model_best.pth.tar``): the other is kept."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,7 +56,18 @@ class FoundCheckpoint:
     step: int
     format_name: str
     step_source: str = "folder name"
-    """Where the step came from (see :data:`STEP_SOURCES`)."""
+    """Where the step came from (see :data:`~ema_ckpt.steps.STEP_SOURCES`)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    """One entry of a scanned folder: taken as a checkpoint (with its step), or left and why."""
+
+    path: Path
+    taken: bool
+    why: str
+    step: int | None = None
+    format_name: str | None = None
 
 
 @dataclass(slots=True)
@@ -99,6 +77,8 @@ class Discovery:
     checkpoints: list[FoundCheckpoint] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     """What was skipped and why: :class:`~ema_ckpt.errors.Note` strings where they name a parameter."""
+    entries: list[Entry] = field(default_factory=list)
+    """Every entry of the folders scanned, taken or left, in name order (for ``inspect``)."""
 
 
 def checkpoint_paths(checkpoints: str | Path | Sequence[str | Path]) -> list[Path]:
@@ -123,112 +103,6 @@ def _inside(path: Path, roots: Iterable[Path]) -> bool:
     return any(resolved == r or r in resolved.parents for r in roots)
 
 
-@dataclass(frozen=True, slots=True)
-class StepRecord:
-    """A checkpoint's training step and the record it was read from."""
-
-    step: int
-    source: str
-
-
-ACCELERATE_CHECKPOINTS = "checkpoints"
-"""Where accelerate's ``automatic_checkpoint_naming`` saves, inside the project folder."""
-
-
-class StepUnknown(Exception):
-    """A step source that sees its record still being written: the checkpoint waits (a note)."""
-
-
-def _trainer_state_step(path: Path, fmt: CheckpointFormat) -> StepRecord | None:
-    """The Hugging Face Trainer's ``trainer_state.json`` ``global_step`` (optimizer steps)."""
-    step = trainer_state_step(path)
-    return StepRecord(step, f"{TRAINER_STATE} global_step") if step is not None else None
-
-
-def _optimizer_counter_step(path: Path, fmt: CheckpointFormat) -> StepRecord | None:
-    """The optimizer's own step counter (Adam's per-parameter ``step``) saved beside a nested model.
-
-    accelerate records no optimizer step of its own: the ``step`` in ``random_states_<i>.pkl``
-    counts micro-batches through ``accumulate()`` and restarts at the end of every epoch. The
-    largest counter is taken (a parameter frozen for a while counts fewer steps).
-    """
-    location = locate_model(path)
-    if location.trainer is None or location.optimizer is None:
-        return None
-    if detect_format(location.optimizer) is None:
-        raise StepUnknown(f"{location.optimizer.name}/ is not complete yet (still being written?)")
-    with contextlib.closing(open_checkpoint(location.optimizer)) as reader:
-        counters = [key for key, spec in reader.specs().items() if key.endswith(".step") and spec.shape == ()]
-        values = [float(reader.read(key, Box((), ())).item()) for key in counters]
-    steps = [int(v) for v in values if v >= 0 and v == int(v)]
-    return StepRecord(max(steps), f"optimizer step counter in {location.optimizer.name}/") if steps else None
-
-
-def _format_step(path: Path, fmt: CheckpointFormat) -> StepRecord | None:
-    """The step the format itself records (DeepSpeed ``global_steps``)."""
-    if not fmt.records_step:
-        return None
-    step = fmt.step_of(locate_model(path).path)  # cheap: no reader is built, no tensor opened
-    return StepRecord(int(step), fmt.step_label or f"{fmt.name} record") if step is not None else None
-
-
-STEP_SOURCES: tuple[Callable[[Path, CheckpointFormat], StepRecord | None], ...] = (
-    _trainer_state_step,
-    _optimizer_counter_step,
-    _format_step,
-)
-"""Where a checkpoint's step is looked for, in order; the directory name comes last."""
-
-_NAMES_COUNT_SAVES = {"accelerate"}
-"""Trainers whose folder names count saves, not steps (accelerate's ``checkpoint_<i>``)."""
-
-
-def _owner(path: Path) -> Path:
-    """The trainer folder around a nested model folder given by itself, else ``path``."""
-    if any(n.pattern.match(path.name) for n in NESTED_MODELS) and locate_model(path.parent).path == path:
-        return path.parent
-    return path
-
-
-def step_record(path: str | Path, step_regex: str | None = None) -> StepRecord | None:
-    """The training step of the checkpoint at ``path`` and where it came from, or None.
-
-    ``step_regex``, when given and matching, wins over every record: the user said so.
-
-    Raises:
-        StepUnknown: the record that holds the step is still being written.
-
-    Example:
-        >>> step_record("out/checkpoint-500")  # doctest: +SKIP
-        StepRecord(step=500, source='trainer_state.json global_step')
-    """
-    path = as_path(path)
-    owner = _owner(path)
-    if step_regex is not None:
-        step = step_from_name(owner.name, step_regex)
-        if step is not None:
-            return StepRecord(step, Note("{step_regex} on the folder name ", mentions=("step_regex",)) + owner.name)
-    fmt = detect_format(owner)
-    if fmt is not None:
-        for source in STEP_SOURCES:
-            try:
-                record = source(owner, fmt)
-            except EmaCkptError:
-                raise
-            except OSError:
-                record = None
-            if record is not None:
-                return record
-        trainer = locate_model(owner).trainer
-        if trainer in _NAMES_COUNT_SAVES:
-            raise StepUnknown(
-                f"no step record ({trainer}'s {owner.name} counts saves, not steps); "
-                + Note("pass {step_regex} to take the name as the step", mentions=("step_regex",))
-            )
-    step = step_from_name(owner.name)
-    return StepRecord(step, "folder name") if step is not None else None
-
-
 def _incomplete_reason(path: Path) -> str | None:
     nested = nested_incomplete(path)
     if nested:
@@ -240,7 +114,7 @@ def _incomplete_reason(path: Path) -> str | None:
     return None
 
 
-def _holds_checkpoints(path: Path) -> bool:
+def holds_checkpoints(path: Path) -> bool:
     """True when a directory's own children are checkpoints (a folder of them, not one)."""
     if not path.is_dir() or locate_model(path).trainer is not None:
         return False
@@ -288,11 +162,12 @@ def _prefer(
     a: FoundCheckpoint, b: FoundCheckpoint, known: set[Path]
 ) -> tuple[FoundCheckpoint, FoundCheckpoint]:
     """(kept, skipped) of two copies of one step: the one already folded, else the one with a
-    trainer's own step record, else the first by path."""
+    trainer's own step record, else the one not named as an alias (``last.ckpt``), else the
+    first by path."""
 
-    def rank(c: FoundCheckpoint) -> tuple[int, int, str]:
+    def rank(c: FoundCheckpoint) -> tuple[int, int, int, str]:
         return (0 if c.path.resolve() in known else 1, 0 if c.step_source.startswith(TRAINER_STATE) else 1,
-                str(c.path))
+                1 if ALIAS_NAMES.match(c.path.name) else 0, str(c.path))
 
     return (a, b) if rank(a) <= rank(b) else (b, a)
 
@@ -311,7 +186,7 @@ def _drop_identical_copies(found: Discovery, known: Mapping[Path, int], compare_
             kept.append(candidate)
             continue
         keep, skip = _prefer(previous, candidate, folded)
-        if previous.path.resolve() == candidate.path.resolve():
+        if _same_file(previous.path, candidate.path):
             same = True
         elif compare_after is not None and candidate.step <= compare_after:
             same = True  # not read by this run either way
@@ -328,9 +203,21 @@ def _drop_identical_copies(found: Discovery, known: Mapping[Path, int], compare_
         kept[-1] = keep
         unread = compare_after is not None and candidate.step <= compare_after
         what = "as" if unread else "and the same weights as"
-        found.notes.append(f"skipped {skip.path}: the same step {skip.step} {what} {keep.path}"
-                           + (", already folded" if unread else ""))
+        why = f"the same step {skip.step} {what} {keep.path}" + (", already folded" if unread else "")
+        found.notes.append(f"skipped {skip.path}: {why}")
+        found.entries = [Entry(e.path, False, why, e.step, e.format_name) if e.path == skip.path else e
+                         for e in found.entries]
     found.checkpoints = kept
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    """One file or folder under two names: a symlink, or a hard link (timm's ``last.pth.tar``)."""
+    if a.resolve() == b.resolve():
+        return True
+    try:
+        return not a.is_dir() and os.path.samefile(a, b)
+    except OSError:
+        return False
 
 
 def _skipped(path: Path, skipped: Sequence[Path], used: set[Path]) -> bool:
@@ -345,35 +232,65 @@ def _skipped(path: Path, skipped: Sequence[Path], used: set[Path]) -> bool:
     return False
 
 
+def _left(found: Discovery, child: Path, why: str, *, note: bool = True) -> None:
+    found.entries.append(Entry(child, False, why))
+    if note:
+        found.notes.append(f"skipped {child}: " + why)
+
+
+def _why_not(child: Path) -> str | None:
+    """Why an entry that looks like a checkpoint is not one yet (a note), or None to leave it unsaid."""
+    reason = _incomplete_reason(child)
+    if reason:
+        return reason
+    if child.is_file() and has_torch_suffix(child):
+        facts = file_facts(child)
+        if facts.kind is None:
+            return "not a torch.save file"
+        return "holds no model weights (training state beside the checkpoints)"
+    return None
+
+
 def _scan_folder(path: Path, found: Discovery, step_regex: str | None, excluded: Sequence[Path],
                  skipped: Sequence[Path], used: set[Path]) -> None:
     for child in sorted(path.iterdir()):
-        if child.name.startswith(".") or not child.is_dir():
+        is_dir = child.is_dir()
+        if child.name.startswith("."):
+            continue
+        if not is_dir and not (child.is_file() and child.name.lower().endswith(CHECKPOINT_FILE_SUFFIXES)):
+            _left(found, child, "not a checkpoint file" if child.is_file() else "not a file or folder", note=False)
             continue
         if _inside(child, excluded):
+            _left(found, child, "the output of this run", note=False)
             continue
         if _skipped(child, skipped, used):
             found.notes.append(Note(f"skipped {child}: left out ({{skip}})", mentions=("skip",)))
+            found.entries.append(Entry(child, False, Note("left out ({skip})", mentions=("skip",))))
             continue
-        if (child / MANIFEST_NAME).exists():
+        if is_dir and (child / MANIFEST_NAME).exists():
+            _left(found, child, "an ema-ckpt output", note=False)
             continue
         child_fmt = detect_format(child)
         if child_fmt is None:
-            reason = _incomplete_reason(child)
+            reason = _why_not(child)
             if reason:
-                found.notes.append(f"skipped {child}: " + reason)
+                _left(found, child, reason, note=not (child.is_file() and reason.startswith("holds no model")))
+            else:
+                _left(found, child, "not a checkpoint of a known format", note=False)
             continue
         checkpoint = _found(child, child_fmt, step_regex)
         if isinstance(checkpoint, str):
-            found.notes.append(f"skipped {child}: " + checkpoint)
+            _left(found, child, checkpoint)
             continue
         found.checkpoints.append(checkpoint)
+        found.entries.append(Entry(child, True, Note.of(checkpoint.step_source), checkpoint.step,
+                                   checkpoint.format_name))
 
 
 def _record_kind(source: str) -> str:
-    """A step source without the folder it was read from (``step_regex on the folder name x``)."""
+    """A step source without the name it was read from (``step_regex on the folder name x``)."""
     note = Note.of(source)
-    return Note(note.template.split(" on the folder name")[0], mentions=note.mentions)
+    return Note(re.split(" on the (?:folder|file) name", note.template)[0], mentions=note.mentions)
 
 
 def discover(
@@ -384,13 +301,15 @@ def discover(
     skip: Sequence[str | Path] = (),
     known: Mapping[Path, int] | None = None,
     compare_after: int | None = None,
+    require: bool = True,
 ) -> Discovery:
     """Find the checkpoints in ``paths`` (each a checkpoint or a folder of them).
 
     ``exclude`` lists paths never taken, silently (outputs); ``skip`` lists checkpoints the
     user leaves out, each noted. ``known`` maps checkpoints already folded to
     their steps: of two copies of one step the known one is kept, and copies of steps up to
-    ``compare_after`` are not compared byte for byte (that run reads neither).
+    ``compare_after`` are not compared byte for byte (that run reads neither). ``require``:
+    finding nothing is an error (else an empty result, whose entries say why).
 
     Raises:
         CheckpointNotFoundError: a path is missing, an explicit path is not a checkpoint,
@@ -410,7 +329,7 @@ def discover(
             found.notes.append(Note(f"skipped {path}: left out ({{skip}})", mentions=("skip",)))
             continue
         fmt = detect_format(path)
-        if fmt is not None and _holds_checkpoints(path):
+        if fmt is not None and holds_checkpoints(path):
             fmt = None  # e.g. a DeepSpeed save dir: `latest` names one tag, but every tag counts
         if fmt is not None and not (path / MANIFEST_NAME).exists():
             checkpoint = _found(path, fmt, step_regex)
@@ -438,10 +357,30 @@ def discover(
         ordered = sorted(sources, key=lambda s: (not Note.of(s).template.startswith("{"), s))
         found.notes.append("steps come from different records: " + Note.joined(", ", ordered)
                            + Note(" (check the order with {dry_run=True})", mentions=("dry_run",)))
+    if any(EPOCHS in c.step_source for c in found.checkpoints):
+        found.notes.append(Note("these steps count epochs: {decay} and {half_life} apply per epoch (or pass "
+                                "{step_regex} where the names count optimizer steps)",
+                                mentions=("decay", "half_life", "step_regex")))
     found.checkpoints.sort(key=lambda c: (c.step, str(c.path)))
     _drop_identical_copies(found, {as_path(p).resolve(): s for p, s in (known or {}).items()}, compare_after)
-    if not found.checkpoints:
+    if not found.checkpoints and require:
         where = ", ".join(str(p) for p in paths)
         raise CheckpointNotFoundError(where, "no checkpoints found" + (
             " (" + Note.joined("; ", found.notes) + ")" if found.notes else ""))
     return found
+
+
+__all__ = [
+    "ALIAS_NAMES",
+    "CHECKPOINT_FILE_SUFFIXES",
+    "Discovery",
+    "Entry",
+    "FoundCheckpoint",
+    "StepRecord",
+    "checkpoint_paths",
+    "discover",
+    "holds_checkpoints",
+    "same_model_bytes",
+    "step_from_name",
+    "step_record",
+]

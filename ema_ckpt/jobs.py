@@ -41,6 +41,7 @@ from .engine import EngineStats, OutputSpec, combine_regions
 from .errors import EmaCkptError, OptionError, UsageError
 from .formats import open_checkpoint
 from .formats.base import CheckpointReader
+from .formats.options import read_options_from, reading
 from .fs import OutputLock, discard_on_error, new_staging_dir, publish, publish_file, recover
 from .manifest import Manifest
 from .progress import Progress
@@ -186,6 +187,12 @@ def run_job(job: Job[PlanT, ComputedT, ResultT], *,
     if settings.workers > 1 and not in_worker_group() and job.lock_path() is not None:
         result: ResultT = run_workers(settings.workers, run_job, job, local_kwargs={"on_progress": on_progress})
         return result
+    with reading(read_options_from(settings)):  # every reader of the run, on every worker
+        return _run_job(job, on_progress)
+
+
+def _run_job(job: Job[PlanT, ComputedT, ResultT], on_progress: Callable[[Progress], None] | None) -> ResultT:
+    settings = job.options
     started = time.perf_counter()
     group = current_workers(settings.device)
     with contextlib.ExitStack() as stack:

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 from .dist import Workers, assign_by_bytes, current_workers, run_workers
+from .formats.options import ReadOptions, reading
 from .progress import Progress
 
 T = TypeVar("T")
@@ -85,18 +86,22 @@ def share_out(workers: Workers, pieces: Sequence[Piece[T]],
 
 
 def run_reading(world_size: int, func: Callable[..., T], /, *args: Any,
-                on_progress: Callable[[Progress], None] | None = None, device: str = "cpu") -> T:
+                on_progress: Callable[[Progress], None] | None = None, device: str = "cpu",
+                read: ReadOptions | None = None) -> T:
     """``func(workers, *args, on_progress=…)`` on ``world_size`` workers; this worker's result.
 
-    ``on_progress`` goes to this process only (it reports this process's share).
+    ``on_progress`` goes to this process only (it reports this process's share). ``read``:
+    how every worker reads checkpoints (:mod:`ema_ckpt.formats.options`).
     """
-    result: T = run_workers(world_size, _in_group, func, device, args, local_kwargs={"on_progress": on_progress})
+    result: T = run_workers(world_size, _in_group, func, device, args, read,
+                            local_kwargs={"on_progress": on_progress})
     return result
 
 
-def _in_group(func: Callable[..., T], device: str, args: tuple[Any, ...],
+def _in_group(func: Callable[..., T], device: str, args: tuple[Any, ...], read: ReadOptions | None,
               on_progress: Callable[[Progress], None] | None = None) -> T:
-    return func(current_workers(device), *args, on_progress=on_progress)
+    with reading(read):
+        return func(current_workers(device), *args, on_progress=on_progress)
 
 
 __all__ = ["Piece", "Tally", "run_reading", "share_out"]

@@ -50,6 +50,8 @@ FLAGS: dict[str, str] = {
     "device": "--device",
     "max_shard_size": "--max-shard-size",
     "keep_prefix": "--keep-prefix",
+    "state_key": "--state-key",
+    "inert_globals": "--inert-global",
     "world_size": "--world-size",
     "dry_run": "--dry-run",
 }

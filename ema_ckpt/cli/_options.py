@@ -36,6 +36,16 @@ WorkersOpt = Annotated[
                  help="Split the work over N processes (torch.distributed; under torchrun, its group)."),
 ]
 DeviceOpt = Annotated[str, typer.Option("--device", help="Where the arithmetic runs: cpu or cuda.")]
+StateKeyOpt = Annotated[
+    str | None,
+    typer.Option("--state-key", metavar="KEY",
+                 help="Single-file checkpoints: the state dict to read (e.g. state_dict_ema), not the one found."),
+]
+InertGlobalOpt = Annotated[
+    list[str] | None,
+    typer.Option("--inert-global", metavar="MODULE.NAME",
+                 help="Read pickled objects of this class (or MODULE.*) as inert data; nothing runs (repeatable)."),
+]
 SkipOpt = Annotated[
     list[Path] | None,
     typer.Option("--skip", metavar="PATH", help="Leave this checkpoint out (repeatable); it is noted, never read."),

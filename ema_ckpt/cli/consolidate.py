@@ -11,7 +11,17 @@ if TYPE_CHECKING:
 
 from ..writers.base import output_format, path_formats
 from ._errors import reports_errors
-from ._options import ExcludeOpt, IncludeOpt, JsonOpt, OverwriteOpt, QuietOpt, WaitOpt, WorkersOpt
+from ._options import (
+    ExcludeOpt,
+    IncludeOpt,
+    InertGlobalOpt,
+    JsonOpt,
+    OverwriteOpt,
+    QuietOpt,
+    StateKeyOpt,
+    WaitOpt,
+    WorkersOpt,
+)
 from ._output import console, human_bytes, note, plural, print_json, progress_bar, shown
 
 EPILOG = """\
@@ -60,6 +70,8 @@ def consolidate_command(
     ] = False,
     include: IncludeOpt = None,
     exclude: ExcludeOpt = None,
+    state_key: StateKeyOpt = None,
+    inert_global: InertGlobalOpt = None,
     overwrite: OverwriteOpt = False,
     wait: WaitOpt = 0.0,
     workers: WorkersOpt = 1,
@@ -71,7 +83,8 @@ def consolidate_command(
     with progress_bar("consolidate", enabled=not (quiet or json_output)) as on_progress:
         result = consolidate(
             src, out, format=out_format, max_shard_size=max_shard_size, dtype=dtype, keep_prefix=keep_prefix,
-            include=include or (), exclude=exclude or (), overwrite=overwrite, wait_seconds=wait, workers=workers,
+            include=include or (), exclude=exclude or (), state_key=state_key, inert_globals=inert_global or (),
+            overwrite=overwrite, wait_seconds=wait, workers=workers,
             on_progress=on_progress,
         )
     if json_output:

@@ -9,7 +9,7 @@ from rich.text import Text
 
 from ..errors import IncompatibleCheckpointError
 from ._errors import reports_errors
-from ._options import ExcludeOpt, IncludeOpt, JsonOpt, WorkersOpt
+from ._options import ExcludeOpt, IncludeOpt, InertGlobalOpt, JsonOpt, StateKeyOpt, WorkersOpt
 from ._output import console, err_console, print_json, progress_bar, shown
 from ._tables import Name, name_table
 
@@ -86,6 +86,8 @@ def diff_command(
     ] = 0.0,
     include: IncludeOpt = None,
     exclude: ExcludeOpt = None,
+    state_key: StateKeyOpt = None,
+    inert_global: InertGlobalOpt = None,
     workers: WorkersOpt = 1,
     json_output: JsonOpt = False,
     quiet: Annotated[
@@ -96,7 +98,8 @@ def diff_command(
     from ..commands.diff import diff  # imported here: it loads torch, which --help never needs
 
     with progress_bar("diff", enabled=not (quiet or json_output)) as on_progress:
-        result = diff(a, b, include=include or (), exclude=exclude or (), workers=workers, on_progress=on_progress)
+        result = diff(a, b, include=include or (), exclude=exclude or (), state_key=state_key,
+                      inert_globals=inert_global or (), workers=workers, on_progress=on_progress)
     if json_output:
         print_json(result.to_dict(atol))
     elif not quiet:

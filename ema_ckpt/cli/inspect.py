@@ -7,16 +7,17 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
+from rich.table import Table
 
 from ..remote import as_path
 from ._errors import reports_errors
 from ._flags import cli_text
-from ._options import JsonOpt
+from ._options import InertGlobalOpt, JsonOpt, StateKeyOpt
 from ._output import console, exact_bytes, human_bytes, print_json, shown
 from ._tables import Name, name_table, summary_grid
 
 if TYPE_CHECKING:
-    from ..commands.inspect import InspectResult
+    from ..commands.inspect import FolderInspection, InspectResult
 
 EPILOG = """\
 Examples:
@@ -25,7 +26,12 @@ Examples:
 
   ema-ckpt inspect ckpts/ema --json | jq .manifest
 
-The summary shows each fact once; --json holds everything the format records.
+  ema-ckpt inspect ckpts/                      # a folder: what is taken, what is left, and why
+
+  ema-ckpt inspect last.pth.tar --state-key state_dict_ema
+
+The summary shows each fact once; --json holds everything the format records. A single file
+also shows its top-level entries and which one holds the model.
 """
 MAX_ROWS = 40
 MAX_ITEMS = 8
@@ -99,6 +105,8 @@ def _said_already(report: InspectResult, name: str, value: Any) -> bool:
         return "index" in details  # the index row names the file
     if name == "tag_dir" and isinstance(value, str):
         return as_path(value) in {report.path, report.path / str(details.get("tag")), report.model_path}
+    if name == "tree":
+        return True  # its own table
     if name == "top_level" and isinstance(value, list):
         if report.container and value == [report.container.removesuffix(".")]:
             return True  # the container row names it
@@ -150,13 +158,22 @@ def inspect_command(
     quiet: Annotated[
         bool, typer.Option("--quiet", "-q", help="Print nothing; the exit code says whether the checkpoint reads.")
     ] = False,
+    state_key: StateKeyOpt = None,
+    inert_global: InertGlobalOpt = None,
     workers: InspectWorkersOpt = 1,
 ) -> None:
     """Show format, step, keys, dtypes, bytes and chunk layout (reads no tensor)."""
-    from ..commands.inspect import (
-        inspect_checkpoint,  # here: the library loads on use, so --help and --version stay fast
-    )
-    report = inspect_checkpoint(path)
+    # here: the library loads on use, so --help and --version stay fast
+    from ..commands.inspect import inspect_checkpoint, inspect_folder, is_folder_of_checkpoints
+
+    if is_folder_of_checkpoints(path):
+        folder = inspect_folder(path, state_key=state_key, inert_globals=inert_global or ())
+        if json_output:
+            print_json(folder.to_dict())
+        elif not quiet:
+            render_folder(folder, all_rows=all_keys)
+        return
+    report = inspect_checkpoint(path, state_key=state_key, inert_globals=inert_global or ())
     if json_output:
         print_json(report.to_dict())
         return
@@ -166,6 +183,12 @@ def inspect_command(
     for label, value in summary_rows(report, all_items=all_keys):
         summary.add_row(label, Name(value))
     console.print(summary)
+    tree = report.details.get("tree")
+    if tree:
+        entries = name_table("in the file", "holds", "read as")
+        for row in tree:
+            entries.add_row(Name(row["key"]), row["holds"], row["role"] or "-")
+        console.print(entries)
     table = name_table("key", "shape", "dtype", "bytes", "chunks", right={"bytes", "chunks"})
     rows = report.tensors if all_keys else report.tensors[:MAX_ROWS]
     for t in rows:
@@ -174,3 +197,25 @@ def inspect_command(
     console.print(table)
     if len(rows) < len(report.tensors):
         console.print(f"… {len(report.tensors) - len(rows):,} more keys (--all lists them)", style="dim")
+
+
+def render_folder(folder: FolderInspection, *, all_rows: bool = False) -> None:
+    """A folder of checkpoints: each entry, taken (with its step) or left, and why."""
+    taken = folder.taken
+    console.print(f"{shown(folder.path)}: {len(taken):,} checkpoint{'s' if len(taken) != 1 else ''} "
+                  f"of {len(folder.entries):,} entries", highlight=False)
+    rows = folder.entries if all_rows else folder.entries[:MAX_ROWS]
+    table = Table(show_edge=False)
+    table.add_column("entry", overflow="fold", min_width=min(24, max((len(e.path.name) for e in rows), default=5)))
+    table.add_column("taken", no_wrap=True, min_width=5)
+    table.add_column("step", no_wrap=True, justify="right", min_width=4)
+    table.add_column("why", overflow="fold", ratio=1)
+    for entry in rows:
+        why = cli_text(entry.why).replace(f"{folder.path}/", "")  # entries beside it, by name
+        table.add_row(Name(entry.path.name), "yes" if entry.taken else "no",
+                      str(entry.step) if entry.step is not None else "-", why)
+    console.print(table)
+    if len(rows) < len(folder.entries):
+        console.print(f"… {len(folder.entries) - len(rows):,} more entries (--all lists them)", style="dim")
+    for line in folder.notes:
+        console.print(cli_text(line), style="dim", highlight=False)

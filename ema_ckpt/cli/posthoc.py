@@ -18,10 +18,12 @@ from ._options import (
     DeviceOpt,
     ExcludeOpt,
     IncludeOpt,
+    InertGlobalOpt,
     JsonOpt,
     OverwriteOpt,
     QuietOpt,
     SkipOpt,
+    StateKeyOpt,
     StepRegexOpt,
     WaitOpt,
     WorkersOpt,
@@ -133,6 +135,8 @@ def posthoc_command(
     exclude: ExcludeOpt = None,
     step_regex: StepRegexOpt = None,
     skip: SkipOpt = None,
+    state_key: StateKeyOpt = None,
+    inert_global: InertGlobalOpt = None,
     overwrite: OverwriteOpt = False,
     wait: WaitOpt = 0.0,
     dry_run: DryRunOpt = False,
@@ -151,7 +155,8 @@ def posthoc_command(
                          at_step=at_step, dry_run=dry_run, dtype=dtype, format=out_format,
                          keep_prefix=keep_prefix, include=include or (),
                          workers=workers, device=device,
-                         exclude=exclude or (), step_regex=step_regex, skip=skip or (), overwrite=overwrite,
+                         exclude=exclude or (), step_regex=step_regex, skip=skip or (), state_key=state_key,
+                         inert_globals=inert_global or (), overwrite=overwrite,
                          wait_seconds=wait, on_progress=on_progress)
     _finish(result, json_output, quiet, out)
 
@@ -170,6 +175,8 @@ def average_command(
     exclude: ExcludeOpt = None,
     step_regex: StepRegexOpt = None,
     skip: SkipOpt = None,
+    state_key: StateKeyOpt = None,
+    inert_global: InertGlobalOpt = None,
     overwrite: OverwriteOpt = False,
     wait: WaitOpt = 0.0,
     dry_run: DryRunOpt = False,
@@ -188,6 +195,7 @@ def average_command(
                          to_step=to_step, dry_run=dry_run, dtype=dtype, format=out_format,
                          keep_prefix=keep_prefix, include=include or (),
                          workers=workers, device=device,
-                         exclude=exclude or (), step_regex=step_regex, skip=skip or (), overwrite=overwrite,
+                         exclude=exclude or (), step_regex=step_regex, skip=skip or (), state_key=state_key,
+                         inert_globals=inert_global or (), overwrite=overwrite,
                          wait_seconds=wait, on_progress=on_progress)
     _finish(result, json_output, quiet, out)

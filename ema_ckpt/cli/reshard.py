@@ -7,7 +7,17 @@ from typing import Annotated
 import typer
 
 from ._errors import reports_errors
-from ._options import ExcludeOpt, IncludeOpt, JsonOpt, OverwriteOpt, QuietOpt, WaitOpt, WorkersOpt
+from ._options import (
+    ExcludeOpt,
+    IncludeOpt,
+    InertGlobalOpt,
+    JsonOpt,
+    OverwriteOpt,
+    QuietOpt,
+    StateKeyOpt,
+    WaitOpt,
+    WorkersOpt,
+)
 from ._output import console, files_written, note, plural, print_json, progress_bar, shown
 
 EPILOG = """\
@@ -34,6 +44,8 @@ def reshard_command(
     ] = False,
     include: IncludeOpt = None,
     exclude: ExcludeOpt = None,
+    state_key: StateKeyOpt = None,
+    inert_global: InertGlobalOpt = None,
     overwrite: OverwriteOpt = False,
     wait: WaitOpt = 0.0,
     workers: WorkersOpt = 1,
@@ -45,7 +57,8 @@ def reshard_command(
 
     with progress_bar("reshard", enabled=not (quiet or json_output)) as on_progress:
         result = reshard(src, world_size=world_size, out=out, dtype=dtype, include=include or (),
-                         exclude=exclude or (), all_keys=all_keys, overwrite=overwrite, wait_seconds=wait,
+                         exclude=exclude or (), all_keys=all_keys, state_key=state_key,
+                         inert_globals=inert_global or (), overwrite=overwrite, wait_seconds=wait,
                          workers=workers, on_progress=on_progress)
     if json_output:
         print_json({"out": str(result.out), "world_size": result.world_size, "keys": result.keys,

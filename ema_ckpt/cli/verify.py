@@ -9,7 +9,7 @@ import typer
 from ..errors import CheckpointFormatError
 from ._errors import reports_errors
 from ._flags import cli_text
-from ._options import JsonOpt, WorkersOpt
+from ._options import InertGlobalOpt, JsonOpt, StateKeyOpt, WorkersOpt
 from ._output import console, err_console, exact_bytes, note, plural, print_json, progress_bar
 from ._tables import Name, summary_grid
 
@@ -65,6 +65,8 @@ def read_back_text(result: VerifyResult) -> str:
 @reports_errors
 def verify_command(
     path: Annotated[str, typer.Argument(help="An ema-ckpt output directory, or any checkpoint.")],
+    state_key: StateKeyOpt = None,
+    inert_global: InertGlobalOpt = None,
     workers: WorkersOpt = 1,
     json_output: JsonOpt = False,
     quiet: Annotated[
@@ -75,7 +77,8 @@ def verify_command(
     from ..commands.verify import verify  # here: the library loads on use, so --help and --version stay fast
 
     with progress_bar("verify", enabled=not (quiet or json_output)) as on_progress:
-        result = verify(path, workers=workers, on_progress=on_progress)
+        result = verify(path, state_key=state_key, inert_globals=inert_global or (), workers=workers,
+                        on_progress=on_progress)
     if json_output:
         print_json(result.to_dict())
     elif not quiet:

@@ -65,6 +65,7 @@ from ..folding import (
 from ..formats import open_checkpoint
 from ..formats.base import CheckpointReader
 from ..formats.dcp.reader import DcpReader
+from ..formats.options import read_options_from
 from ..fs import files_on_disk, output_path
 from ..jobs import Job, JobContext, Target, WrittenOutputs, recorded_options, run_job
 from ..manifest import MANIFEST_NAME, FoldedCheckpoint, Manifest, fingerprint
@@ -128,6 +129,8 @@ class AccumulateOptions:
     skip_nonfinite: bool = False
     skip_damaged: bool = False
     skip: tuple[Path, ...] = ()
+    state_key: str | None = None
+    inert_globals: tuple[str, ...] = field(default=(), metadata=_RUNTIME)
     dry_run: bool = field(default=False, metadata=_RUNTIME)
     wait_seconds: float = field(default=0.0, metadata=_RUNTIME)
     workers: int = field(default=1, metadata=_RUNTIME)
@@ -135,6 +138,7 @@ class AccumulateOptions:
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
+        set_(self, "inert_globals", read_options_from(self).inert_globals)
         set_(self, "checkpoints", tuple(checkpoint_paths(self.checkpoints)))
         for name in ("sigma_rels", "gammas", "include", "exclude"):
             set_(self, name, tuple(getattr(self, name)))
@@ -165,8 +169,8 @@ class AccumulateOptions:
                               self.sigma_rels, self.gammas, self.snapshot_every)
 
     @property
-    def selection(self) -> dict[str, list[str]]:
-        return {"include": list(self.include), "exclude": list(self.exclude)}
+    def selection(self) -> dict[str, object]:
+        return {"include": list(self.include), "exclude": list(self.exclude), **read_options_from(self).recorded()}
 
 
 def accumulate(
@@ -192,6 +196,8 @@ def accumulate(
     skip_nonfinite: bool = False,
     skip_damaged: bool = False,
     skip: Sequence[str | Path] = (),
+    state_key: str | None = None,
+    inert_globals: Sequence[str] = (),
     workers: int = 1,
     device: str = "cpu",
 ) -> AccumulateResult:
@@ -219,6 +225,10 @@ def accumulate(
         skip_damaged: skip a damaged checkpoint (truncated or corrupt files, refused pickles),
             recorded in the manifest, instead of refusing the run.
         skip: checkpoints to leave out (each noted), e.g. an export under other key names.
+        state_key: the state dict to read inside single-file checkpoints (``state_dict_ema``),
+            instead of the one found (see :mod:`ema_ckpt.formats.torch_file.model`).
+        inert_globals: pickled classes (``module.Name``, ``module.*``) to read as inert data
+            when single files hold objects of the training script's own.
         workers: split the work over N local processes (torch.distributed; under torchrun the
             group comes from the environment instead).
         device: ``cpu`` or ``cuda``: where the arithmetic runs.
@@ -238,7 +248,8 @@ def accumulate(
         gammas=tuple(gammas), snapshot_every=snapshot_every, dtype=dtype, include=tuple(include),
         exclude=tuple(exclude), step_regex=step_regex, restart=restart, allow_new_keys=allow_new_keys,
         skip_nonfinite=skip_nonfinite, skip_damaged=skip_damaged, skip=tuple(Path(p) for p in skip),
-        dry_run=dry_run, wait_seconds=wait_seconds, workers=workers, device=device,
+        state_key=state_key, inert_globals=tuple(inert_globals), dry_run=dry_run, wait_seconds=wait_seconds,
+        workers=workers, device=device,
     )
     return run_job(AccumulateJob(options), on_progress=on_progress)
 

@@ -26,6 +26,7 @@ from ..discovery import checkpoint_paths
 from ..dtypes import ACCUMULATE_DTYPES, torch_dtype
 from ..engine import OutputSpec, Update, check_device
 from ..errors import Note, OptionError, UsageError
+from ..formats.options import read_options_from
 from ..fs import files_on_disk, output_path
 from ..jobs import Job, JobContext, Target, WrittenOutputs, recorded_options, run_job
 from ..manifest import FoldedCheckpoint, Manifest, fingerprint
@@ -58,6 +59,8 @@ class PosthocOptions:
     keep_prefix: bool = False
     include: tuple[str, ...] = ()
     exclude: tuple[str, ...] = ()
+    state_key: str | None = None
+    inert_globals: tuple[str, ...] = field(default=(), metadata=_RUNTIME)
     dry_run: bool = field(default=False, metadata=_RUNTIME)
     overwrite: bool = field(default=False, metadata=_RUNTIME)
     wait_seconds: float = field(default=0.0, metadata=_RUNTIME)
@@ -90,6 +93,8 @@ class AverageOptions:
     keep_prefix: bool = False
     include: tuple[str, ...] = ()
     exclude: tuple[str, ...] = ()
+    state_key: str | None = None
+    inert_globals: tuple[str, ...] = field(default=(), metadata=_RUNTIME)
     dry_run: bool = field(default=False, metadata=_RUNTIME)
     overwrite: bool = field(default=False, metadata=_RUNTIME)
     wait_seconds: float = field(default=0.0, metadata=_RUNTIME)
@@ -109,6 +114,7 @@ class AverageOptions:
 
 def _check_run_fields(options: PosthocOptions | AverageOptions) -> None:
     set_ = object.__setattr__
+    set_(options, "inert_globals", read_options_from(options).inert_globals)
     set_(options, "checkpoints", tuple(checkpoint_paths(options.checkpoints)))
     if options.format is not None and options.format not in SUM_FORMATS:
         raise OptionError("format", f"must be one of {', '.join(SUM_FORMATS)}, got {options.format!r}",
@@ -328,7 +334,8 @@ def posthoc(
             newest checkpoint), ``step_regex``, ``skip``, ``dtype``, ``format`` (``dcp`` or
             ``safetensors``; default: safetensors for safetensors inputs, else dcp), ``keep_prefix``
             (safetensors: keep the ``model.`` of a DCP ``{"model": …}`` save), ``include``,
-            ``exclude``, ``overwrite``, ``wait_seconds``, ``workers``, ``device``.
+            ``exclude``, ``state_key`` and ``inert_globals`` (single-file checkpoints: as for
+            :func:`~ema_ckpt.accumulate`), ``overwrite``, ``wait_seconds``, ``workers``, ``device``.
 
     Example:
         >>> plan = posthoc("ckpts", out="posthoc", sigma_rels=["0.05", "0.1"], dry_run=True)  # doctest: +SKIP

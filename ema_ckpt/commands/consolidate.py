@@ -23,6 +23,7 @@ from typing import Any
 from ..dtypes import OUTPUT_DTYPES, is_float
 from ..engine import OutputSpec, Update
 from ..errors import Note, OptionError, UsageError
+from ..formats.options import read_options_from
 from ..fs import check_not_overlapping, files_on_disk, output_path
 from ..jobs import Job, JobContext, Target, run_job
 from ..progress import Progress
@@ -71,6 +72,8 @@ class ConsolidateOptions:
     keep_prefix: bool = False
     include: tuple[str, ...] = ()
     exclude: tuple[str, ...] = ()
+    state_key: str | None = None
+    inert_globals: tuple[str, ...] = field(default=(), metadata=_RUNTIME)
     overwrite: bool = field(default=False, metadata=_RUNTIME)
     wait_seconds: float = field(default=0.0, metadata=_RUNTIME)
     workers: int = field(default=1, metadata=_RUNTIME)
@@ -78,6 +81,7 @@ class ConsolidateOptions:
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
+        set_(self, "inert_globals", read_options_from(self).inert_globals)
         set_(self, "src", as_path(self.src))
         directory = ends_in_separator(self.out)  # before the Path drops the trailing "/"
         set_(self, "out", output_path(self.out))
@@ -125,6 +129,8 @@ def consolidate(
     keep_prefix: bool = False,
     include: Sequence[str] = (),
     exclude: Sequence[str] = (),
+    state_key: str | None = None,
+    inert_globals: Sequence[str] = (),
     overwrite: bool = False,
     wait_seconds: float = 0.0,
     workers: int = 1,
@@ -143,6 +149,7 @@ def consolidate(
         dtype: cast floating tensors to ``bfloat16``/``float16``/``float32``/``float64``.
         keep_prefix: keep the ``model.`` prefix of a DCP ``{"model": …}`` checkpoint.
         include, exclude: glob patterns on the source keys.
+        state_key, inert_globals: for a single-file source, as for :func:`~ema_ckpt.accumulate`.
         overwrite: replace an existing output.
         workers: write the shards of a directory output in N processes (a single-file
             output is written by one of them).
@@ -155,7 +162,8 @@ def consolidate(
         format = choose_output_format(out).name
     options = ConsolidateOptions(as_path(src), output_location(out), format=format, max_shard_size=max_shard_size,
                                  dtype=dtype, keep_prefix=keep_prefix, include=tuple(include), exclude=tuple(exclude),
-                                 overwrite=overwrite, wait_seconds=wait_seconds, workers=workers)
+                                 state_key=state_key, inert_globals=tuple(inert_globals), overwrite=overwrite,
+                                 wait_seconds=wait_seconds, workers=workers)
     return run_job(ConsolidateJob(options), on_progress=on_progress)
 
 

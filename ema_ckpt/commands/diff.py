@@ -33,6 +33,7 @@ import torch
 from ..dist import Workers
 from ..formats import open_checkpoint
 from ..formats.base import CheckpointReader
+from ..formats.options import ReadOptions
 from ..layout import TensorSpec, row_blocks
 from ..progress import Progress
 from ..reading import Piece, Tally, run_reading, share_out
@@ -209,6 +210,8 @@ def diff(
     include: Sequence[str] = (),
     exclude: Sequence[str] = (),
     block_bytes: int = BLOCK_BYTES,
+    state_key: str | None = None,
+    inert_globals: Sequence[str] = (),
     workers: int = 1,
     on_progress: Callable[[Progress], None] | None = None,
 ) -> DiffResult:
@@ -219,6 +222,8 @@ def diff(
         include, exclude: glob patterns; a pair is kept when either side's name matches
             an ``include`` pattern (or there are none) and neither matches an ``exclude``.
         block_bytes: memory bound per side for one block of rows, widened to 64 bits.
+        state_key, inert_globals: for single-file checkpoints, as for :func:`~ema_ckpt.accumulate`
+            (on both sides).
         workers: compare the keys in N processes (keys shared out by bytes; each key is
             compared by one worker, so the result is the same for any N).
         on_progress: called after each key this process compared (with workers, this
@@ -233,7 +238,8 @@ def diff(
         CheckpointNotFoundError, CheckpointFormatError: a path holds no readable checkpoint.
     """
     result: DiffResult = run_reading(workers, _diff, as_path(a), as_path(b), tuple(include), tuple(exclude),
-                                     block_bytes, on_progress=on_progress)
+                                     block_bytes, on_progress=on_progress,
+                                     read=ReadOptions(state_key, tuple(inert_globals)))
     return result
 
 

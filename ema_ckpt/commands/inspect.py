@@ -11,15 +11,17 @@ from __future__ import annotations
 import contextlib
 import math
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..discovery import step_record
+from ..discovery import Entry, discover, holds_checkpoints, step_record
 from ..dtypes import itemsize
-from ..formats import locate_model, open_checkpoint
+from ..formats import detect_format, locate_model, open_checkpoint
 from ..formats.base import formats_for
-from ..manifest import Manifest
+from ..formats.options import ReadOptions, reading
+from ..manifest import MANIFEST_NAME, Manifest
 from ..maths import profile_from_dict
 from ..remote import as_path
 from ..selection import container_prefix, select_keys
@@ -80,10 +82,61 @@ class InspectResult:
         }
 
 
-def inspect_checkpoint(path: str | Path) -> InspectResult:
+@dataclass(slots=True)
+class FolderInspection:
+    """What :func:`inspect_folder` found: each entry of a folder of checkpoints, taken or left, and why."""
+
+    path: Path
+    entries: list[Entry]
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def taken(self) -> list[Entry]:
+        return [e for e in self.entries if e.taken]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "path": str(self.path),
+            "checkpoints": len(self.taken),
+            "entries": [{"path": str(e.path), "taken": e.taken, "why": e.why, "step": e.step,
+                         "format": e.format_name} for e in self.entries],
+            "notes": self.notes,
+        }
+
+
+def is_folder_of_checkpoints(path: str | Path) -> bool:
+    """``path`` is a folder of checkpoints (to list), not a checkpoint itself (to describe)."""
+    path = as_path(path)
+    if not path.is_dir() or (path / MANIFEST_NAME).exists():
+        return False
+    return detect_format(path) is None or holds_checkpoints(path)
+
+
+def inspect_folder(path: str | Path, *, step_regex: str | None = None, state_key: str | None = None,
+                   inert_globals: Sequence[str] = ()) -> FolderInspection:
+    """Every entry of a folder of checkpoints, and why each was taken (with its step) or left.
+
+    The same scan the averaging commands make; no tensor is read (only two copies of one
+    step are compared).
+
+    Example:
+        >>> [(e.path.name, e.taken) for e in inspect_folder("ckpts").entries]   # doctest: +SKIP
+        [('epoch=0-step=2.ckpt', True), ('last.ckpt', False)]
+    """
+    path = as_path(path)
+    with reading(ReadOptions(state_key, tuple(inert_globals))):
+        found = discover([path], step_regex=step_regex, require=False)
+    entries = sorted(found.entries, key=lambda e: str(e.path))
+    notes = [n for n in found.notes if not any(str(n).startswith(f"skipped {e.path}:") for e in entries)]
+    return FolderInspection(path, entries, notes)
+
+
+def inspect_checkpoint(path: str | Path, *, state_key: str | None = None,
+                       inert_globals: Sequence[str] = ()) -> InspectResult:
     """Describe the checkpoint at ``path``: format, step, keys, dtypes, bytes, layout.
 
-    Metadata only: no tensor is read.
+    Metadata only: no tensor is read. ``state_key``, ``inert_globals``: for a single-file
+    checkpoint, as for :func:`~ema_ckpt.accumulate` (what it shows is what they read).
 
     Example:
         >>> info = inspect_checkpoint("ckpts/step_1000")        # doctest: +SKIP
@@ -92,7 +145,7 @@ def inspect_checkpoint(path: str | Path) -> InspectResult:
     """
     path = as_path(path)
     location = locate_model(path)
-    with contextlib.closing(open_checkpoint(path)) as reader:
+    with reading(ReadOptions(state_key, tuple(inert_globals))), contextlib.closing(open_checkpoint(path)) as reader:
         tensors = [  # from the stored shapes and dtype names: for most formats, without importing torch
             TensorInfo(k, shape, dtype, math.prod(shape) * itemsize(dtype), len(reader.layout(k)))
             for k, (shape, dtype) in reader.stored().items()

@@ -18,6 +18,7 @@ from typing import Any
 from ..dtypes import OUTPUT_DTYPES, is_float
 from ..engine import OutputSpec, Update
 from ..errors import Note, OptionError, UsageError
+from ..formats.options import read_options_from
 from ..fs import check_not_overlapping, files_on_disk, output_path
 from ..jobs import Job, JobContext, Target, run_job
 from ..manifest import MANIFEST_NAME, Manifest
@@ -40,12 +41,15 @@ class ReshardOptions:
     include: tuple[str, ...] = ()
     exclude: tuple[str, ...] = ()
     all_keys: bool = False
+    state_key: str | None = None
+    inert_globals: tuple[str, ...] = field(default=(), metadata=_RUNTIME)
     overwrite: bool = field(default=False, metadata=_RUNTIME)
     wait_seconds: float = field(default=0.0, metadata=_RUNTIME)
     workers: int = field(default=1, metadata=_RUNTIME)
     device: str = field(default="cpu", metadata=_RUNTIME)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "inert_globals", read_options_from(self).inert_globals)
         object.__setattr__(self, "src", as_path(self.src))
         check_directory_output(self.out)
         object.__setattr__(self, "out", output_path(self.out))
@@ -82,6 +86,8 @@ def reshard(
     include: Sequence[str] = (),
     exclude: Sequence[str] = (),
     all_keys: bool = False,
+    state_key: str | None = None,
+    inert_globals: Sequence[str] = (),
     overwrite: bool = False,
     wait_seconds: float = 0.0,
     workers: int = 1,
@@ -90,14 +96,16 @@ def reshard(
     """Write ``src`` as a DCP checkpoint sharded on dim 0 for ``world_size`` ranks.
 
     Keys are kept as they are (``model.…`` stays ``model.…``). ``all_keys`` also carries
-    non-model tensors (optimizer state) instead of the model part only.
+    non-model tensors (optimizer state) instead of the model part only. ``state_key`` and
+    ``inert_globals``: for a single-file source, as for :func:`~ema_ckpt.accumulate`.
 
     Example:
         >>> reshard("ckpts/ema", world_size=8, out="ema-8").files[:1]   # doctest: +SKIP
         [('__0_0.distcp', 1048576)]
     """
     options = ReshardOptions(as_path(src), output_location(out), world_size, dtype=dtype, include=tuple(include),
-                             exclude=tuple(exclude), all_keys=all_keys, overwrite=overwrite,
+                             exclude=tuple(exclude), all_keys=all_keys, state_key=state_key,
+                             inert_globals=tuple(inert_globals), overwrite=overwrite,
                              wait_seconds=wait_seconds, workers=workers)
     return run_job(ReshardJob(options), on_progress=on_progress)
 

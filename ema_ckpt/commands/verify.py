@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import zipfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,6 +32,7 @@ from ..dist import Workers
 from ..errors import CheckpointError, CheckpointNotFoundError, EmaCkptError
 from ..formats import open_checkpoint
 from ..formats.base import CheckpointReader
+from ..formats.options import ReadOptions
 from ..fs import HASH_BLOCK_BYTES, size_and_crc32
 from ..layout import TensorSpec, split_rows
 from ..manifest import MANIFEST_NAME, Manifest
@@ -127,6 +128,8 @@ def verify(
     *,
     hash_block_bytes: int = HASH_BLOCK_BYTES,
     read_block_bytes: int = READ_BLOCK_BYTES,
+    state_key: str | None = None,
+    inert_globals: Sequence[str] = (),
     workers: int = 1,
     on_progress: Callable[[Progress], None] | None = None,
 ) -> VerifyResult:
@@ -135,6 +138,7 @@ def verify(
     ``workers``: share the files to hash, the keys to read and the records to check among N
     processes (by bytes); the result is the same for any N. ``on_progress`` is called as
     this process's share is read (bytes hashed and read; regions count checks).
+    ``state_key``, ``inert_globals``: for a single-file checkpoint, as for :func:`~ema_ckpt.accumulate`.
 
     Example:
         >>> result = verify("ckpts/ema")                     # doctest: +SKIP
@@ -146,7 +150,7 @@ def verify(
             checkpoint of any known format.
     """
     result: VerifyResult = run_reading(workers, _verify, as_path(path), hash_block_bytes, read_block_bytes,
-                                       on_progress=on_progress)
+                                       on_progress=on_progress, read=ReadOptions(state_key, tuple(inert_globals)))
     return result
 
 

@@ -224,6 +224,9 @@ class CheckpointFormat:
     step_label: str | None = None
     """How ``inspect`` names the record the step comes from (``DeepSpeed global_steps``)."""
     step_of: Callable[[Path], int | None] = _no_step
+    step_record: Callable[[Path], tuple[int, str] | None] | None = None
+    """The step and where it was read (``global_step in the file``), where it depends on the
+    checkpoint; else ``step_of`` with :attr:`step_label`."""
     reopen: Callable[[Path, Any], CheckpointReader] | None = None
     remote: bool = False
     """Its reader reads from object storage too (a :class:`~ema_ckpt.remote.RemotePath`)."""

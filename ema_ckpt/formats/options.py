@@ -1,0 +1,72 @@
+"""How checkpoints are read during one command: which state dict of a file, which pickled classes.
+
+A command sets these once for its whole run (:func:`reading`); every reader it opens, in this
+process or in its spawned workers (the job carries them), reads with them. Formats that
+have nothing to choose ignore them.
+
+Example:
+    >>> with reading(ReadOptions(state_key="state_dict_ema")):
+    ...     read_options().state_key
+    'state_dict_ema'
+    >>> read_options().state_key is None
+    True
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from ..errors import OptionError
+
+
+@dataclass(frozen=True, slots=True)
+class ReadOptions:
+    """``state_key``: the state dict to read inside a single-file checkpoint (``state_dict_ema``);
+    ``inert_globals``: pickled classes (``module.Name`` or ``module.*``) to read as inert data."""
+
+    state_key: str | None = None
+    inert_globals: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "inert_globals", tuple(self.inert_globals))
+        for pattern in self.inert_globals:
+            if "." not in pattern.strip("*.") or any(c.isspace() for c in pattern):
+                raise OptionError("inert_globals", f"{pattern!r} is not a module.Name (or module.*) pattern",
+                                  value=pattern)
+        if self.state_key is not None and not self.state_key.strip("./"):
+            raise OptionError("state_key", "must name a key of the file, e.g. state_dict_ema", value=self.state_key)
+
+    def recorded(self) -> dict[str, object]:
+        """What an output's manifest records of these (the choice shapes the result)."""
+        return {"state_key": self.state_key} if self.state_key is not None else {}
+
+
+def read_options_from(settings: object) -> ReadOptions:
+    """The options a command's settings carry (its ``state_key`` and ``inert_globals``, if any), checked."""
+    return ReadOptions(getattr(settings, "state_key", None), tuple(getattr(settings, "inert_globals", ())))
+
+
+_current = ReadOptions()
+
+
+def read_options() -> ReadOptions:
+    """The options readers opened now use."""
+    return _current
+
+
+@contextlib.contextmanager
+def reading(options: ReadOptions | None) -> Iterator[None]:
+    """Read with ``options`` inside the block (None: as they are); restored after."""
+    global _current
+    previous = _current
+    if options is not None:
+        _current = options
+    try:
+        yield
+    finally:
+        _current = previous
+
+
+__all__ = ["ReadOptions", "read_options", "read_options_from", "reading"]

@@ -1,0 +1,70 @@
+"""``torch.save`` checkpoints: single files (:mod:`.reader`) and trainer folders of them (:mod:`.folders`).
+
+One registered format, ``torch``. A file is one when its name ends in a checkpoint suffix
+(``.pt .pth .bin .ckpt .pth.tar .tar``) and it is a complete ``torch.save`` zip or a legacy
+``torch.save`` file; a zip without its end record is still being written (skipped by
+discovery, noted). A folder is one when it holds a well-known weights file or an index of
+``.bin`` shards. Which state dict inside a file is the model: :mod:`.model`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..base import CheckpointFormat, CheckpointReader, register_format
+from .folders import TorchFolderReader, is_weights_folder, missing_files
+from .model import step_in_tree
+from .reader import SUFFIXES, TorchFileReader, file_facts, has_torch_suffix, step_record_of
+
+_STEP_LABELS = {"global_step": "global_step in the file", "iter_num": "iter_num in the file"}
+
+
+def _detect(path: Path) -> bool:
+    if path.is_dir():
+        return is_weights_folder(path)
+    if not (has_torch_suffix(path) and path.is_file()):
+        return False
+    facts = file_facts(path)
+    return facts.kind in ("zip", "legacy") and facts.holds_model
+
+
+def _incomplete(path: Path) -> str | None:
+    if path.is_dir():
+        return missing_files(path)
+    if has_torch_suffix(path) and path.is_file() and file_facts(path).kind == "partial-zip":
+        return "still being written (no zip directory at its end yet)"
+    return None
+
+
+def _open(path: Path) -> CheckpointReader:
+    return TorchFolderReader(path) if path.is_dir() else TorchFileReader(path)
+
+
+def _step_record(path: Path) -> tuple[int, str] | None:
+    """The step a single file records and the entry it came from (folders: none here)."""
+    if path.is_dir():
+        return None
+    record = step_record_of(path)
+    if record is None:
+        return None
+    step, entry = record
+    return step, _STEP_LABELS.get(entry, f"{entry} in the file")
+
+
+def _step_of(path: Path) -> int | None:
+    record = _step_record(path)
+    return record[0] if record is not None else TorchFolderReader.step_of(path) if path.is_dir() else None
+
+
+FORMAT = register_format(CheckpointFormat("torch", detect=_detect, open=_open, incomplete=_incomplete,
+                                          records_step=True, step_of=_step_of, step_record=_step_record))
+
+__all__ = [
+    "FORMAT",
+    "SUFFIXES",
+    "TorchFileReader",
+    "TorchFolderReader",
+    "file_facts",
+    "has_torch_suffix",
+    "step_in_tree",
+]

@@ -1,0 +1,403 @@
+"""One ``torch.save`` file (``.pt``, ``.pth``, ``.bin``, ``.ckpt``, ``.pth.tar``): the model inside,
+read without running anything from the file.
+
+What most training code writes: Lightning's ``epoch=3-step=1000.ckpt``, research code's
+``checkpoint-12.pth`` (``{"model": …, "optimizer": …, "epoch": …, "args": Namespace}``), timm's
+``checkpoint-12.pth.tar``, ``pytorch_model.bin``. Both of torch's layouts are read: the zip
+(``data.pkl`` plus one member per storage) and the legacy format of torch < 1.6. The pickle
+is read whole as inert data (:mod:`ema_ckpt.torch_records.tree`): globals of common inert
+kinds pass, any other is refused naming the global and its key, unless the caller lists it
+(``inert_globals``). The model is one state dict in it (:mod:`.model`): the obvious one, or
+the one ``state_key`` names; keys are the model's own names. Tensors are read straight from
+their storages with ``pread``, box by box. Keys that share a storage (tied weights) each
+read their own view of it.
+
+Example:
+    >>> with TorchFileReader("epoch=3-step=1000.ckpt") as reader:    # doctest: +SKIP
+    ...     reader.info()["container"], reader.read("model.0.weight", Box((0, 0), (2, 6))).shape
+    ('state_dict', torch.Size([2, 6]))
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import zipfile
+from collections import Counter, OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..._lazy import torch
+from ...dtypes import itemsize, torch_dtype
+from ...errors import CheckpointFormatError, Note
+from ...layout import Box, TensorSpec
+from ...torch_records import TensorRecord, member_start, pread_into
+from ...torch_records.legacy import is_legacy, legacy_storage_starts, read_legacy_head
+from ...torch_records.tree import Opaque, PickledTree, check_harmless, key_path, load_tree
+from ...torch_records.zipfmt import END_MAGIC
+from ..base import CheckpointReader, deliver
+from ..options import ReadOptions, read_options
+from .model import Candidate, candidates, choose, epoch_in_tree, step_in_tree, wrapper_prefix
+
+SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".tar")
+"""File suffixes of single-file checkpoints (``.pth.tar`` ends in ``.tar``)."""
+_ZIP_MAGIC = b"PK\x03\x04"
+_MAX_PICKLE_BYTES = 64 << 20  # pickled records of a few million keys
+_MAX_REPEATED_BYTES = 64 << 20  # an expanded (stride-0) view may be at most this large
+_TAIL = 65536 + 22  # a zip's end record lies within its last 64 KiB + 22 bytes
+
+
+def has_torch_suffix(path: Path) -> bool:
+    return path.name.lower().endswith(SUFFIXES)
+
+
+def file_kind(path: Path) -> str | None:
+    """``"zip"``, ``"legacy"``, ``"partial-zip"`` (no end record yet: still being written) or None."""
+    try:
+        with path.open("rb") as handle:
+            head = handle.read(4096)
+            if head.startswith(_ZIP_MAGIC):
+                size = os.fstat(handle.fileno()).st_size
+                handle.seek(max(0, size - _TAIL))
+                return "zip" if END_MAGIC in handle.read() else "partial-zip"
+    except OSError:
+        return None
+    return "legacy" if is_legacy(head) else None
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedFile:
+    """What opening a file parsed: its pickle as inert data, and where each storage's data starts."""
+
+    kind: str
+    tree: PickledTree
+    starts: dict[str, int]
+    """{storage key: absolute offset of its first data byte}."""
+    stored_bytes: dict[str, int]
+    """{storage key: bytes stored for it}."""
+    size: int
+
+
+def parse_file(fd: int, size: int, path: Path) -> ParsedFile:
+    """The pickle and storage places of an open ``torch.save`` file (zip or legacy).
+
+    Raises:
+        CheckpointFormatError: not a torch.save file, truncated, compressed storages, …
+    """
+    head = os.pread(fd, 4096, 0)
+    if head.startswith(_ZIP_MAGIC):
+        return _parse_zip(fd, size, path)
+    if is_legacy(head):
+        object_pickle, keys, pos = read_legacy_head(fd, size, str(path))
+        tree = load_tree(object_pickle, str(path))
+        sizes = {k: itemsize(r.dtype) if r.dtype != "untyped" else 1 for k, r in tree.storages.items()}
+        found = legacy_storage_starts(fd, size, keys, pos, sizes, str(path))
+        return ParsedFile("legacy", tree, {k: start for k, (start, _) in found.items()},
+                          {k: numel * sizes[k] for k, (_, numel) in found.items()}, size)
+    raise CheckpointFormatError(path, "not a torch.save file (neither a zip nor torch's legacy format)")
+
+
+def _parse_zip(fd: int, size: int, path: Path) -> ParsedFile:
+    try:
+        with open(os.dup(fd), "rb") as handle, zipfile.ZipFile(handle) as archive:
+            infos = archive.infolist()
+            pkl = next((i for i in infos if i.filename.endswith("/data.pkl") or i.filename == "data.pkl"), None)
+            if pkl is None:
+                raise CheckpointFormatError(path, "no data.pkl: not a torch.save file")
+            if pkl.file_size > _MAX_PICKLE_BYTES:
+                raise CheckpointFormatError(path, f"data.pkl of {pkl.file_size} bytes is too large")
+            data = archive.read(pkl)
+    except (zipfile.BadZipFile, OSError, EOFError) as err:
+        raise CheckpointFormatError(path, f"not a readable torch.save zip ({err})") from None
+    tree = load_tree(data, str(path))
+    prefix = pkl.filename[: -len("data.pkl")]
+    members = {i.filename: i for i in infos}
+    starts: dict[str, int] = {}
+    stored: dict[str, int] = {}
+    for key in tree.storages:
+        member = members.get(prefix + "data/" + key)
+        if member is None:
+            continue  # named by a part of the file that is not read; a tensor read from it is refused
+        if member.compress_type != zipfile.ZIP_STORED:
+            raise CheckpointFormatError(path, f"storage {key}: compressed storage is not supported")
+        start = member_start(fd, 0, size, member.header_offset)
+        if start is None:
+            raise CheckpointFormatError(path, f"corrupt zip header of {member.filename}")
+        starts[key], stored[key] = start, member.file_size
+    return ParsedFile("zip", tree, starts, stored, size)
+
+
+@dataclass(frozen=True, slots=True)
+class _Stored:
+    record: TensorRecord
+    data_offset: int  # absolute offset of the storage's first byte in the file
+    name: str  # the key inside the chosen state dict, as stored (wrapper prefix included)
+
+
+def _is_tensor(value: Any) -> bool:
+    return isinstance(value, TensorRecord) or (
+        isinstance(value, Opaque) and value.global_name.startswith(("torch._utils._rebuild", "torch._tensor._rebuild")))
+
+
+def _nbytes(value: Any) -> int:
+    return math.prod(value.size) * itemsize(value.dtype) if isinstance(value, TensorRecord) else 0
+
+
+def find_model(tree: PickledTree, path: Path, state_key: str | None) -> tuple[Candidate, list[Candidate]]:
+    """(the chosen state dict, the others offered) of a file (see :mod:`.model`).
+
+    Raises:
+        CheckpointFormatError: no dict of tensors, or none at ``state_key``.
+    """
+    found = candidates(tree.root, is_tensor=_is_tensor, nbytes=_nbytes)
+    every = candidates(tree.root, is_tensor=_is_tensor, nbytes=_nbytes, everywhere=True) if state_key else []
+    chosen = choose(found, state_key, every)
+    if chosen is None and state_key is not None:
+        offered = ", ".join(repr(c.name or "(the top level)") for c in (found or every)[:6]) or "none"
+        raise CheckpointFormatError(path, Note(f"holds no state dict at {{state_key={state_key}}} (dicts of "
+                                               f"tensors in the file: {offered})", mentions=("state_key",)))
+    if chosen is None:
+        raise CheckpointFormatError(path, "holds no model weights (no dict of tensors outside optimizer, "
+                                          "scheduler, loop and callback state)")
+    return chosen, [c for c in found if c is not chosen]
+
+
+def _dtype(path: Path, key: str, name: str) -> torch.dtype:
+    try:
+        return torch_dtype(name)
+    except (KeyError, AttributeError, TypeError, ValueError):
+        raise CheckpointFormatError(path, f"key {key!r}: dtype {name} is not supported") from None
+
+
+class TorchFileReader(CheckpointReader):
+    """Reader for one ``torch.save`` file (see the module docstring).
+
+    ``options``: which state dict and which pickled classes (default: the command's,
+    :func:`~ema_ckpt.formats.options.read_options`).
+    """
+
+    format_name = "torch"
+    whole_file_records = True
+
+    def __init__(self, path: str | Path, options: ReadOptions | None = None) -> None:
+        self.path = Path(path)
+        options = options if options is not None else read_options()
+        try:
+            self._fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as err:
+            raise CheckpointFormatError(self.path, f"cannot read ({err.strerror})") from None
+        try:
+            self._size = os.fstat(self._fd).st_size
+            parsed = parse_file(self._fd, self._size, self.path)
+            check_harmless(parsed.tree, str(self.path), options.inert_globals)
+            self.chosen, self.others = find_model(parsed.tree, self.path, options.state_key)
+            self.wrapper = wrapper_prefix(list(self.chosen.tensors))
+            self._kind = parsed.kind
+            self._top = parsed.tree.root
+            record = step_in_tree(parsed.tree.root)
+            self.step: int | None = record[0] if record is not None else None
+            self._tensors = self._index(parsed)
+            self._specs = {key: TensorSpec(key, t.record.size, _dtype(self.path, key, t.record.dtype))
+                           for key, t in self._tensors.items()}
+        except BaseException:
+            os.close(self._fd)
+            raise
+
+    def _index(self, parsed: ParsedFile) -> dict[str, _Stored]:
+        cut = len(self.wrapper or "")
+        tensors: dict[str, _Stored] = {}
+        where = self.chosen.path
+        for name, value in self.chosen.tensors.items():
+            key = name[cut:]
+            shown = key_path((*where, name))
+            if not isinstance(value, TensorRecord):
+                raise CheckpointFormatError(self.path, f"key {shown!r}: {value.global_name} tensors are not supported")
+            record = value
+            start = parsed.starts.get(record.storage_key)
+            if start is None:
+                raise CheckpointFormatError(self.path, f"key {shown!r}: storage {record.storage_key} is missing")
+            nbytes = record.storage_numel * itemsize(record.dtype)
+            if parsed.stored_bytes[record.storage_key] != nbytes:
+                raise CheckpointFormatError(
+                    self.path, f"key {shown!r}: storage holds {parsed.stored_bytes[record.storage_key]} bytes, "
+                               f"its tensor needs {nbytes}")
+            if start + nbytes > self._size:
+                raise CheckpointFormatError(self.path, f"truncated: key {shown!r} ends past the end of the file")
+            if record.storage_offset < 0 or record.storage_offset + _span(record) > record.storage_numel:
+                raise CheckpointFormatError(self.path, f"key {shown!r}: view outside its storage")
+            numel = math.prod(record.size)
+            if numel > record.storage_numel and numel * itemsize(record.dtype) > _MAX_REPEATED_BYTES:
+                # a stride-0 view of a few bytes claiming terabytes: refused, not expanded
+                raise CheckpointFormatError(
+                    self.path, f"key {shown!r}: a {list(record.size)} view of {record.storage_numel} stored elements")
+            if key in tensors:
+                raise CheckpointFormatError(self.path, f"key {key!r} appears twice once nested dicts are joined")
+            tensors[key] = _Stored(record, start, name)
+        return tensors
+
+    def specs(self) -> Mapping[str, TensorSpec]:
+        return self._specs
+
+    def layout(self, key: str) -> Sequence[Box]:
+        spec = self._specs[key]
+        return [Box.full(spec.shape)] if spec.numel else []
+
+    def read(self, key: str, box: Box, out: torch.Tensor | None = None) -> torch.Tensor:
+        return deliver(key, box, self._read(key, box), out)
+
+    def _read(self, key: str, box: Box) -> torch.Tensor:
+        stored = self._tensors[key]
+        record, spec = stored.record, self._specs[key]
+        size = itemsize(record.dtype)
+        if record.is_contiguous and box.sizes and box.sizes[1:] == spec.shape[1:]:
+            row = math.prod(spec.shape[1:])
+            out = torch.empty(box.sizes, dtype=spec.dtype)
+            start = stored.data_offset + (record.storage_offset + box.offsets[0] * row) * size
+            self._pread_into(out, start)
+            return out
+        # Any other view: read the storage span the box reaches, from its first element to its last.
+        first = record.storage_offset + sum(o * st for o, st in zip(box.offsets, record.stride, strict=True))
+        reach = 1 + sum((n - 1) * st for n, st in zip(box.sizes, record.stride, strict=True)) if box.numel else 0
+        flat = torch.empty(reach, dtype=spec.dtype)
+        if reach:
+            self._pread_into(flat, stored.data_offset + first * size)
+        return torch.as_strided(flat, box.sizes, record.stride).clone() if box.numel else flat.reshape(box.sizes)
+
+    def _pread_into(self, out: torch.Tensor, offset: int) -> None:
+        view = memoryview(out.reshape(-1).view(torch.uint8).numpy())
+        if not pread_into(self._fd, view, offset):
+            raise CheckpointFormatError(self.path, f"truncated: expected {len(view)} bytes at offset {offset}")
+
+    @classmethod
+    def step_of(cls, path: Path) -> int | None:
+        """The step the file records (``global_step``, ``iter_num``, …), reading its pickle only."""
+        record = step_record_of(path)
+        return record[0] if record is not None else None
+
+    def stored_records(self) -> Sequence[tuple[str, int, int]]:
+        """The file itself: one ``torch.save`` zip (a legacy file has no CRC-32s to check)."""
+        return [("", 0, self._size)] if self._kind == "zip" else []
+
+    def info(self) -> dict[str, Any]:
+        storages = Counter(t.record.storage_key for t in self._tensors.values())
+        return {
+            "file": self.path.name,
+            "serialization": "zip" if self._kind == "zip" else "legacy (torch < 1.6)",
+            "container": self.chosen.name or None,
+            "other_state_dicts": [c.name or "(the top level)" for c in self.others],
+            "wrapper_prefix": self.wrapper,
+            "left_out": sorted(k for k in self.chosen.extras)[:20],
+            "tree": describe_top_level(self._top, self.chosen),
+            "storages": len(storages),
+            "keys_sharing_storage": sum(n for n in storages.values() if n > 1),
+            "step": self.step,
+        }
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+NOT_MODEL_FILES = re.compile(
+    r"^(optimizer|optim|scheduler|lr_scheduler|scaler|rng_state|random_states|training_args|trainer_state"
+    r"|args|hparams|config)([_.-]|$)", re.IGNORECASE)
+"""Files a trainer writes beside the weights (``optimizer.pt``, ``rng_state_0.pth``,
+``training_args.bin``): never a model, whatever tensors they hold."""
+
+
+@dataclass(frozen=True, slots=True)
+class FileFacts:
+    """What discovery needs of a single file, from its pickle alone (no tensor read)."""
+
+    kind: str | None
+    """``zip``, ``legacy``, ``partial-zip`` (still being written) or None (not a torch.save file)."""
+    holds_model: bool
+    """A state dict was found, or the pickle is unreadable (opening it then says why)."""
+    step: tuple[int, str] | None
+    epoch: int | None
+
+
+_FACTS: OrderedDict[tuple[str, int, int, int], FileFacts] = OrderedDict()
+_FACTS_KEPT = 512
+
+
+def file_facts(path: Path) -> FileFacts:
+    """:class:`FileFacts` of a file, parsed once per version of it (by size, mtime and inode):
+    discovery asks of every file, every run, several times."""
+    try:
+        stat = path.stat()
+    except OSError:
+        return FileFacts(None, False, None, None)
+    key = (str(path), stat.st_size, stat.st_mtime_ns, stat.st_ino)
+    facts = _FACTS.get(key)
+    if facts is None:
+        facts = _FACTS[key] = _read_facts(path)
+        while len(_FACTS) > _FACTS_KEPT:
+            _FACTS.popitem(last=False)
+    return facts
+
+
+def _read_facts(path: Path) -> FileFacts:
+    kind = file_kind(path)
+    if kind not in ("zip", "legacy"):
+        return FileFacts(kind, False, None, None)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return FileFacts(kind, True, None, None)
+    try:
+        root = parse_file(fd, os.fstat(fd).st_size, path).tree.root
+    except CheckpointFormatError:
+        return FileFacts(kind, True, None, None)
+    finally:
+        os.close(fd)
+    holds = bool(candidates(root, is_tensor=_is_tensor)) and not NOT_MODEL_FILES.match(path.name)
+    return FileFacts(kind, holds, step_in_tree(root), epoch_in_tree(root))
+
+
+def step_record_of(path: Path) -> tuple[int, str] | None:
+    """(step, the entry it came from) that a file records at its top level, or None; reads
+    the pickle only (an unreadable file has none: opening it says why)."""
+    return file_facts(path).step
+
+
+def _what(value: Any) -> str:
+    if isinstance(value, TensorRecord):
+        return f"tensor {list(value.size)} {value.dtype}"
+    if isinstance(value, Opaque):
+        return value.global_name
+    if isinstance(value, dict):
+        tensors = sum(isinstance(v, TensorRecord) for v in value.values())
+        return f"dict of {len(value)}" + (f" ({tensors} tensors)" if tensors else "")
+    if isinstance(value, (list, tuple)):
+        return f"{type(value).__name__} of {len(value)}"
+    if value is None or isinstance(value, (bool, int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return repr(value if len(value) <= 40 else value[:37] + "...")
+    return type(value).__name__
+
+
+def describe_top_level(root: Any, chosen: Candidate) -> list[dict[str, str]]:
+    """Each top-level entry of a file and what it holds; the chosen state dict marked."""
+    if not isinstance(root, dict) or not chosen.path:  # the file is the state dict: its keys say it all
+        return []
+    head = chosen.path[0] if chosen.path else None
+    rows = []
+    for key, value in list(root.items())[:40]:
+        role = "model" if key == head else ""
+        if role and len(chosen.path) > 1:
+            role = "model: " + chosen.name
+        rows.append({"key": str(key), "holds": _what(value), "role": role})
+    return rows
+
+
+def _span(record: TensorRecord) -> int:
+    """Elements of storage a view reaches, from its first element."""
+    if any(d == 0 for d in record.size):
+        return 0
+    return 1 + sum((d - 1) * s for d, s in zip(record.size, record.stride, strict=True))

@@ -1,0 +1,329 @@
+"""The whole pickle of a ``torch.save`` file, read as inert data: nothing from the file runs.
+
+Training code saves far more than weights in one file: optimizer and scheduler state, loop
+counters, and objects of its own (``argparse.Namespace``, OmegaConf configs, numpy arrays,
+paths, enums). :func:`load_tree` reads all of it without importing or calling anything the
+pickle names: every global becomes an :class:`Opaque` stand-in that records what the pickle
+asked for (its name, arguments, state and items) and does nothing else. Tensors become
+:class:`~ema_ckpt.torch_records.pickles.TensorRecord` s (where their bytes lie), nothing built.
+
+What the file names is then judged by :func:`check_harmless`: globals of the common, inert
+kinds (:data:`HARMLESS_GLOBALS`) pass; any other is refused with the global and the key it
+sits under, unless the caller lists it as inert data (``inert_globals``). Reading the tree
+first and judging after is what lets the message name the key.
+
+Example:
+    >>> import pickle, argparse
+    >>> tree = load_tree(pickle.dumps({"args": argparse.Namespace(lr=0.1)}), "x.pt")
+    >>> tree.root["args"].global_name, tree.root["args"].state
+    ('argparse.Namespace', {'lr': 0.1})
+    >>> check_harmless(tree, "x.pt")
+"""
+
+from __future__ import annotations
+
+import collections
+import fnmatch
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .._unpickler import InMemoryUnpickler
+from ..dtypes import TORCH_NAMES, DtypeName, canonical
+from ..errors import CheckpointFormatError, Note, UnsafePickleError
+from .pickles import _STORAGE_DTYPES, _UNTYPED, TensorRecord, _rebuild_record, _rebuild_record_v3, _size
+
+
+class Opaque(dict):  # type: ignore[type-arg]
+    """A pickled object (or a call the pickle asked for) kept as inert data.
+
+    A dict subclass so the pickle's ``SETITEMS`` land in it, with ``append``/``extend`` for
+    its ``APPENDS``; every stand-in class of one load derives from it, named by
+    :attr:`global_name`. Calling one, or its ``__new__``, records the arguments (:attr:`args`);
+    ``BUILD`` records the state (:attr:`state`), ``APPENDS`` the items (:attr:`appended`).
+    Nothing else happens.
+    """
+
+    global_name = "builtins.object"
+    args: tuple[Any, ...]
+    state: Any
+    appended: list[Any]
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Opaque:
+        self = dict.__new__(cls)
+        self.args, self.state, self.appended = args + tuple(kwargs.items()), None, []
+        return self
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:  # the dict's own init would read args
+        pass
+
+    def __setstate__(self, state: Any) -> None:
+        self.state = state
+
+    def append(self, value: Any) -> None:
+        self.appended.append(value)
+
+    def extend(self, values: Any) -> None:
+        self.appended.extend(values)
+
+    def __repr__(self) -> str:
+        return f"<{self.global_name}>"
+
+    def __hash__(self) -> int:  # type: ignore[override]  # may be a dict key or a set member in the pickle
+        return id(self)
+
+    def __eq__(self, other: object) -> bool:
+        return self is other
+
+
+def _standin(module: str, name: str) -> type[Opaque]:
+    return type(name, (Opaque,), {"global_name": f"{module}.{name}", "__module__": __name__})
+
+
+def _from_type_v2(func: Any, new_type: Any, args: Any, state: Any) -> Any:
+    """torch's ``_rebuild_from_type_v2`` (parameters, tensor subclasses): the tensor inside
+    for a plain ``Parameter`` or ``Tensor``, else the call kept as an opaque record."""
+    value = func(*args) if callable(func) and isinstance(args, tuple) else None
+    if isinstance(value, TensorRecord) and getattr(new_type, "global_name", "") in _PLAIN_TENSOR_TYPES:
+        return value
+    record = _standin("torch._tensor", "_rebuild_from_type_v2")(func, new_type, args, state)
+    return record
+
+
+def _parameter(data: Any, *_rest: Any) -> Any:
+    """``torch._utils._rebuild_parameter(data, requires_grad, hooks[, state])``: the tensor."""
+    return data
+
+
+_PLAIN_TENSOR_TYPES = {"torch.nn.parameter.Parameter", "torch.Tensor", "torch._tensor.Tensor"}
+_TORCH_SPECIALS: dict[tuple[str, str], Any] = {
+    ("torch._utils", "_rebuild_tensor_v2"): _rebuild_record,
+    ("torch._utils", "_rebuild_tensor_v3"): _rebuild_record_v3,
+    ("torch._utils", "_rebuild_parameter"): _parameter,
+    ("torch._utils", "_rebuild_parameter_with_state"): _parameter,
+    ("torch._tensor", "_rebuild_from_type_v2"): _from_type_v2,
+    ("torch", "Size"): _size,
+    ("collections", "OrderedDict"): collections.OrderedDict,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class StorageRef:
+    """A storage the pickle points at: its key (a zip member or a legacy storage), dtype and size."""
+
+    key: str
+    dtype: str
+    numel: int
+
+
+class _TreeUnpickler(InMemoryUnpickler):
+    def __init__(self, data: bytes, source: str) -> None:
+        super().__init__(data)
+        self._source = source
+        self._standins: dict[tuple[str, str], type[Opaque]] = {}
+        self.storages: dict[str, StorageRef] = {}
+
+    def find_class(self, module: str, name: str) -> Any:
+        special = _TORCH_SPECIALS.get((module, name))
+        if special is not None:
+            return special
+        if module in ("torch", "torch.storage") and name == "UntypedStorage":
+            return DtypeName(_UNTYPED)
+        if module == "torch" and name in _STORAGE_DTYPES:
+            return DtypeName(_STORAGE_DTYPES[name])
+        if module == "torch" and name in TORCH_NAMES:
+            return DtypeName(canonical(name))
+        key = (module, name)
+        if key not in self._standins:  # a fresh class per load: a pickle's edits to it stay in this load
+            self._standins[key] = _standin(module, name)
+        return self._standins[key]
+
+    def persistent_load(self, pid: Any) -> Any:
+        # zip format: ("storage", type, key, location, numel); legacy adds view metadata (None)
+        if not (isinstance(pid, tuple) and len(pid) in (5, 6) and pid[0] == "storage"):
+            raise CheckpointFormatError(self._source, "unexpected storage reference in the pickle")
+        dtype, key, numel = pid[1], pid[2], pid[4]
+        if not isinstance(dtype, DtypeName) or type(numel) is not int or numel < 0 or not isinstance(key, str):
+            raise CheckpointFormatError(self._source, "unexpected storage type in the pickle")
+        if len(pid) == 6 and pid[5] is not None:
+            raise CheckpointFormatError(self._source, "storage views of torch < 0.4 files are not supported")
+        ref = StorageRef(key, str(dtype), numel)
+        known = self.storages.setdefault(key, ref)
+        if known != ref and not (known.dtype == _UNTYPED or ref.dtype == _UNTYPED):
+            raise CheckpointFormatError(self._source, f"storage {key} is named with two types")
+        return _storage_ref(ref)
+
+
+def _storage_ref(ref: StorageRef) -> Any:
+    from .pickles import _StorageRef
+
+    return _StorageRef(ref.key, DtypeName(ref.dtype), ref.numel)
+
+
+@dataclass(frozen=True, slots=True)
+class PickledTree:
+    """What a ``torch.save`` pickle holds: the object, and every storage it points at."""
+
+    root: Any
+    storages: dict[str, StorageRef]
+    source: str
+
+
+def load_tree(data: bytes, source: str) -> PickledTree:
+    """Unpickle ``data`` (a ``torch.save`` pickle) into inert data (see the module docstring).
+
+    Raises:
+        CheckpointFormatError: the pickle is malformed, or points at storages oddly.
+    """
+    unpickler = _TreeUnpickler(data, source)
+    try:
+        root = unpickler.load()
+    except (UnsafePickleError, CheckpointFormatError):
+        raise
+    except Exception as err:  # any malformed pickle: one clean line
+        detail = str(err).splitlines()[0][:200] if str(err) else type(err).__name__
+        raise CheckpointFormatError(source, f"unreadable pickle ({detail})") from None
+    return PickledTree(root, unpickler.storages, source)
+
+
+# --- what may be read as data --------------------------------------------------------------
+
+HARMLESS_GLOBALS: tuple[str, ...] = (
+    # training scripts' own records
+    "argparse.Namespace", "omegaconf.*", "pathlib.*", "pathlib._local.*",
+    "collections.OrderedDict", "collections.defaultdict", "collections.Counter", "collections.deque",
+    "datetime.*", "decimal.Decimal", "fractions.Fraction", "uuid.UUID", "copyreg._reconstructor",
+    "builtins.set", "builtins.frozenset", "builtins.slice", "builtins.complex", "builtins.bytearray",
+    "builtins.range", "builtins.object", "_codecs.encode",
+    # numpy arrays, scalars, dtypes and random states
+    "numpy.ndarray", "numpy.dtype", "numpy.dtypes.*", "numpy.core.multiarray._reconstruct",
+    "numpy._core.multiarray._reconstruct", "numpy.core.multiarray.scalar", "numpy._core.multiarray.scalar",
+    "numpy.random._pickle.*", "numpy.random.*.RandomState", "numpy.random.*.Generator",
+    "numpy.random.*.PCG64", "numpy.random.*.MT19937", "numpy.random.*.Philox", "numpy.random.*.SFC64",
+    # torch's own inert types beside the tensors
+    "torch.device", "torch.torch_version.TorchVersion", "torch._utils._rebuild_*", "torch.nn.parameter.Parameter",
+    "torch.Tensor", "torch._tensor.Tensor", "torch.serialization._get_layout", "torch.strided",
+    "torch.contiguous_format", "torch.channels_last", "torch.preserve_format",
+    # trainers' own containers and enums (Lightning hyper-parameters and loop states, HF enums)
+    "lightning.fabric.utilities.data.AttributeDict", "lightning_fabric.utilities.data.AttributeDict",
+    "pytorch_lightning.utilities.parsing.AttributeDict", "lightning.pytorch.utilities.parsing.AttributeDict",
+    "lightning.pytorch.trainer.states.*", "pytorch_lightning.trainer.states.*",
+    "lightning.fabric.utilities.enums.*", "lightning_fabric.utilities.enums.*",
+    "transformers.trainer_utils.*Strategy", "transformers.trainer_utils.SchedulerType",
+    "transformers.training_args.OptimizerNames",
+)  # fmt: skip
+"""Globals read as inert data with no flag (module.name, ``fnmatch`` patterns)."""
+
+
+def _allowed(name: str, patterns: Sequence[str]) -> bool:
+    return any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns)
+
+
+def _key_text(part: Any) -> str:
+    return f"[{part}]" if isinstance(part, int) else str(part)
+
+
+def key_path(parts: Sequence[Any]) -> str:
+    """``("args", "lr")`` → ``args.lr``; list positions in brackets: ``optimizer_states[0]``."""
+    text = ""
+    for part in parts:
+        piece = _key_text(part)
+        text += piece if (not text or piece.startswith("[")) else "." + piece
+    return text or "(the top level)"
+
+
+def walk(root: Any, *, max_nodes: int = 10_000_000) -> Iterator[tuple[tuple[Any, ...], Any]]:
+    """Every (path, value) of a tree in depth-first order, each container once (cycles and
+    shared parts are visited at their first place). Keys that are not strings or ints are
+    shown by type."""
+    seen: set[int] = set()
+    stack: list[tuple[tuple[Any, ...], Any]] = [((), root)]
+    visited = 0
+    while stack:
+        path, value = stack.pop()
+        visited += 1
+        if visited > max_nodes:
+            raise ValueError("the pickle nests more objects than a checkpoint holds")
+        yield path, value
+        if isinstance(value, (dict, list, tuple, set, frozenset)) and id(value) not in seen:
+            seen.add(id(value))
+            children: list[tuple[tuple[Any, ...], Any]] = []
+            if isinstance(value, Opaque):
+                children += [((*path, f"<arg {i}>"), a) for i, a in enumerate(value.args)]
+                if value.state is not None:
+                    state = value.state
+                    if isinstance(state, dict) and not isinstance(state, Opaque):
+                        children += [((*path, _name_of(k)), v) for k, v in state.items()]
+                    else:
+                        children.append(((*path, "<state>"), state))
+                children += [((*path, i), v) for i, v in enumerate(value.appended)]
+            if isinstance(value, dict):
+                children += [((*path, _name_of(k)), v) for k, v in value.items()]
+                children += [((*path, "<key>"), k) for k in value if isinstance(k, Opaque)]
+            elif isinstance(value, (list, tuple)):
+                children += [((*path, i), v) for i, v in enumerate(value)]
+            elif isinstance(value, (set, frozenset)):
+                children += [((*path, "<member>"), v) for v in value]
+            stack.extend(reversed(children))
+
+
+def _name_of(key: Any) -> Any:
+    return key if isinstance(key, (str, int)) else f"<{type(key).__name__} key>"
+
+
+def foreign_globals(tree: PickledTree, inert_globals: Sequence[str] = ()) -> dict[str, tuple[Any, ...]]:
+    """{global name: the first key path it sits under} for every global the tree names that
+    is neither harmless nor listed in ``inert_globals``."""
+    allowed = (*HARMLESS_GLOBALS, *inert_globals)
+    found: dict[str, tuple[Any, ...]] = {}
+    try:
+        for path, value in walk(tree.root):
+            # an object, or a class kept as a value
+            if isinstance(value, Opaque) or (isinstance(value, type) and issubclass(value, Opaque)):
+                name = value.global_name
+                if name not in found and not _allowed(name, allowed):
+                    found[name] = path
+    except ValueError as err:
+        raise CheckpointFormatError(tree.source, str(err)) from None
+    return found
+
+
+def check_harmless(tree: PickledTree, source: str, inert_globals: Sequence[str] = ()) -> None:
+    """Refuse a tree that names a global neither harmless nor listed in ``inert_globals``.
+
+    Raises:
+        UnsafePickleError: naming the global, the key it sits under, and the way to read it
+            as data if it is plain data; nothing from the file ran either way.
+    """
+    foreign = foreign_globals(tree, inert_globals)
+    if not foreign:
+        return
+    name, path = next(iter(foreign.items()))
+    more = f" (and {len(foreign) - 1} more: {', '.join(list(foreign)[1:4])})" if len(foreign) > 1 else ""
+    module = name.rsplit(".", 1)[0]
+    raise UnsafePickleError(
+        source,
+        Note(f"refers to {name} under key {key_path(path)!r}{more}, which is not read as data; nothing from the "
+             f"file was run. If it is plain data (a config or a record of the training script), "
+             f"pass {{inert_globals={name}}} (or '{module}.*') to read it as inert data",
+             mentions=("inert_globals",)),
+    )
+
+
+def plain_value(value: Any) -> Any:
+    """``value`` when it is plain data (None, bool, int, float, str, bytes), else None."""
+    return value if value is None or isinstance(value, (bool, int, float, str, bytes)) else None
+
+
+__all__ = [
+    "HARMLESS_GLOBALS",
+    "Opaque",
+    "PickledTree",
+    "StorageRef",
+    "check_harmless",
+    "foreign_globals",
+    "key_path",
+    "load_tree",
+    "plain_value",
+    "walk",
+]
