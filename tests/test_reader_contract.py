@@ -69,7 +69,9 @@ def _torch_file(tmp: Path) -> Path:
 def _trainer(name: str) -> Callable[[Path], Path]:
     def make(_tmp: Path) -> Path:
         root = TRAINERS / name
-        for folder in (root / "ckpts" / "checkpoints", root / "ckpts", root):
+        folders = (root / "ckpts" / "checkpoints", root / "ckpts", root / "output_dir", root / "out",
+                   root / "output" / "tiny", root)
+        for folder in folders:
             if not folder.is_dir():
                 continue
             for child in sorted(folder.iterdir()):

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, ClassVar, Protocol
 
 from ..dtypes import name_of
-from ..errors import CheckpointNotFoundError
+from ..errors import CheckpointFormatError, CheckpointNotFoundError
 from ..layout import Box, TensorSpec
 from ..remote import RemoteFile, as_path, is_remote
 
@@ -397,8 +397,8 @@ def open_checkpoint(path: str | Path, *, shared: object | None = None) -> Checkp
     if fmt is None:
         for candidate in formats_for(path):
             reason = candidate.incomplete(path)
-            if reason:
-                raise CheckpointNotFoundError(path, reason)
+            if reason:  # a folder without its marker yet holds no checkpoint; a cut file is a damaged one
+                raise (CheckpointNotFoundError if path.is_dir() else CheckpointFormatError)(path, reason)
         reason = nested_incomplete(path)
         if reason:
             raise CheckpointNotFoundError(path, reason)

@@ -22,6 +22,7 @@ Example:
 
 from __future__ import annotations
 
+import _compat_pickle
 import collections
 import fnmatch
 from collections.abc import Iterator, Sequence
@@ -133,6 +134,10 @@ class _TreeUnpickler(InMemoryUnpickler):
             return DtypeName(_STORAGE_DTYPES[name])
         if module == "torch" and name in TORCH_NAMES:
             return DtypeName(canonical(name))
+        if (module, name) in _compat_pickle.NAME_MAPPING:  # protocol 2 names builtins as Python 2 did
+            module, name = _compat_pickle.NAME_MAPPING[(module, name)]
+        elif module in _compat_pickle.IMPORT_MAPPING:
+            module = _compat_pickle.IMPORT_MAPPING[module]
         key = (module, name)
         if key not in self._standins:  # a fresh class per load: a pickle's edits to it stay in this load
             self._standins[key] = _standin(module, name)
@@ -300,14 +305,20 @@ def check_harmless(tree: PickledTree, source: str, inert_globals: Sequence[str] 
         return
     name, path = next(iter(foreign.items()))
     more = f" (and {len(foreign) - 1} more: {', '.join(list(foreign)[1:4])})" if len(foreign) > 1 else ""
-    module = name.rsplit(".", 1)[0]
+    module, _, short = name.rpartition(".")
+    said = f"refers to {name} under key {key_path(path)!r}{more}, which is not allowed; nothing from the file was run"
+    if not short[:1].isupper() or module.split(".")[0] in _CODE_MODULES:
+        raise UnsafePickleError(source, said + " (a function, not data)")
     raise UnsafePickleError(
         source,
-        Note(f"refers to {name} under key {key_path(path)!r}{more}, which is not read as data; nothing from the "
-             f"file was run. If it is plain data (a config or a record of the training script), "
-             f"pass {{inert_globals={name}}} (or '{module}.*') to read it as inert data",
-             mentions=("inert_globals",)),
+        Note(f"{said}. If it is plain data (a config or a record of the training script), pass "
+             f"{{inert_globals={name}}} (or '{module}.*') to read it as inert data", mentions=("inert_globals",)),
     )
+
+
+_CODE_MODULES = {"builtins", "os", "posix", "nt", "subprocess", "sys", "importlib", "runpy", "shutil", "socket",
+                 "pickle", "marshal", "types", "functools", "operator", "code", "pty", "ctypes", "webbrowser"}
+"""Modules whose globals are code: a refusal never suggests reading them as data."""
 
 
 def plain_value(value: Any) -> Any:

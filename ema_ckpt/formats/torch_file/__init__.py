@@ -32,7 +32,7 @@ def _incomplete(path: Path) -> str | None:
     if path.is_dir():
         return missing_files(path)
     if has_torch_suffix(path) and path.is_file() and file_facts(path).kind == "partial-zip":
-        return "still being written (no zip directory at its end yet)"
+        return "truncated: no zip directory at its end (still being written?)"
     return None
 
 

@@ -71,7 +71,7 @@ def missing_files(path: Path) -> str | None:
         return f"{len(shards)} shard file(s) but no {INDEX_SUFFIX} (save in progress?)" if shards else None
     index, files = located
     if index is None:
-        return f"{files[0].name} is still being written (no zip directory at its end yet)" if (
+        return f"{files[0].name} is truncated: no zip directory at its end (still being written?)" if (
             file_kind(files[0]) == "partial-zip") else None
     try:
         names = sorted(set(_shards(index).values()))

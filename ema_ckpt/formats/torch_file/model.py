@@ -2,16 +2,16 @@
 
 Pure functions over the inert tree of :mod:`ema_ckpt.torch_records.tree` (no I/O, no tensor).
 
-**The model.** A candidate is a dict of tensors: every value a tensor or a dict of tensors
-(``*_extra_state`` entries may hold anything), found anywhere but under optimizer,
-scheduler, scaler, loop, callback, RNG or configuration state (:data:`NON_MODEL`). The
-well-known containers win in this order (:data:`MODEL_CONTAINERS`): ``state_dict``,
-``model``, ``module``, ``model_state_dict``, ``net``, ``network``, ``params``, ``weights``;
-then the EMA containers (:data:`EMA_CONTAINERS`: ``state_dict_ema``, ``model_ema``, ``ema``,
-…); then the largest by bytes. A file holding no such dict but tensors beside other values
-(``{"w": t, "epoch": 3}``) offers those tensors. A container whose only entry is another
-dict is looked through. ``state_key`` names a candidate by its path (``state_dict_ema``,
-``callbacks.EMA.state``); the model's keys are its own names, the container's never kept.
+**The model.** A candidate is a dict of tensors (a state dict: every value a tensor or a dict
+of tensors, ``*_extra_state`` entries anything), or a dict holding tensors beside other values
+(``{"w": t, "epoch": 3}``: those tensors), found anywhere but under optimizer, scheduler,
+scaler, loop, callback, RNG or configuration state (:data:`NON_MODEL`). The well-known
+containers win in this order (:data:`MODEL_CONTAINERS`): ``state_dict``, ``model``, ``module``,
+``model_state_dict``, ``net``, ``network``, ``params``, ``weights``; then the EMA containers
+(:data:`EMA_CONTAINERS`: ``state_dict_ema``, ``model_ema``, ``ema``, …); then the largest by
+bytes. A container whose only entry is another dict is looked through. ``state_key`` names a
+candidate by its path (``state_dict_ema``, ``callbacks.EMA.state``); the model's keys are its
+own names, the container's never kept.
 A wrapper's prefix on every key (``module.`` of DDP, ``_orig_mod.`` of ``torch.compile``)
 is reported by :func:`wrapper_prefix`.
 
@@ -67,6 +67,8 @@ class Candidate:
     strict: bool = True
     """Every value is a tensor (or a dict of them): a state dict, not tensors beside other values."""
     nbytes: int = 0
+    repeated: bool = False
+    """A dict inside it appears twice (or holds itself): no state dict does; reading it is refused."""
 
     @property
     def name(self) -> str:
@@ -74,33 +76,44 @@ class Candidate:
         return ".".join(str(p) for p in self.path)
 
 
-def _flatten(mapping: Mapping[Any, Any], is_tensor: Callable[[Any], bool], prefix: str = "",
-             depth: int = 0) -> tuple[dict[str, Any], dict[str, Any], bool] | None:
-    """({name: tensor}, {name: other value}, every value a tensor or a dict of them), or None
-    when a key is not a string or the nesting is too deep."""
-    tensors: dict[str, Any] = {}
-    extras: dict[str, Any] = {}
-    strict = True
+@dataclass(slots=True)
+class _Flat:
+    tensors: dict[str, Any] = field(default_factory=dict)
+    extras: dict[str, Any] = field(default_factory=dict)
+    strict: bool = True
+    repeated: bool = False
+
+
+def _flatten(mapping: Mapping[Any, Any], is_tensor: Callable[[Any], bool], prefix: str = "", depth: int = 0,
+             seen: set[int] | None = None) -> _Flat | None:
+    """Its tensors and other values by joined name, whether every value is a tensor or a dict
+    of them, and whether a dict repeats; None when a key is not a string or nesting runs deep."""
+    seen = {id(mapping)} if seen is None else seen
+    flat = _Flat()
     for key, value in mapping.items():
         if not isinstance(key, str) or depth > _MAX_DEPTH:
             return None
         name = prefix + key
         if is_tensor(value):
-            tensors[name] = value
+            flat.tensors[name] = value
+        elif isinstance(value, dict) and id(value) in seen:
+            flat.repeated = True
         elif isinstance(value, dict) and value:
-            inner = _flatten(value, is_tensor, name + ".", depth + 1)
-            if inner is None or not inner[0]:
-                strict = False
-                extras[name] = value
+            seen.add(id(value))
+            inner = _flatten(value, is_tensor, name + ".", depth + 1, seen)
+            if inner is None or not inner.tensors:
+                flat.strict = False
+                flat.extras[name] = value
                 continue
-            tensors.update(inner[0])
-            extras.update(inner[1])
-            strict = strict and inner[2]
+            flat.tensors.update(inner.tensors)
+            flat.extras.update(inner.extras)
+            flat.strict = flat.strict and inner.strict
+            flat.repeated = flat.repeated or inner.repeated
         else:
-            extras[name] = value
+            flat.extras[name] = value
             if not key.endswith(_EXTRA_STATE):
-                strict = False
-    return tensors, extras, strict
+                flat.strict = False
+    return flat
 
 
 def _looked_through(path: tuple[Any, ...], mapping: Mapping[Any, Any]) -> tuple[tuple[Any, ...], Mapping[Any, Any]]:
@@ -139,8 +152,8 @@ def candidates(root: Any, *, is_tensor: Callable[[Any], bool], nbytes: Callable[
                everywhere: bool = False) -> list[Candidate]:
     """The dicts of tensors in ``root``, best first (see the module docstring).
 
-    Strict candidates (state dicts) come first; a dict holding tensors beside other values is
-    offered only when no state dict is found. The top level of a file of nested state dicts
+    The well-known containers come first, state dicts before dicts holding tensors beside
+    other values; then every other candidate, largest first. The top level of a file of nested state dicts
     (``{"generator": …, "discriminator": …}``) is one candidate holding them all, unless one of
     them has a well-known container name.
     """
@@ -152,30 +165,35 @@ def candidates(root: Any, *, is_tensor: Callable[[Any], bool], nbytes: Callable[
             continue
         path, mapping = _looked_through(path, mapping)
         flat = _flatten(mapping, is_tensor)
-        if flat is None or not flat[0]:
+        if flat is None or not flat.tensors:
             continue
-        tensors, extras, is_strict = flat
         direct = any(is_tensor(v) for v in mapping.values())
-        if is_strict and (direct or path or not any(_known(k) for k in mapping)):
-            strict.append(Candidate(path, tensors, extras, True, sum(nbytes(t) for t in tensors.values())))
+        if flat.strict and (direct or path or not any(_known(k) for k in mapping)):
+            strict.append(Candidate(path, flat.tensors, flat.extras, True, sum(map(nbytes, flat.tensors.values())),
+                                    flat.repeated))
             covered.update(id(d) for _, d in _dicts(mapping, everywhere=True))  # its parts are not models
         elif direct:  # tensors beside other values: those tensors, training state left out
             kept = {k: v for k, v in mapping.items() if not (isinstance(k, str) and NON_MODEL.search(k))}
-            inner = _flatten(kept, is_tensor)
-            if inner is not None and inner[0]:
-                loose.append(Candidate(path, inner[0], inner[1], False, sum(nbytes(t) for t in inner[0].values())))
-    return sorted(strict, key=_rank) or sorted(loose, key=_rank)
+            inner = _flatten(kept, is_tensor, seen={id(mapping)})
+            if inner is not None and inner.tensors:
+                loose.append(Candidate(path, inner.tensors, inner.extras, False,
+                                       sum(map(nbytes, inner.tensors.values())), inner.repeated))
+    return sorted(strict + loose, key=_rank)
 
 
-def _rank(candidate: Candidate) -> tuple[int, int, int]:
+_OTHERS = len(MODEL_CONTAINERS) + len(EMA_CONTAINERS)
+
+
+def _rank(candidate: Candidate) -> tuple[int, bool, int, int]:
     last = str(candidate.path[-1]).lower() if candidate.path else ""
     if last in MODEL_CONTAINERS:
         group = MODEL_CONTAINERS.index(last)
     elif last in EMA_CONTAINERS:
         group = len(MODEL_CONTAINERS) + EMA_CONTAINERS.index(last)
     else:
-        group = len(MODEL_CONTAINERS) + len(EMA_CONTAINERS)
-    return group, len(candidate.path), -candidate.nbytes
+        group = _OTHERS
+    # among the unnamed, the most weights win: the top level of {"w": …, "b": …, "epoch": 3} over a part of it
+    return group, group < _OTHERS and not candidate.strict, -candidate.nbytes, len(candidate.path)
 
 
 def choose(found: Sequence[Candidate], state_key: str | None, every: Sequence[Candidate] = ()) -> Candidate | None:

@@ -162,6 +162,9 @@ def find_model(tree: PickledTree, path: Path, state_key: str | None) -> tuple[Ca
     if chosen is None:
         raise CheckpointFormatError(path, "holds no model weights (no dict of tensors outside optimizer, "
                                           "scheduler, loop and callback state)")
+    if chosen.repeated:  # a dict inside itself, or one dict nested twice: a bomb, not a state dict
+        raise CheckpointFormatError(path, f"a nested dict appears twice in the state dict "
+                                          f"{chosen.name or '(the top level)'!r}")
     return chosen, [c for c in found if c is not chosen]
 
 
