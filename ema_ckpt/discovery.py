@@ -33,7 +33,6 @@ from .errors import CheckpointNotFoundError, IncompatibleCheckpointError, Note, 
 from .formats import detect_format, locate_model, open_checkpoint
 from .formats.base import TRAINER_STATE, CheckpointFormat, CheckpointReader, formats_for, nested_incomplete
 from .formats.torch_file import SUFFIXES as TORCH_SUFFIXES
-from .formats.torch_file import file_facts, has_torch_suffix
 from .layout import row_blocks
 from .manifest import MANIFEST_NAME
 from .remote import RemotePath, as_path, forget_listings
@@ -238,17 +237,9 @@ def _left(found: Discovery, child: Path, why: str, *, note: bool = True) -> None
         found.notes.append(f"skipped {child}: " + why)
 
 
-def _why_not(child: Path) -> str | None:
-    """Why an entry that looks like a checkpoint is not one yet (a note), or None to leave it unsaid."""
-    reason = _incomplete_reason(child)
-    if reason:
-        return reason
-    if child.is_file() and has_torch_suffix(child):
-        facts = file_facts(child)
-        if facts.kind is None:
-            return "not a torch.save file"
-        return "holds no model weights (training state beside the checkpoints)"
-    return None
+def _not_a_model(child: Path) -> str | None:
+    """Why an entry that looks like a checkpoint never will be one (``optimizer.pt``), or None."""
+    return next((reason for fmt in formats_for(child) if (reason := fmt.not_a_model(child))), None)
 
 
 def _scan_folder(path: Path, found: Discovery, step_regex: str | None, excluded: Sequence[Path],
@@ -272,11 +263,11 @@ def _scan_folder(path: Path, found: Discovery, step_regex: str | None, excluded:
             continue
         child_fmt = detect_format(child)
         if child_fmt is None:
-            reason = _why_not(child)
-            if reason:
-                _left(found, child, reason, note=not (child.is_file() and reason.startswith("holds no model")))
-            else:
-                _left(found, child, "not a checkpoint of a known format", note=False)
+            waits = _incomplete_reason(child)
+            if waits:
+                _left(found, child, waits)
+            else:  # never a checkpoint: listed by inspect, not noted on every run
+                _left(found, child, _not_a_model(child) or "not a checkpoint of a known format", note=False)
             continue
         checkpoint = _found(child, child_fmt, step_regex)
         if isinstance(checkpoint, str):

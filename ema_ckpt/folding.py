@@ -147,6 +147,16 @@ def check_same_settings(previous: Manifest, profile: Profile, dtype: str, select
             f"{out} accumulates in {previous.dtype}, not {dtype}; pass {{restart=True}} or keep "
             f"{{dtype={previous.dtype}}}", remedy="restart", mentions=("dtype",),
         )
+    before, after = previous.selection.get("state_key"), selection.get("state_key")
+    if before != after:
+        def read(key: Any) -> str:
+            return f"the state dict {key!r} of each file" if key else "the state dict found in each file"
+
+        raise ManifestMismatchError(
+            f"{out} was made from {read(before)}, not {read(after)}; pass {{restart=True}} to start over, or "
+            + ("drop {state_key}" if before is None else f"pass {{state_key={before}}}"),
+            remedy="restart", mentions=("state_key",),
+        )
     if previous.selection != selection:
         raise ManifestMismatchError(
             f"{out} was made with key selection {previous.selection}, not {selection}; pass {{restart=True}}",

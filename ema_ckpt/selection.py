@@ -10,9 +10,13 @@ from __future__ import annotations
 
 import fnmatch
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from .errors import IncompatibleCheckpointError
 from .formats.base import CheckpointReader
+
+if TYPE_CHECKING:
+    from .writers.base import OutputWriter
 
 _NON_MODEL_ROOTS = {
     "optim", "optimizer", "optimizers", "lr_scheduler", "lr_schedulers", "scheduler",
@@ -40,6 +44,34 @@ def select_keys(
     if exclude:
         keys = [k for k in keys if not any(fnmatch.fnmatchcase(k, g) for g in exclude)]
     return keys
+
+
+def select_entries(
+    reader: CheckpointReader, include: Sequence[str] = (), exclude: Sequence[str] = ()
+) -> list[str]:
+    """The model's non-tensor entries (megatron's ``*._extra_state``), by the rules of :func:`select_keys`."""
+    entries = list(reader.non_tensor_keys)
+    roots = {k: reader.root_of(k) for k in entries}
+    tensor_roots = {reader.root_of(k) for k in reader.stored()}
+    if MODEL_ROOT in tensor_roots:
+        entries = [k for k in entries if roots[k] == MODEL_ROOT]
+    else:
+        entries = [k for k in entries if roots[k] not in _NON_MODEL_ROOTS]
+    if include:
+        entries = [k for k in entries if any(fnmatch.fnmatchcase(k, g) for g in include)]
+    if exclude:
+        entries = [k for k in entries if not any(fnmatch.fnmatchcase(k, g) for g in exclude)]
+    return entries
+
+
+def carry_into(writers: Sequence[OutputWriter], reader: CheckpointReader, include: Sequence[str] = (),
+               exclude: Sequence[str] = ()) -> None:
+    """Each writer keeps ``reader``'s carried files and its model's non-tensor entries (see
+    :meth:`~ema_ckpt.writers.base.OutputWriter.carry`): an output loads where its source did."""
+    files = reader.carried_files()
+    entries = {key: reader.read_bytes(key) for key in select_entries(reader, include, exclude)}
+    for writer in writers:
+        writer.carry(files, entries)
 
 
 def check_compatible(

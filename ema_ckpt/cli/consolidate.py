@@ -91,7 +91,8 @@ def consolidate_command(
         print_json({"out": str(result.out), "layout": result.layout, "keys": result.keys,
                     "files": [{"name": n, "bytes": s} for n, s in result.files],
                     "bytes_written": result.bytes_written, "seconds": round(result.seconds, 3),
-                    "index": result.index, "renamed_prefix": result.renamed_prefix, "notes": result.notes})
+                    "index": result.index, "carried": result.carried, "renamed_prefix": result.renamed_prefix,
+                    "notes": result.notes})
     elif not quiet:
         for line in result.notes:
             note(line)
@@ -103,5 +104,6 @@ def _files(result: ConsolidateResult) -> str:
     """What was written, named as the layout names it: ``1 file``, ``6 shards + index``."""
     if output_format(result.layout).single_file:
         return plural(len(result.files), "file")
-    shards = plural(len(result.files) - (result.index is not None), "shard")
-    return f"{shards} + index" if result.index is not None else shards
+    shards = plural(len(result.files) - (result.index is not None) - len(result.carried), "shard")
+    text = f"{shards} + index" if result.index is not None else shards
+    return text + "".join(f" + {name}" for name in result.carried)

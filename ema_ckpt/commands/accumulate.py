@@ -74,6 +74,7 @@ from ..plans import Plan as AveragePlan
 from ..plans import find_snapshots
 from ..progress import Progress
 from ..remote import as_path, is_remote, output_location
+from ..selection import carry_into
 from ..writers.base import check_directory_output
 from .averaging import averaged_tensors
 from .verify import crc_mismatch, damage
@@ -394,6 +395,7 @@ class AccumulateJob(Job[FoldPlan, _Folded, AccumulateResult]):
         tensors = averaged_tensors(newest, keys, opts.dtype)
         writers = [context.writer(i, "dcp", planner_data=newest.planner_data)
                    for i in range(len(outputs))]
+        carry_into(writers, newest, opts.include, opts.exclude)
         written = context.write(readers, outputs, writers, tensors, layout=newest, copy_source=len(readers) - 1,
                                 accumulate_dtype=torch_dtype(opts.dtype),
                                 check_finite=[index[str(c.path)] for c in checkpoints])

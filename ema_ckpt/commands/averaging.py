@@ -33,7 +33,7 @@ from ..manifest import FoldedCheckpoint, Manifest, fingerprint
 from ..plans import Plan, PlannedOutput, SnapshotInput, Term, find_snapshots, plan_average, plan_posthoc
 from ..progress import Progress
 from ..remote import as_path, output_location
-from ..selection import check_compatible, container_prefix, output_names, select_keys
+from ..selection import carry_into, check_compatible, container_prefix, output_names, select_keys
 from ..writers.base import OutputTensor, OutputWriter, check_directory_output, output_format
 
 _RUNTIME = {"recorded": False}
@@ -237,6 +237,7 @@ class SumJob(Job[SumPlan, _Summed, "Plan | RunResult"]):
             renamed = None if opts.keep_prefix else container_prefix(newest, keys)
             tensors = averaged_tensors(newest, keys, opts.dtype, names=names)
             writers = [_file_writer(context, i, plan.format) for i in range(len(outputs))]
+        carry_into(writers, newest, opts.include, opts.exclude)
         written = context.write(readers, outputs, writers, tensors, layout=newest, copy_source=len(readers) - 1,
                                 accumulate_dtype=torch_dtype(opts.dtype), check_finite=range(len(readers)))
         return _Summed(written, newest.format_name, renamed)
@@ -268,6 +269,7 @@ def _file_writer(context: JobContext, index: int, format_name: str) -> OutputWri
     make = output_format(format_name).make
     writer = make(context.stagings[index], SAFETENSORS_FILE)
     writer.final = context.targets[index].final / SAFETENSORS_FILE
+    writer.in_directory = True
     return writer
 
 

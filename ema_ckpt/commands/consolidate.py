@@ -28,7 +28,7 @@ from ..fs import check_not_overlapping, files_on_disk, output_path
 from ..jobs import Job, JobContext, Target, run_job
 from ..progress import Progress
 from ..remote import as_path, output_location
-from ..selection import container_prefix, output_names, select_keys
+from ..selection import carry_into, container_prefix, output_names, select_keys
 from ..writers.base import OutputTensor, choose_output_format, ends_in_separator, output_format
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -117,6 +117,8 @@ class ConsolidateResult:
     notes: list[str] = field(default_factory=list)
     index: str | None = None
     """The file among ``files`` that names the others (the HF layout's index), or None."""
+    carried: list[str] = field(default_factory=list)
+    """Files among ``files`` carried from the source (``config.json``): not shards."""
 
 
 def consolidate(
@@ -172,6 +174,7 @@ class _Written:
     keys: int
     index: str | None
     renamed_prefix: str | None
+    carried: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -209,18 +212,19 @@ class ConsolidateJob(Job[None, _Written, ConsolidateResult]):
                                 stored[k][1]) for k in keys]
         settings = {"max_shard_bytes": parse_size(opts.max_shard_size)} if "max_shard_bytes" in fmt.settings else {}
         writer = context.writer(0, fmt.name, **settings)
+        carry_into([writer], reader, opts.include, opts.exclude)
         written = context.write([reader], [OutputSpec("out", (Update(0, 1.0),), mode="copy")], [writer], tensors,
                                 layout=reader, copy_source=0)
         prefix = None if opts.keep_prefix else container_prefix(reader, keys)
         index = next((f.name for f in written.files[0] if f.role == "index"), None)
-        return _Written(len(keys), index, prefix)
+        return _Written(len(keys), index, prefix, [f.name for f in written.files[0] if f.role == "carried"])
 
     def result(self, plan: None, computed: _Written | None, seconds: float) -> ConsolidateResult:
         assert computed is not None
         files = files_on_disk(self.options.out)
         result = ConsolidateResult(self.options.out, self.options.layout, files, computed.keys,
                                    sum(size for _, size in files), seconds, computed.renamed_prefix,
-                                   index=computed.index)
+                                   index=computed.index, carried=computed.carried)
         if computed.renamed_prefix:
             result.notes.append(Note(f"keys written without the DCP container level {computed.renamed_prefix!r} "
                                      "({keep_prefix=True} keeps it)", mentions=("keep_prefix",)))

@@ -24,7 +24,7 @@ from ..jobs import Job, JobContext, Target, run_job
 from ..manifest import MANIFEST_NAME, Manifest
 from ..progress import Progress
 from ..remote import as_path, output_location
-from ..selection import select_keys
+from ..selection import carry_into, select_keys
 from ..writers.base import OutputTensor, check_directory_output
 
 _RUNTIME = {"recorded": False}
@@ -154,6 +154,7 @@ class ReshardJob(Job[None, _Written, ReshardResult]):
                               f"ranks {rows} and above hold nothing", mentions=("world_size",)))
         writer = context.writer(0, "dcp", world_size=opts.world_size, max_file_bytes=None,
                                 planner_data=reader.planner_data)
+        carry_into([writer], reader, opts.include, opts.exclude)
         written = context.write([reader], [OutputSpec("reshard", (Update(0, 1.0),), mode="copy")], [writer],
                                 tensors, layout=reader, copy_source=0)
         return _Written(len(keys), [(f.name, f.size, f.crc32) for f in written.files[0]], notes)

@@ -45,6 +45,40 @@ class Chunk(Protocol):
 
 
 @dataclass(frozen=True, slots=True)
+class CarriedFile:
+    """A small file a checkpoint keeps beside its weights that its loaders need, carried into
+    outputs made from it byte for byte (:data:`CARRIED_FILES`)."""
+
+    name: str
+    data: bytes
+
+
+TRAINER_STATE_FILE = "trainer-state.pkl"
+"""A single file's own top-level entries beside its weights, tensors left out (Lightning's
+``epoch``, ``global_step``, ``hyper_parameters``; timm's ``args``), as a pickle of inert data."""
+CARRIED_FILES = ("config.json", "generation_config.json", "adapter_config.json", "metadata.json", "common.pt",
+                 "meta.pt", TRAINER_STATE_FILE)
+"""Files beside the weights that loaders read with them: Hugging Face's configs (``from_pretrained``,
+``PeftModel.from_pretrained``), megatron-core's ``metadata.json`` and ``common.pt``
+(``dist_checkpointing.load``), Lightning's ``meta.pt`` beside a sharded checkpoint, and a single
+file's own top-level entries (:data:`TRAINER_STATE_FILE`)."""
+MAX_CARRIED_BYTES = 16 << 20
+
+
+def carried_files_in(folder: Path) -> list[CarriedFile]:
+    """The :data:`CARRIED_FILES` present in ``folder`` (regular files up to 16 MiB)."""
+    found = []
+    for name in CARRIED_FILES:
+        file = folder / name
+        try:
+            if file.is_file() and not file.is_symlink() and file.stat().st_size <= MAX_CARRIED_BYTES:
+                found.append(CarriedFile(name, file.read_bytes()))
+        except OSError:
+            continue
+    return found
+
+
+@dataclass(frozen=True, slots=True)
 class StoredBox:
     """A stored box with no rank: the default :meth:`CheckpointReader.chunks` entry."""
 
@@ -181,6 +215,11 @@ class CheckpointReader(abc.ABC):
         """The raw stored record of a non-tensor entry (one of :attr:`non_tensor_keys`), never unpickled."""
         raise KeyError(key)
 
+    def carried_files(self) -> Sequence[CarriedFile]:
+        """Files beside the weights that an output made from this checkpoint carries
+        (default: the :data:`CARRIED_FILES` in its folder)."""
+        return carried_files_in(self.path) if self.path.is_dir() else ()
+
     # -- context manager ----------------------------------------------------------------
 
     def __enter__(self) -> CheckpointReader:
@@ -220,6 +259,8 @@ class CheckpointFormat:
     detect: Callable[[Path], bool]
     open: Callable[[Path], CheckpointReader]
     incomplete: Callable[[Path], str | None] = lambda _path: None
+    not_a_model: Callable[[Path], str | None] = lambda _path: None
+    """Why a path of this format's kind, complete, holds no model (``optimizer.pt``), or None."""
     records_step: bool = False
     step_label: str | None = None
     """How ``inspect`` names the record the step comes from (``DeepSpeed global_steps``)."""
@@ -402,6 +443,10 @@ def open_checkpoint(path: str | Path, *, shared: object | None = None) -> Checkp
         reason = nested_incomplete(path)
         if reason:
             raise CheckpointNotFoundError(path, reason)
+        for candidate in formats_for(path):
+            reason = candidate.not_a_model(path)
+            if reason:
+                raise CheckpointFormatError(path, reason)
         if is_remote(path):
             names = ", ".join(f.name for f in formats_for(path))
             raise CheckpointNotFoundError(path, f"not a checkpoint of a format read from object storage ({names}; "

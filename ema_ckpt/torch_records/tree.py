@@ -49,14 +49,19 @@ class Opaque(dict):  # type: ignore[type-arg]
     args: tuple[Any, ...]
     state: Any
     appended: list[Any]
+    called: bool
+    """Made by a call (``REDUCE``: the class or function called with :attr:`args`), not by
+    ``NEWOBJ`` (``cls.__new__(cls, *args)``): how it is written back (:mod:`.emit`)."""
+
+    kwargs: dict[str, Any]
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Opaque:
         self = dict.__new__(cls)
-        self.args, self.state, self.appended = args + tuple(kwargs.items()), None, []
+        self.args, self.kwargs, self.state, self.appended, self.called = args, kwargs, None, [], False
         return self
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:  # the dict's own init would read args
-        pass
+        self.called = True
 
     def __setstate__(self, state: Any) -> None:
         self.state = state
@@ -255,6 +260,7 @@ def walk(root: Any, *, max_nodes: int = 10_000_000) -> Iterator[tuple[tuple[Any,
             children: list[tuple[tuple[Any, ...], Any]] = []
             if isinstance(value, Opaque):
                 children += [((*path, f"<arg {i}>"), a) for i, a in enumerate(value.args)]
+                children += [((*path, f"<arg {k}>"), a) for k, a in value.kwargs.items()]
                 if value.state is not None:
                     state = value.state
                     if isinstance(state, dict) and not isinstance(state, Opaque):

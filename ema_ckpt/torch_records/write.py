@@ -21,7 +21,7 @@ import os
 import pickle
 import struct
 import zipfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 from .._crc import crc32
@@ -218,7 +218,8 @@ class StateDictFileWriter:
     ``data.pkl`` names storages by key, each storage is its own zip member, and a member can
     be written as its bytes arrive (zip64 for 4 GiB and more). So the pickle is written first
     from shapes and dtypes alone, then each tensor's rows in order: memory holds one block.
-    ``torch.load(..., weights_only=True)`` reads the file.
+    ``torch.load(..., weights_only=True)`` reads the file. ``wrap`` turns the state dict's
+    pickle into the pickle of an object holding it (:func:`~.emit.wrap_pickle`).
 
     Example:
         >>> w = StateDictFileWriter(Path("model.pt"), [("w", (2, 3), torch.float32)])  # doctest: +SKIP
@@ -226,7 +227,8 @@ class StateDictFileWriter:
         >>> w.finish()                                                                  # doctest: +SKIP
     """
 
-    def __init__(self, path: Any, tensors: Sequence[tuple[str, tuple[int, ...], torch.dtype]]) -> None:
+    def __init__(self, path: Any, tensors: Sequence[tuple[str, tuple[int, ...], torch.dtype]],
+                 wrap: Callable[[bytes], bytes] | None = None) -> None:
         self.path = path
         self._order = [(key, tuple(shape), dtype) for key, shape, dtype in tensors]
         for key, _shape, dtype in self._order:
@@ -238,6 +240,8 @@ class StateDictFileWriter:
         self._handle = open(path, "wb")  # noqa: SIM115 (closed in finish/abort)
         self._zip = zipfile.ZipFile(self._handle, "w", compression=zipfile.ZIP_STORED, allowZip64=True)
         state = state_dict_pickle({key: (shape, dtype) for key, shape, dtype in self._order})
+        if wrap is not None:  # the state dict inside a larger object (a Lightning checkpoint)
+            state = wrap(state)
         for name, data in (("archive/data.pkl", state), ("archive/.format_version", b"1"),
                            ("archive/.storage_alignment", b"64"), ("archive/byteorder", b"little")):
             self._zip.writestr(zipfile.ZipInfo(name, date_time=_ZIP_TIME), data)

@@ -30,19 +30,20 @@ from __future__ import annotations
 import abc
 import difflib
 import os
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..errors import OptionError
+from ..errors import OptionError, OutputError
 from ..layout import Box
 from ..remote import as_path
 
 if TYPE_CHECKING:
     import torch
 
-    from ..formats.base import CheckpointReader
+    from ..formats.base import CarriedFile, CheckpointReader
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,7 +81,8 @@ class WrittenFile:
     """One file of a finished output, with its size and CRC-32 (when the format computes one).
 
     ``role``: ``"data"`` for a file of tensors, ``"index"`` for one that names the others
-    (``model.safetensors.index.json``), so a summary can count what it names ("6 shards + index").
+    (``model.safetensors.index.json``), so a summary can count what it names ("6 shards + index");
+    ``"carried"`` for a source's file kept beside the data (``config.json``).
     """
 
     name: str
@@ -103,6 +105,9 @@ class OutputWriter(abc.ABC):
     file_tag: str | None = None
     """A tag the data files' names carry (set for an output on object storage: each upload
     is a new generation of files, so the previous output's stay whole until the commit)."""
+    in_directory: bool = False
+    """A one-file output that lives inside a directory of its own (``posthoc --format safetensors``):
+    carried files go beside it."""
     may_copy_stored: bool = True
     """Whether regions may be planned ``raw`` (stored bytes copied as they are). The runner sets
     it False when an output is computed (a fold or a sum): only a copy may skip the engine."""
@@ -110,6 +115,34 @@ class OutputWriter(abc.ABC):
     def __init__(self, staging: Path, final_name: str) -> None:
         self.staging = staging
         self.final_name = final_name
+        self.carried: list[CarriedFile] = []
+        self.carried_entries: dict[str, bytes] = {}
+
+    def carry(self, files: Sequence[CarriedFile], entries: Mapping[str, bytes] | None = None) -> None:
+        """Keep a source's files (``config.json``, megatron's ``common.pt``) and non-tensor entries
+        (megatron's ``_extra_state``) in this output, where its format can hold them. Called on
+        every worker before :meth:`plan`; the coordinator writes them in :meth:`finish`."""
+        self.carried = list(files)
+        self.carried_entries = dict(entries or {})
+
+    def write_carried(self) -> list[WrittenFile]:
+        """Write the carried files into staging (a directory output's :meth:`finish` calls it);
+        a lone file has nowhere to keep them."""
+        from .._crc import crc32
+
+        if self.single_file and not self.in_directory:
+            return []
+        written = []
+        for file in self.carried:
+            try:
+                with open(self.staging / file.name, "wb") as handle:
+                    handle.write(file.data)
+                    handle.flush()
+                    os.fsync(handle.fileno())
+            except OSError as err:
+                raise OutputError(f"{self.staging / file.name}: write failed ({err.strerror})") from None
+            written.append(WrittenFile(file.name, len(file.data), crc32(file.data), role="carried"))
+        return written
 
     @property
     def shown_path(self) -> Path:
@@ -230,10 +263,11 @@ def choose_output_format(out: str | Path, format: str | None = None, *, director
     """The output format ``out`` asks for, or an :class:`~ema_ckpt.errors.OptionError` naming the forms accepted.
 
     Accepted: ``format`` (a name from :func:`path_formats`), a suffix a format claims
-    (``.safetensors``), an existing directory, or a path written with a trailing ``/``
-    (``directory``; by default read from a ``str`` ``out``). Anything else is refused, with a
-    suggestion when the suffix is close to a known one, so ``ema.safetensor`` never becomes a
-    directory.
+    (``.safetensors``), an existing directory, a path written with a trailing ``/``
+    (``directory``; by default read from a ``str`` ``out``), or a name without a file suffix
+    (``hf_ema``, ``llama-3.1-ema``: a directory, as ``save_pretrained`` makes one). An unknown
+    file suffix is refused, with a suggestion when it is close to a known one, so
+    ``ema.safetensor`` never becomes a directory.
 
     Example:
         >>> choose_output_format("model", "safetensors").name
@@ -242,7 +276,7 @@ def choose_output_format(out: str | Path, format: str | None = None, *, director
     formats = path_formats()
     path = as_path(out)
     directory = ends_in_separator(out) if directory is None else directory
-    suffix = path.suffix.lower()
+    suffix = file_suffix(path)
     claimed = next((fmt for fmt in formats if suffix in fmt.suffixes), None)
     if format is not None:
         chosen = next((fmt for fmt in formats if fmt.name == format), None)
@@ -263,16 +297,28 @@ def choose_output_format(out: str | Path, format: str | None = None, *, director
         return _directory_format()
     if claimed is not None:
         return claimed
-    if path.is_dir():
+    if path.is_dir() or not suffix:
         return _directory_format()
-    if suffix:
-        known = [s for fmt in formats for s in fmt.suffixes]
-        close = difflib.get_close_matches(suffix, known, n=1, cutoff=0.6)
-        hint = f" (did you mean {path.with_suffix(close[0]).name}?)" if close else ""
-        problem = f"unknown output suffix {suffix}{hint}"
-    else:
-        problem = "no such directory, and no suffix to tell a file format"
-    raise OptionError("out", f"{out}: {problem}; {_accepted_forms(formats)}", value=out, mentions=("format",))
+    known = [s for fmt in formats for s in fmt.suffixes]
+    close = difflib.get_close_matches(suffix, known, n=1, cutoff=0.6)
+    hint = f" (did you mean {path.with_suffix(close[0]).name}?)" if close else ""
+    raise OptionError("out", f"{out}: unknown output suffix {suffix}{hint}; {_accepted_forms(formats)}", value=out,
+                      mentions=("format",))
+
+
+_FILE_SUFFIX = re.compile(r"\.[A-Za-z][A-Za-z0-9]{0,11}")
+
+
+def file_suffix(path: Path) -> str:
+    """A path's file suffix, lower case, or "" when it has none that looks like one
+    (``llama-3.1-ema`` and ``run.v2-final`` are names, not files).
+
+    Example:
+        >>> file_suffix(Path("ema.SafeTensors")), file_suffix(Path("llama-3.1-ema")), file_suffix(Path("hf_ema"))
+        ('.safetensors', '', '')
+    """
+    suffix = path.suffix
+    return suffix.lower() if _FILE_SUFFIX.fullmatch(suffix) else ""
 
 
 def check_directory_output(out: str | Path, format_name: str = "dcp") -> None:

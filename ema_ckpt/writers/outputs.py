@@ -13,7 +13,7 @@ Adding a format: a class implementing the contract and one :func:`register_outpu
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -141,12 +141,15 @@ class DcpOutput(OutputWriter):
     def finish(self, states: Sequence[Any]) -> list[WrittenFile]:
         from .dcp import DcpWriter
 
-        # holds no data of its own: merges every worker's state
+        # holds no tensor data of its own: merges every worker's state; the carried entries go in a part of their own
         merger = DcpWriter(self.staging, file_tag=self.file_tag)
         for tensor in self._tensors:
             merger.declare(tensor.key, tensor.shape, torch_dtype(tensor.dtype))
+        part = 1 + max((p for rank, p in self._files.values() if rank == 0), default=-1)
+        for key, record in sorted(self.carried_entries.items()):
+            merger.write_bytes(key, record, rank=0, part=part)
         files = merger.finish(self.planner_data, others=list(states), key_order=[t.key for t in self._tensors])
-        return [WrittenFile(f.name, f.size, f.crc32) for f in files]
+        return [WrittenFile(f.name, f.size, f.crc32) for f in files] + self.write_carried()
 
     def abort(self) -> None:
         if self._writer is not None:
@@ -178,7 +181,7 @@ class SafetensorsOutput(OutputWriter):
         self._written: dict[str, tuple[int, int | None]] = {}
 
     def plan(self, tensors: Sequence[OutputTensor], source: CheckpointReader) -> list[PlannedRegion]:
-        from .safetensors import check_key, plan_shards, shard_file_names
+        from .safetensors import ADAPTER_CONFIG, check_key, plan_shards, shard_file_names
 
         for tensor in tensors:  # before anything is written: a key the format cannot hold
             check_key(tensor.name, self.shown_path)
@@ -190,7 +193,8 @@ class SafetensorsOutput(OutputWriter):
             sizes = [(t.key, math.prod(t.shape) * itemsize(t.dtype)) for t in tensors]
             shards = plan_shards(sizes, self.max_shard_bytes)
             groups = [[self._tensors[k] for k in shard] for shard in shards]
-            names = shard_file_names(len(shards), self.file_tag)
+            adapter = any(f.name == ADAPTER_CONFIG for f in self.carried)  # peft loads adapter_model.safetensors
+            names = shard_file_names(len(shards), self.file_tag, adapter=adapter)
         raw = self.may_copy_stored and self.copies_stored(tensors, source)
         regions = []
         for name, group in zip(names, groups, strict=True):
@@ -251,7 +255,7 @@ class SafetensorsOutput(OutputWriter):
             total = sum(math.prod(t.shape) * itemsize(t.dtype) for t in self._tensors.values())
             write_index(self.staging, weight_map, total)
             files.append(WrittenFile(INDEX_NAME, (self.staging / INDEX_NAME).stat().st_size, role="index"))
-        return files
+        return files + self.write_carried()
 
     def abort(self) -> None:
         if self._open_file is not None:
@@ -280,13 +284,18 @@ class TorchFileOutput(OutputWriter):
         self._tensors = {t.key: t for t in tensors}
         return _row_block_regions(tensors, source, self.final_name, self.block_bytes)
 
+    def wrap(self) -> Callable[[bytes], bytes] | None:
+        """What the file's pickle holds around the state dict (None: the state dict alone)."""
+        return None
+
     def write(self, region: PlannedRegion, tensor: torch.Tensor) -> None:
         if self._writer is None:
             from ..torch_records import StateDictFileWriter
 
+            wrap = self.wrap()
             self._writer = self._guarded(lambda: StateDictFileWriter(
                 self.staging / self.final_name,
-                [(t.name, t.shape, torch_dtype(t.dtype)) for t in self._tensors.values()]))
+                [(t.name, t.shape, torch_dtype(t.dtype)) for t in self._tensors.values()], wrap=wrap))
         self._guarded(lambda: self._writer.write(self._tensors[region.key].name, tensor))
 
     def close(self) -> dict[str, int]:
@@ -311,6 +320,38 @@ class TorchFileOutput(OutputWriter):
             self._writer = None
 
 
+class LightningCheckpointOutput(TorchFileOutput):
+    """A Lightning checkpoint (``.ckpt``): the weights as its ``state_dict``, beside the source's
+    own entries that hold no tensor (``hyper_parameters``, ``epoch``, ``global_step``, carried
+    from a single file or a sharded checkpoint's ``meta.pt``), so ``load_from_checkpoint`` loads
+    it; ``pytorch-lightning_version`` is added when the source had none."""
+
+    name = "lightning"
+
+    def wrap(self) -> Callable[[bytes], bytes]:
+        from ..formats.torch_file.reader import carried_trainer_state
+        from ..torch_records.emit import wrap_pickle
+
+        beside = carried_trainer_state(self.carried, str(self.shown_path))
+        beside.setdefault(LIGHTNING_VERSION_KEY, _lightning_version())
+        return lambda inner: wrap_pickle(inner, "state_dict", beside)
+
+
+LIGHTNING_VERSION_KEY = "pytorch-lightning_version"
+
+
+def _lightning_version() -> str:
+    """The installed Lightning's version (read from its metadata, never imported), else 2.0.0."""
+    import importlib.metadata
+
+    for distribution in ("lightning", "pytorch-lightning"):
+        try:
+            return importlib.metadata.version(distribution)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return "2.0.0"
+
+
 def _row_block_regions(tensors: Sequence[OutputTensor], source: CheckpointReader, file: str,
                        block_bytes: int) -> list[PlannedRegion]:
     """Each tensor in blocks of whole rows (following the stored chunks where they allow)."""
@@ -325,4 +366,5 @@ def _row_block_regions(tensors: Sequence[OutputTensor], source: CheckpointReader
 register_output(OutputFormat("dcp", DcpOutput))
 register_output(OutputFormat("safetensors", SafetensorsOutput, suffixes=(".safetensors",), single_file=True))
 register_output(OutputFormat("hf-sharded", SafetensorsOutput, is_default=True, settings=("max_shard_bytes",)))
-register_output(OutputFormat("torch", TorchFileOutput, suffixes=(".pt", ".bin", ".pth"), single_file=True))
+register_output(OutputFormat("torch", TorchFileOutput, suffixes=(".pt", ".bin", ".pth", ".tar"), single_file=True))
+register_output(OutputFormat("lightning", LightningCheckpointOutput, suffixes=(".ckpt",), single_file=True))

@@ -61,8 +61,14 @@ def plan_shards(sizes: Sequence[tuple[str, int]], max_shard_bytes: int) -> list[
     return shards
 
 
-def shard_file_names(count: int, tag: str | None = None) -> list[str]:
-    """Hugging Face's names: ``model.safetensors`` alone, else ``model-00001-of-0000N.safetensors``.
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_FILE = "adapter_model.safetensors"
+"""peft's names: an adapter's weights are read from this file beside its config."""
+
+
+def shard_file_names(count: int, tag: str | None = None, *, adapter: bool = False) -> list[str]:
+    """Hugging Face's names: ``model.safetensors`` alone, else ``model-00001-of-0000N.safetensors``;
+    ``adapter_model.safetensors`` for a peft adapter's weights (``adapter``).
 
     ``tag`` (an output on object storage) goes before the suffix of each shard's name, so a
     new output's shards never overwrite the previous one's; the index names them, and loaders
@@ -73,7 +79,7 @@ def shard_file_names(count: int, tag: str | None = None) -> list[str]:
         'model-00001-of-00002.20261202T010203-ab12cd.safetensors'
     """
     if count == 1:
-        return ["model.safetensors"]
+        return [ADAPTER_FILE if adapter else "model.safetensors"]
     middle = f".{tag}" if tag else ""
     return [f"model-{i:05d}-of-{count:05d}{middle}.safetensors" for i in range(1, count + 1)]
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from ..base import CheckpointFormat, CheckpointReader, register_format
 from .folders import TorchFolderReader, is_weights_folder, missing_files
 from .model import step_in_tree
-from .reader import SUFFIXES, TorchFileReader, file_facts, has_torch_suffix, step_record_of
+from .reader import NOT_MODEL_FILES, SUFFIXES, TorchFileReader, file_facts, has_torch_suffix, step_record_of
 
 _STEP_LABELS = {"global_step": "global_step in the file", "iter_num": "iter_num in the file"}
 
@@ -33,6 +33,19 @@ def _incomplete(path: Path) -> str | None:
         return missing_files(path)
     if has_torch_suffix(path) and path.is_file() and file_facts(path).kind == "partial-zip":
         return "truncated: no zip directory at its end (still being written?)"
+    return None
+
+
+def _not_a_model(path: Path) -> str | None:
+    if path.is_dir() or not (has_torch_suffix(path) and path.is_file()):
+        return None
+    facts = file_facts(path)
+    if facts.kind is None:
+        return "not a torch.save file (neither a zip nor torch's legacy format)"
+    if facts.kind in ("zip", "legacy") and not facts.holds_model:
+        if NOT_MODEL_FILES.match(path.name):
+            return "training state beside the checkpoints (by its name), not model weights"
+        return "holds no model weights (no dict of tensors outside optimizer, scheduler, loop and callback state)"
     return None
 
 
@@ -57,6 +70,7 @@ def _step_of(path: Path) -> int | None:
 
 
 FORMAT = register_format(CheckpointFormat("torch", detect=_detect, open=_open, incomplete=_incomplete,
+                                          not_a_model=_not_a_model,
                                           records_step=True, step_of=_step_of, step_record=_step_record))
 
 __all__ = [

@@ -20,6 +20,7 @@ Example:
 
 from __future__ import annotations
 
+import io
 import math
 import os
 import re
@@ -35,10 +36,11 @@ from ...dtypes import itemsize, torch_dtype
 from ...errors import CheckpointFormatError, Note
 from ...layout import Box, TensorSpec
 from ...torch_records import TensorRecord, member_start, pread_into
+from ...torch_records.emit import dumps_inert
 from ...torch_records.legacy import is_legacy, legacy_storage_starts, read_legacy_head
-from ...torch_records.tree import Opaque, PickledTree, check_harmless, key_path, load_tree
+from ...torch_records.tree import Opaque, PickledTree, check_harmless, key_path, load_tree, walk
 from ...torch_records.zipfmt import END_MAGIC
-from ..base import CheckpointReader, deliver
+from ..base import TRAINER_STATE_FILE, CarriedFile, CheckpointReader, deliver
 from ..options import ReadOptions, read_options
 from .model import Candidate, candidates, choose, epoch_in_tree, step_in_tree, wrapper_prefix
 
@@ -299,10 +301,64 @@ class TorchFileReader(CheckpointReader):
             "step": self.step,
         }
 
+    def carried_files(self) -> Sequence[CarriedFile]:
+        """The file's top-level entries beside its state dict, tensors left out (Lightning's
+        ``hyper_parameters``), as :data:`~ema_ckpt.formats.base.TRAINER_STATE_FILE`: a
+        ``.ckpt`` output made from it loads with ``load_from_checkpoint``."""
+        state = trainer_state(self._top, self.chosen)
+        if not state:
+            return ()
+        try:
+            return [CarriedFile(TRAINER_STATE_FILE, dumps_inert(state))]
+        except ValueError:  # nothing a loader needs is lost: the weights are whole
+            return ()
+
     def close(self) -> None:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+
+
+def _holds_tensor(value: Any) -> bool:
+    return any(_is_tensor(v) for _, v in walk(value))
+
+
+def carried_trainer_state(files: Sequence[CarriedFile], source: str) -> dict[str, Any]:
+    """The trainer's own entries among carried files (:data:`~ema_ckpt.formats.base.TRAINER_STATE_FILE`,
+    or Lightning's ``meta.pt`` beside a sharded checkpoint), tensors left out; {} when none.
+
+    Read as inert data and judged as a checkpoint's pickle is (``inert_globals`` of the command).
+
+    Raises:
+        UnsafePickleError: it names a global that is not read as data.
+        CheckpointFormatError: it is not a readable pickle.
+    """
+    for file in files:
+        if file.name == TRAINER_STATE_FILE:
+            data = file.data
+        elif file.name == "meta.pt":
+            try:
+                with zipfile.ZipFile(io.BytesIO(file.data)) as archive:
+                    name = next((n for n in archive.namelist() if n.endswith("data.pkl")), None)
+                    if name is None:
+                        continue
+                    data = archive.read(name)
+            except (zipfile.BadZipFile, OSError) as err:
+                raise CheckpointFormatError(f"{source}/{file.name}", f"not a readable torch.save zip ({err})") from None
+        else:
+            continue
+        tree = load_tree(data, f"{source}/{file.name}")
+        check_harmless(tree, f"{source}/{file.name}", read_options().inert_globals)
+        return trainer_state(tree.root)
+    return {}
+
+
+def trainer_state(root: Any, chosen: Candidate | None = None) -> dict[str, Any]:
+    """A file's top-level entries that hold no tensor, but for the chosen state dict's container."""
+    if not isinstance(root, dict):
+        return {}
+    skip = chosen.path[0] if chosen is not None and chosen.path else None
+    return {k: v for k, v in root.items() if isinstance(k, str) and k != skip and not _holds_tensor(v)}
 
 
 NOT_MODEL_FILES = re.compile(
