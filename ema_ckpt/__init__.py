@@ -1,6 +1,6 @@
 """ema-ckpt: EMAs and averages of sharded PyTorch checkpoints, computed offline.
 
-The whole library in nine functions (each also a CLI command; the same options as keyword
+The whole library in ten functions (each also a CLI command; the same options as keyword
 arguments, results as dataclasses, errors as :class:`~ema_ckpt.errors.EmaCkptError`):
 
 ========================  ==================================================================
@@ -10,6 +10,7 @@ arguments, results as dataclasses, errors as :class:`~ema_ckpt.errors.EmaCkptErr
 :func:`consolidate`       any checkpoint → safetensors, the HF sharded layout, or a torch file
 :func:`reshard`           any checkpoint → a DCP checkpoint laid out for N ranks
 :func:`inspect`           what a checkpoint holds: format, step, keys, shapes, dtypes
+:func:`inspect_folder`    what a folder of checkpoints holds: each entry taken (its step) or left, and why
 :func:`verify`            check an output against its manifest (sizes, CRC-32s, loadability)
 :func:`diff`              compare two checkpoints key by key, across formats
 :func:`open_checkpoint`   a reader for any supported checkpoint (boxes of tensors on demand)
@@ -36,6 +37,7 @@ if TYPE_CHECKING:
     from .commands.consolidate import consolidate
     from .commands.diff import diff
     from .commands.inspect import inspect_checkpoint as inspect
+    from .commands.inspect import inspect_folder
     from .commands.reshard import reshard
     from .commands.verify import verify
     from .formats import open_checkpoint
@@ -47,6 +49,7 @@ _PUBLIC = {
     "consolidate": ("ema_ckpt.commands.consolidate", "consolidate"),
     "reshard": ("ema_ckpt.commands.reshard", "reshard"),
     "inspect": ("ema_ckpt.commands.inspect", "inspect_checkpoint"),
+    "inspect_folder": ("ema_ckpt.commands.inspect", "inspect_folder"),
     "verify": ("ema_ckpt.commands.verify", "verify"),
     "diff": ("ema_ckpt.commands.diff", "diff"),
     "open_checkpoint": ("ema_ckpt.formats", "open_checkpoint"),
@@ -66,5 +69,5 @@ def __dir__() -> list[str]:
     return sorted([*globals(), *_PUBLIC])
 
 
-__all__ = ["__version__", "accumulate", "average", "consolidate", "diff", "inspect", "open_checkpoint",
-           "posthoc", "reshard", "verify"]
+__all__ = ["__version__", "accumulate", "average", "consolidate", "diff", "inspect", "inspect_folder",
+           "open_checkpoint", "posthoc", "reshard", "verify"]

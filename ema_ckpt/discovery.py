@@ -244,38 +244,54 @@ def _not_a_model(child: Path) -> str | None:
 
 def _scan_folder(path: Path, found: Discovery, step_regex: str | None, excluded: Sequence[Path],
                  skipped: Sequence[Path], used: set[Path]) -> None:
-    for child in sorted(path.iterdir()):
-        is_dir = child.is_dir()
-        if child.name.startswith("."):
-            continue
-        if not is_dir and not (child.is_file() and child.name.lower().endswith(CHECKPOINT_FILE_SUFFIXES)):
+    """Folders first; the files beside them count only when no folder is a checkpoint (a file
+    beside checkpoint folders is an export or a copy: ``model.safetensors`` of a final save)."""
+    children = sorted(c for c in path.iterdir() if not c.name.startswith("."))
+    folders = [c for c in children if c.is_dir()]
+    files = [c for c in children if not c.is_dir()]
+    beside_folders = False
+    for child in folders:
+        beside_folders |= _scan_entry(child, found, step_regex, excluded, skipped, used)
+    for child in files:
+        if not (child.is_file() and child.name.lower().endswith(CHECKPOINT_FILE_SUFFIXES)):
             _left(found, child, "not a checkpoint file" if child.is_file() else "not a file or folder", note=False)
-            continue
-        if _inside(child, excluded):
-            _left(found, child, "the output of this run", note=False)
-            continue
-        if _skipped(child, skipped, used):
-            found.notes.append(Note(f"skipped {child}: left out ({{skip}})", mentions=("skip",)))
-            found.entries.append(Entry(child, False, Note("left out ({skip})", mentions=("skip",))))
-            continue
-        if is_dir and (child / MANIFEST_NAME).exists():
-            _left(found, child, "an ema-ckpt output", note=False)
-            continue
-        child_fmt = detect_format(child)
-        if child_fmt is None:
-            waits = _incomplete_reason(child)
-            if waits:
-                _left(found, child, waits)
-            else:  # never a checkpoint: listed by inspect, not noted on every run
-                _left(found, child, _not_a_model(child) or "not a checkpoint of a known format", note=False)
-            continue
-        checkpoint = _found(child, child_fmt, step_regex)
-        if isinstance(checkpoint, str):
-            _left(found, child, checkpoint)
-            continue
-        found.checkpoints.append(checkpoint)
-        found.entries.append(Entry(child, True, Note.of(checkpoint.step_source), checkpoint.step,
-                                   checkpoint.format_name))
+        elif beside_folders:
+            _left(found, child, "a file beside checkpoint folders (name it to read it)", note=False)
+        else:
+            _scan_entry(child, found, step_regex, excluded, skipped, used)
+
+
+def _scan_entry(child: Path, found: Discovery, step_regex: str | None, excluded: Sequence[Path],
+                skipped: Sequence[Path], used: set[Path]) -> bool:
+    """One entry of a scanned folder: taken (with its step), or left with the reason. True when
+    it is a checkpoint of the training run (taken, left out by the user, or still being written)."""
+    if _inside(child, excluded):
+        _left(found, child, "the output of this run", note=False)
+        return False
+    if _skipped(child, skipped, used):
+        found.notes.append(Note(f"skipped {child}: left out ({{skip}})", mentions=("skip",)))
+        found.entries.append(Entry(child, False, Note("left out ({skip})", mentions=("skip",))))
+        return True
+    if child.is_dir() and (child / MANIFEST_NAME).exists():
+        _left(found, child, "an ema-ckpt output", note=False)
+        return False
+    child_fmt = detect_format(child)
+    if child_fmt is None:
+        waits = _incomplete_reason(child)
+        if waits:
+            _left(found, child, waits)
+            return True
+        # never a checkpoint: listed by inspect, not noted on every run
+        _left(found, child, _not_a_model(child) or "not a checkpoint of a known format", note=False)
+        return False
+    checkpoint = _found(child, child_fmt, step_regex)
+    if isinstance(checkpoint, str):
+        _left(found, child, checkpoint)
+        return True
+    found.checkpoints.append(checkpoint)
+    found.entries.append(Entry(child, True, Note.of(checkpoint.step_source), checkpoint.step,
+                               checkpoint.format_name))
+    return True
 
 
 def _record_kind(source: str) -> str:

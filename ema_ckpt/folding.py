@@ -147,14 +147,14 @@ def check_same_settings(previous: Manifest, profile: Profile, dtype: str, select
             f"{out} accumulates in {previous.dtype}, not {dtype}; pass {{restart=True}} or keep "
             f"{{dtype={previous.dtype}}}", remedy="restart", mentions=("dtype",),
         )
-    before, after = previous.selection.get("state_key"), selection.get("state_key")
-    if before != after:
+    key_before, key_now = previous.selection.get("state_key"), selection.get("state_key")
+    if key_before != key_now:
         def read(key: Any) -> str:
             return f"the state dict {key!r} of each file" if key else "the state dict found in each file"
 
         raise ManifestMismatchError(
-            f"{out} was made from {read(before)}, not {read(after)}; pass {{restart=True}} to start over, or "
-            + ("drop {state_key}" if before is None else f"pass {{state_key={before}}}"),
+            f"{out} was made from {read(key_before)}, not {read(key_now)}; pass {{restart=True}} to start over, "
+            + ("or drop {state_key}" if key_before is None else f"or pass {{state_key={key_before}}}"),
             remedy="restart", mentions=("state_key",),
         )
     if previous.selection != selection:

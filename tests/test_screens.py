@@ -98,7 +98,7 @@ def _first_checkpoint(layout: str) -> Path | None:
     from ema_ckpt.errors import EmaCkptError
 
     for path in sorted(p for p in (TRAINERS / layout).rglob("*") if "oracle" not in p.parts):
-        if path.is_dir() or path.suffix in (".safetensors", ".pt", ".bin"):
+        if path.is_dir() or path.suffix in (".safetensors", ".pt", ".bin", ".ckpt", ".pth", ".tar"):
             try:
                 ema_ckpt.inspect(path)
             except EmaCkptError:

@@ -188,8 +188,9 @@ def test_a_changed_state_key_is_another_ema(copy_of, tmp_path):
     ema_of(folder, tmp_path / "ema")
     result = runner.invoke(app, ["accumulate", str(folder), "--decay", "0.8", "--out", str(tmp_path / "ema"),
                                  "--state-key", "state_dict_ema"])
-    assert result.exit_code == 5 and "made from the state dict found in each file, not the state dict " \
-        "'state_dict_ema' of each file; pass --restart to start over, or drop --state-key" in result.output, result.output
+    said = ("made from the state dict found in each file, not the state dict 'state_dict_ema' of each file; "
+            "pass --restart to start over, or drop --state-key")
+    assert result.exit_code == 5 and said in result.output, result.output
     manifest = json.loads((tmp_path / "ema" / "ema-ckpt.json").read_text())
     assert "state_key" not in manifest["selection"]
     ema_of(folder, tmp_path / "ema2", "--state-key", "state_dict_ema")

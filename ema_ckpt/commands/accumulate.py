@@ -255,6 +255,14 @@ def accumulate(
     return run_job(AccumulateJob(options), on_progress=on_progress)
 
 
+def _saved_again(checkpoint: FoundCheckpoint, folded_at: int, ema_step: int | None, recorded: str | None) -> bool:
+    """A single file folded before that the trainer has since written over with a newer step
+    (nanoGPT's ``ckpt.pt``, a ``last.ckpt`` kept alone): a new checkpoint at the same path.
+    A folder rewritten in place, or a file going back in steps, is not (a rollback)."""
+    return (checkpoint.path.is_file() and checkpoint.step > folded_at and ema_step is not None
+            and checkpoint.step > ema_step and recorded is not None and recorded != fingerprint(checkpoint.path))
+
+
 @dataclass(slots=True)
 class FoldPlan:
     """What one run folds: each EMA with its new checkpoints, and what was skipped so far."""
@@ -344,9 +352,17 @@ class AccumulateJob(Job[FoldPlan, _Folded, AccumulateResult]):
                          known=folded,
                          compare_after=None if None in starts else min(s for s in starts if s is not None))
         notes.extend(found.notes)
+        prints = {as_path(c.path).resolve(): c.fingerprint for acc in accumulators if acc.previous is not None
+                  for c in acc.previous.checkpoints}
+        newest = min((s for s in starts if s is not None), default=None)
         for c in found.checkpoints:
             done = folded.get(c.path.resolve())
-            if done is not None and done != c.step:
+            if done is None or done == c.step:
+                continue
+            if _saved_again(c, done, newest, prints.get(c.path.resolve())):
+                notes.append(f"{c.path} was saved again since it was folded at step {done}: it is new at step {c.step}")
+                del folded[c.path.resolve()]
+            else:
                 notes.append(f"skipped {c.path}: folded before at step {done}, it now reads step {c.step}")
         snapshots_on_disk = find_snapshots([out_path]) if opts.snapshot_every else []
         for acc in accumulators:
@@ -444,7 +460,7 @@ class AccumulateJob(Job[FoldPlan, _Folded, AccumulateResult]):
             reason = "NaN/Inf"
         elif isinstance(error, CheckpointFormatError):
             bad = _checkpoint_holding(checkpoints, as_path(error.path))
-            if bad is None:
+            if bad is None or "inert_globals" in error.parameters:  # its own remedy reads it whole: no skip
                 return None
             if not opts.skip_damaged:
                 raise type(error)(error.path, Note.of(error.reason) + " (pass {skip_damaged=True} to skip that "

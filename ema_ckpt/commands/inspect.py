@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..discovery import Entry, discover, holds_checkpoints, step_record
+from ..discovery import Entry, discover, step_record
 from ..dtypes import itemsize
 from ..formats import detect_format, locate_model, open_checkpoint
 from ..formats.base import formats_for
@@ -105,11 +105,12 @@ class FolderInspection:
 
 
 def is_folder_of_checkpoints(path: str | Path) -> bool:
-    """``path`` is a folder of checkpoints (to list), not a checkpoint itself (to describe)."""
+    """``path`` is a folder of checkpoints (to list), not a checkpoint itself (to describe: a
+    DeepSpeed save folder is described by the tag its ``latest`` names)."""
     path = as_path(path)
     if not path.is_dir() or (path / MANIFEST_NAME).exists():
         return False
-    return detect_format(path) is None or holds_checkpoints(path)
+    return detect_format(path) is None
 
 
 def inspect_folder(path: str | Path, *, step_regex: str | None = None, state_key: str | None = None,

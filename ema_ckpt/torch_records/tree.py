@@ -313,6 +313,8 @@ def check_harmless(tree: PickledTree, source: str, inert_globals: Sequence[str] 
     more = f" (and {len(foreign) - 1} more: {', '.join(list(foreign)[1:4])})" if len(foreign) > 1 else ""
     module, _, short = name.rpartition(".")
     said = f"refers to {name} under key {key_path(path)!r}{more}, which is not allowed; nothing from the file was run"
+    if module.startswith("torch.nn.modules"):
+        raise UnsafePickleError(source, said + " (a whole pickled torch.nn.Module: save its state_dict() instead)")
     if not short[:1].isupper() or module.split(".")[0] in _CODE_MODULES:
         raise UnsafePickleError(source, said + " (a function, not data)")
     raise UnsafePickleError(

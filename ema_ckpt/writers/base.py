@@ -106,7 +106,7 @@ class OutputWriter(abc.ABC):
     """A tag the data files' names carry (set for an output on object storage: each upload
     is a new generation of files, so the previous output's stay whole until the commit)."""
     in_directory: bool = False
-    """A one-file output that lives inside a directory of its own (``posthoc --format safetensors``):
+    """A one-file output that lives inside a directory of its own (``posthoc(format="safetensors")``):
     carried files go beside it."""
     may_copy_stored: bool = True
     """Whether regions may be planned ``raw`` (stored bytes copied as they are). The runner sets

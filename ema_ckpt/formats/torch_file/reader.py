@@ -167,7 +167,8 @@ def find_model(tree: PickledTree, path: Path, state_key: str | None) -> tuple[Ca
     if chosen.repeated:  # a dict inside itself, or one dict nested twice: a bomb, not a state dict
         raise CheckpointFormatError(path, f"a nested dict appears twice in the state dict "
                                           f"{chosen.name or '(the top level)'!r}")
-    return chosen, [c for c in found if c is not chosen]
+    # a state dict chosen: a dict holding tensors beside other values is no alternative worth naming
+    return chosen, [c for c in found if c is not chosen and (c.strict or not chosen.strict)]
 
 
 def _dtype(path: Path, key: str, name: str) -> torch.dtype:
@@ -426,7 +427,7 @@ def step_record_of(path: Path) -> tuple[int, str] | None:
 
 def _what(value: Any) -> str:
     if isinstance(value, TensorRecord):
-        return f"tensor {list(value.size)} {value.dtype}"
+        return f"tensor {'×'.join(map(str, value.size)) or 'scalar'} {value.dtype}"
     if isinstance(value, Opaque):
         return value.global_name
     if isinstance(value, dict):
