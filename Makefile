@@ -29,11 +29,13 @@ $(VENV)/.installed: $(VENV)/bin/python pyproject.toml
 	$(PY) -m pip install -q -e .
 	touch $@
 
-# DeepSpeed is a test-only producer and oracle; ema-ckpt never imports it.
-$(VENV)/.installed-test: $(VENV)/.installed
+# DeepSpeed is a test-only producer and oracle; ema-ckpt never imports it. timm's load_checkpoint
+# is an oracle too; timm without its dependencies: it asks for torchvision, which the tests never use.
+$(VENV)/.installed-test: $(VENV)/.installed pyproject.toml
 	$(PY) -m pip install -q -e ".[test]"
 	$(PY) -m pip install -q setuptools wheel
 	DS_BUILD_OPS=0 $(PY) -m pip install -q --no-build-isolation "deepspeed>=0.19,<0.20"
+	$(PY) -m pip install -q --no-deps "timm==1.0.31"
 	touch $@
 
 install: $(VENV)/.installed
@@ -67,14 +69,25 @@ $(FIXTURES_VENV)/.installed: tests/producers/trainers/requirements.txt
 	$(FIXTURES_PY) -m pip install -q --upgrade pip
 	$(FIXTURES_PY) -m pip install -q $(TORCH_INDEX) -r tests/producers/trainers/requirements.txt
 	DS_BUILD_OPS=0 $(FIXTURES_PY) -m pip install -q --no-build-isolation "deepspeed==0.19.8"
+	$(FIXTURES_PY) -m pip install -q --no-deps "timm==1.0.31"
 	touch $@
 
-fixtures: $(FIXTURES_VENV)/.installed
+# transformers 4 writes the pytorch_model.bin sets (transformers 5 writes safetensors only)
+FIXTURES_TF4_VENV ?= .venv-fixtures-tf4
+$(FIXTURES_TF4_VENV)/.installed: tests/producers/trainers/requirements-tf4.txt
+	$(PYTHON) -m venv $(FIXTURES_TF4_VENV)
+	$(FIXTURES_TF4_VENV)/bin/python -m pip install -q $(TORCH_INDEX) -r tests/producers/trainers/requirements-tf4.txt
+	touch $@
+
+fixtures: $(FIXTURES_VENV)/.installed $(FIXTURES_TF4_VENV)/.installed
 	$(FIXTURES_PY) tests/producers/trainers/hf_accelerate.py --out tests/fixtures/trainers --set all
 	$(FIXTURES_PY) tests/producers/trainers/lightning_titan_megatron.py --out tests/fixtures/trainers --set all
+	$(FIXTURES_PY) tests/producers/trainers/single_files.py --out tests/fixtures/trainers --set all
+	$(FIXTURES_PY) tests/producers/trainers/bin_folders.py --out tests/fixtures/trainers --set all \
+		--tf4-python $(FIXTURES_TF4_VENV)/bin/python
 
 clean:
-	rm -rf $(VENV) $(FIXTURES_VENV) $(DEMO_DIR) .pytest_cache .hypothesis
+	rm -rf $(VENV) $(FIXTURES_VENV) $(FIXTURES_TF4_VENV) $(DEMO_DIR) .pytest_cache .hypothesis
 
 # The documentation site, into site/ (the test suite runs the same strict build).
 docs-site: $(VENV)/.installed-test

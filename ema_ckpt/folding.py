@@ -19,15 +19,15 @@ from pathlib import Path
 from typing import Any
 
 from . import maths, profile_specs
-from .discovery import FoundCheckpoint
+from .discovery import FoundCheckpoint, discover
 from .engine import OutputSpec, Update
 from .errors import IncompatibleCheckpointError, ManifestMismatchError, OptionError, UsageError
 from .formats.base import CheckpointReader
-from .manifest import Manifest, fingerprint
+from .manifest import MANIFEST_NAME, Manifest, fingerprint
 from .maths import ExponentialProfile, PowerProfile, fold_coefficients, profile_from_dict
-from .plans import EXPONENTIAL_LONGER, POWER_LONGER, PlannedOutput, Term, sparse_warning
+from .plans import EXPONENTIAL_LONGER, POWER_LONGER, PlannedOutput, Term, find_snapshots, sparse_warning
 from .plans import Plan as AveragePlan
-from .remote import output_location
+from .remote import as_path, output_location
 from .selection import check_compatible, select_keys
 
 DEFAULT_OUT_NAME = "ema"
@@ -50,6 +50,63 @@ class Accumulator:
     previous: Manifest | None
     new: list[FoundCheckpoint] = field(default_factory=list)
     snapshot_steps: list[int] = field(default_factory=list)
+
+
+def find_new(accumulators: Sequence[Accumulator], checkpoints: Sequence[Path], *, out: Path,
+             step_regex: str | None, skip: Sequence[Path], snapshot_every: int | None, notes: list[str]) -> None:
+    """Set each accumulator's new checkpoints (and snapshot steps), from discovery of ``checkpoints``.
+
+    A checkpoint is new when it is past the EMA's step and was never folded; a single file the
+    trainer has written over since it was folded, with a newer step, is new again (nanoGPT's
+    ``ckpt.pt``). Checkpoints recorded as skipped stay skipped while they are unchanged.
+    """
+    folded = {as_path(c.path).resolve(): c.step for acc in accumulators if acc.previous is not None
+              for c in acc.previous.checkpoints}
+    prints = {as_path(c.path).resolve(): c.fingerprint for acc in accumulators if acc.previous is not None
+              for c in acc.previous.checkpoints}
+    starts = [acc.previous.step if acc.previous is not None else None for acc in accumulators]
+    found = discover(list(checkpoints), step_regex=step_regex, exclude=[out], skip=skip, known=folded,
+                     compare_after=None if None in starts else min(s for s in starts if s is not None))
+    notes.extend(found.notes)
+    newest = min((s for s in starts if s is not None), default=None)
+    for c in found.checkpoints:
+        done = folded.get(c.path.resolve())
+        if done is None or done == c.step:
+            continue
+        if _saved_again(c, done, newest, prints.get(c.path.resolve())):
+            notes.append(f"{c.path} was saved again since it was folded at step {done}: it is new at step {c.step}")
+            del folded[c.path.resolve()]
+        else:
+            notes.append(f"skipped {c.path}: folded before at step {done}, it now reads step {c.step}")
+    snapshots_on_disk = find_snapshots([out]) if snapshot_every else []
+    for acc in accumulators:
+        start = acc.previous.step if acc.previous is not None else None
+        recorded = {s.get("path"): s for s in (acc.previous.skipped if acc.previous else [])}
+        acc.new = []
+        for c in found.checkpoints:
+            if (start is not None and c.step <= start) or c.path.resolve() in folded:
+                continue
+            skip_record = recorded.get(str(c.path.resolve()))
+            if skip_record is not None and skip_record.get("fingerprint") in (None, fingerprint(c.path)):
+                if acc is accumulators[0]:
+                    notes.append(f"skipped {c.path} (step {c.step}): recorded as skipped "
+                                 f"({skip_record.get('reason')}) in {acc.final / MANIFEST_NAME}")
+                continue
+            acc.new.append(c)
+        if start is not None:
+            refuse_backwards(acc, found.checkpoints, start)
+        if snapshot_every:
+            assert isinstance(acc.profile, PowerProfile)
+            taken = [s.step for s in snapshots_on_disk if abs(s.gamma - acc.profile.gamma) < 1e-12]
+            acc.snapshot_steps = snapshot_steps([c.step for c in acc.new], max(taken, default=None), snapshot_every)
+
+
+def _saved_again(checkpoint: FoundCheckpoint, folded_at: int, ema_step: int | None, recorded: str | None) -> bool:
+    """A single file folded before that the trainer has since written over with a newer step
+    (nanoGPT's ``ckpt.pt``, a ``last.ckpt`` kept alone): a new checkpoint at the same path.
+    A folder rewritten in place, or a file going back in steps, is not (a rollback)."""
+    return (checkpoint.path.is_file() and checkpoint.step > folded_at and ema_step is not None
+            and checkpoint.step > ema_step and recorded is not None and recorded != fingerprint(checkpoint.path))
 
 
 def default_out(checkpoints: Sequence[Path]) -> Path:

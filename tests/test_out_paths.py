@@ -1,8 +1,9 @@
 """An output path says what it is, or the run is refused: a typo never becomes a directory.
 
 ``consolidate`` takes a suffix the output registry knows, an existing directory, a path ending
-in ``/`` or ``--format NAME``; DCP directory outputs refuse a file format's suffix. The check
-is the library's (``OptionError``); the CLI words it as one line, exit 2.
+in ``/``, a name without a file suffix (a directory, as ``save_pretrained`` makes) or
+``--format NAME``; DCP directory outputs refuse a file format's suffix. The check is the
+library's (``OptionError``); the CLI words it as one line, exit 2.
 """
 
 from __future__ import annotations
@@ -50,13 +51,13 @@ def _nothing_written(folder: Path, *names: str) -> None:
     ("weird.txt", "unknown output suffix .txt;"),
     ("ema.safetensor", "unknown output suffix .safetensor (did you mean ema.safetensors?)"),
     ("model.bi", "unknown output suffix .bi (did you mean model.bin?)"),
-    ("ema", "no such directory, and no suffix to tell a file format"),
+    ("model.v2", "unknown output suffix .v2;"),
 ])
 def test_a_path_that_names_no_format_is_refused(ckpt, tmp_path, out, hint):
     result = runner.invoke(app, ["consolidate", str(ckpt), "--out", str(tmp_path / out)])
     line = _refused(result, f"error: --out {tmp_path / out}: {hint}", "a path ending in " + ", ".join(SUFFIXES[:-1]),
                     "a directory for hf-sharded (an existing one, or a path ending in /)",
-                    "or pass --format NAME (safetensors, hf-sharded, torch)")
+                    "or pass --format NAME (safetensors, hf-sharded, torch, lightning)")
     assert "did you mean" not in line or out in ("ema.safetensor", "model.bi")
     _nothing_written(tmp_path, out)
 
@@ -77,13 +78,17 @@ def test_the_forms_accepted(ckpt, tmp_path):
     assert folder.exit_code == 0 and (tmp_path / "d" / "model.safetensors").is_file(), folder.output
     upper = runner.invoke(app, ["consolidate", str(ckpt), "--out", str(tmp_path / "M.SAFETENSORS"), "--json"])
     assert upper.exit_code == 0 and json.loads(upper.stdout)["layout"] == "safetensors"
+    for name in ("hf_ema", "llama-3.1-ema"):  # no file suffix: a new directory, as save_pretrained makes
+        named_dir = runner.invoke(app, ["consolidate", str(ckpt), "--out", str(tmp_path / name), "--json"])
+        assert named_dir.exit_code == 0 and json.loads(named_dir.stdout)["layout"] == "hf-sharded", named_dir.output
+        assert (tmp_path / name / "model.safetensors").is_file()
 
 
 def test_format_must_fit_the_path(ckpt, tmp_path):
     _refused(runner.invoke(app, ["consolidate", str(ckpt), "--out", str(tmp_path / "x.pt"), "--format", "safetensors"]),
              f"--format safetensors does not match --out {tmp_path / 'x.pt'} (its suffix .pt is torch)")
     _refused(runner.invoke(app, ["consolidate", str(ckpt), "--out", str(tmp_path / "x"), "--format", "npz"]),
-             "--format must be one of safetensors, hf-sharded, torch, got 'npz'")
+             "--format must be one of safetensors, hf-sharded, torch, lightning, got 'npz'")
     _refused(runner.invoke(app, ["consolidate", str(ckpt), "--out", f"{tmp_path}/", "--format", "torch"]),
              "--format torch writes one file, but --out")
     _refused(runner.invoke(app, ["consolidate", str(ckpt), "--out", f"{tmp_path}/m.safetensors/"]),

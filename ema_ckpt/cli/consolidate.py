@@ -35,12 +35,19 @@ Examples:
 
   ema-ckpt consolidate ckpts/ema --out hf/ --max-shard-size 500MB --workers 2
 
-  ema-ckpt consolidate ckpts/ema --out weights --format torch   # no suffix
+  ema-ckpt consolidate ckpts/ema --out hf_ema          # no suffix: the HF layout
+
+  ema-ckpt consolidate lightning/ema --out ema.ckpt     # Lightning's load_from_checkpoint loads it
+
+  ema-ckpt consolidate checkpoint-12.pth.tar --out ema.pt --state-key state_dict_ema
+
+  ema-ckpt consolidate ckpts/ema --out weights.dat --format torch
 
   ema-ckpt consolidate s3://bucket/run/ema --out ema.safetensors   # from S3
 
-  A directory output (hf/: the trailing / says so) holds model-0000i-of-0000N
-  shards and their index. Any other path without a known suffix is refused.
+  A directory output (hf_ema, or hf/) holds model-0000i-of-0000N shards and their
+  index, and the files its loaders read beside them (config.json, adapter_config.json).
+  An unknown file suffix (ema.safetensor) is refused.
 """
 _FORMATS = ", ".join(fmt.name for fmt in path_formats())
 
@@ -48,19 +55,22 @@ _FORMATS = ", ".join(fmt.name for fmt in path_formats())
 @reports_errors
 def consolidate_command(
     src: Annotated[
-        str, typer.Argument(help="Any supported checkpoint: DCP, ema-ckpt output, DeepSpeed, safetensors.")
+        str, typer.Argument(help="Any supported checkpoint: DCP, ema-ckpt output, DeepSpeed, safetensors, "
+                                 "a single file.")
     ],
     out: Annotated[
         str, typer.Option("--out", "-o", metavar="PATH",
-                          help="*.safetensors, *.pt/*.bin/*.pth, or a directory (HF sharded): existing or ending in /.")
+                          help="*.safetensors, *.pt/*.bin/*.pth/*.pth.tar, *.ckpt (Lightning), or a directory "
+                               "(HF sharded): a name without a suffix, or ending in /.")
     ],
     out_format: Annotated[
         str | None, typer.Option("--format", metavar="NAME",
                                  help=f"The output format, for a path that does not say: {_FORMATS}.")
     ] = None,
     max_shard_size: Annotated[
-        str, typer.Option("--max-shard-size", metavar="SIZE", help="Shard limit for a directory output.")
-    ] = "5GB",
+        str | None, typer.Option("--max-shard-size", metavar="SIZE",
+                                 help="Shard limit for a directory output (default 5GB).")
+    ] = None,
     dtype: Annotated[
         str | None, typer.Option(help="Cast floating tensors: bfloat16, float16, float32 or float64.")
     ] = None,

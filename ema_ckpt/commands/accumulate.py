@@ -25,13 +25,12 @@ from __future__ import annotations
 
 import contextlib
 import shutil
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import cast
 
-from ..discovery import FoundCheckpoint, checkpoint_paths, discover
-from ..dist import Workers
+from ..discovery import FoundCheckpoint, checkpoint_paths
 from ..dtypes import ACCUMULATE_DTYPES, torch_dtype
 from ..engine import check_device
 from ..errors import (
@@ -50,6 +49,7 @@ from ..folding import (
     check_fold_keys,
     check_same_settings,
     default_out,
+    find_new,
     fold_inputs,
     fold_output,
     fold_plan,
@@ -58,12 +58,9 @@ from ..folding import (
     make_profile,
     named_profiles,
     record_skips,
-    refuse_backwards,
     skip_records,
-    snapshot_steps,
 )
 from ..formats import open_checkpoint
-from ..formats.base import CheckpointReader
 from ..formats.dcp.reader import DcpReader
 from ..formats.options import read_options_from
 from ..fs import files_on_disk, output_path
@@ -71,13 +68,12 @@ from ..jobs import Job, JobContext, Target, WrittenOutputs, recorded_options, ru
 from ..manifest import MANIFEST_NAME, FoldedCheckpoint, Manifest, fingerprint
 from ..maths import PowerProfile
 from ..plans import Plan as AveragePlan
-from ..plans import find_snapshots
 from ..progress import Progress
-from ..remote import as_path, is_remote, output_location
+from ..remote import as_path, output_location
 from ..selection import carry_into
 from ..writers.base import check_directory_output
 from .averaging import averaged_tensors
-from .verify import crc_mismatch, damage
+from .ema_integrity import refuse_damaged_emas, refuse_damaged_remote_emas, remote_emas_folded_into
 
 _RUNTIME = {"recorded": False}
 
@@ -255,14 +251,6 @@ def accumulate(
     return run_job(AccumulateJob(options), on_progress=on_progress)
 
 
-def _saved_again(checkpoint: FoundCheckpoint, folded_at: int, ema_step: int | None, recorded: str | None) -> bool:
-    """A single file folded before that the trainer has since written over with a newer step
-    (nanoGPT's ``ckpt.pt``, a ``last.ckpt`` kept alone): a new checkpoint at the same path.
-    A folder rewritten in place, or a file going back in steps, is not (a rollback)."""
-    return (checkpoint.path.is_file() and checkpoint.step > folded_at and ema_step is not None
-            and checkpoint.step > ema_step and recorded is not None and recorded != fingerprint(checkpoint.path))
-
-
 @dataclass(slots=True)
 class FoldPlan:
     """What one run folds: each EMA with its new checkpoints, and what was skipped so far."""
@@ -342,50 +330,9 @@ class AccumulateJob(Job[FoldPlan, _Folded, AccumulateResult]):
         return plan
 
     def _find_new(self, accumulators: list[Accumulator], notes: list[str]) -> None:
-        """Each accumulator's new checkpoints (and snapshot steps), from discovery."""
         opts = self.options
-        out_path = opts.out_path
-        folded = {as_path(c.path).resolve(): c.step for acc in accumulators if acc.previous is not None
-                  for c in acc.previous.checkpoints}
-        starts = [acc.previous.step if acc.previous is not None else None for acc in accumulators]
-        found = discover(list(opts.checkpoints), step_regex=opts.step_regex, exclude=[out_path], skip=opts.skip,
-                         known=folded,
-                         compare_after=None if None in starts else min(s for s in starts if s is not None))
-        notes.extend(found.notes)
-        prints = {as_path(c.path).resolve(): c.fingerprint for acc in accumulators if acc.previous is not None
-                  for c in acc.previous.checkpoints}
-        newest = min((s for s in starts if s is not None), default=None)
-        for c in found.checkpoints:
-            done = folded.get(c.path.resolve())
-            if done is None or done == c.step:
-                continue
-            if _saved_again(c, done, newest, prints.get(c.path.resolve())):
-                notes.append(f"{c.path} was saved again since it was folded at step {done}: it is new at step {c.step}")
-                del folded[c.path.resolve()]
-            else:
-                notes.append(f"skipped {c.path}: folded before at step {done}, it now reads step {c.step}")
-        snapshots_on_disk = find_snapshots([out_path]) if opts.snapshot_every else []
-        for acc in accumulators:
-            start = acc.previous.step if acc.previous is not None else None
-            recorded = {s.get("path"): s for s in (acc.previous.skipped if acc.previous else [])}
-            acc.new = []
-            for c in found.checkpoints:
-                if (start is not None and c.step <= start) or c.path.resolve() in folded:
-                    continue
-                skip_record = recorded.get(str(c.path.resolve()))
-                if skip_record is not None and skip_record.get("fingerprint") in (None, fingerprint(c.path)):
-                    if acc is accumulators[0]:
-                        notes.append(f"skipped {c.path} (step {c.step}): recorded as skipped "
-                                     f"({skip_record.get('reason')}) in {acc.final / MANIFEST_NAME}")
-                    continue
-                acc.new.append(c)
-            if start is not None:
-                refuse_backwards(acc, found.checkpoints, start)
-            if opts.snapshot_every:
-                assert isinstance(acc.profile, PowerProfile)
-                taken = [s.step for s in snapshots_on_disk if abs(s.gamma - acc.profile.gamma) < 1e-12]
-                acc.snapshot_steps = snapshot_steps([c.step for c in acc.new], max(taken, default=None),
-                                                    opts.snapshot_every)
+        find_new(accumulators, opts.checkpoints, out=opts.out_path, step_regex=opts.step_regex, skip=opts.skip,
+                 snapshot_every=opts.snapshot_every, notes=notes)
 
     def targets(self, plan: FoldPlan) -> list[Target]:
         if self.options.dry_run:
@@ -403,7 +350,7 @@ class AccumulateJob(Job[FoldPlan, _Folded, AccumulateResult]):
             name = acc.name if final == acc.final else final.name
             outputs.append(fold_output(name, fold_weights(acc, upto=None if final == acc.final else step), index))
         readers = context.open_sources(sources)
-        for acc in _remote_emas_folded_into(plan.accumulators):  # CRC-32s checked from what the fold reads
+        for acc in remote_emas_folded_into(plan.accumulators):  # CRC-32s checked from what the fold reads
             cast(DcpReader, readers[index[str(acc.final)]]).keep_checksums = True
         keys = context.check(lambda: check_fold_keys(readers, sources, checkpoints, active, opts.include,
                                                      opts.exclude, opts.allow_new_keys))
@@ -506,62 +453,6 @@ class AccumulateJob(Job[FoldPlan, _Folded, AccumulateResult]):
             snapshots=[final for acc, final, _ in targets if final != acc.final],
             **common,  # type: ignore[arg-type]
         )
-
-
-def refuse_damaged_emas(accumulators: list[Accumulator]) -> None:
-    """Every EMA about to be folded into matches its manifest (sizes, CRC-32s), or the run stops.
-
-    A flipped bit in the previous EMA would otherwise be folded in and then covered by fresh
-    checksums. Checked before anything is written; the damaged EMA is left as it is. On object
-    storage the sizes are checked here and the CRC-32s as the fold reads the EMA
-    (:func:`refuse_damaged_remote_emas`), so that it is downloaded once.
-    """
-    for acc in accumulators:
-        if acc.previous is None or not acc.new:
-            continue
-        problems = damage(acc.final, crc=not is_remote(acc.final))
-        if problems:
-            raise _damaged(acc.final, problems)
-
-
-def refuse_damaged_remote_emas(accumulators: list[Accumulator], readers: Sequence[CheckpointReader],
-                               index: Mapping[str, int], workers: Workers) -> None:
-    """After the fold, before anything is published: each EMA on object storage that was folded
-    into has the CRC-32s its manifest records, computed from the blocks the workers read
-    (blocks no worker read are read now). Every worker takes part; the coordinator checks."""
-    previous = [(acc, readers[index[str(acc.final)]]) for acc in _remote_emas_folded_into(accumulators)]
-    if not previous:
-        return
-    read = workers.exchange([cast(DcpReader, reader).block_checksums() for _acc, reader in previous])
-
-    def check() -> None:
-        for k, (acc, reader) in enumerate(previous):
-            others = [r[k] for rank, r in enumerate(read) if rank != workers.rank]
-            problems = []
-            for name, entry in sorted(cast(Manifest, acc.previous).files.items()):
-                recorded = cast(int, entry["crc32"])  # entries were checked with the sizes, before the fold
-                actual = cast(DcpReader, reader).file_crc32(name, others)
-                if actual != recorded:
-                    problems.append(crc_mismatch(acc.final / name, actual, recorded))
-            if problems:
-                raise _damaged(acc.final, problems)
-
-    workers.on_coordinator(check)
-
-
-def _remote_emas_folded_into(accumulators: Sequence[Accumulator]) -> list[Accumulator]:
-    """The accumulators whose previous EMA, on object storage, this run folds new checkpoints into."""
-    return [acc for acc in accumulators if acc.previous is not None and acc.new and is_remote(acc.final)]
-
-
-def _damaged(final: Path, problems: list[str]) -> CheckpointFormatError:
-    more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-    return CheckpointFormatError(
-        final,
-        f"the EMA does not match its manifest: {problems[0]}{more}; it is left as it is. "
-        "Restore it from a backup, or rebuild it with {restart=True} (every checkpoint still on "
-        "disk is folded again)", remedy="restart",
-    )
 
 
 def _checkpoint_holding(checkpoints: Sequence[FoundCheckpoint], path: Path) -> FoundCheckpoint | None:

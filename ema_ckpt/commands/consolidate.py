@@ -34,6 +34,8 @@ from ..writers.base import OutputTensor, choose_output_format, ends_in_separator
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 _RUNTIME = {"recorded": False}  # how a run ran, not what it made
+DEFAULT_MAX_SHARD_SIZE = "5GB"
+"""Hugging Face's default shard limit."""
 
 
 def parse_size(text: str | int) -> int:
@@ -67,7 +69,7 @@ class ConsolidateOptions:
     src: Path
     out: Path
     format: str | None = None
-    max_shard_size: str | int = "5GB"
+    max_shard_size: str | int | None = None
     dtype: str | None = None
     keep_prefix: bool = False
     include: tuple[str, ...] = ()
@@ -89,7 +91,12 @@ class ConsolidateOptions:
         set_(self, "include", tuple(self.include))
         set_(self, "exclude", tuple(self.exclude))
         check_not_overlapping(self.src, self.out)
-        parse_size(self.max_shard_size)
+        if self.max_shard_size is not None:
+            parse_size(self.max_shard_size)
+            if output_format(self.format).single_file:  # type: ignore[arg-type]
+                raise OptionError("max_shard_size", f"shards a directory output, but {{out}} {self.out} is one "
+                                  f"{self.format} file; name a directory (no file suffix) to shard it",
+                                  value=self.max_shard_size, mentions=("out",))
         if self.dtype is not None and self.dtype not in OUTPUT_DTYPES:
             raise OptionError("dtype", f"must be one of {', '.join(OUTPUT_DTYPES)}, got {self.dtype!r}",
                               value=self.dtype)
@@ -126,7 +133,7 @@ def consolidate(
     out: str | Path,
     *,
     format: str | None = None,
-    max_shard_size: str | int = "5GB",
+    max_shard_size: str | int | None = None,
     dtype: str | None = None,
     keep_prefix: bool = False,
     include: Sequence[str] = (),
@@ -147,7 +154,8 @@ def consolidate(
             (``model.safetensor`` would otherwise become a directory).
         format: the output format by name (``safetensors``, ``hf-sharded``, ``torch``), for a
             path that does not say.
-        max_shard_size: shard limit for the directory layout (``5GB``, ``500MB``, …).
+        max_shard_size: shard limit for the directory layout (``5GB``, ``500MB``, …; default 5GB);
+            refused for a one-file output.
         dtype: cast floating tensors to ``bfloat16``/``float16``/``float32``/``float64``.
         keep_prefix: keep the ``model.`` prefix of a DCP ``{"model": …}`` checkpoint.
         include, exclude: glob patterns on the source keys.
@@ -210,7 +218,8 @@ class ConsolidateJob(Job[None, _Written, ConsolidateResult]):
         tensors = [OutputTensor(k, names[k], tuple(stored[k][0]),
                                 opts.dtype if opts.dtype is not None and is_float(stored[k][1]) else stored[k][1],
                                 stored[k][1]) for k in keys]
-        settings = {"max_shard_bytes": parse_size(opts.max_shard_size)} if "max_shard_bytes" in fmt.settings else {}
+        shard = parse_size(opts.max_shard_size if opts.max_shard_size is not None else DEFAULT_MAX_SHARD_SIZE)
+        settings = {"max_shard_bytes": shard} if "max_shard_bytes" in fmt.settings else {}
         writer = context.writer(0, fmt.name, **settings)
         carry_into([writer], reader, opts.include, opts.exclude)
         written = context.write([reader], [OutputSpec("out", (Update(0, 1.0),), mode="copy")], [writer], tensors,

@@ -32,7 +32,7 @@ class ReadOptions:
     def __post_init__(self) -> None:
         object.__setattr__(self, "inert_globals", tuple(self.inert_globals))
         for pattern in self.inert_globals:
-            if "." not in pattern.strip("*.") or any(c.isspace() for c in pattern):
+            if "." not in pattern or pattern.startswith(".") or any(c.isspace() for c in pattern):
                 raise OptionError("inert_globals", f"{pattern!r} is not a module.Name (or module.*) pattern",
                                   value=pattern)
         if self.state_key is not None and not self.state_key.strip("./"):

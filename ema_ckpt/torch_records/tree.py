@@ -204,12 +204,10 @@ HARMLESS_GLOBALS: tuple[str, ...] = (
     "collections.OrderedDict", "collections.defaultdict", "collections.Counter", "collections.deque",
     "datetime.*", "decimal.Decimal", "fractions.Fraction", "uuid.UUID", "copyreg._reconstructor",
     "builtins.set", "builtins.frozenset", "builtins.slice", "builtins.complex", "builtins.bytearray",
-    "builtins.range", "builtins.object", "_codecs.encode",
-    # numpy arrays, scalars, dtypes and random states
-    "numpy.ndarray", "numpy.dtype", "numpy.dtypes.*", "numpy.core.multiarray._reconstruct",
-    "numpy._core.multiarray._reconstruct", "numpy.core.multiarray.scalar", "numpy._core.multiarray.scalar",
-    "numpy.random._pickle.*", "numpy.random.*.RandomState", "numpy.random.*.Generator",
-    "numpy.random.*.PCG64", "numpy.random.*.MT19937", "numpy.random.*.Philox", "numpy.random.*.SFC64",
+    "builtins.range", "builtins.object", "builtins.list", "builtins.dict", "builtins.tuple", "builtins.int",
+    "builtins.float", "builtins.str", "builtins.bool", "builtins.bytes", "_codecs.encode",
+    # numpy arrays, scalars, dtypes and random states (numpy pickles these through many of its names)
+    "numpy.*",
     # torch's own inert types beside the tensors
     "torch.device", "torch.torch_version.TorchVersion", "torch._utils._rebuild_*", "torch.nn.parameter.Parameter",
     "torch.Tensor", "torch._tensor.Tensor", "torch.serialization._get_layout", "torch.strided",

@@ -116,11 +116,13 @@ def _flatten(mapping: Mapping[Any, Any], is_tensor: Callable[[Any], bool], prefi
     return flat
 
 
-def _looked_through(path: tuple[Any, ...], mapping: Mapping[Any, Any]) -> tuple[tuple[Any, ...], Mapping[Any, Any]]:
+def _looked_through(path: tuple[Any, ...], mapping: Mapping[Any, Any], everywhere: bool
+                    ) -> tuple[tuple[Any, ...], Mapping[Any, Any]]:
     """A container whose only entry is a dict stands for that dict (``{"model": {"state_dict": …}}``)."""
     while len(mapping) == 1:
         (key, value), = mapping.items()
-        if not (isinstance(key, str) and isinstance(value, dict) and value):
+        if not (isinstance(key, str) and isinstance(value, dict) and value) or (
+                not everywhere and NON_MODEL.search(key)):
             break
         path, mapping = (*path, key), value
     return path, mapping
@@ -163,7 +165,7 @@ def candidates(root: Any, *, is_tensor: Callable[[Any], bool], nbytes: Callable[
     for path, mapping in _dicts(root, everywhere=everywhere):
         if id(mapping) in covered:
             continue
-        path, mapping = _looked_through(path, mapping)
+        path, mapping = _looked_through(path, mapping, everywhere)
         flat = _flatten(mapping, is_tensor)
         if flat is None or not flat.tensors:
             continue

@@ -38,7 +38,7 @@ from ...layout import Box, TensorSpec
 from ...torch_records import TensorRecord, member_start, pread_into
 from ...torch_records.emit import dumps_inert
 from ...torch_records.legacy import is_legacy, legacy_storage_starts, read_legacy_head
-from ...torch_records.tree import Opaque, PickledTree, check_harmless, key_path, load_tree, walk
+from ...torch_records.tree import Opaque, PickledTree, check_harmless, foreign_globals, key_path, load_tree, walk
 from ...torch_records.zipfmt import END_MAGIC
 from ..base import TRAINER_STATE_FILE, CarriedFile, CheckpointReader, deliver
 from ..options import ReadOptions, read_options
@@ -410,12 +410,15 @@ def _read_facts(path: Path) -> FileFacts:
     except OSError:
         return FileFacts(kind, True, None, None)
     try:
-        root = parse_file(fd, os.fstat(fd).st_size, path).tree.root
+        tree = parse_file(fd, os.fstat(fd).st_size, path).tree
     except CheckpointFormatError:
         return FileFacts(kind, True, None, None)
     finally:
         os.close(fd)
-    holds = bool(candidates(root, is_tensor=_is_tensor)) and not NOT_MODEL_FILES.match(path.name)
+    root = tree.root
+    # a file naming what is not read as data is taken: opening it says which global, under which key
+    holds = not NOT_MODEL_FILES.match(path.name) and bool(candidates(root, is_tensor=_is_tensor) or foreign_globals(
+        tree))
     return FileFacts(kind, holds, step_in_tree(root), epoch_in_tree(root))
 
 
