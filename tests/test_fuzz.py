@@ -558,6 +558,31 @@ def test_safetensors_bytes(st_base, ops, header_only):
         _read_all(file)
 
 
+@pytest.fixture(scope="module", params=["zip", "legacy"])
+def single_file_base(request, tmp_path_factory) -> Path:
+    """A single-file checkpoint as research code writes it: weights beside training state and a Namespace."""
+    import argparse
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3))
+    state = {"model": model.state_dict(), "epoch": 2, "args": argparse.Namespace(lr=0.1, tags=["a"]),
+             "optimizer": {"state": {0: {"step": torch.tensor(2.0)}}, "param_groups": [{"lr": 0.1}]}}
+    path = tmp_path_factory.mktemp("fuzz") / "checkpoint-2.pth"
+    torch.save(state, path, _use_new_zipfile_serialization=request.param == "zip")
+    _read_all(path)
+    return path
+
+
+@FUZZ
+@given(ops=BYTE_MUTATIONS, head=st.booleans())
+def test_single_file_bytes(single_file_base, ops, head):
+    with _copy_of(single_file_base) as file:
+        data = file.read_bytes()
+        cut = min(len(data), 600)  # the pickle lies near the start in both serializations
+        file.write_bytes(mutate_bytes(data[:cut], ops) + data[cut:] if head else mutate_bytes(data, ops))
+        _read_all(file)
+
+
 _WEIRD_ST = ["F32", "BF16", "I64", "BOOL", "U8", "F8_E4M3", "F4", "XX", "f32", [0, 0], [0, 2**64], [8, 4],
              [-8, 4], [2**63, 2**63 + 4], {"dtype": "F32", "shape": [], "data_offsets": [0, 4]}]
 
@@ -626,7 +651,8 @@ def test_dcp_planner_data_value_that_is_not_a_path(tmp_path):
 
 
 @pytest.mark.parametrize("loader", [
-    "_pickle import load_dcp_metadata_bytes", "torch_records import load_tensor_record"])
+    "_pickle import load_dcp_metadata_bytes", "torch_records import load_tensor_record",
+    "torch_records.tree import load_tree"])
 @pytest.mark.parametrize("bomb", [
     # PROTO 4, NONE, LONG_BINPUT 30_000_000, STOP: 10 bytes that make CPython's C unpickler grow
     # its memo to 60M slots (480 MB); LONG_BINPUT 0xFFFFFFFF asks for 64 GB.

@@ -113,16 +113,32 @@ def test_code_in_a_pickle_never_runs_and_no_flag_lets_it(tmp_path, monkeypatch, 
         open_checkpoint(tmp_path / "evil.pt")
     result = runner.invoke(app, ["inspect", str(tmp_path / "evil.pt")])
     assert result.exit_code == 3 and "--inert-global" not in result.output
-    with reading(ReadOptions(inert_globals=("posix.*", "os.*"))):  # listed: still only read as data
-        with open_checkpoint(tmp_path / "evil.pt") as reader:
-            assert sorted(reader.specs()) == sorted(_net())
+    # listed: still only read as data
+    with reading(ReadOptions(inert_globals=("posix.*", "os.*"))), open_checkpoint(tmp_path / "evil.pt") as reader:
+        assert sorted(reader.specs()) == sorted(_net())
     assert not (tmp_path / "pwned.txt").exists()
 
 
-def test_a_whole_pickled_module_says_to_save_its_state_dict(tmp_path):
-    torch.save({"model": torch.nn.Linear(2, 2)}, tmp_path / "m.pt")
-    with pytest.raises(UnsafePickleError, match="a whole pickled torch.nn.Module: save its state_dict"):
-        open_checkpoint(tmp_path / "m.pt")
+class Detector(torch.nn.Module):  # a model class of the training code, pickled whole (ultralytics' best.pt)
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4))
+        self.register_buffer("scratch", torch.zeros(2), persistent=False)
+
+
+def test_a_whole_pickled_module_is_read_for_its_weights(tmp_path):
+    torch.manual_seed(0)
+    model, ema = Detector().half(), Detector().half()
+    torch.save({"epoch": 3, "model": model, "ema": ema, "optimizer": None}, tmp_path / "best.pt")
+    with pytest.raises(UnsafePickleError, match=rf"refers to {__name__}\.Detector under key 'model'.* a pickled "
+                                                rf"module, whose weights can be read, pass inert_globals="):
+        open_checkpoint(tmp_path / "best.pt")
+    read = _read_all(tmp_path / "best.pt", inert_globals=(f"{__name__}.*",))
+    assert _equal(read, model.state_dict())  # parameters and persistent buffers, by the module's own names
+    assert _equal(_read_all(tmp_path / "best.pt", inert_globals=(f"{__name__}.*",), state_key="ema"),
+                  ema.state_dict())
+    torch.save(torch.nn.Linear(2, 3), tmp_path / "linear.pt")  # torch's own modules need no flag
+    assert sorted(_read_all(tmp_path / "linear.pt")) == ["bias", "weight"]
 
 
 def test_enums_and_configs_of_known_trainers_pass_but_others_are_named(tmp_path):
@@ -261,3 +277,28 @@ def test_a_file_written_over_with_a_newer_step_is_folded_again(tmp_path):
     torch.save({"model": _net(9), "iter_num": 4}, tmp_path / "ckpt.pt")
     again = accumulate(tmp_path, decay=0.5, out=tmp_path / "ema")
     assert again.up_to_date and any("folded before at step 6, it now reads step 4" in n for n in again.notes)
+
+
+def test_an_omegaconf_config_is_read_and_carried_into_a_lightning_checkpoint(tmp_path):
+    from omegaconf import DictConfig, OmegaConf
+
+    config = OmegaConf.create({"model": {"hidden": 8, "layers": [1, 2]}, "optim": {"lr": 0.1}})
+    for step in (2, 4):
+        torch.save({"epoch": 0, "global_step": step, "pytorch-lightning_version": "2.6.6",
+                    "state_dict": _net(step), "hyper_parameters": config, "hparams_name": "cfg",
+                    "optimizer_states": [{"state": {0: {"step": torch.tensor(float(step))}}}]},
+                   tmp_path / f"epoch=0-step={step}.ckpt")
+    accumulate(tmp_path, decay=0.5, out=tmp_path / "ema")
+    consolidate(tmp_path / "ema", tmp_path / "ema.ckpt")
+    saved = torch.load(tmp_path / "ema.ckpt", weights_only=False)
+    assert isinstance(saved["hyper_parameters"], DictConfig) and saved["hyper_parameters"] == config
+    assert saved["global_step"] == 4 and saved["hparams_name"] == "cfg" and "optimizer_states" not in saved
+    assert sorted(saved["state_dict"]) == sorted(_net())
+
+
+def test_shared_and_self_holding_data_is_written_back_as_it_was():
+    inner: list = [1]
+    inner.append(inner)
+    value = {"a": inner, "b": inner, "t": (inner,)}
+    again = pickle.loads(dumps_inert(load_tree(pickle.dumps(value, 2), "x").root))
+    assert again["a"] is again["b"] is again["a"][1] is again["t"][0]

@@ -11,7 +11,7 @@ import torch
 
 from ema_ckpt.torch_records import (
     FileWindow,
-    load_state_dict_records,
+    TensorRecord,
     load_tensor_record,
     member_start,
     scan_record,
@@ -19,6 +19,7 @@ from ema_ckpt.torch_records import (
     tensor_pickle,
     write_tensor_record,
 )
+from ema_ckpt.torch_records.tree import load_tree
 
 
 class _Sink(io.BytesIO):
@@ -61,8 +62,8 @@ def test_pickles_describe_what_torch_save_describes():
         name = next(n for n in archive.namelist() if n.endswith("data.pkl"))
         assert load_tensor_record(archive.read(name), "torch") == load_tensor_record(tensor_pickle(t), "ours")
     state = state_dict_pickle({"a": ((2, 3), torch.float32), "b": ((), torch.int64)})
-    records = load_state_dict_records(state, "x")
-    assert [(k, r.size, r.dtype, r.storage_key) for k, (_, r) in records.items()] == [
+    records = load_tree(state, "x").root
+    assert [(k, r.size, r.dtype, r.storage_key) for k, r in records.items()] == [
         ("a", (2, 3), "float32", "0"), ("b", (), "int64", "1")]
 
 
@@ -72,7 +73,8 @@ def test_a_torch_saved_state_dict_is_located_without_building_tensors():
     torch.save(state, buffer)
     with zipfile.ZipFile(buffer) as archive:
         name = next(n for n in archive.namelist() if n.endswith("data.pkl"))
-        records = load_state_dict_records(archive.read(name), "x")
-    assert set(records) == {"model.w", "model.t"}
-    assert records["model.w"][0] == ("model", "w") and records["model.w"][1].is_contiguous
-    assert not records["model.t"][1].is_contiguous
+        tree = load_tree(archive.read(name), "x")
+    records = tree.root["model"]
+    assert set(records) == {"w", "t"} and tree.root["step"] == 2 and len(tree.storages) == 2
+    assert isinstance(records["w"], TensorRecord) and records["w"].is_contiguous
+    assert not records["t"].is_contiguous

@@ -6,7 +6,8 @@ or calling anything: each record becomes the global, the call and the state it w
 from, so the loader that reads the output (Lightning's ``load_from_checkpoint`` reading
 ``hyper_parameters``) gets back what the trainer saved. Tensors are not written here (the
 weights have their own writer); a state dict's pickle made elsewhere is spliced in whole
-(:func:`wrap_pickle`). No memo is used, so a spliced pickle's own memo indices stand.
+(:func:`wrap_pickle`), after every memo reference of the part written here, so its own memo
+indices stand.
 
 Example:
     >>> import pickle
@@ -54,15 +55,15 @@ def _str(value: str) -> bytes:
     return b"X" + struct.pack("<I", len(data)) + data
 
 
-def _tuple(items: Any, depth: int) -> bytes:
-    return _MARK + b"".join(_emit(i, depth) for i in items) + b"t"
-
-
 class _Emitter:
-    """The opcodes of one object (recursive; shared parts written again, cycles refused)."""
+    """The opcodes of one object. Containers are memoized as the pickler does (stored as soon as
+    they exist, before their contents), so shared parts are written once and a container that
+    holds itself (OmegaConf's nodes point at their parents) is written as it was read."""
 
     def __init__(self) -> None:
-        self.active: set[int] = set()
+        self.memo: dict[int, int] = {}
+        self.building: set[int] = set()  # tuples and call arguments: not memoized until complete
+        self.kept: list[Any] = []  # keeps memoized objects alive, so their ids stay theirs
 
     def emit(self, obj: Any, depth: int = 0) -> bytes:
         if depth > _MAX_DEPTH:
@@ -85,23 +86,34 @@ class _Emitter:
             raise ValueError("a tensor outside the weights cannot be written back here")
         if isinstance(obj, type) and issubclass(obj, Opaque):
             return _global(*obj.global_name.rsplit(".", 1))
-        if id(obj) in self.active:
-            raise ValueError("the data holds itself")
-        self.active.add(id(obj))
+        if id(obj) in self.memo:
+            return _get(self.memo[id(obj)])
+        if id(obj) in self.building:
+            raise ValueError("the data holds itself inside a tuple or a call's arguments")
+        return self._container(obj, depth + 1)
+
+    def _put(self, obj: Any) -> bytes:
+        index = self.memo[id(obj)] = len(self.memo)
+        self.kept.append(obj)
+        return b"q" + bytes([index]) if index < 256 else b"r" + struct.pack("<I", index)
+
+    def _args(self, obj: Any, items: Any, depth: int) -> bytes:
+        self.building.add(id(obj))
         try:
-            return self._container(obj, depth + 1)
+            return _MARK + b"".join(self.emit(a, depth) for a in items) + b"t"
         finally:
-            self.active.discard(id(obj))
+            self.building.discard(id(obj))
 
     def _container(self, obj: Any, depth: int) -> bytes:
         if isinstance(obj, Opaque):
             module, name = obj.global_name.rsplit(".", 1)
-            args = _MARK + b"".join(self.emit(a, depth) for a in obj.args) + b"t"
+            args = self._args(obj, obj.args, depth)
             if obj.kwargs:  # protocol 4's NEWOBJ_EX, as copyreg spells it for older protocols
-                out = (_global("copyreg", "__newobj_ex__") + _MARK + _global(module, name) + args
-                       + self.emit(dict(obj.kwargs), depth) + b"tR")
+                kwargs = self._args(obj, [dict(obj.kwargs)], depth)[1:-1]
+                out = _global("copyreg", "__newobj_ex__") + _MARK + _global(module, name) + args + kwargs + b"tR"
             else:
                 out = _global(module, name) + args + (b"R" if obj.called else b"\x81")
+            out += self._put(obj)
             if len(obj):
                 out += self._items(obj, depth)
             if obj.appended:
@@ -110,16 +122,17 @@ class _Emitter:
                 out += self.emit(obj.state, depth) + b"b"
             return out
         if isinstance(obj, collections.OrderedDict):
-            return _global("collections", "OrderedDict") + b")R" + self._items(obj, depth)
+            return _global("collections", "OrderedDict") + b")R" + self._put(obj) + self._items(obj, depth)
         if isinstance(obj, dict):
-            return b"}" + self._items(obj, depth)
+            return b"}" + self._put(obj) + self._items(obj, depth)
         if isinstance(obj, list):
-            return b"]" + (_MARK + b"".join(self.emit(v, depth) for v in obj) + b"e" if obj else b"")
+            head = b"]" + self._put(obj)
+            return head + (_MARK + b"".join(self.emit(v, depth) for v in obj) + b"e" if obj else b"")
         if isinstance(obj, tuple):
-            return _MARK + b"".join(self.emit(v, depth) for v in obj) + b"t"
+            return self._args(obj, obj, depth) + self._put(obj)
         if isinstance(obj, (set, frozenset)):  # as protocol 2 writes them: set([items])
             items = b"]" + (_MARK + b"".join(self.emit(v, depth) for v in obj) + b"e" if obj else b"")
-            return _global("builtins", type(obj).__name__) + _MARK + items + b"tR"
+            return _global("builtins", type(obj).__name__) + _MARK + items + b"tR" + self._put(obj)
         raise ValueError(f"a {type(obj).__name__} cannot be written back")
 
     def _items(self, mapping: dict[Any, Any], depth: int) -> bytes:
@@ -129,8 +142,8 @@ class _Emitter:
         return _MARK + b"".join(self.emit(k, depth) + self.emit(v, depth) for k, v in pairs) + b"u"
 
 
-def _emit(obj: Any, depth: int) -> bytes:
-    return _Emitter().emit(obj, depth)
+def _get(index: int) -> bytes:
+    return b"h" + bytes([index]) if index < 256 else b"j" + struct.pack("<I", index)
 
 
 def dumps_inert(obj: Any) -> bytes:

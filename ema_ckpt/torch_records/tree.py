@@ -202,15 +202,16 @@ HARMLESS_GLOBALS: tuple[str, ...] = (
     # training scripts' own records
     "argparse.Namespace", "omegaconf.*", "pathlib.*", "pathlib._local.*",
     "collections.OrderedDict", "collections.defaultdict", "collections.Counter", "collections.deque",
-    "datetime.*", "decimal.Decimal", "fractions.Fraction", "uuid.UUID", "copyreg._reconstructor",
+    "datetime.*", "decimal.Decimal", "fractions.Fraction", "uuid.UUID", "copyreg._reconstructor", "typing.*",
     "builtins.set", "builtins.frozenset", "builtins.slice", "builtins.complex", "builtins.bytearray",
     "builtins.range", "builtins.object", "builtins.list", "builtins.dict", "builtins.tuple", "builtins.int",
     "builtins.float", "builtins.str", "builtins.bool", "builtins.bytes", "_codecs.encode",
     # numpy arrays, scalars, dtypes and random states (numpy pickles these through many of its names)
     "numpy.*",
-    # torch's own inert types beside the tensors
-    "torch.device", "torch.torch_version.TorchVersion", "torch._utils._rebuild_*", "torch.nn.parameter.Parameter",
-    "torch.Tensor", "torch._tensor.Tensor", "torch.serialization._get_layout", "torch.strided",
+    # torch's own inert types beside the tensors; whole pickled modules, read for their weights
+    "torch.nn.modules.*", "torch.nn.parameter.Parameter", "torch.nn.parameter.Buffer", "torch.device",
+    "torch.torch_version.TorchVersion", "torch._utils._rebuild_*", "torch.Tensor", "torch._tensor.Tensor",
+    "torch.serialization._get_layout", "torch.strided",
     "torch.contiguous_format", "torch.channels_last", "torch.preserve_format",
     # trainers' own containers and enums (Lightning hyper-parameters and loop states, HF enums)
     "lightning.fabric.utilities.data.AttributeDict", "lightning_fabric.utilities.data.AttributeDict",
@@ -301,25 +302,60 @@ def check_harmless(tree: PickledTree, source: str, inert_globals: Sequence[str] 
     """Refuse a tree that names a global neither harmless nor listed in ``inert_globals``.
 
     Raises:
-        UnsafePickleError: naming the global, the key it sits under, and the way to read it
-            as data if it is plain data; nothing from the file ran either way.
+        UnsafePickleError: naming the global, the key it sits under, and (unless one of them
+            is code) the ``inert_globals`` that would read it as data; nothing from the file
+            ran either way.
     """
     foreign = foreign_globals(tree, inert_globals)
     if not foreign:
         return
     name, path = next(iter(foreign.items()))
     more = f" (and {len(foreign) - 1} more: {', '.join(list(foreign)[1:4])})" if len(foreign) > 1 else ""
-    module, _, short = name.rpartition(".")
     said = f"refers to {name} under key {key_path(path)!r}{more}, which is not allowed; nothing from the file was run"
-    if module.startswith("torch.nn.modules"):
-        raise UnsafePickleError(source, said + " (a whole pickled torch.nn.Module: save its state_dict() instead)")
-    if not short[:1].isupper() or module.split(".")[0] in _CODE_MODULES:
-        raise UnsafePickleError(source, said + " (a function, not data)")
-    raise UnsafePickleError(
-        source,
-        Note(f"{said}. If it is plain data (a config or a record of the training script), pass "
-             f"{{inert_globals={name}}} (or '{module}.*') to read it as inert data", mentions=("inert_globals",)),
-    )
+    code = next((n for n in foreign if _is_code(n)), None)
+    if code is not None:
+        raise UnsafePickleError(source, said + f" ({code} is a function, not data)")
+    packages = sorted({n.split(".")[0] + ".*" for n in foreign})
+    what = ("a pickled module, whose weights can be read" if any(is_module(v) for _, v in walk(tree.root))
+            else "plain data (a config or a record of the training script)")
+    if len(foreign) == 1:
+        fix = f"pass {{inert_globals={name}}} (or '{name.rpartition('.')[0]}.*')"
+    else:
+        fix = "pass " + " and ".join(f"{{inert_globals={p}}}" for p in packages[:4])
+    raise UnsafePickleError(source, Note(f"{said}. If it is {what}, {fix} to read it as inert data",
+                                         mentions=("inert_globals",)))
+
+
+def _is_code(name: str) -> bool:
+    module, _, short = name.rpartition(".")
+    return not short[:1].isupper() or module.split(".")[0] in _CODE_MODULES
+
+
+def is_module(value: Any) -> bool:
+    """A pickled ``torch.nn.Module`` read as inert data (its state holds ``_parameters`` and ``_modules``)."""
+    state = value.state if isinstance(value, Opaque) else None
+    return isinstance(state, dict) and isinstance(state.get("_parameters"), dict) and isinstance(
+        state.get("_modules"), dict)
+
+
+def module_state_dict(module: Any, prefix: str = "", depth: int = 0) -> dict[str, Any]:
+    """What ``module.state_dict()`` would hold, from a pickled module read as inert data:
+    parameters and persistent buffers, children's by their dotted names. Nothing is built."""
+    if depth > 100 or not is_module(module):
+        return {}
+    state = module.state
+    out = {prefix + k: v for k, v in state["_parameters"].items() if isinstance(k, str) and v is not None}
+    skipped = state.get("_non_persistent_buffers_set")
+    transient = set(skipped.args[0]) if isinstance(skipped, Opaque) and skipped.args and isinstance(
+        skipped.args[0], list) else set(skipped) if isinstance(skipped, (set, frozenset)) else set()
+    buffers = state.get("_buffers")
+    if isinstance(buffers, dict):
+        out.update({prefix + k: v for k, v in buffers.items()
+                    if isinstance(k, str) and v is not None and k not in transient})
+    for name, child in state["_modules"].items():
+        if isinstance(name, str) and child is not None:
+            out.update(module_state_dict(child, f"{prefix}{name}.", depth + 1))
+    return out
 
 
 _CODE_MODULES = {"builtins", "os", "posix", "nt", "subprocess", "sys", "importlib", "runpy", "shutil", "socket",
@@ -339,8 +375,10 @@ __all__ = [
     "StorageRef",
     "check_harmless",
     "foreign_globals",
+    "is_module",
     "key_path",
     "load_tree",
+    "module_state_dict",
     "plain_value",
     "walk",
 ]

@@ -13,7 +13,8 @@ bytes. A container whose only entry is another dict is looked through. ``state_k
 candidate by its path (``state_dict_ema``, ``callbacks.EMA.state``); the model's keys are its
 own names, the container's never kept.
 A wrapper's prefix on every key (``module.`` of DDP, ``_orig_mod.`` of ``torch.compile``)
-is reported by :func:`wrapper_prefix`.
+is reported by :func:`wrapper_prefix`. A whole pickled ``torch.nn.Module`` stands for the state
+dict it would give (:func:`modules_as_state_dicts`).
 
 **The step.** :func:`step_in_tree`: ``global_step``, ``step``, ``iteration``, ``iter_num``,
 ``num_updates`` at the top level (or fairseq's ``optimizer_history[-1].num_updates``);
@@ -33,6 +34,8 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from ...torch_records.tree import Opaque, is_module, module_state_dict
 
 MODEL_CONTAINERS = ("state_dict", "model", "module", "model_state_dict", "model_state", "net", "network",
                     "params", "weights")
@@ -150,6 +153,18 @@ def _known(name: Any) -> bool:
     return isinstance(name, str) and name.lower() in (*MODEL_CONTAINERS, *EMA_CONTAINERS)
 
 
+def modules_as_state_dicts(value: Any, depth: int = 0) -> Any:
+    """``value`` with every pickled ``torch.nn.Module`` in its dicts replaced by the state dict it
+    would give (``torch.save(model)``, ultralytics' ``{"model": <module>, "ema": <module>}``)."""
+    if is_module(value):
+        return module_state_dict(value)
+    if isinstance(value, dict) and not isinstance(value, Opaque) and depth <= _MAX_DEPTH:
+        changed = {k: modules_as_state_dicts(v, depth + 1) for k, v in value.items()}
+        if any(changed[k] is not v for k, v in value.items()):
+            return changed
+    return value
+
+
 def candidates(root: Any, *, is_tensor: Callable[[Any], bool], nbytes: Callable[[Any], int] = lambda _t: 0,
                everywhere: bool = False) -> list[Candidate]:
     """The dicts of tensors in ``root``, best first (see the module docstring).
@@ -162,6 +177,7 @@ def candidates(root: Any, *, is_tensor: Callable[[Any], bool], nbytes: Callable[
     strict: list[Candidate] = []
     loose: list[Candidate] = []
     covered: set[int] = set()
+    root = modules_as_state_dicts(root)
     for path, mapping in _dicts(root, everywhere=everywhere):
         if id(mapping) in covered:
             continue

@@ -112,7 +112,8 @@ def _parse_zip(fd: int, size: int, path: Path) -> ParsedFile:
             if pkl.file_size > _MAX_PICKLE_BYTES:
                 raise CheckpointFormatError(path, f"data.pkl of {pkl.file_size} bytes is too large")
             data = archive.read(pkl)
-    except (zipfile.BadZipFile, OSError, EOFError) as err:
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError, NotImplementedError, RuntimeError) as err:
+        # a corrupt directory, a name that is not UTF-8, a compression or encryption zipfile cannot read
         raise CheckpointFormatError(path, f"not a readable torch.save zip ({err})") from None
     tree = load_tree(data, str(path))
     prefix = pkl.filename[: -len("data.pkl")]
@@ -344,7 +345,7 @@ def carried_trainer_state(files: Sequence[CarriedFile], source: str) -> dict[str
                     if name is None:
                         continue
                     data = archive.read(name)
-            except (zipfile.BadZipFile, OSError) as err:
+            except (zipfile.BadZipFile, OSError, EOFError, ValueError, NotImplementedError, RuntimeError) as err:
                 raise CheckpointFormatError(f"{source}/{file.name}", f"not a readable torch.save zip ({err})") from None
         else:
             continue
