@@ -113,7 +113,7 @@ def _incomplete_reason(path: Path) -> str | None:
     return None
 
 
-def holds_checkpoints(path: Path) -> bool:
+def _holds_checkpoints(path: Path) -> bool:
     """True when a directory's own children are checkpoints (a folder of them, not one)."""
     if not path.is_dir() or locate_model(path).trainer is not None:
         return False
@@ -336,7 +336,7 @@ def discover(
             found.notes.append(Note(f"skipped {path}: left out ({{skip}})", mentions=("skip",)))
             continue
         fmt = detect_format(path)
-        if fmt is not None and holds_checkpoints(path):
+        if fmt is not None and _holds_checkpoints(path):
             fmt = None  # e.g. a DeepSpeed save dir: `latest` names one tag, but every tag counts
         if fmt is not None and not (path / MANIFEST_NAME).exists():
             checkpoint = _found(path, fmt, step_regex)
@@ -386,7 +386,6 @@ __all__ = [
     "StepRecord",
     "checkpoint_paths",
     "discover",
-    "holds_checkpoints",
     "same_model_bytes",
     "step_from_name",
     "step_record",
