@@ -33,35 +33,31 @@ def select_keys(
     A DCP saved as ``{"model": …, "optim": …}`` contributes its ``model`` part; a checkpoint
     without a ``model`` root contributes everything but optimizer and training state.
     """
-    keys = list(reader.stored())
-    roots = {k: reader.root_of(k) for k in keys}
-    if MODEL_ROOT in roots.values():
-        keys = [k for k in keys if roots[k] == MODEL_ROOT]
-    elif any(r is not None for r in roots.values()):
-        keys = [k for k in keys if roots[k] not in _NON_MODEL_ROOTS]
-    if include:
-        keys = [k for k in keys if any(fnmatch.fnmatchcase(k, g) for g in include)]
-    if exclude:
-        keys = [k for k in keys if not any(fnmatch.fnmatchcase(k, g) for g in exclude)]
-    return keys
+    return _model_part(reader, list(reader.stored()), include, exclude, tensors=True)
 
 
 def select_entries(
     reader: CheckpointReader, include: Sequence[str] = (), exclude: Sequence[str] = ()
 ) -> list[str]:
     """The model's non-tensor entries (megatron's ``*._extra_state``), by the rules of :func:`select_keys`."""
-    entries = list(reader.non_tensor_keys)
-    roots = {k: reader.root_of(k) for k in entries}
-    tensor_roots = {reader.root_of(k) for k in reader.stored()}
+    return _model_part(reader, list(reader.non_tensor_keys), include, exclude)
+
+
+def _model_part(reader: CheckpointReader, names: list[str], include: Sequence[str], exclude: Sequence[str],
+                *, tensors: bool = False) -> list[str]:
+    """``names`` (the tensor keys, with ``tensors``) under the model's root (``model`` when the
+    tensors have one, else every root but training state), filtered by the globs."""
+    roots = {k: reader.root_of(k) for k in names}
+    tensor_roots = set(roots.values()) if tensors else {reader.root_of(k) for k in reader.stored()}
     if MODEL_ROOT in tensor_roots:
-        entries = [k for k in entries if roots[k] == MODEL_ROOT]
-    else:
-        entries = [k for k in entries if roots[k] not in _NON_MODEL_ROOTS]
+        names = [k for k in names if roots[k] == MODEL_ROOT]
+    elif any(r is not None for r in roots.values()):
+        names = [k for k in names if roots[k] not in _NON_MODEL_ROOTS]
     if include:
-        entries = [k for k in entries if any(fnmatch.fnmatchcase(k, g) for g in include)]
+        names = [k for k in names if any(fnmatch.fnmatchcase(k, g) for g in include)]
     if exclude:
-        entries = [k for k in entries if not any(fnmatch.fnmatchcase(k, g) for g in exclude)]
-    return entries
+        names = [k for k in names if not any(fnmatch.fnmatchcase(k, g) for g in exclude)]
+    return names
 
 
 def carry_into(writers: Sequence[OutputWriter], reader: CheckpointReader, include: Sequence[str] = (),

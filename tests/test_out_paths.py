@@ -135,3 +135,11 @@ def test_directory_outputs_refuse_a_file_suffix(ckpt, tmp_path, command):
     _refused(runner.invoke(app, args), "error: --out ", "a dcp directory here would be taken for a",
              "name it otherwise, or write one file with consolidate")
     _nothing_written(tmp_path, "ema.safetensors", "ema.pt", "ph.safetensors", "avg.bin")
+
+
+def test_a_shard_size_for_a_one_file_output_is_refused(ckpt, tmp_path):
+    _refused(runner.invoke(app, ["consolidate", str(ckpt), "--out", str(tmp_path / "m.safetensors"),
+                                 "--max-shard-size", "2GB"]),
+             f"--max-shard-size shards a directory output, but --out {tmp_path / 'm.safetensors'} is one "
+             "safetensors file; name a directory (no file suffix) to shard it")
+    _nothing_written(tmp_path, "m.safetensors")

@@ -70,6 +70,18 @@ _STORAGE_DTYPES = {
 }
 
 
+def storage_dtype(module: str, name: str) -> DtypeName | None:
+    """The dtype a torch storage or dtype global names (``torch.FloatStorage``, ``torch.bfloat16``,
+    ``torch.UntypedStorage``), or None."""
+    if module in ("torch", "torch.storage") and name == "UntypedStorage":
+        return DtypeName(_UNTYPED)
+    if module == "torch" and name in _STORAGE_DTYPES:
+        return DtypeName(_STORAGE_DTYPES[name])
+    if module == "torch" and name in TORCH_NAMES:
+        return DtypeName(canonical(name))
+    return None
+
+
 class _StorageRef:
     __slots__ = ("dtype", "key", "numel")
 
@@ -123,12 +135,9 @@ class _TensorRecordUnpickler(InMemoryUnpickler):
             return _rebuild_record
         if module == "torch._utils" and name == "_rebuild_tensor_v3":
             return _rebuild_record_v3
-        if module in ("torch", "torch.storage") and name == "UntypedStorage":
-            return DtypeName(_UNTYPED)
-        if module == "torch" and name in _STORAGE_DTYPES:
-            return DtypeName(_STORAGE_DTYPES[name])
-        if module == "torch" and name in TORCH_NAMES:
-            return DtypeName(canonical(name))
+        dtype = storage_dtype(module, name)
+        if dtype is not None:
+            return dtype
         if module == "collections" and name == "OrderedDict":
             return collections.OrderedDict
         if module == "torch" and name == "Size":

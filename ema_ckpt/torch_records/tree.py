@@ -30,9 +30,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._unpickler import InMemoryUnpickler
-from ..dtypes import TORCH_NAMES, DtypeName, canonical
+from ..dtypes import DtypeName
 from ..errors import CheckpointFormatError, Note, UnsafePickleError
-from .pickles import _STORAGE_DTYPES, _UNTYPED, TensorRecord, _rebuild_record, _rebuild_record_v3, _size
+from .pickles import _UNTYPED, TensorRecord, _rebuild_record, _rebuild_record_v3, _size, storage_dtype
 
 
 class Opaque(dict):  # type: ignore[type-arg]
@@ -133,12 +133,9 @@ class _TreeUnpickler(InMemoryUnpickler):
         special = _TORCH_SPECIALS.get((module, name))
         if special is not None:
             return special
-        if module in ("torch", "torch.storage") and name == "UntypedStorage":
-            return DtypeName(_UNTYPED)
-        if module == "torch" and name in _STORAGE_DTYPES:
-            return DtypeName(_STORAGE_DTYPES[name])
-        if module == "torch" and name in TORCH_NAMES:
-            return DtypeName(canonical(name))
+        dtype = storage_dtype(module, name)
+        if dtype is not None:
+            return dtype
         if (module, name) in _compat_pickle.NAME_MAPPING:  # protocol 2 names builtins as Python 2 did
             module, name = _compat_pickle.NAME_MAPPING[(module, name)]
         elif module in _compat_pickle.IMPORT_MAPPING:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
 import socket
+import sys
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 DEEPSPEED_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")
@@ -32,3 +35,36 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def run_producer(description: str, sets: Sequence[str], workers: Mapping[str, Callable[[str, Path], None]],
+                 produce: Callable[[str, Path], Path], argv: list[str] | None = None) -> int:
+    """A producer script's command line: ``--set all|a,b --out DIR``, each set produced in turn
+    (a failure reported and the others produced), or one ``--worker`` run (under torchrun)."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--set", default="all", help=f"'all' or comma-separated names of: {', '.join(sets)}")
+    parser.add_argument("--out", type=Path, default=Path("tests/fixtures/trainers"))
+    parser.add_argument("--worker", choices=sorted(workers), help=argparse.SUPPRESS)
+    parser.add_argument("--set-dir", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        workers[args.worker](args.set, args.set_dir)
+        return 0
+    names = list(sets) if args.set == "all" else [s.strip() for s in args.set.split(",") if s.strip()]
+    unknown = [n for n in names if n not in sets]
+    if unknown:
+        parser.error(f"unknown set(s) {unknown}; choose from {list(sets)} or 'all'")
+    failures = []
+    for name in names:
+        print(f"[{name}] producing ...", flush=True)
+        try:
+            set_dir = produce(name, args.out)
+        except Exception as exc:  # report and go on with the other sets
+            failures.append(name)
+            print(f"[{name}] FAILED: {exc}", file=sys.stderr, flush=True)
+            continue
+        print(f"[{name}] done: {set_dir}", flush=True)
+    if failures:
+        print(f"failed sets: {failures}", file=sys.stderr)
+        return 1
+    return 0

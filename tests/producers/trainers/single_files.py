@@ -61,7 +61,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fixture_common import TORCHRUN_VARS as _TORCHRUN_VARS
-from fixture_common import free_port
+from fixture_common import free_port, run_producer
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -1279,33 +1279,7 @@ WORKERS = {"lightning": lightning_worker, "mae": mae_worker, "nanogpt": nanogpt_
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--set", default="all", help=f"'all' or comma-separated names of: {', '.join(SETS)}")
-    parser.add_argument("--out", type=Path, default=Path("tests/fixtures/trainers"))
-    parser.add_argument("--worker", choices=sorted(WORKERS), help=argparse.SUPPRESS)
-    parser.add_argument("--set-dir", type=Path, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    if args.worker:
-        WORKERS[args.worker](args.set, args.set_dir)
-        return 0
-    names = list(SETS) if args.set == "all" else [s.strip() for s in args.set.split(",") if s.strip()]
-    unknown = [n for n in names if n not in SETS]
-    if unknown:
-        parser.error(f"unknown set(s) {unknown}; choose from {list(SETS)} or 'all'")
-    failures = []
-    for name in names:
-        print(f"[{name}] producing ...", flush=True)
-        try:
-            set_dir = produce(name, args.out)
-        except Exception as exc:  # report and go on with the other sets
-            failures.append(name)
-            print(f"[{name}] FAILED: {exc}", file=sys.stderr, flush=True)
-            continue
-        print(f"[{name}] done: {set_dir}", flush=True)
-    if failures:
-        print(f"failed sets: {failures}", file=sys.stderr)
-        return 1
-    return 0
+    return run_producer(__doc__.splitlines()[0], SETS, WORKERS, produce, argv)
 
 
 if __name__ == "__main__":
