@@ -203,7 +203,9 @@ class TorchFileReader(CheckpointReader):
             self.chosen, self.others = find_model(parsed.tree, self.path, options.state_key)
             self.wrapper = wrapper_prefix(list(self.chosen.tensors))
             self._kind = parsed.kind
-            self._top = parsed.tree.root
+            # what is kept of the rest of the file (its optimizer state may be most of its records)
+            self._entries = describe_top_level(parsed.tree.root, self.chosen)
+            self._trainer_state = trainer_state(parsed.tree.root, self.chosen)
             record = step_in_tree(parsed.tree.root)
             self.step: int | None = record[0] if record is not None else None
             self._tensors = self._index(parsed)
@@ -297,7 +299,7 @@ class TorchFileReader(CheckpointReader):
             "other_state_dicts": [c.name or "(the top level)" for c in self.others],
             "wrapper_prefix": self.wrapper,
             "left_out": sorted(k for k in self.chosen.extras)[:20],
-            "tree": describe_top_level(self._top, self.chosen),
+            "tree": self._entries,
             "storages": len(storages),
             "keys_sharing_storage": sum(n for n in storages.values() if n > 1),
             "step": self.step,
@@ -307,11 +309,10 @@ class TorchFileReader(CheckpointReader):
         """The file's top-level entries beside its state dict, tensors left out (Lightning's
         ``hyper_parameters``), as :data:`~ema_ckpt.formats.base.TRAINER_STATE_FILE`: a
         ``.ckpt`` output made from it loads with ``load_from_checkpoint``."""
-        state = trainer_state(self._top, self.chosen)
-        if not state:
+        if not self._trainer_state:
             return ()
         try:
-            return [CarriedFile(TRAINER_STATE_FILE, dumps_inert(state))]
+            return [CarriedFile(TRAINER_STATE_FILE, dumps_inert(self._trainer_state))]
         except ValueError:  # nothing a loader needs is lost: the weights are whole
             return ()
 
