@@ -31,7 +31,7 @@ from pathlib import Path
 
 from .errors import CheckpointNotFoundError, IncompatibleCheckpointError, Note, UsageError
 from .formats import detect_format, locate_model, open_checkpoint
-from .formats.base import TRAINER_STATE, CheckpointFormat, CheckpointReader, formats_for, nested_incomplete
+from .formats.base import TRAINER_STATE, CheckpointFormat, CheckpointReader, not_a_model_reason, waiting_reason
 from .formats.torch_file import SUFFIXES as TORCH_SUFFIXES
 from .layout import row_blocks
 from .manifest import MANIFEST_NAME
@@ -100,17 +100,6 @@ def checkpoint_paths(checkpoints: str | Path | Sequence[str | Path]) -> list[Pat
 def _inside(path: Path, roots: Iterable[Path]) -> bool:
     resolved = path.resolve()
     return any(resolved == r or r in resolved.parents for r in roots)
-
-
-def _incomplete_reason(path: Path) -> str | None:
-    nested = nested_incomplete(path)
-    if nested:
-        return nested
-    for fmt in formats_for(path):
-        reason = fmt.incomplete(path)
-        if reason:
-            return reason
-    return None
 
 
 def _holds_checkpoints(path: Path) -> bool:
@@ -237,11 +226,6 @@ def _left(found: Discovery, child: Path, why: str, *, note: bool = True) -> None
         found.notes.append(f"skipped {child}: " + why)
 
 
-def _not_a_model(child: Path) -> str | None:
-    """Why an entry that looks like a checkpoint never will be one (``optimizer.pt``), or None."""
-    return next((reason for fmt in formats_for(child) if (reason := fmt.not_a_model(child))), None)
-
-
 def _scan_folder(path: Path, found: Discovery, step_regex: str | None, excluded: Sequence[Path],
                  skipped: Sequence[Path], used: set[Path]) -> None:
     """Folders first; the files beside them count only when no folder is a checkpoint (a file
@@ -277,12 +261,12 @@ def _scan_entry(child: Path, found: Discovery, step_regex: str | None, excluded:
         return False
     child_fmt = detect_format(child)
     if child_fmt is None:
-        waits = _incomplete_reason(child)
+        waits = waiting_reason(child)
         if waits:
             _left(found, child, waits)
             return True
         # never a checkpoint: listed by inspect, not noted on every run
-        _left(found, child, _not_a_model(child) or "not a checkpoint of a known format", note=False)
+        _left(found, child, not_a_model_reason(child) or "not a checkpoint of a known format", note=False)
         return False
     checkpoint = _found(child, child_fmt, step_regex)
     if isinstance(checkpoint, str):
@@ -346,7 +330,7 @@ def discover(
             continue
         if not path.is_dir():
             raise CheckpointNotFoundError(path, "not a checkpoint of any known format")
-        reason = _incomplete_reason(path)
+        reason = waiting_reason(path)
         if reason:
             raise CheckpointNotFoundError(path, reason)
         before = len(found.checkpoints)

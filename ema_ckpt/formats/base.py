@@ -395,6 +395,21 @@ def nested_incomplete(path: str | Path) -> str | None:
     return None
 
 
+def waiting_reason(path: Path) -> str | None:
+    """Why ``path`` is a checkpoint still being written (itself, or the model folder a trainer
+    nests in it), or None."""
+    for fmt in formats_for(path):
+        reason = fmt.incomplete(path)
+        if reason:
+            return reason
+    return nested_incomplete(path)
+
+
+def not_a_model_reason(path: Path) -> str | None:
+    """Why ``path``, complete and of a known kind, never holds a model (``optimizer.pt``), or None."""
+    return next((reason for fmt in formats_for(path) if (reason := fmt.not_a_model(path))), None)
+
+
 TRAINER_STATE = "trainer_state.json"
 
 
@@ -436,17 +451,12 @@ def open_checkpoint(path: str | Path, *, shared: object | None = None) -> Checkp
     location = locate_model(path)
     fmt = _own_format(location.path)
     if fmt is None:
-        for candidate in formats_for(path):
-            reason = candidate.incomplete(path)
-            if reason:  # a folder without its marker yet holds no checkpoint; a cut file is a damaged one
-                raise (CheckpointNotFoundError if path.is_dir() else CheckpointFormatError)(path, reason)
-        reason = nested_incomplete(path)
+        reason = waiting_reason(path)
+        if reason:  # a folder without its marker yet holds no checkpoint; a cut file is a damaged one
+            raise (CheckpointNotFoundError if path.is_dir() else CheckpointFormatError)(path, reason)
+        reason = not_a_model_reason(path)
         if reason:
-            raise CheckpointNotFoundError(path, reason)
-        for candidate in formats_for(path):
-            reason = candidate.not_a_model(path)
-            if reason:
-                raise CheckpointFormatError(path, reason)
+            raise CheckpointFormatError(path, reason)
         if is_remote(path):
             names = ", ".join(f.name for f in formats_for(path))
             raise CheckpointNotFoundError(path, f"not a checkpoint of a format read from object storage ({names}; "
