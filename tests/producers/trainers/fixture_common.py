@@ -68,3 +68,20 @@ def run_producer(description: str, sets: Sequence[str], workers: Mapping[str, Ca
         print(f"failed sets: {failures}", file=sys.stderr)
         return 1
     return 0
+
+
+def package_versions(names: Sequence[str]) -> dict[str, str | None]:
+    """Python's, torch's and each named distribution's version (None when not installed), safetensors'
+    included: what a set's ``producer.json`` records."""
+    import importlib.metadata as md
+    import platform
+
+    import torch
+
+    out: dict[str, str | None] = {"python": platform.python_version(), "torch": torch.__version__}
+    for name in [*names, "safetensors"]:
+        try:
+            out[name] = md.version(name)
+        except md.PackageNotFoundError:
+            out[name] = None
+    return out

@@ -35,7 +35,6 @@ import inspect
 import io
 import json
 import os
-import platform
 import shutil
 import signal
 import subprocess
@@ -46,7 +45,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fixture_common import TORCHRUN_VARS as _TORCHRUN_VARS
-from fixture_common import drop_deepspeed_scripts, free_port, run_producer
+from fixture_common import drop_deepspeed_scripts, free_port, package_versions, run_producer
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed reads it at import (the DS oracle too)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -729,19 +728,12 @@ def megatron_oracles(set_name: str, set_dir: Path) -> dict:
 
 
 def versions(kind: str) -> dict:
-    import importlib.metadata as md
-
     names = {
         "lightning": ["pytorch-lightning", "deepspeed"],
         "torchtitan": ["torchtitan"],
         "megatron": ["megatron-core"],
     }[kind]
-    out = {"python": platform.python_version(), "torch": torch.__version__}
-    for name in [*names, "safetensors"]:
-        try:
-            out[name] = md.version(name)
-        except md.PackageNotFoundError:
-            out[name] = None
+    out = package_versions(names)
     if kind == "lightning":
         import lightning_fabric
 

@@ -45,7 +45,6 @@ import inspect
 import json
 import math
 import os
-import platform
 import shutil
 import signal
 import subprocess
@@ -61,7 +60,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fixture_common import TORCHRUN_VARS as _TORCHRUN_VARS
-from fixture_common import free_port, run_producer
+from fixture_common import free_port, package_versions, run_producer
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -1013,12 +1012,7 @@ def versions(kind: str) -> dict:
     import importlib.metadata as md
 
     names = {"lightning": ["pytorch-lightning"], "mae": [], "nanogpt": [], "timm": ["timm"]}[kind]
-    out = {"python": platform.python_version(), "torch": torch.__version__}
-    for name in [*names, "safetensors"]:
-        try:
-            out[name] = md.version(name)
-        except md.PackageNotFoundError:
-            out[name] = None
+    out = package_versions(names)
     if kind == "lightning":
         import lightning_fabric
 
