@@ -23,7 +23,7 @@ from .discovery import FoundCheckpoint, discover
 from .engine import OutputSpec, Update
 from .errors import IncompatibleCheckpointError, ManifestMismatchError, OptionError, UsageError
 from .formats.base import CheckpointReader
-from .manifest import MANIFEST_NAME, Manifest, fingerprint
+from .manifest import MANIFEST_NAME, FoldedCheckpoint, Manifest, current_fingerprint, fingerprint
 from .maths import ExponentialProfile, PowerProfile, fold_coefficients, profile_from_dict
 from .plans import EXPONENTIAL_LONGER, POWER_LONGER, PlannedOutput, Term, find_snapshots, sparse_warning
 from .plans import Plan as AveragePlan
@@ -69,6 +69,7 @@ def find_new(accumulators: Sequence[Accumulator], checkpoints: Sequence[Path], *
                      compare_after=None if None in starts else min(s for s in starts if s is not None))
     notes.extend(found.notes)
     newest = min((s for s in starts if s is not None), default=None)
+    refuse_rewritten(accumulators, found.checkpoints, newest)
     for c in found.checkpoints:
         done = folded.get(c.path.resolve())
         if done is None or done == c.step:
@@ -99,6 +100,51 @@ def find_new(accumulators: Sequence[Accumulator], checkpoints: Sequence[Path], *
             assert isinstance(acc.profile, PowerProfile)
             taken = [s.step for s in snapshots_on_disk if abs(s.gamma - acc.profile.gamma) < 1e-12]
             acc.snapshot_steps = snapshot_steps([c.step for c in acc.new], max(taken, default=None), snapshot_every)
+
+
+def refuse_rewritten(accumulators: Sequence[Accumulator], found: Sequence[FoundCheckpoint],
+                     ema_step: int | None) -> None:
+    """Refuse to fold on when a checkpoint already folded has been written again since (a rollback:
+    the trainer went back and saved over the same paths, other weights, the same steps).
+
+    Each folded checkpoint still on disk is fingerprinted (names, sizes and times of its files,
+    its metadata's bytes; no tensor is read) and compared with the manifest's record. One that
+    vanished is retention, and fine. A single file written over with a newer step than the EMA's
+    is a new checkpoint (:func:`_saved_again`), not a rollback.
+    """
+    latest: dict[Path, tuple[Accumulator, FoldedCheckpoint]] = {}
+    for acc in accumulators:
+        for record in acc.previous.checkpoints if acc.previous is not None else []:
+            path = as_path(record.path).resolve()
+            if path not in latest or record.step >= latest[path][1].step:
+                latest[path] = (acc, record)
+    by_path = {c.path.resolve(): c for c in found}
+    rewritten = []
+    for path, (acc, record) in latest.items():
+        now = current_fingerprint(path)
+        if now is None or now == record.fingerprint:
+            continue
+        checkpoint = by_path.get(path)
+        if checkpoint is not None and _saved_again(checkpoint, record.step, ema_step, record.fingerprint):
+            continue
+        rewritten.append((record.step, path, acc))
+    if not rewritten:
+        return
+    step, path, acc = min(rewritten)
+    gone = sorted(r.step for p, (_, r) in latest.items() if not p.exists())
+    on_disk = sorted(c.step for c in found)
+    lost = (f"; the {len(gone)} folded checkpoint(s) no longer on disk (steps {_steps(gone)}) cannot be folded "
+            "again: their share of the EMA is lost") if gone else ""
+    more = f" (and {len(rewritten) - 1} more)" if len(rewritten) > 1 else ""
+    raise IncompatibleCheckpointError(
+        f"{path} (step {step}) was folded into {acc.final}, and has been written again since{more}: the trainer "
+        "went back and saved over it (a rollback?), and folding on would mix two runs. Pass {restart=True} to "
+        f"rebuild the EMA from the {len(on_disk)} checkpoint(s) on disk (steps {_steps(on_disk)}){lost}",
+        remedy="restart")
+
+
+def _steps(steps: Sequence[int]) -> str:
+    return ", ".join(map(str, steps)) if len(steps) <= 4 else f"{steps[0]}, {steps[1]}, …, {steps[-1]}"
 
 
 def _saved_again(checkpoint: FoundCheckpoint, folded_at: int, ema_step: int | None, recorded: str | None) -> bool:

@@ -111,6 +111,15 @@ class Manifest:
             os.fsync(handle.fileno())
 
 
+def current_fingerprint(path: Path) -> str | None:
+    """:func:`fingerprint` of what is at ``path`` now, or None when it is gone (or going: retention
+    deleting it while it is looked at)."""
+    try:
+        return fingerprint(path) if path.exists() else None
+    except OSError:
+        return None
+
+
 def fingerprint(path: Path) -> str:
     """A cheap identity of a checkpoint: names, sizes and mtimes of its files, its metadata bytes.
 

@@ -494,7 +494,7 @@ def test_skip_takes_the_nested_model_folder_an_error_names(copy_of, tmp_path):
     assert any("nope" in n and "no such checkpoint was found" in n for n in found.notes)
 
 
-def test_a_checkpoint_already_folded_is_never_folded_again_under_another_step(copy_of, tmp_path):
+def test_a_checkpoint_folded_then_written_again_is_a_rollback_never_folded_on(copy_of, tmp_path):
     work = copy_of("hf-trainer-fsdp")
     ckpts = work / "ckpts"
     first = runner.invoke(app, ["accumulate", str(ckpts), "--decay", "0.9", "--out", str(tmp_path / "ema")])
@@ -502,8 +502,9 @@ def test_a_checkpoint_already_folded_is_never_folded_again_under_another_step(co
     state = json.loads((ckpts / "checkpoint-2" / "trainer_state.json").read_text())
     (ckpts / "checkpoint-2" / "trainer_state.json").write_text(json.dumps(state | {"global_step": 8}))
     again = runner.invoke(app, ["accumulate", str(ckpts), "--decay", "0.9", "--out", str(tmp_path / "ema")])
-    assert again.exit_code == 0 and "up to date at step 6" in again.output, again.output
-    assert "folded before at step 2, it now reads step 8" in again.output
+    assert again.exit_code == 4, again.output
+    assert f"{ckpts / 'checkpoint-2'} (step 2) was folded into" in again.output
+    assert "has been written again since" in again.output and "Pass --restart" in again.output
 
 
 def test_verify_checks_a_deepspeed_tags_own_crcs(copy_of):

@@ -1,0 +1,79 @@
+"""A cron job beside a live trainer: rollbacks, saves in progress, nested outputs, edited manifests.
+
+Every case here is a way a trainer (or an operator) can change the checkpoint folder between two
+cron runs; none may end in a wrong EMA published with exit 0.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from ema_ckpt.cli import app
+from ema_ckpt.commands.accumulate import accumulate
+from ema_ckpt.errors import IncompatibleCheckpointError
+from tests.dcp_helpers import write_dcp
+
+runner = CliRunner()
+
+
+def _save(folder: Path, step: int, seed: int) -> Path:
+    torch.manual_seed(seed)
+    return write_dcp(folder / f"step_{step}", {"model.w": torch.randn(8, 4), "model.b": torch.randn(4)})
+
+
+def _run(ckpts: Path, out: Path, *flags: str):
+    return runner.invoke(app, ["accumulate", str(ckpts), "--decay", "0.9", "--out", str(out), *flags],
+                         terminal_width=300)
+
+
+@pytest.mark.parametrize("rewritten", [[300, 400, 500], [300]], ids=["all-rewritten", "one-rewritten"])
+def test_a_rollback_at_the_same_paths_is_refused_naming_the_first_rewritten_step(tmp_path, rewritten):
+    ckpts = tmp_path / "ckpts"
+    for step in (100, 200, 300, 400, 500):
+        _save(ckpts, step, seed=step)
+    assert _run(ckpts, tmp_path / "ema").exit_code == 0
+    for step in (300, 400, 500):  # the trainer diverged: it goes back to 200 and saves again
+        shutil.rmtree(ckpts / f"step_{step}")
+    for step in rewritten:
+        _save(ckpts, step, seed=step + 1)
+    _save(ckpts, 600, seed=600)
+    for flags in ([], ["--dry-run"]):
+        result = _run(ckpts, tmp_path / "ema", *flags)
+        assert result.exit_code == 4, result.output
+        assert f"{ckpts / 'step_300'} (step 300) was folded into {tmp_path / 'ema'}" in result.output
+        assert "has been written again since" in result.output and "Pass --restart to rebuild" in result.output
+    gone = {400, 500} - set(rewritten)
+    if gone:
+        assert "steps 400, 500) cannot be folded again: their share of the EMA is lost" in result.output
+    restarted = _run(ckpts, tmp_path / "ema", "--restart")
+    assert restarted.exit_code == 0, restarted.output
+    assert "EMA now at step 600" in restarted.output
+
+
+def test_checkpoints_deleted_by_retention_are_no_rollback(tmp_path):
+    ckpts = tmp_path / "ckpts"
+    for step in (100, 200, 300):
+        _save(ckpts, step, seed=step)
+    assert _run(ckpts, tmp_path / "ema").exit_code == 0
+    shutil.rmtree(ckpts / "step_100")
+    shutil.rmtree(ckpts / "step_200")
+    _save(ckpts, 400, seed=400)
+    result = _run(ckpts, tmp_path / "ema")
+    assert result.exit_code == 0 and "folded step 400" in result.output, result.output
+
+
+def test_the_library_says_the_same(tmp_path):
+    ckpts = tmp_path / "ckpts"
+    for step in (1, 2):
+        _save(ckpts, step, seed=step)
+    accumulate(ckpts, decay=0.9, out=tmp_path / "ema")
+    shutil.rmtree(ckpts / "step_2")
+    _save(ckpts, 2, seed=99)
+    with pytest.raises(IncompatibleCheckpointError) as caught:
+        accumulate(ckpts, decay=0.9, out=tmp_path / "ema")
+    assert caught.value.remedy == "restart" and "restart=True" in str(caught.value)
