@@ -36,6 +36,7 @@ from .formats.torch_file import SUFFIXES as TORCH_SUFFIXES
 from .layout import row_blocks
 from .manifest import MANIFEST_NAME
 from .remote import RemotePath, as_path, forget_listings
+from .saves import save_in_progress
 from .selection import select_keys
 from .steps import EPOCHS, StepRecord, StepUnknown, step_from_name, step_record
 
@@ -235,7 +236,7 @@ def _scan_folder(path: Path, found: Discovery, step_regex: str | None, excluded:
     files = [c for c in children if not c.is_dir()]
     beside_folders = False
     for child in folders:
-        beside_folders |= _scan_entry(child, found, step_regex, excluded, skipped, used)
+        beside_folders |= _scan_entry(child, found, step_regex, excluded, skipped, used, beside=children)
     for child in files:
         if not (child.is_file() and child.name.lower().endswith(CHECKPOINT_FILE_SUFFIXES)):
             _left(found, child, "not a checkpoint file" if child.is_file() else "not a file or folder", note=False)
@@ -246,9 +247,10 @@ def _scan_folder(path: Path, found: Discovery, step_regex: str | None, excluded:
 
 
 def _scan_entry(child: Path, found: Discovery, step_regex: str | None, excluded: Sequence[Path],
-                skipped: Sequence[Path], used: set[Path]) -> bool:
-    """One entry of a scanned folder: taken (with its step), or left with the reason. True when
-    it is a checkpoint of the training run (taken, left out by the user, or still being written)."""
+                skipped: Sequence[Path], used: set[Path], beside: Sequence[Path] = ()) -> bool:
+    """One entry of a scanned folder (``beside``: the folder's other entries): taken (with its
+    step), or left with the reason. True when it is a checkpoint of the training run (taken,
+    left out by the user, or still being written)."""
     if _inside(child, excluded):
         _left(found, child, "the output of this run", note=False)
         return False
@@ -268,6 +270,10 @@ def _scan_entry(child: Path, found: Discovery, step_regex: str | None, excluded:
         # never a checkpoint: listed by inspect, not noted on every run
         _left(found, child, not_a_model_reason(child) or "not a checkpoint of a known format", note=False)
         return False
+    waits = save_in_progress(child, beside)
+    if waits:
+        _left(found, child, waits)
+        return True
     checkpoint = _found(child, child_fmt, step_regex)
     if isinstance(checkpoint, str):
         _left(found, child, checkpoint)

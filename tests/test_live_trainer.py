@@ -77,3 +77,54 @@ def test_the_library_says_the_same(tmp_path):
     with pytest.raises(IncompatibleCheckpointError) as caught:
         accumulate(ckpts, decay=0.9, out=tmp_path / "ema")
     assert caught.value.remedy == "restart" and "restart=True" in str(caught.value)
+
+
+FIXTURES = Path(__file__).parent / "fixtures" / "trainers"
+
+
+def _consolidated(ema: Path, out: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    assert runner.invoke(app, ["consolidate", str(ema), "--out", str(out)]).exit_code == 0
+    return load_file(out)
+
+
+def test_a_trainer_folder_mid_save_is_skipped_and_folded_once_finished(tmp_path):
+    """The Trainer under ZeRO writes config.json and its bf16 model.safetensors first, the fp32 tag and
+    trainer_state.json last: a cron run in between must fold nothing of it."""
+    ckpts = tmp_path / "ckpts"
+    shutil.copytree(FIXTURES / "hf-trainer-zero2-bf16" / "ckpts", ckpts)
+    finished = tmp_path / "checkpoint-6-finished"
+    shutil.move(ckpts / "checkpoint-6", finished)
+    (ckpts / "checkpoint-6").mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(finished / name, ckpts / "checkpoint-6" / name)
+    result = _run(ckpts, tmp_path / "ema")
+    assert result.exit_code == 0 and "EMA now at step 4" in result.output, result.output
+    assert "checkpoint-6: no trainer_state.json yet (the Trainer writes it last: a save in progress?)" in result.output
+    shutil.rmtree(ckpts / "checkpoint-6")
+    shutil.move(finished, ckpts / "checkpoint-6")
+    again = _run(ckpts, tmp_path / "ema")
+    assert again.exit_code == 0 and "folded step 6" in again.output, again.output
+    assert _run(ckpts, tmp_path / "ema-once").exit_code == 0
+    incremental, once = (_consolidated(tmp_path / n, tmp_path / f"{n}.safetensors") for n in ("ema", "ema-once"))
+    assert sorted(incremental) == sorted(once) and all(torch.equal(incremental[k], once[k]) for k in once)
+
+
+def test_a_lone_trainer_folder_holding_the_trainers_files_waits_for_its_state(tmp_path):
+    ckpts = tmp_path / "ckpts"
+    ckpts.mkdir()
+    shutil.copytree(FIXTURES / "hf-trainer-zero2-bf16" / "ckpts" / "checkpoint-2", ckpts / "checkpoint-2")
+    (ckpts / "checkpoint-2" / "trainer_state.json").unlink()
+    result = _run(ckpts, tmp_path / "ema")
+    assert result.exit_code == 3 and "no trainer_state.json yet" in result.output, result.output
+
+
+def test_an_accelerate_folder_without_its_random_states_is_mid_save(tmp_path):
+    ckpts = tmp_path / "ckpts"
+    shutil.copytree(FIXTURES / "accelerate-plain" / "ckpts" / "checkpoints", ckpts)
+    for rng in (ckpts / "checkpoint_2").glob("random_states_*.pkl"):
+        rng.unlink()
+    result = _run(ckpts, tmp_path / "ema")
+    assert result.exit_code == 0 and "EMA now at step 3" in result.output, result.output
+    assert "checkpoint_2: no random_states_0.pkl yet (accelerate's save_state writes it last" in result.output
