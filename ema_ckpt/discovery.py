@@ -29,7 +29,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import CheckpointNotFoundError, IncompatibleCheckpointError, Note, UsageError
+from .errors import CheckpointNotFoundError, IncompatibleCheckpointError, Note, OptionError, UsageError
 from .formats import detect_format, locate_model, open_checkpoint
 from .formats.base import TRAINER_STATE, CheckpointFormat, CheckpointReader, not_a_model_reason, waiting_reason
 from .formats.torch_file import SUFFIXES as TORCH_SUFFIXES
@@ -284,6 +284,17 @@ def _scan_entry(child: Path, found: Discovery, step_regex: str | None, excluded:
     return True
 
 
+def _refuse_nesting(outputs: Sequence[Path], checkpoints: Sequence[FoundCheckpoint]) -> None:
+    """An output inside a checkpoint, or holding one: publishing it would replace the checkpoint."""
+    for out in outputs:
+        for c in checkpoints:
+            path = c.path.resolve()
+            if path == out or path in out.parents or out in path.parents:
+                where = "inside" if path in out.parents else "around"
+                raise OptionError("out", f"{out} lies {where} the checkpoint {c.path}; write the output elsewhere",
+                                  value=out)
+
+
 def _record_kind(source: str) -> str:
     """A step source without the name it was read from (``step_regex on the folder name x``)."""
     note = Note.of(source)
@@ -302,7 +313,8 @@ def discover(
 ) -> Discovery:
     """Find the checkpoints in ``paths`` (each a checkpoint or a folder of them).
 
-    ``exclude`` lists paths never taken, silently (outputs); ``skip`` lists checkpoints the
+    ``exclude`` lists paths never taken, silently (outputs: one inside a checkpoint, or holding
+    one, is refused, as its publishing would replace the checkpoint); ``skip`` lists checkpoints the
     user leaves out, each noted. ``known`` maps checkpoints already folded to
     their steps: of two copies of one step the known one is kept, and copies of steps up to
     ``compare_after`` are not compared byte for byte (that run reads neither). ``require``:
@@ -358,6 +370,7 @@ def discover(
         found.notes.append(Note("these steps count epochs: {decay} and {half_life} apply per epoch (or pass "
                                 "{step_regex} where the names count optimizer steps)",
                                 mentions=("decay", "half_life", "step_regex")))
+    _refuse_nesting(excluded, found.checkpoints)
     found.checkpoints.sort(key=lambda c: (c.step, str(c.path)))
     _drop_identical_copies(found, {as_path(p).resolve(): s for p, s in (known or {}).items()}, compare_after)
     if not found.checkpoints and require:

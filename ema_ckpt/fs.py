@@ -34,6 +34,7 @@ from typing import Any, cast
 
 from ._crc import crc32
 from .errors import OptionError, OutputError, OutputLockedError
+from .manifest import MANIFEST_NAME
 from .remote import RemoteFile, RemotePath, as_path, is_remote, remote_files
 
 _RENAME_EXCHANGE = 2
@@ -170,6 +171,40 @@ def check_not_overlapping(src: Path, out: Path) -> None:
     a, b = src.resolve(), out.resolve()
     if a == b or a in b.parents or b in a.parents:
         raise OptionError("out", f"{out} overlaps the source {src}; write the output elsewhere", value=out)
+
+
+OUTPUT_OWN_FILES = frozenset({MANIFEST_NAME, ".metadata"})
+"""Files of an ema-ckpt output that its manifest's ``files`` does not list, by design."""
+
+
+def check_output_place(final: Path) -> None:
+    """Refuse an output that would nest in another, or replace what ema-ckpt did not write.
+
+    Publishing replaces an output directory whole: an output inside another ema-ckpt output
+    (``--sigma-rel`` into a classic EMA's folder) would vanish at that one's next run, and
+    anything else inside a directory being replaced would vanish now.
+
+    Raises:
+        OptionError: ``final`` lies inside an ema-ckpt output, or is one holding entries its
+            manifest does not list.
+    """
+    if not is_remote(final):
+        for parent in final.resolve().parents:
+            if (parent / MANIFEST_NAME).is_file():
+                raise OptionError("out", f"{final} is inside the ema-ckpt output {parent}, which its next run "
+                                  "replaces whole; write the output elsewhere", value=final)
+    if not (final / MANIFEST_NAME).is_file():
+        return
+    from .manifest import Manifest
+
+    manifest = Manifest.read(final)
+    listed = set(manifest.files) if manifest is not None else set()
+    for entry in sorted(final.iterdir(), key=lambda p: p.name):
+        if entry.name not in OUTPUT_OWN_FILES and entry.name not in listed:
+            kind = "directory" if entry.is_dir() else "file"
+            raise OptionError("out", f"{final} holds the {kind} {entry.name}, which ema-ckpt did not write there; "
+                              f"the new output replaces {final} whole: move {entry.name} away, or write "
+                              "elsewhere", value=final)
 
 
 def publish_file(staging: Path, final: Path) -> None:

@@ -42,7 +42,7 @@ from .errors import EmaCkptError, OptionError, UsageError
 from .formats import open_checkpoint
 from .formats.base import CheckpointReader
 from .formats.options import read_options_from, reading
-from .fs import OutputLock, discard_on_error, new_staging_dir, publish, publish_file, recover
+from .fs import OutputLock, check_output_place, discard_on_error, new_staging_dir, publish, publish_file, recover
 from .manifest import Manifest
 from .progress import Progress
 from .remote import RemotePath, is_remote
@@ -242,6 +242,7 @@ def _stage_compute_publish(job: Job[PlanT, ComputedT, Any], plan: PlanT, targets
             recover_output(target.final)
             if target.final.exists() and not target.replace:
                 raise UsageError(f"{target.final} exists; pass {{overwrite=True}} to replace it", remedy="overwrite")
+            check_output_place(target.final)
         stagings, generations = [], []
         generation = new_generation()  # one per run: the outputs of a run share one layout
         for target in targets:

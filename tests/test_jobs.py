@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -64,8 +65,10 @@ class FileJob(Job[dict, list, dict]):
     def manifests(self, plan: dict, computed: list) -> list[Manifest | None]:
         if self.options.fail == "manifest":
             raise UsageError("manifest failed")
+        size = len(plan["text"].encode())  # each rank's file, as an output's manifest lists what it wrote
+        files = {f"data-{rank}.txt": {"size": size, "crc32": zlib.crc32(plan["text"].encode())} for rank in computed}
         return [Manifest(kind="test", profile={}, dtype="float32", step=plan["attempt"], source_format="none",
-                         options=recorded_options(self.options))]
+                         options=recorded_options(self.options), files=files)]
 
     def finish_without_output(self, plan: dict) -> None:
         self.calls.append("finish_without_output")

@@ -128,3 +128,25 @@ def test_an_accelerate_folder_without_its_random_states_is_mid_save(tmp_path):
     result = _run(ckpts, tmp_path / "ema")
     assert result.exit_code == 0 and "EMA now at step 3" in result.output, result.output
     assert "checkpoint_2: no random_states_0.pkl yet (accelerate's save_state writes it last" in result.output
+
+
+def test_outputs_never_nest_and_a_swap_never_deletes_what_it_did_not_write(tmp_path):
+    ckpts = tmp_path / "ckpts"
+    for step in (100, 200):
+        _save(ckpts, step, seed=step)
+    ema = tmp_path / "ema"
+    assert _run(ckpts, ema).exit_code == 0
+    before = sorted(p.name for p in ema.iterdir())
+    power = runner.invoke(app, ["accumulate", str(ckpts), "--sigma-rel", "0.1", "--out", str(ema)], terminal_width=300)
+    assert power.exit_code == 2 and f"{ema / 'sigma_rel_0.1'} is inside the ema-ckpt output {ema}" in power.output
+    assert sorted(p.name for p in ema.iterdir()) == before
+    inside = runner.invoke(app, ["consolidate", str(ckpts / "step_100"), "--out", str(ema / "x.safetensors")],
+                           terminal_width=300)
+    assert inside.exit_code == 2 and "is inside the ema-ckpt output" in inside.output
+    (ema / "notes").mkdir()  # something of the user's inside the EMA's folder
+    _save(ckpts, 300, seed=300)
+    kept = _run(ckpts, ema)
+    assert kept.exit_code == 2 and f"{ema} holds the directory notes, which ema-ckpt did not write there" in kept.output
+    assert (ema / "notes").is_dir()
+    around = _run(ckpts, ckpts / "step_100" / "ema")
+    assert around.exit_code == 2 and "lies inside the checkpoint" in around.output, around.output

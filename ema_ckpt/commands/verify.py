@@ -33,7 +33,7 @@ from ..errors import CheckpointError, CheckpointNotFoundError, EmaCkptError
 from ..formats import open_checkpoint
 from ..formats.base import CheckpointReader
 from ..formats.options import ReadOptions
-from ..fs import HASH_BLOCK_BYTES, size_and_crc32
+from ..fs import HASH_BLOCK_BYTES, OUTPUT_OWN_FILES, size_and_crc32
 from ..layout import TensorSpec, split_rows
 from ..manifest import MANIFEST_NAME, Manifest
 from ..progress import Progress
@@ -42,8 +42,6 @@ from ..remote import as_path
 
 READ_BLOCK_BYTES = 64 << 20
 """Tensors are read back in row blocks of at most this many bytes (at least one row)."""
-_KNOWN_FILES = {MANIFEST_NAME, ".metadata"}
-"""Files of an ema-ckpt output that the manifest's ``files`` does not list, by design."""
 
 
 @dataclass(slots=True)
@@ -406,7 +404,7 @@ def _check_extras(path: Path, listed: dict[str, Any], result: VerifyResult) -> N
         result.problem(f"{path}: cannot list ({err.strerror or err})")
         return
     for entry in present:
-        if entry.name in _KNOWN_FILES or entry.name in listed:
+        if entry.name in OUTPUT_OWN_FILES or entry.name in listed:
             continue
         kind = "directory" if entry.is_dir() else "file"
         result.problem(f"{entry}: extra {kind} not listed in {MANIFEST_NAME}")
