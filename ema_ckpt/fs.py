@@ -197,7 +197,7 @@ def check_output_place(final: Path) -> None:
         return
     from .manifest import Manifest
 
-    manifest = Manifest.read(final)
+    manifest = Manifest.read(final, check=False)  # only its file list: a run that may replace it got here
     listed = set(manifest.files) if manifest is not None else set()
     for entry in sorted(final.iterdir(), key=lambda p: p.name):
         if entry.name not in OUTPUT_OWN_FILES and entry.name not in listed:

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, cast
 
 from ._version import __version__
-from .errors import CheckpointFormatError
+from .errors import CheckpointFormatError, ManifestMismatchError
 from .remote import RemotePath, is_remote
 
 MANIFEST_NAME = "ema-ckpt.json"
@@ -61,7 +61,9 @@ class Manifest:
     format_version: int = MANIFEST_FORMAT
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"
+        data = asdict(self)
+        data[INTEGRITY] = _digest(data)
+        return json.dumps(data, indent=2, sort_keys=True) + "\n"
 
     @classmethod
     def from_json(cls, text: str) -> Manifest:
@@ -71,13 +73,24 @@ class Manifest:
         return cls(**{k: v for k, v in data.items() if k in known})
 
     @classmethod
-    def read(cls, directory: Path) -> Manifest | None:
-        """The manifest in ``directory``, or None when there is none."""
+    def read(cls, directory: Path, *, check: bool = True) -> Manifest | None:
+        """The manifest in ``directory``, or None when there is none.
+
+        ``check``: refuse one edited since ema-ckpt wrote it (its ``integrity`` no longer matches).
+        Manifests written before the field existed have none, and are taken as they are.
+
+        Raises:
+            CheckpointFormatError: unreadable.
+            ManifestMismatchError: edited by hand (``restart=True`` rebuilds the output).
+        """
         file = directory / MANIFEST_NAME
         if not file.exists():
             return None
         try:
-            return cls.from_json(file.read_text())
+            text = file.read_text()
+            if check:
+                _check_integrity(file, json.loads(text))
+            return cls.from_json(text)
         except (OSError, ValueError, TypeError, KeyError) as err:
             raise CheckpointFormatError(file, f"unreadable ema-ckpt manifest ({err})") from None
 
@@ -109,6 +122,25 @@ class Manifest:
             handle.write(self.to_json())
             handle.flush()
             os.fsync(handle.fileno())
+
+
+INTEGRITY = "integrity"
+"""The manifest's own checksum: an edit that does not recompute it cannot agree with it."""
+
+
+def _digest(data: dict[str, Any]) -> str:
+    body = {k: v for k, v in data.items() if k != INTEGRITY}
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return "sha256:" + hashlib.sha256(canonical.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def _check_integrity(file: Path, data: Any) -> None:
+    recorded = data.get(INTEGRITY) if isinstance(data, dict) else None
+    if recorded is not None and recorded != _digest(data):
+        raise ManifestMismatchError(
+            f"{file}: edited since ema-ckpt wrote it (its integrity checksum no longer matches): the settings and "
+            "checkpoints it records cannot be trusted; restore it, or pass {restart=True} to rebuild the output",
+            remedy="restart")
 
 
 def current_fingerprint(path: Path) -> str | None:

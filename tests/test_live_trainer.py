@@ -150,3 +150,42 @@ def test_outputs_never_nest_and_a_swap_never_deletes_what_it_did_not_write(tmp_p
     assert (ema / "notes").is_dir()
     around = _run(ckpts, ckpts / "step_100" / "ema")
     assert around.exit_code == 2 and "lies inside the checkpoint" in around.output, around.output
+
+
+def test_a_hand_edited_manifest_is_refused_not_trusted(tmp_path):
+    import json
+
+    ckpts = tmp_path / "ckpts"
+    for step in (100, 200):
+        _save(ckpts, step, seed=step)
+    ema = tmp_path / "ema"
+    assert _run(ckpts, ema).exit_code == 0
+    manifest = ema / "ema-ckpt.json"
+    doc = json.loads(manifest.read_text())
+    assert doc["integrity"].startswith("sha256:")
+    doc["profile"]["decay"] = 0.5  # "the same EMA, with another decay from now on"
+    manifest.write_text(json.dumps(doc, indent=2))
+    _save(ckpts, 300, seed=300)
+    result = runner.invoke(app, ["accumulate", str(ckpts), "--decay", "0.5", "--out", str(ema)], terminal_width=300)
+    assert result.exit_code == 5, result.output
+    assert f"{manifest}: edited since ema-ckpt wrote it" in result.output and "pass --restart" in result.output
+    verify = runner.invoke(app, ["verify", str(ema)], terminal_width=300)
+    assert verify.exit_code == 3 and "edited since ema-ckpt wrote it" in verify.output
+    restarted = runner.invoke(app, ["accumulate", str(ckpts), "--decay", "0.5", "--out", str(ema), "--restart"])
+    assert restarted.exit_code == 0, restarted.output
+    assert runner.invoke(app, ["verify", str(ema)]).exit_code == 0
+
+
+def test_a_manifest_written_before_the_checksum_is_still_read(tmp_path):
+    import json
+
+    ckpts = tmp_path / "ckpts"
+    _save(ckpts, 100, seed=1)
+    ema = tmp_path / "ema"
+    assert _run(ckpts, ema).exit_code == 0
+    doc = json.loads((ema / "ema-ckpt.json").read_text())
+    del doc["integrity"]
+    (ema / "ema-ckpt.json").write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
+    _save(ckpts, 200, seed=2)
+    assert _run(ckpts, ema).exit_code == 0
+    assert "integrity" in json.loads((ema / "ema-ckpt.json").read_text())

@@ -304,7 +304,7 @@ class AccumulateJob(Job[FoldPlan, _Folded, AccumulateResult]):
         accumulators = []
         for name, profile in opts.profiles():
             final = out_path / name if opts.power else out_path
-            previous = Manifest.read(final) if final.is_dir() else None
+            previous = Manifest.read(final, check=not opts.restart) if final.is_dir() else None
             if not opts.power and final.exists() and previous is None and any(final.iterdir()):
                 raise UsageError(f"{final} exists and is not an ema-ckpt output; choose another {{out}}",
                                  mentions=("out",))
