@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
-from .errors import OptionError
+from .errors import OptionError, UsageError
 
 
 def _text(variable: str, env: Mapping[str, str] | None) -> str:
@@ -45,3 +45,22 @@ def whole_number(variable: str, default: int, what: str, env: Mapping[str, str] 
     if value < 1:
         raise OptionError(variable, f"must be a whole number of {what}, at least 1, got {text!r}", value=text)
     return value
+
+
+def check_working_directory() -> None:
+    """Refuse to start where torch cannot load: a working directory whose path is longer than
+    ``PATH_MAX`` makes its bundled oneMKL abort the process inside ``import torch`` (exit 2, no
+    message of ours). Checked before a run takes its lock or makes its staging directory.
+
+    Raises:
+        UsageError: the working directory cannot be read, or its path is too long.
+    """
+    try:
+        here = os.getcwd()
+        limit = os.pathconf("/", "PC_PATH_MAX")
+    except (OSError, ValueError) as err:
+        raise UsageError(f"the working directory cannot be read ({getattr(err, 'strerror', None) or err}); "
+                         "run from another directory") from None
+    if len(os.fsencode(here)) >= limit:
+        raise UsageError(f"the working directory's path is {len(os.fsencode(here)):,} bytes long, more than "
+                         f"PATH_MAX ({limit}): torch cannot load from there; run from a shorter path")

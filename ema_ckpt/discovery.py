@@ -25,11 +25,19 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import CheckpointNotFoundError, IncompatibleCheckpointError, Note, OptionError, UsageError
+from .errors import (
+    CheckpointFormatError,
+    CheckpointNotFoundError,
+    EmaCkptError,
+    IncompatibleCheckpointError,
+    Note,
+    OptionError,
+    UsageError,
+)
 from .formats import detect_format, locate_model, open_checkpoint
 from .formats.base import TRAINER_STATE, CheckpointFormat, CheckpointReader, not_a_model_reason, waiting_reason
 from .formats.torch_file import SUFFIXES as TORCH_SUFFIXES
@@ -231,19 +239,41 @@ def _scan_folder(path: Path, found: Discovery, step_regex: str | None, excluded:
                  skipped: Sequence[Path], used: set[Path]) -> None:
     """Folders first; the files beside them count only when no folder is a checkpoint (a file
     beside checkpoint folders is an export or a copy: ``model.safetensors`` of a final save)."""
-    children = sorted(c for c in path.iterdir() if not c.name.startswith("."))
-    folders = [c for c in children if c.is_dir()]
-    files = [c for c in children if not c.is_dir()]
+    with reading_input(path):
+        children = sorted(c for c in path.iterdir() if not c.name.startswith("."))
+    folders = [c for c in children if _is_dir(c)]
+    files = [c for c in children if c not in folders]
     beside_folders = False
     for child in folders:
-        beside_folders |= _scan_entry(child, found, step_regex, excluded, skipped, used, beside=children)
+        with reading_input(child):
+            beside_folders |= _scan_entry(child, found, step_regex, excluded, skipped, used, beside=children)
     for child in files:
-        if not (child.is_file() and child.name.lower().endswith(CHECKPOINT_FILE_SUFFIXES)):
-            _left(found, child, "not a checkpoint file" if child.is_file() else "not a file or folder", note=False)
-        elif beside_folders:
-            _left(found, child, "a file beside checkpoint folders (name it to read it)", note=False)
-        else:
-            _scan_entry(child, found, step_regex, excluded, skipped, used)
+        with reading_input(child):
+            if not (child.is_file() and child.name.lower().endswith(CHECKPOINT_FILE_SUFFIXES)):
+                _left(found, child, "not a checkpoint file" if child.is_file() else "not a file or folder",
+                      note=False)
+            elif beside_folders:
+                _left(found, child, "a file beside checkpoint folders (name it to read it)", note=False)
+            else:
+                _scan_entry(child, found, step_regex, excluded, skipped, used)
+
+
+def _is_dir(path: Path) -> bool:
+    with reading_input(path):
+        return path.is_dir()
+
+
+@contextlib.contextmanager
+def reading_input(path: Path) -> Iterator[None]:
+    """An ``OSError`` while looking at input ``path`` (a folder that cannot be listed, a file that
+    cannot be opened) is a :class:`~ema_ckpt.errors.CheckpointFormatError` naming it (exit 3):
+    never an output error, never a file of ours it never held."""
+    try:
+        yield
+    except EmaCkptError:
+        raise
+    except OSError as err:
+        raise CheckpointFormatError(path, f"cannot read ({err.strerror or err})") from None
 
 
 def _scan_entry(child: Path, found: Discovery, step_regex: str | None, excluded: Sequence[Path],
@@ -301,6 +331,36 @@ def _record_kind(source: str) -> str:
     return Note(re.split(" on the (?:folder|file) name", note.template)[0], mentions=note.mentions)
 
 
+def _discover_one(path: Path, found: Discovery, step_regex: str | None, excluded: Sequence[Path],
+                  skipped: Sequence[Path], used: set[Path]) -> None:
+    """One path a command was given: a checkpoint, or a folder of them."""
+    if not path.exists():
+        raise CheckpointNotFoundError(path, "no such file or directory")
+    if _skipped(path, skipped, used):
+        found.notes.append(Note(f"skipped {path}: left out ({{skip}})", mentions=("skip",)))
+        return
+    fmt = detect_format(path)
+    if fmt is not None and _holds_checkpoints(path):
+        fmt = None  # e.g. a DeepSpeed save dir: `latest` names one tag, but every tag counts
+    if fmt is not None and not (path / MANIFEST_NAME).exists():
+        checkpoint = _found(path, fmt, step_regex)
+        if isinstance(checkpoint, str):
+            raise CheckpointNotFoundError(path, "cannot tell the training step: " + checkpoint)
+        found.checkpoints.append(checkpoint)
+        return
+    if not path.is_dir():
+        raise CheckpointNotFoundError(path, "not a checkpoint of any known format")
+    reason = waiting_reason(path)
+    if reason:
+        raise CheckpointNotFoundError(path, reason)
+    before = len(found.checkpoints)
+    _scan_folder(path, found, step_regex, excluded, skipped, used)
+    project = path / ACCELERATE_CHECKPOINTS
+    if len(found.checkpoints) == before and project.is_dir() and not project.is_symlink():
+        # accelerate's project folder: automatic_checkpoint_naming saves into checkpoints/
+        _scan_folder(project, found, step_regex, excluded, skipped, used)
+
+
 def discover(
     paths: Sequence[str | Path],
     *,
@@ -332,31 +392,8 @@ def discover(
     used: set[Path] = set()
     for raw in paths:
         path = as_path(raw)
-        if not path.exists():
-            raise CheckpointNotFoundError(path, "no such file or directory")
-        if _skipped(path, skipped, used):
-            found.notes.append(Note(f"skipped {path}: left out ({{skip}})", mentions=("skip",)))
-            continue
-        fmt = detect_format(path)
-        if fmt is not None and _holds_checkpoints(path):
-            fmt = None  # e.g. a DeepSpeed save dir: `latest` names one tag, but every tag counts
-        if fmt is not None and not (path / MANIFEST_NAME).exists():
-            checkpoint = _found(path, fmt, step_regex)
-            if isinstance(checkpoint, str):
-                raise CheckpointNotFoundError(path, "cannot tell the training step: " + checkpoint)
-            found.checkpoints.append(checkpoint)
-            continue
-        if not path.is_dir():
-            raise CheckpointNotFoundError(path, "not a checkpoint of any known format")
-        reason = waiting_reason(path)
-        if reason:
-            raise CheckpointNotFoundError(path, reason)
-        before = len(found.checkpoints)
-        _scan_folder(path, found, step_regex, excluded, skipped, used)
-        project = path / ACCELERATE_CHECKPOINTS
-        if len(found.checkpoints) == before and project.is_dir() and not project.is_symlink():
-            # accelerate's project folder: automatic_checkpoint_naming saves into checkpoints/
-            _scan_folder(project, found, step_regex, excluded, skipped, used)
+        with reading_input(path):
+            _discover_one(path, found, step_regex, excluded, skipped, used)
     for target in skipped:
         if target not in used:
             found.notes.append(Note(f"{{skip}} {target}: no such checkpoint was found", mentions=("skip",)))

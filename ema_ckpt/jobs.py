@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
+from ._env import check_working_directory
 from ._gc import frozen_heap, paused_gc
 from .dist import Workers, current_workers, in_worker_group, run_workers
 from .engine import EngineStats, OutputSpec, combine_regions
@@ -187,6 +188,7 @@ def run_job(job: Job[PlanT, ComputedT, ResultT], *,
     if settings.workers > 1 and not in_worker_group() and job.lock_path() is not None:
         result: ResultT = run_workers(settings.workers, run_job, job, local_kwargs={"on_progress": on_progress})
         return result
+    check_working_directory()  # before the lock and the staging exist: a start-up that cannot fail later
     with reading(read_options_from(settings)):  # every reader of the run, on every worker
         return _run_job(job, on_progress)
 

@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
+from ._env import check_working_directory
 from .dist import Workers, assign_by_bytes, current_workers, run_workers
 from .formats.options import ReadOptions, reading
 from .progress import Progress
@@ -93,6 +94,7 @@ def run_reading(world_size: int, func: Callable[..., T], /, *args: Any,
     ``on_progress`` goes to this process only (it reports this process's share). ``read``:
     how every worker reads checkpoints (:mod:`ema_ckpt.formats.options`).
     """
+    check_working_directory()
     result: T = run_workers(world_size, _in_group, func, device, args, read,
                             local_kwargs={"on_progress": on_progress})
     return result

@@ -189,3 +189,55 @@ def test_a_manifest_written_before_the_checksum_is_still_read(tmp_path):
     _save(ckpts, 200, seed=2)
     assert _run(ckpts, ema).exit_code == 0
     assert "integrity" in json.loads((ema / "ema-ckpt.json").read_text())
+
+
+def _without_dac_override(args: list[str], cwd: Path) -> "subprocess.CompletedProcess[str]":
+    """The command as root without CAP_DAC_OVERRIDE: file modes bind it, as they bind a cron user."""
+    import subprocess
+    import sys
+
+    if shutil.which("setpriv") is None:
+        pytest.fail("setpriv (util-linux) is needed to drop CAP_DAC_OVERRIDE")
+    drop = "-dac_override,-dac_read_search"
+    return subprocess.run(["setpriv", f"--bounding-set={drop}", f"--inh-caps={drop}", "--",
+                           sys.executable, "-m", "ema_ckpt", *args], capture_output=True, text=True, cwd=cwd,
+                          timeout=300)
+
+
+def test_an_unreadable_checkpoint_is_exit_3_naming_it(tmp_path):
+    ckpts = tmp_path / "ckpts"
+    for step in (100, 200):
+        _save(ckpts, step, seed=step)
+    (ckpts / "step_200").chmod(0)
+    try:
+        proc = _without_dac_override(["accumulate", str(ckpts), "--decay", "0.9", "--out", str(tmp_path / "ema")],
+                                     tmp_path)
+    finally:
+        (ckpts / "step_200").chmod(0o755)
+    assert proc.returncode == 3, proc.stderr
+    assert proc.stderr.strip() == f"error: {ckpts / 'step_200'}: cannot read (Permission denied)"
+    assert not (tmp_path / "ema").exists()
+
+
+def test_a_newline_in_a_path_is_shown_not_cut(tmp_path):
+    folder = tmp_path / "a\nb"
+    result = runner.invoke(app, ["accumulate", str(folder / "ckpts"), "--decay", "0.9", "--out", str(tmp_path / "e")])
+    assert result.exit_code == 3
+    assert f"{tmp_path}/a\\x0ab/ckpts: no such file or directory" in result.output, result.output
+
+
+def test_a_working_directory_torch_cannot_load_from_is_refused_before_the_lock(tmp_path):
+    import subprocess
+    import sys
+
+    ckpts = tmp_path / "ckpts"
+    _save(ckpts, 100, seed=1)
+    deep = tmp_path / "deep"
+    deep.mkdir()
+    part = "d" * 120
+    climb = " && ".join(["cd " + str(deep)] + [f"mkdir {part} && cd {part}"] * 40)  # 4,800 bytes, past PATH_MAX
+    command = f"{climb} && {sys.executable} -m ema_ckpt accumulate {ckpts} --decay 0.9 --out {tmp_path / 'ema'}"
+    proc = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    assert "more than PATH_MAX" in proc.stderr and "torch cannot load from there" in proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpts", "deep"]  # no lock, no staging

@@ -62,9 +62,14 @@ def _first_line(text: str) -> str:
 
 
 def error_message(err: BaseException) -> tuple[str, int]:
-    """The one-line message and exit code for ``err``."""
+    """The one-line message and exit code for ``err``.
+
+    A message is escaped whole, never cut: a path or key holding a newline shows it as ``\\x0a``
+    (the rest of the line is what tells which file). Only a foreign exception's own text, which
+    may run over many lines, is cut to its first.
+    """
     if isinstance(err, EmaCkptError):
-        return escaped(_first_line(err.render(flag_for))), err.exit_code
+        return escaped(err.render(flag_for).strip()), err.exit_code
     if isinstance(err, OSError):
         where = f"{err.filename}: " if err.filename else ""
         return escaped(f"{where}{err.strerror or _first_line(str(err))}"), OS_ERROR
