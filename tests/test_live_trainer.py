@@ -191,7 +191,7 @@ def test_a_manifest_written_before_the_checksum_is_still_read(tmp_path):
     assert "integrity" in json.loads((ema / "ema-ckpt.json").read_text())
 
 
-def _without_dac_override(args: list[str], cwd: Path) -> "subprocess.CompletedProcess[str]":
+def _without_dac_override(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
     """The command as root without CAP_DAC_OVERRIDE: file modes bind it, as they bind a cron user."""
     import subprocess
     import sys
