@@ -7,6 +7,8 @@ cron runs; none may end in a wrong EMA published with exit 0.
 from __future__ import annotations
 
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -193,9 +195,6 @@ def test_a_manifest_written_before_the_checksum_is_still_read(tmp_path):
 
 def _without_dac_override(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
     """The command as root without CAP_DAC_OVERRIDE: file modes bind it, as they bind a cron user."""
-    import subprocess
-    import sys
-
     if shutil.which("setpriv") is None:
         pytest.fail("setpriv (util-linux) is needed to drop CAP_DAC_OVERRIDE")
     drop = "-dac_override,-dac_read_search"
@@ -227,9 +226,6 @@ def test_a_newline_in_a_path_is_shown_not_cut(tmp_path):
 
 
 def test_a_working_directory_torch_cannot_load_from_is_refused_before_the_lock(tmp_path):
-    import subprocess
-    import sys
-
     ckpts = tmp_path / "ckpts"
     _save(ckpts, 100, seed=1)
     deep = tmp_path / "deep"
