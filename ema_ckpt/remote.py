@@ -30,7 +30,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any, Protocol, cast
 
 from ._crc import crc32, crc32_combine
-from ._env import whole_number
+from ._env import seconds, whole_number
 from .errors import CheckpointNotFoundError, EmaCkptError, RemoteStorageError
 
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://(.*)$")
@@ -87,11 +87,14 @@ def _filesystem(protocol: str) -> Any:
             # A folder's listing answers the existence checks of its entries (one request, not one
             # per marker file) for a few seconds, so a long-lived process still sees new
             # checkpoints; the client is built from the environment, not fsspec's instance cache.
+            options = _client_options(protocol)
             try:
                 fs = fsspec.filesystem(protocol, use_listings_cache=True, listings_expiry_time=LISTING_SECONDS,
-                                       skip_instance_cache=True)
+                                       skip_instance_cache=True, **options)
             except TypeError:
-                fs = fsspec.filesystem(protocol, skip_instance_cache=True)
+                fs = fsspec.filesystem(protocol, skip_instance_cache=True, **options)
+            if protocol in _S3:  # s3fs's own retry loop (its backoff between attempts), the one bound
+                fs.retries = request_attempts()
         except ImportError as err:
             extra = " (pip install 'ema-ckpt[s3]')" if protocol in ("s3", "s3a") else ""
             raise RemoteStorageError(f"{protocol}:// needs a filesystem package that is not installed{extra}: "
@@ -100,6 +103,38 @@ def _filesystem(protocol: str) -> Any:
             raise RemoteStorageError(f"{protocol}:// is not a storage protocol fsspec knows ({err})") from None
         _FILESYSTEMS[protocol] = fs
     return fs
+
+
+_S3 = ("s3", "s3a")
+TIMEOUT_ENV = "EMA_CKPT_REMOTE_TIMEOUT"
+ATTEMPTS_ENV = "EMA_CKPT_REMOTE_ATTEMPTS"
+_DEFAULT_TIMEOUT = 20.0
+_DEFAULT_ATTEMPTS = 3
+
+
+def request_timeout() -> float:
+    """Seconds a request may wait to connect, or for the next bytes of an answer
+    (``EMA_CKPT_REMOTE_TIMEOUT``, default 20)."""
+    return seconds(TIMEOUT_ENV, _DEFAULT_TIMEOUT)
+
+
+def request_attempts() -> int:
+    """Attempts of a request that times out or fails for a while (``EMA_CKPT_REMOTE_ATTEMPTS``, default 3).
+
+    With :func:`request_timeout`, what bounds a store that stops answering: about attempts ×
+    timeout, plus a second of backoff (a minute by default), then exit 9 naming the object.
+    """
+    return whole_number(ATTEMPTS_ENV, _DEFAULT_ATTEMPTS, "attempts")
+
+
+def _client_options(protocol: str) -> dict[str, Any]:
+    """The client's timeouts: on S3, botocore's connect and read timeouts, each request tried once
+    by botocore and again by s3fs's own loop (:func:`request_attempts`), never forever."""
+    if protocol not in _S3:
+        return {}
+    timeout = request_timeout()
+    return {"config_kwargs": {"connect_timeout": timeout, "read_timeout": timeout,
+                              "retries": {"max_attempts": 1, "mode": "standard"}}}
 
 
 @dataclass(frozen=True)

@@ -258,10 +258,11 @@ class _FlakyProxy(socketserver.ThreadingMixIn, http.server.HTTPServer):
 
 
 def _flaky_proxy(target: str, every: int, fail_after_puts: int | None = None,
-                 data_key: str = ".distcp") -> tuple[_FlakyProxy, list[int]]:
+                 data_key: str = ".distcp", silent_ranges: bool = False) -> tuple[_FlakyProxy, list[int]]:
     """A loopback HTTP proxy answering every ``every``-th request with 503 SlowDown; with
     ``fail_after_puts``, every request after that many PUTs of data files (keys containing
-    ``data_key``): the server gone mid-write."""
+    ``data_key``): the server gone mid-write; with ``silent_ranges``, a ranged GET is taken and
+    never answered: a store that stops answering mid-read."""
     counts = [0, 0, 0]  # requests, 503s sent, PUTs forwarded
 
     class Handler(http.server.BaseHTTPRequestHandler):
@@ -273,6 +274,9 @@ def _flaky_proxy(target: str, every: int, fail_after_puts: int | None = None,
         def _forward(self) -> None:
             body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
             counts[0] += 1
+            if silent_ranges and self.command == "GET" and self.headers.get("Range"):
+                time.sleep(3600)  # the connection stays open; not a byte comes back
+                return
             gone = fail_after_puts is not None and counts[2] >= fail_after_puts
             if self.command == "PUT" and data_key in self.path and not gone:
                 counts[2] += 1
@@ -323,6 +327,23 @@ def test_transient_errors_are_retried_to_the_same_result(run, s3, tmp_path):
     assert counts[1] > 0
     cli("accumulate", local, "--decay", "0.9", "--out", tmp_path / "ema-local")
     assert_same(dcp_tensors(tmp_path / "ema"), dcp_tensors(tmp_path / "ema-local"))
+
+
+def test_a_store_that_stops_answering_ends_the_run_within_the_bound(run, s3, tmp_path, monkeypatch):
+    _, url = run
+    monkeypatch.setenv("EMA_CKPT_REMOTE_TIMEOUT", "1")
+    monkeypatch.setenv("EMA_CKPT_REMOTE_ATTEMPTS", "2")
+    proxy, _counts = _flaky_proxy(s3, every=10**9, silent_ranges=True)
+    started = time.monotonic()
+    try:
+        _use_endpoint(f"http://127.0.0.1:{proxy.server_address[1]}")
+        message = cli("accumulate", url, "--decay", "0.9", "--out", tmp_path / "ema", code=9)
+    finally:
+        _use_endpoint(s3)
+        proxy.shutdown()
+    assert time.monotonic() - started < 60  # 2 attempts of 1 s each per request, a few requests at once
+    assert len(message.strip().splitlines()) == 1 and f"error: {url}/" in message and ".distcp" in message, message
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name != ".ema.lock") == []  # no output, no staging
 
 
 def test_an_unreachable_endpoint_is_one_line_with_its_own_exit_code(run, s3, monkeypatch):
