@@ -116,8 +116,14 @@ def new_staging_dir(final: Path, *, near: Path | None = None) -> Path:
     suffix = f"-{final.name}" if near is not None else ""
     staging = anchor.parent / f"{staging_prefix(anchor)}{os.getpid()}-{secrets.token_hex(4)}{suffix}"
     staging.mkdir()
-    final.parent.mkdir(parents=True, exist_ok=True)
-    return staging
+    return staging  # final's parent (a sweep's folder) is made when the output is published, not before
+
+
+def _make_parent(final: Path) -> None:
+    """Create ``final``'s folder (a sweep's ``OUT``) if missing: only a run that publishes makes it."""
+    if not final.parent.is_dir():
+        final.parent.mkdir(parents=True, exist_ok=True)
+        fsync_dir(final.parent.parent)
 
 
 def _exchange(a: Path, b: Path) -> bool:
@@ -143,6 +149,7 @@ def publish(staging: Path, final: Path) -> None:
     """Make ``staging`` (complete and fsynced) visible as ``final``, atomically."""
     fsync_tree(staging)
     try:
+        _make_parent(final)
         if final.exists():
             if _exchange(staging, final):
                 fsync_dir(final.parent)
@@ -211,6 +218,7 @@ def publish_file(staging: Path, final: Path) -> None:
     """Move the one file built in ``staging`` (named like ``final``) onto ``final``, atomically."""
     try:
         fsync_tree(staging)
+        _make_parent(final)
         os.replace(staging / final.name, final)
         fsync_dir(final.parent)
     except OSError as err:

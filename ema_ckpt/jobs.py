@@ -57,6 +57,7 @@ from .remote_output import (
     upload_data_files,
     upload_file,
 )
+from .torch_records.checks import settle_reads
 from .writers.base import OutputTensor, OutputWriter, PlannedRegion, WrittenFile
 from .writers.outputs import region_cost
 
@@ -418,6 +419,7 @@ class JobContext:
 
         try:
             states, stats = self.workers.run(compute)
+            settle_reads(sources, self.workers)  # records read only in part, checked before anything is finished
         except BaseException:
             for writer in writers:
                 writer.abort()

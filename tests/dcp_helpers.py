@@ -161,3 +161,35 @@ def torch_load_flat(path: Path, like: Mapping[str, torch.Tensor]) -> dict[str, t
     state = {k: torch.empty_like(v) for k, v in like.items()}
     load(state, checkpoint_id=str(path), no_dist=True)
     return state
+
+
+PAGE = 4096
+
+
+def save_random_dcp(folder: Path, step: int) -> Path:
+    """``folder/step_<step>``: a two-rank dcp.save checkpoint of ``model.w`` (128 KiB) and ``model.b``."""
+    torch.manual_seed(step)
+    return write_dcp(folder / f"step_{step}", {"model.w": torch.randn(4096, 8), "model.b": torch.randn(4)},
+                     world_size=2)
+
+
+def zero_page_inside(file: Path, start: int, size: int) -> None:
+    """A zero-filled hole of one page, page-aligned, inside bytes ``[start, start + size)`` of ``file``
+    (what a parallel copier into a preallocated file, or a torn write, leaves)."""
+    page = -(-(start + 1) // PAGE) * PAGE
+    assert page + PAGE <= start + size, "the range is too small to hold a whole page"
+    with open(file, "r+b") as handle:
+        handle.seek(page)
+        handle.write(b"\0" * PAGE)
+
+
+def dcp_sequence_with_hole(ckpts: Path) -> Path:
+    """Steps 1–3 of :func:`save_random_dcp` with a page of step 2's ``model.w`` record zeroed; the damaged file."""
+    from ema_ckpt.formats import open_checkpoint
+
+    for step in (1, 2, 3):
+        save_random_dcp(ckpts, step)
+    with open_checkpoint(ckpts / "step_2") as reader:
+        file, start, length = reader.byte_ranges("model.w")[0]
+    zero_page_inside(ckpts / "step_2" / file, start, length)
+    return ckpts / "step_2" / file

@@ -33,7 +33,7 @@ from ema_ckpt import remote
 from ema_ckpt.cli import app
 from ema_ckpt.formats import open_checkpoint
 from ema_ckpt.layout import Box
-from tests.dcp_helpers import write_dcp
+from tests.dcp_helpers import dcp_sequence_with_hole, write_dcp
 
 moto_server = pytest.importorskip("moto.server")
 boto3 = pytest.importorskip("boto3")
@@ -207,6 +207,17 @@ def test_each_input_byte_is_requested_once(s3, tmp_path):
             assert fd.bytes_requested <= sizes[name], name
     finally:
         reader.close()
+
+
+def test_a_hole_in_a_record_on_s3_is_exit_3_and_nothing_is_published(s3, tmp_path):
+    damaged = dcp_sequence_with_hole(tmp_path / "ckpts")
+    url = upload(tmp_path / "ckpts", "hole/ckpts")
+    shown = f"{url}/step_2/{damaged.name}: key 'model.w': the "
+    for args in (["accumulate", url, "--decay", "0.9", "--out", f"s3://{BUCKET}/hole/ema"],
+                 ["consolidate", f"{url}/step_2", "--out", tmp_path / "c.safetensors"]):
+        message = cli(*args, code=3)
+        assert shown in message and "do not match their CRC-32" in message, message
+    assert keys_under(f"s3://{BUCKET}/hole/ema") == [] and not (tmp_path / "c.safetensors").exists()
 
 
 def test_a_missing_bucket_or_checkpoint_is_one_line(run, tmp_path):

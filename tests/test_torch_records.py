@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import os
 import zipfile
+import zlib
 
 import pytest
 import torch
@@ -40,14 +41,15 @@ def test_a_written_record_loads_in_torch_and_is_located(tmp_path, tensor):
     try:
         members = scan_record(fd, 7, length)
         assert members is not None and set(members) >= {"archive/data.pkl", "archive/data/0"}
-        _method, size, local = members["archive/data.pkl"]
+        _method, size, local, _crc = members["archive/data.pkl"]
         start = member_start(fd, 7, length, local)
         record = load_tensor_record(os.pread(fd, size, 7 + start), "x")
         assert record.size == tuple(tensor.shape) and record.is_contiguous
-        _, nbytes, local = members["archive/data/0"]
+        _, nbytes, local, crc = members["archive/data/0"]
         begin = member_start(fd, 7, length, local)
         assert begin % 64 == 0  # aligned within the record, as torch aligns it
         assert os.pread(fd, nbytes, 7 + begin) == tensor.reshape(-1).view(torch.uint8).numpy().tobytes()
+        assert crc == zlib.crc32(os.pread(fd, nbytes, 7 + begin))
         with zipfile.ZipFile(FileWindow(fd, 7, length)) as archive:
             assert archive.testzip() is None
     finally:

@@ -17,7 +17,7 @@ again), so resident memory stays near one span instead of growing with every fil
 On object storage a file is never mapped nor fetched whole: :func:`load_ds_structure` reads its
 zip directory and ``data.pkl`` by ranged requests and unpickles it with the same weights-only
 unpickler and stand-ins, every storage an empty ``meta`` one of its size (tensors keep their
-shapes, dtypes and views); :func:`meta_file_offset` then says where a tensor's bytes lie in the
+shapes, dtypes and views); :func:`meta_member` then says where a tensor's bytes lie in the
 object, for ranged reads of just those bytes.
 
 Example:
@@ -51,7 +51,8 @@ from typing import IO, Any, cast
 from .._lazy import torch
 from ..errors import CheckpointFormatError, CheckpointNotFoundError, UnsafePickleError
 from ..remote import RangedReads, RangeSource, RemotePath
-from ..torch_records import FileWindow, member_start, scan_record
+from ..torch_records import FileWindow, member_start
+from ..torch_records.zipfmt import stored_members
 
 __all__ = [
     "STAND_INS",
@@ -63,7 +64,7 @@ __all__ = [
     "load_ds_file",
     "load_ds_file_releasable",
     "load_ds_structure",
-    "meta_file_offset",
+    "meta_member",
     "pages_releasable",
     "release_pages",
     "storage_file_offsets",
@@ -347,24 +348,12 @@ def _stored_members(path: Path) -> dict[int, int] | None:
     except OSError:
         return None
     try:
-        size = os.fstat(fd).st_size
-        listed = scan_record(fd, 0, size)
-        if listed is None:
-            with zipfile.ZipFile(path) as zf:
-                listed = {i.filename: (i.compress_type, i.file_size, i.header_offset) for i in zf.infolist()}
-        members: dict[int, int] = {}
-        for name, (method, length, local) in listed.items():
-            if method != zipfile.ZIP_STORED or "/data/" not in f"/{name}" or length == 0:
-                continue
-            start = member_start(fd, 0, size, local)
-            if start is None or start + length > size:
-                return None
-            members[start] = length
-        return members
-    except (OSError, zipfile.BadZipFile, ValueError):
-        return None
+        listed = stored_members(fd, os.fstat(fd).st_size)
     finally:
         os.close(fd)
+    if listed is None:
+        return None
+    return {start: size for start, (size, _, name) in listed.items() if "/data/" in f"/{name}" and size}
 
 
 @dataclass(eq=False)
@@ -372,14 +361,14 @@ class RemoteStructure:
     """A ``.pt`` object on object storage, loaded for its structure only.
 
     ``state`` is the unpickled object with every tensor on the ``meta`` device; ``members``
-    maps each zip member's name to ``(local header offset, method, size)``; ``storages`` maps
+    maps each zip member's name to ``(local header offset, method, size, CRC-32)``; ``storages`` maps
     each ``meta`` storage (by ``id``) to its member's name; ``source`` is what the structure
     was read through (member headers are read through it later).
     """
 
     path: Path
     state: Any
-    members: dict[str, tuple[int, int, int]]
+    members: dict[str, tuple[int, int, int, int]]
     storages: dict[int, str]
     source: RangeSource
     _kept: list[Any] = field(default_factory=list)  # the storages, so that their ids stay theirs
@@ -395,7 +384,7 @@ def load_ds_structure(path: Path) -> RemoteStructure:
     The zip directory, ``data.pkl`` and ``byteorder`` are read by ranged requests; ``data.pkl``
     goes through torch's weights-only unpickler with the stand-ins, as in :func:`load_ds_file`,
     and each storage it names becomes an empty ``meta`` storage of its size, so tensors come
-    back on the ``meta`` device with their shapes, dtypes and views; :func:`meta_file_offset`
+    back on the ``meta`` device with their shapes, dtypes and views; :func:`meta_member`
     says where one's bytes lie.
 
     Raises:
@@ -427,7 +416,7 @@ def load_ds_structure(path: Path) -> RemoteStructure:
             raise CheckpointFormatError(path, f"written {order.decode('ascii', 'replace')}-endian, which is read "
                                               "from a local copy only")
         prefix = pkl[: -len("data.pkl")]
-        members = {i.filename: (i.header_offset, i.compress_type, i.file_size) for i in infos}
+        members = {i.filename: (i.header_offset, i.compress_type, i.file_size, i.CRC) for i in infos}
         storages: dict[int, str] = {}
         kept: list[Any] = []
         state = _safe_load(path, lambda: _unpickle_to_meta(data, prefix, storages, kept), data, True)
@@ -464,11 +453,11 @@ def _unpickle_to_meta(data: bytes, prefix: str, storages: dict[int, str], kept: 
     return unpickler.load()  # type: ignore[no-untyped-call]
 
 
-def meta_file_offset(loaded: RemoteStructure, t: torch.Tensor) -> int:
-    """Where ``t[0]`` (a tensor of ``loaded.state``) lies in the object, in bytes.
+def meta_member(loaded: RemoteStructure, t: torch.Tensor) -> tuple[str, int, int, int]:
+    """(name, data start, size, CRC-32) of the zip member holding ``t``'s storage.
 
-    Found from the zip member of ``t``'s storage: its header is read (once per member), and
-    the member must be stored uncompressed and hold exactly the storage's bytes.
+    Its header is read once per member; the member must be stored uncompressed and hold
+    exactly the storage's bytes.
 
     Raises:
         CheckpointFormatError: ``t`` is not a storage of the file, or its member does not match.
@@ -477,16 +466,16 @@ def meta_file_offset(loaded: RemoteStructure, t: torch.Tensor) -> int:
     name = loaded.storages.get(id(storage))
     if name is None:
         raise CheckpointFormatError(loaded.path, "a tensor's place in the file is unknown")
+    local, method, size, crc = loaded.members.get(name, (-1, -1, -1, 0))
     start = loaded._starts.get(name)
     if start is None:
-        local, method, size = loaded.members.get(name, (-1, -1, -1))
         found = member_start(loaded.source, 0, loaded.source.size, local) if local >= 0 else None
         if found is None or method != zipfile.ZIP_STORED or size != storage.nbytes() \
                 or found + size > loaded.source.size:
             raise CheckpointFormatError(loaded.path, f"zip member {name} does not hold its storage's "
                                                      f"{storage.nbytes()} bytes (truncated or corrupt)")
         start = loaded._starts[name] = found
-    return start + int(t.storage_offset()) * int(t.element_size())
+    return name, start, size, crc
 
 
 def _first_line(message: str) -> str:

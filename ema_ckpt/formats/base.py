@@ -31,6 +31,8 @@ from ..remote import RemoteFile, as_path, is_remote
 if TYPE_CHECKING:
     import torch
 
+    from ..torch_records.checks import ReadChecks
+
 
 class Chunk(Protocol):
     """One stored box of a tensor, as :meth:`CheckpointReader.chunks` gives it."""
@@ -127,6 +129,10 @@ class CheckpointReader(abc.ABC):
 
     non_tensor_keys: Sequence[str] = ()
     """Entries that are not tensors (DCP ``BytesStorageMetadata``), readable with :meth:`read_bytes`."""
+
+    read_checks: ReadChecks | None = None
+    """The stored checksums the bytes :meth:`read` returns are checked against as they are read
+    (torch zips' CRC-32s), or None for a format that stores none (safetensors)."""
 
     # -- required -----------------------------------------------------------------------
 

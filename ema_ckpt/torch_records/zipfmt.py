@@ -12,7 +12,8 @@ from __future__ import annotations
 import io
 import os
 import struct
-from typing import Any
+import zipfile
+from typing import Any, NamedTuple
 
 from ..remote import RangeSource, pread
 
@@ -73,8 +74,21 @@ class FileWindow(io.RawIOBase):
         super().close()
 
 
-def scan_record(fd: int | RangeSource, offset: int, length: int) -> dict[str, tuple[int, int, int]] | None:
-    """{member name: (method, size, local header offset)} of a record's zip, from its tail.
+class Member(NamedTuple):
+    """A zip member as the central directory lists it."""
+
+    method: int
+    """0: stored; 8: deflated."""
+    size: int
+    """Bytes of data (uncompressed)."""
+    local: int
+    """Offset of its local header in the zip."""
+    crc: int
+    """CRC-32 of its data (0: saved without one)."""
+
+
+def scan_record(fd: int | RangeSource, offset: int, length: int) -> dict[str, Member] | None:
+    """{member name: :class:`Member`} of a record's zip, from its tail.
 
     The common case (no archive comment, no zip64, central directory in the last 4 KiB) in
     one or two reads; anything else returns None and the zipfile module handles it.
@@ -94,7 +108,7 @@ def scan_record(fd: int | RangeSource, offset: int, length: int) -> dict[str, tu
     cd_in_tail = cd_offset - (length - tail_len)
     if cd_in_tail < 0:
         return None
-    members: dict[str, tuple[int, int, int]] = {}
+    members: dict[str, Member] = {}
     pos = cd_in_tail
     for _ in range(entries):
         if pos + CENTRAL_HEADER.size > tail_len - END_OF_CENTRAL.size:
@@ -102,12 +116,12 @@ def scan_record(fd: int | RangeSource, offset: int, length: int) -> dict[str, tu
         fields = CENTRAL_HEADER.unpack_from(tail, pos)
         if fields[0] != CENTRAL_MAGIC:
             return None
-        method, size, name_len, extra_len, comment_len, local = (
-            fields[4], fields[9], fields[10], fields[11], fields[12], fields[16])
+        method, crc, size, name_len, extra_len, comment_len, local = (
+            fields[4], fields[7], fields[9], fields[10], fields[11], fields[12], fields[16])
         if size == ZIP32_LIMIT or local == ZIP32_LIMIT:
             return None
         name = tail[pos + CENTRAL_HEADER.size : pos + CENTRAL_HEADER.size + name_len].decode("utf-8", "replace")
-        members[name] = (method, size, local)
+        members[name] = Member(method, size, local, crc)
         pos += CENTRAL_HEADER.size + name_len + extra_len + comment_len
     return members
 
@@ -122,6 +136,29 @@ def member_start(fd: int | RangeSource, offset: int, length: int, local: int) ->
         return None
     fields = LOCAL_HEADER.unpack(header)
     return int(local + LOCAL_HEADER.size + fields[9] + fields[10])
+
+
+def stored_members(fd: int | RangeSource, size: int) -> dict[int, tuple[int, int, str]] | None:
+    """{where its data starts: (size, CRC-32, name)} of every uncompressed member of the zip file
+    open at ``fd`` (``size`` bytes); None when its directory cannot be read or a member lies
+    outside the file."""
+    try:
+        listed = scan_record(fd, 0, size)
+        if listed is None:
+            with zipfile.ZipFile(FileWindow(fd, 0, size)) as zf:
+                listed = {i.filename: Member(i.compress_type, i.file_size, i.header_offset, i.CRC)
+                          for i in zf.infolist()}
+    except (OSError, zipfile.BadZipFile, ValueError, EOFError):
+        return None
+    members: dict[int, tuple[int, int, str]] = {}
+    for name, member in listed.items():
+        if member.method != zipfile.ZIP_STORED:
+            continue
+        start = member_start(fd, 0, size, member.local)
+        if start is None or start + member.size > size:
+            return None
+        members[start] = (member.size, member.crc, name)
+    return members
 
 
 def pread_into(fd: int | RangeSource, view: memoryview, offset: int) -> bool:

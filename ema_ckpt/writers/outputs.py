@@ -12,6 +12,7 @@ Adding a format: a class implementing the contract and one :func:`register_outpu
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -235,9 +236,13 @@ class SafetensorsOutput(OutputWriter):
     def copy_stored(self, region: PlannedRegion, source: CheckpointReader) -> None:
         writer = self._file_for(region)
         name = self._tensors[region.key].name
+        checks = source.read_checks
         for file, offset, length in source.byte_ranges(region.key) or [("", 0, 0)]:  # an empty tensor has no runs
             fd = source.open_data(file) if length else -1
-            writer.copy_range(name, source.path / file, fd, offset, length)
+            # bytes with a stored CRC-32 go through memory to be checked: never copied unseen
+            seen = (functools.partial(checks.saw, file)
+                    if checks is not None and length and checks.wants(file, offset, length) else None)
+            writer.copy_range(name, source.path / file, fd, offset, length, seen=seen)
 
     def close(self) -> dict[str, tuple[int, int | None]]:
         self._end_open_file()

@@ -18,7 +18,7 @@ import json
 import math
 import os
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -151,11 +151,13 @@ class SafetensorsFileWriter:
         self._advance(key, part.numel() * part.element_size())
 
     def copy_range(self, key: str, source: Path, fd: int | RemoteFile, offset: int,
-                   length: int) -> None:
+                   length: int, *, seen: Callable[[int, memoryview], None] | None = None) -> None:
         """Append the next ``length`` bytes of ``key`` straight from ``fd`` at ``offset``.
 
         The kernel copies file to file (``copy_file_range``): the bytes never pass through
-        this process. ``source`` names the input file in errors.
+        this process. ``source`` names the input file in errors. With ``seen`` the bytes go
+        through memory instead, and each block is handed to ``seen(offset, bytes)`` before it
+        is written (which checks them against their record's CRC-32).
         """
         planned = self._planned[self._cursor]
         if planned.key != key or planned.start + self._written + length > planned.end:
@@ -169,7 +171,7 @@ class SafetensorsFileWriter:
             done = 0
             while done < length:
                 count = min(_COPY_BLOCK, length - done)
-                moved = self._copy(fd, offset + done, dst + done, count)
+                moved = self._copy(fd, offset + done, dst + done, count, seen)
                 if moved == 0:
                     raise CheckpointFormatError(source, f"key {key!r}: file ends inside a record (truncated?)")
                 start_writeback(self._handle.fileno(), dst + done, moved)
@@ -179,10 +181,11 @@ class SafetensorsFileWriter:
             raise OutputError(f"{self.path}: write failed ({err.strerror})") from None
         self._advance(key, length)
 
-    def _copy(self, fd: int | RemoteFile, src: int, dst: int, count: int) -> int:
+    def _copy(self, fd: int | RemoteFile, src: int, dst: int, count: int,
+              seen: Callable[[int, memoryview], None] | None = None) -> int:
         assert self._handle is not None
         out = self._handle.fileno()
-        if self._kernel_copy and isinstance(fd, int):
+        if self._kernel_copy and isinstance(fd, int) and seen is None:
             try:
                 return os.copy_file_range(fd, out, count, src, dst)
             except OSError as err:
@@ -191,6 +194,8 @@ class SafetensorsFileWriter:
                 self._kernel_copy = False
         data = pread(fd, count, src)  # a remote object: one ranged read per block
         view, written = memoryview(data), 0
+        if seen is not None:
+            seen(src, view)
         while written < len(data):
             written += os.pwrite(out, view[written:], dst + written)
         return len(data)

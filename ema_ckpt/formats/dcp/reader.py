@@ -30,6 +30,7 @@ from ...errors import CheckpointFormatError
 from ...layout import Box, TensorSpec
 from ...remote import RemoteFile, as_path, pread
 from ...torch_records import FileWindow, TensorRecord
+from ...torch_records.checks import ReadChecks
 from ..base import CheckpointFormat, CheckpointReader, register_format
 from .index import MetadataIndex, shared_structure
 from .metadata import METADATA_FILE, StoredChunk, incomplete, is_dcp
@@ -43,6 +44,7 @@ class DcpReader(MetadataIndex, ChunkRecords, CheckpointReader):
     # MetadataIndex's concrete types, which CheckpointReader's declarations admit
     planner_data: dict[str, tuple[str, ...]]
     non_tensor_keys: list[str]
+    read_checks: ReadChecks
 
 
     def __init__(self, path: str | Path, *, shared: Mapping[str, Any] | None = None) -> None:
@@ -54,6 +56,7 @@ class DcpReader(MetadataIndex, ChunkRecords, CheckpointReader):
         self._fallback: tuple[tuple[str, int], torch.Tensor] | None = None
         self._records: dict[tuple[str, int], tuple[int, TensorRecord] | None] = {}
         self._specs: dict[str, TensorSpec] | None = None  # built on first use: needs torch
+        self.read_checks = ReadChecks(self._name, lambda file, n, offset: pread(self._fd(file), n, offset))
         if shared is not None:  # parsed by another worker: see share()
             for name in self._SHARED:
                 setattr(self, name, shared[name])

@@ -30,7 +30,8 @@ from ...torch_records import (
     pread_into,
     scan_record,
 )
-from ...torch_records.zipfmt import LOCAL_HEADER, LOCAL_MAGIC
+from ...torch_records.checks import ReadChecks
+from ...torch_records.zipfmt import LOCAL_HEADER, LOCAL_MAGIC, Member
 from .._ds_unpickle import _GLOBAL_IN_MESSAGE, _first_line, _globals_in_pickle, _torch_allows
 from .metadata import StoredChunk
 
@@ -62,6 +63,22 @@ def _refused_in_record(message: str, record: bytes) -> str | None:
 
 
 
+def _check_record_crcs(data: bytes, file: Path, key: str, offset: int) -> None:
+    """Every member of a whole record read into memory against its CRC-32 (members saved
+    without one, CRC 0, pass); a record zipfile cannot list is left to the loader's error."""
+    try:
+        with zipfile.ZipFile(io.BytesIO(data)) as archive:
+            for info in archive.infolist():
+                if info.CRC != 0 and not info.is_dir():
+                    archive.read(info)  # raises BadZipFile on a CRC mismatch
+    except zipfile.BadZipFile as err:
+        if "CRC" in str(err):
+            raise CheckpointFormatError(file, f"key {key!r}: the record at offset {offset} does not match its "
+                                              f"CRC-32 ({err}): the file was damaged after it was written") from None
+    except Exception:  # an unreadable directory or member: torch's loader reports it below
+        return
+
+
 def _tensor_bytes(t: torch.Tensor) -> memoryview:
     """A writable byte view of a contiguous tensor's memory."""
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
@@ -78,6 +95,7 @@ class ChunkRecords:
     _fallback: tuple[tuple[str, int], torch.Tensor] | None
     _records: dict[tuple[str, int], tuple[int, TensorRecord] | None]
     _stored: dict[str, tuple[tuple[int, ...], str]]
+    read_checks: ReadChecks
 
     keep_checksums = False
     """On object storage, keep the CRC-32 of every block read (:meth:`file_crc32`); set before reading."""
@@ -179,20 +197,21 @@ class ChunkRecords:
             return None
         if start + nbytes > chunk.length:
             raise CheckpointFormatError(self.path / chunk.file, f"key {key!r}: record overruns its extent")
+        self.read_checks.expect(chunk.file, chunk.offset + start, nbytes, member.CRC, f"key {key!r}")
         result = (chunk.offset + start, record)
         self._records[cache_key] = result
         return result
 
 
     def _record_from_index(
-        self, key: str, chunk: StoredChunk, members: dict[str, tuple[int, int, int]], source: str
+        self, key: str, chunk: StoredChunk, members: dict[str, Member], source: str
     ) -> tuple[int, TensorRecord] | bool | None:
         """The record through the fast zip index; False to let the zipfile path decide."""
         fd = self._fd(chunk.file)
         pkl = next((n for n in members if n.endswith("/data.pkl") or n == "data.pkl"), None)
         if pkl is None:
             return False
-        method, size, local = members[pkl]
+        method, size, local, _ = members[pkl]
         if method != 0 or size > _MAX_PICKLE_BYTES:
             return False
         start = member_start(fd, chunk.offset, chunk.length, local)
@@ -215,6 +234,7 @@ class ChunkRecords:
             return False
         if begin + nbytes > chunk.length:
             raise CheckpointFormatError(self.path / chunk.file, f"key {key!r}: record overruns its extent")
+        self.read_checks.expect(chunk.file, chunk.offset + begin, nbytes, data.crc, f"key {key!r}")
         return (chunk.offset + begin, record)
 
 
@@ -230,6 +250,7 @@ class ChunkRecords:
         fd = self._fd(chunk.file)
         self._check_extent(chunk.file, chunk.offset, chunk.length)
         data = pread(fd, chunk.length, chunk.offset)
+        _check_record_crcs(data, self.path / chunk.file, key, chunk.offset)
         try:
             with warnings.catch_warnings():  # a corrupt record's odd protocol is reported below, not warned
                 warnings.simplefilter("ignore")
@@ -269,18 +290,23 @@ class ChunkRecords:
         itemsize = spec.dtype.itemsize
         base = data_offset + record.storage_offset * itemsize
         if not part.sizes:  # 0-d
-            _pread_into(self._fd(chunk.file), _tensor_bytes(dest), base, self._name(chunk.file))
+            self._read_checked(chunk.file, _tensor_bytes(dest), base)
             return
         row_numel = chunk.box.numel // chunk.box.sizes[0]
         first, rows = part.offsets[0], part.sizes[0]
         offset = base + first * row_numel * itemsize
         full_rows = part.sizes[1:] == chunk.box.sizes[1:]
         if full_rows and dest.is_contiguous():
-            _pread_into(self._fd(chunk.file), _tensor_bytes(dest), offset, self._name(chunk.file))
+            self._read_checked(chunk.file, _tensor_bytes(dest), offset)
             return
         block = torch.empty((rows, *chunk.box.sizes[1:]), dtype=spec.dtype)
-        _pread_into(self._fd(chunk.file), _tensor_bytes(block), offset, self._name(chunk.file))
+        self._read_checked(chunk.file, _tensor_bytes(block), offset)
         dest.copy_(block[(slice(None), *part.slices()[1:])])
+
+    def _read_checked(self, file: str, view: memoryview, offset: int) -> None:
+        """Fill ``view`` from ``file`` at ``offset`` and check the bytes against their record's CRC-32."""
+        _pread_into(self._fd(file), view, offset, self._name(file))
+        self.read_checks.saw(file, offset, view)
 
 
     def _check_record(self, key: str, chunk: StoredChunk, size: tuple[int, ...], dtype: str) -> None:

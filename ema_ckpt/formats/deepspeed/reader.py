@@ -59,11 +59,12 @@ from ...errors import CheckpointFormatError, CheckpointNotFoundError, EmaCkptErr
 from ...layout import Box, TensorSpec, split_rows
 from ...remote import RemoteFile, RemotePath, as_path, is_remote, remote_concurrency
 from ...torch_records import FileWindow, pread_into
+from ...torch_records.checks import ReadChecks, expect_zip_members
 from .._ds_unpickle import (
     RemoteStructure,
     load_ds_file_releasable,
     load_ds_structure,
-    meta_file_offset,
+    meta_member,
     release_pages,
     storage_file_offsets,
 )
@@ -150,6 +151,8 @@ class DeepSpeedReader(ParameterMaps, CheckpointReader):
     ds_version: str | None
 
 
+    read_checks: ReadChecks
+
     def __init__(self, path: str | Path) -> None:
         self.path = as_path(path)
         tag_dir = find_tag_dir(self.path)
@@ -163,12 +166,14 @@ class DeepSpeedReader(ParameterMaps, CheckpointReader):
         self._states: dict[Path, Any] = {}  # file -> loaded (memory-mapped) object
         self._releasable: dict[Path, bool] = {}  # file -> its mapped pages may be dropped
         self._identities: dict[Path, tuple[int, ...]] = {}  # file -> (dev, inode, size, mtime) when mapped
+        self._offsets: dict[Path, dict[int, int] | None] = {}  # file -> its storages' places (see _storage_offsets)
         self._entries: dict[str, _Entry] = {}
         self._structures: dict[Path, RemoteStructure] = {}  # object -> its structure, while building
         self._sizes: dict[Path, int] = {}  # object -> its size in bytes
         self._remote: dict[tuple[Path, int], RemoteFile] = {}  # (object, first byte) -> a stored tensor's reads
         self._remote_lock = threading.Lock()
         self._closed = False
+        self.read_checks = ReadChecks(str, self._read_back)  # files named by their full path
         try:
             self._build()
         except EmaCkptError:
@@ -391,8 +396,32 @@ class DeepSpeedReader(ParameterMaps, CheckpointReader):
 
 
     def _storage_offsets(self, path: Path) -> dict[int, int] | None:
+        if path in self._offsets:
+            return self._offsets[path]
         state = self._load(path)
-        return storage_file_offsets(path, state) if path in self._identities else None
+        offsets = self._offsets[path] = storage_file_offsets(path, state) if path in self._identities else None
+        if offsets is not None:  # its pieces are read from the file: their bytes get checked
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                expect_zip_members(self.read_checks, str(path), fd, os.fstat(fd).st_size)
+            finally:
+                os.close(fd)
+        return offsets
+
+    def _read_back(self, file: str, length: int, offset: int) -> bytes:
+        """Bytes of a file of the tag for :class:`ReadChecks` (those of a member no read covered)."""
+        path = next((p for p in self._sizes if str(p) == file), None) or Path(file)
+        if is_remote(path):
+            source = RemoteFile(cast(RemotePath, path), size=self._sizes[path])
+            try:
+                return source.pread(length, offset)
+            finally:
+                source.close()
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            return os.pread(fd, length, offset)
+        finally:
+            os.close(fd)
 
     def _gather(self, entry: _Entry, lo: int, hi: int, out: torch.Tensor) -> None:
         """Fill ``out`` (1-D, ``hi - lo`` long) with flat elements ``[lo, hi)`` of ``entry``."""
@@ -407,7 +436,7 @@ class DeepSpeedReader(ParameterMaps, CheckpointReader):
                     source = self._remote_source(p)
                 elif p.file is not None and out.dtype == p.src.dtype:
                     source = self._open(p.file, fds)
-                self._copy_piece(p, a, b, out[a - lo : b - lo], source)
+                self._copy_piece(p, a, b, out[a - lo : b - lo], source, self.read_checks)
                 if isinstance(source, RemoteFile) and p.start + b - p.dst == p.src.numel():
                     self._drop_remote(p, source)  # read to its end: the blocks it keeps go
         finally:
@@ -463,10 +492,12 @@ class DeepSpeedReader(ParameterMaps, CheckpointReader):
         source.close()
 
     @staticmethod
-    def _copy_piece(p: _Piece, a: int, b: int, out: torch.Tensor, source: int | RemoteFile | None) -> None:
+    def _copy_piece(p: _Piece, a: int, b: int, out: torch.Tensor, source: int | RemoteFile | None,
+                    checks: ReadChecks) -> None:
         """Flat elements ``[a, b)`` of a key, which lie in piece ``p``, into ``out``: read from
         ``source`` (a descriptor, or ranged reads of an object) at the piece's place in its
-        file, else copied from ``p.src`` (the mapping)."""
+        file, else copied from ``p.src`` (the mapping). Bytes whose place in the file is known
+        are checked against their zip member's CRC-32."""
         if source is not None:
             # Straight from the file into the buffer: one copy by the kernel, no page faults
             # on the mapping and no pages to hand back (a stored dtype other than the key's,
@@ -476,6 +507,7 @@ class DeepSpeedReader(ParameterMaps, CheckpointReader):
             offset = p.file_start + (p.start + a - p.dst) * target.element_size()
             if not pread_into(source, view, offset):
                 raise CheckpointFormatError(str(p.file), f"truncated: expected {len(view)} bytes at offset {offset}")
+            checks.saw(str(p.file), offset, view)
             if target is not out:
                 out.copy_(target)
             return
@@ -486,6 +518,9 @@ class DeepSpeedReader(ParameterMaps, CheckpointReader):
             y = min(b, x + step)
             src = p.src[p.start + x - p.dst : p.start + y - p.dst]
             out[x - a : y - a].copy_(src)
+            if p.file is not None:
+                at = p.file_start + (p.start + x - p.dst) * src.element_size()
+                checks.saw(str(p.file), at, memoryview(src.view(torch.uint8).numpy()))
             if p.releasable:
                 release_pages(src)
 
@@ -504,6 +539,23 @@ class DeepSpeedReader(ParameterMaps, CheckpointReader):
             for structure in self._structures.values():
                 structure.close()
             self._structures = {}
+        else:
+            self._entries = self._place_in_files(self._entries)
+
+    def _place_in_files(self, entries: dict[str, _Entry]) -> dict[str, _Entry]:
+        """Whole stored tensors (buffers, frozen parameters) whose place in their file is known
+        as pieces read from the file, like the partitions: their bytes are then checked too."""
+        places = {ptr: (path, start) for path in list(self._states) if not is_remote(path)
+                  for ptr, start in (self._storage_offsets(path) or {}).items()}
+        for key, entry in entries.items():
+            t = entry.tensor
+            where = places.get(t.untyped_storage().data_ptr()) if t is not None and t.is_contiguous() else None
+            if t is not None and where is not None and t.numel():
+                flat = t.reshape(-1)
+                piece = _Piece(0, t.numel(), flat, 0, entry.releasable, where[0],
+                               where[1] + flat.storage_offset() * flat.element_size())
+                entries[key] = dataclasses.replace(entry, pieces=(piece,), tensor=None)
+        return entries
 
     def _place_in_objects(self, entries: dict[str, _Entry]) -> dict[str, _Entry]:
         """Every key of a checkpoint on object storage as byte spans of its objects: each
@@ -514,7 +566,9 @@ class DeepSpeedReader(ParameterMaps, CheckpointReader):
             structure = owners.get(id(src.untyped_storage()))
             if structure is None or src.dim() != 1 or (src.numel() > 1 and src.stride() != (1,)):
                 raise CheckpointFormatError(self.tag_dir, "a tensor is not stored as one contiguous span")
-            return structure.path, meta_file_offset(structure, src)
+            name, start, size, crc = meta_member(structure, src)
+            self.read_checks.expect(str(structure.path), start, size, crc, f"zip member {name!r}")
+            return structure.path, start + src.storage_offset() * src.element_size()
 
         placed: dict[str, _Entry] = {}
         for key, entry in entries.items():

@@ -29,6 +29,7 @@ from typing import Any
 from ..._lazy import torch
 from ...errors import CheckpointFormatError, CheckpointNotFoundError
 from ...layout import Box, TensorSpec
+from ...torch_records.checks import ReadChecks
 from ..base import CheckpointReader, trainer_state_step
 from ..hf_safetensors import read_index
 from ..options import ReadOptions, read_options
@@ -110,9 +111,13 @@ class TorchFolderReader(CheckpointReader):
                 raise CheckpointNotFoundError(self.index, f"names missing shard file(s): {', '.join(missing)} "
                                                           "(save in progress?)")
         self._readers: list[TorchFileReader] = []
+        by_name: dict[str, TorchFileReader] = {}
+        self.read_checks = ReadChecks(lambda name: by_name[name].path,
+                                      lambda name, n, offset: by_name[name].read_back(n, offset))
         try:
             for file in files:
-                self._readers.append(TorchFileReader(file, options))
+                self._readers.append(TorchFileReader(file, options, checks=self.read_checks))
+                by_name[file.name] = self._readers[-1]
         except BaseException:
             self.close()
             raise

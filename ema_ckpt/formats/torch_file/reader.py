@@ -27,7 +27,7 @@ import re
 import zipfile
 from collections import Counter, OrderedDict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +36,7 @@ from ...dtypes import itemsize, torch_dtype
 from ...errors import CheckpointFormatError, Note
 from ...layout import Box, TensorSpec
 from ...torch_records import TensorRecord, member_start, pread_into
+from ...torch_records.checks import ReadChecks
 from ...torch_records.emit import dumps_inert
 from ...torch_records.legacy import is_legacy, legacy_storage_starts, read_legacy_head
 from ...torch_records.tree import Opaque, PickledTree, check_harmless, foreign_globals, key_path, load_tree, walk
@@ -81,6 +82,8 @@ class ParsedFile:
     stored_bytes: dict[str, int]
     """{storage key: bytes stored for it}."""
     size: int
+    crcs: dict[str, int] = field(default_factory=dict)
+    """{storage key: the CRC-32 its zip member records} (none in the legacy format)."""
 
 
 def parse_file(fd: int, size: int, path: Path) -> ParsedFile:
@@ -120,6 +123,7 @@ def _parse_zip(fd: int, size: int, path: Path) -> ParsedFile:
     members = {i.filename: i for i in infos}
     starts: dict[str, int] = {}
     stored: dict[str, int] = {}
+    crcs: dict[str, int] = {}
     for key in tree.storages:
         member = members.get(prefix + "data/" + key)
         if member is None:
@@ -129,8 +133,8 @@ def _parse_zip(fd: int, size: int, path: Path) -> ParsedFile:
         start = member_start(fd, 0, size, member.header_offset)
         if start is None:
             raise CheckpointFormatError(path, f"corrupt zip header of {member.filename}")
-        starts[key], stored[key] = start, member.file_size
-    return ParsedFile("zip", tree, starts, stored, size)
+        starts[key], stored[key], crcs[key] = start, member.file_size, member.CRC
+    return ParsedFile("zip", tree, starts, stored, size, crcs)
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,15 +187,21 @@ class TorchFileReader(CheckpointReader):
     """Reader for one ``torch.save`` file (see the module docstring).
 
     ``options``: which state dict and which pickled classes (default: the command's,
-    :func:`~ema_ckpt.formats.options.read_options`).
+    :func:`~ema_ckpt.formats.options.read_options`). ``checks``: where the bytes read are
+    checked against their storages' CRC-32s (default: the reader's own; a folder of files
+    shares one), the file known there by its name.
     """
 
     format_name = "torch"
     whole_file_records = True
+    read_checks: ReadChecks
 
-    def __init__(self, path: str | Path, options: ReadOptions | None = None) -> None:
+    def __init__(self, path: str | Path, options: ReadOptions | None = None, *,
+                 checks: ReadChecks | None = None) -> None:
         self.path = Path(path)
         options = options if options is not None else read_options()
+        self.read_checks = checks if checks is not None else ReadChecks(
+            lambda name: self.path.parent / name, lambda _name, n, offset: self.read_back(n, offset))
         try:
             self._fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
         except OSError as err:
@@ -245,6 +255,8 @@ class TorchFileReader(CheckpointReader):
             if key in tensors:
                 raise CheckpointFormatError(self.path, f"key {key!r} appears twice once nested dicts are joined")
             tensors[key] = _Stored(record, start, name)
+            self.read_checks.expect(self.path.name, start, nbytes, parsed.crcs.get(record.storage_key, 0),
+                                    f"key {shown!r}")
         return tensors
 
     def specs(self) -> Mapping[str, TensorSpec]:
@@ -275,10 +287,15 @@ class TorchFileReader(CheckpointReader):
             self._pread_into(flat, stored.data_offset + first * size)
         return torch.as_strided(flat, box.sizes, record.stride).clone() if box.numel else flat.reshape(box.sizes)
 
+    def read_back(self, length: int, offset: int) -> bytes:
+        """``length`` bytes of the file at ``offset`` (what :class:`ReadChecks` reads to settle a storage)."""
+        return os.pread(self._fd, length, offset)
+
     def _pread_into(self, out: torch.Tensor, offset: int) -> None:
         view = memoryview(out.reshape(-1).view(torch.uint8).numpy())
         if not pread_into(self._fd, view, offset):
             raise CheckpointFormatError(self.path, f"truncated: expected {len(view)} bytes at offset {offset}")
+        self.read_checks.saw(self.path.name, offset, view)
 
     @classmethod
     def step_of(cls, path: Path) -> int | None:
