@@ -99,7 +99,8 @@ def accumulate_command(
     ] = False,
     skip_damaged: Annotated[
         bool, typer.Option("--skip-damaged",
-                           help="Skip (and record) a truncated or corrupt checkpoint instead of failing.")
+                           help="Skip (and record) a truncated or corrupt checkpoint (bytes that do not match "
+                                "their CRC-32) instead of failing.")
     ] = False,
     skip: SkipOpt = None,
     state_key: StateKeyOpt = None,

