@@ -41,6 +41,7 @@ from .errors import (
     NonFiniteError,
     OptionError,
     PeerLostError,
+    RecordChecksumError,
     UnsafePickleError,
 )
 
@@ -264,7 +265,7 @@ def _spawned_exited() -> str | None:
     return None
 
 
-_CHECKPOINT_ERRORS = (CheckpointFormatError, UnsafePickleError)
+_CHECKPOINT_ERRORS = (CheckpointFormatError, UnsafePickleError, RecordChecksumError)
 """Errors about one checkpoint's files, raised again as themselves on every rank (a run may
 skip that checkpoint and go on, which every rank must decide alike)."""
 

@@ -251,6 +251,11 @@ class UnsafePickleError(CheckpointFormatError):
     """A pickle that refers to something outside the allowlist; nothing from it ran."""
 
 
+class RecordChecksumError(CheckpointFormatError):
+    """Bytes read from a ``torch.save`` zip do not match the CRC-32 its directory records: the
+    file was damaged after it was written (a hole, a torn copy)."""
+
+
 class IncompatibleCheckpointError(EmaCkptError):
     """Checkpoints that cannot be combined: keys, shapes or dtypes differ."""
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from ema_ckpt.torch_records.zipfmt import stored_members
 from tests.producers.ds_launch import make_deepspeed_sequences
 from tests.shared_dirs import built_once
 
@@ -106,3 +107,22 @@ def zero_to_fp32():
         return cache[folder, tag]
 
     return get
+
+
+def members_read(tag: Path, reader) -> tuple[list[tuple[Path, int, int]], list[tuple[Path, int, int]]]:
+    """(zip members a run reads, members it never touches) of the tag folder's ``.pt`` files, each
+    (file, data start, size), those of 8 KiB or more; ``reader`` is the tag's ``DeepSpeedReader``."""
+    read = reader.data_ranges()
+    touched, untouched = [], []
+    for file in sorted(tag.glob("*.pt")):
+        fd = os.open(file, os.O_RDONLY)
+        try:
+            members = stored_members(fd, os.fstat(fd).st_size) or {}
+        finally:
+            os.close(fd)
+        for start, (size, _crc, _name) in members.items():
+            if size < 8192:  # too small to hold a whole page of damage
+                continue
+            hit = any(f == file and a < start + size and start < a + n for f, a, n in read)
+            (touched if hit else untouched).append((file, start, size))
+    return touched, untouched

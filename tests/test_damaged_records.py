@@ -20,7 +20,8 @@ from ema_ckpt.formats import open_checkpoint
 from ema_ckpt.layout import Box
 from ema_ckpt.torch_records.checks import settle_reads
 from ema_ckpt.torch_records.zipfmt import stored_members
-from tests.dcp_helpers import PAGE, dcp_sequence_with_hole, save_random_dcp, zero_page_inside
+from tests.dcp_helpers import dcp_sequence_with_hole, save_random_dcp, zero_page_inside
+from tests.ds_fixtures import members_read
 
 runner = CliRunner()
 FIXTURES = Path(__file__).parent / "fixtures" / "trainers"
@@ -90,30 +91,12 @@ def test_a_record_read_in_part_is_checked_when_the_run_settles(tmp_path):
             settle_reads([reader], Workers.single())
 
 
-def _members_read(tag: Path, reader) -> tuple[list[tuple[Path, int, int]], list[tuple[Path, int, int]]]:
-    """(members a run reads, members it never touches) of the tag folder's ``.pt`` files, over 8 KiB."""
-    read = reader.data_ranges()
-    touched, untouched = [], []
-    for file in sorted(tag.glob("*.pt")):
-        fd = os.open(file, os.O_RDONLY)
-        try:
-            members = stored_members(fd, os.fstat(fd).st_size) or {}
-        finally:
-            os.close(fd)
-        for start, (size, _crc, _name) in members.items():
-            if size < 2 * PAGE:
-                continue
-            hit = any(f == file and a < start + size and start < a + n for f, a, n in read)
-            (touched if hit else untouched).append((file, start, size))
-    return touched, untouched
-
-
 def test_a_hole_in_a_deepspeed_pt_is_exit_3_and_skip_damaged_skips_it(tmp_path):
     ckpts = tmp_path / "ckpts"
     shutil.copytree(FIXTURES / "hf-trainer-zero2-bf16" / "ckpts", ckpts)
     tag = ckpts / "checkpoint-4" / "global_step4"
     with open_checkpoint(ckpts / "checkpoint-4") as reader:
-        touched, untouched = _members_read(tag, reader)
+        touched, untouched = members_read(tag, reader)
     assert touched and untouched  # the fp32 partitions are read, the Adam moments never
     for file, start, size in untouched:  # damage nobody reads is nobody's business: no false alarm
         zero_page_inside(file, start, size)

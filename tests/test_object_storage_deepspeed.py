@@ -23,7 +23,8 @@ from ema_ckpt.formats import open_checkpoint
 from ema_ckpt.formats._ds_unpickle import load_ds_file_releasable, storage_file_offsets
 from ema_ckpt.layout import Box
 from tests import test_object_storage
-from tests.ds_fixtures import Config
+from tests.dcp_helpers import zero_page_inside
+from tests.ds_fixtures import Config, members_read
 from tests.test_deepspeed import _RunsCommand, _write_zero
 from tests.test_object_storage import assert_same, cli, dcp_tensors, upload
 
@@ -199,6 +200,20 @@ def test_trainers_deepspeed_folders_on_s3_fold_as_their_local_copies(s3, trainer
     a = json.loads((tmp_path / "ema-s3" / "ema-ckpt.json").read_text())["checkpoints"]
     b = json.loads((tmp_path / "ema-local" / "ema-ckpt.json").read_text())["checkpoints"]
     assert [c["step"] for c in a] == [c["step"] for c in b] and a
+
+
+def test_a_hole_in_a_pt_object_is_exit_3_naming_it(s3, tmp_path):
+    local = tmp_path / "ckpts"
+    shutil.copytree(TRAINERS / "hf-trainer-zero2-bf16" / "ckpts", local)
+    with open_checkpoint(local / "checkpoint-4") as reader:
+        touched, _ = members_read(local / "checkpoint-4" / "global_step4", reader)
+    file, start, size = touched[0]
+    zero_page_inside(file, start, size)
+    url = upload(local, "ds-hole/ckpts")
+    message = cli("accumulate", url, "--decay", "0.9", "--out", tmp_path / "ema", code=3)
+    shown = f"{url}/{file.relative_to(local).as_posix()}: zip member "
+    assert shown in message and "do not match their CRC-32" in message, message
+    assert not (tmp_path / "ema").exists()
 
 
 def test_an_optimizer_file_costs_its_fp32_partition_and_a_few_kib(s3, tmp_path, requests):

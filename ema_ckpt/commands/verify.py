@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from ..dist import Workers
-from ..errors import CheckpointError, CheckpointNotFoundError, EmaCkptError
+from ..errors import CheckpointError, CheckpointNotFoundError, EmaCkptError, RecordChecksumError
 from ..formats import open_checkpoint
 from ..formats.base import CheckpointReader
 from ..formats.options import ReadOptions
@@ -188,8 +188,9 @@ def _verify(group: Workers, path: Path, hash_block_bytes: int, read_block_bytes:
         else:
             reader = stack.enter_context(contextlib.closing(opened))
             result.format_name = reader.format_name
-            checks += _read_checks(reader, read_block_bytes)
-            if not result.manifest and reader.stored_records():
+            records_checked = not result.manifest and bool(reader.stored_records())
+            checks += _read_checks(reader, read_block_bytes, records_checked=records_checked)
+            if records_checked:
                 result.checks.append("file CRC-32s" if reader.whole_file_records else "record CRC-32s")
                 checks += _record_checks(path, reader)
         pieces = [Piece(c.cost, functools.partial(_run_check, path, c.run)) for c in checks]
@@ -410,9 +411,10 @@ def _check_extras(path: Path, listed: dict[str, Any], result: VerifyResult) -> N
         result.problem(f"{entry}: extra {kind} not listed in {MANIFEST_NAME}")
 
 
-def _read_checks(reader: CheckpointReader, block_bytes: int) -> list[_Check]:
+def _read_checks(reader: CheckpointReader, block_bytes: int, *, records_checked: bool = False) -> list[_Check]:
     """One check per tensor key (every stored box read back in row blocks), one per non-tensor
-    entry (its record read as raw bytes, never unpickled)."""
+    entry (its record read as raw bytes, never unpickled). ``records_checked``: every record's
+    CRC-32s are checked too, so a read that fails its record's CRC-32 is left to that check."""
     try:
         specs = dict(reader.specs())
     except EmaCkptError as err:
@@ -430,6 +432,10 @@ def _read_checks(reader: CheckpointReader, block_bytes: int) -> list[_Check]:
                         del value
                         part.bytes_read += nbytes
                         tally.add(nbytes, key)
+            except RecordChecksumError as err:
+                if not records_checked:
+                    part.problem(str(err))
+                return  # else the record check of the same bytes reports it, once
             except EmaCkptError as err:
                 part.problem(str(err))
                 return

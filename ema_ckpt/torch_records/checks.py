@@ -5,7 +5,7 @@ checkpoint) is one uncompressed zip member, and the zip's directory holds each m
 A reader registers the members it reads from (:meth:`ReadChecks.expect`) and hands each span
 it reads to :meth:`ReadChecks.saw` while the bytes are still in cache. Spans are joined with
 ``crc32_combine`` until they cover their member, which is then compared: a mismatch raises
-:class:`~ema_ckpt.errors.CheckpointFormatError` naming the file, the key and the member's
+:class:`~ema_ckpt.errors.RecordChecksumError` naming the file, the key and the member's
 place, so a hole or a torn copy is never averaged in. A member read only in part (a chunk two
 workers share, the rest of a larger storage) is settled at the end of the run
 (:func:`settle_reads`): the workers' spans are joined, the bytes nobody read are read, and the
@@ -25,7 +25,7 @@ Example:
     >>> checks.expect("f", 200, 2, crc32(b"ok"), "key 'v'")
     >>> checks.saw("f", 200, b"\\0\\0")                      # doctest: +IGNORE_EXCEPTION_DETAIL
     Traceback (most recent call last):
-    CheckpointFormatError: f: key 'v': the 2 bytes stored at offset 200 do not match their CRC-32 ...
+    RecordChecksumError: f: key 'v': the 2 bytes stored at offset 200 do not match their CRC-32 ...
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .._crc import crc32, crc32_combine
-from ..errors import CheckpointFormatError
+from ..errors import CheckpointFormatError, RecordChecksumError
 from .zipfmt import stored_members
 
 if TYPE_CHECKING:
@@ -102,7 +102,7 @@ class ReadChecks:
         """Bytes ``data`` (a buffer) were read from ``file`` at ``offset``.
 
         Raises:
-            CheckpointFormatError: a member they complete does not match its CRC-32.
+            RecordChecksumError: a member they complete does not match its CRC-32.
         """
         view = memoryview(data).cast("B")
         end = offset + len(view)
@@ -127,7 +127,8 @@ class ReadChecks:
         """Compare every member of ``parts`` (each worker's :meth:`pending`), reading what no worker read.
 
         Raises:
-            CheckpointFormatError: the first member that does not match its CRC-32.
+            RecordChecksumError: the first member that does not match its CRC-32.
+            CheckpointFormatError: the bytes none read cannot be read.
         """
         joined: dict[tuple[str, int], tuple[int, int, str, list[Span]]] = {}
         for part in parts:
@@ -187,7 +188,7 @@ class ReadChecks:
 
     def _compare(self, file: str, start: int, size: int, stored: int, what: str, actual: int) -> None:
         if actual != stored:
-            raise CheckpointFormatError(
+            raise RecordChecksumError(
                 self._name(file),
                 f"{what}: the {size} bytes stored at offset {start} do not match their CRC-32 (read "
                 f"{actual:08x}, the zip records {stored:08x}): the file was damaged after it was written "
@@ -242,7 +243,7 @@ def settle_reads(readers: Sequence[Any], workers: Workers) -> None:
     :class:`ReadChecks` as ``read_checks``.
 
     Raises:
-        CheckpointFormatError: on every worker, for the first member that does not match.
+        RecordChecksumError: on every worker, for the first member that does not match.
     """
     checks: list[ReadChecks | None] = [getattr(r, "read_checks", None) for r in readers]
     mine = [c.pending() if c is not None else {} for c in checks]

@@ -19,7 +19,7 @@ from typing import cast
 
 from ..._lazy import torch
 from ...dtypes import itemsize, name_of
-from ...errors import CheckpointFormatError, EmaCkptError, UnsafePickleError
+from ...errors import CheckpointFormatError, EmaCkptError, RecordChecksumError, UnsafePickleError
 from ...layout import Box, TensorSpec
 from ...remote import RemoteFile, RemotePath, is_remote, pread
 from ...torch_records import (
@@ -73,7 +73,7 @@ def _check_record_crcs(data: bytes, file: Path, key: str, offset: int) -> None:
                     archive.read(info)  # raises BadZipFile on a CRC mismatch
     except zipfile.BadZipFile as err:
         if "CRC" in str(err):
-            raise CheckpointFormatError(file, f"key {key!r}: the record at offset {offset} does not match its "
+            raise RecordChecksumError(file, f"key {key!r}: the record at offset {offset} does not match its "
                                               f"CRC-32 ({err}): the file was damaged after it was written") from None
     except Exception:  # an unreadable directory or member: torch's loader reports it below
         return
