@@ -73,7 +73,7 @@ from ..remote import as_path, output_location
 from ..selection import carry_into
 from ..writers.base import check_directory_output
 from .averaging import averaged_tensors
-from .ema_integrity import refuse_damaged_emas, refuse_damaged_remote_emas, remote_emas_folded_into
+from .ema_integrity import as_damaged_ema, refuse_damaged_emas, refuse_damaged_remote_emas, remote_emas_folded_into
 
 _RUNTIME = {"recorded": False}
 
@@ -394,9 +394,12 @@ class AccumulateJob(Job[FoldPlan, _Folded, AccumulateResult]):
         """Skip the checkpoint behind a NaN/Inf or damaged-file error and fold the rest.
 
         Only with ``skip_nonfinite`` / ``skip_damaged``; otherwise the error stops the run,
-        saying which option would skip it.
+        saying which option would skip it. Damage in the EMA folded into is never skipped.
         """
         opts = self.options
+        damaged_ema = as_damaged_ema(plan.accumulators, error)
+        if damaged_ema is not None:
+            raise damaged_ema from None
         _, sources, checkpoints = fold_inputs(plan.accumulators)
         by_path = {c.path: c for c in checkpoints}
         if isinstance(error, NonFiniteError):

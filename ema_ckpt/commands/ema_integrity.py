@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import cast
 
 from ..dist import Workers
-from ..errors import CheckpointFormatError
+from ..errors import CheckpointFormatError, EmaCkptError, RecordChecksumError
 from ..folding import Accumulator
 from ..formats.base import CheckpointReader
 from ..formats.dcp.reader import DcpReader
@@ -66,6 +66,20 @@ def refuse_damaged_remote_emas(accumulators: list[Accumulator], readers: Sequenc
     workers.on_coordinator(check)
 
 
+def as_damaged_ema(accumulators: Sequence[Accumulator], error: EmaCkptError) -> CheckpointFormatError | None:
+    """``error`` told as the EMA's own damage when the bytes that failed their record's CRC-32
+    belong to an EMA this run folds into (the fold read them before its manifest's checksums
+    were compared, as on object storage), so the remedy offered is the EMA's; else None."""
+    if not isinstance(error, RecordChecksumError):
+        return None
+    damaged = str(error.path)
+    for acc in accumulators:
+        inside = damaged.startswith(str(acc.final).rstrip("/") + "/")
+        if acc.previous is not None and acc.new and inside:
+            return _damaged(acc.final, [f"{damaged}: {error.reason}"])
+    return None
+
+
 def remote_emas_folded_into(accumulators: Sequence[Accumulator]) -> list[Accumulator]:
     """The accumulators whose previous EMA, on object storage, this run folds new checkpoints into."""
     return [acc for acc in accumulators if acc.previous is not None and acc.new and is_remote(acc.final)]
@@ -81,4 +95,4 @@ def _damaged(final: Path, problems: list[str]) -> CheckpointFormatError:
     )
 
 
-__all__ = ["refuse_damaged_emas", "refuse_damaged_remote_emas", "remote_emas_folded_into"]
+__all__ = ["as_damaged_ema", "refuse_damaged_emas", "refuse_damaged_remote_emas", "remote_emas_folded_into"]
