@@ -55,12 +55,21 @@ error given a note as its message takes them over:
     ('skipped step_3: left out (skip)', 'skipped step_3: left out (--skip)')
     >>> str(CheckpointNotFoundError("ckpts", "no checkpoints found (" + note + ")"))
     'ckpts: no checkpoints found (skipped step_3: left out (skip))'
+
+Exit codes
+----------
+:data:`EXIT_CODES` is the one table of the statuses the CLI ends with; ``--help``, the docs and
+every class's ``exit_code`` follow it (tests check them):
+
+    >>> print(exit_meaning(OutputLockedError.exit_code))
+    another run holds the output's lock (retry later, or wait_seconds=SECONDS)
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -143,6 +152,55 @@ def _note(template: str, mentions: tuple[str, ...]) -> Note:
 def worded(text: str, name_of: Callable[[str], str] | None = None) -> str:
     """A note, warning or plain text worded by ``name_of``: ``Note.render``, or the text itself."""
     return text.render(name_of) if isinstance(text, Note) else str(text)
+
+
+@dataclass(frozen=True)
+class ExitCode:
+    """One row of :data:`EXIT_CODES`: a status the ``ema-ckpt`` process ends with, and its meaning.
+
+    ``meaning`` may be a :class:`Note`: the CLI words its parameters as flags.
+
+        >>> row = EXIT_CODES[5]
+        >>> row.code, row.meaning.render({"restart": "--restart"}.__getitem__)
+        (5, 'the output was made with other settings (--restart starts over)')
+    """
+
+    code: int
+    meaning: str
+
+
+EXIT_CODES: tuple[ExitCode, ...] = (
+    ExitCode(0, 'success, including "nothing new to fold"'),
+    ExitCode(1, "unexpected internal error (EMA_CKPT_DEBUG=1 shows the traceback)"),
+    ExitCode(2, "bad option or combination of options"),
+    ExitCode(3, "a checkpoint is missing, unreadable, truncated, corrupt or unsafe"),
+    ExitCode(4, "checkpoints cannot be combined (keys, shapes, dtypes, steps)"),
+    ExitCode(5, Note("the output was made with other settings ({restart=True} starts over)",
+                     mentions=("restart",))),
+    ExitCode(6, "a checkpoint holds NaN/Inf values"),
+    ExitCode(7, "writing the output failed; the previous output is intact"),
+    ExitCode(8, "a worker of the run was lost (node down, network cut, launcher gone)"),
+    ExitCode(9, "object storage failed or did not answer; nothing was published"),
+    ExitCode(75, Note("another run holds the output's lock (retry later, or {wait_seconds=SECONDS})",
+                      mentions=("wait_seconds",))),
+    # CPython's own status when flushing stdout or stderr at exit fails (a closed pipe)
+    ExitCode(120, "the command ended but its output could not be flushed"),
+    ExitCode(130, "interrupted (Ctrl-C); the previous output is intact"),
+    ExitCode(143, "stopped by SIGTERM (Slurm, systemd, Kubernetes, timeout), as Ctrl-C"),
+)
+"""Every status the CLI can exit with, in order. Scripts and cron wrappers branch on these."""
+
+
+def exit_meaning(code: int) -> str:
+    """What exit status ``code`` means (library wording); ``KeyError`` for one not in :data:`EXIT_CODES`.
+
+        >>> exit_meaning(3)
+        'a checkpoint is missing, unreadable, truncated, corrupt or unsafe'
+    """
+    for row in EXIT_CODES:
+        if row.code == code:
+            return row.meaning
+    raise KeyError(code)
 
 
 def _restore(cls: type[EmaCkptError], args: tuple[Any, ...], state: dict[str, Any]) -> EmaCkptError:

@@ -23,7 +23,7 @@ from . import inspect as _inspect
 from . import posthoc as _posthoc
 from . import reshard as _reshard
 from . import verify as _verify
-from ._errors import usage_error_line, usage_name
+from ._errors import exit_codes_help, usage_error_line, usage_name
 from ._output import err_console
 
 app = typer.Typer(
@@ -42,7 +42,7 @@ def _version(value: bool) -> None:
         raise typer.Exit()
 
 
-@app.callback()
+@app.callback(epilog=exit_codes_help())
 def _root(
     version: Annotated[
         bool, typer.Option("--version", callback=_version, is_eager=True, help="Show the version and exit.")

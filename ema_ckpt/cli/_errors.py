@@ -11,22 +11,8 @@ Library errors name library parameters (``at_step``, ``restart=True``); :data:`F
     >>> error_message(OptionError("at_step", "5 is before the first checkpoint (step 10)", value=5))
     ('--at-step 5 is before the first checkpoint (step 10)', 2)
 
-Exit codes (also in ``docs/cli.md``):
-
-====  ======================================================================
-0     success, including "nothing new to fold"
-1     unexpected internal error
-2     bad option or combination of options
-3     a checkpoint is missing, unreadable, truncated, corrupt or unsafe
-4     checkpoints cannot be combined (keys, shapes, dtypes, steps)
-5     the output was made with other settings (``--restart`` starts over)
-6     a checkpoint holds NaN/Inf values
-7     writing the output failed (disk full, permissions); the old output is intact
-8     a worker of the run was lost (node down, network cut, launcher killed)
-75    another run holds the output's lock (retry later, or ``--wait``)
-130   interrupted (Ctrl-C)
-143   terminated (SIGTERM, as Slurm, systemd, Kubernetes and ``timeout`` send it)
-====  ======================================================================
+The exit codes are :data:`ema_ckpt.errors.EXIT_CODES`; the top-level ``--help`` lists them
+(:func:`exit_codes_help`).
 """
 
 from __future__ import annotations
@@ -43,17 +29,29 @@ from typer.core import TyperArgument
 from .. import _signals
 from .._signals import Terminated, exit_code
 from .._text import escaped
-from ..errors import EmaCkptError
+from ..errors import EXIT_CODES, EmaCkptError, OutputError, worded
 from ._flags import FLAGS, flag_for
 from ._output import err_console
 
-__all__ = ["FLAGS", "error_message", "flag_for", "reports_errors", "usage_error_line", "usage_name"]
+__all__ = ["FLAGS", "error_message", "exit_codes_help", "flag_for", "reports_errors", "usage_error_line",
+           "usage_name"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-INTERNAL_ERROR = 1
-INTERRUPTED = 130
-OS_ERROR = 7
+INTERNAL_ERROR = EmaCkptError.exit_code  # 1
+OS_ERROR = OutputError.exit_code  # 7: an OSError that no ema-ckpt error wraps
+
+
+def exit_codes_help() -> str:
+    """The exit codes of :data:`~ema_ckpt.errors.EXIT_CODES` as the top-level ``--help`` shows them.
+
+    Indented four spaces: ``docs/cli.md`` (generated from the help) shows them as a code block.
+
+        >>> print(exit_codes_help().splitlines()[7])
+            5    the output was made with other settings (--restart starts over)
+    """
+    rows = "\n".join(f"    {row.code:<4} {worded(row.meaning, flag_for)}" for row in EXIT_CODES)
+    return f"Exit codes:\n\n{rows}\n"
 
 
 def _first_line(text: str) -> str:
