@@ -35,9 +35,10 @@ class _State(TypedDict):
     armed: bool  # inside a command's body: a signal raises
     pending: int | None  # a signal recorded outside it
     entered: bool  # the body has begun
+    raised: int | None  # a signal raised inside the body
 
 
-_state: _State = {"armed": False, "pending": None, "entered": False}
+_state: _State = {"armed": False, "pending": None, "entered": False, "raised": None}
 
 
 class Terminated(KeyboardInterrupt):
@@ -51,6 +52,7 @@ def _interrupt(signum: int) -> KeyboardInterrupt:
 def _handler(signum: int, frame: Any) -> None:
     if _state["armed"]:
         _state["armed"] = False  # a second signal during cleanup is recorded, not raised again
+        _state["raised"] = signum
         raise _interrupt(signum)
     if _state["pending"] is None:
         _state["pending"] = signum
@@ -81,6 +83,14 @@ def armed() -> Iterator[None]:
 def pending() -> int | None:
     """A signal recorded outside a command's body, if any."""
     return _state["pending"]
+
+
+def raised() -> KeyboardInterrupt | None:
+    """The interrupt a signal raised inside the body, if one did. Code ema-ckpt does not own
+    may swallow it (a half-done ``import torch`` then fails again with another error): the
+    run still ends as that signal asked."""
+    signum = _state["raised"]
+    return None if signum is None else _interrupt(signum)
 
 
 def entered() -> bool:

@@ -1,1 +1,3 @@
+"""The version of ema-ckpt (the one place it is written)."""
+
 __version__ = "0.1.0"

@@ -27,7 +27,6 @@ import os
 import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from .errors import (
     CheckpointFormatError,
@@ -43,10 +42,10 @@ from .formats.base import TRAINER_STATE, CheckpointFormat, CheckpointReader, not
 from .formats.torch_file import SUFFIXES as TORCH_SUFFIXES
 from .layout import row_blocks
 from .manifest import MANIFEST_NAME
-from .remote import RemotePath, as_path, forget_listings
 from .saves import save_in_progress
 from .selection import select_keys
 from .steps import EPOCHS, StepRecord, StepUnknown, step_from_name, step_record
+from .storage import Location, as_path, forget_listings, is_location, local_file
 
 CHECKPOINT_FILE_SUFFIXES = (*TORCH_SUFFIXES, ".safetensors")
 """Files a folder scan looks at as possible checkpoints; other files are left unread."""
@@ -60,7 +59,7 @@ ALIAS_NAMES = re.compile(r"^(last|latest|best|model_best|final)([-_.=]|$)", re.I
 class FoundCheckpoint:
     """One checkpoint found on disk."""
 
-    path: Path
+    path: Location
     step: int
     format_name: str
     step_source: str = "folder name"
@@ -71,7 +70,7 @@ class FoundCheckpoint:
 class Entry:
     """One entry of a scanned folder: taken as a checkpoint (with its step), or left and why."""
 
-    path: Path
+    path: Location
     taken: bool
     why: str
     step: int | None = None
@@ -89,15 +88,17 @@ class Discovery:
     """Every entry of the folders scanned, taken or left, in name order (for ``inspect``)."""
 
 
-def checkpoint_paths(checkpoints: str | Path | Sequence[str | Path]) -> list[Path]:
+def checkpoint_paths(checkpoints: str | Location | Sequence[str | Location]) -> list[Location]:
     """The paths a command was given (a folder, one checkpoint, or a list), each checked to exist.
 
     Example:
         >>> checkpoint_paths(["ckpts/step_100", "ckpts/step_200"])  # doctest: +SKIP
         [PosixPath('ckpts/step_100'), PosixPath('ckpts/step_200')]
     """
-    paths = [as_path(checkpoints)] if isinstance(checkpoints, (str, Path, RemotePath)) else [
-        as_path(p) for p in checkpoints]
+    if isinstance(checkpoints, str) or is_location(checkpoints):
+        paths = [as_path(checkpoints)]
+    else:
+        paths = [as_path(p) for p in checkpoints]
     if not paths:
         raise UsageError("no checkpoint paths given")
     for path in paths:
@@ -106,12 +107,12 @@ def checkpoint_paths(checkpoints: str | Path | Sequence[str | Path]) -> list[Pat
     return paths
 
 
-def _inside(path: Path, roots: Iterable[Path]) -> bool:
+def _inside(path: Location, roots: Iterable[Location]) -> bool:
     resolved = path.resolve()
     return any(resolved == r or r in resolved.parents for r in roots)
 
 
-def _holds_checkpoints(path: Path) -> bool:
+def _holds_checkpoints(path: Location) -> bool:
     """True when a directory's own children are checkpoints (a folder of them, not one)."""
     if not path.is_dir() or locate_model(path).trainer is not None:
         return False
@@ -121,7 +122,7 @@ def _holds_checkpoints(path: Path) -> bool:
     )
 
 
-def _found(path: Path, fmt: CheckpointFormat, step_regex: str | None) -> FoundCheckpoint | str:
+def _found(path: Location, fmt: CheckpointFormat, step_regex: str | None) -> FoundCheckpoint | str:
     """The checkpoint at ``path`` with its step, or why it waits (a note)."""
     try:
         record = step_record(path, step_regex)
@@ -156,7 +157,7 @@ def same_model_bytes(a: CheckpointReader, b: CheckpointReader, keys: Sequence[st
 
 
 def _prefer(
-    a: FoundCheckpoint, b: FoundCheckpoint, known: set[Path]
+    a: FoundCheckpoint, b: FoundCheckpoint, known: set[Location]
 ) -> tuple[FoundCheckpoint, FoundCheckpoint]:
     """(kept, skipped) of two copies of one step: the one already folded, else the one with a
     trainer's own step record, else the one not named as an alias (``last.ckpt``), else the
@@ -169,7 +170,7 @@ def _prefer(
     return (a, b) if rank(a) <= rank(b) else (b, a)
 
 
-def _drop_identical_copies(found: Discovery, known: Mapping[Path, int], compare_after: int | None) -> None:
+def _drop_identical_copies(found: Discovery, known: Mapping[Location, int], compare_after: int | None) -> None:
     """One checkpoint per step: identical copies of a step count once; different ones are refused.
 
     Bytes are compared only for steps after ``compare_after`` (the steps a run will read); an
@@ -207,17 +208,18 @@ def _drop_identical_copies(found: Discovery, known: Mapping[Path, int], compare_
     found.checkpoints = kept
 
 
-def _same_file(a: Path, b: Path) -> bool:
+def _same_file(a: Location, b: Location) -> bool:
     """One file or folder under two names: a symlink, or a hard link (timm's ``last.pth.tar``)."""
     if a.resolve() == b.resolve():
         return True
     try:
-        return not a.is_dir() and os.path.samefile(a, b)
+        local_a, local_b = local_file(a), local_file(b)  # objects have no links
+        return local_a is not None and local_b is not None and not a.is_dir() and os.path.samefile(local_a, local_b)
     except OSError:
         return False
 
 
-def _skipped(path: Path, skipped: Sequence[Path], used: set[Path]) -> bool:
+def _skipped(path: Location, skipped: Sequence[Location], used: set[Location]) -> bool:
     """True when ``path`` (or the model folder nested in it) is one the user left out."""
     if not skipped:
         return False
@@ -229,14 +231,14 @@ def _skipped(path: Path, skipped: Sequence[Path], used: set[Path]) -> bool:
     return False
 
 
-def _left(found: Discovery, child: Path, why: str, *, note: bool = True) -> None:
+def _left(found: Discovery, child: Location, why: str, *, note: bool = True) -> None:
     found.entries.append(Entry(child, False, why))
     if note:
         found.notes.append(f"skipped {child}: " + why)
 
 
-def _scan_folder(path: Path, found: Discovery, step_regex: str | None, excluded: Sequence[Path],
-                 skipped: Sequence[Path], used: set[Path]) -> None:
+def _scan_folder(path: Location, found: Discovery, step_regex: str | None, excluded: Sequence[Location],
+                 skipped: Sequence[Location], used: set[Location]) -> None:
     """Folders first; the files beside them count only when no folder is a checkpoint (a file
     beside checkpoint folders is an export or a copy: ``model.safetensors`` of a final save)."""
     with reading_input(path):
@@ -258,13 +260,13 @@ def _scan_folder(path: Path, found: Discovery, step_regex: str | None, excluded:
                 _scan_entry(child, found, step_regex, excluded, skipped, used)
 
 
-def _is_dir(path: Path) -> bool:
+def _is_dir(path: Location) -> bool:
     with reading_input(path):
         return path.is_dir()
 
 
 @contextlib.contextmanager
-def reading_input(path: Path) -> Iterator[None]:
+def reading_input(path: Location) -> Iterator[None]:
     """An ``OSError`` while looking at input ``path`` (a folder that cannot be listed, a file that
     cannot be opened) is a :class:`~ema_ckpt.errors.CheckpointFormatError` naming it (exit 3):
     never an output error, never a file of ours it never held."""
@@ -276,8 +278,8 @@ def reading_input(path: Path) -> Iterator[None]:
         raise CheckpointFormatError(path, f"cannot read ({err.strerror or err})") from None
 
 
-def _scan_entry(child: Path, found: Discovery, step_regex: str | None, excluded: Sequence[Path],
-                skipped: Sequence[Path], used: set[Path], beside: Sequence[Path] = ()) -> bool:
+def _scan_entry(child: Location, found: Discovery, step_regex: str | None, excluded: Sequence[Location],
+                skipped: Sequence[Location], used: set[Location], beside: Sequence[Location] = ()) -> bool:
     """One entry of a scanned folder (``beside``: the folder's other entries): taken (with its
     step), or left with the reason. True when it is a checkpoint of the training run (taken,
     left out by the user, or still being written)."""
@@ -314,7 +316,7 @@ def _scan_entry(child: Path, found: Discovery, step_regex: str | None, excluded:
     return True
 
 
-def _refuse_nesting(outputs: Sequence[Path], checkpoints: Sequence[FoundCheckpoint]) -> None:
+def _refuse_nesting(outputs: Sequence[Location], checkpoints: Sequence[FoundCheckpoint]) -> None:
     """An output inside a checkpoint, or holding one: publishing it would replace the checkpoint."""
     for out in outputs:
         for c in checkpoints:
@@ -331,8 +333,8 @@ def _record_kind(source: str) -> str:
     return Note(re.split(" on the (?:folder|file) name", note.template)[0], mentions=note.mentions)
 
 
-def _discover_one(path: Path, found: Discovery, step_regex: str | None, excluded: Sequence[Path],
-                  skipped: Sequence[Path], used: set[Path]) -> None:
+def _discover_one(path: Location, found: Discovery, step_regex: str | None, excluded: Sequence[Location],
+                  skipped: Sequence[Location], used: set[Location]) -> None:
     """One path a command was given: a checkpoint, or a folder of them."""
     if not path.exists():
         raise CheckpointNotFoundError(path, "no such file or directory")
@@ -362,12 +364,12 @@ def _discover_one(path: Path, found: Discovery, step_regex: str | None, excluded
 
 
 def discover(
-    paths: Sequence[str | Path],
+    paths: Sequence[str | Location],
     *,
     step_regex: str | None = None,
-    exclude: Sequence[str | Path] = (),
-    skip: Sequence[str | Path] = (),
-    known: Mapping[Path, int] | None = None,
+    exclude: Sequence[str | Location] = (),
+    skip: Sequence[str | Location] = (),
+    known: Mapping[Location, int] | None = None,
     compare_after: int | None = None,
     require: bool = True,
 ) -> Discovery:
@@ -389,7 +391,7 @@ def discover(
     found = Discovery()
     excluded = [as_path(p).resolve() for p in exclude]
     skipped = [as_path(p).resolve() for p in skip]
-    used: set[Path] = set()
+    used: set[Location] = set()
     for raw in paths:
         path = as_path(raw)
         with reading_input(path):

@@ -9,13 +9,13 @@ Each output is a combination of the sources, given as ordered updates:
   Two or more sum outputs over the same sources (a sweep) are computed together, one small
   matrix product per block: the K × N coefficients times the N sources' block gives the K
   output blocks in one pass over the inputs, where this machine's BLAS gives the bits of the
-  one-output loop (:func:`product_is_exact`); elsewhere by that loop.
+  one-output loop (:func:`~ema_ckpt.blas_probe.product_is_exact`); elsewhere by that loop.
 
 For each region (one stored chunk of the output layout), each source's matching box is
 read once and folded into every output that uses it, then the results are written and
 freed: memory is a few regions, never the model. Non-floating tensors are copied from one
 source (the newest checkpoint). Writing runs one region behind on a background thread, so
-the disk takes region i while region i+1 is read and combined.
+the disk takes region i while region i+1 is read and combined (:mod:`ema_ckpt.engine_io`).
 
 Example:
     >>> outputs = [OutputSpec("ema", (Update(0, 1.0), Update(1, 0.1)))]
@@ -29,15 +29,16 @@ import functools
 import math
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Literal
 
+from . import blas_probe  # through the module: tests replace its functions there
 from ._lazy import torch
 from .dtypes import is_float, torch_dtype
+from .engine_io import _Buffers, _read, _WriteBehind
 from .errors import NonFiniteError, OptionError
 from .formats.base import CheckpointReader
-from .layout import Box, TensorSpec, split_rows
+from .layout import Box, TensorSpec
 from .progress import Progress
 from .writers.base import OutputTensor, OutputWriter, PlannedRegion
 
@@ -235,125 +236,6 @@ def _one_compute_thread(device: str, *, computes: bool = True) -> Iterator[None]
         torch.set_num_threads(before)
 
 
-class _WriteBehind:
-    """Runs each region's sink calls on background threads, at most one region behind.
-
-    Writing (page-cache copies, CRC-32, the disk's back-pressure) and reading/arithmetic all
-    release the GIL, so they overlap. Each sink's calls run in order on one thread; the sinks
-    of a multi-output run write side by side, since copying into the page cache costs kernel
-    time per byte that one thread would pay for all of them.
-    :meth:`submit` first waits for the previous region's writes, which is what lets the
-    engine alternate between two buffer pools; a write error surfaces at the next submit or
-    on exit.
-    """
-
-    def __init__(self, sinks: int = 1) -> None:
-        self._pool = ThreadPoolExecutor(max_workers=max(1, sinks), thread_name_prefix="ema-ckpt-write")
-        self._pending: list[Future[None]] = []
-
-    def submit(self, calls_per_sink: Sequence[Sequence[Callable[[], None]]], *, background: bool = True) -> None:
-        self.wait()
-        if background:
-            self._pending = [self._pool.submit(_run_all, list(calls)) for calls in calls_per_sink if calls]
-        else:
-            for calls in calls_per_sink:
-                _run_all(calls)
-
-    def wait(self) -> None:
-        pending, self._pending = self._pending, []
-        errors = [f.exception() for f in pending]  # every write ends before the buffers are reused
-        for error in errors:
-            if error is not None:
-                raise error
-
-    def __enter__(self) -> _WriteBehind:
-        return self
-
-    def __exit__(self, exc_type: object, *_rest: object) -> None:
-        try:
-            if exc_type is None:
-                self.wait()
-            else:
-                for pending in self._pending:
-                    pending.exception()  # let the writes in flight end; the first error wins
-        finally:
-            self._pool.shutdown(wait=True)
-
-
-def _run_all(calls: Sequence[Callable[[], None]]) -> None:
-    for call in calls:
-        call()
-
-
-class _Buffers:
-    """Reused flat buffers, one per slot and dtype, grown to the largest region seen.
-
-    Fresh multi-megabyte allocations cost page faults on every region (as much as the read
-    itself); reusing a few buffers keeps memory at a few regions and reads at memory speed.
-    Each starts on a page boundary, so a result can go to the disk straight from its memory
-    (``O_DIRECT`` wants aligned addresses: :mod:`ema_ckpt.direct_io`).
-    """
-
-    def __init__(self) -> None:
-        self._flat: dict[tuple[object, torch.dtype], torch.Tensor] = {}
-
-    def get(self, slot: object, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        numel = math.prod(shape)
-        flat = self._flat.get((slot, dtype))
-        if flat is None or flat.numel() < numel:
-            flat = _page_aligned(numel, dtype)
-            self._flat[(slot, dtype)] = flat
-        return flat[:numel].view(shape)
-
-
-_PAGE = 4096
-
-
-def _page_aligned(numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialised 1-D tensor of ``numel`` elements whose data starts on a page boundary."""
-    raw = torch.empty(numel * dtype.itemsize + _PAGE, dtype=torch.uint8)
-    skip = -raw.data_ptr() % _PAGE
-    return raw[skip:skip + numel * dtype.itemsize].view(dtype)
-
-
-def _read(reader: CheckpointReader, key: str, box: Box, spec: TensorSpec, buffers: _Buffers | None,
-          slot: object = "read", out: torch.Tensor | None = None) -> torch.Tensor:
-    """``box`` of ``key``: into ``out`` when given, else into the reused buffer ``slot``."""
-    if buffers is not None and reader.supports_out:
-        target = out if out is not None else buffers.get(slot, box.sizes, spec.dtype)
-        return reader.read(key, box, out=target)
-    value = reader.read(key, box).detach()
-    return out.copy_(value) if out is not None else value
-
-
-# Row blocks of a region, per source: small enough to stay in the CPU's cache while every
-# output uses them, so each input byte crosses memory once however many outputs there are.
-_BLOCK_BYTES = 2 << 20
-# A sweep's block of every source at once (its matrix product's input): the same goal.
-_SWEEP_STACK_BYTES = 8 << 20
-# With many outputs on the per-output path, the accumulators' blocks share the cache too: eight
-# outputs on 2 MiB blocks cycle 16 MiB of accumulators per source, out of a busy shared L3
-# (measured, 16 sources, 8 outputs: the arithmetic alone 0.6× as long on 512 KiB blocks, the
-# whole run 12% less CPU). The budget divides about 4 MiB among them, between these bounds.
-_ACCUMULATOR_SET_BYTES = 4 << 20
-_MIN_BLOCK_BYTES = 512 << 10
-
-
-def _block_budget(accumulators: int) -> int:
-    """Bytes of a row block when ``accumulators`` outputs fold or sum each source's block.
-
-    >>> _block_budget(1), _block_budget(4), _block_budget(8)
-    (2097152, 1048576, 524288)
-    """
-    return max(_MIN_BLOCK_BYTES, min(_BLOCK_BYTES, _ACCUMULATOR_SET_BYTES // max(1, accumulators)))
-
-
-def _blocks(box: Box, itemsize: int, device: str, budget: int = _BLOCK_BYTES) -> list[Box]:
-    if device != "cpu" or not box.sizes:  # a GPU wants large transfers
-        return [box]
-    return split_rows(box, max(1, budget // itemsize))
-
-
 def _accumulate_region(
     sources: Sequence[CheckpointReader],
     outputs: Sequence[OutputSpec],
@@ -405,9 +287,8 @@ def _accumulate_region(
     unchecked = sweep.members - {sweep.outputs[0]} if sweep is not None else frozenset()
     # a sweep's other outputs (rare: ones over other sources) take the sweep's blocks
     accumulators = sum(out.mode != "copy" for out in outputs)
-    blocks = ([region.box] if copies_only
-              else _blocks(region.box, dtype.itemsize, device, _block_budget(accumulators)) if sweep is None
-              else _blocks(region.box, dtype.itemsize * stacked, device, _SWEEP_STACK_BYTES))
+    budget = blas_probe._block_budget(accumulators) if sweep is None else blas_probe._SWEEP_STACK_BYTES
+    blocks = [region.box] if copies_only else blas_probe._blocks(region.box, dtype.itemsize * stacked, device, budget)
     row_numel = region.box.numel // shape[0] if shape and shape[0] else 1
     for block in blocks:
         where = block.relative_to(region.box).slices()
@@ -487,42 +368,9 @@ def _apply(output: OutputSpec, weight: float, value: torch.Tensor, raw: torch.Te
         acc.add_(value, alpha=weight)
 
 
-@dataclass(frozen=True, slots=True)
-class _Sweep:
-    """Sum outputs over the same sources, computed as ``coefficients @ stack`` per block.
-
-    ``coefficients`` is K × N (outputs × sources, in source order); ``stack`` holds the N
-    sources' block as rows. Made only where the product accumulates each element source by
-    source in order, as the one-output loop does (``acc = w₀·θ₀``, then ``acc += wₛ·θₛ``:
-    :func:`product_is_exact`); a one-column block, which BLAS would take as a matrix-vector
-    product, is computed by that loop. The same shapes give the same bits for any thread
-    count and any number of workers.
-    """
-
-    outputs: tuple[int, ...]
-    members: frozenset[int]
-    sources: tuple[int, ...]
-    row_of: Mapping[int, int]
-    coefficients: torch.Tensor
-
-    def combine(self, stack: torch.Tensor, out: torch.Tensor) -> None:
-        if stack.shape[1] >= 2:
-            torch.mm(self.coefficients, stack, out=out)
-            return
-        _loop_product(self.coefficients, stack, out)
-
-
-def _loop_product(coefficients: torch.Tensor, stack: torch.Tensor, out: torch.Tensor) -> None:
-    """``coefficients @ stack`` into ``out`` as the one-output loop computes each row:
-    ``acc = w₀·θ₀``, then ``acc += wₛ·θₛ`` (fused), source by source."""
-    for row, weights in enumerate(coefficients.tolist()):
-        torch.mul(stack[0], weights[0], out=out[row])
-        for column in range(1, len(weights)):
-            out[row].add_(stack[column], alpha=weights[column])
-
-
 def _sweep(outputs: Sequence[OutputSpec], weights: Sequence[Mapping[int, float]],
-           inputs: Sequence[tuple[int, TensorSpec, list[int]]], numel: int, dtype: torch.dtype) -> _Sweep | None:
+           inputs: Sequence[tuple[int, TensorSpec, list[int]]], numel: int,
+           dtype: torch.dtype) -> blas_probe._Sweep | None:
     """The largest set (two or more) of sum outputs that use exactly the same present sources.
 
     Only outputs over the same sources join: an output that skips a source must not see it
@@ -540,46 +388,11 @@ def _sweep(outputs: Sequence[OutputSpec], weights: Sequence[Mapping[int, float]]
     if not by_sources:
         return None
     used, members = max(by_sources.items(), key=lambda item: len(item[1]))
-    if len(members) < 2 or not product_is_exact(len(members), len(used), dtype):
+    if len(members) < 2 or not blas_probe.product_is_exact(len(members), len(used), dtype):
         return None
     coefficients = torch.tensor([[weights[k][s] for s in used] for k in members], dtype=torch.float64).to(dtype)
-    return _Sweep(tuple(members), frozenset(members), used, {s: i for i, s in enumerate(used)}, coefficients)
-
-
-# Widths the probe tries: small ones (a BLAS's edge kernels), odd ones, and one past the sizes at
-# which a BLAS switches to packed, blocked kernels.
-_PROBE_WIDTHS = (2, 3, 5, 7, 16, 17, 64, 255, 1000, 4099, 65537)
-
-
-@functools.cache
-def product_is_exact(outputs: int, sources: int, dtype: torch.dtype) -> bool:
-    """This machine's BLAS gives a K × N product (``outputs`` × ``sources``) the bits of the
-    one-output loop (``acc = w₀·θ₀``, then ``acc += wₛ·θₛ`` fused, source by source).
-
-    Whether it does depends on the BLAS and the processor, not on the data: MKL on Intel
-    processors accumulates in source order with fused multiply-adds, as the loop does; on
-    other processors (AMD's) its kernels group the terms otherwise, and results differ in the
-    last bit. So the product is tried once per shape on random values at widths where kernels
-    change, under the run's thread settings, and used only where every element matches;
-    elsewhere a sweep's outputs are computed by the loop, one by one. Either way each output
-    has the loop's bits, on any machine.
-
-    Example:
-        >>> product_is_exact(4, 4, torch.float32) in (True, False)
-        True
-    """
-    g = torch.Generator().manual_seed(outputs * 1000 + sources)
-    coefficients = torch.randn(outputs, sources, dtype=torch.float64, generator=g).to(dtype)
-    for width in _PROBE_WIDTHS:
-        stack = torch.randn(sources, width, dtype=torch.float64, generator=g).to(dtype)
-        # into columns of a wider buffer, as a block's product lands in its region's rows
-        product = torch.empty(outputs, width + 3, dtype=dtype)[:, 1:width + 1]
-        torch.mm(coefficients, stack, out=product)
-        loop = torch.empty(outputs, width, dtype=dtype)
-        _loop_product(coefficients, stack, loop)
-        if not torch.equal(product, loop):
-            return False
-    return True
+    return blas_probe._Sweep(tuple(members), frozenset(members), used, {s: i for i, s in enumerate(used)},
+                             coefficients)
 
 
 def _find_nonfinite(sources: Sequence[CheckpointReader], inputs: Sequence[tuple[int, TensorSpec, list[int]]],

@@ -67,11 +67,14 @@ every class's ``exit_code`` follow it (tests check them):
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .storage import Location
 
 _PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)(?:=([^{}]*))?\}")
 
@@ -290,7 +293,7 @@ class CheckpointError(EmaCkptError):
 
     exit_code = 3
 
-    def __init__(self, path: str | Path, reason: str, *, remedy: str | None = None,
+    def __init__(self, path: str | os.PathLike[str] | Location, reason: str, *, remedy: str | None = None,
                  mentions: Iterable[str] = ()) -> None:
         self.path = str(path)
         self.reason = reason

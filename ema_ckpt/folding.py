@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from . import maths, profile_specs
@@ -27,8 +26,8 @@ from .manifest import MANIFEST_NAME, FoldedCheckpoint, Manifest, current_fingerp
 from .maths import ExponentialProfile, PowerProfile, fold_coefficients, profile_from_dict
 from .plans import EXPONENTIAL_LONGER, POWER_LONGER, PlannedOutput, Term, find_snapshots, sparse_warning
 from .plans import Plan as AveragePlan
-from .remote import as_path, output_location
 from .selection import check_compatible, select_keys
+from .storage import Location, as_path, output_location
 
 DEFAULT_OUT_NAME = "ema"
 Profile = ExponentialProfile | PowerProfile
@@ -45,15 +44,15 @@ class FoldTerm:
 @dataclass(slots=True)
 class Accumulator:
     name: str
-    final: Path
+    final: Location
     profile: Profile
     previous: Manifest | None
     new: list[FoundCheckpoint] = field(default_factory=list)
     snapshot_steps: list[int] = field(default_factory=list)
 
 
-def find_new(accumulators: Sequence[Accumulator], checkpoints: Sequence[Path], *, out: Path,
-             step_regex: str | None, skip: Sequence[Path], snapshot_every: int | None, notes: list[str]) -> None:
+def find_new(accumulators: Sequence[Accumulator], checkpoints: Sequence[Location], *, out: Location,
+             step_regex: str | None, skip: Sequence[Location], snapshot_every: int | None, notes: list[str]) -> None:
     """Set each accumulator's new checkpoints (and snapshot steps), from discovery of ``checkpoints``.
 
     A checkpoint is new when it is past the EMA's step and was never folded; a single file the
@@ -112,7 +111,7 @@ def refuse_rewritten(accumulators: Sequence[Accumulator], found: Sequence[FoundC
     vanished is retention, and fine. A single file written over with a newer step than the EMA's
     is a new checkpoint (:func:`_saved_again`), not a rollback.
     """
-    latest: dict[Path, tuple[Accumulator, FoldedCheckpoint]] = {}
+    latest: dict[Location, tuple[Accumulator, FoldedCheckpoint]] = {}
     for acc in accumulators:
         for record in acc.previous.checkpoints if acc.previous is not None else []:
             path = as_path(record.path).resolve()
@@ -155,7 +154,7 @@ def _saved_again(checkpoint: FoundCheckpoint, folded_at: int, ema_step: int | No
             and checkpoint.step > ema_step and recorded is not None and recorded != fingerprint(checkpoint.path))
 
 
-def default_out(checkpoints: Sequence[Path]) -> Path:
+def default_out(checkpoints: Sequence[Location]) -> Location:
     """``<folder>/ema`` for a single folder of checkpoints."""
     if len(checkpoints) == 1 and checkpoints[0].is_dir():
         return output_location(checkpoints[0] / DEFAULT_OUT_NAME)
@@ -233,7 +232,8 @@ def snapshot_steps(new_steps: list[int], last: int | None, every: int) -> list[i
     return chosen
 
 
-def check_same_settings(previous: Manifest, profile: Profile, dtype: str, selection: dict[str, Any], out: Path) -> None:
+def check_same_settings(previous: Manifest, profile: Profile, dtype: str, selection: dict[str, Any],
+                        out: Location) -> None:
     wanted = profile.to_dict()
     if previous.kind != "ema" or previous.profile != wanted:
         try:
@@ -315,17 +315,17 @@ def fold_plan(accumulators: list[Accumulator]) -> AveragePlan:
     return AveragePlan("accumulate", sorted(inputs.values(), key=lambda c: c.step), outputs)
 
 
-def fold_inputs(accumulators: list[Accumulator]) -> tuple[list[Accumulator], list[Path], list[FoundCheckpoint]]:
+def fold_inputs(accumulators: list[Accumulator]) -> tuple[list[Accumulator], list[Location], list[FoundCheckpoint]]:
     """(accumulators with new checkpoints, every path to read: their EMAs then the checkpoints, checkpoints)."""
     active = [acc for acc in accumulators if acc.new]
-    sources: list[Path] = [acc.final for acc in active if acc.previous is not None]
+    sources: list[Location] = [acc.final for acc in active if acc.previous is not None]
     checkpoints = sorted({c.path: c for acc in active for c in acc.new}.values(), key=lambda c: c.step)
     return active, sources + [c.path for c in checkpoints], checkpoints
 
 
 def check_fold_keys(
     readers: Sequence[CheckpointReader],
-    sources: Sequence[Path],
+    sources: Sequence[Location],
     checkpoints: Sequence[FoundCheckpoint],
     active: Sequence[Accumulator],
     include: Sequence[str],

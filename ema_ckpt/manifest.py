@@ -19,11 +19,11 @@ import json
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 from ._version import __version__
-from .errors import CheckpointFormatError, ManifestMismatchError
-from .remote import RemotePath, is_remote
+from .errors import CheckpointFormatError, ManifestMismatchError, OptionError
+from .storage import Location, local_file, replace_file
 
 MANIFEST_NAME = "ema-ckpt.json"
 MANIFEST_FORMAT = 1
@@ -73,7 +73,7 @@ class Manifest:
         return cls(**{k: v for k, v in data.items() if k in known})
 
     @classmethod
-    def read(cls, directory: Path, *, check: bool = True) -> Manifest | None:
+    def read(cls, directory: Location, *, check: bool = True) -> Manifest | None:
         """The manifest in ``directory``, or None when there is none.
 
         ``check``: refuse one edited since ema-ckpt wrote it (its ``integrity`` no longer matches).
@@ -94,26 +94,9 @@ class Manifest:
         except (OSError, ValueError, TypeError, KeyError) as err:
             raise CheckpointFormatError(file, f"unreadable ema-ckpt manifest ({err})") from None
 
-    def replace(self, directory: Path) -> None:
+    def replace(self, directory: Location) -> None:
         """Rewrite the manifest of a published output in place, atomically (data untouched)."""
-        file = directory / MANIFEST_NAME
-        if is_remote(directory):  # one PUT: a reader sees the old manifest or the new one
-            cast(RemotePath, file).write_bytes(self.to_json().encode())
-            return
-        temp = directory / f".{MANIFEST_NAME}.tmp-{os.getpid()}"
-        try:
-            with open(temp, "w") as handle:
-                handle.write(self.to_json())
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.replace(temp, file)
-        finally:
-            temp.unlink(missing_ok=True)
-        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        replace_file(directory / MANIFEST_NAME, self.to_json().encode())
 
     def write(self, directory: Path) -> None:
         """Write durably (the directory itself is published atomically by the caller)."""
@@ -134,7 +117,7 @@ def _digest(data: dict[str, Any]) -> str:
     return "sha256:" + hashlib.sha256(canonical.encode("utf-8", "surrogatepass")).hexdigest()
 
 
-def _check_integrity(file: Path, data: Any) -> None:
+def _check_integrity(file: Location, data: Any) -> None:
     recorded = data.get(INTEGRITY) if isinstance(data, dict) else None
     if recorded is not None and recorded != _digest(data):
         raise ManifestMismatchError(
@@ -143,7 +126,7 @@ def _check_integrity(file: Path, data: Any) -> None:
             remedy="restart")
 
 
-def current_fingerprint(path: Path) -> str | None:
+def current_fingerprint(path: Location) -> str | None:
     """:func:`fingerprint` of what is at ``path`` now, or None when it is gone (or going: retention
     deleting it while it is looked at)."""
     try:
@@ -152,7 +135,7 @@ def current_fingerprint(path: Path) -> str | None:
         return None
 
 
-def fingerprint(path: Path) -> str:
+def fingerprint(path: Location) -> str:
     """A cheap identity of a checkpoint: names, sizes and mtimes of its files, its metadata bytes.
 
     Detects a checkpoint that was rewritten in place without hashing gigabytes.
@@ -160,10 +143,50 @@ def fingerprint(path: Path) -> str:
     digest = hashlib.sha256()
     files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
     for file in files:
-        rel = file.relative_to(path).as_posix() if path.is_dir() else file.name
+        rel = str(file)[len(str(path)) + 1:] if path.is_dir() else file.name
         stat = file.stat()
         digest.update(f"{rel}\0{stat.st_size}\0{stat.st_mtime_ns}\0".encode())
         size = stat.st_size
         if file.name in _SMALL_MARKERS or (file.name.endswith(".metadata") and size < 64 << 20):
             digest.update(file.read_bytes())
     return "sha256:" + digest.hexdigest()[:32]
+
+
+def check_not_overlapping(src: Location, out: Location) -> None:
+    """Refuse an output inside its source, or a source inside its output."""
+    a, b = src.resolve(), out.resolve()
+    if a == b or a in b.parents or b in a.parents:
+        raise OptionError("out", f"{out} overlaps the source {src}; write the output elsewhere", value=out)
+
+
+OUTPUT_OWN_FILES = frozenset({MANIFEST_NAME, ".metadata"})
+"""Files of an ema-ckpt output that its manifest's ``files`` does not list, by design."""
+
+
+def check_output_place(final: Location) -> None:
+    """Refuse an output that would nest in another, or replace what ema-ckpt did not write.
+
+    Publishing replaces an output directory whole: an output inside another ema-ckpt output
+    (``--sigma-rel`` into a classic EMA's folder) would vanish at that one's next run, and
+    anything else inside a directory being replaced would vanish now.
+
+    Raises:
+        OptionError: ``final`` lies inside an ema-ckpt output, or is one holding entries its
+            manifest does not list.
+    """
+    if local_file(final) is not None:  # an object store has no parents to nest in
+        for parent in final.resolve().parents:
+            if (parent / MANIFEST_NAME).is_file():
+                raise OptionError("out", f"{final} is inside the ema-ckpt output {parent}, which its next run "
+                                  "replaces whole; write the output elsewhere", value=final)
+    if not (final / MANIFEST_NAME).is_file():
+        return
+    manifest = Manifest.read(final, check=False)  # only its file list: a run that may replace it got here
+    listed = set(manifest.files) if manifest is not None else set()
+    entries: list[Location] = list(final.iterdir())
+    for entry in sorted(entries, key=lambda p: p.name):
+        if entry.name not in OUTPUT_OWN_FILES and entry.name not in listed:
+            kind = "directory" if entry.is_dir() else "file"
+            raise OptionError("out", f"{final} holds the {kind} {entry.name}, which ema-ckpt did not write there; "
+                              f"the new output replaces {final} whole: move {entry.name} away, or write "
+                              "elsewhere", value=final)

@@ -21,13 +21,13 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from . import maths, profile_specs
 from .discovery import FoundCheckpoint, checkpoint_paths, discover
 from .errors import Note, UsageError
 from .manifest import MANIFEST_NAME, Manifest
+from .storage import Location
 
 SNAPSHOT_KIND = "snapshot"
 
@@ -85,20 +85,21 @@ class Plan:
 class SnapshotInput:
     """A power-EMA snapshot written by ``accumulate(snapshot_every=…)``."""
 
-    path: Path
+    path: Location
     step: int
     gamma: float
     sigma_rel: float
 
 
-def find_snapshots(paths: Sequence[Path]) -> list[SnapshotInput]:
+def find_snapshots(paths: Sequence[Location]) -> list[SnapshotInput]:
     """Snapshot directories in ``paths`` (or their ``snapshots/`` folders), sorted by step and γ."""
     found: list[SnapshotInput] = []
     for root in paths:
         for folder in (root, root / "snapshots"):
             if not folder.is_dir():
                 continue
-            for child in sorted(folder.iterdir()):
+            children: list[Location] = list(folder.iterdir())
+            for child in sorted(children, key=str):
                 if child.name.startswith("."):  # staging directories of an interrupted run
                     continue
                 manifest = Manifest.read(child) if (child / MANIFEST_NAME).is_file() else None
@@ -157,14 +158,14 @@ def _rough_percent(fraction: float) -> str:
 
 
 def plan_posthoc(
-    checkpoints: str | Path | Sequence[str | Path],
+    checkpoints: str | Location | Sequence[str | Location],
     *,
     sigma_rels: Sequence[str] = (),
     gammas: Sequence[str] = (),
     at_step: int | None = None,
     step_regex: str | None = None,
-    exclude_paths: Sequence[Path] = (),
-    skip: Sequence[str | Path] = (),
+    exclude_paths: Sequence[Location] = (),
+    skip: Sequence[str | Location] = (),
 ) -> Plan:
     """Coefficients of each requested power-function EMA at T (the newest step, or ``at_step``).
 
@@ -218,14 +219,14 @@ def _plan_from_snapshots(snapshots: list[SnapshotInput], targets: list[tuple[str
 
 
 def plan_average(
-    checkpoints: str | Path | Sequence[str | Path],
+    checkpoints: str | Location | Sequence[str | Location],
     *,
     last: int | None = None,
     from_step: int | None = None,
     to_step: int | None = None,
     step_regex: str | None = None,
-    exclude_paths: Sequence[Path] = (),
-    skip: Sequence[str | Path] = (),
+    exclude_paths: Sequence[Location] = (),
+    skip: Sequence[str | Location] = (),
 ) -> Plan:
     """Uniform average (fairseq ``average_checkpoints``, LAWA) of a selection of checkpoints."""
     if last is None and from_step is None and to_step is None:

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from pathlib import Path
 
 from .formats.base import TRAINER_STATE
+from .storage import Location
 
 HF_CHECKPOINT = re.compile(r"^checkpoint-\d+$")
 """The Hugging Face Trainer's checkpoint folders (its ``PREFIX_CHECKPOINT_DIR``)."""
@@ -33,13 +33,13 @@ ACCELERATE_FILES = ("optimizer.bin", "scheduler.bin", "model.safetensors", "pyto
                     "pytorch_model_fsdp.bin")
 
 
-def _trainer_save(path: Path) -> bool:
+def _trainer_save(path: Location) -> bool:
     """Files only a Hugging Face Trainer save holds (written before its ``trainer_state.json``)."""
     return any((path / name).exists() for name in TRAINER_FILES) or any(
         p.name.startswith("rng_state") or p.name.startswith("global_step") for p in path.iterdir())
 
 
-def save_in_progress(path: Path, beside: Sequence[Path]) -> str | None:
+def save_in_progress(path: Location, beside: Sequence[Location]) -> str | None:
     """Why the trainer folder ``path`` is not a finished save yet, or None (also for any other folder).
 
     ``beside``: the other entries of the folder it was found in. A ``checkpoint-<N>`` folder is

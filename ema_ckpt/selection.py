@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import fnmatch
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
+from .dtypes import is_float
 from .errors import IncompatibleCheckpointError
 from .formats.base import CheckpointReader
-
-if TYPE_CHECKING:
-    from .writers.base import OutputWriter
+from .writers.base import OutputTensor, OutputWriter
 
 _NON_MODEL_ROOTS = {
     "optim", "optimizer", "optimizers", "lr_scheduler", "lr_schedulers", "scheduler",
@@ -190,3 +188,14 @@ def output_names(
     if prefix is None:
         return {k: k for k in keys}
     return {k: k[len(prefix):] for k in keys}
+def averaged_tensors(newest: CheckpointReader, keys: Sequence[str], dtype: str,
+                     names: dict[str, str] | None = None) -> list[OutputTensor]:
+    """The tensors of an average: floats accumulated and stored in ``dtype``, others as stored;
+    named ``names[key]`` in the output (default: the key)."""
+    stored = newest.stored()
+    names = names or {}
+    return [OutputTensor(k, names.get(k, k), tuple(stored[k][0]),
+                         dtype if is_float(stored[k][1]) else stored[k][1], stored[k][1])
+            for k in keys]
+
+

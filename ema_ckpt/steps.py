@@ -22,7 +22,6 @@ import contextlib
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 from .errors import EmaCkptError, Note, OptionError
 from .formats import detect_format, locate_model, open_checkpoint
@@ -30,7 +29,7 @@ from .formats.base import NESTED_MODELS, TRAINER_STATE, CheckpointFormat, traine
 from .formats.torch_file import file_facts, has_torch_suffix
 from .formats.torch_file.optimizer import optimizer_step_counters
 from .layout import Box
-from .remote import as_path
+from .storage import Location, as_path, local_file
 
 _STEP_PATTERNS = (
     re.compile(r"(?:^|[^A-Za-z])step[_=-]?(\d+)"),
@@ -93,7 +92,7 @@ class StepUnknown(Exception):
     """A step source that sees its record still being written: the checkpoint waits (a note)."""
 
 
-def _trainer_state_step(path: Path, fmt: CheckpointFormat) -> StepRecord | None:
+def _trainer_state_step(path: Location, fmt: CheckpointFormat) -> StepRecord | None:
     """The Hugging Face Trainer's ``trainer_state.json`` ``global_step`` (optimizer steps)."""
     if not path.is_dir():
         return None
@@ -106,7 +105,7 @@ ACCELERATE_OPTIMIZER = "optimizer.bin"
 _ACCELERATE_FOLDER = re.compile(r"^checkpoint_\d+$")
 
 
-def accelerate_folder(path: Path) -> bool:
+def accelerate_folder(path: Location) -> bool:
     """A folder accelerate's ``save_state`` wrote with ``automatic_checkpoint_naming``: its name
     counts saves, not steps."""
     if locate_model(path).trainer == "accelerate":
@@ -115,7 +114,7 @@ def accelerate_folder(path: Path) -> bool:
                 and any(p.name.startswith("random_states_") for p in path.iterdir()))
 
 
-def _optimizer_counter_step(path: Path, fmt: CheckpointFormat) -> StepRecord | None:
+def _optimizer_counter_step(path: Location, fmt: CheckpointFormat) -> StepRecord | None:
     """The optimizer's own step counter (Adam's per-parameter ``step``) saved beside the model.
 
     accelerate records no optimizer step of its own: the ``step`` in ``random_states_<i>.pkl``
@@ -133,7 +132,8 @@ def _optimizer_counter_step(path: Path, fmt: CheckpointFormat) -> StepRecord | N
             values = [float(reader.read(key, Box((), ())).item()) for key in counters]
         where = f"{location.optimizer.name}/"
     elif location.trainer is None and path.is_dir() and (path / ACCELERATE_OPTIMIZER).is_file():
-        values = optimizer_step_counters(path / ACCELERATE_OPTIMIZER)
+        local = local_file(path / ACCELERATE_OPTIMIZER)  # a torch file is read from a local disk only
+        values = optimizer_step_counters(local) if local is not None else []
         where = ACCELERATE_OPTIMIZER
     else:
         return None
@@ -141,7 +141,7 @@ def _optimizer_counter_step(path: Path, fmt: CheckpointFormat) -> StepRecord | N
     return StepRecord(max(steps), f"optimizer step counter in {where}") if steps else None
 
 
-def _format_step(path: Path, fmt: CheckpointFormat) -> StepRecord | None:
+def _format_step(path: Location, fmt: CheckpointFormat) -> StepRecord | None:
     """The step the format itself records (DeepSpeed ``global_steps``, a file's ``global_step``)."""
     if not fmt.records_step:
         return None
@@ -152,7 +152,7 @@ def _format_step(path: Path, fmt: CheckpointFormat) -> StepRecord | None:
     return StepRecord(int(step), fmt.step_label or f"{fmt.name} record") if step is not None else None
 
 
-STEP_SOURCES: tuple[Callable[[Path, CheckpointFormat], StepRecord | None], ...] = (
+STEP_SOURCES: tuple[Callable[[Location, CheckpointFormat], StepRecord | None], ...] = (
     _trainer_state_step,
     _optimizer_counter_step,
     _format_step,
@@ -162,21 +162,22 @@ STEP_SOURCES: tuple[Callable[[Path, CheckpointFormat], StepRecord | None], ...] 
 EPOCHS = "counts epochs, not optimizer steps"
 
 
-def _owner(path: Path) -> Path:
+def _owner(path: Location) -> Location:
     """The trainer folder around a nested model folder given by itself, else ``path``."""
     if any(n.pattern.match(path.name) for n in NESTED_MODELS) and locate_model(path.parent).path == path:
         return path.parent
     return path
 
 
-def _file_epoch(path: Path) -> int | None:
+def _file_epoch(path: Location) -> int | None:
     """A single file's top-level ``epoch`` (None for folders and other files)."""
-    if path.is_dir() or not has_torch_suffix(path):
+    local = local_file(path)  # a torch file is read from a local disk only
+    if local is None or local.is_dir() or not has_torch_suffix(local):
         return None
-    return file_facts(path).epoch
+    return file_facts(local).epoch
 
 
-def step_record(path: str | Path, step_regex: str | None = None) -> StepRecord | None:
+def step_record(path: str | Location, step_regex: str | None = None) -> StepRecord | None:
     """The training step of the checkpoint at ``path`` and where it came from, or None.
 
     ``step_regex``, when given and matching, wins over every record: the user said so.

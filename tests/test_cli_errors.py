@@ -183,3 +183,26 @@ def test_the_sparse_warning_is_in_json_and_dry_runs(sparse, tmp_path, capsys):
     _plain(next(line for line in err.splitlines() if line.startswith("warning: ")))
     code, _, err = _run(capsys, "accumulate", str(sparse), "--half-life", "5000", "--out", str(tmp_path / "long"))
     assert code == 0 and "warning" not in err  # a window long enough for the spacing: nothing to say
+
+
+@pytest.mark.parametrize(("signum", "code"), [(2, 130), (15, 143)])
+def test_a_signal_swallowed_by_code_that_is_not_ours_still_ends_the_run_as_the_signal(monkeypatch, signum, code):
+    """Ctrl-C inside ``import torch`` can be swallowed there; the import then fails again with
+    another error ("cannot load module more than once"): the run ends as the signal asked."""
+    import typer
+
+    from ema_ckpt import _signals
+    from ema_ckpt.cli._errors import reports_errors
+
+    monkeypatch.setitem(_signals._state, "raised", None)
+
+    @reports_errors
+    def body() -> None:
+        with pytest.raises(KeyboardInterrupt):
+            monkeypatch.setitem(_signals._state, "armed", True)
+            _signals._handler(signum, None)
+        raise ImportError("cannot load module more than once per process")
+
+    with pytest.raises(typer.Exit) as stopped:
+        body()
+    assert stopped.value.exit_code == code

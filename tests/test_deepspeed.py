@@ -26,8 +26,8 @@ from hypothesis import strategies as st
 
 from ema_ckpt.errors import CheckpointFormatError, CheckpointNotFoundError, UnsafePickleError
 from ema_ckpt.formats import CheckpointReader, detect_format, open_checkpoint, registered_formats
-from ema_ckpt.formats._ds_unpickle import fragment_address, load_ds_file
 from ema_ckpt.formats.deepspeed import DeepSpeedReader, deepspeed_tags, incomplete, is_deepspeed
+from ema_ckpt.formats.deepspeed.unpickle import fragment_address, load_ds_file
 from ema_ckpt.layout import Box, TensorSpec
 from tests.ds_fixtures import CONFIGS, STEPS, ZERO_TO_FP32_CONFIGS, Config
 
@@ -601,7 +601,7 @@ def test_stand_ins_are_inert_and_only_the_deepspeed_names_are_allowed(tmp_path):
 
 
 def test_released_pages_refault_with_the_same_bytes(tmp_path):
-    from ema_ckpt.formats._ds_unpickle import load_ds_file_releasable, release_pages
+    from ema_ckpt.formats.deepspeed.unpickle import load_ds_file_releasable, release_pages
 
     flat = torch.randn(3 << 20)  # 12 MiB: many pages
     torch.save({"fp32_flat_groups": [flat]}, tmp_path / "optim.pt")
@@ -615,7 +615,7 @@ def test_released_pages_refault_with_the_same_bytes(tmp_path):
 
 
 def test_legacy_files_are_never_released(tmp_path):
-    from ema_ckpt.formats._ds_unpickle import load_ds_file_releasable
+    from ema_ckpt.formats.deepspeed.unpickle import load_ds_file_releasable
 
     torch.save({"x": torch.ones(4)}, tmp_path / "legacy.pt", _use_new_zipfile_serialization=False)
     state, releasable = load_ds_file_releasable(tmp_path / "legacy.pt")

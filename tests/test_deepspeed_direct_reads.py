@@ -17,8 +17,8 @@ import torch
 
 from ema_ckpt.errors import CheckpointFormatError
 from ema_ckpt.formats import open_checkpoint
-from ema_ckpt.formats._ds_unpickle import load_ds_file_releasable, storage_file_offsets
 from ema_ckpt.formats.deepspeed import DeepSpeedReader
+from ema_ckpt.formats.deepspeed.unpickle import load_ds_file_releasable, storage_file_offsets
 from ema_ckpt.layout import Box
 from tests.ds_fixtures import Config
 

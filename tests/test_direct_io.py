@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ema_ckpt import direct_io
-from ema_ckpt.direct_io import ALIGNMENT, DirectAppender
+from ema_ckpt.storage import direct_io
+from ema_ckpt.storage.direct_io import ALIGNMENT, DirectAppender
 
 
 def _write(path, pieces, **kwargs):
@@ -124,7 +124,7 @@ def test_drain_writes_whole_blocks_and_keeps_the_bytes(tmp_path):
 def test_page_aligned_memory_goes_to_the_disk_uncopied_and_gives_the_same_bytes(tmp_path):
     import torch
 
-    from ema_ckpt.engine import _page_aligned
+    from ema_ckpt.engine_io import _page_aligned
 
     aligned = _page_aligned(5 * ALIGNMENT + 3, torch.uint8)
     aligned.copy_(torch.randint(0, 255, aligned.shape, dtype=torch.uint8))

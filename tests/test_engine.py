@@ -15,7 +15,7 @@ from ema_ckpt.dist import Workers
 from ema_ckpt.dtypes import name_of
 from ema_ckpt.engine import OutputSpec, Update, combine_regions
 from ema_ckpt.errors import NonFiniteError
-from ema_ckpt.jobs import regions_by_file
+from ema_ckpt.job_context import regions_by_file
 from ema_ckpt.layout import Box, TensorSpec, split_rows
 from ema_ckpt.writers.base import OutputTensor, OutputWriter, PlannedRegion, WrittenFile
 
@@ -236,19 +236,20 @@ def test_many_outputs_take_smaller_blocks_with_the_bits_of_each_output_alone(mon
     """K outputs cut a region into smaller row blocks (so a source's block and the accumulators
     stay in cache) than one output does; the bits are those of each output computed alone, for
     sums (a sweep on the per-output path, as where the product is not exact) and for folds."""
-    from ema_ckpt import engine
+    from ema_ckpt import blas_probe
 
-    assert engine._block_budget(1) == engine._block_budget(2) == 2 << 20
-    assert engine._block_budget(4) == 1 << 20 and engine._block_budget(8) == engine._block_budget(64) == 512 << 10
-    monkeypatch.setattr(engine, "product_is_exact", lambda *args: False)
+    assert blas_probe._block_budget(1) == blas_probe._block_budget(2) == 2 << 20
+    assert blas_probe._block_budget(4) == 1 << 20
+    assert blas_probe._block_budget(8) == blas_probe._block_budget(64) == 512 << 10
+    monkeypatch.setattr(blas_probe, "product_is_exact", lambda *args: False)
     budgets: list[int] = []
-    real_blocks = engine._blocks
+    real_blocks = blas_probe._blocks
 
-    def spy(box, itemsize, device, budget=engine._BLOCK_BYTES):
+    def spy(box, itemsize, device, budget=blas_probe._BLOCK_BYTES):
         budgets.append(budget)
         return real_blocks(box, itemsize, device, budget)
 
-    monkeypatch.setattr(engine, "_blocks", spy)
+    monkeypatch.setattr(blas_probe, "_blocks", spy)
     gen = torch.Generator().manual_seed(3)
     sources = [FakeReader({"w": torch.randn(3001, 257, generator=gen)}, rows=3001, path=f"ckpt{i}")
                for i in range(5)]  # one region of 2.9 MiB: 2 blocks alone, 6 with eight outputs

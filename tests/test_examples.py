@@ -154,7 +154,7 @@ def test_train_fsdp2_saves_dcp_checkpoints(fsdp2_ckpts: Path, fsdp2_weights: dic
 
 @pytest.mark.slow
 def test_cron_script(fsdp2_ckpts: Path, fsdp2_weights: dict, tmp_path: Path) -> None:
-    from ema_ckpt.fs import OutputLock
+    from ema_ckpt.storage.local_publish import OutputLock
 
     script = EXAMPLES / "cron" / "ema_cron.sh"
     assert run(["bash", "-n", str(script)]).returncode == 0

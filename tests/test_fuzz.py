@@ -703,7 +703,7 @@ def _torch_file_with_pickle(path: Path, pkl: bytes) -> Path:
     "pkl", [b"\x80\x02K\x01Q.", b"\x80\x02}(}K\x01u."], ids=["persistent-id-not-a-tuple", "dict-as-dict-key"]
 )
 def test_deepspeed_pickle_errors_are_converted(tmp_path, pkl):
-    from ema_ckpt.formats._ds_unpickle import load_ds_file
+    from ema_ckpt.formats.deepspeed.unpickle import load_ds_file
 
     path = _torch_file_with_pickle(tmp_path / "x.pt", pkl)
     with pytest.raises(EmaCkptError):
@@ -711,7 +711,7 @@ def test_deepspeed_pickle_errors_are_converted(tmp_path, pkl):
 
 
 def test_deepspeed_unreadable_member_name_after_a_pickle_error(tmp_path):
-    from ema_ckpt.formats._ds_unpickle import load_ds_file
+    from ema_ckpt.formats.deepspeed.unpickle import load_ds_file
 
     path = tmp_path / "x.pt"
     torch.save({"t": torch.arange(3)}, path)

@@ -16,8 +16,8 @@ from typer.testing import CliRunner
 from ema_ckpt.cli import app
 from ema_ckpt.errors import CheckpointFormatError, CheckpointNotFoundError, OutputError, UnsafePickleError
 from ema_ckpt.formats.dcp import DcpReader
-from ema_ckpt.fs import OutputLock
 from ema_ckpt.layout import Box
+from ema_ckpt.storage.local_publish import OutputLock
 from tests.dcp_helpers import write_dcp
 
 

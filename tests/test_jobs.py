@@ -13,9 +13,10 @@ import pytest
 
 import ema_ckpt
 from ema_ckpt.errors import CheckpointFormatError, EmaCkptError, OptionError, UsageError
-from ema_ckpt.fs import new_staging_dir
-from ema_ckpt.jobs import Job, JobContext, Target, recorded_options, run_job
+from ema_ckpt.job_context import JobContext
+from ema_ckpt.jobs import Job, Target, recorded_options, run_job
 from ema_ckpt.manifest import Manifest
+from ema_ckpt.storage.local_publish import new_staging_dir
 
 COMMAND_MODULES = ["commands/accumulate", "commands/averaging", "commands/consolidate", "commands/reshard",
                    "commands/diff", "commands/inspect", "folding", "plans"]

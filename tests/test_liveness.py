@@ -107,7 +107,7 @@ def test_a_store_that_stops_answering_is_lost_too():
 def test_a_store_served_on_a_listening_socket_takes_it_and_clients_may_come_first():
     import threading
 
-    from ema_ckpt.dist import _listening_socket
+    from ema_ckpt.dist_pool import _listening_socket
 
     listening = _listening_socket()
     port = listening.getsockname()[1]

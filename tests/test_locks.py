@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 
 from ema_ckpt.cli import app
 from ema_ckpt.errors import OutputError, OutputLockedError
-from ema_ckpt.fs import OutputLock
+from ema_ckpt.storage.local_publish import OutputLock
 from tests.dcp_helpers import write_dcp
 
 runner = CliRunner()
@@ -70,7 +70,8 @@ def test_the_lock_file_is_gone_after_a_run_that_failed(tmp_path):
 
 
 def test_a_lock_file_left_by_a_killed_run_is_taken_over_and_removed(tmp_path):
-    holder = _python("import sys, time\nfrom pathlib import Path\nfrom ema_ckpt.fs import OutputLock\n"
+    holder = _python("import sys, time\nfrom pathlib import Path\n"
+                     "from ema_ckpt.storage.local_publish import OutputLock\n"
                      "lock = OutputLock(Path(sys.argv[1])).__enter__()\nprint('held', flush=True)\ntime.sleep(60)\n",
                      str(tmp_path / "ema"), stdout=subprocess.PIPE)
     assert holder.stdout.readline().strip() == "held"
@@ -87,7 +88,7 @@ def test_a_lock_file_left_by_a_killed_run_is_taken_over_and_removed(tmp_path):
 RACER = """
 import os, sys
 from pathlib import Path
-from ema_ckpt.fs import OutputLock
+from ema_ckpt.storage.local_publish import OutputLock
 out, rounds = Path(sys.argv[1]), int(sys.argv[2])
 inside, counter = out.parent / "inside", out.parent / "counter"
 start = out.parent / "start"
@@ -116,7 +117,7 @@ def test_racing_processes_never_hold_the_lock_together(tmp_path):
 
 def test_a_waiting_run_gets_the_lock_after_the_holder_removed_the_file(tmp_path):
     out = tmp_path / "ema"
-    hold = ("import sys\nfrom pathlib import Path\nfrom ema_ckpt.fs import OutputLock\n"
+    hold = ("import sys\nfrom pathlib import Path\nfrom ema_ckpt.storage.local_publish import OutputLock\n"
             "with OutputLock(Path(sys.argv[1]), wait_seconds=float(sys.argv[2])):\n"
             "    print('held', flush=True)\n    sys.stdin.readline()\n")
     holder = _python(hold, str(out), "0", stdin=subprocess.PIPE, stdout=subprocess.PIPE)

@@ -29,10 +29,10 @@ import torch
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
-from ema_ckpt import remote
 from ema_ckpt.cli import app
 from ema_ckpt.formats import open_checkpoint
 from ema_ckpt.layout import Box
+from ema_ckpt.storage import as_path, object_paths, object_reads
 from tests.dcp_helpers import dcp_sequence_with_hole, write_dcp
 
 moto_server = pytest.importorskip("moto.server")
@@ -51,7 +51,7 @@ def _free_port() -> int:
 
 def _use_endpoint(url: str) -> None:
     os.environ["AWS_ENDPOINT_URL"] = url
-    remote._FILESYSTEMS.clear()  # the next request builds its client from the environment
+    object_paths._FILESYSTEMS.clear()  # the next request builds its client from the environment
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +76,7 @@ def s3() -> Iterator[str]:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
-        remote._FILESYSTEMS.clear()
+        object_paths._FILESYSTEMS.clear()
 
 
 def upload(local: Path, prefix: str) -> str:
@@ -203,7 +203,7 @@ def test_each_input_byte_is_requested_once(s3, tmp_path):
         sizes = {p.name: p.stat().st_size for p in (tmp_path / "ckpt").glob("*.distcp")}
         assert set(files) == set(sizes)
         for name, fd in files.items():
-            assert isinstance(fd, remote.RemoteFile)
+            assert isinstance(fd, object_reads.RemoteFile)
             assert fd.bytes_requested <= sizes[name], name
     finally:
         reader.close()
@@ -466,7 +466,7 @@ def _upload_the_rest(steps: list[Path], prefix: str) -> None:
 def _counting_reads(monkeypatch) -> dict[str, int]:
     """Bytes requested per object by every read from here on (ranged or whole)."""
     requested: dict[str, int] = {}
-    real = remote._call
+    real = object_paths.call
 
     def counting(where, func, *args, **kwargs):
         data = real(where, func, *args, **kwargs)
@@ -474,7 +474,8 @@ def _counting_reads(monkeypatch) -> dict[str, int]:
             requested[str(where)] = requested.get(str(where), 0) + len(data)
         return data
 
-    monkeypatch.setattr(remote, "_call", counting)
+    monkeypatch.setattr(object_paths, "call", counting)
+    monkeypatch.setattr(object_reads, "call", counting)
     return requested
 
 
@@ -499,10 +500,10 @@ def test_a_remote_files_crc32_comes_from_the_blocks_read_and_reads_only_the_rest
     block = 1 << 16
     data = os.urandom(5 * block + 123)
     boto3.client("s3").put_object(Bucket=BUCKET, Key="crc/object", Body=data)
-    where = remote.RemotePath.from_url(f"s3://{BUCKET}/crc/object")
+    where = object_paths.RemotePath.from_url(f"s3://{BUCKET}/crc/object")
     for reads in ([], [(0, 10)], [(block + 5, 3 * block)], [(0, len(data))]):
-        first = remote.RemoteFile(where, block=block, checksums=True)  # one worker's reader
-        second = remote.RemoteFile(where, block=block, checksums=True)  # another's, which checks
+        first = object_reads.RemoteFile(where, block=block, checksums=True)  # one worker's reader
+        second = object_reads.RemoteFile(where, block=block, checksums=True)  # another's, which checks
         try:
             for offset, length in reads:
                 assert first.pread(length, offset) == data[offset:offset + length]
@@ -518,7 +519,7 @@ def test_a_remote_files_crc32_comes_from_the_blocks_read_and_reads_only_the_rest
             first.close()
             second.close()
     with pytest.raises(ValueError, match="checksums=True"):
-        remote.RemoteFile(where).crc32()
+        object_reads.RemoteFile(where).crc32()
 
 
 def test_a_damaged_ema_on_s3_is_refused_after_the_fold_and_nothing_is_published(run, tmp_path):
@@ -580,8 +581,8 @@ def test_a_held_lock_refuses_and_an_expired_one_is_taken_over(run, tmp_path):
 def test_of_runs_racing_for_an_expired_lock_one_gets_it(s3):
     """Eight contenders start at once on a lock whose holder died: exactly one holds it."""
     from ema_ckpt.errors import OutputLockedError
-    from ema_ckpt.remote import as_path
-    from ema_ckpt.remote_output import RemoteLock
+    from ema_ckpt.storage import as_path
+    from ema_ckpt.storage.object_lock import RemoteLock
 
     final = as_path(f"s3://{BUCKET}/race/ema")
     dead = {"owner": "dead-host:1:abc", "expires": time.time() - 1}
@@ -620,8 +621,8 @@ def test_a_run_acting_on_a_stale_view_of_the_lock_never_takes_it_from_its_holder
     """The interleavings a race can produce, made on purpose: a contender decides from a
     listing taken before another run took the lock (the dead holder's object still the
     highest, or no object at all), then acts. It must not end up holding the lock too."""
-    from ema_ckpt.remote import as_path
-    from ema_ckpt.remote_output import RemoteLock
+    from ema_ckpt.storage import as_path
+    from ema_ckpt.storage.object_lock import RemoteLock
 
     final = as_path(f"s3://{BUCKET}/stale-view/ema")
     dead = {"owner": "dead-host:1:abc", "expires": time.time() - 1}
@@ -640,8 +641,8 @@ def test_a_run_acting_on_a_stale_view_of_the_lock_never_takes_it_from_its_holder
 
 def test_a_holder_whose_lease_ran_out_cannot_publish_or_release_the_next_holders_lock(s3):
     from ema_ckpt.errors import OutputError
-    from ema_ckpt.remote import as_path
-    from ema_ckpt.remote_output import RemoteLock
+    from ema_ckpt.storage import as_path
+    from ema_ckpt.storage.object_lock import RemoteLock
 
     final = as_path(f"s3://{BUCKET}/stale/ema")
     slow = RemoteLock(final, lease=0.6)
@@ -727,7 +728,7 @@ def assert_hf_layout_as_local(url: str, local: Path) -> None:
 
 def assert_reads_as(url: str, local: Path) -> None:
     """ema-ckpt's reader, straight from the bucket, gives ``local``'s tensors."""
-    with open_checkpoint(remote.as_path(url)) as there, open_checkpoint(local) as here:
+    with open_checkpoint(as_path(url)) as there, open_checkpoint(local) as here:
         specs = here.specs()
         assert there.specs().keys() == specs.keys()
         for key, spec in specs.items():
@@ -773,7 +774,7 @@ def test_hf_sharded_consolidate_to_s3_is_the_local_layout_and_loads(run, tmp_pat
 
 
 def test_a_consolidate_killed_after_its_index_is_finished_by_the_next_run(run, tmp_path, monkeypatch):
-    import ema_ckpt.remote_output as remote_output
+    import ema_ckpt.storage.object_publish as remote_output
 
     local, _ = run
     steps = _steps(local)
@@ -791,7 +792,7 @@ def test_a_consolidate_killed_after_its_index_is_finished_by_the_next_run(run, t
     cli("consolidate", steps[-1], "--out", f"{tmp_path / 'new'}/", "--max-shard-size", SHARD)
     assert_reads_as(out, tmp_path / "new")  # the new index is the output; the old shards are garbage
     assert old - {"model.safetensors.index.json"} <= set(keys_under(out))
-    notes = remote_output.recover_remote(remote.as_path(out))
+    notes = remote_output.recover_remote(as_path(out))
     assert len(notes) == 1 and notes[0].startswith("finished"), notes
     assert_hf_layout_as_local(out, tmp_path / "new")
 
@@ -848,7 +849,7 @@ def test_posthoc_safetensors_sweep_to_s3_writes_each_local_output(run, tmp_path)
 
 def test_a_sweep_cut_off_between_an_outputs_data_and_manifest_is_finished_by_the_next_run(run, s3, tmp_path,
                                                                                           monkeypatch):
-    from ema_ckpt.remote_output import recover_remote
+    from ema_ckpt.storage.object_publish import recover_remote
 
     local, _ = run
     steps = _steps(local)
@@ -876,7 +877,7 @@ def test_a_sweep_cut_off_between_an_outputs_data_and_manifest_is_finished_by_the
     assert first["ema-ckpt.json"] == before[names[0]]["ema-ckpt.json"]  # the window: verify says so
     assert "CRC-32" in cli("verify", f"{out}/{names[0]}", code=3)
     assert {k: v for k, v in second.items() if not k.startswith(".ema-ckpt")} == before[names[1]]
-    notes = recover_remote(remote.as_path(f"{out}/{names[0]}")) + recover_remote(remote.as_path(f"{out}/{names[1]}"))
+    notes = recover_remote(as_path(f"{out}/{names[0]}")) + recover_remote(as_path(f"{out}/{names[1]}"))
     assert [n.split()[0] for n in notes] == ["finished", "removed"], notes
     assert json.loads(cli("verify", f"{out}/{names[0]}", "--json"))["ok"] is True
     assert _objects(f"{out}/{names[1]}") == before[names[1]]

@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from ema_ckpt import remote
 from ema_ckpt.formats import open_checkpoint
-from ema_ckpt.formats._ds_unpickle import load_ds_file_releasable, storage_file_offsets
+from ema_ckpt.formats.deepspeed.unpickle import load_ds_file_releasable, storage_file_offsets
 from ema_ckpt.layout import Box
+from ema_ckpt.storage import object_paths, object_reads
 from tests import test_object_storage
 from tests.dcp_helpers import zero_page_inside
 from tests.ds_fixtures import Config, members_read
@@ -48,14 +48,15 @@ def saved(s3, ds_run, tmp_path_factory) -> dict[int, tuple[Path, str]]:
 def requests(monkeypatch) -> Iterator[list[tuple[str, int, int]]]:
     """Every ranged GET made, as (object key, start, end)."""
     made: list[tuple[str, int, int]] = []
-    real = remote._call
+    real = object_paths.call
 
     def spy(where, func, *args, **kwargs):
         if "start" in kwargs:
             made.append((where.key, kwargs["start"], kwargs["end"]))
         return real(where, func, *args, **kwargs)
 
-    monkeypatch.setattr(remote, "_call", spy)
+    monkeypatch.setattr(object_paths, "call", spy)
+    monkeypatch.setattr(object_reads, "call", spy)
     yield made
 
 

@@ -20,8 +20,8 @@ from safetensors.torch import load_file, save_file
 from ema_ckpt.commands.averaging import average, posthoc
 from ema_ckpt.commands.verify import verify
 from ema_ckpt.errors import OptionError, UsageError
-from ema_ckpt.fs import files_on_disk
 from ema_ckpt.manifest import MANIFEST_NAME, Manifest
+from ema_ckpt.storage import files_on_disk
 from tests.ema_reference import full_load
 
 EMA_CKPT = str(Path(sys.executable).with_name("ema-ckpt"))

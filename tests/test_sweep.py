@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ema_ckpt import engine
+from ema_ckpt import blas_probe
 from ema_ckpt.commands.accumulate import accumulate
 from ema_ckpt.commands.averaging import posthoc
 from ema_ckpt.engine import OutputSpec, Update, combine_regions
@@ -52,7 +52,7 @@ def sequence(tmp_path_factory) -> Path:
 def test_a_sweep_equals_each_output_computed_alone(sequence, tmp_path, monkeypatch):
     # small blocks: many per region, uneven, and (5 sources × 4 bytes into 4 KiB: 204 elements
     # per block) a last block of one element for model.v
-    monkeypatch.setattr(engine, "_SWEEP_STACK_BYTES", 4096)
+    monkeypatch.setattr(blas_probe, "_SWEEP_STACK_BYTES", 4096)
     together = posthoc(sequence, out=tmp_path / "together", sigma_rels=list(SIGMAS))
     assert [o.name for o in together.outputs] == [f"sigma_rel_{s}" for s in SIGMAS]
     for sigma in SIGMAS:
@@ -147,12 +147,12 @@ def test_block_product_matches_the_loop_for_every_block_width():
     equal the one-output loop's at every width, the one-column fallback included."""
     g = torch.Generator().manual_seed(0)
     for sources, outputs in ((2, 2), (4, 4), (5, 3), (16, 8)):
-        if not engine.product_is_exact(outputs, sources, torch.float32):
+        if not blas_probe.product_is_exact(outputs, sources, torch.float32):
             continue  # such sweeps are computed by the loop itself (the next test)
         coefficients = torch.randn(outputs, sources, dtype=torch.float64, generator=g).to(torch.float32)
         for width in (1, 2, 3, 5, 16, 17, 1000):
             stack = torch.randn(sources, width, generator=g)
-            sweep = engine._Sweep(tuple(range(outputs)), frozenset(range(outputs)), tuple(range(sources)),
+            sweep = blas_probe._Sweep(tuple(range(outputs)), frozenset(range(outputs)), tuple(range(sources)),
                                   {s: s for s in range(sources)}, coefficients)
             out = torch.empty(outputs, width)
             sweep.combine(stack, out)
@@ -167,10 +167,10 @@ def test_block_product_matches_the_loop_for_every_block_width():
 def test_where_the_product_is_not_exact_a_sweep_is_the_loop(sequence, tmp_path, monkeypatch):
     """A BLAS that groups the terms otherwise (MKL on AMD processors) never computes a sweep:
     its outputs are the loop's, the bits of each output computed alone."""
-    monkeypatch.setattr(engine, "product_is_exact", lambda outputs, sources, dtype: False)
+    monkeypatch.setattr(blas_probe, "product_is_exact", lambda outputs, sources, dtype: False)
     used: list[int] = []
-    real = engine._Sweep.combine
-    monkeypatch.setattr(engine._Sweep, "combine", lambda self, stack, out: used.append(1) or real(self, stack, out))
+    real = blas_probe._Sweep.combine
+    monkeypatch.setattr(blas_probe._Sweep, "combine", lambda self, stack, out: used.append(1) or real(self, stack, out))
     together = posthoc(sequence, out=tmp_path / "together", sigma_rels=list(SIGMAS[:2]))
     assert not used
     alone = posthoc(sequence, out=tmp_path / "alone", sigma_rels=[SIGMAS[1]])
@@ -180,18 +180,18 @@ def test_where_the_product_is_not_exact_a_sweep_is_the_loop(sequence, tmp_path, 
 
 def test_the_probe_finds_a_product_that_is_not_the_loop(monkeypatch):
     """The probe compares bits: a product one rounding away from the loop is refused."""
-    engine.product_is_exact.cache_clear()
+    blas_probe.product_is_exact.cache_clear()
     real_mm = torch.mm
 
     def off_by_one_ulp(a, b, **kwargs):
         out = real_mm(a, b, **kwargs)
         return torch.nextafter(out, torch.full_like(out, float("inf")))
 
-    monkeypatch.setattr(engine.torch, "mm", off_by_one_ulp)
+    monkeypatch.setattr(blas_probe.torch, "mm", off_by_one_ulp)
     try:
-        assert engine.product_is_exact(3, 5, torch.float32) is False
+        assert blas_probe.product_is_exact(3, 5, torch.float32) is False
     finally:
-        engine.product_is_exact.cache_clear()
+        blas_probe.product_is_exact.cache_clear()
 
 
 def test_only_copies_may_plan_raw_regions():

@@ -224,7 +224,7 @@ def test_an_output_that_is_a_symlink_is_published_at_its_target(tmp_path):
 
 
 def test_leftovers_are_removed_when_the_note_says_so(tmp_path):
-    from ema_ckpt.fs import recover
+    from ema_ckpt.storage.local_publish import recover
 
     final = tmp_path / "ema"
     (tmp_path / ".ema.tmp-1-abcd").write_text("a file, not a folder")  # left by an older version

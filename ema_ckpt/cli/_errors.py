@@ -152,8 +152,8 @@ def reports_errors(command: F) -> F:
             err_console.print(f"{what}; the previous output is intact", style="yellow", highlight=False)
             raise typer.Exit(exit_code(stop)) from None
         except Exception as err:
-            wrapped = _interrupt_behind(err)
-            if wrapped is not None:  # Ctrl-C or SIGTERM that Python wrapped (e.g. while a class was created)
+            wrapped = _interrupt_behind(err) or _signals.raised()
+            if wrapped is not None:  # Ctrl-C or SIGTERM that Python wrapped or code swallowed (an import)
                 what = "terminated (SIGTERM)" if isinstance(wrapped, Terminated) else "interrupted"
                 err_console.print(f"{what}; the previous output is intact", style="yellow", highlight=False)
                 raise typer.Exit(exit_code(wrapped)) from None

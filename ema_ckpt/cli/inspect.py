@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 from rich.table import Table
 
-from ..remote import as_path
+from ..storage import as_path
 from ._errors import reports_errors
 from ._flags import cli_text
 from ._options import InertGlobalOpt, JsonOpt, StateKeyOpt

@@ -27,7 +27,6 @@ import contextlib
 import shutil
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import cast
 
 from ..discovery import FoundCheckpoint, checkpoint_paths
@@ -63,17 +62,16 @@ from ..folding import (
 from ..formats import open_checkpoint
 from ..formats.dcp.reader import DcpReader
 from ..formats.options import read_options_from
-from ..fs import files_on_disk, output_path
-from ..jobs import Job, JobContext, Target, WrittenOutputs, recorded_options, run_job
+from ..integrity import as_damaged_ema, refuse_damaged_emas, refuse_damaged_remote_emas, remote_emas_folded_into
+from ..job_context import JobContext, WrittenOutputs
+from ..jobs import Job, Target, recorded_options, run_job
 from ..manifest import MANIFEST_NAME, FoldedCheckpoint, Manifest, fingerprint
 from ..maths import PowerProfile
 from ..plans import Plan as AveragePlan
 from ..progress import Progress
-from ..remote import as_path, output_location
-from ..selection import carry_into
+from ..selection import averaged_tensors, carry_into
+from ..storage import Location, as_path, files_on_disk, is_location, local_file, output_location, output_path
 from ..writers.base import check_directory_output
-from .averaging import averaged_tensors
-from .ema_integrity import as_damaged_ema, refuse_damaged_emas, refuse_damaged_remote_emas, remote_emas_folded_into
 
 _RUNTIME = {"recorded": False}
 
@@ -82,7 +80,7 @@ _RUNTIME = {"recorded": False}
 class AccumulateResult:
     """What an ``accumulate`` run did (or, with ``dry_run``, would do: see ``plan``)."""
 
-    out: Path
+    out: Location
     step: int
     folded: list[FoldedCheckpoint]
     up_to_date: bool
@@ -99,8 +97,8 @@ class AccumulateResult:
     files_written: int = 0
     seconds: float = 0.0
     profile: str = ""
-    outputs: list[Path] = field(default_factory=list)
-    snapshots: list[Path] = field(default_factory=list)
+    outputs: list[Location] = field(default_factory=list)
+    snapshots: list[Location] = field(default_factory=list)
     plan: AveragePlan | None = None
 
 
@@ -108,8 +106,8 @@ class AccumulateResult:
 class AccumulateOptions:
     """Everything an :func:`accumulate` run needs; checked when made (see :func:`accumulate`)."""
 
-    checkpoints: tuple[Path, ...]
-    out: Path | None = field(default=None, metadata=_RUNTIME)
+    checkpoints: tuple[Location, ...]
+    out: Location | None = field(default=None, metadata=_RUNTIME)
     decay: float | None = None
     half_life: float | None = None
     per_checkpoint: bool = False
@@ -125,7 +123,7 @@ class AccumulateOptions:
     allow_new_keys: bool = False
     skip_nonfinite: bool = False
     skip_damaged: bool = False
-    skip: tuple[Path, ...] = ()
+    skip: tuple[Location, ...] = ()
     state_key: str | None = None
     inert_globals: tuple[str, ...] = field(default=(), metadata=_RUNTIME)
     dry_run: bool = field(default=False, metadata=_RUNTIME)
@@ -139,7 +137,7 @@ class AccumulateOptions:
         set_(self, "checkpoints", tuple(checkpoint_paths(self.checkpoints)))
         for name in ("sigma_rels", "gammas", "include", "exclude"):
             set_(self, name, tuple(getattr(self, name)))
-        set_(self, "skip", tuple(Path(p) for p in self.skip))
+        set_(self, "skip", tuple(as_path(p) for p in self.skip))
         if self.snapshot_every is not None and self.snapshot_every < 1:
             raise OptionError("snapshot_every", f"must be a positive number of steps, got {self.snapshot_every}",
                               value=self.snapshot_every)
@@ -153,7 +151,7 @@ class AccumulateOptions:
         check_device(self.device)
 
     @property
-    def out_path(self) -> Path:
+    def out_path(self) -> Location:
         assert self.out is not None
         return self.out
 
@@ -171,9 +169,9 @@ class AccumulateOptions:
 
 
 def accumulate(
-    checkpoints: str | Path | Sequence[str | Path],
+    checkpoints: str | Location | Sequence[str | Location],
     *,
-    out: str | Path | None = None,
+    out: str | Location | None = None,
     on_progress: Callable[[Progress], None] | None = None,
     decay: float | None = None,
     half_life: float | None = None,
@@ -192,7 +190,7 @@ def accumulate(
     allow_new_keys: bool = False,
     skip_nonfinite: bool = False,
     skip_damaged: bool = False,
-    skip: Sequence[str | Path] = (),
+    skip: Sequence[str | Location] = (),
     state_key: str | None = None,
     inert_globals: Sequence[str] = (),
     workers: int = 1,
@@ -238,13 +236,13 @@ def accumulate(
         >>> accumulate("ckpts/", decay=0.999, dry_run=True).terms[-1]   # doctest: +SKIP
         FoldTerm(path='ckpts/step_3000', step=3000, coefficient=0.632...)
     """
-    paths = (checkpoints,) if isinstance(checkpoints, (str, Path)) else tuple(checkpoints)
+    paths = (checkpoints,) if isinstance(checkpoints, str) or is_location(checkpoints) else tuple(checkpoints)
     options = AccumulateOptions(
         tuple(as_path(p) for p in paths), out=output_location(out) if out is not None else None, decay=decay,
         half_life=half_life, per_checkpoint=per_checkpoint, warmup=warmup, sigma_rels=tuple(sigma_rels),
         gammas=tuple(gammas), snapshot_every=snapshot_every, dtype=dtype, include=tuple(include),
         exclude=tuple(exclude), step_regex=step_regex, restart=restart, allow_new_keys=allow_new_keys,
-        skip_nonfinite=skip_nonfinite, skip_damaged=skip_damaged, skip=tuple(Path(p) for p in skip),
+        skip_nonfinite=skip_nonfinite, skip_damaged=skip_damaged, skip=tuple(as_path(p) for p in skip),
         state_key=state_key, inert_globals=tuple(inert_globals), dry_run=dry_run, wait_seconds=wait_seconds,
         workers=workers, device=device,
     )
@@ -261,7 +259,7 @@ class FoldPlan:
     skipped: list[tuple[FoundCheckpoint, str]] = field(default_factory=list)
     """(checkpoint, reason) left out during this run, recorded in the manifests."""
 
-    def targets(self, out: Path) -> list[tuple[Accumulator, Path, int]]:
+    def targets(self, out: Location) -> list[tuple[Accumulator, Location, int]]:
         """(accumulator, final path, step) of every output: snapshots first, then the EMAs.
 
         Snapshots first: a crash before the EMAs are swapped in makes the next run redo the
@@ -286,10 +284,10 @@ class AccumulateJob(Job[FoldPlan, _Folded, AccumulateResult]):
 
     options: AccumulateOptions
 
-    def lock_path(self) -> Path | None:
+    def lock_path(self) -> Location | None:
         return None if self.options.dry_run else self.options.out_path
 
-    def recover_paths(self) -> list[Path]:
+    def recover_paths(self) -> list[Location]:
         opts = self.options
         if opts.dry_run:
             return []
@@ -311,8 +309,9 @@ class AccumulateJob(Job[FoldPlan, _Folded, AccumulateResult]):
             if previous is not None and not opts.restart:
                 check_same_settings(previous, profile, opts.dtype, opts.selection, final)  # type: ignore[arg-type]
             accumulators.append(Accumulator(name, final, profile, None if opts.restart else previous))  # type: ignore[arg-type]
-        if opts.power and not opts.dry_run and (out_path / "snapshots").is_dir():
-            for leftover in (out_path / "snapshots").iterdir():
+        snapshots = local_file(out_path / "snapshots")  # in object storage, staging is on a local disk
+        if opts.power and not opts.dry_run and snapshots is not None and snapshots.is_dir():
+            for leftover in snapshots.iterdir():
                 if leftover.name.startswith(".") and ".tmp-" in leftover.name:
                     shutil.rmtree(leftover, ignore_errors=True)
         self._find_new(accumulators, notes)
@@ -458,7 +457,7 @@ class AccumulateJob(Job[FoldPlan, _Folded, AccumulateResult]):
         )
 
 
-def _checkpoint_holding(checkpoints: Sequence[FoundCheckpoint], path: Path) -> FoundCheckpoint | None:
+def _checkpoint_holding(checkpoints: Sequence[FoundCheckpoint], path: Location) -> FoundCheckpoint | None:
     """The new checkpoint a damaged file belongs to, or None (then it is not a checkpoint's fault)."""
     target = path.resolve()
     for c in checkpoints:

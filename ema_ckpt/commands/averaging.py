@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal, overload
 
 from ..discovery import checkpoint_paths
@@ -27,14 +26,14 @@ from ..dtypes import ACCUMULATE_DTYPES, torch_dtype
 from ..engine import OutputSpec, Update, check_device
 from ..errors import Note, OptionError, UsageError
 from ..formats.options import read_options_from
-from ..fs import files_on_disk, output_path
-from ..jobs import Job, JobContext, Target, WrittenOutputs, recorded_options, run_job
+from ..job_context import JobContext, WrittenOutputs
+from ..jobs import Job, Target, recorded_options, run_job
 from ..manifest import FoldedCheckpoint, Manifest, fingerprint
 from ..plans import Plan, PlannedOutput, SnapshotInput, Term, find_snapshots, plan_average, plan_posthoc
 from ..progress import Progress
-from ..remote import as_path, output_location
-from ..selection import carry_into, check_compatible, container_prefix, output_names, select_keys
-from ..writers.base import OutputTensor, OutputWriter, check_directory_output, output_format
+from ..selection import averaged_tensors, carry_into, check_compatible, container_prefix, output_names, select_keys
+from ..storage import Location, as_path, files_on_disk, is_location, output_location, output_path
+from ..writers.base import OutputWriter, check_directory_output
 
 _RUNTIME = {"recorded": False}
 SUM_FORMATS = ("dcp", "safetensors")
@@ -47,13 +46,13 @@ SAFETENSORS_FILE = "model.safetensors"
 class PosthocOptions:
     """Everything a :func:`posthoc` run needs; checked when made."""
 
-    checkpoints: tuple[Path, ...]
-    out: Path = field(metadata=_RUNTIME)
+    checkpoints: tuple[Location, ...]
+    out: Location = field(metadata=_RUNTIME)
     sigma_rels: tuple[str, ...] = ()
     gammas: tuple[str, ...] = ()
     at_step: int | None = None
     step_regex: str | None = None
-    skip: tuple[Path, ...] = ()
+    skip: tuple[Location, ...] = ()
     dtype: str = "float32"
     format: str | None = None
     keep_prefix: bool = False
@@ -81,13 +80,13 @@ class PosthocOptions:
 class AverageOptions:
     """Everything an :func:`average` run needs; checked when made."""
 
-    checkpoints: tuple[Path, ...]
-    out: Path = field(metadata=_RUNTIME)
+    checkpoints: tuple[Location, ...]
+    out: Location = field(metadata=_RUNTIME)
     last: int | None = None
     from_step: int | None = None
     to_step: int | None = None
     step_regex: str | None = None
-    skip: tuple[Path, ...] = ()
+    skip: tuple[Location, ...] = ()
     dtype: str = "float32"
     format: str | None = None
     keep_prefix: bool = False
@@ -123,7 +122,7 @@ def _check_run_fields(options: PosthocOptions | AverageOptions) -> None:
     set_(options, "out", output_path(options.out))
     for name in ("include", "exclude"):
         set_(options, name, tuple(getattr(options, name)))
-    set_(options, "skip", tuple(Path(p) for p in options.skip))
+    set_(options, "skip", tuple(as_path(p) for p in options.skip))
     if options.dtype not in ACCUMULATE_DTYPES:
         raise OptionError("dtype", f"must be one of {', '.join(ACCUMULATE_DTYPES)}, got {options.dtype!r}",
                           value=options.dtype)
@@ -162,13 +161,13 @@ class RunResult:
     """
 
     plan: Plan
-    outputs: list[Path]
+    outputs: list[Location]
     bytes_read: int
     bytes_written: int
     seconds: float
     files_written: int = 0
     format: str = "dcp"
-    files: list[Path] = field(default_factory=list)
+    files: list[Location] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -188,7 +187,7 @@ class SumJob(Job[SumPlan, _Summed, "Plan | RunResult"]):
     def single_output(self) -> bool:
         return isinstance(self.options, AverageOptions)
 
-    def lock_path(self) -> Path | None:
+    def lock_path(self) -> Location | None:
         return None if self.options.dry_run else self.options.out
 
     def plan(self, notes: list[str]) -> SumPlan:
@@ -196,7 +195,7 @@ class SumJob(Job[SumPlan, _Summed, "Plan | RunResult"]):
         fields = {f.name: getattr(plan, f.name) for f in dataclasses.fields(plan)}
         return SumPlan(**fields, format=self.options.format or default_format(plan))
 
-    def _finals(self, plan: SumPlan) -> list[Path]:
+    def _finals(self, plan: SumPlan) -> list[Location]:
         out = self.options.out
         return [out] if self.single_output else [out / o.name for o in plan.outputs]
 
@@ -266,24 +265,7 @@ def _file_writer(context: JobContext, index: int, format_name: str) -> OutputWri
 
     Every output's file has the same name, so the outputs of a run plan the same regions.
     """
-    make = output_format(format_name).make
-    writer = make(context.stagings[index], SAFETENSORS_FILE)
-    writer.final = context.targets[index].final / SAFETENSORS_FILE
-    writer.in_directory = True
-    return writer
-
-
-def averaged_tensors(newest: Any, keys: Sequence[str], dtype: str,
-                     names: dict[str, str] | None = None) -> list[OutputTensor]:
-    """The tensors of an average: floats accumulated and stored in ``dtype``, others as stored;
-    named ``names[key]`` in the output (default: the key)."""
-    from ..dtypes import is_float
-
-    stored = newest.stored()
-    names = names or {}
-    return [OutputTensor(k, names.get(k, k), tuple(stored[k][0]),
-                         dtype if is_float(stored[k][1]) else stored[k][1], stored[k][1])
-            for k in keys]
+    return context.writer(index, format_name, file_name=SAFETENSORS_FILE)
 
 
 def output_manifest(kind: str, output: PlannedOutput, files: Sequence[Any], dtype: str, source_format: str,
@@ -303,20 +285,21 @@ def output_manifest(kind: str, output: PlannedOutput, files: Sequence[Any], dtyp
 
 
 @overload
-def posthoc(checkpoints: str | Path | Sequence[str | Path], *, out: str | Path, dry_run: Literal[False] = ...,
+def posthoc(checkpoints: str | Location | Sequence[str | Location], *, out: str | Location,
+            dry_run: Literal[False] = ...,
             on_progress: Callable[[Progress], None] | None = ..., **options: Any) -> RunResult: ...
 @overload
-def posthoc(checkpoints: str | Path | Sequence[str | Path], *, out: str | Path, dry_run: Literal[True],
+def posthoc(checkpoints: str | Location | Sequence[str | Location], *, out: str | Location, dry_run: Literal[True],
             on_progress: Callable[[Progress], None] | None = ..., **options: Any) -> Plan: ...
 @overload
-def posthoc(checkpoints: str | Path | Sequence[str | Path], *, out: str | Path, dry_run: bool = ...,
+def posthoc(checkpoints: str | Location | Sequence[str | Location], *, out: str | Location, dry_run: bool = ...,
             on_progress: Callable[[Progress], None] | None = ..., **options: Any) -> Plan | RunResult: ...
 
 
 def posthoc(
-    checkpoints: str | Path | Sequence[str | Path],
+    checkpoints: str | Location | Sequence[str | Location],
     *,
-    out: str | Path,
+    out: str | Location,
     dry_run: bool = False,
     on_progress: Callable[[Progress], None] | None = None,
     **options: Any,
@@ -349,20 +332,21 @@ def posthoc(
 
 
 @overload
-def average(checkpoints: str | Path | Sequence[str | Path], *, out: str | Path, dry_run: Literal[False] = ...,
+def average(checkpoints: str | Location | Sequence[str | Location], *, out: str | Location,
+            dry_run: Literal[False] = ...,
             on_progress: Callable[[Progress], None] | None = ..., **options: Any) -> RunResult: ...
 @overload
-def average(checkpoints: str | Path | Sequence[str | Path], *, out: str | Path, dry_run: Literal[True],
+def average(checkpoints: str | Location | Sequence[str | Location], *, out: str | Location, dry_run: Literal[True],
             on_progress: Callable[[Progress], None] | None = ..., **options: Any) -> Plan: ...
 @overload
-def average(checkpoints: str | Path | Sequence[str | Path], *, out: str | Path, dry_run: bool = ...,
+def average(checkpoints: str | Location | Sequence[str | Location], *, out: str | Location, dry_run: bool = ...,
             on_progress: Callable[[Progress], None] | None = ..., **options: Any) -> Plan | RunResult: ...
 
 
 def average(
-    checkpoints: str | Path | Sequence[str | Path],
+    checkpoints: str | Location | Sequence[str | Location],
     *,
-    out: str | Path,
+    out: str | Location,
     dry_run: bool = False,
     on_progress: Callable[[Progress], None] | None = None,
     **options: Any,
@@ -383,8 +367,8 @@ def average(
     return run_job(SumJob(opts), on_progress=on_progress)
 
 
-def _paths(checkpoints: str | Path | Sequence[str | Path]) -> tuple[Path, ...]:
-    if isinstance(checkpoints, (str, Path)):
+def _paths(checkpoints: str | Location | Sequence[str | Location]) -> tuple[Location, ...]:
+    if isinstance(checkpoints, str) or is_location(checkpoints):
         return (as_path(checkpoints),)
     return tuple(as_path(p) for p in checkpoints)
 

@@ -17,18 +17,18 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from ..dtypes import OUTPUT_DTYPES, is_float
 from ..engine import OutputSpec, Update
 from ..errors import Note, OptionError, UsageError
 from ..formats.options import read_options_from
-from ..fs import check_not_overlapping, files_on_disk, output_path
-from ..jobs import Job, JobContext, Target, run_job
+from ..job_context import JobContext
+from ..jobs import Job, Target, run_job
+from ..manifest import check_not_overlapping
 from ..progress import Progress
-from ..remote import as_path, output_location
 from ..selection import carry_into, container_prefix, output_names, select_keys
+from ..storage import Location, as_path, files_on_disk, output_location, output_path
 from ..writers.base import OutputTensor, choose_output_format, ends_in_separator, output_format
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -66,8 +66,8 @@ class ConsolidateOptions:
     Once made, ``format`` is the format chosen.
     """
 
-    src: Path
-    out: Path
+    src: Location
+    out: Location
     format: str | None = None
     max_shard_size: str | int | None = None
     dtype: str | None = None
@@ -113,7 +113,7 @@ class ConsolidateResult:
     """What :func:`consolidate` wrote: ``files`` (name, size) and ``bytes_written`` are the files
     on disk, the index included."""
 
-    out: Path
+    out: Location
     layout: str
     files: list[tuple[str, int]] = field(default_factory=list)
     keys: int = 0
@@ -129,8 +129,8 @@ class ConsolidateResult:
 
 
 def consolidate(
-    src: str | Path,
-    out: str | Path,
+    src: str | Location,
+    out: str | Location,
     *,
     format: str | None = None,
     max_shard_size: str | int | None = None,
@@ -191,7 +191,7 @@ class ConsolidateJob(Job[None, _Written, ConsolidateResult]):
 
     options: ConsolidateOptions
 
-    def lock_path(self) -> Path:
+    def lock_path(self) -> Location:
         return self.options.out
 
     def plan(self, notes: list[str]) -> None:
@@ -219,7 +219,7 @@ class ConsolidateJob(Job[None, _Written, ConsolidateResult]):
                                 opts.dtype if opts.dtype is not None and is_float(stored[k][1]) else stored[k][1],
                                 stored[k][1]) for k in keys]
         shard = parse_size(opts.max_shard_size if opts.max_shard_size is not None else DEFAULT_MAX_SHARD_SIZE)
-        settings = {"max_shard_bytes": shard} if "max_shard_bytes" in fmt.settings else {}
+        settings: dict[str, Any] = {"max_shard_bytes": shard} if "max_shard_bytes" in fmt.settings else {}
         writer = context.writer(0, fmt.name, **settings)
         carry_into([writer], reader, opts.include, opts.exclude)
         written = context.write([reader], [OutputSpec("out", (Update(0, 1.0),), mode="copy")], [writer], tensors,

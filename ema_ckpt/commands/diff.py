@@ -25,7 +25,6 @@ import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -37,7 +36,7 @@ from ..formats.options import ReadOptions
 from ..layout import TensorSpec, row_blocks
 from ..progress import Progress
 from ..reading import Piece, Tally, run_reading, share_out
-from ..remote import as_path
+from ..storage import Location, as_path
 
 MODEL_PREFIX = "model."
 BLOCK_BYTES = 32 << 20
@@ -103,8 +102,8 @@ class KeyDiff:
 class DiffResult:
     """What :func:`diff` found: paired keys, and keys only one side holds."""
 
-    a: Path
-    b: Path
+    a: Location
+    b: Location
     format_a: str
     format_b: str
     keys: list[KeyDiff] = field(default_factory=list)
@@ -204,8 +203,8 @@ def _pair_selected(a: str, b: str, include: Sequence[str], exclude: Sequence[str
 
 
 def diff(
-    a: str | Path,
-    b: str | Path,
+    a: str | Location,
+    b: str | Location,
     *,
     include: Sequence[str] = (),
     exclude: Sequence[str] = (),
@@ -243,7 +242,8 @@ def diff(
     return result
 
 
-def _diff(workers: Workers, a: Path, b: Path, include: tuple[str, ...], exclude: tuple[str, ...], block_bytes: int,
+def _diff(workers: Workers, a: Location, b: Location, include: tuple[str, ...], exclude: tuple[str, ...],
+          block_bytes: int,
           on_progress: Callable[[Progress], None] | None = None) -> DiffResult:
     """:func:`diff` on one worker: every worker pairs the keys alike; each pair is compared by one."""
     with contextlib.ExitStack() as stack:

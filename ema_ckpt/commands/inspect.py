@@ -13,7 +13,6 @@ import math
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from ..discovery import Entry, discover, step_record
@@ -23,8 +22,8 @@ from ..formats.base import formats_for
 from ..formats.options import ReadOptions, reading
 from ..manifest import MANIFEST_NAME, Manifest
 from ..maths import profile_from_dict
-from ..remote import as_path
 from ..selection import container_prefix, select_keys
+from ..storage import Location, as_path
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,7 +41,7 @@ class TensorInfo:
 class InspectResult:
     """What :func:`inspect_checkpoint` found."""
 
-    path: Path
+    path: Location
     format_name: str
     step: int | None
     key_count: int
@@ -53,7 +52,7 @@ class InspectResult:
     manifest: dict[str, Any] | None = None
     step_source: str | None = None
     """Where the step came from: ``trainer_state.json global_step``, ``folder name``, …"""
-    model_path: Path | None = None
+    model_path: Location | None = None
     """The folder the weights are read from, when a trainer nests them (else None)."""
     trainer: str | None = None
     container: str | None = None
@@ -86,7 +85,7 @@ class InspectResult:
 class FolderInspection:
     """What :func:`inspect_folder` found: each entry of a folder of checkpoints, taken or left, and why."""
 
-    path: Path
+    path: Location
     entries: list[Entry]
     notes: list[str] = field(default_factory=list)
 
@@ -104,7 +103,7 @@ class FolderInspection:
         }
 
 
-def is_folder_of_checkpoints(path: str | Path) -> bool:
+def is_folder_of_checkpoints(path: str | Location) -> bool:
     """``path`` is a folder of checkpoints (to list), not a checkpoint itself (to describe: a
     DeepSpeed save folder is described by the tag its ``latest`` names)."""
     path = as_path(path)
@@ -113,7 +112,7 @@ def is_folder_of_checkpoints(path: str | Path) -> bool:
     return detect_format(path) is None
 
 
-def inspect_folder(path: str | Path, *, step_regex: str | None = None, state_key: str | None = None,
+def inspect_folder(path: str | Location, *, step_regex: str | None = None, state_key: str | None = None,
                    inert_globals: Sequence[str] = ()) -> FolderInspection:
     """Every entry of a folder of checkpoints, and why each was taken (with its step) or left.
 
@@ -132,7 +131,7 @@ def inspect_folder(path: str | Path, *, step_regex: str | None = None, state_key
     return FolderInspection(path, entries, notes)
 
 
-def inspect_checkpoint(path: str | Path, *, state_key: str | None = None,
+def inspect_checkpoint(path: str | Location, *, state_key: str | None = None,
                        inert_globals: Sequence[str] = ()) -> InspectResult:
     """Describe the checkpoint at ``path``: format, step, keys, dtypes, bytes, layout.
 
@@ -181,7 +180,7 @@ def inspect_checkpoint(path: str | Path, *, state_key: str | None = None,
         )
 
 
-def _ignored_weights(path: Path, chosen: str) -> list[str]:
+def _ignored_weights(path: Location, chosen: str) -> list[str]:
     """Notes on weights of another format in the same folder, which are not read.
 
     The Hugging Face Trainer under ZeRO-2 saves a bf16 ``model.safetensors`` beside the

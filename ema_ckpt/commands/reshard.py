@@ -12,19 +12,18 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from ..dtypes import OUTPUT_DTYPES, is_float
 from ..engine import OutputSpec, Update
 from ..errors import Note, OptionError, UsageError
 from ..formats.options import read_options_from
-from ..fs import check_not_overlapping, files_on_disk, output_path
-from ..jobs import Job, JobContext, Target, run_job
-from ..manifest import MANIFEST_NAME, Manifest
+from ..job_context import JobContext
+from ..jobs import Job, Target, run_job
+from ..manifest import MANIFEST_NAME, Manifest, check_not_overlapping
 from ..progress import Progress
-from ..remote import as_path, output_location
 from ..selection import carry_into, select_keys
+from ..storage import Location, as_path, files_on_disk, output_location, output_path
 from ..writers.base import OutputTensor, check_directory_output
 
 _RUNTIME = {"recorded": False}
@@ -34,8 +33,8 @@ _RUNTIME = {"recorded": False}
 class ReshardOptions:
     """Everything a :func:`reshard` run needs; checked when made."""
 
-    src: Path
-    out: Path
+    src: Location
+    out: Location
     world_size: int
     dtype: str | None = None
     include: tuple[str, ...] = ()
@@ -68,7 +67,7 @@ class ReshardResult:
     """What :func:`reshard` wrote: ``files`` (name, size) and ``bytes_written`` are the files on
     disk, ``.metadata`` and a manifest included."""
 
-    out: Path
+    out: Location
     world_size: int
     keys: int
     files: list[tuple[str, int]]
@@ -78,10 +77,10 @@ class ReshardResult:
 
 
 def reshard(
-    src: str | Path,
+    src: str | Location,
     *,
     world_size: int,
-    out: str | Path,
+    out: str | Location,
     dtype: str | None = None,
     include: Sequence[str] = (),
     exclude: Sequence[str] = (),
@@ -123,7 +122,7 @@ class ReshardJob(Job[None, _Written, ReshardResult]):
 
     options: ReshardOptions
 
-    def lock_path(self) -> Path:
+    def lock_path(self) -> Location:
         return self.options.out
 
     def plan(self, notes: list[str]) -> None:

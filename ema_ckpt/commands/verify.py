@@ -25,20 +25,19 @@ import functools
 import zipfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from ..dist import Workers
-from ..errors import CheckpointError, CheckpointNotFoundError, EmaCkptError, RecordChecksumError
+from ..errors import CheckpointNotFoundError, EmaCkptError, RecordChecksumError
 from ..formats import open_checkpoint
 from ..formats.base import CheckpointReader
 from ..formats.options import ReadOptions
-from ..fs import HASH_BLOCK_BYTES, OUTPUT_OWN_FILES, size_and_crc32
+from ..integrity import file_checks, read_manifest
 from ..layout import TensorSpec, split_rows
-from ..manifest import MANIFEST_NAME, Manifest
+from ..manifest import MANIFEST_NAME
 from ..progress import Progress
 from ..reading import Piece, Tally, run_reading, share_out
-from ..remote import as_path
+from ..storage import HASH_BLOCK_BYTES, Location, as_path
 
 READ_BLOCK_BYTES = 64 << 20
 """Tensors are read back in row blocks of at most this many bytes (at least one row)."""
@@ -56,7 +55,7 @@ class VerifyResult:
     tensor and non-tensor data read back, a second pass over (mostly) the same bytes.
     """
 
-    path: Path
+    path: Location
     format_name: str | None = None
     manifest: bool = False
     """Whether the path is an ema-ckpt output (holds ``ema-ckpt.json``)."""
@@ -122,7 +121,7 @@ class VerifyResult:
 
 
 def verify(
-    path: str | Path,
+    path: str | Location,
     *,
     hash_block_bytes: int = HASH_BLOCK_BYTES,
     read_block_bytes: int = READ_BLOCK_BYTES,
@@ -161,7 +160,7 @@ class _Check:
     """Adds what it finds to the result it is given, and the bytes it reads to the tally."""
 
 
-def _verify(group: Workers, path: Path, hash_block_bytes: int, read_block_bytes: int,
+def _verify(group: Workers, path: Location, hash_block_bytes: int, read_block_bytes: int,
             on_progress: Callable[[Progress], None] | None = None) -> VerifyResult:
     """:func:`verify` on one worker: every worker lists the same checks; each is done by one."""
     if not path.exists() and not path.is_symlink():
@@ -174,10 +173,10 @@ def _verify(group: Workers, path: Path, hash_block_bytes: int, read_block_bytes:
         if result.manifest:
             result.checks.append("files")
             found = VerifyResult(path)
-            manifest = _read_manifest(path, found)  # every worker reads it; the first check reports it
+            manifest = read_manifest(path, found)  # every worker reads it; the first check reports it
             checks.append(_Check(0, lambda part, _: part.add(found)))
             if manifest is not None:
-                checks += _file_checks(path, manifest, hash_block_bytes)
+                checks += [_Check(cost, run) for cost, run in file_checks(path, manifest, hash_block_bytes)]
         else:
             result.notes.append(f"no {MANIFEST_NAME}: the checkpoint's own zip CRC-32s are checked (where it has "
                                 "them) and every tensor read back")
@@ -200,7 +199,7 @@ def _verify(group: Workers, path: Path, hash_block_bytes: int, read_block_bytes:
     return result
 
 
-def _run_check(path: Path, run: Callable[[VerifyResult, Tally], None], tally: Tally) -> VerifyResult:
+def _run_check(path: Location, run: Callable[[VerifyResult, Tally], None], tally: Tally) -> VerifyResult:
     part = VerifyResult(path)
     run(part, tally)
     return part
@@ -215,7 +214,7 @@ def _reporting(problem: str) -> _Check:
     return _Check(0, report)
 
 
-def _open(path: Path, *, strict: bool) -> CheckpointReader | str:
+def _open(path: Location, *, strict: bool) -> CheckpointReader | str:
     """The reader, or the problem that stops it opening (a path that holds no checkpoint at
     all raises, unless a manifest says it should hold one)."""
     try:
@@ -254,7 +253,7 @@ def _zip_crcs_ok(source: Any, name: str, result: VerifyResult) -> bool:
     return True
 
 
-def _record_checks(path: Path, reader: CheckpointReader) -> list[_Check]:
+def _record_checks(path: Location, reader: CheckpointReader) -> list[_Check]:
     """A training checkpoint's own checksums: every ``torch.save`` zip's CRC-32s, which neither
     torch nor DeepSpeed ever checks when loading.
 
@@ -289,126 +288,6 @@ def _record_checks(path: Path, reader: CheckpointReader) -> list[_Check]:
 
         checks.append(_Check(length, check))
     return checks
-
-
-def damage(path: str | Path, *, block_bytes: int = HASH_BLOCK_BYTES, crc: bool = True) -> list[str]:
-    """What is wrong with an ema-ckpt output's data files against its manifest (empty: intact).
-
-    Sizes and CRC-32s only, as ``verify`` checks them; files the manifest does not list are
-    not damage and are left to ``verify``. Reads every data file once; ``crc`` False checks
-    the sizes alone and reads nothing.
-
-    Example:
-        >>> damage("ckpts/ema")   # doctest: +SKIP
-        []
-    """
-    path = as_path(path)
-    result = VerifyResult(path)
-    manifest = _read_manifest(path, result)
-    if manifest is not None:
-        tally = Tally(0, 0, None)
-        for check in _file_checks(path, manifest, block_bytes, extras=False, crc=crc):
-            check.run(result, tally)
-    return result.problems
-
-
-def crc_mismatch(file: Path, actual: int, recorded: int) -> str:
-    """The problem of a data file whose CRC-32 is not the one its manifest records."""
-    return f"{file}: CRC-32 {actual:08x}, {MANIFEST_NAME} says {recorded:08x} (corrupt data)"
-
-
-def _read_manifest(path: Path, result: VerifyResult) -> Manifest | None:
-    file = path / MANIFEST_NAME
-    try:
-        if not file.is_file():
-            raise CheckpointError(file, "not a regular file")
-        manifest = Manifest.read(path)
-    except EmaCkptError as err:
-        result.problem(str(err))
-        return None
-    except RecursionError:  # absurdly nested JSON
-        result.problem(f"{file}: unreadable ema-ckpt manifest (nested too deeply)")
-        return None
-    files = manifest.files if manifest is not None else None
-    if not isinstance(files, dict):
-        result.problem(f"{file}: 'files' is not an object mapping data file names to size and crc32")
-        return None
-    return manifest
-
-
-def _entry(value: Any) -> tuple[int, int] | None:
-    """``(size, crc32)`` of a manifest ``files`` entry, or None when malformed."""
-    if not isinstance(value, dict):
-        return None
-    size, crc = value.get("size"), value.get("crc32")
-    if type(size) is not int or type(crc) is not int or size < 0 or not 0 <= crc < 1 << 32:
-        return None
-    return size, crc
-
-
-def _file_checks(path: Path, manifest: Manifest, block_bytes: int, *, extras: bool = True, crc: bool = True
-                 ) -> list[_Check]:
-    """One check per file the manifest lists (its size and CRC-32, or its size alone without
-    ``crc``), then one for files it does not list (``extras``)."""
-    listed: dict[str, Any] = manifest.files
-    manifest_file = path / MANIFEST_NAME
-    checks = []
-    for name in sorted(listed, key=str):
-        expected = _entry(listed[name])
-
-        def check(part: VerifyResult, tally: Tally, name: Any = name, expected: tuple[int, int] | None = expected
-                  ) -> None:
-            if not isinstance(name, str) or Path(name).name != name or name in {"", ".", ".."} or "\0" in name:
-                part.problem(f"{manifest_file}: lists {name!r}, which is not a file name in this directory")
-                return
-            file = path / name
-            if expected is None:
-                part.problem(f"{manifest_file}: entry for {name!r} has no valid size and crc32 ({listed[name]!r})")
-                return
-            if not file.exists():
-                part.problem(f"{file}: missing (listed in {MANIFEST_NAME})")
-                return
-            if not file.is_file():
-                part.problem(f"{file}: not a regular file")
-                return
-            size, recorded = expected
-            try:
-                if crc:
-                    actual_size, actual_crc = size_and_crc32(file, block_bytes)
-                else:
-                    actual_size, actual_crc = file.stat().st_size, recorded
-            except OSError as err:
-                part.problem(f"{file}: cannot read ({err.strerror or err})")
-                return
-            if crc:
-                part.bytes_hashed += actual_size
-                part.hashed_files += 1
-                tally.add(actual_size, name)
-            if actual_size != size:
-                what = "truncated" if actual_size < size else "longer than recorded"
-                part.problem(f"{file}: {what}: {actual_size} bytes, {MANIFEST_NAME} says {size}")
-            elif actual_crc != recorded:
-                part.problem(crc_mismatch(file, actual_crc, recorded))
-            else:
-                part.files.append(name)
-
-        checks.append(_Check(expected[0] if expected is not None else 0, check))
-    if extras:
-        checks.append(_Check(0, lambda part, _: _check_extras(path, listed, part)))
-    return checks
-
-
-def _check_extras(path: Path, listed: dict[str, Any], result: VerifyResult) -> None:
-    try:
-        present = sorted(path.iterdir())
-    except OSError as err:
-        result.problem(f"{path}: cannot list ({err.strerror or err})")
-        return
-    for entry in present:
-        if entry.name in OUTPUT_OWN_FILES or entry.name in listed:
-            continue
-        kind = "directory" if entry.is_dir() else "file"
-        result.problem(f"{entry}: extra {kind} not listed in {MANIFEST_NAME}")
 
 
 def _read_checks(reader: CheckpointReader, block_bytes: int, *, records_checked: bool = False) -> list[_Check]:

@@ -16,17 +16,15 @@ from __future__ import annotations
 
 import abc
 import json
-import os
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, ClassVar, Protocol
 
 from ..dtypes import name_of
 from ..errors import CheckpointFormatError, CheckpointNotFoundError
 from ..layout import Box, TensorSpec
-from ..remote import RemoteFile, as_path, is_remote
+from ..storage import Location, Readable, as_path, local_file, open_readable
 
 if TYPE_CHECKING:
     import torch
@@ -67,7 +65,7 @@ file's own top-level entries (:data:`TRAINER_STATE_FILE`)."""
 MAX_CARRIED_BYTES = 16 << 20
 
 
-def carried_files_in(folder: Path) -> list[CarriedFile]:
+def carried_files_in(folder: Location) -> list[CarriedFile]:
     """The :data:`CARRIED_FILES` present in ``folder`` (regular files up to 16 MiB)."""
     found = []
     for name in CARRIED_FILES:
@@ -109,7 +107,7 @@ class CheckpointReader(abc.ABC):
 
     format_name: ClassVar[str]
     """The registered format's name (``dcp``, ``deepspeed``, ``safetensors``, ``torch``)."""
-    path: Path
+    path: Location
     """What was opened."""
     step: int | None = None
     """The training step recorded inside the checkpoint, when the format records one."""
@@ -163,7 +161,7 @@ class CheckpointReader(abc.ABC):
     # -- with defaults ------------------------------------------------------------------
 
     @classmethod
-    def step_of(cls, path: Path) -> int | None:
+    def step_of(cls, path: Location) -> int | None:
         """The step :attr:`step` would hold for the checkpoint at ``path``, cheaply: opening no
         tensors and building no reader (discovery asks this of every checkpoint on every run)."""
         return None
@@ -199,9 +197,9 @@ class CheckpointReader(abc.ABC):
         are not plain runs of stored bytes (the default: copy through :meth:`read`)."""
         return None
 
-    def open_data(self, file: str) -> int | RemoteFile:
-        """A read-only descriptor of a data file :meth:`byte_ranges` names (the reader closes it);
-        on object storage, a :class:`~ema_ckpt.remote.RemoteFile` read by ranged requests."""
+    def open_data(self, file: str) -> Readable:
+        """A data file :meth:`byte_ranges` names, opened for reading (the reader closes it):
+        a local descriptor, or a :class:`~ema_ckpt.storage.Source` read by ranged requests."""
         raise ValueError(f"{self.path}: {self.format_name} readers name no data files ({file!r})")
 
     def stored_records(self) -> Sequence[tuple[str, int, int]]:
@@ -214,8 +212,7 @@ class CheckpointReader(abc.ABC):
         from ..torch_records import FileWindow
 
         full = self.path / file if file else self.path
-        fd = os.open(full, os.O_RDONLY | os.O_CLOEXEC)
-        return FileWindow(fd, offset, length, owns_fd=True)  # type: ignore[return-value]
+        return FileWindow(open_readable(full), offset, length, owns_fd=True)  # type: ignore[return-value]
 
     def read_bytes(self, key: str) -> bytes:
         """The raw stored record of a non-tensor entry (one of :attr:`non_tensor_keys`), never unpickled."""
@@ -245,7 +242,7 @@ def deliver(key: str, box: Box, value: torch.Tensor, out: torch.Tensor | None) -
     return out.copy_(value)
 
 
-def _no_step(_path: Path) -> int | None:
+def _no_step(_path: Location) -> int | None:
     return None
 
 
@@ -262,21 +259,22 @@ class CheckpointFormat:
     """
 
     name: str
-    detect: Callable[[Path], bool]
-    open: Callable[[Path], CheckpointReader]
-    incomplete: Callable[[Path], str | None] = lambda _path: None
-    not_a_model: Callable[[Path], str | None] = lambda _path: None
+    detect: Callable[[Location], bool]
+    open: Callable[[Location], CheckpointReader]
+    incomplete: Callable[[Location], str | None] = lambda _path: None
+    not_a_model: Callable[[Location], str | None] = lambda _path: None
     """Why a path of this format's kind, complete, holds no model (``optimizer.pt``), or None."""
     records_step: bool = False
     step_label: str | None = None
     """How ``inspect`` names the record the step comes from (``DeepSpeed global_steps``)."""
-    step_of: Callable[[Path], int | None] = _no_step
-    step_record: Callable[[Path], tuple[int, str] | None] | None = None
+    step_of: Callable[[Location], int | None] = _no_step
+    step_record: Callable[[Location], tuple[int, str] | None] | None = None
     """The step and where it was read (``global_step in the file``), where it depends on the
     checkpoint; else ``step_of`` with :attr:`step_label`."""
-    reopen: Callable[[Path, Any], CheckpointReader] | None = None
+    reopen: Callable[[Location, Any], CheckpointReader] | None = None
     remote: bool = False
-    """Its reader reads from object storage too (a :class:`~ema_ckpt.remote.RemotePath`)."""
+    """Its reader reads through :mod:`ema_ckpt.storage` alone, so from object storage too (else
+    it needs a local file: :func:`~ema_ckpt.storage.local_file`)."""
 
 
 _REGISTRY: dict[str, CheckpointFormat] = {}
@@ -323,24 +321,24 @@ NESTED_MODELS: tuple[NestedModel, ...] = (
 class ModelLocation:
     """Where a checkpoint path's model weights are: the path itself, or a nested folder."""
 
-    path: Path
+    path: Location
     """The folder or file the reader opens."""
     trainer: str | None = None
     """Who nests the model (``accelerate``, ``NeMo``), when it is nested."""
-    optimizer: Path | None = None
+    optimizer: Location | None = None
     """The nested model's optimizer folder, when the trainer writes one."""
     others: tuple[str, ...] = ()
     """Further model folders of the same trainer left aside (accelerate's second model, …)."""
 
 
-def formats_for(path: Path) -> list[CheckpointFormat]:
+def formats_for(path: Location) -> list[CheckpointFormat]:
     """The registered formats, in detection order, that can be read at ``path`` (all of them
     locally; on object storage, those whose reader reads there)."""
     formats = list(_REGISTRY.values())
-    return [f for f in formats if f.remote] if is_remote(path) else formats
+    return formats if local_file(path) is not None else [f for f in formats if f.remote]
 
 
-def _own_format(path: Path) -> CheckpointFormat | None:
+def _own_format(path: Location) -> CheckpointFormat | None:
     earlier: list[CheckpointFormat] = []
     for fmt in formats_for(path):
         if fmt.detect(path):
@@ -353,7 +351,7 @@ def _own_format(path: Path) -> CheckpointFormat | None:
     return None
 
 
-def locate_model(path: str | Path) -> ModelLocation:
+def locate_model(path: str | Location) -> ModelLocation:
     """The folder holding ``path``'s model weights: ``path`` itself unless a trainer nests them.
 
     Only names are looked at, and the nested folder must itself be a checkpoint of a known
@@ -384,7 +382,7 @@ def locate_model(path: str | Path) -> ModelLocation:
     return ModelLocation(path)
 
 
-def nested_incomplete(path: str | Path) -> str | None:
+def nested_incomplete(path: str | Location) -> str | None:
     """Why a trainer folder's nested model folder is still being written, or None."""
     path = as_path(path)
     if not path.is_dir() or _own_format(path) is not None:
@@ -401,7 +399,7 @@ def nested_incomplete(path: str | Path) -> str | None:
     return None
 
 
-def waiting_reason(path: Path) -> str | None:
+def waiting_reason(path: Location) -> str | None:
     """Why ``path`` is a checkpoint still being written (itself, or the model folder a trainer
     nests in it), or None."""
     for fmt in formats_for(path):
@@ -411,7 +409,7 @@ def waiting_reason(path: Path) -> str | None:
     return nested_incomplete(path)
 
 
-def not_a_model_reason(path: Path) -> str | None:
+def not_a_model_reason(path: Location) -> str | None:
     """Why ``path``, complete and of a known kind, never holds a model (``optimizer.pt``), or None."""
     return next((reason for fmt in formats_for(path) if (reason := fmt.not_a_model(path))), None)
 
@@ -419,7 +417,7 @@ def not_a_model_reason(path: Path) -> str | None:
 TRAINER_STATE = "trainer_state.json"
 
 
-def trainer_state_step(path: str | Path) -> int | None:
+def trainer_state_step(path: str | Location) -> int | None:
     """``global_step`` of the Hugging Face Trainer's ``trainer_state.json`` in ``path``, or None.
 
     A bonus over the folder name: a missing or unreadable file is no error.
@@ -432,12 +430,12 @@ def trainer_state_step(path: str | Path) -> int | None:
     return step if type(step) is int and step >= 0 else None
 
 
-def detect_format(path: str | Path) -> CheckpointFormat | None:
+def detect_format(path: str | Location) -> CheckpointFormat | None:
     """The format whose marker files ``path`` (or the model folder a trainer nests in it) holds, or None."""
     return _own_format(locate_model(path).path)
 
 
-def open_checkpoint(path: str | Path, *, shared: object | None = None) -> CheckpointReader:
+def open_checkpoint(path: str | Location, *, shared: object | None = None) -> CheckpointReader:
     """Open the checkpoint at ``path`` with the reader of its format.
 
     ``shared``: what :meth:`CheckpointReader.share` returned for this checkpoint in another
@@ -463,7 +461,7 @@ def open_checkpoint(path: str | Path, *, shared: object | None = None) -> Checkp
         reason = not_a_model_reason(path)
         if reason:
             raise CheckpointFormatError(path, reason)
-        if is_remote(path):
+        if local_file(path) is None:
             names = ", ".join(f.name for f in formats_for(path))
             raise CheckpointNotFoundError(path, f"not a checkpoint of a format read from object storage ({names}; "
                                                 "copy others to a local disk first)")

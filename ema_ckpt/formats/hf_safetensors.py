@@ -32,7 +32,6 @@ import contextlib
 import functools
 import json
 import math
-import os
 import re
 import struct
 import threading
@@ -40,14 +39,25 @@ from collections import Counter, OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 from safetensors import SafetensorError, safe_open
 
 from .._lazy import torch
 from ..errors import CheckpointFormatError, CheckpointNotFoundError
 from ..layout import Box, TensorSpec
-from ..remote import RemoteFile, RemotePath, as_path, is_remote
+from ..storage import (
+    Location,
+    Readable,
+    as_path,
+    close_readable,
+    local_file,
+    open_readable,
+    open_structure,
+    pread,
+    pread_into,
+    readable_size,
+)
 from .base import CheckpointFormat, CheckpointReader, deliver, register_format, trainer_state_step
 
 SUFFIX = ".safetensors"
@@ -79,7 +89,7 @@ def _dtypes() -> dict[str, torch.dtype]:
 class FileHeader:
     """The validated header of one ``.safetensors`` file."""
 
-    path: Path
+    path: Location
     size: int
     metadata: dict[str, str]
     tensors: dict[str, TensorSpec]
@@ -87,11 +97,11 @@ class FileHeader:
     """Each tensor's first byte in the file (the header included)."""
 
 
-def _is_candidate(p: Path, suffix: str) -> bool:
+def _is_candidate(p: Location, suffix: str) -> bool:
     return p.name.endswith(suffix) and not p.name.startswith(".") and p.is_file()
 
 
-def _locate(path: Path) -> tuple[Path | None, list[Path]] | None:
+def _locate(path: Location) -> tuple[Location | None, list[Location]] | None:
     """``(index, files)`` for a recognised path; ``files`` is empty when indexed."""
     if path.is_file():  # a file named on purpose: its suffix in any case, as outputs are chosen
         name = path.name.lower()
@@ -113,7 +123,7 @@ def _locate(path: Path) -> tuple[Path | None, list[Path]] | None:
     return None
 
 
-def read_index(index: Path) -> tuple[dict[str, str], dict[str, Any]]:
+def read_index(index: Location) -> tuple[dict[str, str], dict[str, Any]]:
     """``(weight_map, metadata)`` of an HF index file, validated.
 
     Raises:
@@ -136,7 +146,7 @@ def read_index(index: Path) -> tuple[dict[str, str], dict[str, Any]]:
     return weight_map, metadata if isinstance(metadata, dict) else {}
 
 
-def read_header(file: Path) -> FileHeader:
+def read_header(file: Location) -> FileHeader:
     """Parse and validate the header of one ``.safetensors`` file (no tensor data read).
 
     Raises:
@@ -145,8 +155,8 @@ def read_header(file: Path) -> FileHeader:
     """
     try:
         with _opened(file) as f:
-            size = f.size
-            head = f.pread(8, 0)
+            size = readable_size(f)
+            head = pread(f, 8, 0)
             if len(head) < 8:
                 raise CheckpointFormatError(file, f"truncated: {size} bytes, no header length")
             (length,) = struct.unpack("<Q", head)
@@ -156,7 +166,7 @@ def read_header(file: Path) -> FileHeader:
                 raise CheckpointFormatError(
                     file, f"truncated: header needs {8 + length} bytes, file has {size}"
                 )
-            raw = f.pread(length, 8)
+            raw = pread(f, length, 8)
     except OSError as err:
         raise CheckpointFormatError(file, f"cannot read ({err.strerror})") from None
     try:
@@ -193,30 +203,16 @@ def read_header(file: Path) -> FileHeader:
     return FileHeader(file, size, dict(metadata), tensors, starts)
 
 
-class _LocalFile:
-    """A local file read with ``pread``: the part of :class:`~ema_ckpt.remote.RemoteFile` used here."""
-
-    def __init__(self, path: Path) -> None:
-        self._fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        self.size = os.fstat(self._fd).st_size
-
-    def pread(self, length: int, offset: int) -> bytes:
-        return os.pread(self._fd, length, offset)
-
-    def close(self) -> None:
-        os.close(self._fd)
-
-
 @contextlib.contextmanager
-def _opened(file: Path) -> Iterator[_LocalFile | RemoteFile]:
-    handle: _LocalFile | RemoteFile = RemoteFile(cast(RemotePath, file)) if is_remote(file) else _LocalFile(file)
+def _opened(file: Location) -> Iterator[Readable]:
+    handle = open_structure(file)
     try:
         yield handle
     finally:
-        handle.close()
+        close_readable(handle)
 
 
-def _parse_entry(file: Path, key: str, entry: Any) -> tuple[TensorSpec, int, int]:
+def _parse_entry(file: Location, key: str, entry: Any) -> tuple[TensorSpec, int, int]:
     if not isinstance(entry, dict):
         raise CheckpointFormatError(file, f"tensor {key!r}: entry is not an object")
     name, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
@@ -243,7 +239,7 @@ def _parse_entry(file: Path, key: str, entry: Any) -> tuple[TensorSpec, int, int
     return TensorSpec(key, tuple(shape), dtype), begin, end
 
 
-def missing_shards(path: Path) -> list[str]:
+def missing_shards(path: Location) -> list[str]:
     """Shard files an index names but that do not exist (empty when not indexed)."""
     located = _locate(path)
     if located is None or located[0] is None:
@@ -256,11 +252,11 @@ def missing_shards(path: Path) -> list[str]:
     return sorted(n for n in set(weight_map.values()) if not (index.parent / n).is_file())
 
 
-def _detect(path: Path) -> bool:
+def _detect(path: Location) -> bool:
     return _locate(path) is not None and not missing_shards(path)
 
 
-def _incomplete(path: Path) -> str | None:
+def _incomplete(path: Location) -> str | None:
     missing = missing_shards(path)
     if missing:
         shown = ", ".join(missing[:3]) + (", ..." if len(missing) > 3 else "")
@@ -281,7 +277,7 @@ class SafetensorsReader(CheckpointReader):
 
     format_name = "safetensors"
 
-    def __init__(self, path: str | Path, *, max_open_files: int = 4) -> None:
+    def __init__(self, path: str | Location, *, max_open_files: int = 4) -> None:
         self.path = as_path(path)
         if not self.path.exists():
             raise CheckpointNotFoundError(self.path, "no such file or directory")
@@ -298,19 +294,19 @@ class SafetensorsReader(CheckpointReader):
             where = {key: files[0] for key in self.headers[0].tensors}
         else:
             self.headers, where = self._load_index(self.index)
-        self._where: dict[str, Path] = where
+        self._where: dict[str, Location] = where
         self._starts = {key: start for header in self.headers for key, start in header.offsets.items()}
-        self._remote: dict[Path, RemoteFile] = {}
+        self._remote: dict[Location, Readable] = {}
         self._specs: dict[str, TensorSpec] = {}
         for header in self.headers:
             self._specs.update(header.tensors)
         self._specs = dict(sorted(self._specs.items()))
         self.step: int | None = trainer_state_step(self.path) if self.path.is_dir() else None
         self._max_open = max(1, max_open_files)
-        self._handles: OrderedDict[Path, Any] = OrderedDict()
+        self._handles: OrderedDict[Location, Any] = OrderedDict()
         self._lock = threading.Lock()
 
-    def _load_index(self, index: Path) -> tuple[list[FileHeader], dict[str, Path]]:
+    def _load_index(self, index: Location) -> tuple[list[FileHeader], dict[str, Location]]:
         weight_map, self.index_metadata = read_index(index)
         missing = sorted(n for n in set(weight_map.values()) if not (index.parent / n).is_file())
         if missing:
@@ -342,7 +338,7 @@ class SafetensorsReader(CheckpointReader):
         return [Box.full(spec.shape)] if spec.numel else []
 
     @classmethod
-    def step_of(cls, path: Path) -> int | None:
+    def step_of(cls, path: Location) -> int | None:
         """``trainer_state.json``'s ``global_step`` beside the weights, as :attr:`step`."""
         return trainer_state_step(path) if path.is_dir() else None
 
@@ -358,9 +354,10 @@ class SafetensorsReader(CheckpointReader):
         if box.numel == 0:
             return torch.empty(box.sizes, dtype=spec.dtype)
         file = self._where[key]
-        if is_remote(file):
+        local = local_file(file)
+        if local is None:  # no memory map of an object: ranged reads
             return self._read_remote(file, spec, box)
-        handle = self._handle(file)
+        handle = self._handle(local)
         try:
             part = handle.get_slice(key)
             if tuple(part.get_shape()) != spec.shape or _dtypes().get(part.get_dtype()) != spec.dtype:
@@ -372,18 +369,18 @@ class SafetensorsReader(CheckpointReader):
         # safe_open hands out views of its memory map: copy just the box.
         return out.clone(memory_format=torch.contiguous_format)
 
-    def _read_remote(self, file: Path, spec: TensorSpec, box: Box) -> torch.Tensor:
+    def _read_remote(self, file: Location, spec: TensorSpec, box: Box) -> torch.Tensor:
         """The rows ``box`` spans, by one ranged read (with read-ahead) of the object; then the box."""
         with self._lock:
             source = self._remote.get(file)
             if source is None:
-                source = self._remote[file] = RemoteFile(cast(RemotePath, file))
+                source = self._remote[file] = open_readable(file)
         itemsize = spec.dtype.itemsize
         row = math.prod(spec.shape[1:]) * itemsize if spec.shape else itemsize
         first, count = (box.offsets[0], box.sizes[0]) if spec.shape else (0, 1)
         rows = torch.empty(count * row, dtype=torch.uint8)
         offset = self._starts[spec.key] + first * row
-        if source.readinto(memoryview(rows.numpy()), offset) != len(rows):
+        if not pread_into(source, memoryview(rows.numpy()), offset):
             raise CheckpointFormatError(file, f"tensor {spec.key!r}: truncated at byte {offset}")
         values = rows.view(spec.dtype).reshape((count, *spec.shape[1:]) if spec.shape else ())
         if not spec.shape:
@@ -412,11 +409,11 @@ class SafetensorsReader(CheckpointReader):
         for handle in handles:
             handle.__exit__(None, None, None)
         for source in remote:
-            source.close()
+            close_readable(source)
 
     # -- files -----------------------------------------------------------------------
 
-    def _handle(self, file: Path) -> Any:
+    def _handle(self, file: Location) -> Any:
         with self._lock:
             handle = self._handles.get(file)
             if handle is not None:
@@ -436,7 +433,7 @@ class SafetensorsReader(CheckpointReader):
             return handle
 
 
-def open_safetensors(path: Path) -> SafetensorsReader:
+def open_safetensors(path: Location) -> SafetensorsReader:
     """Open a safetensors checkpoint (file, index file, or folder)."""
     return SafetensorsReader(path)
 

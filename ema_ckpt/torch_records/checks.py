@@ -34,7 +34,6 @@ import bisect
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .._crc import crc32, crc32_combine
@@ -43,7 +42,7 @@ from .zipfmt import stored_members
 
 if TYPE_CHECKING:
     from ..dist import Workers
-    from ..remote import RangeSource
+    from ..storage import Location, Readable
 
 Span = tuple[int, int, int]
 """(start, end, CRC-32) of bytes read, relative to their member's first byte."""
@@ -68,7 +67,7 @@ class ReadChecks:
     member still lacks when it is settled. Thread-safe.
     """
 
-    def __init__(self, name: Callable[[str], str | Path], read: Callable[[str, int, int], bytes]) -> None:
+    def __init__(self, name: Callable[[str], str | Location], read: Callable[[str, int, int], bytes]) -> None:
         self._name, self._read = name, read
         self._members: dict[str, dict[int, _Member]] = {}
         self._starts: dict[str, list[int]] = {}
@@ -228,7 +227,7 @@ def _joined(spans: list[Span]) -> list[Span]:
     return out
 
 
-def expect_zip_members(checks: ReadChecks, file: str, source: int | RangeSource, size: int) -> None:
+def expect_zip_members(checks: ReadChecks, file: str, source: Readable, size: int) -> None:
     """Register every uncompressed member of the zip file open at ``source`` (``size`` bytes) as
     ``file`` in ``checks``; a file whose directory cannot be read registers nothing."""
     for start, (length, crc, name) in (stored_members(source, size) or {}).items():

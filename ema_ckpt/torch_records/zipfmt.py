@@ -3,7 +3,7 @@
 A ``torch.save`` file is a zip whose members are stored uncompressed. A DCP data file holds
 many such zips back to back (one per chunk); a DeepSpeed ``.pt`` or a ``.pt`` state dict is
 one. Everything here works on a descriptor plus the record's (offset, length), with
-``pread``, so one open file serves every record in it; a :class:`~ema_ckpt.remote.RemoteFile`
+``pread``, so one open file serves every record in it; a :class:`~ema_ckpt.storage.Source`
 (an object in object storage) stands in for a descriptor, read by ranged requests.
 """
 
@@ -15,7 +15,7 @@ import struct
 import zipfile
 from typing import Any, NamedTuple
 
-from ..remote import RangeSource, pread
+from ..storage import Readable, pread
 
 LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")
 """Local file header: signature, version, flags, method, time, date, crc, sizes, name/extra lengths."""
@@ -38,7 +38,7 @@ class FileWindow(io.RawIOBase):
     ``owns_fd``: closing the window closes the descriptor too (else its owner does).
     """
 
-    def __init__(self, fd: int | RangeSource, start: int, length: int, *, owns_fd: bool = False) -> None:
+    def __init__(self, fd: Readable, start: int, length: int, *, owns_fd: bool = False) -> None:
         super().__init__()
         self._fd, self._start, self._length, self._pos, self._owns = fd, start, length, 0, owns_fd
 
@@ -87,7 +87,7 @@ class Member(NamedTuple):
     """CRC-32 of its data (0: saved without one)."""
 
 
-def scan_record(fd: int | RangeSource, offset: int, length: int) -> dict[str, Member] | None:
+def scan_record(fd: Readable, offset: int, length: int) -> dict[str, Member] | None:
     """{member name: :class:`Member`} of a record's zip, from its tail.
 
     The common case (no archive comment, no zip64, central directory in the last 4 KiB) in
@@ -126,7 +126,7 @@ def scan_record(fd: int | RangeSource, offset: int, length: int) -> dict[str, Me
     return members
 
 
-def member_start(fd: int | RangeSource, offset: int, length: int, local: int) -> int | None:
+def member_start(fd: Readable, offset: int, length: int, local: int) -> int | None:
     """Where a member's data starts in its record (relative to ``offset``), from its local
     header at ``local``; None if the header is malformed or outside the record."""
     if not 0 <= local <= length - LOCAL_HEADER.size:
@@ -138,7 +138,7 @@ def member_start(fd: int | RangeSource, offset: int, length: int, local: int) ->
     return int(local + LOCAL_HEADER.size + fields[9] + fields[10])
 
 
-def stored_members(fd: int | RangeSource, size: int) -> dict[int, tuple[int, int, str]] | None:
+def stored_members(fd: Readable, size: int) -> dict[int, tuple[int, int, str]] | None:
     """{where its data starts: (size, CRC-32, name)} of every uncompressed member of the zip file
     open at ``fd`` (``size`` bytes); None when its directory cannot be read or a member lies
     outside the file."""
@@ -159,17 +159,3 @@ def stored_members(fd: int | RangeSource, size: int) -> dict[int, tuple[int, int
             return None
         members[start] = (member.size, member.crc, name)
     return members
-
-
-def pread_into(fd: int | RangeSource, view: memoryview, offset: int) -> bool:
-    """Fill ``view`` from ``fd`` at ``offset``; False when the file ends first."""
-    if not isinstance(fd, int):
-        return fd.readinto(view, offset) == len(view)
-    done = 0
-    total = len(view)
-    while done < total:
-        n = os.preadv(fd, [view[done:]], offset + done)
-        if n <= 0:
-            return False
-        done += n
-    return True

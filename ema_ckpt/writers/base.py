@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import OptionError, OutputError
 from ..layout import Box
-from ..remote import as_path
+from ..storage import Location, as_path
 
 if TYPE_CHECKING:
     import torch
@@ -100,7 +100,7 @@ class OutputWriter(abc.ABC):
 
     name: str = ""
     single_file: bool = False
-    final: Path | None = None
+    final: Location | None = None
     """The output's published path, for messages (set by the runner)."""
     file_tag: str | None = None
     """A tag the data files' names carry (set for an output on object storage: each upload
@@ -145,7 +145,7 @@ class OutputWriter(abc.ABC):
         return written
 
     @property
-    def shown_path(self) -> Path:
+    def shown_path(self) -> Location:
         """The path errors name: the published output's, else the staged file's."""
         return self.final if self.final is not None else self.staging / self.final_name
 
@@ -179,6 +179,16 @@ class OutputWriter(abc.ABC):
 
     def own_files(self, state: Any) -> list[str]:
         """The data files this worker wrote, from its :meth:`close` state (names in staging)."""
+        return []
+
+    def owns(self, name: str) -> bool:
+        """A file of this name in the output's place was written by an earlier output of this
+        format (so a new output, where it is not a whole directory replaced at once, removes it)."""
+        return False
+
+    def index_files(self) -> list[str]:
+        """Files :meth:`finish` writes that name the data files but are not in its list (DCP's
+        ``.metadata``): published after the data."""
         return []
 
 
@@ -219,11 +229,11 @@ def output_format(name: str) -> OutputFormat:
     return _OUTPUTS[name]
 
 
-def output_format_for(path: str | Path) -> OutputFormat:
+def output_format_for(path: str | Location) -> OutputFormat:
     """The output format an output path's suffix names, else the directory format (no checks:
     see :func:`choose_output_format`)."""
     _load_builtin()
-    suffix = Path(path).suffix.lower()
+    suffix = as_path(path).suffix.lower()
     for fmt in _OUTPUTS.values():
         if suffix in fmt.suffixes:
             return fmt
@@ -243,7 +253,7 @@ def path_formats() -> list[OutputFormat]:
     return [fmt for fmt in _OUTPUTS.values() if fmt.suffixes or fmt.is_default]
 
 
-def ends_in_separator(path: str | Path) -> bool:
+def ends_in_separator(path: str | Location) -> bool:
     """``path`` was written with a trailing ``/`` (a ``Path`` drops it: only a ``str`` can say so)."""
     return isinstance(path, str) and path.endswith((os.sep, os.altsep or os.sep))
 
@@ -258,7 +268,7 @@ def _accepted_forms(formats: Sequence[OutputFormat]) -> str:
             f"one, or a path ending in /), or pass {{format=NAME}} ({', '.join(f.name for f in formats)})")
 
 
-def choose_output_format(out: str | Path, format: str | None = None, *, directory: bool | None = None
+def choose_output_format(out: str | Location, format: str | None = None, *, directory: bool | None = None
                          ) -> OutputFormat:
     """The output format ``out`` asks for, or an :class:`~ema_ckpt.errors.OptionError` naming the forms accepted.
 
@@ -309,7 +319,7 @@ def choose_output_format(out: str | Path, format: str | None = None, *, director
 _FILE_SUFFIX = re.compile(r"\.[A-Za-z][A-Za-z0-9]{0,11}")
 
 
-def file_suffix(path: Path) -> str:
+def file_suffix(path: Location) -> str:
     """A path's file suffix, lower case, or "" when it has none that looks like one
     (``llama-3.1-ema`` and ``run.v2-final`` are names, not files).
 
@@ -321,7 +331,7 @@ def file_suffix(path: Path) -> str:
     return suffix.lower() if _FILE_SUFFIX.fullmatch(suffix) else ""
 
 
-def check_directory_output(out: str | Path, format_name: str = "dcp") -> None:
+def check_directory_output(out: str | Location, format_name: str = "dcp") -> None:
     """Refuse a directory output (DCP: ``accumulate``, ``posthoc``, ``average``, ``reshard``)
     whose name ends in a file format's suffix: ``--out ema.safetensors`` would be a directory
     every tool then takes for a safetensors file.

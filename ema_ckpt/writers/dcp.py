@@ -24,13 +24,13 @@ from .._compat.dcp_metadata import dump_metadata
 from .._crc import crc32, crc32_combine
 from .._lazy import torch
 from .._pickle import check_written_metadata
-from ..direct_io import ALIGNMENT as PAGE
-from ..direct_io import DirectAppender
 from ..dtypes import name_of
 from ..errors import CheckpointFormatError, OutputError
 from ..formats.dcp import METADATA_FILE
-from ..fs import fsync_dir, start_writeback
 from ..layout import Box, boxes_cover
+from ..storage import fsync_dir, start_writeback
+from ..storage.direct_io import ALIGNMENT as PAGE
+from ..storage.direct_io import DirectAppender
 from ..torch_records import write_tensor_record
 from ..torch_records.write import STORAGE_ALIGNMENT
 

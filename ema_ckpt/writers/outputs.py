@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -49,6 +50,11 @@ def region_cost(region: PlannedRegion) -> int:
 
 def _nbytes(box: Box, dtype: str) -> int:
     return box.numel * itemsize(dtype)
+
+
+_DCP_DATA = re.compile(r"^__\d+_\d+(\.[0-9A-Za-z-]+)?\.distcp$")
+_SAFETENSORS_FILES = re.compile(
+    r"^(model|adapter_model)(-\d+-of-\d+)?(\.[0-9A-Za-z-]+)?\.safetensors$|^model\.safetensors\.index\.json$")
 
 
 class DcpOutput(OutputWriter):
@@ -158,6 +164,12 @@ class DcpOutput(OutputWriter):
 
     def own_files(self, state: Any) -> list[str]:
         return [f.name for f in state.files]
+
+    def index_files(self) -> list[str]:
+        return [".metadata"]
+
+    def owns(self, name: str) -> bool:
+        return name == ".metadata" or _DCP_DATA.match(name) is not None
 
 
 class SafetensorsOutput(OutputWriter):
@@ -269,6 +281,9 @@ class SafetensorsOutput(OutputWriter):
 
     def own_files(self, state: Any) -> list[str]:
         return list(state)
+
+    def owns(self, name: str) -> bool:
+        return _SAFETENSORS_FILES.match(name) is not None
 
 
 class TorchFileOutput(OutputWriter):

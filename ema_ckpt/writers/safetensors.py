@@ -30,8 +30,7 @@ from .._lazy import torch
 from .._text import escaped
 from ..dtypes import SAFETENSORS_CODES, itemsize, name_of
 from ..errors import CheckpointFormatError, OptionError, OutputError, UsageError
-from ..fs import start_writeback
-from ..remote import RemoteFile, pread
+from ..storage import Location, Readable, pread, start_writeback
 
 _COPY_BLOCK = 64 << 20
 _CHECKED_COPY_BLOCK = 16 << 20
@@ -155,7 +154,7 @@ class SafetensorsFileWriter:
                 raise OutputError(f"{self.path}: write failed ({err.strerror})") from None
         self._advance(key, part.numel() * part.element_size())
 
-    def copy_range(self, key: str, source: Path, fd: int | RemoteFile, offset: int,
+    def copy_range(self, key: str, source: Path, fd: Readable, offset: int,
                    length: int, *, seen: Callable[[int, memoryview], None] | None = None) -> None:
         """Append the next ``length`` bytes of ``key`` straight from ``fd`` at ``offset``.
 
@@ -188,7 +187,7 @@ class SafetensorsFileWriter:
             raise OutputError(f"{self.path}: write failed ({err.strerror})") from None
         self._advance(key, length)
 
-    def _copy(self, fd: int | RemoteFile, src: int, dst: int, count: int,
+    def _copy(self, fd: Readable, src: int, dst: int, count: int,
               seen: Callable[[int, memoryview], None] | None = None, source: Path | None = None) -> int:
         assert self._handle is not None
         out = self._handle.fileno()
@@ -293,7 +292,7 @@ class _ReadBack:
             done += n
 
 
-def check_key(key: object, out: Path) -> None:
+def check_key(key: object, out: Location) -> None:
     """Refuse a key a safetensors header cannot hold (one line, exit 3), before anything is written.
 
     The header is JSON that Rust's safetensors parses: a key must be valid UTF-8 (no lone

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import stat
 import weakref
-from pathlib import Path
 from typing import Any
 
 from ...dtypes import DtypeName, itemsize
 from ...errors import CheckpointFormatError
 from ...layout import Box, boxes_cover
+from ...storage import Location
 from .metadata import METADATA_FILE, StoredChunk, load_metadata, metadata_int, planner_data_of
 
 PackedChunks = dict[str, list[tuple[tuple[int, ...], tuple[int, ...], str, int, int]]]
@@ -94,8 +94,8 @@ def starts_of(stored: dict[str, tuple[tuple[int, ...], str]], chunks: dict[str, 
 class MetadataIndex:
     """What parsing ``.metadata`` gives a :class:`~.reader.DcpReader` (a base class of it)."""
 
-    path: Path
-    metadata_files: list[Path]
+    path: Location
+    metadata_files: list[Location]
     _version: Any
     planner_data: dict[str, tuple[str, ...]]
     non_tensor_keys: list[str]

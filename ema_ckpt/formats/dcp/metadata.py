@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from ..._pickle import load_dcp_metadata_bytes
 from ...errors import CheckpointFormatError, CheckpointNotFoundError
 from ...layout import Box
+from ...storage import Location
 
 METADATA_FILE = ".metadata"
 
@@ -67,7 +67,7 @@ class StoredChunk:
 
 
 
-def is_dcp(path: Path) -> bool:
+def is_dcp(path: Location) -> bool:
     if not path.is_dir():
         return False
     if (path / METADATA_FILE).is_file():
@@ -76,14 +76,14 @@ def is_dcp(path: Path) -> bool:
 
 
 
-def incomplete(path: Path) -> str | None:
+def incomplete(path: Location) -> str | None:
     if path.is_dir() and not is_dcp(path) and any(DATA_FILE.match(p.name) for p in path.iterdir()):
         return "DCP data files but no .metadata yet (a save in progress?)"
     return None
 
 
 
-def _read_metadata_file(file: Path) -> Any:
+def _read_metadata_file(file: Location) -> Any:
     try:
         data = file.read_bytes()
     except OSError as err:
@@ -92,7 +92,7 @@ def _read_metadata_file(file: Path) -> Any:
 
 
 
-def load_metadata(path: Path) -> tuple[Any, list[Path]]:
+def load_metadata(path: Location) -> tuple[Any, list[Location]]:
     """The checkpoint's metadata and the metadata files it came from.
 
     With only rank-local ``__<r>.metadata`` files, every rank's file is read and their

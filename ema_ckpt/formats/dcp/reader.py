@@ -20,7 +20,6 @@ from __future__ import annotations
 import bisect
 import os
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import IO, Any
 
 from ..._gc import paused_gc
@@ -28,7 +27,7 @@ from ..._lazy import torch
 from ...dtypes import itemsize, torch_dtype
 from ...errors import CheckpointFormatError
 from ...layout import Box, TensorSpec
-from ...remote import RemoteFile, as_path, pread
+from ...storage import Location, Readable, as_path, pread
 from ...torch_records import FileWindow, TensorRecord
 from ...torch_records.checks import ReadChecks
 from ..base import CheckpointFormat, CheckpointReader, register_format
@@ -47,10 +46,10 @@ class DcpReader(MetadataIndex, ChunkRecords, CheckpointReader):
     read_checks: ReadChecks
 
 
-    def __init__(self, path: str | Path, *, shared: Mapping[str, Any] | None = None) -> None:
+    def __init__(self, path: str | Location, *, shared: Mapping[str, Any] | None = None) -> None:
         self.path = as_path(path)
         self.step: int | None = None
-        self._fds: dict[str, int | RemoteFile] = {}
+        self._fds: dict[str, Readable] = {}
         self._file_sizes: dict[str, int] = {}
         self._names: dict[str, str] = {}
         self._fallback: tuple[tuple[str, int], torch.Tensor] | None = None
@@ -101,9 +100,8 @@ class DcpReader(MetadataIndex, ChunkRecords, CheckpointReader):
         return self._stored
 
 
-    def open_data(self, file: str) -> int | RemoteFile:
-        """A read-only descriptor of data file ``file`` (owned by the reader; closed by :meth:`close`),
-        or on object storage its :class:`~ema_ckpt.remote.RemoteFile`."""
+    def open_data(self, file: str) -> Readable:
+        """Data file ``file`` opened for reading (owned by the reader; closed by :meth:`close`)."""
         return self._fd(file)
 
 
@@ -252,13 +250,13 @@ class DcpReader(MetadataIndex, ChunkRecords, CheckpointReader):
 
 
 
-def open_dcp(path: Path) -> DcpReader:
+def open_dcp(path: Location) -> DcpReader:
     """Open a DCP checkpoint directory."""
     return DcpReader(path)
 
 
 
-def reopen_dcp(path: Path, shared: Any) -> DcpReader:
+def reopen_dcp(path: Location, shared: Any) -> DcpReader:
     """A DCP reader rebuilt from another process's :meth:`DcpReader.share`."""
     return DcpReader(path, shared=shared)
 

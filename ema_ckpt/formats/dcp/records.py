@@ -14,32 +14,38 @@ import stat
 import warnings
 import zipfile
 from collections.abc import Iterable, Mapping
-from pathlib import Path
-from typing import cast
 
 from ..._lazy import torch
 from ...dtypes import itemsize, name_of
 from ...errors import CheckpointFormatError, EmaCkptError, RecordChecksumError, UnsafePickleError
 from ...layout import Box, TensorSpec
-from ...remote import RemoteFile, RemotePath, is_remote, pread
+from ...pickle_rules import GLOBAL_IN_MESSAGE, first_line, globals_in_pickle, torch_allows
+from ...storage import (
+    BlockChecksums,
+    Location,
+    Readable,
+    blocks_read,
+    open_readable,
+    pread,
+    pread_into,
+    whole_crc32,
+)
 from ...torch_records import (
     FileWindow,
     TensorRecord,
     load_tensor_record,
     member_start,
-    pread_into,
     scan_record,
 )
 from ...torch_records.checks import ReadChecks
 from ...torch_records.zipfmt import LOCAL_HEADER, LOCAL_MAGIC, Member
-from .._ds_unpickle import _GLOBAL_IN_MESSAGE, _first_line, _globals_in_pickle, _torch_allows
 from .metadata import StoredChunk
 
 _MAX_PICKLE_BYTES = 1 << 20  # a tensor record's data.pkl is a few hundred bytes
 
 
 
-def _pread_into(fd: int | RemoteFile, view: memoryview, offset: int, file: str) -> None:
+def _pread_into(fd: Readable, view: memoryview, offset: int, file: str) -> None:
     if not pread_into(fd, view, offset):
         raise CheckpointFormatError(file, f"truncated: expected {len(view)} bytes at offset {offset}")
 
@@ -48,22 +54,22 @@ def _refused_in_record(message: str, record: bytes) -> str | None:
     """The global torch's weights-only loader refused in a record, from its message or its pickle."""
     if "weights_only" not in message and "Weights only" not in message and "GLOBAL" not in message:
         return None
-    match = _GLOBAL_IN_MESSAGE.search(message)
+    match = GLOBAL_IN_MESSAGE.search(message)
     if match:
         name = match.group(1)
         return name if "." in name else f"builtins.{name}"
     try:
         with zipfile.ZipFile(io.BytesIO(record)) as archive:
             pkl = next((n for n in archive.namelist() if n.endswith("/data.pkl") or n == "data.pkl"), None)
-            names = _globals_in_pickle(archive.read(pkl)) if pkl else []
+            names = globals_in_pickle(archive.read(pkl)) if pkl else []
     except Exception:  # a damaged record: reported as unreadable, not as a refused global
         return None
-    refused = [n for n in names if not _torch_allows(n)]
+    refused = [n for n in names if not torch_allows(n)]
     return refused[0] if refused else None
 
 
 
-def _check_record_crcs(data: bytes, file: Path, key: str, offset: int) -> None:
+def _check_record_crcs(data: bytes, file: Location, key: str, offset: int) -> None:
     """Every member of a whole record read into memory against its CRC-32 (members saved
     without one, CRC 0, pass); a record zipfile cannot list is left to the loader's error."""
     try:
@@ -88,8 +94,8 @@ def _tensor_bytes(t: torch.Tensor) -> memoryview:
 class ChunkRecords:
     """Open data files and parsed records of a :class:`~.reader.DcpReader` (a base class of it)."""
 
-    path: Path
-    _fds: dict[str, int | RemoteFile]
+    path: Location
+    _fds: dict[str, Readable]
     _file_sizes: dict[str, int]
     _names: dict[str, str]
     _fallback: tuple[tuple[str, int], torch.Tensor] | None
@@ -98,37 +104,34 @@ class ChunkRecords:
     read_checks: ReadChecks
 
     keep_checksums = False
-    """On object storage, keep the CRC-32 of every block read (:meth:`file_crc32`); set before reading."""
+    """Keep the CRC-32 of every block read (:meth:`file_crc32`), where the file is fetched in
+    blocks; set before reading."""
 
     def specs(self) -> Mapping[str, TensorSpec]:
         raise NotImplementedError
 
-    def block_checksums(self) -> dict[str, tuple[int, dict[int, int]]]:
-        """Per data file read on object storage: (block size, {block index: CRC-32}) of what was read."""
-        return {file: fd.block_checksums() for file, fd in self._fds.items() if isinstance(fd, RemoteFile)}
+    def block_checksums(self) -> dict[str, BlockChecksums]:
+        """Per data file fetched in blocks: (block size, {block index: CRC-32}) of what was read."""
+        return {file: found for file, fd in self._fds.items() if (found := blocks_read(fd)) is not None}
 
-    def file_crc32(self, file: str, known: Iterable[Mapping[str, tuple[int, dict[int, int]]]] = ()) -> int:
-        """Data file ``file``'s CRC-32 on object storage, from the blocks this reader and the readers of
-        ``known`` (other workers' :meth:`block_checksums`) read, reading only the blocks none did."""
-        remote = self._fd(file)
-        if not isinstance(remote, RemoteFile):
-            raise ValueError(f"{file}: not on object storage")
-        return remote.crc32([k[file] for k in known if file in k])
+    def file_crc32(self, file: str, known: Iterable[Mapping[str, BlockChecksums]] = ()) -> int:
+        """Data file ``file``'s CRC-32, from the blocks this reader and the readers of ``known``
+        (other workers' :meth:`block_checksums`) read, reading only what none did."""
+        return whole_crc32(self._fd(file), [k[file] for k in known if file in k])
 
 
-    def _fd(self, file: str) -> int | RemoteFile:
+    def _fd(self, file: str) -> Readable:
         fd = self._fds.get(file)
-        if fd is None and is_remote(self.path):
-            remote = RemoteFile(cast(RemotePath, self.path / file), checksums=self.keep_checksums)
-            self._fds[file] = remote
-            self._file_sizes[file] = remote.size
-            return remote
         if fd is None:
             full = self.path / file
             try:
-                fd = os.open(full, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+                fd = open_readable(full, flags=os.O_NONBLOCK, checksums=self.keep_checksums)
             except OSError as err:
                 raise CheckpointFormatError(full, f"cannot open data file ({err.strerror})") from None
+            if not isinstance(fd, int):  # fetched by ranged requests
+                self._fds[file] = fd
+                self._file_sizes[file] = fd.size
+                return fd
             info = os.fstat(fd)
             if not stat.S_ISREG(info.st_mode):
                 os.close(fd)
@@ -263,7 +266,7 @@ class ChunkRecords:
                     f"key {key!r}: the record at offset {chunk.offset} refers to {refused}, which is not "
                     "allowed; nothing from the file was run",
                 ) from None
-            first = _first_line(str(err)) or type(err).__name__
+            first = first_line(str(err)) or type(err).__name__
             if "weights_only" in first or "will likely succeed" in first:  # torch's advice: never relayed
                 first = "refused by torch's weights-only loader"
             raise CheckpointFormatError(

@@ -2,7 +2,7 @@
 
 Only file names are looked at, except for the first model-states file, whose pickle holds
 ``dp_world_size`` and ``global_steps``: it is read once per file version (memory-mapped,
-through the restricted loader of :mod:`.._ds_unpickle`; on object storage its structure
+through the restricted loader of :mod:`.unpickle`; on object storage its structure
 only, by ranged requests) and remembered.
 """
 
@@ -11,12 +11,12 @@ from __future__ import annotations
 import re
 import threading
 import time
-from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 from ...errors import CheckpointFormatError, UnsafePickleError
-from ...remote import RemoteStat, as_path, is_remote
-from .._ds_unpickle import RemoteStructure, load_ds_file, load_ds_structure
+from ...storage import Location, as_path, local_file
+from .structure import RemoteStructure, load_ds_structure
+from .unpickle import load_ds_file
 
 FORMAT_NAME = "deepspeed"
 
@@ -36,7 +36,7 @@ TAG_STEP_RE = re.compile(r"(?:global_step|checkpoint-|step)(\d+)$")
 
 
 
-def ds_files(folder: Path) -> tuple[list[Path], list[Path]]:
+def ds_files(folder: Location) -> tuple[list[Location], list[Location]]:
     """The ``*_model_states.pt`` and ``*optim_states.pt`` files directly in ``folder``."""
     try:
         names = sorted(p.name for p in folder.iterdir())
@@ -48,7 +48,7 @@ def ds_files(folder: Path) -> tuple[list[Path], list[Path]]:
 
 
 
-def _read_latest(folder: Path) -> str | None:
+def _read_latest(folder: Location) -> str | None:
     """The tag named by ``folder/latest`` (DeepSpeed writes it without a newline), or None."""
     latest = folder / "latest"
     if not latest.is_file():
@@ -64,7 +64,7 @@ def _read_latest(folder: Path) -> str | None:
 
 
 
-def find_tag_dir(path: str | Path) -> Path | None:
+def find_tag_dir(path: str | Location) -> Location | None:
     """The DeepSpeed tag folder ``path`` is or names through ``latest``; None if neither.
 
     Accepts a tag folder (``save_dir/global_step10``), a save folder whose ``latest`` names a
@@ -88,7 +88,7 @@ def find_tag_dir(path: str | Path) -> Path | None:
 
 
 
-def name_gaps(tag_dir: Path) -> str | None:
+def name_gaps(tag_dir: Location) -> str | None:
     """Why the file names of ``tag_dir`` show missing rank files, or None (names only)."""
     models, optims = ds_files(tag_dir)
     ranks = sorted(int(m.group(2)) for m in (OPTIM_RE.match(p.name) for p in optims) if m)
@@ -105,7 +105,7 @@ def name_gaps(tag_dir: Path) -> str | None:
 
 
 
-def is_deepspeed(path: str | Path) -> bool:
+def is_deepspeed(path: str | Location) -> bool:
     """Detection by marker files: a tag folder, directly or via ``latest``, that is not
     :func:`incomplete` (so a checkpoint still being written is skipped, not half-read)."""
     tag_dir = find_tag_dir(path)
@@ -113,7 +113,7 @@ def is_deepspeed(path: str | Path) -> bool:
 
 
 
-def incomplete(path: str | Path) -> str | None:
+def incomplete(path: str | Location) -> str | None:
     """A reason when ``path`` looks like a DeepSpeed checkpoint still being written, else None.
 
     Checks, cheapest first: ``latest`` naming a missing tag, a tag folder with model states but
@@ -168,7 +168,7 @@ _TRAINER_FILES = {"trainer_state.json", "config.json", "training_args.bin", "zer
 """Files a trainer writes beside its DeepSpeed tag (the Hugging Face Trainer's checkpoint-N)."""
 
 
-def _tag_without_latest(path: Path) -> str | None:
+def _tag_without_latest(path: Location) -> str | None:
     """A reason when a folder without ``latest`` holds a DeepSpeed tag that is still being written.
 
     DeepSpeed writes ``latest`` after every rank's files, so a Hugging Face Trainer
@@ -181,7 +181,8 @@ def _tag_without_latest(path: Path) -> str | None:
         files = [p.name for p in path.iterdir() if p.is_file()]
         if not any(n in _TRAINER_FILES or n.endswith(".safetensors") for n in files):
             return None
-        tags = [c for c in sorted(path.iterdir()) if c.is_dir() and any(ds_files(c))]
+        children: list[Location] = sorted(path.iterdir(), key=str)
+        tags = [c for c in children if c.is_dir() and any(ds_files(c))]
     except OSError:
         return None
     if len(tags) != 1:
@@ -201,7 +202,7 @@ _SETTLED_SECONDS = 2.0  # files modified more recently are read afresh (a same-s
 # within the file system's timestamp granularity would otherwise look unchanged)
 
 
-def _model_summary(path: Path) -> tuple[Any, Any]:
+def _model_summary(path: Location) -> tuple[Any, Any]:
     """``(dp_world_size, global_steps)`` from a model-states file (None if absent), remembered
     per file version.
 
@@ -209,17 +210,18 @@ def _model_summary(path: Path) -> tuple[Any, Any]:
     the step, then opening), and unpickling a ZeRO-3 model-states file costs tens of
     milliseconds. Errors are not remembered, so a file still being written is read again.
     """
-    if is_remote(path):
+    local = local_file(path)
+    if local is None:  # read by ranged requests, not unpickled whole
         state = remote_structure(path).state
         return (state.get("dp_world_size"), state.get("global_steps")) if isinstance(state, dict) else (None, None)
     try:
-        st = path.stat()
+        st = local.stat()
     except OSError:
         st = None
     key = (str(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns) if st is not None else None
     if key is not None and key in _SUMMARIES:
         return _SUMMARIES[key]
-    state = load_ds_file(path)
+    state = load_ds_file(local)
     summary = (state.get("dp_world_size"), state.get("global_steps")) if isinstance(state, dict) else (None, None)
     if key is not None and st is not None and time.time() - st.st_mtime > _SETTLED_SECONDS:
         if len(_SUMMARIES) >= 4096:
@@ -233,20 +235,21 @@ _STRUCTURES_KEPT = 256
 _STRUCTURES_LOCK = threading.Lock()  # the reader loads a tag's objects from several threads
 
 
-def remote_structure(path: Path) -> RemoteStructure:
-    """A model-states object's structure (:func:`~.._ds_unpickle.load_ds_structure`), loaded once
+def remote_structure(path: Location) -> RemoteStructure:
+    """A model-states object's structure (:func:`~.structure.load_ds_structure`), loaded once
     per object version (its ETag) and shared by detection, discovery and the reader.
 
     Without an ETag from the store it is loaded afresh each time.
     """
-    st = cast(RemoteStat, path.stat())
-    key = (str(path), st.etag, st.st_size)
+    st = path.stat()
+    etag = str(getattr(st, "etag", ""))  # the object version's tag, where the store gives one
+    key = (str(path), etag, st.st_size)
     with _STRUCTURES_LOCK:
-        found = _STRUCTURES.get(key) if st.etag else None
+        found = _STRUCTURES.get(key) if etag else None
     if found is None:
         found = load_ds_structure(path)
         found.close()  # its pieces go; a later header check reads afresh
-        if st.etag:
+        if etag:
             with _STRUCTURES_LOCK:
                 if len(_STRUCTURES) >= _STRUCTURES_KEPT:
                     _STRUCTURES.pop(next(iter(_STRUCTURES)))
@@ -254,7 +257,7 @@ def remote_structure(path: Path) -> RemoteStructure:
     return found
 
 
-def _recorded_world_size(path: Path) -> Any:
+def _recorded_world_size(path: Location) -> Any:
     """``dp_world_size`` from a model-states file (None if absent)."""
     return _model_summary(path)[0]
 
@@ -267,13 +270,13 @@ def step_from(global_steps: Any, tag: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def model_files(models: list[Path]) -> list[Path]:
+def model_files(models: list[Location]) -> list[Location]:
     """The model-states files a reader uses, in rank order: ZeRO-3's per-rank files, else ``mp_rank_00``."""
     zero3 = sorted(((int(m.group(1)), p) for p in models if (m := ZERO3_MODEL_RE.match(p.name))), key=lambda t: t[0])
     return [p for _, p in zero3] or [p for p in models if MODEL_RE.match(p.name)]
 
 
-def step_of(path: str | Path) -> int | None:
+def step_of(path: str | Location) -> int | None:
     """The step a :class:`~.reader.DeepSpeedReader` of ``path`` reports, from the first
     model-states file's ``global_steps`` alone (no optimizer file is opened, no tensor read).
 
@@ -290,7 +293,7 @@ def step_of(path: str | Path) -> int | None:
     return step_from(_model_summary(files[0])[1], tag_dir.name)
 
 
-def _first_model_file(models: list[Path]) -> Path:
+def _first_model_file(models: list[Location]) -> Location:
     for p in models:
         if p.name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt"):
             return p
@@ -298,16 +301,17 @@ def _first_model_file(models: list[Path]) -> Path:
 
 
 
-def deepspeed_tags(save_dir: str | Path) -> list[Path]:
+def deepspeed_tags(save_dir: str | Location) -> list[Location]:
     """Every tag folder directly under a DeepSpeed ``save_dir``, oldest first.
 
     ``save_dir/latest`` names only the newest tag; an EMA wants them all. Order is by the step
     in the tag name (``global_step<N>``), then by name.
     """
     save_dir = as_path(save_dir)
-    tags = [c for c in sorted(save_dir.iterdir()) if c.is_dir() and all(ds_files(c))]
+    children: list[Location] = sorted(save_dir.iterdir(), key=str)
+    tags = [c for c in children if c.is_dir() and all(ds_files(c))]
 
-    def order(p: Path) -> tuple[int, str]:
+    def order(p: Location) -> tuple[int, str]:
         m = TAG_STEP_RE.search(p.name)
         return (int(m.group(1)) if m else -1, p.name)
 

@@ -6,12 +6,12 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from ..._lazy import torch
 from ...errors import CheckpointFormatError
 from ...layout import TensorSpec
+from ...storage import Location
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,7 +23,7 @@ class _Piece:
     src: torch.Tensor  # 1-D, a view on a memory-mapped file
     start: int
     releasable: bool = False  # src's pages may be dropped after a copy (see release_pages)
-    file: Path | None = None  # or read with pread: src[0] lies at byte ``file_start`` of this file
+    file: Location | None = None  # or read with pread: src[0] lies at byte ``file_start`` of this file
     file_start: int = 0
 
 
@@ -46,7 +46,7 @@ class _FlatChunks:
         self,
         chunks: Sequence[torch.Tensor],
         releasable: Sequence[bool] | None = None,
-        files: Sequence[tuple[Path, int] | None] | None = None,
+        files: Sequence[tuple[Location, int] | None] | None = None,
     ) -> None:
         self.chunks = list(chunks)
         self.releasable = list(releasable) if releasable is not None else [False] * len(self.chunks)
@@ -73,7 +73,7 @@ class _FlatChunks:
 
 
 
-def _flat(t: Any, where: Path, what: str) -> torch.Tensor:
+def _flat(t: Any, where: Location, what: str) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise CheckpointFormatError(where, f"{what} is {type(t).__name__}, not a tensor")
     if t.dim() != 1:
@@ -90,7 +90,7 @@ def _same_storage(view: torch.Tensor, original: torch.Tensor) -> bool:
 
 
 
-def _shape(value: Any, where: Path, name: str) -> tuple[int, ...]:
+def _shape(value: Any, where: Location, name: str) -> tuple[int, ...]:
     """A recorded shape as a tuple of non-negative ints, or a format error naming the file."""
     try:
         shape = tuple(int(d) for d in value)
@@ -114,24 +114,24 @@ def _row_major_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
 class ParameterMaps:
     """Building the key map of a :class:`~.reader.DeepSpeedReader` (a base class of it)."""
 
-    tag_dir: Path
+    tag_dir: Location
     stage: int
     world_size: int
     master_dtype: torch.dtype
-    _optim_files: list[Path]
-    _model_files: list[Path]
-    _releasable: dict[Path, bool]
+    _optim_files: list[Location]
+    _model_files: list[Location]
+    _releasable: dict[Location, bool]
 
-    def _load(self, path: Path) -> Any:
+    def _load(self, path: Location) -> Any:
         raise NotImplementedError
 
     def _file_places(
-        self, path: Path, flats: Sequence[torch.Tensor], loaded: Sequence[Any]
-    ) -> list[tuple[Path, int] | None]:
+        self, path: Location, flats: Sequence[torch.Tensor], loaded: Sequence[Any]
+    ) -> list[tuple[Location, int] | None]:
         """For each flat tensor of ``path``, ``(path, byte offset of its first element)`` when it can
-        be read from the file directly (see :func:`~.._ds_unpickle.storage_file_offsets`), else None."""
+        be read from the file directly (see :func:`~.unpickle.storage_file_offsets`), else None."""
         offsets = self._storage_offsets(path) if self._releasable[path] else None
-        places: list[tuple[Path, int] | None] = []
+        places: list[tuple[Location, int] | None] = []
         for flat, original in zip(flats, loaded, strict=True):
             start = offsets.get(flat.untyped_storage().data_ptr()) if offsets is not None else None
             if start is None or not _same_storage(flat, original) or flat.stride() != (1,):
@@ -140,11 +140,11 @@ class ParameterMaps:
                 places.append((path, start + flat.storage_offset() * flat.element_size()))
         return places
 
-    def _storage_offsets(self, path: Path) -> dict[int, int] | None:
+    def _storage_offsets(self, path: Location) -> dict[int, int] | None:
         raise NotImplementedError
 
 
-    def _map_keys(self, model0_path: Path, model0: dict[str, Any], osds: list[dict[str, Any]]) -> dict[str, _Entry]:
+    def _map_keys(self, model0_path: Location, model0: dict[str, Any], osds: list[dict[str, Any]]) -> dict[str, _Entry]:
         """Every key: buffers, frozen, trainable (masters), tied aliases; in state_dict order."""
         entries: dict[str, _Entry] = {}
         module = model0.get("module") or {}
@@ -195,7 +195,7 @@ class ParameterMaps:
         key = "single_partition_of_fp32_groups"
         per_rank = []
         mapped: list[list[bool]] = []  # per rank, per group: pages releasable
-        places: list[list[tuple[Path, int] | None]] = []  # per rank, per group: where in the file
+        places: list[list[tuple[Location, int] | None]] = []  # per rank, per group: where in the file
         for p, osd in zip(self._optim_files, osds, strict=True):
             groups = osd.get(key)
             if not isinstance(groups, list | tuple):
@@ -284,7 +284,7 @@ class ParameterMaps:
 
     def _frozen(
         self,
-        model0_path: Path,
+        model0_path: Location,
         model0: dict[str, Any],
         module: Mapping[str, Any],
         buffer_names: list[str],

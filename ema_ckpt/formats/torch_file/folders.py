@@ -29,6 +29,7 @@ from typing import Any
 from ..._lazy import torch
 from ...errors import CheckpointFormatError, CheckpointNotFoundError
 from ...layout import Box, TensorSpec
+from ...storage import Location
 from ...torch_records.checks import ReadChecks
 from ..base import CheckpointReader, trainer_state_step
 from ..hf_safetensors import read_index
@@ -152,7 +153,7 @@ class TorchFolderReader(CheckpointReader):
         return self._where[key].read(key, box, out)
 
     @classmethod
-    def step_of(cls, path: Path) -> int | None:
+    def step_of(cls, path: Location) -> int | None:
         """``trainer_state.json``'s ``global_step`` beside the weights, as :attr:`step`."""
         return trainer_state_step(path)
 

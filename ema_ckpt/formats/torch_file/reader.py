@@ -35,7 +35,8 @@ from ..._lazy import torch
 from ...dtypes import itemsize, torch_dtype
 from ...errors import CheckpointFormatError, Note
 from ...layout import Box, TensorSpec
-from ...torch_records import TensorRecord, member_start, pread_into
+from ...storage import Location, local_path, pread_into
+from ...torch_records import TensorRecord, member_start
 from ...torch_records.checks import ReadChecks
 from ...torch_records.emit import dumps_inert
 from ...torch_records.legacy import is_legacy, legacy_storage_starts, read_legacy_head
@@ -298,9 +299,9 @@ class TorchFileReader(CheckpointReader):
         self.read_checks.saw(self.path.name, offset, view)
 
     @classmethod
-    def step_of(cls, path: Path) -> int | None:
+    def step_of(cls, path: Location) -> int | None:
         """The step the file records (``global_step``, ``iter_num``, …), reading its pickle only."""
-        record = step_record_of(path)
+        record = step_record_of(local_path(path))
         return record[0] if record is not None else None
 
     def stored_records(self) -> Sequence[tuple[str, int, int]]:

@@ -14,14 +14,11 @@ held open together is most of the data; :func:`release_pages` hands the pages of
 once it has been copied out (they stay in the page cache and refault from the file if read
 again), so resident memory stays near one span instead of growing with every file read.
 
-On object storage a file is never mapped nor fetched whole: :func:`load_ds_structure` reads its
-zip directory and ``data.pkl`` by ranged requests and unpickles it with the same weights-only
-unpickler and stand-ins, every storage an empty ``meta`` one of its size (tensors keep their
-shapes, dtypes and views); :func:`meta_member` then says where a tensor's bytes lie in the
-object, for ranged reads of just those bytes.
+On object storage a file is never mapped nor fetched whole: :mod:`.structure` loads its
+structure only, by ranged reads, through the same unpickler and stand-ins (:func:`safe_load`).
 
 Example:
-    >>> from ema_ckpt.formats._ds_unpickle import load_ds_file  # doctest: +SKIP
+    >>> from ema_ckpt.formats.deepspeed.unpickle import load_ds_file  # doctest: +SKIP
     >>> state = load_ds_file("ckpt/global_step10/zero_pp_rank_0_mp_rank_00_optim_states.pt")
     ... # doctest: +SKIP
     >>> int(state["optimizer_state_dict"]["zero_stage"])  # doctest: +SKIP
@@ -33,38 +30,31 @@ from __future__ import annotations
 import argparse
 import ctypes
 import enum
-import io
 import mmap
 import os
 import pickle
-import pickletools
-import re
 import sys
 import threading
 import warnings
 import zipfile
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, cast
+from typing import Any
 
-from .._lazy import torch
-from ..errors import CheckpointFormatError, CheckpointNotFoundError, UnsafePickleError
-from ..remote import RangedReads, RangeSource, RemotePath
-from ..torch_records import FileWindow, member_start
-from ..torch_records.zipfmt import stored_members
+from ..._lazy import torch
+from ...errors import CheckpointFormatError, CheckpointNotFoundError, UnsafePickleError
+from ...pickle_rules import GLOBAL_IN_MESSAGE, first_line, globals_in_pickle, torch_allows
+from ...storage import Location
+from ...torch_records.zipfmt import stored_members
 
 __all__ = [
     "STAND_INS",
     "DynamicLossScaler",
     "LossScaler",
-    "RemoteStructure",
     "ZeroStageEnum",
     "fragment_address",
     "load_ds_file",
     "load_ds_file_releasable",
-    "load_ds_structure",
-    "meta_member",
     "pages_releasable",
     "release_pages",
     "storage_file_offsets",
@@ -137,7 +127,6 @@ _SAFE_GLOBALS = [(cls, name) for name, cls in STAND_INS.items()]
 _LOAD_LOCK = threading.Lock()
 
 _ZIP_MAGIC = b"PK\x03\x04"
-_GLOBAL_IN_MESSAGE = re.compile(r"GLOBAL ([A-Za-z_][\w.]*)")
 
 
 def load_ds_file(path: str | Path, *, mmap: bool = True) -> Any:
@@ -182,13 +171,13 @@ def _load(path: Path, mmap: bool) -> tuple[Any, bool]:
         raise CheckpointNotFoundError(path, "no such file") from None
     except OSError as err:
         raise CheckpointFormatError(path, f"cannot read: {err.strerror or err}") from None
-    is_zip = _check_magic(path, magic)
+    is_zip = check_magic(path, magic)
     mapped = mmap and is_zip
-    state = _safe_load(path, lambda: torch.load(path, map_location="cpu", weights_only=True, mmap=mapped), path, is_zip)
+    state = safe_load(path, lambda: torch.load(path, map_location="cpu", weights_only=True, mmap=mapped), path, is_zip)
     return state, mapped
 
 
-def _check_magic(path: Path, magic: bytes) -> bool:
+def check_magic(path: Location, magic: bytes) -> bool:
     """Whether the file is a zip-format ``torch.save`` file (else a legacy one); refuses anything else."""
     if not magic:
         raise CheckpointFormatError(path, "empty file (truncated, or still being written)")
@@ -198,7 +187,7 @@ def _check_magic(path: Path, magic: bytes) -> bool:
     return is_zip
 
 
-def _safe_load(path: Path, load: Callable[[], Any], pickle_source: Path | bytes, is_zip: bool) -> Any:
+def safe_load(path: Location, load: Callable[[], Any], pickle_source: Path | bytes, is_zip: bool) -> Any:
     """``load()`` (a load through the weights-only unpickler) with the stand-ins allowed; every
     failure is one :class:`~ema_ckpt.errors.CheckpointFormatError` naming ``path``.
 
@@ -218,10 +207,10 @@ def _safe_load(path: Path, load: Callable[[], Any], pickle_source: Path | bytes,
             raise UnsafePickleError(
                 path, f"refers to {name}, which is not allowed; nothing from the file was run"
             ) from None
-        first = _first_line(str(err))
+        first = first_line(str(err))
         raise CheckpointFormatError(path, f"corrupt or unsupported pickle ({first})") from None
     except Exception as err:  # torch.load raises many types on damaged files; all mean the same here
-        first = _first_line(str(err)) or type(err).__name__
+        first = first_line(str(err)) or type(err).__name__
         raise CheckpointFormatError(path, f"truncated or corrupt torch.save file ({first})") from None
 
 
@@ -356,142 +345,10 @@ def _stored_members(path: Path) -> dict[int, int] | None:
     return {start: size for start, (size, _, name) in listed.items() if "/data/" in f"/{name}" and size}
 
 
-@dataclass(eq=False)
-class RemoteStructure:
-    """A ``.pt`` object on object storage, loaded for its structure only.
-
-    ``state`` is the unpickled object with every tensor on the ``meta`` device; ``members``
-    maps each zip member's name to ``(local header offset, method, size, CRC-32)``; ``storages`` maps
-    each ``meta`` storage (by ``id``) to its member's name; ``source`` is what the structure
-    was read through (member headers are read through it later).
-    """
-
-    path: Path
-    state: Any
-    members: dict[str, tuple[int, int, int, int]]
-    storages: dict[int, str]
-    source: RangeSource
-    _kept: list[Any] = field(default_factory=list)  # the storages, so that their ids stay theirs
-    _starts: dict[str, int] = field(default_factory=dict)  # member -> where its data starts, checked
-
-    def close(self) -> None:
-        self.source.close()
-
-
-def load_ds_structure(path: Path) -> RemoteStructure:
-    """Load a DeepSpeed ``.pt`` object from object storage without reading its tensors' bytes.
-
-    The zip directory, ``data.pkl`` and ``byteorder`` are read by ranged requests; ``data.pkl``
-    goes through torch's weights-only unpickler with the stand-ins, as in :func:`load_ds_file`,
-    and each storage it names becomes an empty ``meta`` storage of its size, so tensors come
-    back on the ``meta`` device with their shapes, dtypes and views; :func:`meta_member`
-    says where one's bytes lie.
-
-    Raises:
-        CheckpointNotFoundError: no such object.
-        UnsafePickleError: the pickle refers to a global outside the allowlist; nothing ran.
-        CheckpointFormatError: the object is truncated, corrupt, a legacy ``torch.save``
-            file, or written on a machine of the other byte order.
-    """
-    source = RangedReads(cast(RemotePath, path))
-    try:
-        if not _check_magic(path, source.pread(4, 0)):
-            raise CheckpointFormatError(path, "a legacy (non-zip) torch.save file, which is read from a local "
-                                              "copy only")
-        try:
-            with zipfile.ZipFile(cast(IO[bytes], FileWindow(source, 0, source.size))) as zf:
-                infos = zf.infolist()
-                # A small read brings the bytes after it up to the next member's header, never into that member.
-                source.fences = sorted(i.header_offset for i in infos)
-                pkl = next((i.filename for i in infos if i.filename.endswith("/data.pkl") or i.filename == "data.pkl"),
-                           None)
-                if pkl is None:
-                    raise CheckpointFormatError(path, "not a torch.save file (no data.pkl)")
-                data = zf.read(pkl)
-                order = next((zf.read(i) for i in infos if i.filename.endswith("/byteorder")), b"little")
-        except (zipfile.BadZipFile, ValueError, EOFError, OSError) as err:
-            raise CheckpointFormatError(path, f"truncated or corrupt torch.save file ({_first_line(str(err))})") \
-                from None
-        if order.decode("ascii", "replace") != sys.byteorder:
-            raise CheckpointFormatError(path, f"written {order.decode('ascii', 'replace')}-endian, which is read "
-                                              "from a local copy only")
-        prefix = pkl[: -len("data.pkl")]
-        members = {i.filename: (i.header_offset, i.compress_type, i.file_size, i.CRC) for i in infos}
-        storages: dict[int, str] = {}
-        kept: list[Any] = []
-        state = _safe_load(path, lambda: _unpickle_to_meta(data, prefix, storages, kept), data, True)
-        return RemoteStructure(path, state, members, storages, source, kept)
-    except BaseException:
-        source.close()
-        raise
-
-
-def _unpickle_to_meta(data: bytes, prefix: str, storages: dict[int, str], kept: list[Any]) -> Any:
-    """``data.pkl`` through torch's weights-only unpickler, each storage an empty ``meta`` one."""
-    from torch import _weights_only_unpickler as weights_only
-
-    typed: dict[str, Any] = {}
-
-    def persistent_load(saved_id: Any) -> Any:
-        # What torch.load's own persistent_load does, with a placeholder for the bytes.
-        if not isinstance(saved_id, tuple) or len(saved_id) != 5 or saved_id[0] not in ("storage", b"storage"):
-            raise pickle.UnpicklingError(f"unexpected persistent id {saved_id!r}")
-        _, storage_type, key, _location, numel = saved_id
-        key = key.decode("ascii") if isinstance(key, bytes) else str(key)
-        if key not in typed:
-            dtype = torch.uint8 if storage_type is torch.UntypedStorage else storage_type.dtype
-            if type(numel) is not int or numel < 0:
-                raise pickle.UnpicklingError(f"storage {key}: bad size {numel!r}")
-            storage = torch.UntypedStorage(numel * dtype.itemsize, device="meta")
-            storages[id(storage)] = f"{prefix}data/{key}"
-            kept.append(storage)
-            typed[key] = torch.storage.TypedStorage(wrap_storage=storage, dtype=dtype, _internal=True)
-        return typed[key]
-
-    unpickler = weights_only.Unpickler(io.BytesIO(data), encoding="utf-8")
-    unpickler.persistent_load = persistent_load  # type: ignore[method-assign]
-    return unpickler.load()  # type: ignore[no-untyped-call]
-
-
-def meta_member(loaded: RemoteStructure, t: torch.Tensor) -> tuple[str, int, int, int]:
-    """(name, data start, size, CRC-32) of the zip member holding ``t``'s storage.
-
-    Its header is read once per member; the member must be stored uncompressed and hold
-    exactly the storage's bytes.
-
-    Raises:
-        CheckpointFormatError: ``t`` is not a storage of the file, or its member does not match.
-    """
-    storage = t.untyped_storage()
-    name = loaded.storages.get(id(storage))
-    if name is None:
-        raise CheckpointFormatError(loaded.path, "a tensor's place in the file is unknown")
-    local, method, size, crc = loaded.members.get(name, (-1, -1, -1, 0))
-    start = loaded._starts.get(name)
-    if start is None:
-        found = member_start(loaded.source, 0, loaded.source.size, local) if local >= 0 else None
-        if found is None or method != zipfile.ZIP_STORED or size != storage.nbytes() \
-                or found + size > loaded.source.size:
-            raise CheckpointFormatError(loaded.path, f"zip member {name} does not hold its storage's "
-                                                     f"{storage.nbytes()} bytes (truncated or corrupt)")
-        start = loaded._starts[name] = found
-    return name, start, size, crc
-
-
-def _first_line(message: str) -> str:
-    """The informative line of a torch error (past the weights-only preamble), shortened."""
-    _, marker, rest = message.partition("WeightsUnpickler error:")
-    for line in (rest if marker else message).splitlines():
-        line = line.strip()
-        if line:
-            return line[:200]
-    return ""
-
-
 def _refused_global(path: Path | bytes, message: str, is_zip: bool) -> str | None:
     """The global the weights-only unpickler refused, from its message or from the pickle
     (``path``: the file, or its ``data.pkl`` bytes)."""
-    match = _GLOBAL_IN_MESSAGE.search(message)
+    match = GLOBAL_IN_MESSAGE.search(message)
     if match:
         name = match.group(1)
         # torch prints builtins without their module ("GLOBAL eval").
@@ -507,48 +364,7 @@ def _refused_global(path: Path | bytes, message: str, is_zip: bool) -> str | Non
                 data = zf.read(pkl) if pkl else b""
         except (OSError, zipfile.BadZipFile, KeyError):
             return None
-    for name in _globals_in_pickle(data):
-        if name not in STAND_INS and not _torch_allows(name):
+    for name in globals_in_pickle(data):
+        if name not in STAND_INS and not torch_allows(name):
             return name
     return None
-
-
-def _globals_in_pickle(data: bytes) -> list[str]:
-    """Every global a pickle names, in order, found by disassembly (nothing is executed)."""
-    names: list[str] = []
-    strings: list[str] = []  # recent string pushes, for STACK_GLOBAL (protocol 4+)
-    memo: dict[int, str] = {}
-    top: str | None = None  # the last pushed value when it is a string
-    try:
-        for op, arg, _pos in pickletools.genops(io.BytesIO(data)):
-            pushed: str | None = None
-            if op.name in ("GLOBAL", "INST"):
-                module, _, qualname = str(arg).partition(" ")
-                names.append(f"{module}.{qualname}")
-            elif op.name == "STACK_GLOBAL" and len(strings) >= 2:
-                names.append(f"{strings[-2]}.{strings[-1]}")
-            elif isinstance(arg, str) and ("UNICODE" in op.name or "STRING" in op.name):
-                pushed = arg
-            elif op.name in ("BINPUT", "LONG_BINPUT", "PUT", "MEMOIZE"):
-                key = len(memo) if arg is None else int(arg)  # MEMOIZE alone has no argument
-                if top is not None:
-                    memo[key] = top
-                continue  # memoising leaves the stack (and ``top``) as it was
-            elif op.name in ("BINGET", "LONG_BINGET", "GET") and arg is not None:
-                pushed = memo.get(int(arg))
-            if pushed is not None:
-                strings.append(pushed)
-            top = pushed
-    except (ValueError, EOFError, pickle.UnpicklingError):
-        pass  # a damaged tail: report what was found before it
-    return names
-
-
-def _torch_allows(name: str) -> bool:
-    """Whether torch's weights-only unpickler allows ``name`` by default (private API, guarded)."""
-    from torch import _weights_only_unpickler as wo
-
-    allowed = getattr(wo, "_get_allowed_globals", None)
-    if allowed is None:  # pragma: no cover - a torch without the private helper
-        return name.startswith("torch.") or name.startswith("collections.")
-    return name in allowed()

@@ -22,7 +22,6 @@ import ctypes
 import ctypes.util
 import errno
 import fcntl
-import functools
 import os
 import secrets
 import shutil
@@ -30,56 +29,12 @@ import stat
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, cast
 
-from ._crc import crc32
-from .errors import OptionError, OutputError, OutputLockedError
-from .manifest import MANIFEST_NAME
-from .remote import RemoteFile, RemotePath, as_path, is_remote, remote_files
+from ..errors import OutputError, OutputLockedError
+from .local_files import fsync_dir, fsync_tree
 
 _RENAME_EXCHANGE = 2
-_SYNC_FILE_RANGE_WRITE = 2
 _AT_FDCWD = -100
-
-
-def fsync_dir(path: Path) -> None:
-    """Flush a directory entry table to disk (after creating or renaming inside it)."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def fsync_tree(path: Path) -> None:
-    """fsync every regular file under ``path`` and every directory, deepest first."""
-    for root, _dirs, files in os.walk(path, topdown=False):
-        for name in files:
-            fd = os.open(os.path.join(root, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        fsync_dir(Path(root))
-
-
-@functools.cache
-def _sync_file_range() -> Any:
-    func = getattr(ctypes.CDLL(None, use_errno=True), "sync_file_range", None)
-    if func is not None:
-        func.argtypes = [ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint]
-    return func
-
-
-def start_writeback(fd: int, offset: int, length: int) -> None:
-    """Start writing a just-written range to disk without waiting (Linux ``sync_file_range``).
-
-    The closing fsync then finds most pages already on disk, so writing the disk overlaps
-    producing the bytes. Best effort: a no-op where the call is missing or refused.
-    """
-    func = _sync_file_range()
-    if func is not None and length > 0:
-        func(fd, offset, length, _SYNC_FILE_RANGE_WRITE)
 
 
 @contextlib.contextmanager
@@ -173,47 +128,6 @@ def publish(staging: Path, final: Path) -> None:
         raise OutputError(f"{final}: cannot publish the new output ({err.strerror})") from None
 
 
-def check_not_overlapping(src: Path, out: Path) -> None:
-    """Refuse an output inside its source, or a source inside its output."""
-    a, b = src.resolve(), out.resolve()
-    if a == b or a in b.parents or b in a.parents:
-        raise OptionError("out", f"{out} overlaps the source {src}; write the output elsewhere", value=out)
-
-
-OUTPUT_OWN_FILES = frozenset({MANIFEST_NAME, ".metadata"})
-"""Files of an ema-ckpt output that its manifest's ``files`` does not list, by design."""
-
-
-def check_output_place(final: Path) -> None:
-    """Refuse an output that would nest in another, or replace what ema-ckpt did not write.
-
-    Publishing replaces an output directory whole: an output inside another ema-ckpt output
-    (``--sigma-rel`` into a classic EMA's folder) would vanish at that one's next run, and
-    anything else inside a directory being replaced would vanish now.
-
-    Raises:
-        OptionError: ``final`` lies inside an ema-ckpt output, or is one holding entries its
-            manifest does not list.
-    """
-    if not is_remote(final):
-        for parent in final.resolve().parents:
-            if (parent / MANIFEST_NAME).is_file():
-                raise OptionError("out", f"{final} is inside the ema-ckpt output {parent}, which its next run "
-                                  "replaces whole; write the output elsewhere", value=final)
-    if not (final / MANIFEST_NAME).is_file():
-        return
-    from .manifest import Manifest
-
-    manifest = Manifest.read(final, check=False)  # only its file list: a run that may replace it got here
-    listed = set(manifest.files) if manifest is not None else set()
-    for entry in sorted(final.iterdir(), key=lambda p: p.name):
-        if entry.name not in OUTPUT_OWN_FILES and entry.name not in listed:
-            kind = "directory" if entry.is_dir() else "file"
-            raise OptionError("out", f"{final} holds the {kind} {entry.name}, which ema-ckpt did not write there; "
-                              f"the new output replaces {final} whole: move {entry.name} away, or write "
-                              "elsewhere", value=final)
-
-
 def publish_file(staging: Path, final: Path) -> None:
     """Move the one file built in ``staging`` (named like ``final``) onto ``final``, atomically."""
     try:
@@ -256,56 +170,6 @@ def recover(final: Path) -> list[str]:
     return notes
 
 
-def output_path(out: str | Path) -> Path:
-    """Where an output is published: ``out``, or the target of ``out`` when it is a symlink.
-
-    Outputs are built beside their final path and renamed into place; renaming over a
-    symlink would replace the link, not the output it points to. So a symlink is followed
-    (to its final target) and the output is published there, the link left as it is.
-
-    Raises:
-        OutputError: the link cannot be followed (a loop), or its target's folder is missing.
-    """
-    out = as_path(out)
-    if is_remote(out) or not out.is_symlink():
-        return out
-    try:
-        target = out.resolve(strict=False)
-    except (OSError, RuntimeError) as err:
-        raise OutputError(f"{out}: a symlink that cannot be followed ({err})") from None
-    if target.is_symlink() or not target.parent.is_dir():
-        raise OutputError(f"{out}: a symlink to {target}, whose folder does not exist")
-    return target
-
-
-def files_on_disk(path: Path) -> list[tuple[str, int]]:
-    """(name, size) of every regular file of a published output: the file itself, or each file
-    under the directory (names relative to it, sorted; symlinks are not followed).
-
-    What a summary says was written: the bytes on disk, index and manifest included.
-
-    Example:
-        >>> files_on_disk(Path("ema"))   # doctest: +SKIP
-        [('.metadata', 1712), ('__0_0.distcp', 98304), ('ema-ckpt.json', 2154)]
-    """
-    if is_remote(path):
-        return remote_files(path)
-    try:
-        st = os.stat(path, follow_symlinks=False)
-    except FileNotFoundError:
-        return []
-    if stat.S_ISREG(st.st_mode):
-        return [(path.name, st.st_size)]
-    found = []
-    for root, _dirs, files in os.walk(path):
-        for name in files:
-            full = os.path.join(root, name)
-            st = os.stat(full, follow_symlinks=False)
-            if stat.S_ISREG(st.st_mode):
-                found.append((os.path.relpath(full, path), st.st_size))
-    return sorted(found)
-
-
 class OutputLock:
     """An exclusive ``flock`` on ``.<name>.lock`` beside an output, removed when released.
 
@@ -343,6 +207,9 @@ class OutputLock:
             return False
         mine = os.fstat(fd)
         return (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino)
+
+    def check(self) -> None:
+        """Nothing to check: the kernel holds a ``flock`` until its holder releases it or dies."""
 
     def __enter__(self) -> OutputLock:
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -386,32 +253,3 @@ class OutputLock:
         finally:
             fcntl.flock(fd, fcntl.LOCK_UN)
             os.close(fd)
-
-
-HASH_BLOCK_BYTES = 8 << 20
-"""CRC-32 is computed over blocks of this many bytes (memory stays bounded by one block)."""
-
-
-def size_and_crc32(file: Path, block_bytes: int = HASH_BLOCK_BYTES) -> tuple[int, int]:
-    """Stream ``file`` (local, or on object storage) once: its length and CRC-32 (as :mod:`zlib` computes it)."""
-    crc = 0
-    size = 0
-    buffer = bytearray(max(1, block_bytes))
-    view = memoryview(buffer)
-    if is_remote(file):  # ranged reads, with read-ahead, of the object
-        remote = RemoteFile(cast(RemotePath, file))
-        try:
-            while n := remote.readinto(view, size):
-                crc = crc32(view[:n], crc)
-                size += n
-        finally:
-            remote.close()
-        return size, crc
-    with open(file, "rb", buffering=0) as handle:
-        while True:
-            n = handle.readinto(buffer)
-            if not n:
-                break
-            crc = crc32(view[:n], crc)
-            size += n
-    return size, crc

@@ -1,361 +1,24 @@
-"""Checkpoints on object storage (``s3://``, ``gs://``, ``az://``, any fsspec protocol), read in place.
-
-A URL becomes a :class:`RemotePath`: the part of :class:`pathlib.Path`'s interface that
-finding and reading checkpoints uses (``/``, ``name``, ``iterdir``, ``is_file``, ``stat``,
-``read_bytes``), over an fsspec filesystem. Data files are read by ranged requests of just
-the records needed (:class:`RemoteFile`), never downloaded whole. The filesystem comes
-from fsspec's registry (``pip install ema-ckpt[s3]`` for S3); endpoint, credentials and
-region are read the standard way (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, profiles, …).
+"""Objects read by ranged requests: blocks with read-ahead (:class:`RemoteFile`), or exact
+small reads of a file's structure (:class:`RangedReads`). Never a whole download.
 
 Example:
-    >>> as_path("ckpts/step_100")
-    PosixPath('ckpts/step_100')
-    >>> str(as_path("s3://bucket/run/ckpts") / "step_100")   # doctest: +SKIP
-    's3://bucket/run/ckpts/step_100'
+    >>> f = RemoteFile(RemotePath.from_url("s3://bucket/ckpt/__0_0.distcp"))  # doctest: +SKIP
+    >>> f.pread(4, 0)                                                        # doctest: +SKIP
+    b'PK\\x03\\x04'
 """
 
 from __future__ import annotations
 
 import bisect
 import contextlib
-import errno
-import os
-import re
-import stat as stat_module
 import threading
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
-from dataclasses import dataclass
-from pathlib import Path, PurePosixPath
-from typing import Any, Protocol, cast
 
-from ._crc import crc32, crc32_combine
-from ._env import seconds, whole_number
-from .errors import CheckpointNotFoundError, EmaCkptError, RemoteStorageError
-
-_URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://(.*)$")
-
-
-def as_path(value: str | os.PathLike[str]) -> Path:
-    """A local :class:`~pathlib.Path`, or a :class:`RemotePath` for a URL.
-
-    A :class:`RemotePath` implements the part of ``Path`` that finding and reading
-    checkpoints uses, and is typed as one, so that each reader keeps one code path; only
-    formats registered with ``remote=True`` are ever handed one.
-    """
-    if is_remote(value):
-        return cast(Path, value)
-    if isinstance(value, str):
-        match = _URL.match(value)
-        if match is not None:
-            if match.group(1).lower() == "file":
-                return Path("/" + match.group(2).lstrip("/"))
-            return cast(Path, RemotePath.from_url(value))
-    return Path(value)
-
-
-def is_remote(path: object) -> bool:
-    """``path`` is a :class:`RemotePath` (one typed as a ``Path``: see :func:`as_path`)."""
-    return isinstance(path, RemotePath)
-
-
-def output_location(out: str | os.PathLike[str]) -> Path:
-    """Where an output goes: a local path, or a :class:`RemotePath` for a URL (its filesystem
-    package loaded now, so a missing one is said before any work).
-
-    Example:
-        >>> output_location("ema")
-        PosixPath('ema')
-    """
-    path = as_path(out)
-    if is_remote(path):
-        _filesystem(cast(RemotePath, path).protocol)
-    return path
-
-
-_FILESYSTEMS: dict[str, Any] = {}
-LISTING_SECONDS = 10.0
-"""How long a folder's listing is trusted for the entries in it."""
-
-
-def _filesystem(protocol: str) -> Any:
-    fs = _FILESYSTEMS.get(protocol)
-    if fs is None:
-        try:
-            import fsspec  # type: ignore[import-untyped]
-
-            # A folder's listing answers the existence checks of its entries (one request, not one
-            # per marker file) for a few seconds, so a long-lived process still sees new
-            # checkpoints; the client is built from the environment, not fsspec's instance cache.
-            options = _client_options(protocol)
-            try:
-                fs = fsspec.filesystem(protocol, use_listings_cache=True, listings_expiry_time=LISTING_SECONDS,
-                                       skip_instance_cache=True, **options)
-            except TypeError:
-                fs = fsspec.filesystem(protocol, skip_instance_cache=True, **options)
-            if protocol in _S3:  # s3fs's own retry loop (its backoff between attempts), the one bound
-                fs.retries = request_attempts()
-        except ImportError as err:
-            extra = " (pip install 'ema-ckpt[s3]')" if protocol in ("s3", "s3a") else ""
-            raise RemoteStorageError(f"{protocol}:// needs a filesystem package that is not installed{extra}: "
-                                     f"{err}") from None
-        except ValueError as err:
-            raise RemoteStorageError(f"{protocol}:// is not a storage protocol fsspec knows ({err})") from None
-        _FILESYSTEMS[protocol] = fs
-    return fs
-
-
-_S3 = ("s3", "s3a")
-TIMEOUT_ENV = "EMA_CKPT_REMOTE_TIMEOUT"
-ATTEMPTS_ENV = "EMA_CKPT_REMOTE_ATTEMPTS"
-_DEFAULT_TIMEOUT = 20.0
-_DEFAULT_ATTEMPTS = 3
-
-
-def request_timeout() -> float:
-    """Seconds a request may wait to connect, or for the next bytes of an answer
-    (``EMA_CKPT_REMOTE_TIMEOUT``, default 20)."""
-    return seconds(TIMEOUT_ENV, _DEFAULT_TIMEOUT)
-
-
-def request_attempts() -> int:
-    """Attempts of a request that times out or fails for a while (``EMA_CKPT_REMOTE_ATTEMPTS``, default 3).
-
-    With :func:`request_timeout`, what bounds a store that stops answering: about attempts ×
-    timeout, plus a second of backoff (a minute by default), then exit 9 naming the object.
-    """
-    return whole_number(ATTEMPTS_ENV, _DEFAULT_ATTEMPTS, "attempts")
-
-
-def _client_options(protocol: str) -> dict[str, Any]:
-    """The client's timeouts: on S3, botocore's connect and read timeouts, each request tried once
-    by botocore and again by s3fs's own loop (:func:`request_attempts`), never forever."""
-    if protocol not in _S3:
-        return {}
-    timeout = request_timeout()
-    return {"config_kwargs": {"connect_timeout": timeout, "read_timeout": timeout,
-                              "retries": {"max_attempts": 1, "mode": "standard"}}}
-
-
-@dataclass(frozen=True)
-class RemoteStat:
-    st_size: int
-    st_mode: int
-    st_mtime_ns: int = 0
-    etag: str = ""
-    """The object version's tag, where the store gives one (a rewrite changes it)."""
-
-
-def _stat_of(info: dict[str, Any]) -> RemoteStat:
-    if info.get("type") == "directory":
-        return RemoteStat(0, stat_module.S_IFDIR | 0o755)
-    modified: Any = info.get("LastModified") or info.get("mtime") or info.get("last_modified")
-    if hasattr(modified, "timestamp"):
-        mtime_ns = int(modified.timestamp() * 1e9)
-    elif isinstance(modified, (int, float)):
-        mtime_ns = int(modified * 1e9)
-    else:
-        mtime_ns = 0
-    etag = info.get("ETag") or info.get("etag") or ""
-    return RemoteStat(int(info.get("size") or 0), stat_module.S_IFREG | 0o644, mtime_ns, str(etag))
-
-
-class RemotePath:
-    """A location in object storage, used where the code takes a :class:`~pathlib.Path`."""
-
-    __slots__ = ("_key", "protocol")
-
-    def __init__(self, protocol: str, key: str) -> None:
-        self.protocol = protocol
-        self._key = key.strip("/")
-
-    @classmethod
-    def from_url(cls, url: str) -> RemotePath:
-        match = _URL.match(url)
-        if match is None:
-            raise ValueError(f"not a URL: {url!r}")
-        return cls(match.group(1).lower(), match.group(2))
-
-    @property
-    def fs(self) -> Any:
-        return _filesystem(self.protocol)
-
-    @property
-    def key(self) -> str:
-        """The location without its protocol (``bucket/run/ckpts``), as fsspec takes it."""
-        return self._key
-
-    def __str__(self) -> str:
-        return f"{self.protocol}://{self._key}"
-
-    def __repr__(self) -> str:
-        return f"RemotePath({str(self)!r})"
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, RemotePath) and (self.protocol, self._key) == (other.protocol, other._key)
-
-    def __hash__(self) -> int:
-        return hash((self.protocol, self._key))
-
-    def __lt__(self, other: RemotePath) -> bool:
-        return str(self) < str(other)
-
-    def __truediv__(self, part: str | os.PathLike[str]) -> RemotePath:
-        return RemotePath(self.protocol, f"{self._key}/{os.fspath(part)}".rstrip("/"))
-
-    def joinpath(self, *parts: str) -> RemotePath:
-        out = self
-        for part in parts:
-            out = out / part
-        return out
-
-    @property
-    def name(self) -> str:
-        return PurePosixPath(self._key).name
-
-    @property
-    def suffix(self) -> str:
-        return PurePosixPath(self._key).suffix
-
-    @property
-    def stem(self) -> str:
-        return PurePosixPath(self._key).stem
-
-    @property
-    def parent(self) -> RemotePath:
-        return RemotePath(self.protocol, str(PurePosixPath(self._key).parent))
-
-    @property
-    def parents(self) -> list[RemotePath]:
-        return [RemotePath(self.protocol, str(p)) for p in PurePosixPath(self._key).parents if str(p) != "."]
-
-    def with_name(self, name: str) -> RemotePath:
-        return self.parent / name
-
-    def with_suffix(self, suffix: str) -> RemotePath:
-        return self.with_name(self.stem + suffix)
-
-    def resolve(self) -> RemotePath:
-        return self
-
-    def absolute(self) -> RemotePath:
-        return self
-
-    def relative_to(self, other: RemotePath) -> PurePosixPath:
-        return PurePosixPath(self._key).relative_to(other._key)
-
-    def _info(self) -> dict[str, Any] | None:
-        try:
-            info: dict[str, Any] = _call(self, self.fs.info, self._key)
-        except FileNotFoundError:
-            return None
-        return info
-
-    def exists(self) -> bool:
-        return self._info() is not None
-
-    def is_dir(self) -> bool:
-        info = self._info()
-        return info is not None and info.get("type") == "directory"
-
-    def is_file(self) -> bool:
-        info = self._info()
-        return info is not None and info.get("type") == "file"
-
-    def is_symlink(self) -> bool:
-        return False
-
-    def stat(self) -> RemoteStat:
-        info = self._info()
-        if info is None:
-            raise FileNotFoundError(errno.ENOENT, "no such object", str(self))
-        return _stat_of(info)
-
-    def iterdir(self, *, fresh: bool = False) -> Iterator[RemotePath]:
-        """The entries under this prefix; ``fresh``: from a new listing, not one kept for a few
-        seconds (:data:`LISTING_SECONDS`)."""
-        if fresh:
-            self.fs.invalidate_cache(self._key)
-        try:
-            names = _call(self, self.fs.ls, self._key, detail=False)
-        except FileNotFoundError:
-            raise FileNotFoundError(errno.ENOENT, "no such prefix", str(self)) from None
-        for name in sorted(names):
-            child = str(name).strip("/")
-            if child != self._key:
-                yield RemotePath(self.protocol, child)
-
-    def rglob(self, pattern: str) -> Iterator[RemotePath]:
-        """Every object under this prefix (``pattern`` must be ``*``: all of them)."""
-        if pattern != "*":
-            raise ValueError("RemotePath.rglob takes only '*'")
-        found = _call(self, self.fs.find, self._key, withdirs=False)
-        for name in sorted(found):
-            yield RemotePath(self.protocol, str(name))
-
-    def read_bytes(self) -> bytes:
-        data: bytes = _call(self, self.fs.cat_file, self._key)
-        return data
-
-    def write_bytes(self, data: bytes, *, exclusive: bool = False) -> None:
-        """One PUT of the whole object (a reader sees the old bytes or the new); ``exclusive``:
-        only if the key is new (``If-None-Match: *``), else ``FileExistsError``."""
-        if exclusive:
-            _call(self, self.fs.pipe_file, self._key, data, mode="create")
-        else:
-            _call(self, self.fs.pipe_file, self._key, data)
-
-    def upload(self, local: Path) -> None:
-        """The local file ``local`` as this object (a multipart upload appears once complete)."""
-        _call(self, self.fs.put_file, str(local), self._key)
-
-    def read_text(self, encoding: str = "utf-8", errors: str = "strict") -> str:
-        return self.read_bytes().decode(encoding, errors)
-
-
-def _call(where: RemotePath, func: Any, *args: Any, **kwargs: Any) -> Any:
-    """``func(*args)`` with the store's permanent refusals as one clear error; a missing
-    object stays ``FileNotFoundError`` (callers treat it as on a local disk), and a
-    conditional write's refusal ``FileExistsError``."""
-    try:
-        return func(*args, **kwargs)
-    except FileNotFoundError as err:
-        if "bucket" in str(err).lower():
-            raise RemoteStorageError(f"{where}: no such bucket ({err})") from None
-        raise
-    except PermissionError as err:
-        raise RemoteStorageError(f"{where}: access denied ({err})") from None
-    except (EmaCkptError, FileExistsError, NotImplementedError, TypeError):
-        raise  # ours, a conditional write's refusal, or a filesystem without the call
-    except Exception as err:  # endpoint unreachable, bad region, retries exhausted
-        raise RemoteStorageError(f"{where}: {type(err).__name__}: {_first_line(err)}") from None
-
-
-def forget_listings() -> None:
-    """Drop the folder listings kept (each search for new checkpoints starts from fresh ones)."""
-    for fs in _FILESYSTEMS.values():
-        cache = getattr(fs, "dircache", None)
-        if cache is not None:
-            cache.clear()
-
-
-def remote_files(path: Path) -> list[tuple[str, int]]:
-    """(name, size) of the object at ``path``, or of every object under it (names relative)."""
-    where = cast(RemotePath, path)
-    info = where._info()
-    if info is None:
-        return []
-    if info.get("type") == "file":
-        return [(where.name, int(info.get("size") or 0))]
-    found = _call(where, where.fs.find, where.key, withdirs=False, detail=True)
-    prefix = where.key + "/"
-    return sorted((str(name).strip("/").removeprefix(prefix), int(item.get("size") or 0))
-                  for name, item in found.items())
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0][:300] if text else type(err).__name__
+from .._crc import crc32, crc32_combine
+from .._env import whole_number
+from ..errors import CheckpointNotFoundError, RemoteStorageError
+from .object_paths import RemotePath, call
 
 
 def remote_concurrency() -> int:
@@ -398,12 +61,12 @@ def _object_size(path: RemotePath) -> int:
     try:
         return path.stat().st_size
     except FileNotFoundError:
-        raise CheckpointNotFoundError(cast(Path, path), "no such object") from None
+        raise CheckpointNotFoundError(path, "no such object") from None
 
 
 def _read_range(path: RemotePath, start: int, end: int) -> bytes:
     """Bytes ``start`` to ``end`` of the object, all of them (a short answer is an error)."""
-    data: bytes = _call(path, path.fs.cat_file, path.key, start=start, end=end)
+    data: bytes = call(path, path.fs.cat_file, path.key, start=start, end=end)
     if len(data) != end - start:
         raise RemoteStorageError(f"{path}: a ranged read of bytes {start}-{end} returned {len(data)} bytes "
                                  "(the object changed while it was read?)")
@@ -581,7 +244,7 @@ class RemoteFile:
             data = self._probes.get(start, b"")
             if len(data) < offset + length - start:
                 end = min(self._end, max(offset + length, start + PROBE_BYTES))
-                data = _call(self.path, self.path.fs.cat_file, self.path.key, start=start, end=end)
+                data = call(self.path, self.path.fs.cat_file, self.path.key, start=start, end=end)
                 self.bytes_requested += end - start
                 with self._lock:
                     self._probes[start] = data
@@ -608,18 +271,6 @@ class RemoteFile:
             return b""
         out = bytearray(min(length, self._end - offset))
         return bytes(out[: self.readinto(memoryview(out), offset)])
-
-
-class RangeSource(Protocol):
-    """An object read at offsets: a :class:`RemoteFile`, or :class:`RangedReads`."""
-
-    size: int
-
-    def pread(self, length: int, offset: int) -> bytes: ...
-
-    def readinto(self, view: memoryview, offset: int) -> int: ...
-
-    def close(self) -> None: ...
 
 
 class RangedReads:
@@ -671,10 +322,3 @@ class RangedReads:
 
 MIN_READ_BYTES = 1024
 """The least :class:`RangedReads` fetches at once (a zip member's header with its name)."""
-
-
-def pread(source: int | RangeSource, length: int, offset: int) -> bytes:
-    """``os.pread`` of a local descriptor, or a ranged read of a :class:`RemoteFile`."""
-    if isinstance(source, int):
-        return os.pread(source, length, offset)
-    return source.pread(length, offset)

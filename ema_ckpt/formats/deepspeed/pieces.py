@@ -1,0 +1,219 @@
+"""Where a key's pieces lie in the rank files, and reading them from there into a buffer.
+
+:class:`PieceReads` is a base class of :class:`~.reader.DeepSpeedReader`. Stored tensors are
+placed in their files (by the storages' offsets of a memory-mapped load, or by the zip members
+of an object's structure), and a key's flat range is gathered piece by piece: with ``pread``
+straight from the file while it is still the one mapped, else copied from the mapping in slices
+whose pages are then handed back (:func:`~.unpickle.release_pages`), and on object storage by
+ranged reads of just the stored tensor. Bytes read from a known place in a file are checked
+against their zip member's CRC-32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+from ..._lazy import torch
+from ...errors import CheckpointFormatError
+from ...storage import Location, Readable, close_readable, local_file, local_path, open_readable, pread, pread_into
+from ...torch_records.checks import ReadChecks, expect_zip_members
+from .params import _Entry, _Piece
+from .structure import RemoteStructure, meta_member
+from .tag import file_identity
+from .unpickle import release_pages, storage_file_offsets
+
+RELEASE_SLICE_BYTES = 16 << 20  # copy mapped spans this much at a time, then drop their pages
+
+_REMOTE_KEPT = 64  # stored tensors on object storage kept open (with their last blocks) per reader
+
+
+class PieceReads:
+    """Placing a :class:`~.reader.DeepSpeedReader`'s pieces in their files and reading them (a base
+    class of it)."""
+
+    tag_dir: Location
+    read_checks: ReadChecks
+    _states: dict[Location, Any]
+    _identities: dict[Location, tuple[int, ...]]
+    _offsets: dict[Location, dict[int, int] | None]
+    _structures: dict[Location, RemoteStructure]
+    _sizes: dict[Location, int]
+    _remote: dict[tuple[Location, int], Readable]
+    _remote_lock: threading.Lock
+
+    def _load(self, path: Location) -> Any:
+        raise NotImplementedError
+
+    def _storage_offsets(self, path: Location) -> dict[int, int] | None:
+        if path in self._offsets:
+            return self._offsets[path]
+        state = self._load(path)
+        offsets = None
+        if path in self._identities:  # read locally, the file still the one mapped
+            offsets = storage_file_offsets(local_path(path), state)
+        self._offsets[path] = offsets
+        if offsets is not None:  # its pieces are read from the file: their bytes get checked
+            fd = os.open(local_path(path), os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                expect_zip_members(self.read_checks, str(path), fd, os.fstat(fd).st_size)
+            finally:
+                os.close(fd)
+        return offsets
+
+    def _place_in_files(self, entries: dict[str, _Entry]) -> dict[str, _Entry]:
+        """Whole stored tensors (buffers, frozen parameters) whose place in their file is known
+        as pieces read from the file, like the partitions: their bytes are then checked too."""
+        places = {ptr: (path, start) for path in list(self._states) if local_file(path) is not None
+                  for ptr, start in (self._storage_offsets(path) or {}).items()}
+        for key, entry in entries.items():
+            t = entry.tensor
+            where = places.get(t.untyped_storage().data_ptr()) if t is not None and t.is_contiguous() else None
+            if t is not None and where is not None and t.numel():
+                flat = t.reshape(-1)
+                piece = _Piece(0, t.numel(), flat, 0, entry.releasable, where[0],
+                               where[1] + flat.storage_offset() * flat.element_size())
+                entries[key] = dataclasses.replace(entry, pieces=(piece,), tensor=None)
+        return entries
+
+    def _place_in_objects(self, entries: dict[str, _Entry]) -> dict[str, _Entry]:
+        """Every key of a checkpoint on object storage as byte spans of its objects: each
+        ``meta`` tensor the structure gave becomes a piece read by ranged requests."""
+        owners = {ident: structure for structure in self._structures.values() for ident in structure.storages}
+
+        def place(src: torch.Tensor) -> tuple[Location, int]:
+            structure = owners.get(id(src.untyped_storage()))
+            if structure is None or src.dim() != 1 or (src.numel() > 1 and src.stride() != (1,)):
+                raise CheckpointFormatError(self.tag_dir, "a tensor is not stored as one contiguous span")
+            name, start, size, crc = meta_member(structure, src)
+            self.read_checks.expect(str(structure.path), start, size, crc, f"zip member {name!r}")
+            return structure.path, start + src.storage_offset() * src.element_size()
+
+        placed: dict[str, _Entry] = {}
+        for key, entry in entries.items():
+            pieces = list(entry.pieces)
+            if entry.tensor is not None:
+                t = entry.tensor
+                if not t.is_contiguous():
+                    raise CheckpointFormatError(self.tag_dir, f"{key} is not stored contiguously")
+                pieces = [_Piece(0, t.numel(), t.reshape(-1), 0)] if t.numel() else []
+            for i, p in enumerate(pieces):
+                if p.file is None or local_file(p.file) is not None:
+                    file, start = place(p.src)
+                    pieces[i] = dataclasses.replace(p, file=file, file_start=start, releasable=False)
+            placed[key] = dataclasses.replace(entry, pieces=tuple(pieces), tensor=None, releasable=False)
+        return placed
+
+    def _read_back(self, file: str, length: int, offset: int) -> bytes:
+        """Bytes of a file of the tag for :class:`ReadChecks` (those of a member no read covered)."""
+        path = next((p for p in self._sizes if str(p) == file), None) or Path(file)
+        source = open_readable(path, size=self._sizes.get(path))
+        try:
+            return pread(source, length, offset)
+        finally:
+            close_readable(source)
+
+    def _gather(self, entry: _Entry, lo: int, hi: int, out: torch.Tensor) -> None:
+        """Fill ``out`` (1-D, ``hi - lo`` long) with flat elements ``[lo, hi)`` of ``entry``."""
+        fds: dict[Location, int | None] = {}
+        try:
+            for p in entry.pieces:
+                a, b = max(lo, p.dst), min(hi, p.dst + p.length)
+                if a >= b:
+                    continue
+                source: Readable | None = None
+                if p.file is not None and local_file(p.file) is None:
+                    source = self._remote_source(p)
+                elif p.file is not None and out.dtype == p.src.dtype:
+                    source = self._open(p.file, fds)
+                self._copy_piece(p, a, b, out[a - lo : b - lo], source, self.read_checks)
+                if source is not None and not isinstance(source, int) and p.start + b - p.dst == p.src.numel():
+                    self._drop_remote(p, source)  # read to its end: the blocks it keeps go
+        finally:
+            for fd in fds.values():
+                if fd is not None:
+                    os.close(fd)
+
+    def _open(self, path: Location, fds: dict[Location, int | None]) -> int | None:
+        """A descriptor on ``path`` (kept in ``fds``) if it is still the file that was mapped, else None.
+
+        Opened per read rather than held: a run over many checkpoints of many ranks would
+        otherwise hold more descriptors than a process may have.
+        """
+        if path not in fds:
+            try:
+                fd = os.open(local_path(path), os.O_RDONLY)
+            except OSError:
+                fds[path] = None
+                return None
+            now, then = file_identity(os.fstat(fd)), self._identities.get(path)
+            if now == then:
+                fds[path] = fd
+            else:
+                os.close(fd)
+                if then is not None and now[:2] == then[:2]:
+                    # Changed in place: the private mapping shows the new bytes too, so there
+                    # is no consistent copy left to read.
+                    raise CheckpointFormatError(path, "changed while being read (written to since it was opened)")
+                fds[path] = None  # replaced: the mapping still holds the file that was opened
+        return fds[path]
+
+    def _remote_source(self, p: _Piece) -> Readable:
+        """Ranged reads of the stored tensor ``p.src`` in its object: its bytes only, read ahead
+        within it; kept for the next reads of it (the most recently used :data:`_REMOTE_KEPT`)."""
+        assert p.file is not None
+        key = (p.file, p.file_start)
+        oldest = None
+        with self._remote_lock:
+            source = self._remote.pop(key, None)
+            if source is None:
+                window = (p.file_start, p.src.numel() * p.src.element_size())
+                source = open_readable(p.file, size=self._sizes[p.file], window=window)
+            self._remote[key] = source  # the most recently used last
+            if len(self._remote) > _REMOTE_KEPT:
+                oldest = self._remote.pop(next(iter(self._remote)))
+        if oldest is not None:
+            close_readable(oldest)
+        return source
+
+    def _drop_remote(self, p: _Piece, source: Readable) -> None:
+        assert p.file is not None
+        with self._remote_lock:
+            self._remote.pop((p.file, p.file_start), None)
+        close_readable(source)
+
+    @staticmethod
+    def _copy_piece(p: _Piece, a: int, b: int, out: torch.Tensor, source: Readable | None,
+                    checks: ReadChecks) -> None:
+        """Flat elements ``[a, b)`` of a key, which lie in piece ``p``, into ``out``: read from
+        ``source`` (a descriptor, or ranged reads of an object) at the piece's place in its
+        file, else copied from ``p.src`` (the mapping). Bytes whose place in the file is known
+        are checked against their zip member's CRC-32."""
+        if source is not None:
+            # Straight from the file into the buffer: one copy by the kernel, no page faults
+            # on the mapping and no pages to hand back (a stored dtype other than the key's,
+            # as for buffers kept in bf16, goes through a buffer of its own).
+            target = out if out.dtype == p.src.dtype else torch.empty(b - a, dtype=p.src.dtype)
+            view = memoryview(target.view(torch.uint8).numpy())
+            offset = p.file_start + (p.start + a - p.dst) * target.element_size()
+            if not pread_into(source, view, offset):
+                raise CheckpointFormatError(str(p.file), f"truncated: expected {len(view)} bytes at offset {offset}")
+            checks.saw(str(p.file), offset, view)
+            if target is not out:
+                out.copy_(target)
+            return
+        # Mapped sources go in slices, each handed back once copied: resident file pages stay
+        # within one slice, not one rank's share of the parameter.
+        step = max(1, RELEASE_SLICE_BYTES // p.src.element_size()) if p.releasable else b - a
+        for x in range(a, b, step):
+            y = min(b, x + step)
+            src = p.src[p.start + x - p.dst : p.start + y - p.dst]
+            out[x - a : y - a].copy_(src)
+            if p.file is not None:
+                at = p.file_start + (p.start + x - p.dst) * src.element_size()
+                checks.saw(str(p.file), at, memoryview(src.view(torch.uint8).numpy()))
+            if p.releasable:
+                release_pages(src)

@@ -1,0 +1,152 @@
+"""Load a DeepSpeed ``.pt`` object from object storage for its structure only, by ranged reads.
+
+On object storage a file is never mapped nor fetched whole: :func:`load_ds_structure` reads its
+zip directory and ``data.pkl`` by ranged requests and unpickles it with the same weights-only
+unpickler and stand-ins as :func:`~.unpickle.load_ds_file`, every storage an empty ``meta`` one
+of its size (tensors keep their shapes, dtypes and views); :func:`meta_member` then says where a
+tensor's bytes lie in the object, for ranged reads of just those bytes.
+
+Example:
+    >>> structure = load_ds_structure(location)  # doctest: +SKIP
+    >>> name, start, size, crc = meta_member(structure, structure.state["module"]["w"])  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import sys
+import zipfile
+from dataclasses import dataclass, field
+from typing import IO, Any, cast
+
+from ..._lazy import torch
+from ...errors import CheckpointFormatError
+from ...pickle_rules import first_line
+from ...storage import Location, Source, open_structure
+from ...torch_records import FileWindow, member_start
+from .unpickle import check_magic, safe_load
+
+__all__ = ["RemoteStructure", "load_ds_structure", "meta_member"]
+
+
+@dataclass(eq=False)
+class RemoteStructure:
+    """A ``.pt`` object on object storage, loaded for its structure only.
+
+    ``state`` is the unpickled object with every tensor on the ``meta`` device; ``members``
+    maps each zip member's name to ``(local header offset, method, size, CRC-32)``; ``storages`` maps
+    each ``meta`` storage (by ``id``) to its member's name; ``source`` is what the structure
+    was read through (member headers are read through it later).
+    """
+
+    path: Location
+    state: Any
+    members: dict[str, tuple[int, int, int, int]]
+    storages: dict[int, str]
+    source: Source
+    _kept: list[Any] = field(default_factory=list)  # the storages, so that their ids stay theirs
+    _starts: dict[str, int] = field(default_factory=dict)  # member -> where its data starts, checked
+
+    def close(self) -> None:
+        self.source.close()
+
+
+def load_ds_structure(path: Location) -> RemoteStructure:
+    """Load a DeepSpeed ``.pt`` object from object storage without reading its tensors' bytes.
+
+    The zip directory, ``data.pkl`` and ``byteorder`` are read by ranged requests; ``data.pkl``
+    goes through torch's weights-only unpickler with the stand-ins, as in :func:`load_ds_file`,
+    and each storage it names becomes an empty ``meta`` storage of its size, so tensors come
+    back on the ``meta`` device with their shapes, dtypes and views; :func:`meta_member`
+    says where one's bytes lie.
+
+    Raises:
+        CheckpointNotFoundError: no such object.
+        UnsafePickleError: the pickle refers to a global outside the allowlist; nothing ran.
+        CheckpointFormatError: the object is truncated, corrupt, a legacy ``torch.save``
+            file, or written on a machine of the other byte order.
+    """
+    source = open_structure(path)
+    try:
+        if not check_magic(path, source.pread(4, 0)):
+            raise CheckpointFormatError(path, "a legacy (non-zip) torch.save file, which is read from a local "
+                                              "copy only")
+        try:
+            with zipfile.ZipFile(cast(IO[bytes], FileWindow(source, 0, source.size))) as zf:
+                infos = zf.infolist()
+                # A small read brings the bytes after it up to the next member's header, never into that member.
+                source.fences = sorted(i.header_offset for i in infos)
+                pkl = next((i.filename for i in infos if i.filename.endswith("/data.pkl") or i.filename == "data.pkl"),
+                           None)
+                if pkl is None:
+                    raise CheckpointFormatError(path, "not a torch.save file (no data.pkl)")
+                data = zf.read(pkl)
+                order = next((zf.read(i) for i in infos if i.filename.endswith("/byteorder")), b"little")
+        except (zipfile.BadZipFile, ValueError, EOFError, OSError) as err:
+            raise CheckpointFormatError(path, f"truncated or corrupt torch.save file ({first_line(str(err))})") \
+                from None
+        if order.decode("ascii", "replace") != sys.byteorder:
+            raise CheckpointFormatError(path, f"written {order.decode('ascii', 'replace')}-endian, which is read "
+                                              "from a local copy only")
+        prefix = pkl[: -len("data.pkl")]
+        members = {i.filename: (i.header_offset, i.compress_type, i.file_size, i.CRC) for i in infos}
+        storages: dict[int, str] = {}
+        kept: list[Any] = []
+        state = safe_load(path, lambda: _unpickle_to_meta(data, prefix, storages, kept), data, True)
+        return RemoteStructure(path, state, members, storages, source, kept)
+    except BaseException:
+        source.close()
+        raise
+
+
+def _unpickle_to_meta(data: bytes, prefix: str, storages: dict[int, str], kept: list[Any]) -> Any:
+    """``data.pkl`` through torch's weights-only unpickler, each storage an empty ``meta`` one."""
+    from torch import _weights_only_unpickler as weights_only
+
+    typed: dict[str, Any] = {}
+
+    def persistent_load(saved_id: Any) -> Any:
+        # What torch.load's own persistent_load does, with a placeholder for the bytes.
+        if not isinstance(saved_id, tuple) or len(saved_id) != 5 or saved_id[0] not in ("storage", b"storage"):
+            raise pickle.UnpicklingError(f"unexpected persistent id {saved_id!r}")
+        _, storage_type, key, _location, numel = saved_id
+        key = key.decode("ascii") if isinstance(key, bytes) else str(key)
+        if key not in typed:
+            dtype = torch.uint8 if storage_type is torch.UntypedStorage else storage_type.dtype
+            if type(numel) is not int or numel < 0:
+                raise pickle.UnpicklingError(f"storage {key}: bad size {numel!r}")
+            storage = torch.UntypedStorage(numel * dtype.itemsize, device="meta")
+            storages[id(storage)] = f"{prefix}data/{key}"
+            kept.append(storage)
+            typed[key] = torch.storage.TypedStorage(wrap_storage=storage, dtype=dtype, _internal=True)
+        return typed[key]
+
+    unpickler = weights_only.Unpickler(io.BytesIO(data), encoding="utf-8")
+    unpickler.persistent_load = persistent_load  # type: ignore[method-assign]
+    return unpickler.load()  # type: ignore[no-untyped-call]
+
+
+def meta_member(loaded: RemoteStructure, t: torch.Tensor) -> tuple[str, int, int, int]:
+    """(name, data start, size, CRC-32) of the zip member holding ``t``'s storage.
+
+    Its header is read once per member; the member must be stored uncompressed and hold
+    exactly the storage's bytes.
+
+    Raises:
+        CheckpointFormatError: ``t`` is not a storage of the file, or its member does not match.
+    """
+    storage = t.untyped_storage()
+    name = loaded.storages.get(id(storage))
+    if name is None:
+        raise CheckpointFormatError(loaded.path, "a tensor's place in the file is unknown")
+    local, method, size, crc = loaded.members.get(name, (-1, -1, -1, 0))
+    start = loaded._starts.get(name)
+    if start is None:
+        found = member_start(loaded.source, 0, loaded.source.size, local) if local >= 0 else None
+        if found is None or method != zipfile.ZIP_STORED or size != storage.nbytes() \
+                or found + size > loaded.source.size:
+            raise CheckpointFormatError(loaded.path, f"zip member {name} does not hold its storage's "
+                                                     f"{storage.nbytes()} bytes (truncated or corrupt)")
+        start = loaded._starts[name] = found
+    return name, start, size, crc

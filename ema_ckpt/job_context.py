@@ -1,0 +1,278 @@
+"""What a job's compute step works with on every worker: the sources opened once, a writer
+per target, and the engine streamed over this worker's share of the output files.
+
+Example:
+    >>> readers = context.open_sources(paths)                        # doctest: +SKIP
+    >>> written = context.write(readers, outputs, writers, tensors,  # doctest: +SKIP
+    ...                         layout=readers[-1], copy_source=-1)
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from ._gc import frozen_heap, paused_gc
+from .dist import Workers
+from .engine import EngineStats, OutputSpec, combine_regions
+from .errors import OptionError
+from .formats import open_checkpoint
+from .formats.base import CheckpointReader
+from .progress import Progress
+from .storage import Destination, Location
+from .storage.roles import INDEX
+from .torch_records.checks import settle_reads
+from .writers.base import OutputTensor, OutputWriter, PlannedRegion, WrittenFile
+from .writers.outputs import region_cost
+
+if TYPE_CHECKING:
+    import torch
+
+T = TypeVar("T")
+
+
+@dataclass(slots=True)
+class WrittenOutputs:
+    """Files of each output (on every worker) and totals over all workers."""
+
+    files: list[list[WrittenFile]] = field(default_factory=list)
+    bytes_read: int = 0
+    bytes_written: int = 0
+
+
+@dataclass
+class JobContext:
+    """What :meth:`Job.compute` works with: the workers, the staging directories, and the
+    engine's entry points."""
+
+    workers: Workers
+    stagings: list[Path]
+    destinations: list[Destination]
+    stack: contextlib.ExitStack
+    device: str = "cpu"
+    on_progress: Callable[[Progress], None] | None = None
+    roles: dict[int, dict[str, str]] = field(default_factory=dict)
+    """Per target, the role of each file its writer wrote (for publishing), once finished."""
+    writers: dict[int, OutputWriter] = field(default_factory=dict)
+
+    def check(self, step: Callable[[], T]) -> T:
+        """Run ``step`` on every worker; all fail alike if one does (a synchronisation point)."""
+        return self.workers.run(step)
+
+    def open_sources(self, paths: Sequence[Location]) -> list[CheckpointReader]:
+        """Open every checkpoint on every worker, parsing each DCP ``.metadata`` only once.
+
+        Parsing metadata (a bounds-checked, restricted unpickle) costs time in proportion to the
+        keys, the largest fixed cost of a run over many small tensors. With N workers, worker r
+        parses inputs r, r+N, … and the parsed indexes are exchanged, so the parse is split
+        instead of repeated. The readers close when the run's attempt ends.
+        """
+        # their indexes (millions of objects) live as long as the readers: no collection while they are
+        # parsed, sent and received, then kept out of cyclic collections (ema_ckpt._gc)
+        with paused_gc():
+            readers = _open_checkpoints(self.workers, paths, self.stack)
+            self.stack.enter_context(frozen_heap())
+        return readers
+
+    def _index_of(self, writer: OutputWriter) -> int:
+        return next(i for i, w in self.writers.items() if w is writer)
+
+    def _destination_of(self, writer: OutputWriter) -> Destination:
+        return self.destinations[self._index_of(writer)]
+
+    def writer(self, index: int, format_name: str, *, file_name: str | None = None, **settings: Any) -> OutputWriter:
+        """The writer of target ``index`` in the output format ``format_name`` (``file_name``:
+        one file of that name inside the target's directory, its manifest beside it)."""
+        from .writers.base import output_format
+
+        destination = self.destinations[index]
+        if destination.one_writer and self.workers.world_size > 1:
+            raise OptionError("out", f"{destination.final}: a single-file output on object storage is written by "
+                              "one worker; run with one worker (or write a directory)", value=str(destination.final))
+        if file_name is not None:
+            writer = output_format(format_name).make(self.stagings[index], file_name, **settings)
+            writer.final = destination.final / file_name
+            writer.in_directory = True
+        else:
+            writer = output_format(format_name).make(self.stagings[index], destination.final.name, **settings)
+            writer.final = destination.final
+            writer.file_tag = destination.generation
+        self.writers[index] = writer
+        return writer
+
+    def write(
+        self,
+        sources: Sequence[CheckpointReader],
+        outputs: Sequence[OutputSpec],
+        writers: Sequence[OutputWriter],
+        tensors: Sequence[OutputTensor],
+        *,
+        layout: CheckpointReader,
+        copy_source: int,
+        accumulate_dtype: torch.dtype | None = None,
+        check_finite: Sequence[int] = (),
+    ) -> WrittenOutputs:
+        """Stream this worker's share of every output through the engine, then finish them.
+
+        Every writer plans the same regions (outputs of one run share ``layout``'s chunks);
+        files are shared out among the workers by work; the coordinator writes each output's
+        metadata once every worker has closed its files. Progress is reported in bytes of
+        tensor data read (what the results' ``bytes_read`` counts), the total first.
+        """
+        copies = all(out.mode == "copy" for out in outputs)
+        for writer in writers:
+            writer.may_copy_stored = copies
+        plans = [w.plan(tensors, layout) for w in writers]
+        regions = plans[0]
+        if any(p != regions for p in plans[1:]):
+            raise ValueError("the outputs of one run must share one layout")
+        by_key = {t.key: t for t in tensors}
+        by_file = regions_by_file(regions)
+        costs = [sum(region_cost(r) for r in part) for part in by_file]
+        claims = self.workers.claims(costs)
+        progress = None
+        if self.on_progress is not None:
+            progress = _ReadsProgress(self.on_progress, by_file, self.workers.claim_order(costs), sources, outputs,
+                                      by_key)
+
+        def compute() -> tuple[list[Any], EngineStats]:
+            stats = EngineStats(per_output_bytes=[0] * len(outputs))
+            with frozen_heap():  # the plan's regions and specs live for the whole loop
+                try:
+                    for index in claims:  # a whole output file at a time
+                        part = combine_regions(sources, outputs, writers, by_file[index], by_key,
+                                               copy_source=copy_source, accumulate_dtype=accumulate_dtype,
+                                               on_progress=None if progress is None else progress.file(index),
+                                               device=self.device, check_finite=check_finite)
+                        stats.add(part)
+                except BaseException:
+                    claims.stop()
+                    raise
+            if progress is not None:
+                progress.finish()
+            states = [w.close() for w in writers]
+            for writer, state in zip(writers, states, strict=True):
+                self._destination_of(writer).upload_data(writer.staging, writer.own_files(state))
+            return states, stats
+
+        try:
+            states, stats = self.workers.run(compute)
+            settle_reads(sources, self.workers)  # records read only in part, checked before anything is finished
+        except BaseException:
+            for writer in writers:
+                writer.abort()
+            raise
+        # only the coordinator needs the states (it writes the metadata); every worker needs the totals
+        gathered = self.workers.exchange((states if not self.workers.is_coordinator else None, stats.bytes_read,
+                                          stats.bytes_written))
+        def finish() -> list[list[WrittenFile]]:
+            # the workers' states and the metadata: tens of thousands of lasting objects each
+            with paused_gc():
+                every = [states]
+                for g in gathered[1:]:
+                    assert g[0] is not None  # sent by every worker but the coordinator
+                    every.append(g[0])
+                written = [w.finish([part[k] for part in every]) for k, w in enumerate(writers)]
+            for writer, files in zip(writers, written, strict=True):
+                index = self._index_of(writer)
+                self.roles[index] = {**{name: INDEX for name in writer.index_files()},
+                                     **{f.name: f.role for f in files}}
+            return written
+
+        files = self.workers.on_coordinator(finish)
+        return WrittenOutputs(files, sum(g[1] for g in gathered), sum(g[2] for g in gathered))
+
+
+class _ReadsProgress:
+    """The engine's per-region reports restated in bytes read (as the results count them), over
+    the whole run.
+
+    A floating region is read from every source an output sums or folds (in each source's own
+    dtype), any other from one source. The total is reported at once, before any region is read,
+    so a progress bar never starts without it. With several workers, this one reports the work
+    claimed so far by any of them (files are claimed in turn, see :meth:`Workers.claims`) plus
+    its own progress in the file it works on: a little ahead of the truth, never backwards.
+    """
+
+    def __init__(self, report: Callable[[Progress], None], files: Sequence[Sequence[PlannedRegion]],
+                 order: Sequence[int], sources: Sequence[CheckpointReader], outputs: Sequence[OutputSpec],
+                 tensors: dict[str, OutputTensor]) -> None:
+        from .dtypes import is_float
+
+        needed = sorted({u.source for out in outputs for u in out.updates})
+        per_element: dict[str, int] = {}
+        self.report = report
+        self.done: list[list[int]] = []  # per file, the bytes read after each of its regions
+        for regions in files:
+            done = [0]
+            for region in regions:
+                cost = per_element.get(region.key)
+                if cost is None:
+                    if is_float(tensors[region.key].stored_dtype):
+                        specs = [sources[s].specs().get(region.key) for s in needed]
+                        cost = sum(spec.dtype.itemsize for spec in specs if spec is not None)
+                    else:
+                        cost = -1  # copied from one source: the region's own bytes
+                    per_element[region.key] = cost
+                done.append(done[-1] + (region.nbytes if region.raw or cost < 0 else region.box.numel * cost))
+            self.done.append(done)
+        self.total = sum(d[-1] for d in self.done)
+        self.regions_total = sum(len(regions) for regions in files)
+        self.reported = 0
+        # per file, what the files offered before it hold: every one claimed by some worker already
+        self.before: dict[int, tuple[int, int]] = {}
+        claimed_bytes = claimed_regions = 0
+        for file in order:
+            self.before[file] = (claimed_bytes, claimed_regions)
+            claimed_bytes += self.done[file][-1]
+            claimed_regions += len(self.done[file]) - 1
+        report(Progress(0, self.total, 0, self.regions_total, ""))
+
+    def file(self, index: int) -> Callable[[Progress], None]:
+        """The engine's callback while this worker works on file ``index``."""
+        base, regions_base = self.before[index]
+        done = self.done[index]
+
+        def on_region(p: Progress) -> None:
+            self._send(base + done[p.regions_done], regions_base + p.regions_done, p.key)
+
+        return on_region
+
+    def finish(self) -> None:
+        self._send(self.total, self.regions_total, "")
+
+    def _send(self, bytes_done: int, regions_done: int, key: str) -> None:
+        if bytes_done < self.reported:
+            return
+        self.reported = bytes_done
+        self.report(Progress(bytes_done, self.total, regions_done, self.regions_total, key))
+
+
+def regions_by_file(regions: Sequence[PlannedRegion]) -> list[list[PlannedRegion]]:
+    """The regions grouped by output file, files in order of their first region (each file is
+    written by one worker, in the order its regions were planned)."""
+    files: dict[str, list[PlannedRegion]] = {}
+    for region in regions:
+        files.setdefault(region.file, []).append(region)
+    return list(files.values())
+
+
+def _open_checkpoints(workers: Workers, paths: Sequence[Location], stack: contextlib.ExitStack
+                      ) -> list[CheckpointReader]:
+    def opened(path: Location, shared: Any = None) -> CheckpointReader:
+        return stack.enter_context(contextlib.closing(open_checkpoint(path, shared=shared)))
+
+    if workers.world_size == 1:
+        return [opened(p) for p in paths]
+    mine = workers.run(lambda: {i: opened(p) for i, p in enumerate(paths)
+                                if i % workers.world_size == workers.rank})
+    shared: dict[int, Any] = {}
+    for part in workers.exchange({i: state for i, r in mine.items() if (state := r.share()) is not None}):
+        shared.update(part)
+    return workers.run(lambda: [mine[i] if i in mine else opened(p, shared.get(i)) for i, p in enumerate(paths)])
+
+
+__all__ = ["JobContext", "WrittenOutputs", "regions_by_file"]

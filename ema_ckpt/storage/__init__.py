@@ -1,0 +1,79 @@
+"""Where bytes live: local files and object stores, behind one seam.
+
+Everything else in ema-ckpt passes :data:`Location` values around, reads through
+:func:`open_readable` / :func:`open_structure`, and publishes through a :class:`Destination`;
+only this package knows whether a location is on a local disk or in an object store. It
+imports nothing from the formats, writers, manifests or jobs above it.
+
+Example:
+    >>> str(as_path("s3://bucket/run") / "step_100")
+    's3://bucket/run/step_100'
+"""
+
+from .destinations import Destination, HeldLock, destination_for, output_lock
+from .local_files import (
+    HASH_BLOCK_BYTES,
+    files_on_disk,
+    fsync_dir,
+    fsync_tree,
+    output_path,
+    replace_file,
+    size_and_crc32,
+    start_writeback,
+)
+from .local_publish import discard_on_error
+from .locations import Location, as_path, is_location, local_file, local_path, output_location
+from .object_paths import forget_listings
+from .object_publish import new_generation
+from .object_reads import remote_concurrency
+from .sources import (
+    BlockChecksums,
+    Readable,
+    Source,
+    StructureReads,
+    blocks_read,
+    close_readable,
+    open_readable,
+    open_structure,
+    pread,
+    pread_into,
+    readable_size,
+    whole_crc32,
+)
+
+__all__ = [
+    "HASH_BLOCK_BYTES",
+    "BlockChecksums",
+    "Destination",
+    "HeldLock",
+    "Location",
+    "Readable",
+    "Source",
+    "StructureReads",
+    "as_path",
+    "blocks_read",
+    "close_readable",
+    "destination_for",
+    "discard_on_error",
+    "files_on_disk",
+    "forget_listings",
+    "fsync_dir",
+    "fsync_tree",
+    "is_location",
+    "local_file",
+    "local_path",
+    "new_generation",
+    "open_readable",
+    "open_structure",
+    "output_location",
+    "output_lock",
+    "output_path",
+    "pread",
+    "pread_into",
+    "readable_size",
+    "remote_concurrency",
+    "replace_file",
+    "size_and_crc32",
+    "start_writeback",
+    "whole_crc32",
+]

@@ -1,0 +1,163 @@
+"""Local files made durable, and files anywhere streamed once: ``fsync`` of files and folders,
+early writeback, (size, CRC-32) of a file, and the files an output holds.
+
+Example:
+    >>> import tempfile; p = Path(tempfile.mkdtemp()) / "x"; _ = p.write_bytes(b"abc")
+    >>> size_and_crc32(p)
+    (3, 891568578)
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+import os
+import stat
+from pathlib import Path
+from typing import Any
+
+from .._crc import crc32
+from ..errors import OutputError
+from .locations import Location, as_path
+from .object_paths import RemotePath, remote_files
+from .object_reads import RemoteFile
+
+_SYNC_FILE_RANGE_WRITE = 2
+
+
+def fsync_dir(path: Path) -> None:
+    """Flush a directory entry table to disk (after creating or renaming inside it)."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(path: Path) -> None:
+    """fsync every regular file under ``path`` and every directory, deepest first."""
+    for root, _dirs, files in os.walk(path, topdown=False):
+        for name in files:
+            fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(Path(root))
+
+
+@functools.cache
+def _sync_file_range() -> Any:
+    func = getattr(ctypes.CDLL(None, use_errno=True), "sync_file_range", None)
+    if func is not None:
+        func.argtypes = [ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint]
+    return func
+
+
+def start_writeback(fd: int, offset: int, length: int) -> None:
+    """Start writing a just-written range to disk without waiting (Linux ``sync_file_range``).
+
+    The closing fsync then finds most pages already on disk, so writing the disk overlaps
+    producing the bytes. Best effort: a no-op where the call is missing or refused.
+    """
+    func = _sync_file_range()
+    if func is not None and length > 0:
+        func(fd, offset, length, _SYNC_FILE_RANGE_WRITE)
+
+
+def output_path(out: str | os.PathLike[str] | RemotePath) -> Location:
+    """Where an output is published: ``out``, or the target of ``out`` when it is a symlink.
+
+    Outputs are built beside their final path and renamed into place; renaming over a
+    symlink would replace the link, not the output it points to. So a symlink is followed
+    (to its final target) and the output is published there, the link left as it is.
+
+    Raises:
+        OutputError: the link cannot be followed (a loop), or its target's folder is missing.
+    """
+    out = as_path(out)
+    if isinstance(out, RemotePath) or not out.is_symlink():
+        return out
+    try:
+        target = out.resolve(strict=False)
+    except (OSError, RuntimeError) as err:
+        raise OutputError(f"{out}: a symlink that cannot be followed ({err})") from None
+    if target.is_symlink() or not target.parent.is_dir():
+        raise OutputError(f"{out}: a symlink to {target}, whose folder does not exist")
+    return target
+
+
+def files_on_disk(path: Location) -> list[tuple[str, int]]:
+    """(name, size) of every regular file of a published output: the file itself, or each file
+    under the directory (names relative to it, sorted; symlinks are not followed).
+
+    What a summary says was written: the bytes on disk, index and manifest included.
+
+    Example:
+        >>> files_on_disk(Path("ema"))   # doctest: +SKIP
+        [('.metadata', 1712), ('__0_0.distcp', 98304), ('ema-ckpt.json', 2154)]
+    """
+    if isinstance(path, RemotePath):
+        return remote_files(path)
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except FileNotFoundError:
+        return []
+    if stat.S_ISREG(st.st_mode):
+        return [(path.name, st.st_size)]
+    found = []
+    for root, _dirs, files in os.walk(path):
+        for name in files:
+            full = os.path.join(root, name)
+            st = os.stat(full, follow_symlinks=False)
+            if stat.S_ISREG(st.st_mode):
+                found.append((os.path.relpath(full, path), st.st_size))
+    return sorted(found)
+
+
+HASH_BLOCK_BYTES = 8 << 20
+"""CRC-32 is computed over blocks of this many bytes (memory stays bounded by one block)."""
+
+
+def size_and_crc32(file: Location, block_bytes: int = HASH_BLOCK_BYTES) -> tuple[int, int]:
+    """Stream ``file`` (local, or on object storage) once: its length and CRC-32 (as :mod:`zlib` computes it)."""
+    crc = 0
+    size = 0
+    buffer = bytearray(max(1, block_bytes))
+    view = memoryview(buffer)
+    if isinstance(file, RemotePath):  # ranged reads, with read-ahead, of the object
+        remote = RemoteFile(file)
+        try:
+            while n := remote.readinto(view, size):
+                crc = crc32(view[:n], crc)
+                size += n
+        finally:
+            remote.close()
+        return size, crc
+    with open(file, "rb", buffering=0) as handle:
+        while True:
+            n = handle.readinto(buffer)
+            if not n:
+                break
+            crc = crc32(view[:n], crc)
+            size += n
+    return size, crc
+
+
+def replace_file(path: Location, data: bytes) -> None:
+    """Put ``data`` at ``path`` atomically: a reader sees the old bytes or the new, never a mix
+    (a temporary file fsynced and renamed over it; in object storage, one PUT)."""
+    if isinstance(path, RemotePath):
+        path.write_bytes(data)
+        return
+    temp = path.parent / f".{path.name}.tmp-{os.getpid()}"
+    try:
+        with open(temp, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temp, path)
+    finally:
+        temp.unlink(missing_ok=True)
+    fsync_dir(path.parent)

@@ -1,0 +1,87 @@
+"""Where bytes live: a :data:`Location` is a local :class:`~pathlib.Path` or a
+:class:`~ema_ckpt.storage.object_paths.RemotePath`, parsed once from what the user typed.
+
+Both offer the part of ``Path`` that finding and reading checkpoints uses (``/``, ``name``,
+``parent``, ``exists``, ``is_dir``, ``is_file``, ``iterdir``, ``stat``, ``read_bytes``), so
+code outside :mod:`ema_ckpt.storage` handles either without asking which; where only a
+local file will do (``torch.load``, ``mmap``) it asks :func:`local_file`.
+
+Example:
+    >>> as_path("ckpts/step_100")
+    PosixPath('ckpts/step_100')
+    >>> str(as_path("s3://bucket/run/ckpts") / "step_100")
+    's3://bucket/run/ckpts/step_100'
+    >>> local_file(as_path("s3://bucket/x.pt")) is None
+    True
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, TypeAlias
+
+if TYPE_CHECKING:
+    from typing_extensions import TypeIs
+
+from .object_paths import URL, RemotePath, filesystem
+
+Location: TypeAlias = "Path | RemotePath"
+"""A file or folder on a local disk or in object storage."""
+
+
+def as_path(value: str | os.PathLike[str] | RemotePath) -> Location:
+    """A local :class:`~pathlib.Path`, or a :class:`RemotePath` for a URL (``file://`` is local)."""
+    if isinstance(value, RemotePath):
+        return value
+    if isinstance(value, str):
+        match = URL.match(value)
+        if match is not None:
+            if match.group(1).lower() == "file":
+                return Path("/" + match.group(2).lstrip("/"))
+            return RemotePath.from_url(value)
+    return Path(value)
+
+
+def is_location(value: object) -> TypeIs[Path | RemotePath]:
+    """``value`` is already a :data:`Location` (not a string to parse)."""
+    return isinstance(value, (Path, RemotePath))
+
+
+def is_remote(path: object) -> TypeIs[RemotePath]:
+    """``path`` is in object storage. Only :mod:`ema_ckpt.storage` asks this."""
+    return isinstance(path, RemotePath)
+
+
+def local_file(path: Location) -> Path | None:
+    """The local path behind ``path``, for what only a local file allows (``torch.load``, a
+    memory map, ``copy_file_range``); None in object storage."""
+    return None if isinstance(path, RemotePath) else path
+
+
+def local_path(path: Location) -> Path:
+    """``path`` where only a local file will do (a format read from a local disk only, which
+    :func:`~ema_ckpt.formats.base.formats_for` never offers a location in object storage).
+
+    Raises:
+        TypeError: ``path`` is in object storage.
+    """
+    if isinstance(path, RemotePath):
+        raise TypeError(f"{path}: read from a local disk only")
+    return path
+
+
+def output_location(out: str | os.PathLike[str] | RemotePath) -> Location:
+    """Where an output goes, its storage package loaded now (a missing one is said before any work).
+
+    Example:
+        >>> output_location("ema")
+        PosixPath('ema')
+    """
+    path = as_path(out)
+    if isinstance(path, RemotePath):
+        filesystem(path.protocol)
+    return path
+
+
+__all__ = ["Location", "as_path", "is_location", "is_remote", "local_file", "local_path", "output_location"]

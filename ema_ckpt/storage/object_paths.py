@@ -1,0 +1,328 @@
+"""Locations in object storage (``s3://``, ``gs://``, ``az://``, any fsspec protocol).
+
+A :class:`RemotePath` offers the part of :class:`pathlib.Path`'s interface that finding
+and reading checkpoints uses (``/``, ``name``, ``iterdir``, ``is_file``, ``stat``,
+``read_bytes``) over an fsspec filesystem, built from the environment (``AWS_ENDPOINT_URL``,
+credentials, profiles) with bounded waits (:func:`request_timeout`, :func:`request_attempts`).
+The store's failures become :class:`~ema_ckpt.errors.RemoteStorageError` in one place (:func:`call`).
+
+Example:
+    >>> str(RemotePath.from_url("s3://bucket/run/ckpts") / "step_100")
+    's3://bucket/run/ckpts/step_100'
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import re
+import stat as stat_module
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from .._env import seconds, whole_number
+from ..errors import EmaCkptError, RemoteStorageError
+
+URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://(.*)$")
+"""``protocol://rest``: a location on a storage protocol."""
+_FILESYSTEMS: dict[str, Any] = {}
+LISTING_SECONDS = 10.0
+"""How long a folder's listing is trusted for the entries in it."""
+
+
+def filesystem(protocol: str) -> Any:
+    fs = _FILESYSTEMS.get(protocol)
+    if fs is None:
+        try:
+            import fsspec  # type: ignore[import-untyped]
+
+            # A folder's listing answers the existence checks of its entries (one request, not one
+            # per marker file) for a few seconds, so a long-lived process still sees new
+            # checkpoints; the client is built from the environment, not fsspec's instance cache.
+            options = _client_options(protocol)
+            try:
+                fs = fsspec.filesystem(protocol, use_listings_cache=True, listings_expiry_time=LISTING_SECONDS,
+                                       skip_instance_cache=True, **options)
+            except TypeError:
+                fs = fsspec.filesystem(protocol, skip_instance_cache=True, **options)
+            if protocol in _S3:  # s3fs's own retry loop (its backoff between attempts), the one bound
+                fs.retries = request_attempts()
+        except ImportError as err:
+            extra = " (pip install 'ema-ckpt[s3]')" if protocol in ("s3", "s3a") else ""
+            raise RemoteStorageError(f"{protocol}:// needs a filesystem package that is not installed{extra}: "
+                                     f"{err}") from None
+        except ValueError as err:
+            raise RemoteStorageError(f"{protocol}:// is not a storage protocol fsspec knows ({err})") from None
+        _FILESYSTEMS[protocol] = fs
+    return fs
+
+
+_S3 = ("s3", "s3a")
+TIMEOUT_ENV = "EMA_CKPT_REMOTE_TIMEOUT"
+ATTEMPTS_ENV = "EMA_CKPT_REMOTE_ATTEMPTS"
+_DEFAULT_TIMEOUT = 20.0
+_DEFAULT_ATTEMPTS = 3
+
+
+def request_timeout() -> float:
+    """Seconds a request may wait to connect, or for the next bytes of an answer
+    (``EMA_CKPT_REMOTE_TIMEOUT``, default 20)."""
+    return seconds(TIMEOUT_ENV, _DEFAULT_TIMEOUT)
+
+
+def request_attempts() -> int:
+    """Attempts of a request that times out or fails for a while (``EMA_CKPT_REMOTE_ATTEMPTS``, default 3).
+
+    With :func:`request_timeout`, what bounds a store that stops answering: about attempts ×
+    timeout, plus a second of backoff (a minute by default), then exit 9 naming the object.
+    """
+    return whole_number(ATTEMPTS_ENV, _DEFAULT_ATTEMPTS, "attempts")
+
+
+def _client_options(protocol: str) -> dict[str, Any]:
+    """The client's timeouts: on S3, botocore's connect and read timeouts, each request tried once
+    by botocore and again by s3fs's own loop (:func:`request_attempts`), never forever."""
+    if protocol not in _S3:
+        return {}
+    timeout = request_timeout()
+    return {"config_kwargs": {"connect_timeout": timeout, "read_timeout": timeout,
+                              "retries": {"max_attempts": 1, "mode": "standard"}}}
+
+
+@dataclass(frozen=True)
+class RemoteStat:
+    st_size: int
+    st_mode: int
+    st_mtime_ns: int = 0
+    etag: str = ""
+    """The object version's tag, where the store gives one (a rewrite changes it)."""
+
+
+def _stat_of(info: dict[str, Any]) -> RemoteStat:
+    if info.get("type") == "directory":
+        return RemoteStat(0, stat_module.S_IFDIR | 0o755)
+    modified: Any = info.get("LastModified") or info.get("mtime") or info.get("last_modified")
+    if hasattr(modified, "timestamp"):
+        mtime_ns = int(modified.timestamp() * 1e9)
+    elif isinstance(modified, (int, float)):
+        mtime_ns = int(modified * 1e9)
+    else:
+        mtime_ns = 0
+    etag = info.get("ETag") or info.get("etag") or ""
+    return RemoteStat(int(info.get("size") or 0), stat_module.S_IFREG | 0o644, mtime_ns, str(etag))
+
+
+class RemotePath:
+    """A location in object storage, used where the code takes a :class:`~pathlib.Path`."""
+
+    __slots__ = ("_key", "protocol")
+
+    def __init__(self, protocol: str, key: str) -> None:
+        self.protocol = protocol
+        self._key = key.strip("/")
+
+    @classmethod
+    def from_url(cls, url: str) -> RemotePath:
+        match = URL.match(url)
+        if match is None:
+            raise ValueError(f"not a URL: {url!r}")
+        return cls(match.group(1).lower(), match.group(2))
+
+    @property
+    def fs(self) -> Any:
+        return filesystem(self.protocol)
+
+    @property
+    def key(self) -> str:
+        """The location without its protocol (``bucket/run/ckpts``), as fsspec takes it."""
+        return self._key
+
+    def __str__(self) -> str:
+        return f"{self.protocol}://{self._key}"
+
+    def __repr__(self) -> str:
+        return f"RemotePath({str(self)!r})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, RemotePath) and (self.protocol, self._key) == (other.protocol, other._key)
+
+    def __hash__(self) -> int:
+        return hash((self.protocol, self._key))
+
+    def __lt__(self, other: RemotePath) -> bool:
+        return str(self) < str(other)
+
+    def __truediv__(self, part: str | os.PathLike[str]) -> RemotePath:
+        return RemotePath(self.protocol, f"{self._key}/{os.fspath(part)}".rstrip("/"))
+
+    def joinpath(self, *parts: str) -> RemotePath:
+        out = self
+        for part in parts:
+            out = out / part
+        return out
+
+    @property
+    def name(self) -> str:
+        return PurePosixPath(self._key).name
+
+    @property
+    def suffix(self) -> str:
+        return PurePosixPath(self._key).suffix
+
+    @property
+    def stem(self) -> str:
+        return PurePosixPath(self._key).stem
+
+    @property
+    def parent(self) -> RemotePath:
+        return RemotePath(self.protocol, str(PurePosixPath(self._key).parent))
+
+    @property
+    def parents(self) -> list[RemotePath]:
+        return [RemotePath(self.protocol, str(p)) for p in PurePosixPath(self._key).parents if str(p) != "."]
+
+    def with_name(self, name: str) -> RemotePath:
+        return self.parent / name
+
+    def with_suffix(self, suffix: str) -> RemotePath:
+        return self.with_name(self.stem + suffix)
+
+    def resolve(self) -> RemotePath:
+        return self
+
+    def absolute(self) -> RemotePath:
+        return self
+
+    def relative_to(self, other: RemotePath) -> PurePosixPath:
+        return PurePosixPath(self._key).relative_to(other._key)
+
+    def _info(self) -> dict[str, Any] | None:
+        try:
+            info: dict[str, Any] = call(self, self.fs.info, self._key)
+        except FileNotFoundError:
+            return None
+        return info
+
+    def exists(self) -> bool:
+        return self._info() is not None
+
+    def is_dir(self) -> bool:
+        info = self._info()
+        return info is not None and info.get("type") == "directory"
+
+    def is_file(self) -> bool:
+        info = self._info()
+        return info is not None and info.get("type") == "file"
+
+    def is_symlink(self) -> bool:
+        return False
+
+    def stat(self) -> RemoteStat:
+        info = self._info()
+        if info is None:
+            raise FileNotFoundError(errno.ENOENT, "no such object", str(self))
+        return _stat_of(info)
+
+    def iterdir(self, *, fresh: bool = False) -> Iterator[RemotePath]:
+        """The entries under this prefix; ``fresh``: from a new listing, not one kept for a few
+        seconds (:data:`LISTING_SECONDS`)."""
+        if fresh:
+            self.fs.invalidate_cache(self._key)
+        try:
+            names = call(self, self.fs.ls, self._key, detail=False)
+        except FileNotFoundError:
+            raise FileNotFoundError(errno.ENOENT, "no such prefix", str(self)) from None
+        for name in sorted(names):
+            child = str(name).strip("/")
+            if child != self._key:
+                yield RemotePath(self.protocol, child)
+
+    def rglob(self, pattern: str) -> Iterator[RemotePath]:
+        """Every object under this prefix (``pattern`` must be ``*``: all of them)."""
+        if pattern != "*":
+            raise ValueError("RemotePath.rglob takes only '*'")
+        found = call(self, self.fs.find, self._key, withdirs=False)
+        for name in sorted(found):
+            yield RemotePath(self.protocol, str(name))
+
+    def read_bytes(self) -> bytes:
+        data: bytes = call(self, self.fs.cat_file, self._key)
+        return data
+
+    def write_bytes(self, data: bytes, *, exclusive: bool = False) -> None:
+        """One PUT of the whole object (a reader sees the old bytes or the new); ``exclusive``:
+        only if the key is new (``If-None-Match: *``), else ``FileExistsError``."""
+        if exclusive:
+            call(self, self.fs.pipe_file, self._key, data, mode="create")
+        else:
+            call(self, self.fs.pipe_file, self._key, data)
+
+    def upload(self, local: Path) -> None:
+        """The local file ``local`` as this object (a multipart upload appears once complete)."""
+        call(self, self.fs.put_file, str(local), self._key)
+
+    def read_text(self, encoding: str = "utf-8", errors: str = "strict") -> str:
+        return self.read_bytes().decode(encoding, errors)
+
+
+def call(where: RemotePath, func: Any, *args: Any, **kwargs: Any) -> Any:
+    """``func(*args)`` with the store's permanent refusals as one clear error; a missing
+    object stays ``FileNotFoundError`` (callers treat it as on a local disk), and a
+    conditional write's refusal ``FileExistsError``."""
+    try:
+        return func(*args, **kwargs)
+    except FileNotFoundError as err:
+        if "bucket" in str(err).lower():
+            raise RemoteStorageError(f"{where}: no such bucket ({err})") from None
+        raise
+    except PermissionError as err:
+        raise RemoteStorageError(f"{where}: access denied ({err})") from None
+    except (EmaCkptError, FileExistsError, NotImplementedError, TypeError):
+        raise  # ours, a conditional write's refusal, or a filesystem without the call
+    except Exception as err:  # endpoint unreachable, bad region, retries exhausted
+        raise RemoteStorageError(f"{where}: {type(err).__name__}: {_first_line(err)}") from None
+
+
+def delete_objects(paths: list[RemotePath]) -> None:
+    """Delete these objects (of one store), in one request where the store allows; missing ones are fine."""
+    if paths:
+        first = paths[0]
+        with contextlib.suppress(FileNotFoundError):
+            call(first, first.fs.rm, [p.key for p in paths])
+
+
+def objects_under(path: RemotePath, *, recursive: bool = False) -> list[RemotePath]:
+    """The entries in ``path`` (every object below it with ``recursive``); none when it is missing."""
+    try:
+        return list(path.rglob("*") if recursive else path.iterdir())
+    except FileNotFoundError:
+        return []
+
+
+def forget_listings() -> None:
+    """Drop the folder listings kept (each search for new checkpoints starts from fresh ones)."""
+    for fs in _FILESYSTEMS.values():
+        cache = getattr(fs, "dircache", None)
+        if cache is not None:
+            cache.clear()
+
+
+def remote_files(where: RemotePath) -> list[tuple[str, int]]:
+    """(name, size) of the object at ``where``, or of every object under it (names relative)."""
+    info = where._info()
+    if info is None:
+        return []
+    if info.get("type") == "file":
+        return [(where.name, int(info.get("size") or 0))]
+    found = call(where, where.fs.find, where.key, withdirs=False, detail=True)
+    prefix = where.key + "/"
+    return sorted((str(name).strip("/").removeprefix(prefix), int(item.get("size") or 0))
+                  for name, item in found.items())
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0][:300] if text else type(err).__name__

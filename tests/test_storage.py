@@ -1,0 +1,149 @@
+"""The storage seam: one protocol, the same lock / recover / publish behaviour on a local disk
+and in object storage (moto's S3 server on loopback), and the seam's own boundaries."""
+
+from __future__ import annotations
+
+import ast
+import re
+import secrets
+from pathlib import Path
+
+import pytest
+
+from ema_ckpt.errors import OutputLockedError
+from ema_ckpt.storage import Location, as_path, destination_for, local_file, output_lock
+from ema_ckpt.storage.roles import DATA, INDEX, MANIFEST
+from tests import test_object_storage
+
+s3 = test_object_storage.s3  # the moto server (module-scoped fixture)
+PACKAGE = Path(__file__).resolve().parents[1] / "ema_ckpt"
+
+
+@pytest.fixture(params=["local", "s3"])
+def place(request: pytest.FixtureRequest, tmp_path: Path) -> Location:
+    """Where an output goes: a local folder, or a prefix in a bucket of a real S3 server."""
+    if request.param == "local":
+        return tmp_path / "out"
+    request.getfixturevalue("s3")
+    return as_path(f"s3://{test_object_storage.BUCKET}/conformance/{secrets.token_hex(4)}/out")
+
+
+def _files(where: Location) -> dict[str, bytes]:
+    """Every file under ``where`` by its relative name, with its bytes."""
+    if not where.is_dir():
+        return {}
+    return {str(p)[len(str(where)) + 1:]: p.read_bytes() for p in where.rglob("*") if p.is_file()}
+
+
+def _build(place: Location, body: bytes, generation: str) -> tuple[object, Path, dict[str, str]]:
+    """Stage one output as a run does: a data file (named with the generation where the
+    destination tags data files), an index naming it, and a manifest."""
+    destination = destination_for(place)
+    staging = destination.stage(generation=generation)
+    data = f"__0_0.{destination.generation}.distcp" if destination.generation else "__0_0.distcp"
+    (staging / data).write_bytes(body)
+    (staging / ".metadata").write_bytes(data.encode())
+    (staging / "ema-ckpt.json").write_bytes(b"{}")
+    destination.upload_data(staging, [data])
+    return destination, staging, {data: DATA, ".metadata": INDEX, "ema-ckpt.json": MANIFEST}
+
+
+def _generation() -> str:
+    return "20261203T000000-" + secrets.token_hex(3)
+
+
+def test_a_published_output_is_what_was_staged_and_the_staging_is_gone(place, tmp_path):
+    destination, staging, roles = _build(place, b"first", _generation())
+    destination.publish(staging, roles)
+    files = _files(place)
+    data = next(name for name in files if name.endswith(".distcp"))
+    assert files == {data: b"first", ".metadata": data.encode(), "ema-ckpt.json": b"{}"}
+    assert not staging.exists()
+    local = local_file(place)
+    if local is not None:
+        assert [p.name for p in local.parent.iterdir()] == ["out"]
+
+
+def test_a_new_output_replaces_the_previous_one_whole(place):
+    first, staging, roles = _build(place, b"first", _generation())
+    first.publish(staging, roles)
+    second, staging, roles = _build(place, b"second", _generation())
+    second.publish(staging, roles, replaces=set(_files(place)))
+    files = _files(place)
+    assert sorted(files.values()) == sorted([b"second", files[".metadata"], b"{}"])
+    assert files[files[".metadata"].decode()] == b"second"  # the index names the new data file
+
+
+def test_a_run_killed_before_publishing_is_undone_by_the_next_and_the_output_stays(place):
+    first, staging, roles = _build(place, b"first", _generation())
+    first.publish(staging, roles)
+    before = _files(place)
+    _build(place, b"abandoned", _generation())  # staged (and its data sent on), never published
+    notes = destination_for(place).recover()
+    assert notes and all("interrupted run" in note for note in notes), notes
+    assert _files(place) == before
+    assert destination_for(place).recover() == []
+
+
+def test_a_single_file_output_is_one_file_at_its_place(place):
+    target = place / "model.safetensors"
+    destination = destination_for(target, single_file=True)
+    staging = destination.stage(generation=_generation())
+    (staging / "model.safetensors").write_bytes(b"weights")
+    destination.publish(staging, {"model.safetensors": DATA})
+    assert target.read_bytes() == b"weights"
+    assert not staging.exists()
+
+
+def test_the_lock_is_exclusive_and_released(place):
+    with output_lock(place) as held:
+        held.check()
+        with pytest.raises(OutputLockedError), output_lock(place, wait_seconds=0):
+            pass
+    with output_lock(place, wait_seconds=0) as again:
+        again.check()
+
+
+def _modules() -> list[Path]:
+    return sorted(p for p in PACKAGE.rglob("*.py") if "__pycache__" not in p.parts)
+
+
+def test_nothing_outside_the_storage_package_asks_where_bytes_live():
+    """Outside ``ema_ckpt.storage`` no module names the object-store types or asks whether a
+    location is remote: it asks for a capability (``local_file``) or goes through the seam."""
+    asking = re.compile(r"\b(is_remote|RemotePath|RemoteFile|RangedReads)\b")
+    found = [f"{p.relative_to(PACKAGE)}:{n}" for p in _modules() if "storage" not in p.relative_to(PACKAGE).parts
+             for n, line in enumerate(p.read_text().splitlines(), 1) if asking.search(line)]
+    assert found == []
+
+
+def test_no_path_is_cast():
+    casts = re.compile(r"cast\((Path|RemotePath|Location)\b")
+    found = [f"{p.relative_to(PACKAGE)}:{n}" for p in _modules()
+             for n, line in enumerate(p.read_text().splitlines(), 1) if casts.search(line)]
+    assert found == []
+
+
+def _imported(module: Path) -> set[str]:
+    """The ``ema_ckpt`` modules ``module`` imports, resolved to dotted names."""
+    package = ".".join(module.relative_to(PACKAGE.parent).with_suffix("").parts[:-1])
+    names = set()
+    for node in ast.walk(ast.parse(module.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                names.add(".".join([*base, *([node.module] if node.module else [])]))
+            elif node.module and node.module.startswith("ema_ckpt"):
+                names.add(node.module)
+        elif isinstance(node, ast.Import):
+            names.update(a.name for a in node.names if a.name.startswith("ema_ckpt"))
+    return names
+
+
+def test_the_storage_package_imports_nothing_above_it():
+    """Storage sits under formats, writers, manifests and jobs: it imports only the error
+    hierarchy, the CRC and the environment settings."""
+    allowed = {"ema_ckpt.errors", "ema_ckpt._crc", "ema_ckpt._env"}
+    for module in (PACKAGE / "storage").glob("*.py"):
+        outside = {m for m in _imported(module) if not m.startswith("ema_ckpt.storage")}
+        assert outside <= allowed, (module.name, outside - allowed)
