@@ -1,5 +1,6 @@
 # ema-ckpt developer commands. Everything runs in a local virtualenv ($(VENV)).
 #   make test   install the package with its test dependencies, lint (ruff, mypy) and run the whole suite
+#   make check  lint and the fast tier: every module and boundary once, in a few minutes (the inner loop)
 #   make demo   train a tiny transformer with FSDP2 on CPU, then EMA, post-hoc sweep, consolidate, reshard,
 #               and compare held-out losses (table + demo/demo.png)
 #   make bench  benchmark scripts (see docs/performance.md)
@@ -18,7 +19,7 @@ DEMO_DIR ?= demo
 FIXTURES_VENV ?= .venv-fixtures
 FIXTURES_PY := $(FIXTURES_VENV)/bin/python
 
-.PHONY: install install-test test lint demo bench docs docs-site clean fixtures
+.PHONY: install install-test test check lint demo bench docs docs-site clean fixtures
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -47,6 +48,9 @@ install-test: $(VENV)/.installed-test
 TEST_WORKERS ?= 2
 test: $(VENV)/.installed-test lint
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
+
+check: $(VENV)/.installed-test lint
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m fast $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 
 # ruff over everything; mypy strict on the package (both configured in pyproject.toml)
 lint: $(VENV)/.installed-test

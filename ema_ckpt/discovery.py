@@ -37,8 +37,9 @@ from .errors import (
     OptionError,
     UsageError,
 )
-from .formats import detect_format, locate_model, open_checkpoint
-from .formats.base import TRAINER_STATE, CheckpointFormat, CheckpointReader, not_a_model_reason, waiting_reason
+from .formats import Resolved, detect_format, locate_model, open_checkpoint, resolve
+from .formats.base import TRAINER_STATE, CheckpointFormat, CheckpointReader
+from .formats.resolve import not_a_model_reason, waiting_reason
 from .formats.torch_file import SUFFIXES as TORCH_SUFFIXES
 from .layout import row_blocks
 from .manifest import MANIFEST_NAME
@@ -122,10 +123,11 @@ def _holds_checkpoints(path: Location) -> bool:
     )
 
 
-def _found(path: Location, fmt: CheckpointFormat, step_regex: str | None) -> FoundCheckpoint | str:
-    """The checkpoint at ``path`` with its step, or why it waits (a note)."""
+def _found(resolved: Resolved, fmt: CheckpointFormat, step_regex: str | None) -> FoundCheckpoint | str:
+    """The checkpoint at ``resolved.path`` with its step, or why it waits (a note)."""
+    path = resolved.path
     try:
-        record = step_record(path, step_regex)
+        record = step_record(resolved, step_regex)
     except StepUnknown as why:
         return Note.of(why.args[0])
     if record is None:
@@ -293,7 +295,8 @@ def _scan_entry(child: Location, found: Discovery, step_regex: str | None, exclu
     if child.is_dir() and (child / MANIFEST_NAME).exists():
         _left(found, child, "an ema-ckpt output", note=False)
         return False
-    child_fmt = detect_format(child)
+    resolved = resolve(child)  # the model folder and format, looked for once
+    child_fmt = resolved.format
     if child_fmt is None:
         waits = waiting_reason(child)
         if waits:
@@ -306,7 +309,7 @@ def _scan_entry(child: Location, found: Discovery, step_regex: str | None, exclu
     if waits:
         _left(found, child, waits)
         return True
-    checkpoint = _found(child, child_fmt, step_regex)
+    checkpoint = _found(resolved, child_fmt, step_regex)
     if isinstance(checkpoint, str):
         _left(found, child, checkpoint)
         return True
@@ -341,11 +344,12 @@ def _discover_one(path: Location, found: Discovery, step_regex: str | None, excl
     if _skipped(path, skipped, used):
         found.notes.append(Note(f"skipped {path}: left out ({{skip}})", mentions=("skip",)))
         return
-    fmt = detect_format(path)
+    resolved = resolve(path)
+    fmt = resolved.format
     if fmt is not None and _holds_checkpoints(path):
         fmt = None  # e.g. a DeepSpeed save dir: `latest` names one tag, but every tag counts
     if fmt is not None and not (path / MANIFEST_NAME).exists():
-        checkpoint = _found(path, fmt, step_regex)
+        checkpoint = _found(resolved, fmt, step_regex)
         if isinstance(checkpoint, str):
             raise CheckpointNotFoundError(path, "cannot tell the training step: " + checkpoint)
         found.checkpoints.append(checkpoint)

@@ -24,8 +24,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from .errors import EmaCkptError, Note, OptionError
-from .formats import detect_format, locate_model, open_checkpoint
-from .formats.base import NESTED_MODELS, TRAINER_STATE, CheckpointFormat, trainer_state_step
+from .formats import Resolved, detect_format, locate_model, open_checkpoint, resolve
+from .formats.base import TRAINER_STATE, trainer_state_step
+from .formats.resolve import NESTED_MODELS
 from .formats.torch_file import file_facts, has_torch_suffix
 from .formats.torch_file.optimizer import optimizer_step_counters
 from .layout import Box
@@ -92,8 +93,9 @@ class StepUnknown(Exception):
     """A step source that sees its record still being written: the checkpoint waits (a note)."""
 
 
-def _trainer_state_step(path: Location, fmt: CheckpointFormat) -> StepRecord | None:
+def _trainer_state_step(found: Resolved) -> StepRecord | None:
     """The Hugging Face Trainer's ``trainer_state.json`` ``global_step`` (optimizer steps)."""
+    path = found.path
     if not path.is_dir():
         return None
     step = trainer_state_step(path)
@@ -105,16 +107,18 @@ ACCELERATE_OPTIMIZER = "optimizer.bin"
 _ACCELERATE_FOLDER = re.compile(r"^checkpoint_\d+$")
 
 
-def accelerate_folder(path: Location) -> bool:
+def accelerate_folder(path: Location | Resolved) -> bool:
     """A folder accelerate's ``save_state`` wrote with ``automatic_checkpoint_naming``: its name
     counts saves, not steps."""
-    if locate_model(path).trainer == "accelerate":
+    found = resolve(path)
+    path = found.path
+    if found.model.trainer == "accelerate":
         return True
     return bool(path.is_dir() and _ACCELERATE_FOLDER.match(path.name)
                 and any(p.name.startswith("random_states_") for p in path.iterdir()))
 
 
-def _optimizer_counter_step(path: Location, fmt: CheckpointFormat) -> StepRecord | None:
+def _optimizer_counter_step(found: Resolved) -> StepRecord | None:
     """The optimizer's own step counter (Adam's per-parameter ``step``) saved beside the model.
 
     accelerate records no optimizer step of its own: the ``step`` in ``random_states_<i>.pkl``
@@ -123,7 +127,7 @@ def _optimizer_counter_step(path: Location, fmt: CheckpointFormat) -> StepRecord
     models (``pytorch_model_fsdp_0/``) keep it in ``optimizer_0/`` (DCP); unnested ones (a
     ``FULL_STATE_DICT`` file, ``model.safetensors``) in ``optimizer.bin``.
     """
-    location = locate_model(path)
+    path, location = found.path, found.model
     if location.trainer is not None and location.optimizer is not None:
         if detect_format(location.optimizer) is None:
             raise StepUnknown(f"{location.optimizer.name}/ is not complete yet (still being written?)")
@@ -141,18 +145,19 @@ def _optimizer_counter_step(path: Location, fmt: CheckpointFormat) -> StepRecord
     return StepRecord(max(steps), f"optimizer step counter in {where}") if steps else None
 
 
-def _format_step(path: Location, fmt: CheckpointFormat) -> StepRecord | None:
+def _format_step(found: Resolved) -> StepRecord | None:
     """The step the format itself records (DeepSpeed ``global_steps``, a file's ``global_step``)."""
-    if not fmt.records_step:
+    fmt = found.format
+    if fmt is None or not fmt.records_step:
         return None
     if fmt.step_record is not None:
-        found = fmt.step_record(locate_model(path).path)
-        return StepRecord(*found) if found is not None else None
-    step = fmt.step_of(locate_model(path).path)  # cheap: no reader is built, no tensor opened
+        record = fmt.step_record(found.model.path)
+        return StepRecord(*record) if record is not None else None
+    step = fmt.step_of(found.model.path)  # cheap: no reader is built, no tensor opened
     return StepRecord(int(step), fmt.step_label or f"{fmt.name} record") if step is not None else None
 
 
-STEP_SOURCES: tuple[Callable[[Location, CheckpointFormat], StepRecord | None], ...] = (
+STEP_SOURCES: tuple[Callable[[Resolved], StepRecord | None], ...] = (
     _trainer_state_step,
     _optimizer_counter_step,
     _format_step,
@@ -177,8 +182,11 @@ def _file_epoch(path: Location) -> int | None:
     return file_facts(local).epoch
 
 
-def step_record(path: str | Location, step_regex: str | None = None) -> StepRecord | None:
+def step_record(path: str | Location | Resolved, step_regex: str | None = None) -> StepRecord | None:
     """The training step of the checkpoint at ``path`` and where it came from, or None.
+
+    Given a :class:`~ema_ckpt.formats.Resolved` checkpoint, its model folder and format are
+    taken as they are (nothing is detected again).
 
     ``step_regex``, when given and matching, wins over every record: the user said so.
 
@@ -190,7 +198,8 @@ def step_record(path: str | Location, step_regex: str | None = None) -> StepReco
         >>> step_record("out/checkpoint-500")  # doctest: +SKIP
         StepRecord(step=500, source='trainer_state.json global_step')
     """
-    path = as_path(path)
+    given = path if isinstance(path, Resolved) else None
+    path = path.path if isinstance(path, Resolved) else as_path(path)
     owner = _owner(path)
     kind = "folder" if owner.is_dir() else "file"
     if step_regex is not None:
@@ -198,18 +207,19 @@ def step_record(path: str | Location, step_regex: str | None = None) -> StepReco
         if step is not None:
             return StepRecord(step, Note(f"{{step_regex}} on the {kind} name ", mentions=("step_regex",))
                               + owner.name)
-    fmt = detect_format(owner)
+    found = given if given is not None and owner == given.path else resolve(owner)
+    fmt = found.format
     if fmt is not None:
         for source in STEP_SOURCES:
             try:
-                record = source(owner, fmt)
+                record = source(found)
             except EmaCkptError:
                 raise
             except OSError:
                 record = None
             if record is not None:
                 return record
-        if accelerate_folder(owner):
+        if accelerate_folder(found):
             raise StepUnknown(
                 f"no step record (accelerate's {owner.name} counts saves, not steps); "
                 + Note("pass {step_regex} to take the name as the step", mentions=("step_regex",))

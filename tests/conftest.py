@@ -15,6 +15,28 @@ from tests.shared_dirs import built_once
 
 STEPS = [3, 7, 20, 21, 30]
 
+FAST_FILES = frozenset({
+    # in-process: pure layers, fakes, readers and writers on in-process dcp.save/torch.save files
+    "test_planner.py", "test_schedules.py", "test_layout.py", "test_crc.py", "test_read_checks.py",
+    "test_engine.py", "test_jobs.py", "test_errors.py", "test_exit_codes.py", "test_structure.py",
+    "test_torch_records.py", "test_unpickler.py", "test_direct_io.py", "test_dcp_reader.py",
+    "test_hf_safetensors.py", "test_key_names.py", "test_hostile_keys.py", "test_single_file_reading.py",
+    "test_discovery.py", "test_out_paths.py", "test_verify_diff.py", "test_trust.py", "test_output_contract.py",
+    # the boundaries, once each: both storage destinations (a real S3 server on loopback), a --workers 2
+    # byte check (test_damaged_records), a SIGKILL (test_crash), the CLI in-process and as a subprocess
+    "test_storage.py", "test_damaged_records.py", "test_crash.py", "test_cli.py", "test_cli_errors.py",
+    "test_locks.py", "test_liveness.py",
+})
+"""The fast tier (``make check``): every module and boundary once, in a few minutes on 2 cores.
+``make test`` runs everything."""
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark the fast tier's tests ``fast`` (``pytest -m fast``)."""
+    for item in items:
+        if item.path.name in FAST_FILES:
+            item.add_marker(pytest.mark.fast)
+
 
 def pytest_sessionstart(session: pytest.Session) -> None:
     """Write the bytecode of ema-ckpt and of the tests once, before any test starts a process.

@@ -26,8 +26,8 @@ from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, Writ
 from torch.distributed.checkpoint.state_dict_loader import load
 from torch.distributed.checkpoint.state_dict_saver import save
 
+from ema_ckpt.formats.dcp.writer import DcpWriter
 from ema_ckpt.layout import Box, dim0_shard_boxes
-from ema_ckpt.writers.dcp import DcpWriter
 
 
 def fsdp_boxes(shape: tuple[int, ...], world_size: int) -> list[Box]:

@@ -28,8 +28,8 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from ema_ckpt import _gc
 from ema_ckpt._compat import dcp_metadata as compat
 from ema_ckpt._pickle import check_written_metadata, load_dcp_metadata_bytes
+from ema_ckpt.formats.dcp.writer import DcpWriter
 from ema_ckpt.layout import Box
-from ema_ckpt.writers.dcp import DcpWriter
 
 # --- DCP .metadata: the emitter against the installed torch -----------------------------------
 
@@ -162,12 +162,12 @@ def test_a_changed_or_missing_torch_definition_is_noticed(monkeypatch):
 def test_the_check_runs_once_only_when_metadata_is_written_and_imports_no_dcp(tmp_path):
     code = textwrap.dedent(f"""
         import pathlib, sys, time, torch
-        import ema_ckpt.cli, ema_ckpt.writers.dcp
+        import ema_ckpt.cli, ema_ckpt.formats.dcp.writer
         from ema_ckpt._compat.dcp_metadata import emitter_matches_torch
         from ema_ckpt.layout import Box
         assert emitter_matches_torch.cache_info().misses == 0, "checked before any DCP output"
         for name in ("a", "b"):
-            w = ema_ckpt.writers.dcp.DcpWriter(pathlib.Path({str(tmp_path)!r}) / name)
+            w = ema_ckpt.formats.dcp.writer.DcpWriter(pathlib.Path({str(tmp_path)!r}) / name)
             w.declare("w", (2,), torch.float32)
             w.write("w", Box((0,), (2,)), torch.ones(2))
             w.finish()

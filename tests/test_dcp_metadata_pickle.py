@@ -30,9 +30,9 @@ from torch.distributed.checkpoint.metadata import (
 from ema_ckpt._compat.dcp_metadata import dump_metadata
 from ema_ckpt._pickle import load_dcp_metadata_bytes
 from ema_ckpt.dtypes import torch_dtype
+from ema_ckpt.formats.dcp import writer as dcp_writer
+from ema_ckpt.formats.dcp.writer import DcpWriter
 from ema_ckpt.layout import Box
-from ema_ckpt.writers import dcp as dcp_writer
-from ema_ckpt.writers.dcp import DcpWriter
 
 
 def test_the_writer_uses_the_checked_pickler():
@@ -161,7 +161,7 @@ def _torch_bytes(tmp_path, value) -> bytes:
 def test_writing_a_dcp_checkpoint_does_not_import_torchs_dcp_package(tmp_path):
     code = (
         "import sys, torch\n"
-        "from ema_ckpt.writers.dcp import DcpWriter\n"
+        "from ema_ckpt.formats.dcp.writer import DcpWriter\n"
         "from ema_ckpt.layout import Box\n"
         f"w = DcpWriter(__import__('pathlib').Path({str(tmp_path / 'ck')!r}))\n"
         "w.declare('w', (2,), torch.float32)\n"

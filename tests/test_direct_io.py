@@ -141,9 +141,9 @@ def test_large_dcp_records_are_page_aligned_in_their_files(tmp_path):
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     from ema_ckpt.formats import open_checkpoint
+    from ema_ckpt.formats.dcp.writer import DcpWriter
     from ema_ckpt.layout import Box
     from ema_ckpt.torch_records import member_start, scan_record
-    from ema_ckpt.writers.dcp import DcpWriter
 
     tensors = {"a": torch.randn(3), "big": torch.randn(700, 1000), "b": torch.randn(5, 7),
                "big2": torch.randn(2, 300_000)}

@@ -20,9 +20,9 @@ from ema_ckpt.cli import app
 from ema_ckpt.commands.accumulate import accumulate
 from ema_ckpt.errors import NonFiniteError
 from ema_ckpt.formats.dcp import DcpReader
+from ema_ckpt.formats.dcp import writer as dcp_writer
 from ema_ckpt.layout import Box
 from ema_ckpt.manifest import Manifest
-from ema_ckpt.writers import dcp as dcp_writer
 from tests.dcp_helpers import write_dcp
 
 EMA_CKPT = str(Path(sys.executable).with_name("ema-ckpt"))

@@ -17,9 +17,9 @@ from typing import Any
 
 from ..discovery import Entry, discover, step_record
 from ..dtypes import itemsize
-from ..formats import detect_format, locate_model, open_checkpoint
-from ..formats.base import formats_for
+from ..formats import detect_format, open_checkpoint, resolve
 from ..formats.options import ReadOptions, reading
+from ..formats.resolve import formats_for
 from ..manifest import MANIFEST_NAME, Manifest
 from ..maths import profile_from_dict
 from ..selection import container_prefix, select_keys
@@ -143,9 +143,9 @@ def inspect_checkpoint(path: str | Location, *, state_key: str | None = None,
         >>> info.format_name, info.step, info.key_count         # doctest: +SKIP
         ('dcp', 1000, 120)
     """
-    path = as_path(path)
-    location = locate_model(path)
-    with reading(ReadOptions(state_key, tuple(inert_globals))), contextlib.closing(open_checkpoint(path)) as reader:
+    found = resolve(path)  # found, located and detected once, then passed on
+    path, location = found.path, found.model
+    with reading(ReadOptions(state_key, tuple(inert_globals))), contextlib.closing(open_checkpoint(found)) as reader:
         tensors = [  # from the stored shapes and dtype names: for most formats, without importing torch
             TensorInfo(k, shape, dtype, math.prod(shape) * itemsize(dtype), len(reader.layout(k)))
             for k, (shape, dtype) in reader.stored().items()
@@ -156,7 +156,7 @@ def inspect_checkpoint(path: str | Location, *, state_key: str | None = None,
         if manifest is not None:
             step, source = manifest.step, "ema-ckpt.json"
         else:
-            record = step_record(path)
+            record = step_record(found)
             step, source = (record.step, record.source) if record is not None else (None, None)
         notes = _ignored_weights(path, reader.format_name)
         notes += [f"{other}/ ignored: only the first model is read (pass {path / other} to read it)"

@@ -9,26 +9,19 @@ from . import dcp as _dcp  # noqa: F401  (registers "dcp")
 from . import deepspeed as _deepspeed  # noqa: F401  (registers "deepspeed")
 from . import hf_safetensors as _hf_safetensors  # noqa: F401  (registers "safetensors")
 from . import torch_file as _torch_file  # noqa: F401  (registers "torch")
-from .base import (
-    CheckpointFormat,
-    CheckpointReader,
-    ModelLocation,
-    NestedModel,
-    detect_format,
-    locate_model,
-    open_checkpoint,
-    register_format,
-    registered_formats,
-)
+from .base import CheckpointFormat, CheckpointReader, register_format, registered_formats
+from .resolve import ModelLocation, NestedModel, Resolved, detect_format, locate_model, open_checkpoint, resolve
 
 __all__ = [
     "CheckpointFormat",
     "CheckpointReader",
     "ModelLocation",
     "NestedModel",
+    "Resolved",
     "detect_format",
     "locate_model",
     "open_checkpoint",
     "register_format",
     "registered_formats",
+    "resolve",
 ]

@@ -61,7 +61,7 @@ def local_file(path: Location) -> Path | None:
 
 def local_path(path: Location) -> Path:
     """``path`` where only a local file will do (a format read from a local disk only, which
-    :func:`~ema_ckpt.formats.base.formats_for` never offers a location in object storage).
+    :func:`~ema_ckpt.formats.resolve.formats_for` never offers a location in object storage).
 
     Raises:
         TypeError: ``path`` is in object storage.

@@ -108,7 +108,7 @@ class DcpOutput(OutputWriter):
         The split depends only on the layout, never on the number of workers, so the
         output is the same bytes whatever their number.
         """
-        from .dcp import data_file_name
+        from ..formats.dcp.writer import data_file_name
 
         rank_work: dict[int, int] = {}
         for tensor, box, rank in ranked:
@@ -131,7 +131,7 @@ class DcpOutput(OutputWriter):
 
     def _open(self) -> Any:
         if self._writer is None:
-            from .dcp import DcpWriter
+            from ..formats.dcp.writer import DcpWriter
 
             self._writer = DcpWriter(self.staging, file_tag=self.file_tag)
             for tensor in self._tensors:
@@ -146,7 +146,7 @@ class DcpOutput(OutputWriter):
         return self._open().close()
 
     def finish(self, states: Sequence[Any]) -> list[WrittenFile]:
-        from .dcp import DcpWriter
+        from ..formats.dcp.writer import DcpWriter
 
         # holds no tensor data of its own: merges every worker's state; the carried entries go in a part of their own
         merger = DcpWriter(self.staging, file_tag=self.file_tag)

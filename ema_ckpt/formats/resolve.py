@@ -1,0 +1,219 @@
+"""A checkpoint path resolved once: the folder holding its model (itself, or one a trainer
+nests in it), its format by marker files, why it is no checkpoint yet, and its reader.
+
+Example:
+    >>> found = resolve("ckpts/checkpoint_3")             # doctest: +SKIP
+    >>> found.model.path, found.format.name                 # doctest: +SKIP
+    (PosixPath('ckpts/checkpoint_3/pytorch_model_fsdp_0'), 'dcp')
+    >>> reader = open_checkpoint(found)                     # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from ..errors import CheckpointFormatError, CheckpointNotFoundError
+from ..storage import Location, as_path, local_file
+from .base import _REGISTRY, CheckpointFormat, CheckpointReader
+
+
+@dataclass(frozen=True, slots=True)
+class NestedModel:
+    """A trainer's checkpoint folder whose model weights sit in a subdirectory of their own.
+
+    ``pattern`` matches the subdirectory's name; ``trainer`` names who writes it. accelerate's
+    ``save_state`` (and so the Hugging Face Trainer) writes an FSDP model as
+    ``checkpoint_<i>/pytorch_model_fsdp_0/`` (a DCP checkpoint holding ``{"model": …}``) beside
+    ``optimizer_0/``; NeMo 2 writes Megatron's ``torch_dist`` checkpoint into ``weights/``.
+    ``optimizer`` names the sibling folder holding that model's optimizer state, if any;
+    where the subdirectory's name alone is common, ``beside`` names a sibling that must exist
+    too and ``marker`` a file the nested folder must hold.
+    """
+
+    trainer: str
+    pattern: re.Pattern[str]
+    optimizer: str | None = None
+    beside: str | None = None
+    marker: str | None = None
+
+
+NESTED_MODELS: tuple[NestedModel, ...] = (
+    NestedModel("accelerate", re.compile(r"^pytorch_model_fsdp_0$"), optimizer="optimizer_0"),
+    NestedModel("NeMo", re.compile(r"^weights$"), beside="context", marker="metadata.json"),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelLocation:
+    """Where a checkpoint path's model weights are: the path itself, or a nested folder."""
+
+    path: Location
+    """The folder or file the reader opens."""
+    trainer: str | None = None
+    """Who nests the model (``accelerate``, ``NeMo``), when it is nested."""
+    optimizer: Location | None = None
+    """The nested model's optimizer folder, when the trainer writes one."""
+    others: tuple[str, ...] = ()
+    """Further model folders of the same trainer left aside (accelerate's second model, …)."""
+
+
+def formats_for(path: Location) -> list[CheckpointFormat]:
+    """The registered formats, in detection order, that can be read at ``path`` (all of them
+    locally; on object storage, those whose reader reads there)."""
+    formats = list(_REGISTRY.values())
+    return formats if local_file(path) is not None else [f for f in formats if f.remote]
+
+
+def _own_format(path: Location) -> CheckpointFormat | None:
+    earlier: list[CheckpointFormat] = []
+    for fmt in formats_for(path):
+        if fmt.detect(path):
+            # A save of a format detected earlier still in progress here makes the folder
+            # incomplete: the Hugging Face Trainer writes model.safetensors before its DeepSpeed tag.
+            if any(other.incomplete(path) for other in earlier):
+                return None
+            return fmt
+        earlier.append(fmt)
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class Resolved:
+    """A checkpoint path resolved once: where its model weights are and their format (None:
+    no checkpoint of a known format there). Pass it on instead of the path, so that nothing
+    looks for the model folder or detects the format again.
+
+    Example:
+        >>> found = resolve("ckpts/step_100")   # doctest: +SKIP
+        >>> found.format.name, found.model.path  # doctest: +SKIP
+        ('dcp', PosixPath('ckpts/step_100'))
+    """
+
+    path: Location
+    model: ModelLocation
+    format: CheckpointFormat | None
+
+
+def resolve(path: str | Location | Resolved) -> Resolved:
+    """``path`` resolved (:class:`Resolved`); one already resolved is returned as it is."""
+    if isinstance(path, Resolved):
+        return path
+    path = as_path(path)
+    model, fmt = _locate(path)
+    return Resolved(path, model, fmt)
+
+
+def locate_model(path: str | Location | Resolved) -> ModelLocation:
+    """The folder holding ``path``'s model weights: ``path`` itself unless a trainer nests them.
+
+    Only names are looked at, and the nested folder must itself be a checkpoint of a known
+    format. A folder that is a checkpoint of its own is never looked into.
+
+    Example:
+        >>> locate_model("ckpts/checkpoints/checkpoint_3").path  # doctest: +SKIP
+        PosixPath('ckpts/checkpoints/checkpoint_3/pytorch_model_fsdp_0')
+    """
+    return resolve(path).model
+
+
+def _locate(path: Location) -> tuple[ModelLocation, CheckpointFormat | None]:
+    """The model's location and format, each format's markers looked at once."""
+    own = _own_format(path)
+    if own is not None or not path.is_dir():
+        return ModelLocation(path), own
+    try:
+        children = sorted(c.name for c in path.iterdir() if c.is_dir())
+    except OSError:
+        return ModelLocation(path), None
+    for nested in NESTED_MODELS:
+        names = [n for n in children if nested.pattern.match(n)]
+        if not names or (nested.beside is not None and nested.beside not in children):
+            continue
+        if nested.marker is not None and not (path / names[0] / nested.marker).is_file():
+            continue
+        fmt = _own_format(path / names[0])
+        if fmt is not None:
+            others = tuple(n for n in children if n != names[0] and n.startswith("pytorch_model_fsdp_"))
+            optimizer = path / nested.optimizer if nested.optimizer else None
+            optimizer = optimizer if optimizer is not None and optimizer.is_dir() else None
+            return ModelLocation(path / names[0], nested.trainer, optimizer, others), fmt
+    return ModelLocation(path), None
+
+
+def nested_incomplete(path: str | Location) -> str | None:
+    """Why a trainer folder's nested model folder is still being written, or None."""
+    path = as_path(path)
+    if not path.is_dir() or _own_format(path) is not None:
+        return None
+    for nested in NESTED_MODELS:
+        if nested.beside is not None and not (path / nested.beside).is_dir():
+            continue
+        names = [c.name for c in path.iterdir() if nested.pattern.match(c.name) and c.is_dir()]
+        for name in sorted(names):
+            for fmt in formats_for(path):
+                reason = fmt.incomplete(path / name)
+                if reason:
+                    return f"{name}/: {reason}"
+    return None
+
+
+def waiting_reason(path: Location) -> str | None:
+    """Why ``path`` is a checkpoint still being written (itself, or the model folder a trainer
+    nests in it), or None."""
+    for fmt in formats_for(path):
+        reason = fmt.incomplete(path)
+        if reason:
+            return reason
+    return nested_incomplete(path)
+
+
+def not_a_model_reason(path: Location) -> str | None:
+    """Why ``path``, complete and of a known kind, never holds a model (``optimizer.pt``), or None."""
+    return next((reason for fmt in formats_for(path) if (reason := fmt.not_a_model(path))), None)
+
+
+def detect_format(path: str | Location | Resolved) -> CheckpointFormat | None:
+    """The format whose marker files ``path`` (or the model folder a trainer nests in it) holds, or None."""
+    return resolve(path).format
+
+
+def open_checkpoint(path: str | Location | Resolved, *, shared: object | None = None) -> CheckpointReader:
+    """Open the checkpoint at ``path`` with the reader of its format.
+
+    ``shared``: what :meth:`CheckpointReader.share` returned for this checkpoint in another
+    process; the reader is rebuilt from it instead of parsing the checkpoint again.
+
+    Example:
+        >>> with open_checkpoint("ckpts/step_1000") as reader:      # doctest: +SKIP
+        ...     key = next(iter(reader.specs()))
+        ...     first_chunk = reader.read(key, reader.layout(key)[0])
+
+    Raises:
+        CheckpointNotFoundError: ``path`` does not exist or holds no known checkpoint.
+    """
+    resolved = resolve(path)
+    path, location, fmt = resolved.path, resolved.model, resolved.format
+    if fmt is None and not path.exists():
+        raise CheckpointNotFoundError(path, "no such file or directory")
+    if fmt is None:
+        reason = waiting_reason(path)
+        if reason:  # a folder without its marker yet holds no checkpoint; a cut file is a damaged one
+            raise (CheckpointNotFoundError if path.is_dir() else CheckpointFormatError)(path, reason)
+        reason = not_a_model_reason(path)
+        if reason:
+            raise CheckpointFormatError(path, reason)
+        if local_file(path) is None:
+            names = ", ".join(f.name for f in formats_for(path))
+            raise CheckpointNotFoundError(path, f"not a checkpoint of a format read from object storage ({names}; "
+                                                "copy others to a local disk first)")
+        names = ", ".join(_REGISTRY)
+        raise CheckpointNotFoundError(path, f"not a checkpoint of any known format ({names})")
+    if shared is not None and fmt.reopen is not None:
+        return fmt.reopen(location.path, shared)
+    return fmt.open(location.path)
+
+
+__all__ = ["NESTED_MODELS", "ModelLocation", "NestedModel", "Resolved", "detect_format", "formats_for",
+           "locate_model", "nested_incomplete", "not_a_model_reason", "open_checkpoint", "resolve",
+           "waiting_reason"]
