@@ -22,7 +22,7 @@ def compute_floor(inputs: int, outputs: int, total_bytes: int, block_bytes: int 
     import torch
 
     from ema_ckpt._crc import crc32
-    from ema_ckpt.blas_probe import _loop_product, product_is_exact
+    from ema_ckpt.engine.blas_probe import _loop_product, product_is_exact
 
     torch.set_num_threads(1)
     elements = block_bytes // 4 // inputs  # the engine's sweep stack holds N inputs' blocks in 8 MiB

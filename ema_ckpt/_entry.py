@@ -53,8 +53,8 @@ def main() -> None:
     _signals.install()  # here, not at import: the workers it spawns re-import this module
     _gc.own_the_heap()  # this process is the command's: its imports may be set aside (ema_ckpt._gc)
     workers = workers_requested(sys.argv[1:])
-    if workers > 1:  # they start while the command line loads (ema_ckpt.dist_pool.start_standby_workers)
-        from .dist_pool import start_standby_workers
+    if workers > 1:  # they start while the command line loads (ema_ckpt.dist.pool.start_standby_workers)
+        from .dist.pool import start_standby_workers
 
         with contextlib.suppress(Exception):  # only a head start: the run starts its workers itself
             start_standby_workers(workers - 1)

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 from ._env import check_working_directory
 from .dist import Workers, current_workers, in_worker_group
-from .dist_pool import run_workers
+from .dist.pool import run_workers
 from .errors import EmaCkptError, UsageError
 from .formats.options import read_options_from, reading
 from .job_context import JobContext

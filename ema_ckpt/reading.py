@@ -26,7 +26,7 @@ from typing import Any, Generic, TypeVar
 
 from ._env import check_working_directory
 from .dist import Workers, assign_by_bytes, current_workers
-from .dist_pool import run_workers
+from .dist.pool import run_workers
 from .formats.options import ReadOptions, reading
 from .progress import Progress
 

@@ -124,7 +124,7 @@ def test_drain_writes_whole_blocks_and_keeps_the_bytes(tmp_path):
 def test_page_aligned_memory_goes_to_the_disk_uncopied_and_gives_the_same_bytes(tmp_path):
     import torch
 
-    from ema_ckpt.engine_io import _page_aligned
+    from ema_ckpt.engine.buffers import _page_aligned
 
     aligned = _page_aligned(5 * ALIGNMENT + 3, torch.uint8)
     aligned.copy_(torch.randint(0, 255, aligned.shape, dtype=torch.uint8))

@@ -236,7 +236,7 @@ def test_many_outputs_take_smaller_blocks_with_the_bits_of_each_output_alone(mon
     """K outputs cut a region into smaller row blocks (so a source's block and the accumulators
     stay in cache) than one output does; the bits are those of each output computed alone, for
     sums (a sweep on the per-output path, as where the product is not exact) and for folds."""
-    from ema_ckpt import blas_probe
+    from ema_ckpt.engine import blas_probe
 
     assert blas_probe._block_budget(1) == blas_probe._block_budget(2) == 2 << 20
     assert blas_probe._block_budget(4) == 1 << 20

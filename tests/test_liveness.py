@@ -1,4 +1,4 @@
-""":mod:`ema_ckpt._liveness`: joining with a deadline, and the heartbeat that notices a silent peer."""
+""":mod:`ema_ckpt.dist.liveness`: joining with a deadline, and the heartbeat that notices a silent peer."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import time
 import pytest
 import torch.distributed as dist
 
-from ema_ckpt._liveness import Heartbeat, join, join_timeout, open_store, peer_timeout
+from ema_ckpt.dist.liveness import Heartbeat, join, join_timeout, open_store, peer_timeout
 from ema_ckpt.errors import OptionError, PeerLostError
 from tests.producers.launch import free_port
 
@@ -107,7 +107,7 @@ def test_a_store_that_stops_answering_is_lost_too():
 def test_a_store_served_on_a_listening_socket_takes_it_and_clients_may_come_first():
     import threading
 
-    from ema_ckpt.dist_pool import _listening_socket
+    from ema_ckpt.dist.pool import _listening_socket
 
     listening = _listening_socket()
     port = listening.getsockname()[1]

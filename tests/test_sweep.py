@@ -12,10 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from ema_ckpt import blas_probe
 from ema_ckpt.commands.accumulate import accumulate
 from ema_ckpt.commands.averaging import posthoc
-from ema_ckpt.engine import OutputSpec, Update, combine_regions
+from ema_ckpt.engine import OutputSpec, Update, blas_probe, combine_regions
 from ema_ckpt.formats import open_checkpoint
 from ema_ckpt.layout import Box, boxes_cover
 from ema_ckpt.writers.outputs import DEFAULT_CHUNK_BYTES, DcpOutput

@@ -15,7 +15,7 @@ from ema_ckpt.commands.averaging import posthoc
 from ema_ckpt.commands.consolidate import consolidate
 from ema_ckpt.commands.reshard import reshard
 from ema_ckpt.dist import WorkerFailed, Workers, assign_by_bytes, current_workers
-from ema_ckpt.dist_pool import run_workers
+from ema_ckpt.dist.pool import run_workers
 from ema_ckpt.errors import EmaCkptError, OptionError, UsageError
 from tests.dcp_helpers import write_dcp
 from tests.producers.launch import free_port
@@ -253,7 +253,7 @@ def test_the_console_script_spares_spawned_workers_the_cli_import():
 def test_workers_refuse_a_process_that_already_has_a_group(tmp_path):
     code = (
         "import torch.distributed as dist\n"
-        "from ema_ckpt.dist_pool import run_workers\n"
+        "from ema_ckpt.dist.pool import run_workers\n"
         "from tests.producers.launch import free_port\n"
         "from ema_ckpt.errors import UsageError\n"
         "dist.init_process_group('gloo', init_method=f'tcp://127.0.0.1:{free_port()}', rank=0, world_size=1)\n"
@@ -376,7 +376,7 @@ def _who_works() -> list[tuple[int, str | None]]:
 
 
 def test_workers_started_ahead_take_the_next_job_with_its_environment(monkeypatch):
-    from ema_ckpt import dist_pool
+    from ema_ckpt.dist import pool as dist_pool
 
     dist_pool.start_standby_workers(1)
     started = [proc.pid for proc in dist_pool._standby["procs"]]
@@ -388,7 +388,7 @@ def test_workers_started_ahead_take_the_next_job_with_its_environment(monkeypatc
 
 
 def test_workers_started_ahead_for_another_count_are_ended_and_replaced():
-    from ema_ckpt import dist_pool
+    from ema_ckpt.dist import pool as dist_pool
 
     dist_pool.start_standby_workers(2)
     started = list(dist_pool._standby["procs"])
@@ -400,7 +400,7 @@ def test_workers_started_ahead_for_another_count_are_ended_and_replaced():
 
 
 def test_workers_started_ahead_end_with_a_command_that_never_used_them(tmp_path):
-    script = ("import sys; from ema_ckpt import dist_pool; dist_pool.start_standby_workers(1); "
+    script = ("import sys; from ema_ckpt.dist import pool as dist_pool; dist_pool.start_standby_workers(1); "
               "print(dist_pool._standby['procs'][0].pid, flush=True); sys.exit(3)")
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 3, proc.stderr
@@ -456,7 +456,7 @@ def test_a_worker_that_fails_leaves_nothing_more_to_claim():
 
 
 def test_workers_started_ahead_end_when_the_run_needs_none():
-    from ema_ckpt import dist_pool
+    from ema_ckpt.dist import pool as dist_pool
 
     dist_pool.start_standby_workers(1)
     started = list(dist_pool._standby["procs"])

@@ -19,9 +19,9 @@ import math
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from ._lazy import torch
-from .formats.base import CheckpointReader
-from .layout import Box, TensorSpec
+from .._lazy import torch
+from ..formats.base import CheckpointReader
+from ..layout import Box, TensorSpec
 
 
 class _WriteBehind:

@@ -19,8 +19,8 @@ import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from ._lazy import torch
-from .layout import Box, split_rows
+from .._lazy import torch
+from ..layout import Box, split_rows
 
 # Row blocks of a region, per source: small enough to stay in the CPU's cache while every
 # output uses them, so each input byte crosses memory once however many outputs there are.

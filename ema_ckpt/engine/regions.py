@@ -9,13 +9,13 @@ Each output is a combination of the sources, given as ordered updates:
   Two or more sum outputs over the same sources (a sweep) are computed together, one small
   matrix product per block: the K × N coefficients times the N sources' block gives the K
   output blocks in one pass over the inputs, where this machine's BLAS gives the bits of the
-  one-output loop (:func:`~ema_ckpt.blas_probe.product_is_exact`); elsewhere by that loop.
+  one-output loop (:func:`~ema_ckpt.engine.blas_probe.product_is_exact`); elsewhere by that loop.
 
 For each region (one stored chunk of the output layout), each source's matching box is
 read once and folded into every output that uses it, then the results are written and
 freed: memory is a few regions, never the model. Non-floating tensors are copied from one
 source (the newest checkpoint). Writing runs one region behind on a background thread, so
-the disk takes region i while region i+1 is read and combined (:mod:`ema_ckpt.engine_io`).
+the disk takes region i while region i+1 is read and combined (:mod:`ema_ckpt.engine.buffers`).
 
 Example:
     >>> outputs = [OutputSpec("ema", (Update(0, 1.0), Update(1, 0.1)))]
@@ -32,15 +32,15 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+from .._lazy import torch
+from ..dtypes import is_float, torch_dtype
+from ..errors import NonFiniteError, OptionError
+from ..formats.base import CheckpointReader
+from ..layout import Box, TensorSpec
+from ..progress import Progress
+from ..writers.base import OutputTensor, OutputWriter, PlannedRegion
 from . import blas_probe  # through the module: tests replace its functions there
-from ._lazy import torch
-from .dtypes import is_float, torch_dtype
-from .engine_io import _Buffers, _read, _WriteBehind
-from .errors import NonFiniteError, OptionError
-from .formats.base import CheckpointReader
-from .layout import Box, TensorSpec
-from .progress import Progress
-from .writers.base import OutputTensor, OutputWriter, PlannedRegion
+from .buffers import _Buffers, _read, _WriteBehind
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,8 +22,8 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from ._gc import import_module, own_the_heap
-from .dist import (
+from .._gc import import_module, own_the_heap
+from .group import (
     _SPAWNED_VARIABLE,
     WorkerFailed,
     _group_state,
@@ -33,7 +33,7 @@ from .dist import (
     _spawned,
     in_worker_group,
 )
-from .errors import EmaCkptError, OptionError, PeerLostError
+from ..errors import EmaCkptError, OptionError, PeerLostError
 
 T = TypeVar("T")
 

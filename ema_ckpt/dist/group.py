@@ -2,7 +2,7 @@
 
 Two ways in:
 
-* ``workers=N`` on one machine: :func:`~ema_ckpt.dist_pool.run_workers` makes the calling
+* ``workers=N`` on one machine: :func:`~ema_ckpt.dist.pool.run_workers` makes the calling
   process rank 0 and spawns ranks 1…N-1 on a free local port; each runs the same library call
   with its own rank and joins the group through :func:`current_workers`.
 * under ``torchrun`` (one or many nodes over a shared filesystem): RANK, WORLD_SIZE and
@@ -11,7 +11,7 @@ Two ways in:
 Every rank plans the same work from metadata (the plan is deterministic), processes its own
 share of output files, and the coordinator (rank 0) writes metadata and the manifest. An
 error on any rank is raised on every rank at the next synchronisation point; a rank that
-never joins or falls silent ends the others within a bound (:mod:`ema_ckpt._liveness`), so
+never joins or falls silent ends the others within a bound (:mod:`ema_ckpt.dist.liveness`), so
 no rank waits forever on a failed peer.
 
 Example:
@@ -32,9 +32,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from ._gc import import_module, paused_gc
-from ._liveness import Heartbeat, join, join_timeout, open_store, peer_timeout
-from .errors import (
+from .._gc import import_module, paused_gc
+from .liveness import Heartbeat, join, join_timeout, open_store, peer_timeout
+from ..errors import (
     CheckpointFormatError,
     EmaCkptError,
     NonFiniteError,
@@ -251,10 +251,10 @@ def _first_line(err: BaseException) -> str:
 _group_state: dict[str, Any] = {}
 """This process's group: its store and heartbeat (set by :func:`current_workers`)."""
 _spawned: list[Any] = []
-"""Rank 0's spawned workers while :func:`~ema_ckpt.dist_pool.run_workers` runs, watched while the group
+"""Rank 0's spawned workers while :func:`~ema_ckpt.dist.pool.run_workers` runs, watched while the group
 forms."""
 _listening: list[socket.socket] = []
-"""Rank 0's socket for the group's store while :func:`~ema_ckpt.dist_pool.run_workers` runs, until the
+"""Rank 0's socket for the group's store while :func:`~ema_ckpt.dist.pool.run_workers` runs, until the
 store takes it."""
 _SPAWNED_VARIABLE = "EMA_CKPT_SPAWNED_WORKER"
 """Set in a worker that rank 0 spawned: its launcher, which it must not outlive."""
@@ -332,7 +332,7 @@ def current_workers(device: str = "cpu") -> Workers:
 
 
 def _join_group(backend: str, world: int) -> None:
-    """Form the group with bounded waits (see :mod:`ema_ckpt._liveness`), then start the heartbeat.
+    """Form the group with bounded waits (see :mod:`ema_ckpt.dist.liveness`), then start the heartbeat.
 
     Under torchrun the store is the agent's (every worker a client); otherwise rank 0 serves it.
     """

@@ -33,8 +33,8 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ._env import seconds
-from .errors import PeerLostError
+from .._env import seconds
+from ..errors import PeerLostError
 
 PEER_TIMEOUT_VARIABLE = "EMA_CKPT_PEER_TIMEOUT"
 JOIN_TIMEOUT_VARIABLE = "EMA_CKPT_JOIN_TIMEOUT"
