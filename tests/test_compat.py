@@ -27,9 +27,9 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from ema_ckpt import _gc
 from ema_ckpt._compat import dcp_metadata as compat
-from ema_ckpt._pickle import check_written_metadata, load_dcp_metadata_bytes
 from ema_ckpt.formats.dcp.writer import DcpWriter
 from ema_ckpt.layout import Box
+from ema_ckpt.pickles.dcp_metadata import check_written_metadata, load_dcp_metadata_bytes
 
 # --- DCP .metadata: the emitter against the installed torch -----------------------------------
 

@@ -1,4 +1,4 @@
-""":mod:`ema_ckpt._unpickler`: the bounds walk before CPython's C unpickler loads a pickle."""
+""":mod:`ema_ckpt.pickles.bounds`: the bounds walk before CPython's C unpickler loads a pickle."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ema_ckpt._unpickler import (
+from ema_ckpt.pickles.bounds import (
     _ARGUMENTS,
     _LENGTH1,
     _LENGTH4,

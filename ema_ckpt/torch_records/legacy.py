@@ -20,8 +20,8 @@ import os
 import struct
 from typing import Any
 
-from .._unpickler import InMemoryUnpickler, check_pickle_bounds
 from ..errors import CheckpointFormatError
+from ..pickles.bounds import InMemoryUnpickler, check_pickle_bounds
 
 MAGIC_NUMBER = 0x1950A86A20F9469CFC6C
 PROTOCOL_VERSION = 1001

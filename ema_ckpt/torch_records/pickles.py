@@ -13,9 +13,9 @@ import pickle
 from dataclasses import dataclass
 from typing import Any
 
-from .._unpickler import InMemoryUnpickler
 from ..dtypes import TORCH_NAMES, DtypeName, canonical, itemsize
 from ..errors import CheckpointFormatError, UnsafePickleError
+from ..pickles.bounds import InMemoryUnpickler
 
 
 def refuse(source: str, module: str, name: str) -> UnsafePickleError:

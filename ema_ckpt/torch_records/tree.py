@@ -29,9 +29,9 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .._unpickler import InMemoryUnpickler
 from ..dtypes import DtypeName
 from ..errors import CheckpointFormatError, Note, UnsafePickleError
+from ..pickles.bounds import InMemoryUnpickler
 from .pickles import _UNTYPED, TensorRecord, _rebuild_record, _rebuild_record_v3, _size, storage_dtype
 
 

@@ -10,9 +10,9 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from ..._pickle import load_dcp_metadata_bytes
 from ...errors import CheckpointFormatError, CheckpointNotFoundError
 from ...layout import Box
+from ...pickles.dcp_metadata import load_dcp_metadata_bytes
 from ...storage import Location
 
 METADATA_FILE = ".metadata"

@@ -19,7 +19,7 @@ from ..._lazy import torch
 from ...dtypes import itemsize, name_of
 from ...errors import CheckpointFormatError, EmaCkptError, RecordChecksumError, UnsafePickleError
 from ...layout import Box, TensorSpec
-from ...pickle_rules import GLOBAL_IN_MESSAGE, first_line, globals_in_pickle, torch_allows
+from ...pickles.rules import GLOBAL_IN_MESSAGE, first_line, globals_in_pickle, torch_allows
 from ...storage import (
     BlockChecksums,
     Location,

@@ -23,10 +23,10 @@ from pathlib import Path
 from ..._compat.dcp_metadata import dump_metadata
 from ..._crc import crc32, crc32_combine
 from ..._lazy import torch
-from ..._pickle import check_written_metadata
 from ...dtypes import name_of
 from ...errors import CheckpointFormatError, OutputError
 from ...layout import Box, boxes_cover
+from ...pickles.dcp_metadata import check_written_metadata
 from ...storage import fsync_dir, start_writeback
 from ...storage.direct_io import ALIGNMENT as PAGE
 from ...storage.direct_io import DirectAppender

@@ -22,7 +22,7 @@ from typing import IO, Any, cast
 
 from ..._lazy import torch
 from ...errors import CheckpointFormatError
-from ...pickle_rules import first_line
+from ...pickles.rules import first_line
 from ...storage import Location, Source, open_structure
 from ...torch_records import FileWindow, member_start
 from .unpickle import check_magic, safe_load

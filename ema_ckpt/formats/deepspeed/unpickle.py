@@ -43,7 +43,7 @@ from typing import Any
 
 from ..._lazy import torch
 from ...errors import CheckpointFormatError, CheckpointNotFoundError, UnsafePickleError
-from ...pickle_rules import GLOBAL_IN_MESSAGE, first_line, globals_in_pickle, torch_allows
+from ...pickles.rules import GLOBAL_IN_MESSAGE, first_line, globals_in_pickle, torch_allows
 from ...storage import Location
 from ...torch_records.zipfmt import stored_members
 

@@ -19,10 +19,10 @@ import io
 import pickle
 from typing import Any
 
-from ._unpickler import InMemoryUnpickler
-from .dtypes import TORCH_NAMES, DtypeName, canonical
-from .errors import CheckpointFormatError, UnsafePickleError
-from .torch_records.pickles import _size, refuse
+from ..dtypes import TORCH_NAMES, DtypeName, canonical
+from ..errors import CheckpointFormatError, UnsafePickleError
+from ..torch_records.pickles import _size, refuse
+from .bounds import InMemoryUnpickler
 
 _DCP_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
 _DCP_METADATA_CLASSES = {
