@@ -21,8 +21,8 @@ from ema_ckpt.commands.consolidate import consolidate, parse_size
 from ema_ckpt.commands.reshard import reshard
 from ema_ckpt.errors import UsageError
 from ema_ckpt.formats.dcp import DcpReader
+from ema_ckpt.formats.safetensors.writer import plan_shards
 from ema_ckpt.layout import Box
-from ema_ckpt.writers.safetensors import plan_shards
 from tests.dcp_helpers import write_dcp
 from tests.ema_reference import full_load
 from tests.producers.launch import free_port

@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 
 from ema_ckpt.errors import CheckpointFormatError, CheckpointNotFoundError
 from ema_ckpt.formats import detect_format, open_checkpoint, registered_formats
-from ema_ckpt.formats.hf_safetensors import SafetensorsReader, read_header
+from ema_ckpt.formats.safetensors.reader import SafetensorsReader, read_header
 from ema_ckpt.layout import Box, TensorSpec
 
 

@@ -7,7 +7,7 @@ never a directory.
 
 from . import dcp as _dcp  # noqa: F401  (registers "dcp")
 from . import deepspeed as _deepspeed  # noqa: F401  (registers "deepspeed")
-from . import hf_safetensors as _hf_safetensors  # noqa: F401  (registers "safetensors")
+from . import safetensors as _safetensors  # noqa: F401  (registers "safetensors")
 from . import torch_file as _torch_file  # noqa: F401  (registers "torch")
 from .base import CheckpointFormat, CheckpointReader, register_format, registered_formats
 from .resolve import ModelLocation, NestedModel, Resolved, detect_format, locate_model, open_checkpoint, resolve

@@ -194,7 +194,7 @@ class SafetensorsOutput(OutputWriter):
         self._written: dict[str, tuple[int, int | None]] = {}
 
     def plan(self, tensors: Sequence[OutputTensor], source: CheckpointReader) -> list[PlannedRegion]:
-        from .safetensors import ADAPTER_CONFIG, check_key, plan_shards, shard_file_names
+        from ..formats.safetensors.writer import ADAPTER_CONFIG, check_key, plan_shards, shard_file_names
 
         for tensor in tensors:  # before anything is written: a key the format cannot hold
             check_key(tensor.name, self.shown_path)
@@ -226,7 +226,7 @@ class SafetensorsOutput(OutputWriter):
             source.byte_ranges(t.key) is not None for t in tensors)
 
     def _file_for(self, region: PlannedRegion) -> Any:
-        from .safetensors import SafetensorsFileWriter
+        from ..formats.safetensors.writer import SafetensorsFileWriter
 
         if self._open_file is not None and self._open_file[0] == region.file:
             return self._open_file[1]
@@ -261,7 +261,7 @@ class SafetensorsOutput(OutputWriter):
         return dict(self._written)
 
     def finish(self, states: Sequence[Any]) -> list[WrittenFile]:
-        from .safetensors import INDEX_NAME, write_index
+        from ..formats.safetensors.writer import INDEX_NAME, write_index
 
         written: dict[str, tuple[int, int | None]] = {}
         for state in states:

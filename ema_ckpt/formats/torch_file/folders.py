@@ -32,8 +32,8 @@ from ...layout import Box, TensorSpec
 from ...storage import Location
 from ...torch_records.checks import ReadChecks
 from ..base import CheckpointReader, trainer_state_step
-from ..hf_safetensors import read_index
 from ..options import ReadOptions, read_options
+from ..safetensors.reader import read_index
 from .reader import TorchFileReader, file_kind
 
 WEIGHTS_FILES = ("pytorch_model.bin", "pytorch_model_fsdp.bin", "pytorch_model_fsdp_0.bin", "adapter_model.bin",

@@ -25,12 +25,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from .._crc import crc32
-from .._lazy import torch
-from .._text import escaped
-from ..dtypes import SAFETENSORS_CODES, itemsize, name_of
-from ..errors import CheckpointFormatError, OptionError, OutputError, UsageError
-from ..storage import Location, Readable, pread, start_writeback
+from ..._crc import crc32
+from ..._lazy import torch
+from ..._text import escaped
+from ...dtypes import SAFETENSORS_CODES, itemsize, name_of
+from ...errors import CheckpointFormatError, OptionError, OutputError, UsageError
+from ...storage import Location, Readable, pread, start_writeback
 
 _COPY_BLOCK = 64 << 20
 _CHECKED_COPY_BLOCK = 16 << 20

@@ -43,10 +43,10 @@ from typing import Any
 
 from safetensors import SafetensorError, safe_open
 
-from .._lazy import torch
-from ..errors import CheckpointFormatError, CheckpointNotFoundError
-from ..layout import Box, TensorSpec
-from ..storage import (
+from ..._lazy import torch
+from ...errors import CheckpointFormatError, CheckpointNotFoundError
+from ...layout import Box, TensorSpec
+from ...storage import (
     Location,
     Readable,
     as_path,
@@ -58,7 +58,7 @@ from ..storage import (
     pread_into,
     readable_size,
 )
-from .base import CheckpointFormat, CheckpointReader, deliver, register_format, trainer_state_step
+from ..base import CheckpointFormat, CheckpointReader, deliver, register_format, trainer_state_step
 
 SUFFIX = ".safetensors"
 INDEX_SUFFIX = ".safetensors.index.json"
