@@ -26,7 +26,7 @@ from .storage import Destination, Location
 from .storage.roles import INDEX
 from .torch_records.checks import settle_reads
 from .writers.base import OutputTensor, OutputWriter, PlannedRegion, WrittenFile
-from .writers.outputs import region_cost
+from .writers.regions import region_cost
 
 if TYPE_CHECKING:
     import torch

@@ -179,7 +179,7 @@ def test_reshard_loads_exactly_into_fsdp2(fsdp_sequence, tmp_path, world):
 
 
 def test_byte_copy_runs_without_torch_and_equals_the_tensor_path(fsdp_sequence, tmp_path, monkeypatch):
-    from ema_ckpt.writers.outputs import SafetensorsOutput
+    from ema_ckpt.formats.safetensors.output import SafetensorsOutput
 
     ckpt = fsdp_sequence("fsdp1", 3, "float32", True)[-1]
     code = ("import sys; from ema_ckpt.commands.consolidate import consolidate; "

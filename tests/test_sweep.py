@@ -16,8 +16,9 @@ from ema_ckpt.commands.accumulate import accumulate
 from ema_ckpt.commands.averaging import posthoc
 from ema_ckpt.engine import OutputSpec, Update, blas_probe, combine_regions
 from ema_ckpt.formats import open_checkpoint
+from ema_ckpt.formats.dcp.output import DcpOutput
 from ema_ckpt.layout import Box, boxes_cover
-from ema_ckpt.writers.outputs import DEFAULT_CHUNK_BYTES, DcpOutput
+from ema_ckpt.writers.regions import DEFAULT_CHUNK_BYTES
 from tests.dcp_helpers import write_dcp
 from tests.ema_reference import full_load
 from tests.test_engine import FakeReader, FakeWriter, _tensors

@@ -352,4 +352,7 @@ def check_directory_output(out: str | Location, format_name: str = "dcp") -> Non
 
 
 def _load_builtin() -> None:
-    from . import outputs  # noqa: F401  (registers the built-in output formats)
+    # the built-in output formats, each registered by its format's package
+    from ..formats.dcp import output as _dcp  # noqa: F401
+    from ..formats.safetensors import output as _safetensors  # noqa: F401
+    from ..formats.torch_file import output as _torch_file  # noqa: F401

@@ -1,0 +1,149 @@
+"""The ``dcp`` output: a DCP checkpoint directory, its regions following the source's stored
+chunks (or, for ``reshard``, dim-0 shards for N ranks), files of bounded size per rank.
+
+Example:
+    >>> output_format("dcp").make(staging, "ema")   # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ...dtypes import itemsize, torch_dtype
+from ...layout import Box, dim0_shard_regions, split_rows
+from ...writers.base import OutputFormat, OutputTensor, OutputWriter, PlannedRegion, WrittenFile, register_output
+from ...writers.regions import (
+    DEFAULT_CHUNK_BYTES,
+    DEFAULT_FILE_BYTES,
+    MIN_FILE_BYTES,
+    REGION_OVERHEAD_BYTES,
+    box_bytes,
+)
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..base import CheckpointReader
+
+_DCP_DATA = re.compile(r"^__\d+_\d+(\.[0-9A-Za-z-]+)?\.distcp$")
+
+
+class DcpOutput(OutputWriter):
+    """A DCP checkpoint directory, written chunk by chunk by any number of workers.
+
+    Args:
+        world_size: None keeps the source's chunks and ranks; N cuts every tensor on dim 0
+            as FSDP2's ``fully_shard`` does, rank r's rows in ``__r_<part>.distcp``.
+        max_file_bytes: split each rank's chunks into files of about this much work
+            (None: one file per rank).
+        max_chunk_bytes: with ``world_size`` None, cut a larger source chunk on its first
+            dim into chunks of at most this many bytes (None: keep every chunk whole). The
+            cut depends only on the layout, so an incremental run reads the previous EMA
+            chunk for chunk.
+        planner_data: DCP's key paths (``{"model.w": ("model", "w")}``) for ``.metadata``.
+    """
+
+    name = "dcp"
+
+    def __init__(self, staging: Path, final_name: str, *, world_size: int | None = None,
+                 max_file_bytes: int | None = DEFAULT_FILE_BYTES,
+                 max_chunk_bytes: int | None = DEFAULT_CHUNK_BYTES,
+                 planner_data: Mapping[str, tuple[str, ...]] | None = None) -> None:
+        super().__init__(staging, final_name)
+        self.world_size = world_size
+        self.max_file_bytes = max_file_bytes
+        self.max_chunk_bytes = max_chunk_bytes
+        self.planner_data = dict(planner_data or {})
+        self._tensors: list[OutputTensor] = []
+        self._files: dict[str, tuple[int, int]] = {}
+        self._writer: Any = None
+
+    def plan(self, tensors: Sequence[OutputTensor], source: CheckpointReader) -> list[PlannedRegion]:
+        self._tensors = list(tensors)
+        ranked: list[tuple[OutputTensor, Box, int]] = []
+        for tensor in tensors:
+            if self.world_size is not None:
+                ranked.extend((tensor, box, rank) for rank, box in dim0_shard_regions(tensor.shape, self.world_size))
+                continue
+            chunks = [(c.box, c.rank or 0) for c in source.chunks(tensor.key)]
+            limit = (None if self.max_chunk_bytes is None
+                     else max(1, self.max_chunk_bytes // max(itemsize(tensor.stored_dtype), itemsize(tensor.dtype), 1)))
+            for box, rank in chunks or [(Box.full(tensor.shape), 0)]:
+                pieces = [box] if limit is None else split_rows(box, limit)
+                ranked.extend((tensor, piece, rank) for piece in pieces)
+        return self._split_files(ranked)
+
+    def _split_files(self, ranked: Sequence[tuple[OutputTensor, Box, int]]) -> list[PlannedRegion]:
+        """Give each rank's regions consecutive parts of at most ``max_file_bytes`` of work.
+
+        The split depends only on the layout, never on the number of workers, so the
+        output is the same bytes whatever their number.
+        """
+        from .writer import data_file_name
+
+        rank_work: dict[int, int] = {}
+        for tensor, box, rank in ranked:
+            rank_work[rank] = rank_work.get(rank, 0) + box_bytes(box, tensor.stored_dtype) + REGION_OVERHEAD_BYTES
+        used: dict[int, tuple[int, int]] = {}  # rank -> (part, work in it)
+        regions = []
+        for tensor, box, rank in ranked:
+            nbytes = box_bytes(box, tensor.stored_dtype)
+            part, size = used.get(rank, (0, 0))
+            # about 8 parts per rank file (16 MiB to max_file_bytes each): enough to share out
+            cap = (None if self.max_file_bytes is None
+                   else min(self.max_file_bytes, max(MIN_FILE_BYTES, rank_work[rank] // 8)))
+            if cap is not None and size and size + nbytes + REGION_OVERHEAD_BYTES > cap:
+                part, size = part + 1, 0
+            used[rank] = (part, size + nbytes + REGION_OVERHEAD_BYTES)
+            file = data_file_name(rank, part, self.file_tag)
+            self._files[file] = (rank, part)
+            regions.append(PlannedRegion(tensor.key, box, file, nbytes))
+        return regions
+
+    def _open(self) -> Any:
+        if self._writer is None:
+            from .writer import DcpWriter
+
+            self._writer = DcpWriter(self.staging, file_tag=self.file_tag)
+            for tensor in self._tensors:
+                self._writer.declare(tensor.key, tensor.shape, torch_dtype(tensor.dtype))
+        return self._writer
+
+    def write(self, region: PlannedRegion, tensor: torch.Tensor) -> None:
+        rank, part = self._files[region.file]
+        self._open().write(region.key, region.box, tensor, rank=rank, part=part)
+
+    def close(self) -> Any:
+        return self._open().close()
+
+    def finish(self, states: Sequence[Any]) -> list[WrittenFile]:
+        from .writer import DcpWriter
+
+        # holds no tensor data of its own: merges every worker's state; the carried entries go in a part of their own
+        merger = DcpWriter(self.staging, file_tag=self.file_tag)
+        for tensor in self._tensors:
+            merger.declare(tensor.key, tensor.shape, torch_dtype(tensor.dtype))
+        part = 1 + max((p for rank, p in self._files.values() if rank == 0), default=-1)
+        for key, record in sorted(self.carried_entries.items()):
+            merger.write_bytes(key, record, rank=0, part=part)
+        files = merger.finish(self.planner_data, others=list(states), key_order=[t.key for t in self._tensors])
+        return [WrittenFile(f.name, f.size, f.crc32) for f in files] + self.write_carried()
+
+    def abort(self) -> None:
+        if self._writer is not None:
+            self._writer.abort()
+
+    def own_files(self, state: Any) -> list[str]:
+        return [f.name for f in state.files]
+
+    def index_files(self) -> list[str]:
+        return [".metadata"]
+
+    def owns(self, name: str) -> bool:
+        return name == ".metadata" or _DCP_DATA.match(name) is not None
+
+
+register_output(OutputFormat("dcp", DcpOutput))
