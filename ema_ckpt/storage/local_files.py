@@ -17,11 +17,10 @@ import stat
 from pathlib import Path
 from typing import Any
 
-from .._crc import crc32
 from ..errors import OutputError
 from .locations import Location, as_path
 from .object_paths import RemotePath, remote_files
-from .object_reads import RemoteFile
+from .sources import close_readable, open_readable, streamed_crc32
 
 _SYNC_FILE_RANGE_WRITE = 2
 
@@ -121,28 +120,13 @@ HASH_BLOCK_BYTES = 8 << 20
 
 
 def size_and_crc32(file: Location, block_bytes: int = HASH_BLOCK_BYTES) -> tuple[int, int]:
-    """Stream ``file`` (local, or on object storage) once: its length and CRC-32 (as :mod:`zlib` computes it)."""
-    crc = 0
-    size = 0
-    buffer = bytearray(max(1, block_bytes))
-    view = memoryview(buffer)
-    if isinstance(file, RemotePath):  # ranged reads, with read-ahead, of the object
-        remote = RemoteFile(file)
-        try:
-            while n := remote.readinto(view, size):
-                crc = crc32(view[:n], crc)
-                size += n
-        finally:
-            remote.close()
-        return size, crc
-    with open(file, "rb", buffering=0) as handle:
-        while True:
-            n = handle.readinto(buffer)
-            if not n:
-                break
-            crc = crc32(view[:n], crc)
-            size += n
-    return size, crc
+    """Stream ``file`` (local, or on object storage: ranged reads with read-ahead) once: its
+    length and CRC-32 (as :mod:`zlib` computes it)."""
+    source = open_readable(file)
+    try:
+        return streamed_crc32(source, block_bytes)
+    finally:
+        close_readable(source)
 
 
 def replace_file(path: Location, data: bytes) -> None:

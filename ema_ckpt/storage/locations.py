@@ -48,11 +48,6 @@ def is_location(value: object) -> TypeIs[Path | RemotePath]:
     return isinstance(value, (Path, RemotePath))
 
 
-def is_remote(path: object) -> TypeIs[RemotePath]:
-    """``path`` is in object storage. Only :mod:`ema_ckpt.storage` asks this."""
-    return isinstance(path, RemotePath)
-
-
 def local_file(path: Location) -> Path | None:
     """The local path behind ``path``, for what only a local file allows (``torch.load``, a
     memory map, ``copy_file_range``); None in object storage."""
@@ -84,4 +79,4 @@ def output_location(out: str | os.PathLike[str] | RemotePath) -> Location:
     return path
 
 
-__all__ = ["Location", "as_path", "is_location", "is_remote", "local_file", "local_path", "output_location"]
+__all__ = ["Location", "as_path", "is_location", "local_file", "local_path", "output_location"]

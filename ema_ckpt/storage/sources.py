@@ -16,11 +16,11 @@ Example:
 from __future__ import annotations
 
 import os
-import zlib
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Protocol, TypeAlias
 
+from .._crc import crc32
 from .object_paths import RemotePath
 from .object_reads import RangedReads, RemoteFile
 
@@ -113,11 +113,18 @@ def whole_crc32(readable: Readable, known: Iterable[BlockChecksums] = ()) -> int
         return readable.crc32(known)
     if not isinstance(readable, int):
         raise TypeError(f"{readable!r}: no checksums of its reads")
-    crc, offset = 0, 0
-    while block := os.pread(readable, 8 << 20, offset):
-        crc = zlib.crc32(block, crc)
-        offset += len(block)
-    return crc
+    return streamed_crc32(readable)[1]
+
+
+def streamed_crc32(source: Readable, block_bytes: int = 8 << 20) -> tuple[int, int]:
+    """(size, CRC-32) of everything ``source`` holds, read once front to back in blocks of
+    ``block_bytes`` (memory stays bounded by one block)."""
+    view = memoryview(bytearray(max(1, block_bytes)))
+    crc = size = 0
+    while n := (os.preadv(source, [view], size) if isinstance(source, int) else source.readinto(view, size)):
+        crc = crc32(view[:n], crc)
+        size += n
+    return size, crc
 
 
 def readable_size(readable: Readable) -> int:
@@ -165,6 +172,6 @@ __all__ = [
     "open_structure",
     "pread",
     "pread_into",
-    "readable_size",
+    "readable_size", "streamed_crc32",
     "whole_crc32",
 ]
