@@ -54,6 +54,7 @@ from .storage import (
     output_lock,
 )
 from .storage.roles import MANIFEST
+from .writers.base import OutputWriter
 
 if TYPE_CHECKING:
     pass
@@ -219,7 +220,7 @@ def _stage_compute_publish(job: Job[PlanT, ComputedT, Any], plan: PlanT, targets
                            lock: HeldLock | None = None) -> ComputedT:
     destinations = [destination_for(t.final, near=t.near, single_file=t.single_file) for t in targets]
 
-    def stage() -> tuple[list[Path], list[set[str]], list[str | None]]:
+    def stage() -> tuple[list[Path], list[str | None]]:
         for target, destination in zip(targets, destinations, strict=True):
             destination.recover()
             if target.final.exists() and not target.replace:
@@ -227,9 +228,9 @@ def _stage_compute_publish(job: Job[PlanT, ComputedT, Any], plan: PlanT, targets
             check_output_place(target.final)
         generation = new_generation()  # one per run: the outputs of a run share one layout
         stagings = [d.stage(generation=generation) for d in destinations]
-        return stagings, [_replaced(t.final) for t in targets], [d.generation for d in destinations]
+        return stagings, [d.generation for d in destinations]
 
-    stagings, replaced, generations = group.on_coordinator(stage)
+    stagings, generations = group.on_coordinator(stage)
     stagings = list(stagings)
     own: list[Path] = []  # this worker's stagings, where outputs are not built in a shared one
     for index, destination in enumerate(destinations):
@@ -238,7 +239,7 @@ def _stage_compute_publish(job: Job[PlanT, ComputedT, Any], plan: PlanT, targets
             stagings[index] = destination.worker_staging()
             own.append(stagings[index])
     try:
-        return _compute_publish(job, plan, destinations, group, on_progress, lock, stagings, replaced)
+        return _compute_publish(job, plan, destinations, group, on_progress, lock, stagings)
     except EmaCkptError:
         if group.is_coordinator:
             for destination in destinations:
@@ -249,16 +250,21 @@ def _stage_compute_publish(job: Job[PlanT, ComputedT, Any], plan: PlanT, targets
             shutil.rmtree(path, ignore_errors=True)
 
 
-def _replaced(final: Location) -> set[str]:
-    """What of an output at ``final`` a new one replaces where it is not replaced whole (object
-    storage): the files its manifest lists, and the manifest's own."""
-    manifest = Manifest.read(final, check=False) if final.is_dir() else None
-    return (set(manifest.files) | OUTPUT_OWN_FILES) if manifest is not None else set()
+def _replaced(destination: Destination, writer: OutputWriter | None) -> set[str]:
+    """What of the output at ``destination`` a new one replaces, where it is not swapped in whole
+    (object storage): the files its manifest lists and the manifest's own, and the files of
+    the writer's format there. Read before the commit, so the previous output's."""
+    final = destination.final
+    if destination.replaced_whole or not final.is_dir():
+        return set()
+    manifest = Manifest.read(final, check=False)
+    listed = (set(manifest.files) | OUTPUT_OWN_FILES) if manifest is not None else set()
+    return listed | {p.name for p in final.iterdir() if writer is not None and writer.owns(p.name)}
 
 
 def _compute_publish(job: Job[PlanT, ComputedT, Any], plan: PlanT, destinations: Sequence[Destination],
                      group: Workers, on_progress: Callable[[Progress], None] | None, lock: HeldLock | None,
-                     stagings: list[Path], replaced: Sequence[set[str]]) -> ComputedT:
+                     stagings: list[Path]) -> ComputedT:
     with discard_on_error(stagings, owner=group.is_coordinator), contextlib.ExitStack() as readers:
         context = JobContext(group, list(stagings), list(destinations), readers, job.options.device, on_progress)
         # every worker has finished writing into the stagings before the coordinator publishes them
@@ -271,10 +277,8 @@ def _compute_publish(job: Job[PlanT, ComputedT, Any], plan: PlanT, destinations:
                     manifest.write(staging)
             for index, (destination, staging) in enumerate(zip(destinations, stagings, strict=True)):
                 roles = {**context.roles.get(index, {}), MANIFEST_NAME: MANIFEST}
-                writer = context.writers.get(index)
-                there = [p.name for p in destination.final.iterdir()] if destination.final.is_dir() else []
-                owned = {name for name in there if writer is not None and writer.owns(name)}
-                destination.publish(staging, roles, replaces=replaced[index] | owned, lock=lock)
+                replaces = _replaced(destination, context.writers.get(index))
+                destination.publish(staging, roles, replaces=replaces, lock=lock)
 
         group.on_coordinator(publish_all)
     return computed

@@ -63,6 +63,12 @@ class Destination(abc.ABC):
         """The output must be written by one worker."""
         return False
 
+    @property
+    @abc.abstractmethod
+    def replaced_whole(self) -> bool:
+        """A new output takes the previous one's place whole (a directory swapped in by a
+        rename), so ``publish`` needs no list of what it replaces."""
+
     @abc.abstractmethod
     def recover(self) -> list[str]:
         """Repair what a killed run left; notes of what was done."""
@@ -99,6 +105,10 @@ class LocalDestination(Destination):
     def shared_staging(self) -> bool:
         return True
 
+    @property
+    def replaced_whole(self) -> bool:
+        return True
+
     def recover(self) -> list[str]:
         return recover(self.final)
 
@@ -123,6 +133,10 @@ class ObjectDestination(Destination):
     @property
     def one_writer(self) -> bool:
         return self.single_file
+
+    @property
+    def replaced_whole(self) -> bool:
+        return False  # no rename of a prefix: the previous output's files are deleted by name
 
     def recover(self) -> list[str]:
         return recover_remote(self.final)
