@@ -37,7 +37,7 @@ from .errors import (
     OptionError,
     UsageError,
 )
-from .formats import Resolved, detect_format, locate_model, open_checkpoint, resolve
+from .formats import Resolved, detect_format, open_checkpoint, resolve
 from .formats.base import TRAINER_STATE, CheckpointFormat, CheckpointReader
 from .formats.resolve import not_a_model_reason, waiting_reason
 from .formats.torch_file import SUFFIXES as TORCH_SUFFIXES
@@ -113,9 +113,10 @@ def _inside(path: Location, roots: Iterable[Location]) -> bool:
     return any(resolved == r or r in resolved.parents for r in roots)
 
 
-def _holds_checkpoints(path: Location) -> bool:
+def _holds_checkpoints(found: Resolved) -> bool:
     """True when a directory's own children are checkpoints (a folder of them, not one)."""
-    if not path.is_dir() or locate_model(path).trainer is not None:
+    path = found.path
+    if not path.is_dir() or found.model.trainer is not None:
         return False
     return any(
         child.is_dir() and not child.name.startswith(".") and detect_format(child) is not None
@@ -221,11 +222,11 @@ def _same_file(a: Location, b: Location) -> bool:
         return False
 
 
-def _skipped(path: Location, skipped: Sequence[Location], used: set[Location]) -> bool:
-    """True when ``path`` (or the model folder nested in it) is one the user left out."""
+def _skipped(found: Resolved, skipped: Sequence[Location], used: set[Location]) -> bool:
+    """True when ``found`` (or the model folder nested in it) is one the user left out."""
     if not skipped:
         return False
-    for candidate in {path.resolve(), locate_model(path).path.resolve()}:
+    for candidate in {found.path.resolve(), found.model.path.resolve()}:
         for target in skipped:
             if candidate == target or target in candidate.parents:
                 used.add(target)
@@ -288,14 +289,14 @@ def _scan_entry(child: Location, found: Discovery, step_regex: str | None, exclu
     if _inside(child, excluded):
         _left(found, child, "the output of this run", note=False)
         return False
-    if _skipped(child, skipped, used):
+    resolved = resolve(child)  # the model folder and format, looked for once
+    if _skipped(resolved, skipped, used):
         found.notes.append(Note(f"skipped {child}: left out ({{skip}})", mentions=("skip",)))
         found.entries.append(Entry(child, False, Note("left out ({skip})", mentions=("skip",))))
         return True
     if child.is_dir() and (child / MANIFEST_NAME).exists():
         _left(found, child, "an ema-ckpt output", note=False)
         return False
-    resolved = resolve(child)  # the model folder and format, looked for once
     child_fmt = resolved.format
     if child_fmt is None:
         waits = waiting_reason(child)
@@ -341,12 +342,12 @@ def _discover_one(path: Location, found: Discovery, step_regex: str | None, excl
     """One path a command was given: a checkpoint, or a folder of them."""
     if not path.exists():
         raise CheckpointNotFoundError(path, "no such file or directory")
-    if _skipped(path, skipped, used):
+    resolved = resolve(path)
+    if _skipped(resolved, skipped, used):
         found.notes.append(Note(f"skipped {path}: left out ({{skip}})", mentions=("skip",)))
         return
-    resolved = resolve(path)
     fmt = resolved.format
-    if fmt is not None and _holds_checkpoints(path):
+    if fmt is not None and _holds_checkpoints(resolved):
         fmt = None  # e.g. a DeepSpeed save dir: `latest` names one tag, but every tag counts
     if fmt is not None and not (path / MANIFEST_NAME).exists():
         checkpoint = _found(resolved, fmt, step_regex)
