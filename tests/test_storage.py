@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import re
 import secrets
+import zlib
 from pathlib import Path
 
 import pytest
@@ -147,3 +148,30 @@ def test_the_storage_package_imports_nothing_above_it():
     for module in (PACKAGE / "storage").glob("*.py"):
         outside = {m for m in _imported(module) if not m.startswith("ema_ckpt.storage")}
         assert outside <= allowed, (module.name, outside - allowed)
+
+
+def test_an_upload_killed_after_its_switch_is_finished_even_from_a_record_without_roles(s3):
+    """The next run puts the commit files staged beside the record (the manifest after the
+    switch), whether the record names their roles or, written by an earlier ema-ckpt, does not."""
+    import json
+
+    from ema_ckpt.storage.object_publish import MARKER, RECORD, STAGING_DIR
+
+    for roles in (True, False):
+        final = as_path(f"s3://{test_object_storage.BUCKET}/conformance/{secrets.token_hex(4)}/out")
+        generation = _generation()
+        data = f"__0_0.{generation}.distcp"
+        pending = final / STAGING_DIR / generation
+        (pending / MARKER).write_bytes(b"")
+        (final / data).write_bytes(b"tensors")
+        (pending / ".metadata").write_bytes(data.encode())
+        (pending / "ema-ckpt.json").write_bytes(b"{}")
+        record = {"files": sorted([data, ".metadata", "ema-ckpt.json"]),
+                  "switch": {"name": ".metadata", "size": len(data), "crc32": zlib.crc32(data.encode())}}
+        if roles:
+            record["roles"] = {data: DATA, ".metadata": INDEX, "ema-ckpt.json": MANIFEST}
+        (pending / RECORD).write_bytes(json.dumps(record).encode())
+        (final / ".metadata").write_bytes(data.encode())  # the switch is put; killed before the manifest
+        notes = destination_for(final).recover()
+        assert len(notes) == 1 and notes[0].startswith("finished publishing"), notes
+        assert _files(final) == {data: b"tensors", ".metadata": data.encode(), "ema-ckpt.json": b"{}"}

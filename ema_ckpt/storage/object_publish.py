@@ -49,6 +49,8 @@ from .roles import COMMIT_ROLES, DATA, generation_of, tagged
 
 STAGING_DIR = ".ema-ckpt-staging"
 """The prefix inside an output that holds an upload in progress (one folder per generation)."""
+MARKER = "started"
+"""Beside the record: made first, so a generation killed at once is still found and removed."""
 RECORD = "commit.json"
 """Beside the marker: the new output's files and roles, and its switch's size and CRC-32."""
 STAGING_ENV = "EMA_CKPT_STAGING_DIR"
@@ -78,7 +80,7 @@ def upload_data_files(local: Path, final: RemotePath, names: Iterable[str], gene
 
 def begin_upload(final: RemotePath, generation: str) -> None:
     """Step 2: the marker that names the generation being uploaded."""
-    (final / STAGING_DIR / generation / "started").write_bytes(b"")
+    (final / STAGING_DIR / generation / MARKER).write_bytes(b"")
 
 
 def commit_upload(local: Path, final: RemotePath, generation: str, roles: Mapping[str, str], *,
@@ -195,10 +197,11 @@ def recover_remote(final: RemotePath) -> list[str]:
         committed = isinstance(switch, dict) and _switched(final, switch)
         if committed:
             assert isinstance(switch, dict)
-            for role in COMMIT_ROLES:  # the commit files after the switch (the manifest)
-                for name in sorted(n for n, r in roles.items() if r == role):
-                    if name in staged and name != switch["name"]:
-                        (final / name).write_bytes(staged[name].read_bytes())
+            # the commit files after the switch (the manifest): every copy staged beside the
+            # record, in their roles' order (a record written before roles were: by name)
+            order = {n: COMMIT_ROLES.index(r) for n, r in roles.items() if r in COMMIT_ROLES}
+            for name in sorted(set(staged) - {RECORD, MARKER, switch["name"]}, key=lambda n: (order.get(n, 0), n)):
+                (final / name).write_bytes(staged[name].read_bytes())
             files = record.get("files")
             keep = {str(n) for n in files} if isinstance(files, list) else set()
             replaces = record.get("replaces")
