@@ -152,12 +152,13 @@ def test_the_storage_package_imports_nothing_above_it():
 
 def test_an_upload_killed_after_its_switch_is_finished_even_from_a_record_without_roles(s3):
     """The next run puts the commit files staged beside the record (the manifest after the
-    switch), whether the record names their roles or, written by an earlier ema-ckpt, does not."""
+    switch), whether the record names their roles or, written by an earlier ema-ckpt, does not,
+    or there is no record (then a staged copy that is the output's says the switch was put)."""
     import json
 
     from ema_ckpt.storage.object_publish import MARKER, RECORD, STAGING_DIR
 
-    for roles in (True, False):
+    for roles in (True, False, None):
         final = as_path(f"s3://{test_object_storage.BUCKET}/conformance/{secrets.token_hex(4)}/out")
         generation = _generation()
         data = f"__0_0.{generation}.distcp"
@@ -170,7 +171,8 @@ def test_an_upload_killed_after_its_switch_is_finished_even_from_a_record_withou
                   "switch": {"name": ".metadata", "size": len(data), "crc32": zlib.crc32(data.encode())}}
         if roles:
             record["roles"] = {data: DATA, ".metadata": INDEX, "ema-ckpt.json": MANIFEST}
-        (pending / RECORD).write_bytes(json.dumps(record).encode())
+        if roles is not None:
+            (pending / RECORD).write_bytes(json.dumps(record).encode())
         (final / ".metadata").write_bytes(data.encode())  # the switch is put; killed before the manifest
         notes = destination_for(final).recover()
         assert len(notes) == 1 and notes[0].startswith("finished publishing"), notes

@@ -146,6 +146,14 @@ def _switched(final: RemotePath, switch: dict[str, Any]) -> bool:
         return False
 
 
+def _same_bytes(copy: RemotePath, current: RemotePath) -> bool:
+    """The object at ``current`` holds what ``copy`` holds (a missing one does not)."""
+    try:
+        return copy.read_bytes() == current.read_bytes()
+    except FileNotFoundError:
+        return False
+
+
 def _read_record(path: RemotePath | None) -> dict[str, Any]:
     """A generation's ``commit.json`` (empty when it has none: killed before step 4)."""
     if path is None:
@@ -194,9 +202,13 @@ def recover_remote(final: RemotePath) -> list[str]:
         switch = record.get("switch")
         listed = record.get("roles")
         roles: dict[str, Any] = listed if isinstance(listed, dict) else {}
-        committed = isinstance(switch, dict) and _switched(final, switch)
+        if isinstance(switch, dict):
+            committed = _switched(final, switch)
+        else:  # no record: killed before it, or an earlier ema-ckpt's staging; committed if a copy is the output's
+            copies = sorted(set(staged) - {RECORD, MARKER})
+            put = [n for n in copies if _same_bytes(staged[n], final / n)]
+            committed, switch = bool(put), {"name": put[0] if put else None}
         if committed:
-            assert isinstance(switch, dict)
             # the commit files after the switch (the manifest): every copy staged beside the
             # record, in their roles' order (a record written before roles were: by name)
             order = {n: COMMIT_ROLES.index(r) for n, r in roles.items() if r in COMMIT_ROLES}
