@@ -27,6 +27,7 @@ from . import maths, profile_specs
 from .discovery import FoundCheckpoint, checkpoint_paths, discover
 from .errors import Note, UsageError
 from .manifest import MANIFEST_NAME, Manifest
+from .profile_specs import MergeWeights
 from .storage import Location
 
 SNAPSHOT_KIND = "snapshot"
@@ -224,24 +225,41 @@ def plan_average(
     last: int | None = None,
     from_step: int | None = None,
     to_step: int | None = None,
+    every: int | None = None,
+    weights: str | MergeWeights | None = None,
     step_regex: str | None = None,
     exclude_paths: Sequence[Location] = (),
     skip: Sequence[str | Location] = (),
 ) -> Plan:
-    """Uniform average (fairseq ``average_checkpoints``, LAWA) of a selection of checkpoints."""
+    """An average of a selection of checkpoints: uniform (fairseq ``average_checkpoints``,
+    LAWA with ``every``), or weighted by a decay schedule (``weights``: WSM, Megatron-LM
+    ``weighted_merge``; :mod:`ema_ckpt.maths.merge_weights`)."""
     if last is None and from_step is None and to_step is None:
         raise UsageError("choose the checkpoints: {last=K}, or {from_step=A} and/or {to_step=B}",
                          mentions=("last", "from_step", "to_step"))
     found = discover(checkpoint_paths(checkpoints), step_regex=step_regex, exclude=exclude_paths, skip=skip)
-    steps = [c.step for c in found.checkpoints]
-    coeffs = maths.uniform_coefficients(steps, last=last, from_step=from_step, to_step=to_step)
-    terms = [Term(str(c.path), c.step, w) for c, w in zip(found.checkpoints, coeffs, strict=True) if w != 0.0]
-    output = PlannedOutput(
-        "average", terms[-1].step, terms,
-        profile={"kind": "uniform", "last": last, "from_step": from_step, "to_step": to_step},
-        stats=_stats([t.step for t in terms], [t.coefficient for t in terms]),
-    )
+    output = average_output("average", found.checkpoints, last=last, from_step=from_step, to_step=to_step,
+                            every=every, weights=weights)
     return Plan("average", found.checkpoints, [output], found.notes)
+
+
+def average_output(name: str, checkpoints: Sequence[FoundCheckpoint], *, last: int | None = None,
+                   from_step: int | None = None, to_step: int | None = None, every: int | None = None,
+                   weights: str | MergeWeights | None = None) -> PlannedOutput:
+    """The planned output ``name``: an average of a selection of ``checkpoints`` (oldest first)."""
+    spec = weights if isinstance(weights, MergeWeights) else profile_specs.parse_weights(weights)
+    steps = [c.step for c in checkpoints]
+    picked = maths.uniform_selection(steps, last=last, from_step=from_step, to_step=to_step, every=every)
+    coeffs = spec.coefficients([steps[i] for i in picked])
+    terms = [Term(str(checkpoints[i].path), steps[i], w) for i, w in zip(picked, coeffs, strict=True) if w != 0.0]
+    profile: dict[str, Any] = {"kind": "uniform" if spec.name == "uniform" else "weighted", "last": last,
+                               "from_step": from_step, "to_step": to_step}
+    if every is not None:
+        profile["every"] = every
+    if spec.name != "uniform":
+        profile.update(spec.to_json())
+    return PlannedOutput(name, steps[picked[-1]], terms, profile=profile,
+                         stats=_stats([t.step for t in terms], [t.coefficient for t in terms]))
 
 
 def _stats(steps: list[int], coeffs: list[float]) -> dict[str, float | None]:

@@ -1,4 +1,4 @@
-"""Profile specifications as text: σ_rel lists with EDM2 ranges, and γ lists.
+"""Profile specifications as text: σ_rel lists with EDM2 ranges, γ lists, merge weights.
 
 The library accepts the same strings as the command line (``accumulate(..., sigma_rels=
 ["0.05,0.10"])``, ``posthoc(..., sigma_rels=["0.010:0.250:0.005"])``), so their parsing lives
@@ -13,14 +13,20 @@ Example:
 
 from __future__ import annotations
 
+import csv
+import io
+import os
 import re
 from collections.abc import Sequence
+from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
+from pathlib import Path
 
 from .errors import OptionError, UsageError
+from .maths.merge_weights import NAMED_SCHEDULES, rate_schedule_weights, schedule_weights
 from .maths.power import check_gamma, check_sigma_rel, sigma_rel_to_gamma
 
-__all__ = ["parse_gamma_list", "parse_sigma_list"]
+__all__ = ["MergeWeights", "parse_gamma_list", "parse_sigma_list", "parse_weights"]
 
 _NUMBER = re.compile(r"(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")
 _MAX_LIST = 10_000
@@ -125,3 +131,69 @@ def power_profiles(sigma_rels: Sequence[str], gammas: Sequence[str]) -> list[tup
     if len({name for name, _, _ in named}) != len(named):
         raise UsageError("the same profile is requested twice")
     return named
+
+
+@dataclass(frozen=True, slots=True)
+class MergeWeights:
+    """How an average weighs its checkpoints: ``uniform``, a named decay schedule, or a
+    learning-rate schedule read from a CSV file (``rates``: (step, rate) points)."""
+
+    name: str
+    rates: tuple[tuple[float, float], ...] = ()
+
+    def coefficients(self, steps: Sequence[int]) -> list[float]:
+        """One weight per checkpoint of ``steps`` (oldest first), summing to 1."""
+        if self.rates:
+            return rate_schedule_weights(steps, self.rates)
+        if self.name == "uniform":
+            return [1.0 / len(steps)] * len(steps) if steps else []
+        return schedule_weights(self.name, len(steps))
+
+    def to_json(self) -> dict[str, object]:
+        return {"weights": self.name, **({"rates": [list(p) for p in self.rates]} if self.rates else {})}
+
+
+WEIGHT_NAMES = ("uniform", *NAMED_SCHEDULES)
+"""What ``weights`` accepts besides a CSV file of (step, learning rate)."""
+
+
+def parse_weights(text: str | None) -> MergeWeights:
+    """``weights`` as typed: ``uniform`` (the default), ``linear``, ``minus-sqrt``, ``cosine``
+    (``wsm:`` may precede a name), or a CSV file of ``step,learning_rate`` rows.
+
+    Example:
+        >>> parse_weights("wsm:minus-sqrt")
+        MergeWeights(name='minus-sqrt', rates=())
+    """
+    if text is None or text == "":
+        return MergeWeights("uniform")
+    name = text[4:] if text.startswith("wsm:") else text
+    if name in WEIGHT_NAMES:
+        return MergeWeights(name)
+    if not name.lower().endswith(".csv"):
+        raise OptionError("weights", f"must be one of {', '.join(WEIGHT_NAMES)}, or a CSV file of step,learning_rate "
+                          f"rows; got {text!r}", value=text)
+    return MergeWeights(os.path.basename(name), tuple(_read_rates(Path(name))))
+
+
+def _read_rates(path: Path) -> list[tuple[float, float]]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise OptionError("weights", f"cannot read {path}: {err.__class__.__name__}: {err}", value=str(path)) from None
+    points: list[tuple[float, float]] = []
+    for number, row in enumerate(csv.reader(io.StringIO(text)), start=1):
+        cells = [c.strip() for c in row]
+        if not any(cells) or cells[0].startswith("#"):
+            continue
+        try:
+            step, rate = float(cells[0]), float(cells[1])
+        except (ValueError, IndexError):
+            if not points and number == 1:
+                continue  # a header row
+            raise OptionError("weights", f"{path}, line {number}: expected step,learning_rate, got {row!r}",
+                              value=str(path)) from None
+        points.append((step, rate))
+    if not points:
+        raise OptionError("weights", f"{path}: no step,learning_rate rows", value=str(path))
+    return points

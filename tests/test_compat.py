@@ -1,4 +1,5 @@
-"""Conformance of the private torch and CPython behaviour ema-ckpt relies on (ema_ckpt/_compat).
+"""Conformance of the private torch and CPython behaviour ema-ckpt relies on (ema_ckpt/_compat and
+formats/dcp/metadata_pickle.py).
 
 Each test here fails when the installed torch or Python changes a behaviour one of the
 modules relies on: the message names what changed, and the module's docstring says what to
@@ -26,10 +27,10 @@ from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from ema_ckpt import _gc
-from ema_ckpt._compat import dcp_metadata as compat
+from ema_ckpt.formats.dcp import metadata_pickle as compat
+from ema_ckpt.formats.dcp.metadata_unpickle import check_written_metadata, load_dcp_metadata_bytes
 from ema_ckpt.formats.dcp.writer import DcpWriter
 from ema_ckpt.layout import Box
-from ema_ckpt.pickles.dcp_metadata import check_written_metadata, load_dcp_metadata_bytes
 
 # --- DCP .metadata: the emitter against the installed torch -----------------------------------
 
@@ -87,7 +88,7 @@ def test_the_installed_torch_defines_what_the_emitter_mirrors():
     found = compat.installed_layout()
     changed = {name: (found[name], want) for name, want in compat.EXPECTED_LAYOUT.items()
                if found[name] != want}
-    assert not changed, f"update ema_ckpt/_compat/dcp_metadata.py (found, expected): {changed}"
+    assert not changed, f"update ema_ckpt/formats/dcp/metadata_pickle.py (found, expected): {changed}"
     assert compat.emitter_matches_torch.__wrapped__() is True
 
 
@@ -163,7 +164,7 @@ def test_the_check_runs_once_only_when_metadata_is_written_and_imports_no_dcp(tm
     code = textwrap.dedent(f"""
         import pathlib, sys, time, torch
         import ema_ckpt.cli, ema_ckpt.formats.dcp.writer
-        from ema_ckpt._compat.dcp_metadata import emitter_matches_torch
+        from ema_ckpt.formats.dcp.metadata_pickle import emitter_matches_torch
         from ema_ckpt.layout import Box
         assert emitter_matches_torch.cache_info().misses == 0, "checked before any DCP output"
         for name in ("a", "b"):

@@ -27,12 +27,12 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from ema_ckpt._compat.dcp_metadata import dump_metadata
 from ema_ckpt.dtypes import torch_dtype
 from ema_ckpt.formats.dcp import writer as dcp_writer
+from ema_ckpt.formats.dcp.metadata_pickle import dump_metadata
+from ema_ckpt.formats.dcp.metadata_unpickle import load_dcp_metadata_bytes
 from ema_ckpt.formats.dcp.writer import DcpWriter
 from ema_ckpt.layout import Box
-from ema_ckpt.pickles.dcp_metadata import load_dcp_metadata_bytes
 
 
 def test_the_writer_uses_the_checked_pickler():

@@ -651,7 +651,7 @@ def test_dcp_planner_data_value_that_is_not_a_path(tmp_path):
 
 
 @pytest.mark.parametrize("loader", [
-    "pickles.dcp_metadata import load_dcp_metadata_bytes", "torch_records import load_tensor_record",
+    "formats.dcp.metadata_unpickle import load_dcp_metadata_bytes", "torch_records import load_tensor_record",
     "torch_records.tree import load_tree"])
 @pytest.mark.parametrize("bomb", [
     # PROTO 4, NONE, LONG_BINPUT 30_000_000, STOP: 10 bytes that make CPython's C unpickler grow

@@ -97,7 +97,7 @@ def test_metadata_cannot_poison_classes_for_the_rest_of_the_process(tmp_path):
 
 
 def test_python_313_pathlib_names_are_admitted():
-    from ema_ckpt.pickles.dcp_metadata import load_dcp_metadata_bytes
+    from ema_ckpt.formats.dcp.metadata_unpickle import load_dcp_metadata_bytes
 
     # Python 3.13 pickles PosixPath as pathlib._local.PosixPath (in storage_meta.checkpoint_id)
     crafted = b"\x80\x04cpathlib._local\nPosixPath\n\x8c\x02/x\x85R."

@@ -68,13 +68,6 @@ def test_safetensors_sweep_equals_the_dcp_sweep_bit_for_bit(fsdp_sequence, tmp_p
     _assert_same(load_file(kept.outputs[0] / "model.safetensors"), full_load(dcp.outputs[0], tmp_path))
 
 
-def test_two_workers_write_the_same_bytes(fsdp_sequence, tmp_path):
-    folder = fsdp_sequence("fsdp2", 2)[-1].parent
-    posthoc(folder, out=tmp_path / "one", sigma_rels=["0.05:0.2:0.05"], format="safetensors")
-    result = posthoc(folder, out=tmp_path / "two", sigma_rels=["0.05:0.2:0.05"], format="safetensors", workers=2)
-    assert len(result.outputs) == 4 and _tree(tmp_path / "one") == _tree(tmp_path / "two")
-
-
 def test_verify_checks_each_output_against_its_manifest(fsdp_sequence, tmp_path):
     folder = fsdp_sequence("fsdp2", 2)[-1].parent
     result = posthoc(folder, out=tmp_path / "st", sigma_rels=SIGMAS, format="safetensors")
@@ -153,8 +146,26 @@ def test_an_unknown_format_is_one_line_exit_2(tmp_path, command):
     ck = _safetensors_sequence(tmp_path / "ck")
     run = _cli(command[0], str(ck), *command[1:], "--out", str(tmp_path / "out"), "--format", "npz")
     assert run.returncode == 2 and run.stdout == ""
-    assert run.stderr.strip().splitlines() == ["error: --format must be one of dcp, safetensors, got 'npz'"]
+    assert run.stderr.strip().splitlines() == ["error: --format must be one of dcp, safetensors, hf, torch, got 'npz'"]
     assert not (tmp_path / "out").exists()
     with pytest.raises(OptionError) as err:
-        posthoc(ck, out=tmp_path / "out", sigma_rels=["0.05"], format="torch")
+        posthoc(ck, out=tmp_path / "out", sigma_rels=["0.05"], format="npz")
     assert err.value.option == "format"
+
+
+def test_every_sum_format_holds_the_same_tensors(tmp_path):
+    """hf (the sharded layout) and torch (model.pt) hold what safetensors holds, bit for bit."""
+    import torch
+
+    ck = _safetensors_sequence(tmp_path / "ck")
+    want = None
+    for fmt in ("safetensors", "hf", "torch"):
+        result = average(ck, out=tmp_path / fmt, last=2, weights="minus-sqrt", format=fmt)
+        out = result.outputs[0]
+        if fmt == "torch":
+            got = torch.load(out / "model.pt", weights_only=True)
+        else:
+            got = {k: v for f in sorted(out.glob("*.safetensors")) for k, v in load_file(f).items()}
+        assert Manifest.read(out).options["format"] == fmt  # type: ignore[union-attr]
+        want = want or got
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)

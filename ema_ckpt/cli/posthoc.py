@@ -54,28 +54,41 @@ Examples:
   ema-ckpt average ckpts/ --from-step 90000 --to-step 100000 --out avg/
 
   ema-ckpt average ckpts/ --last 5 --dry-run --json   # the plan, as JSON
+
+  ema-ckpt average ckpts/ --last 8 --weights minus-sqrt --out wsm/   # WSM's 1-sqrt decay
+
+  ema-ckpt average ckpts/ --last 6 --every 2 --out lawa/   # 6 checkpoints, 2 apart
+
+  --weights: uniform (default), linear (the same as uniform), minus-sqrt, cosine
+  (Megatron-LM weighted_merge's definitions), or a CSV of step,learning_rate rows:
+  the decay schedule to emulate, turned into merge weights (WSM).
 """
 
 DtypeOpt = Annotated[str, typer.Option(help="Accumulate and store floats in float32 or float64.")]
 DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Show the plan (coefficients); read no tensor.")]
 FormatOpt = Annotated[str | None, typer.Option(
     "--format", metavar="FORMAT",
-    help="Each output as dcp or safetensors (OUT/…/model.safetensors); default: safetensors for safetensors "
-         "inputs, else dcp.")]
+    help="Each output as dcp, safetensors (OUT/…/model.safetensors), hf (the Hugging Face sharded layout) or "
+         "torch (OUT/…/model.pt); default: safetensors for safetensors inputs, else dcp.")]
+WeightsOpt = Annotated[str | None, typer.Option(
+    "--weights", metavar="SCHEDULE",
+    help="uniform, linear, minus-sqrt, cosine, or a CSV of step,learning_rate (a decay schedule as merge "
+         "weights, WSM).")]
 KeepPrefixOpt = Annotated[bool, typer.Option(
     "--keep-prefix", help="safetensors: keep the container level of a DCP {'model': ...} checkpoint ('model.').")]
 
 
 def _format_line(plan: Plan, out: str | Path | None) -> str:
     """What a dry run would write: the format and where its files go."""
-    from ..commands.averaging import SAFETENSORS_FILE
+    from ..sums import SAFETENSORS_FILE, TORCH_FILE
 
     fmt = getattr(plan, "format", "dcp")
+    data = {"safetensors": SAFETENSORS_FILE, "torch": TORCH_FILE}.get(fmt, "")
     where = shown(out) if out is not None else "OUT"
     if len(plan.outputs) == 1 and plan.kind != "posthoc":
-        target = f"{where}{os.sep}" + (SAFETENSORS_FILE if fmt == "safetensors" else "")
+        target = f"{where}{os.sep}{data}"
     else:
-        target = f"{where}{os.sep}<name>{os.sep}" + (SAFETENSORS_FILE if fmt == "safetensors" else "")
+        target = f"{where}{os.sep}<name>{os.sep}{data}"
     return f"output format {fmt}: {target}"
 
 
@@ -168,6 +181,9 @@ def average_command(
     last: Annotated[int | None, typer.Option("--last", min=1, help="Average the newest K checkpoints.")] = None,
     from_step: Annotated[int | None, typer.Option("--from-step", help="First step to include.")] = None,
     to_step: Annotated[int | None, typer.Option("--to-step", help="Last step to include.")] = None,
+    every: Annotated[int | None, typer.Option(
+        "--every", min=1, help="Every N-th checkpoint, counted back from the newest (LAWA's spacing).")] = None,
+    weights: WeightsOpt = None,
     dtype: DtypeOpt = "float32",
     out_format: FormatOpt = None,
     keep_prefix: KeepPrefixOpt = False,
@@ -185,14 +201,14 @@ def average_command(
     json_output: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
-    """Uniform average of checkpoints (fairseq average_checkpoints, LAWA)."""
+    """Average of checkpoints: uniform (fairseq, LAWA) or schedule-weighted (WSM)."""
     if out is None and not dry_run:
         raise UsageError("--out is required (unless --dry-run)")
     with progress_bar("average", enabled=not (quiet or json_output or dry_run)) as on_progress:
         from ..commands.averaging import average
 
         result = average(checkpoints, out=out or Path("average"), last=last, from_step=from_step,
-                         to_step=to_step, dry_run=dry_run, dtype=dtype, format=out_format,
+                         to_step=to_step, every=every, weights=weights, dry_run=dry_run, dtype=dtype, format=out_format,
                          keep_prefix=keep_prefix, include=include or (),
                          workers=workers, device=device,
                          exclude=exclude or (), step_regex=step_regex, skip=skip or (), state_key=state_key,

@@ -10,6 +10,7 @@ Modules, one family each (formulas in ``docs/math.md`` and ``docs/profiles.md``)
 * :mod:`.exponential`: the classic EMA across gaps (per step, per checkpoint, warm-up);
 * :mod:`.power`: the EDM2 power-function EMA, σ_rel ↔ γ, its decay and closed form;
 * :mod:`.uniform`: plain averaging (fairseq / LAWA);
+* :mod:`.merge_weights`: merge weights from a decay schedule (WSM, Megatron-LM ``weighted_merge``);
 * :mod:`.posthoc`: EDM2 post-hoc reconstruction from power-EMA snapshots;
 * :mod:`.stats`: what a plan amounts to, and the sparse-spacing warning;
 * :mod:`.profiles`: the kept profiles as manifests record them.
@@ -32,6 +33,7 @@ from .exponential import (
     exponential_window,
     fold_coefficients,
 )
+from .merge_weights import NAMED_SCHEDULES, coefficients_from_decay, rate_schedule_weights, schedule_weights
 from .posthoc import PosthocPlan, Snapshot, posthoc_coefficients, posthoc_plan, profile_inner_product
 from .power import (
     GAMMA_MAX,
@@ -54,6 +56,7 @@ from .uniform import uniform_coefficients, uniform_selection
 
 __all__ = [
     "GAMMA_MAX",
+    "NAMED_SCHEDULES",
     "SIGMA_REL_MAX",
     "SIGMA_REL_MIN",
     "ExponentialProfile",
@@ -65,6 +68,7 @@ __all__ = [
     "SparseCheckpoints",
     "check_gamma",
     "check_sigma_rel",
+    "coefficients_from_decay",
     "describe_plan",
     "effective_half_life",
     "equivalent_step_decay",
@@ -81,6 +85,8 @@ __all__ = [
     "power_window",
     "profile_from_dict",
     "profile_inner_product",
+    "rate_schedule_weights",
+    "schedule_weights",
     "sigma_rel_to_gamma",
     "spacing_warning",
     "sparse_checkpoints",

@@ -22,14 +22,18 @@ def uniform_selection(
     last: int | None = None,
     from_step: int | None = None,
     to_step: int | None = None,
+    every: int | None = None,
 ) -> list[int]:
-    """Indices averaged by ``uniform_coefficients``: steps in [from_step, to_step], then the last k.
+    """Indices averaged by ``uniform_coefficients``: steps in [from_step, to_step], every n-th
+    of them counted back from the newest (LAWA's spacing), then the last k.
 
-    Both bounds are inclusive; ``last`` keeps the newest k of what the bounds leave.
+    Both bounds are inclusive; ``last`` keeps the newest k of what the bounds and ``every`` leave.
 
     Example:
         >>> uniform_selection([10, 20, 30, 40, 50], last=2, to_step=40)
         [2, 3]
+        >>> uniform_selection([10, 20, 30, 40, 50], last=2, every=2)
+        [2, 4]
     """
     ts = check_steps(steps)
     lo = option_step(from_step, "from_step") if from_step is not None else None
@@ -37,6 +41,11 @@ def uniform_selection(
     if lo is not None and hi is not None and lo > hi:
         raise OptionError("from_step", f"{lo} is after {{to_step}} {hi}", value=lo, mentions=("to_step",))
     picked = [i for i, t in enumerate(ts) if (lo is None or t >= lo) and (hi is None or t <= hi)]
+    if every is not None:
+        spacing: object = every
+        if isinstance(spacing, bool) or not isinstance(spacing, Integral) or spacing < 1:
+            raise OptionError("every", f"must be a positive number of checkpoints, got {every!r}", value=every)
+        picked = picked[::-1][:: int(every)][::-1]
     if last is not None:
         count: object = last  # checked as any value: callers need not be type-checked
         if isinstance(count, bool) or not isinstance(count, Integral) or count < 1:
@@ -54,6 +63,7 @@ def uniform_coefficients(
     last: int | None = None,
     from_step: int | None = None,
     to_step: int | None = None,
+    every: int | None = None,
 ) -> list[float]:
     """Plain averaging: 1/k on each checkpoint of ``uniform_selection``, 0 elsewhere.
 
@@ -63,7 +73,7 @@ def uniform_coefficients(
         >>> uniform_coefficients([10, 20, 30, 40, 50], from_step=20, to_step=30)
         [0.0, 0.5, 0.5, 0.0, 0.0]
     """
-    picked = uniform_selection(steps, last=last, from_step=from_step, to_step=to_step)
+    picked = uniform_selection(steps, last=last, from_step=from_step, to_step=to_step, every=every)
     out = [0.0] * len(steps)
     for i in picked:
         out[i] = 1.0 / len(picked)

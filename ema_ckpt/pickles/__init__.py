@@ -1,5 +1,9 @@
-"""Pickles read without running them: the bounds walk before CPython's C unpickler
-(:mod:`.bounds`), the restricted DCP ``.metadata`` unpickler (:mod:`.dcp_metadata`), and the
-rules every weights-only load shares (:mod:`.rules`). ``torch.save`` records' ``data.pkl`` is
-read by :mod:`ema_ckpt.torch_records.pickles` through the same bounds walk.
+"""What every reader of an untrusted pickle shares: the bounds walk before CPython's C
+unpickler (:mod:`.bounds`) and the rules (:mod:`.rules`: how a refused global is reported,
+``torch.Size``'s stand-in, what torch's weights-only unpickler refused).
+
+Each restricted unpickler lives with the format it reads and builds on these: DCP
+``.metadata`` in :mod:`ema_ckpt.formats.dcp.metadata_unpickle`, a ``torch.save`` record's
+``data.pkl`` in :mod:`ema_ckpt.torch_records.pickles` and a whole file's pickle in
+:mod:`ema_ckpt.torch_records.tree`, DeepSpeed files in :mod:`ema_ckpt.formats.deepspeed.unpickle`.
 """

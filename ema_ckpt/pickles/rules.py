@@ -1,4 +1,5 @@
-"""The pickle rules shared by every load through torch's weights-only unpickler: what it refused.
+"""The pickle rules every reader shares: how a refused global is reported, ``torch.Size``'s
+stand-in, and, for loads through torch's weights-only unpickler, what it refused.
 
 DeepSpeed ``.pt`` files (:mod:`ema_ckpt.formats.deepspeed.unpickle`) and DCP chunk records
 (:mod:`ema_ckpt.formats.dcp.records`) both go through that unpickler; when it refuses a file,
@@ -18,10 +19,30 @@ import io
 import pickle
 import pickletools
 import re
+from pathlib import Path
+from typing import Any
 
-__all__ = ["GLOBAL_IN_MESSAGE", "first_line", "globals_in_pickle", "torch_allows"]
+from ..errors import UnsafePickleError
+
+__all__ = ["GLOBAL_IN_MESSAGE", "first_line", "globals_in_pickle", "refusal", "refuse", "torch_allows", "torch_size"]
 
 GLOBAL_IN_MESSAGE = re.compile(r"GLOBAL ([A-Za-z_][\w.]*)")
+
+
+def refusal(name: str) -> str:
+    """What every refused global is told: ``name`` (``module.qualname``) is not allowed, and
+    nothing from the file ran."""
+    return f"refers to {name}, which is not allowed; nothing from the file was run"
+
+
+def refuse(source: str | Path, module: str, name: str) -> UnsafePickleError:
+    """The error for a pickle global outside an allowlist (raised before anything of the file ran)."""
+    return UnsafePickleError(source, refusal(f"{module}.{name}"))
+
+
+def torch_size(dims: Any = ()) -> tuple[int, ...]:
+    """``torch.Size`` rebuilt as a tuple of ints (every restricted unpickler's stand-in)."""
+    return tuple(map(int, dims))
 
 
 def first_line(message: str) -> str:

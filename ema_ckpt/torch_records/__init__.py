@@ -9,7 +9,7 @@ pickle and storages of torch's pre-1.6 format; :mod:`.emit` writes inert data ba
 :mod:`.write` writes pickles and records byte for byte as torch does.
 """
 
-from .pickles import TensorRecord, load_tensor_record, refuse
+from .pickles import TensorRecord, load_tensor_record
 from .write import StateDictFileWriter, state_dict_pickle, tensor_pickle, writable_dtype, write_tensor_record
 from .zipfmt import FileWindow, member_start, scan_record
 
@@ -19,7 +19,6 @@ __all__ = [
     "TensorRecord",
     "load_tensor_record",
     "member_start",
-    "refuse",
     "scan_record",
     "state_dict_pickle",
     "tensor_pickle",

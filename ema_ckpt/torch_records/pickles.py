@@ -16,18 +16,7 @@ from typing import Any
 from ..dtypes import TORCH_NAMES, DtypeName, canonical, itemsize
 from ..errors import CheckpointFormatError, UnsafePickleError
 from ..pickles.bounds import InMemoryUnpickler
-
-
-def refuse(source: str, module: str, name: str) -> UnsafePickleError:
-    """The error for a pickle global outside an allowlist (nothing of the file ran)."""
-    return UnsafePickleError(
-        source, f"refers to {module}.{name}, which is not allowed; nothing from the file was run"
-    )
-
-
-def _size(dims: Any = ()) -> tuple[int, ...]:
-    """``torch.Size`` as a tuple of ints."""
-    return tuple(map(int, dims))
+from ..pickles.rules import refuse, torch_size
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,7 +130,7 @@ class _TensorRecordUnpickler(InMemoryUnpickler):
         if module == "collections" and name == "OrderedDict":
             return collections.OrderedDict
         if module == "torch" and name == "Size":
-            return _size
+            return torch_size
         raise refuse(self._source, module, name)
 
     def persistent_load(self, pid: Any) -> Any:

@@ -32,7 +32,8 @@ from typing import Any
 from ..dtypes import DtypeName
 from ..errors import CheckpointFormatError, Note, UnsafePickleError
 from ..pickles.bounds import InMemoryUnpickler
-from .pickles import _UNTYPED, TensorRecord, _rebuild_record, _rebuild_record_v3, _size, storage_dtype
+from ..pickles.rules import refusal, torch_size
+from .pickles import _UNTYPED, TensorRecord, _rebuild_record, _rebuild_record_v3, storage_dtype
 
 
 class Opaque(dict):  # type: ignore[type-arg]
@@ -108,7 +109,7 @@ _TORCH_SPECIALS: dict[tuple[str, str], Any] = {
     ("torch._utils", "_rebuild_parameter"): _parameter,
     ("torch._utils", "_rebuild_parameter_with_state"): _parameter,
     ("torch._tensor", "_rebuild_from_type_v2"): _from_type_v2,
-    ("torch", "Size"): _size,
+    ("torch", "Size"): torch_size,
     ("collections", "OrderedDict"): collections.OrderedDict,
 }
 
@@ -308,7 +309,7 @@ def check_harmless(tree: PickledTree, source: str, inert_globals: Sequence[str] 
         return
     name, path = next(iter(foreign.items()))
     more = f" (and {len(foreign) - 1} more: {', '.join(list(foreign)[1:4])})" if len(foreign) > 1 else ""
-    said = f"refers to {name} under key {key_path(path)!r}{more}, which is not allowed; nothing from the file was run"
+    said = refusal(f"{name} under key {key_path(path)!r}{more}")
     code = next((n for n in foreign if _is_code(n)), None)
     if code is not None:
         raise UnsafePickleError(source, said + f" ({code} is a function, not data)")

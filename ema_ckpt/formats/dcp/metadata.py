@@ -12,8 +12,8 @@ from typing import Any
 
 from ...errors import CheckpointFormatError, CheckpointNotFoundError
 from ...layout import Box
-from ...pickles.dcp_metadata import load_dcp_metadata_bytes
 from ...storage import Location
+from .metadata_unpickle import load_dcp_metadata_bytes
 
 METADATA_FILE = ".metadata"
 

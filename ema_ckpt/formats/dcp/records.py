@@ -19,7 +19,7 @@ from ..._lazy import torch
 from ...dtypes import itemsize, name_of
 from ...errors import CheckpointFormatError, EmaCkptError, RecordChecksumError, UnsafePickleError
 from ...layout import Box, TensorSpec
-from ...pickles.rules import GLOBAL_IN_MESSAGE, first_line, globals_in_pickle, torch_allows
+from ...pickles.rules import GLOBAL_IN_MESSAGE, first_line, globals_in_pickle, refusal, torch_allows
 from ...storage import (
     BlockChecksums,
     Location,
@@ -263,8 +263,7 @@ class ChunkRecords:
             if refused is not None:  # torch's own advice (load it with weights_only=False) is never relayed
                 raise UnsafePickleError(
                     self.path / chunk.file,
-                    f"key {key!r}: the record at offset {chunk.offset} refers to {refused}, which is not "
-                    "allowed; nothing from the file was run",
+                    f"key {key!r}: the record at offset {chunk.offset} {refusal(refused)}",
                 ) from None
             first = first_line(str(err)) or type(err).__name__
             if "weights_only" in first or "will likely succeed" in first:  # torch's advice: never relayed

@@ -20,19 +20,19 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..._compat.dcp_metadata import dump_metadata
 from ..._crc import crc32, crc32_combine
 from ..._lazy import torch
 from ...dtypes import name_of
 from ...errors import CheckpointFormatError, OutputError
 from ...layout import Box, boxes_cover
-from ...pickles.dcp_metadata import check_written_metadata
 from ...storage import fsync_dir, start_writeback
 from ...storage.direct_io import ALIGNMENT as PAGE
 from ...storage.direct_io import DirectAppender
 from ...torch_records import write_tensor_record
 from ...torch_records.write import STORAGE_ALIGNMENT
 from .metadata import METADATA_FILE
+from .metadata_pickle import dump_metadata
+from .metadata_unpickle import check_written_metadata
 
 # Looked up at each call, so a test can stand in for it (a full disk mid-record).
 _write_tensor_record = write_tensor_record

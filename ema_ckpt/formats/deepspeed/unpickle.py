@@ -43,7 +43,7 @@ from typing import Any
 
 from ..._lazy import torch
 from ...errors import CheckpointFormatError, CheckpointNotFoundError, UnsafePickleError
-from ...pickles.rules import GLOBAL_IN_MESSAGE, first_line, globals_in_pickle, torch_allows
+from ...pickles.rules import GLOBAL_IN_MESSAGE, first_line, globals_in_pickle, refusal, torch_allows
 from ...storage import Location
 from ...torch_records.zipfmt import stored_members
 
@@ -204,9 +204,7 @@ def safe_load(path: Location, load: Callable[[], Any], pickle_source: Path | byt
         except Exception:  # a damaged archive: the pickle error below is the message
             name = None
         if name is not None:
-            raise UnsafePickleError(
-                path, f"refers to {name}, which is not allowed; nothing from the file was run"
-            ) from None
+            raise UnsafePickleError(path, refusal(name)) from None
         first = first_line(str(err))
         raise CheckpointFormatError(path, f"corrupt or unsupported pickle ({first})") from None
     except Exception as err:  # torch.load raises many types on damaged files; all mean the same here

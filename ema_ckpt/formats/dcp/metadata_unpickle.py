@@ -19,10 +19,10 @@ import io
 import pickle
 from typing import Any
 
-from ..dtypes import TORCH_NAMES, DtypeName, canonical
-from ..errors import CheckpointFormatError, UnsafePickleError
-from ..torch_records.pickles import _size, refuse
-from .bounds import InMemoryUnpickler
+from ...dtypes import TORCH_NAMES, DtypeName, canonical
+from ...errors import CheckpointFormatError, UnsafePickleError
+from ...pickles.bounds import InMemoryUnpickler
+from ...pickles.rules import refuse, torch_size
 
 _DCP_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
 _DCP_METADATA_CLASSES = {
@@ -143,7 +143,7 @@ def _fresh_standins() -> dict[tuple[str, str], Any]:
     for name in _DCP_PLANNER_CLASSES:
         standins[(_DCP_PLANNER_MODULE, name)] = type(name, (_standin(name),), {})
     standins[("torch.serialization", "_get_layout")] = lambda name: str(name)
-    standins[("torch", "Size")] = _size
+    standins[("torch", "Size")] = torch_size
     for module in ("pathlib", "pathlib._local"):
         for name in _PATH_CLASSES:
             standins[(module, name)] = lambda *parts: _join_path(*parts)
