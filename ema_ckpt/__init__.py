@@ -1,12 +1,13 @@
 """ema-ckpt: EMAs and averages of sharded PyTorch checkpoints, computed offline.
 
-The whole library in ten functions (each also a CLI command; the same options as keyword
+The whole library in eleven functions (each also a CLI command; the same options as keyword
 arguments, results as dataclasses, errors as :class:`~ema_ckpt.errors.EmaCkptError`):
 
 ========================  ==================================================================
 :func:`accumulate`        fold new checkpoints into running EMAs kept on disk (cron-safe)
 :func:`posthoc`           post-hoc power-function EMAs (EDM2) at any σ_rel, after training
-:func:`average`           a uniform average of a selection of checkpoints
+:func:`average`           an average of a selection of checkpoints: uniform, or weighted by a decay schedule
+:func:`select`            the best of many averages by the user's own evaluation (post-hoc EMAs, latest-K, soups)
 :func:`consolidate`       any checkpoint → safetensors, the HF sharded layout, or a torch file
 :func:`reshard`           any checkpoint → a DCP checkpoint laid out for N ranks
 :func:`inspect`           what a checkpoint holds: format, step, keys, shapes, dtypes
@@ -39,6 +40,7 @@ if TYPE_CHECKING:
     from .commands.inspect import inspect_checkpoint as inspect
     from .commands.inspect import inspect_folder
     from .commands.reshard import reshard
+    from .commands.select import select
     from .commands.verify import verify
     from .formats import open_checkpoint
 
@@ -46,6 +48,7 @@ _PUBLIC = {
     "accumulate": ("ema_ckpt.commands.accumulate", "accumulate"),
     "posthoc": ("ema_ckpt.commands.averaging", "posthoc"),
     "average": ("ema_ckpt.commands.averaging", "average"),
+    "select": ("ema_ckpt.commands.select", "select"),
     "consolidate": ("ema_ckpt.commands.consolidate", "consolidate"),
     "reshard": ("ema_ckpt.commands.reshard", "reshard"),
     "inspect": ("ema_ckpt.commands.inspect", "inspect_checkpoint"),
@@ -70,4 +73,4 @@ def __dir__() -> list[str]:
 
 
 __all__ = ["__version__", "accumulate", "average", "consolidate", "diff", "inspect", "inspect_folder",
-           "open_checkpoint", "posthoc", "reshard", "verify"]
+           "open_checkpoint", "posthoc", "reshard", "select", "verify"]

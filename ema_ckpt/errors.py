@@ -184,6 +184,7 @@ EXIT_CODES: tuple[ExitCode, ...] = (
     ExitCode(7, "writing the output failed; the previous output is intact"),
     ExitCode(8, "a worker of the run was lost (node down, network cut, launcher gone)"),
     ExitCode(9, "object storage failed or did not answer; nothing was published"),
+    ExitCode(10, "select: the evaluation command failed on every candidate (the scores it kept are cached)"),
     ExitCode(75, Note("another run holds the output's lock (retry later, or {wait_seconds=SECONDS})",
                       mentions=("wait_seconds",))),
     # CPython's own status when flushing stdout or stderr at exit fails (a closed pipe)
@@ -357,6 +358,12 @@ class RemoteStorageError(EmaCkptError):
     the endpoint unreachable, or transient errors past the client's retries."""
 
     exit_code = 9
+
+
+class EvaluationError(EmaCkptError):
+    """``select``: the evaluation command failed on every candidate; nothing was published."""
+
+    exit_code = 10
 
 
 class OutputError(EmaCkptError, OSError):

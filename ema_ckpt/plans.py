@@ -111,7 +111,7 @@ def find_snapshots(paths: Sequence[Location]) -> list[SnapshotInput]:
     return found
 
 
-def _targets(sigma_rels: Sequence[str], gammas: Sequence[str]) -> list[tuple[str, float, float]]:
+def power_targets(sigma_rels: Sequence[str], gammas: Sequence[str]) -> list[tuple[str, float, float]]:
     """(output name, γ, σ_rel) for each requested profile, names as typed."""
     if not sigma_rels and not gammas:
         raise UsageError("give at least one {sigma_rels} or {gammas}", mentions=("sigma_rels", "gammas"))
@@ -174,18 +174,24 @@ def plan_posthoc(
     snapshots: EDM2's least-squares fit of the target profile by the snapshots' profiles.
     """
     paths = checkpoint_paths(checkpoints)
-    targets = _targets(sigma_rels, gammas)
+    targets = power_targets(sigma_rels, gammas)
     snapshots = find_snapshots(paths)
     if snapshots:
-        return _plan_from_snapshots(snapshots, targets, at_step)
+        return plan_from_snapshots(snapshots, targets, at_step)
     found = discover(paths, step_regex=step_regex, exclude=exclude_paths, skip=skip)
-    steps = [c.step for c in found.checkpoints]
+    return Plan("posthoc", found.checkpoints, power_outputs(found.checkpoints, targets, at_step), found.notes)
+
+
+def power_outputs(checkpoints: Sequence[FoundCheckpoint], targets: Sequence[tuple[str, float, float]],
+                  at_step: int | None = None) -> list[PlannedOutput]:
+    """One planned output per (name, γ, σ_rel) target: the power EMA of raw ``checkpoints`` (oldest first)."""
+    steps = [c.step for c in checkpoints]
     outputs = []
     for name, gamma, sigma_rel in targets:
         coeffs = maths.power_coefficients(steps, gamma, at_step)
         big_t = max(s for s in steps if at_step is None or s <= at_step)
         used = [i for i, s in enumerate(steps) if s <= big_t]
-        terms = [Term(str(found.checkpoints[i].path), steps[i], coeffs[i]) for i in used]
+        terms = [Term(str(checkpoints[i].path), steps[i], coeffs[i]) for i in used]
         warning = sparse_warning([t.step for t in terms], maths.power_window(gamma, big_t), POWER_LONGER)
         warnings: list[str] = [warning] if warning else []
         if at_step is not None and big_t != at_step:
@@ -197,10 +203,10 @@ def plan_posthoc(
             warnings=warnings,
             stats=_stats([t.step for t in terms], [t.coefficient for t in terms]),
         ))
-    return Plan("posthoc", found.checkpoints, outputs, found.notes)
+    return outputs
 
 
-def _plan_from_snapshots(snapshots: list[SnapshotInput], targets: list[tuple[str, float, float]],
+def plan_from_snapshots(snapshots: list[SnapshotInput], targets: list[tuple[str, float, float]],
                          at_step: int | None) -> Plan:
     inputs = [FoundCheckpoint(s.path, s.step, "dcp") for s in snapshots]
     specs = [maths.Snapshot(s.step, s.gamma) for s in snapshots]

@@ -26,7 +26,7 @@ from .errors import OptionError, UsageError
 from .maths.merge_weights import NAMED_SCHEDULES, rate_schedule_weights, schedule_weights
 from .maths.power import check_gamma, check_sigma_rel, sigma_rel_to_gamma
 
-__all__ = ["MergeWeights", "parse_gamma_list", "parse_sigma_list", "parse_weights"]
+__all__ = ["MergeWeights", "parse_count_list", "parse_gamma_list", "parse_sigma_list", "parse_weights"]
 
 _NUMBER = re.compile(r"(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")
 _MAX_LIST = 10_000
@@ -197,3 +197,28 @@ def _read_rates(path: Path) -> list[tuple[float, float]]:
     if not points:
         raise OptionError("weights", f"{path}: no step,learning_rate rows", value=str(path))
     return points
+
+
+def parse_count_list(text: str, option: str) -> list[int]:
+    """Positive counts as typed: ``4``, ``2,4,8`` or ``2:16:2`` (a range, both ends included).
+
+    Example:
+        >>> parse_count_list("1,2:8:2", "last")
+        [1, 2, 4, 6, 8]
+    """
+    counts: list[int] = []
+    for item in (part.strip() for part in str(text).split(",")):
+        try:
+            bounds = [int(x) for x in item.split(":")] if item else []
+        except ValueError:
+            bounds = []
+        if len(bounds) == 1:
+            values = bounds
+        elif len(bounds) == 3 and bounds[2] > 0 and bounds[0] <= bounds[1]:
+            values = list(range(bounds[0], bounds[1] + 1, bounds[2]))
+        else:
+            raise OptionError(option, f"{item!r} is not a count, nor a start:stop:step range of counts", value=text)
+        if any(v < 1 for v in values) or len(counts) + len(values) > _MAX_LIST:
+            raise OptionError(option, f"{item!r}: counts must be positive (and at most {_MAX_LIST})", value=text)
+        counts.extend(v for v in values if v not in counts)
+    return counts

@@ -7,7 +7,8 @@
 # each job (cron runs 1 and 2; run 2 folds only the new checkpoints), and the EMA is checked against
 # one run over every checkpoint ever saved. Then a post-hoc sweep over sigma_rel, every variant scored
 # on the same held-out data (table + DIR/demo.png), and the best one shipped as safetensors and as a
-# 4-rank DCP checkpoint.
+# 4-rank DCP checkpoint. Last, `select` picks sigma_rel (or a latest-K average) by the same held-out
+# loss (examples/demo/score.py), from its own candidates, and plots score against sigma_rel.
 # Settings: DEMO_STEPS (400) in all, the first job stopping at DEMO_FIRST_JOB (215 of 400); DEMO_SAVE_EVERY
 # (25,10: the first job's interval, the second's); DEMO_KEEP (20, the retention); DEMO_HALF_LIFE
 # (20 steps) for the EMA; DEMO_SIGMAS (a comma-separated list) for the post-hoc sweep.
@@ -96,7 +97,13 @@ section "checks: the shipped weights score as their source; the cron runs' EMA a
 ema_ckpt accumulate "$DIR/every-checkpoint" --half-life "$HALF_LIFE" --out "$DIR/ema-one-shot" --quiet
 "$PY" "$HERE/demo/evaluate.py" "$DIR" --check "$DIR/best.safetensors" "$DIR/best-4ranks" --cron
 
+section "choosing by evaluation: select writes each candidate (every sigma_rel, the newest 4 and 8 averaged), scores it with the held-out loss (examples/demo/score.py) and keeps the best"
+ema_ckpt select "$DIR/ckpts" --sigma-rel "$SIGMAS" --last 4,8 --eval "$PY $HERE/demo/score.py {path}" \
+    --metric loss --out "$DIR/selected"
+
 section "done in $((SECONDS - START)) s; outputs in $DIR/"
 echo "ckpts/ what retention kept, ema/ the EMA, posthoc/ the post-hoc EMAs, results.json, best.safetensors, best-4ranks/"
+echo "selected/ the candidate select chose; selected.select/ its score cache, logs and plot"
 echo "every-checkpoint/ and ema-one-shot/: the copy and the one-shot EMA for the check"
 if [[ -f "$DIR/demo.png" ]]; then echo "plot: $DIR/demo.png"; fi
+if [[ -f "$DIR/selected.select/scores.png" ]]; then echo "plot: $DIR/selected.select/scores.png"; fi

@@ -92,9 +92,20 @@ def test_demo(tmp_path: Path) -> None:
     assert files == [f"__{rank}_0.distcp" for rank in range(4)]
     assert checks.count(", the same as ") == 2
 
+    # select: the same held-out loss, computed by its own command on its own candidates
+    assert "$ ema-ckpt select " in text and (out / "selected" / "model.safetensors").is_file()
+    chosen = json.loads((out / "selected" / "ema-ckpt.json").read_text())["options"]["selected"]
+    scores = {s["name"]: s["score"] for s in chosen["scores"]}
+    assert chosen["score"] == min(scores.values()) and set(scores) >= {f"sigma_rel_{s}" for s in SIGMAS}
+    by_sigma = {r["name"]: r["loss"] for r in results["results"]}
+    for sigma in SIGMAS:  # the post-hoc outputs evaluate.py scored are the candidates select wrote
+        assert scores[f"sigma_rel_{sigma}"] == pytest.approx(by_sigma[f"σ_rel {float(sigma):g}"], rel=1e-5)
+
     if importlib.util.find_spec("matplotlib") is not None:
         assert (out / "demo.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert f"plot: {out}/demo.png" in text
+        assert (out / "selected.select" / "scores.png").is_file()
+        assert f"plot: {out}/selected.select/scores.png" in text
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""The public API: ten documented functions in ``ema_ckpt``, cheap to import."""
+"""The public API: eleven documented functions in ``ema_ckpt``, cheap to import."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import sys
 import ema_ckpt
 
 FUNCTIONS = ["accumulate", "posthoc", "average", "consolidate", "reshard", "inspect", "inspect_folder", "verify",
-             "diff", "open_checkpoint"]
+             "diff", "open_checkpoint", "select"]
 
 
 def test_importing_the_package_loads_neither_the_commands_nor_torch():

@@ -22,6 +22,7 @@ from . import diff as _diff
 from . import inspect as _inspect
 from . import posthoc as _posthoc
 from . import reshard as _reshard
+from . import select as _select
 from . import verify as _verify
 from ._errors import exit_codes_help, usage_error_line, usage_name
 from ._output import err_console
@@ -79,6 +80,7 @@ _command("average", _posthoc.AVERAGE_EPILOG)(_posthoc.average_command)
 _command("consolidate", _consolidate.EPILOG)(_consolidate.consolidate_command)
 _command("reshard", _reshard.EPILOG)(_reshard.reshard_command)
 _command("verify", _verify.EPILOG)(_verify.verify_command)
+_command("select", _select.EPILOG)(_select.select_command)
 _command("diff", _diff.EPILOG)(_diff.diff_command)
 
 

@@ -1,0 +1,167 @@
+"""The candidates ``select`` evaluates, planned from steps and manifests alone: one
+:class:`~ema_ckpt.plans.Plan` whose outputs are the candidates, any mix of
+
+* post-hoc power EMAs (``sigma_rels``/``gammas``; from snapshots when the paths hold them,
+  else from the raw checkpoints: EDM2);
+* averages of the newest K (``lasts``, spaced ``every`` apart: LAWA), uniform or weighted by
+  each of ``weights`` (WSM, Megatron-LM ``weighted_merge``);
+* classic EMAs an ``accumulate`` run wrote (``emas``), taken as they are;
+* single checkpoints (``singles``: the newest K, or all), which a greedy soup also starts from.
+
+Example:
+    >>> spec = CandidateSpec(sigma_rels=("0.05,0.1",), lasts=(4,), weights=("uniform", "minus-sqrt"))
+    >>> spec.names_preview()
+    ['sigma_rel_0.05', 'sigma_rel_0.1', 'last_4', 'minus-sqrt_last_4']
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ..discovery import FoundCheckpoint, checkpoint_paths, discover
+from ..errors import CheckpointNotFoundError, UsageError
+from ..formats.resolve import detect_format
+from ..manifest import MANIFEST_NAME, Manifest
+from ..plans import (
+    Plan,
+    PlannedOutput,
+    Term,
+    average_output,
+    find_snapshots,
+    plan_from_snapshots,
+    power_outputs,
+    power_targets,
+)
+from ..profile_specs import parse_weights
+from ..storage import Location, as_path
+
+__all__ = ["ALL", "CandidateSpec", "plan_candidates"]
+
+ALL = -1
+"""``singles=ALL``: every checkpoint is a candidate on its own."""
+_SAFE = re.compile(r"[^A-Za-z0-9_.=-]+")
+
+
+@dataclass(frozen=True, slots=True)
+class CandidateSpec:
+    """Which candidates to plan (see the module docstring). Empty fields add none."""
+
+    sigma_rels: tuple[str, ...] = ()
+    gammas: tuple[str, ...] = ()
+    lasts: tuple[int, ...] = ()
+    every: int | None = None
+    weights: tuple[str, ...] = ()
+    emas: tuple[Location, ...] = ()
+    singles: int | None = None
+    at_step: int | None = None
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.sigma_rels or self.gammas or self.lasts or self.emas or self.singles)
+
+    def weight_names(self) -> list[str]:
+        return [_label(parse_weights(w).name) for w in (self.weights or ("uniform",))]
+
+    def names_preview(self) -> list[str]:
+        """The names of the candidates that do not depend on the checkpoints found."""
+        names = [name for name, _g, _s in power_targets(self.sigma_rels, self.gammas)] if (
+            self.sigma_rels or self.gammas) else []
+        for k in self.lasts:
+            for weight in self.weight_names():
+                names.append(_average_name(weight, k, self.every))
+        return names
+
+
+def _label(name: str) -> str:
+    return _SAFE.sub("_", name.removesuffix(".csv").removesuffix(".CSV")) or "weights"
+
+
+def _average_name(weight: str, last: int, every: int | None) -> str:
+    base = f"last_{last}" + (f"_every_{every}" if every and every > 1 else "")
+    return base if weight == "uniform" else f"{weight}_{base}"
+
+
+def plan_candidates(checkpoints: Sequence[str | Location], spec: CandidateSpec, *, step_regex: str | None = None,
+                    exclude_paths: Sequence[Location] = (), skip: Sequence[str | Location] = ()) -> Plan:
+    """Every candidate of ``spec`` as one output of a plan (kind ``select``), in the order given.
+
+    Raises:
+        UsageError: no candidate asked for, or two with one name.
+    """
+    if spec.is_empty:
+        raise UsageError("give at least one candidate: {sigma_rels}, {lasts}, {emas} or {singles}",
+                         mentions=("sigma_rels", "lasts", "emas", "singles"))
+    paths = checkpoint_paths(checkpoints)
+    inputs: list[FoundCheckpoint] = []
+    outputs: list[PlannedOutput] = []
+    notes: list[str] = []
+    snapshots = find_snapshots(paths) if (spec.sigma_rels or spec.gammas) else []
+    needs_raw = bool(spec.lasts or spec.singles or ((spec.sigma_rels or spec.gammas) and not snapshots))
+    raw: list[FoundCheckpoint] = []
+    if needs_raw:
+        found = discover(paths, step_regex=step_regex, exclude=[*exclude_paths, *(s.path for s in snapshots)],
+                         skip=skip)
+        raw, notes = list(found.checkpoints), list(found.notes)
+        inputs.extend(raw)
+    if spec.sigma_rels or spec.gammas:
+        targets = power_targets(spec.sigma_rels, spec.gammas)
+        if snapshots:
+            from_snapshots = plan_from_snapshots(snapshots, targets, spec.at_step)
+            inputs.extend(from_snapshots.inputs)
+            outputs.extend(from_snapshots.outputs)
+        else:
+            outputs.extend(power_outputs(raw, targets, spec.at_step))
+    for k in spec.lasts:
+        for weights in spec.weights or ("uniform",):
+            name = _average_name(_label(parse_weights(weights).name), k, spec.every)
+            if k > len(raw):
+                notes.append(f"{name}: only {len(raw)} checkpoints; averaging all of them")
+            outputs.append(average_output(name, raw, last=k, every=spec.every, weights=weights))
+    for path in spec.emas:
+        ema = _classic_ema(as_path(path), many=len(spec.emas) > 1)
+        inputs.append(ema.inputs[0])
+        outputs.append(ema.outputs[0])
+    if spec.singles:
+        chosen = raw if spec.singles == ALL else raw[-spec.singles:]
+        outputs.extend(single_output(c) for c in chosen)
+    _check_unique([o.name for o in outputs])
+    return Plan("select", inputs, outputs, notes)
+
+
+def single_output(checkpoint: FoundCheckpoint) -> PlannedOutput:
+    """A checkpoint on its own, as a candidate (``step_<N>``)."""
+    return PlannedOutput(f"step_{checkpoint.step}", checkpoint.step, [Term(str(checkpoint.path), checkpoint.step, 1.0)],
+                         profile={"kind": "single"})
+
+
+def uniform_output(name: str, checkpoints: Sequence[FoundCheckpoint]) -> PlannedOutput:
+    """The plain mean of ``checkpoints`` (a soup's candidate)."""
+    ordered = sorted(checkpoints, key=lambda c: (c.step, str(c.path)))
+    terms = [Term(str(c.path), c.step, 1.0 / len(ordered)) for c in ordered]
+    return PlannedOutput(name, ordered[-1].step, terms, profile={"kind": "soup", "members": [t.step for t in terms]})
+
+
+def _classic_ema(path: Location, *, many: bool) -> Plan:
+    """An ``accumulate`` output as a candidate, taken whole (its manifest gives the step)."""
+    if not (path / MANIFEST_NAME).is_file():
+        raise CheckpointNotFoundError(path, "is not an ema-ckpt output (no ema-ckpt.json): give the {out} of an "
+                                            "accumulate run", mentions=("out",))
+    manifest = Manifest.read(path)
+    fmt = detect_format(path)
+    if manifest is None or fmt is None:
+        raise CheckpointNotFoundError(path, "is not an EMA ema-ckpt can read")
+    name = f"ema_{_label(path.name)}" if many else "ema"
+    found = FoundCheckpoint(path, manifest.step, fmt.name, step_source="manifest")
+    output = PlannedOutput(name, manifest.step, [Term(str(path), manifest.step, 1.0)],
+                           profile={"kind": "ema", **manifest.profile})
+    return Plan("select", [found], [output])
+
+
+def _check_unique(names: list[str]) -> None:
+    seen: set[str] = set()
+    for name in names:
+        if name in seen:
+            raise UsageError(f"two candidates are named {name!r}: give each value once")
+        seen.add(name)

@@ -1,0 +1,70 @@
+"""Greedy soup (Wortsman et al. 2022, "Model soups", arXiv:2203.05482, Recipe 1).
+
+Ingredients are ordered by their own held-out score, best first. The soup starts as the best
+one; each next ingredient is added when the uniform mean of the soup and it scores no worse
+than the soup (the paper's ≥ for accuracy: ties are taken). The soup therefore never scores
+worse than its best ingredient.
+
+Example:
+    >>> scores = {("a",): 1.0, ("b",): 2.0, ("a", "b"): 0.5, ("a", "b", "c"): 0.7, ("c",): 3.0}
+    >>> soup = greedy_soup(["a", "b", "c"], lambda group: scores[tuple(group)], maximize=False)
+    >>> soup.members, soup.score
+    (['a', 'b'], 0.5)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+__all__ = ["SoupResult", "SoupStep", "better_or_equal", "greedy_soup"]
+
+
+@dataclass(frozen=True, slots=True)
+class SoupStep:
+    """One try: ``added`` joined the soup (``kept``) or not, the mean scoring ``score``."""
+
+    added: str
+    score: float | None
+    kept: bool
+
+
+@dataclass(slots=True)
+class SoupResult:
+    """The soup's members (in the order they joined), its score, and every try."""
+
+    members: list[str]
+    score: float
+    path: list[SoupStep] = field(default_factory=list)
+
+
+def better_or_equal(a: float, b: float, *, maximize: bool) -> bool:
+    """Whether score ``a`` is no worse than ``b``."""
+    return a >= b if maximize else a <= b
+
+
+def greedy_soup(ingredients: Sequence[str], score: Callable[[Sequence[str]], float | None], *,
+                maximize: bool) -> SoupResult:
+    """The greedy soup of ``ingredients`` (each scorable alone). ``score(group)`` scores the
+    uniform mean of ``group``; None is a failed evaluation (the ingredient is not added).
+
+    Raises:
+        ValueError: no ingredient scores on its own.
+    """
+    alone = [(name, score([name])) for name in ingredients]
+    scored = [(name, s) for name, s in alone if s is not None]
+    if not scored:
+        raise ValueError("no ingredient could be scored on its own")
+    # best first; ties keep the given order (the newest checkpoint first when the caller lists them so)
+    order = sorted(range(len(scored)), key=lambda i: (-scored[i][1] if maximize else scored[i][1], i))
+    first, best = scored[order[0]]
+    soup = SoupResult([first], best, [SoupStep(first, best, True)])
+    for i in order[1:]:
+        name = scored[i][0]
+        trial = score([*soup.members, name])
+        kept = trial is not None and better_or_equal(trial, soup.score, maximize=maximize)
+        soup.path.append(SoupStep(name, trial, kept))
+        if kept and trial is not None:
+            soup.members.append(name)
+            soup.score = trial
+    return soup
