@@ -147,6 +147,10 @@ class _RecordStream:
         pass
 
 
+_JOINED_BELOW = 64 << 10
+"""Records of tensors up to this size are joined in memory and written at once (their cost is per write)."""
+
+
 def write_tensor_record(out: RecordSink, tensor: torch.Tensor, *, start: int = 0,
                         data_alignment: int = STORAGE_ALIGNMENT) -> int:
     """Append a standalone ``torch.save``-format zip holding ``tensor``; returns its length.
@@ -171,6 +175,7 @@ def write_tensor_record(out: RecordSink, tensor: torch.Tensor, *, start: int = 0
     ]
     position = 0
     central: list[bytes] = []
+    pieces: list[tuple[bytes | memoryview, int | None]] = []
     for name, payload in members:
         crc = crc32(payload)
         extra = b""
@@ -183,12 +188,16 @@ def write_tensor_record(out: RecordSink, tensor: torch.Tensor, *, start: int = 0
                                    len(payload), len(name), len(extra)) + name + extra
         central.append(CENTRAL_HEADER.pack(CENTRAL_MAGIC, 20, 20, 0, 0, _DOS_DATE[0], _DOS_DATE[1], crc,
                                            len(payload), len(payload), len(name), 0, 0, 0, 0, 0, position) + name)
-        out.write(header)
-        out.write(payload, crc=crc)
+        pieces += [(header, None), (payload, crc)]
         position += len(header) + len(payload)
     directory = b"".join(central)
-    out.write(directory)
-    out.write(END_OF_CENTRAL.pack(END_MAGIC, 0, 0, len(members), len(members), len(directory), position, 0))
+    pieces += [(directory, None), (END_OF_CENTRAL.pack(END_MAGIC, 0, 0, len(members), len(members),
+                                                       len(directory), position, 0), None)]
+    if nbytes <= _JOINED_BELOW:  # a small record: one write instead of fourteen
+        out.write(b"".join(piece for piece, _crc in pieces))
+    else:
+        for piece, known in pieces:
+            out.write(piece, crc=known)
     return position + len(directory) + END_OF_CENTRAL.size
 
 
