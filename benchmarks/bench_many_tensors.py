@@ -103,7 +103,7 @@ def case(root: Path, fmt: str, count: int, repeat: int) -> list[tuple[str, ...]]
     after = measure_in_turn(with_baseline({
         "verify (the EMA)": dict(cmd=[EMA, "verify", str(ema), "--quiet"]),
         "consolidate (the EMA)": dict(cmd=[EMA, "consolidate", str(ema), "--out", str(out / "c.safetensors"),
-                                           "--quiet"]),
+                                           "--overwrite", "--quiet"]),
     }), out / "c.safetensors", repeat)
     shutil.rmtree(out, ignore_errors=True)
     floor = results["floor: load 3, fold, save 1"]

@@ -11,10 +11,10 @@ What a path may be:
   its index is never taken for a whole checkpoint. A folder with several candidates
   and none of the ``model.*`` names is not recognised: pass the file itself.
 
-Metadata comes from the JSON headers alone (8-byte little-endian length, then JSON),
-validated here so a truncated or corrupt file fails with its own path. The index is
-authoritative: every key it lists must be in the shard it names, and every shard must
-hold only the keys the index gives it. Tensors are read lazily through
+Metadata comes from the JSON headers alone, validated by :mod:`.header` so a truncated or
+corrupt file fails with its own path. The index is authoritative: every key it lists must be
+in the shard it names, and every shard must hold only the keys the index gives it. Tensors
+are read lazily: a small one whole by one ``pread``, a large one or a box through
 ``safe_open(...).get_slice``; each tensor is one stored chunk. ``step`` is the
 ``global_step`` of a ``trainer_state.json`` in the folder, when there is one.
 
@@ -28,17 +28,13 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import json
 import math
 import os
 import re
-import struct
 import threading
 from collections import Counter, OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -54,50 +50,16 @@ from ...storage import (
     close_readable,
     local_file,
     open_readable,
-    open_structure,
-    pread,
     pread_into,
-    readable_size,
 )
 from ..base import CheckpointFormat, CheckpointReader, deliver, register_format, trainer_state_step
+from .header import FileHeader, dtypes, read_header
 
 SUFFIX = ".safetensors"
 INDEX_SUFFIX = ".safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 _SHARD_NAME = re.compile(r"-\d+-of-\d+(?:\.[0-9A-Za-z-]+)?\.safetensors$")  # tagged on object storage
-_MAX_HEADER = 100_000_000  # the limit safetensors itself enforces
-
-# Safetensors dtype names torch can hold; float8 and unsigned kinds only where this
-# torch has them. Sub-byte kinds (F4, F6_*) pack several values per byte: not supported.
-_DTYPE_NAMES = (
-    ("F64", "float64"), ("F32", "float32"), ("F16", "float16"), ("BF16", "bfloat16"),
-    ("I64", "int64"), ("I32", "int32"), ("I16", "int16"), ("I8", "int8"),
-    ("U64", "uint64"), ("U32", "uint32"), ("U16", "uint16"), ("U8", "uint8"),
-    ("BOOL", "bool"), ("C64", "complex64"),
-    ("F8_E4M3", "float8_e4m3fn"), ("F8_E5M2", "float8_e5m2"),
-    ("F8_E4M3FNUZ", "float8_e4m3fnuz"), ("F8_E5M2FNUZ", "float8_e5m2fnuz"),
-    ("F8_E8M0", "float8_e8m0fnu"),
-)  # fmt: skip
-
-
-@functools.cache
-def _dtypes() -> dict[str, torch.dtype]:
-    return {name: getattr(torch, attr) for name, attr in _DTYPE_NAMES if hasattr(torch, attr)}
-
-
-@dataclass(frozen=True, slots=True)
-class FileHeader:
-    """The validated header of one ``.safetensors`` file."""
-
-    path: Location
-    size: int
-    metadata: dict[str, str]
-    tensors: dict[str, TensorSpec]
-    offsets: dict[str, int] = field(default_factory=dict)
-    """Each tensor's first byte in the file (the header included)."""
-
-
 def _is_candidate(p: Location, suffix: str) -> bool:
     return p.name.endswith(suffix) and not p.name.startswith(".") and p.is_file()
 
@@ -145,99 +107,6 @@ def read_index(index: Location) -> tuple[dict[str, str], dict[str, Any]]:
             raise CheckpointFormatError(index, f"key {key!r} maps to {name!r}, not a file in this folder")
     metadata = doc.get("metadata")
     return weight_map, metadata if isinstance(metadata, dict) else {}
-
-
-def read_header(file: Location) -> FileHeader:
-    """Parse and validate the header of one ``.safetensors`` file (no tensor data read).
-
-    Raises:
-        CheckpointFormatError: truncated file, bad JSON, unknown dtype, or data offsets
-            that disagree with dtype × shape or do not tile the data area exactly.
-    """
-    try:
-        with _opened(file) as f:
-            size = readable_size(f)
-            head = pread(f, 8, 0)
-            if len(head) < 8:
-                raise CheckpointFormatError(file, f"truncated: {size} bytes, no header length")
-            (length,) = struct.unpack("<Q", head)
-            if length > _MAX_HEADER:
-                raise CheckpointFormatError(file, f"header length {length} is implausible")
-            if 8 + length > size:
-                raise CheckpointFormatError(
-                    file, f"truncated: header needs {8 + length} bytes, file has {size}"
-                )
-            raw = pread(f, length, 8)
-    except OSError as err:
-        raise CheckpointFormatError(file, f"cannot read ({err.strerror})") from None
-    try:
-        doc = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as err:
-        raise CheckpointFormatError(file, f"header is not JSON ({err})") from None
-    if not isinstance(doc, dict):
-        raise CheckpointFormatError(file, "header is not a JSON object")
-    metadata = doc.pop("__metadata__", None) or {}
-    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
-        raise CheckpointFormatError(file, "__metadata__ is not a string-to-string map")
-    data_size = size - 8 - length
-    tensors: dict[str, TensorSpec] = {}
-    starts: dict[str, int] = {}
-    extents: list[tuple[int, int, str]] = []
-    for key, entry in doc.items():
-        spec, begin, end = _parse_entry(file, key, entry)
-        starts[key] = 8 + length + begin
-        if end > data_size:
-            raise CheckpointFormatError(
-                file,
-                f"truncated: tensor {key!r} ends at data byte {end}, the file holds {data_size}",
-            )
-        tensors[key] = spec
-        extents.append((begin, end, key))
-    position = 0
-    for begin, end, key in sorted(extents):
-        if begin != position:
-            what = "overlaps the previous tensor" if begin < position else "leaves a gap before it"
-            raise CheckpointFormatError(file, f"tensor {key!r} at data byte {begin} {what}")
-        position = end
-    if position != data_size:
-        raise CheckpointFormatError(file, f"{data_size - position} bytes after the last tensor")
-    return FileHeader(file, size, dict(metadata), tensors, starts)
-
-
-@contextlib.contextmanager
-def _opened(file: Location) -> Iterator[Readable]:
-    handle = open_structure(file)
-    try:
-        yield handle
-    finally:
-        close_readable(handle)
-
-
-def _parse_entry(file: Location, key: str, entry: Any) -> tuple[TensorSpec, int, int]:
-    if not isinstance(entry, dict):
-        raise CheckpointFormatError(file, f"tensor {key!r}: entry is not an object")
-    name, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
-    dtype = _dtypes().get(name) if isinstance(name, str) else None
-    if dtype is None:
-        raise CheckpointFormatError(file, f"tensor {key!r}: dtype {name!r} is not supported")
-    # a dim beyond 2**48 is nonsense even beside a zero dim (numel 0) and overflows torch
-    if not (isinstance(shape, list) and len(shape) <= 64 and all(type(d) is int and 0 <= d < 1 << 48 for d in shape)):
-        raise CheckpointFormatError(file, f"tensor {key!r}: bad shape {shape!r}")
-    if not (
-        isinstance(offsets, list)
-        and len(offsets) == 2
-        and all(type(o) is int for o in offsets)
-        and 0 <= offsets[0] <= offsets[1]
-    ):
-        raise CheckpointFormatError(file, f"tensor {key!r}: bad data_offsets {offsets!r}")
-    begin, end = offsets
-    nbytes = math.prod(shape) * dtype.itemsize
-    if end - begin != nbytes:
-        raise CheckpointFormatError(
-            file,
-            f"tensor {key!r}: data_offsets span {end - begin} bytes, {name} {shape} needs {nbytes}",
-        )
-    return TensorSpec(key, tuple(shape), dtype), begin, end
 
 
 def missing_shards(path: Location) -> list[str]:
@@ -295,8 +164,11 @@ class SafetensorsReader(CheckpointReader):
             where = {key: files[0] for key in self.headers[0].tensors}
         else:
             self.headers, where = self._load_index(self.index)
-        self._where: dict[str, Location] = where
-        self._starts = {key: start for header in self.headers for key, start in header.offsets.items()}
+        # one file: its own header's dicts serve, shared with other checkpoints of the same layout
+        self._where: Mapping[str, Location] = _Everywhere(files[0]) if self.index is None else where
+        self._starts: Mapping[str, int] = (self.headers[0].offsets if self.index is None else
+                                           {key: start for header in self.headers for key, start in
+                                            header.offsets.items()})
         self._remote: dict[Location, Readable] = {}
         self._specs: dict[str, TensorSpec] = {}
         for header in self.headers:
@@ -366,7 +238,7 @@ class SafetensorsReader(CheckpointReader):
         handle = self._handle(local)
         try:
             part = handle.get_slice(key)
-            if tuple(part.get_shape()) != spec.shape or _dtypes().get(part.get_dtype()) != spec.dtype:
+            if tuple(part.get_shape()) != spec.shape or dtypes().get(part.get_dtype()) != spec.dtype:
                 raise CheckpointFormatError(file, f"tensor {key!r} changed since the checkpoint was opened")
             # Older safetensors releases cannot index a 0-d slice with ``()``.
             out = part[box.slices()] if box.sizes else handle.get_tensor(key)
@@ -471,6 +343,22 @@ class SafetensorsReader(CheckpointReader):
 
 _SMALL_READ = 1 << 20
 """Whole tensors up to this size are read by ``pread`` (larger ones, and boxes, through the memory map)."""
+
+
+class _Everywhere(Mapping[str, Location]):
+    """``key -> file`` for a checkpoint of one file: the file, whatever the key (no map per key)."""
+
+    def __init__(self, file: Location) -> None:
+        self._file = file
+
+    def __getitem__(self, key: str) -> Location:
+        return self._file
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(())
+
+    def __len__(self) -> int:
+        return 0
 
 
 def open_safetensors(path: Location) -> SafetensorsReader:
