@@ -50,3 +50,5 @@ SkipOpt = Annotated[
     list[Path] | None,
     typer.Option("--skip", metavar="PATH", help="Leave this checkpoint out (repeatable); it is noted, never read."),
 ]
+DtypeOpt = Annotated[str, typer.Option(help="Accumulate and store floats in float32 or float64.")]
+DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Show the plan (coefficients); read no tensor.")]

@@ -16,6 +16,8 @@ from ._errors import reports_errors
 from ._flags import cli_text
 from ._options import (
     DeviceOpt,
+    DryRunOpt,
+    DtypeOpt,
     ExcludeOpt,
     IncludeOpt,
     InertGlobalOpt,
@@ -64,8 +66,6 @@ Examples:
   the decay schedule to emulate, turned into merge weights (WSM).
 """
 
-DtypeOpt = Annotated[str, typer.Option(help="Accumulate and store floats in float32 or float64.")]
-DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Show the plan (coefficients); read no tensor.")]
 FormatOpt = Annotated[str | None, typer.Option(
     "--format", metavar="FORMAT",
     help="Each output as dcp, safetensors (OUT/…/model.safetensors), hf (the Hugging Face sharded layout) or "

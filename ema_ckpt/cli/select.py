@@ -15,6 +15,7 @@ from ._errors import reports_errors
 from ._flags import cli_json, cli_text
 from ._options import (
     DeviceOpt,
+    DtypeOpt,
     ExcludeOpt,
     IncludeOpt,
     InertGlobalOpt,
@@ -145,7 +146,7 @@ def select_command(
         "--eval-format", help="Candidates as safetensors, dcp, hf or torch.")] = "safetensors",
     out_format: Annotated[str | None, typer.Option(
         "--format", metavar="FORMAT", help="The chosen output's format (default: --eval-format).")] = None,
-    dtype: Annotated[str, typer.Option(help="Accumulate and store floats in float32 or float64.")] = "float32",
+    dtype: DtypeOpt = "float32",
     include: IncludeOpt = None,
     exclude: ExcludeOpt = None,
     step_regex: StepRegexOpt = None,

@@ -21,6 +21,7 @@ import shutil
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from ..choosing import candidates as planned
@@ -320,8 +321,7 @@ def select(checkpoints: str | Location | Sequence[str | Location], *, out: str |
     if per_pass is not None and per_pass < 1:
         raise OptionError("per_pass", f"must be at least 1, got {per_pass}", value=per_pass)
     check_device(device)
-    read = read_options_from(dataclasses.make_dataclass("R", [("state_key", Any), ("inert_globals", Any)])(
-        state_key, tuple(inert_globals)))
+    read = read_options_from(SimpleNamespace(state_key=state_key, inert_globals=tuple(inert_globals)))
     plan = planned.plan_candidates(checkpoint_paths(checkpoints), spec, step_regex=step_regex,
                                    exclude_paths=[out_location], skip=skip)
     if dry_run:
