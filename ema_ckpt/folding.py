@@ -260,6 +260,14 @@ def check_same_settings(previous: Manifest, profile: Profile, dtype: str, select
             + ("or drop {state_key}" if key_before is None else f"or pass {{state_key={key_before}}}"),
             remedy="restart", mentions=("state_key",),
         )
+    if previous.selection.get("average_buffers", False) != selection.get("average_buffers", False):
+        said = "averaged" if previous.selection.get("average_buffers") else "took from the newest checkpoint"
+        raise ManifestMismatchError(
+            f"{out} {said} the routers' statistics (e_score_correction_bias, expert_bias, …); pass "
+            "{restart=True} to start over, or " + ("pass {average_buffers=True}" if previous.selection.get(
+                "average_buffers") else "drop {average_buffers}"),
+            remedy="restart", mentions=("average_buffers",),
+        )
     if previous.selection != selection:
         raise ManifestMismatchError(
             f"{out} was made with key selection {previous.selection}, not {selection}; pass {{restart=True}}",

@@ -188,14 +188,38 @@ def output_names(
     if prefix is None:
         return {k: k for k in keys}
     return {k: k[len(prefix):] for k in keys}
+NON_WEIGHT_BUFFERS = frozenset({"e_score_correction_bias", "expert_bias", "tokens_per_expert",
+                                "local_tokens_per_expert"})
+"""The last names of float tensors that are not weights: a mixture-of-experts router's load
+balancing state, set by counting tokens rather than by gradients (DeepSeek-V3 and Hugging Face
+``e_score_correction_bias``; megatron-core and torchtitan ``expert_bias``, ``tokens_per_expert``,
+``local_tokens_per_expert``). An average takes them from the newest checkpoint, as it takes
+integer tensors, unless ``average_buffers``."""
+
+
+def is_non_weight_buffer(key: str) -> bool:
+    """Whether ``key`` names a router statistic of :data:`NON_WEIGHT_BUFFERS`.
+
+    Example:
+        >>> is_non_weight_buffer("model.layers.3.mlp.gate.e_score_correction_bias")
+        True
+    """
+    return key.rsplit(".", 1)[-1] in NON_WEIGHT_BUFFERS
+
+
 def averaged_tensors(newest: CheckpointReader, keys: Sequence[str], dtype: str,
-                     names: dict[str, str] | None = None) -> list[OutputTensor]:
-    """The tensors of an average: floats accumulated and stored in ``dtype``, others as stored;
-    named ``names[key]`` in the output (default: the key)."""
+                     names: dict[str, str] | None = None, *, average_buffers: bool = False) -> list[OutputTensor]:
+    """The tensors of an average: floats accumulated and stored in ``dtype``, others as stored
+    (router statistics too, taken from ``newest``, unless ``average_buffers``); named
+    ``names[key]`` in the output (default: the key)."""
     stored = newest.stored()
     names = names or {}
-    return [OutputTensor(k, names.get(k, k), tuple(stored[k][0]),
-                         dtype if is_float(stored[k][1]) else stored[k][1], stored[k][1])
-            for k in keys]
+    tensors = []
+    for k in keys:
+        copied = not average_buffers and is_float(stored[k][1]) and is_non_weight_buffer(k)
+        averaged = is_float(stored[k][1]) and not copied
+        tensors.append(OutputTensor(k, names.get(k, k), tuple(stored[k][0]), dtype if averaged else stored[k][1],
+                                    stored[k][1], copied=copied))
+    return tensors
 
 

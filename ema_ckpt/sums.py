@@ -60,6 +60,9 @@ class SumOptions(RunSettings, Protocol):
     def exclude(self) -> tuple[str, ...]: ...
     @property
     def dry_run(self) -> bool: ...
+
+    @property
+    def average_buffers(self) -> bool: ...
     @property
     def overwrite(self) -> bool: ...
 
@@ -173,12 +176,12 @@ class SumJob(Job[SumPlan, _Summed, "Plan | RunResult"]):
                    for o in plan.outputs]
         renamed = None
         if plan.format == "dcp":  # the keys as stored, so dcp.load takes the same state dict
-            tensors = averaged_tensors(newest, keys, opts.dtype)
+            tensors = averaged_tensors(newest, keys, opts.dtype, average_buffers=opts.average_buffers)
             writers = [context.writer(i, "dcp", planner_data=newest.planner_data) for i in range(len(outputs))]
         else:
             names = output_names(newest, keys, keep_prefix=opts.keep_prefix)
             renamed = None if opts.keep_prefix else container_prefix(newest, keys)
-            tensors = averaged_tensors(newest, keys, opts.dtype, names=names)
+            tensors = averaged_tensors(newest, keys, opts.dtype, names=names, average_buffers=opts.average_buffers)
             writers = [_file_writer(context, i, plan.format) for i in range(len(outputs))]
         carry_into(writers, newest, opts.include, opts.exclude)
         written = context.write(readers, outputs, writers, tensors, layout=newest, copy_source=len(readers) - 1,

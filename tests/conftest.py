@@ -21,7 +21,7 @@ FAST_FILES = frozenset({
     "test_engine.py", "test_jobs.py", "test_errors.py", "test_exit_codes.py", "test_structure.py",
     "test_torch_records.py", "test_unpickler.py", "test_direct_io.py", "test_dcp_reader.py",
     "test_hf_safetensors.py", "test_key_names.py", "test_hostile_keys.py", "test_single_file_reading.py",
-    "test_discovery.py", "test_select.py", "test_merge_weights.py",
+    "test_discovery.py", "test_select.py", "test_merge_weights.py", "test_moe.py",
     "test_out_paths.py", "test_verify_diff.py", "test_trust.py", "test_output_contract.py",
     # the boundaries, once each: both storage destinations (a real S3 server on loopback), a --workers 2
     # byte check (test_damaged_records), a SIGKILL (test_crash), the CLI in-process and as a subprocess

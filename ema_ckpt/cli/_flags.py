@@ -59,6 +59,7 @@ FLAGS: dict[str, str] = {
     "step_regex": "--step-regex",
     "skip": "--skip",
     "allow_new_keys": "--allow-new-keys",
+    "average_buffers": "--average-buffers",
     "overwrite": "--overwrite",
     "wait_seconds": "--wait",
     "workers": "--workers",

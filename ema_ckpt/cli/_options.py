@@ -52,3 +52,7 @@ SkipOpt = Annotated[
 ]
 DtypeOpt = Annotated[str, typer.Option(help="Accumulate and store floats in float32 or float64.")]
 DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Show the plan (coefficients); read no tensor.")]
+AverageBuffersOpt = Annotated[bool, typer.Option(
+    "--average-buffers",
+    help="Average MoE routers' statistics (e_score_correction_bias, expert_bias, tokens_per_expert) too; "
+         "default: taken from the newest checkpoint.")]

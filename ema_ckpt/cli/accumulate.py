@@ -13,6 +13,7 @@ if TYPE_CHECKING:
 from ._errors import reports_errors
 from ._flags import cli_text
 from ._options import (
+    AverageBuffersOpt,
     DeviceOpt,
     ExcludeOpt,
     IncludeOpt,
@@ -93,6 +94,7 @@ def accumulate_command(
     allow_new_keys: Annotated[
         bool, typer.Option("--allow-new-keys", help="Accept keys added or removed during training.")
     ] = False,
+    average_buffers: AverageBuffersOpt = False,
     skip_nonfinite: Annotated[
         bool, typer.Option("--skip-nonfinite",
                            help="Skip (and record) a checkpoint holding NaN/Inf instead of failing.")
@@ -121,6 +123,7 @@ def accumulate_command(
             sigma_rels=sigma_rel or (), gammas=gamma or (), snapshot_every=snapshot_every,
             out=out, dtype=dtype, include=include or (), exclude=exclude or (), step_regex=step_regex,
             restart=restart, wait_seconds=wait, dry_run=dry_run, allow_new_keys=allow_new_keys,
+            average_buffers=average_buffers,
             skip_nonfinite=skip_nonfinite, skip_damaged=skip_damaged, skip=skip or (), state_key=state_key,
             inert_globals=inert_global or (), workers=workers,
             device=device,

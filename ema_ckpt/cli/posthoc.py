@@ -15,6 +15,7 @@ from ..errors import UsageError
 from ._errors import reports_errors
 from ._flags import cli_text
 from ._options import (
+    AverageBuffersOpt,
     DeviceOpt,
     DryRunOpt,
     DtypeOpt,
@@ -144,6 +145,7 @@ def posthoc_command(
     dtype: DtypeOpt = "float32",
     out_format: FormatOpt = None,
     keep_prefix: KeepPrefixOpt = False,
+    average_buffers: AverageBuffersOpt = False,
     include: IncludeOpt = None,
     exclude: ExcludeOpt = None,
     step_regex: StepRegexOpt = None,
@@ -166,7 +168,7 @@ def posthoc_command(
 
         result = posthoc(checkpoints, out=out or Path("posthoc"), sigma_rels=sigma_rel or (), gammas=gamma or (),
                          at_step=at_step, dry_run=dry_run, dtype=dtype, format=out_format,
-                         keep_prefix=keep_prefix, include=include or (),
+                         keep_prefix=keep_prefix, average_buffers=average_buffers, include=include or (),
                          workers=workers, device=device,
                          exclude=exclude or (), step_regex=step_regex, skip=skip or (), state_key=state_key,
                          inert_globals=inert_global or (), overwrite=overwrite,
@@ -187,6 +189,7 @@ def average_command(
     dtype: DtypeOpt = "float32",
     out_format: FormatOpt = None,
     keep_prefix: KeepPrefixOpt = False,
+    average_buffers: AverageBuffersOpt = False,
     include: IncludeOpt = None,
     exclude: ExcludeOpt = None,
     step_regex: StepRegexOpt = None,
@@ -209,7 +212,7 @@ def average_command(
 
         result = average(checkpoints, out=out or Path("average"), last=last, from_step=from_step,
                          to_step=to_step, every=every, weights=weights, dry_run=dry_run, dtype=dtype, format=out_format,
-                         keep_prefix=keep_prefix, include=include or (),
+                         keep_prefix=keep_prefix, average_buffers=average_buffers, include=include or (),
                          workers=workers, device=device,
                          exclude=exclude or (), step_regex=step_regex, skip=skip or (), state_key=state_key,
                          inert_globals=inert_global or (), overwrite=overwrite,

@@ -14,6 +14,7 @@ from ..errors import UsageError
 from ._errors import reports_errors
 from ._flags import cli_json, cli_text
 from ._options import (
+    AverageBuffersOpt,
     DeviceOpt,
     DtypeOpt,
     ExcludeOpt,
@@ -147,6 +148,7 @@ def select_command(
     out_format: Annotated[str | None, typer.Option(
         "--format", metavar="FORMAT", help="The chosen output's format (default: --eval-format).")] = None,
     dtype: DtypeOpt = "float32",
+    average_buffers: AverageBuffersOpt = False,
     include: IncludeOpt = None,
     exclude: ExcludeOpt = None,
     step_regex: StepRegexOpt = None,
@@ -178,7 +180,8 @@ def select_command(
         checkpoints, out=out or Path("select"), eval_command=eval_command, sigma_rels=sigma_rel or (),
         gammas=gamma or (), lasts=_split(last), every=every, weights=_split(weights), emas=ema or (),
         singles=singles, soup=soup, at_step=at_step, metric=metric, maximize=maximize, eval_format=eval_format,
-        format=out_format, dtype=dtype, include=include or (), exclude=exclude or (), step_regex=step_regex,
+        format=out_format, dtype=dtype, average_buffers=average_buffers, include=include or (),
+        exclude=exclude or (), step_regex=step_regex,
         skip=skip or (), state_key=state_key, inert_globals=inert_global or (), per_pass=per_pass,
         eval_timeout=eval_timeout, work_dir=work_dir, dry_run=dry_run, overwrite=overwrite, workers=workers,
         device=device, wait_seconds=wait, on_event=_Reporter(not (quiet or json_output)))

@@ -121,6 +121,7 @@ class AccumulateOptions:
     step_regex: str | None = None
     restart: bool = False
     allow_new_keys: bool = False
+    average_buffers: bool = False
     skip_nonfinite: bool = False
     skip_damaged: bool = False
     skip: tuple[Location, ...] = ()
@@ -165,7 +166,8 @@ class AccumulateOptions:
 
     @property
     def selection(self) -> dict[str, object]:
-        return {"include": list(self.include), "exclude": list(self.exclude), **read_options_from(self).recorded()}
+        return {"include": list(self.include), "exclude": list(self.exclude), **read_options_from(self).recorded(),
+                **({"average_buffers": True} if self.average_buffers else {})}
 
 
 def accumulate(
@@ -188,6 +190,7 @@ def accumulate(
     wait_seconds: float = 0.0,
     dry_run: bool = False,
     allow_new_keys: bool = False,
+    average_buffers: bool = False,
     skip_nonfinite: bool = False,
     skip_damaged: bool = False,
     skip: Sequence[str | Location] = (),
@@ -215,6 +218,9 @@ def accumulate(
         dry_run: plan only; read no tensor and write nothing (``result.plan``).
         allow_new_keys: accept keys added or removed during training (an added key's average
             starts where it first appears; a removed key leaves the EMA).
+        average_buffers: average MoE routers' statistics too (``e_score_correction_bias``,
+            ``expert_bias``, ``tokens_per_expert``: :data:`~ema_ckpt.selection.NON_WEIGHT_BUFFERS`);
+            by default the EMA takes them from the newest checkpoint, as it takes integer tensors.
         skip_nonfinite: skip a checkpoint holding NaN/Inf (recorded in the manifest) instead
             of refusing the run.
         skip_damaged: skip a damaged checkpoint (truncated or corrupt files, refused pickles),
@@ -242,7 +248,8 @@ def accumulate(
         half_life=half_life, per_checkpoint=per_checkpoint, warmup=warmup, sigma_rels=tuple(sigma_rels),
         gammas=tuple(gammas), snapshot_every=snapshot_every, dtype=dtype, include=tuple(include),
         exclude=tuple(exclude), step_regex=step_regex, restart=restart, allow_new_keys=allow_new_keys,
-        skip_nonfinite=skip_nonfinite, skip_damaged=skip_damaged, skip=tuple(as_path(p) for p in skip),
+        average_buffers=average_buffers, skip_nonfinite=skip_nonfinite, skip_damaged=skip_damaged,
+        skip=tuple(as_path(p) for p in skip),
         state_key=state_key, inert_globals=tuple(inert_globals), dry_run=dry_run, wait_seconds=wait_seconds,
         workers=workers, device=device,
     )
@@ -354,7 +361,7 @@ class AccumulateJob(Job[FoldPlan, _Folded, AccumulateResult]):
         keys = context.check(lambda: check_fold_keys(readers, sources, checkpoints, active, opts.include,
                                                      opts.exclude, opts.allow_new_keys))
         newest = readers[-1]
-        tensors = averaged_tensors(newest, keys, opts.dtype)
+        tensors = averaged_tensors(newest, keys, opts.dtype, average_buffers=opts.average_buffers)
         writers = [context.writer(i, "dcp", planner_data=newest.planner_data)
                    for i in range(len(outputs))]
         carry_into(writers, newest, opts.include, opts.exclude)

@@ -52,6 +52,7 @@ class PosthocOptions:
     keep_prefix: bool = False
     include: tuple[str, ...] = ()
     exclude: tuple[str, ...] = ()
+    average_buffers: bool = False
     state_key: str | None = None
     inert_globals: tuple[str, ...] = field(default=(), metadata=_RUNTIME)
     dry_run: bool = field(default=False, metadata=_RUNTIME)
@@ -92,6 +93,7 @@ class AverageOptions:
     keep_prefix: bool = False
     include: tuple[str, ...] = ()
     exclude: tuple[str, ...] = ()
+    average_buffers: bool = False
     state_key: str | None = None
     inert_globals: tuple[str, ...] = field(default=(), metadata=_RUNTIME)
     dry_run: bool = field(default=False, metadata=_RUNTIME)

@@ -62,6 +62,7 @@ class _CandidateSums:
     keep_prefix: bool
     state_key: str | None
     inert_globals: tuple[str, ...] = field(metadata=_RUNTIME)
+    average_buffers: bool = False
     single: bool = field(default=False, metadata=_RUNTIME)
     overwrite: bool = field(default=True, metadata=_RUNTIME)
     workers: int = field(default=1, metadata=_RUNTIME)
@@ -145,7 +146,8 @@ class _Selector:
         self.evaluated = 0
         self.context = {"eval": opts["eval_command"], "metric": opts["metric"], "format": opts["eval_format"],
                         "dtype": opts["dtype"], "include": list(opts["include"]), "exclude": list(opts["exclude"]),
-                        "keep_prefix": opts["keep_prefix"], "state_key": opts["state_key"]}
+                        "keep_prefix": opts["keep_prefix"], "state_key": opts["state_key"],
+                        **({"average_buffers": True} if opts["average_buffers"] else {})}
 
     def key(self, output: PlannedOutput) -> str:
         return candidate_key(output.terms, context=self.context, fingerprints=self.fingerprints)
@@ -200,8 +202,9 @@ class _Selector:
     def _sums(self, plan: Plan, out: Location, *, single: bool, fmt: str, overwrite: bool = True) -> _CandidateSums:
         o = self.opts
         return _CandidateSums(plan, out, fmt, o["dtype"], o["include"], o["exclude"], o["keep_prefix"], o["state_key"],
-                              o["inert_globals"], single=single, overwrite=overwrite, workers=o["workers"],
-                              device=o["device"], wait_seconds=o["wait_seconds"])
+                              o["inert_globals"], average_buffers=o["average_buffers"], single=single,
+                              overwrite=overwrite, workers=o["workers"], device=o["device"],
+                              wait_seconds=o["wait_seconds"])
 
     def _evaluate(self, output: PlannedOutput, path: Path, index: int, total: int) -> None:
         outcome = evaluate(self.opts["eval_command"], path, output.name, metric=self.opts["metric"],
@@ -257,6 +260,7 @@ def select(checkpoints: str | Location | Sequence[str | Location], *, out: str |
            format: str | None = None, dtype: str = "float32", include: Sequence[str] = (),
            exclude: Sequence[str] = (), keep_prefix: bool = False, step_regex: str | None = None,
            skip: Sequence[str | Location] = (), state_key: str | None = None, inert_globals: Sequence[str] = (),
+           average_buffers: bool = False,
            per_pass: int | None = None, eval_timeout: float | None = None, work_dir: str | Path | None = None,
            dry_run: bool = False, overwrite: bool = False, workers: int = 1, device: str = "cpu",
            wait_seconds: float = 0.0,
@@ -278,6 +282,8 @@ def select(checkpoints: str | Location | Sequence[str | Location], *, out: str |
         maximize: higher scores are better (default: lower, a loss).
         eval_format: how candidates are written for the command: ``safetensors``, ``dcp``, ``hf``, ``torch``.
         format: the format of ``out`` (default: ``eval_format``).
+        average_buffers: average routers' statistics too (default: taken from the newest
+            checkpoint, see :data:`~ema_ckpt.selection.NON_WEIGHT_BUFFERS`).
         per_pass: candidates written per pass over the inputs (default: as many as fit the
             scratch disk, at most 8).
         eval_timeout: seconds before an evaluation counts as failed.
@@ -332,7 +338,7 @@ def select(checkpoints: str | Location | Sequence[str | Location], *, out: str |
             "include": tuple(include), "exclude": tuple(exclude), "keep_prefix": keep_prefix, "state_key": state_key,
             "inert_globals": read.inert_globals, "maximize": maximize, "eval_timeout": eval_timeout,
             "workers": workers, "device": device, "wait_seconds": wait_seconds, "on_progress": on_progress,
-            "overwrite": overwrite,
+            "overwrite": overwrite, "average_buffers": average_buffers,
             "per_pass": per_pass or _default_per_pass(plan, work)}
     work.mkdir(parents=True, exist_ok=True)
     with output_lock(work, wait_seconds=wait_seconds):

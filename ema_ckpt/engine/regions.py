@@ -155,7 +155,8 @@ def combine_regions(
                 kind = kinds.get(region.key)
                 if kind is None:  # once per key, not per region
                     tensor = tensors[region.key]
-                    kind = kinds[region.key] = (torch_dtype(tensor.dtype), is_float(tensor.stored_dtype))
+                    kind = kinds[region.key] = (torch_dtype(tensor.dtype),
+                                                is_float(tensor.stored_dtype) and not tensor.copied)
                 _combine_one(sources, outputs, writers, region, kind, needed, copy_source,
                              accumulate_dtype, device, buffers, finite, region_index % 2, stats, behind)
             stats.regions += 1

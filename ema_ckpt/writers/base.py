@@ -59,6 +59,9 @@ class OutputTensor:
     shape: tuple[int, ...]
     dtype: str
     stored_dtype: str
+    copied: bool = False
+    """Taken from one source as stored, never averaged (a router's statistics: see
+    :data:`ema_ckpt.selection.NON_WEIGHT_BUFFERS`); non-float tensors are copied anyway."""
 
 
 @dataclass(frozen=True, slots=True)
