@@ -22,6 +22,7 @@ from ema_ckpt.commands.select import select
 from ema_ckpt.errors import EvaluationError, OptionError, UsageError
 from ema_ckpt.manifest import Manifest
 from ema_ckpt.plans import Plan
+from tests.test_object_storage import BUCKET, download, s3, upload  # noqa: F401  (s3: a fixture)
 
 STEPS = [100, 200, 300, 400, 500, 600, 700, 800]
 # The held-out loss of a candidate: mean((w − target)²), in float64 (numpy only: a fast command).
@@ -243,3 +244,17 @@ def test_an_output_select_did_not_write_is_kept_unless_overwrite(planted, tmp_pa
     assert "overwrite" in str(err.value) and (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
     result = select(ckpts, out=tmp_path / "mine", eval_command=command, lasts=[2], overwrite=True)
     assert result.evaluated == 0 and (tmp_path / "mine" / "model.safetensors").is_file()  # scored by the first try
+
+
+def test_checkpoints_on_object_storage_and_the_choice_published_there(planted, tmp_path, s3):  # noqa: F811
+    ckpts, _weights, command, _calls_file = planted
+    grid = {"sigma_rels": ["0.1"], "lasts": [2, 4], "eval_command": command}
+    url = upload(ckpts, "select/ckpts")
+    local = select(ckpts, out=tmp_path / "local", work_dir=tmp_path / "w-local", **grid)
+    remote = select(url, out=f"s3://{BUCKET}/select/best", work_dir=tmp_path / "w-s3", **grid)
+    assert remote.chosen == local.chosen
+    assert [s.score for s in remote.scores] == [s.score for s in local.scores]  # the same bytes evaluated
+    there = download(f"s3://{BUCKET}/select/best", tmp_path / "fetched")
+    assert (there / "model.safetensors").read_bytes() == (tmp_path / "local" / "model.safetensors").read_bytes()
+    again = select(url, out=f"s3://{BUCKET}/select/best", work_dir=tmp_path / "w-s3", **grid)
+    assert again.evaluated == 0  # cached; the earlier choice on S3 replaced without overwrite

@@ -404,6 +404,8 @@ def _default_per_pass(plan: Plan, work: Path) -> int:
     if newest is None:
         return DEFAULT_PER_PASS
     path = as_path(newest.path)
+    if not isinstance(path, Path):  # on object storage: its size would cost a listing; the default serves
+        return DEFAULT_PER_PASS
     try:
         size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.is_dir() else path.stat().st_size
         probe = work if work.exists() else work.parent
