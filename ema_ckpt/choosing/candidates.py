@@ -10,7 +10,7 @@
 
 Example:
     >>> spec = CandidateSpec(sigma_rels=("0.05,0.1",), lasts=(4,), weights=("uniform", "minus-sqrt"))
-    >>> spec.names_preview()
+    >>> [o.name for o in plan_candidates(["ckpts"], spec).outputs]        # doctest: +SKIP
     ['sigma_rel_0.05', 'sigma_rel_0.1', 'last_4', 'minus-sqrt_last_4']
 """
 
@@ -60,18 +60,6 @@ class CandidateSpec:
     @property
     def is_empty(self) -> bool:
         return not (self.sigma_rels or self.gammas or self.lasts or self.emas or self.singles)
-
-    def weight_names(self) -> list[str]:
-        return [_label(parse_weights(w).name) for w in (self.weights or ("uniform",))]
-
-    def names_preview(self) -> list[str]:
-        """The names of the candidates that do not depend on the checkpoints found."""
-        names = [name for name, _g, _s in power_targets(self.sigma_rels, self.gammas)] if (
-            self.sigma_rels or self.gammas) else []
-        for k in self.lasts:
-            for weight in self.weight_names():
-                names.append(_average_name(weight, k, self.every))
-        return names
 
 
 def _label(name: str) -> str:
@@ -134,13 +122,6 @@ def single_output(checkpoint: FoundCheckpoint) -> PlannedOutput:
     """A checkpoint on its own, as a candidate (``step_<N>``)."""
     return PlannedOutput(f"step_{checkpoint.step}", checkpoint.step, [Term(str(checkpoint.path), checkpoint.step, 1.0)],
                          profile={"kind": "single"})
-
-
-def uniform_output(name: str, checkpoints: Sequence[FoundCheckpoint]) -> PlannedOutput:
-    """The plain mean of ``checkpoints`` (a soup's candidate)."""
-    ordered = sorted(checkpoints, key=lambda c: (c.step, str(c.path)))
-    terms = [Term(str(c.path), c.step, 1.0 / len(ordered)) for c in ordered]
-    return PlannedOutput(name, ordered[-1].step, terms, profile={"kind": "soup", "members": [t.step for t in terms]})
 
 
 def _classic_ema(path: Location, *, many: bool) -> Plan:

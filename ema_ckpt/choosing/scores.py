@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -30,7 +28,7 @@ from typing import Any
 from ..errors import OptionError
 from ..manifest import fingerprint
 from ..plans import Term
-from ..storage import as_path
+from ..storage import as_path, replace_file
 
 __all__ = ["CacheEntry", "ScoreCache", "candidate_key"]
 
@@ -93,13 +91,4 @@ class ScoreCache:
         self.entries[key] = entry
         self.path.parent.mkdir(parents=True, exist_ok=True)
         data = {"version": _VERSION, "entries": {k: asdict(v) for k, v in self.entries.items()}}
-        fd, tmp = tempfile.mkstemp(prefix=".scores-", dir=self.path.parent)
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump(data, f, indent=1)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        replace_file(self.path, json.dumps(data, indent=1).encode())

@@ -28,18 +28,18 @@ from ..choosing import candidates as planned
 from ..choosing.evaluation import EvalOutcome, check_command, evaluate
 from ..choosing.plot import draw_scores
 from ..choosing.scores import CacheEntry, ScoreCache, candidate_key
-from ..choosing.soup import SoupResult, better_or_equal, greedy_soup
-from ..discovery import FoundCheckpoint, checkpoint_paths
+from ..choosing.soup import SoupResult, greedy_soup
+from ..discovery import checkpoint_paths
 from ..dtypes import ACCUMULATE_DTYPES
 from ..engine import check_device
 from ..errors import EvaluationError, OptionError
 from ..formats.options import read_options_from
 from ..jobs import run_job
 from ..manifest import MANIFEST_NAME, Manifest
-from ..plans import Plan, PlannedOutput
+from ..plans import Plan, PlannedOutput, average_output
 from ..profile_specs import parse_count_list, parse_weights
 from ..progress import Progress
-from ..storage import Location, as_path, output_location, output_lock, output_path
+from ..storage import Location, as_path, files_on_disk, output_location, output_lock, output_path
 from ..sums import SUM_FORMATS, RunResult, SumJob
 
 __all__ = ["CandidateScore", "SelectEvent", "SelectResult", "select"]
@@ -169,14 +169,14 @@ class _Selector:
                 continue
             else:
                 first_of[key] = output
-                pending.append((index, output))
+                pending.append((index, output, key))
         per_pass = self.opts["per_pass"]
         for start in range(0, len(pending), per_pass):
             batch = pending[start:start + per_pass]
-            self.on_event(SelectEvent("writing", ", ".join(o.name for _, o in batch), batch[0][0] + 1, total))
-            with self._written([o for _, o in batch]) as paths:
-                for (index, output), path in zip(batch, paths, strict=True):
-                    self._evaluate(output, path, index + 1, total)
+            self.on_event(SelectEvent("writing", ", ".join(o.name for _, o, _ in batch), batch[0][0] + 1, total))
+            with self._written([o for _, o, _ in batch]) as paths:
+                for (index, output, key), path in zip(batch, paths, strict=True):
+                    self._evaluate(output, key, path, index + 1, total)
         for output in outputs:  # duplicates take their twin's score
             if output.name not in self.results:
                 twin = first_of[self.key(output)]
@@ -188,9 +188,7 @@ class _Selector:
         scratch = self.work / "scratch"
         shutil.rmtree(scratch, ignore_errors=True)  # a killed run's leftovers
         scratch.mkdir(parents=True)
-        names = {t.path for o in outputs for t in o.terms}
-        inputs = [c for c in self.plan.inputs if str(c.path) in names]
-        plan = Plan("select", inputs, list(outputs))
+        plan = _plan_of(self.plan, outputs)
         try:
             result = run_job(SumJob(self._sums(plan, scratch, single=False, fmt=self.opts["eval_format"])),
                              on_progress=self.opts["on_progress"])
@@ -206,12 +204,12 @@ class _Selector:
                               overwrite=overwrite, workers=o["workers"], device=o["device"],
                               wait_seconds=o["wait_seconds"])
 
-    def _evaluate(self, output: PlannedOutput, path: Path, index: int, total: int) -> None:
+    def _evaluate(self, output: PlannedOutput, key: str, path: Path, index: int, total: int) -> None:
         outcome = evaluate(self.opts["eval_command"], path, output.name, metric=self.opts["metric"],
                            timeout=self.opts["eval_timeout"], log=self.work / "logs" / f"{output.name}.log")
         self.evaluated += 1
         terms = [{"path": t.path, "step": t.step, "coefficient": t.coefficient} for t in output.terms]
-        self.cache.put(self.key(output), CacheEntry(output.name, outcome.score, outcome.error,
+        self.cache.put(key, CacheEntry(output.name, outcome.score, outcome.error,
                                                     round(outcome.seconds, 3), terms))
         self._record(output, outcome, cached=False)
         self.on_event(SelectEvent("evaluated" if outcome.ok else "failed", output.name, index, total, outcome.score,
@@ -232,8 +230,9 @@ class _Selector:
         def score(group: Sequence[str]) -> float | None:
             if len(group) == 1:
                 return self.results[group[0]].score
-            checkpoints: list[FoundCheckpoint] = [found[by_name[n].terms[0].path] for n in group]
-            output = planned.uniform_output(f"soup+{group[-1]}", checkpoints)  # the soup so far and one more
+            checkpoints = sorted((found[by_name[n].terms[0].path] for n in group), key=lambda c: (c.step, str(c.path)))
+            # the soup so far and one more, averaged uniformly
+            output = average_output(f"soup+{group[-1]}", checkpoints, last=len(checkpoints))
             members_of[tuple(group)] = output
             tries[0] += 1
             self.score_all([output], at=(tries[0], len(singles) - 1))
@@ -358,25 +357,20 @@ def _publish(selector: _Selector, plan: Plan, candidates: list[PlannedOutput], s
              out: Location, fmt: str) -> SelectResult:
     opts = selector.opts
     scores = [selector.results[o.name] for o in candidates]
-    scored = [s for s in scores if s.score is not None]
+    scored = {s.name: s.score for s in scores if s.score is not None}
     if not scored:
         failures = [s for s in scores if s.error]
         first = f" (first: {failures[0].name}: {failures[0].error})" if failures else ""
         raise EvaluationError(f"the evaluation command failed on all {len(scores)} candidates{first}; "
                               f"logs in {selector.work / 'logs'}")
-    best = scored[0]
-    for s in scored[1:]:
-        if not better_or_equal(best.score, s.score, maximize=opts["maximize"]):  # type: ignore[arg-type]
-            best = s
-    assert best.score is not None
-    chosen = dataclasses.replace(best.output, name=best.name)
-    names = {t.path for t in chosen.terms}
-    final_plan = Plan("select", [c for c in plan.inputs if str(c.path) in names], [chosen], list(plan.notes))
+    name = (max if opts["maximize"] else min)(scored, key=scored.__getitem__)  # ties: the first in plan order
+    best = selector.results[name]
+    final_plan = _plan_of(plan, [dataclasses.replace(best.output, name=name)])
     choice = {"selected": {
-        "candidate": best.name, "score": best.score, "metric": opts["metric"] or "last number printed",
+        "candidate": name, "score": scored[name], "metric": opts["metric"] or "last number printed",
         "maximize": opts["maximize"], "eval": opts["eval_command"], "eval_format": opts["eval_format"],
         "scores": [{"name": s.name, "score": s.score, **({"error": s.error} if s.error else {})} for s in scores],
-        **({"soup": {"members": [m for m in soup.members], "path": [dataclasses.asdict(p) for p in soup.path]}}
+        **({"soup": {"members": list(soup.members), "path": [dataclasses.asdict(p) for p in soup.path]}}
            if soup is not None else {}),
     }}
     replace = opts["overwrite"] or _made_by_select(out)
@@ -384,10 +378,16 @@ def _publish(selector: _Selector, plan: Plan, candidates: list[PlannedOutput], s
     run = run_job(job, on_progress=opts["on_progress"])
     assert isinstance(run, RunResult)
     sigma = {o.name: o.sigma_rel for o in plan.outputs if o.sigma_rel is not None}
-    picture = draw_scores(selector.work / "scores.png", {s.name: s.score for s in scored},  # type: ignore[misc]
-                          sigma, best.name, metric=opts["metric"] or "score", maximize=opts["maximize"])
-    return SelectResult(final_plan, best.name, best.score, scores, out, run, selector.evaluated, soup, picture,
+    picture = draw_scores(selector.work / "scores.png", scored, sigma, name, metric=opts["metric"] or "score",
+                          maximize=opts["maximize"])
+    return SelectResult(final_plan, name, scored[name], scores, out, run, selector.evaluated, soup, picture,
                         selector.cache.path)
+
+
+def _plan_of(plan: Plan, outputs: Sequence[PlannedOutput]) -> Plan:
+    """A plan of ``outputs`` alone, over the inputs of ``plan`` they use (its notes kept)."""
+    used = {t.path for o in outputs for t in o.terms}
+    return Plan("select", [c for c in plan.inputs if str(c.path) in used], list(outputs), list(plan.notes))
 
 
 def _made_by_select(out: Location) -> bool:
@@ -407,7 +407,7 @@ def _default_per_pass(plan: Plan, work: Path) -> int:
     if not isinstance(path, Path):  # on object storage: its size would cost a listing; the default serves
         return DEFAULT_PER_PASS
     try:
-        size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.is_dir() else path.stat().st_size
+        size = sum(n for _, n in files_on_disk(path))
         probe = work if work.exists() else work.parent
         free = shutil.disk_usage(probe if probe.exists() else Path.cwd()).free
     except OSError:

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 import threading
 from collections import Counter, OrderedDict
@@ -51,6 +50,7 @@ from ...storage import (
     local_file,
     open_readable,
     pread_into,
+    readable_size,
 )
 from ..base import CheckpointFormat, CheckpointReader, deliver, register_format, trainer_state_step
 from .header import FileHeader, dtypes, read_header
@@ -169,7 +169,7 @@ class SafetensorsReader(CheckpointReader):
         self._starts: Mapping[str, int] = (self.headers[0].offsets if self.index is None else
                                            {key: start for header in self.headers for key, start in
                                             header.offsets.items()})
-        self._remote: dict[Location, Readable] = {}
+        self._readables: dict[Location, Readable] = {}  # for ranged reads: small tensors, objects
         self._specs: dict[str, TensorSpec] = {}
         for header in self.headers:
             self._specs.update(header.tensors)
@@ -177,7 +177,6 @@ class SafetensorsReader(CheckpointReader):
         self.step: int | None = trainer_state_step(self.path) if self.path.is_dir() else None
         self._max_open = max(1, max_open_files)
         self._handles: OrderedDict[Location, Any] = OrderedDict()
-        self._fds: dict[Location, int] = {}
         self._sizes = {header.path: header.size for header in self.headers}
         self._lock = threading.Lock()
 
@@ -234,7 +233,7 @@ class SafetensorsReader(CheckpointReader):
             return self._read_remote(file, spec, box)
         nbytes = box.numel * spec.dtype.itemsize
         if nbytes <= _SMALL_READ and tuple(box.sizes) == tuple(spec.shape):
-            return self._read_small(file, local, spec, nbytes)
+            return self._read_small(file, spec, nbytes)
         handle = self._handle(local)
         try:
             part = handle.get_slice(key)
@@ -247,39 +246,37 @@ class SafetensorsReader(CheckpointReader):
         # safe_open hands out views of its memory map: copy just the box.
         return out.clone(memory_format=torch.contiguous_format)
 
-    def _read_small(self, file: Location, local: Path, spec: TensorSpec, nbytes: int) -> torch.Tensor:
+    def _read_small(self, file: Location, spec: TensorSpec, nbytes: int) -> torch.Tensor:
         """A small tensor whole, by one ``pread`` at the offset its header gave: for checkpoints
         of many small tensors, a tenth of the cost of slicing the memory map."""
-        fd = self._fd(file, local)
         data = bytearray(nbytes)
         start = self._starts[spec.key]
-        if os.preadv(fd, [data], start) != nbytes:
+        if not pread_into(self._readable(file), memoryview(data), start):
             raise CheckpointFormatError(file, f"tensor {spec.key!r}: truncated at byte {start}")
         return torch.frombuffer(data, dtype=spec.dtype).reshape(spec.shape)
 
-    def _fd(self, file: Location, local: Path) -> int:
+    def _readable(self, file: Location) -> Readable:
+        """``file`` opened for ranged reads, once: a local descriptor (refused when the file was
+        replaced since its header was read), or an object read by blocks."""
         with self._lock:
-            fd = self._fds.get(file)
-            if fd is not None:
-                return fd
+            source = self._readables.get(file)
+            if source is not None:
+                return source
             try:
-                fd = os.open(local, os.O_RDONLY | os.O_CLOEXEC)
+                source = open_readable(file)
             except FileNotFoundError:
                 raise CheckpointNotFoundError(file, "vanished after the checkpoint was opened") from None
             except OSError as err:
                 raise CheckpointFormatError(file, f"cannot open ({err})") from None
-            if os.fstat(fd).st_size != self._sizes[file]:  # replaced since its header was read
-                os.close(fd)
+            if isinstance(source, int) and readable_size(source) != self._sizes[file]:
+                close_readable(source)
                 raise CheckpointFormatError(file, "changed since the checkpoint was opened")
-            self._fds[file] = fd
-            return fd
+            self._readables[file] = source
+            return source
 
     def _read_remote(self, file: Location, spec: TensorSpec, box: Box) -> torch.Tensor:
         """The rows ``box`` spans, by one ranged read (with read-ahead) of the object; then the box."""
-        with self._lock:
-            source = self._remote.get(file)
-            if source is None:
-                source = self._remote[file] = open_readable(file)
+        source = self._readable(file)
         itemsize = spec.dtype.itemsize
         row = math.prod(spec.shape[1:]) * itemsize if spec.shape else itemsize
         first, count = (box.offsets[0], box.sizes[0]) if spec.shape else (0, 1)
@@ -310,13 +307,10 @@ class SafetensorsReader(CheckpointReader):
     def close(self) -> None:
         with self._lock:
             handles, self._handles = list(self._handles.values()), OrderedDict()
-            remote, self._remote = list(self._remote.values()), {}
-            fds, self._fds = list(self._fds.values()), {}
-        for fd in fds:
-            os.close(fd)
+            readables, self._readables = list(self._readables.values()), {}
         for handle in handles:
             handle.__exit__(None, None, None)
-        for source in remote:
+        for source in readables:
             close_readable(source)
 
     # -- files -----------------------------------------------------------------------
