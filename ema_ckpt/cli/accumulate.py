@@ -44,6 +44,8 @@ Examples:
 
   ema-ckpt accumulate ckpts/ --decay 0.999 --skip ckpts/step_100  # leave out
 
+  ema-ckpt accumulate ckpts/ --decay 0.999 --average-buffers   # MoE: routers' statistics averaged too
+
   ema-ckpt accumulate s3://bucket/run/ckpts --decay 0.999 --out s3://bucket/run/ema
 
   A crontab line (every 30 minutes; a run still going makes the next one wait):

@@ -62,6 +62,8 @@ Examples:
 
   ema-ckpt average ckpts/ --last 6 --every 2 --out lawa/   # 6 checkpoints, 2 apart
 
+  ema-ckpt average ckpts/ --last 4 --format hf --out avg-hf/   # from_pretrained loads it
+
   --weights: uniform (default), linear (the same as uniform), minus-sqrt, cosine
   (Megatron-LM weighted_merge's definitions), or a CSV of step,learning_rate rows:
   the decay schedule to emulate, turned into merge weights (WSM).
