@@ -30,13 +30,15 @@ $(VENV)/.installed: $(VENV)/bin/python pyproject.toml
 	$(PY) -m pip install -q -e .
 	touch $@
 
-# DeepSpeed is a test-only producer and oracle; ema-ckpt never imports it. timm's load_checkpoint
+# DeepSpeed is a test-only producer and oracle; ema-ckpt never imports it. azurite (npm, node 18+)
+# is the Azure Blob emulator of tests/test_gcs_azure.py. timm's load_checkpoint
 # is an oracle too; timm without its dependencies: it asks for torchvision, which the tests never use.
 $(VENV)/.installed-test: $(VENV)/.installed pyproject.toml
 	$(PY) -m pip install -q -e ".[test]"
 	$(PY) -m pip install -q setuptools wheel
 	DS_BUILD_OPS=0 $(PY) -m pip install -q --no-build-isolation "deepspeed>=0.19,<0.20"
 	$(PY) -m pip install -q --no-deps "timm==1.0.31"
+	npm install --silent --no-audit --no-fund --prefix $(VENV)/node "azurite@3.35.0"
 	touch $@
 
 install: $(VENV)/.installed
@@ -83,12 +85,14 @@ $(FIXTURES_TF4_VENV)/.installed: tests/producers/trainers/requirements-tf4.txt
 	$(FIXTURES_TF4_VENV)/bin/python -m pip install -q $(TORCH_INDEX) -r tests/producers/trainers/requirements-tf4.txt
 	touch $@
 
-fixtures: $(FIXTURES_VENV)/.installed $(FIXTURES_TF4_VENV)/.installed
+fixtures: $(VENV)/.installed $(FIXTURES_VENV)/.installed $(FIXTURES_TF4_VENV)/.installed
 	$(FIXTURES_PY) tests/producers/trainers/hf_accelerate.py --out tests/fixtures/trainers --set all
 	$(FIXTURES_PY) tests/producers/trainers/lightning_titan_megatron.py --out tests/fixtures/trainers --set all
 	$(FIXTURES_PY) tests/producers/trainers/single_files.py --out tests/fixtures/trainers --set all
 	$(FIXTURES_PY) tests/producers/trainers/bin_folders.py --out tests/fixtures/trainers --set all \
 		--tf4-python $(FIXTURES_TF4_VENV)/bin/python
+	EMA_CKPT=$(VENV)/bin/ema-ckpt $(FIXTURES_PY) tests/producers/trainers/moe_trainers.py --out tests/fixtures/trainers \
+		--set all
 
 clean:
 	rm -rf $(VENV) $(FIXTURES_VENV) $(FIXTURES_TF4_VENV) $(DEMO_DIR) .pytest_cache .hypothesis

@@ -45,12 +45,13 @@ def _model_part(reader: CheckpointReader, names: list[str], include: Sequence[st
                 *, tensors: bool = False) -> list[str]:
     """``names`` (the tensor keys, with ``tensors``) under the model's root (``model`` when the
     tensors have one, else every root but training state), filtered by the globs."""
-    roots = {k: reader.root_of(k) for k in names}
-    tensor_roots = set(roots.values()) if tensors else {reader.root_of(k) for k in reader.stored()}
-    if MODEL_ROOT in tensor_roots:
-        names = [k for k in names if roots[k] == MODEL_ROOT]
-    elif any(r is not None for r in roots.values()):
-        names = [k for k in names if roots[k] not in _NON_MODEL_ROOTS]
+    if type(reader).root_of is not CheckpointReader.root_of:  # else every root is None: nothing to leave out
+        roots = {k: reader.root_of(k) for k in names}
+        tensor_roots = set(roots.values()) if tensors else {reader.root_of(k) for k in reader.stored()}
+        if MODEL_ROOT in tensor_roots:
+            names = [k for k in names if roots[k] == MODEL_ROOT]
+        elif any(r is not None for r in roots.values()):
+            names = [k for k in names if roots[k] not in _NON_MODEL_ROOTS]
     if include:
         names = [k for k in names if any(fnmatch.fnmatchcase(k, g) for g in include)]
     if exclude:
@@ -189,11 +190,12 @@ def output_names(
         return {k: k for k in keys}
     return {k: k[len(prefix):] for k in keys}
 NON_WEIGHT_BUFFERS = frozenset({"e_score_correction_bias", "expert_bias", "tokens_per_expert",
-                                "local_tokens_per_expert"})
+                                "local_tokens_per_expert", "expert_bias_E", "tokens_per_expert_E"})
 """The last names of float tensors that are not weights: a mixture-of-experts router's load
 balancing state, set by counting tokens rather than by gradients (DeepSeek-V3 and Hugging Face
-``e_score_correction_bias``; megatron-core and torchtitan ``expert_bias``, ``tokens_per_expert``,
-``local_tokens_per_expert``). An average takes them from the newest checkpoint, as it takes
+``e_score_correction_bias``; megatron-core ``expert_bias``, ``tokens_per_expert``,
+``local_tokens_per_expert``; torchtitan ``expert_bias_E``, ``tokens_per_expert_E``, or without
+the ``_E`` in older releases). An average takes them from the newest checkpoint, as it takes
 integer tensors, unless ``average_buffers``."""
 
 

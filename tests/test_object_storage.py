@@ -32,7 +32,7 @@ from typer.testing import CliRunner
 from ema_ckpt.cli import app
 from ema_ckpt.formats import open_checkpoint
 from ema_ckpt.layout import Box
-from ema_ckpt.storage import as_path, object_paths, object_reads
+from ema_ckpt.storage import as_path, object_clients, object_paths, object_reads
 from tests.dcp_helpers import dcp_sequence_with_hole, write_dcp
 
 moto_server = pytest.importorskip("moto.server")
@@ -51,7 +51,7 @@ def _free_port() -> int:
 
 def _use_endpoint(url: str) -> None:
     os.environ["AWS_ENDPOINT_URL"] = url
-    object_paths._FILESYSTEMS.clear()  # the next request builds its client from the environment
+    object_clients.forget_clients()  # the next request builds its client from the environment
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +76,7 @@ def s3() -> Iterator[str]:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
-        object_paths._FILESYSTEMS.clear()
+        object_clients.forget_clients()
 
 
 def upload(local: Path, prefix: str) -> str:

@@ -1,5 +1,6 @@
 """The storage seam: one protocol, the same lock / recover / publish behaviour on a local disk
-and in object storage (moto's S3 server on loopback), and the seam's own boundaries."""
+and in object storage (moto's S3 server, fake-gcs-server and azurite on loopback), and the
+seam's own boundaries."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import ast
 import re
 import secrets
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -14,19 +16,37 @@ import pytest
 from ema_ckpt.errors import OutputLockedError
 from ema_ckpt.storage import Location, as_path, destination_for, local_file, output_lock
 from ema_ckpt.storage.roles import DATA, INDEX, MANIFEST
-from tests import test_object_storage
+from tests import object_stores, test_object_storage
 
 s3 = test_object_storage.s3  # the moto server (module-scoped fixture)
 PACKAGE = Path(__file__).resolve().parents[1] / "ema_ckpt"
 
 
-@pytest.fixture(params=["local", "s3"])
+@pytest.fixture(scope="module")
+def emulators() -> Iterator[dict[str, object_stores.Emulator]]:
+    """The GCS and Azure emulators, started once for this module's conformance runs."""
+    started: dict[str, object_stores.Emulator] = {}
+    try:
+        for protocol in ("gs", "az"):
+            started[protocol] = object_stores.STARTERS[protocol]()
+        yield started
+    finally:
+        for emulator in started.values():
+            emulator.stop()
+
+
+@pytest.fixture(params=["local", "s3", "gs", "az"])
 def place(request: pytest.FixtureRequest, tmp_path: Path) -> Location:
-    """Where an output goes: a local folder, or a prefix in a bucket of a real S3 server."""
+    """Where an output goes: a local folder, or a prefix in a bucket of a real S3 server, of
+    fake-gcs-server, or of azurite."""
     if request.param == "local":
         return tmp_path / "out"
-    request.getfixturevalue("s3")
-    return as_path(f"s3://{test_object_storage.BUCKET}/conformance/{secrets.token_hex(4)}/out")
+    if request.param == "s3":
+        request.getfixturevalue("s3")
+        return as_path(f"s3://{test_object_storage.BUCKET}/conformance/{secrets.token_hex(4)}/out")
+    emulator = request.getfixturevalue("emulators")[request.param]
+    emulator.use()
+    return as_path(emulator.url(f"conformance/{secrets.token_hex(4)}/out"))
 
 
 def _files(where: Location) -> dict[str, bytes]:

