@@ -1,21 +1,34 @@
 """Per-tensor cost: checkpoints of many small tensors (a mixture-of-experts export's shape).
 
 Three checkpoints of N fp32 tensors of 16 bytes each (keys like
-``model.layers.3.mlp.experts.117.w1``), as safetensors folders and as DCP checkpoints. For each
-N, ema-ckpt's commands beside their floor: **one Python process that loads the same
-checkpoints with the format's own loader, folds them, and saves one result with the format's
-own saver** (``safetensors.torch.load_file``/``save_file``; ``dcp.load``/``dcp.save``). The data is
-nothing (3 MiB at 200k tensors); what grows is the cost per tensor, in time and in memory.
+``model.layers.3.mlp.experts.117.w1``), as safetensors folders, as DCP checkpoints and as a
+DeepSpeed ZeRO-3 run (``deepspeed``: N parameters of 4 elements trained by DeepSpeed itself on 2
+CPU ranks and saved after steps 1, 2 and 3; ``deepspeed_many_params.py``). For each N,
+ema-ckpt's commands beside their floor: **one Python process that loads the same checkpoints
+with the format's own loader, folds them, and saves one result** (``safetensors.torch.load_file``/
+``save_file``; ``dcp.load``/``dcp.save``; DeepSpeed's
+``deepspeed.utils.zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint`` per tag, then
+``safetensors.torch.save_file``). The data is nothing (3 MiB at 200k tensors); what grows is the
+cost per tensor, in time and in memory. For DeepSpeed, a row also gives what importing
+DeepSpeed's ``zero_to_fp32`` alone costs, part of its floor.
 
-Usage: python benchmarks/bench_many_tensors.py [--counts 1000,10000,50000,200000] [--formats safetensors,dcp]
-       [--repeat 1]
+DeepSpeed's own set-up is per parameter, so its checkpoints are slow to make (on 2 cores about
+20 s for 1,000 parameters, 1 min for 5,000, 4.5 min for 20,000): its counts default to
+``--deepspeed-counts``, and ``--counts`` (when given) applies to every format. Generated
+checkpoints stay under ``--root`` (``many-<format>-<N>``) for the next run; the format is
+skipped, with a note, where DeepSpeed does not import.
+
+Usage: python benchmarks/bench_many_tensors.py [--counts 1000,10000,50000,200000]
+       [--deepspeed-counts 1000,5000,20000] [--formats safetensors,dcp,deepspeed] [--repeat 1]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -44,13 +57,18 @@ _FLOOR = """
 import glob, os, sys, warnings
 warnings.filterwarnings("ignore")
 import torch
+torch.set_grad_enabled(False)  # zero_to_fp32's tensors are views of a tensor that requires grad
 fmt, root, out = sys.argv[1], sys.argv[2], sys.argv[3]
-folders = sorted(glob.glob(os.path.join(root, "step_*")), key=lambda p: int(p.rsplit("_", 1)[1]))
+pattern = "global_step*" if fmt == "deepspeed" else "step_*"
+folders = sorted(glob.glob(os.path.join(root, pattern)), key=lambda p: int(p.rsplit("step", 1)[1].lstrip("_")))
 ema = None
 for folder in folders:
     if fmt == "safetensors":
         from safetensors.torch import load_file
         state = load_file(os.path.join(folder, "model.safetensors"))
+    elif fmt == "deepspeed":
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+        state = get_fp32_state_dict_from_zero_checkpoint(root, tag=os.path.basename(folder))
     else:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint import FileSystemReader
@@ -64,7 +82,7 @@ for folder in folders:
         for k, v in state.items():
             ema[k].lerp_(v, 0.1)
 os.makedirs(out, exist_ok=True)
-if fmt == "safetensors":
+if fmt in ("safetensors", "deepspeed"):
     from safetensors.torch import save_file
     save_file(ema, os.path.join(out, "model.safetensors"))
 else:
@@ -73,13 +91,39 @@ else:
 """
 
 
+DEFAULT_COUNTS = "1000,10000,50000,200000"
+DEFAULT_DEEPSPEED_COUNTS = "1000,5000,20000"
+NEWEST = {"safetensors": "step_300", "dcp": "step_300", "deepspeed": "global_step3"}
+DS_ENV = {"DS_ACCELERATOR": "cpu", "PYTHONWARNINGS": "ignore"}
+generated: dict[tuple[str, int], float | None] = {}
+"""(format, count) → seconds its checkpoints took to generate in this run; None: already there."""
+
+
+def _deepspeed_imports() -> bool:
+    import subprocess
+
+    probe = subprocess.run([PY, "-c", "import deepspeed.utils.zero_to_fp32"], env={**os.environ, **DS_ENV},
+                           capture_output=True)
+    return probe.returncode == 0
+
+
 def _data(root: Path, fmt: str, count: int) -> Path:
     folder = root / f"many-{fmt}-{count}"
+    if fmt == "deepspeed":
+        from deepspeed_many_params import make
+
+        took = make(folder, count)
+        generated[fmt, count] = took or None
+        return folder
     if not (folder / "step_300").exists():
         shutil.rmtree(folder, ignore_errors=True)
         import subprocess
 
+        started = time.perf_counter()
         subprocess.run([PY, "-c", _MAKE, fmt, str(count), str(folder)], check=True)
+        generated[fmt, count] = time.perf_counter() - started
+    else:
+        generated[fmt, count] = None
     return folder
 
 
@@ -87,13 +131,21 @@ def case(root: Path, fmt: str, count: int, repeat: int) -> list[tuple[str, ...]]
     data = _data(root, fmt, count)
     out = root / "bench-many-out"
     ema = out / "ema"
+    floor_env = DS_ENV if fmt == "deepspeed" else None
     runs = {
-        "floor: load 3, fold, save 1": dict(cmd=[PY, "-c", _FLOOR, fmt, str(data), str(ema)]),
+        "floor: load 3, fold, save 1": dict(cmd=[PY, "-c", _FLOOR, fmt, str(data), str(ema)], env=floor_env),
         "accumulate": dict(cmd=[EMA, "accumulate", str(data), "--decay", "0.9", "--out", str(ema), "--quiet"]),
-        "inspect (newest)": dict(cmd=[EMA, "inspect", str(data / "step_300"), "--json"]),
+        "inspect (newest)": dict(cmd=[EMA, "inspect", str(data / NEWEST[fmt]), "--json"]),
         "posthoc σ_rel 0.1": dict(cmd=[EMA, "posthoc", str(data), "--sigma-rel", "0.1", "--out", str(out / "ph"),
                                        "--quiet"]),
     }
+    if fmt == "deepspeed":
+        # the DeepSpeed reader on consolidate (the EMA's row below reads accumulate's DCP output)
+        runs["consolidate (newest)"] = dict(cmd=[EMA, "consolidate", str(data / NEWEST[fmt]), "--out",
+                                                 str(out / "n.safetensors"), "--overwrite", "--quiet"])
+        # how much of the floor is importing DeepSpeed (not a command of ema-ckpt's)
+        runs["(floor's part: import zero_to_fp32)"] = dict(cmd=[PY, "-c", "import deepspeed.utils.zero_to_fp32"],
+                                                          env=floor_env)
     results = measure_in_turn(with_baseline(runs), out, repeat)
     # verify and consolidate need an EMA to read: one made once, outside the timed rows
     shutil.rmtree(out, ignore_errors=True)
@@ -117,19 +169,31 @@ def case(root: Path, fmt: str, count: int, repeat: int) -> list[tuple[str, ...]]
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--root", type=Path, default=Path("bench-data"))
-    parser.add_argument("--counts", default="1000,10000,50000,200000")
-    parser.add_argument("--formats", default="safetensors,dcp")
+    parser.add_argument("--counts", help=f"tensor counts of every format (default {DEFAULT_COUNTS}; DeepSpeed's: "
+                        "--deepspeed-counts)")
+    parser.add_argument("--deepspeed-counts", default=DEFAULT_DEEPSPEED_COUNTS,
+                        help="parameter counts of the DeepSpeed runs, where --counts is not given")
+    parser.add_argument("--formats", default="safetensors,dcp,deepspeed")
     parser.add_argument("--repeat", type=int, default=1)
     args = parser.parse_args()
     print(f"Machine: {machine_description()}; medians of {args.repeat} runs")
     rows: list[tuple[str, ...]] = []
     for fmt in args.formats.split(","):
-        for count in (int(c) for c in args.counts.split(",")):
+        if fmt not in NEWEST:
+            parser.error(f"unknown format {fmt!r} (one of {', '.join(NEWEST)})")
+        if fmt == "deepspeed" and not _deepspeed_imports():
+            print("deepspeed: skipped, `import deepspeed.utils.zero_to_fp32` fails here (pip install deepspeed)")
+            continue
+        counts = args.counts or (args.deepspeed_counts if fmt == "deepspeed" else DEFAULT_COUNTS)
+        for count in (int(c) for c in counts.split(",")):
             new = case(args.root, fmt, count, args.repeat)
             rows.extend(new)
             print(table(new, ("format", "tensors", "command", "wall s", "× floor", "peak RSS MiB")), flush=True)
     print("\n### All\n")
     print(table(rows, ("format", "tensors", "command", "wall s", "× floor", "peak RSS MiB")))
+    print("\nGenerating the checkpoints: " + ", ".join(
+        f"{fmt} {count:,}: " + (f"{took:.0f} s" if took is not None else "already there")
+        for (fmt, count), took in generated.items()))
 
 
 if __name__ == "__main__":
