@@ -15,8 +15,9 @@ from typing import Any
 
 from ...errors import CheckpointFormatError, UnsafePickleError
 from ...storage import Location, as_path, local_file
+from .fastload import fast_summary
 from .structure import RemoteStructure, load_ds_structure
-from .unpickle import load_ds_file
+from .unpickle import STAND_INS, load_ds_file
 
 FORMAT_NAME = "deepspeed"
 
@@ -221,7 +222,8 @@ def _model_summary(path: Location) -> tuple[Any, Any]:
     key = (str(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns) if st is not None else None
     if key is not None and key in _SUMMARIES:
         return _SUMMARIES[key]
-    state = load_ds_file(local)
+    quick = fast_summary(local, STAND_INS)  # no tensor built; else the full load (and its errors)
+    state = quick[0] if quick is not None else load_ds_file(local)
     summary = (state.get("dp_world_size"), state.get("global_steps")) if isinstance(state, dict) else (None, None)
     if key is not None and st is not None and time.time() - st.st_mtime > _SETTLED_SECONDS:
         if len(_SUMMARIES) >= 4096:

@@ -327,6 +327,8 @@ class ParameterMaps:
                     releasable=self._releasable[model0_path] and _same_storage(whole, t),
                 )
             return entries
+        if not shapes:  # ZeRO-3 with nothing frozen: the other ranks' model states are not needed
+            return entries
         ws = self.world_size
         per_rank = []
         for p in self._model_files:

@@ -28,6 +28,10 @@ from .unpickle import release_pages, storage_file_offsets
 
 RELEASE_SLICE_BYTES = 16 << 20  # copy mapped spans this much at a time, then drop their pages
 
+BLOCK_BYTES = 1 << 20  # small pieces are served from blocks of their flat partition this size, read once
+_SMALL_PIECE_BYTES = 64 << 10  # pieces up to this size go through the blocks; larger ones are read directly
+_BLOCKS_KEPT = 16  # blocks kept per reader (the most recently read)
+
 _REMOTE_KEPT = 64  # stored tensors on object storage kept open (with their last blocks) per reader
 
 
@@ -44,6 +48,7 @@ class PieceReads:
     _sizes: dict[Location, int]
     _remote: dict[tuple[Location, int], Readable]
     _remote_lock: threading.Lock
+    _blocks: dict[tuple[Location, int], torch.Tensor]  # (file, first byte) -> a block's bytes, oldest first
 
     def _load(self, path: Location) -> Any:
         raise NotImplementedError
@@ -67,6 +72,8 @@ class PieceReads:
     def _place_in_files(self, entries: dict[str, _Entry]) -> dict[str, _Entry]:
         """Whole stored tensors (buffers, frozen parameters) whose place in their file is known
         as pieces read from the file, like the partitions: their bytes are then checked too."""
+        if not any(e.tensor is not None and e.tensor.numel() for e in entries.values()):
+            return entries  # nothing to place (ZeRO-3 without buffers): the files' storages need no listing
         places = {ptr: (path, start) for path in list(self._states) if local_file(path) is not None
                   for ptr, start in (self._storage_offsets(path) or {}).items()}
         for key, entry in entries.items():
@@ -128,6 +135,9 @@ class PieceReads:
                 if p.file is not None and local_file(p.file) is None:
                     source = self._remote_source(p)
                 elif p.file is not None and out.dtype == p.src.dtype:
+                    small = (b - a) * out.element_size() <= _SMALL_PIECE_BYTES
+                    if small and self._from_block(p, a, b, out[a - lo : b - lo], fds):
+                        continue
                     source = self._open(p.file, fds)
                 self._copy_piece(p, a, b, out[a - lo : b - lo], source, self.read_checks)
                 if source is not None and not isinstance(source, int) and p.start + b - p.dst == p.src.numel():
@@ -136,6 +146,40 @@ class PieceReads:
             for fd in fds.values():
                 if fd is not None:
                     os.close(fd)
+
+    def _from_block(self, p: _Piece, a: int, b: int, out: torch.Tensor, fds: dict[Location, int | None]) -> bool:
+        """Flat elements ``[a, b)`` of a key (in piece ``p``, read from its file) copied from the
+        block of ``p``'s flat partition that holds them, read (and checked) once for every
+        small piece in it: a run of many small parameters costs one ``pread`` per block, not
+        one open and read per parameter. False when the piece is not within one block or its
+        file is no longer the one mapped (then it is read as before)."""
+        assert p.file is not None
+        size = p.src.element_size()
+        at = p.file_start + (p.start + a - p.dst) * size
+        first = p.file_start + (at - p.file_start) // BLOCK_BYTES * BLOCK_BYTES
+        last = min(first + BLOCK_BYTES, p.file_start + p.src.numel() * size)
+        if at + (b - a) * size > last:
+            return False
+        key = (p.file, first)
+        with self._remote_lock:
+            block = self._blocks.pop(key, None)
+            if block is not None:
+                self._blocks[key] = block  # the most recently used last
+        if block is None:
+            fd = self._open(p.file, fds)
+            if fd is None:
+                return False
+            block = torch.empty(last - first, dtype=torch.uint8)
+            view = memoryview(block.numpy())
+            if not pread_into(fd, view, first):
+                raise CheckpointFormatError(str(p.file), f"truncated: expected {len(view)} bytes at offset {first}")
+            self.read_checks.saw(str(p.file), first, view)
+            with self._remote_lock:
+                self._blocks[key] = block
+                while len(self._blocks) > _BLOCKS_KEPT:
+                    self._blocks.pop(next(iter(self._blocks)))
+        out.view(torch.uint8).copy_(block[at - first : at - first + (b - a) * size])
+        return True
 
     def _open(self, path: Location, fds: dict[Location, int | None]) -> int | None:
         """A descriptor on ``path`` (kept in ``fds``) if it is still the file that was mapped, else None.

@@ -145,10 +145,12 @@ class DeepSpeedReader(TagFiles, PieceReads, ParameterMaps, CheckpointReader):
         self._identities: dict[Location, tuple[int, ...]] = {}  # file -> (dev, inode, size, mtime) when mapped
         self._offsets: dict[Location, dict[int, int] | None] = {}  # file -> its storages' places (see _storage_offsets)
         self._entries: dict[str, _Entry] = {}
+        self._specs: dict[str, TensorSpec] = {}  # built once: the engine asks per region
         self._structures: dict[Location, RemoteStructure] = {}  # object -> its structure, while building
         self._sizes: dict[Location, int] = {}  # object -> its size in bytes
         self._remote: dict[tuple[Location, int], Readable] = {}  # (object, first byte) -> a stored tensor's reads
         self._remote_lock = threading.Lock()
+        self._blocks: dict[tuple[Location, int], torch.Tensor] = {}  # read blocks of flat partitions (see _from_block)
         self._closed = False
         self.read_checks = ReadChecks(str, self._read_back)  # files named by their full path
         try:
@@ -165,7 +167,7 @@ class DeepSpeedReader(TagFiles, PieceReads, ParameterMaps, CheckpointReader):
 
     def specs(self) -> Mapping[str, TensorSpec]:
         self._check_open()
-        return {k: e.spec for k, e in self._entries.items()}
+        return self._specs
 
 
     def layout(self, key: str) -> Sequence[Box]:
@@ -308,6 +310,7 @@ class DeepSpeedReader(TagFiles, PieceReads, ParameterMaps, CheckpointReader):
     def close(self) -> None:
         self._entries = {}
         self._states = {}
+        self._blocks = {}
         for structure in self._structures.values():
             structure.close()
         self._structures = {}
@@ -351,6 +354,10 @@ class DeepSpeedReader(TagFiles, PieceReads, ParameterMaps, CheckpointReader):
             self._structures = {}
         else:
             self._entries = self._place_in_files(self._entries)
+        self._specs = {k: e.spec for k, e in self._entries.items()}
+        # The loaded files were needed to map the keys only: the entries hold what reads use (the
+        # mappings stay alive through them), so a ZeRO-3 model-states file's tensor per parameter goes.
+        self._states = {}
 
     def _describe(self, model0: dict[str, Any], *, bf16_file_names: bool) -> None:
         """Training dtype, DeepSpeed version and step, for ``info()`` and ``step``."""

@@ -14,6 +14,11 @@ held open together is most of the data; :func:`release_pages` hands the pages of
 once it has been copied out (they stay in the page cache and refault from the file if read
 again), so resident memory stays near one span instead of growing with every file read.
 
+Most files never reach that unpickler, a Python loop over every opcode (seconds for a ZeRO-3
+model-states file of 20,000 parameters): :mod:`.fastload` loads a file with CPython's C
+unpickler instead when it can vouch for the same result under the same allowlist, and hands
+any other file (or any doubt) back to this one, whose refusals stand.
+
 On object storage a file is never mapped nor fetched whole: :mod:`.structure` loads its
 structure only, by ranged reads, through the same unpickler and stand-ins (:func:`safe_load`).
 
@@ -46,6 +51,7 @@ from ...errors import CheckpointFormatError, CheckpointNotFoundError, UnsafePick
 from ...pickles.rules import GLOBAL_IN_MESSAGE, first_line, globals_in_pickle, refusal, torch_allows
 from ...storage import Location
 from ...torch_records.zipfmt import stored_members
+from .fastload import SealedType, fast_load
 
 __all__ = [
     "STAND_INS",
@@ -76,8 +82,11 @@ class ZeroStageEnum(enum.IntEnum):
     weights = 3
 
 
-class _AttributeBag:
-    """A plain object whose attributes come from the pickled ``__dict__``; it runs nothing."""
+class _AttributeBag(metaclass=SealedType):
+    """A plain object whose attributes come from the pickled ``__dict__``; it runs nothing.
+
+    Its classes refuse attribute writes (:class:`~.fastload.SealedType`): a pickle can fill an
+    instance, never change the class every load shares."""
 
     def __repr__(self) -> str:
         fields = ", ".join(f"{k}={v!r}" for k, v in sorted(vars(self).items()))
@@ -158,12 +167,14 @@ def load_ds_file_releasable(path: str | Path) -> tuple[Any, bool]:
     where dropping pages would zero them.
     """
     path = Path(path)
-    state, mapped = _load(path, True)
-    return state, mapped and pages_releasable(path)
+    state, mapped, native = _load(path, True)
+    # a fast load read the byte order already (native, or it would not have been taken)
+    return state, mapped and (_madvise is not None if native else pages_releasable(path))
 
 
-def _load(path: Path, mmap: bool) -> tuple[Any, bool]:
-    """The loaded object and whether it is memory-mapped."""
+def _load(path: Path, mmap: bool) -> tuple[Any, bool, bool]:
+    """The loaded object, whether it is memory-mapped, and whether it was loaded by
+    :func:`~.fastload.fast_load` (so is known to be in this machine's byte order)."""
     try:
         with open(path, "rb") as fh:
             magic = fh.read(4)
@@ -173,8 +184,12 @@ def _load(path: Path, mmap: bool) -> tuple[Any, bool]:
         raise CheckpointFormatError(path, f"cannot read: {err.strerror or err}") from None
     is_zip = check_magic(path, magic)
     mapped = mmap and is_zip
+    if mapped:  # the C unpickler where it gives the same result; else torch's weights-only one
+        fast = fast_load(path, STAND_INS)
+        if fast is not None:
+            return fast[0], True, True
     state = safe_load(path, lambda: torch.load(path, map_location="cpu", weights_only=True, mmap=mapped), path, is_zip)
-    return state, mapped
+    return state, mapped, False
 
 
 def check_magic(path: Location, magic: bytes) -> bool:

@@ -1,0 +1,318 @@
+"""The fast way to :func:`.unpickle.load_ds_file`: CPython's C unpickler over a short allowlist.
+
+torch's weights-only unpickler is a Python loop over every opcode, and a ZeRO-3 model-states
+file holds one (empty) tensor per parameter: at 20,000 parameters it spends seconds per file
+where the C unpickler spends a fraction of one. :func:`fast_load` gives what the weights-only
+load of :mod:`.unpickle` gives (the same objects, tensors as slices of one private mapping of
+the file), but a file takes this way only when it can be read to that same result; for any
+other (or any doubt) it returns None and the caller loads the file through torch's
+weights-only unpickler as before, so every refusal and its message still comes from there.
+What a file must be:
+
+* a zip-format ``torch.save`` file, not a TorchScript archive, in this machine's byte order,
+  loaded outside any fake-tensor mode;
+* its pickle made only of the opcodes the weights-only unpickler implements (protocol 2's;
+  no INST, OBJ, EXT, STACK_GLOBAL, FRAME, out-of-band buffers), every memo index below the
+  pickle's size and every length within the data (walked before loading: :func:`_plain`);
+* naming only the globals of :data:`_GLOBALS`, each allowed by the weights-only unpickler too
+  (DeepSpeed's stand-ins aside) and built by the same torch functions (the tensor rebuild is
+  torch's ``_rebuild_tensor_v2`` less its fake-mode step). ``find_class`` never hands the C
+  unpickler a shared function or class it could change: functions come as sealed call
+  wrappers, storage and tensor types as sealed markers, and the only classes are immutable
+  built-in types (``OrderedDict``, ``torch.Size``, ``torch.device``) or DeepSpeed's stand-ins,
+  of a metaclass that refuses attribute writes, so ``BUILD`` can set nothing on an object
+  another load would see;
+* every storage a zip member, sliced out of the mapping exactly as ``torch.load(mmap=True)``
+  slices it (so :func:`~.unpickle.storage_file_offsets` finds the same places).
+
+What this way lets through that the weights-only unpickler refuses: ``SETITEM`` into a list or
+a tensor of the same load, and ``BUILD`` on a tensor (``Tensor.__setstate__``: its
+``requires_grad`` and hooks); they change only objects of that load (the mapping is private),
+as writing other values into the file would, and run nothing.
+"""
+
+from __future__ import annotations
+
+import _compat_pickle
+import collections
+import functools
+import io
+import os
+import pickle
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+from ..._lazy import torch
+
+__all__ = ["SealedType", "fast_load", "fast_summary"]
+
+
+class SealedType(type):
+    """A metaclass whose classes refuse attribute writes (``BUILD`` on a class cannot poison it)."""
+
+    def __setattr__(cls, name: str, value: Any) -> None:
+        raise AttributeError(f"{cls.__name__} is read-only")
+
+    def __delattr__(cls, name: str) -> None:
+        raise AttributeError(f"{cls.__name__} is read-only")
+
+
+class _NotFast(Exception):
+    """This file goes the weights-only way."""
+
+
+class _Sealed:
+    """An object no pickle opcode can change: no ``__dict__``, no attribute writes."""
+
+    __slots__ = ()
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"{type(self).__name__} is read-only")
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError(f"{type(self).__name__} is read-only")
+
+
+class _Call(_Sealed):
+    """A global the pickle may call (``REDUCE``), standing in for the function or class itself."""
+
+    __slots__ = ("_fn",)
+    _fn: Any
+
+    def __init__(self, fn: Any) -> None:
+        object.__setattr__(self, "_fn", fn)
+
+    def __call__(self, *args: Any) -> Any:
+        return self._fn(*args)
+
+
+class _StorageKind(_Sealed):
+    """``torch.FloatStorage`` and kin in a storage reference: the dtype only."""
+
+    __slots__ = ("dtype",)
+    dtype: Any
+
+    def __init__(self, dtype: Any) -> None:
+        object.__setattr__(self, "dtype", dtype)
+
+
+class _TensorType(_Sealed):
+    """``torch.Tensor`` / ``torch.nn.Parameter`` as ``_rebuild_from_type_v2``'s type argument."""
+
+    __slots__ = ("cls",)
+    cls: Any
+
+    def __init__(self, cls: Any) -> None:
+        object.__setattr__(self, "cls", cls)
+
+
+def _rebuild_tensor_v2(storage: Any, storage_offset: Any, size: Any, stride: Any, requires_grad: Any,
+                       backward_hooks: Any, metadata: Any = None) -> Any:
+    """torch's ``_rebuild_tensor_v2`` without its fake-mode step (no fake mode: see :func:`fast_load`)."""
+    if type(storage) is not torch.storage.TypedStorage:
+        raise _NotFast
+    untyped = storage._untyped_storage
+    t = torch.empty((0,), dtype=storage.dtype, device=untyped.device).set_(untyped, storage_offset, size, stride)
+    t.requires_grad = requires_grad
+    if metadata:
+        torch._utils.set_tensor_metadata(t, metadata)
+    t._backward_hooks = backward_hooks
+    return t
+
+
+def _rebuild_from_type_v2(func: Any, new_type: Any, args: Any, state: Any) -> Any:
+    """torch's ``_rebuild_from_type_v2``, its type given as a :class:`_TensorType`."""
+    if type(func) is not _Call or type(new_type) is not _TensorType or type(args) is not tuple:
+        raise _NotFast
+    return torch._tensor._rebuild_from_type_v2(func, new_type.cls, args, state)
+
+
+def _skipped(*_args: Any) -> None:
+    """A tensor rebuild of :func:`fast_summary`: no tensor, None in its place."""
+    return None
+
+
+_GLOBALS: dict[str, Any] = {}
+"""``module.name`` -> what ``find_class`` returns; built on first use (:func:`_globals`)."""
+_REBUILDS = (
+    "torch._utils._rebuild_tensor_v2", "torch._utils._rebuild_parameter", "torch._tensor._rebuild_from_type_v2"
+)
+_SUMMARY_GLOBALS: dict[str, Any] = {}
+"""The same with every tensor rebuild :func:`_skipped`."""
+
+
+def _globals(stand_ins: dict[str, type], summary: bool) -> dict[str, Any]:
+    if _GLOBALS:
+        return _SUMMARY_GLOBALS if summary else _GLOBALS
+    from torch._weights_only_unpickler import _get_allowed_globals
+
+    allowed = _get_allowed_globals()
+    found: dict[str, Any] = {}
+    for name, cls in (("collections.OrderedDict", collections.OrderedDict), ("torch.Size", torch.Size),
+                      ("torch.device", torch.device)):
+        if allowed.get(name) is cls:  # immutable types: nothing of them can be set, they go as they are
+            found[name] = cls
+    if allowed.get("torch._utils._rebuild_parameter") is torch._utils._rebuild_parameter:
+        found["torch._utils._rebuild_parameter"] = _Call(torch._utils._rebuild_parameter)
+    if allowed.get("torch._utils._rebuild_tensor_v2") is torch._utils._rebuild_tensor_v2:
+        found["torch._utils._rebuild_tensor_v2"] = _Call(_rebuild_tensor_v2)
+    if allowed.get("torch._tensor._rebuild_from_type_v2") is torch._tensor._rebuild_from_type_v2:
+        found["torch._tensor._rebuild_from_type_v2"] = _Call(_rebuild_from_type_v2)
+    for name in ("torch.Tensor", "torch.nn.parameter.Parameter"):
+        if isinstance(allowed.get(name), type):
+            found[name] = _TensorType(allowed[name])
+    for name, value in allowed.items():
+        if isinstance(value, torch.serialization.StorageType):  # torch.FloatStorage, ...
+            found[name] = _StorageKind(value.dtype)
+    if allowed.get("torch.UntypedStorage") is torch.UntypedStorage:
+        found["torch.UntypedStorage"] = _StorageKind(torch.uint8)
+    for name, cls in stand_ins.items():
+        if isinstance(cls, SealedType):  # DeepSpeed's record classes, built by NEWOBJ + BUILD
+            found[name] = cls
+        elif issubclass(cls, int):  # ZeroStageEnum, called with its value
+            found[name] = _Call(cls)
+    _SUMMARY_GLOBALS.update({k: _Call(_skipped) if k in _REBUILDS else v for k, v in found.items()})
+    _GLOBALS.update(found)  # last: once it is filled, both are
+    return _SUMMARY_GLOBALS if summary else _GLOBALS
+
+
+# --- the walk before loading ---------------------------------------------------------------
+# Opcodes of the weights-only unpickler with fixed-size arguments, by width; the strings (X,
+# U), LONG1 (\x8a), GLOBAL (c), STOP (.) and LONG_BINPUT (r) beyond what the pattern admits
+# are handled one by one.
+_FIXED_RUNS = rb"[\x81Rbaesu(t\x85\x86\x87N\x88\x89)\]}\x8fQ]|[Khq\x80].|M..|[Jj]....|G.{8}"
+
+
+@functools.cache
+def _fixed_run(blocks: int) -> re.Pattern[bytes]:
+    """Runs of fixed-size opcodes, with LONG_BINPUTs whose index is below ``blocks`` * 65536
+    (at most the pickle's size, so the memo stays a small multiple of it): in a pickle of many
+    objects nearly every object is memoised, and checking each index in Python would cost more
+    than the load."""
+    puts = rb"|r..[\x00-" + re.escape(bytes([blocks - 1])) + rb"]\x00" if blocks else b""
+    return re.compile(rb"(?:" + _FIXED_RUNS + puts + rb")*+", re.DOTALL)
+
+
+def _plain(data: bytes) -> bool:
+    """Whether ``data`` is one pickle of the weights-only unpickler's opcodes alone, with every
+    memo index below the pickle's size and every length within the data (so loading it
+    allocates at most a small multiple of its size)."""
+    size, pos, skip = len(data), 0, _fixed_run(min(256, len(data) >> 16)).match
+    while True:
+        pos = skip(data, pos).end()  # type: ignore[union-attr]
+        if pos >= size:
+            return False
+        op = data[pos]
+        pos += 1
+        if op == 0x2E:  # STOP
+            return True
+        if op in (0x58, 0x55, 0x8A):  # BINUNICODE, SHORT_BINSTRING, LONG1
+            width = 4 if op == 0x58 else 1
+            length = int.from_bytes(data[pos : pos + width], "little")
+            pos += width + length
+            if pos > size:
+                return False
+        elif op == 0x72:  # LONG_BINPUT
+            if pos + 4 > size or int.from_bytes(data[pos : pos + 4], "little") > pos:
+                return False
+            pos += 4
+        elif op == 0x63:  # GLOBAL: module and name lines
+            first = data.find(b"\n", pos)
+            end = data.find(b"\n", first + 1) if first >= 0 else -1
+            if end < 0:
+                return False
+            pos = end + 1
+        else:
+            return False
+
+
+class _Unpickler(pickle.Unpickler):
+    def __init__(self, data: bytes, names: dict[str, Any], storage: Any, reader: Any, size: int) -> None:
+        super().__init__(io.BytesIO(data), encoding="utf-8")
+        self._names, self._storage, self._reader, self._size = names, storage, reader, size
+        self._loaded: dict[str, Any] = {}
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _compat_pickle.NAME_MAPPING:  # as the weights-only unpickler reads them
+            module, name = _compat_pickle.NAME_MAPPING[(module, name)]
+        elif module in _compat_pickle.IMPORT_MAPPING:
+            module = _compat_pickle.IMPORT_MAPPING[module]
+        found = self._names.get(f"{module}.{name}")
+        if found is None:
+            raise _NotFast
+        return found
+
+    def persistent_load(self, pid: Any) -> Any:
+        """torch's ``persistent_load`` for a mapped load: a typed view on the member's bytes."""
+        if type(pid) is not tuple or len(pid) != 5 or pid[0] != "storage":
+            raise _NotFast
+        _, kind, key, _location, numel = pid
+        if type(kind) is not _StorageKind or type(key) is not str or type(numel) is not int or numel < 0:
+            raise _NotFast
+        if key in self._loaded:
+            return self._loaded[key]
+        nbytes = numel * torch._utils._element_size(kind.dtype)
+        try:
+            start = self._reader.get_record_offset(f"data/{key}")
+        except Exception:
+            raise _NotFast from None
+        if start < 0 or start + nbytes > self._size:
+            raise _NotFast
+        if self._storage is None:  # a summary: the member is there, nothing is mapped
+            return None
+        storage = torch.storage.TypedStorage(
+            wrap_storage=self._storage[start : start + nbytes], dtype=kind.dtype, _internal=True
+        )
+        self._loaded[key] = storage
+        return storage
+
+
+def fast_load(path: Path, stand_ins: dict[str, type]) -> tuple[Any] | None:
+    """``(state,)``: what ``torch.load(path, weights_only=True, mmap=True)`` with the stand-ins
+    allowed returns, loaded by the C unpickler; None when the file must go the weights-only
+    way (see the module docstring). ``path`` is a zip-format ``torch.save`` file."""
+    return _fast(path, stand_ins, summary=False)
+
+
+def fast_summary(path: Path, stand_ins: dict[str, type]) -> tuple[Any] | None:
+    """``(state,)`` as :func:`fast_load` gives it but with None for every tensor, nothing
+    mapped: a file's small fields (``dp_world_size``, ``global_steps``) at a fraction of the
+    cost. Every storage it names is still checked to be a member of the file. None where
+    :func:`fast_load` would give None."""
+    return _fast(path, stand_ins, summary=True)
+
+
+def _fast(path: Path, stand_ins: dict[str, type], *, summary: bool) -> tuple[Any] | None:
+    try:
+        if torch._guards.detect_fake_mode(None) is not None:
+            return None
+        names = _globals(stand_ins, summary)
+        reader = torch._C.PyTorchFileReader(str(path))
+        records = set(reader.get_all_records())
+        if "constants.pkl" in records or "data.pkl" not in records:  # TorchScript, or not a state
+            return None
+        if sys.byteorder != _byteorder(reader, records):
+            return None
+        data = reader.get_record("data.pkl")
+        if not _plain(data):
+            return None
+        size = os.path.getsize(path)
+        if torch.serialization.get_default_mmap_options() == torch.serialization.MAP_SHARED:
+            return None
+        storage = None if summary else torch.UntypedStorage.from_file(os.fspath(path), False, size)
+        return (_Unpickler(data, names, storage, reader, size).load(),)
+    except Exception:  # _NotFast, or anything the weights-only way is to judge
+        return None
+
+
+def _byteorder(reader: Any, records: set[str]) -> str:
+    """The byte order torch reads the file's storages in (``"?"`` when it would not load it)."""
+    if "byteorder" in records:
+        return bytes(reader.get_record("byteorder")).decode("ascii", "replace")
+    ends = torch.serialization.LoadEndianness
+    default = torch.serialization.get_default_load_endianness()
+    if default is None or default == ends.LITTLE:
+        return "little"
+    return "big" if default == ends.BIG else "?"
