@@ -1,10 +1,11 @@
 """ema-ckpt: EMAs and averages of sharded PyTorch checkpoints, computed offline.
 
-The whole library in eleven functions (each also a CLI command; the same options as keyword
+The whole library in twelve functions (each also a CLI command; the same options as keyword
 arguments, results as dataclasses, errors as :class:`~ema_ckpt.errors.EmaCkptError`):
 
 ========================  ==================================================================
 :func:`accumulate`        fold new checkpoints into running EMAs kept on disk (cron-safe)
+:func:`watch`             fold each checkpoint as soon as it is complete (a sidecar; the callbacks' engine)
 :func:`posthoc`           post-hoc power-function EMAs (EDM2) at any σ_rel, after training
 :func:`average`           an average of a selection of checkpoints: uniform, or weighted by a decay schedule
 :func:`select`            the best of many averages by the user's own evaluation (post-hoc EMAs, latest-K, soups)
@@ -43,6 +44,7 @@ if TYPE_CHECKING:
     from .commands.select import select
     from .commands.verify import verify
     from .formats import open_checkpoint
+    from .watching import watch
 
 _PUBLIC = {
     "accumulate": ("ema_ckpt.commands.accumulate", "accumulate"),
@@ -56,6 +58,7 @@ _PUBLIC = {
     "verify": ("ema_ckpt.commands.verify", "verify"),
     "diff": ("ema_ckpt.commands.diff", "diff"),
     "open_checkpoint": ("ema_ckpt.formats", "open_checkpoint"),
+    "watch": ("ema_ckpt.watching", "watch"),
 }
 
 
@@ -73,4 +76,4 @@ def __dir__() -> list[str]:
 
 
 __all__ = ["__version__", "accumulate", "average", "consolidate", "diff", "inspect", "inspect_folder",
-           "open_checkpoint", "posthoc", "reshard", "select", "verify"]
+           "open_checkpoint", "posthoc", "reshard", "select", "verify", "watch"]

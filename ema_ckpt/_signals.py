@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, TypedDict
 
 TERMINATED_EXIT = 143
@@ -33,12 +33,13 @@ INTERRUPTED_EXIT = 130
 
 class _State(TypedDict):
     armed: bool  # inside a command's body: a signal raises
+    deferred: Callable[[int], None] | None  # inside deferring(): the first signal calls this instead
     pending: int | None  # a signal recorded outside it
     entered: bool  # the body has begun
     raised: int | None  # a signal raised inside the body
 
 
-_state: _State = {"armed": False, "pending": None, "entered": False, "raised": None}
+_state: _State = {"armed": False, "deferred": None, "pending": None, "entered": False, "raised": None}
 
 
 class Terminated(KeyboardInterrupt):
@@ -50,6 +51,11 @@ def _interrupt(signum: int) -> KeyboardInterrupt:
 
 
 def _handler(signum: int, frame: Any) -> None:
+    deferred = _state["deferred"]
+    if deferred is not None:
+        _state["deferred"] = None  # a second signal interrupts as usual
+        deferred(signum)
+        return
     if _state["armed"]:
         _state["armed"] = False  # a second signal during cleanup is recorded, not raised again
         _state["raised"] = signum
@@ -78,6 +84,17 @@ def armed() -> Iterator[None]:
         yield
     finally:
         _state["armed"] = False
+
+
+@contextlib.contextmanager
+def deferring(on_signal: Callable[[int], None]) -> Iterator[None]:
+    """Inside the block, the first SIGINT or SIGTERM calls ``on_signal`` (a loop's request to
+    stop after the work in hand) instead of interrupting; a second one interrupts as usual."""
+    _state["deferred"] = on_signal
+    try:
+        yield
+    finally:
+        _state["deferred"] = None
 
 
 def pending() -> int | None:

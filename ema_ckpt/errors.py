@@ -366,6 +366,11 @@ class EvaluationError(EmaCkptError):
     exit_code = 10
 
 
+class FoldError(EmaCkptError):
+    """A training callback's fold failed (raised at the end of training with ``strict=True``;
+    without it the failure is logged and training goes on)."""
+
+
 class OutputError(EmaCkptError, OSError):
     """Writing the output failed (disk full, permissions); the previous output is intact."""
 

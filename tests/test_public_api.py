@@ -11,7 +11,7 @@ import sys
 import ema_ckpt
 
 FUNCTIONS = ["accumulate", "posthoc", "average", "consolidate", "reshard", "inspect", "inspect_folder", "verify",
-             "diff", "open_checkpoint", "select"]
+             "diff", "open_checkpoint", "select", "watch"]
 
 
 def test_importing_the_package_loads_neither_the_commands_nor_torch():

@@ -24,6 +24,7 @@ from . import posthoc as _posthoc
 from . import reshard as _reshard
 from . import select as _select
 from . import verify as _verify
+from . import watch as _watch
 from ._errors import exit_codes_help, usage_error_line, usage_name
 from ._output import err_console
 
@@ -82,6 +83,7 @@ _command("reshard", _reshard.EPILOG)(_reshard.reshard_command)
 _command("verify", _verify.EPILOG)(_verify.verify_command)
 _command("select", _select.EPILOG)(_select.select_command)
 _command("diff", _diff.EPILOG)(_diff.diff_command)
+_command("watch", _watch.EPILOG)(_watch.watch_command)
 
 
 def run(args: Sequence[str] | None = None) -> int:

@@ -70,6 +70,10 @@ FLAGS: dict[str, str] = {
     "inert_globals": "--inert-global",
     "world_size": "--world-size",
     "dry_run": "--dry-run",
+    # watch
+    "interval": "--interval",
+    "stop_when_idle": "--stop-when-idle",
+    "use_inotify": "--no-inotify",
 }
 """Library parameter → the flag that sets it: the one place where errors learn flag names."""
 

@@ -52,11 +52,12 @@ def shown(name: object) -> str:
     return escaped(str(name))
 
 
-def print_json(data: Any) -> None:
-    """One JSON document on stdout; notes and warnings in it name flags (:func:`cli_json`)."""
+def print_json(data: Any, *, compact: bool = False) -> None:
+    """One JSON document on stdout (``compact``: on one line, as a JSON-lines stream); notes and
+    warnings in it name flags (:func:`cli_json`)."""
     if not _PRIMARY:
         return
-    sys.stdout.write(json.dumps(cli_json(data), indent=2, default=str) + "\n")
+    sys.stdout.write(json.dumps(cli_json(data), indent=None if compact else 2, default=str) + "\n")
     sys.stdout.flush()
 
 

@@ -1,0 +1,132 @@
+"""``ema-ckpt watch``: a sidecar that folds each checkpoint as soon as it is complete."""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+
+if TYPE_CHECKING:
+    from ..watching import WatchFold
+
+from .. import _signals
+from ._errors import reports_errors
+from ._flags import cli_text
+from ._options import (
+    AverageBuffersOpt,
+    DeviceOpt,
+    ExcludeOpt,
+    IncludeOpt,
+    QuietOpt,
+    StateKeyOpt,
+    StepRegexOpt,
+    WorkersOpt,
+)
+from ._output import console, err_console, print_json, shown
+
+EPILOG = """\
+Examples:
+
+  ema-ckpt watch ckpts/ --decay 0.999                    # beside the training job; EMA in ckpts/ema
+
+  ema-ckpt watch ckpts/ --half-life 2000 --out ema/ --interval 10
+
+  ema-ckpt watch ckpts/ --sigma-rel 0.05,0.1 --snapshot-every 10000 --json
+
+  ema-ckpt watch ckpts/ --decay 0.999 --stop-when-idle 3600   # ends an hour after the last save
+
+  ema-ckpt watch s3://bucket/run/ckpts --decay 0.999 --out s3://bucket/run/ema --interval 60
+
+  Each complete checkpoint is hard-linked into CKPTS/.ema-ckpt-incoming the moment it is seen,
+  so retention (save_total_limit=1, save_top_k=1) cannot take it before it is folded. SIGTERM
+  or Ctrl-C: the fold in progress finishes, then exit 0 (a second one stops at once).
+"""
+
+
+@reports_errors
+def watch_command(
+    checkpoints: Annotated[str, typer.Argument(help="The folder the training job saves checkpoints into.")],
+    decay: Annotated[float | None, typer.Option(help="Decay per optimizer step, e.g. 0.999.")] = None,
+    half_life: Annotated[
+        float | None, typer.Option("--half-life", metavar="STEPS", help="Half-life in steps (decay 2^(-1/N)).")
+    ] = None,
+    per_checkpoint: Annotated[
+        bool, typer.Option("--per-checkpoint", help="Apply --decay once per checkpoint, not per step.")
+    ] = False,
+    warmup: Annotated[bool, typer.Option("--warmup", help="Decay at step n is min(decay, (1+n)/(10+n)).")] = False,
+    sigma_rel: Annotated[
+        list[str] | None, typer.Option("--sigma-rel", help="Power-function EMAs instead (EDM2), e.g. 0.05,0.1.")
+    ] = None,
+    gamma: Annotated[list[str] | None, typer.Option("--gamma", help="Power-EMA exponents instead of σ_rel.")] = None,
+    snapshot_every: Annotated[
+        int | None, typer.Option("--snapshot-every", metavar="STEPS", min=1,
+                                 help="With power EMAs: keep a snapshot of each every STEPS steps.")
+    ] = None,
+    out: Annotated[str | None, typer.Option(
+        "--out", "-o", metavar="PATH", help="EMA directory (default: CKPTS/ema); a path or a URL.")] = None,
+    interval: Annotated[float, typer.Option(
+        "--interval", metavar="SECONDS", help="Seconds between looks at the folder (inotify wakes it sooner).")] = 30.0,
+    stop_when_idle: Annotated[float | None, typer.Option(
+        "--stop-when-idle", metavar="SECONDS", help="Exit 0 once this long passes with no new checkpoint.")] = None,
+    no_inotify: Annotated[bool, typer.Option("--no-inotify", help="Poll every --interval only.")] = False,
+    dtype: Annotated[str, typer.Option(help="Accumulate and store floats in float32 or float64.")] = "float32",
+    include: IncludeOpt = None,
+    exclude: ExcludeOpt = None,
+    step_regex: StepRegexOpt = None,
+    average_buffers: AverageBuffersOpt = False,
+    skip_nonfinite: Annotated[
+        bool, typer.Option("--skip-nonfinite", help="Skip (and record) a checkpoint holding NaN/Inf.")
+    ] = False,
+    skip_damaged: Annotated[
+        bool, typer.Option("--skip-damaged", help="Skip (and record) a truncated or corrupt checkpoint.")
+    ] = False,
+    state_key: StateKeyOpt = None,
+    workers: WorkersOpt = 1,
+    device: DeviceOpt = "cpu",
+    json_output: Annotated[bool, typer.Option("--json", help="One JSON line per fold, and one at the end.")] = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Fold each new checkpoint into the EMA as soon as it is complete, until stopped."""
+    from ..watching import watch  # imported here: it loads torch, which --help never needs
+
+    stop = threading.Event()
+
+    def on_signal(signum: int) -> None:
+        stop.signalled = True  # type: ignore[attr-defined]
+        stop.set()
+        if not json_output and not quiet:
+            err_console.print("stopping after the fold in progress (again: stop now)", style="yellow")
+
+    def on_fold(fold: WatchFold) -> None:
+        if json_output:
+            print_json({"event": "fold", "out": fold.out, "steps": fold.steps, "step": fold.step,
+                        "seconds": round(fold.seconds, 3), "notes": [cli_text(n) for n in fold.notes]},
+                       compact=True)
+        elif not quiet:
+            steps = ", ".join(str(s) for s in fold.steps)
+            console.print(f"{shown(fold.out)}: folded {'step' if len(fold.steps) == 1 else 'steps'} {steps}; "
+                          f"EMA now at step {fold.step} ({fold.seconds:.1f} s)", highlight=False)
+
+    def on_error(message: str) -> None:
+        if json_output:
+            print_json({"event": "error", "message": cli_text(message)}, compact=True)
+        else:
+            err_console.print(f"error: {cli_text(message)} (watching goes on)", style="red", highlight=False)
+
+    with _signals.deferring(on_signal):
+        result = watch(
+            checkpoints, out=out, interval=interval, stop_when_idle=stop_when_idle, stop=stop, on_fold=on_fold,
+            on_error=on_error, use_inotify=not no_inotify,
+            decay=decay, half_life=half_life, per_checkpoint=per_checkpoint, warmup=warmup,
+            sigma_rels=sigma_rel or (), gammas=gamma or (), snapshot_every=snapshot_every, dtype=dtype,
+            include=include or (), exclude=exclude or (), step_regex=step_regex, average_buffers=average_buffers,
+            skip_nonfinite=skip_nonfinite, skip_damaged=skip_damaged, state_key=state_key, workers=workers,
+            device=device, wait_seconds=interval,
+        )
+    if json_output:
+        print_json({"event": "stopped", "why": result.stopped, "out": str(result.out), "step": result.step,
+                    "folds": len(result.folds), "errors": len(result.errors)}, compact=True)
+    elif not quiet:
+        console.print(f"{shown(result.out)}: stopped ({result.stopped}); EMA at step {result.step}, "
+                      f"{len(result.folds)} folds", highlight=False)

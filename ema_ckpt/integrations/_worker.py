@@ -1,0 +1,39 @@
+"""The worker process of :class:`~ema_ckpt.integrations._background.BackgroundFolds`: one
+:func:`ema_ckpt.watch` pass over a folder (``stop_when_idle=0``), its events as JSON lines."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+
+def _print(event: dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(event) + "\n")
+    sys.stdout.flush()
+
+
+def main(argv: list[str]) -> int:
+    from ..errors import EmaCkptError
+    from ..watching import WatchFold, watch
+
+    job = json.loads(argv[0])
+
+    def on_fold(fold: WatchFold) -> None:
+        _print({"event": "fold", "steps": fold.steps, "step": fold.step, "seconds": fold.seconds})
+
+    def on_error(message: str) -> None:
+        _print({"event": "error", "message": message})
+
+    try:
+        result = watch(job["folder"], out=job["out"], interval=1.0, stop_when_idle=0, on_fold=on_fold,
+                       on_error=on_error, use_inotify=False, **job["options"])
+    except EmaCkptError as err:
+        _print({"event": "error", "message": str(err).splitlines()[0]})
+        return 1
+    _print({"event": "stopped", "step": result.step})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,329 @@
+"""Fold each checkpoint as soon as it is complete: the loop behind ``ema-ckpt watch`` and the
+training callbacks.
+
+A trainer with tight retention (``save_total_limit=1``, ``save_top_k=1``) deletes each
+checkpoint one save interval after writing it, so a fold that is still running, or a cron
+tick that comes late, would miss it. On a local disk :func:`watch` therefore *stages* each
+complete checkpoint the moment it sees it: its files hard-linked (copied where links are
+refused) into ``CKPTS/.ema-ckpt-incoming/<name>``, which the trainer's retention never
+touches, by a scanner that runs every interval (and at once on an inotify event) whatever
+the folds are doing. The folds take the staged checkpoints in step order with
+:func:`~ema_ckpt.accumulate` (its guarantees: incremental, crash-safe, exact), and a staged
+checkpoint is removed once the EMA holds it. On object storage nothing is staged: each pass
+folds what is there (a checkpoint must outlive a pass).
+
+Example:
+    >>> result = watch("ckpts", out="ckpts/ema", decay=0.999, stop_when_idle=600)   # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .discovery import discover
+from .errors import CheckpointNotFoundError, EmaCkptError, OptionError
+from .manifest import Manifest
+from .storage import Location, as_path, is_location
+from .storage.object_paths import RemotePath
+
+INCOMING = ".ema-ckpt-incoming"
+"""The folder, inside the checkpoints' folder, that holds checkpoints staged for folding."""
+
+
+@dataclass(frozen=True, slots=True)
+class WatchFold:
+    """One fold of :func:`watch`: the steps it folded into the EMA at ``out``."""
+
+    out: str
+    steps: list[int]
+    step: int
+    seconds: float
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class WatchResult:
+    """What a :func:`watch` did before it stopped (``stopped``: ``"signal"``, ``"idle"``, ``"stop"``)."""
+
+    out: Location
+    folds: list[WatchFold] = field(default_factory=list)
+    step: int | None = None
+    stopped: str = ""
+    staged: int = 0
+    errors: list[str] = field(default_factory=list)
+
+
+def incoming_dir(checkpoints: str | os.PathLike[str]) -> Path:
+    """Where checkpoints of the folder ``checkpoints`` are staged for folding."""
+    return Path(checkpoints) / INCOMING
+
+
+def stage(checkpoint: str | os.PathLike[str], incoming: str | os.PathLike[str]) -> Path:
+    """Hard-link the files of ``checkpoint`` (a file or a folder) into ``incoming/<its name>``.
+
+    The staged copy appears whole (built under a hidden name, then renamed) and shares the
+    checkpoint's bytes: it costs no space until the trainer deletes the original. A file whose
+    link is refused (another filesystem) is copied. An existing staged copy is kept.
+
+    Example:
+        >>> stage("ckpts/checkpoint-500", "ckpts/.ema-ckpt-incoming")   # doctest: +SKIP
+        PosixPath('ckpts/.ema-ckpt-incoming/checkpoint-500')
+    """
+    source, into = Path(checkpoint), Path(incoming)
+    target = into / source.name
+    if target.exists():
+        return target
+    into.mkdir(parents=True, exist_ok=True)
+    partial = into / f".{source.name}.partial-{os.getpid()}-{threading.get_ident()}"
+    shutil.rmtree(partial, ignore_errors=True)
+    try:
+        if source.is_dir():
+            shutil.copytree(source, partial, copy_function=_link_or_copy)
+        else:
+            _link_or_copy(str(source), str(partial))
+        os.replace(partial, target)
+    except FileNotFoundError:  # deleted by retention while it was linked: it was never whole here
+        _remove(partial)
+        raise
+    except OSError:
+        _remove(partial)
+        if not target.exists():
+            raise
+    return target
+
+
+def _link_or_copy(src: str, dst: str) -> str:
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+    return dst
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+
+
+def ema_step(out: str | Location) -> int | None:
+    """The step the EMA at ``out`` holds (None: no EMA yet)."""
+    manifest = Manifest.read(as_path(out), check=False)
+    return None if manifest is None else manifest.step
+
+
+def stage_new(folder: str | os.PathLike[str], *, after: int | None = None, step_regex: str | None = None) -> list[Path]:
+    """Stage every complete checkpoint of ``folder`` newer than step ``after`` not staged yet."""
+    incoming = incoming_dir(folder)
+    found = discover([Path(folder)], step_regex=step_regex, require=False)
+    staged = []
+    for checkpoint in found.checkpoints:
+        if after is not None and checkpoint.step <= after:
+            continue
+        path = Path(str(checkpoint.path))
+        if (incoming / path.name).exists():
+            continue
+        with contextlib.suppress(FileNotFoundError):  # gone before it could be linked
+            staged.append(stage(path, incoming))
+    return staged
+
+
+def _drop_folded(incoming: Path, step: int, step_regex: str | None) -> None:
+    """Remove the staged checkpoints that the EMA (at ``step``) holds."""
+    if not incoming.is_dir():
+        return
+    found = discover([incoming], step_regex=step_regex, require=False)
+    for checkpoint in found.checkpoints:
+        if checkpoint.step <= step:
+            _remove(Path(str(checkpoint.path)))
+
+
+class _Changes:
+    """Wakes the scanner when the folder changes (inotify on Linux), else after ``interval``;
+    :meth:`interrupt` wakes it at once (to end it)."""
+
+    def __init__(self, folder: Path, use_inotify: bool) -> None:
+        from ._inotify import Watcher
+
+        self._watcher = Watcher.open(folder) if use_inotify else None
+        self._ended = threading.Event()
+
+    def wait(self, seconds: float) -> None:
+        if self._watcher is None:
+            self._ended.wait(seconds)
+        else:
+            self._watcher.wait(seconds)
+
+    def interrupt(self) -> None:
+        self._ended.set()
+        if self._watcher is not None:
+            self._watcher.interrupt()
+
+    def close(self) -> None:
+        if self._watcher is not None:
+            self._watcher.close()
+
+
+def watch(
+    checkpoints: str | Location,
+    *,
+    out: str | Location | None = None,
+    interval: float = 30.0,
+    stop_when_idle: float | None = None,
+    stop: threading.Event | None = None,
+    on_fold: Callable[[WatchFold], None] | None = None,
+    on_error: Callable[[str], None] | None = None,
+    use_inotify: bool = True,
+    **accumulate_options: Any,
+) -> WatchResult:
+    """Fold each checkpoint of the folder ``checkpoints`` into the EMA at ``out`` as soon as it
+    is complete, until ``stop`` is set, or until ``stop_when_idle`` seconds pass with nothing
+    new (``0``: fold what is there, then return).
+
+    Args:
+        checkpoints: the folder the trainer saves into (local, or on object storage).
+        out: the EMA directory (default ``<checkpoints>/ema``).
+        interval: seconds between looks at the folder (a checkpoint that lives this long is
+            never missed on a local disk; on object storage it must outlive a fold too).
+        stop_when_idle: return once this many seconds pass without a new checkpoint.
+        stop: set it to stop after the fold in progress (what SIGTERM does to ``ema-ckpt watch``).
+        on_fold: called after each fold that folded something.
+        on_error: called with the one-line message of a fold that failed (the loop goes on);
+            without it, the error is raised.
+        use_inotify: wake on the folder's changes where the platform has inotify.
+        accumulate_options: :func:`~ema_ckpt.accumulate`'s options (``decay``, ``half_life``,
+            ``sigma_rels``, ``snapshot_every``, ``warmup``, ...).
+
+    Raises:
+        OptionError: a bad ``interval`` or ``stop_when_idle``.
+
+    Example:
+        >>> done = watch("ckpts", decay=0.999, stop_when_idle=3600)   # doctest: +SKIP
+        >>> done.step, [fold.steps for fold in done.folds]            # doctest: +SKIP
+        (5000, [[1000, 2000], [3000], [4000, 5000]])
+    """
+    from .commands.accumulate import accumulate
+
+    if not interval > 0:
+        raise OptionError("interval", f"must be a number of seconds above 0, got {interval}", value=interval)
+    if stop_when_idle is not None and stop_when_idle < 0:
+        raise OptionError("stop_when_idle", f"must be 0 or more seconds, got {stop_when_idle}", value=stop_when_idle)
+    folder = as_path(checkpoints)
+    target = as_path(out) if out is not None else folder / "ema"
+    remote = isinstance(folder, RemotePath) or not is_location(folder)
+    stop = stop or threading.Event()
+    result = WatchResult(out=target, step=ema_step(target))
+    step_regex = accumulate_options.get("step_regex")
+    incoming = None if remote else incoming_dir(str(folder))
+    wake = threading.Event()
+    scanner_done = threading.Event()
+    failures: list[str] = []
+
+    def scan() -> int:
+        if incoming is None:
+            return 0
+        try:
+            staged = stage_new(str(folder), after=result.step, step_regex=step_regex)
+        except CheckpointNotFoundError:
+            return 0
+        result.staged += len(staged)
+        if staged:
+            wake.set()
+        return len(staged)
+
+    def scanner(changes: _Changes) -> None:
+        while not scanner_done.is_set():
+            try:
+                scan()
+            except Exception as err:  # a scan that failed is tried again at the next look
+                failures.append(str(err))
+            changes.wait(interval)
+
+    thread = None
+    changes = None
+    if incoming is not None:
+        scan()  # before the first fold: nothing of what is there now can be missed
+        changes = _Changes(Path(str(folder)), use_inotify)
+        thread = threading.Thread(target=scanner, args=(changes,), name="ema-ckpt-watch-scanner", daemon=True)
+        thread.start()
+    idle_since = time.monotonic()
+    try:
+        while True:
+            source = incoming if incoming is not None else folder
+            fold = _fold_once(accumulate, source, target, accumulate_options, result, on_error)
+            if fold is not None:
+                idle_since = time.monotonic()
+                result.folds.append(fold)
+                if on_fold is not None:
+                    on_fold(fold)
+            if incoming is not None and result.step is not None:
+                _drop_folded(incoming, result.step, step_regex)
+            if stop.is_set():
+                result.stopped = "signal" if getattr(stop, "signalled", False) else "stop"
+                break
+            if stop_when_idle is not None and time.monotonic() - idle_since >= stop_when_idle:
+                if incoming is None or not scan():
+                    result.stopped = "idle"
+                    break
+                continue
+            pause = interval if stop_when_idle is None else min(interval, max(0.05, stop_when_idle))
+            _wait_any(stop, wake, pause)
+            wake.clear()
+    finally:
+        scanner_done.set()
+        if changes is not None:
+            changes.interrupt()
+        if thread is not None:
+            thread.join()
+        if changes is not None:
+            changes.close()
+    return result
+
+
+def _fold_once(accumulate: Callable[..., Any], source: Location, target: Location, options: dict[str, Any],
+               result: WatchResult, on_error: Callable[[str], None] | None) -> WatchFold | None:
+    """One :func:`~ema_ckpt.accumulate` over ``source``; the fold it made, if any."""
+    if isinstance(source, Path) and (not source.is_dir() or not any(
+            not p.name.startswith(".") for p in source.iterdir())):
+        return None
+    started = time.monotonic()
+    try:
+        done = accumulate(source, out=target, **options)
+    except CheckpointNotFoundError:
+        return None  # nothing complete yet
+    except Exception as err:
+        if on_error is None:
+            raise
+        first = (str(err).strip().splitlines() or [""])[0]
+        message = first if isinstance(err, EmaCkptError) else f"{type(err).__name__}: {first}"
+        if message not in result.errors:  # a checkpoint that stays bad is said once, not every pass
+            result.errors.append(message)
+            on_error(message)
+        return None
+    result.step = done.step
+    if not done.folded:
+        return None
+    return WatchFold(out=str(done.out), steps=[c.step for c in done.folded], step=done.step,
+                     seconds=time.monotonic() - started, notes=list(done.notes))
+
+
+def _wait_any(stop: threading.Event, wake: threading.Event, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while not stop.is_set() and not wake.is_set():
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return
+        wake.wait(min(left, 0.2))
+
+
+__all__ = ["INCOMING", "WatchFold", "WatchResult", "ema_step", "incoming_dir", "stage", "stage_new", "watch"]

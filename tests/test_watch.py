@@ -1,0 +1,177 @@
+"""``ema-ckpt watch`` / :func:`ema_ckpt.watch` beside a saving loop that keeps few checkpoints.
+
+A thread (or a process) saves safetensors checkpoints as the Hugging Face Trainer lays them
+out (``checkpoint-<step>/model.safetensors``), writing each one under a temporary name and
+renaming it into place, and deletes all but the newest ``keep``. The EMA must hold every
+saved step and equal a float64 EMA of the states as they were saved.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import ema_ckpt
+from ema_ckpt.watching import INCOMING, stage
+from tests.ema_reference import assert_close_relative, reference_ema
+
+DECAY = 0.9
+
+
+def _state(step: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(step)
+    return {"w": torch.randn(64, 16, generator=generator), "b": torch.randn(16, generator=generator)}
+
+
+def _save(folder: Path, step: int) -> Path:
+    tmp = folder / f".tmp-checkpoint-{step}"
+    tmp.mkdir(parents=True)
+    save_file(_state(step), tmp / "model.safetensors")
+    (tmp / "trainer_state.json").write_text(json.dumps({"global_step": step}))
+    final = folder / f"checkpoint-{step}"
+    os.replace(tmp, final)
+    return final
+
+
+def saving_loop(folder: Path, steps: list[int], every: float, keep: int) -> None:
+    """Save each step ``every`` seconds apart, keeping the newest ``keep`` checkpoints."""
+    for step in steps:
+        _save(folder, step)
+        saved = sorted((p for p in folder.glob("checkpoint-*")), key=lambda p: int(p.name.split("-")[1]))
+        for old in saved[:-keep]:
+            shutil.rmtree(old)
+        time.sleep(every)
+
+
+def _expected(steps: list[int]) -> dict[str, torch.Tensor]:
+    return reference_ema([_state(s) for s in steps], steps, lambda prev, step: DECAY ** (step - prev))
+
+
+def _ema(out: Path) -> dict[str, torch.Tensor]:
+    converted = out.parent / "ema.safetensors"
+    ema_ckpt.consolidate(out, converted, overwrite=True)
+    return load_file(converted)
+
+
+def _assert_ema(out: Path, steps: list[int]) -> None:
+    got, want = _ema(out), _expected(steps)
+    for key, value in want.items():
+        assert_close_relative(got[key].double(), value)
+
+
+@pytest.mark.parametrize("use_inotify", [True, False], ids=["inotify", "polling"])
+def test_every_checkpoint_that_lives_an_interval_is_folded_with_retention_of_one(tmp_path, use_inotify):
+    folder = tmp_path / "run"
+    folder.mkdir()
+    steps = [10, 20, 30, 40, 50, 60]
+    saver = threading.Thread(target=saving_loop, args=(folder, steps, 0.6, 1))
+    saver.start()
+    folds = []
+    result = ema_ckpt.watch(folder, out=tmp_path / "ema", decay=DECAY, interval=0.5, stop_when_idle=3.0,
+                            on_fold=folds.append, use_inotify=use_inotify)
+    saver.join()
+    assert result.stopped == "idle" and result.step == 60 and result.errors == []
+    assert sorted(s for fold in folds for s in fold.steps) == steps
+    _assert_ema(tmp_path / "ema", steps)
+    assert not [p for p in (folder / INCOMING).iterdir() if not p.name.startswith(".")]  # folded, then removed
+    manifest = json.loads((tmp_path / "ema" / "ema-ckpt.json").read_text())
+    assert [c["step"] for c in manifest["checkpoints"]] == steps
+
+
+def test_a_stop_request_ends_after_the_fold_in_progress_and_a_rerun_continues(tmp_path):
+    folder = tmp_path / "run"
+    for step in (1, 2, 3):
+        _save(folder, step)
+    stop = threading.Event()
+    folds = []
+
+    def fold_then_stop(fold) -> None:
+        folds.append(fold)
+        stop.set()
+
+    result = ema_ckpt.watch(folder, out=tmp_path / "ema", decay=DECAY, interval=0.2, stop=stop,
+                            on_fold=fold_then_stop)
+    assert result.stopped == "stop" and result.step == 3 and len(folds) == 1
+    _save(folder, 4)
+    again = ema_ckpt.watch(folder, out=tmp_path / "ema", decay=DECAY, interval=0.2, stop_when_idle=0)
+    assert again.step == 4 and [f.steps for f in again.folds] == [[4]]
+    _assert_ema(tmp_path / "ema", [1, 2, 3, 4])
+
+
+def test_a_damaged_checkpoint_is_reported_and_the_watch_goes_on(tmp_path):
+    folder = tmp_path / "run"
+    _save(folder, 1)
+    bad = _save(folder, 2)
+    data = bytearray((bad / "model.safetensors").read_bytes())
+    (bad / "model.safetensors").write_bytes(bytes(data[:40]))  # a torn file
+    errors: list[str] = []
+    result = ema_ckpt.watch(folder, out=tmp_path / "ema", decay=DECAY, interval=0.2, stop_when_idle=0,
+                            on_error=errors.append)
+    assert errors and "checkpoint-2" in errors[0] and len(errors[0].splitlines()) == 1
+    assert result.errors == errors
+    skipping = ema_ckpt.watch(folder, out=tmp_path / "ema2", decay=DECAY, interval=0.2, stop_when_idle=0,
+                              skip_damaged=True)
+    assert skipping.step == 1 and skipping.errors == []  # the damaged one skipped, and recorded
+    skipped = json.loads((tmp_path / "ema2" / "ema-ckpt.json").read_text())["skipped"]
+    assert [entry["step"] for entry in skipped] == [2]
+
+
+def test_staging_links_the_files_and_survives_the_originals_deletion(tmp_path):
+    ckpt = _save(tmp_path / "run", 5)
+    staged = stage(ckpt, tmp_path / "run" / INCOMING)
+    assert os.stat(staged / "model.safetensors").st_ino == os.stat(ckpt / "model.safetensors").st_ino
+    shutil.rmtree(ckpt)
+    assert torch.equal(load_file(staged / "model.safetensors")["w"], _state(5)["w"])
+    assert stage(tmp_path / "run" / INCOMING / "checkpoint-5", tmp_path / "run" / INCOMING) == staged
+
+
+SAVER = """
+import sys, time
+sys.path.insert(0, {root!r})
+from pathlib import Path
+from tests.test_watch import saving_loop
+saving_loop(Path({folder!r}), list(range(100, 100 + 100 * {count}, 100)), {every}, 2)
+"""
+
+
+def test_the_sidecar_folds_beside_a_saving_process_and_sigterm_exits_0(tmp_path):
+    """``ema-ckpt watch --json`` beside a process that saves every 0.8 s and keeps 2 checkpoints;
+    SIGTERM after the saver is done: the fold in progress finishes, exit 0."""
+    folder = tmp_path / "run"
+    folder.mkdir()
+    root = str(Path(__file__).resolve().parents[1])
+    saver = subprocess.Popen([sys.executable, "-c", SAVER.format(root=root, folder=str(folder), count=5, every=0.8)])
+    watcher = subprocess.Popen(
+        [str(Path(sys.executable).with_name("ema-ckpt")), "watch", str(folder), "--out", str(tmp_path / "ema"),
+         "--decay", str(DECAY), "--interval", "0.5", "--json"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert saver.wait(timeout=120) == 0
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            manifest = tmp_path / "ema" / "ema-ckpt.json"
+            if manifest.exists() and json.loads(manifest.read_text())["step"] == 500:
+                break
+            time.sleep(0.2)
+        watcher.send_signal(signal.SIGTERM)
+        stdout, stderr = watcher.communicate(timeout=60)
+    finally:
+        saver.kill()
+        watcher.kill()
+    assert watcher.returncode == 0, stderr
+    events = [json.loads(line) for line in stdout.splitlines()]
+    assert events[-1]["event"] == "stopped" and events[-1]["why"] == "signal" and events[-1]["step"] == 500
+    folded = [s for e in events if e["event"] == "fold" for s in e["steps"]]
+    assert folded == [100, 200, 300, 400, 500]
+    _assert_ema(tmp_path / "ema", folded)
