@@ -127,6 +127,7 @@ def test_a_damaged_checkpoint_is_reported_and_the_watch_goes_on(tmp_path):
     assert [entry["step"] for entry in skipped] == [2]
 
 
+@pytest.mark.fast
 def test_staging_links_the_files_and_survives_the_originals_deletion(tmp_path):
     ckpt = _save(tmp_path / "run", 5)
     staged = stage(ckpt, tmp_path / "run" / INCOMING)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -29,6 +30,13 @@ from ..errors import FoldError
 from ..watching import incoming_dir, stage
 
 logger = logging.getLogger("ema_ckpt")
+
+WORKER_IDLE_SECONDS = 20.0
+"""A worker stays this long after its last fold, so that saves a few seconds apart do not pay
+a new process (Python and torch starting) each."""
+_LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                       "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT")
+"""torchrun's variables: a worker that inherited them would join the training's process group."""
 
 
 @dataclass(slots=True)
@@ -58,6 +66,7 @@ class BackgroundFolds:
         self._process: subprocess.Popen[str] | None = None
         self._reader: threading.Thread | None = None
         self._pending = False
+        self._stopping = False  # finish() asked the worker to stop: its SIGTERM is no failure
         self._lock = threading.Lock()
 
     def saved(self, checkpoint: str | os.PathLike[str]) -> None:
@@ -84,18 +93,25 @@ class BackgroundFolds:
     def finish(self, timeout: float | None = None) -> FoldsDone:
         """Wait for every staged checkpoint to be folded; the outcome (``strict``: failures raise)."""
         with self._lock:
-            self._pending = True  # one last pass: whatever was saved since the last one
+            process = self._process
+        if process is not None and process.poll() is None:
+            self._stopping = True
+            process.terminate()  # the worker makes a last pass over what is staged, then exits
+            process.wait(timeout=timeout)
+        with self._lock:
+            self._join_reader()
+            self._pending = self._waiting()
         while True:
             with self._lock:
-                process = self._process
-            if process is not None:
-                process.wait(timeout=timeout)
-            with self._lock:
-                self._join_reader()
                 if not self._pending:
                     break
                 self._pending = False
-                self._start()
+                self._start(idle=0.0)
+                process = self._process
+            assert process is not None
+            process.wait(timeout=timeout)
+            with self._lock:
+                self._join_reader()
         if self.done.errors:
             for message in self.done.errors:
                 logger.error("ema-ckpt: a fold failed: %s", message)
@@ -105,11 +121,18 @@ class BackgroundFolds:
         logger.info("ema-ckpt: the EMA at %s is at step %s", self.out, self.done.step)
         return self.done
 
-    def _start(self) -> None:
-        job = {"folder": str(self.folder), "out": self.out, "options": self.options}
+    def _waiting(self) -> bool:
+        """Staged checkpoints are left (a worker's last pass came before their save)."""
+        incoming = incoming_dir(self.folder)
+        return incoming.is_dir() and any(not p.name.startswith(".") for p in incoming.iterdir())
+
+    def _start(self, idle: float = WORKER_IDLE_SECONDS) -> None:
+        job = {"folder": str(self.folder), "out": self.out, "options": self.options, "idle": idle}
+        env = {k: v for k, v in os.environ.items()
+               if k not in _LAUNCHER_VARIABLES and not k.startswith("TORCHELASTIC_")}
         self._process = subprocess.Popen(
             [sys.executable, "-m", "ema_ckpt.integrations._worker", json.dumps(job)],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True, env=env)
         self._reader = threading.Thread(target=self._read, args=(self._process,), daemon=True,
                                         name="ema-ckpt-fold-reader")
         self._reader.start()
@@ -134,12 +157,15 @@ class BackgroundFolds:
                 logger.info("ema-ckpt: folded step(s) %s into %s", ", ".join(map(str, event["steps"])), self.out)
             elif event.get("event") == "error":
                 said = True
+                if str(event["message"]) in self.done.errors:  # a checkpoint that stays bad: said once
+                    continue
                 self.done.errors.append(str(event["message"]))
                 logger.warning("ema-ckpt: a fold failed (training goes on): %s", event["message"])
             elif event.get("event") == "stopped":
                 self.done.step = event.get("step", self.done.step)
         stderr = process.stderr.read()
-        if process.wait() != 0 and not said:
+        stopped = self._stopping and process.wait() == -signal.SIGTERM  # killed before its handler was set
+        if process.wait() != 0 and not said and not stopped:
             last = (stderr.strip().splitlines() or ["the fold worker exited with " + str(process.returncode)])[-1]
             self.done.errors.append(last)
             logger.warning("ema-ckpt: a fold failed (training goes on): %s", last)

@@ -1,10 +1,13 @@
-"""The worker process of :class:`~ema_ckpt.integrations._background.BackgroundFolds`: one
-:func:`ema_ckpt.watch` pass over a folder (``stop_when_idle=0``), its events as JSON lines."""
+"""The worker process of :class:`~ema_ckpt.integrations._background.BackgroundFolds`:
+:func:`ema_ckpt.watch` over a folder until it is idle for ``idle`` seconds or gets SIGTERM
+(then one last pass), its events as JSON lines."""
 
 from __future__ import annotations
 
 import json
+import signal
 import sys
+import threading
 from typing import Any
 
 
@@ -18,6 +21,8 @@ def main(argv: list[str]) -> int:
     from ..watching import WatchFold, watch
 
     job = json.loads(argv[0])
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())  # the training ended: a last pass, then exit
 
     def on_fold(fold: WatchFold) -> None:
         _print({"event": "fold", "steps": fold.steps, "step": fold.step, "seconds": fold.seconds})
@@ -26,8 +31,8 @@ def main(argv: list[str]) -> int:
         _print({"event": "error", "message": message})
 
     try:
-        result = watch(job["folder"], out=job["out"], interval=1.0, stop_when_idle=0, on_fold=on_fold,
-                       on_error=on_error, use_inotify=False, **job["options"])
+        result = watch(job["folder"], out=job["out"], interval=1.0, stop_when_idle=float(job.get("idle", 0)),
+                       stop=stop, on_fold=on_fold, on_error=on_error, use_inotify=False, **job["options"])
     except EmaCkptError as err:
         _print({"event": "error", "message": str(err).splitlines()[0]})
         return 1
