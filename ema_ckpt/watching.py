@@ -143,9 +143,9 @@ def _drop_folded(incoming: Path, step: int, step_regex: str | None) -> None:
     if not incoming.is_dir():
         return
     found = discover([incoming], step_regex=step_regex, require=False)
-    for checkpoint in found.checkpoints:
-        if checkpoint.step <= step:
-            _remove(Path(str(checkpoint.path)))
+    for entry in found.entries:  # every entry with a step: a copy of a folded one left out counts too
+        if entry.step is not None and entry.step <= step:
+            _remove(Path(str(entry.path)))
 
 
 class _Changes:
