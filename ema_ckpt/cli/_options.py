@@ -56,3 +56,22 @@ AverageBuffersOpt = Annotated[bool, typer.Option(
     "--average-buffers",
     help="Average MoE routers' statistics (e_score_correction_bias, expert_bias, tokens_per_expert) too; "
          "default: taken from the newest checkpoint.")]
+
+# the kept EMA's profile: accumulate and watch
+DecayOpt = Annotated[float | None, typer.Option(help="Decay per optimizer step, e.g. 0.999.")]
+HalfLifeOpt = Annotated[
+    float | None, typer.Option("--half-life", metavar="STEPS", help="Half-life in steps (decay 2^(-1/N)).")]
+PerCheckpointOpt = Annotated[
+    bool, typer.Option("--per-checkpoint", help="Apply --decay once per checkpoint, not per step.")]
+WarmupOpt = Annotated[bool, typer.Option("--warmup", help="Decay at step n is min(decay, (1+n)/(10+n)).")]
+GammaOpt = Annotated[
+    list[str] | None, typer.Option("--gamma", help="Power-EMA exponents instead of σ_rel (one or more).")]
+SnapshotEveryOpt = Annotated[
+    int | None, typer.Option("--snapshot-every", metavar="STEPS", min=1,
+                             help="With power EMAs: keep a snapshot of each every STEPS steps (for posthoc).")]
+SkipNonfiniteOpt = Annotated[
+    bool, typer.Option("--skip-nonfinite", help="Skip (and record) a checkpoint holding NaN/Inf instead of failing.")]
+SkipDamagedOpt = Annotated[
+    bool, typer.Option("--skip-damaged",
+                       help="Skip (and record) a truncated or corrupt checkpoint (bytes that do not match "
+                            "their CRC-32) instead of failing.")]

@@ -14,16 +14,24 @@ from ._errors import reports_errors
 from ._flags import cli_text
 from ._options import (
     AverageBuffersOpt,
+    DecayOpt,
     DeviceOpt,
     ExcludeOpt,
+    GammaOpt,
+    HalfLifeOpt,
     IncludeOpt,
     InertGlobalOpt,
     JsonOpt,
+    PerCheckpointOpt,
     QuietOpt,
+    SkipDamagedOpt,
+    SkipNonfiniteOpt,
     SkipOpt,
+    SnapshotEveryOpt,
     StateKeyOpt,
     StepRegexOpt,
     WaitOpt,
+    WarmupOpt,
     WorkersOpt,
 )
 from ._output import console, files_written, human_bytes, note, plural, print_json, progress_bar, shown, warn
@@ -64,26 +72,17 @@ def _warnings(result: AccumulateResult) -> list[str]:
 @reports_errors
 def accumulate_command(
     checkpoints: Annotated[list[str], typer.Argument(help="A folder of checkpoints, or checkpoint paths.")],
-    decay: Annotated[float | None, typer.Option(help="Decay per optimizer step, e.g. 0.999.")] = None,
-    half_life: Annotated[
-        float | None, typer.Option("--half-life", metavar="STEPS", help="Half-life in steps (decay 2^(-1/N)).")
-    ] = None,
-    per_checkpoint: Annotated[
-        bool, typer.Option("--per-checkpoint", help="Apply --decay once per checkpoint, not per step.")
-    ] = False,
-    warmup: Annotated[bool, typer.Option("--warmup", help="Decay at step n is min(decay, (1+n)/(10+n)).")] = False,
+    decay: DecayOpt = None,
+    half_life: HalfLifeOpt = None,
+    per_checkpoint: PerCheckpointOpt = False,
+    warmup: WarmupOpt = False,
     sigma_rel: Annotated[
         list[str] | None,
         typer.Option("--sigma-rel",
                      help="Power-function EMAs instead (EDM2), e.g. 0.05 or 0.05,0.1; each in OUT/sigma_rel_<v>."),
     ] = None,
-    gamma: Annotated[
-        list[str] | None, typer.Option("--gamma", help="Power-EMA exponents instead of σ_rel (one or more).")
-    ] = None,
-    snapshot_every: Annotated[
-        int | None, typer.Option("--snapshot-every", metavar="STEPS", min=1,
-                                 help="With power EMAs: keep a snapshot of each every STEPS steps (for posthoc).")
-    ] = None,
+    gamma: GammaOpt = None,
+    snapshot_every: SnapshotEveryOpt = None,
     out: Annotated[str | None, typer.Option(
         "--out", "-o", metavar="PATH", help="EMA directory (default: CKPTS/ema); a path or a URL (s3://…).")] = None,
     dtype: Annotated[str, typer.Option(help="Accumulate and store floats in float32 or float64.")] = "float32",
@@ -97,15 +96,8 @@ def accumulate_command(
         bool, typer.Option("--allow-new-keys", help="Accept keys added or removed during training.")
     ] = False,
     average_buffers: AverageBuffersOpt = False,
-    skip_nonfinite: Annotated[
-        bool, typer.Option("--skip-nonfinite",
-                           help="Skip (and record) a checkpoint holding NaN/Inf instead of failing.")
-    ] = False,
-    skip_damaged: Annotated[
-        bool, typer.Option("--skip-damaged",
-                           help="Skip (and record) a truncated or corrupt checkpoint (bytes that do not match "
-                                "their CRC-32) instead of failing.")
-    ] = False,
+    skip_nonfinite: SkipNonfiniteOpt = False,
+    skip_damaged: SkipDamagedOpt = False,
     skip: SkipOpt = None,
     state_key: StateKeyOpt = None,
     inert_global: InertGlobalOpt = None,

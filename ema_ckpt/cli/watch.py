@@ -15,12 +15,21 @@ from ._errors import reports_errors
 from ._flags import cli_text
 from ._options import (
     AverageBuffersOpt,
+    DecayOpt,
     DeviceOpt,
+    DtypeOpt,
     ExcludeOpt,
+    GammaOpt,
+    HalfLifeOpt,
     IncludeOpt,
+    PerCheckpointOpt,
     QuietOpt,
+    SkipDamagedOpt,
+    SkipNonfiniteOpt,
+    SnapshotEveryOpt,
     StateKeyOpt,
     StepRegexOpt,
+    WarmupOpt,
     WorkersOpt,
 )
 from ._output import console, err_console, print_json, shown
@@ -47,22 +56,15 @@ Examples:
 @reports_errors
 def watch_command(
     checkpoints: Annotated[str, typer.Argument(help="The folder the training job saves checkpoints into.")],
-    decay: Annotated[float | None, typer.Option(help="Decay per optimizer step, e.g. 0.999.")] = None,
-    half_life: Annotated[
-        float | None, typer.Option("--half-life", metavar="STEPS", help="Half-life in steps (decay 2^(-1/N)).")
-    ] = None,
-    per_checkpoint: Annotated[
-        bool, typer.Option("--per-checkpoint", help="Apply --decay once per checkpoint, not per step.")
-    ] = False,
-    warmup: Annotated[bool, typer.Option("--warmup", help="Decay at step n is min(decay, (1+n)/(10+n)).")] = False,
+    decay: DecayOpt = None,
+    half_life: HalfLifeOpt = None,
+    per_checkpoint: PerCheckpointOpt = False,
+    warmup: WarmupOpt = False,
     sigma_rel: Annotated[
         list[str] | None, typer.Option("--sigma-rel", help="Power-function EMAs instead (EDM2), e.g. 0.05,0.1.")
     ] = None,
-    gamma: Annotated[list[str] | None, typer.Option("--gamma", help="Power-EMA exponents instead of σ_rel.")] = None,
-    snapshot_every: Annotated[
-        int | None, typer.Option("--snapshot-every", metavar="STEPS", min=1,
-                                 help="With power EMAs: keep a snapshot of each every STEPS steps.")
-    ] = None,
+    gamma: GammaOpt = None,
+    snapshot_every: SnapshotEveryOpt = None,
     out: Annotated[str | None, typer.Option(
         "--out", "-o", metavar="PATH", help="EMA directory (default: CKPTS/ema); a path or a URL.")] = None,
     interval: Annotated[float, typer.Option(
@@ -70,17 +72,13 @@ def watch_command(
     stop_when_idle: Annotated[float | None, typer.Option(
         "--stop-when-idle", metavar="SECONDS", help="Exit 0 once this long passes with no new checkpoint.")] = None,
     no_inotify: Annotated[bool, typer.Option("--no-inotify", help="Poll every --interval only.")] = False,
-    dtype: Annotated[str, typer.Option(help="Accumulate and store floats in float32 or float64.")] = "float32",
+    dtype: DtypeOpt = "float32",
     include: IncludeOpt = None,
     exclude: ExcludeOpt = None,
     step_regex: StepRegexOpt = None,
     average_buffers: AverageBuffersOpt = False,
-    skip_nonfinite: Annotated[
-        bool, typer.Option("--skip-nonfinite", help="Skip (and record) a checkpoint holding NaN/Inf.")
-    ] = False,
-    skip_damaged: Annotated[
-        bool, typer.Option("--skip-damaged", help="Skip (and record) a truncated or corrupt checkpoint.")
-    ] = False,
+    skip_nonfinite: SkipNonfiniteOpt = False,
+    skip_damaged: SkipDamagedOpt = False,
     state_key: StateKeyOpt = None,
     workers: WorkersOpt = 1,
     device: DeviceOpt = "cpu",
