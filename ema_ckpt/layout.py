@@ -32,8 +32,15 @@ class Box:
 
     @classmethod
     def full(cls, shape: tuple[int, ...]) -> Box:
-        """The box covering a whole tensor of ``shape``."""
-        return cls(tuple(0 for _ in shape), tuple(shape))
+        """The box covering a whole tensor of ``shape`` (one object per shape: boxes never change)."""
+        if cls is not Box or type(shape) is not tuple:
+            return cls(tuple(0 for _ in shape), tuple(shape))
+        box = _FULL_BOXES.get(shape)
+        if box is None:
+            box = Box(tuple(0 for _ in shape), shape)
+            if len(_FULL_BOXES) < _MOST_FULL_BOXES:
+                _FULL_BOXES[shape] = box
+        return box
 
     @property
     def numel(self) -> int:
@@ -59,6 +66,10 @@ class Box:
 
     def slices(self) -> tuple[slice, ...]:
         return tuple(slice(o, o + s) for o, s in zip(self.offsets, self.sizes, strict=True))
+
+
+_FULL_BOXES: dict[tuple[int, ...], Box] = {}
+_MOST_FULL_BOXES = 1 << 16
 
 
 @dataclass(frozen=True, slots=True)

@@ -218,10 +218,11 @@ def averaged_tensors(newest: CheckpointReader, keys: Sequence[str], dtype: str,
     names = names or {}
     tensors = []
     for k in keys:
-        copied = not average_buffers and is_float(stored[k][1]) and is_non_weight_buffer(k)
-        averaged = is_float(stored[k][1]) and not copied
-        tensors.append(OutputTensor(k, names.get(k, k), tuple(stored[k][0]), dtype if averaged else stored[k][1],
-                                    stored[k][1], copied=copied))
+        shape, stored_dtype = stored[k]
+        copied = not average_buffers and is_float(stored_dtype) and is_non_weight_buffer(k)
+        averaged = is_float(stored_dtype) and not copied
+        tensors.append(OutputTensor(k, names.get(k, k), shape if type(shape) is tuple else tuple(shape),
+                                    dtype if averaged else stored_dtype, stored_dtype, copied=copied))
     return tensors
 
 

@@ -31,8 +31,7 @@ from typing import Any
 from .discovery import discover
 from .errors import CheckpointNotFoundError, EmaCkptError, OptionError
 from .manifest import Manifest
-from .storage import Location, as_path, is_location
-from .storage.object_paths import RemotePath
+from .storage import Location, as_path, local_file
 
 INCOMING = ".ema-ckpt-incoming"
 """The folder, inside the checkpoints' folder, that holds checkpoints staged for folding."""
@@ -220,11 +219,11 @@ def watch(
         raise OptionError("stop_when_idle", f"must be 0 or more seconds, got {stop_when_idle}", value=stop_when_idle)
     folder = as_path(checkpoints)
     target = as_path(out) if out is not None else folder / "ema"
-    remote = isinstance(folder, RemotePath) or not is_location(folder)
     stop = stop or threading.Event()
     result = WatchResult(out=target, step=ema_step(target))
     step_regex = accumulate_options.get("step_regex")
-    incoming = None if remote else incoming_dir(str(folder))
+    local = local_file(folder)
+    incoming = None if local is None else incoming_dir(local)  # object storage: nothing is staged
     wake = threading.Event()
     scanner_done = threading.Event()
     failures: list[str] = []

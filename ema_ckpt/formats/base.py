@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import abc
 import json
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import IO, TYPE_CHECKING, Any, ClassVar, Protocol
 
@@ -228,6 +228,32 @@ class CheckpointReader(abc.ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class StoredView(Mapping[str, tuple[tuple[int, ...], str]]):
+    """:meth:`CheckpointReader.stored` read from a reader's specs as asked: no copy per key."""
+
+    __slots__ = ("_names", "_specs")
+
+    def __init__(self, specs: Mapping[str, TensorSpec]) -> None:
+        self._specs = specs
+        self._names: dict[Any, str] = {}
+
+    def __getitem__(self, key: str) -> tuple[tuple[int, ...], str]:
+        spec = self._specs[key]
+        name = self._names.get(spec.dtype)
+        if name is None:
+            name = self._names[spec.dtype] = name_of(spec.dtype)
+        return spec.shape, name
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._specs)
+
+    def __len__(self) -> int:
+        return len(self._specs)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._specs
 
 
 def deliver(key: str, box: Box, value: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:

@@ -37,11 +37,12 @@ from __future__ import annotations
 import ast
 import functools
 import importlib.util
+import itertools
 import re
 import struct
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 _METADATA_MODULE = "torch.distributed.checkpoint.metadata"
 _FILESYSTEM_MODULE = "torch.distributed.checkpoint.filesystem"
@@ -70,6 +71,7 @@ _NEWFALSE = b"\x89"
 _STOP = b"."
 _VERSION = "1.0.0"  # DCP's metadata version, torch.distributed.checkpoint.filesystem.CURRENT_DCP_VERSION
 _BATCH = 1000  # items per SETITEMS/APPENDS, as the stock pickler batches them
+_T = TypeVar("_T")
 
 # ``TensorProperties`` pickles its memory format as an enum value; 0 is contiguous.
 _CONTIGUOUS_FORMAT = 0
@@ -214,50 +216,63 @@ def dump_metadata(tensors: Tensors, blobs: Blobs, planner_data: Mapping[str, Seq
     return _pickle_with_torch(tensors, blobs, planner_data)
 
 
+def _batches(items: Iterable[_T]) -> Iterator[list[_T]]:
+    """``items`` in lists of :data:`_BATCH` (the last shorter), as the stock pickler batches them."""
+    items = iter(items)
+    while batch := list(itertools.islice(items, _BATCH)):
+        yield batch
+
+
+def _storage_records(tensors: Tensors, blobs: Blobs
+                     ) -> Iterator[tuple[str, tuple[int, ...] | None, int | None, tuple[str, int, int]]]:
+    """Every stored record in the order ``storage_data`` lists them: the tensors' chunks, then the blobs."""
+    for key, (_dtype, _shape, chunks) in tensors.items():
+        for index, (offsets, _sizes, record) in enumerate(chunks):
+            if record is not None:
+                yield key, tuple(offsets), index, record
+    for key, record in blobs.items():
+        yield key, None, None, record
+
+
 def _emit_metadata(tensors: Tensors, blobs: Blobs, planner_data: Mapping[str, Sequence[str]]) -> bytes:
     emit = _Emitter()
     out = emit.out
-    storage: list[tuple[str, tuple[int, ...] | None, int | None, tuple[str, int, int]]] = []
 
     emit.new(_METADATA_MODULE, "Metadata")
     emit.begin_state()
     emit.string("state_dict_metadata")
     out += _EMPTY_DICT
-    entries = [(key, value) for key, value in tensors.items()] + [(key, None) for key in blobs]
-    for start in range(0, len(entries), _BATCH):
+    entries: Iterable[tuple[str, tuple[str, Sequence[int], Sequence[ChunkRecord]] | None]] = itertools.chain(
+        tensors.items(), ((key, None) for key in blobs))
+    for batch in _batches(entries):
         out += _MARK
-        for key, tensor in entries[start:start + _BATCH]:
+        for key, tensor in batch:
             emit.string(key)
             if tensor is None:
                 emit.new(_METADATA_MODULE, "BytesStorageMetadata")
-                storage.append((key, None, None, blobs[key]))
                 continue
             dtype, shape, chunks = tensor
             emit.fragment(("properties", dtype), functools.partial(_tensor_header, emit, dtype))
             emit.size(tuple(shape))
             emit.string("chunks")
             out += _EMPTY_LIST
-            for chunk_start in range(0, len(chunks), _BATCH):
+            for chunk_batch in _batches(chunks):
                 out += _MARK
-                for index, (offsets, sizes, record) in enumerate(chunks[chunk_start:chunk_start + _BATCH],
-                                                                 chunk_start):
+                for offsets, sizes, _record in chunk_batch:
                     emit.fragment("chunk", lambda: _chunk_header(emit))
                     emit.size(tuple(offsets))
                     emit.string("sizes")
                     emit.size(tuple(sizes))
                     emit.end_state()
-                    if record is not None:
-                        storage.append((key, tuple(offsets), index, record))
                 out += _APPENDS
             emit.end_state()
         out += _SETITEMS
 
     emit.string("planner_data")
     out += _EMPTY_DICT
-    keys = [key for key, _ in entries]
-    for start in range(0, len(keys), _BATCH):
+    for keys in _batches(itertools.chain(tensors, blobs)):
         out += _MARK
-        for key in keys[start:start + _BATCH]:
+        for key in keys:
             emit.string(key)
             out += _MARK
             for part in planner_data.get(key, (key,)):
@@ -267,9 +282,9 @@ def _emit_metadata(tensors: Tensors, blobs: Blobs, planner_data: Mapping[str, Se
 
     emit.string("storage_data")
     out += _EMPTY_DICT
-    for start in range(0, len(storage), _BATCH):
+    for records in _batches(_storage_records(tensors, blobs)):
         out += _MARK
-        for key, chunk_offsets, chunk_index, (relative_path, offset, length) in storage[start:start + _BATCH]:
+        for key, chunk_offsets, chunk_index, (relative_path, offset, length) in records:
             emit.fragment("index", lambda: _index_header(emit))
             emit.string(key)
             emit.string("index")

@@ -182,21 +182,27 @@ class _Bag:
     """A plain object: the C unpickler fills its ``__dict__`` without calling Python code."""
 
 
-class _TupleBag:
-    def __setstate__(self, state: Any) -> None:
-        self.state = state
+class _Dropped:
+    """An object whose state the check does not keep: ``__setstate__`` is a builtin that takes
+    the state and returns, so no Python code runs and nothing per record outlives its BUILD."""
+
+    __slots__ = ()
+    __setstate__ = len
 
 
 class _OwnMetadataUnpickler(pickle.Unpickler):
-    """The C unpickler over plain stand-ins: for metadata ema-ckpt itself just wrote (fast)."""
+    """The C unpickler over plain stand-ins: for metadata ema-ckpt itself just wrote (fast).
+
+    Only ``Metadata`` keeps its fields; every record below it is parsed and dropped.
+    """
 
     def __init__(self, data: bytes) -> None:
         super().__init__(io.BytesIO(data))
         self._standins = {**_fresh_standins()}
         for (module, name), standin in list(self._standins.items()):
             if isinstance(standin, type) and issubclass(standin, _Inert):
-                base = _TupleBag if name == "TensorProperties" else _Bag
-                self._standins[(module, name)] = type(name, (base,), {})
+                base = _Bag if name == "Metadata" else _Dropped
+                self._standins[(module, name)] = type(name, (base,), {"__slots__": ()} if base is _Dropped else {})
         # builtins in place of Python functions: nothing per record runs Python code
         self._standins[("torch", "Size")] = tuple
         self._standins[("torch.serialization", "_get_layout")] = str

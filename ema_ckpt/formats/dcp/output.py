@@ -88,6 +88,7 @@ class DcpOutput(OutputWriter):
         for tensor, box, rank in ranked:
             rank_work[rank] = rank_work.get(rank, 0) + box_bytes(box, tensor.stored_dtype) + REGION_OVERHEAD_BYTES
         used: dict[int, tuple[int, int]] = {}  # rank -> (part, work in it)
+        names: dict[tuple[int, int], str] = {}  # one string per file, shared by its regions
         regions = []
         for tensor, box, rank in ranked:
             nbytes = box_bytes(box, tensor.stored_dtype)
@@ -98,8 +99,10 @@ class DcpOutput(OutputWriter):
             if cap is not None and size and size + nbytes + REGION_OVERHEAD_BYTES > cap:
                 part, size = part + 1, 0
             used[rank] = (part, size + nbytes + REGION_OVERHEAD_BYTES)
-            file = data_file_name(rank, part, self.file_tag)
-            self._files[file] = (rank, part)
+            file = names.get((rank, part))
+            if file is None:
+                file = names[(rank, part)] = data_file_name(rank, part, self.file_tag)
+                self._files[file] = (rank, part)
             regions.append(PlannedRegion(tensor.key, box, file, nbytes))
         return regions
 

@@ -17,19 +17,20 @@ Example:
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from array import array
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ..._crc import crc32, crc32_combine
 from ..._lazy import torch
-from ...dtypes import name_of
 from ...errors import CheckpointFormatError, OutputError
-from ...layout import Box, boxes_cover
+from ...layout import Box
 from ...storage import fsync_dir, start_writeback
 from ...storage.direct_io import ALIGNMENT as PAGE
 from ...storage.direct_io import DirectAppender
 from ...torch_records import write_tensor_record
 from ...torch_records.write import STORAGE_ALIGNMENT
+from .chunks import ChunkTable
 from .metadata import METADATA_FILE
 from .metadata_pickle import dump_metadata
 from .metadata_unpickle import check_written_metadata
@@ -80,13 +81,6 @@ class _ChecksumFile:
         return self.position
 
 
-@dataclass
-class _Entry:
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    boxes: list[Box] = field(default_factory=list)
-
-
 @dataclass(frozen=True, slots=True)
 class WrittenFile:
     """One data file the writer produced, with its size and CRC-32."""
@@ -96,15 +90,33 @@ class WrittenFile:
     crc32: int
 
 
+_NO_RECORD = -1
+"""The file index of an empty chunk: it has no stored record."""
+
+
 @dataclass
 class WriterState:
-    """What one writer (one worker) wrote: enough for the coordinator to write ``.metadata``."""
+    """What one writer (one worker) wrote: enough for the coordinator to write ``.metadata``.
 
-    entries: dict[str, tuple[tuple[int, ...], torch.dtype]] = field(default_factory=dict)
-    boxes: dict[str, list[Box]] = field(default_factory=dict)
-    storage: dict[tuple[str, tuple[int, ...]], tuple[str, int, int]] = field(default_factory=dict)
+    One row per chunk, in the order written, as parallel columns: its key, the key's shape and
+    dtype, its box, and its record in ``where`` (index into ``names`` or ``-1`` for an empty
+    chunk, offset, length: three numbers a row). No object per chunk beyond those it shares
+    with the plan.
+    """
+
+    keys: list[str] = field(default_factory=list)
+    shapes: list[tuple[int, ...]] = field(default_factory=list)
+    dtypes: list[torch.dtype] = field(default_factory=list)
+    boxes: list[Box] = field(default_factory=list)
+    where: array[int] = field(default_factory=lambda: array("q"))
+    names: list[str] = field(default_factory=list)
     blobs: dict[str, tuple[str, int, int]] = field(default_factory=dict)
     files: list[WrittenFile] = field(default_factory=list)
+
+    def record(self, row: int) -> tuple[str, int, int] | None:
+        """Row ``row``'s stored record (data file, offset, length), or None for an empty chunk."""
+        file, offset, length = self.where[3 * row:3 * row + 3]
+        return None if file == _NO_RECORD else (self.names[file], offset, length)
 
 
 def data_file_name(rank: int, part: int = 0, tag: str | None = None) -> str:
@@ -128,17 +140,20 @@ class DcpWriter:
         self.path = Path(path)
         self.file_tag = file_tag
         self.path.mkdir(parents=True, exist_ok=True)
-        self._entries: dict[str, _Entry] = {}
+        self._declared: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+        self._kinds: dict[tuple[tuple[int, ...], torch.dtype], tuple[tuple[int, ...], torch.dtype]] = {}
+        self._written = WriterState()
+        self._name_index: dict[str, int] = {}
         self._bytes: dict[str, tuple[str, int, int]] = {}
-        self._storage: dict[tuple[str, tuple[int, ...]], tuple[str, int, int]] = {}
         self._handles: dict[str, tuple[DirectAppender, _ChecksumFile]] = {}
         self._current = ""
         self.files: list[WrittenFile] = []
 
     def declare(self, key: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:
         """Announce a tensor key before its chunks are written (again: no effect)."""
-        if key not in self._entries:
-            self._entries[key] = _Entry(tuple(shape), dtype)
+        if key not in self._declared:
+            kind = (tuple(shape), dtype)
+            self._declared[key] = self._kinds.setdefault(kind, kind)
 
     def _file(self, name: str) -> _ChecksumFile:
         if name != self._current and self._current in self._handles:
@@ -152,13 +167,22 @@ class DcpWriter:
             self._handles[name] = (handle, _ChecksumFile(handle))
         return self._handles[name][1]
 
+    def _record(self, key: str, kind: tuple[tuple[int, ...], torch.dtype], box: Box, file: int, start: int,
+                length: int) -> None:
+        written = self._written
+        written.keys.append(key)
+        written.shapes.append(kind[0])
+        written.dtypes.append(kind[1])
+        written.boxes.append(box)
+        written.where.extend((file, start, length))
+
     def write(self, key: str, box: Box, tensor: torch.Tensor, *, rank: int = 0, part: int = 0) -> None:
         """Append one chunk of ``key`` (``tensor`` holds exactly ``box``) to ``__<rank>_<part>.distcp``."""
-        entry = self._entries[key]
-        if tuple(tensor.shape) != box.sizes or tensor.dtype != entry.dtype:
+        kind = self._declared[key]
+        if tuple(tensor.shape) != box.sizes or tensor.dtype != kind[1]:
             raise ValueError(f"{key}: chunk {tuple(tensor.shape)} {tensor.dtype} does not match {box}")
         if box.numel == 0:
-            entry.boxes.append(box)
+            self._record(key, kind, box, _NO_RECORD, 0, 0)
             return
         tensor = tensor.detach().cpu().contiguous()
         name = data_file_name(rank, part, self.file_tag)
@@ -172,8 +196,11 @@ class DcpWriter:
                                           data_alignment=PAGE if big else STORAGE_ALIGNMENT)
         except OSError as err:
             raise OutputError(f"{self.path}: write failed ({err.strerror})") from None
-        self._storage[(key, box.offsets)] = (name, start, length)
-        entry.boxes.append(box)
+        index = self._name_index.get(name)
+        if index is None:
+            index = self._name_index[name] = len(self._written.names)
+            self._written.names.append(name)
+        self._record(key, kind, box, index, start, length)
 
     def write_bytes(self, key: str, record: bytes, *, rank: int = 0, part: int = 0) -> None:
         """Copy a non-tensor entry's stored record verbatim."""
@@ -194,12 +221,8 @@ class DcpWriter:
         except OSError as err:
             raise OutputError(f"{self.path}: write failed ({err.strerror})") from None
         self._handles.clear()
-        written = {k: e for k, e in self._entries.items() if e.boxes}  # the coordinator declares every key itself
-        return WriterState(
-            entries={k: (e.shape, e.dtype) for k, e in written.items()},
-            boxes={k: list(e.boxes) for k, e in written.items()},
-            storage=dict(self._storage), blobs=dict(self._bytes), files=list(self.files),
-        )
+        # the columns themselves, not copies: nothing is written after close
+        return replace(self._written, blobs=dict(self._bytes), files=list(self.files))
 
     def finish(
         self,
@@ -213,13 +236,20 @@ class DcpWriter:
         bytes do not depend on how many workers shared the work.
         """
         own = self.close()
-        self._merge([own, *others], key_order)
-        for key, entry in self._entries.items():
-            if not boxes_cover(entry.shape, entry.boxes):
-                raise ValueError(f"{key}: written chunks do not cover shape {list(entry.shape)}")
-        metadata = self._metadata(planner_data)
+        states = [own, *others]
+        table = ChunkTable(self._declared, states, key_order)
+        table.check_cover()
+        for state in others:
+            self._bytes.update(state.blobs)
+        files = {f.name: f for state in states for f in state.files}
+        self.files = [files[name] for name in sorted(files, key=_file_sort_key)]
+        # a key without planner data is a flat top-level key: never guess nesting from dots
+        planner = {k: tuple(v) for k, v in (planner_data or {}).items() if k in table or k in self._bytes}
+        keys = len(table) + sum(1 for k in self._bytes if k not in table)
+        metadata = dump_metadata(table, self._bytes, planner)
+        del table, planner  # the check's objects take their place
         try:
-            check_written_metadata(metadata, len(set(self._entries) | set(self._bytes)))
+            check_written_metadata(metadata, keys)
         except ValueError as err:
             raise CheckpointFormatError(self.path / METADATA_FILE, str(err)) from None
         try:
@@ -234,38 +264,8 @@ class DcpWriter:
             raise OutputError(f"{self.path}: write failed ({err.strerror})") from None
         return self.files
 
-    def _merge(self, states: list[WriterState], key_order: list[str] | None) -> None:
-        # every key declared here, written or not (the cover check below then names a missing one)
-        entries = {key: _Entry(e.shape, e.dtype) for key, e in self._entries.items()}
-        for state in states:
-            for key, (shape, dtype) in state.entries.items():
-                entries.setdefault(key, _Entry(shape, dtype))
-        for state in states:
-            for key, boxes in state.boxes.items():
-                entries[key].boxes.extend(boxes)
-            self._storage.update(state.storage)
-            self._bytes.update(state.blobs)
-        for entry in entries.values():
-            entry.boxes.sort(key=lambda b: b.offsets)
-        known = set(key_order or [])
-        order = [k for k in (key_order or []) if k in entries] + [k for k in entries if k not in known]
-        self._entries = {k: entries[k] for k in order}
-        files = {f.name: f for state in states for f in state.files}
-        self.files = [files[name] for name in sorted(files, key=_file_sort_key)]
-
     def abort(self) -> None:
         """Close open files without writing metadata."""
         for handle, _ in self._handles.values():
             handle.abort()
         self._handles.clear()
-
-    def _metadata(self, planner_data: dict[str, tuple[str, ...]] | None) -> bytes:
-        tensors = {
-            key: (name_of(entry.dtype), entry.shape,
-                  [(box.offsets, box.sizes, self._storage.get((key, box.offsets))) for box in entry.boxes])
-            for key, entry in self._entries.items()
-        }
-        keys = set(tensors) | set(self._bytes)
-        # a key without planner data is a flat top-level key: never guess nesting from dots
-        planner = {k: tuple(v) for k, v in (planner_data or {}).items() if k in keys}
-        return dump_metadata(tensors, self._bytes, planner)

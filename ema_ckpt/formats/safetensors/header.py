@@ -16,20 +16,24 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import itertools
 import json
+import json.decoder
+import json.scanner
 import math
 import struct
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Container, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from ..._lazy import torch
 from ...errors import CheckpointFormatError
 from ...layout import TensorSpec
 from ...storage import Location, Readable, close_readable, open_structure, pread, readable_size
+from ..base import StoredView
 
-__all__ = ["FileHeader", "dtypes", "read_header"]
+__all__ = ["FileHeader", "dtypes", "read_header", "sorted_specs"]
 
 _MAX_HEADER = 100_000_000  # the limit safetensors itself enforces
 
@@ -73,6 +77,9 @@ def read_header(file: Location) -> FileHeader:
         CheckpointFormatError: truncated file, bad JSON, unknown dtype, or data offsets
             that disagree with dtype × shape or do not tile the data area exactly.
     """
+    # the first use imports torch, which keeps the frames on the stack then (and their last
+    # locals) for good: here, before this frame holds the header's bytes
+    dtypes()
     try:
         with _opened(file) as f:
             size = readable_size(f)
@@ -93,21 +100,14 @@ def read_header(file: Location) -> FileHeader:
     shared = _PARSED.get(layout_key)
     if shared is not None:  # the same header as a checkpoint opened before: its layout, validated
         return FileHeader(file, size, dict(shared.metadata), shared.tensors, shared.offsets, shared)
-    try:
-        doc = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as err:
-        raise CheckpointFormatError(file, f"header is not JSON ({err})") from None
-    if not isinstance(doc, dict):
-        raise CheckpointFormatError(file, "header is not a JSON object")
-    metadata = doc.pop("__metadata__", None) or {}
-    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
-        raise CheckpointFormatError(file, "__metadata__ is not a string-to-string map")
     data_size = size - 8 - length
     tensors: dict[str, TensorSpec] = {}
     starts: dict[str, int] = {}
-    extents: list[tuple[int, int, str]] = []
-    for key, entry in doc.items():
-        spec, begin, end = _parse_entry(file, key, entry)
+    shapes: dict[tuple[int, ...], tuple[int, ...]] = {}  # one tuple per distinct shape
+    tiled = [0, True]  # the end of the data so far, and whether each tensor began where the last ended
+
+    def add(key: str, entry: Any) -> None:
+        spec, begin, end = _parse_entry(file, key, entry, shapes)
         starts[key] = 8 + length + begin
         if end > data_size:
             raise CheckpointFormatError(
@@ -115,13 +115,31 @@ def read_header(file: Location) -> FileHeader:
                 f"truncated: tensor {key!r} ends at data byte {end}, the file holds {data_size}",
             )
         tensors[key] = spec
-        extents.append((begin, end, key))
-    position = 0
-    for begin, end, key in sorted(extents):
-        if begin != position:
-            what = "overlaps the previous tensor" if begin < position else "leaves a gap before it"
-            raise CheckpointFormatError(file, f"tensor {key!r} at data byte {begin} {what}")
-        position = end
+        if begin != tiled[0]:
+            tiled[1] = False
+        tiled[0] = end
+
+    streamed = _streamed(raw, add, starts)
+    if streamed is None:  # not read by the stream: the whole document, as json reads it
+        tensors.clear()
+        starts.clear()
+        tiled[:] = [0, True]
+        try:
+            doc = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as err:
+            raise CheckpointFormatError(file, f"header is not JSON ({err})") from None
+        if not isinstance(doc, dict):
+            raise CheckpointFormatError(file, "header is not a JSON object")
+        metadata = _checked_metadata(file, doc.pop("__metadata__", None))
+        for key, entry in doc.items():
+            add(key, entry)
+        del doc
+    del raw
+    if streamed is not None:
+        metadata = _checked_metadata(file, streamed[0])
+        if streamed[1] is not None:
+            raise streamed[1]
+    position = tiled[0] if tiled[1] else _tile(file, tensors, starts, 8 + length)
     if position != data_size:
         raise CheckpointFormatError(file, f"{data_size - position} bytes after the last tensor")
     parsed = _Parsed(dict(metadata), tensors, starts)
@@ -129,14 +147,42 @@ def read_header(file: Location) -> FileHeader:
     return FileHeader(file, size, dict(metadata), tensors, starts, parsed)
 
 
+def _tile(file: Location, tensors: dict[str, TensorSpec], starts: dict[str, int], data_start: int) -> int:
+    """The end of the data area the tensors cover, sorted by offset (refusing overlaps and gaps)."""
+    extents = sorted((starts[key] - data_start, starts[key] - data_start + spec.nbytes, key)
+                     for key, spec in tensors.items())
+    position = 0
+    for begin, end, key in extents:
+        if begin != position:
+            what = "overlaps the previous tensor" if begin < position else "leaves a gap before it"
+            raise CheckpointFormatError(file, f"tensor {key!r} at data byte {begin} {what}")
+        position = end
+    return position
+
+
 class _Parsed:
     """A validated header's layout, shared by every file whose header has the same bytes and
     size (a run's checkpoints, usually): parsed once, held in memory once."""
 
-    __slots__ = ("__weakref__", "metadata", "offsets", "tensors")
+    __slots__ = ("__weakref__", "metadata", "offsets", "sorted", "tensors")
 
     def __init__(self, metadata: dict[str, str], tensors: dict[str, TensorSpec], offsets: dict[str, int]) -> None:
         self.metadata, self.tensors, self.offsets = metadata, tensors, offsets
+        self.sorted: tuple[dict[str, TensorSpec], StoredView] | None = None
+
+
+def sorted_specs(header: FileHeader) -> tuple[dict[str, TensorSpec], StoredView]:
+    """``header.tensors`` in key order, and their :class:`~..base.StoredView`: the same objects
+    for every file of one parsed layout."""
+    parsed = header.shared
+    if isinstance(parsed, _Parsed) and parsed.tensors is header.tensors:
+        if parsed.sorted is None:
+            in_order = all(a < b for a, b in itertools.pairwise(parsed.tensors))  # as writers save them
+            specs = parsed.tensors if in_order else dict(sorted(parsed.tensors.items()))
+            parsed.sorted = specs, StoredView(specs)
+        return parsed.sorted
+    specs = dict(sorted(header.tensors.items()))
+    return specs, StoredView(specs)
 
 
 _PARSED: weakref.WeakValueDictionary[tuple[bytes, int, int], _Parsed] = weakref.WeakValueDictionary()
@@ -152,7 +198,92 @@ def _opened(file: Location) -> Iterator[Readable]:
         close_readable(handle)
 
 
-def _parse_entry(file: Location, key: str, entry: Any) -> tuple[TensorSpec, int, int]:
+def _checked_metadata(file: Location, metadata: Any) -> dict[str, str]:
+    metadata = metadata or {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise CheckpointFormatError(file, "__metadata__ is not a string-to-string map")
+    return metadata
+
+
+_scan_value: Callable[[str, int], tuple[Any, int]] = json.scanner.make_scanner(cast(Any, json.JSONDecoder()))
+_WHITESPACE = " \t\n\r"
+_skip = json.decoder.WHITESPACE.match  # type: ignore[attr-defined]
+
+
+def _streamed(raw: bytes, add: Callable[[str, Any], None], added: Container[str]
+              ) -> tuple[Any, CheckpointFormatError | None] | None:
+    """The header's top-level object read entry by entry, each tensor's entry given to ``add``
+    as soon as it is parsed (``added``: the keys it took): ``(the __metadata__ value, the first
+    error add raised)``.
+
+    Parsing the whole document first would hold every entry's dicts and lists at once (about
+    half a KiB a tensor). None where the stream does not read it as ``json.loads`` would: not
+    UTF-8, not an object, malformed, a key given twice; the caller then parses the whole.
+    After an error from ``add`` the rest is only parsed, so a malformed document still wins.
+    """
+    if json.detect_encoding(raw) != "utf-8":
+        return None
+    try:
+        text = raw.decode("utf-8", "surrogatepass")
+    except UnicodeDecodeError:
+        return None
+    metadata: Any = None
+    seen_metadata = False
+    failure: CheckpointFormatError | None = None
+    refused: set[str] = set()  # keys after an error
+    scanstring = json.decoder.scanstring  # type: ignore[attr-defined]
+    try:
+        at = _skip(text, 0).end()
+        if text[at] != "{":
+            return None
+        at = _skip(text, at + 1).end()
+        if text[at] == "}":
+            at += 1
+        else:
+            while True:
+                if text[at] != '"':
+                    return None
+                key, at = scanstring(text, at + 1)
+                if text[at] != ":":
+                    at = _skip(text, at).end()
+                    if text[at] != ":":
+                        return None
+                at += 1
+                if text[at] in _WHITESPACE:
+                    at = _skip(text, at).end()
+                value, at = _scan_value(text, at)
+                if key == "__metadata__":
+                    if seen_metadata:
+                        return None
+                    seen_metadata, metadata = True, value
+                elif key in added or key in refused:
+                    return None
+                elif failure is None:
+                    try:
+                        add(key, value)
+                    except CheckpointFormatError as err:
+                        failure = err
+                        refused.add(key)
+                else:
+                    refused.add(key)
+                del value
+                if text[at] in _WHITESPACE:
+                    at = _skip(text, at).end()
+                if text[at] == "}":
+                    at += 1
+                    break
+                if text[at] != ",":
+                    return None
+                at = _skip(text, at + 1).end()
+        if _skip(text, at).end() != len(text):
+            return None
+    except (IndexError, StopIteration, ValueError):
+        return None
+    return metadata, failure
+
+
+def _parse_entry(file: Location, key: str, entry: Any,
+                 shapes: dict[tuple[int, ...], tuple[int, ...]]) -> tuple[TensorSpec, int, int]:
     if not isinstance(entry, dict):
         raise CheckpointFormatError(file, f"tensor {key!r}: entry is not an object")
     name, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
@@ -176,4 +307,5 @@ def _parse_entry(file: Location, key: str, entry: Any) -> tuple[TensorSpec, int,
             file,
             f"tensor {key!r}: data_offsets span {end - begin} bytes, {name} {shape} needs {nbytes}",
         )
-    return TensorSpec(key, tuple(shape), dtype), begin, end
+    dims = tuple(shape)
+    return TensorSpec(key, shapes.setdefault(dims, dims), dtype), begin, end

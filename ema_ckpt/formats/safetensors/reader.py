@@ -52,8 +52,8 @@ from ...storage import (
     pread_into,
     readable_size,
 )
-from ..base import CheckpointFormat, CheckpointReader, deliver, register_format, trainer_state_step
-from .header import FileHeader, dtypes, read_header
+from ..base import CheckpointFormat, CheckpointReader, StoredView, deliver, register_format, trainer_state_step
+from .header import FileHeader, dtypes, read_header, sorted_specs
 
 SUFFIX = ".safetensors"
 INDEX_SUFFIX = ".safetensors.index.json"
@@ -159,21 +159,27 @@ class SafetensorsReader(CheckpointReader):
         self.index, files = located
         self.headers: list[FileHeader]
         self.index_metadata: dict[str, Any] = {}
+        # one file: its own header's dicts serve, shared with other checkpoints of the same layout
+        self._where: Mapping[str, Location]
         if self.index is None:
             self.headers = [read_header(files[0])]
-            where = {key: files[0] for key in self.headers[0].tensors}
+            self._where = _Everywhere(files[0])
         else:
-            self.headers, where = self._load_index(self.index)
-        # one file: its own header's dicts serve, shared with other checkpoints of the same layout
-        self._where: Mapping[str, Location] = _Everywhere(files[0]) if self.index is None else where
+            self.headers, self._where = self._load_index(self.index)
         self._starts: Mapping[str, int] = (self.headers[0].offsets if self.index is None else
                                            {key: start for header in self.headers for key, start in
                                             header.offsets.items()})
         self._readables: dict[Location, Readable] = {}  # for ranged reads: small tensors, objects
-        self._specs: dict[str, TensorSpec] = {}
-        for header in self.headers:
-            self._specs.update(header.tensors)
-        self._specs = dict(sorted(self._specs.items()))
+        self._specs: dict[str, TensorSpec]
+        self._stored: StoredView
+        if self.index is None:  # shared with the readers of files of the same header
+            self._specs, self._stored = sorted_specs(self.headers[0])
+        else:
+            merged: dict[str, TensorSpec] = {}
+            for header in self.headers:
+                merged.update(header.tensors)
+            self._specs = dict(sorted(merged.items()))
+            self._stored = StoredView(self._specs)
         self.step: int | None = trainer_state_step(self.path) if self.path.is_dir() else None
         self._max_open = max(1, max_open_files)
         self._handles: OrderedDict[Location, Any] = OrderedDict()
@@ -206,6 +212,11 @@ class SafetensorsReader(CheckpointReader):
 
     def specs(self) -> Mapping[str, TensorSpec]:
         return self._specs
+
+    def stored(self) -> Mapping[str, tuple[tuple[int, ...], str]]:
+        """{key: (shape, dtype name)}: one object for readers of one parsed layout, so checks
+        between them are an identity test (``selection._same_structure``)."""
+        return self._stored
 
     def layout(self, key: str) -> Sequence[Box]:
         spec = self._specs[key]
