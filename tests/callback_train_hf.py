@@ -99,9 +99,9 @@ def main(argv: list[str]) -> int:
     starts = []
     original = _background.BackgroundFolds._start
 
-    def counted(self: Any) -> None:
+    def counted(self: Any, *args: Any, **kwargs: Any) -> None:
         starts.append(os.getpid())
-        original(self)
+        original(self, *args, **kwargs)
 
     _background.BackgroundFolds._start = counted  # type: ignore[method-assign]
     callback = EmaCkptCallback(out=opts.ema, decay=opts.decay)
