@@ -8,7 +8,10 @@ So the console script handles both signals itself:
 - outside a command's body (starting up, parsing, exiting) a signal is only recorded;
 - inside it (see :func:`armed`) the signal raises :class:`Terminated` or ``KeyboardInterrupt``
   in the main thread, so every ``finally`` and every cleanup runs, and the command's error
-  handling prints one line; a signal recorded before the body starts is raised on entry.
+  handling prints one line; a signal recorded before the body starts is raised on entry;
+- while a module is being imported, the signal is delivered again a moment later instead:
+  an extension's initialisation (torch's) calls back into Python from C++, and an exception
+  raised there cannot unwind through it, so the process would abort (SIGABRT) instead.
 
 Only the console script installs these handlers; importing ema-ckpt as a library changes
 nothing.
@@ -24,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import signal
 import threading
+import types
 from collections.abc import Callable, Iterator
 from typing import Any, TypedDict
 
@@ -50,11 +54,36 @@ def _interrupt(signum: int) -> KeyboardInterrupt:
     return Terminated(f"signal {signum}") if signum == signal.SIGTERM else KeyboardInterrupt()
 
 
+_REDELIVERY_DELAY_S = 0.02
+_IMPORTING = "<frozen importlib._bootstrap"
+
+
+def _importing(frame: types.FrameType | None) -> bool:
+    """Whether the interrupted code runs inside an ``import`` (any frame of the import system)."""
+    while frame is not None:
+        if frame.f_code.co_filename.startswith(_IMPORTING):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _deliver_again(signum: int) -> None:
+    """Send ``signum`` to the main thread once more, shortly, from a helper thread."""
+    main = threading.main_thread().ident
+    if main is not None:
+        timer = threading.Timer(_REDELIVERY_DELAY_S, signal.pthread_kill, (main, signum))
+        timer.daemon = True
+        timer.start()
+
+
 def _handler(signum: int, frame: Any) -> None:
     deferred = _state["deferred"]
     if deferred is not None:
         _state["deferred"] = None  # a second signal interrupts as usual
         deferred(signum)
+        return
+    if _state["armed"] and _importing(frame):
+        _deliver_again(signum)  # raised once the import is done (see the module's docstring)
         return
     if _state["armed"]:
         _state["armed"] = False  # a second signal during cleanup is recorded, not raised again

@@ -12,8 +12,10 @@ import doctest
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -206,3 +208,38 @@ def test_a_signal_swallowed_by_code_that_is_not_ours_still_ends_the_run_as_the_s
     with pytest.raises(typer.Exit) as stopped:
         body()
     assert stopped.value.exit_code == code
+
+
+_IMPORT_THEN_WAIT = """
+import sys, time
+sys.path.insert(0, sys.argv[1])
+from ema_ckpt import _signals
+_signals.install()
+try:
+    with _signals.armed():
+        print("armed", flush=True)
+        import slow_to_import
+        print("imported", slow_to_import.DONE, flush=True)
+        time.sleep(30)
+        print("not interrupted", flush=True)
+except KeyboardInterrupt as stop:
+    print("stopped", type(stop).__name__, flush=True)
+"""
+
+
+@pytest.mark.parametrize(("signum", "raised"), [(signal.SIGINT, "KeyboardInterrupt"), (signal.SIGTERM, "Terminated")])
+def test_a_signal_during_an_import_is_raised_once_the_import_is_done(tmp_path, signum, raised):
+    """An extension's initialisation (torch's) calls back into Python from C++, where an
+    exception cannot unwind: the process would abort. The signal waits for the import."""
+    (tmp_path / "slow_to_import.py").write_text(
+        "import time\nend = time.monotonic() + 1.0\nwhile time.monotonic() < end:\n    pass\nDONE = True\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", _IMPORT_THEN_WAIT, str(tmp_path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    assert proc.stdout.readline().strip() == "armed"
+    time.sleep(0.3)  # inside the import's loop
+    proc.send_signal(signum)
+    out, err = proc.communicate(timeout=20)
+    assert proc.returncode == 0, err
+    assert out.split("\n")[:2] == ["imported True", f"stopped {raised}"]
