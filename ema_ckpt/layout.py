@@ -23,6 +23,17 @@ if TYPE_CHECKING:
     import torch
 
 
+def as_tuple(shape: tuple[int, ...] | list[int]) -> tuple[int, ...]:
+    """``shape`` as a tuple, the same object when it is one (no copy per tensor of a plan).
+
+    Example:
+        >>> shape = (2, 3)
+        >>> as_tuple(shape) is shape, as_tuple([2, 3])
+        (True, (2, 3))
+    """
+    return shape if type(shape) is tuple else tuple(shape)
+
+
 @dataclass(frozen=True, slots=True)
 class Box:
     """A rectangular region of a tensor: ``tensor[o0:o0+s0, o1:o1+s1, ...]``."""

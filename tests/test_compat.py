@@ -27,6 +27,7 @@ from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from ema_ckpt import _gc
+from ema_ckpt.formats.dcp import metadata_layout as layout_check
 from ema_ckpt.formats.dcp import metadata_pickle as compat
 from ema_ckpt.formats.dcp.metadata_unpickle import check_written_metadata, load_dcp_metadata_bytes
 from ema_ckpt.formats.dcp.writer import DcpWriter
@@ -85,17 +86,17 @@ def _emitted() -> bytes:
 
 
 def test_the_installed_torch_defines_what_the_emitter_mirrors():
-    found = compat.installed_layout()
-    changed = {name: (found[name], want) for name, want in compat.EXPECTED_LAYOUT.items()
+    found = layout_check.installed_layout()
+    changed = {name: (found[name], want) for name, want in layout_check.EXPECTED_LAYOUT.items()
                if found[name] != want}
-    assert not changed, f"update ema_ckpt/formats/dcp/metadata_pickle.py (found, expected): {changed}"
-    assert compat.emitter_matches_torch.__wrapped__() is True
+    assert not changed, f"update ema_ckpt/formats/dcp/metadata_layout.py (found, expected): {changed}"
+    assert layout_check.emitter_matches_torch.__wrapped__() is True
 
 
 def test_the_source_reader_agrees_with_torchs_live_classes():
     """The check reads torch's source; what it reads is what the imported classes are."""
     modules = {"metadata": dcp_metadata, "filesystem": filesystem}
-    for qualified, layout in compat.EXPECTED_LAYOUT.items():
+    for qualified, layout in layout_check.EXPECTED_LAYOUT.items():
         module_name, name = qualified.split(".")
         live = getattr(modules[module_name], name)
         if isinstance(layout, str):
@@ -144,20 +145,20 @@ def test_emitted_bytes_name_the_globals_torchs_pickle_names():
 
 
 def test_a_changed_or_missing_torch_definition_is_noticed(monkeypatch):
-    real = compat._torch_source
+    real = layout_check._torch_source
 
     def renamed(module: str) -> str:
         return real(module).replace("    relative_path: str", "    path: str")
 
-    monkeypatch.setattr(compat, "_torch_source", renamed)
-    assert compat.installed_layout()["filesystem._StorageInfo"].fields[0] == "path"
-    assert compat.emitter_matches_torch.__wrapped__() is False
+    monkeypatch.setattr(layout_check, "_torch_source", renamed)
+    assert layout_check.installed_layout()["filesystem._StorageInfo"].fields[0] == "path"
+    assert layout_check.emitter_matches_torch.__wrapped__() is False
 
     def missing(module: str) -> str:
         raise FileNotFoundError(module)
 
-    monkeypatch.setattr(compat, "_torch_source", missing)
-    assert compat.emitter_matches_torch.__wrapped__() is False
+    monkeypatch.setattr(layout_check, "_torch_source", missing)
+    assert layout_check.emitter_matches_torch.__wrapped__() is False
 
 
 def test_the_check_runs_once_only_when_metadata_is_written_and_imports_no_dcp(tmp_path):

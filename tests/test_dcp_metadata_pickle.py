@@ -13,6 +13,7 @@ import pickle
 import subprocess
 import sys
 
+import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from hypothesis import HealthCheck, given, settings
@@ -29,14 +30,14 @@ from torch.distributed.checkpoint.metadata import (
 
 from ema_ckpt.dtypes import torch_dtype
 from ema_ckpt.formats.dcp import writer as dcp_writer
-from ema_ckpt.formats.dcp.metadata_pickle import dump_metadata
+from ema_ckpt.formats.dcp.metadata_pickle import dump_metadata, write_metadata
 from ema_ckpt.formats.dcp.metadata_unpickle import load_dcp_metadata_bytes
 from ema_ckpt.formats.dcp.writer import DcpWriter
 from ema_ckpt.layout import Box
 
 
 def test_the_writer_uses_the_checked_pickler():
-    assert dcp_writer.dump_metadata is dump_metadata
+    assert dcp_writer.write_metadata is write_metadata
 
 
 def _torch_metadata(tensors, blobs, planner) -> Metadata:
@@ -170,3 +171,23 @@ def test_writing_a_dcp_checkpoint_does_not_import_torchs_dcp_package(tmp_path):
         "assert 'torch.distributed.checkpoint' not in sys.modules, 'imported torch.distributed.checkpoint'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("apart", [False, True], ids=["in-process", "child-process"])
+def test_written_metadata_is_checked_before_it_is_published(tmp_path, monkeypatch, apart):
+    """Large ``.metadata`` files are checked in a child process (the check's objects never add
+    to the run's peak memory); both ways refuse what does not load, and a wrong key count."""
+    from ema_ckpt.formats.dcp import metadata_unpickle
+
+    if apart:
+        monkeypatch.setattr(metadata_unpickle, "_CHECK_APART_BYTES", 0)
+    tensors = {"w": ("float32", (4,), [((0,), (4,), ("__0_0.distcp", 0, 1024))])}
+    good = tmp_path / "good.metadata"
+    good.write_bytes(dump_metadata(tensors, {}, {}))
+    metadata_unpickle.check_written_metadata(good, 1)
+    with pytest.raises(ValueError, match="holds 1 keys, not 2"):
+        metadata_unpickle.check_written_metadata(good, 2)
+    cut = tmp_path / "cut.metadata"
+    cut.write_bytes(good.read_bytes()[:-10])
+    with pytest.raises(ValueError, match="does not load"):
+        metadata_unpickle.check_written_metadata(cut, 1)

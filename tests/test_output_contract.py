@@ -134,3 +134,28 @@ def test_output_paths_choose_their_format():
     assert output_format_for("a/model.PT").name == "torch"
     assert output_format_for("a/model.bin").name == "torch"
     assert output_format_for("a/hf-out").name == "hf-sharded"
+
+
+@pytest.mark.parametrize("apart", [False, True], ids=["in-process", "child-process"])
+def test_a_written_safetensors_file_is_checked_with_safetensors_own_loader(tmp_path, monkeypatch, apart):
+    """Large headers are checked in a child process (the loader's memory never adds to the
+    run's peak); both ways give safetensors' own verdict."""
+    import struct
+
+    from safetensors.torch import save_file
+
+    from ema_ckpt.errors import CheckpointFormatError
+    from ema_ckpt.formats.safetensors import writer
+
+    if apart:
+        monkeypatch.setattr(writer, "_CHECK_APART_HEADER_BYTES", 0)
+    good = tmp_path / "good.safetensors"
+    save_file({"a": torch.ones(3), "b": torch.zeros(2, 2)}, str(good))
+    (length,) = struct.unpack("<Q", good.read_bytes()[:8])
+    writer._check_loads(good, length)
+    bad = tmp_path / "bad.safetensors"
+    data = bytearray(good.read_bytes())
+    data[8:8 + length] = data[8:8 + length].replace(b'"b"', b'"a"')  # a duplicate key
+    bad.write_bytes(bytes(data))
+    with pytest.raises(CheckpointFormatError, match="does not load in safetensors"):
+        writer._check_loads(bad, length)

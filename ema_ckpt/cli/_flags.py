@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import worded
+from ..streamed import StreamedList
 
 FLAGS: dict[str, str] = {
     # accumulate: the kept EMAs
@@ -95,6 +96,8 @@ def cli_json(data: Any) -> Any:
     """``data`` for ``--json``: every note or warning in it worded by :func:`cli_text`."""
     if isinstance(data, str):
         return cli_text(data)
+    if isinstance(data, StreamedList):
+        return data.mapped(cli_json)
     if isinstance(data, dict):
         return {key: cli_json(value) for key, value in data.items()}
     if isinstance(data, (list, tuple)):

@@ -52,12 +52,26 @@ def shown(name: object) -> str:
     return escaped(str(name))
 
 
+_JSON_BLOCK = 1 << 16
+
+
 def print_json(data: Any, *, compact: bool = False) -> None:
     """One JSON document on stdout (``compact``: on one line, as a JSON-lines stream); notes and
     warnings in it name flags (:func:`cli_json`)."""
     if not _PRIMARY:
         return
-    sys.stdout.write(json.dumps(cli_json(data), indent=None if compact else 2, default=str) + "\n")
+    # written as it is encoded: a report of many tensors is never one string (ema_ckpt.streamed)
+    encoder = json.JSONEncoder(indent=None if compact else 2, default=str)
+    pending: list[str] = []
+    size = 0
+    for part in encoder.iterencode(cli_json(data)):
+        pending.append(part)
+        size += len(part)
+        if size >= _JSON_BLOCK:
+            sys.stdout.write("".join(pending))
+            pending.clear()
+            size = 0
+    sys.stdout.write("".join(pending) + "\n")
     sys.stdout.flush()
 
 

@@ -175,7 +175,7 @@ def inspect_command(
         return
     report = inspect_checkpoint(path, state_key=state_key, inert_globals=inert_global or ())
     if json_output:
-        print_json(report.to_dict())
+        print_json(report.to_dict(streamed=True))
         return
     if quiet:
         return

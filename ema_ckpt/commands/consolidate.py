@@ -25,6 +25,7 @@ from ..errors import Note, OptionError, UsageError
 from ..formats.options import read_options_from
 from ..job_context import JobContext
 from ..jobs import Job, Target, run_job
+from ..layout import as_tuple
 from ..manifest import check_not_overlapping
 from ..progress import Progress
 from ..selection import carry_into, container_prefix, output_names, select_keys
@@ -215,7 +216,7 @@ class ConsolidateJob(Job[None, _Written, ConsolidateResult]):
         names = output_names(reader, keys, keep_prefix=opts.keep_prefix)
         fmt = output_format(opts.layout)
         stored = reader.stored()
-        tensors = [OutputTensor(k, names[k], tuple(stored[k][0]),
+        tensors = [OutputTensor(k, names[k], as_tuple(stored[k][0]),
                                 opts.dtype if opts.dtype is not None and is_float(stored[k][1]) else stored[k][1],
                                 stored[k][1]) for k in keys]
         shard = parse_size(opts.max_shard_size if opts.max_shard_size is not None else DEFAULT_MAX_SHARD_SIZE)

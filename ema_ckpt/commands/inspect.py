@@ -24,6 +24,7 @@ from ..manifest import MANIFEST_NAME, Manifest
 from ..maths import profile_from_dict
 from ..selection import container_prefix, select_keys
 from ..storage import Location, as_path
+from ..streamed import StreamedList
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +36,10 @@ class TensorInfo:
     dtype: str
     nbytes: int
     chunks: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"key": self.key, "shape": list(self.shape), "dtype": self.dtype, "bytes": self.nbytes,
+                "chunks": self.chunks}
 
 
 @dataclass(slots=True)
@@ -59,7 +64,9 @@ class InspectResult:
     """The DCP container level (``"model."``) that ``consolidate`` leaves out of the names."""
     notes: list[str] = field(default_factory=list)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self, *, streamed: bool = False) -> dict[str, Any]:
+        """The report as plain data; ``streamed``: its tensors as a :class:`~ema_ckpt.streamed.StreamedList`,
+        made while ``json.JSONEncoder.iterencode`` writes them (a report of 200,000 tensors)."""
         return {
             "path": str(self.path),
             "format": self.format_name,
@@ -74,10 +81,8 @@ class InspectResult:
             "dtypes": self.dtypes,
             "details": self.details,
             "manifest": self.manifest,
-            "tensors": [
-                {"key": t.key, "shape": list(t.shape), "dtype": t.dtype, "bytes": t.nbytes, "chunks": t.chunks}
-                for t in self.tensors
-            ],
+            "tensors": (StreamedList(self.tensors, TensorInfo.to_dict) if streamed
+                        else [t.to_dict() for t in self.tensors]),
         }
 
 

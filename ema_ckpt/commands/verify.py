@@ -33,7 +33,7 @@ from ..formats import open_checkpoint
 from ..formats.base import CheckpointReader
 from ..formats.options import ReadOptions
 from ..integrity import file_checks, read_manifest
-from ..layout import TensorSpec, split_rows
+from ..layout import split_rows
 from ..manifest import MANIFEST_NAME
 from ..progress import Progress
 from ..reading import Piece, Tally, run_reading, share_out
@@ -290,37 +290,30 @@ def _record_checks(path: Location, reader: CheckpointReader) -> list[_Check]:
     return checks
 
 
+_BATCH_BYTES = 64 << 20
+_BATCH_KEYS = 4096
+"""Keys are read back in batches of about this many bytes, or this many keys: a check per key
+would cost about 1 KiB of bookkeeping each (200 MiB at 200,000 keys)."""
+
+
 def _read_checks(reader: CheckpointReader, block_bytes: int, *, records_checked: bool = False) -> list[_Check]:
-    """One check per tensor key (every stored box read back in row blocks), one per non-tensor
-    entry (its record read as raw bytes, never unpickled). ``records_checked``: every record's
-    CRC-32s are checked too, so a read that fails its record's CRC-32 is left to that check."""
+    """Checks that read back every tensor key (every stored box in row blocks, in batches of
+    keys), and one per non-tensor entry (its record read as raw bytes, never unpickled).
+    ``records_checked``: every record's CRC-32s are checked too, so a read that fails its
+    record's CRC-32 is left to that check."""
     try:
-        specs = dict(reader.specs())
+        specs = reader.specs()
     except EmaCkptError as err:
         return [_reporting(str(err))]
+    keys = list(specs)
     checks = []
-    for key, spec in specs.items():
-
-        def read_key(part: VerifyResult, tally: Tally, key: str = key, spec: TensorSpec = spec) -> None:
-            limit = max(1, block_bytes // max(1, spec.dtype.itemsize))
-            try:
-                for box in reader.layout(key):
-                    for piece in split_rows(box, limit):
-                        value = reader.read(key, piece)
-                        nbytes = value.numel() * value.element_size()
-                        del value
-                        part.bytes_read += nbytes
-                        tally.add(nbytes, key)
-            except RecordChecksumError as err:
-                if not records_checked:
-                    part.problem(str(err))
-                return  # else the record check of the same bytes reports it, once
-            except EmaCkptError as err:
-                part.problem(str(err))
-                return
-            part.keys += 1
-
-        checks.append(_Check(spec.nbytes, read_key))
+    first, cost = 0, 0
+    for index, key in enumerate(keys):
+        cost += specs[key].nbytes
+        if cost >= _BATCH_BYTES or index + 1 - first >= _BATCH_KEYS or index + 1 == len(keys):
+            batch = functools.partial(_read_keys, reader, keys, first, index + 1, block_bytes, records_checked)
+            checks.append(_Check(cost, batch))
+            first, cost = index + 1, 0
     # DCP non-tensor entries (``BytesStorageMetadata``): their records must lie in their files.
     for key in reader.non_tensor_keys:
 
@@ -339,3 +332,27 @@ def _read_checks(reader: CheckpointReader, block_bytes: int, *, records_checked:
 
         checks.append(_Check(0, read_entry))
     return checks
+
+
+def _read_keys(reader: CheckpointReader, keys: Sequence[str], first: int, end: int, block_bytes: int,
+               records_checked: bool, part: VerifyResult, tally: Tally) -> None:
+    """Read back ``keys[first:end]`` (see :func:`_read_checks`)."""
+    specs = reader.specs()
+    for key in keys[first:end]:
+        limit = max(1, block_bytes // max(1, specs[key].dtype.itemsize))
+        try:
+            for box in reader.layout(key):
+                for piece in split_rows(box, limit):
+                    value = reader.read(key, piece)
+                    nbytes = value.numel() * value.element_size()
+                    del value
+                    part.bytes_read += nbytes
+                    tally.add(nbytes, key)
+        except RecordChecksumError as err:
+            if not records_checked:
+                part.problem(str(err))
+            continue  # else the record check of the same bytes reports it, once
+        except EmaCkptError as err:
+            part.problem(str(err))
+            continue
+        part.keys += 1

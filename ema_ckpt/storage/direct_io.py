@@ -163,6 +163,11 @@ class DirectAppender:
             self._memory.madvise(mmap.MADV_DONTNEED, kept, self._size - kept)
             self._touched = kept
 
+    @property
+    def gathered(self) -> int:
+        """Bytes written to this file and still held in its buffer (0 through the page cache)."""
+        return 0 if self._buffered is not None or self._fd < 0 else self._fill
+
     def _fallback(self) -> IO[bytes] | None:
         """The buffered file, once O_DIRECT was refused (``_write_blocks`` may switch to it)."""
         return self._buffered

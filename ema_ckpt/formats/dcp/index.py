@@ -29,7 +29,7 @@ class Structure:
     __slots__ = ("__weakref__", "chunks", "packed", "planner_data", "specs", "starts", "stored")
 
     def __init__(self, planner_data: dict[str, tuple[str, ...]], stored: dict[str, tuple[tuple[int, ...], str]],
-                 chunks: dict[str, list[StoredChunk]], starts: dict[str, tuple[list[int], int]],
+                 chunks: dict[str, list[StoredChunk]], starts: dict[str, tuple[tuple[int, ...], int]],
                  packed: PackedChunks | None = None) -> None:
         self.planner_data, self.stored, self.chunks, self.starts = planner_data, stored, chunks, starts
         self.specs: dict[str, Any] | None = None  # TensorSpecs, built on first use (they need torch)
@@ -85,10 +85,25 @@ def shared_structure(planner_data: dict[str, tuple[str, ...]], stored: dict[str,
 
 
 def starts_of(stored: dict[str, tuple[tuple[int, ...], str]], chunks: dict[str, list[StoredChunk]]
-              ) -> dict[str, tuple[list[int], int]]:
+              ) -> dict[str, tuple[tuple[int, ...], int]]:
     """Per key, its chunks' dim-0 offsets (sorted) and the longest dim-0 size: for bisection."""
-    return {key: ([c.box.offsets[0] for c in items], max((c.box.sizes[0] for c in items), default=0))
-            if stored[key][0] else ([], 0) for key, items in chunks.items()}
+    seen: dict[tuple[tuple[int, ...], int], tuple[tuple[int, ...], int]] = {}
+    starts = {}
+    for key, items in chunks.items():
+        found = ((tuple(c.box.offsets[0] for c in items), max((c.box.sizes[0] for c in items), default=0))
+                 if stored[key][0] else ((), 0))
+        starts[key] = seen.setdefault(found, found)  # one object per distinct value: most are ((0,), n)
+    return starts
+
+
+_DTYPE_NAMES: dict[str, str] = {}
+"""One plain ``str`` per dtype name (a key's stored pair holds it)."""
+
+
+def _ints(values: Any, seen: dict[tuple[int, ...], tuple[int, ...]]) -> tuple[int, ...]:
+    """``values`` as a checked tuple of ints, one object per distinct value in ``seen``."""
+    found = tuple(metadata_int(v) for v in values)
+    return seen.setdefault(found, found)
 
 
 class MetadataIndex:
@@ -101,7 +116,7 @@ class MetadataIndex:
     non_tensor_keys: list[str]
     _stored: dict[str, tuple[tuple[int, ...], str]]
     _chunks: dict[str, list[StoredChunk]]
-    _starts: dict[str, tuple[list[int], int]]
+    _starts: dict[str, tuple[tuple[int, ...], int]]
     _structure: Structure
     _bytes_records: dict[str, tuple[str, int, int]]
     _file_ends: dict[str, int]
@@ -117,7 +132,7 @@ class MetadataIndex:
         self._chunks: dict[str, list[StoredChunk]] = {}
         self._bytes_records: dict[str, tuple[str, int, int]] = {}
         self._file_ends: dict[str, int] = {}  # data file → the end of its last record
-        self._records_all: list[tuple[str, int, int]] = []  # every stored record, optimizer's too
+        self._records_all: list[tuple[str, int, int]] = []  # stored records no chunk holds (see _index)
         try:
             self._index(metadata)
         except (AttributeError, TypeError, ValueError, OverflowError) as err:
@@ -157,8 +172,16 @@ class MetadataIndex:
 
 
     def _index(self, metadata: Any) -> None:
+        """Every tensor's chunks from ``metadata``, whose entries are removed as they are used:
+        the parsed metadata and the index never both exist whole (at 200,000 keys, each is
+        over 100 MiB)."""
         storage = self._storage_index(metadata)
-        for key, entry in metadata.state_dict_metadata.items():
+        tensor_records = storage["tensor"]
+        entries = metadata.state_dict_metadata
+        seen: dict[tuple[int, ...], tuple[int, ...]] = {}  # one object per distinct shape or offset
+        pairs: dict[tuple[tuple[int, ...], str], tuple[tuple[int, ...], str]] = {}  # and per (shape, dtype)
+        for key in list(entries):
+            entry = entries.pop(key)
             if not isinstance(key, str):
                 raise TypeError(f"key {key!r} is not a string")
             if not hasattr(entry, "chunks"):
@@ -166,7 +189,7 @@ class MetadataIndex:
                 if key in storage.get("bytes", {}):
                     self._bytes_records[key] = storage["bytes"][key]
                 continue
-            shape = tuple(metadata_int(d) for d in entry.size)
+            shape = _ints(entry.size, seen)
             if any(d < 0 for d in shape):
                 raise ValueError(f"key {key!r}: negative size {list(shape)}")
             dtype = entry.properties.dtype
@@ -174,12 +197,13 @@ class MetadataIndex:
                 raise TypeError(f"key {key!r}: dtype {dtype!r} is not a torch dtype")
             chunks = []
             for chunk in entry.chunks:
-                box = Box(tuple(metadata_int(o) for o in chunk.offsets), tuple(metadata_int(s) for s in chunk.sizes))
+                offsets, sizes = _ints(chunk.offsets, seen), _ints(chunk.sizes, seen)
+                box = Box.full(shape) if sizes == shape and not any(offsets) else Box(offsets, sizes)
                 if any(s < 0 for s in box.sizes) or box.numel == 0:
                     if any(s < 0 for s in box.sizes):
                         raise ValueError(f"key {key!r}: negative chunk size {list(box.sizes)}")
                     continue
-                where = storage["tensor"].get((key, box.offsets))
+                where = tensor_records.pop((key, box.offsets), None)
                 if where is None:
                     raise CheckpointFormatError(
                         self.metadata_files[0], f"key {key!r}: chunk at {box.offsets} has no storage entry"
@@ -195,14 +219,19 @@ class MetadataIndex:
                        self.metadata_files[0].name != METADATA_FILE else ""),
                 )
             chunks.sort(key=lambda c: c.box.offsets[:1])
-            self._stored[key] = (shape, str(dtype))
+            stored = (shape, _DTYPE_NAMES.setdefault(dtype, str(dtype)))
+            self._stored[key] = pairs.setdefault(stored, stored)
             self._chunks[key] = chunks
+        # the records no chunk holds (empty chunks, records no entry names): stored_records() adds the rest
+        self._records_all = [*tensor_records.values(), *storage.get("bytes", {}).values()]
 
 
     def _storage_index(self, metadata: Any) -> dict[str, dict[Any, tuple[str, int, int]]]:
         tensor: dict[Any, tuple[str, int, int]] = {}
         blobs: dict[Any, tuple[str, int, int]] = {}
-        for index, info in (metadata.storage_data or {}).items():
+        storage_data = metadata.storage_data or {}
+        while storage_data:  # emptied as it is read: see _index
+            index, info = storage_data.popitem()
             rel = info.relative_path
             if not isinstance(rel, str) or "/" in rel or "\\" in rel or "\0" in rel or rel in {"", ".", ".."}:
                 raise CheckpointFormatError(
@@ -217,7 +246,6 @@ class MetadataIndex:
             if where[1] < 0 or where[2] < 0:
                 raise ValueError(f"key {index.fqn!r}: negative storage offset or length")
             self._file_ends[rel] = max(self._file_ends.get(rel, 0), where[1] + where[2])
-            self._records_all.append(where)
             if index.offset is None:
                 blobs[index.fqn] = where
             else:

@@ -34,7 +34,7 @@ def planner_data_of(metadata: Any) -> dict[str, tuple[str, ...]]:
     clean: dict[str, tuple[str, ...]] = {}
     for key, path in raw.items():
         if isinstance(key, str) and isinstance(path, (tuple, list)) and path and all(isinstance(p, str) for p in path):
-            clean[key] = tuple(path)
+            clean[key] = path if type(path) is tuple else tuple(path)  # no copy per key of what is already one
     return clean
 
 

@@ -34,15 +34,14 @@ Example:
 
 from __future__ import annotations
 
-import ast
 import functools
-import importlib.util
+import io
 import itertools
-import re
 import struct
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from pathlib import Path
-from typing import NamedTuple, TypeVar
+from typing import BinaryIO, TypeVar
+
+from .metadata_layout import DCP_METADATA_VERSION, emitter_matches_torch
 
 _METADATA_MODULE = "torch.distributed.checkpoint.metadata"
 _FILESYSTEM_MODULE = "torch.distributed.checkpoint.filesystem"
@@ -69,8 +68,8 @@ _REDUCE = b"R"
 _NONE = b"N"
 _NEWFALSE = b"\x89"
 _STOP = b"."
-_VERSION = "1.0.0"  # DCP's metadata version, torch.distributed.checkpoint.filesystem.CURRENT_DCP_VERSION
 _BATCH = 1000  # items per SETITEMS/APPENDS, as the stock pickler batches them
+_SPILL_BYTES = 1 << 20
 _T = TypeVar("_T")
 
 # ``TensorProperties`` pickles its memory format as an enum value; 0 is contiguous.
@@ -81,12 +80,21 @@ ChunkRecord = tuple[tuple[int, ...], tuple[int, ...], "tuple[str, int, int] | No
 
 
 class _Emitter:
-    """Appends pickle opcodes to one buffer; memoizes strings and globals by value."""
+    """Appends pickle opcodes to one buffer, passed on to ``sink`` a batch at a time (see
+    :meth:`spill`); memoizes strings and globals by value."""
 
-    def __init__(self) -> None:
+    def __init__(self, sink: BinaryIO) -> None:
         self.out = bytearray(_PROTO4)
+        self._sink = sink
         self._memo: dict[object, int] = {}
         self._fragments: dict[object, bytes] = {}
+
+    def spill(self, *, least: int = _SPILL_BYTES) -> None:
+        """Write what the buffer holds to the sink once it holds ``least`` bytes (between
+        batches only: a fragment being recorded needs its bytes in the buffer)."""
+        if len(self.out) >= least:
+            self._sink.write(self.out)
+            self.out.clear()
 
     def fragment(self, key: object, write: Callable[[], None]) -> None:
         """``write()``, or the bytes it gave last time: once every string and global it
@@ -208,12 +216,23 @@ def dump_metadata(tensors: Tensors, blobs: Blobs, planner_data: Mapping[str, Seq
 
     ``tensors``: key → (dtype name, shape, chunks) with each chunk's storage record;
     ``blobs``: key → (data file, offset, length) of a non-tensor entry; ``planner_data``:
-    key → the path of the key in the nested state dict. Keys keep the given order.
-    Emitted directly while :func:`emitter_matches_torch`, else pickled by torch's classes.
+    key → the path of the key in the nested state dict (the key alone where missing). Keys
+    keep the given order. Emitted directly while :func:`emitter_matches_torch`, else pickled
+    by torch's classes.
     """
+    buffer = io.BytesIO()
+    write_metadata(buffer, tensors, blobs, planner_data)
+    return buffer.getvalue()
+
+
+def write_metadata(sink: BinaryIO, tensors: Tensors, blobs: Blobs, planner_data: Mapping[str, Sequence[str]]
+                   ) -> None:
+    """:func:`dump_metadata` written to ``sink`` as it is made: at 200,000 keys the bytes are
+    40 MB, never held whole."""
     if emitter_matches_torch():
-        return _emit_metadata(tensors, blobs, planner_data)
-    return _pickle_with_torch(tensors, blobs, planner_data)
+        _emit_metadata(sink, tensors, blobs, planner_data)
+    else:
+        sink.write(_pickle_with_torch(tensors, blobs, planner_data))
 
 
 def _batches(items: Iterable[_T]) -> Iterator[list[_T]]:
@@ -234,8 +253,9 @@ def _storage_records(tensors: Tensors, blobs: Blobs
         yield key, None, None, record
 
 
-def _emit_metadata(tensors: Tensors, blobs: Blobs, planner_data: Mapping[str, Sequence[str]]) -> bytes:
-    emit = _Emitter()
+def _emit_metadata(sink: BinaryIO, tensors: Tensors, blobs: Blobs, planner_data: Mapping[str, Sequence[str]]
+                   ) -> None:
+    emit = _Emitter(sink)
     out = emit.out
 
     emit.new(_METADATA_MODULE, "Metadata")
@@ -267,6 +287,7 @@ def _emit_metadata(tensors: Tensors, blobs: Blobs, planner_data: Mapping[str, Se
                 out += _APPENDS
             emit.end_state()
         out += _SETITEMS
+        emit.spill()
 
     emit.string("planner_data")
     out += _EMPTY_DICT
@@ -279,6 +300,7 @@ def _emit_metadata(tensors: Tensors, blobs: Blobs, planner_data: Mapping[str, Se
                 emit.string(part)
             out += _TUPLE
         out += _SETITEMS
+        emit.spill()
 
     emit.string("storage_data")
     out += _EMPTY_DICT
@@ -303,161 +325,15 @@ def _emit_metadata(tensors: Tensors, blobs: Blobs, planner_data: Mapping[str, Se
             emit.integer(length)
             emit.end_state()
         out += _SETITEMS
+        emit.spill()
 
     emit.string("storage_meta")
     out += _NONE
     emit.string("version")
-    emit.string(_VERSION)
+    emit.string(DCP_METADATA_VERSION)
     emit.end_state()
     out += _STOP
-    return bytes(out)
-
-
-# --- The check: the installed torch's definitions, read from its source ---------------------
-
-
-class ClassLayout(NamedTuple):
-    """What unpickling the emitted bytes relies on in one class definition of torch's."""
-
-    decorators: tuple[str, ...]
-    bases: tuple[str, ...]
-    fields: tuple[str, ...]
-    """``name`` or ``name=default`` in order (an Enum's ``MEMBER=value``)."""
-    hooks: tuple[str, ...] = ()
-    """The methods it defines that change how it pickles or compares, sorted."""
-    state_order: tuple[str, ...] = ()
-    """Where its ``__setstate__`` unpacks a tuple state, in order."""
-
-
-_HOOKS = frozenset({"__new__", "__getstate__", "__setstate__", "__reduce__", "__reduce_ex__",
-                    "__getnewargs__", "__getnewargs_ex__", "__slots__", "__eq__", "__hash__"})
-_DATACLASS = ("dataclass",)
-
-EXPECTED_LAYOUT: dict[str, ClassLayout | str] = {
-    "metadata.Metadata": ClassLayout(_DATACLASS, (), (
-        "state_dict_metadata", "planner_data=None", "storage_data=None", "storage_meta=None",
-        "version=None")),
-    "metadata.TensorStorageMetadata": ClassLayout(_DATACLASS, (), ("properties", "size", "chunks")),
-    "metadata.ChunkStorageMetadata": ClassLayout(_DATACLASS, (), ("offsets", "sizes")),
-    "metadata.BytesStorageMetadata": ClassLayout(_DATACLASS, (), ()),
-    "metadata.TensorProperties": ClassLayout(_DATACLASS, (), (
-        "dtype=field(default_factory=torch.get_default_dtype)", "layout=field(default=torch.strided)",
-        "requires_grad=False", "memory_format=field(default=torch.contiguous_format)", "pin_memory=False"),
-        ("__getstate__", "__setstate__"),
-        ("self.dtype", "self.layout", "self.requires_grad", "mem_format_encoding", "self.pin_memory")),
-    "metadata.MetadataIndex": ClassLayout(("dataclass(frozen=True)",), (), (
-        "fqn", "offset=None", "index=field(hash=False, compare=False, default=None)")),
-    "metadata._MEM_FORMAT_ENCODING": ClassLayout((), ("Enum",), (
-        "TORCH_CONTIGUOUS_FORMAT=0", "TORCH_CHANNELS_LAST=1", "TORCH_PRESERVE_FORMAT=2")),
-    "filesystem._StorageInfo": ClassLayout(_DATACLASS, (), (
-        "relative_path", "offset", "length", "transform_descriptors=None"), ("__getstate__",)),
-    "filesystem.CURRENT_DCP_VERSION": _VERSION,
-}
-"""The definitions in ``torch/distributed/checkpoint/{metadata,filesystem}.py`` the emitter
-mirrors, as :func:`installed_layout` reads them."""
-
-
-@functools.cache
-def emitter_matches_torch() -> bool:
-    """Whether the installed torch would pickle DCP metadata as :func:`dump_metadata` emits it.
-
-    Compares :func:`installed_layout` with :data:`EXPECTED_LAYOUT` and checks how torch
-    pickles dtypes, layouts and sizes; never imports ``torch.distributed.checkpoint``. Runs
-    once per process (a few milliseconds; a cache lookup after). Source that cannot be read or
-    parsed counts as a difference.
-    """
-    try:
-        return installed_layout() == EXPECTED_LAYOUT and _torch_pickles_as_emitted()
-    except Exception:  # any surprise in torch's files: fall back rather than fail the write
-        return False
-
-
-def installed_layout() -> dict[str, ClassLayout | str | None]:
-    """The installed torch's definitions of the names in :data:`EXPECTED_LAYOUT` (``None``:
-    not defined at the top level of that module)."""
-    found: dict[str, ClassLayout | str | None] = {}
-    for module in dict.fromkeys(qualified.split(".")[0] for qualified in EXPECTED_LAYOUT):
-        source = _torch_source(module)
-        wanted = {q.split(".")[1]: want for q, want in EXPECTED_LAYOUT.items() if q.startswith(f"{module}.")}
-        classes = _classes(source, [name for name, want in wanted.items() if not isinstance(want, str)])
-        for name, want in wanted.items():
-            node = classes.get(name)
-            found[f"{module}.{name}"] = (_constant(source, name) if isinstance(want, str)
-                                         else None if node is None else _layout(node))
-    return found
-
-
-def _torch_source(module: str) -> str:
-    spec = importlib.util.find_spec("torch")  # torch's own spec: imports nothing below it
-    if spec is None or not spec.submodule_search_locations:
-        raise ImportError("torch is not installed")
-    root = Path(next(iter(spec.submodule_search_locations)))
-    return (root / "distributed" / "checkpoint" / f"{module}.py").read_text(encoding="utf-8")
-
-
-def _constant(source: str, name: str) -> str | None:
-    match = re.search(rf"^{name}\b[^=\n]*=\s*[\"']([^\"'\n]*)[\"']\s*$", source, re.MULTILINE)
-    return match.group(1) if match else None
-
-
-def _classes(source: str, names: list[str]) -> dict[str, ast.ClassDef]:
-    """The top-level classes ``names`` of ``source``, parsed from their blocks alone
-    (parsing the whole of ``filesystem.py`` would cost many times more)."""
-    pattern = rf"^(?:@[^\n]*\n)*class (?:{'|'.join(names)})\b.*?(?=^\S|\Z)"
-    blocks = [block.group(0) for block in re.finditer(pattern, source, re.MULTILINE | re.DOTALL)]
-    tree = ast.parse("\n".join(blocks))
-    return {node.name: node for node in tree.body if isinstance(node, ast.ClassDef)}
-
-
-def _layout(node: ast.ClassDef) -> ClassLayout:
-    fields: list[str] = []
-    hooks: list[str] = []
-    state_order: tuple[str, ...] = ()
-    for statement in node.body:
-        if isinstance(statement, ast.AnnAssign) and isinstance(statement.target, ast.Name):
-            default = "" if statement.value is None else "=" + ast.unparse(statement.value)
-            fields.append(statement.target.id + default)
-        elif isinstance(statement, ast.Assign) and len(statement.targets) == 1 and isinstance(
-                statement.targets[0], ast.Name):
-            target = statement.targets[0].id
-            if target in _HOOKS:
-                hooks.append(target)
-            elif not target.startswith("_"):
-                fields.append(f"{target}={ast.unparse(statement.value)}")
-        elif isinstance(statement, (ast.FunctionDef, ast.AsyncFunctionDef)) and statement.name in _HOOKS:
-            hooks.append(statement.name)
-            if statement.name == "__setstate__":
-                state_order = _unpacked_into(statement)
-    decorators = tuple(ast.unparse(decorator) for decorator in node.decorator_list)
-    bases = tuple(ast.unparse(base) for base in node.bases)
-    return ClassLayout(decorators, bases, tuple(fields), tuple(sorted(hooks)), state_order)
-
-
-def _unpacked_into(method: ast.FunctionDef | ast.AsyncFunctionDef) -> tuple[str, ...]:
-    """The targets of the method's first statement when it unpacks a tuple (``a, b = state``)."""
-    body = [s for s in method.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
-    first = body[0] if body else None
-    if isinstance(first, ast.Assign) and len(first.targets) == 1 and isinstance(first.targets[0], ast.Tuple):
-        return tuple(ast.unparse(element) for element in first.targets[0].elts)
-    return ()
-
-
-def _torch_pickles_as_emitted() -> bool:
-    """Dtypes as globals of ``torch``, layouts through ``torch.serialization._get_layout`` of
-    their name, ``torch.Size`` as a call on a tuple: what :class:`_Emitter` writes."""
-    import copyreg
-
-    import torch
-
-    get_layout = getattr(torch.serialization, "_get_layout", None)
-    layout_reduce = copyreg.dispatch_table.get(torch.layout)
-    return (
-        get_layout is not None and layout_reduce is not None
-        and layout_reduce(torch.strided) == (get_layout, ("torch.strided",))
-        and get_layout("torch.strided") is torch.strided
-        and torch.float32.__reduce__() == "float32"
-        and torch.Size((2, 3)).__reduce__() == (torch.Size, ((2, 3),))
-    )
+    emit.spill(least=0)
 
 
 # --- The fallback: torch's own classes, pickled --------------------------------------------
@@ -494,5 +370,5 @@ def _pickle_with_torch(tensors: Tensors, blobs: Blobs, planner_data: Mapping[str
         storage[dcp.MetadataIndex(key)] = _StorageInfo(text(relative_path), offset, length)
     planner = {key: tuple(text(part) for part in planner_data.get(key, (key,))) for key in state}
     metadata = dcp.Metadata(state_dict_metadata=dict(state), planner_data=planner, storage_data=storage,
-                            version=_VERSION)
+                            version=DCP_METADATA_VERSION)
     return pickle.dumps(metadata, protocol=4)

@@ -15,9 +15,13 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import io
 import pickle
-from typing import Any
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, BinaryIO, ClassVar
 
 from ...dtypes import TORCH_NAMES, DtypeName, canonical
 from ...errors import CheckpointFormatError, UnsafePickleError
@@ -42,43 +46,80 @@ _MEMORY_FORMATS = {"contiguous_format", "channels_last", "channels_last_3d", "pr
 
 
 class _Inert:
-    """A plain attribute bag standing in for one of DCP's metadata dataclasses.
+    """A plain record standing in for one of DCP's metadata dataclasses.
 
     Reading ``.metadata`` never imports or instantiates torch's classes: the unpickler
     builds these instead, which run no code of the file's choosing and keep
     ``torch.distributed.checkpoint`` (a slow import) out of read-only commands.
+
+    The fields torch writes live in slots (a checkpoint of 200,000 tensors holds a million of
+    these records: a dict each would cost several hundred MiB); any other field a pickle
+    carries goes to ``__dict__``, made only then. A field the pickle leaves out reads as its
+    default (``_defaults``), like the dataclass field it stands for.
     """
 
+    __slots__ = ("__dict__",)
     _type_name = "object"
+    _defaults: ClassVar[dict[str, Any]] = {}
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self.__dict__.update(kwargs)
+        self._assign(kwargs)
+
+    def _assign(self, state: dict[Any, Any]) -> None:
+        slots = type(self)._slot_names
+        for name, value in state.items():
+            if not isinstance(name, str):
+                raise pickle.UnpicklingError(f"{self._type_name}: field name {name!r} is not a string")
+            if name in slots:
+                object.__setattr__(self, name, value)
+            else:
+                self.__dict__[name] = value
 
     def __setstate__(self, state: Any) -> None:
         if isinstance(state, tuple) and len(state) == 2:  # (dict state, slot state)
             for part in state:
                 if isinstance(part, dict):
-                    self.__dict__.update(part)
+                    self._assign(part)
         elif isinstance(state, dict):
-            self.__dict__.update(state)
+            self._assign(state)
         else:
             raise pickle.UnpicklingError(f"unexpected state for {self._type_name}")
 
+    def __getattr__(self, name: str) -> Any:  # only for fields never assigned
+        defaults = type(self)._defaults
+        if name in defaults:
+            return defaults[name]
+        raise AttributeError(name)
+
+    def fields(self) -> dict[str, Any]:
+        """Every field assigned, slotted or not."""
+        found = {name: getattr(self, name) for name in type(self)._slot_names if hasattr(self, name)}
+        return {**found, **self.__dict__}
+
     def __repr__(self) -> str:
-        return f"{self._type_name}({self.__dict__})"
+        return f"{self._type_name}({self.fields()})"
+
+    _slot_names: frozenset[str] = frozenset()
+
+
+def _record_class(name: str, fields: tuple[str, ...], base: type[_Inert] = _Inert,
+                  defaults: dict[str, Any] | None = None) -> type[_Inert]:
+    return type(name, (base,), {"__slots__": fields, "_type_name": name,
+                                "_slot_names": base._slot_names | frozenset(fields),
+                                "_defaults": {**base._defaults, **(defaults or {})}})
 
 
 class _MetadataIndex(_Inert):
     """Hashes like torch's ``MetadataIndex``: by key and chunk offset (not the index hint)."""
 
+    __slots__ = ("fqn", "index", "offset")
     _type_name = "MetadataIndex"
-    fqn: str | None = None
-    offset: Any = None
-    index: int | None = None
+    _slot_names = frozenset(__slots__)
+    _defaults: ClassVar[dict[str, Any]] = {"fqn": None, "offset": None, "index": None}
 
     def _identity(self) -> tuple[Any, ...]:
-        offset = self.__dict__.get("offset")
-        return (self.__dict__.get("fqn"), None if offset is None else tuple(offset))
+        offset = self.offset
+        return (self.fqn, None if offset is None else tuple(offset))
 
     def __hash__(self) -> int:
         return hash(self._identity())
@@ -90,7 +131,9 @@ class _MetadataIndex(_Inert):
 class _TensorProperties(_Inert):
     """torch pickles ``TensorProperties`` as a 5-tuple state (dtype, layout, grad, format, pin)."""
 
+    __slots__ = ("dtype", "layout", "memory_format", "pin_memory", "requires_grad")
     _type_name = "TensorProperties"
+    _slot_names = frozenset(__slots__)
 
     def __setstate__(self, state: Any) -> None:
         if isinstance(state, tuple) and len(state) == 5:
@@ -101,6 +144,28 @@ class _TensorProperties(_Inert):
             raise pickle.UnpicklingError("TensorProperties without a torch dtype")
 
 
+class _TensorStorageMetadata(_Inert):
+    """Tensor entries share one ``TensorProperties`` per distinct value (each is pickled apart)."""
+
+    __slots__ = ("chunks", "properties", "size")
+    _type_name = "TensorStorageMetadata"
+    _slot_names = frozenset(__slots__)
+    _interned: ClassVar[dict[tuple[Any, ...], Any]] = {}  # replaced per load (see _standin)
+
+    def __setstate__(self, state: Any) -> None:
+        super().__setstate__(state)
+        properties = getattr(self, "properties", None)
+        if isinstance(properties, _TensorProperties):  # fields beyond torch's are never read
+            with contextlib.suppress(TypeError):  # an unhashable field: kept as it is
+                self.properties = type(self)._interned.setdefault(
+                    tuple(getattr(properties, n, None) for n in _TensorProperties.__slots__), properties)
+
+
+_FIELDS: dict[str, tuple[str, ...]] = {
+    "Metadata": ("state_dict_metadata", "planner_data", "storage_data", "storage_meta", "version"),
+    "ChunkStorageMetadata": ("offsets", "sizes"),
+    "_StorageInfo": ("relative_path", "offset", "length", "transform_descriptors"),
+}
 # Fields that torch omits from the pickled state when they hold their default.
 _DEFAULTS: dict[str, dict[str, Any]] = {
     "Metadata": {"planner_data": None, "storage_data": None, "storage_meta": None, "version": None},
@@ -109,11 +174,27 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
 
 
 def _standin(name: str) -> type[_Inert]:
+    """A fresh class for ``name``: each load gets its own (see :func:`_fresh_standins`)."""
     if name == "MetadataIndex":
-        return _MetadataIndex
+        return _record_class(name, (), _MetadataIndex)
     if name == "TensorProperties":
-        return _TensorProperties
-    return type(name, (_Inert,), {"_type_name": name, **_DEFAULTS.get(name, {})})
+        return _record_class(name, (), _TensorProperties)
+    if name == "TensorStorageMetadata":
+        cls = _record_class(name, (), _TensorStorageMetadata)
+        cls._interned = {}  # type: ignore[attr-defined]
+        return cls
+    return _record_class(name, _FIELDS.get(name, ()), defaults=_DEFAULTS.get(name))
+
+
+def _interning_size() -> Any:
+    """``torch.Size`` as a tuple of ints, one object per distinct value within one load."""
+    seen: dict[tuple[int, ...], tuple[int, ...]] = {}
+
+    def size(dims: Any = ()) -> tuple[int, ...]:
+        value = torch_size(dims)
+        return seen.setdefault(value, value)
+
+    return size
 
 
 _PATH_CLASSES = {"PosixPath", "PurePosixPath", "Path", "WindowsPath", "PureWindowsPath", "PurePath"}
@@ -132,18 +213,15 @@ def _fresh_standins() -> dict[tuple[str, str], Any]:
     """
     standins: dict[tuple[str, str], Any] = {}
     for name in _DCP_METADATA_CLASSES - {"_MEM_FORMAT_ENCODING"}:
-        base = _standin(name)
-        standins[(_DCP_METADATA_MODULE, name)] = type(name, (base,), {})
+        standins[(_DCP_METADATA_MODULE, name)] = _standin(name)
     standins[(_DCP_METADATA_MODULE, "_MEM_FORMAT_ENCODING")] = lambda value: value
-    standins[("torch.distributed.checkpoint.filesystem", "_StorageInfo")] = type(
-        "_StorageInfo", (_standin("_StorageInfo"),), {}
-    )
+    standins[("torch.distributed.checkpoint.filesystem", "_StorageInfo")] = _standin("_StorageInfo")
     # Megatron's torch_dist strategy keeps its cached save plans in the metadata
     # (``all_local_plans``); they are read into inert bags like the rest, and never used.
     for name in _DCP_PLANNER_CLASSES:
-        standins[(_DCP_PLANNER_MODULE, name)] = type(name, (_standin(name),), {})
+        standins[(_DCP_PLANNER_MODULE, name)] = _standin(name)
     standins[("torch.serialization", "_get_layout")] = lambda name: str(name)
-    standins[("torch", "Size")] = torch_size
+    standins[("torch", "Size")] = _interning_size()
     for module in ("pathlib", "pathlib._local"):
         for name in _PATH_CLASSES:
             standins[(module, name)] = lambda *parts: _join_path(*parts)
@@ -196,8 +274,8 @@ class _OwnMetadataUnpickler(pickle.Unpickler):
     Only ``Metadata`` keeps its fields; every record below it is parsed and dropped.
     """
 
-    def __init__(self, data: bytes) -> None:
-        super().__init__(io.BytesIO(data))
+    def __init__(self, source: BinaryIO) -> None:
+        super().__init__(source)
         self._standins = {**_fresh_standins()}
         for (module, name), standin in list(self._standins.items()):
             if isinstance(standin, type) and issubclass(standin, _Inert):
@@ -215,19 +293,45 @@ class _OwnMetadataUnpickler(pickle.Unpickler):
         return found
 
 
-def check_written_metadata(data: bytes, keys: int) -> None:
-    """``data`` (a ``.metadata`` about to be published) unpickles into Metadata with ``keys`` entries.
+_CHECK_APART_BYTES = 4 << 20
+"""Metadata longer than this (about 20,000 keys) is checked in a child process: the check's
+objects (about 350 bytes per key) would add to the run's peak memory."""
 
-    What torch's ``dcp.load`` will do with it, checked before the file exists: exit 0 never
-    leaves metadata that does not load.
+
+def check_written_metadata(source: bytes | Path, keys: int) -> None:
+    """``source`` (a ``.metadata`` about to be published, or its bytes) unpickles into Metadata
+    with ``keys`` entries.
+
+    What torch's ``dcp.load`` will do with it, checked before the file is published: exit 0
+    never leaves metadata that does not load. Large files are checked in a child process.
     """
+    if isinstance(source, Path) and source.stat().st_size > _CHECK_APART_BYTES:
+        _check_apart(source, keys)
+        return
     try:
-        obj = _OwnMetadataUnpickler(data).load()
+        with (open(source, "rb") if isinstance(source, Path) else io.BytesIO(source)) as handle:
+            obj = _OwnMetadataUnpickler(handle).load()
         entries = obj.state_dict_metadata
     except Exception as err:
         raise ValueError(f"the written DCP metadata does not load ({type(err).__name__}: {err})") from None
     if len(entries) != keys:
         raise ValueError(f"the written DCP metadata holds {len(entries)} keys, not {keys}")
+
+
+def _check_apart(path: Path, keys: int) -> None:
+    root = str(Path(__file__).resolve().parents[3])  # this copy of ema-ckpt, whatever the working directory
+    script = ("import pathlib, sys\n"
+              "sys.path.insert(0, sys.argv[3])\n"
+              "from ema_ckpt.formats.dcp.metadata_unpickle import check_written_metadata as check\n"
+              "try:\n    check(pathlib.Path(sys.argv[1]).read_bytes(), int(sys.argv[2]))\n"
+              "except ValueError as err:\n    print(err)\n    sys.exit(1)\n")
+    try:
+        checked = subprocess.run([sys.executable, "-I", "-c", script, str(path), str(keys), root],
+                                 capture_output=True, text=True, timeout=600)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        raise ValueError(f"the written DCP metadata could not be checked ({err})") from None
+    if checked.returncode != 0:
+        raise ValueError(checked.stdout.strip() or (checked.stderr.strip().splitlines() or ["no output"])[-1])
 
 
 def load_dcp_metadata_bytes(data: bytes, source: str) -> Any:

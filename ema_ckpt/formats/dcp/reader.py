@@ -217,7 +217,8 @@ class DcpReader(MetadataIndex, ChunkRecords, CheckpointReader):
 
     def stored_records(self) -> list[tuple[str, int, int]]:
         """Every record the metadata names, as (data file, offset, length): model, optimizer, bytes."""
-        return sorted(set(self._records_all))
+        held = ((c.file, c.offset, c.length) for chunks in self._chunks.values() for c in chunks)
+        return sorted({*getattr(self, "_records_all", ()), *held, *self._bytes_records.values()})
 
 
     def open_record(self, file: str, offset: int, length: int) -> IO[bytes]:

@@ -91,6 +91,9 @@ def _tensor_bytes(t: torch.Tensor) -> memoryview:
 
 
 
+_RECENT_RECORDS = 1024
+
+
 class ChunkRecords:
     """Open data files and parsed records of a :class:`~.reader.DcpReader` (a base class of it)."""
 
@@ -159,6 +162,13 @@ class ChunkRecords:
             )
 
 
+    def _remember(self, cache_key: tuple[str, int], found: tuple[int, TensorRecord] | None) -> None:
+        """Keep a parsed record for the next read of its chunk: the recent ones only, as a run
+        reads each chunk once or in consecutive parts (200,000 kept would cost 30 MiB)."""
+        if len(self._records) >= _RECENT_RECORDS:
+            self._records.clear()
+        self._records[cache_key] = found
+
     def _record(self, key: str, chunk: StoredChunk) -> tuple[int, TensorRecord] | None:
         """(absolute data offset, record) for a plain tensor record, else None."""
         cache_key = (chunk.file, chunk.offset)
@@ -171,7 +181,7 @@ class ChunkRecords:
         if fast is not None:
             found = self._record_from_index(key, chunk, fast, source)
             if found is not False:
-                self._records[cache_key] = found  # type: ignore[assignment]
+                self._remember(cache_key, found)  # type: ignore[arg-type]
                 return found  # type: ignore[return-value]
         try:
             archive = zipfile.ZipFile(FileWindow(fd, chunk.offset, chunk.length))
@@ -185,7 +195,7 @@ class ChunkRecords:
         except OSError as err:
             raise CheckpointFormatError(self.path / chunk.file, f"cannot read ({err})") from None
         except Exception:  # anything unusual: torch's weights-only loader decides, or refuses
-            self._records[cache_key] = None
+            self._remember(cache_key, None)
             return None
         if not (0 <= member.header_offset < chunk.length) or record.storage_offset < 0 or record.storage_numel < 0:
             raise CheckpointFormatError(self.path / chunk.file, f"key {key!r}: corrupt record")
@@ -196,13 +206,13 @@ class ChunkRecords:
         start = member.header_offset + LOCAL_HEADER.size + fields[9] + fields[10]
         nbytes = record.storage_numel * itemsize(record.dtype)
         if member.compress_type != zipfile.ZIP_STORED or member.file_size != nbytes:
-            self._records[cache_key] = None
+            self._remember(cache_key, None)
             return None
         if start + nbytes > chunk.length:
             raise CheckpointFormatError(self.path / chunk.file, f"key {key!r}: record overruns its extent")
         self.read_checks.expect(chunk.file, chunk.offset + start, nbytes, member.CRC, f"key {key!r}")
         result = (chunk.offset + start, record)
-        self._records[cache_key] = result
+        self._remember(cache_key, result)
         return result
 
 

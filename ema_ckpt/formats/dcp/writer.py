@@ -32,7 +32,7 @@ from ...torch_records import write_tensor_record
 from ...torch_records.write import STORAGE_ALIGNMENT
 from .chunks import ChunkTable
 from .metadata import METADATA_FILE
-from .metadata_pickle import dump_metadata
+from .metadata_pickle import write_metadata
 from .metadata_unpickle import check_written_metadata
 
 # Looked up at each call, so a test can stand in for it (a full disk mid-record).
@@ -133,6 +133,9 @@ def _file_sort_key(name: str) -> tuple[int, int, str]:
         return (1 << 62, 0, name)
 
 
+IDLE_BYTES = 32 << 20
+
+
 class DcpWriter:
     """Writes a DCP checkpoint directory chunk by chunk (see the module docstring)."""
 
@@ -147,6 +150,8 @@ class DcpWriter:
         self._bytes: dict[str, tuple[str, int, int]] = {}
         self._handles: dict[str, tuple[DirectAppender, _ChecksumFile]] = {}
         self._current = ""
+        self._idle: dict[str, int] = {}  # open files not being written: the bytes each holds, oldest first
+        self._idle_bytes = 0
         self.files: list[WrittenFile] = []
 
     def declare(self, key: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:
@@ -157,8 +162,9 @@ class DcpWriter:
 
     def _file(self, name: str) -> _ChecksumFile:
         if name != self._current and self._current in self._handles:
-            self._handles[self._current][0].drain()  # files stay open for the run: an idle one holds no buffer
+            self._park(self._current)
         self._current = name
+        self._idle_bytes -= self._idle.pop(name, 0)
         if name not in self._handles:
             try:
                 handle = DirectAppender(self.path / name)
@@ -166,6 +172,19 @@ class DcpWriter:
                 raise OutputError(f"{self.path / name}: cannot create ({err.strerror})") from None
             self._handles[name] = (handle, _ChecksumFile(handle))
         return self._handles[name][1]
+
+    def _park(self, name: str) -> None:
+        """``name`` goes idle: files stay open for the run, holding what they gathered short of
+        a direct write's worth, up to :data:`IDLE_BYTES` for all of them (an output of many
+        small files would otherwise hold most of itself), the oldest written out first."""
+        handle = self._handles[name][0]
+        handle.drain()
+        self._idle[name] = handle.gathered
+        self._idle_bytes += handle.gathered
+        while self._idle_bytes > IDLE_BYTES:
+            oldest = next(iter(self._idle))
+            self._handles[oldest][0].drain(0)  # every whole block written; a page at most stays
+            self._idle_bytes -= self._idle.pop(oldest)
 
     def _record(self, key: str, kind: tuple[tuple[int, ...], torch.dtype], box: Box, file: int, start: int,
                 length: int) -> None:
@@ -244,20 +263,21 @@ class DcpWriter:
         files = {f.name: f for state in states for f in state.files}
         self.files = [files[name] for name in sorted(files, key=_file_sort_key)]
         # a key without planner data is a flat top-level key: never guess nesting from dots
-        planner = {k: tuple(v) for k, v in (planner_data or {}).items() if k in table or k in self._bytes}
         keys = len(table) + sum(1 for k in self._bytes if k not in table)
-        metadata = dump_metadata(table, self._bytes, planner)
-        del table, planner  # the check's objects take their place
+        tmp = self.path / (METADATA_FILE + ".tmp")
         try:
-            check_written_metadata(metadata, keys)
+            with open(tmp, "wb") as handle:
+                write_metadata(handle, table, self._bytes, planner_data or {})
+                handle.flush()
+                os.fsync(handle.fileno())
+        except OSError as err:
+            raise OutputError(f"{self.path}: write failed ({err.strerror})") from None
+        del table  # the check's objects take its place
+        try:
+            check_written_metadata(tmp, keys)
         except ValueError as err:
             raise CheckpointFormatError(self.path / METADATA_FILE, str(err)) from None
         try:
-            tmp = self.path / (METADATA_FILE + ".tmp")
-            with open(tmp, "wb") as handle:
-                handle.write(metadata)
-                handle.flush()
-                os.fsync(handle.fileno())
             os.replace(tmp, self.path / METADATA_FILE)
             fsync_dir(self.path)
         except OSError as err:

@@ -19,6 +19,7 @@ import json
 import math
 import os
 import struct
+import sys
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -30,6 +31,7 @@ from ..._lazy import torch
 from ..._text import escaped
 from ...dtypes import SAFETENSORS_CODES, itemsize, name_of
 from ...errors import CheckpointFormatError, OptionError, OutputError, UsageError
+from ...layout import as_tuple
 from ...storage import Location, Readable, pread, start_writeback
 
 _COPY_BLOCK = 64 << 20
@@ -116,7 +118,8 @@ class SafetensorsFileWriter:
 
     def begin(self, tensors: Sequence[tuple[str, tuple[int, ...], Any]]) -> None:
         """Write the header for ``(key, shape, dtype)`` in order; dtype a torch dtype or its name."""
-        header: dict[str, object] = {"__metadata__": dict(self.metadata)}
+        # the header's JSON written entry by entry: a dict per tensor first would cost 400 bytes each
+        parts = ["{", json.dumps("__metadata__"), ":", json.dumps(dict(self.metadata), separators=(",", ":"))]
         offset = 0
         for key, shape, dtype in tensors:
             check_key(key, self.path)
@@ -124,11 +127,14 @@ class SafetensorsFileWriter:
             if name not in SAFETENSORS_CODES:
                 raise UsageError(f"{key}: dtype torch.{name} cannot be stored in safetensors")
             nbytes = math.prod(shape) * itemsize(name)
-            self._planned.append(_Planned(key, tuple(shape), name, offset, offset + nbytes))
-            header[key] = {"dtype": SAFETENSORS_CODES[name], "shape": list(shape),
-                           "data_offsets": [offset, offset + nbytes]}
+            shape = as_tuple(shape)
+            self._planned.append(_Planned(key, shape, name, offset, offset + nbytes))
+            parts.append(f',{json.dumps(key)}:{{"dtype":"{SAFETENSORS_CODES[name]}","shape":'
+                         f'[{",".join(map(str, shape))}],"data_offsets":[{offset},{offset + nbytes}]}}')
             offset += nbytes
-        text = json.dumps(header, separators=(",", ":")).encode()
+        parts.append("}")
+        text = "".join(parts).encode()
+        del parts
         text += b" " * (-len(text) % 8)
         self._data_start = 8 + len(text)
         try:
@@ -252,7 +258,8 @@ class SafetensorsFileWriter:
         except OSError as err:
             raise OutputError(f"{self.path}: write failed ({err.strerror})") from None
         self._handle = None
-        _check_loads(self.path)
+        self._planned = []  # written: not needed for the check below, which parses the whole header
+        _check_loads(self.path, self._data_start - 8)
         return size
 
     def abort(self) -> None:
@@ -325,12 +332,41 @@ def check_key(key: object, out: Location) -> None:
         raise CheckpointFormatError(out, "key '__metadata__' cannot be stored in safetensors (its header's own)")
 
 
-def _check_loads(path: Path) -> None:
+_CHECK_APART_HEADER_BYTES = 4 << 20
+"""Headers longer than this (about 50,000 tensors) are checked in a child process: safetensors'
+loader holds about 900 bytes per tensor while it parses, which would add to the run's peak."""
+
+_CHECK_SCRIPT = """
+import sys
+from safetensors import safe_open
+try:
+    with safe_open(sys.argv[1], "np") as handle:
+        handle.keys()
+except Exception as err:
+    print(str(err).splitlines()[0] if str(err) else type(err).__name__)
+    sys.exit(1)
+"""
+
+
+def _check_loads(path: Path, header_bytes: int) -> None:
     """The written file opens with safetensors' own loader: exit 0 never leaves an unloadable file."""
+    if header_bytes > _CHECK_APART_HEADER_BYTES:
+        import subprocess
+
+        try:
+            checked = subprocess.run([sys.executable, "-I", "-c", _CHECK_SCRIPT, str(path)], capture_output=True,
+                                     text=True, timeout=600)
+        except (OSError, subprocess.TimeoutExpired) as err:
+            raise OutputError(f"{path}: cannot check that the written file loads ({err})") from None
+        if checked.returncode != 0:
+            detail = checked.stdout.strip() or (checked.stderr.strip().splitlines() or ["no output"])[-1]
+            raise CheckpointFormatError(path, f"the written file does not load in safetensors ({detail})")
+        return
     from safetensors import safe_open
 
     try:
-        with safe_open(str(path), "np") as handle:
+        # torch where it is loaded already (numpy may not be); numpy where a run copies bytes without torch
+        with safe_open(str(path), "pt" if "torch" in sys.modules else "np") as handle:
             handle.keys()
     except Exception as err:  # the loader's own verdict, whatever its type
         raise CheckpointFormatError(path, f"the written file does not load in safetensors ({err})") from None
