@@ -74,6 +74,9 @@ class _Inert:
                 object.__setattr__(self, name, value)
             else:
                 self.__dict__[name] = value
+        # torch's pickler memoizes every state dict, so the unpickler keeps each alive to the end
+        # of the load: emptied, it holds nothing (about 1 KiB per tensor otherwise)
+        state.clear()
 
     def __setstate__(self, state: Any) -> None:
         if isinstance(state, tuple) and len(state) == 2:  # (dict state, slot state)
