@@ -9,8 +9,11 @@ refused) into ``CKPTS/.ema-ckpt-incoming/<name>``, which the trainer's retention
 touches, by a scanner that runs every interval (and at once on an inotify event) whatever
 the folds are doing. The folds take the staged checkpoints in step order with
 :func:`~ema_ckpt.accumulate` (its guarantees: incremental, crash-safe, exact), and a staged
-checkpoint is removed once the EMA holds it. On object storage nothing is staged: each pass
-folds what is there (a checkpoint must outlive a pass).
+checkpoint is removed once the EMA holds it. On object storage the scanner polls every interval
+(there is no inotify) and downloads each complete checkpoint into a local temporary folder
+instead (the bytes a fold reads anyway), so a checkpoint that lives one interval, plus one look
+at the bucket and its download, is never missed however long a fold runs; that folder holds the
+checkpoints not folded yet, and goes when the watch ends.
 
 Example:
     >>> result = watch("ckpts", out="ckpts/ema", decay=0.999, stop_when_idle=600)   # doctest: +SKIP
@@ -19,22 +22,26 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
+import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .discovery import discover
+from .discovery import Discovery, discover
 from .errors import CheckpointNotFoundError, EmaCkptError, OptionError
 from .manifest import Manifest
-from .storage import Location, as_path, local_file
+from .storage import Location, as_path, close_readable, files_on_disk, local_file, open_readable, pread
 
 INCOMING = ".ema-ckpt-incoming"
 """The folder, inside the checkpoints' folder, that holds checkpoints staged for folding."""
+DOWNLOAD_BLOCK = 8 << 20
+"""Bytes of an object downloaded per read when a checkpoint in object storage is staged."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,18 +72,23 @@ def incoming_dir(checkpoints: str | os.PathLike[str]) -> Path:
     return Path(checkpoints) / INCOMING
 
 
-def stage(checkpoint: str | os.PathLike[str], incoming: str | os.PathLike[str]) -> Path:
+def stage(checkpoint: str | os.PathLike[str] | Location, incoming: str | os.PathLike[str]) -> Path:
     """Hard-link the files of ``checkpoint`` (a file or a folder) into ``incoming/<its name>``.
 
     The staged copy appears whole (built under a hidden name, then renamed) and shares the
     checkpoint's bytes: it costs no space until the trainer deletes the original. A file whose
-    link is refused (another filesystem) is copied. An existing staged copy is kept.
+    link is refused (another filesystem) is copied; a checkpoint in object storage is
+    downloaded. An existing staged copy is kept.
+
+    Raises:
+        FileNotFoundError: the checkpoint went (or lost a file) before all of it was staged.
 
     Example:
         >>> stage("ckpts/checkpoint-500", "ckpts/.ema-ckpt-incoming")   # doctest: +SKIP
         PosixPath('ckpts/.ema-ckpt-incoming/checkpoint-500')
     """
-    source, into = Path(checkpoint), Path(incoming)
+    source, into = as_path(checkpoint), Path(incoming)
+    local = local_file(source)
     target = into / source.name
     if target.exists():
         return target
@@ -84,10 +96,12 @@ def stage(checkpoint: str | os.PathLike[str], incoming: str | os.PathLike[str]) 
     partial = into / f".{source.name}.partial-{os.getpid()}-{threading.get_ident()}"
     shutil.rmtree(partial, ignore_errors=True)
     try:
-        if source.is_dir():
-            shutil.copytree(source, partial, copy_function=_link_or_copy)
+        if local is None:
+            _download(source, partial)
+        elif local.is_dir():
+            shutil.copytree(local, partial, copy_function=_link_or_copy)
         else:
-            _link_or_copy(str(source), str(partial))
+            _link_or_copy(str(local), str(partial))
         os.replace(partial, target)
     except FileNotFoundError:  # deleted by retention while it was linked: it was never whole here
         _remove(partial)
@@ -107,6 +121,36 @@ def _link_or_copy(src: str, dst: str) -> str:
     return dst
 
 
+def _download(source: Location, target: Path) -> None:
+    """Every file of ``source`` (one object, or the objects under a prefix) into ``target``."""
+    single = source.is_file()
+    files = files_on_disk(source)
+    if not files:
+        raise FileNotFoundError(errno.ENOENT, "no such object or prefix", str(source))
+    if not single:
+        target.mkdir(parents=True)
+    for name, size in files:
+        into, where = (target, source) if single else (target / name, source / name)
+        into.parent.mkdir(parents=True, exist_ok=True)
+        readable = open_readable(where, size=size)
+        try:
+            with open(into, "wb") as out:
+                done = 0
+                while done < size:
+                    data = pread(readable, min(DOWNLOAD_BLOCK, size - done), done)
+                    if not data:  # rewritten shorter while it was read
+                        raise FileNotFoundError(errno.ENOENT, "changed while it was downloaded", str(source))
+                    out.write(data)
+                    done += len(data)
+        finally:
+            close_readable(readable)
+        # the object's time as the file's: staged again, it is the same checkpoint (its fingerprint)
+        with contextlib.suppress(FileNotFoundError):  # deleted since it was read: the bytes are whole
+            modified = where.stat().st_mtime_ns
+            if modified:
+                os.utime(into, ns=(modified, modified))
+
+
 def _remove(path: Path) -> None:
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path, ignore_errors=True)
@@ -121,20 +165,47 @@ def ema_step(out: str | Location) -> int | None:
     return None if manifest is None else manifest.step
 
 
-def stage_new(folder: str | os.PathLike[str], *, after: int | None = None, step_regex: str | None = None) -> list[Path]:
-    """Stage every complete checkpoint of ``folder`` newer than step ``after`` not staged yet."""
-    incoming = incoming_dir(folder)
-    found = discover([Path(folder)], step_regex=step_regex, require=False)
+def stage_new(folder: str | os.PathLike[str] | Location, *, after: int | Callable[[], int | None] | None = None,
+              step_regex: str | None = None, incoming: str | os.PathLike[str] | None = None,
+              ignore: Sequence[str | os.PathLike[str] | Location] = ()) -> list[Path]:
+    """Stage every complete checkpoint of ``folder`` newer than step ``after`` not staged yet,
+    into ``incoming`` (default :func:`incoming_dir`; required for a folder in object storage),
+    but those in ``ignore``.
+
+    ``after`` may be a function (the EMA's step as it is now, asked after each staged copy is
+    looked for, so a copy folded and removed meanwhile is not staged again)."""
+    source = as_path(folder)
+    if incoming is None:
+        local = local_file(source)
+        if local is None:
+            raise OptionError("incoming", f"{source} is in object storage: say where to stage its checkpoints")
+        incoming = incoming_dir(local)
+    into = Path(incoming)
+    found = _discover_settled(source, step_regex)
+    left_out = {str(as_path(path)) for path in ignore}
     staged = []
     for checkpoint in found.checkpoints:
-        if after is not None and checkpoint.step <= after:
+        if (into / checkpoint.path.name).exists() or str(checkpoint.path) in left_out:
             continue
-        path = Path(str(checkpoint.path))
-        if (incoming / path.name).exists():
+        newest = after() if callable(after) else after  # after the look: a fold removes its copies last
+        if newest is not None and checkpoint.step <= newest:
             continue
-        with contextlib.suppress(FileNotFoundError):  # gone before it could be linked
-            staged.append(stage(path, incoming))
+        with contextlib.suppress(FileNotFoundError):  # gone before all of it could be staged
+            staged.append(stage(checkpoint.path, into))
     return staged
+
+
+def _discover_settled(folder: Location, step_regex: str | None, attempts: int = 3) -> Discovery:
+    """:func:`~ema_ckpt.discovery.discover` of ``folder``, looked at again (from a new listing)
+    when a checkpoint went as it was read: retention deleting one must not hide the others."""
+    for _ in range(attempts - 1):
+        try:
+            return discover([folder], step_regex=step_regex, require=False)
+        except CheckpointNotFoundError:
+            raise
+        except EmaCkptError:
+            continue
+    return discover([folder], step_regex=step_regex, require=False)
 
 
 def _drop_folded(incoming: Path, step: int, step_regex: str | None) -> None:
@@ -151,10 +222,10 @@ class _Changes:
     """Wakes the scanner when the folder changes (inotify on Linux), else after ``interval``;
     :meth:`interrupt` wakes it at once (to end it)."""
 
-    def __init__(self, folder: Path, use_inotify: bool) -> None:
+    def __init__(self, folder: Path | None, use_inotify: bool) -> None:
         from ._inotify import Watcher
 
-        self._watcher = Watcher.open(folder) if use_inotify else None
+        self._watcher = Watcher.open(folder) if use_inotify and folder is not None else None
         self._ended = threading.Event()
 
     def wait(self, seconds: float) -> None:
@@ -183,6 +254,7 @@ def watch(
     on_fold: Callable[[WatchFold], None] | None = None,
     on_error: Callable[[str], None] | None = None,
     use_inotify: bool = True,
+    ignore: Sequence[str | Location] = (),
     **accumulate_options: Any,
 ) -> WatchResult:
     """Fold each checkpoint of the folder ``checkpoints`` into the EMA at ``out`` as soon as it
@@ -193,13 +265,18 @@ def watch(
         checkpoints: the folder the trainer saves into (local, or on object storage).
         out: the EMA directory (default ``<checkpoints>/ema``).
         interval: seconds between looks at the folder (a checkpoint that lives this long is
-            never missed on a local disk; on object storage it must outlive a fold too).
+            never missed; on object storage, this long plus one look at the bucket and its
+            download, however long the folds take).
         stop_when_idle: return once this many seconds pass without a new checkpoint.
         stop: set it to stop after the fold in progress (what SIGTERM does to ``ema-ckpt watch``).
         on_fold: called after each fold that folded something.
         on_error: called with the one-line message of a fold that failed (the loop goes on);
             without it, the error is raised.
-        use_inotify: wake on the folder's changes where the platform has inotify.
+        use_inotify: wake on the folder's changes where the platform has inotify (a local
+            folder; object storage is polled).
+        ignore: checkpoints of the folder never staged nor folded: files the trainer writes
+            again in place under one name (a hard link would change with them), such as
+            Lightning's ``last.ckpt``, which its callback stages as copies.
         accumulate_options: :func:`~ema_ckpt.accumulate`'s options (``decay``, ``half_life``,
             ``sigma_rels``, ``snapshot_every``, ``warmup``, ...).
 
@@ -223,16 +300,16 @@ def watch(
     result = WatchResult(out=target, step=ema_step(target))
     step_regex = accumulate_options.get("step_regex")
     local = local_file(folder)
-    incoming = None if local is None else incoming_dir(local)  # object storage: nothing is staged
+    # object storage: each checkpoint is downloaded into a temporary folder, removed at the end
+    incoming = incoming_dir(local) if local is not None else Path(tempfile.mkdtemp(prefix="ema-ckpt-incoming-"))
     wake = threading.Event()
     scanner_done = threading.Event()
     failures: list[str] = []
 
     def scan() -> int:
-        if incoming is None:
-            return 0
         try:
-            staged = stage_new(str(folder), after=result.step, step_regex=step_regex)
+            staged = stage_new(folder, after=lambda: result.step, step_regex=step_regex, incoming=incoming,
+                               ignore=ignore)
         except CheckpointNotFoundError:
             return 0
         result.staged += len(staged)
@@ -242,36 +319,36 @@ def watch(
 
     def scanner(changes: _Changes) -> None:
         while not scanner_done.is_set():
+            started = time.monotonic()
             try:
                 scan()
             except Exception as err:  # a scan that failed is tried again at the next look
                 failures.append(str(err))
-            changes.wait(interval)
+            changes.wait(max(0.0, started + interval - time.monotonic()))  # a look every interval
 
     thread = None
     changes = None
-    if incoming is not None:
+    try:
         scan()  # before the first fold: nothing of what is there now can be missed
-        changes = _Changes(Path(str(folder)), use_inotify)
+        changes = _Changes(local, use_inotify)  # object storage: polled
         thread = threading.Thread(target=scanner, args=(changes,), name="ema-ckpt-watch-scanner", daemon=True)
         thread.start()
-    idle_since = time.monotonic()
-    try:
+        idle_since = time.monotonic()
         while True:
-            source = incoming if incoming is not None else folder
-            fold = _fold_once(accumulate, source, target, accumulate_options, result, on_error)
+            staged_before = result.staged
+            fold = _fold_once(accumulate, incoming, target, accumulate_options, result, on_error)
             if fold is not None:
                 idle_since = time.monotonic()
                 result.folds.append(fold)
                 if on_fold is not None:
                     on_fold(fold)
-            if incoming is not None and result.step is not None:
+            if result.step is not None:
                 _drop_folded(incoming, result.step, step_regex)
             if stop.is_set():
                 result.stopped = "signal" if getattr(stop, "signalled", False) else "stop"
                 break
             if stop_when_idle is not None and time.monotonic() - idle_since >= stop_when_idle:
-                if incoming is None or not scan():
+                if not scan() and result.staged == staged_before:  # nothing staged since the fold began
                     result.stopped = "idle"
                     break
                 continue
@@ -286,14 +363,15 @@ def watch(
             thread.join()
         if changes is not None:
             changes.close()
+        if local is None:
+            shutil.rmtree(incoming, ignore_errors=True)
     return result
 
 
-def _fold_once(accumulate: Callable[..., Any], source: Location, target: Location, options: dict[str, Any],
+def _fold_once(accumulate: Callable[..., Any], source: Path, target: Location, options: dict[str, Any],
                result: WatchResult, on_error: Callable[[str], None] | None) -> WatchFold | None:
-    """One :func:`~ema_ckpt.accumulate` over ``source``; the fold it made, if any."""
-    if isinstance(source, Path) and (not source.is_dir() or not any(
-            not p.name.startswith(".") for p in source.iterdir())):
+    """One :func:`~ema_ckpt.accumulate` over the staged checkpoints in ``source``; the fold it made, if any."""
+    if not source.is_dir() or not any(not p.name.startswith(".") for p in source.iterdir()):
         return None
     started = time.monotonic()
     try:

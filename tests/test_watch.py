@@ -176,3 +176,15 @@ def test_the_sidecar_folds_beside_a_saving_process_and_sigterm_exits_0(tmp_path)
     folded = [s for e in events if e["event"] == "fold" for s in e["steps"]]
     assert folded == [100, 200, 300, 400, 500]
     _assert_ema(tmp_path / "ema", folded)
+
+
+def test_checkpoints_rewritten_in_place_are_never_staged(tmp_path):
+    """A file the trainer writes again under one name (Lightning's ``last.ckpt``) would change
+    under its hard link: ``ignore`` leaves it out of staging (the callback stages copies)."""
+    from ema_ckpt.watching import stage_new
+
+    ckpts = tmp_path / "ckpts"
+    first, second = _save(ckpts, 1), _save(ckpts, 2)
+    staged = stage_new(ckpts, ignore=[second])
+    assert [p.name for p in staged] == [first.name]
+    assert sorted(p.name for p in (ckpts / INCOMING).iterdir()) == [first.name]

@@ -22,6 +22,7 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -53,14 +54,16 @@ class BackgroundFolds:
     """One worker process at a time folding the checkpoints of ``folder`` into ``out``.
 
     ``options``: :func:`ema_ckpt.accumulate`'s profile options (``decay``, ``half_life``,
-    ``sigma_rels``, ``snapshot_every``, ``warmup``, ...), passed to :func:`ema_ckpt.watch`.
+    ``sigma_rels``, ``snapshot_every``, ``warmup``, ...), passed to :func:`ema_ckpt.watch`;
+    ``ignore``: checkpoints of ``folder`` the worker never stages (see its ``ignore``).
     """
 
     def __init__(self, folder: str | os.PathLike[str], *, out: str | os.PathLike[str],
-                 options: dict[str, Any], strict: bool = False) -> None:
+                 options: dict[str, Any], strict: bool = False, ignore: Sequence[str] = ()) -> None:
         self.folder = Path(folder)
         self.out = str(out)
         self.options = dict(options)
+        self.ignore = list(ignore)
         self.strict = strict
         self.done = FoldsDone(out=self.out)
         self._process: subprocess.Popen[str] | None = None
@@ -127,7 +130,8 @@ class BackgroundFolds:
         return incoming.is_dir() and any(not p.name.startswith(".") for p in incoming.iterdir())
 
     def _start(self, idle: float = WORKER_IDLE_SECONDS) -> None:
-        job = {"folder": str(self.folder), "out": self.out, "options": self.options, "idle": idle}
+        job = {"folder": str(self.folder), "out": self.out, "options": self.options, "idle": idle,
+               "ignore": self.ignore}
         env = {k: v for k, v in os.environ.items()
                if k not in _LAUNCHER_VARIABLES and not k.startswith("TORCHELASTIC_")}
         self._process = subprocess.Popen(

@@ -98,7 +98,8 @@ class LightningEmaCore:
         self.result = None
         self._seen = set()
         self._steps = set()
-        self._folds = BackgroundFolds(folders[0], out=self.out, options=self.options, strict=self.strict)
+        self._folds = BackgroundFolds(folders[0], out=self.out, options=self.options, strict=self.strict,
+                                      ignore=self._rewritten_in_place(trainer))
         self._wrap_remove(trainer)
 
     def on_train_batch_end(self, trainer: Any, *args: Any, **kwargs: Any) -> None:
@@ -166,6 +167,16 @@ class LightningEmaCore:
         for path in self._candidates(trainer):
             self._stage(path)
         folds.poll()
+
+    def _rewritten_in_place(self, trainer: Any) -> list[str]:
+        """The ``last.ckpt`` files a ``ModelCheckpoint(save_last=True)`` writes again at each
+        save: the worker must not hard-link them (they are staged as copies, see _stage)."""
+        found = []
+        for cb in self._checkpoint_callbacks(trainer):
+            if cb.dirpath is not None and getattr(cb, "save_last", None) and cb.save_last != "link":
+                name = getattr(cb, "CHECKPOINT_NAME_LAST", _LAST_PREFIX) + getattr(cb, "FILE_EXTENSION", ".ckpt")
+                found.append(os.path.join(cb.dirpath, name))
+        return found
 
     def _candidates(self, trainer: Any) -> list[str]:
         found: list[str] = []

@@ -32,7 +32,8 @@ def main(argv: list[str]) -> int:
 
     try:
         result = watch(job["folder"], out=job["out"], interval=1.0, stop_when_idle=float(job.get("idle", 0)),
-                       stop=stop, on_fold=on_fold, on_error=on_error, use_inotify=False, **job["options"])
+                       stop=stop, on_fold=on_fold, on_error=on_error, use_inotify=False,
+                       ignore=job.get("ignore", ()), **job["options"])
     except EmaCkptError as err:
         _print({"event": "error", "message": str(err).splitlines()[0]})
         return 1
