@@ -83,9 +83,33 @@ def trainer(out_dir: Path, max_steps: int, callbacks: list[Any], **kw: Any) -> T
                    callbacks=callbacks)
 
 
+def count_worker_starts() -> list[int]:
+    """The fold workers this process starts from now on (one entry per start)."""
+    from ema_ckpt.integrations import _background
+
+    starts: list[int] = []
+    original = _background.BackgroundFolds._start
+
+    def counted(self: Any, *args: Any, **kwargs: Any) -> None:
+        starts.append(os.getpid())
+        original(self, *args, **kwargs)
+
+    _background.BackgroundFolds._start = counted  # type: ignore[method-assign]
+    return starts
+
+
+def write_report(folder: Path, starts: list[int], result: Any, **more: Any) -> None:
+    """This rank's report (``rank<N>.json``): its fold workers and what its callback did."""
+    rank = int(os.environ["RANK"])
+    report = {"rank": rank, "world": int(os.environ["WORLD_SIZE"]), "worker_starts": len(starts), **more,
+              "result": None if result is None else {"step": result.step, "folded": result.folded,
+                                                      "errors": result.errors}}
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"rank{rank}.json").write_text(json.dumps(report))
+
+
 def main(argv: list[str]) -> int:
     """Under torchrun: train 8 steps (saves at 2, 4, 6, 8), each rank's report in ``--report``."""
-    from ema_ckpt.integrations import _background
     from ema_ckpt.integrations.transformers import EmaCkptCallback
 
     parser = argparse.ArgumentParser()
@@ -96,25 +120,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--decay", type=float, default=0.8)
     opts = parser.parse_args(argv)
 
-    starts = []
-    original = _background.BackgroundFolds._start
-
-    def counted(self: Any, *args: Any, **kwargs: Any) -> None:
-        starts.append(os.getpid())
-        original(self, *args, **kwargs)
-
-    _background.BackgroundFolds._start = counted  # type: ignore[method-assign]
+    starts = count_worker_starts()
     callback = EmaCkptCallback(out=opts.ema, decay=opts.decay)
     run = trainer(opts.out_dir, 8, [RecordSaves(opts.record), callback], ddp_backend="gloo")
     run.train()
-    rank = int(os.environ["RANK"])
-    result = callback.result
-    report = {"rank": rank, "world": int(os.environ["WORLD_SIZE"]), "worker_starts": len(starts),
-              "is_world_process_zero": run.state.is_world_process_zero,
-              "result": None if result is None else {"step": result.step, "folded": result.folded,
-                                                      "errors": result.errors}}
-    opts.report.mkdir(parents=True, exist_ok=True)
-    (opts.report / f"rank{rank}.json").write_text(json.dumps(report))
+    write_report(opts.report, starts, callback.result, is_world_process_zero=run.state.is_world_process_zero)
     return 0
 
 

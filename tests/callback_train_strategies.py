@@ -41,7 +41,6 @@ import argparse
 import contextlib
 import importlib
 import io
-import json
 import os
 import shutil
 import sys
@@ -306,7 +305,7 @@ def pl_run(kind: str, opts: argparse.Namespace) -> Any:
 
 def main(argv: list[str]) -> int:
     """Train (2 ranks), then rank 0 consolidates its copies; each rank reports what its callback did."""
-    from ema_ckpt.integrations import _background
+    from tests.callback_train_hf import count_worker_starts, write_report
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--kind", choices=KINDS, required=True)
@@ -317,24 +316,12 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--decay", type=float, default=0.8)
     opts = parser.parse_args(argv)
 
-    starts: list[int] = []
-    original = _background.BackgroundFolds._start
-
-    def counted(self: Any, *args: Any, **kwargs: Any) -> None:
-        starts.append(os.getpid())
-        original(self, *args, **kwargs)
-
-    _background.BackgroundFolds._start = counted  # type: ignore[method-assign]
+    starts = count_worker_starts()
     result, zero = (hf_run if opts.kind.startswith("hf-") else pl_run)(opts.kind, opts)
     rank = int(os.environ["RANK"])
     if rank == 0:
         consolidate_copies(opts.kind, opts.record)
-    report = {"rank": rank, "world": int(os.environ["WORLD_SIZE"]), "worker_starts": len(starts),
-              "global_zero": zero,
-              "result": None if result is None else {"step": result.step, "folded": result.folded,
-                                                      "errors": result.errors}}
-    opts.report.mkdir(parents=True, exist_ok=True)
-    (opts.report / f"rank{rank}.json").write_text(json.dumps(report))
+    write_report(opts.report, starts, result, global_zero=zero)
     return 0
 
 

@@ -48,3 +48,19 @@ def assert_close_relative(got: torch.Tensor, want: torch.Tensor, rel: float = 1e
     scale = want.abs().max().item() if want.numel() else 0.0
     err = (got.double() - want.double()).abs().max().item() if want.numel() else 0.0
     assert err <= rel * max(scale, 1e-30), f"max error {err:.3g} vs scale {scale:.3g}"
+
+
+def assert_ema_matches(out, want: dict[str, torch.Tensor], tmp: Path) -> dict[str, torch.Tensor]:
+    """The EMA at ``out``, consolidated by ema-ckpt into ``tmp/ema.safetensors``, has exactly
+    ``want``'s keys and matches each (:func:`assert_close_relative`); returns what it holds."""
+    from safetensors.torch import load_file
+
+    import ema_ckpt
+
+    converted = tmp / "ema.safetensors"
+    ema_ckpt.consolidate(out, converted, overwrite=True)
+    got = load_file(converted)
+    assert sorted(got) == sorted(want)
+    for key, value in want.items():
+        assert_close_relative(got[key].double(), value)
+    return got

@@ -22,7 +22,7 @@ from ema_ckpt.errors import EmaCkptError, FoldError
 from ema_ckpt.integrations.transformers import EmaCkptCallback
 from ema_ckpt.watching import INCOMING
 from tests.callback_train_hf import RecordSaves, trainer
-from tests.ema_reference import assert_close_relative, reference_ema
+from tests.ema_reference import assert_ema_matches, reference_ema
 from tests.producers.launch import free_port
 
 DECAY = 0.8
@@ -37,12 +37,7 @@ def _expected(states: dict[int, dict[str, torch.Tensor]]) -> dict[str, torch.Ten
 
 
 def _assert_ema(out: Path, states: dict[int, dict[str, torch.Tensor]], tmp_path: Path) -> None:
-    converted = tmp_path / "ema.safetensors"
-    ema_ckpt.consolidate(out, converted, overwrite=True)
-    got, want = load_file(converted), _expected(states)
-    assert sorted(got) == sorted(want)
-    for key, value in want.items():
-        assert_close_relative(got[key].double(), value)
+    assert_ema_matches(out, _expected(states), tmp_path)
 
 
 def test_every_saved_step_is_folded_with_save_total_limit_1(tmp_path):

@@ -23,12 +23,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save
+from safetensors.torch import save
 
 import ema_ckpt
 from ema_ckpt.watching import WatchFold
 from tests import test_object_storage
-from tests.ema_reference import assert_close_relative, reference_ema
+from tests.ema_reference import assert_ema_matches, reference_ema
 from tests.test_object_storage import BUCKET, download, keys_under
 
 s3 = test_object_storage.s3  # the moto server (module-scoped fixture)
@@ -86,12 +86,7 @@ def _expected(steps: list[int]) -> dict[str, torch.Tensor]:
 
 
 def _assert_ema(out: str, steps: list[int], tmp_path: Path) -> None:
-    converted = tmp_path / "ema.safetensors"
-    ema_ckpt.consolidate(out, converted, overwrite=True)
-    got, want = load_file(converted), _expected(steps)
-    assert sorted(got) == sorted(want)
-    for key, value in want.items():
-        assert_close_relative(got[key].double(), value)
+    assert_ema_matches(out, _expected(steps), tmp_path)
 
 
 def _watch(url: str, tmp: Path, *args: str) -> subprocess.Popen[str]:

@@ -18,11 +18,10 @@ from __future__ import annotations
 import contextlib
 import io
 import pickle
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any, BinaryIO, ClassVar
 
+from ..._apart import run_apart
 from ...dtypes import TORCH_NAMES, DtypeName, canonical
 from ...errors import CheckpointFormatError, UnsafePickleError
 from ...pickles.bounds import InMemoryUnpickler
@@ -60,6 +59,7 @@ class _Inert:
 
     __slots__ = ("__dict__",)
     _type_name = "object"
+    _slot_names: frozenset[str] = frozenset()
     _defaults: ClassVar[dict[str, Any]] = {}
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -101,8 +101,6 @@ class _Inert:
 
     def __repr__(self) -> str:
         return f"{self._type_name}({self.fields()})"
-
-    _slot_names: frozenset[str] = frozenset()
 
 
 def _record_class(name: str, fields: tuple[str, ...], base: type[_Inert] = _Inert,
@@ -322,19 +320,16 @@ def check_written_metadata(source: bytes | Path, keys: int) -> None:
 
 
 def _check_apart(path: Path, keys: int) -> None:
-    root = str(Path(__file__).resolve().parents[3])  # this copy of ema-ckpt, whatever the working directory
-    script = ("import pathlib, sys\n"
-              "sys.path.insert(0, sys.argv[3])\n"
+    script = ("import pathlib\n"
               "from ema_ckpt.formats.dcp.metadata_unpickle import check_written_metadata as check\n"
               "try:\n    check(pathlib.Path(sys.argv[1]).read_bytes(), int(sys.argv[2]))\n"
               "except ValueError as err:\n    print(err)\n    sys.exit(1)\n")
     try:
-        checked = subprocess.run([sys.executable, "-I", "-c", script, str(path), str(keys), root],
-                                 capture_output=True, text=True, timeout=600)
-    except (OSError, subprocess.TimeoutExpired) as err:
+        detail = run_apart(script, str(path), str(keys))
+    except OSError as err:
         raise ValueError(f"the written DCP metadata could not be checked ({err})") from None
-    if checked.returncode != 0:
-        raise ValueError(checked.stdout.strip() or (checked.stderr.strip().splitlines() or ["no output"])[-1])
+    if detail is not None:
+        raise ValueError(detail)
 
 
 def load_dcp_metadata_bytes(data: bytes, source: str) -> Any:

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from ..._apart import run_apart
 from ..._crc import crc32
 from ..._lazy import torch
 from ..._text import escaped
@@ -351,15 +352,11 @@ except Exception as err:
 def _check_loads(path: Path, header_bytes: int) -> None:
     """The written file opens with safetensors' own loader: exit 0 never leaves an unloadable file."""
     if header_bytes > _CHECK_APART_HEADER_BYTES:
-        import subprocess
-
         try:
-            checked = subprocess.run([sys.executable, "-I", "-c", _CHECK_SCRIPT, str(path)], capture_output=True,
-                                     text=True, timeout=600)
-        except (OSError, subprocess.TimeoutExpired) as err:
+            detail = run_apart(_CHECK_SCRIPT, str(path))
+        except OSError as err:
             raise OutputError(f"{path}: cannot check that the written file loads ({err})") from None
-        if checked.returncode != 0:
-            detail = checked.stdout.strip() or (checked.stderr.strip().splitlines() or ["no output"])[-1]
+        if detail is not None:
             raise CheckpointFormatError(path, f"the written file does not load in safetensors ({detail})")
         return
     from safetensors import safe_open
