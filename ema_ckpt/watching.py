@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from .discovery import Discovery, discover
-from .errors import CheckpointNotFoundError, EmaCkptError, OptionError
+from .errors import CheckpointNotFoundError, EmaCkptError, OptionError, UsageError
 from .manifest import Manifest
 from .storage import Location, as_path, close_readable, files_on_disk, local_file, open_readable, pread
 
@@ -178,7 +178,7 @@ def stage_new(folder: str | os.PathLike[str] | Location, *, after: int | Callabl
     if incoming is None:
         local = local_file(source)
         if local is None:
-            raise OptionError("incoming", f"{source} is in object storage: say where to stage its checkpoints")
+            raise UsageError(f"{source} is in object storage: pass incoming=, a local folder to stage in")
         incoming = incoming_dir(local)
     into = Path(incoming)
     found = _discover_settled(source, step_regex)
