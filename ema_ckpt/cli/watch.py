@@ -47,8 +47,9 @@ Examples:
 
   ema-ckpt watch s3://bucket/run/ckpts --decay 0.999 --out s3://bucket/run/ema --interval 60
 
-  Each complete checkpoint is hard-linked into CKPTS/.ema-ckpt-incoming the moment it is seen,
-  so retention (save_total_limit=1, save_top_k=1) cannot take it before it is folded. SIGTERM
+  Each complete checkpoint is hard-linked into CKPTS/.ema-ckpt-incoming the moment it is seen
+  (on object storage: polled every interval and downloaded into a local temporary folder), so
+  retention (save_total_limit=1, save_top_k=1) cannot take it before it is folded. SIGTERM
   or Ctrl-C: the fold in progress finishes, then exit 0 (a second one stops at once).
 """
 
