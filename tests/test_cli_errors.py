@@ -219,10 +219,11 @@ try:
     with _signals.armed():
         print("armed", flush=True)
         import slow_to_import
-        print("imported", slow_to_import.DONE, flush=True)
         time.sleep(30)
         print("not interrupted", flush=True)
 except KeyboardInterrupt as stop:
+    # the signal comes once the import is done, whenever after that: the module is whole
+    print("imported", getattr(sys.modules.get("slow_to_import"), "DONE", None), flush=True)
     print("stopped", type(stop).__name__, flush=True)
 """
 
