@@ -31,7 +31,7 @@ $(VENV)/.installed: $(VENV)/bin/python pyproject.toml
 	touch $@
 
 # DeepSpeed is a test-only producer and oracle; ema-ckpt never imports it. azurite (npm, node 18+)
-# is the Azure Blob emulator of tests/test_gcs_azure.py. timm's load_checkpoint
+# is the Azure Blob emulator of tests/object_store_scenarios.py. timm's load_checkpoint
 # is an oracle too; timm without its dependencies: it asks for torchvision, which the tests never use.
 $(VENV)/.installed-test: $(VENV)/.installed pyproject.toml
 	$(PY) -m pip install -q -e ".[test]"

@@ -1,7 +1,9 @@
-"""Checkpoints on Google Cloud Storage and Azure Blob Storage, against their emulators.
+"""Checkpoints on Google Cloud Storage and Azure Blob Storage, against their emulators: the
+scenarios, run once per store by ``tests/test_gcs.py`` and ``tests/test_azure.py`` (two files,
+so that test workers share them out).
 
 fake-gcs-server (``gs://``, through gcsfs) and azurite (``az://``, through adlfs) run on
-127.0.0.1, started by this module; each test runs once per store. Real FSDP2 checkpoints
+127.0.0.1, started by the ``store`` fixture of the file that runs the scenarios. Real FSDP2 checkpoints
 (torchrun + gloo) are uploaded, and every result on the store is compared bit for bit with
 the same command on the local copies: reading in place with ranged reads, outputs published
 whole or not at all, the lock taken with the store's own precondition (a create-only write:
@@ -36,14 +38,11 @@ from tests.dcp_helpers import write_dcp
 from tests.object_stores import BUCKET, Emulator, Faults, through_proxy
 from tests.test_object_storage import assert_same, cli, dcp_tensors
 
-pytest.importorskip("gcsfs")
-pytest.importorskip("adlfs")
 
-
-@pytest.fixture(scope="module", params=["gs", "az"])
-def store(request: pytest.FixtureRequest) -> Iterator[Emulator]:
-    """The store's emulator on loopback, its client configured from the environment."""
-    with object_stores.running(request.param) as emulator:
+def running_store(protocol: str) -> Iterator[Emulator]:
+    """The ``store`` fixture of a file running these scenarios: ``protocol``'s emulator on
+    loopback, its client configured from the environment."""
+    with object_stores.running(protocol) as emulator:
         yield emulator
 
 
