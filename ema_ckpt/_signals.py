@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import signal
 import threading
+import time
 import types
 from collections.abc import Callable, Iterator
 from typing import Any, TypedDict
@@ -68,23 +69,42 @@ def _importing(frame: types.FrameType | None) -> bool:
 
 
 def _deliver_again(signum: int) -> None:
-    """Send ``signum`` to the main thread once more, shortly, from a helper thread."""
+    """Send ``signum`` to the main thread every few milliseconds, from a helper thread, until
+    the handler takes it (see :func:`_handler`). Again and again, not once: a signal that lands
+    after the interpreter's last look and before a blocking call (a sleep, a read) would wait
+    for that call to end; the next one interrupts it."""
     main = threading.main_thread().ident
-    if main is not None:
-        timer = threading.Timer(_REDELIVERY_DELAY_S, signal.pthread_kill, (main, signum))
-        timer.daemon = True
-        timer.start()
+    if main is None or _redelivering["signum"] is not None:
+        _redelivering["signum"] = signum
+        return
+    _redelivering["signum"] = signum
+
+    def resend() -> None:
+        while True:
+            time.sleep(_REDELIVERY_DELAY_S)
+            pending = _redelivering["signum"]
+            if pending is None:
+                return
+            signal.pthread_kill(main, pending)
+
+    threading.Thread(target=resend, name="ema-ckpt-signal", daemon=True).start()
+
+
+_redelivering: dict[str, int | None] = {"signum": None}
+"""The signal being sent again while an import runs (None: none)."""
 
 
 def _handler(signum: int, frame: Any) -> None:
     deferred = _state["deferred"]
     if deferred is not None:
         _state["deferred"] = None  # a second signal interrupts as usual
+        _redelivering["signum"] = None  # taken: no more of it is sent
         deferred(signum)
         return
     if _state["armed"] and _importing(frame):
         _deliver_again(signum)  # raised once the import is done (see the module's docstring)
         return
+    _redelivering["signum"] = None  # taken: no more of it is sent
     if _state["armed"]:
         _state["armed"] = False  # a second signal during cleanup is recorded, not raised again
         _state["raised"] = signum
