@@ -270,8 +270,9 @@ def watch(
         stop_when_idle: return once this many seconds pass without a new checkpoint.
         stop: set it to stop after the fold in progress (what SIGTERM does to ``ema-ckpt watch``).
         on_fold: called after each fold that folded something.
-        on_error: called with the one-line message of a fold that failed (the loop goes on);
-            without it, the error is raised.
+        on_error: called with the one-line message of a fold that failed, or of a look at the
+            folder that failed (the loop goes on; a message is said once); without it, the
+            error is raised.
         use_inotify: wake on the folder's changes where the platform has inotify (a local
             folder; object storage is polled).
         ignore: checkpoints of the folder never staged nor folded: files the trainer writes
@@ -304,7 +305,7 @@ def watch(
     incoming = incoming_dir(local) if local is not None else Path(tempfile.mkdtemp(prefix="ema-ckpt-incoming-"))
     wake = threading.Event()
     scanner_done = threading.Event()
-    failures: list[str] = []
+    failures: list[BaseException] = []  # the scanning thread's, said by the main loop
 
     def scan() -> int:
         try:
@@ -323,7 +324,7 @@ def watch(
             try:
                 scan()
             except Exception as err:  # a scan that failed is tried again at the next look
-                failures.append(str(err))
+                failures.append(err)
             changes.wait(max(0.0, started + interval - time.monotonic()))  # a look every interval
 
     thread = None
@@ -344,11 +345,17 @@ def watch(
                     on_fold(fold)
             if result.step is not None:
                 _drop_folded(incoming, result.step, step_regex)
+            _say_scan_failures(folder, failures, result, on_error)
             if stop.is_set():
                 result.stopped = "signal" if getattr(stop, "signalled", False) else "stop"
                 break
             if stop_when_idle is not None and time.monotonic() - idle_since >= stop_when_idle:
-                if not scan() and result.staged == staged_before:  # nothing staged since the fold began
+                try:
+                    found = scan()
+                except Exception as err:
+                    failures.append(err)
+                    continue
+                if not found and result.staged == staged_before:  # nothing staged since the fold began
                     result.stopped = "idle"
                     break
                 continue
@@ -365,6 +372,7 @@ def watch(
             changes.close()
         if local is None:
             shutil.rmtree(incoming, ignore_errors=True)
+    _say_scan_failures(folder, failures, result, on_error)  # the scanner's last look
     return result
 
 
@@ -381,17 +389,38 @@ def _fold_once(accumulate: Callable[..., Any], source: Path, target: Location, o
     except Exception as err:
         if on_error is None:
             raise
-        first = (str(err).strip().splitlines() or [""])[0]
-        message = first if isinstance(err, EmaCkptError) else f"{type(err).__name__}: {first}"
-        if message not in result.errors:  # a checkpoint that stays bad is said once, not every pass
-            result.errors.append(message)
-            on_error(message)
+        _say_once(_one_line(err), result, on_error)
         return None
     result.step = done.step
     if not done.folded:
         return None
     return WatchFold(out=str(done.out), steps=[c.step for c in done.folded], step=done.step,
                      seconds=time.monotonic() - started, notes=list(done.notes))
+
+
+def _one_line(err: BaseException) -> str:
+    first = (str(err).strip().splitlines() or [""])[0]
+    return first if isinstance(err, EmaCkptError) else f"{type(err).__name__}: {first}"
+
+
+def _say_once(message: str, result: WatchResult, on_error: Callable[[str], None]) -> None:
+    """Record and say ``message`` unless it was said already: a checkpoint that stays bad, or a
+    folder that stays unreadable, is said once, not at every pass."""
+    if message not in result.errors:
+        result.errors.append(message)
+        on_error(message)
+
+
+def _say_scan_failures(folder: Location, failures: list[BaseException], result: WatchResult,
+                       on_error: Callable[[str], None] | None) -> None:
+    """Say the looks at ``folder`` that failed since the last pass (each is tried again at the
+    next look); without ``on_error``, raise the first."""
+    while failures:
+        err = failures.pop(0)
+        if on_error is None:
+            raise err
+        _say_once(f"looking for new checkpoints in {folder} failed ({_one_line(err)}); trying again", result,
+                  on_error)
 
 
 def _wait_any(stop: threading.Event, wake: threading.Event, seconds: float) -> None:

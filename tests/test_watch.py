@@ -188,3 +188,33 @@ def test_checkpoints_rewritten_in_place_are_never_staged(tmp_path):
     staged = stage_new(ckpts, ignore=[second])
     assert [p.name for p in staged] == [first.name]
     assert sorted(p.name for p in (ckpts / INCOMING).iterdir()) == [first.name]
+
+
+def test_a_look_at_the_folder_that_fails_is_said_once_and_tried_again(tmp_path):
+    """The scanning thread's failures (here: the staging folder turned into a file) reach
+    ``on_error`` once each, and the watch goes on to fold what is saved once looks work again."""
+    folder = tmp_path / "run"
+    _save(folder, 1)
+    incoming = folder / INCOMING
+    errors: list[str] = []
+
+    def mend_later() -> None:
+        _save(folder, 2)  # not staged while the staging folder is a file
+        time.sleep(1.0)
+        incoming.unlink()
+
+    mender = threading.Thread(target=mend_later)
+
+    def break_staging(fold) -> None:
+        if not mender.is_alive() and fold.step == 1:
+            shutil.rmtree(incoming)
+            incoming.write_text("not a folder")
+            mender.start()
+
+    result = ema_ckpt.watch(folder, out=tmp_path / "ema", decay=DECAY, interval=0.1, stop_when_idle=2.5,
+                            on_fold=break_staging, on_error=errors.append, use_inotify=False)
+    mender.join()
+    assert len(errors) == 1 and errors[0].startswith(f"looking for new checkpoints in {folder} failed (")
+    assert len(errors[0].splitlines()) == 1 and result.errors == errors
+    assert result.step == 2 and [f.steps for f in result.folds] == [[1], [2]]
+    _assert_ema(tmp_path / "ema", [1, 2])
