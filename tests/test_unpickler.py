@@ -121,3 +121,76 @@ def test_find_class_is_the_only_way_to_a_global():
     for protocol in (0, 2, 4):
         with pytest.raises(pickle.UnpicklingError, match=r"(__builtin__|builtins)\.print"):
             Refusing(pickle.dumps(print, protocol=protocol)).load()
+
+
+# The pure-Python unpickler with a lean memo (large DCP metadata): the same results and refusals.
+
+from ema_ckpt.pickles.memo import FetchedIndices, LeanUnpickler  # noqa: E402
+
+_SHARED = st.recursive(
+    st.none() | st.integers() | st.text(max_size=5),
+    lambda inner: st.lists(inner, max_size=4).map(lambda items: [items, tuple(items), items])  # fetched again
+    | st.dictionaries(st.text(max_size=3), inner, max_size=4),
+    max_leaves=40,
+)
+
+
+@pytest.mark.parametrize("protocol", range(0, pickle.HIGHEST_PROTOCOL + 1))
+def test_the_lean_unpickler_loads_what_pickle_dumps(protocol):
+    words = [f"word{i}" for i in range(700)]  # memo indices past 256: LONG_BINGET
+    value = {"a": [1, 2.5, "x", b"y", (None, True)], "b": bytearray(b"zz"), "c": {3: frozenset({4})},
+             "big": 2**300, "long": "é" * 300, "words": words, "again": words[::-1], "tail": tuple(words[400:])}
+    data = pickle.dumps(value, protocol=protocol)
+    unpickler = LeanUnpickler(data)
+    assert unpickler.load() == value
+    assert len(dict.keys(unpickler.memo)) < len(unpickler.memo)  # entries never fetched were not kept
+
+
+@given(value=_VALUES | _SHARED, protocol=st.integers(0, pickle.HIGHEST_PROTOCOL))
+@settings(max_examples=300, deadline=None)
+def test_the_lean_unpickler_agrees_with_pickle(value, protocol):
+    data = pickle.dumps(value, protocol=protocol) + b"trailing bytes are not read"
+    assert LeanUnpickler(data).load() == pickle.loads(data)
+
+
+@given(value=_SHARED, protocol=st.integers(0, pickle.HIGHEST_PROTOCOL))
+@settings(max_examples=200, deadline=None)
+def test_every_memo_index_fetched_is_found(value, protocol):
+    data = pickle.dumps(value, protocol=protocol)
+    fetched = FetchedIndices(data, below=0)
+    for op, arg, _pos in pickletools.genops(data):
+        if op.name in ("GET", "BINGET", "LONG_BINGET"):
+            assert arg in fetched or (op.name == "BINGET" and arg < 256)
+
+
+@given(data=st.binary(max_size=64))
+@settings(max_examples=300, deadline=None)
+def test_random_bytes_allocate_little_in_the_lean_unpickler(data):
+    tracemalloc.start()
+    with contextlib.suppress(Exception):
+        LeanUnpickler(b"\x80\x05" + data).load()
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert peak < 1 << 20
+
+
+@pytest.mark.parametrize("bomb", [
+    b"\x80\x04Nr" + struct.pack("<I", 0xFFFFFFFF) + b".",
+    b"\x80\x05\x96" + struct.pack("<Q", 10**12) + b".",
+    b"\x80\x04\x95" + struct.pack("<Q", 10**12) + b"N.",
+])
+def test_bombs_are_refused_by_the_lean_unpickler(bomb):
+    with pytest.raises(pickle.UnpicklingError):
+        LeanUnpickler(bomb).load()
+
+
+def test_the_lean_unpickler_reaches_globals_only_through_find_class():
+    class Refusing(LeanUnpickler):
+        def find_class(self, module, name):
+            raise pickle.UnpicklingError(f"{module}.{name}")
+
+    for protocol in (0, 2, 4):
+        with pytest.raises(pickle.UnpicklingError, match=r"(__builtin__|builtins)\.print"):
+            Refusing(pickle.dumps(print, protocol=protocol)).load()
+    with pytest.raises(pickle.UnpicklingError, match="Memo value not found at index 3"):
+        LeanUnpickler(b"\x80\x04h\x03.").load()

@@ -25,6 +25,8 @@ from ..._apart import run_apart
 from ...dtypes import TORCH_NAMES, DtypeName, canonical
 from ...errors import CheckpointFormatError, UnsafePickleError
 from ...pickles.bounds import InMemoryUnpickler
+from ...pickles.memo import AVAILABLE as LEAN_AVAILABLE
+from ...pickles.memo import LeanUnpickler
 from ...pickles.rules import refuse, torch_size
 
 _DCP_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
@@ -241,9 +243,10 @@ def _metadata_global(standins: dict[tuple[str, str], Any], module: str, name: st
     return None
 
 
-class _DcpMetadataUnpickler(InMemoryUnpickler):
-    def __init__(self, data: bytes, source: str) -> None:
-        super().__init__(data)
+class _MetadataGlobals:
+    """``find_class``/``persistent_load`` of a DCP metadata load (mixed into an unpickler)."""
+
+    def _admit(self, source: str) -> None:
         self._source = source
         self._standins = _fresh_standins()
 
@@ -255,6 +258,27 @@ class _DcpMetadataUnpickler(InMemoryUnpickler):
 
     def persistent_load(self, pid: Any) -> Any:
         raise refuse(self._source, "persistent_load", repr(pid)[:40])
+
+
+class _DcpMetadataUnpickler(_MetadataGlobals, InMemoryUnpickler):
+    """The C unpickler: for metadata up to :data:`_LEAN_ABOVE` bytes (fast)."""
+
+    def __init__(self, data: bytes, source: str) -> None:
+        InMemoryUnpickler.__init__(self, data)
+        self._admit(source)
+
+
+class _LeanMetadataUnpickler(_MetadataGlobals, LeanUnpickler):
+    """The pure-Python unpickler with a lean memo: for larger metadata (see :mod:`~ema_ckpt.pickles.memo`)."""
+
+    def __init__(self, data: bytes, source: str) -> None:
+        LeanUnpickler.__init__(self, data)
+        self._admit(source)
+
+
+_LEAN_ABOVE = 16 << 20
+"""Metadata longer than this (about 65,000 keys) is read by :class:`_LeanMetadataUnpickler`:
+about 3x the time of the C unpickler, at a peak about 170 MiB lower per 200,000 keys."""
 
 
 class _Bag:
@@ -340,7 +364,9 @@ def load_dcp_metadata_bytes(data: bytes, source: str) -> Any:
     names the file in error messages.
     """
     try:
-        obj = _DcpMetadataUnpickler(data, source).load()
+        lean = LEAN_AVAILABLE and len(data) > _LEAN_ABOVE
+        unpickler = (_LeanMetadataUnpickler if lean else _DcpMetadataUnpickler)(data, source)
+        obj = unpickler.load()
     except UnsafePickleError:
         raise
     except Exception as err:  # any malformed pickle: one clean line, never a traceback
