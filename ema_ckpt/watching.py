@@ -167,13 +167,17 @@ def ema_step(out: str | Location) -> int | None:
 
 def stage_new(folder: str | os.PathLike[str] | Location, *, after: int | Callable[[], int | None] | None = None,
               step_regex: str | None = None, incoming: str | os.PathLike[str] | None = None,
-              ignore: Sequence[str | os.PathLike[str] | Location] = ()) -> list[Path]:
+              ignore: Sequence[str | os.PathLike[str] | Location] = (),
+              on_failure: Callable[[Location, OSError], None] | None = None) -> list[Path]:
     """Stage every complete checkpoint of ``folder`` newer than step ``after`` not staged yet,
     into ``incoming`` (default :func:`incoming_dir`; required for a folder in object storage),
     but those in ``ignore``.
 
     ``after`` may be a function (the EMA's step as it is now, asked after each staged copy is
-    looked for, so a copy folded and removed meanwhile is not staged again)."""
+    looked for, so a copy folded and removed meanwhile is not staged again). A checkpoint that
+    cannot be staged (a copy refused, a download cut) does not keep the others from being
+    staged: it goes to ``on_failure``, or without it the first such error is raised once the
+    others are staged."""
     source = as_path(folder)
     if incoming is None:
         local = local_file(source)
@@ -184,14 +188,24 @@ def stage_new(folder: str | os.PathLike[str] | Location, *, after: int | Callabl
     found = _discover_settled(source, step_regex)
     left_out = {str(as_path(path)) for path in ignore}
     staged = []
+    failed: OSError | None = None
     for checkpoint in found.checkpoints:
         if (into / checkpoint.path.name).exists() or str(checkpoint.path) in left_out:
             continue
         newest = after() if callable(after) else after  # after the look: a fold removes its copies last
         if newest is not None and checkpoint.step <= newest:
             continue
-        with contextlib.suppress(FileNotFoundError):  # gone before all of it could be staged
+        try:
             staged.append(stage(checkpoint.path, into))
+        except FileNotFoundError:  # gone before all of it could be staged
+            continue
+        except OSError as err:
+            if on_failure is not None:
+                on_failure(checkpoint.path, err)
+            elif failed is None:
+                failed = err
+    if failed is not None:
+        raise failed
     return staged
 
 
@@ -307,10 +321,13 @@ def watch(
     scanner_done = threading.Event()
     failures: list[BaseException] = []  # the scanning thread's, said by the main loop
 
+    def not_staged(checkpoint: Location, err: OSError) -> None:
+        failures.append(OSError(f"{checkpoint} could not be staged ({err.strerror or err})"))
+
     def scan() -> int:
         try:
             staged = stage_new(folder, after=lambda: result.step, step_regex=step_regex, incoming=incoming,
-                               ignore=ignore)
+                               ignore=ignore, on_failure=not_staged)
         except CheckpointNotFoundError:
             return 0
         result.staged += len(staged)

@@ -218,3 +218,27 @@ def test_a_look_at_the_folder_that_fails_is_said_once_and_tried_again(tmp_path):
     assert len(errors[0].splitlines()) == 1 and result.errors == errors
     assert result.step == 2 and [f.steps for f in result.folds] == [[1], [2]]
     _assert_ema(tmp_path / "ema", [1, 2])
+
+
+@pytest.mark.fast
+def test_a_checkpoint_that_cannot_be_staged_does_not_hold_up_the_others(tmp_path, monkeypatch):
+    from ema_ckpt import watching
+
+    ckpts = tmp_path / "ckpts"
+    for step in (1, 2, 3):
+        _save(ckpts, step)
+    real_stage = watching.stage
+
+    def refusing(checkpoint, incoming):
+        if Path(str(checkpoint)).name == "checkpoint-2":
+            raise PermissionError(13, "Permission denied", str(checkpoint))
+        return real_stage(checkpoint, incoming)
+
+    monkeypatch.setattr(watching, "stage", refusing)
+    failed = []
+    staged = watching.stage_new(ckpts, on_failure=lambda path, err: failed.append((path.name, err.errno)))
+    assert [p.name for p in staged] == ["checkpoint-1", "checkpoint-3"] and failed == [("checkpoint-2", 13)]
+    shutil.rmtree(ckpts / INCOMING)
+    with pytest.raises(PermissionError):
+        watching.stage_new(ckpts)  # without on_failure: raised once the others are staged
+    assert sorted(p.name for p in (ckpts / INCOMING).iterdir()) == ["checkpoint-1", "checkpoint-3"]
