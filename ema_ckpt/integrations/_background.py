@@ -168,7 +168,7 @@ class BackgroundFolds:
             elif event.get("event") == "stopped":
                 self.done.step = event.get("step", self.done.step)
         stderr = process.stderr.read()
-        stopped = self._stopping and process.wait() == -signal.SIGTERM  # killed before its handler was set
+        stopped = self._stopping and process.wait() == -signal.SIGTERM  # killed as Python started, before its handler
         if process.wait() != 0 and not said and not stopped:
             last = (stderr.strip().splitlines() or ["the fold worker exited with " + str(process.returncode)])[-1]
             self.done.errors.append(last)

@@ -1,6 +1,11 @@
 """The worker process of :class:`~ema_ckpt.integrations._background.BackgroundFolds`:
 :func:`ema_ckpt.watch` over a folder until it is idle for ``idle`` seconds or gets SIGTERM
-(then one last pass), its events as JSON lines."""
+(then one last pass), its events as JSON lines.
+
+The SIGTERM handler is set before anything heavy is imported (:mod:`ema_ckpt.watching` loads
+torch, seconds): a training that ends while the worker starts still gets its last pass. The
+handler only sets an event, so it may run anywhere, an import's C++ initialisation included
+(it raises nothing that would have to unwind through it)."""
 
 from __future__ import annotations
 
@@ -17,12 +22,19 @@ def _print(event: dict[str, Any]) -> None:
 
 
 def main(argv: list[str]) -> int:
+    stop = threading.Event()  # first: the handler sets it, whenever the signal comes
+
+    def on_sigterm(signum: int, frame: object) -> None:  # the training ended: a last pass, then exit
+        # once is enough: a second SIGTERM run inside this one's set() would wait for its lock forever
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_sigterm)  # main() runs in the main thread, as signal.signal requires
+
     from ..errors import EmaCkptError
     from ..watching import WatchFold, watch
 
     job = json.loads(argv[0])
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())  # the training ended: a last pass, then exit
 
     def on_fold(fold: WatchFold) -> None:
         _print({"event": "fold", "steps": fold.steps, "step": fold.step, "seconds": fold.seconds})
