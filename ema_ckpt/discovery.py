@@ -46,7 +46,7 @@ from .manifest import MANIFEST_NAME
 from .saves import save_in_progress
 from .selection import select_keys
 from .steps import EPOCHS, StepRecord, StepUnknown, step_from_name, step_record
-from .storage import Location, as_path, forget_listings, is_location, local_file
+from .storage import Location, as_path, forget_listings, is_location, local_file, one_look
 
 CHECKPOINT_FILE_SUFFIXES = (*TORCH_SUFFIXES, ".safetensors")
 """Files a folder scan looks at as possible checkpoints; other files are left unread."""
@@ -399,7 +399,7 @@ def discover(
     used: set[Location] = set()
     for raw in paths:
         path = as_path(raw)
-        with reading_input(path):
+        with reading_input(path), one_look(path):  # in object storage: one listing answers the look
             _discover_one(path, found, step_regex, excluded, skipped, used)
     for target in skipped:
         if target not in used:

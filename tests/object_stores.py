@@ -194,15 +194,20 @@ class _Proxy(socketserver.ThreadingMixIn, http.server.HTTPServer):
 class Faults:
     """What a :func:`fault_proxy` does: answer every ``every``-th request with 503 and drop the
     connection of every ``drop_every``-th without an answer; after ``refuse_after_writes``
-    writes of data files (a method that sends a body, ``data_key`` in its URL), refuse every
-    request with ``refuse_status``; with ``stall_ranges``, take each ranged read and never answer."""
+    writes of data files (a method that sends a body, ``data_key`` in its URL, or with
+    ``name_in_body`` in the first 4 KiB of its body: a GCS multipart upload names its object
+    there), refuse every request with ``refuse_status``; with ``stall_ranges``, take each ranged
+    read and never answer. ``error_body``: the body of each 503 and refusal (S3's ``SlowDown``
+    XML, so that its clients back off as from a real store)."""
 
     every: int = 10**9
     drop_every: int = 10**9
     refuse_after_writes: int | None = None
     refuse_status: int = 403
     data_key: str = ".distcp"
+    name_in_body: bool = True
     stall_ranges: bool = False
+    error_body: bytes = b""
     requests: int = 0
     answered_503: int = 0
     dropped: int = 0
@@ -232,7 +237,8 @@ def fault_proxy(target: str, faults: Faults) -> tuple[_Proxy, str]:
                 number = faults.requests
                 refusing = faults.refuse_after_writes is not None and faults.writes >= faults.refuse_after_writes
                 # an object's name is in the URL (S3, Azure) or in a multipart upload's metadata (GCS)
-                named = faults.data_key in urllib.parse.unquote(self.path) or faults.data_key.encode() in body[:4096]
+                named = faults.data_key in urllib.parse.unquote(self.path) or (
+                    faults.name_in_body and faults.data_key.encode() in body[:4096])
                 if self.command in ("PUT", "POST") and named and not refusing:
                     faults.writes += 1
             ranged = self.headers.get("Range") or self.headers.get("x-ms-range")
@@ -251,8 +257,9 @@ def fault_proxy(target: str, faults: Faults) -> tuple[_Proxy, str]:
                     with lock:
                         faults.answered_503 += 1
                 self.send_response(status)
-                self.send_header("Content-Length", "0")
+                self.send_header("Content-Length", str(len(faults.error_body)))
                 self.end_headers()
+                self.wfile.write(faults.error_body)
                 return
             connection = http.client.HTTPConnection(host, int(port), timeout=60)
             try:

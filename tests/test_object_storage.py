@@ -7,19 +7,16 @@ compared bit for bit with the same command on the local copies.
 
 from __future__ import annotations
 
-import http.server
 import json
 import logging
 import os
 import shlex
 import shutil
 import socket
-import socketserver
 import subprocess
 import sys
 import threading
 import time
-import urllib.request
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -34,6 +31,7 @@ from ema_ckpt.formats import open_checkpoint
 from ema_ckpt.layout import Box
 from ema_ckpt.storage import as_path, object_clients, object_paths, object_reads
 from tests.dcp_helpers import dcp_sequence_with_hole, write_dcp
+from tests.object_stores import Faults, fault_proxy
 
 moto_server = pytest.importorskip("moto.server")
 boto3 = pytest.importorskip("boto3")
@@ -264,78 +262,21 @@ def test_safetensors_checkpoints_are_read_in_place(s3, tmp_path):
     assert torch.equal(a["w"], b["w"]) and torch.equal(a["w"], torch.full((40, 4), 20.0))
 
 
-class _FlakyProxy(socketserver.ThreadingMixIn, http.server.HTTPServer):
-    daemon_threads = True
-
-
-def _flaky_proxy(target: str, every: int, fail_after_puts: int | None = None,
-                 data_key: str = ".distcp", silent_ranges: bool = False) -> tuple[_FlakyProxy, list[int]]:
-    """A loopback HTTP proxy answering every ``every``-th request with 503 SlowDown; with
-    ``fail_after_puts``, every request after that many PUTs of data files (keys containing
-    ``data_key``): the server gone mid-write; with ``silent_ranges``, a ranged GET is taken and
-    never answered: a store that stops answering mid-read."""
-    counts = [0, 0, 0]  # requests, 503s sent, PUTs forwarded
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-        def _forward(self) -> None:
-            body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-            counts[0] += 1
-            if silent_ranges and self.command == "GET" and self.headers.get("Range"):
-                time.sleep(3600)  # the connection stays open; not a byte comes back
-                return
-            gone = fail_after_puts is not None and counts[2] >= fail_after_puts
-            if self.command == "PUT" and data_key in self.path and not gone:
-                counts[2] += 1
-            if counts[0] % every == 0 or gone:
-                counts[1] += 1
-                error = b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>"
-                self.send_response(503)
-                self.send_header("Content-Length", str(len(error)))
-                self.end_headers()
-                self.wfile.write(error)
-                return
-            headers = {k: v for k, v in self.headers.items() if k.lower() not in ("host", "expect")}
-            headers.setdefault("Content-Type", "application/octet-stream")  # else urllib says: a form
-            request = urllib.request.Request(target + self.path, data=body or None, method=self.command,
-                                             headers=headers)
-            try:
-                with urllib.request.urlopen(request) as answer:
-                    status, headers, data = answer.status, answer.headers, answer.read()
-            except urllib.error.HTTPError as err:
-                status, headers, data = err.code, err.headers, err.read()
-            self.send_response(status)
-            for key, value in headers.items():
-                if key.lower() not in ("content-length", "transfer-encoding", "connection"):
-                    self.send_header(key, value)
-            # a HEAD's length is the object's, from the server; it has no body
-            length = headers.get("Content-Length", "0") if self.command == "HEAD" else str(len(data))
-            self.send_header("Content-Length", length)
-            self.end_headers()
-            if self.command != "HEAD":
-                self.wfile.write(data)
-
-        do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = _forward
-
-    proxy = _FlakyProxy(("127.0.0.1", 0), Handler)
-    threading.Thread(target=proxy.serve_forever, daemon=True).start()
-    return proxy, counts
+SLOW_DOWN = b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>"
+"""S3's answer to a client that should back off (with status 503): what :func:`fault_proxy` answers here."""
 
 
 def test_transient_errors_are_retried_to_the_same_result(run, s3, tmp_path):
     local, url = run
-    proxy, counts = _flaky_proxy(s3, every=20)
+    faults = Faults(every=20, error_body=SLOW_DOWN)
+    proxy, endpoint = fault_proxy(s3, faults)
     try:
-        _use_endpoint(f"http://127.0.0.1:{proxy.server_address[1]}")
+        _use_endpoint(endpoint)
         cli("accumulate", url, "--decay", "0.9", "--out", tmp_path / "ema")
     finally:
         _use_endpoint(s3)
         proxy.shutdown()
-    assert counts[1] > 0
+    assert faults.answered_503 > 0
     cli("accumulate", local, "--decay", "0.9", "--out", tmp_path / "ema-local")
     assert_same(dcp_tensors(tmp_path / "ema"), dcp_tensors(tmp_path / "ema-local"))
 
@@ -344,10 +285,10 @@ def test_a_store_that_stops_answering_ends_the_run_within_the_bound(run, s3, tmp
     _, url = run
     monkeypatch.setenv("EMA_CKPT_REMOTE_TIMEOUT", "1")
     monkeypatch.setenv("EMA_CKPT_REMOTE_ATTEMPTS", "2")
-    proxy, _counts = _flaky_proxy(s3, every=10**9, silent_ranges=True)
+    proxy, endpoint = fault_proxy(s3, Faults(stall_ranges=True))
     started = time.monotonic()
     try:
-        _use_endpoint(f"http://127.0.0.1:{proxy.server_address[1]}")
+        _use_endpoint(endpoint)
         message = cli("accumulate", url, "--decay", "0.9", "--out", tmp_path / "ema", code=9)
     finally:
         _use_endpoint(s3)
@@ -659,8 +600,12 @@ def test_a_holder_whose_lease_ran_out_cannot_publish_or_release_the_next_holders
         assert [k for k in keys_under(f"s3://{BUCKET}/stale") if ".lock" in k] == [f".ema.lock/{fresh.number:012d}"]
 
 
-class _FailingAfter(socketserver.ThreadingMixIn, http.server.HTTPServer):
-    daemon_threads = True
+def _server_gone_after_one_write(data_key: str) -> Faults:
+    """The server stopped after the first PUT of a data file (``data_key`` in its key): every
+    request from then on is answered 503 SlowDown. Only keys count: a manifest that names the
+    data files in its body is no write of one."""
+    return Faults(refuse_after_writes=1, refuse_status=503, error_body=SLOW_DOWN, data_key=data_key,
+                  name_in_body=False)
 
 
 def test_a_run_cut_off_mid_upload_leaves_the_previous_ema_and_the_rerun_recovers(run, s3, tmp_path, monkeypatch):
@@ -671,11 +616,11 @@ def test_a_run_cut_off_mid_upload_leaves_the_previous_ema_and_the_rerun_recovers
     _upload_the_rest(steps, "cut")
     # the server goes away after the new generation's marker and first data file: every
     # request from then on fails, as a server stopped mid-write does
-    proxy, _ = _flaky_proxy(s3, every=10**9, fail_after_puts=1)
+    proxy, endpoint = fault_proxy(s3, _server_gone_after_one_write(".distcp"))
     monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
     monkeypatch.setenv("EMA_CKPT_LOCK_LEASE", "2")  # its lock, which it cannot remove, expires soon
     try:
-        _use_endpoint(f"http://127.0.0.1:{proxy.server_address[1]}")
+        _use_endpoint(endpoint)
         message = cli("accumulate", src, "--decay", "0.9", "--out", out, code=9)
     finally:
         _use_endpoint(s3)
@@ -805,11 +750,11 @@ def test_a_consolidate_cut_off_mid_upload_leaves_the_previous_shards_and_the_rer
     cli("consolidate", steps[1], "--out", f"{out}/", "--max-shard-size", SHARD)
     cli("consolidate", steps[1], "--out", f"{tmp_path / 'old'}/", "--max-shard-size", SHARD)
     before = _objects(out)
-    proxy, _ = _flaky_proxy(s3, every=10**9, fail_after_puts=1, data_key=".safetensors")  # gone after one shard
+    proxy, endpoint = fault_proxy(s3, _server_gone_after_one_write(".safetensors"))  # gone after one shard
     monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
     monkeypatch.setenv("EMA_CKPT_LOCK_LEASE", "2")
     try:
-        _use_endpoint(f"http://127.0.0.1:{proxy.server_address[1]}")
+        _use_endpoint(endpoint)
         message = cli("consolidate", steps[-1], "--out", f"{out}/", "--max-shard-size", SHARD, "--overwrite", code=9)
     finally:
         _use_endpoint(s3)
@@ -863,11 +808,11 @@ def test_a_sweep_cut_off_between_an_outputs_data_and_manifest_is_finished_by_the
     for step in steps[3:]:
         upload(step, f"sweep-cut/ckpts/{step.name}")
     # the first output's model.safetensors is put (its switch); its manifest is not
-    proxy, _ = _flaky_proxy(s3, every=10**9, fail_after_puts=1, data_key="model.safetensors")
+    proxy, endpoint = fault_proxy(s3, _server_gone_after_one_write("model.safetensors"))
     monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
     monkeypatch.setenv("EMA_CKPT_LOCK_LEASE", "2")
     try:
-        _use_endpoint(f"http://127.0.0.1:{proxy.server_address[1]}")
+        _use_endpoint(endpoint)
         cli("posthoc", src, *args, "--out", out, "--overwrite", code=9)
     finally:
         _use_endpoint(s3)

@@ -22,7 +22,7 @@ from .local_files import (
     start_writeback,
 )
 from .local_publish import discard_on_error
-from .locations import Location, as_path, is_location, local_file, local_path, output_location
+from .locations import Location, as_path, is_location, local_file, local_path, one_look, output_location
 from .object_clients import forget_listings
 from .object_publish import new_generation
 from .object_reads import remote_concurrency
@@ -63,6 +63,7 @@ __all__ = [
     "local_file",
     "local_path",
     "new_generation",
+    "one_look",
     "open_readable",
     "open_structure",
     "output_location",

@@ -17,7 +17,9 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeAlias
 
@@ -25,7 +27,8 @@ if TYPE_CHECKING:
     from typing_extensions import TypeIs
 
 from .object_clients import filesystem
-from .object_paths import URL, RemotePath
+from .object_listings import looking
+from .object_paths import URL, RemotePath, listing_of
 
 Location: TypeAlias = "Path | RemotePath"
 """A file or folder on a local disk or in object storage."""
@@ -80,4 +83,14 @@ def output_location(out: str | os.PathLike[str] | RemotePath) -> Location:
     return path
 
 
-__all__ = ["Location", "as_path", "is_location", "local_file", "local_path", "output_location"]
+@contextlib.contextmanager
+def one_look(path: Location) -> Iterator[None]:
+    """Within it, this thread's questions about entries under ``path`` in object storage (is it
+    there, a folder, its size, the names in a folder) are answered from one recursive listing
+    taken on entry, not a request each (:mod:`~ema_ckpt.storage.object_listings`); a local
+    ``path`` is looked at as always. Nothing is kept for a later look."""
+    with looking(listing_of(path) if isinstance(path, RemotePath) else None):
+        yield
+
+
+__all__ = ["Location", "as_path", "is_location", "local_file", "local_path", "one_look", "output_location"]

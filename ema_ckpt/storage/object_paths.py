@@ -24,6 +24,7 @@ from typing import Any
 
 from ..errors import EmaCkptError, RemoteStorageError
 from .object_clients import ATTEMPTS_ENV, TIMEOUT_ENV, filesystem, request_timeout
+from .object_listings import Listing, current, read_small
 
 URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://(.*)$")
 """``protocol://rest``: a location on a storage protocol."""
@@ -137,6 +138,10 @@ class RemotePath:
         return PurePosixPath(self._key).relative_to(other._key)
 
     def _info(self) -> dict[str, Any] | None:
+        listing = current(self.protocol, self._key)
+        if listing is not None:  # a look under way: its listing answers
+            known = listing.info(self._key)
+            return None if known is None else dict(known)
         try:
             info: dict[str, Any] = call(self, self.fs.info, self._key)
         except FileNotFoundError:
@@ -166,6 +171,13 @@ class RemotePath:
     def iterdir(self, *, fresh: bool = False) -> Iterator[RemotePath]:
         """The entries under this prefix; ``fresh``: from a new listing, not one kept for a few
         seconds (:data:`LISTING_SECONDS`)."""
+        listing = None if fresh else current(self.protocol, self._key)
+        if listing is not None:  # a look under way: its listing answers
+            children = listing.children(self._key)
+            if children is None:
+                raise FileNotFoundError(errno.ENOENT, "no such prefix", str(self))
+            yield from (RemotePath(self.protocol, child) for child in children)
+            return
         if fresh:
             self.fs.invalidate_cache(self._key)
         try:
@@ -186,7 +198,17 @@ class RemotePath:
             yield RemotePath(self.protocol, str(name))
 
     def read_bytes(self) -> bytes:
-        data: bytes = call(self, self.fs.cat_file, self._key)
+        """The object's bytes (during a look, a small one already read in that version is kept)."""
+        return read_small(self.protocol, self._key, self._read_all)
+
+    def _read_all(self, size: int | None) -> bytes:
+        """The whole object; ``size`` (as listed) saves asking for it: one ranged request for a
+        byte more, whose answer is the whole object unless it grew since (then read again)."""
+        if size:
+            data: bytes = call(self, self.fs.cat_file, self._key, start=0, end=size + 1)
+            if len(data) <= size:
+                return data
+        data = call(self, self.fs.cat_file, self._key)
         return data
 
     def write_bytes(self, data: bytes, *, exclusive: bool = False) -> None:
@@ -224,6 +246,25 @@ def call(where: RemotePath, func: Any, *args: Any, **kwargs: Any) -> Any:
             raise RemoteStorageError(f"{where}: no answer within {request_timeout():g} s, on every attempt "
                                      f"({type(err).__name__}; {TIMEOUT_ENV}, {ATTEMPTS_ENV})") from None
         raise RemoteStorageError(f"{where}: {type(err).__name__}: {_first_line(err)}") from None
+
+
+def listing_of(path: RemotePath) -> Listing | None:
+    """Every object under ``path`` from one recursive listing (None: nothing under it, or it
+    is missing: the store is asked as usual). The filesystem's own cache of folder listings
+    is left as it was."""
+    fs = path.fs
+    cache = getattr(fs, "dircache", None)
+    before = set(cache) if cache is not None else set()
+    try:
+        found = call(path, fs.find, path.key, withdirs=True, detail=True)
+    except FileNotFoundError:
+        return None
+    finally:
+        if cache is not None:
+            for key in set(cache) - before:
+                cache.pop(key, None)
+    listing = Listing(path.protocol, path.key, found if isinstance(found, dict) else {})
+    return listing if listing else None
 
 
 def delete_objects(paths: list[RemotePath]) -> None:
