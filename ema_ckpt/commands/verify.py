@@ -259,41 +259,52 @@ def _record_checks(path: Location, reader: CheckpointReader) -> list[_Check]:
 
     DCP: every record the metadata names (optimizer and bytes entries too); DeepSpeed: every
     ``.pt`` file of the tag; a ``torch.save`` file: itself. Safetensors carries no checksum.
-    The first check of each file counts it in :attr:`VerifyResult.hashed_files`.
+    The first check of each file counts it in :attr:`VerifyResult.hashed_files`. Records are
+    checked in batches (see :data:`_BATCH_KEYS`).
     """
     checks = []
     seen: set[str] = set()
+    batch: list[tuple[str, int, int, bool]] = []
+    cost = 0
     for file, offset, length in reader.stored_records():
-        first = file not in seen
+        batch.append((file, offset, length, file not in seen))
         seen.add(file)
-
-        def check(part: VerifyResult, tally: Tally, file: str = file, offset: int = offset, length: int = length,
-                  first: bool = first) -> None:
-            whole = reader.whole_file_records
-            name = str(path / file) if whole else f"{path / file} (record at offset {offset})"
-            try:
-                source = reader.open_record(file, offset, length)
-            except EmaCkptError as err:
-                part.problem(str(err))
-                return
-            except OSError as err:
-                part.problem(f"{path / file}: cannot read ({err.strerror})")
-                return
-            with contextlib.closing(source):
-                if _zip_crcs_ok(source, name, part):
-                    part.records += 1
-                    part.bytes_hashed += length
-                    part.hashed_files += first
-            tally.add(length, name)
-
-        checks.append(_Check(length, check))
+        cost += length
+        if cost >= _BATCH_BYTES or len(batch) >= _BATCH_KEYS:
+            checks.append(_Check(cost, functools.partial(_check_records, path, reader, batch)))
+            batch, cost = [], 0
+    if batch:
+        checks.append(_Check(cost, functools.partial(_check_records, path, reader, batch)))
     return checks
+
+
+def _check_records(path: Location, reader: CheckpointReader, records: Sequence[tuple[str, int, int, bool]],
+                   part: VerifyResult, tally: Tally) -> None:
+    """The CRC-32s of ``records`` (file, offset, length, the file's first record)."""
+    whole = reader.whole_file_records
+    for file, offset, length, first in records:
+        name = str(path / file) if whole else f"{path / file} (record at offset {offset})"
+        try:
+            source = reader.open_record(file, offset, length)
+        except EmaCkptError as err:
+            part.problem(str(err))
+            continue
+        except OSError as err:
+            part.problem(f"{path / file}: cannot read ({err.strerror})")
+            continue
+        with contextlib.closing(source):
+            if _zip_crcs_ok(source, name, part):
+                part.records += 1
+                part.bytes_hashed += length
+                part.hashed_files += first
+        tally.add(length, name)
 
 
 _BATCH_BYTES = 64 << 20
 _BATCH_KEYS = 4096
-"""Keys are read back in batches of about this many bytes, or this many keys: a check per key
-would cost about 1 KiB of bookkeeping each (200 MiB at 200,000 keys)."""
+"""Keys are read back, and records' checksums checked, in batches of about this many bytes, or
+this many keys or records: a check for each would cost about 1 KiB of bookkeeping (200 MiB at
+200,000 keys)."""
 
 
 def _read_checks(reader: CheckpointReader, block_bytes: int, *, records_checked: bool = False) -> list[_Check]:
