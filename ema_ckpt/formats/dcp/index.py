@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import stat
 import weakref
+from collections.abc import Iterator, Mapping
 from typing import Any
 
-from ...dtypes import DtypeName, itemsize
+from ...dtypes import DtypeName, itemsize, torch_dtype
 from ...errors import CheckpointFormatError
-from ...layout import Box, boxes_cover
+from ...layout import Box, TensorSpec, boxes_cover
 from ...storage import Location
 from .metadata import METADATA_FILE, StoredChunk, load_metadata, metadata_int, planner_data_of
 
@@ -32,7 +33,7 @@ class Structure:
                  chunks: dict[str, list[StoredChunk]], starts: dict[str, tuple[tuple[int, ...], int]],
                  packed: PackedChunks | None = None) -> None:
         self.planner_data, self.stored, self.chunks, self.starts = planner_data, stored, chunks, starts
-        self.specs: dict[str, Any] | None = None  # TensorSpecs, built on first use (they need torch)
+        self.specs: StoredSpecs | None = None  # made on first use
         self.packed = packed
 
     def packed_chunks(self) -> PackedChunks:
@@ -52,6 +53,34 @@ class Structure:
         if packed is not None:
             return packed is self.packed or (packed == self.packed_chunks() and list(packed) == list(self.stored))
         return chunks == self.chunks and list(chunks) == list(self.stored)
+
+
+class StoredSpecs(Mapping[str, TensorSpec]):
+    """{key: TensorSpec}, each made when it is looked up from {key: (shape, dtype name)}: kept,
+    200,000 specs would cost about 18 MiB.
+
+    Example:
+        >>> StoredSpecs({"w": ((2, 3), "float32")})["w"].shape
+        (2, 3)
+    """
+
+    __slots__ = ("_stored",)
+
+    def __init__(self, stored: Mapping[str, tuple[tuple[int, ...], str]]) -> None:
+        self._stored = stored
+
+    def __getitem__(self, key: str) -> TensorSpec:
+        shape, dtype = self._stored[key]
+        return TensorSpec(key, shape, torch_dtype(dtype))
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._stored
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._stored)
+
+    def __len__(self) -> int:
+        return len(self._stored)
 
 
 _recent: list[weakref.ref[Structure]] = []
@@ -86,10 +115,13 @@ def shared_structure(planner_data: dict[str, tuple[str, ...]], stored: dict[str,
 
 def starts_of(stored: dict[str, tuple[tuple[int, ...], str]], chunks: dict[str, list[StoredChunk]]
               ) -> dict[str, tuple[tuple[int, ...], int]]:
-    """Per key, its chunks' dim-0 offsets (sorted) and the longest dim-0 size: for bisection."""
+    """Per key of several chunks, its chunks' dim-0 offsets (sorted) and the longest dim-0 size:
+    for bisection (a key of one chunk needs none)."""
     seen: dict[tuple[tuple[int, ...], int], tuple[tuple[int, ...], int]] = {}
     starts = {}
     for key, items in chunks.items():
+        if len(items) < 2:
+            continue
         found = ((tuple(c.box.offsets[0] for c in items), max((c.box.sizes[0] for c in items), default=0))
                  if stored[key][0] else ((), 0))
         starts[key] = seen.setdefault(found, found)  # one object per distinct value: most are ((0,), n)

@@ -56,7 +56,7 @@ class DcpOutput(OutputWriter):
         self.world_size = world_size
         self.max_file_bytes = max_file_bytes
         self.max_chunk_bytes = max_chunk_bytes
-        self.planner_data = dict(planner_data or {})
+        self.planner_data: Mapping[str, tuple[str, ...]] = planner_data if planner_data is not None else {}  # read only
         self._tensors: list[OutputTensor] = []
         self._files: dict[str, tuple[int, int]] = {}
         self._writer: Any = None

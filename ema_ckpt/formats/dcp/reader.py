@@ -24,14 +24,14 @@ from typing import IO, Any
 
 from ..._gc import paused_gc
 from ..._lazy import torch
-from ...dtypes import itemsize, torch_dtype
+from ...dtypes import itemsize
 from ...errors import CheckpointFormatError
 from ...layout import Box, TensorSpec
 from ...storage import Location, Readable, as_path, pread
 from ...torch_records import FileWindow, TensorRecord
 from ...torch_records.checks import ReadChecks
 from ..base import CheckpointFormat, CheckpointReader, register_format
-from .index import MetadataIndex, shared_structure
+from .index import MetadataIndex, StoredSpecs, shared_structure
 from .metadata import METADATA_FILE, StoredChunk, incomplete, is_dcp
 from .records import ChunkRecords
 
@@ -54,7 +54,7 @@ class DcpReader(MetadataIndex, ChunkRecords, CheckpointReader):
         self._names: dict[str, str] = {}
         self._fallback: tuple[tuple[str, int], torch.Tensor] | None = None
         self._records: dict[tuple[str, int], tuple[int, TensorRecord] | None] = {}
-        self._specs: dict[str, TensorSpec] | None = None  # built on first use: needs torch
+        self._specs: Mapping[str, TensorSpec] | None = None  # made on first use
         self.read_checks = ReadChecks(self._name, lambda file, n, offset: pread(self._fd(file), n, offset))
         if shared is not None:  # parsed by another worker: see share()
             for name in self._SHARED:
@@ -87,10 +87,7 @@ class DcpReader(MetadataIndex, ChunkRecords, CheckpointReader):
         if self._specs is None:
             structure = self._structure
             if structure.specs is None:
-                with paused_gc():
-                    structure.specs = {
-                        key: TensorSpec(key, shape, torch_dtype(dtype)) for key, (shape, dtype) in self._stored.items()
-                    }
+                structure.specs = StoredSpecs(self._stored)
             self._specs = structure.specs
         return self._specs
 
@@ -173,7 +170,7 @@ class DcpReader(MetadataIndex, ChunkRecords, CheckpointReader):
     def _candidates(self, key: str, box: Box) -> list[StoredChunk]:
         """Stored chunks that may intersect ``box``: a bisection on dim-0 offsets."""
         chunks = self._chunks[key]
-        if not box.sizes:
+        if not box.sizes or len(chunks) < 2:
             return chunks
         starts, longest = self._starts[key]
         lo = bisect.bisect_left(starts, box.offsets[0] - longest + 1)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 from array import array
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -245,7 +246,7 @@ class DcpWriter:
 
     def finish(
         self,
-        planner_data: dict[str, tuple[str, ...]] | None = None,
+        planner_data: Mapping[str, tuple[str, ...]] | None = None,
         others: list[WriterState] | tuple[WriterState, ...] = (),
         key_order: list[str] | None = None,
     ) -> list[WrittenFile]:
