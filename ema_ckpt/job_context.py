@@ -10,6 +10,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -138,28 +139,10 @@ class JobContext:
             progress = _ReadsProgress(self.on_progress, by_file, self.workers.claim_order(costs), sources, outputs,
                                       by_key)
 
-        def compute() -> tuple[list[Any], EngineStats]:
-            stats = EngineStats(per_output_bytes=[0] * len(outputs))
-            with frozen_heap():  # the plan's regions and specs live for the whole loop
-                try:
-                    for index in claims:  # a whole output file at a time
-                        part = combine_regions(sources, outputs, writers, by_file[index], by_key,
-                                               copy_source=copy_source, accumulate_dtype=accumulate_dtype,
-                                               on_progress=None if progress is None else progress.file(index),
-                                               device=self.device, check_finite=check_finite)
-                        stats.add(part)
-                except BaseException:
-                    claims.stop()
-                    raise
-            if progress is not None:
-                progress.finish()
-            states = [w.close() for w in writers]
-            for writer, state in zip(writers, states, strict=True):
-                self._destination_of(writer).upload_data(writer.staging, writer.own_files(state))
-            return states, stats
-
         try:
-            states, stats = self.workers.run(compute)
+            states, stats = self.workers.run(functools.partial(
+                self._stream, sources, outputs, writers, by_file, by_key, claims, progress,
+                copy_source=copy_source, accumulate_dtype=accumulate_dtype, check_finite=check_finite))
             settle_reads(sources, self.workers)  # records read only in part, checked before anything is finished
         except BaseException:
             for writer in writers:
@@ -168,6 +151,8 @@ class JobContext:
         # only the coordinator needs the states (it writes the metadata); every worker needs the totals
         gathered = self.workers.exchange((states if not self.workers.is_coordinator else None, stats.bytes_read,
                                           stats.bytes_written))
+        # the plan (a region per key or more) is done with: gone before the metadata is made
+        del plans, regions, by_key, by_file, claims, progress
         def finish() -> list[list[WrittenFile]]:
             # the workers' states and the metadata: tens of thousands of lasting objects each
             with paused_gc():
@@ -184,6 +169,32 @@ class JobContext:
 
         files = self.workers.on_coordinator(finish)
         return WrittenOutputs(files, sum(g[1] for g in gathered), sum(g[2] for g in gathered))
+
+
+    def _stream(self, sources: Sequence[CheckpointReader], outputs: Sequence[OutputSpec],
+                writers: Sequence[OutputWriter], by_file: Sequence[Sequence[PlannedRegion]],
+                by_key: dict[str, OutputTensor], claims: Any, progress: _ReadsProgress | None, *,
+                copy_source: int, accumulate_dtype: torch.dtype | None, check_finite: Sequence[int]
+                ) -> tuple[list[Any], EngineStats]:
+        """This worker's part of :meth:`write`: the files it claims, through the engine."""
+        stats = EngineStats(per_output_bytes=[0] * len(outputs))
+        with frozen_heap():  # the plan's regions and specs live for the whole loop
+            try:
+                for index in claims:  # a whole output file at a time
+                    part = combine_regions(sources, outputs, writers, by_file[index], by_key,
+                                           copy_source=copy_source, accumulate_dtype=accumulate_dtype,
+                                           on_progress=None if progress is None else progress.file(index),
+                                           device=self.device, check_finite=check_finite)
+                    stats.add(part)
+            except BaseException:
+                claims.stop()
+                raise
+        if progress is not None:
+            progress.finish()
+        states = [w.close() for w in writers]
+        for writer, state in zip(writers, states, strict=True):
+            self._destination_of(writer).upload_data(writer.staging, writer.own_files(state))
+        return states, stats
 
 
 class _ReadsProgress:

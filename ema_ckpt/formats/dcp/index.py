@@ -11,7 +11,7 @@ from ...dtypes import DtypeName, itemsize, torch_dtype
 from ...errors import CheckpointFormatError
 from ...layout import Box, TensorSpec, boxes_cover
 from ...storage import Location
-from .metadata import METADATA_FILE, StoredChunk, load_metadata, metadata_int, planner_data_of
+from .metadata import METADATA_FILE, KeyPaths, StoredChunk, load_metadata, metadata_int, planner_data_of
 
 PackedChunks = dict[str, list[tuple[tuple[int, ...], tuple[int, ...], str, int, int]]]
 """Stored chunks as plain tuples (offsets, sizes, file, offset, length): what workers exchange."""
@@ -29,7 +29,7 @@ class Structure:
 
     __slots__ = ("__weakref__", "chunks", "packed", "planner_data", "specs", "starts", "stored")
 
-    def __init__(self, planner_data: dict[str, tuple[str, ...]], stored: dict[str, tuple[tuple[int, ...], str]],
+    def __init__(self, planner_data: KeyPaths, stored: dict[str, tuple[tuple[int, ...], str]],
                  chunks: dict[str, list[StoredChunk]], starts: dict[str, tuple[tuple[int, ...], int]],
                  packed: PackedChunks | None = None) -> None:
         self.planner_data, self.stored, self.chunks, self.starts = planner_data, stored, chunks, starts
@@ -42,13 +42,12 @@ class Structure:
                            for key, chunks in self.chunks.items()}
         return self.packed
 
-    def same_as(self, planner_data: dict[str, tuple[str, ...]], stored: dict[str, tuple[tuple[int, ...], str]],
+    def same_as(self, planner_data: KeyPaths, stored: dict[str, tuple[tuple[int, ...], str]],
                 chunks: dict[str, list[StoredChunk]] | None = None, packed: PackedChunks | None = None) -> bool:
         """Whether these parts equal this structure's (``chunks`` or their ``packed`` form), in
         the same key order too: the order of the keys decides a run's plan and its output bytes."""
         # equal items in equal order: one pass each, sizes first
-        if (list(stored.items()) != list(self.stored.items())
-                or list(planner_data.items()) != list(self.planner_data.items())):
+        if list(stored.items()) != list(self.stored.items()) or not planner_data.same_as(self.planner_data):
             return False
         if packed is not None:
             return packed is self.packed or (packed == self.packed_chunks() and list(packed) == list(self.stored))
@@ -88,7 +87,7 @@ _recent: list[weakref.ref[Structure]] = []
 _RECENT_LIMIT = 4
 
 
-def shared_structure(planner_data: dict[str, tuple[str, ...]], stored: dict[str, tuple[tuple[int, ...], str]],
+def shared_structure(planner_data: KeyPaths, stored: dict[str, tuple[tuple[int, ...], str]],
                      chunks: dict[str, list[StoredChunk]] | None = None, packed: PackedChunks | None = None
                      ) -> Structure:
     """The structure of a live reader equal to these parts, else a new one made of them.
@@ -144,7 +143,7 @@ class MetadataIndex:
     path: Location
     metadata_files: list[Location]
     _version: Any
-    planner_data: dict[str, tuple[str, ...]]
+    planner_data: KeyPaths
     non_tensor_keys: list[str]
     _stored: dict[str, tuple[tuple[int, ...], str]]
     _chunks: dict[str, list[StoredChunk]]
@@ -158,7 +157,7 @@ class MetadataIndex:
     def _parse(self) -> None:
         metadata, self.metadata_files = load_metadata(self.path)
         self._version = getattr(metadata, "version", None)
-        self.planner_data: dict[str, tuple[str, ...]] = planner_data_of(metadata)
+        self.planner_data: KeyPaths = planner_data_of(metadata)
         self.non_tensor_keys: list[str] = []
         self._stored: dict[str, tuple[tuple[int, ...], str]] = {}  # key → (shape, dtype name)
         self._chunks: dict[str, list[StoredChunk]] = {}

@@ -32,7 +32,7 @@ from ...torch_records import FileWindow, TensorRecord
 from ...torch_records.checks import ReadChecks
 from ..base import CheckpointFormat, CheckpointReader, register_format
 from .index import MetadataIndex, StoredSpecs, shared_structure
-from .metadata import METADATA_FILE, StoredChunk, incomplete, is_dcp
+from .metadata import METADATA_FILE, KeyPaths, StoredChunk, incomplete, is_dcp
 from .records import ChunkRecords
 
 
@@ -41,7 +41,7 @@ class DcpReader(MetadataIndex, ChunkRecords, CheckpointReader):
 
     format_name = "dcp"
     # MetadataIndex's concrete types, which CheckpointReader's declarations admit
-    planner_data: dict[str, tuple[str, ...]]
+    planner_data: KeyPaths
     non_tensor_keys: list[str]
     read_checks: ReadChecks
 
