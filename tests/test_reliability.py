@@ -238,6 +238,27 @@ def test_kill_at_any_moment_of_every_command(tmp_path, command):
     assert leftovers == []
 
 
+def _wait_for_handlers(pid: int, timeout: float = 60.0) -> None:
+    """Until the process ``pid`` catches SIGINT and SIGTERM (its ``SigCgt`` mask in ``/proc``):
+    before that the interpreter itself is starting, and a signal has its default effect before
+    any of ema-ckpt's code (or anything it writes) exists. Where ``/proc`` is missing: 0.1 s."""
+    wanted = (1 << (signal.SIGINT - 1)) | (1 << (signal.SIGTERM - 1))
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+        except OSError:
+            time.sleep(0.1)
+            return
+        caught = next((int(line.split()[1], 16) for line in status.splitlines() if line.startswith("SigCgt:")), None)
+        if caught is None:
+            time.sleep(0.1)
+            return
+        if caught & wanted == wanted:
+            return
+        time.sleep(0.002)
+
+
 @pytest.mark.parametrize(
     ("sig", "code", "word"), [(signal.SIGTERM, 143, "terminated"), (signal.SIGINT, 130, "interrupted")]
 )
@@ -252,10 +273,11 @@ def test_sigterm_and_sigint_at_any_moment_end_in_one_line(tmp_path, sig, code, w
 
     shutil.rmtree(out)
     stopped = 0
-    # From 0.1 s on: before that the interpreter itself is starting, and a signal has its default
-    # effect before any of ema-ckpt's code (or anything it writes) exists.
-    for delay in (0.1, 0.25, *(duration * f for f in (0.3, 0.6, 0.9))):
+    # Each delay counts from when the process has installed its handlers (on a loaded machine the
+    # interpreter alone may take longer than any fixed delay to get there).
+    for delay in (0.0, 0.1, 0.25, *(duration * f for f in (0.3, 0.6, 0.9))):
         proc = subprocess.Popen(args, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        _wait_for_handlers(proc.pid)
         time.sleep(delay)
         proc.send_signal(sig)
         _stdout, stderr = proc.communicate(timeout=120)
