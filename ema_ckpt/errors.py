@@ -375,3 +375,15 @@ class OutputError(EmaCkptError, OSError):
     """Writing the output failed (disk full, permissions); the previous output is intact."""
 
     exit_code = 7
+
+
+def one_line(err: BaseException) -> str:
+    r"""``err`` in one line: the first of its message, after its type's name unless it is one of
+    ours (whose messages say what went wrong themselves).
+
+    Example:
+        >>> one_line(ValueError("bad\nmore")), one_line(CheckpointFormatError("ck", "torn"))
+        ('ValueError: bad', 'ck: torn')
+    """
+    first = (str(err).strip().splitlines() or [""])[0]
+    return first if isinstance(err, EmaCkptError) else f"{type(err).__name__}: {first}"

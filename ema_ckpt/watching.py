@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from .discovery import Discovery, discover
-from .errors import CheckpointNotFoundError, EmaCkptError, OptionError, UsageError
+from .errors import CheckpointNotFoundError, EmaCkptError, OptionError, UsageError, one_line
 from .manifest import Manifest
 from .storage import Location, as_path, close_readable, files_on_disk, local_file, open_readable, pread
 
@@ -406,18 +406,13 @@ def _fold_once(accumulate: Callable[..., Any], source: Path, target: Location, o
     except Exception as err:
         if on_error is None:
             raise
-        _say_once(_one_line(err), result, on_error)
+        _say_once(one_line(err), result, on_error)
         return None
     result.step = done.step
     if not done.folded:
         return None
     return WatchFold(out=str(done.out), steps=[c.step for c in done.folded], step=done.step,
                      seconds=time.monotonic() - started, notes=list(done.notes))
-
-
-def _one_line(err: BaseException) -> str:
-    first = (str(err).strip().splitlines() or [""])[0]
-    return first if isinstance(err, EmaCkptError) else f"{type(err).__name__}: {first}"
 
 
 def _say_once(message: str, result: WatchResult, on_error: Callable[[str], None]) -> None:
@@ -436,7 +431,7 @@ def _say_scan_failures(folder: Location, failures: list[BaseException], result: 
         err = failures.pop(0)
         if on_error is None:
             raise err
-        _say_once(f"looking for new checkpoints in {folder} failed ({_one_line(err)}); trying again", result,
+        _say_once(f"looking for new checkpoints in {folder} failed ({one_line(err)}); trying again", result,
                   on_error)
 
 

@@ -32,7 +32,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from ..errors import FoldError, OptionError, UsageError
+from ..errors import FoldError, OptionError, UsageError, one_line
 from ..watching import INCOMING, incoming_dir
 from ._background import BackgroundFolds, FoldsDone
 from ._options import callback_options
@@ -45,14 +45,11 @@ _LAST_PREFIX = "last"
 def _step_of(path: Path) -> tuple[int | None, str | None]:
     """The step of the checkpoint at ``path`` as the folds will see it, or why it is unreadable."""
     from ..discovery import discover
-    from ..errors import EmaCkptError
 
     try:
         found = discover([path], require=False)
-    except EmaCkptError as err:
-        return None, (str(err).strip().splitlines() or [""])[0]
     except Exception as err:  # the fold will say why, in one line
-        return None, f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0]}"
+        return None, one_line(err)
     return (found.checkpoints[0].step if len(found.checkpoints) == 1 else None), None
 
 
