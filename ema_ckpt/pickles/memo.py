@@ -46,7 +46,7 @@ _BLOCK = 4 << 20  # bytes scanned at once: bounds the scan's temporary arrays
 class FetchedIndices:
     """Every memo index a pickle's GET, BINGET or LONG_BINGET opcodes could name (a superset)."""
 
-    def __init__(self, data: bytes | memoryview, below: int = 256) -> None:
+    def __init__(self, data: bytes, below: int = 256) -> None:
         self.below = below  # BINGET reaches only these: all kept
         found: set[int] = set()
         view = np.frombuffer(data, dtype=np.uint8)
@@ -59,7 +59,7 @@ class FetchedIndices:
                 for shift in (1, 2, 3):
                     index |= block[at + 1 + shift].astype(np.uint32) << np.uint32(8 * shift)
                 found.update(np.unique(index).tolist())
-        found.update(int(line) for line in _GET_LINE.findall(bytes(data)))
+        found.update(int(line) for line in _GET_LINE.findall(data))
         self.long = found
 
     def __contains__(self, index: int) -> bool:
@@ -70,11 +70,11 @@ class _LeanMemo(dict):  # type: ignore[type-arg]
     """A memo that stores only the entries ``fetched`` holds; its length counts every entry
     stored, as the MEMOIZE opcode numbers them."""
 
-    __slots__ = ("_below", "_count", "_long")
+    __slots__ = ("_count", "fetched")
 
     def __init__(self, fetched: FetchedIndices) -> None:
         super().__init__()
-        self._below, self._long = fetched.below, fetched.long
+        self.fetched = fetched
         self._count = 0
 
     def __len__(self) -> int:
@@ -83,14 +83,14 @@ class _LeanMemo(dict):  # type: ignore[type-arg]
     def __setitem__(self, index: int, value: Any) -> None:
         if index >= self._count:
             self._count = index + 1
-        if index < self._below or index in self._long:
+        if index in self.fetched:
             dict.__setitem__(self, index, value)
 
 
 def _frame(self: LeanUnpickler) -> None:
     # the whole pickle is in memory: a frame only says how long it is
     (size,) = struct.unpack("<Q", self.read(8))
-    if size > self.left():
+    if size > len(self._data) - self._buffer.tell():
         raise pickle.UnpicklingError("a frame is longer than the data left")
 
 
@@ -127,11 +127,7 @@ class LeanUnpickler(_PurePython):  # type: ignore[misc]
         self._data = data
         self._buffer = io.BytesIO(data)
         super().__init__(self._buffer)
-        self._size = len(data)
         self.memo = _LeanMemo(FetchedIndices(data))
-
-    def left(self) -> int:
-        return self._size - self._buffer.tell()
 
     def load(self) -> Any:
         check_pickle_bounds(self._data)  # no allocation larger than the pickle's size
@@ -142,7 +138,7 @@ class LeanUnpickler(_PurePython):  # type: ignore[misc]
         self.append = self.stack.append
         self.proto = 0
         read, unpack, dispatch, memo, metastack = buffer.read, struct.unpack, self.dispatch, self.memo, self.metastack
-        below, fetched = memo._below, memo._long
+        below, fetched = memo.fetched.below, memo.fetched.long  # its test, inline (the commonest opcode)
         stack, append = self.stack, self.append
         try:
             while True:
