@@ -45,6 +45,8 @@ class _State(TypedDict):
 
 
 _state: _State = {"armed": False, "deferred": None, "pending": None, "entered": False, "raised": None}
+_redelivering: dict[str, int | None] = {"signum": None}
+"""The signal being sent again while an import runs (None: none)."""
 
 
 class Terminated(KeyboardInterrupt):
@@ -74,10 +76,10 @@ def _deliver_again(signum: int) -> None:
     after the interpreter's last look and before a blocking call (a sleep, a read) would wait
     for that call to end; the next one interrupts it."""
     main = threading.main_thread().ident
-    if main is None or _redelivering["signum"] is not None:
-        _redelivering["signum"] = signum
-        return
+    sending = _redelivering["signum"] is not None  # a helper is already at it
     _redelivering["signum"] = signum
+    if sending or main is None:
+        return
 
     def resend() -> None:
         while True:
@@ -88,10 +90,6 @@ def _deliver_again(signum: int) -> None:
             signal.pthread_kill(main, pending)
 
     threading.Thread(target=resend, name="ema-ckpt-signal", daemon=True).start()
-
-
-_redelivering: dict[str, int | None] = {"signum": None}
-"""The signal being sent again while an import runs (None: none)."""
 
 
 def _handler(signum: int, frame: Any) -> None:
