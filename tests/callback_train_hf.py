@@ -108,17 +108,22 @@ def write_report(folder: Path, starts: list[int], result: Any, **more: Any) -> N
     (folder / f"rank{rank}.json").write_text(json.dumps(report))
 
 
-def main(argv: list[str]) -> int:
-    """Under torchrun: train 8 steps (saves at 2, 4, 6, 8), each rank's report in ``--report``."""
-    from ema_ckpt.integrations.transformers import EmaCkptCallback
-
+def run_arguments() -> argparse.ArgumentParser:
+    """The command line of a training script run under torchrun by the callback tests."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--out-dir", type=Path, required=True)
     parser.add_argument("--ema", required=True)
     parser.add_argument("--record", type=Path, required=True)
     parser.add_argument("--report", type=Path, required=True)
     parser.add_argument("--decay", type=float, default=0.8)
-    opts = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str]) -> int:
+    """Under torchrun: train 8 steps (saves at 2, 4, 6, 8), each rank's report in ``--report``."""
+    from ema_ckpt.integrations.transformers import EmaCkptCallback
+
+    opts = run_arguments().parse_args(argv)
 
     starts = count_worker_starts()
     callback = EmaCkptCallback(out=opts.ema, decay=opts.decay)

@@ -305,15 +305,10 @@ def pl_run(kind: str, opts: argparse.Namespace) -> Any:
 
 def main(argv: list[str]) -> int:
     """Train (2 ranks), then rank 0 consolidates its copies; each rank reports what its callback did."""
-    from tests.callback_train_hf import count_worker_starts, write_report
+    from tests.callback_train_hf import count_worker_starts, run_arguments, write_report
 
-    parser = argparse.ArgumentParser()
+    parser = run_arguments()
     parser.add_argument("--kind", choices=KINDS, required=True)
-    parser.add_argument("--out-dir", type=Path, required=True)
-    parser.add_argument("--ema", required=True)
-    parser.add_argument("--record", type=Path, required=True)
-    parser.add_argument("--report", type=Path, required=True)
-    parser.add_argument("--decay", type=float, default=0.8)
     opts = parser.parse_args(argv)
 
     starts = count_worker_starts()
