@@ -19,7 +19,6 @@ import shlex
 import shutil
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,14 +27,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from ema_ckpt.errors import OutputLockedError
 from ema_ckpt.formats import open_checkpoint
 from ema_ckpt.layout import Box
 from ema_ckpt.storage import as_path, object_reads
-from ema_ckpt.storage.object_lock import RemoteLock
 from tests import object_stores
 from tests.dcp_helpers import write_dcp
-from tests.object_stores import BUCKET, Emulator, Faults, through_proxy
+from tests.object_stores import BUCKET, Emulator, Faults, race_for_lock, through_proxy
 from tests.test_object_storage import assert_same, cli, dcp_tensors
 
 
@@ -184,25 +181,7 @@ def test_of_runs_racing_for_an_expired_lock_one_gets_it(store):
     final = as_path(store.url("race/ema"))
     dead = {"owner": "dead-host:1:abc", "expires": time.time() - 1}
     store.fs().pipe_file(f"{BUCKET}/race/.ema.lock/000000000001", json.dumps(dead).encode())
-    start = threading.Barrier(6)
-    held: list[RemoteLock] = []
-    refused: list[str] = []
-
-    def contend() -> None:
-        lock = RemoteLock(final, lease=60)
-        start.wait()
-        try:
-            lock.__enter__()
-        except OutputLockedError as err:
-            refused.append(str(err))
-            return
-        held.append(lock)
-
-    threads = [threading.Thread(target=contend) for _ in range(6)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    held, refused = race_for_lock(final, 6)
     try:
         assert len(held) == 1 and len(refused) == 5, (len(held), refused)
         held[0].check()

@@ -27,6 +27,7 @@ import urllib.parse
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from ema_ckpt.storage import object_clients
 
@@ -296,3 +297,31 @@ def through_proxy(emulator: Emulator, faults: Faults) -> Iterator[Faults]:
     finally:
         emulator.use()
         proxy.shutdown()
+
+
+def race_for_lock(final: Any, contenders: int) -> tuple[list[Any], list[str]]:
+    """``contenders`` threads take the lock of output ``final`` at once: the locks that were
+    taken (held: the caller releases them) and the refusals' messages."""
+    from ema_ckpt.errors import OutputLockedError
+    from ema_ckpt.storage.object_lock import RemoteLock
+
+    start = threading.Barrier(contenders)
+    held: list[RemoteLock] = []
+    refused: list[str] = []
+
+    def contend() -> None:
+        lock = RemoteLock(final, lease=60)
+        start.wait()
+        try:
+            lock.__enter__()
+        except OutputLockedError as err:
+            refused.append(str(err))
+            return
+        held.append(lock)
+
+    threads = [threading.Thread(target=contend) for _ in range(contenders)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return held, refused

@@ -15,7 +15,6 @@ import shutil
 import socket
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -31,7 +30,7 @@ from ema_ckpt.formats import open_checkpoint
 from ema_ckpt.layout import Box
 from ema_ckpt.storage import as_path, object_clients, object_paths, object_reads
 from tests.dcp_helpers import dcp_sequence_with_hole, write_dcp
-from tests.object_stores import Faults, fault_proxy
+from tests.object_stores import Faults, fault_proxy, race_for_lock
 
 moto_server = pytest.importorskip("moto.server")
 boto3 = pytest.importorskip("boto3")
@@ -521,32 +520,12 @@ def test_a_held_lock_refuses_and_an_expired_one_is_taken_over(run, tmp_path):
 
 def test_of_runs_racing_for_an_expired_lock_one_gets_it(s3):
     """Eight contenders start at once on a lock whose holder died: exactly one holds it."""
-    from ema_ckpt.errors import OutputLockedError
     from ema_ckpt.storage import as_path
-    from ema_ckpt.storage.object_lock import RemoteLock
 
     final = as_path(f"s3://{BUCKET}/race/ema")
     dead = {"owner": "dead-host:1:abc", "expires": time.time() - 1}
     boto3.client("s3").put_object(Bucket=BUCKET, Key="race/.ema.lock/000000000001", Body=json.dumps(dead).encode())
-    start = threading.Barrier(8)
-    held: list[RemoteLock] = []
-    refused: list[str] = []
-
-    def contend() -> None:
-        lock = RemoteLock(final, lease=60)
-        start.wait()
-        try:
-            lock.__enter__()
-        except OutputLockedError as err:
-            refused.append(str(err))
-            return
-        held.append(lock)
-
-    threads = [threading.Thread(target=contend) for _ in range(8)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    held, refused = race_for_lock(final, 8)
     try:
         assert len(held) == 1 and len(refused) == 7, (len(held), refused)
         winner = held[0]
