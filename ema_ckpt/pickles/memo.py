@@ -13,7 +13,7 @@ below 256) and LONG_BINGET (four bytes). :class:`FetchedIndices` finds, from the
 every index any of these could name (a superset: each ``j`` byte is read as if it were a
 LONG_BINGET opcode). :class:`LeanUnpickler` is CPython's pure-Python unpickler with a memo
 that stores only those entries: a 200,000-key ``.metadata`` loads at a peak of about 300 MiB
-instead of 470, in about twice the time (the opcodes run in Python). Like the C unpickler,
+instead of 490, in about 1.8x the time (the opcodes run in Python). Like the C unpickler,
 it walks the pickle first (:mod:`.bounds`): no opcode may make it allocate more than the
 pickle's size.
 
@@ -118,7 +118,7 @@ class LeanUnpickler(_PurePython):  # type: ignore[misc]
     pickle may fetch again. Subclasses override ``find_class``/``persistent_load``.
 
     It reads straight from the bytes in memory (no frame buffers) and runs the ten commonest
-    opcodes inline: about 2x faster than the standard library's loop.
+    opcodes inline: about 1.6x faster than the standard library's loop.
     """
 
     dispatch: ClassVar[dict[int, Any]] = {**getattr(_PurePython, "dispatch", {}), pickle.FRAME[0]: _frame}
