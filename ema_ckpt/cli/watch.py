@@ -51,6 +51,7 @@ Examples:
   (on object storage: polled every interval and downloaded into a local temporary folder), so
   retention (save_total_limit=1, save_top_k=1) cannot take it before it is folded. SIGTERM
   or Ctrl-C: the fold in progress finishes, then exit 0 (a second one stops at once).
+  A fold, or a look at the folder, that fails is said in one line (once) and watching goes on.
 """
 
 
@@ -83,7 +84,7 @@ def watch_command(
     state_key: StateKeyOpt = None,
     workers: WorkersOpt = 1,
     device: DeviceOpt = "cpu",
-    json_output: Annotated[bool, typer.Option("--json", help="One JSON line per fold, and one at the end.")] = False,
+    json_output: Annotated[bool, typer.Option("--json", help="One JSON line per fold or error, and one at the end.")] = False,
     quiet: QuietOpt = False,
 ) -> None:
     """Fold each new checkpoint into the EMA as soon as it is complete, until stopped."""
