@@ -33,7 +33,7 @@ from ema_ckpt.storage import as_path, object_reads
 from tests import object_stores
 from tests.dcp_helpers import write_dcp
 from tests.object_stores import BUCKET, Emulator, Faults, race_for_lock, through_proxy
-from tests.test_object_storage import assert_same, cli, dcp_tensors
+from tests.test_object_storage import assert_read_in_place, assert_same, cli, dcp_tensors, steps_of
 
 
 def running_store(protocol: str) -> Iterator[Emulator]:
@@ -52,13 +52,9 @@ def run(store: Emulator, fsdp_sequence, tmp_path_factory) -> tuple[Path, str]:
     return local, store.upload(local, "run/ckpts")
 
 
-def _steps(local: Path) -> list[Path]:
-    return sorted(local.iterdir(), key=lambda p: int(p.name.split("_")[-1]))
-
-
 def _first_steps(store: Emulator, local: Path, prefix: str) -> tuple[str, str, list[Path]]:
     """Steps 1–3 uploaded to ``prefix/ckpts`` and folded from there into ``prefix/ema``."""
-    steps = _steps(local)
+    steps = steps_of(local)
     for step in steps[:3]:
         store.upload(step, f"{prefix}/ckpts/{step.name}")
     src, out = store.url(f"{prefix}/ckpts"), store.url(f"{prefix}/ema")
@@ -78,15 +74,8 @@ def _local_ema(local: Path, tmp_path: Path) -> dict[str, object]:
 
 def test_reading_commands_read_objects_in_place(store, run, tmp_path):
     local, url = run
-    step = _steps(local)[-1].name
-    here = json.loads(cli("inspect", local / step, "--json"))
-    there = json.loads(cli("inspect", f"{url}/{step}", "--json"))
-    assert there["path"] == f"{url}/{step}"
-    for doc in (here, there):
-        doc.pop("path"), doc.pop("model_path", None)
-    assert here == there
-    assert json.loads(cli("verify", f"{url}/{step}", "--json"))["ok"] is True
-    assert json.loads(cli("diff", f"{url}/{step}", local / step, "--json"))["equal"] is True
+    step = steps_of(local)[-1].name
+    assert_read_in_place(local / step, f"{url}/{step}")
     for where, src in ((store.protocol, url), ("local", local)):
         cli("posthoc", src, "--sigma-rel", "0.1", "--out", tmp_path / where / "posthoc")
         cli("consolidate", f"{src}/{step}", "--out", tmp_path / where / "model.safetensors")
@@ -255,7 +244,7 @@ def test_an_unreachable_endpoint_or_a_missing_bucket_is_one_line(store, run, tmp
         monkeypatch.setenv("EMA_CKPT_REMOTE_ATTEMPTS", "1")
         try:
             store.use(f"http://127.0.0.1:{object_stores.free_port()}")
-            message = cli("inspect", f"{url}/{_steps(local)[-1].name}", code=9)
+            message = cli("inspect", f"{url}/{steps_of(local)[-1].name}", code=9)
         finally:
             store.use()
         assert len(message.strip().splitlines()) == 1 and "az://" in message, message

@@ -133,18 +133,24 @@ def run(s3, fsdp_sequence, tmp_path_factory) -> tuple[Path, str]:
     return local, upload(local, "run/ckpts")
 
 
-def test_inspect_verify_and_diff_read_objects_in_place(run):
-    local, url = run
-    step = max((p.name for p in local.iterdir()), key=lambda name: int(name.split("_")[-1]))
-    here = json.loads(cli("inspect", local / step, "--json"))
-    there = json.loads(cli("inspect", f"{url}/{step}", "--json"))
-    assert there["path"] == f"{url}/{step}"
+def assert_read_in_place(local: Path, url: str) -> None:
+    """``inspect``, ``verify`` and ``diff`` of the checkpoint at ``url`` (object storage) read
+    it in place and find what they find in its local copy ``local``."""
+    here = json.loads(cli("inspect", local, "--json"))
+    there = json.loads(cli("inspect", url, "--json"))
+    assert there["path"] == url
     for doc in (here, there):
         doc.pop("path"), doc.pop("model_path", None)
     assert here == there
-    assert json.loads(cli("verify", f"{url}/{step}", "--json"))["ok"] is True
-    same = json.loads(cli("diff", f"{url}/{step}", local / step, "--json"))
+    assert json.loads(cli("verify", url, "--json"))["ok"] is True
+    same = json.loads(cli("diff", url, local, "--json"))
     assert same["equal"] is True and same["compared"] > 0
+
+
+def test_inspect_verify_and_diff_read_objects_in_place(run):
+    local, url = run
+    step = max((p.name for p in local.iterdir()), key=lambda name: int(name.split("_")[-1]))
+    assert_read_in_place(local / step, f"{url}/{step}")
 
 
 def test_accumulate_from_s3_is_bit_identical_and_incremental(run, tmp_path):
@@ -619,7 +625,8 @@ def test_a_run_cut_off_mid_upload_leaves_the_previous_ema_and_the_rerun_recovers
 SHARD = "2KB"  # several shards of the test model
 
 
-def _steps(local: Path) -> list[Path]:
+def steps_of(local: Path) -> list[Path]:
+    """The checkpoints of a local run folder (``step_<N>``), in step order."""
     return sorted(local.iterdir(), key=lambda p: int(p.name.split("_")[-1]))
 
 
@@ -662,7 +669,7 @@ def assert_reads_as(url: str, local: Path) -> None:
 
 def test_hf_sharded_consolidate_to_s3_is_the_local_layout_and_loads(run, tmp_path):
     local, url = run
-    steps = _steps(local)
+    steps = steps_of(local)
     out = f"s3://{BUCKET}/hf/model"
     cli("consolidate", f"{url}/{steps[-1].name}", "--out", f"{out}/", "--max-shard-size", SHARD, "--workers", "2")
     cli("consolidate", steps[-1], "--out", f"{tmp_path / 'hf'}/", "--max-shard-size", SHARD)
@@ -701,7 +708,7 @@ def test_a_consolidate_killed_after_its_index_is_finished_by_the_next_run(run, t
     import ema_ckpt.storage.object_publish as remote_output
 
     local, _ = run
-    steps = _steps(local)
+    steps = steps_of(local)
     out = f"s3://{BUCKET}/hf-after/model"
     cli("consolidate", steps[1], "--out", f"{out}/", "--max-shard-size", SHARD)
     old = set(keys_under(out))
@@ -724,7 +731,7 @@ def test_a_consolidate_killed_after_its_index_is_finished_by_the_next_run(run, t
 def test_a_consolidate_cut_off_mid_upload_leaves_the_previous_shards_and_the_rerun_recovers(run, s3, tmp_path,
                                                                                             monkeypatch):
     local, _ = run
-    steps = _steps(local)
+    steps = steps_of(local)
     out = f"s3://{BUCKET}/hf-cut/model"
     cli("consolidate", steps[1], "--out", f"{out}/", "--max-shard-size", SHARD)
     cli("consolidate", steps[1], "--out", f"{tmp_path / 'old'}/", "--max-shard-size", SHARD)
@@ -776,7 +783,7 @@ def test_a_sweep_cut_off_between_an_outputs_data_and_manifest_is_finished_by_the
     from ema_ckpt.storage.object_publish import recover_remote
 
     local, _ = run
-    steps = _steps(local)
+    steps = steps_of(local)
     for step in steps[:3]:
         upload(step, f"sweep-cut/ckpts/{step.name}")
     src, out = f"s3://{BUCKET}/sweep-cut/ckpts", f"s3://{BUCKET}/sweep-cut/posthoc"
