@@ -84,7 +84,9 @@ def watch_command(
     state_key: StateKeyOpt = None,
     workers: WorkersOpt = 1,
     device: DeviceOpt = "cpu",
-    json_output: Annotated[bool, typer.Option("--json", help="One JSON line per fold or error, and one at the end.")] = False,
+    json_output: Annotated[
+        bool, typer.Option("--json", help="One JSON line per fold or error, and one at the end.")
+    ] = False,
     quiet: QuietOpt = False,
 ) -> None:
     """Fold each new checkpoint into the EMA as soon as it is complete, until stopped."""
