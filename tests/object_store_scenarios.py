@@ -27,13 +27,18 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from ema_ckpt.formats import open_checkpoint
-from ema_ckpt.layout import Box
-from ema_ckpt.storage import as_path, object_reads
+from ema_ckpt.storage import as_path
 from tests import object_stores
 from tests.dcp_helpers import write_dcp
 from tests.object_stores import BUCKET, Emulator, Faults, race_for_lock, through_proxy
-from tests.test_object_storage import assert_read_in_place, assert_same, cli, dcp_tensors, steps_of
+from tests.test_object_storage import (
+    assert_each_byte_requested_once,
+    assert_read_in_place,
+    assert_same,
+    cli,
+    dcp_tensors,
+    steps_of,
+)
 
 
 def running_store(protocol: str) -> Iterator[Emulator]:
@@ -111,17 +116,7 @@ def test_each_input_byte_is_requested_once(store, tmp_path):
     tensors = {f"model.big{i}": torch.randn(3_000_000 + i) for i in range(2)}
     tensors.update({f"model.small{i}": torch.randn(100) for i in range(20)})
     write_dcp(tmp_path / "ckpt", tensors, world_size=2)
-    reader = open_checkpoint(store.upload(tmp_path / "ckpt", "once/ckpt"))
-    try:
-        for key, spec in reader.specs().items():
-            assert torch.equal(reader.read(key, Box.full(tuple(spec.shape))), tensors[key]), key
-        files = dict(reader._fds)
-        sizes = {p.name: p.stat().st_size for p in (tmp_path / "ckpt").glob("*.distcp")}
-        assert set(files) == set(sizes)
-        for name, fd in files.items():
-            assert isinstance(fd, object_reads.RemoteFile) and fd.bytes_requested <= sizes[name], name
-    finally:
-        reader.close()
+    assert_each_byte_requested_once(store.upload(tmp_path / "ckpt", "once/ckpt"), tmp_path / "ckpt", tensors)
 
 
 def test_safetensors_and_hf_outputs_on_the_store_are_the_local_bytes(store, tmp_path):

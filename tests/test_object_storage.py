@@ -197,13 +197,18 @@ def test_each_input_byte_is_requested_once(s3, tmp_path):
     tensors = {f"model.big{i}": torch.randn(3_000_000 + i) for i in range(3)}
     tensors.update({f"model.small{i}": torch.randn(100) for i in range(20)})
     write_dcp(tmp_path / "ckpt", tensors, world_size=2)
-    url = upload(tmp_path / "ckpt", "once/ckpt")
+    assert_each_byte_requested_once(upload(tmp_path / "ckpt", "once/ckpt"), tmp_path / "ckpt", tensors)
+
+
+def assert_each_byte_requested_once(url: str, local: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """Reading every tensor of the DCP checkpoint at ``url`` (uploaded from ``local``) gives
+    ``tensors`` and requests no data file's byte more than once."""
     reader = open_checkpoint(url)
     try:
         for key, spec in reader.specs().items():
             assert torch.equal(reader.read(key, Box.full(tuple(spec.shape))), tensors[key]), key
         files = dict(reader._fds)
-        sizes = {p.name: p.stat().st_size for p in (tmp_path / "ckpt").glob("*.distcp")}
+        sizes = {p.name: p.stat().st_size for p in local.glob("*.distcp")}
         assert set(files) == set(sizes)
         for name, fd in files.items():
             assert isinstance(fd, object_reads.RemoteFile)
