@@ -4,6 +4,7 @@ and a clean fallback where a file system refuses O_DIRECT (at open or at the fir
 from __future__ import annotations
 
 import errno
+import mmap
 import os
 
 import pytest
@@ -61,26 +62,36 @@ def test_refused_at_open_falls_back_to_the_page_cache(tmp_path, monkeypatch):
     assert not direct and (tmp_path / "f.bin").read_bytes() == data
 
 
-def test_refused_at_the_first_write_falls_back_with_every_byte(tmp_path, monkeypatch):
+def _source(size, page_aligned):
+    """``size`` random bytes whose memory starts on a page, or one byte past it (the two write paths)."""
+    memory = mmap.mmap(-1, size + 1)
+    memory.write(os.urandom(size + 1))
+    start = 0 if page_aligned else 1
+    return memoryview(memory)[start:start + size]
+
+
+@pytest.mark.parametrize("page_aligned", [True, False])
+def test_refused_at_the_first_write_falls_back_with_every_byte(tmp_path, monkeypatch, page_aligned):
     real_write = os.write
     calls = []
-    data = os.urandom(4 * ALIGNMENT + 99)
+    data = _source(4 * ALIGNMENT + 99, page_aligned)
     with DirectAppender(tmp_path / "f.bin", buffer_bytes=ALIGNMENT) as out:
         if not out.direct:
             pytest.skip("this file system refuses O_DIRECT")
         direct_fd = out.fileno()
 
-        def refuse_once(fd, data):
-            if fd == direct_fd:  # only this file's writes: other threads of the process write too
+        def refuse(fd, data):
+            # only this file's writes (other threads of the process write too), each one while direct: a
+            # page-aligned source is tried once straight from its memory, then again through the buffer
+            if fd == direct_fd and out.direct:
                 calls.append(len(data))
-                if len(calls) == 1:
-                    raise OSError(errno.EINVAL, "Invalid argument")
+                raise OSError(errno.EINVAL, "Invalid argument")
             return real_write(fd, data)
 
-        monkeypatch.setattr(os, "write", refuse_once)
+        monkeypatch.setattr(os, "write", refuse)
         out.write(data)
         assert not out.direct
-    assert (tmp_path / "f.bin").read_bytes() == data
+    assert (tmp_path / "f.bin").read_bytes() == data.tobytes()
 
 
 def test_the_environment_turns_it_off(tmp_path, monkeypatch):
@@ -90,7 +101,8 @@ def test_the_environment_turns_it_off(tmp_path, monkeypatch):
     assert not direct and (tmp_path / "f.bin").read_bytes() == b"abc"
 
 
-def test_a_later_write_error_is_raised(tmp_path, monkeypatch):
+@pytest.mark.parametrize("page_aligned", [True, False])
+def test_a_later_write_error_is_raised(tmp_path, monkeypatch, page_aligned):
     real_write = os.write
     calls = []
     out = DirectAppender(tmp_path / "f.bin", buffer_bytes=ALIGNMENT)
@@ -98,15 +110,17 @@ def test_a_later_write_error_is_raised(tmp_path, monkeypatch):
         pytest.skip("this file system refuses O_DIRECT")
 
     def fail_second(fd, data):
-        if fd == out.fileno():  # only this file's writes: other threads of the process write too
-            calls.append(1)
-            if len(calls) == 2:
-                raise OSError(errno.ENOSPC, "No space left on device")
-        return real_write(fd, data)
+        if fd != out.fileno():  # only this file's writes: other threads of the process write too
+            return real_write(fd, data)
+        calls.append(1)
+        if len(calls) == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        # one block per call: a page-aligned source would otherwise go down in one write
+        return real_write(fd, memoryview(data)[:ALIGNMENT])
 
     monkeypatch.setattr(os, "write", fail_second)
     with pytest.raises(OSError) as info:
-        out.write(os.urandom(3 * ALIGNMENT))
+        out.write(_source(3 * ALIGNMENT, page_aligned))
     assert info.value.errno == errno.ENOSPC
     out.abort()
 
