@@ -1,7 +1,7 @@
-"""Conformance of the private torch and CPython behaviour ema-ckpt relies on (ema_ckpt/_compat and
-formats/dcp/metadata_pickle.py).
+"""Conformance of the private torch, CPython and gcsfs behaviour ema-ckpt relies on (ema_ckpt/_compat,
+formats/dcp/metadata_pickle.py, storage/object_clients.py's bounded GCS requests).
 
-Each test here fails when the installed torch or Python changes a behaviour one of the
+Each test here fails when the installed torch, Python or gcsfs changes a behaviour one of the
 modules relies on: the message names what changed, and the module's docstring says what to
 update.
 """
@@ -449,3 +449,52 @@ assert _gc._owns_heap
 """
         proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0, proc.stderr
+
+
+# --- gcsfs: the request loop that EMA_CKPT_REMOTE_ATTEMPTS bounds ----------------------------------
+
+
+def test_gcsfs_request_loop_is_bounded_by_the_attempts_asked_for():
+    """``storage/object_clients._bounded_gcs_class`` rebuilds gcsfs's ``_request`` from its
+    undecorated function with ``gcsfs.retry.retry_request``; a server that answers 503 to
+    everything then sees exactly the attempts asked for (gcsfs's own loop makes 6)."""
+    import http.server
+    import threading
+
+    import fsspec
+
+    pytest.importorskip("gcsfs")
+    from gcsfs.core import GCSFileSystem  # the plain JSON-API class (gcsfs.GCSFileSystem asks gRPC first)
+
+    from ema_ckpt.storage.object_clients import _bounded_gcs_class
+
+    for base in (GCSFileSystem, fsspec.get_filesystem_class("gs")):
+        bounded = _bounded_gcs_class(base, 2)
+        assert bounded is not base and issubclass(bounded, base), (
+            f"{base.__name__}._request is no longer gcsfs.retry.retry_request around a plain function: "
+            "EMA_CKPT_REMOTE_ATTEMPTS no longer bounds GCS requests (see _bounded_gcs_class)")
+    requests = []
+
+    class Unavailable(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            requests.append(self.path)
+            body = b'{"error": {"code": 503, "message": "unavailable"}}'
+            self.send_response(503)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Unavailable)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        fs = _bounded_gcs_class(GCSFileSystem, 2)(
+            endpoint_url=f"http://127.0.0.1:{server.server_address[1]}", token="anon", skip_instance_cache=True)
+        with pytest.raises(Exception, match="unavailable"):
+            fs.cat_file("bucket/object")
+    finally:
+        server.shutdown()
+    assert len(requests) == 2, requests

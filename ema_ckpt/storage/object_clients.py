@@ -3,8 +3,8 @@
 One client per protocol per process, configured the way each store's own tools are (S3:
 ``AWS_ENDPOINT_URL`` and the credential chain; GCS: gcsfs's credentials, ``STORAGE_EMULATOR_HOST``;
 Azure Blob: adlfs's ``AZURE_STORAGE_*`` variables), with the timeouts of :func:`request_timeout`
-applied to connecting and to each wait for the next bytes, and a request retried a bounded
-number of times: :func:`request_attempts` on S3 and Azure Blob, gcsfs's own loop on GCS.
+applied to connecting and to each wait for the next bytes, and a request tried a bounded
+number of times (:func:`request_attempts`), with each store's own backoff between attempts.
 
 Example:
     >>> request_timeout({}), request_attempts({})
@@ -42,9 +42,9 @@ def request_timeout(env: Mapping[str, str] | None = None) -> float:
 def request_attempts(env: Mapping[str, str] | None = None) -> int:
     """Attempts of a request that times out or fails for a while (``EMA_CKPT_REMOTE_ATTEMPTS``, default 3).
 
-    With :func:`request_timeout`, what bounds a store that stops answering: on S3 and Azure
-    Blob about attempts × timeout plus a few seconds of backoff (a minute by default), then
-    exit 9 naming the object. GCS keeps gcsfs's own loop (6 attempts, backoff 1 to 16 s).
+    With :func:`request_timeout`, what bounds a store that stops answering: about attempts ×
+    timeout plus the backoff between attempts (a few seconds; on GCS gcsfs's 1, 2, 4 … s), a
+    minute by default, then exit 9 naming the object.
     """
     return whole_number(ATTEMPTS_ENV, _DEFAULT_ATTEMPTS, "attempts", env)
 
@@ -113,20 +113,34 @@ def _s3(fsspec: Any, protocol: str, **options: Any) -> Any:
 
 def _gcs(fsspec: Any, protocol: str, **options: Any) -> Any:
     """aiohttp's connect and per-read timeouts on every request; gcsfs retries 5xx, 429, timeouts
-    and dropped connections itself (6 attempts, exponential backoff)."""
+    and dropped connections itself (exponential backoff), :func:`request_attempts` times."""
     import aiohttp
 
     timeout = request_timeout()
     waits = aiohttp.ClientTimeout(total=None, sock_connect=timeout, sock_read=timeout)
+    base = fsspec.get_filesystem_class(protocol)
     if os.environ.get("STORAGE_EMULATOR_HOST"):
         # gcsfs's default class first asks each bucket's type over gRPC with Google's
         # credentials, which an emulator never answers: its plain JSON-API class instead
         from gcsfs.core import GCSFileSystem  # type: ignore[import-untyped]
 
+        base = GCSFileSystem
         if "FSSPEC_GS_TOKEN" not in os.environ:
             options["token"] = "anon"  # an emulator checks no credentials; none are looked for
-        return GCSFileSystem(requests_timeout=waits, **options)
-    return fsspec.filesystem(protocol, requests_timeout=waits, **options)
+    return _bounded_gcs_class(base, request_attempts())(requests_timeout=waits, **options)
+
+
+def _bounded_gcs_class(base: type, attempts: int) -> type:
+    """``base`` (a gcsfs filesystem class) whose requests are tried ``attempts`` times, not gcsfs's
+    fixed 6 (over half a minute of backoff alone); ``base`` itself where gcsfs no longer builds
+    its request loop from ``gcsfs.retry.retry_request`` (``tests/test_compat.py`` tells)."""
+    try:
+        from gcsfs.retry import retry_request  # type: ignore[import-untyped]
+
+        once = base._request.__wrapped__  # type: ignore[attr-defined]
+    except (ImportError, AttributeError):
+        return base
+    return type(base.__name__, (base,), {"_request": retry_request(retries=attempts)(once)})
 
 
 def _azure(fsspec: Any, protocol: str, **options: Any) -> Any:
