@@ -153,6 +153,7 @@ class JobContext:
                                           stats.bytes_written))
         # the plan (a region per key or more) is done with: gone before the metadata is made
         del plans, regions, by_key, by_file, claims, progress
+
         def finish() -> list[list[WrittenFile]]:
             # the workers' states and the metadata: tens of thousands of lasting objects each
             with paused_gc():
@@ -169,7 +170,6 @@ class JobContext:
 
         files = self.workers.on_coordinator(finish)
         return WrittenOutputs(files, sum(g[1] for g in gathered), sum(g[2] for g in gathered))
-
 
     def _stream(self, sources: Sequence[CheckpointReader], outputs: Sequence[OutputSpec],
                 writers: Sequence[OutputWriter], by_file: Sequence[Sequence[PlannedRegion]],

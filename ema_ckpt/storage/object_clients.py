@@ -118,7 +118,6 @@ def _gcs(fsspec: Any, protocol: str, **options: Any) -> Any:
 
     timeout = request_timeout()
     waits = aiohttp.ClientTimeout(total=None, sock_connect=timeout, sock_read=timeout)
-    base = fsspec.get_filesystem_class(protocol)
     if os.environ.get("STORAGE_EMULATOR_HOST"):
         # gcsfs's default class first asks each bucket's type over gRPC with Google's
         # credentials, which an emulator never answers: its plain JSON-API class instead
@@ -127,6 +126,8 @@ def _gcs(fsspec: Any, protocol: str, **options: Any) -> Any:
         base = GCSFileSystem
         if "FSSPEC_GS_TOKEN" not in os.environ:
             options["token"] = "anon"  # an emulator checks no credentials; none are looked for
+    else:
+        base = fsspec.get_filesystem_class(protocol)
     return _bounded_gcs_class(base, request_attempts())(requests_timeout=waits, **options)
 
 

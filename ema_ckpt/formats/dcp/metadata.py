@@ -57,11 +57,9 @@ class KeyPaths(Mapping[str, tuple[str, ...]]):
     def __len__(self) -> int:
         return len(self.entries)
 
-    def same_as(self, other: Mapping[str, tuple[str, ...]]) -> bool:
+    def same_as(self, other: KeyPaths) -> bool:
         """The same paths in the same key order."""
-        if isinstance(other, KeyPaths):
-            return len(self.entries) == len(other.entries) and list(self.entries.items()) == list(other.entries.items())
-        return len(self) == len(other) and list(self.items()) == list(other.items())
+        return len(self.entries) == len(other.entries) and list(self.entries.items()) == list(other.entries.items())
 
 
 def planner_data_of(metadata: Any) -> KeyPaths:
