@@ -309,6 +309,11 @@ class CheckpointFormatError(CheckpointError):
     """A file that is not what its format says: truncated, corrupt, or unsupported."""
 
 
+class UnplacedCheckpointError(CheckpointFormatError):
+    """A checkpoint like the others that no record places at a step: folding the rest would be a
+    partial result."""
+
+
 class UnsafePickleError(CheckpointFormatError):
     """A pickle that refers to something outside the allowlist; nothing from it ran."""
 

@@ -52,7 +52,8 @@ class Accumulator:
 
 
 def find_new(accumulators: Sequence[Accumulator], checkpoints: Sequence[Location], *, out: Location,
-             step_regex: str | None, skip: Sequence[Location], snapshot_every: int | None, notes: list[str]) -> None:
+             step_regex: str | None, skip: Sequence[Location], snapshot_every: int | None, notes: list[str],
+             step_from: str | None = None, component: str | None = None) -> None:
     """Set each accumulator's new checkpoints (and snapshot steps), from discovery of ``checkpoints``.
 
     A checkpoint is new when it is past the EMA's step and was never folded; a single file the
@@ -64,7 +65,8 @@ def find_new(accumulators: Sequence[Accumulator], checkpoints: Sequence[Location
     prints = {as_path(c.path).resolve(): c.fingerprint for acc in accumulators if acc.previous is not None
               for c in acc.previous.checkpoints}
     starts = [acc.previous.step if acc.previous is not None else None for acc in accumulators]
-    found = discover(list(checkpoints), step_regex=step_regex, exclude=[out], skip=skip, known=folded,
+    found = discover(list(checkpoints), step_regex=step_regex, step_from=step_from, component=component,
+                     exclude=[out.parent if component and out.name == component else out], skip=skip, known=folded,
                      compare_after=None if None in starts else min(s for s in starts if s is not None))
     notes.extend(found.notes)
     newest = min((s for s in starts if s is not None), default=None)

@@ -15,52 +15,39 @@ Example:
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 
-from .formats.base import TRAINER_STATE
+from .layouts import HF_TRAINER, TRAINER_SAVES, TrainerSave
 from .storage import Location
 
-HF_CHECKPOINT = re.compile(r"^checkpoint-\d+$")
-"""The Hugging Face Trainer's checkpoint folders (its ``PREFIX_CHECKPOINT_DIR``)."""
-ACCELERATE_CHECKPOINT = re.compile(r"^checkpoint_\d+$")
-"""accelerate's ``automatic_checkpoint_naming`` folders."""
-TRAINER_FILES = ("training_args.bin", "optimizer.pt", "scheduler.pt", "scaler.pt")
-"""Files the Trainer writes into a checkpoint before ``trainer_state.json``."""
-ACCELERATE_LAST = "random_states_0.pkl"
-"""What accelerate's ``save_state`` writes last (process 0's RNG states)."""
-ACCELERATE_FILES = ("optimizer.bin", "scheduler.bin", "model.safetensors", "pytorch_model.bin",
-                    "pytorch_model_fsdp.bin")
 
-
-def _trainer_save(path: Location) -> bool:
-    """Files only a Hugging Face Trainer save holds (written before its ``trainer_state.json``)."""
-    return any((path / name).exists() for name in TRAINER_FILES) or any(
-        p.name.startswith("rng_state") or p.name.startswith("global_step") for p in path.iterdir())
+def _started(path: Location, save: TrainerSave) -> bool:
+    """Files the trainer writes into the folder before its last one are there."""
+    return any((path / name).exists() for name in save.written_before) or any(
+        p.name.startswith(save.written_before_prefixes) for p in path.iterdir())
 
 
 def save_in_progress(path: Location, beside: Sequence[Location]) -> str | None:
     """Why the trainer folder ``path`` is not a finished save yet, or None (also for any other folder).
 
-    ``beside``: the other entries of the folder it was found in. A ``checkpoint-<N>`` folder is
-    the Trainer's when it holds the Trainer's own files or another ``checkpoint-<N>`` beside it
-    has a ``trainer_state.json``; a ``save_pretrained`` folder named so in a folder of them
-    (none with a ``trainer_state.json``) is taken as it is.
+    ``beside``: the other entries of the folder it was found in. A folder named as a trainer's
+    (:data:`~ema_ckpt.layouts.TRAINER_SAVES`) without the file that trainer writes last is a save
+    in progress when it holds a file the trainer writes earlier, or (the Hugging Face Trainer) when
+    another folder so named beside it has that last file; a ``save_pretrained`` folder named so in
+    a folder of them (none with a ``trainer_state.json``) is taken as it is.
     """
     try:
         if not path.is_dir():
             return None
-        if HF_CHECKPOINT.match(path.name) and not (path / TRAINER_STATE).exists():
-            siblings = [s for s in beside if s != path and HF_CHECKPOINT.match(s.name)]
-            if _trainer_save(path) or any((s / TRAINER_STATE).is_file() for s in siblings):
-                return f"no {TRAINER_STATE} yet (the Trainer writes it last: a save in progress?)"
-        if ACCELERATE_CHECKPOINT.match(path.name) and not (path / ACCELERATE_LAST).exists() and (
-                any((path / name).exists() for name in ACCELERATE_FILES)
-                or any(p.name.startswith(("pytorch_model_fsdp", "optimizer_")) for p in path.iterdir())):
-            return f"no {ACCELERATE_LAST} yet (accelerate's save_state writes it last: a save in progress?)"
+        for save in TRAINER_SAVES:
+            if not save.folder.match(path.name) or (path / save.written_last).exists():
+                continue
+            siblings = [s for s in beside if s != path and save.folder.match(s.name)] if save is HF_TRAINER else []
+            if _started(path, save) or any((s / save.written_last).is_file() for s in siblings):
+                return f"no {save.written_last} yet ({save.trainer} writes it last: a save in progress?)"
     except OSError:  # vanishing as it is looked at: retention, or a save starting over
         return "changed while it was read (a save or a deletion in progress?)"
     return None
 
 
-__all__ = ["ACCELERATE_CHECKPOINT", "HF_CHECKPOINT", "save_in_progress"]
+__all__ = ["save_in_progress"]

@@ -1,17 +1,29 @@
 """The training step of a checkpoint, and the record it was read from.
 
-A checkpoint's step comes from the first record that holds one (:data:`STEP_SOURCES`): the
-Hugging Face Trainer's ``trainer_state.json`` ``global_step``, the optimizer's own step counter
-saved beside the model (accelerate), the format's own record (DeepSpeed ``global_steps``;
-a single file's ``global_step``, ``step``, ``iteration``, ``iter_num``), and only then the
-name: ``step_1000``, ``step-1000``, ``global_step1000``, ``checkpoint-1000``, ``iter_0001000``,
-``epoch=3-step=1000``, ``ckpt_000100.pt`` or a bare ``1000``. A single file that records only
-its ``epoch`` counts epochs, and its step says so (``checkpoint-12.pth.tar`` of timm, MAE's
-``checkpoint-12.pth``). ``step_regex`` overrides every record and name pattern.
+A checkpoint's step is the number of optimizer updates its weights have seen: what an EMA's
+decay counts. It is looked for in this order (``docs/formats.md``, "Steps"):
+
+1. ``step_regex``, matched on the path from the sequence root (``checkpoint-(\\d+)/unet``),
+   wins over every record: the user said so. ``step_from`` names one record instead
+   (``global_step``, a metadata key, a dotted path into the file: ``state.timestamp.batch``).
+2. The checkpoint's own records (:mod:`ema_ckpt.layouts`): JSON state files and files beside the
+   weights (``trainer_state.json``, OLMo-core's ``train/rank0.pt``), the optimizer's own step
+   counter beside an accelerate model, the format's record (DeepSpeed ``global_steps``), a
+   file's counters, top-level or nested (Composer's ``state.timestamp.batch``, mmengine's
+   ``meta.iter``), a safetensors header's ``__metadata__`` (``ss_steps``). Where a record holds
+   several counters, the counter of optimizer steps is taken, never micro-batches or epochs.
+3. The names on the path from the sequence root, the checkpoint's own first: a labelled number
+   (``step=``, ``ba``, ``iter``, ``global_step``) wins; a name's only number is taken
+   (``checkpoint-1000``, ``ckpt_000100``, ``1000``).
+
+A checkpoint whose only record counts epochs is refused unless ``step_from`` names it (the
+decay then counts epochs, and the run says so).
 
 Example:
     >>> step_from_name("epoch=3-step=1000")
     1000
+    >>> step_from_name("ep0-ba4-rank0.pt")
+    4
     >>> step_from_name("ckpt_000100.pt")
     100
 """
@@ -19,26 +31,38 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import json
 import re
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 from .errors import EmaCkptError, Note, OptionError
 from .formats import Resolved, detect_format, locate_model, open_checkpoint, resolve
-from .formats.base import TRAINER_STATE, trainer_state_step
-from .formats.resolve import NESTED_MODELS
 from .formats.torch_file import file_facts, has_torch_suffix
 from .formats.torch_file.optimizer import optimizer_step_counters
 from .layout import Box
+from .layouts import (
+    ACCELERATE,
+    ACCELERATE_OPTIMIZER,
+    EPOCHS,
+    NAME_LABELS,
+    NESTED_MODELS,
+    OPTIMIZER_STEPS,
+    SAVES,
+    STEP_FILES,
+    TRAINER_STATE,
+    SeenCounter,
+    best_step,
+    counter_meaning,
+    counter_named,
+    counters_in,
+)
 from .storage import Location, as_path, local_file
 
-_STEP_PATTERNS = (
-    re.compile(r"(?:^|[^A-Za-z])step[_=-]?(\d+)"),
-    re.compile(r"^(?:checkpoint|ckpt|model|weights)[_-]?(\d+)$"),
-    re.compile(r"^iter[_-]?(\d+)$"),
-    re.compile(r"^(\d+)$"),
-)
 _FILE_SUFFIXES = (".pth.tar", ".safetensors", ".ckpt", ".pth", ".pt", ".bin", ".tar")
+_NUMBERS = re.compile(r"(?:([A-Za-z]+(?:_[A-Za-z]+)*)[_=-]?)?(\d+)")
+_WORDS = {word: label for label in NAME_LABELS for word in label.words}
+COUNTS_EPOCHS = "counts epochs, not optimizer steps"
 
 
 def name_stem(name: str) -> str:
@@ -50,11 +74,51 @@ def name_stem(name: str) -> str:
     return name
 
 
+@dataclass(frozen=True, slots=True)
+class NameNumber:
+    """A number in a name, the word that labels it (lower case, or None) and what it counts."""
+
+    label: str | None
+    value: int
+    counts: str | None
+    rank: int = 0
+
+
+def numbers_in_name(name: str) -> list[NameNumber]:
+    """Every number in a name (its suffix left out) with its label (``ep0-ba4-rank0`` →
+    ``ep`` 0, ``ba`` 4, ``rank`` 0)."""
+    found = []
+    for match in _NUMBERS.finditer(name_stem(name)):
+        word = match.group(1).lower() if match.group(1) else None
+        last = word.rsplit("_", 1)[-1] if word else None
+        label = _WORDS.get(word) if word else None
+        if label is None and last is not None:
+            label = _WORDS.get(last)
+        found.append(NameNumber(word, int(match.group(2)), label.counts if label else None,
+                                label.rank if label else 0))
+    return found
+
+
+def step_in_name(name: str) -> NameNumber | None:
+    """The number of a name that counts optimizer steps: a labelled one (``step``, ``ba``,
+    ``iter``: the best label), else the name's only number when it is unlabelled or names a
+    save (``checkpoint-12``); an epoch-labelled only number is returned as such. None when
+    there is none or several unlabelled ones (ambiguous)."""
+    numbers = [n for n in numbers_in_name(name) if n.counts != "ranks"]
+    steps = [n for n in numbers if n.counts == OPTIMIZER_STEPS]
+    if steps:
+        return min(steps, key=lambda n: n.rank)
+    if len(numbers) == 1 and numbers[0].counts in (None, SAVES, EPOCHS) and (
+            numbers[0].label is None or numbers[0].counts is not None):
+        return numbers[0]
+    return None
+
+
 def step_from_name(name: str, step_regex: str | None = None) -> int | None:
-    """The step a checkpoint's name encodes (a folder, or a file without its suffix), or None.
+    """The step a checkpoint's name (or path) encodes, or None.
 
     ``step_regex`` must contain one group (or a group named ``step``) matching digits; it is
-    searched in the whole name.
+    searched in the whole name (a path from the sequence root: ``checkpoint-(\\d+)/unet``).
     """
     if step_regex is not None:
         try:
@@ -73,49 +137,50 @@ def step_from_name(name: str, step_regex: str | None = None) -> int | None:
             raise OptionError("step_regex", f"{step_regex!r} matched {text!r} in {name!r}, not digits",
                               value=step_regex)
         return int(text)
-    stem = name_stem(name)
-    for pattern in _STEP_PATTERNS:
-        match = pattern.search(stem)
-        if match:
-            return int(match.group(1))
-    return None
+    found = step_in_name(name)
+    return found.value if found is not None and found.counts != EPOCHS else None
 
 
 @dataclass(frozen=True, slots=True)
 class StepRecord:
-    """A checkpoint's training step and the record it was read from."""
+    """A checkpoint's training step, the record it was read from, and every counter seen."""
 
     step: int
     source: str
+    counts: str = OPTIMIZER_STEPS
+    """What the step counts: optimizer steps, or epochs where ``step_from`` asked for them."""
+    counters: tuple[SeenCounter, ...] = field(default=(), compare=False)
 
 
 class StepUnknown(Exception):
+    """No record places the checkpoint (no step, only epochs, an ambiguous name): the reason."""
+
+
+class StepWaiting(StepUnknown):
     """A step source that sees its record still being written: the checkpoint waits (a note)."""
 
 
-def _trainer_state_step(found: Resolved) -> StepRecord | None:
-    """The Hugging Face Trainer's ``trainer_state.json`` ``global_step`` (optimizer steps)."""
-    path = found.path
-    if not path.is_dir():
+def _read_json(path: Location) -> object:
+    try:
+        return json.loads(path.read_bytes())
+    except (OSError, ValueError, UnicodeDecodeError):
         return None
-    step = trainer_state_step(path)
-    return StepRecord(step, f"{TRAINER_STATE} global_step") if step is not None else None
 
 
-ACCELERATE_OPTIMIZER = "optimizer.bin"
-"""What accelerate's ``save_state`` writes the (first) optimizer's state to, beside unnested weights."""
-_ACCELERATE_FOLDER = re.compile(r"^checkpoint_\d+$")
-
-
-def accelerate_folder(path: Location | Resolved) -> bool:
-    """A folder accelerate's ``save_state`` wrote with ``automatic_checkpoint_naming``: its name
-    counts saves, not steps."""
-    found = resolve(path)
-    path = found.path
-    if found.model.trainer == "accelerate":
-        return True
-    return bool(path.is_dir() and _ACCELERATE_FOLDER.match(path.name)
-                and any(p.name.startswith("random_states_") for p in path.iterdir()))
+def _step_file_counters(folder: Location) -> list[tuple[str, list[SeenCounter]]]:
+    """(file, counters) of the :data:`~ema_ckpt.layouts.STEP_FILES` in a checkpoint folder."""
+    found = []
+    for step_file in STEP_FILES:
+        path = folder / step_file.path
+        if step_file.kind == "json":
+            doc = _read_json(path)
+            counters = counters_in(doc) if isinstance(doc, dict) else []
+        else:
+            local = local_file(path)
+            counters = list(file_facts(local).counters) if local is not None and local.is_file() else []
+        if counters:
+            found.append((step_file.path, counters))
+    return found
 
 
 def _optimizer_counter_step(found: Resolved) -> StepRecord | None:
@@ -130,12 +195,12 @@ def _optimizer_counter_step(found: Resolved) -> StepRecord | None:
     path, location = found.path, found.model
     if location.trainer is not None and location.optimizer is not None:
         if detect_format(location.optimizer) is None:
-            raise StepUnknown(f"{location.optimizer.name}/ is not complete yet (still being written?)")
+            raise StepWaiting(f"{location.optimizer.name}/ is not complete yet (still being written?)")
         with contextlib.closing(open_checkpoint(location.optimizer)) as reader:
             counters = [key for key, spec in reader.specs().items() if key.endswith(".step") and spec.shape == ()]
             values = [float(reader.read(key, Box((), ())).item()) for key in counters]
         where = f"{location.optimizer.name}/"
-    elif location.trainer is None and path.is_dir() and (path / ACCELERATE_OPTIMIZER).is_file():
+    elif path.is_dir() and (path / ACCELERATE_OPTIMIZER).is_file():
         local = local_file(path / ACCELERATE_OPTIMIZER)  # a torch file is read from a local disk only
         values = optimizer_step_counters(local) if local is not None else []
         where = ACCELERATE_OPTIMIZER
@@ -143,6 +208,45 @@ def _optimizer_counter_step(found: Resolved) -> StepRecord | None:
         return None
     steps = [int(v) for v in values if v >= 0 and v == int(v)]
     return StepRecord(max(steps), f"optimizer step counter in {where}") if steps else None
+
+
+_METADATA_CACHE: dict[tuple[str, int, int], dict[str, str]] = {}
+
+
+def _safetensors_metadata(path: Location) -> dict[str, str]:
+    """The ``__metadata__`` of a safetensors file (a folder's first file), remembered by size and mtime."""
+    from .formats.safetensors.header import read_header
+
+    try:
+        file = path if not path.is_dir() else min(
+            (p for p in path.iterdir() if p.name.endswith(".safetensors") and not p.name.startswith(".")),
+            key=lambda p: p.name)
+        stat = file.stat()
+    except (OSError, ValueError):
+        return {}
+    key = (str(file), stat.st_size, int(stat.st_mtime_ns))
+    if key not in _METADATA_CACHE:
+        try:
+            _METADATA_CACHE[key] = dict(read_header(file).metadata)
+        except EmaCkptError:
+            _METADATA_CACHE[key] = {}
+    return _METADATA_CACHE[key]
+
+
+def _component_counters(found: Resolved) -> list[tuple[str, list[SeenCounter]]]:
+    """(where, counters) of a component's own records: a file's counters, a safetensors header."""
+    fmt, model = found.format, found.model.path
+    if fmt is None:
+        return []
+    if fmt.name == "torch":
+        local = local_file(model)
+        if local is not None and local.is_file() and has_torch_suffix(local):
+            counters = list(file_facts(local).counters)
+            return [("the file", counters)] if counters else []
+    if fmt.name == "safetensors":
+        counters = counters_in(_safetensors_metadata(model))
+        return [("its safetensors metadata", counters)] if counters else []
+    return []
 
 
 def _format_step(found: Resolved) -> StepRecord | None:
@@ -158,13 +262,10 @@ def _format_step(found: Resolved) -> StepRecord | None:
 
 
 STEP_SOURCES: tuple[Callable[[Resolved], StepRecord | None], ...] = (
-    _trainer_state_step,
     _optimizer_counter_step,
     _format_step,
 )
-"""Where a checkpoint's step is looked for, in order; the name comes after these."""
-
-EPOCHS = "counts epochs, not optimizer steps"
+"""Records read by code, after the step files: the optimizer's counter, the format's own."""
 
 
 def _owner(path: Location) -> Location:
@@ -174,25 +275,58 @@ def _owner(path: Location) -> Location:
     return path
 
 
-def _file_epoch(path: Location) -> int | None:
-    """A single file's top-level ``epoch`` (None for folders and other files)."""
-    local = local_file(path)  # a torch file is read from a local disk only
-    if local is None or local.is_dir() or not has_torch_suffix(local):
-        return None
-    return file_facts(local).epoch
+def _relative(path: Location, root: Location | None) -> str:
+    """``path`` from the sequence root (POSIX), or its name."""
+    if root is not None:
+        try:
+            rel = path.resolve().relative_to(root.resolve())  # type: ignore[arg-type]
+        except ValueError:
+            rel = None
+        if rel is not None and str(rel) not in ("", "."):
+            return rel.as_posix()
+    return path.name
 
 
-def step_record(path: str | Location | Resolved, step_regex: str | None = None) -> StepRecord | None:
+def _names(owner: Location, root: Location | None) -> list[str]:
+    """The names from the checkpoint up to (not including) the sequence root."""
+    names = [owner.name]
+    if root is not None:
+        resolved_root, parent = root.resolve(), owner.parent
+        while parent.resolve() != resolved_root and parent.resolve() in owner.resolve().parents and \
+                len(names) < 8 and parent != parent.parent:
+            names.append(parent.name)
+            parent = parent.parent
+    return names
+
+
+def _seen(records: Sequence[tuple[str, Sequence[SeenCounter]]]) -> tuple[SeenCounter, ...]:
+    return tuple(c for _, counters in records for c in counters)
+
+
+def _labelled(where: str, counter: SeenCounter) -> str:
+    return f"{counter.path} in {where}" if where != TRAINER_STATE or counter.path != "global_step" \
+        else f"{TRAINER_STATE} global_step"
+
+
+def step_record(
+    path: str | Location | Resolved,
+    step_regex: str | None = None,
+    *,
+    root: Location | None = None,
+    step_from: str | None = None,
+    components: Sequence[Resolved] = (),
+) -> StepRecord | None:
     """The training step of the checkpoint at ``path`` and where it came from, or None.
 
-    Given a :class:`~ema_ckpt.formats.Resolved` checkpoint, its model folder and format are
-    taken as they are (nothing is detected again).
-
-    ``step_regex``, when given and matching, wins over every record: the user said so.
+    ``root``: the sequence root it was found in (names and ``step_regex`` are read on the path
+    from there). ``components``: the checkpoint's model-bearing parts, when discovery found
+    them (else the checkpoint resolved). Given a :class:`~ema_ckpt.formats.Resolved`
+    checkpoint, its model folder and format are taken as they are.
 
     Raises:
-        StepUnknown: the record that holds the step is still being written, or a name that
-            counts saves is all there is.
+        StepWaiting: the record that holds the step is still being written.
+        StepUnknown: a record counts only epochs, ``step_from`` names no record, or the names
+            say saves, not steps (accelerate's ``checkpoint_<i>``).
 
     Example:
         >>> step_record("out/checkpoint-500")  # doctest: +SKIP
@@ -203,41 +337,122 @@ def step_record(path: str | Location | Resolved, step_regex: str | None = None) 
     owner = _owner(path)
     kind = "folder" if owner.is_dir() else "file"
     if step_regex is not None:
-        step = step_from_name(owner.name, step_regex)
+        where = _relative(owner, root)
+        step = step_from_name(where, step_regex)
         if step is not None:
-            return StepRecord(step, Note(f"{{step_regex}} on the {kind} name ", mentions=("step_regex",))
-                              + owner.name)
+            what = f"{kind} name " if "/" not in where else "path "
+            return StepRecord(step, Note(f"{{step_regex}} on the {what}", mentions=("step_regex",)) + where)
     found = given if given is not None and owner == given.path else resolve(owner)
-    fmt = found.format
-    if fmt is not None:
-        for source in STEP_SOURCES:
-            try:
-                record = source(found)
-            except EmaCkptError:
-                raise
-            except OSError:
-                record = None
-            if record is not None:
-                return record
-        if accelerate_folder(found):
+    parts = list(components) or [found]
+    records = _step_file_counters(owner) if owner.is_dir() else []
+    for part in parts:
+        records += _component_counters(part)
+    if step_from is not None:
+        return _named_record(owner, records, parts, step_from)
+    seen = _seen(records)
+    for where, counters in records:
+        if where == TRAINER_STATE or where in {"train/rank0.pt", ".metadata.json"}:
+            best = best_step(list(counters))
+            if best is not None:
+                return StepRecord(best.value, _labelled(where, best), counters=seen)
+    for source, part in [(STEP_SOURCES[0], found)] + [(s, p) for p in parts for s in STEP_SOURCES[1:]]:
+        try:
+            record = source(part)
+        except EmaCkptError:
+            raise
+        except OSError:
+            record = None
+        if record is not None:
+            return StepRecord(record.step, record.source, counters=seen)
+    for where, counters in records:
+        best = best_step(list(counters))
+        if best is not None:
+            return StepRecord(best.value, _labelled(where, best), counters=seen)
+    return _step_from_names(owner, root, found, seen, kind)
+
+
+def _named_record(owner: Location, records: list[tuple[str, list[SeenCounter]]], parts: Sequence[Resolved],
+                  step_from: str) -> StepRecord:
+    """The record ``step_from`` names (or the DeepSpeed/optimizer record it names)."""
+    for where, counters in records:
+        chosen = counter_named(counters, step_from)
+        if chosen is not None:
+            return StepRecord(chosen.value, Note(f"{chosen.path} in {where} ({{step_from}})",
+                                                 mentions=("step_from",)), chosen.counts, _seen(records))
+    for part in parts:
+        record = _format_step(part) if part.format is not None else None
+        if record is not None and step_from.lower() in record.source.lower():
+            return record
+    names = sorted({c.path for _, counters in records for c in counters})
+    raise StepUnknown(Note(f"no record {step_from!r} ({{step_from}})", mentions=("step_from",))
+                      + (f"; it records {', '.join(names)}" if names else "; it records no counter"))
+
+
+def _step_from_names(owner: Location, root: Location | None, found: Resolved, seen: tuple[SeenCounter, ...],
+                     kind: str) -> StepRecord | None:
+    epochs = [c for c in seen if c.counts == EPOCHS]
+    names = _names(owner, root)
+    for depth, name in enumerate(names):
+        number = step_in_name(name)
+        if number is None:
+            continue
+        where = f"{kind} name" if depth == 0 else f"name of {name}/"
+        if number.counts == EPOCHS or (number.counts in (None, SAVES) and any(e.value == number.value
+                                                                              for e in epochs)):
+            raise StepUnknown(_epochs_only(f"the {where} ({number.label or 'number'} {number.value})"))
+        if depth == 0 and number.counts == SAVES and not _name_counts_steps(found, owner):
             raise StepUnknown(
-                f"no step record (accelerate's {owner.name} counts saves, not steps); "
-                + Note("pass {step_regex} to take the name as the step", mentions=("step_regex",))
-            )
-    step = step_from_name(owner.name)
-    epoch = _file_epoch(owner) if fmt is not None else None
-    if epoch is not None and step in (None, epoch):  # checkpoint-12.pth.tar holding epoch 12: epochs
-        return StepRecord(epoch, f"epoch in the file ({EPOCHS})")
-    return StepRecord(step, f"{kind} name") if step is not None else None
+                f"no step record ({ACCELERATE.trainer}'s {owner.name} counts saves, not steps); "
+                + Note("pass {step_regex} to take the name as the step", mentions=("step_regex",)))
+        return StepRecord(number.value, where, counters=seen)
+    if epochs:
+        raise StepUnknown(_epochs_only(f"{epochs[0].path} = {epochs[0].value}"))
+    return None
+
+
+def _epochs_only(where: str) -> str:
+    return Note(f"only epochs are recorded ({where}); the decay counts optimizer steps: pass "
+                "{step_from}=epoch to count epochs instead, or {step_regex}",
+                mentions=("step_from", "step_regex"))
+
+
+def _name_counts_steps(found: Resolved, owner: Location) -> bool:
+    """False for a folder whose number counts saves (accelerate's ``automatic_checkpoint_naming``)."""
+    return not accelerate_folder(found)
+
+
+def accelerate_folder(path: Location | Resolved) -> bool:
+    """A folder accelerate's ``save_state`` wrote with ``automatic_checkpoint_naming``: its name
+    counts saves, not steps."""
+    found = resolve(path)
+    path = found.path
+    if found.model.trainer == "accelerate":
+        return True
+    try:
+        return bool(path.is_dir() and ACCELERATE.folder.match(path.name)
+                    and any(p.name.startswith("random_states_") for p in path.iterdir()))
+    except OSError:
+        return False
+
+
+def describe_counters(counters: Sequence[SeenCounter]) -> list[dict[str, object]]:
+    """Every counter seen, for ``inspect`` and ``--json``: path, value, what it counts."""
+    return [{"record": c.path, "value": c.value, "counts": c.counts} for c in counters]
 
 
 __all__ = [
+    "COUNTS_EPOCHS",
     "EPOCHS",
     "STEP_SOURCES",
     "StepRecord",
     "StepUnknown",
+    "StepWaiting",
     "accelerate_folder",
+    "counter_meaning",
+    "describe_counters",
     "name_stem",
+    "numbers_in_name",
     "step_from_name",
+    "step_in_name",
     "step_record",
 ]

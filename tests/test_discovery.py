@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from ema_ckpt.discovery import discover, step_from_name
-from ema_ckpt.errors import CheckpointNotFoundError, IncompatibleCheckpointError, UsageError
+from ema_ckpt.errors import CheckpointNotFoundError, IncompatibleCheckpointError, UnplacedCheckpointError, UsageError
 from tests.dcp_helpers import write_dcp
 
 
@@ -100,7 +100,10 @@ def test_folders_named_like_a_trainers_nesting_stay_folders_of_checkpoints(tmp_p
     for name in ("step_100", "step_200", "weights"):
         _ckpt(tmp_path / name)
     (tmp_path / "context").mkdir()  # NeMo's pair, but weights/ holds no Megatron metadata.json
-    assert [c.step for c in discover([tmp_path]).checkpoints] == [100, 200]
+    # weights/ is a checkpoint like the others, with no step: never folded silently beside them
+    with pytest.raises(UnplacedCheckpointError, match="weights: no step in its records or its name"):
+        discover([tmp_path])
+    assert [c.step for c in discover([tmp_path], skip=[tmp_path / "weights"]).checkpoints] == [100, 200]
 
 
 def test_a_stale_file_of_a_later_format_does_not_hide_a_complete_checkpoint(tmp_path):

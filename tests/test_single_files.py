@@ -25,8 +25,10 @@ from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from ema_ckpt.cli import app
+from ema_ckpt.cli._flags import cli_text
 from ema_ckpt.commands.inspect import inspect_folder
 from ema_ckpt.discovery import discover
+from ema_ckpt.errors import CheckpointNotFoundError
 from tests.ema_reference import assert_close_relative
 from tests.test_trainers import assert_loads_with_from_pretrained, reference_ema
 
@@ -41,7 +43,8 @@ FOLDERS = {
     "transformers4-bin-sharded": "ckpts", "peft-lora": "ckpts",
 }
 EPOCH_SETS = {"research-mae", "timm-saver"}
-"""Their files record epochs only: the step is the epoch (and says so)."""
+"""Their files record epochs only: refused unless ``--step-from epoch`` (then the step is the epoch, and
+the run says so)."""
 HF_SETS = ["accelerate-fsdp2-full", "accelerate-fsdp1-full", "accelerate-plain", "accelerate-plain-bin",
            "transformers4-bin", "transformers4-bin-sharded"]
 MODULE_SETS = ["lightning-single", "lightning-ddp", "research-mae", "nanogpt", "timm-saver"]
@@ -85,6 +88,8 @@ def copy_of(tmp_path):
 
 
 def ema_of(folder: Path, out: Path, *flags: str) -> None:
+    if any(part in EPOCH_SETS for part in folder.parts):
+        flags = ("--step-from", "epoch", *flags)
     result = runner.invoke(app, ["accumulate", str(folder), "--decay", "0.8", "--out", str(out), *flags])
     assert result.exit_code == 0, result.output
 
@@ -104,11 +109,15 @@ def assert_ema(got: dict[str, torch.Tensor], name: str, key: str = "oracle") -> 
 
 @pytest.mark.parametrize("name", sorted(FOLDERS))
 def test_every_checkpoint_is_found_with_no_flag(name):
-    found = discover([FIXTURES / name / FOLDERS[name]])
+    if name in EPOCH_SETS:  # no step record: refused, the way through named
+        with pytest.raises(CheckpointNotFoundError, match="only epochs are recorded") as refused:
+            discover([FIXTURES / name / FOLDERS[name]])
+        assert "step_from" in refused.value.parameters
+    found = discover([FIXTURES / name / FOLDERS[name]], step_from="epoch" if name in EPOCH_SETS else None)
     assert [c.step for c in found.checkpoints] == [step_of(name, info) for _, info in kept(name)]
     sources = {c.step_source for c in found.checkpoints}
     if name in EPOCH_SETS:
-        assert sources == {"epoch in the file (counts epochs, not optimizer steps)"}
+        assert {cli_text(s) for s in sources} == {"epoch in the file (--step-from)"}
         assert any("these steps count epochs" in n for n in found.notes), found.notes
     elif name.startswith("lightning"):
         assert sources == {"global_step in the file"}
@@ -249,7 +258,9 @@ def test_inspect_a_file_shows_its_entries_and_the_one_read(tmp_path):
     assert result.exit_code == 0, result.output
     assert "state_dict_ema │ dict of 8 (8 tensors) │ model" in result.output
     assert "args           │ argparse.Namespace" in result.output
-    assert "from epoch in the file (counts epochs, not optimizer steps)" in " ".join(result.output.split())
+    assert "only epochs are recorded (epoch = " in " ".join(result.output.split())
+    counted = runner.invoke(app, ["inspect", str(path), "--step-from", "epoch"], terminal_width=200)
+    assert "epoch = " in counted.output and "(epochs, taken)" in counted.output, counted.output
 
 
 def test_a_cron_job_beside_a_trainer_with_retention_equals_one_run(tmp_path):
@@ -300,7 +311,7 @@ def test_the_training_scripts_side_files_are_never_models(tmp_path):
     model = torch.nn.Linear(2, 2)
     torch.save(torch.optim.AdamW(model.parameters()).state_dict(), folder / "optimizer.pt")
     torch.save({"python": (3, (1,), None), "cpu": torch.get_rng_state()}, folder / "rng_state_0.pth")
-    report = inspect_folder(folder)
+    report = inspect_folder(folder, step_from="epoch")
     rows = {e.path.name: (e.taken, str(e.why)) for e in report.entries}
     assert rows["checkpoint-1.pth"][0] and not rows["optimizer.pt"][0] and not rows["rng_state_0.pth"][0]
     assert "training state beside the checkpoints" in rows["optimizer.pt"][1]

@@ -58,6 +58,8 @@ FLAGS: dict[str, str] = {
     "include": "--include",
     "exclude": "--exclude",
     "step_regex": "--step-regex",
+    "step_from": "--step-from",
+    "component": "--component",
     "skip": "--skip",
     "allow_new_keys": "--allow-new-keys",
     "average_buffers": "--average-buffers",

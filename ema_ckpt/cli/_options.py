@@ -19,7 +19,20 @@ WaitOpt = Annotated[
 StepRegexOpt = Annotated[
     str | None,
     typer.Option("--step-regex", metavar="REGEX",
-                 help="Regex with one group matching the step in checkpoint directory names."),
+                 help="Regex with one group matching the step in each checkpoint's path from the folder given "
+                      r"(e.g. 'checkpoint-(\d+)/unet')."),
+]
+StepFromOpt = Annotated[
+    str | None,
+    typer.Option("--step-from", metavar="RECORD",
+                 help="Take the steps from this record: global_step, a safetensors metadata key, a dotted path "
+                      "into the file (state.timestamp.batch); 'epoch' counts epochs."),
+]
+ComponentOpt = Annotated[
+    str | None,
+    typer.Option("--component", metavar="NAME",
+                 help="The model read inside checkpoints that hold several (unet, model_1, unet_ema); "
+                      "default: each trained one, into OUT/NAME."),
 ]
 IncludeOpt = Annotated[
     list[str] | None,

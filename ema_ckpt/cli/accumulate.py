@@ -14,6 +14,7 @@ from ._errors import reports_errors
 from ._flags import cli_text
 from ._options import (
     AverageBuffersOpt,
+    ComponentOpt,
     DecayOpt,
     DeviceOpt,
     ExcludeOpt,
@@ -29,6 +30,7 @@ from ._options import (
     SkipOpt,
     SnapshotEveryOpt,
     StateKeyOpt,
+    StepFromOpt,
     StepRegexOpt,
     WaitOpt,
     WarmupOpt,
@@ -53,6 +55,10 @@ Examples:
   ema-ckpt accumulate ckpts/ --decay 0.999 --skip ckpts/step_100  # leave out
 
   ema-ckpt accumulate ckpts/ --decay 0.999 --average-buffers   # MoE: routers' statistics averaged too
+
+  ema-ckpt accumulate out/ --decay 0.999 --component unet_ema   # diffusers: the trainer's own EMA
+
+  ema-ckpt accumulate runs/ --decay 0.9 --step-regex 'checkpoint-(\\d+)/unet'   # steps from the path
 
   ema-ckpt accumulate s3://bucket/run/ckpts --decay 0.999 --out s3://bucket/run/ema
 
@@ -89,6 +95,8 @@ def accumulate_command(
     include: IncludeOpt = None,
     exclude: ExcludeOpt = None,
     step_regex: StepRegexOpt = None,
+    step_from: StepFromOpt = None,
+    component: ComponentOpt = None,
     restart: Annotated[
         bool, typer.Option("--restart", help="Start over if the EMA at --out has other settings.")
     ] = False,
@@ -116,6 +124,7 @@ def accumulate_command(
             checkpoints, decay=decay, half_life=half_life, per_checkpoint=per_checkpoint, warmup=warmup,
             sigma_rels=sigma_rel or (), gammas=gamma or (), snapshot_every=snapshot_every,
             out=out, dtype=dtype, include=include or (), exclude=exclude or (), step_regex=step_regex,
+            step_from=step_from, component=component,
             restart=restart, wait_seconds=wait, dry_run=dry_run, allow_new_keys=allow_new_keys,
             average_buffers=average_buffers,
             skip_nonfinite=skip_nonfinite, skip_damaged=skip_damaged, skip=skip or (), state_key=state_key,
@@ -146,6 +155,8 @@ def accumulate_command(
             "seconds": round(result.seconds, 3), "profile": result.profile, "notes": result.notes,
             "warnings": _warnings(result),
             "outputs": [str(p) for p in result.outputs], "snapshots": [str(p) for p in result.snapshots],
+            "components": {name: {"out": str(r.out), "step": r.step, "up_to_date": r.up_to_date,
+                                  "folded": [asdict(c) for c in r.folded]} for name, r in result.components.items()},
         })
         return
     if not quiet:

@@ -12,7 +12,7 @@ from rich.table import Table
 from ..storage import as_path
 from ._errors import reports_errors
 from ._flags import cli_text
-from ._options import InertGlobalOpt, JsonOpt, StateKeyOpt
+from ._options import InertGlobalOpt, JsonOpt, StateKeyOpt, StepFromOpt
 from ._output import console, exact_bytes, human_bytes, print_json, shown
 from ._tables import Name, name_table, summary_grid
 
@@ -126,7 +126,7 @@ def summary_rows(report: InspectResult, *, all_items: bool = False) -> list[tupl
     if report.trainer is not None and report.model_path is not None:
         rows.append(("model", f"{shown(report.model_path)} (nested by {report.trainer})"))
     if report.step is None:
-        rows.append(("step", "unknown"))
+        rows.append(("step", "unknown" + (f": {cli_text(report.step_source)}" if report.step_source else "")))
     else:
         rows.append(("step", f"{report.step} (from {cli_text(report.step_source or '')})"))
     rows.append(("keys", f"{report.key_count:,}"))
@@ -138,6 +138,9 @@ def summary_rows(report: InspectResult, *, all_items: bool = False) -> list[tupl
         text = fact(name, value, all_items=all_items)
         if text is not None:
             rows.append((_LABELS.get(name, name.replace("_", " ")), text))
+    if report.counters:
+        rows.append(("counters", ", ".join(f"{c['record']} = {c['value']} ({c['counts']}"
+                                           + (", taken)" if c.get("taken") else ")") for c in report.counters)))
     if report.container:
         rows.append(("container", f"{shown(report.container)} (consolidate writes the keys without it)"))
     rows += [("note", cli_text(line)) for line in report.notes]
@@ -159,6 +162,7 @@ def inspect_command(
         bool, typer.Option("--quiet", "-q", help="Print nothing; the exit code says whether the checkpoint reads.")
     ] = False,
     state_key: StateKeyOpt = None,
+    step_from: StepFromOpt = None,
     inert_global: InertGlobalOpt = None,
     workers: InspectWorkersOpt = 1,
 ) -> None:
@@ -167,13 +171,13 @@ def inspect_command(
     from ..commands.inspect import inspect_checkpoint, inspect_folder, is_folder_of_checkpoints
 
     if is_folder_of_checkpoints(path):
-        folder = inspect_folder(path, state_key=state_key, inert_globals=inert_global or ())
+        folder = inspect_folder(path, state_key=state_key, step_from=step_from, inert_globals=inert_global or ())
         if json_output:
             print_json(folder.to_dict())
         elif not quiet:
             render_folder(folder, all_rows=all_keys)
         return
-    report = inspect_checkpoint(path, state_key=state_key, inert_globals=inert_global or ())
+    report = inspect_checkpoint(path, state_key=state_key, step_from=step_from, inert_globals=inert_global or ())
     if json_output:
         print_json(report.to_dict(streamed=True))
         return
@@ -219,3 +223,7 @@ def render_folder(folder: FolderInspection, *, all_rows: bool = False) -> None:
         console.print(f"… {len(folder.entries) - len(rows):,} more entries (--all lists them)", style="dim")
     for line in folder.notes:
         console.print(cli_text(line), style="dim", highlight=False)
+    for entry in rows:
+        if entry.components:
+            parts = ", ".join(f"{c.name or '(own)'} ({c.format_name}, {c.role})" for c in entry.components)
+            console.print(f"{entry.path.name}: components {parts}", style="dim", highlight=False)

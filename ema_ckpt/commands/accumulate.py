@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import cast
 
-from ..discovery import FoundCheckpoint, checkpoint_paths
+from ..discovery import FoundCheckpoint, checkpoint_paths, discover
 from ..dtypes import ACCUMULATE_DTYPES, torch_dtype
 from ..engine import check_device
 from ..errors import (
@@ -100,6 +100,8 @@ class AccumulateResult:
     outputs: list[Location] = field(default_factory=list)
     snapshots: list[Location] = field(default_factory=list)
     plan: AveragePlan | None = None
+    components: dict[str, AccumulateResult] = field(default_factory=dict)
+    """Each component's own run, by its name, where the checkpoints hold several (``OUT/<name>``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +121,8 @@ class AccumulateOptions:
     include: tuple[str, ...] = ()
     exclude: tuple[str, ...] = ()
     step_regex: str | None = None
+    step_from: str | None = None
+    component: str | None = None
     restart: bool = False
     allow_new_keys: bool = False
     average_buffers: bool = False
@@ -186,6 +190,8 @@ def accumulate(
     include: Sequence[str] = (),
     exclude: Sequence[str] = (),
     step_regex: str | None = None,
+    step_from: str | None = None,
+    component: str | None = None,
     restart: bool = False,
     wait_seconds: float = 0.0,
     dry_run: bool = False,
@@ -212,7 +218,12 @@ def accumulate(
         snapshot_every: with power EMAs, keep a snapshot of each every K steps.
         dtype: accumulation and storage dtype of floating tensors (float32 or float64).
         include, exclude: glob patterns on keys.
-        step_regex: a regex with one group for the step in directory names.
+        step_regex: a regex with one group for the step, searched in each checkpoint's path from
+            the folder given (``checkpoint-(\\d+)/unet``).
+        step_from: the record the steps come from (``global_step``, a safetensors metadata key,
+            a dotted path into a file: ``state.timestamp.batch``; ``epoch`` to count epochs).
+        component: the model read inside checkpoints that hold several (``unet``,
+            ``model_1``); by default each trained one, its EMA in ``OUT/<component>``.
         restart: discard an existing EMA made with other settings and start over.
         wait_seconds: how long to wait for another run holding the output's lock.
         dry_run: plan only; read no tensor and write nothing (``result.plan``).
@@ -247,13 +258,44 @@ def accumulate(
         tuple(as_path(p) for p in paths), out=output_location(out) if out is not None else None, decay=decay,
         half_life=half_life, per_checkpoint=per_checkpoint, warmup=warmup, sigma_rels=tuple(sigma_rels),
         gammas=tuple(gammas), snapshot_every=snapshot_every, dtype=dtype, include=tuple(include),
-        exclude=tuple(exclude), step_regex=step_regex, restart=restart, allow_new_keys=allow_new_keys,
-        average_buffers=average_buffers, skip_nonfinite=skip_nonfinite, skip_damaged=skip_damaged,
-        skip=tuple(as_path(p) for p in skip),
+        exclude=tuple(exclude), step_regex=step_regex, step_from=step_from, component=component, restart=restart,
+        allow_new_keys=allow_new_keys, average_buffers=average_buffers, skip_nonfinite=skip_nonfinite,
+        skip_damaged=skip_damaged, skip=tuple(as_path(p) for p in skip),
         state_key=state_key, inert_globals=tuple(inert_globals), dry_run=dry_run, wait_seconds=wait_seconds,
         workers=workers, device=device,
     )
-    return run_job(AccumulateJob(options), on_progress=on_progress)
+    names = [component] if component is not None else _components(options)
+    if names == [""]:
+        return run_job(AccumulateJob(options), on_progress=on_progress)
+    runs = {name: run_job(AccumulateJob(replace(options, component=name, out=options.out_path / name)),
+                          on_progress=on_progress) for name in names}
+    return _merged(options.out_path, runs)
+
+
+def _components(options: AccumulateOptions) -> list[str]:
+    """The components each EMA is made of: ``[""]`` (the checkpoints' own model), or the names of
+    the trained models inside them (each its own EMA in ``OUT/<name>``)."""
+    found = discover(list(options.checkpoints), step_regex=options.step_regex, step_from=options.step_from,
+                     all_components=True, exclude=[options.out_path], skip=options.skip, require=False)
+    return found.components or [""]
+
+
+def _merged(out: Location, runs: dict[str, AccumulateResult]) -> AccumulateResult:
+    """One result of the runs of several components (each in ``runs``, by name)."""
+    results = list(runs.values())
+    folded = {c.path: c for r in results for c in r.folded}
+    return AccumulateResult(
+        out, max(r.step for r in results), sorted(folded.values(), key=lambda c: (c.step, c.path)),
+        all(r.up_to_date for r in results),
+        [f"{name}: {line}" for name, r in runs.items() for line in r.notes],
+        terms=results[0].terms,
+        terms_by_output={k: v for r in results for k, v in r.terms_by_output.items()},
+        keys=sum(r.keys for r in results), bytes_read=sum(r.bytes_read for r in results),
+        bytes_written=sum(r.bytes_written for r in results), files_written=sum(r.files_written for r in results),
+        seconds=sum(r.seconds for r in results), profile=results[0].profile,
+        outputs=[o for r in results for o in r.outputs], snapshots=[s for r in results for s in r.snapshots],
+        plan=results[0].plan, components=runs,
+    )
 
 
 @dataclass(slots=True)
@@ -338,7 +380,7 @@ class AccumulateJob(Job[FoldPlan, _Folded, AccumulateResult]):
     def _find_new(self, accumulators: list[Accumulator], notes: list[str]) -> None:
         opts = self.options
         find_new(accumulators, opts.checkpoints, out=opts.out_path, step_regex=opts.step_regex, skip=opts.skip,
-                 snapshot_every=opts.snapshot_every, notes=notes)
+                 snapshot_every=opts.snapshot_every, notes=notes, step_from=opts.step_from, component=opts.component)
 
     def targets(self, plan: FoldPlan) -> list[Target]:
         if self.options.dry_run:

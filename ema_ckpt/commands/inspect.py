@@ -15,14 +15,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..discovery import Entry, discover, step_record
+from ..discovery import Entry, LeftPart, discover, step_record
 from ..dtypes import itemsize
+from ..errors import Note
 from ..formats import detect_format, open_checkpoint, resolve
 from ..formats.options import ReadOptions, reading
 from ..formats.resolve import formats_for
 from ..manifest import MANIFEST_NAME, Manifest
 from ..maths import profile_from_dict
 from ..selection import container_prefix, select_keys
+from ..steps import StepUnknown, describe_counters
 from ..storage import Location, as_path
 from ..streamed import StreamedList
 
@@ -63,6 +65,8 @@ class InspectResult:
     container: str | None = None
     """The DCP container level (``"model."``) that ``consolidate`` leaves out of the names."""
     notes: list[str] = field(default_factory=list)
+    counters: list[dict[str, Any]] = field(default_factory=list)
+    """Every counter the checkpoint's records hold (``record``, ``value``, ``counts``, ``taken``)."""
 
     def to_dict(self, *, streamed: bool = False) -> dict[str, Any]:
         """The report as plain data; ``streamed``: its tensors as a :class:`~ema_ckpt.streamed.StreamedList`,
@@ -76,6 +80,7 @@ class InspectResult:
             "trainer": self.trainer,
             "container": self.container,
             "notes": self.notes,
+            "counters": self.counters,
             "keys": self.key_count,
             "total_bytes": self.total_bytes,
             "dtypes": self.dtypes,
@@ -93,6 +98,8 @@ class FolderInspection:
     path: Location
     entries: list[Entry]
     notes: list[str] = field(default_factory=list)
+    left: list[LeftPart] = field(default_factory=list)
+    """Model-bearing parts of the checkpoints that are not read, and why."""
 
     @property
     def taken(self) -> list[Entry]:
@@ -103,7 +110,10 @@ class FolderInspection:
             "path": str(self.path),
             "checkpoints": len(self.taken),
             "entries": [{"path": str(e.path), "taken": e.taken, "why": e.why, "step": e.step,
-                         "format": e.format_name} for e in self.entries],
+                         "format": e.format_name,
+                         "components": [{"name": c.name, "path": str(c.path), "format": c.format_name,
+                                         "role": c.role} for c in e.components]} for e in self.entries],
+            "left": [part.to_json() for part in self.left],
             "notes": self.notes,
         }
 
@@ -117,8 +127,8 @@ def is_folder_of_checkpoints(path: str | Location) -> bool:
     return detect_format(path) is None
 
 
-def inspect_folder(path: str | Location, *, step_regex: str | None = None, state_key: str | None = None,
-                   inert_globals: Sequence[str] = ()) -> FolderInspection:
+def inspect_folder(path: str | Location, *, step_regex: str | None = None, step_from: str | None = None,
+                   state_key: str | None = None, inert_globals: Sequence[str] = ()) -> FolderInspection:
     """Every entry of a folder of checkpoints, and why each was taken (with its step) or left.
 
     The same scan the averaging commands make; no tensor is read (only two copies of one
@@ -130,13 +140,13 @@ def inspect_folder(path: str | Location, *, step_regex: str | None = None, state
     """
     path = as_path(path)
     with reading(ReadOptions(state_key, tuple(inert_globals))):
-        found = discover([path], step_regex=step_regex, require=False)
+        found = discover([path], step_regex=step_regex, step_from=step_from, all_components=True, require=False)
     entries = sorted(found.entries, key=lambda e: str(e.path))
     notes = [n for n in found.notes if not any(str(n).startswith(f"skipped {e.path}:") for e in entries)]
-    return FolderInspection(path, entries, notes)
+    return FolderInspection(path, entries, notes, found.left)
 
 
-def inspect_checkpoint(path: str | Location, *, state_key: str | None = None,
+def inspect_checkpoint(path: str | Location, *, state_key: str | None = None, step_from: str | None = None,
                        inert_globals: Sequence[str] = ()) -> InspectResult:
     """Describe the checkpoint at ``path``: format, step, keys, dtypes, bytes, layout.
 
@@ -158,11 +168,20 @@ def inspect_checkpoint(path: str | Location, *, state_key: str | None = None,
         manifest = Manifest.read(path) if path.is_dir() else None
         step: int | None
         source: str | None
+        counters: list[dict[str, Any]] = []
+        source = None
         if manifest is not None:
             step, source = manifest.step, "ema-ckpt.json"
         else:
-            record = step_record(found)
-            step, source = (record.step, record.source) if record is not None else (None, None)
+            try:
+                record = step_record(found, root=path.parent, step_from=step_from)
+            except StepUnknown as why:
+                record, source = None, Note.of(why.args[0])
+            step = record.step if record is not None else None
+            if record is not None:
+                source = record.source
+                counters = [{**c, "taken": str(c["record"]) in str(Note.of(record.source))}
+                            for c in describe_counters(record.counters)]
         notes = _ignored_weights(path, reader.format_name)
         notes += [f"{other}/ ignored: only the first model is read (pass {path / other} to read it)"
                   for other in location.others]
@@ -182,6 +201,7 @@ def inspect_checkpoint(path: str | Location, *, state_key: str | None = None,
             trainer=location.trainer,
             container=container,
             notes=notes,
+            counters=counters,
         )
 
 

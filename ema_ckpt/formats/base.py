@@ -22,6 +22,7 @@ from typing import IO, TYPE_CHECKING, Any, ClassVar, Protocol
 
 from ..dtypes import name_of
 from ..layout import Box, TensorSpec
+from ..layouts import TRAINER_STATE
 from ..storage import Location, Readable, as_path, open_readable
 
 if TYPE_CHECKING:
@@ -54,12 +55,16 @@ class CarriedFile:
 TRAINER_STATE_FILE = "trainer-state.pkl"
 """A single file's own top-level entries beside its weights, tensors left out (Lightning's
 ``epoch``, ``global_step``, ``hyper_parameters``; timm's ``args``), as a pickle of inert data."""
+SAFETENSORS_METADATA_FILE = "safetensors-metadata.json"
+"""A safetensors input's header ``__metadata__`` (kohya's ``ss_*``, ``modelspec.*``), as a JSON
+object of strings, carried through an EMA into the safetensors files made from it."""
 CARRIED_FILES = ("config.json", "generation_config.json", "adapter_config.json", "metadata.json", "common.pt",
-                 "meta.pt", TRAINER_STATE_FILE)
+                 "meta.pt", TRAINER_STATE_FILE, SAFETENSORS_METADATA_FILE)
 """Files beside the weights that loaders read with them: Hugging Face's configs (``from_pretrained``,
 ``PeftModel.from_pretrained``), megatron-core's ``metadata.json`` and ``common.pt``
-(``dist_checkpointing.load``), Lightning's ``meta.pt`` beside a sharded checkpoint, and a single
-file's own top-level entries (:data:`TRAINER_STATE_FILE`)."""
+(``dist_checkpointing.load``), Lightning's ``meta.pt`` beside a sharded checkpoint, a single
+file's own top-level entries (:data:`TRAINER_STATE_FILE`), and a safetensors file's header
+metadata (:data:`SAFETENSORS_METADATA_FILE`)."""
 MAX_CARRIED_BYTES = 16 << 20
 
 
@@ -313,9 +318,6 @@ def register_format(fmt: CheckpointFormat) -> CheckpointFormat:
 def registered_formats() -> Mapping[str, CheckpointFormat]:
     """The registry, in detection order."""
     return dict(_REGISTRY)
-
-
-TRAINER_STATE = "trainer_state.json"
 
 
 def trainer_state_step(path: str | Location) -> int | None:

@@ -10,38 +10,12 @@ Example:
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 from ..errors import CheckpointFormatError, CheckpointNotFoundError
+from ..layouts import NESTED_MODELS, NestedModel
 from ..storage import Location, as_path, local_file
 from .base import _REGISTRY, CheckpointFormat, CheckpointReader
-
-
-@dataclass(frozen=True, slots=True)
-class NestedModel:
-    """A trainer's checkpoint folder whose model weights sit in a subdirectory of their own.
-
-    ``pattern`` matches the subdirectory's name; ``trainer`` names who writes it. accelerate's
-    ``save_state`` (and so the Hugging Face Trainer) writes an FSDP model as
-    ``checkpoint_<i>/pytorch_model_fsdp_0/`` (a DCP checkpoint holding ``{"model": …}``) beside
-    ``optimizer_0/``; NeMo 2 writes Megatron's ``torch_dist`` checkpoint into ``weights/``.
-    ``optimizer`` names the sibling folder holding that model's optimizer state, if any;
-    where the subdirectory's name alone is common, ``beside`` names a sibling that must exist
-    too and ``marker`` a file the nested folder must hold.
-    """
-
-    trainer: str
-    pattern: re.Pattern[str]
-    optimizer: str | None = None
-    beside: str | None = None
-    marker: str | None = None
-
-
-NESTED_MODELS: tuple[NestedModel, ...] = (
-    NestedModel("accelerate", re.compile(r"^pytorch_model_fsdp_0$"), optimizer="optimizer_0"),
-    NestedModel("NeMo", re.compile(r"^weights$"), beside="context", marker="metadata.json"),
-)
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,7 +108,8 @@ def _locate(path: Location) -> tuple[ModelLocation, CheckpointFormat | None]:
             continue
         fmt = _own_format(path / names[0])
         if fmt is not None:
-            others = tuple(n for n in children if n != names[0] and n.startswith("pytorch_model_fsdp_"))
+            others = tuple(n for n in children if n != names[0] and nested.others is not None
+                           and nested.others.match(n))
             optimizer = path / nested.optimizer if nested.optimizer else None
             optimizer = optimizer if optimizer is not None and optimizer.is_dir() else None
             return ModelLocation(path / names[0], nested.trainer, optimizer, others), fmt
