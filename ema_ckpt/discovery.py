@@ -52,6 +52,7 @@ from .layouts import (
     EXPORT_NAMES,
     MAIN_WEIGHTS,
     NOT_COMPONENTS,
+    STEP_FILES,
     TRAINER_KEPT_EMA,
     TRAINER_STATE,
 )
@@ -172,8 +173,9 @@ def _inside(path: Location, roots: Iterable[Location]) -> bool:
     return any(resolved == r or r in resolved.parents for r in roots)
 
 
-def _holds_checkpoints(found: Resolved) -> bool:
+def holds_checkpoints(path: str | Location | Resolved) -> bool:
     """True when a directory's own children are checkpoints (a folder of them, not one)."""
+    found = resolve(path)
     path = found.path
     if not path.is_dir() or found.model.trainer is not None:
         return False
@@ -260,7 +262,8 @@ def components_of(found: Resolved) -> tuple[list[Component], list[LeftPart]]:
     main = Component("", path, found.format.name)
     if not path.is_dir() or (found.model.path != path and found.model.trainer is None):
         return [main], []
-    components, left = [main], []
+    components: list[Component] = []
+    left: list[LeftPart] = []
     try:
         children: list[Location] = sorted(path.iterdir(), key=lambda c: c.name)
     except OSError:
@@ -268,8 +271,8 @@ def components_of(found: Resolved) -> tuple[list[Component], list[LeftPart]]:
     for child in children:
         if child.is_dir() or not child.name.lower().endswith(CHECKPOINT_FILE_SUFFIXES):
             continue
-        if found.model.path == path and found.format.name in ("safetensors", "torch") and \
-                MAIN_WEIGHTS.match(child.name):
+        if found.model.path == path and found.format.name in ("safetensors", "torch") and (
+                MAIN_WEIGHTS.match(child.name) or _only_file(children, child)):
             continue  # the weights the checkpoint's own reader reads
         own_files = found.format.name not in ("safetensors", "torch")  # DCP records, DeepSpeed rank files
         if own_files and not MAIN_WEIGHTS.match(child.name):
@@ -283,7 +286,17 @@ def components_of(found: Resolved) -> tuple[list[Component], list[LeftPart]]:
             continue
         name = _component_name(path, child)
         components.append(Component(name, child, part.format.name, _role(name)))
-    return components, left
+    if components:  # several models: each by its file's name (model, model_1), each its own output folder
+        own = next((name_stem(c.name) for c in children if not c.is_dir() and MAIN_WEIGHTS.match(c.name)
+                    and not c.name.endswith(".json")), "model")
+        main = Component(own, path, found.format.name)
+    return [main, *components], left
+
+
+def _only_file(children: Sequence[Location], child: Location) -> bool:
+    """``child`` is the folder's one file of its suffix (what a reader of the folder reads)."""
+    suffix = ".safetensors" if child.name.endswith(".safetensors") else None
+    return suffix is not None and sum(c.name.endswith(suffix) for c in children) == 1
 
 
 def _shown(model: Location, path: Location) -> str:
@@ -509,7 +522,7 @@ def _left_parts(resolved: Resolved, components: Sequence[Component], left: Seque
     for part in left:
         scan.found.left.append(part)
     for c in components:
-        if c.name in read or (scan.all_components and c.role == TRAINED):
+        if c.name in read or c.role == TRAINED:  # another trained one: its own run (or the run was refused)
             continue
         why = (Note(f"an EMA the trainer kept ({c.name}): not averaged again; choose it with {{component}}",
                     mentions=("component",)) if c.role == TRAINER_EMA else
@@ -598,7 +611,7 @@ def _discover_one(path: Location, scan: _Scan) -> None:
         found.notes.append(Note(f"skipped {path}: left out ({{skip}})", mentions=("skip",)))
         return
     fmt = resolved.format
-    if fmt is not None and _holds_checkpoints(resolved):
+    if fmt is not None and holds_checkpoints(resolved):
         fmt = None  # e.g. a DeepSpeed save dir: `latest` names one tag, but every tag counts
     if fmt is not None and not (path / MANIFEST_NAME).exists():
         components, left = components_of(resolved)
@@ -615,7 +628,8 @@ def _discover_one(path: Location, scan: _Scan) -> None:
     if reason:
         raise CheckpointNotFoundError(path, reason)
     components, _ = _components_inside(path)
-    if components and not _export_parts(path):
+    placed_by_name = step_in_name(path.name) is not None or any((path / f.path).exists() for f in STEP_FILES)
+    if components and not _export_parts(path) and (placed_by_name or len(components) == 1):
         scan.root = path.parent  # one checkpoint whose models sit in subfolders (checkpoint-4/unet/)
         before = len(found.checkpoints)
         _scan_entry(path, scan)
@@ -645,8 +659,18 @@ def _refuse_unplaced(found: Discovery) -> None:
     if not found.checkpoints or not found.unplaced:
         return
     taken = found.checkpoints[-1]
-    alike = [(path, why) for path, why, fmt in found.unplaced
-             if fmt == taken.format_name and _same_kind(_readable(path, taken), taken.path)]
+    alike = []
+    for path, why, fmt in found.unplaced:
+        if fmt != taken.format_name or not _same_kind(_readable(path, taken), taken.path):
+            continue
+        copy = _copy_of(path, found.checkpoints) if ALIAS_NAMES.match(path.name) else None
+        if copy is not None:  # last.safetensors beside the step it copies: one checkpoint
+            found.entries = [Entry(e.path, False, f"a copy of {copy.path} (the same weights)") if e.path == path
+                             else e for e in found.entries]
+            found.notes = [n for n in found.notes if not str(n).startswith(f"skipped {path}:")]
+            found.notes.append(f"skipped {path}: a copy of {copy.path} (the same weights)")
+            continue
+        alike.append((path, why))
     if not alike:
         return
     shown = "; ".join(f"{p}: {Note.of(w)}" for p, w in alike[:3]) + (f"; and {len(alike) - 3} more"
@@ -655,6 +679,21 @@ def _refuse_unplaced(found: Discovery) -> None:
         alike[0][0], Note(f"{len(alike)} checkpoint(s) like the others cannot be placed at a step ({shown}); "
                           "give the steps with {step_regex} or {step_from}, or leave them out with {skip}",
                           mentions=("step_regex", "step_from", "skip")))
+
+
+def _copy_of(path: Location, checkpoints: Sequence[FoundCheckpoint]) -> FoundCheckpoint | None:
+    """The checkpoint an alias with no step of its own copies (a link, or the same weights), or None."""
+    for c in reversed(checkpoints):
+        if _same_file(path, c.path):
+            return c
+        try:
+            with contextlib.closing(open_checkpoint(path)) as a, contextlib.closing(open_checkpoint(c.path)) as b:
+                keys = select_keys(a)
+                if sorted(keys) == sorted(select_keys(b)) and same_model_bytes(a, b, keys):
+                    return c
+        except EmaCkptError:
+            return None
+    return None
 
 
 def _readable(entry: Location, like: FoundCheckpoint) -> Location:
@@ -748,6 +787,7 @@ __all__ = [
     "checkpoint_paths",
     "components_of",
     "discover",
+    "holds_checkpoints",
     "same_model_bytes",
     "step_from_name",
     "step_record",

@@ -337,11 +337,11 @@ def step_record(
     owner = _owner(path)
     kind = "folder" if owner.is_dir() else "file"
     if step_regex is not None:
-        where = _relative(owner, root)
-        step = step_from_name(where, step_regex)
-        if step is not None:
-            what = f"{kind} name " if "/" not in where else "path "
-            return StepRecord(step, Note(f"{{step_regex}} on the {what}", mentions=("step_regex",)) + where)
+        for where in [_relative(owner, root), *(_relative(c.path, root) for c in components)]:
+            step = step_from_name(where, step_regex)
+            if step is not None:
+                what = f"{kind} name " if "/" not in where else "path "
+                return StepRecord(step, Note(f"{{step_regex}} on the {what}", mentions=("step_regex",)) + where)
     found = given if given is not None and owner == given.path else resolve(owner)
     parts = list(components) or [found]
     records = _step_file_counters(owner) if owner.is_dir() else []

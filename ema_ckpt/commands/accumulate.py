@@ -283,7 +283,7 @@ def _components(options: AccumulateOptions) -> list[str]:
 def _merged(out: Location, runs: dict[str, AccumulateResult]) -> AccumulateResult:
     """One result of the runs of several components (each in ``runs``, by name)."""
     results = list(runs.values())
-    folded = {c.path: c for r in results for c in r.folded}
+    folded = {c.step: c for r in reversed(results) for c in r.folded}  # one line per checkpoint
     return AccumulateResult(
         out, max(r.step for r in results), sorted(folded.values(), key=lambda c: (c.step, c.path)),
         all(r.up_to_date for r in results),
