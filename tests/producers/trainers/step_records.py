@@ -1539,6 +1539,8 @@ def set_notes(set_name: str, kind: str, record: dict) -> list[str]:
             "train_cfg by_epoch max_epochs 3, CheckpointHook(interval=1), experiment_name 'tiny'.",
             "Two runs in one set: work_dir/ (no EMA) and ema_hook/work_dir/ (custom_hooks=[EMAHook("
             f"momentum={MM_EMA_MOMENTUM})], ExponentialMovingAverage: ema = (1 - m) * ema + m * param).",
+            "Kept beside the checkpoints: <timestamp>.py, the config Runner.dump_config writes into work_dir "
+            "(named after the run's timestamp: there is no config file).",
             "CheckpointHook writes epoch_{E}.pth after each epoch and a 'last_checkpoint' text file holding the "
             "newest file's ABSOLUTE path (Runner makes work_dir absolute); message_hub.runtime_info.last_ckpt "
             "is absolute too. Both name the producing machine's folders.",
