@@ -24,10 +24,13 @@ from ..errors import OptionError
 @dataclass(frozen=True, slots=True)
 class ReadOptions:
     """``state_key``: the state dict to read inside a single-file checkpoint (``state_dict_ema``);
-    ``inert_globals``: pickled classes (``module.Name`` or ``module.*``) to read as inert data."""
+    ``inert_globals``: pickled classes (``module.Name`` or ``module.*``) to read as inert data;
+    ``keep_prefix``: keep every key's prefix, even a wrapper's (DDP's ``module.``) that the
+    file's writer drops when it loads (:func:`~ema_ckpt.formats.torch_file.model.key_prefix`)."""
 
     state_key: str | None = None
     inert_globals: tuple[str, ...] = ()
+    keep_prefix: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "inert_globals", tuple(self.inert_globals))
@@ -40,12 +43,17 @@ class ReadOptions:
 
     def recorded(self) -> dict[str, object]:
         """What an output's manifest records of these (the choice shapes the result)."""
-        return {"state_key": self.state_key} if self.state_key is not None else {}
+        recorded: dict[str, object] = {"state_key": self.state_key} if self.state_key is not None else {}
+        if self.keep_prefix:
+            recorded["keep_prefix"] = True
+        return recorded
 
 
 def read_options_from(settings: object) -> ReadOptions:
-    """The options a command's settings carry (its ``state_key`` and ``inert_globals``, if any), checked."""
-    return ReadOptions(getattr(settings, "state_key", None), tuple(getattr(settings, "inert_globals", ())))
+    """The options a command's settings carry (its ``state_key``, ``inert_globals`` and
+    ``keep_prefix``, if any), checked."""
+    return ReadOptions(getattr(settings, "state_key", None), tuple(getattr(settings, "inert_globals", ())),
+                       bool(getattr(settings, "keep_prefix", False)))
 
 
 _current = ReadOptions()

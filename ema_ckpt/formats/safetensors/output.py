@@ -1,6 +1,7 @@
 """The ``safetensors`` output (one file) and ``hf-sharded`` (a directory of shards and
 ``model.safetensors.index.json``): tensors in row blocks of bounded size, or as stored bytes
-copied file to file when nothing is cast.
+copied file to file when nothing is cast. Each file's header ``__metadata__`` holds the
+source's carried header metadata and the output's provenance (:mod:`.metadata`).
 
 Example:
     >>> output_format("hf-sharded").make(staging, "hf_ema", max_shard_bytes=5 << 30)   # doctest: +SKIP
@@ -11,7 +12,7 @@ from __future__ import annotations
 import functools
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -23,11 +24,12 @@ from ...writers.regions import (
     box_bytes,
     row_block_regions,
 )
+from ..base import SAFETENSORS_METADATA_FILE
 
 if TYPE_CHECKING:
     import torch
 
-    from ..base import CheckpointReader
+    from ..base import CarriedFile, CheckpointReader
 
 _SAFETENSORS_FILES = re.compile(
     r"^(model|adapter_model)(-\d+-of-\d+)?(\.[0-9A-Za-z-]+)?\.safetensors$|^model\.safetensors\.index\.json$")
@@ -39,9 +41,17 @@ class SafetensorsOutput(OutputWriter):
     When no tensor is cast and the source can say where each tensor's bytes lie, every
     tensor is one raw region: the kernel copies its bytes file to file and torch is never
     imported.
+
+    Every file's ``__metadata__``: ``format``, the source's header metadata (carried as
+    :data:`~ema_ckpt.formats.base.SAFETENSORS_METADATA_FILE`, never written as a file beside),
+    and :attr:`provenance`.
     """
 
     name = "safetensors"
+    provenance: Mapping[str, str] | None = None
+    """The ``ema_ckpt.*`` header entries (:func:`.metadata.provenance`), set by a caller that knows
+    what it writes (a fold's or a sum's kind, step and profile) before :meth:`plan`; None: found
+    from the source (:func:`.metadata.provenance_of`)."""
 
     def __init__(self, staging: Path, final_name: str, *, max_shard_bytes: int | None = None,
                  block_bytes: int = BLOCK_BYTES) -> None:
@@ -53,12 +63,24 @@ class SafetensorsOutput(OutputWriter):
         self._tensors: dict[str, OutputTensor] = {}
         self._open_file: tuple[str, Any] | None = None
         self._written: dict[str, tuple[int, int | None]] = {}
+        self._carried_metadata: list[CarriedFile] = []
+        self._header: dict[str, str] = {}
+
+    def carry(self, files: Sequence[CarriedFile], entries: Mapping[str, bytes] | None = None) -> None:
+        """As :meth:`OutputWriter.carry`; the header metadata goes into each file's header, not beside."""
+        super().carry([f for f in files if f.name != SAFETENSORS_METADATA_FILE], entries)
+        self._carried_metadata = [f for f in files if f.name == SAFETENSORS_METADATA_FILE]
 
     def plan(self, tensors: Sequence[OutputTensor], source: CheckpointReader) -> list[PlannedRegion]:
+        from .metadata import header_metadata, metadata_from_carried, provenance_of
         from .writer import ADAPTER_CONFIG, check_key, plan_shards, shard_file_names
 
         for tensor in tensors:  # before anything is written: a key the format cannot hold
             check_key(tensor.name, self.shown_path)
+        carried = metadata_from_carried(self._carried_metadata, source.path)
+        made = (self.provenance if self.provenance is not None else
+                provenance_of(source, copied=self.may_copy_stored, carried=bool(carried)))
+        self._header = header_metadata(carried, made)
         self._tensors = {t.key: t for t in tensors}
         if self.max_shard_bytes is None:
             groups = [list(tensors)]
@@ -92,7 +114,7 @@ class SafetensorsOutput(OutputWriter):
         if self._open_file is not None and self._open_file[0] == region.file:
             return self._open_file[1]
         self._end_open_file()
-        writer = SafetensorsFileWriter(self.staging / region.file)
+        writer = SafetensorsFileWriter(self.staging / region.file, metadata=dict(self._header or {"format": "pt"}))
         writer.begin([(t.name, t.shape, t.dtype) for t in self._by_file[region.file]])
         self._open_file = (region.file, writer)
         return writer

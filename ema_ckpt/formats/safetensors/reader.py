@@ -16,7 +16,9 @@ corrupt file fails with its own path. The index is authoritative: every key it l
 in the shard it names, and every shard must hold only the keys the index gives it. Tensors
 are read lazily: a small one whole by one ``pread``, a large one or a box through
 ``safe_open(...).get_slice``; each tensor is one stored chunk. ``step`` is the
-``global_step`` of a ``trainer_state.json`` in the folder, when there is one.
+``global_step`` of a ``trainer_state.json`` in the folder, when there is one. The header's
+``__metadata__`` (the first file's) is offered as a carried file (:mod:`.metadata`), so the
+safetensors outputs made from it keep it.
 
 Example:
     >>> with SafetensorsReader("runs/a/checkpoint-500") as reader:   # doctest: +SKIP
@@ -52,8 +54,18 @@ from ...storage import (
     pread_into,
     readable_size,
 )
-from ..base import CheckpointFormat, CheckpointReader, StoredView, deliver, register_format, trainer_state_step
+from ..base import (
+    SAFETENSORS_METADATA_FILE,
+    CarriedFile,
+    CheckpointFormat,
+    CheckpointReader,
+    StoredView,
+    deliver,
+    register_format,
+    trainer_state_step,
+)
 from .header import FileHeader, dtypes, read_header, sorted_specs
+from .metadata import metadata_file
 
 SUFFIX = ".safetensors"
 INDEX_SUFFIX = ".safetensors.index.json"
@@ -314,6 +326,14 @@ class SafetensorsReader(CheckpointReader):
             "metadata": self.headers[0].metadata if self.headers else {},
             "step": self.step,
         }
+
+    def carried_files(self) -> Sequence[CarriedFile]:
+        """The folder's :data:`~ema_ckpt.formats.base.CARRIED_FILES`, and the header's ``__metadata__``
+        (the first file's, what ``info`` shows) as :data:`~ema_ckpt.formats.base.SAFETENSORS_METADATA_FILE`,
+        which is the header's, never a file of that name beside it."""
+        files = [f for f in super().carried_files() if f.name != SAFETENSORS_METADATA_FILE]
+        offered = metadata_file(self.headers[0].metadata) if self.headers else None
+        return [*files, offered] if offered is not None else files
 
     def close(self) -> None:
         with self._lock:

@@ -168,6 +168,7 @@ class TorchFolderReader(CheckpointReader):
             "index": self.index.name if self.index is not None else None,
             "serialization": first.get("serialization"),
             "wrapper_prefix": first.get("wrapper_prefix"),
+            "key_prefix": first.get("key_prefix"),
             "other_models": self.others,
             "step": self.step,
         }

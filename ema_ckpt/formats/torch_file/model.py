@@ -12,9 +12,14 @@ containers win in this order (:data:`MODEL_CONTAINERS`): ``state_dict``, ``model
 bytes. A container whose only entry is another dict is looked through. ``state_key`` names a
 candidate by its path (``state_dict_ema``, ``callbacks.EMA.state``); the model's keys are its
 own names, the container's never kept.
-A wrapper's prefix on every key (``module.`` of DDP, ``_orig_mod.`` of ``torch.compile``)
-is reported by :func:`wrapper_prefix`. A whole pickled ``torch.nn.Module`` stands for the state
-dict it would give (:func:`modules_as_state_dicts`).
+A whole pickled ``torch.nn.Module`` stands for the state dict it would give
+(:func:`modules_as_state_dicts`).
+
+**The names.** A wrapper's prefix on every key (``module.`` of DDP, ``_orig_mod.`` of
+``torch.compile``) is found by :func:`wrapper_prefix`, and dropped only where the framework
+that wrote the file drops it when it loads the file (:func:`key_prefix`, by the table
+:data:`SAVERS`): a plain training loop's state dict loses DDP's ``module.`` and ``_orig_mod.``;
+a Lightning or Composer checkpoint keeps its names (``module`` there is the user's attribute).
 
 **The step.** :func:`step_in_tree`: ``global_step``, ``step``, ``iteration``, ``iter_num``,
 ``num_updates`` at the top level (or fairseq's ``optimizer_history[-1].num_updates``);
@@ -51,6 +56,7 @@ NON_MODEL = re.compile(
 """Names under which training state sits, never a model: never searched unless asked by name."""
 WRAPPER_PREFIXES = ("_orig_mod.", "module.")
 """Prefixes a wrapper puts on every key (``torch.compile``'s ``_orig_mod.``, DDP's ``module.``)."""
+DDP_PREFIX, COMPILE_PREFIX = "module.", "_orig_mod."
 _EXTRA_STATE = "_extra_state"
 STEP_FIELDS = ("global_step", "step", "iteration", "iter_num", "num_updates", "total_steps", "train_step")
 """Top-level entries that hold the optimizer step (Lightning's ``global_step``, nanoGPT's ``iter_num``)."""
@@ -225,16 +231,103 @@ def choose(found: Sequence[Candidate], state_key: str | None, every: Sequence[Ca
     return None
 
 
-def wrapper_prefix(names: Sequence[str]) -> str | None:
-    """The wrapper prefix every name carries (``module.``, ``_orig_mod.``, or both), or None."""
+def wrapper_prefix(names: Sequence[str], prefixes: Sequence[str] = WRAPPER_PREFIXES) -> str | None:
+    """The wrapper prefix every name carries (``module.``, ``_orig_mod.``, or both, in any
+    order), or None; ``prefixes``: the wrappers' prefixes looked for."""
     prefix = ""
     while True:
         rest = [n[len(prefix):] for n in names]
-        step = next((p for p in WRAPPER_PREFIXES if rest and all(r.startswith(p) and len(r) > len(p) for r in rest)),
-                    None)
+        step = next((p for p in prefixes if rest and all(r.startswith(p) and len(r) > len(p) for r in rest)), None)
         if step is None:
             return prefix or None
         prefix += step
+
+
+@dataclass(frozen=True, slots=True)
+class Saver:
+    """Who wrote a single file, as the file's own top level shows it, and which wrapper prefixes
+    that writer's own loading code takes off the keys (so the names read are the ones it loads).
+
+    ``marks``: alternatives, each a tuple of entries (``state.model``: nested, by ``.``) that
+    must all be in the file; an empty ``marks`` recognises any file. ``drops``: the prefixes its
+    loader takes off every key, in any order. ``deepest``: how many containers deep the state
+    dict may sit for them still to be dropped (0: only a file that is the state dict). ``why``:
+    one clause for ``inspect``, saying whose loader does what.
+    """
+
+    name: str
+    marks: tuple[tuple[str, ...], ...]
+    drops: tuple[str, ...]
+    deepest: int
+    why: str
+
+    def recognises(self, root: Any) -> bool:
+        """Whether ``root`` (a file's unpickled top level) has one of :attr:`marks`."""
+        return not self.marks or any(all(_has(root, entry.split(".")) for entry in alternative)
+                                     for alternative in self.marks)
+
+
+def _has(root: Any, parts: Sequence[str]) -> bool:
+    for part in parts:
+        if not isinstance(root, dict) or part not in root:
+            return False
+        root = root[part]
+    return True
+
+
+SAVERS: tuple[Saver, ...] = (
+    Saver("Lightning", (("pytorch-lightning_version",), ("state_dict", "loops")), (), 0,
+          "a Lightning checkpoint: load_from_checkpoint loads its state_dict with these names "
+          "(an attribute named module keeps its prefix)"),
+    Saver("Composer", (("state.model", "state.timestamp"),), (), 0,
+          "a Composer checkpoint: Composer loads state.model with these names (ComposerModel keeps the "
+          "network as its attribute module; DDP's own prefix is gone before it saves)"),
+    Saver("nanoGPT", (("model_args", "iter_num"),), (COMPILE_PREFIX,), 1,
+          "a nanoGPT-style checkpoint: its sample.py strips torch.compile's _orig_mod."),
+    Saver("a plain training loop", (), (COMPILE_PREFIX, DDP_PREFIX), 1,
+          "a plain training loop's state dict (the file itself, or one container of it): DDP's module. and "
+          "torch.compile's _orig_mod. wrap every key, and loading code strips them"),
+)
+"""Who writes single files, by the file's own top level, first match wins; the last row (any
+file) is a plain training loop's ``torch.save``. A state dict deeper than a row's ``deepest``
+(``{"model": {"state_dict": …}}``, or one chosen by ``state_key`` inside training state) keeps
+its names: no wrapper's loader strips a prefix there."""
+
+
+@dataclass(frozen=True, slots=True)
+class KeyPrefix:
+    """The decision on a state dict's names: the prefix on every key that is dropped (or None),
+    the wrapper prefix found on every key (or None), who wrote the file, and why, in words."""
+
+    dropped: str | None
+    found: str | None
+    saver: str
+    why: str
+
+
+def key_prefix(root: Any, chosen: Candidate, *, keep: bool = False, savers: Sequence[Saver] = SAVERS) -> KeyPrefix:
+    """Which wrapper prefix of ``chosen``'s keys is dropped, as the file's writer drops it (see
+    :data:`SAVERS`); ``keep``: none, whoever wrote it (``keep_prefix``)."""
+    names = list(chosen.tensors)
+    found = wrapper_prefix(names)
+    saver = next(s for s in (*savers, _ANY) if s.recognises(root))
+    depth = len(chosen.path)
+    if found is None:
+        return KeyPrefix(None, None, saver.name, "none dropped: no wrapper prefix on every key")
+    if keep:
+        return KeyPrefix(None, found, saver.name, f"none dropped: {found} kept (keep_prefix)")
+    dropped = wrapper_prefix(names, saver.drops) if depth <= saver.deepest else None
+    if dropped is not None:
+        return KeyPrefix(dropped, found, saver.name, f"{dropped} dropped: {saver.why}")
+    if depth > saver.deepest and saver.drops:
+        reason = (f"the state dict sits {depth} containers deep, where no wrapper's loader strips a prefix "
+                  f"({saver.name})")
+    else:
+        reason = saver.why
+    return KeyPrefix(None, found, saver.name, f"none dropped: {found} kept, {reason}")
+
+
+_ANY = Saver("a plain training loop", (), WRAPPER_PREFIXES, 1, "a plain training loop's state dict")
 
 
 def step_in_tree(root: Any) -> tuple[int, str] | None:
@@ -263,10 +356,14 @@ __all__ = [
     "EMA_CONTAINERS",
     "MODEL_CONTAINERS",
     "NON_MODEL",
+    "SAVERS",
     "Candidate",
+    "KeyPrefix",
+    "Saver",
     "candidates",
     "choose",
     "epoch_in_tree",
+    "key_prefix",
     "step_in_tree",
     "wrapper_prefix",
 ]

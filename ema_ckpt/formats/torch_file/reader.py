@@ -8,7 +8,9 @@ What most training code writes: Lightning's ``epoch=3-step=1000.ckpt``, research
 is read whole as inert data (:mod:`ema_ckpt.torch_records.tree`): globals of common inert
 kinds pass, any other is refused naming the global and its key, unless the caller lists it
 (``inert_globals``). The model is one state dict in it (:mod:`.model`): the obvious one, or
-the one ``state_key`` names; keys are the model's own names. Tensors are read straight from
+the one ``state_key`` names; keys are the names the file's writer loads it with (a wrapper's
+prefix dropped only where that writer drops it: :func:`.model.key_prefix`; ``keep_prefix``
+keeps every one). Tensors are read straight from
 their storages with ``pread``, box by box. Keys that share a storage (tied weights) each
 read their own view of it.
 
@@ -44,7 +46,7 @@ from ...torch_records.tree import Opaque, PickledTree, check_harmless, foreign_g
 from ...torch_records.zipfmt import END_MAGIC
 from ..base import TRAINER_STATE_FILE, CarriedFile, CheckpointReader, deliver
 from ..options import ReadOptions, read_options
-from .model import Candidate, candidates, choose, epoch_in_tree, step_in_tree, wrapper_prefix
+from .model import Candidate, KeyPrefix, candidates, choose, epoch_in_tree, key_prefix, step_in_tree
 
 SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".tar")
 """File suffixes of single-file checkpoints (``.pth.tar`` ends in ``.tar``)."""
@@ -212,7 +214,8 @@ class TorchFileReader(CheckpointReader):
             parsed = parse_file(self._fd, self._size, self.path)
             check_harmless(parsed.tree, str(self.path), options.inert_globals)
             self.chosen, self.others = find_model(parsed.tree, self.path, options.state_key)
-            self.wrapper = wrapper_prefix(list(self.chosen.tensors))
+            self.prefix: KeyPrefix = key_prefix(parsed.tree.root, self.chosen, keep=options.keep_prefix)
+            self.wrapper = self.prefix.dropped
             self._kind = parsed.kind
             # what is kept of the rest of the file (its optimizer state may be most of its records)
             self._entries = describe_top_level(parsed.tree.root, self.chosen)
@@ -316,6 +319,7 @@ class TorchFileReader(CheckpointReader):
             "container": self.chosen.name or None,
             "other_state_dicts": [c.name or "(the top level)" for c in self.others],
             "wrapper_prefix": self.wrapper,
+            "key_prefix": self.prefix.why,
             "left_out": sorted(k for k in self.chosen.extras)[:20],
             "tree": self._entries,
             "storages": len(storages),
