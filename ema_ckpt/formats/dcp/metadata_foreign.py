@@ -1,0 +1,222 @@
+"""Globals of a DCP ``.metadata`` that are none of torch's: recorded, never imported or run.
+
+A trainer may save DCP checkpoints through its own ``StorageWriter`` (OLMo-core's
+``RemoteFileSystemWriter``), whose ``.metadata`` pickles that trainer's own copy of torch's
+private ``filesystem._StorageInfo`` as the values of ``Metadata.storage_data``. The unpickler
+(:mod:`.metadata_unpickle`) hands every global it does not know one of the classes made here
+(:func:`foreign_class`): a record of what the pickle asked for that runs nothing and imports
+nothing. Such an instance is read as data in one place only, by its shape: a value of
+``storage_data``, made as a dataclass is unpickled (``cls.__new__(cls)``, then its fields as a
+dict), with exactly ``_StorageInfo``'s fields and their types (:func:`storage_fields`). Anywhere
+else, or in any other shape, the global is refused (:func:`refused_global`), unless the command
+lists it as inert data (``inert_globals``, the rule single files follow): then it is kept as an
+opaque record the reader never interprets.
+
+Example:
+    >>> cls = foreign_class("olmo_core.io", "_StorageInfo", "x/.metadata", inert=False)
+    >>> info = cls.__new__(cls)
+    >>> info.__setstate__({"relative_path": "__0_0.distcp", "offset": 0, "length": 8})
+    >>> storage_fields(info, None, "x/.metadata")
+    ('__0_0.distcp', 0, 8, None)
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+from ...errors import CheckpointFormatError, Note, UnsafePickleError
+from ...pickles.rules import refusal
+
+STORAGE_FIELDS = ("relative_path", "offset", "length", "transform_descriptors")
+"""torch's ``filesystem._StorageInfo`` fields, in order; the last may be absent (torch leaves it
+out of the pickle when it is None)."""
+
+_DOTTED_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)+")
+_CODE_MODULES = frozenset({"builtins", "os", "posix", "nt", "subprocess", "sys", "importlib", "runpy", "shutil",
+                           "socket", "pickle", "marshal", "types", "functools", "operator", "code", "pty",
+                           "ctypes", "webbrowser"})
+"""Modules whose globals are code (as :mod:`ema_ckpt.torch_records.tree` judges single files):
+never read as data by shape, never offered to ``inert_globals``."""
+
+_NO_STATE: Any = object()
+
+
+class Foreign:
+    """A global of the metadata that is none of torch's classes, as the pickle used it.
+
+    ``cls.__new__(cls)`` with no arguments (how a dataclass or plain object is unpickled) makes
+    an empty record and ``BUILD`` records its state (:attr:`state`); nothing else is accepted
+    unless the global is listed as inert data (:attr:`inert`): a call, or arguments to
+    ``__new__``, is refused at once (:class:`~ema_ckpt.errors.UnsafePickleError`). Listed, they
+    are recorded (:attr:`args`, :attr:`kwargs`, :attr:`called`) and still nothing runs.
+    """
+
+    __slots__ = ("args", "called", "kwargs", "state")
+    global_name: ClassVar[str] = "builtins.object"
+    inert: ClassVar[bool] = False
+    """Listed in the command's ``inert_globals``."""
+    source: ClassVar[str] = ""
+    """The file, for messages."""
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    state: Any
+    called: bool
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Foreign:
+        if (args or kwargs) and not cls.inert:
+            raise refused_global(cls.source, cls.global_name, called=True)
+        self = object.__new__(cls)
+        self.args, self.kwargs, self.state, self.called = args, kwargs, _NO_STATE, False
+        return self
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:  # a call (REDUCE, INST, OBJ); NEWOBJ never comes here
+        if not type(self).inert:
+            raise refused_global(type(self).source, type(self).global_name, called=True)
+        self.called = True
+
+    def __setstate__(self, state: Any) -> None:
+        if self.state is not _NO_STATE:
+            raise ValueError(f"{self.global_name} is built twice")
+        self.state = state
+
+    def parts(self) -> list[Any]:
+        """Everything the pickle put in this record (its arguments and state)."""
+        found = [*self.args, *self.kwargs.values()]
+        if self.state is not _NO_STATE:
+            found.append(self.state)
+        return found
+
+    def __repr__(self) -> str:
+        return f"<{self.global_name}>"
+
+
+def foreign_class(module: str, name: str, source: str, *, inert: bool) -> type[Foreign]:
+    """A fresh record class for the global ``module.name`` of one load (never the real one)."""
+    return type("Foreign", (Foreign,), {"__slots__": (), "global_name": f"{module}.{name}", "inert": inert,
+                                        "source": source})
+
+
+def listed(name: str, inert_globals: Sequence[str]) -> bool:
+    """Whether ``name`` matches a pattern of ``inert_globals`` (``module.Name``, ``module.*``), as for single files."""
+    return any(fnmatch.fnmatchcase(name, pattern) for pattern in inert_globals)
+
+
+def _is_code(name: str) -> bool:
+    """A function, or a class of a module of code: never data (``_Private`` classes are classes)."""
+    module, _, short = name.rpartition(".")
+    return not short.lstrip("_")[:1].isupper() or module.split(".")[0] in _CODE_MODULES
+
+
+def _shown(name: str) -> str:
+    """``name`` for a one-line message: as it is when it is a dotted name, else its repr (a
+    pickle may name anything, newlines and braces included)."""
+    return name if _DOTTED_NAME.fullmatch(name) else repr(name)[:120]
+
+
+def refused_global(source: str, name: str, *, where: str = "", called: bool = False) -> UnsafePickleError:
+    """The refusal of a global of the metadata that is none of torch's.
+
+    Names the global (and ``where`` it sits); offers ``inert_globals`` for a class that can be
+    plain data, never for code. Nothing from the file has run when it is raised.
+    """
+    shown = _shown(name)
+    said = refusal(f"{shown} {where}".rstrip())
+    if _is_code(name) or shown != name:
+        return UnsafePickleError(source, said + f" ({shown} is {'called' if called else 'code'}, not data)")
+    module = name.rpartition(".")[0]
+    return UnsafePickleError(source, Note(
+        f"{said}. If it is plain data (a record of the training code or of its checkpoint writer), pass "
+        f"{{inert_globals={name}}} (or '{module}.*') to read it as inert data", mentions=("inert_globals",)))
+
+
+def by_shape(cls: type[Foreign]) -> bool:
+    """Whether records of ``cls`` may be read by their shape where they sit in ``storage_data``:
+    any global but those of the modules of code (``builtins.object``, ``os.*``: no checkpoint
+    writer's)."""
+    return cls.global_name.split(".")[0] not in _CODE_MODULES
+
+
+def brief(value: Any, limit: int = 60) -> str:
+    """``repr(value)``, shortened; a value whose repr fails (nested past the recursion limit)
+    is shown by its type."""
+    try:
+        text = repr(value)
+    except Exception:  # any repr a pickle can make fail: the message must still come out
+        return f"<{type(value).__name__}>"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _value(value: Any) -> str:
+    return brief(value) + f" (a {type(value).__name__})"
+
+
+_FIELD_SET = frozenset(STORAGE_FIELDS)
+
+
+StorageFields = tuple[str, int, int, "list[str] | tuple[str, ...] | None"]
+"""``relative_path``, ``offset``, ``length``, ``transform_descriptors``."""
+
+
+def storage_fields(record: Foreign, index: Any, source: str) -> StorageFields:
+    """The ``_StorageInfo`` fields of ``record`` (the value of ``storage_data[index]``), checked:
+    ``relative_path``, ``offset``, ``length``, ``transform_descriptors``.
+
+    Raises:
+        CheckpointFormatError: ``record`` is not a dataclass-like record of exactly those fields
+            with those types: a field more (it could change where the bytes lie), a field
+            missing, a value of another type, or a record made by a call.
+    """
+    state = record.state
+    if type(state) is dict and not (record.called or record.args or record.kwargs):  # as torch writes it: fast
+        path, offset, length = state.get("relative_path"), state.get("offset"), state.get("length")
+        descriptors = state.get("transform_descriptors")
+        if (type(path) is str and type(offset) is int and type(length) is int and state.keys() <= _FIELD_SET
+                and (descriptors is None or (type(descriptors) in (list, tuple)
+                                             and all(type(d) is str for d in descriptors)))):
+            return path, offset, length, descriptors
+    raise _misshapen(record, getattr(index, "fqn", index), source)
+
+
+def _misshapen(record: Foreign, key: Any, source: str) -> CheckpointFormatError:
+    """Why ``record`` is not read as a ``_StorageInfo`` (:func:`storage_fields`), in one line."""
+    entry = f"the storage entry of key {brief(key, 160)} (a record of class {_shown(record.global_name)})"
+
+    def refuse(reason: str) -> CheckpointFormatError:
+        return CheckpointFormatError(source, f"{entry} {reason}; nothing from the file was run")
+
+    if record.called or record.args or record.kwargs:
+        return refuse("was made by a call, not from its fields as a dataclass is unpickled")
+    state = record.state
+    if type(state) is not dict or not all(isinstance(k, str) for k in state):
+        return refuse("does not hold its fields as a dict (torch's _StorageInfo: " + ", ".join(STORAGE_FIELDS) + ")")
+    return refuse("has " + _misshapen_state(state))
+
+
+def _misshapen_state(state: dict[Any, Any]) -> str:
+    """What is wrong with a state dict of fields (called only when something is)."""
+    extra = [k for k in state if k not in _FIELD_SET]
+    if extra:
+        shown = ", ".join(brief(k) for k in extra[:4]) + (f" and {len(extra) - 4} more" if len(extra) > 4 else "")
+        return (f"{'fields' if len(extra) > 1 else 'a field'} torch's _StorageInfo does not have, {shown}: "
+                "it could change where the bytes lie, so the entry is not read")
+    missing = [k for k in STORAGE_FIELDS[:3] if k not in state]
+    if missing:
+        return f"no {' and no '.join(missing)} field"
+    if type(state["relative_path"]) is not str:
+        return f"relative_path {_value(state['relative_path'])}, not a string"
+    for field in ("offset", "length"):
+        if type(state[field]) is not int:
+            return f"{field} {_value(state[field])}, not an integer"
+    descriptors = state.get("transform_descriptors")
+    if descriptors is not None and not (type(descriptors) in (list, tuple)
+                                        and all(type(d) is str for d in descriptors)):
+        return f"transform_descriptors {_value(descriptors)}, not a list of strings"
+    return "a state that does not read as one"  # pragma: no cover - storage_fields accepted it
+
+
+__all__ = ["STORAGE_FIELDS", "Foreign", "StorageFields", "brief", "by_shape", "foreign_class", "listed",
+           "refused_global", "storage_fields"]
