@@ -91,6 +91,7 @@ fixtures: $(VENV)/.installed $(FIXTURES_VENV)/.installed $(FIXTURES_TF4_VENV)/.i
 	$(FIXTURES_PY) tests/producers/trainers/single_files.py --out tests/fixtures/trainers --set all
 	$(FIXTURES_PY) tests/producers/trainers/bin_folders.py --out tests/fixtures/trainers --set all \
 		--tf4-python $(FIXTURES_TF4_VENV)/bin/python
+	$(FIXTURES_PY) tests/producers/trainers/diffusers_accelerate.py --out tests/fixtures/trainers --set all
 	EMA_CKPT=$(VENV)/bin/ema-ckpt $(FIXTURES_PY) tests/producers/trainers/moe_trainers.py --out tests/fixtures/trainers \
 		--set all
 

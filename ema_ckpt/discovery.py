@@ -1,17 +1,13 @@
-"""Find checkpoints in a folder, each with its training step.
+"""Find checkpoints in a folder, each with its training step and the components read.
 
-A checkpoint is a folder or a file of a known format, or a trainer's checkpoint folder whose
-model sits in a subfolder (accelerate's ``checkpoint_<i>/pytorch_model_fsdp_0/``). A folder
-of checkpoint files (``epoch=3-step=1000.ckpt``, ``checkpoint-12.pth.tar``, ``ckpt_000100.pt``,
-``*.safetensors``) is a sequence exactly as a folder of checkpoint folders is. Each step comes
-from :func:`~ema_ckpt.steps.step_record`. Checkpoints still being written (DCP writes
-``.metadata`` last, a ``torch.save`` zip its directory) are skipped with a note, and so are
-files beside them that hold no model (``optimizer.pt``). ema-ckpt's own outputs (they hold
-``ema-ckpt.json``), hidden entries and the excluded paths are never taken as inputs. Two
-candidates holding the same step and the same model bytes (the Hugging Face Trainer's final
-``save_model`` beside its last ``checkpoint-N``, Lightning's ``last.ckpt`` beside the
-checkpoint it copies, a symlink or a hard link) count once, the named checkpoint kept over
-the alias. :attr:`Discovery.entries` says, for each entry of a folder, why it was taken or left.
+One discovery for every command and ``inspect``, over the general model of
+:mod:`ema_ckpt.layouts`: each entry of a sequence root is a checkpoint (a file or folder of a
+known format, or a folder whose models sit in it: :mod:`ema_ckpt.components`), placed at a step
+by :func:`~ema_ckpt.steps.step_record`. Saves in progress are skipped with a note; ema-ckpt's own
+outputs, hidden entries, exports and the excluded paths are never inputs; copies of one step
+count once (:mod:`ema_ckpt.copies`). An entry like the others that no record places fails the
+run: a partial result never exits 0. :attr:`Discovery.entries` says, for each entry, why it was
+taken or left; :attr:`Discovery.left`, which model-bearing parts of a checkpoint are not read.
 
 Example:
     >>> step_from_name("epoch=3-step=1000")
@@ -23,66 +19,47 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import json
-import os
 import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from .components import (
+    CHECKPOINT_FILE_SUFFIXES,
+    FOLDER_OF_CHECKPOINTS,
+    TRAINED,
+    Component,
+    LeftPart,
+    chosen_components,
+    components_inside,
+    components_of,
+    export_parts,
+    holds_checkpoints,
+    model_child,
+    unread_parts,
+)
+from .copies import copy_of, one_per_step, same_kind, same_model_bytes
 from .errors import (
     CheckpointFormatError,
     CheckpointNotFoundError,
     EmaCkptError,
-    IncompatibleCheckpointError,
     Note,
     OptionError,
     UnplacedCheckpointError,
     UsageError,
 )
-from .formats import Resolved, open_checkpoint, resolve
-from .formats.base import CheckpointReader
+from .formats import Resolved, resolve
 from .formats.resolve import not_a_model_reason, waiting_reason
-from .formats.torch_file import SUFFIXES as TORCH_SUFFIXES
-from .layout import row_blocks
 from .layouts import (
-    ACCELERATE_PROJECT_CHECKPOINTS,
     ALIAS_NAMES,
     EPOCHS,
     EXPORT_MARKERS,
     EXPORT_NAMES,
-    MAIN_WEIGHTS,
-    NOT_COMPONENTS,
     STEP_FILES,
-    TRAINER_KEPT_EMA,
-    TRAINER_STATE,
 )
 from .manifest import MANIFEST_NAME
 from .saves import save_in_progress
-from .selection import select_keys
 from .steps import StepRecord, StepUnknown, StepWaiting, name_stem, step_from_name, step_in_name, step_record
-from .storage import Location, as_path, forget_listings, is_location, local_file, one_look
-
-CHECKPOINT_FILE_SUFFIXES = (*TORCH_SUFFIXES, ".safetensors")
-"""Files a folder scan looks at as possible checkpoints; other files are left unread."""
-
-
-@dataclass(frozen=True, slots=True)
-class Component:
-    """A network a checkpoint holds, read by one format's reader.
-
-    ``name`` is its path inside the checkpoint (``unet``, ``model_1``; ``""`` for the checkpoint's
-    own model). ``role``: ``trained`` (averaged by default) or ``trainer EMA`` (an EMA the trainer
-    kept itself: averaged only when chosen).
-    """
-
-    name: str
-    path: Location
-    format_name: str
-    role: str = "trained"
-
-
-TRAINED = "trained"
-TRAINER_EMA = "trainer EMA"
+from .storage import Location, as_path, forget_listings, is_location, one_look
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,18 +95,6 @@ class Entry:
     step: int | None = None
     format_name: str | None = None
     components: tuple[Component, ...] = ()
-
-
-@dataclass(frozen=True, slots=True)
-class LeftPart:
-    """A model-bearing part of a checkpoint that is not read, and why (on screen, in ``--json``
-    and in the manifest)."""
-
-    path: Location
-    why: str
-
-    def to_json(self) -> dict[str, str]:
-        return {"path": str(self.path), "why": str(Note.of(self.why))}
 
 
 @dataclass(slots=True)
@@ -173,220 +138,14 @@ def _inside(path: Location, roots: Iterable[Location]) -> bool:
     return any(resolved == r or r in resolved.parents for r in roots)
 
 
-def holds_checkpoints(path: str | Location | Resolved) -> bool:
-    """True when a directory's own children are checkpoints (a folder of them, not one)."""
-    found = resolve(path)
-    path = found.path
-    if not path.is_dir() or found.model.trainer is not None:
-        return False
-    return any(
-        child.is_dir() and not child.name.startswith(".") and (resolve(child).format is not None
-                                                                or _components_inside(child)[0])
-        for child in path.iterdir()
-    )
-
-
-def _export_parts(folder: Location) -> set[str]:
-    """Names an export marker in ``folder`` lists (a diffusers pipeline's ``unet``, ``vae``, …)."""
-    parts: set[str] = set()
-    for marker in EXPORT_MARKERS:
-        try:
-            doc = json.loads((folder / marker).read_bytes())
-        except (OSError, ValueError, UnicodeDecodeError):
-            continue
-        if isinstance(doc, dict):
-            parts |= {k for k in doc if isinstance(k, str) and not k.startswith("_")}
-    return parts
-
-
-def _component_name(checkpoint: Location, path: Location) -> str:
-    return name_stem(path.name) if path.parent == checkpoint else path.name
-
-
-def _role(name: str) -> str:
-    return TRAINER_EMA if TRAINER_KEPT_EMA.search(name) else TRAINED
-
-
-def _model_child(child: Location) -> Resolved | None:
-    """``child`` resolved when it holds a model of a known format, else None."""
-    if child.name.startswith(".") or NOT_COMPONENTS.match(name_stem(child.name)):
-        return None
-    if child.is_dir():
-        if (child / MANIFEST_NAME).exists():
-            return None
-    elif not child.name.lower().endswith(CHECKPOINT_FILE_SUFFIXES):
-        return None
-    found = resolve(child)
-    return found if found.format is not None else None
-
-
-def _components_inside(folder: Location) -> tuple[list[Component], list[LeftPart]]:
-    """The model-bearing folders and files inside a folder that is no checkpoint of its own
-    (diffusers' ``checkpoint-N/unet/``, LitGPT's ``step-N/lit_model.pth``)."""
-    components: list[Component] = []
-    try:
-        children: list[Location] = sorted(folder.iterdir(), key=lambda c: c.name)
-    except OSError:
-        return [], []
-    for child in children:
-        found = _model_child(child)
-        if found is not None and found.format is not None:
-            name = _component_name(folder, child)
-            components.append(Component(name, child, found.format.name, _role(name)))
-    if _numbered(components):
-        return [], [LeftPart(folder, "a folder of checkpoints (give its path to read them)")]
-    return components, []
-
-
-def _numbered(components: Sequence[Component]) -> bool:
-    """Parts named by steps (``step_5/``, ``checkpoint-1.pth.tar``): checkpoints, not components."""
-    return any(step_in_name(c.name) is not None for c in components)
-
-
-def components_of(found: Resolved) -> tuple[list[Component], list[LeftPart]]:
-    """A checkpoint's components, and the model-bearing parts left (copies of its model).
-
-    A checkpoint of a known format is its own model (component ``""``); further model files
-    beside its weights (accelerate's ``model_1.safetensors``) are components of their own, and
-    a main weights file beside weights read in another format (the Trainer's bf16
-    ``model.safetensors`` beside its DeepSpeed tag) is a copy, left. A folder of no format of its
-    own holds its components (diffusers' ``unet/`` and ``unet_ema/``).
-
-    Example:
-        >>> [c.name for c in components_of(resolve("ckpts/checkpoint-4"))[0]]   # doctest: +SKIP
-        ['unet', 'unet_ema']
-    """
-    path = found.path
-    if found.format is None:
-        return _components_inside(path) if path.is_dir() else ([], [])
-    main = Component("", path, found.format.name)
-    if not path.is_dir() or (found.model.path != path and found.model.trainer is None):
-        return [main], []
-    components: list[Component] = []
-    left: list[LeftPart] = []
-    try:
-        children: list[Location] = sorted(path.iterdir(), key=lambda c: c.name)
-    except OSError:
-        return [main], []
-    for child in children:
-        if child.is_dir() or not child.name.lower().endswith(CHECKPOINT_FILE_SUFFIXES):
-            continue
-        if found.model.path == path and found.format.name in ("safetensors", "torch") and (
-                MAIN_WEIGHTS.match(child.name) or _only_file(children, child)):
-            continue  # the weights the checkpoint's own reader reads
-        own_files = found.format.name not in ("safetensors", "torch")  # DCP records, DeepSpeed rank files
-        if own_files and not MAIN_WEIGHTS.match(child.name):
-            continue
-        part = _model_child(child)
-        if part is None or part.format is None:
-            continue
-        if MAIN_WEIGHTS.match(child.name):
-            left.append(LeftPart(child, f"the same model's {child.name} ({found.format.name} weights "
-                                        f"{_shown(found.model.path, path)} are read; name the file to read it)"))
-            continue
-        name = _component_name(path, child)
-        components.append(Component(name, child, part.format.name, _role(name)))
-    if components:  # several models: each by its file's name (model, model_1), each its own output folder
-        own = next((name_stem(c.name) for c in children if not c.is_dir() and MAIN_WEIGHTS.match(c.name)
-                    and not c.name.endswith(".json")), "model")
-        main = Component(own, path, found.format.name)
-    return [main, *components], left
-
-
-def _only_file(children: Sequence[Location], child: Location) -> bool:
-    """``child`` is the folder's one file of its suffix (what a reader of the folder reads)."""
-    suffix = ".safetensors" if child.name.endswith(".safetensors") else None
-    return suffix is not None and sum(c.name.endswith(suffix) for c in children) == 1
-
-
-def _shown(model: Location, path: Location) -> str:
-    return "of the folder" if model == path else f"in {model.name}/"
-
-
-def same_model_bytes(a: CheckpointReader, b: CheckpointReader, keys: Sequence[str]) -> bool:
-    """True when ``a`` and ``b`` hold the same ``keys`` with the same shapes, dtypes and bytes.
-
-    Reads block by block (memory: one block of each), and stops at the first difference.
-    """
-    import torch
-
-    specs_a, specs_b = a.specs(), b.specs()
-    for key in keys:
-        spec_a, spec_b = specs_a[key], specs_b.get(key)
-        if spec_b is None or spec_a.shape != spec_b.shape or spec_a.dtype != spec_b.dtype:
-            return False
-    for key in keys:
-        spec = specs_a[key]
-        limit = max(1, (16 << 20) // max(spec.dtype.itemsize, 1))
-        for box in row_blocks(spec.shape, list(a.layout(key)), limit):
-            x = a.read(key, box).contiguous().reshape(-1).view(torch.uint8)
-            y = b.read(key, box).contiguous().reshape(-1).view(torch.uint8)
-            if not torch.equal(x, y):  # bytes, so NaNs in the same places compare equal
-                return False
-    return True
-
-
-def _prefer(
-    a: FoundCheckpoint, b: FoundCheckpoint, known: set[Location]
-) -> tuple[FoundCheckpoint, FoundCheckpoint]:
-    """(kept, skipped) of two copies of one step: the one already folded, else the one with a
-    trainer's own step record, else the one not named as an alias (``last.ckpt``), else the
-    first by path."""
-
-    def rank(c: FoundCheckpoint) -> tuple[int, int, int, str]:
-        return (0 if c.path.resolve() in known else 1, 0 if c.step_source.startswith(TRAINER_STATE) else 1,
-                1 if ALIAS_NAMES.match(c.path.name) else 0, str(c.path))
-
-    return (a, b) if rank(a) <= rank(b) else (b, a)
-
-
 def _drop_identical_copies(found: Discovery, known: Mapping[Location, int], compare_after: int | None) -> None:
-    """One checkpoint per step: identical copies of a step count once; different ones are refused.
-
-    Bytes are compared only for steps after ``compare_after`` (the steps a run will read); an
-    older duplicate keeps the copy already folded, unread.
-    """
-    kept: list[FoundCheckpoint] = []
-    folded = set(known)
-    for candidate in found.checkpoints:
-        previous = kept[-1] if kept else None
-        if previous is None or previous.step != candidate.step:
-            kept.append(candidate)
-            continue
-        keep, skip = _prefer(previous, candidate, folded)
-        if _same_file(previous.path, candidate.path):
-            same = True
-        elif compare_after is not None and candidate.step <= compare_after:
-            same = True  # not read by this run either way
-        else:
-            with contextlib.closing(open_checkpoint(previous.path)) as a, \
-                    contextlib.closing(open_checkpoint(candidate.path)) as b:
-                keys_a, keys_b = select_keys(a), select_keys(b)
-                same = sorted(keys_a) == sorted(keys_b) and same_model_bytes(a, b, keys_a)
-        if not same:
-            raise IncompatibleCheckpointError(
-                f"{previous.path} and {candidate.path} both hold step {candidate.step} with different "
-                "weights; leave one out with {skip=PATH}", remedy="skip"
-            )
-        kept[-1] = keep
-        unread = compare_after is not None and candidate.step <= compare_after
-        what = "as" if unread else "and the same weights as"
-        why = f"the same step {skip.step} {what} {keep.path}" + (", already folded" if unread else "")
-        found.notes.append(f"skipped {skip.path}: {why}")
-        found.entries = [Entry(e.path, False, why, e.step, e.format_name) if e.path == skip.path else e
+    """One checkpoint per step (:func:`~ema_ckpt.copies.one_per_step`), each copy left said."""
+    kept, skipped = one_per_step(found.checkpoints, {as_path(p).resolve() for p in known}, compare_after)
+    for path, why in skipped:
+        found.notes.append(f"skipped {path}: {why}")
+        found.entries = [Entry(e.path, False, why, e.step, e.format_name) if e.path == path else e
                          for e in found.entries]
     found.checkpoints = kept
-
-
-def _same_file(a: Location, b: Location) -> bool:
-    """One file or folder under two names: a symlink, or a hard link (timm's ``last.pth.tar``)."""
-    if a.resolve() == b.resolve():
-        return True
-    try:
-        local_a, local_b = local_file(a), local_file(b)  # objects have no links
-        return local_a is not None and local_b is not None and not a.is_dir() and os.path.samefile(local_a, local_b)
-    except OSError:
-        return False
 
 
 def _skipped(found: Resolved, skipped: Sequence[Location], used: set[Location]) -> bool:
@@ -428,7 +187,7 @@ def _scan_folder(path: Location, scan: _Scan) -> None:
     found = scan.found
     with reading_input(path):
         children = sorted(c for c in path.iterdir() if not c.name.startswith("."))
-    exports = _export_parts(path)
+    exports = export_parts(path)
     folders = [c for c in children if _is_dir(c)]
     files = [c for c in children if c not in folders]
     beside_folders = False
@@ -436,7 +195,7 @@ def _scan_folder(path: Location, scan: _Scan) -> None:
         with reading_input(child):
             if child.name in exports:
                 _left(found, child, f"part of the final export in {path.name}/ ({EXPORT_MARKERS[0]}), not a "
-                                    "checkpoint", note=_model_child(child) is not None)
+                                    "checkpoint", note=model_child(child) is not None)
                 continue
             beside_folders |= _scan_entry(child, scan, beside=children)
     for child in files:
@@ -445,7 +204,7 @@ def _scan_folder(path: Location, scan: _Scan) -> None:
                 _left(found, child, "not a checkpoint file" if child.is_file() else "not a file or folder",
                       note=False)
             elif beside_folders:
-                model = _model_child(child) is not None
+                model = model_child(child) is not None
                 _left(found, child, "a file beside checkpoint folders: a final export or a copy (name it to read "
                                     "it)" if model else "a file beside checkpoint folders", note=model)
             else:
@@ -470,27 +229,10 @@ def reading_input(path: Location) -> Iterator[None]:
         raise CheckpointFormatError(path, f"cannot read ({err.strerror or err})") from None
 
 
-def _chosen(entry: Location, components: Sequence[Component], scan: _Scan) -> list[Component] | str:
-    """The components read of one checkpoint, or why none is (a note)."""
-    if scan.component is not None:
-        wanted = scan.component.strip("/")
-        named = [c for c in components if c.name == wanted or (wanted in ("", ".") and c.name == "")]
-        if not named:
-            names = ", ".join(c.name or "(the checkpoint)" for c in components)
-            return Note(f"holds no component {wanted!r} ({{component}}; it holds {names})", mentions=("component",))
-        return named
-    trained = [c for c in components if c.role == TRAINED] or list(components)
-    if len(trained) > 1 and not scan.all_components:
-        names = ", ".join(c.name or "(the checkpoint)" for c in trained)
-        raise OptionError("component", f"{entry} holds {len(trained)} models ({names}); this command reads one: "
-                          "choose it with {component}", value=None)
-    return trained
-
-
 def _found(resolved: Resolved, components: Sequence[Component], scan: _Scan) -> FoundCheckpoint | str:
     """The checkpoint at ``resolved.path`` with its step and the components read, or why it is
     not placed (a note; :class:`StepWaiting` notes begin with ``waits:``)."""
-    chosen = _chosen(resolved.path, components, scan)
+    chosen = chosen_components(resolved.path, components, scan.component, every=scan.all_components)
     if isinstance(chosen, str):
         return chosen
     parts = [resolve(c.path) if c.name else resolved for c in chosen]
@@ -511,23 +253,6 @@ def _found(resolved: Resolved, components: Sequence[Component], scan: _Scan) -> 
     return FoundCheckpoint(path, record.step, fmt, record.source, checkpoint=resolved.path,
                            components=tuple(components) if len(components) > 1 or (components and components[0].name)
                            else (), counts=record.counts, counters=counters)
-
-
-def _left_parts(resolved: Resolved, components: Sequence[Component], left: Sequence[LeftPart],
-                checkpoint: FoundCheckpoint, scan: _Scan) -> None:
-    """Note every model-bearing part of a taken checkpoint that is not read."""
-    read = {c.name for c in components if checkpoint.path in (c.path, resolved.path) and
-            (c.name == "" or c.path == checkpoint.path)} if not scan.all_components else {
-        c.name for c in components if c.role == TRAINED or c.name == scan.component}
-    for part in left:
-        scan.found.left.append(part)
-    for c in components:
-        if c.name in read or c.role == TRAINED:  # another trained one: its own run (or the run was refused)
-            continue
-        why = (Note(f"an EMA the trainer kept ({c.name}): not averaged again; choose it with {{component}}",
-                    mentions=("component",)) if c.role == TRAINER_EMA else
-               Note(f"another component ({c.name}); choose it with {{component}}", mentions=("component",)))
-        scan.found.left.append(LeftPart(c.path, why))
 
 
 def _scan_entry(child: Location, scan: _Scan, beside: Sequence[Location] = ()) -> bool:
@@ -578,7 +303,7 @@ def _scan_entry(child: Location, scan: _Scan, beside: Sequence[Location] = ()) -
         _left(found, child, checkpoint)
         return True
     found.checkpoints.append(checkpoint)
-    _left_parts(resolved, components, left, checkpoint, scan)
+    found.left += unread_parts(components, left, scan.component)
     found.entries.append(Entry(child, True, Note.of(checkpoint.step_source), checkpoint.step,
                                checkpoint.format_name, tuple(components) if checkpoint.components else ()))
     return True
@@ -620,37 +345,30 @@ def _discover_one(path: Location, scan: _Scan) -> None:
         if isinstance(checkpoint, str):
             raise CheckpointNotFoundError(path, "cannot tell the training step: " + checkpoint.removeprefix("waits: "))
         found.checkpoints.append(checkpoint)
-        _left_parts(resolved, components, left, checkpoint, scan)
+        found.left += unread_parts(components, left, scan.component)
         return
     if not path.is_dir():
         raise CheckpointNotFoundError(path, "not a checkpoint of any known format")
     reason = waiting_reason(path)
     if reason:
         raise CheckpointNotFoundError(path, reason)
-    components, _ = _components_inside(path)
+    components, _ = components_inside(path)
     placed_by_name = step_in_name(path.name) is not None or any((path / f.path).exists() for f in STEP_FILES)
-    if components and not _export_parts(path) and (placed_by_name or len(components) == 1):
+    if components and not export_parts(path) and (placed_by_name or len(components) == 1):
         scan.root = path.parent  # one checkpoint whose models sit in subfolders (checkpoint-4/unet/)
         before = len(found.checkpoints)
         _scan_entry(path, scan)
         if len(found.checkpoints) > before:
             return
     scan.root = path
-    before = len(found.checkpoints)
+    before, listed = len(found.checkpoints), len(found.entries)
     _scan_folder(path, scan)
-    project = path / ACCELERATE_PROJECT_CHECKPOINTS
-    if len(found.checkpoints) == before and project.is_dir() and not project.is_symlink():
-        # accelerate's project folder: automatic_checkpoint_naming saves into checkpoints/
-        _scan_folder(project, scan)
-
-
-def _same_kind(a: Location, b: Location) -> bool:
-    """Two checkpoints of one format holding the same keys (metadata only)."""
-    try:
-        with contextlib.closing(open_checkpoint(a)) as x, contextlib.closing(open_checkpoint(b)) as y:
-            return sorted(select_keys(x)) == sorted(select_keys(y))
-    except EmaCkptError:
-        return True  # unreadable: not known to differ, so never left unsaid
+    nested = [e.path for e in found.entries[listed:] if e.why == FOLDER_OF_CHECKPOINTS and not e.path.is_symlink()]
+    if len(found.checkpoints) == before and len(nested) == 1:
+        # the checkpoints one folder down: accelerate's project folder saves into checkpoints/,
+        # lit-gpt into out/<dataset>/
+        scan.root = nested[0]
+        _scan_folder(nested[0], scan)
 
 
 def _refuse_unplaced(found: Discovery) -> None:
@@ -661,9 +379,9 @@ def _refuse_unplaced(found: Discovery) -> None:
     taken = found.checkpoints[-1]
     alike = []
     for path, why, fmt in found.unplaced:
-        if fmt != taken.format_name or not _same_kind(_readable(path, taken), taken.path):
+        if fmt != taken.format_name or not same_kind(_readable(path, taken), taken.path):
             continue
-        copy = _copy_of(path, found.checkpoints) if ALIAS_NAMES.match(path.name) else None
+        copy = copy_of(path, found.checkpoints) if ALIAS_NAMES.match(path.name) else None
         if copy is not None:  # last.safetensors beside the step it copies: one checkpoint
             found.entries = [Entry(e.path, False, f"a copy of {copy.path} (the same weights)") if e.path == path
                              else e for e in found.entries]
@@ -679,21 +397,6 @@ def _refuse_unplaced(found: Discovery) -> None:
         alike[0][0], Note(f"{len(alike)} checkpoint(s) like the others cannot be placed at a step ({shown}); "
                           "give the steps with {step_regex} or {step_from}, or leave them out with {skip}",
                           mentions=("step_regex", "step_from", "skip")))
-
-
-def _copy_of(path: Location, checkpoints: Sequence[FoundCheckpoint]) -> FoundCheckpoint | None:
-    """The checkpoint an alias with no step of its own copies (a link, or the same weights), or None."""
-    for c in reversed(checkpoints):
-        if _same_file(path, c.path):
-            return c
-        try:
-            with contextlib.closing(open_checkpoint(path)) as a, contextlib.closing(open_checkpoint(c.path)) as b:
-                keys = select_keys(a)
-                if sorted(keys) == sorted(select_keys(b)) and same_model_bytes(a, b, keys):
-                    return c
-        except EmaCkptError:
-            return None
-    return None
 
 
 def _readable(entry: Location, like: FoundCheckpoint) -> Location:

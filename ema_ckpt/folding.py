@@ -15,19 +15,20 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from . import maths, profile_specs
 from .discovery import FoundCheckpoint, discover
 from .engine import OutputSpec, Update
-from .errors import IncompatibleCheckpointError, ManifestMismatchError, OptionError, UsageError
+from .errors import IncompatibleCheckpointError, ManifestMismatchError, Note, OptionError, UsageError
 from .formats.base import CheckpointReader
+from .formats.safetensors.reader import SafetensorsReader
 from .manifest import MANIFEST_NAME, FoldedCheckpoint, Manifest, current_fingerprint, fingerprint
 from .maths import ExponentialProfile, PowerProfile, fold_coefficients, profile_from_dict
 from .plans import EXPONENTIAL_LONGER, POWER_LONGER, PlannedOutput, Term, find_snapshots, sparse_warning
 from .plans import Plan as AveragePlan
 from .selection import check_compatible, select_keys
-from .storage import Location, as_path, output_location
+from .storage import Location, as_path, local_file, output_location
 
 DEFAULT_OUT_NAME = "ema"
 Profile = ExponentialProfile | PowerProfile
@@ -41,6 +42,7 @@ class FoldTerm:
     step: int
     coefficient: float
 
+
 @dataclass(slots=True)
 class Accumulator:
     name: str
@@ -49,6 +51,52 @@ class Accumulator:
     previous: Manifest | None
     new: list[FoundCheckpoint] = field(default_factory=list)
     snapshot_steps: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class AccumulateResult:
+    """What an ``accumulate`` run did (or, with ``dry_run``, would do: see ``plan``)."""
+
+    out: Location
+    step: int
+    folded: list[FoldedCheckpoint]
+    up_to_date: bool
+    notes: list[str] = field(default_factory=list)
+    terms: list[FoldTerm] = field(default_factory=list)
+    """The first EMA's terms (see ``terms_by_output`` for every EMA of a power-EMA run)."""
+    terms_by_output: dict[str, list[FoldTerm]] = field(default_factory=dict)
+    """Each EMA's terms, by its output directory."""
+    keys: int = 0
+    bytes_read: int = 0
+    """Bytes of tensor data read from the checkpoints and the previous EMAs."""
+    bytes_written: int = 0
+    """Bytes of the files written (on disk: data, ``.metadata`` and manifests, snapshots included)."""
+    files_written: int = 0
+    seconds: float = 0.0
+    profile: str = ""
+    outputs: list[Location] = field(default_factory=list)
+    snapshots: list[Location] = field(default_factory=list)
+    plan: AveragePlan | None = None
+    components: dict[str, AccumulateResult] = field(default_factory=dict)
+    """Each component's own run, by its name, where the checkpoints hold several (``OUT/<name>``)."""
+
+    @classmethod
+    def merged(cls, out: Location, runs: dict[str, AccumulateResult]) -> AccumulateResult:
+        """One result of the runs of several components (each in ``runs``, by name)."""
+        results = list(runs.values())
+        folded = {c.step: c for r in reversed(results) for c in r.folded}  # one line per checkpoint
+        return cls(
+            out, max(r.step for r in results), sorted(folded.values(), key=lambda c: (c.step, c.path)),
+            all(r.up_to_date for r in results),
+            [name + ": " + Note.of(line) for name, r in runs.items() for line in r.notes],
+            terms=results[0].terms,
+            terms_by_output={k: v for r in results for k, v in r.terms_by_output.items()},
+            keys=sum(r.keys for r in results), bytes_read=sum(r.bytes_read for r in results),
+            bytes_written=sum(r.bytes_written for r in results), files_written=sum(r.files_written for r in results),
+            seconds=sum(r.seconds for r in results), profile=results[0].profile,
+            outputs=[o for r in results for o in r.outputs], snapshots=[s for r in results for s in r.snapshots],
+            plan=results[0].plan, components=runs,
+        )
 
 
 def find_new(accumulators: Sequence[Accumulator], checkpoints: Sequence[Location], *, out: Location,
@@ -363,3 +411,33 @@ def check_fold_keys(
 
 def fold_output(name: str, rows: list[tuple[str, int, float]], index: dict[str, int]) -> OutputSpec:
     return OutputSpec(name, tuple(Update(index[p], w) for p, _, w in rows), mode="fold")
+
+
+def components_to_fold(checkpoints: Sequence[Location], *, out: Location, step_regex: str | None,
+                       step_from: str | None, skip: Sequence[Location]) -> list[str]:
+    """The components each EMA is made of: ``[""]`` (the checkpoints' own model), or the names of
+    the trained models inside them (each its own EMA in ``OUT/<name>``)."""
+    found = discover(list(checkpoints), step_regex=step_regex, step_from=step_from, all_components=True,
+                     exclude=[out], skip=skip, require=False)
+    return found.components or [""]
+
+
+def component_file(component: str | None, out: Location, newest: CheckpointReader) -> str | None:
+    """The file name a component's EMA is written under, in its own format, so that its framework
+    loads it where it loads the component (``ema/unet/diffusion_pytorch_model.safetensors`` beside
+    its ``config.json``; ``ema/model_1/model_1.safetensors``), or None: a DCP EMA. Only a component
+    read from one safetensors file, written to a local disk."""
+    if component is None or newest.format_name != "safetensors" or local_file(out) is None:
+        return None
+    headers = cast(SafetensorsReader, newest).headers
+    return headers[0].path.name if len(headers) == 1 else None
+
+
+def checkpoint_holding(checkpoints: Sequence[FoundCheckpoint], path: Location) -> FoundCheckpoint | None:
+    """The new checkpoint a damaged file belongs to, or None (then it is not a checkpoint's fault)."""
+    target = path.resolve()
+    for c in checkpoints:
+        root = c.path.resolve()
+        if target == root or root in target.parents:
+            return c
+    return None

@@ -4,7 +4,8 @@ Discovery, steps, saves in progress and ``inspect`` all read these records; a ne
 one record here (and one fixture), never a branch in the code that reads them. The general
 model (``docs/formats.md``, "The general model"):
 
-- **sequence root**: the folder a command is given; each of its entries is a checkpoint.
+- **sequence root**: the folder a command is given; each of its entries is a checkpoint (or, where
+  none is, those of the one folder of checkpoints inside it: accelerate's ``checkpoints/``).
 - **checkpoint**: an entry (file or folder) that stands for one training step.
 - **component**: a network a checkpoint holds, read by one format's reader: the checkpoint
   itself, a model folder a trainer nests in it (:data:`NESTED_MODELS`), or a model-bearing
@@ -266,8 +267,6 @@ ACCELERATE = TrainerSave(
 TRAINER_SAVES: tuple[TrainerSave, ...] = (HF_TRAINER, ACCELERATE)
 ACCELERATE_OPTIMIZER = "optimizer.bin"
 """What accelerate's ``save_state`` writes the (first) optimizer's state to, beside unnested weights."""
-ACCELERATE_PROJECT_CHECKPOINTS = "checkpoints"
-"""Where accelerate's ``automatic_checkpoint_naming`` saves, inside the project folder."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -294,7 +293,7 @@ STEP_FILES: tuple[StepFile, ...] = (
 
 TRAINER_KEPT_EMA = re.compile(r"(^|[_.-])ema([_.-]|$)|^ema", re.IGNORECASE)
 """A component that is an EMA the trainer kept itself (``unet_ema``, ``ema_model``): not averaged
-again unless chosen with ``--component``."""
+again unless chosen by name (the ``component`` option)."""
 NOT_COMPONENTS = re.compile(
     r"^(optimizer|optim|scheduler|scaler|random_states|rng_state|training_args|lr_scheduler|train|logs?|runs"
     r"|tokenizer|feature_extractor|image_processor|wandb|tensorboard)([_.-].*)?$",
@@ -320,7 +319,6 @@ EXPORT_NAMES = re.compile(r"^(final|final_model|export|exported|pipeline|best_mo
 __all__ = [
     "ACCELERATE",
     "ACCELERATE_OPTIMIZER",
-    "ACCELERATE_PROJECT_CHECKPOINTS",
     "ALIAS_NAMES",
     "COUNTERS",
     "COUNTER_CONTAINERS_SKIPPED",

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from .errors import EmaCkptError, Note, OptionError
 from .formats import Resolved, detect_format, locate_model, open_checkpoint, resolve
 from .formats.torch_file import file_facts, has_torch_suffix
-from .formats.torch_file.optimizer import optimizer_step_counters
+from .formats.torch_file.optimizer import optimizer_step_counters, optimizer_steps
 from .layout import Box
 from .layouts import (
     ACCELERATE,
@@ -210,6 +210,33 @@ def _optimizer_counter_step(found: Resolved) -> StepRecord | None:
     return StepRecord(max(steps), f"optimizer step counter in {where}") if steps else None
 
 
+_OPTIMIZERS_CACHE: dict[tuple[str, int, int], list[int]] = {}
+
+
+def _steps_of_optimizers(found: Resolved) -> StepRecord | None:
+    """Each optimizer's own step (its largest per-parameter ``step``) saved in a single file beside
+    a ``global_step`` that counts them all: Lightning under manual optimization with two
+    optimizers (a GAN) counts every ``optimizer.step()`` of either, twice the updates each network
+    got. Taken only where every optimizer took the same number of steps."""
+    model = found.model.path
+    local = local_file(model) if found.format is not None and found.format.name == "torch" else None
+    if local is None or not local.is_file():
+        return None
+    facts = file_facts(local)
+    total = next((c.value for c in facts.counters if c.path == "global_step"), None)
+    if total is None:
+        return None
+    stat = local.stat()
+    key = (str(local), stat.st_size, stat.st_mtime_ns)
+    if key not in _OPTIMIZERS_CACHE:
+        _OPTIMIZERS_CACHE[key] = [int(max(v)) for v in optimizer_steps(local) if v and max(v) == int(max(v))]
+    steps = _OPTIMIZERS_CACHE[key]
+    if len(steps) < 2 or len(set(steps)) != 1 or steps[0] == total:
+        return None
+    return StepRecord(steps[0], "the optimizers' own step counters in the file (global_step counts the steps of "
+                                "every optimizer)")
+
+
 _METADATA_CACHE: dict[tuple[str, int, int], dict[str, str]] = {}
 
 
@@ -263,6 +290,7 @@ def _format_step(found: Resolved) -> StepRecord | None:
 
 STEP_SOURCES: tuple[Callable[[Resolved], StepRecord | None], ...] = (
     _optimizer_counter_step,
+    _steps_of_optimizers,
     _format_step,
 )
 """Records read by code, after the step files: the optimizer's counter, the format's own."""

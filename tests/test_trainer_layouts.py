@@ -225,7 +225,7 @@ def test_accelerate_with_two_models_averages_each_into_its_own_folder(tmp_path):
     steps = [i["optimizer_step"] for i in items]
     for name in ("model", "model_1"):
         want = reference_ema([load_file(work / i["components"][name]["oracle"]) for i in items], steps, 0.8)
-        got = _ema_file(tmp_path / "ema" / name, tmp_path)
+        got = load_file(tmp_path / "ema" / name / f"{name}.safetensors")  # named as accelerate names it
         assert sorted(got) == sorted(want)  # strict: the keys the model loads, no more, no fewer
         for key, value in want.items():
             assert_close_relative(got[key], value, rel=1e-6)
@@ -262,3 +262,107 @@ def test_a_checkpoint_folder_with_a_model_one_folder_down(tmp_path):
     rows = {Path(e["path"]).name: e for e in listing["entries"]}
     assert rows["unet"]["taken"] is False and "final export" in rows["unet"]["why"]
     assert {c["name"] for c in rows["checkpoint-4"]["components"]} == {"unet", "unet_ema"}
+
+
+def _items(name: str) -> list[dict]:
+    return sorted(_producer(name)["checkpoints"].values(), key=lambda i: i["optimizer_step"])
+
+
+def _assert_ema_of(got: dict[str, torch.Tensor], name: str, key: str = "oracle") -> None:
+    items = _items(name)
+    want = reference_ema([load_file(FIXTURES / name / i[key]) for i in items], [i["optimizer_step"] for i in items],
+                         0.8)
+    assert sorted(got) == sorted(want)
+    for k, value in want.items():
+        assert_close_relative(got[k], value, rel=1e-6)
+
+
+def test_diffusers_text_to_image_with_ema_needs_no_flag_and_loads_with_from_pretrained(tmp_path):
+    from diffusers import UNet2DConditionModel
+
+    work = tmp_path / "set"
+    shutil.copytree(FIXTURES / "diffusers-t2i-ema", work)
+    data = _accumulate(work / "ckpts", tmp_path / "ema")
+    assert list(data["components"]) == ["unet"]
+    assert [c["step"] for c in data["folded"]] == [i["optimizer_step"] for i in _items("diffusers-t2i-ema")]
+    notes = " ".join(data["notes"])
+    assert "an EMA the trainer kept (unet_ema)" in notes and "part of the final export" in notes
+    out = tmp_path / "ema" / "unet"
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "diffusion_pytorch_model.safetensors",
+                                                     "ema-ckpt.json"]
+    model, info = UNet2DConditionModel.from_pretrained(out, output_loading_info=True)
+    assert not any(info.values()), info  # strict: nothing missing, unexpected or mismatched
+    _assert_ema_of(load_file(out / "diffusion_pytorch_model.safetensors"), "diffusers-t2i-ema")
+    # The trainer's own EMA, when chosen, is averaged like any component.
+    _accumulate(work / "ckpts", tmp_path / "ema_of_ema", "--component", "unet_ema")
+    _assert_ema_of(load_file(tmp_path / "ema_of_ema" / "unet_ema" / "diffusion_pytorch_model.safetensors"),
+                   "diffusers-t2i-ema", "oracle_ema")
+
+
+def test_a_components_ema_folded_in_two_runs_equals_one_run(tmp_path):
+    work = tmp_path / "set"
+    shutil.copytree(FIXTURES / "diffusers-t2i-ema", work)
+    newest = work / "ckpts" / "checkpoint-8"
+    newest.rename(tmp_path / "later")
+    _accumulate(work / "ckpts", tmp_path / "ema")
+    (tmp_path / "later").rename(newest)
+    second = _accumulate(work / "ckpts", tmp_path / "ema")
+    assert [c["step"] for c in second["folded"]] == [8]
+    _accumulate(work / "ckpts", tmp_path / "once")
+    assert (tmp_path / "ema" / "unet" / "diffusion_pytorch_model.safetensors").read_bytes() == (
+        tmp_path / "once" / "unet" / "diffusion_pytorch_model.safetensors").read_bytes()
+
+
+def test_diffusers_lora_checkpoints_with_the_final_adapter_beside_them(tmp_path):
+    work = tmp_path / "set"
+    shutil.copytree(FIXTURES / "diffusers-t2i-lora", work)
+    data = _accumulate(work / "ckpts", tmp_path / "ema")
+    assert [c["step"] for c in data["folded"]] == [2, 4, 6]
+    assert any("pytorch_lora_weights.safetensors" in n and "final export" in n for n in data["notes"])
+    _assert_ema_of(_ema_file(tmp_path / "ema", tmp_path), "diffusers-t2i-lora")
+
+
+RECORD_SETS = {
+    # set: the folder given
+    "kohya-metadata": "output",
+    "litgpt-pretrain": "out",
+    "litgpt-iter-names": "out",
+    "composer-style": "checkpoints",
+    "olmo-core-style": "ckpts",
+    "lightning-gan": "ckpts",
+}
+
+
+def _distinct(name: str) -> list[dict]:
+    """The set's checkpoints an EMA folds: one per optimizer step (copies and exports count once)."""
+    by_step = {}
+    for rel, info in sorted(_producer(name)["checkpoints"].items()):
+        if info.get("optimizer_step") is not None and info.get("oracle"):
+            by_step.setdefault(info["optimizer_step"], info)
+    return [by_step[s] for s in sorted(by_step)]
+
+
+@pytest.mark.parametrize("name", sorted(RECORD_SETS))
+def test_a_trainers_own_records_place_its_checkpoints_with_no_flag(name, tmp_path):
+    work = tmp_path / name
+    shutil.copytree(FIXTURES / name, work, symlinks=True)
+    data = _accumulate(work / RECORD_SETS[name], tmp_path / "ema")
+    items = _distinct(name)
+    assert [c["step"] for c in data["folded"]] == [i["optimizer_step"] for i in items]
+    out = tmp_path / "ema" / "".join(data["components"])  # a model in each checkpoint folder: OUT/<its name>
+    got = load_file(next(out.glob("*.safetensors"))) if list(out.glob("*.safetensors")) else _ema_file(out, tmp_path)
+    want = reference_ema([load_file(work / i["oracle"]) for i in items], [i["optimizer_step"] for i in items], 0.8)
+    assert sorted(got) == sorted(want)  # the names the trainer's own loader loads (Composer's module. kept)
+    for key, value in want.items():
+        if value.is_floating_point():
+            assert_close_relative(got[key], value.to(torch.float64), rel=1e-3 if value.dtype == torch.float16
+                                  else 1e-6)
+
+
+def test_mmengine_checkpoints_are_refused_out_loud(tmp_path):
+    """mmengine pickles ``builtins.getattr`` in its message hub: a function is never read as data."""
+    result = runner.invoke(app, ["accumulate", str(FIXTURES / "mmengine-runner" / "work_dir"), "--decay", "0.8",
+                                 "--out", str(tmp_path / "ema")])
+    assert result.exit_code == 3, result.output
+    assert "builtins.getattr" in result.output and "Traceback" not in result.output
+    assert not (tmp_path / "ema").exists()

@@ -81,6 +81,11 @@ def fact(name: str, value: Any, *, all_items: bool = False) -> str | None:
         return str(value) if _STEPS.search(name) else f"{value:,}"
     if isinstance(value, float):
         return f"{value:.6g}"
+    if isinstance(value, Mapping) and name.endswith("metadata") and len(value) > MAX_ITEMS:
+        # a training script's own metadata (kohya's ss_* keys): its names here, its values in --json
+        names = [shown(k) for k in value]
+        return f"{len(names)} entries: " + ", ".join(names if all_items else names[:MAX_ITEMS]) + (
+            "" if all_items else ", … (--json shows the values)")
     if isinstance(value, Mapping):
         parts = [(shown(k), fact(str(k), v, all_items=all_items)) for k, v in value.items()]
         return ", ".join(f"{k} {v}" for k, v in parts if v is not None) or None

@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import cast
 
-from ..discovery import FoundCheckpoint, checkpoint_paths, discover
+from ..discovery import FoundCheckpoint, checkpoint_paths
 from ..dtypes import ACCUMULATE_DTYPES, torch_dtype
 from ..engine import check_device
 from ..errors import (
@@ -43,10 +43,14 @@ from ..errors import (
 )
 from ..folding import (
     DEFAULT_OUT_NAME,
+    AccumulateResult,
     Accumulator,
     FoldTerm,
     check_fold_keys,
     check_same_settings,
+    checkpoint_holding,
+    component_file,
+    components_to_fold,
     default_out,
     find_new,
     fold_inputs,
@@ -74,34 +78,6 @@ from ..storage import Location, as_path, files_on_disk, is_location, local_file,
 from ..writers.base import check_directory_output
 
 _RUNTIME = {"recorded": False}
-
-
-@dataclass(slots=True)
-class AccumulateResult:
-    """What an ``accumulate`` run did (or, with ``dry_run``, would do: see ``plan``)."""
-
-    out: Location
-    step: int
-    folded: list[FoldedCheckpoint]
-    up_to_date: bool
-    notes: list[str] = field(default_factory=list)
-    terms: list[FoldTerm] = field(default_factory=list)
-    """The first EMA's terms (see ``terms_by_output`` for every EMA of a power-EMA run)."""
-    terms_by_output: dict[str, list[FoldTerm]] = field(default_factory=dict)
-    """Each EMA's terms, by its output directory."""
-    keys: int = 0
-    bytes_read: int = 0
-    """Bytes of tensor data read from the checkpoints and the previous EMAs."""
-    bytes_written: int = 0
-    """Bytes of the files written (on disk: data, ``.metadata`` and manifests, snapshots included)."""
-    files_written: int = 0
-    seconds: float = 0.0
-    profile: str = ""
-    outputs: list[Location] = field(default_factory=list)
-    snapshots: list[Location] = field(default_factory=list)
-    plan: AveragePlan | None = None
-    components: dict[str, AccumulateResult] = field(default_factory=dict)
-    """Each component's own run, by its name, where the checkpoints hold several (``OUT/<name>``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -264,38 +240,14 @@ def accumulate(
         state_key=state_key, inert_globals=tuple(inert_globals), dry_run=dry_run, wait_seconds=wait_seconds,
         workers=workers, device=device,
     )
-    names = [component] if component is not None else _components(options)
+    names = [component] if component is not None else components_to_fold(
+        options.checkpoints, out=options.out_path, step_regex=options.step_regex, step_from=options.step_from,
+        skip=options.skip)
     if names == [""]:
         return run_job(AccumulateJob(options), on_progress=on_progress)
     runs = {name: run_job(AccumulateJob(replace(options, component=name, out=options.out_path / name)),
                           on_progress=on_progress) for name in names}
-    return _merged(options.out_path, runs)
-
-
-def _components(options: AccumulateOptions) -> list[str]:
-    """The components each EMA is made of: ``[""]`` (the checkpoints' own model), or the names of
-    the trained models inside them (each its own EMA in ``OUT/<name>``)."""
-    found = discover(list(options.checkpoints), step_regex=options.step_regex, step_from=options.step_from,
-                     all_components=True, exclude=[options.out_path], skip=options.skip, require=False)
-    return found.components or [""]
-
-
-def _merged(out: Location, runs: dict[str, AccumulateResult]) -> AccumulateResult:
-    """One result of the runs of several components (each in ``runs``, by name)."""
-    results = list(runs.values())
-    folded = {c.step: c for r in reversed(results) for c in r.folded}  # one line per checkpoint
-    return AccumulateResult(
-        out, max(r.step for r in results), sorted(folded.values(), key=lambda c: (c.step, c.path)),
-        all(r.up_to_date for r in results),
-        [f"{name}: {line}" for name, r in runs.items() for line in r.notes],
-        terms=results[0].terms,
-        terms_by_output={k: v for r in results for k, v in r.terms_by_output.items()},
-        keys=sum(r.keys for r in results), bytes_read=sum(r.bytes_read for r in results),
-        bytes_written=sum(r.bytes_written for r in results), files_written=sum(r.files_written for r in results),
-        seconds=sum(r.seconds for r in results), profile=results[0].profile,
-        outputs=[o for r in results for o in r.outputs], snapshots=[s for r in results for s in r.snapshots],
-        plan=results[0].plan, components=runs,
-    )
+    return AccumulateResult.merged(options.out_path, runs)
 
 
 @dataclass(slots=True)
@@ -404,8 +356,9 @@ class AccumulateJob(Job[FoldPlan, _Folded, AccumulateResult]):
                                                      opts.exclude, opts.allow_new_keys))
         newest = readers[-1]
         tensors = averaged_tensors(newest, keys, opts.dtype, average_buffers=opts.average_buffers)
-        writers = [context.writer(i, "dcp", planner_data=newest.planner_data)
-                   for i in range(len(outputs))]
+        file_name = None if opts.power else component_file(opts.component, opts.out_path, newest)
+        writers = [context.writer(i, "safetensors", file_name=file_name) if file_name is not None else
+                   context.writer(i, "dcp", planner_data=newest.planner_data) for i in range(len(outputs))]
         carry_into(writers, newest, opts.include, opts.exclude)
         written = context.write(readers, outputs, writers, tensors, layout=newest, copy_source=len(readers) - 1,
                                 accumulate_dtype=torch_dtype(opts.dtype),
@@ -457,7 +410,7 @@ class AccumulateJob(Job[FoldPlan, _Folded, AccumulateResult]):
                                      "checkpoint)", remedy="skip_nonfinite") from None
             reason = "NaN/Inf"
         elif isinstance(error, CheckpointFormatError):
-            bad = _checkpoint_holding(checkpoints, as_path(error.path))
+            bad = checkpoint_holding(checkpoints, as_path(error.path))
             if bad is None or "inert_globals" in error.parameters:  # its own remedy reads it whole: no skip
                 return None
             if not opts.skip_damaged:
@@ -504,16 +457,6 @@ class AccumulateJob(Job[FoldPlan, _Folded, AccumulateResult]):
             snapshots=[final for acc, final, _ in targets if final != acc.final],
             **common,  # type: ignore[arg-type]
         )
-
-
-def _checkpoint_holding(checkpoints: Sequence[FoundCheckpoint], path: Location) -> FoundCheckpoint | None:
-    """The new checkpoint a damaged file belongs to, or None (then it is not a checkpoint's fault)."""
-    target = path.resolve()
-    for c in checkpoints:
-        root = c.path.resolve()
-        if target == root or root in target.parents:
-            return c
-    return None
 
 
 __all__ = ["DEFAULT_OUT_NAME", "MANIFEST_NAME", "AccumulateJob", "AccumulateOptions", "AccumulateResult",

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..discovery import Entry, LeftPart, discover, holds_checkpoints, step_record
+from ..discovery import Entry, LeftPart, discover, step_record
 from ..dtypes import itemsize
 from ..errors import Note
 from ..formats import detect_format, open_checkpoint, resolve
@@ -124,7 +124,7 @@ def is_folder_of_checkpoints(path: str | Location) -> bool:
     path = as_path(path)
     if not path.is_dir() or (path / MANIFEST_NAME).exists():
         return False
-    return detect_format(path) is None or holds_checkpoints(path)
+    return detect_format(path) is None
 
 
 def inspect_folder(path: str | Location, *, step_regex: str | None = None, step_from: str | None = None,

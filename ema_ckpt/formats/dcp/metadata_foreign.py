@@ -23,8 +23,12 @@ Example:
 from __future__ import annotations
 
 import fnmatch
+import functools
+import gc
+import itertools
+import operator
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, ClassVar
 
 from ...errors import CheckpointFormatError, Note, UnsafePickleError
@@ -218,5 +222,64 @@ def _misshapen_state(state: dict[Any, Any]) -> str:
     return "a state that does not read as one"  # pragma: no cover - storage_fields accepted it
 
 
-__all__ = ["STORAGE_FIELDS", "Foreign", "StorageFields", "brief", "by_shape", "foreign_class", "listed",
-           "refused_global", "storage_fields"]
+CONTAINERS = frozenset({dict, list, tuple, set, frozenset})
+"""Everything else a metadata pickle can build is a stand-in (a record class of the load) or
+holds no references (strings, numbers, dtypes)."""
+
+
+_is_class = frozenset({type}).__contains__
+
+
+def reach(roots: list[Any], open_types: frozenset[type], kinds: frozenset[type[Foreign]], target: Any = None
+           ) -> Any:
+    """The first object reachable from ``roots`` through objects of ``open_types`` that is an
+    instance of ``kinds`` or one of ``kinds`` itself (or is ``target``); None if none is.
+
+    A level of the graph at a time, each step over a whole level in C: at 100,000 keys a level
+    holds millions of references (most of them numbers, strings and stand-in classes).
+    """
+    is_open = open_types.__contains__
+    seen: set[int] = set()
+    frontier = roots
+    while frontier:
+        types = list(map(type, frontier))
+        if kinds and not kinds.isdisjoint(types):
+            return next(v for v in frontier if type(v) in kinds)
+        classes = list(itertools.compress(frontier, map(_is_class, types)))
+        if kinds and not kinds.isdisjoint(classes):
+            return next(c for c in classes if c in kinds)
+        if target is not None and any(v is target for v in frontier):
+            return target
+        grow = list(itertools.compress(frontier, map(is_open, types)))
+        ids = list(map(id, grow))
+        grow = list(itertools.compress(grow, map(operator.not_, map(seen.__contains__, ids))))
+        seen.update(ids)
+        frontier = gc.get_referents(*grow)  # slots, __dict__ values, items, keys: never a class's contents
+    return None
+
+
+def labelled_parts(obj: Any, is_metadata: bool) -> Iterator[tuple[Callable[[], str], Any]]:
+    """The parts of the loaded metadata, each with (a function giving) where it sits."""
+    if not is_metadata:
+        yield (lambda: ""), obj
+        return
+    for field, value in obj.fields().items():
+        if field in ("state_dict_metadata", "storage_data") and isinstance(value, dict):
+            for key, entry in value.items():
+                fqn = getattr(key, "fqn", key) if field == "storage_data" else key
+                label = functools.partial(_where, field, fqn)
+                yield label, key
+                yield label, entry
+        else:
+            yield functools.partial(_where, field, None), value
+
+
+def _where(field: str, key: Any) -> str:
+    if key is None:
+        return f"in the metadata's {brief(field)}"
+    place = "under key" if field == "state_dict_metadata" else "in the storage entry of key"
+    return f"{place} {brief(key, 160)}"
+
+
+__all__ = ["CONTAINERS", "STORAGE_FIELDS", "Foreign", "StorageFields", "brief", "by_shape", "foreign_class",
+           "labelled_parts", "listed", "reach", "refused_global", "storage_fields"]

@@ -21,13 +21,8 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import functools
-import gc
 import io
-import itertools
-import operator
 import pickle
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO, ClassVar
 
@@ -39,7 +34,17 @@ from ...pickles.memo import AVAILABLE as LEAN_AVAILABLE
 from ...pickles.memo import LeanUnpickler
 from ...pickles.rules import refuse, torch_size
 from ..options import read_options
-from .metadata_foreign import Foreign, brief, by_shape, foreign_class, listed, refused_global, storage_fields
+from .metadata_foreign import (
+    CONTAINERS,
+    Foreign,
+    by_shape,
+    foreign_class,
+    labelled_parts,
+    listed,
+    reach,
+    refused_global,
+    storage_fields,
+)
 
 _DCP_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
 _DCP_METADATA_CLASSES = {
@@ -438,69 +443,10 @@ def _settle_foreign(obj: Any, unpickler: _MetadataGlobals) -> None:
         return
     records = {cls for cls in unpickler._standins.values() if isinstance(cls, type)}
     records |= {cls for cls in unpickler._foreign.values() if cls.inert}
-    open_types = _CONTAINERS | records
-    stray = _reach([obj], open_types, refused)
+    open_types = CONTAINERS | records
+    stray = reach([obj], open_types, refused)
     if stray is None:
         return
-    where = next((label() for label, part in _labelled_parts(obj, is_metadata)
-                  if _reach([part], open_types, frozenset(), stray) is not None), "")
+    where = next((label() for label, part in labelled_parts(obj, is_metadata)
+                  if reach([part], open_types, frozenset(), stray) is not None), "")
     raise refused_global(source, stray.global_name, where=where)
-
-
-_CONTAINERS = frozenset({dict, list, tuple, set, frozenset})
-"""Everything else a metadata pickle can build is a stand-in (a record class of the load) or
-holds no references (strings, numbers, dtypes)."""
-
-
-_is_class = frozenset({type}).__contains__
-
-
-def _reach(roots: list[Any], open_types: frozenset[type], kinds: frozenset[type[Foreign]], target: Any = None
-           ) -> Any:
-    """The first object reachable from ``roots`` through objects of ``open_types`` that is an
-    instance of ``kinds`` or one of ``kinds`` itself (or is ``target``); None if none is.
-
-    A level of the graph at a time, each step over a whole level in C: at 100,000 keys a level
-    holds millions of references (most of them numbers, strings and stand-in classes).
-    """
-    is_open = open_types.__contains__
-    seen: set[int] = set()
-    frontier = roots
-    while frontier:
-        types = list(map(type, frontier))
-        if kinds and not kinds.isdisjoint(types):
-            return next(v for v in frontier if type(v) in kinds)
-        classes = list(itertools.compress(frontier, map(_is_class, types)))
-        if kinds and not kinds.isdisjoint(classes):
-            return next(c for c in classes if c in kinds)
-        if target is not None and any(v is target for v in frontier):
-            return target
-        grow = list(itertools.compress(frontier, map(is_open, types)))
-        ids = list(map(id, grow))
-        grow = list(itertools.compress(grow, map(operator.not_, map(seen.__contains__, ids))))
-        seen.update(ids)
-        frontier = gc.get_referents(*grow)  # slots, __dict__ values, items, keys: never a class's contents
-    return None
-
-
-def _labelled_parts(obj: Any, is_metadata: bool) -> Iterator[tuple[Callable[[], str], Any]]:
-    """The parts of the loaded metadata, each with (a function giving) where it sits."""
-    if not is_metadata:
-        yield (lambda: ""), obj
-        return
-    for field, value in obj.fields().items():
-        if field in ("state_dict_metadata", "storage_data") and isinstance(value, dict):
-            for key, entry in value.items():
-                fqn = getattr(key, "fqn", key) if field == "storage_data" else key
-                label = functools.partial(_where, field, fqn)
-                yield label, key
-                yield label, entry
-        else:
-            yield functools.partial(_where, field, None), value
-
-
-def _where(field: str, key: Any) -> str:
-    if key is None:
-        return f"in the metadata's {brief(field)}"
-    place = "under key" if field == "state_dict_metadata" else "in the storage entry of key"
-    return f"{place} {brief(key, 160)}"

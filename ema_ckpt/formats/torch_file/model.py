@@ -40,6 +40,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ...layouts import EPOCHS, best_step, counters_in
 from ...torch_records.tree import Opaque, is_module, module_state_dict
 
 MODEL_CONTAINERS = ("state_dict", "model", "module", "model_state_dict", "model_state", "net", "network",
@@ -58,9 +59,6 @@ WRAPPER_PREFIXES = ("_orig_mod.", "module.")
 """Prefixes a wrapper puts on every key (``torch.compile``'s ``_orig_mod.``, DDP's ``module.``)."""
 DDP_PREFIX, COMPILE_PREFIX = "module.", "_orig_mod."
 _EXTRA_STATE = "_extra_state"
-STEP_FIELDS = ("global_step", "step", "iteration", "iter_num", "num_updates", "total_steps", "train_step")
-"""Top-level entries that hold the optimizer step (Lightning's ``global_step``, nanoGPT's ``iter_num``)."""
-EPOCH_FIELD = "epoch"
 _MAX_DEPTH = 6
 
 
@@ -331,25 +329,18 @@ _ANY = Saver("a plain training loop", (), WRAPPER_PREFIXES, 1, "a plain training
 
 
 def step_in_tree(root: Any) -> tuple[int, str] | None:
-    """(step, the entry it came from) of a file's top level, or None. Only plain ints count."""
-    if not isinstance(root, dict):
-        return None
-    for name in STEP_FIELDS:
-        value = root.get(name)
-        if type(value) is int and value >= 0:
-            return value, name
-    history = root.get("optimizer_history")
-    if isinstance(history, list) and history and isinstance(history[-1], dict):
-        value = history[-1].get("num_updates")
-        if type(value) is int and value >= 0:
-            return value, "optimizer_history[-1].num_updates"
-    return None
+    """(step, the record it came from) of a file's records, or None: the counter of optimizer
+    steps :mod:`ema_ckpt.layouts` ranks first (``global_step``, ``step_count`` over ``iter_num``,
+    Composer's ``state.timestamp.batch``, mmengine's ``meta.iter``, fairseq's
+    ``optimizer_history[-1].num_updates``). Only plain ints count."""
+    best = best_step(counters_in(root)) if isinstance(root, dict) else None
+    return (best.value, best.path) if best is not None else None
 
 
 def epoch_in_tree(root: Any) -> int | None:
-    """The top-level ``epoch``, when it is a plain int."""
-    value = root.get(EPOCH_FIELD) if isinstance(root, dict) else None
-    return value if type(value) is int and value >= 0 else None
+    """The epoch a file records (top-level ``epoch``, mmengine's ``meta.epoch``, …), when it is a plain int."""
+    epochs = [c for c in counters_in(root) if c.counts == EPOCHS] if isinstance(root, dict) else []
+    return epochs[0].value if epochs else None
 
 
 __all__ = [

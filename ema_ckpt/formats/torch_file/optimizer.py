@@ -24,43 +24,55 @@ _FORMATS = {"float32": "<f", "float64": "<d", "int64": "<q", "int32": "<i", "flo
 _MAX_COUNTERS = 100_000
 
 
-def _counters(root: Any) -> list[Any]:
-    """The ``step`` entries of ``state`` (or of each optimizer in a list of states)."""
+def _counters(root: Any) -> list[list[Any]]:
+    """The ``step`` entries of ``state``, one list per optimizer: an optimizer's state, a list of
+    them, or a Lightning checkpoint's ``optimizer_states``."""
+    if isinstance(root, dict) and isinstance(root.get("optimizer_states"), list):
+        root = root["optimizer_states"]
     states = root if isinstance(root, list) else [root]
     found = []
-    for state in states:
+    for state in states[:64]:
         per_param = state.get("state") if isinstance(state, dict) else None
         if isinstance(per_param, dict):
-            found += [v.get("step") for v in per_param.values() if isinstance(v, dict) and "step" in v]
-    return found[:_MAX_COUNTERS]
+            found.append([v.get("step") for v in list(per_param.values())[:_MAX_COUNTERS]
+                          if isinstance(v, dict) and "step" in v])
+    return found
 
 
-def optimizer_step_counters(path: Path) -> list[float]:
-    """Every parameter's ``step`` counter in the optimizer state at ``path`` (empty when none is
-    readable: the caller then finds the step elsewhere)."""
+def optimizer_steps(path: Path) -> list[list[float]]:
+    """Every parameter's ``step`` counter in the optimizer states at ``path``, one list per
+    optimizer (empty when none is readable: the caller then finds the step elsewhere)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
         return []
     try:
         parsed = parse_file(fd, os.fstat(fd).st_size, path)
-        values: list[float] = []
-        for counter in _counters(parsed.tree.root):
-            if isinstance(counter, (int, float)) and not isinstance(counter, bool):
-                values.append(float(counter))
-            elif isinstance(counter, TensorRecord) and counter.size == () and counter.dtype in _FORMATS:
-                start = parsed.starts.get(counter.storage_key)
-                if start is None:
-                    continue
-                size = itemsize(counter.dtype)
-                raw = os.pread(fd, size, start + counter.storage_offset * size)
-                if len(raw) == size:
-                    values.append(float(struct.unpack(_FORMATS[counter.dtype], raw)[0]))
-        return values
+        found: list[list[float]] = []
+        for counters in _counters(parsed.tree.root):
+            values: list[float] = []
+            for counter in counters:
+                if isinstance(counter, (int, float)) and not isinstance(counter, bool):
+                    values.append(float(counter))
+                elif isinstance(counter, TensorRecord) and counter.size == () and counter.dtype in _FORMATS:
+                    start = parsed.starts.get(counter.storage_key)
+                    if start is None:
+                        continue
+                    size = itemsize(counter.dtype)
+                    raw = os.pread(fd, size, start + counter.storage_offset * size)
+                    if len(raw) == size:
+                        values.append(float(struct.unpack(_FORMATS[counter.dtype], raw)[0]))
+            found.append(values)
+        return found
     except CheckpointFormatError:
         return []
     finally:
         os.close(fd)
 
 
-__all__ = ["optimizer_step_counters"]
+def optimizer_step_counters(path: Path) -> list[float]:
+    """Every parameter's ``step`` counter in the optimizer state at ``path``, all optimizers together."""
+    return [v for values in optimizer_steps(path) for v in values]
+
+
+__all__ = ["optimizer_step_counters", "optimizer_steps"]

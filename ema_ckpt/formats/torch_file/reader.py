@@ -37,6 +37,7 @@ from ..._lazy import torch
 from ...dtypes import itemsize, torch_dtype
 from ...errors import CheckpointFormatError, Note
 from ...layout import Box, TensorSpec
+from ...layouts import SeenCounter, counters_in
 from ...storage import Location, local_path, pread_into
 from ...torch_records import TensorRecord, member_start
 from ...torch_records.checks import ReadChecks
@@ -403,6 +404,8 @@ class FileFacts:
     """A state dict was found, or the pickle is unreadable (opening it then says why)."""
     step: tuple[int, str] | None
     epoch: int | None
+    counters: tuple[SeenCounter, ...] = ()
+    """Every counter the file records (:func:`ema_ckpt.layouts.counters_in`)."""
 
 
 _FACTS: OrderedDict[tuple[str, int, int, int], FileFacts] = OrderedDict()
@@ -443,7 +446,8 @@ def _read_facts(path: Path) -> FileFacts:
     # a file naming what is not read as data is taken: opening it says which global, under which key
     holds = not NOT_MODEL_FILES.match(path.name) and bool(candidates(root, is_tensor=_is_tensor) or foreign_globals(
         tree))
-    return FileFacts(kind, holds, step_in_tree(root), epoch_in_tree(root))
+    return FileFacts(kind, holds, step_in_tree(root), epoch_in_tree(root),
+                     tuple(counters_in(root)) if isinstance(root, dict) else ())
 
 
 def step_record_of(path: Path) -> tuple[int, str] | None:
