@@ -85,18 +85,29 @@ $(FIXTURES_TF4_VENV)/.installed: tests/producers/trainers/requirements-tf4.txt
 	$(FIXTURES_TF4_VENV)/bin/python -m pip install -q $(TORCH_INDEX) -r tests/producers/trainers/requirements-tf4.txt
 	touch $@
 
-fixtures: $(VENV)/.installed $(FIXTURES_VENV)/.installed $(FIXTURES_TF4_VENV)/.installed
+# the trainers of step_records.py (litgpt, OLMo-core, mmengine, Composer) need a huggingface-hub
+# transformers 5 refuses: their own virtualenv; Composer without its dependencies (it pins an old torch)
+FIXTURES_STEPS_VENV ?= .venv-fixtures-steps
+$(FIXTURES_STEPS_VENV)/.installed: tests/producers/trainers/requirements-steps.txt
+	$(PYTHON) -m venv $(FIXTURES_STEPS_VENV)
+	$(FIXTURES_STEPS_VENV)/bin/python -m pip install -q --upgrade pip
+	$(FIXTURES_STEPS_VENV)/bin/python -m pip install -q $(TORCH_INDEX) -r tests/producers/trainers/requirements-steps.txt
+	$(FIXTURES_STEPS_VENV)/bin/python -m pip install -q --no-deps "mosaicml==0.32.1"
+	touch $@
+
+fixtures: $(VENV)/.installed $(FIXTURES_VENV)/.installed $(FIXTURES_TF4_VENV)/.installed $(FIXTURES_STEPS_VENV)/.installed
 	$(FIXTURES_PY) tests/producers/trainers/hf_accelerate.py --out tests/fixtures/trainers --set all
 	$(FIXTURES_PY) tests/producers/trainers/lightning_titan_megatron.py --out tests/fixtures/trainers --set all
 	$(FIXTURES_PY) tests/producers/trainers/single_files.py --out tests/fixtures/trainers --set all
 	$(FIXTURES_PY) tests/producers/trainers/bin_folders.py --out tests/fixtures/trainers --set all \
 		--tf4-python $(FIXTURES_TF4_VENV)/bin/python
 	$(FIXTURES_PY) tests/producers/trainers/diffusers_accelerate.py --out tests/fixtures/trainers --set all
+	$(FIXTURES_STEPS_VENV)/bin/python tests/producers/trainers/step_records.py --out tests/fixtures/trainers --set all
 	EMA_CKPT=$(VENV)/bin/ema-ckpt $(FIXTURES_PY) tests/producers/trainers/moe_trainers.py --out tests/fixtures/trainers \
 		--set all
 
 clean:
-	rm -rf $(VENV) $(FIXTURES_VENV) $(FIXTURES_TF4_VENV) $(DEMO_DIR) .pytest_cache .hypothesis
+	rm -rf $(VENV) $(FIXTURES_VENV) $(FIXTURES_TF4_VENV) $(FIXTURES_STEPS_VENV) $(DEMO_DIR) .pytest_cache .hypothesis
 
 # The documentation site, into site/ (the test suite runs the same strict build).
 docs-site: $(VENV)/.installed-test

@@ -119,7 +119,10 @@ def components_inside(folder: Location) -> tuple[list[Component], list[LeftPart]
     except OSError:
         return [], []
     for child in children:
-        found = model_child(child)
+        try:
+            found = model_child(child)
+        except OSError:  # unreadable: said when it is scanned as an entry of its own
+            continue
         if found is not None and found.format is not None:
             name = _component_name(folder, child)
             components.append(Component(name, child, found.format.name, _role(name)))

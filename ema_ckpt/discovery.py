@@ -354,7 +354,7 @@ def _discover_one(path: Location, scan: _Scan) -> None:
         raise CheckpointNotFoundError(path, reason)
     components, _ = components_inside(path)
     placed_by_name = step_in_name(path.name) is not None or any((path / f.path).exists() for f in STEP_FILES)
-    if components and not export_parts(path) and (placed_by_name or len(components) == 1):
+    if components and not export_parts(path) and placed_by_name:
         scan.root = path.parent  # one checkpoint whose models sit in subfolders (checkpoint-4/unet/)
         before = len(found.checkpoints)
         _scan_entry(path, scan)

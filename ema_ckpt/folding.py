@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 from . import maths, profile_specs
-from .discovery import FoundCheckpoint, discover
+from .discovery import FoundCheckpoint, LeftPart, discover
 from .engine import OutputSpec, Update
 from .errors import IncompatibleCheckpointError, ManifestMismatchError, Note, OptionError, UsageError
 from .formats.base import CheckpointReader
@@ -101,12 +101,13 @@ class AccumulateResult:
 
 def find_new(accumulators: Sequence[Accumulator], checkpoints: Sequence[Location], *, out: Location,
              step_regex: str | None, skip: Sequence[Location], snapshot_every: int | None, notes: list[str],
-             step_from: str | None = None, component: str | None = None) -> None:
+             step_from: str | None = None, component: str | None = None) -> list[LeftPart]:
     """Set each accumulator's new checkpoints (and snapshot steps), from discovery of ``checkpoints``.
 
     A checkpoint is new when it is past the EMA's step and was never folded; a single file the
     trainer has written over since it was folded, with a newer step, is new again (nanoGPT's
-    ``ckpt.pt``). Checkpoints recorded as skipped stay skipped while they are unchanged.
+    ``ckpt.pt``). Checkpoints recorded as skipped stay skipped while they are unchanged. Returns
+    the model-bearing parts of the checkpoints that are not read, each with the reason.
     """
     folded = {as_path(c.path).resolve(): c.step for acc in accumulators if acc.previous is not None
               for c in acc.previous.checkpoints}
@@ -149,6 +150,7 @@ def find_new(accumulators: Sequence[Accumulator], checkpoints: Sequence[Location
             assert isinstance(acc.profile, PowerProfile)
             taken = [s.step for s in snapshots_on_disk if abs(s.gamma - acc.profile.gamma) < 1e-12]
             acc.snapshot_steps = snapshot_steps([c.step for c in acc.new], max(taken, default=None), snapshot_every)
+    return found.left
 
 
 def refuse_rewritten(accumulators: Sequence[Accumulator], found: Sequence[FoundCheckpoint],

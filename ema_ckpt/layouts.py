@@ -16,6 +16,8 @@ model (``docs/formats.md``, "The general model"):
 - **alias** and **export**: copies of a checkpoint's weights (``last.ckpt``, a final pipeline
   folder): never counted twice, never a stepless checkpoint (:data:`ALIAS_NAMES`,
   :data:`EXPORT_MARKERS`).
+- **names**: the wrapper prefixes a trainer's own loader drops (:data:`SAVERS`) and the files
+  beside the weights its loaders read, carried into outputs (:data:`CARRIED_NAMES`).
 
 Example:
     >>> counter_meaning("state.timestamp.batch").counts
@@ -27,7 +29,9 @@ Example:
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 # -- what a counter counts -----------------------------------------------------------------------
 
@@ -316,12 +320,81 @@ EXPORT_NAMES = re.compile(r"^(final|final_model|export|exported|pipeline|best_mo
 """Folder names of a final export beside the checkpoints (a copy of the last step)."""
 
 
+# -- names: wrapper prefixes, files carried -------------------------------------------------
+
+WRAPPER_PREFIXES = ("_orig_mod.", "module.")
+"""Prefixes a wrapper puts on every key (``torch.compile``'s ``_orig_mod.``, DDP's ``module.``)."""
+DDP_PREFIX, COMPILE_PREFIX = "module.", "_orig_mod."
+
+
+@dataclass(frozen=True, slots=True)
+class Saver:
+    """Who wrote a single file, as the file's own top level shows it, and which wrapper prefixes
+    that writer's own loading code takes off the keys (so the names read are the ones it loads).
+
+    ``marks``: alternatives, each a tuple of entries (``state.model``: nested, by ``.``) that
+    must all be in the file; an empty ``marks`` recognises any file. ``drops``: the prefixes its
+    loader takes off every key, in any order. ``deepest``: how many containers deep the state
+    dict may sit for them still to be dropped (0: only a file that is the state dict). ``why``:
+    one clause for ``inspect``, saying whose loader does what.
+    """
+
+    name: str
+    marks: tuple[tuple[str, ...], ...]
+    drops: tuple[str, ...]
+    deepest: int
+    why: str
+
+    def recognises(self, root: Any) -> bool:
+        """Whether ``root`` (a file's unpickled top level) has one of :attr:`marks`."""
+        return not self.marks or any(all(_has(root, entry.split(".")) for entry in alternative)
+                                     for alternative in self.marks)
+
+
+def _has(root: Any, parts: Sequence[str]) -> bool:
+    for part in parts:
+        if not isinstance(root, dict) or part not in root:
+            return False
+        root = root[part]
+    return True
+
+
+SAVERS: tuple[Saver, ...] = (
+    Saver("Lightning", (("pytorch-lightning_version",), ("state_dict", "loops")), (), 0,
+          "a Lightning checkpoint: load_from_checkpoint loads its state_dict with these names "
+          "(an attribute named module keeps its prefix)"),
+    Saver("Composer", (("state.model", "state.timestamp"),), (), 0,
+          "a Composer checkpoint: Composer loads state.model with these names (ComposerModel keeps the "
+          "network as its attribute module; DDP's own prefix is gone before it saves)"),
+    Saver("nanoGPT", (("model_args", "iter_num"),), (COMPILE_PREFIX,), 1,
+          "a nanoGPT-style checkpoint: its sample.py strips torch.compile's _orig_mod."),
+    Saver("a plain training loop", (), (COMPILE_PREFIX, DDP_PREFIX), 1,
+          "a plain training loop's state dict (the file itself, or one container of it): DDP's module. and "
+          "torch.compile's _orig_mod. wrap every key, and loading code strips them"),
+)
+"""Who writes single files, by the file's own top level, first match wins; the last row (any
+file) is a plain training loop's ``torch.save``. A state dict deeper than a row's ``deepest``
+(``{"model": {"state_dict": …}}``, or one chosen by ``state_key`` inside training state) keeps
+its names: no wrapper's loader strips a prefix there."""
+
+
+CARRIED_NAMES = ("config.json", "generation_config.json", "adapter_config.json", "metadata.json", "common.pt",
+                 "meta.pt")
+"""Files beside the weights that trainers' loaders read with them, carried into outputs byte for
+byte: Hugging Face's configs (``from_pretrained``, ``PeftModel.from_pretrained``), megatron-core's
+``metadata.json`` and ``common.pt`` (``dist_checkpointing.load``), Lightning's ``meta.pt`` beside a
+sharded checkpoint."""
+
+
 __all__ = [
     "ACCELERATE",
     "ACCELERATE_OPTIMIZER",
     "ALIAS_NAMES",
+    "CARRIED_NAMES",
+    "COMPILE_PREFIX",
     "COUNTERS",
     "COUNTER_CONTAINERS_SKIPPED",
+    "DDP_PREFIX",
     "EPOCHS",
     "EXPORT_MARKERS",
     "EXPORT_NAMES",
@@ -333,15 +406,18 @@ __all__ = [
     "NOT_COMPONENTS",
     "OPTIMIZER_STEPS",
     "SAMPLES",
+    "SAVERS",
     "SAVES",
     "STEP_FILES",
     "TOKENS",
     "TRAINER_KEPT_EMA",
     "TRAINER_SAVES",
     "TRAINER_STATE",
+    "WRAPPER_PREFIXES",
     "Counter",
     "NameLabel",
     "NestedModel",
+    "Saver",
     "SeenCounter",
     "StepFile",
     "TrainerSave",

@@ -54,6 +54,8 @@ class Manifest:
     terms: list[dict[str, Any]] = field(default_factory=list)
     skipped: list[dict[str, Any]] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    left: list[dict[str, str]] = field(default_factory=list)
+    """Model-bearing parts of the checkpoints not read (``path``, ``why``): a trainer's own EMA, a copy."""
     """What the plan warned about when this output was made (sparse checkpoints, a poor fit)."""
     options: dict[str, Any] = field(default_factory=dict)
     """The options of the run that made it (those that shape the result, not where it ran)."""

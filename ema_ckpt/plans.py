@@ -167,6 +167,8 @@ def plan_posthoc(
     step_regex: str | None = None,
     exclude_paths: Sequence[Location] = (),
     skip: Sequence[str | Location] = (),
+    step_from: str | None = None,
+    component: str | None = None,
 ) -> Plan:
     """Coefficients of each requested power-function EMA at T (the newest step, or ``at_step``).
 
@@ -178,7 +180,8 @@ def plan_posthoc(
     snapshots = find_snapshots(paths)
     if snapshots:
         return plan_from_snapshots(snapshots, targets, at_step)
-    found = discover(paths, step_regex=step_regex, exclude=exclude_paths, skip=skip)
+    found = discover(paths, step_regex=step_regex, step_from=step_from, component=component, exclude=exclude_paths,
+                     skip=skip)
     return Plan("posthoc", found.checkpoints, power_outputs(found.checkpoints, targets, at_step), found.notes)
 
 
@@ -236,6 +239,8 @@ def plan_average(
     step_regex: str | None = None,
     exclude_paths: Sequence[Location] = (),
     skip: Sequence[str | Location] = (),
+    step_from: str | None = None,
+    component: str | None = None,
 ) -> Plan:
     """An average of a selection of checkpoints: uniform (fairseq ``average_checkpoints``,
     LAWA with ``every``), or weighted by a decay schedule (``weights``: WSM, Megatron-LM
@@ -243,7 +248,8 @@ def plan_average(
     if last is None and from_step is None and to_step is None:
         raise UsageError("choose the checkpoints: {last=K}, or {from_step=A} and/or {to_step=B}",
                          mentions=("last", "from_step", "to_step"))
-    found = discover(checkpoint_paths(checkpoints), step_regex=step_regex, exclude=exclude_paths, skip=skip)
+    found = discover(checkpoint_paths(checkpoints), step_regex=step_regex, step_from=step_from, component=component,
+                     exclude=exclude_paths, skip=skip)
     output = average_output("average", found.checkpoints, last=last, from_step=from_step, to_step=to_step,
                             every=every, weights=weights)
     return Plan("average", found.checkpoints, [output], found.notes)

@@ -150,6 +150,8 @@ class StepRecord:
     counts: str = OPTIMIZER_STEPS
     """What the step counts: optimizer steps, or epochs where ``step_from`` asked for them."""
     counters: tuple[SeenCounter, ...] = field(default=(), compare=False)
+    taken: str | None = None
+    """The record path of the counter taken (``step_count``), when the step is one of :attr:`counters`."""
 
 
 class StepUnknown(Exception):
@@ -172,6 +174,8 @@ def _step_file_counters(folder: Location) -> list[tuple[str, list[SeenCounter]]]
     found = []
     for step_file in STEP_FILES:
         path = folder / step_file.path
+        if not path.is_file():  # on object storage: answered by the folder's listing, no request
+            continue
         if step_file.kind == "json":
             doc = _read_json(path)
             counters = counters_in(doc) if isinstance(doc, dict) else []
@@ -242,7 +246,7 @@ _METADATA_CACHE: dict[tuple[str, int, int], dict[str, str]] = {}
 
 def _safetensors_metadata(path: Location) -> dict[str, str]:
     """The ``__metadata__`` of a safetensors file (a folder's first file), remembered by size and mtime."""
-    from .formats.safetensors.header import read_header
+    from .formats.safetensors.header import read_metadata
 
     try:
         file = path if not path.is_dir() else min(
@@ -254,23 +258,25 @@ def _safetensors_metadata(path: Location) -> dict[str, str]:
     key = (str(file), stat.st_size, int(stat.st_mtime_ns))
     if key not in _METADATA_CACHE:
         try:
-            _METADATA_CACHE[key] = dict(read_header(file).metadata)
+            _METADATA_CACHE[key] = read_metadata(file)
         except EmaCkptError:
             _METADATA_CACHE[key] = {}
     return _METADATA_CACHE[key]
 
 
-def _component_counters(found: Resolved) -> list[tuple[str, list[SeenCounter]]]:
-    """(where, counters) of a component's own records: a file's counters, a safetensors header."""
+def _component_counters(found: Resolved, *, headers: bool = True, files: bool = True
+                        ) -> list[tuple[str, list[SeenCounter]]]:
+    """(where, counters) of a component's own records: a file's counters (``files``), a
+    safetensors header's (``headers``)."""
     fmt, model = found.format, found.model.path
     if fmt is None:
         return []
-    if fmt.name == "torch":
+    if fmt.name == "torch" and files:
         local = local_file(model)
         if local is not None and local.is_file() and has_torch_suffix(local):
             counters = list(file_facts(local).counters)
             return [("the file", counters)] if counters else []
-    if fmt.name == "safetensors":
+    if fmt.name == "safetensors" and headers:
         counters = counters_in(_safetensors_metadata(model))
         return [("its safetensors metadata", counters)] if counters else []
     return []
@@ -372,17 +378,18 @@ def step_record(
                 return StepRecord(step, Note(f"{{step_regex}} on the {what}", mentions=("step_regex",)) + where)
     found = given if given is not None and owner == given.path else resolve(owner)
     parts = list(components) or [found]
+    # records read in order, each only when the ones before place nothing: a safetensors header is
+    # a request per file on object storage, a torch file's counters come with its detection
     records = _step_file_counters(owner) if owner.is_dir() else []
-    for part in parts:
-        records += _component_counters(part)
+    records += [r for part in parts for r in _component_counters(part, headers=step_from is not None)]
     if step_from is not None:
         return _named_record(owner, records, parts, step_from)
     seen = _seen(records)
     for where, counters in records:
-        if where == TRAINER_STATE or where in {"train/rank0.pt", ".metadata.json"}:
+        if any(where == f.path for f in STEP_FILES):
             best = best_step(list(counters))
             if best is not None:
-                return StepRecord(best.value, _labelled(where, best), counters=seen)
+                return StepRecord(best.value, _labelled(where, best), counters=seen, taken=best.path)
     for source, part in [(STEP_SOURCES[0], found)] + [(s, p) for p in parts for s in STEP_SOURCES[1:]]:
         try:
             record = source(part)
@@ -391,11 +398,14 @@ def step_record(
         except OSError:
             record = None
         if record is not None:
-            return StepRecord(record.step, record.source, counters=seen)
+            taken = next((c.path for c in seen if c.value == record.step and c.path in str(record.source)), None)
+            return StepRecord(record.step, record.source, counters=seen, taken=taken)
+    records += [r for part in parts for r in _component_counters(part, headers=True, files=False)]
+    seen = _seen(records)
     for where, counters in records:
         best = best_step(list(counters))
         if best is not None:
-            return StepRecord(best.value, _labelled(where, best), counters=seen)
+            return StepRecord(best.value, _labelled(where, best), counters=seen, taken=best.path)
     return _step_from_names(owner, root, found, seen, kind)
 
 
@@ -406,7 +416,8 @@ def _named_record(owner: Location, records: list[tuple[str, list[SeenCounter]]],
         chosen = counter_named(counters, step_from)
         if chosen is not None:
             return StepRecord(chosen.value, Note(f"{chosen.path} in {where} ({{step_from}})",
-                                                 mentions=("step_from",)), chosen.counts, _seen(records))
+                                                 mentions=("step_from",)), chosen.counts, _seen(records),
+                              chosen.path)
     for part in parts:
         record = _format_step(part) if part.format is not None else None
         if record is not None and step_from.lower() in record.source.lower():

@@ -177,7 +177,8 @@ def test_an_entry_like_the_others_without_a_step_fails_the_run(tmp_path):
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(st.lists(st.sampled_from(["step", "nameless", "other-keys", "alias", "notes"]), min_size=1, max_size=6))
+@given(st.lists(st.sampled_from(["step", "nameless", "other-keys", "alias", "export", "notes"]), min_size=1,
+                max_size=6))
 def test_every_model_bearing_entry_is_placed_or_the_run_fails(tmp_path_factory, kinds):
     folder = tmp_path_factory.mktemp("seq")
     save_file(_weights(0), str(folder / "step_1.safetensors"))
@@ -191,6 +192,9 @@ def test_every_model_bearing_entry_is_placed_or_the_run_fails(tmp_path_factory, 
             save_file({"other": torch.zeros(1)}, str(folder / f"other-{chr(97 + i)}.safetensors"))
         elif kind == "alias":
             shutil.copy(folder / "step_1.safetensors", folder / "last.safetensors")
+        elif kind == "export":  # a final copy beside the checkpoints, with no step of its own
+            (folder / "final").mkdir(exist_ok=True)
+            save_file(_weights(5), str(folder / "final" / "model.safetensors"))
         else:
             (folder / f"notes-{i}.txt").write_text("x")
     try:
@@ -199,13 +203,14 @@ def test_every_model_bearing_entry_is_placed_or_the_run_fails(tmp_path_factory, 
         assert "nameless" in kinds and "weights-" in str(refused)
         return
     assert "nameless" not in kinds
-    model_files = {p.name for p in folder.glob("*.safetensors")}
+    model_files = {p.name for p in folder.glob("*.safetensors")} | ({"final"} if "export" in kinds else set())
     said = {e.path.name for e in found.entries}
     assert model_files <= said  # every model-bearing entry is taken or left with a reason
     taken = {c.path.name for c in found.checkpoints}
     for entry in found.entries:
         if entry.path.name in model_files and entry.path.name not in taken:
-            assert entry.why and (entry.path.name == "last.safetensors" or entry.path.name.startswith("other-"))
+            assert entry.why and (entry.path.name in ("last.safetensors", "final") or entry.path.name.startswith(
+                "other-"))
 
 
 # -- components -------------------------------------------------------------------------------

@@ -88,3 +88,6 @@ SkipDamagedOpt = Annotated[
     bool, typer.Option("--skip-damaged",
                        help="Skip (and record) a truncated or corrupt checkpoint (bytes that do not match "
                             "their CRC-32) instead of failing.")]
+KeepPrefixOpt = Annotated[bool, typer.Option(
+    "--keep-prefix", help="Keep every key's prefix: a DCP {'model': ...} container level ('model.') and a "
+                          "wrapper's (DDP's 'module.') that the trainer's own loader would drop.")]

@@ -23,6 +23,7 @@ from ._options import (
     IncludeOpt,
     InertGlobalOpt,
     JsonOpt,
+    KeepPrefixOpt,
     PerCheckpointOpt,
     QuietOpt,
     SkipDamagedOpt,
@@ -97,6 +98,7 @@ def accumulate_command(
     step_regex: StepRegexOpt = None,
     step_from: StepFromOpt = None,
     component: ComponentOpt = None,
+    keep_prefix: KeepPrefixOpt = False,
     restart: Annotated[
         bool, typer.Option("--restart", help="Start over if the EMA at --out has other settings.")
     ] = False,
@@ -124,7 +126,7 @@ def accumulate_command(
             checkpoints, decay=decay, half_life=half_life, per_checkpoint=per_checkpoint, warmup=warmup,
             sigma_rels=sigma_rel or (), gammas=gamma or (), snapshot_every=snapshot_every,
             out=out, dtype=dtype, include=include or (), exclude=exclude or (), step_regex=step_regex,
-            step_from=step_from, component=component,
+            step_from=step_from, component=component, keep_prefix=keep_prefix,
             restart=restart, wait_seconds=wait, dry_run=dry_run, allow_new_keys=allow_new_keys,
             average_buffers=average_buffers,
             skip_nonfinite=skip_nonfinite, skip_damaged=skip_damaged, skip=skip or (), state_key=state_key,

@@ -12,7 +12,7 @@ from rich.table import Table
 from ..storage import as_path
 from ._errors import reports_errors
 from ._flags import cli_text
-from ._options import InertGlobalOpt, JsonOpt, StateKeyOpt, StepFromOpt
+from ._options import InertGlobalOpt, JsonOpt, KeepPrefixOpt, StateKeyOpt, StepFromOpt
 from ._output import console, exact_bytes, human_bytes, print_json, shown
 from ._tables import Name, name_table, summary_grid
 
@@ -104,6 +104,8 @@ def _said_already(report: InspectResult, name: str, value: Any) -> bool:
         "format": report.format_name, "step": report.step, "global_step": report.step,
         "tensors": report.key_count, "keys": report.key_count, "dtypes": report.dtypes, "file": report.path.name,
     }
+    if name in ("step", "global_step"):
+        return True  # the summary's step row, with the record it came from (counters: every other)
     if name in core:
         return bool(value == core[name])
     if name == "indexed":
@@ -168,6 +170,7 @@ def inspect_command(
     ] = False,
     state_key: StateKeyOpt = None,
     step_from: StepFromOpt = None,
+    keep_prefix: KeepPrefixOpt = False,
     inert_global: InertGlobalOpt = None,
     workers: InspectWorkersOpt = 1,
 ) -> None:
@@ -176,13 +179,15 @@ def inspect_command(
     from ..commands.inspect import inspect_checkpoint, inspect_folder, is_folder_of_checkpoints
 
     if is_folder_of_checkpoints(path):
-        folder = inspect_folder(path, state_key=state_key, step_from=step_from, inert_globals=inert_global or ())
+        folder = inspect_folder(path, state_key=state_key, step_from=step_from, inert_globals=inert_global or (),
+                                keep_prefix=keep_prefix)
         if json_output:
             print_json(folder.to_dict())
         elif not quiet:
             render_folder(folder, all_rows=all_keys)
         return
-    report = inspect_checkpoint(path, state_key=state_key, step_from=step_from, inert_globals=inert_global or ())
+    report = inspect_checkpoint(path, state_key=state_key, step_from=step_from, inert_globals=inert_global or (),
+                                keep_prefix=keep_prefix)
     if json_output:
         print_json(report.to_dict(streamed=True))
         return

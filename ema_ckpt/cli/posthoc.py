@@ -16,6 +16,7 @@ from ._errors import reports_errors
 from ._flags import cli_text
 from ._options import (
     AverageBuffersOpt,
+    ComponentOpt,
     DeviceOpt,
     DryRunOpt,
     DtypeOpt,
@@ -23,10 +24,12 @@ from ._options import (
     IncludeOpt,
     InertGlobalOpt,
     JsonOpt,
+    KeepPrefixOpt,
     OverwriteOpt,
     QuietOpt,
     SkipOpt,
     StateKeyOpt,
+    StepFromOpt,
     StepRegexOpt,
     WaitOpt,
     WorkersOpt,
@@ -77,8 +80,6 @@ WeightsOpt = Annotated[str | None, typer.Option(
     "--weights", metavar="SCHEDULE",
     help="uniform, linear, minus-sqrt, cosine, or a CSV of step,learning_rate (a decay schedule as merge "
          "weights, WSM).")]
-KeepPrefixOpt = Annotated[bool, typer.Option(
-    "--keep-prefix", help="safetensors: keep the container level of a DCP {'model': ...} checkpoint ('model.').")]
 
 
 def _format_line(plan: Plan, out: str | Path | None) -> str:
@@ -151,6 +152,8 @@ def posthoc_command(
     include: IncludeOpt = None,
     exclude: ExcludeOpt = None,
     step_regex: StepRegexOpt = None,
+    step_from: StepFromOpt = None,
+    component: ComponentOpt = None,
     skip: SkipOpt = None,
     state_key: StateKeyOpt = None,
     inert_global: InertGlobalOpt = None,
@@ -172,7 +175,8 @@ def posthoc_command(
                          at_step=at_step, dry_run=dry_run, dtype=dtype, format=out_format,
                          keep_prefix=keep_prefix, average_buffers=average_buffers, include=include or (),
                          workers=workers, device=device,
-                         exclude=exclude or (), step_regex=step_regex, skip=skip or (), state_key=state_key,
+                         exclude=exclude or (), step_regex=step_regex, step_from=step_from, component=component,
+                         skip=skip or (), state_key=state_key,
                          inert_globals=inert_global or (), overwrite=overwrite,
                          wait_seconds=wait, on_progress=on_progress)
     _finish(result, json_output, quiet, out)
@@ -195,6 +199,8 @@ def average_command(
     include: IncludeOpt = None,
     exclude: ExcludeOpt = None,
     step_regex: StepRegexOpt = None,
+    step_from: StepFromOpt = None,
+    component: ComponentOpt = None,
     skip: SkipOpt = None,
     state_key: StateKeyOpt = None,
     inert_global: InertGlobalOpt = None,
@@ -216,7 +222,8 @@ def average_command(
                          to_step=to_step, every=every, weights=weights, dry_run=dry_run, dtype=dtype, format=out_format,
                          keep_prefix=keep_prefix, average_buffers=average_buffers, include=include or (),
                          workers=workers, device=device,
-                         exclude=exclude or (), step_regex=step_regex, skip=skip or (), state_key=state_key,
+                         exclude=exclude or (), step_regex=step_regex, step_from=step_from, component=component,
+                         skip=skip or (), state_key=state_key,
                          inert_globals=inert_global or (), overwrite=overwrite,
                          wait_seconds=wait, on_progress=on_progress)
     _finish(result, json_output, quiet, out)

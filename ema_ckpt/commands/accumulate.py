@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import cast
 
-from ..discovery import FoundCheckpoint, checkpoint_paths
+from ..discovery import FoundCheckpoint, LeftPart, checkpoint_paths
 from ..dtypes import ACCUMULATE_DTYPES, torch_dtype
 from ..engine import check_device
 from ..errors import (
@@ -99,6 +99,7 @@ class AccumulateOptions:
     step_regex: str | None = None
     step_from: str | None = None
     component: str | None = None
+    keep_prefix: bool = False
     restart: bool = False
     allow_new_keys: bool = False
     average_buffers: bool = False
@@ -168,6 +169,7 @@ def accumulate(
     step_regex: str | None = None,
     step_from: str | None = None,
     component: str | None = None,
+    keep_prefix: bool = False,
     restart: bool = False,
     wait_seconds: float = 0.0,
     dry_run: bool = False,
@@ -200,6 +202,8 @@ def accumulate(
             a dotted path into a file: ``state.timestamp.batch``; ``epoch`` to count epochs).
         component: the model read inside checkpoints that hold several (``unet``,
             ``model_1``); by default each trained one, its EMA in ``OUT/<component>``.
+        keep_prefix: keep every key's prefix, even a wrapper's (DDP's ``module.``) that the
+            trainer's own loader drops; recorded, so an EMA never changes names.
         restart: discard an existing EMA made with other settings and start over.
         wait_seconds: how long to wait for another run holding the output's lock.
         dry_run: plan only; read no tensor and write nothing (``result.plan``).
@@ -234,7 +238,8 @@ def accumulate(
         tuple(as_path(p) for p in paths), out=output_location(out) if out is not None else None, decay=decay,
         half_life=half_life, per_checkpoint=per_checkpoint, warmup=warmup, sigma_rels=tuple(sigma_rels),
         gammas=tuple(gammas), snapshot_every=snapshot_every, dtype=dtype, include=tuple(include),
-        exclude=tuple(exclude), step_regex=step_regex, step_from=step_from, component=component, restart=restart,
+        exclude=tuple(exclude), step_regex=step_regex, step_from=step_from, component=component,
+        keep_prefix=keep_prefix, restart=restart,
         allow_new_keys=allow_new_keys, average_buffers=average_buffers, skip_nonfinite=skip_nonfinite,
         skip_damaged=skip_damaged, skip=tuple(as_path(p) for p in skip),
         state_key=state_key, inert_globals=tuple(inert_globals), dry_run=dry_run, wait_seconds=wait_seconds,
@@ -259,6 +264,8 @@ class FoldPlan:
     notes: list[str] = field(default_factory=list)
     skipped: list[tuple[FoundCheckpoint, str]] = field(default_factory=list)
     """(checkpoint, reason) left out during this run, recorded in the manifests."""
+    left: list[LeftPart] = field(default_factory=list)
+    """Model-bearing parts of the checkpoints not read, with the reason: recorded in the manifests."""
 
     def targets(self, out: Location) -> list[tuple[Accumulator, Location, int]]:
         """(accumulator, final path, step) of every output: snapshots first, then the EMAs.
@@ -315,10 +322,10 @@ class AccumulateJob(Job[FoldPlan, _Folded, AccumulateResult]):
             for leftover in snapshots.iterdir():
                 if leftover.name.startswith(".") and ".tmp-" in leftover.name:
                     shutil.rmtree(leftover, ignore_errors=True)
-        self._find_new(accumulators, notes)
+        left = self._find_new(accumulators, notes)
         if not opts.dry_run:
             refuse_damaged_emas(accumulators)
-        plan = FoldPlan(accumulators, fold_plan(accumulators), notes)
+        plan = FoldPlan(accumulators, fold_plan(accumulators), notes, left=left)
         if opts.dry_run and any(acc.new for acc in accumulators):
             active, sources, checkpoints = fold_inputs(accumulators)
             with contextlib.ExitStack() as readers_stack:
@@ -329,9 +336,9 @@ class AccumulateJob(Job[FoldPlan, _Folded, AccumulateResult]):
             raise CheckpointNotFoundError(out_path, "nothing to fold")
         return plan
 
-    def _find_new(self, accumulators: list[Accumulator], notes: list[str]) -> None:
+    def _find_new(self, accumulators: list[Accumulator], notes: list[str]) -> list[LeftPart]:
         opts = self.options
-        find_new(accumulators, opts.checkpoints, out=opts.out_path, step_regex=opts.step_regex, skip=opts.skip,
+        return find_new(accumulators, opts.checkpoints, out=opts.out_path, step_regex=opts.step_regex, skip=opts.skip,
                  snapshot_every=opts.snapshot_every, notes=notes, step_from=opts.step_from, component=opts.component)
 
     def targets(self, plan: FoldPlan) -> list[Target]:
@@ -383,6 +390,7 @@ class AccumulateJob(Job[FoldPlan, _Folded, AccumulateResult]):
                 files={f.name: {"size": f.size, "crc32": f.crc32} for f in files},
                 skipped=(acc.previous.skipped if acc.previous else []) + skip_records(plan.skipped),
                 warnings=[w for o in plan.plan.outputs if o.name == acc.name for w in o.warnings],
+                left=[part.to_json() for part in plan.left],
                 options=recorded_options(opts),
             ))
         return manifests
@@ -427,7 +435,7 @@ class AccumulateJob(Job[FoldPlan, _Folded, AccumulateResult]):
             raise CheckpointFormatError(opts.out_path, "every checkpoint was skipped: no EMA was written ("
                                         + "; ".join(f"{c.path}: {r}" for c, r in skipped) + ")")
         notes = [*plan.notes, f"skipped {bad.path} (step {bad.step}): " + reason]
-        return FoldPlan(accumulators, fold_plan(accumulators), notes, skipped)
+        return FoldPlan(accumulators, fold_plan(accumulators), notes, skipped, plan.left)
 
     def result(self, plan: FoldPlan, computed: _Folded | None, seconds: float) -> AccumulateResult:
         accumulators = plan.accumulators

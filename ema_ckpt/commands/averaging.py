@@ -46,6 +46,8 @@ class PosthocOptions:
     gammas: tuple[str, ...] = ()
     at_step: int | None = None
     step_regex: str | None = None
+    step_from: str | None = None
+    component: str | None = None
     skip: tuple[Location, ...] = ()
     dtype: str = "float32"
     format: str | None = None
@@ -72,7 +74,8 @@ class PosthocOptions:
 
     def make_plan(self) -> Plan:
         return plan_posthoc(self.checkpoints, sigma_rels=self.sigma_rels, gammas=self.gammas, at_step=self.at_step,
-                            step_regex=self.step_regex, exclude_paths=[self.out], skip=self.skip)
+                            step_regex=self.step_regex, exclude_paths=[self.out], skip=self.skip,
+                            step_from=self.step_from, component=self.component)
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +90,8 @@ class AverageOptions:
     every: int | None = None
     weights: str | None = None
     step_regex: str | None = None
+    step_from: str | None = None
+    component: str | None = None
     skip: tuple[Location, ...] = ()
     dtype: str = "float32"
     format: str | None = None
@@ -116,7 +121,8 @@ class AverageOptions:
     def make_plan(self) -> Plan:
         return plan_average(self.checkpoints, last=self.last, from_step=self.from_step, to_step=self.to_step,
                             every=self.every, weights=self.weights, step_regex=self.step_regex,
-                            exclude_paths=[self.out], skip=self.skip)
+                            exclude_paths=[self.out], skip=self.skip, step_from=self.step_from,
+                            component=self.component)
 
 
 def check_run_fields(options: Any) -> None:
@@ -170,9 +176,10 @@ def posthoc(
         on_progress: called after each region.
         **options: the fields of :class:`PosthocOptions`: ``sigma_rels``, ``gammas`` (the
             profiles as typed: ``"0.05"``, ``"0.05:0.2:0.05"``), ``at_step`` (T, default the
-            newest checkpoint), ``step_regex``, ``skip``, ``dtype``, ``format`` (``dcp`` or
-            ``safetensors``; default: safetensors for safetensors inputs, else dcp), ``keep_prefix``
-            (safetensors: keep the ``model.`` of a DCP ``{"model": …}`` save), ``include``,
+            newest checkpoint), ``step_regex``, ``step_from``, ``component``, ``skip``, ``dtype``,
+            ``format`` (``dcp`` or ``safetensors``; default: safetensors for safetensors inputs, else
+            dcp), ``keep_prefix`` (keep the ``model.`` of a DCP ``{"model": …}`` save and a wrapper's
+            prefix), ``include``,
             ``exclude``, ``state_key`` and ``inert_globals`` (single-file checkpoints: as for
             :func:`~ema_ckpt.accumulate`), ``overwrite``, ``wait_seconds``, ``workers``, ``device``.
 

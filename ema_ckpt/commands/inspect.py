@@ -128,7 +128,8 @@ def is_folder_of_checkpoints(path: str | Location) -> bool:
 
 
 def inspect_folder(path: str | Location, *, step_regex: str | None = None, step_from: str | None = None,
-                   state_key: str | None = None, inert_globals: Sequence[str] = ()) -> FolderInspection:
+                   state_key: str | None = None, inert_globals: Sequence[str] = (),
+                   keep_prefix: bool = False) -> FolderInspection:
     """Every entry of a folder of checkpoints, and why each was taken (with its step) or left.
 
     The same scan the averaging commands make; no tensor is read (only two copies of one
@@ -139,7 +140,7 @@ def inspect_folder(path: str | Location, *, step_regex: str | None = None, step_
         [('epoch=0-step=2.ckpt', True), ('last.ckpt', False)]
     """
     path = as_path(path)
-    with reading(ReadOptions(state_key, tuple(inert_globals))):
+    with reading(ReadOptions(state_key, tuple(inert_globals), keep_prefix)):
         found = discover([path], step_regex=step_regex, step_from=step_from, all_components=True, require=False)
     entries = sorted(found.entries, key=lambda e: str(e.path))
     notes = [n for n in found.notes if not any(str(n).startswith(f"skipped {e.path}:") for e in entries)]
@@ -147,7 +148,7 @@ def inspect_folder(path: str | Location, *, step_regex: str | None = None, step_
 
 
 def inspect_checkpoint(path: str | Location, *, state_key: str | None = None, step_from: str | None = None,
-                       inert_globals: Sequence[str] = ()) -> InspectResult:
+                       inert_globals: Sequence[str] = (), keep_prefix: bool = False) -> InspectResult:
     """Describe the checkpoint at ``path``: format, step, keys, dtypes, bytes, layout.
 
     Metadata only: no tensor is read. ``state_key``, ``inert_globals``: for a single-file
@@ -160,7 +161,8 @@ def inspect_checkpoint(path: str | Location, *, state_key: str | None = None, st
     """
     found = resolve(path)  # found, located and detected once, then passed on
     path, location = found.path, found.model
-    with reading(ReadOptions(state_key, tuple(inert_globals))), contextlib.closing(open_checkpoint(found)) as reader:
+    options = ReadOptions(state_key, tuple(inert_globals), keep_prefix)
+    with reading(options), contextlib.closing(open_checkpoint(found)) as reader:
         tensors = [  # from the stored shapes and dtype names: for most formats, without importing torch
             TensorInfo(k, shape, dtype, math.prod(shape) * itemsize(dtype), len(reader.layout(k)))
             for k, (shape, dtype) in reader.stored().items()
@@ -180,8 +182,7 @@ def inspect_checkpoint(path: str | Location, *, state_key: str | None = None, st
             step = record.step if record is not None else None
             if record is not None:
                 source = record.source
-                counters = [{**c, "taken": str(c["record"]) in str(Note.of(record.source))}
-                            for c in describe_counters(record.counters)]
+                counters = [{**c, "taken": c["record"] == record.taken} for c in describe_counters(record.counters)]
         notes = _ignored_weights(path, reader.format_name)
         notes += [f"{other}/ ignored: only the first model is read (pass {path / other} to read it)"
                   for other in location.others]

@@ -22,7 +22,7 @@ from typing import IO, TYPE_CHECKING, Any, ClassVar, Protocol
 
 from ..dtypes import name_of
 from ..layout import Box, TensorSpec
-from ..layouts import TRAINER_STATE
+from ..layouts import CARRIED_NAMES, TRAINER_STATE
 from ..storage import Location, Readable, as_path, open_readable
 
 if TYPE_CHECKING:
@@ -58,8 +58,7 @@ TRAINER_STATE_FILE = "trainer-state.pkl"
 SAFETENSORS_METADATA_FILE = "safetensors-metadata.json"
 """A safetensors input's header ``__metadata__`` (kohya's ``ss_*``, ``modelspec.*``), as a JSON
 object of strings, carried through an EMA into the safetensors files made from it."""
-CARRIED_FILES = ("config.json", "generation_config.json", "adapter_config.json", "metadata.json", "common.pt",
-                 "meta.pt", TRAINER_STATE_FILE, SAFETENSORS_METADATA_FILE)
+CARRIED_FILES = (*CARRIED_NAMES, TRAINER_STATE_FILE, SAFETENSORS_METADATA_FILE)
 """Files beside the weights that loaders read with them: Hugging Face's configs (``from_pretrained``,
 ``PeftModel.from_pretrained``), megatron-core's ``metadata.json`` and ``common.pt``
 (``dist_checkpointing.load``), Lightning's ``meta.pt`` beside a sharded checkpoint, a single

@@ -33,7 +33,7 @@ from ...layout import TensorSpec
 from ...storage import Location, Readable, close_readable, open_structure, pread, readable_size
 from ..base import StoredView
 
-__all__ = ["FileHeader", "dtypes", "read_header", "sorted_specs"]
+__all__ = ["FileHeader", "dtypes", "read_header", "read_metadata", "sorted_specs"]
 
 _MAX_HEADER = 100_000_000  # the limit safetensors itself enforces
 
@@ -196,6 +196,29 @@ def _opened(file: Location) -> Iterator[Readable]:
         yield handle
     finally:
         close_readable(handle)
+
+
+def read_metadata(file: Location) -> dict[str, str]:
+    """The header's ``__metadata__`` of one ``.safetensors`` file, and nothing else: the header's
+    JSON read, its tensors not checked and torch not imported (discovery reads step records
+    there, from every file of a folder, on every run).
+
+    Raises:
+        CheckpointFormatError: a header that is cut, too long, not JSON, or whose metadata is not
+            a string-to-string map.
+    """
+    with _opened(file) as f:
+        size = readable_size(f)
+        head = pread(f, 8, 0)
+        length = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
+        if not 0 < length <= min(_MAX_HEADER, size - 8):
+            raise CheckpointFormatError(file, "not a safetensors file (its header length does not fit)")
+        raw = pread(f, length, 8)
+    try:
+        doc = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as err:
+        raise CheckpointFormatError(file, f"header is not JSON ({err})") from None
+    return _checked_metadata(file, doc.get("__metadata__") if isinstance(doc, dict) else None)
 
 
 def _checked_metadata(file: Location, metadata: Any) -> dict[str, str]:

@@ -18,7 +18,7 @@ A whole pickled ``torch.nn.Module`` stands for the state dict it would give
 **The names.** A wrapper's prefix on every key (``module.`` of DDP, ``_orig_mod.`` of
 ``torch.compile``) is found by :func:`wrapper_prefix`, and dropped only where the framework
 that wrote the file drops it when it loads the file (:func:`key_prefix`, by the table
-:data:`SAVERS`): a plain training loop's state dict loses DDP's ``module.`` and ``_orig_mod.``;
+:data:`~ema_ckpt.layouts.SAVERS`): a plain training loop's state dict loses DDP's ``module.`` and ``_orig_mod.``;
 a Lightning or Composer checkpoint keeps its names (``module`` there is the user's attribute).
 
 **The step.** :func:`step_in_tree`: ``global_step``, ``step``, ``iteration``, ``iter_num``,
@@ -40,7 +40,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ...layouts import EPOCHS, best_step, counters_in
+from ...layouts import EPOCHS, SAVERS, WRAPPER_PREFIXES, Saver, best_step, counters_in
 from ...torch_records.tree import Opaque, is_module, module_state_dict
 
 MODEL_CONTAINERS = ("state_dict", "model", "module", "model_state_dict", "model_state", "net", "network",
@@ -55,9 +55,6 @@ NON_MODEL = re.compile(
     re.IGNORECASE,
 )
 """Names under which training state sits, never a model: never searched unless asked by name."""
-WRAPPER_PREFIXES = ("_orig_mod.", "module.")
-"""Prefixes a wrapper puts on every key (``torch.compile``'s ``_orig_mod.``, DDP's ``module.``)."""
-DDP_PREFIX, COMPILE_PREFIX = "module.", "_orig_mod."
 _EXTRA_STATE = "_extra_state"
 _MAX_DEPTH = 6
 
@@ -239,57 +236,6 @@ def wrapper_prefix(names: Sequence[str], prefixes: Sequence[str] = WRAPPER_PREFI
         if step is None:
             return prefix or None
         prefix += step
-
-
-@dataclass(frozen=True, slots=True)
-class Saver:
-    """Who wrote a single file, as the file's own top level shows it, and which wrapper prefixes
-    that writer's own loading code takes off the keys (so the names read are the ones it loads).
-
-    ``marks``: alternatives, each a tuple of entries (``state.model``: nested, by ``.``) that
-    must all be in the file; an empty ``marks`` recognises any file. ``drops``: the prefixes its
-    loader takes off every key, in any order. ``deepest``: how many containers deep the state
-    dict may sit for them still to be dropped (0: only a file that is the state dict). ``why``:
-    one clause for ``inspect``, saying whose loader does what.
-    """
-
-    name: str
-    marks: tuple[tuple[str, ...], ...]
-    drops: tuple[str, ...]
-    deepest: int
-    why: str
-
-    def recognises(self, root: Any) -> bool:
-        """Whether ``root`` (a file's unpickled top level) has one of :attr:`marks`."""
-        return not self.marks or any(all(_has(root, entry.split(".")) for entry in alternative)
-                                     for alternative in self.marks)
-
-
-def _has(root: Any, parts: Sequence[str]) -> bool:
-    for part in parts:
-        if not isinstance(root, dict) or part not in root:
-            return False
-        root = root[part]
-    return True
-
-
-SAVERS: tuple[Saver, ...] = (
-    Saver("Lightning", (("pytorch-lightning_version",), ("state_dict", "loops")), (), 0,
-          "a Lightning checkpoint: load_from_checkpoint loads its state_dict with these names "
-          "(an attribute named module keeps its prefix)"),
-    Saver("Composer", (("state.model", "state.timestamp"),), (), 0,
-          "a Composer checkpoint: Composer loads state.model with these names (ComposerModel keeps the "
-          "network as its attribute module; DDP's own prefix is gone before it saves)"),
-    Saver("nanoGPT", (("model_args", "iter_num"),), (COMPILE_PREFIX,), 1,
-          "a nanoGPT-style checkpoint: its sample.py strips torch.compile's _orig_mod."),
-    Saver("a plain training loop", (), (COMPILE_PREFIX, DDP_PREFIX), 1,
-          "a plain training loop's state dict (the file itself, or one container of it): DDP's module. and "
-          "torch.compile's _orig_mod. wrap every key, and loading code strips them"),
-)
-"""Who writes single files, by the file's own top level, first match wins; the last row (any
-file) is a plain training loop's ``torch.save``. A state dict deeper than a row's ``deepest``
-(``{"model": {"state_dict": …}}``, or one chosen by ``state_key`` inside training state) keeps
-its names: no wrapper's loader strips a prefix there."""
 
 
 @dataclass(frozen=True, slots=True)
