@@ -161,12 +161,26 @@ def _remove(path: Path) -> None:
 
 def ema_step(out: str | Location) -> int | None:
     """The step the EMA at ``out`` holds (None: no EMA yet)."""
-    manifest = Manifest.read(as_path(out), check=False)
-    return None if manifest is None else manifest.step
+    out = as_path(out)
+    manifest = Manifest.read(out, check=False)
+    if manifest is not None:
+        return manifest.step
+    # one EMA per component (or per power profile), each in a folder of OUT: the oldest of them
+    manifests = [Manifest.read(d, check=False) for d in _folders(out)]
+    steps = [m.step for m in manifests if m is not None and m.kind == "ema"]
+    return min(steps) if steps else None
+
+
+def _folders(out: Location) -> list[Location]:
+    try:
+        return [d for d in out.iterdir() if d.is_dir() and not d.name.startswith(".")] if out.is_dir() else []
+    except OSError:
+        return []
 
 
 def stage_new(folder: str | os.PathLike[str] | Location, *, after: int | Callable[[], int | None] | None = None,
-              step_regex: str | None = None, incoming: str | os.PathLike[str] | None = None,
+              step_regex: str | None = None, step_from: str | None = None,
+              incoming: str | os.PathLike[str] | None = None,
               ignore: Sequence[str | os.PathLike[str] | Location] = (),
               on_failure: Callable[[Location, OSError], None] | None = None) -> list[Path]:
     """Stage every complete checkpoint of ``folder`` newer than step ``after`` not staged yet,
@@ -185,23 +199,24 @@ def stage_new(folder: str | os.PathLike[str] | Location, *, after: int | Callabl
             raise UsageError(f"{source} is in object storage: pass incoming=, a local folder to stage in")
         incoming = incoming_dir(local)
     into = Path(incoming)
-    found = _discover_settled(source, step_regex)
+    found = _discover_settled(source, step_regex, step_from)
     left_out = {str(as_path(path)) for path in ignore}
     staged = []
     failed: OSError | None = None
     for checkpoint in found.checkpoints:
-        if (into / checkpoint.path.name).exists() or str(checkpoint.path) in left_out:
+        entry = checkpoint.entry  # the whole checkpoint (its components, its step records), never one file of it
+        if (into / entry.name).exists() or str(entry) in left_out:
             continue
         newest = after() if callable(after) else after  # after the look: a fold removes its copies last
         if newest is not None and checkpoint.step <= newest:
             continue
         try:
-            staged.append(stage(checkpoint.path, into))
+            staged.append(stage(entry, into))
         except FileNotFoundError:  # gone before all of it could be staged
             continue
         except OSError as err:
             if on_failure is not None:
-                on_failure(checkpoint.path, err)
+                on_failure(entry, err)
             elif failed is None:
                 failed = err
     if failed is not None:
@@ -209,24 +224,25 @@ def stage_new(folder: str | os.PathLike[str] | Location, *, after: int | Callabl
     return staged
 
 
-def _discover_settled(folder: Location, step_regex: str | None, attempts: int = 3) -> Discovery:
+def _discover_settled(folder: Location, step_regex: str | None, step_from: str | None = None,
+                      attempts: int = 3) -> Discovery:
     """:func:`~ema_ckpt.discovery.discover` of ``folder``, looked at again (from a new listing)
     when a checkpoint went as it was read: retention deleting one must not hide the others."""
     for _ in range(attempts - 1):
         try:
-            return discover([folder], step_regex=step_regex, require=False)
+            return discover([folder], step_regex=step_regex, step_from=step_from, all_components=True, require=False)
         except CheckpointNotFoundError:
             raise
         except EmaCkptError:
             continue
-    return discover([folder], step_regex=step_regex, require=False)
+    return discover([folder], step_regex=step_regex, step_from=step_from, all_components=True, require=False)
 
 
 def _drop_folded(incoming: Path, step: int, step_regex: str | None) -> None:
     """Remove the staged checkpoints that the EMA (at ``step``) holds."""
     if not incoming.is_dir():
         return
-    found = discover([incoming], step_regex=step_regex, require=False)
+    found = discover([incoming], step_regex=step_regex, all_components=True, require=False)
     for entry in found.entries:  # every entry with a step: a copy of a folded one left out counts too
         if entry.step is not None and entry.step <= step:
             _remove(Path(str(entry.path)))
@@ -313,7 +329,7 @@ def watch(
     target = as_path(out) if out is not None else folder / "ema"
     stop = stop or threading.Event()
     result = WatchResult(out=target, step=ema_step(target))
-    step_regex = accumulate_options.get("step_regex")
+    step_regex, step_from = accumulate_options.get("step_regex"), accumulate_options.get("step_from")
     local = local_file(folder)
     # object storage: each checkpoint is downloaded into a temporary folder, removed at the end
     incoming = incoming_dir(local) if local is not None else Path(tempfile.mkdtemp(prefix="ema-ckpt-incoming-"))
@@ -326,8 +342,8 @@ def watch(
 
     def scan() -> int:
         try:
-            staged = stage_new(folder, after=lambda: result.step, step_regex=step_regex, incoming=incoming,
-                               ignore=ignore, on_failure=not_staged)
+            staged = stage_new(folder, after=lambda: result.step, step_regex=step_regex, step_from=step_from,
+                               incoming=incoming, ignore=ignore, on_failure=not_staged)
         except CheckpointNotFoundError:
             return 0
         result.staged += len(staged)

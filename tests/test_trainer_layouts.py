@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
+import ema_ckpt
 from ema_ckpt.cli import app
 from ema_ckpt.discovery import discover
 from ema_ckpt.errors import CheckpointNotFoundError, UnplacedCheckpointError
@@ -295,7 +296,7 @@ def test_diffusers_text_to_image_with_ema_needs_no_flag_and_loads_with_from_pret
     out = tmp_path / "ema" / "unet"
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "diffusion_pytorch_model.safetensors",
                                                      "ema-ckpt.json"]
-    model, info = UNet2DConditionModel.from_pretrained(out, output_loading_info=True)
+    _model, info = UNet2DConditionModel.from_pretrained(out, output_loading_info=True)
     assert not any(info.values()), info  # strict: nothing missing, unexpected or mismatched
     _assert_ema_of(load_file(out / "diffusion_pytorch_model.safetensors"), "diffusers-t2i-ema")
     # The trainer's own EMA, when chosen, is averaged like any component.
@@ -341,7 +342,7 @@ RECORD_SETS = {
 def _distinct(name: str) -> list[dict]:
     """The set's checkpoints an EMA folds: one per optimizer step (copies and exports count once)."""
     by_step = {}
-    for rel, info in sorted(_producer(name)["checkpoints"].items()):
+    for _rel, info in sorted(_producer(name)["checkpoints"].items()):
         if info.get("optimizer_step") is not None and info.get("oracle"):
             by_step.setdefault(info["optimizer_step"], info)
     return [by_step[s] for s in sorted(by_step)]
@@ -371,3 +372,15 @@ def test_mmengine_checkpoints_are_refused_out_loud(tmp_path):
     assert result.exit_code == 3, result.output
     assert "builtins.getattr" in result.output and "Traceback" not in result.output
     assert not (tmp_path / "ema").exists()
+
+
+def test_watch_stages_whole_checkpoints_of_components_and_equals_accumulate(tmp_path):
+    """watch stages each checkpoint folder whole (its unet/, its step records), never a component
+    file alone, and writes the bytes accumulate writes."""
+    live = tmp_path / "out"
+    shutil.copytree(FIXTURES / "diffusers-t2i-ema" / "ckpts", live)
+    done = ema_ckpt.watch(live, decay=0.8, out=tmp_path / "watched", stop_when_idle=0.5, interval=0.2)
+    assert done.step == 8 and not done.errors, done
+    _accumulate(live, tmp_path / "once")
+    name = "diffusion_pytorch_model.safetensors"
+    assert (tmp_path / "watched" / "unet" / name).read_bytes() == (tmp_path / "once" / "unet" / name).read_bytes()

@@ -15,6 +15,7 @@ from ._errors import reports_errors
 from ._flags import cli_text
 from ._options import (
     AverageBuffersOpt,
+    ComponentOpt,
     DecayOpt,
     DeviceOpt,
     DtypeOpt,
@@ -28,6 +29,7 @@ from ._options import (
     SkipNonfiniteOpt,
     SnapshotEveryOpt,
     StateKeyOpt,
+    StepFromOpt,
     StepRegexOpt,
     WarmupOpt,
     WorkersOpt,
@@ -78,6 +80,8 @@ def watch_command(
     include: IncludeOpt = None,
     exclude: ExcludeOpt = None,
     step_regex: StepRegexOpt = None,
+    step_from: StepFromOpt = None,
+    component: ComponentOpt = None,
     average_buffers: AverageBuffersOpt = False,
     skip_nonfinite: SkipNonfiniteOpt = False,
     skip_damaged: SkipDamagedOpt = False,
@@ -122,7 +126,8 @@ def watch_command(
             on_error=on_error, use_inotify=not no_inotify,
             decay=decay, half_life=half_life, per_checkpoint=per_checkpoint, warmup=warmup,
             sigma_rels=sigma_rel or (), gammas=gamma or (), snapshot_every=snapshot_every, dtype=dtype,
-            include=include or (), exclude=exclude or (), step_regex=step_regex, average_buffers=average_buffers,
+            include=include or (), exclude=exclude or (), step_regex=step_regex, step_from=step_from,
+            component=component, average_buffers=average_buffers,
             skip_nonfinite=skip_nonfinite, skip_damaged=skip_damaged, state_key=state_key, workers=workers,
             device=device, wait_seconds=interval,
         )

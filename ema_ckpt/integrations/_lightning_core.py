@@ -47,7 +47,7 @@ def _step_of(path: Path) -> tuple[int | None, str | None]:
     from ..discovery import discover
 
     try:
-        found = discover([path], require=False)
+        found = discover([path], all_components=True, require=False)
     except Exception as err:  # the fold will say why, in one line
         return None, one_line(err)
     return (found.checkpoints[0].step if len(found.checkpoints) == 1 else None), None

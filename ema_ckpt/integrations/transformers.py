@@ -145,7 +145,7 @@ class EmaCkptCallback(TrainerCallback):
             return
         try:
             step = ema_step(self.out)
-            found = discover([folder], step_regex=self.options.get("step_regex"),
+            found = discover([folder], step_regex=self.options.get("step_regex"), all_components=True,
                              exclude=[] if "://" in self.out else [self.out], require=False)
         except EmaCkptError as err:
             logger.warning("ema-ckpt: cannot look for checkpoints left to fold in %s: %s", folder,
@@ -153,7 +153,7 @@ class EmaCkptCallback(TrainerCallback):
             return
         for checkpoint in found.checkpoints:
             if step is None or checkpoint.step > step:
-                self._saved(Path(str(checkpoint.path)))
+                self._saved(Path(str(checkpoint.entry)))
 
     def _failed(self, message: str) -> None:
         self._failures.append(message)
