@@ -461,7 +461,7 @@ def test_an_accelerate_folder_without_a_step_record_waits_instead_of_using_its_s
     (checkpoints / "checkpoint_1" / "optimizer_0" / ".metadata").unlink()  # still being written
     # A folder like the others with no step record fails the run (folding the rest would be a
     # partial result), naming it and the ways through.
-    with pytest.raises(UnplacedCheckpointError, match="checkpoint_2: no step record .* counts saves, not steps"):
+    with pytest.raises(UnplacedCheckpointError, match=r"checkpoint_2: no step record .* counts saves, not steps"):
         discover([checkpoints])
     found = discover([checkpoints], skip=[checkpoints / "checkpoint_2"])
     assert [(c.path.name, c.step) for c in found.checkpoints] == [("checkpoint_0", 2)]
