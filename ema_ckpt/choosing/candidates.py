@@ -72,7 +72,8 @@ def _average_name(weight: str, last: int, every: int | None) -> str:
 
 
 def plan_candidates(checkpoints: Sequence[str | Location], spec: CandidateSpec, *, step_regex: str | None = None,
-                    exclude_paths: Sequence[Location] = (), skip: Sequence[str | Location] = ()) -> Plan:
+                    exclude_paths: Sequence[Location] = (), skip: Sequence[str | Location] = (),
+                    step_from: str | None = None, component: str | None = None) -> Plan:
     """Every candidate of ``spec`` as one output of a plan (kind ``select``), in the order given.
 
     Raises:
@@ -89,8 +90,8 @@ def plan_candidates(checkpoints: Sequence[str | Location], spec: CandidateSpec, 
     needs_raw = bool(spec.lasts or spec.singles or ((spec.sigma_rels or spec.gammas) and not snapshots))
     raw: list[FoundCheckpoint] = []
     if needs_raw:
-        found = discover(paths, step_regex=step_regex, exclude=[*exclude_paths, *(s.path for s in snapshots)],
-                         skip=skip)
+        found = discover(paths, step_regex=step_regex, step_from=step_from, component=component,
+                         exclude=[*exclude_paths, *(s.path for s in snapshots)], skip=skip)
         raw, notes = list(found.checkpoints), list(found.notes)
         inputs.extend(raw)
     if spec.sigma_rels or spec.gammas:

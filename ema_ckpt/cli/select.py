@@ -15,6 +15,7 @@ from ._errors import reports_errors
 from ._flags import cli_json, cli_text
 from ._options import (
     AverageBuffersOpt,
+    ComponentOpt,
     DeviceOpt,
     DtypeOpt,
     ExcludeOpt,
@@ -25,6 +26,7 @@ from ._options import (
     QuietOpt,
     SkipOpt,
     StateKeyOpt,
+    StepFromOpt,
     StepRegexOpt,
     WaitOpt,
     WorkersOpt,
@@ -152,6 +154,8 @@ def select_command(
     include: IncludeOpt = None,
     exclude: ExcludeOpt = None,
     step_regex: StepRegexOpt = None,
+    step_from: StepFromOpt = None,
+    component: ComponentOpt = None,
     skip: SkipOpt = None,
     state_key: StateKeyOpt = None,
     inert_global: InertGlobalOpt = None,
@@ -181,7 +185,7 @@ def select_command(
         gammas=gamma or (), lasts=_split(last), every=every, weights=_split(weights), emas=ema or (),
         singles=singles, soup=soup, at_step=at_step, metric=metric, maximize=maximize, eval_format=eval_format,
         format=out_format, dtype=dtype, average_buffers=average_buffers, include=include or (),
-        exclude=exclude or (), step_regex=step_regex,
+        exclude=exclude or (), step_regex=step_regex, step_from=step_from, component=component,
         skip=skip or (), state_key=state_key, inert_globals=inert_global or (), per_pass=per_pass,
         eval_timeout=eval_timeout, work_dir=work_dir, dry_run=dry_run, overwrite=overwrite, workers=workers,
         device=device, wait_seconds=wait, on_event=_Reporter(not (quiet or json_output)))

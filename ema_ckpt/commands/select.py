@@ -258,6 +258,7 @@ def select(checkpoints: str | Location | Sequence[str | Location], *, out: str |
            metric: str | None = None, maximize: bool = False, eval_format: str = "safetensors",
            format: str | None = None, dtype: str = "float32", include: Sequence[str] = (),
            exclude: Sequence[str] = (), keep_prefix: bool = False, step_regex: str | None = None,
+           step_from: str | None = None, component: str | None = None,
            skip: Sequence[str | Location] = (), state_key: str | None = None, inert_globals: Sequence[str] = (),
            average_buffers: bool = False,
            per_pass: int | None = None, eval_timeout: float | None = None, work_dir: str | Path | None = None,
@@ -283,6 +284,8 @@ def select(checkpoints: str | Location | Sequence[str | Location], *, out: str |
         format: the format of ``out`` (default: ``eval_format``).
         average_buffers: average routers' statistics too (default: taken from the newest
             checkpoint, see :data:`~ema_ckpt.selection.NON_WEIGHT_BUFFERS`).
+        step_regex, step_from, component: how checkpoints are placed and which model of each is
+            read, as for :func:`~ema_ckpt.accumulate`.
         per_pass: candidates written per pass over the inputs (default: as many as fit the
             scratch disk, at most 8).
         eval_timeout: seconds before an evaluation counts as failed.
@@ -328,7 +331,8 @@ def select(checkpoints: str | Location | Sequence[str | Location], *, out: str |
     check_device(device)
     read = read_options_from(SimpleNamespace(state_key=state_key, inert_globals=tuple(inert_globals)))
     plan = planned.plan_candidates(checkpoint_paths(checkpoints), spec, step_regex=step_regex,
-                                   exclude_paths=[out_location], skip=skip)
+                                   exclude_paths=[out_location], skip=skip, step_from=step_from,
+                                   component=component)
     if dry_run:
         return plan
     out_location = output_path(out_location)
