@@ -235,6 +235,30 @@ def test_accelerate_with_two_models_averages_each_into_its_own_folder(tmp_path):
         assert sorted(got) == sorted(want)  # strict: the keys the model loads, no more, no fewer
         for key, value in want.items():
             assert_close_relative(got[key], value, rel=1e-6)
+    # accelerate's own load_state takes the two EMAs, put side by side as save_state names them
+    from accelerate import Accelerator
+
+    side_by_side = tmp_path / "ema_state"
+    side_by_side.mkdir()
+    for name in ("model", "model_1"):
+        shutil.copy(tmp_path / "ema" / name / f"{name}.safetensors", side_by_side / f"{name}.safetensors")
+
+    class Generator(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8))
+
+    class Discriminator(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LeakyReLU(0.2), torch.nn.Linear(16, 1))
+
+    accelerator = Accelerator(cpu=True)
+    g, d = accelerator.prepare(Generator(), Discriminator())
+    accelerator.load_state(str(side_by_side))
+    for name, module in (("model", g), ("model_1", d)):
+        for key, value in load_file(side_by_side / f"{name}.safetensors").items():
+            assert torch.equal(module.state_dict()[key], value), (name, key)
     again = runner.invoke(app, ["accumulate", str(work / "ckpts"), "--decay", "0.8", "--out", str(tmp_path / "ema")])
     assert again.exit_code == 0 and "nothing new" in again.output, again.output
     second = work / "ckpts" / "checkpoints" / "checkpoint_0" / "model_1.safetensors"
@@ -326,6 +350,18 @@ def test_diffusers_lora_checkpoints_with_the_final_adapter_beside_them(tmp_path)
     assert [c["step"] for c in data["folded"]] == [2, 4, 6]
     assert any("pytorch_lora_weights.safetensors" in n and "final export" in n for n in data["notes"])
     _assert_ema_of(_ema_file(tmp_path / "ema", tmp_path), "diffusers-t2i-lora")
+    # The EMA adapter loads where the script's adapters load: diffusers' own load_lora_weights.
+    from diffusers import StableDiffusionPipeline
+
+    adapter = tmp_path / "adapter" / "pytorch_lora_weights.safetensors"
+    assert runner.invoke(app, ["consolidate", str(tmp_path / "ema"), "--out", str(adapter)]).exit_code == 0
+    pipe = StableDiffusionPipeline.from_pretrained(work / "pretrained", safety_checker=None)
+    pipe.load_lora_weights(adapter.parent)
+    loaded = {k.replace(".default_0", ""): v for k, v in pipe.unet.state_dict().items() if ".lora_" in k}
+    saved = {k.removeprefix("unet."): v for k, v in load_file(adapter).items()}
+    assert sorted(loaded) == sorted(saved)
+    for key, value in saved.items():
+        assert torch.equal(loaded[key], value)
 
 
 RECORD_SETS = {
