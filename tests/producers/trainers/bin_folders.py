@@ -59,7 +59,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[2]
 sys.path.insert(0, str(HERE))
-from fixture_common import TORCHRUN_VARS, free_port  # noqa: E402
+from fixture_common import TORCHRUN_VARS, free_port, optimizer_steps  # noqa: E402
 from hf_accelerate import (  # noqa: E402  (stdlib-only at import time)
     ACC_BATCH,
     ACC_BATCHES_PER_EPOCH,
@@ -159,16 +159,6 @@ def _load(path: Path):
     import torch
 
     return torch.load(path, map_location="cpu", weights_only=False)
-
-
-def _optimizer_steps(opt_sd: dict) -> list:
-    """The distinct AdamW 'step' values in an optimizer state dict (per-parameter state)."""
-    steps = set()
-    for st in opt_sd.get("state", {}).values():
-        if isinstance(st, dict) and "step" in st:
-            s = st["step"]
-            steps.add(float(s) if hasattr(s, "item") else s)
-    return sorted(steps)
 
 
 def _state_keys(opt_sd: dict) -> list:
@@ -348,7 +338,7 @@ def oracle_accelerate(set_name: str, checkpoints: dict) -> dict:
             "oracle_keys": list(sd.keys()),
             "files": files,
             "weights_file": wfile.name,
-            "optimizer_bin_step": _optimizer_steps(opt),
+            "optimizer_bin_step": optimizer_steps(opt),
             "optimizer_bin_state_keys": _state_keys(opt),
             "scheduler_bin": {"last_epoch": sched.get("last_epoch"), "_step_count": sched.get("_step_count")},
             "random_states_step": rng,
@@ -403,7 +393,7 @@ def _trainer_file_counters(ck: Path) -> dict:
         out["trainer_state"] = {k: st.get(k) for k in ("global_step", "epoch", "max_steps", "save_steps")}
     if (ck / "optimizer.pt").exists():
         opt = torch.load(ck / "optimizer.pt", map_location="cpu", weights_only=True)
-        out["optimizer_pt_step"] = _optimizer_steps(opt)
+        out["optimizer_pt_step"] = optimizer_steps(opt)
     if (ck / "scheduler.pt").exists():
         sched = torch.load(ck / "scheduler.pt", map_location="cpu", weights_only=True)
         out["scheduler_pt"] = {"last_epoch": sched.get("last_epoch"), "_step_count": sched.get("_step_count")}

@@ -46,14 +46,20 @@ import json
 import math
 import os
 import shutil
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fixture_common import TORCHRUN_VARS, package_versions, run_producer
+from fixture_common import (
+    TORCHRUN_VARS,
+    fresh_set_dir,
+    optimizer_steps,
+    package_versions,
+    run_producer,
+    run_worker,
+    write_oracle,
+)
 
 THIS = Path(__file__).resolve()
 SCRIPT_REL = "tests/producers/trainers/diffusers_accelerate.py"
@@ -706,20 +712,6 @@ def two_models_worker(set_name: str, set_dir: Path) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def write_oracle(path: Path, tensors: dict, tool: str) -> None:
-    import torch
-    from safetensors.torch import save_file
-
-    out = {}
-    for key, value in tensors.items():
-        if not isinstance(value, torch.Tensor):
-            raise TypeError(f"{path.name}: {key} is {type(value).__name__}, not a tensor")
-        out[key] = value.detach().to("cpu").clone().contiguous()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    save_file(out, str(path), metadata={"tool": tool})
-    path.chmod(0o644)  # safetensors creates 0600 files
-
-
 def _same(a: dict, b: dict) -> bool:
     import torch
 
@@ -734,15 +726,6 @@ def _files(folder: Path) -> list[str]:
     return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
 
 
-def _optimizer_steps(opt_sd: dict) -> list:
-    steps = set()
-    for st in opt_sd.get("state", {}).values():
-        if isinstance(st, dict) and "step" in st:
-            s = st["step"]
-            steps.add(float(s) if hasattr(s, "item") else s)
-    return sorted(steps)
-
-
 def _accelerate_files(ck: Path) -> dict:
     """The counters accelerate's own files record."""
     import torch
@@ -750,7 +733,7 @@ def _accelerate_files(ck: Path) -> dict:
     out: dict = {}
     for opt in sorted(ck.glob("optimizer*.bin")):
         sd = torch.load(opt, map_location="cpu", weights_only=True)
-        out[f"{opt.name} step"] = _optimizer_steps(sd)
+        out[f"{opt.name} step"] = optimizer_steps(sd)
         out[f"{opt.name} state entries"] = len(sd["state"])
     for sch in sorted(ck.glob("scheduler*.bin")):
         sd = torch.load(sch, map_location="cpu", weights_only=True)
@@ -978,7 +961,7 @@ def t2i_oracle(set_name: str, set_dir: Path) -> None:
     for ck in remaining:
         run.accelerator.load_state(str(ck))
         unwrapped = run.unwrap_model(run.unet)
-        opt_steps = _optimizer_steps(run.optimizer.state_dict())
+        opt_steps = optimizer_steps(run.optimizer.state_dict())
         if lora:
             from peft.utils import get_peft_model_state_dict
 
@@ -1188,26 +1171,13 @@ def launch(set_name: str, set_dir: Path, worker: str, timeout: float = 900) -> N
         ACCELERATE_DISABLE_RICH="1",
     )
     cmd = [sys.executable, str(THIS), "--worker", worker, "--set", set_name, "--set-dir", str(set_dir)]
-    proc = subprocess.Popen(
-        cmd, env=env, cwd=set_dir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
-    )
-    try:
-        output, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        raise RuntimeError(f"{set_name}/{worker} timed out after {timeout}s\n{(output or '')[-6000:]}") from None
-    if proc.returncode != 0:
-        raise RuntimeError(f"{set_name}/{worker} failed (exit {proc.returncode})\n{(output or '')[-8000:]}")
+    run_worker(cmd, env=env, cwd=set_dir, label=f"{set_name}/{worker}", timeout=timeout)
 
 
 def produce(set_name: str, out: Path) -> Path:
     spec = SETS[set_name]
     kind = spec["kind"]
-    set_dir = (out / set_name).resolve()
-    if set_dir.exists() or set_dir.is_symlink():
-        shutil.rmtree(set_dir)
-    set_dir.mkdir(parents=True)
+    set_dir = fresh_set_dir(out, set_name)
     t0 = time.time()
     launch(set_name, set_dir, kind)
     launch(set_name, set_dir, "oracle")

@@ -1,9 +1,13 @@
-"""What both trainer-fixture producers share."""
+"""What the trainer-fixture producers share."""
 
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
+import signal
 import socket
+import subprocess
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -85,3 +89,94 @@ def package_versions(names: Sequence[str]) -> dict[str, str | None]:
         except md.PackageNotFoundError:
             out[name] = None
     return out
+
+
+def write_oracle(path: Path, tensors: dict, tool: str) -> None:
+    """A safetensors file of a state dict (tensors detached, on CPU, cloned and contiguous: tied weights
+    become two tensors), its metadata exactly ``{"tool": tool}``, mode 0644."""
+    import torch
+    from safetensors.torch import save_file
+
+    out = {}
+    for key, value in tensors.items():
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{path.name}: {key} is {type(value).__name__}, not a tensor")
+        out[key] = value.detach().to("cpu").clone().contiguous()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # One metadata entry only: safetensors writes the metadata map in hash order, so two keys
+    # would make the bytes of the file vary from run to run.
+    save_file(out, str(path), metadata={"tool": tool})
+    path.chmod(0o644)  # safetensors creates 0600 files
+
+
+def torch_file_facts(path: Path) -> dict:
+    """A torch.save file's top-level keys (None when not a dict), unsafe globals, whether
+    torch.load(weights_only=True) takes it (torch's allowlist only), and its size."""
+    import torch
+
+    obj = torch.load(path, map_location="cpu", weights_only=False)
+    try:
+        torch.load(path, map_location="cpu", weights_only=True)
+        weights_only_ok = True
+    except Exception:  # pickle.UnpicklingError naming the first global outside the allowlist
+        weights_only_ok = False
+    return {
+        "top_level_keys": list(obj.keys()) if isinstance(obj, dict) else None,
+        "unsafe_globals": sorted(torch.serialization.get_unsafe_globals_in_checkpoint(str(path))),
+        "weights_only_loads": weights_only_ok,
+        "bytes": path.stat().st_size,
+    }
+
+
+def optimizer_step_of(optimizer_state: dict) -> int:
+    """torch AdamW's per-parameter 'step', which must be the same for every parameter."""
+    steps = {int(s["step"]) for s in optimizer_state["state"].values()}
+    if len(steps) != 1:
+        raise RuntimeError(f"optimizer steps differ between parameters: {steps}")
+    return steps.pop()
+
+
+def optimizer_steps(opt_sd: dict) -> list:
+    """The distinct AdamW 'step' values in an optimizer state dict (per-parameter state), sorted."""
+    steps = set()
+    for st in opt_sd.get("state", {}).values():
+        if isinstance(st, dict) and "step" in st:
+            s = st["step"]
+            steps.add(float(s) if hasattr(s, "item") else s)
+    return sorted(steps)
+
+
+def fresh_set_dir(out: Path, set_name: str) -> Path:
+    """``out/set_name`` resolved, emptied of an earlier run and created."""
+    set_dir = (out / set_name).resolve()
+    if set_dir.exists() or set_dir.is_symlink():
+        shutil.rmtree(set_dir)
+    set_dir.mkdir(parents=True)
+    return set_dir
+
+
+RETRY_MARKERS = ("address already in use", "eaddrinuse", "terminate called without an active exception")
+"""A torchrun launch's output that asks for one more try: a port taken between picking and binding it,
+or gloo's rare abort at process teardown on a loaded machine."""
+
+
+def run_worker(cmd: list[str], *, env: Mapping[str, str], cwd: Path | None, label: str, timeout: float,
+               retry_markers: Sequence[str] = ()) -> bool:
+    """Run one worker command in its own session, stdout and stderr together: True when it exits 0, False
+    when it fails with one of ``retry_markers`` in its (lower-cased) output; any other failure, or a run
+    past ``timeout`` seconds (its process group killed), raises RuntimeError naming ``label``."""
+    proc = subprocess.Popen(
+        cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        raise RuntimeError(f"{label} timed out after {timeout}s\n{(output or '')[-6000:]}") from None
+    output = output or ""
+    if proc.returncode == 0:
+        return True
+    if any(m in output.lower() for m in retry_markers):
+        return False
+    raise RuntimeError(f"{label} failed (exit {proc.returncode})\n{output[-8000:]}")

@@ -35,17 +35,23 @@ import inspect
 import io
 import json
 import os
-import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import textwrap
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from fixture_common import (
+    RETRY_MARKERS,
+    drop_deepspeed_scripts,
+    free_port,
+    fresh_set_dir,
+    package_versions,
+    run_producer,
+    run_worker,
+    write_oracle,
+)
 from fixture_common import TORCHRUN_VARS as _TORCHRUN_VARS
-from fixture_common import drop_deepspeed_scripts, free_port, package_versions, run_producer
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed reads it at import (the DS oracle too)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -619,21 +625,6 @@ def megatron_oracle_worker(set_name: str, set_dir: Path) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def write_oracle(path: Path, tensors: dict, tool: str) -> None:
-    from safetensors.torch import save_file
-
-    out = {}
-    for key, value in tensors.items():
-        if not isinstance(value, torch.Tensor):
-            raise TypeError(f"{path.name}: {key} is {type(value).__name__}, not a tensor")
-        out[key] = value.detach().to("cpu").clone().contiguous()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # One metadata entry only: safetensors writes the metadata map in hash order, so two keys
-    # would make the bytes of the file vary from run to run.
-    save_file(out, str(path), metadata={"tool": tool})
-    path.chmod(0o644)  # safetensors creates 0600 files
-
-
 def lightning_oracles(set_name: str, set_dir: Path) -> dict:
     checkpoints = sorted(
         set_dir.glob("epoch=*-step=*.ckpt"), key=lambda p: int(p.name.split("step=")[1][:-5])
@@ -845,35 +836,18 @@ def launch(set_name: str, set_dir: Path, *, nproc: int, worker: str, timeout: fl
             "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
             str(THIS), "--worker", worker, "--set", set_name, "--set-dir", str(set_dir),
         ]  # fmt: skip
-        proc = subprocess.Popen(
-            cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
-        )
-        try:
-            output, _ = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            output, _ = proc.communicate()
-            tail = (output or "")[-6000:]
-            raise RuntimeError(f"{set_name}/{worker} timed out after {timeout}s\n{tail}") from None
-        output = output or ""
-        if proc.returncode == 0:
-            return
         # A port taken between picking and binding it, or gloo's rare abort at process teardown
-        # on a loaded 2-core machine: run the set again.
-        markers = ("address already in use", "eaddrinuse", "terminate called without an active exception")
-        if attempt == 0 and any(m in output.lower() for m in markers):
-            continue  # the free port was taken in between: try another
-        raise RuntimeError(f"{set_name}/{worker} failed (exit {proc.returncode})\n{output[-8000:]}")
+        # on a loaded 2-core machine: run the set again (with another free port).
+        markers = RETRY_MARKERS if attempt == 0 else ()
+        if run_worker(cmd, env=env, cwd=None, label=f"{set_name}/{worker}", timeout=timeout, retry_markers=markers):
+            return
 
 
 
 
 def produce(set_name: str, out: Path) -> Path:
     spec = SETS[set_name]
-    set_dir = (out / set_name).resolve()
-    if set_dir.exists():
-        shutil.rmtree(set_dir)
-    set_dir.mkdir(parents=True)
+    set_dir = fresh_set_dir(out, set_name)
     launch(set_name, set_dir, nproc=spec["nproc"], worker=spec["kind"])
     kind = spec["kind"]
     if kind == "lightning":

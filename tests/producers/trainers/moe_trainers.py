@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import lightning_titan_megatron as ltm  # the dense sets' producer: launch, oracles, patches
 import torch
 import torch.nn.functional as F
-from fixture_common import run_producer
+from fixture_common import fresh_set_dir, run_producer, write_oracle
 
 THIS = Path(__file__).resolve()
 REPO = THIS.parents[3]
@@ -253,7 +253,7 @@ def megatron_oracle_worker(set_name: str, set_dir: Path) -> None:
             raise SystemExit(f"{name}: common state iteration {loaded.get('iteration')!r}")
         tensors = {k: v for k, v in loaded["model"].items() if isinstance(v, torch.Tensor)}
         model.load_state_dict(loaded["model"], strict=True)
-        ltm.write_oracle(oracle_dir / f"{name}.safetensors", tensors, "megatron.core.dist_checkpointing.load")
+        write_oracle(oracle_dir / f"{name}.safetensors", tensors, "megatron.core.dist_checkpointing.load")
     dist.destroy_process_group()
 
 
@@ -644,10 +644,7 @@ def module_source(set_name: str) -> str:
 
 def produce(set_name: str, out: Path) -> Path:
     spec = SETS[set_name]
-    set_dir = (out / set_name).resolve()
-    if set_dir.exists():
-        shutil.rmtree(set_dir)
-    set_dir.mkdir(parents=True)
+    set_dir = fresh_set_dir(out, set_name)
     kind = spec["kind"]
     launch(set_name, set_dir, nproc=spec["nproc"], worker=kind)
     if kind == "megatron":

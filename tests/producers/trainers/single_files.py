@@ -46,8 +46,6 @@ import json
 import math
 import os
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import textwrap
@@ -59,8 +57,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from fixture_common import (
+    RETRY_MARKERS,
+    free_port,
+    fresh_set_dir,
+    optimizer_step_of,
+    package_versions,
+    run_producer,
+    run_worker,
+    torch_file_facts,
+    write_oracle,
+)
 from fixture_common import TORCHRUN_VARS as _TORCHRUN_VARS
-from fixture_common import free_port, package_versions, run_producer
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -810,43 +818,16 @@ def zip_archive_name(path: Path) -> str:
 
 
 def file_facts(path: Path) -> dict:
-    """Top-level keys, pickled globals, and whether torch.load(weights_only=True) takes the file."""
-    obj = torch.load(path, map_location="cpu", weights_only=False)
-    try:
-        torch.load(path, map_location="cpu", weights_only=True)
-        weights_only_ok = True
-    except Exception:  # pickle.UnpicklingError naming the first global outside the allowlist
-        weights_only_ok = False
+    """``torch_file_facts`` with the file's pickled globals and zip record name, in the fixtures' key order."""
+    facts = torch_file_facts(path)
     return {
-        "top_level_keys": list(obj.keys()),
+        "top_level_keys": facts["top_level_keys"],
         "globals": pickle_globals(path),
-        "unsafe_globals": sorted(torch.serialization.get_unsafe_globals_in_checkpoint(str(path))),
-        "weights_only_loads": weights_only_ok,  # torch.load(path, weights_only=True), torch's allowlist only
+        "unsafe_globals": facts["unsafe_globals"],
+        "weights_only_loads": facts["weights_only_loads"],
         "zip_archive_name": zip_archive_name(path),
-        "bytes": path.stat().st_size,
+        "bytes": facts["bytes"],
     }
-
-
-def write_oracle(path: Path, tensors: dict, tool: str) -> None:
-    from safetensors.torch import save_file
-
-    out = {}
-    for key, value in tensors.items():
-        if not isinstance(value, torch.Tensor):
-            raise TypeError(f"{path.name}: {key} is {type(value).__name__}, not a tensor")
-        out[key] = value.detach().to("cpu").clone().contiguous()  # tied weights become two tensors
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # One metadata entry only: safetensors writes the metadata map in hash order.
-    save_file(out, str(path), metadata={"tool": tool})
-    path.chmod(0o644)  # safetensors creates 0600 files
-
-
-def optimizer_step_of(optimizer_state: dict) -> int:
-    """torch AdamW's per-parameter 'step' (all equal here)."""
-    steps = {int(s["step"]) for s in optimizer_state["state"].values()}
-    if len(steps) != 1:
-        raise RuntimeError(f"optimizer steps differ between parameters: {steps}")
-    return steps.pop()
 
 
 def lightning_checkpoints(set_name: str, set_dir: Path) -> dict:
@@ -1201,39 +1182,17 @@ def launch(set_name: str, set_dir: Path, *, nproc: int, worker: str, timeout: fl
         else:
             cmd = [sys.executable]
         cmd += [str(THIS), "--worker", worker, "--set", set_name, "--set-dir", str(set_dir)]
-        proc = subprocess.Popen(
-            cmd,
-            env=env,
-            cwd=set_dir,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,
-        )
-        try:
-            output, _ = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            output, _ = proc.communicate()
-            raise RuntimeError(f"{set_name}/{worker} timed out after {timeout}s\n{(output or '')[-6000:]}") from None
-        output = output or ""
-        if proc.returncode == 0:
+        markers = RETRY_MARKERS if nproc > 1 and attempt == 0 else ()
+        if run_worker(cmd, env=env, cwd=set_dir, label=f"{set_name}/{worker}", timeout=timeout, retry_markers=markers):
             return
-        markers = ("address already in use", "eaddrinuse", "terminate called without an active exception")
-        if nproc > 1 and attempt == 0 and any(m in output.lower() for m in markers):
-            for child in set_dir.iterdir():  # start the set over
-                shutil.rmtree(child) if child.is_dir() and not child.is_symlink() else child.unlink()
-            continue
-        raise RuntimeError(f"{set_name}/{worker} failed (exit {proc.returncode})\n{output[-8000:]}")
+        for child in set_dir.iterdir():  # start the set over
+            shutil.rmtree(child) if child.is_dir() and not child.is_symlink() else child.unlink()
 
 
 def produce(set_name: str, out: Path) -> Path:
     spec = SETS[set_name]
     kind = spec["kind"]
-    set_dir = (out / set_name).resolve()
-    if set_dir.exists() or set_dir.is_symlink():
-        shutil.rmtree(set_dir)
-    set_dir.mkdir(parents=True)
+    set_dir = fresh_set_dir(out, set_name)
     t0 = time.time()
     launch(set_name, set_dir, nproc=spec["nproc"], worker=kind)
     record_path = set_dir / WORKER_RECORD

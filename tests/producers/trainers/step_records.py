@@ -55,8 +55,6 @@ import math
 import os
 import random
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -65,7 +63,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fixture_common import TORCHRUN_VARS as _TORCHRUN_VARS
-from fixture_common import package_versions, run_producer
+from fixture_common import (
+    fresh_set_dir,
+    optimizer_step_of,
+    package_versions,
+    run_producer,
+    run_worker,
+    torch_file_facts,
+    write_oracle,
+)
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -91,45 +97,6 @@ SETS: dict[str, dict] = {
 # ---------------------------------------------------------------------------------------------
 # Shared pieces
 # ---------------------------------------------------------------------------------------------
-
-
-def write_oracle(path: Path, tensors: dict, tool: str) -> None:
-    """A safetensors file of the given state dict (tensors cloned and contiguous)."""
-    from safetensors.torch import save_file
-
-    out = {}
-    for key, value in tensors.items():
-        if not isinstance(value, torch.Tensor):
-            raise TypeError(f"{path.name}: {key} is {type(value).__name__}, not a tensor")
-        out[key] = value.detach().to("cpu").clone().contiguous()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # One metadata entry only: safetensors writes the metadata map in hash order.
-    save_file(out, str(path), metadata={"tool": tool})
-    path.chmod(0o644)  # safetensors creates 0600 files
-
-
-def torch_file_facts(path: Path) -> dict:
-    """Top-level keys, unsafe globals and whether torch.load(weights_only=True) takes the file."""
-    obj = torch.load(path, map_location="cpu", weights_only=False)
-    try:
-        torch.load(path, map_location="cpu", weights_only=True)
-        weights_only_ok = True
-    except Exception:  # pickle.UnpicklingError naming the first global outside the allowlist
-        weights_only_ok = False
-    return {
-        "top_level_keys": list(obj.keys()) if isinstance(obj, dict) else None,
-        "unsafe_globals": sorted(torch.serialization.get_unsafe_globals_in_checkpoint(str(path))),
-        "weights_only_loads": weights_only_ok,
-        "bytes": path.stat().st_size,
-    }
-
-
-def adamw_steps(optimizer_state: dict) -> int:
-    """torch AdamW's per-parameter 'step' (all equal here)."""
-    steps = {int(s["step"]) for s in optimizer_state["state"].values()}
-    if len(steps) != 1:
-        raise RuntimeError(f"optimizer steps differ between parameters: {steps}")
-    return steps.pop()
 
 
 def check(cond: bool, message: str) -> None:
@@ -568,7 +535,7 @@ def kohya_worker(set_name: str, set_dir: Path) -> None:
                 save_model(f"{args.output_name}-{epoch + 1:06d}.{args.save_model_as}", global_step, epoch + 1,
                            micro_batches)
     save_model(f"{args.output_name}.{args.save_model_as}", global_step, num_train_epochs, micro_batches)
-    check(global_step == adamw_steps(optimizer.state_dict()), "AdamW step != global_step")
+    check(global_step == optimizer_step_of(optimizer.state_dict()), "AdamW step != global_step")
 
     checkpoints = {}
     tool = "safetensors.torch.load_file(path) (sd-scripts LoRANetwork.load_weights)"
@@ -715,7 +682,7 @@ def litgpt_worker(set_name: str, set_dir: Path) -> None:
         rel = f"out/{d.name}/lit_model.pth"
         ckpt = torch.load(set_dir / rel, map_location="cpu", weights_only=False)
         step_count, iter_num = ckpt["step_count"], ckpt["iter_num"]
-        check(adamw_steps(ckpt["optimizer"]) == step_count, f"{rel}: AdamW step != step_count")
+        check(optimizer_step_of(ckpt["optimizer"]) == step_count, f"{rel}: AdamW step != step_count")
         check(iter_num == 2 * step_count, f"{rel}: iter_num {iter_num} != 2 x step_count {step_count}")
         if d.name.startswith("step-"):
             check(int(d.name.split("-")[1]) == step_count, f"{rel}: folder name != step_count")
@@ -725,7 +692,7 @@ def litgpt_worker(set_name: str, set_dir: Path) -> None:
         if "train_dataloader" in ckpt:
             for k, v in ckpt["train_dataloader"].items():
                 counters[f"train_dataloader.{k}"] = v
-        counters["optimizer.state.*.step"] = adamw_steps(ckpt["optimizer"])
+        counters["optimizer.state.*.step"] = optimizer_step_of(ckpt["optimizer"])
         checkpoints[rel] = {
             "optimizer_step": step_count,
             "counters": counters,
@@ -858,12 +825,12 @@ def litgpt_iter_worker(set_name: str, set_dir: Path) -> None:
     for rel, rec in record.items():
         ckpt = torch.load(set_dir / rel, map_location="cpu", weights_only=False)
         check(ckpt["iter_num"] == rec["iter_num_in_state"] and ckpt["step_count"] == rec["step_count"], rel)
-        check(adamw_steps(ckpt["optimizer"]) == ckpt["step_count"], f"{rel}: AdamW step != step_count")
+        check(optimizer_step_of(ckpt["optimizer"]) == ckpt["step_count"], f"{rel}: AdamW step != step_count")
         oracle, _ = litgpt_oracle(set_dir, rel, tool)
         checkpoints[rel] = {
             "optimizer_step": ckpt["step_count"],
             "counters": {"iter_num": ckpt["iter_num"], "step_count": ckpt["step_count"],
-                         "optimizer.state.*.step": adamw_steps(ckpt["optimizer"])},
+                         "optimizer.state.*.step": optimizer_step_of(ckpt["optimizer"])},
             "micro_batches": rec["micro_batches"],
             "name_counts": "micro_batches (iter_num + 1 of the file)",
             "oracle": oracle,
@@ -990,13 +957,13 @@ def composer_worker(set_name: str, set_dir: Path) -> None:
         batch = int(path.name.split("-ba")[1].split("-")[0])
         epoch = int(path.name[2:].split("-")[0])
         check((ts["batch"], ts["epoch"]) == (batch, epoch), f"{rel}: timestamp {ts} != name")
-        check(adamw_steps(state["optimizers"]["AdamW"]) == ts["batch"], f"{rel}: AdamW step != batch")
+        check(optimizer_step_of(state["optimizers"]["AdamW"]) == ts["batch"], f"{rel}: AdamW step != batch")
         fresh = ComposerClassifier(TinyClassifierNet(), num_classes=3)
         fresh.load_state_dict(state["model"], strict=True)
         oracle = f"oracle/{path.name}.safetensors"
         write_oracle(set_dir / oracle, fresh.state_dict(), tool)
         counters = {f"state.timestamp.Timestamp.{k}": ts[k] for k in COMPOSER_TIMESTAMP_FIELDS if k in ts}
-        counters["state.optimizers.AdamW.state.*.step"] = adamw_steps(state["optimizers"]["AdamW"])
+        counters["state.optimizers.AdamW.state.*.step"] = optimizer_step_of(state["optimizers"]["AdamW"])
         checkpoints[rel] = {
             "optimizer_step": ts["batch"],
             "counters": counters,
@@ -1231,7 +1198,7 @@ def mmengine_worker(set_name: str, set_dir: Path) -> None:
             meta = ckpt["meta"]
             runtime = ckpt["message_hub"]["runtime_info"]
             check(meta["epoch"] == int(path.stem.split("_")[1]), f"{rel}: meta.epoch != name")
-            check(adamw_steps(ckpt["optimizer"]) == meta["iter"], f"{rel}: AdamW step != meta.iter")
+            check(optimizer_step_of(ckpt["optimizer"]) == meta["iter"], f"{rel}: AdamW step != meta.iter")
             model = TinyMMNet()
             load_checkpoint(model, str(path), map_location="cpu", strict=True, logger="silent")
             oracle_base = f"oracle/{work_dir.replace('/', '__')}__{path.name}"
@@ -1242,7 +1209,7 @@ def mmengine_worker(set_name: str, set_dir: Path) -> None:
                 "message_hub.runtime_info.epoch": runtime["epoch"],
                 "message_hub.runtime_info.iter": runtime["iter"],
                 "message_hub.runtime_info.max_iters": runtime["max_iters"],
-                "optimizer.state.*.step": adamw_steps(ckpt["optimizer"]),
+                "optimizer.state.*.step": optimizer_step_of(ckpt["optimizer"]),
                 "state_dict.backbone.1.num_batches_tracked": int(ckpt["state_dict"]["backbone.1.num_batches_tracked"]),
             }
             entry = {
@@ -1362,8 +1329,8 @@ def lightning_gan_worker(set_name: str, set_dir: Path) -> None:
         epoch_loop = loops["epoch_loop.state_dict"]
         batch_prog = loops["epoch_loop.batch_progress"]
         optim_prog = loops["epoch_loop.manual_optimization.optim_step_progress"]
-        g_steps = adamw_steps(ckpt["optimizer_states"][0])
-        d_steps = adamw_steps(ckpt["optimizer_states"][1])
+        g_steps = optimizer_step_of(ckpt["optimizer_states"][0])
+        d_steps = optimizer_step_of(ckpt["optimizer_states"][1])
         check(ckpt["global_step"] == int(path.name.split("step=")[1][:-5]), f"{rel}: global_step != name")
         # the save runs in on_train_batch_end, before the batch counts as 'completed'
         check(g_steps == d_steps == batch_prog["total"]["processed"], f"{rel}: AdamW steps != batches")
@@ -1583,24 +1550,12 @@ def launch(set_name: str, set_dir: Path, *, worker: str, timeout: float = 600) -
     env = {k: v for k, v in os.environ.items() if k not in _TORCHRUN_VARS}
     env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", CUDA_VISIBLE_DEVICES="", PYTHONHASHSEED="0")
     cmd = [sys.executable, str(THIS), "--worker", worker, "--set", set_name, "--set-dir", str(set_dir)]
-    proc = subprocess.Popen(cmd, env=env, cwd=set_dir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        raise RuntimeError(f"{set_name}/{worker} timed out after {timeout}s\n{(output or '')[-6000:]}") from None
-    if proc.returncode != 0:
-        raise RuntimeError(f"{set_name}/{worker} failed (exit {proc.returncode})\n{(output or '')[-8000:]}")
+    run_worker(cmd, env=env, cwd=set_dir, label=f"{set_name}/{worker}", timeout=timeout)
 
 
 def produce(set_name: str, out: Path) -> Path:
     kind = SETS[set_name]["kind"]
-    set_dir = (out / set_name).resolve()
-    if set_dir.exists() or set_dir.is_symlink():
-        shutil.rmtree(set_dir)
-    set_dir.mkdir(parents=True)
+    set_dir = fresh_set_dir(out, set_name)
     t0 = time.time()
     launch(set_name, set_dir, worker=kind)
     record_path = set_dir / WORKER_RECORD
