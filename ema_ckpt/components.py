@@ -179,9 +179,14 @@ def components_of(found: Resolved) -> tuple[list[Component], list[LeftPart]]:
             continue
         name = _component_name(path, child)
         components.append(Component(name, child, part.format.name, _role(name)))
-    if components:  # several models: each by its file's name (model, model_1), each its own output folder
-        own = next((name_stem(c.name) for c in children if not c.is_dir() and MAIN_WEIGHTS.match(c.name)
-                    and not c.name.endswith(".json")), "model")
+    for other in found.model.others:  # a trainer's further nested models (accelerate's pytorch_model_fsdp_1/)
+        nested = resolve(path / other)
+        if nested.format is not None:
+            components.append(Component(other, path / other, nested.format.name, _role(other)))
+    if components:  # several models: each by its file's (or folder's) name, each its own output folder
+        own = found.model.path.name if found.model.path != path else next(
+            (name_stem(c.name) for c in children if not c.is_dir() and MAIN_WEIGHTS.match(c.name)
+             and not c.name.endswith(".json")), "model")
         main = Component(own, path, found.format.name)
     return [main, *components], left
 

@@ -420,3 +420,20 @@ def test_watch_stages_whole_checkpoints_of_components_and_equals_accumulate(tmp_
     _accumulate(live, tmp_path / "once")
     name = "diffusion_pytorch_model.safetensors"
     assert (tmp_path / "watched" / "unet" / name).read_bytes() == (tmp_path / "once" / "unet" / name).read_bytes()
+
+
+def test_a_trainers_second_nested_model_is_averaged_not_dropped(tmp_path):
+    """accelerate's save_state of two FSDP models: pytorch_model_fsdp_0/ and pytorch_model_fsdp_1/,
+    each a DCP checkpoint; each gets its own EMA, the second never dropped with exit 0."""
+    for step in (2, 4):
+        ckpt = tmp_path / "out" / f"checkpoint-{step}"
+        write_dcp(ckpt / "pytorch_model_fsdp_0", {"model.w": torch.full((3,), float(step))})
+        write_dcp(ckpt / "pytorch_model_fsdp_1", {"model.v": torch.full((2,), float(10 * step))})
+    data = _accumulate(tmp_path / "out", tmp_path / "ema", "--step-regex", r"checkpoint-(\d+)")
+    assert sorted(data["components"]) == ["pytorch_model_fsdp_0", "pytorch_model_fsdp_1"]
+    first = _ema_file(tmp_path / "ema" / "pytorch_model_fsdp_0", tmp_path)
+    second = _ema_file(tmp_path / "ema" / "pytorch_model_fsdp_1", tmp_path)
+    assert_close_relative(first["w"], torch.full((3,), 0.8 ** 2 * 2 + (1 - 0.8 ** 2) * 4, dtype=torch.float64),
+                          rel=1e-6)
+    assert_close_relative(second["v"], torch.full((2,), 0.8 ** 2 * 20 + (1 - 0.8 ** 2) * 40, dtype=torch.float64),
+                          rel=1e-6)

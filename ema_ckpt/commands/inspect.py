@@ -184,8 +184,8 @@ def inspect_checkpoint(path: str | Location, *, state_key: str | None = None, st
                 source = record.source
                 counters = [{**c, "taken": c["record"] == record.taken} for c in describe_counters(record.counters)]
         notes = _ignored_weights(path, reader.format_name)
-        notes += [f"{other}/ ignored: only the first model is read (pass {path / other} to read it)"
-                  for other in location.others]
+        notes += [f"{other}/: another model, shown by inspect {path / other}; accumulate averages each model into "
+                  f"OUT/<its folder>" for other in location.others]
         container = container_prefix(reader, select_keys(reader))
         return InspectResult(
             path=path,
