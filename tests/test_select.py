@@ -124,7 +124,11 @@ def test_a_killed_selection_resumes_with_what_it_had_scored(planted, tmp_path):
                       "n = len(open(sys.argv[1]).read().split()) if os.path.exists(sys.argv[1]) else 0\n"
                       "if n == 3 and not os.path.exists(sys.argv[2]):\n"
                       "    open(sys.argv[2], 'w').close()\n"
-                      "    os.killpg(os.getpgid(0), signal.SIGKILL)\n")  # once: the selection's own group
+                      "    pid = os.getppid()\n"  # the evaluation runs in a group of its own: find select's
+                      "    while os.getpgid(pid) == os.getpgid(0):\n"
+                      "        pid = int(open(f'/proc/{pid}/stat').read().rsplit(')', 1)[1].split()[1])\n"
+                      "    os.killpg(os.getpgid(pid), signal.SIGKILL)\n"  # once: the selection's own group
+                      "    os.killpg(os.getpgid(0), signal.SIGKILL)\n")  # and the evaluation, orphaned by it
     line = f"{sys.executable} {killer} {calls} {tmp_path / 'killed'} && {command}"
     args = [sys.executable, "-m", "ema_ckpt", "select", str(ckpts), "--sigma-rel", "0.05:0.25:0.05",
             "--last", "4", "--per-pass", "2", "--eval", line, "--out", str(tmp_path / "best")]

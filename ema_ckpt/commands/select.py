@@ -8,6 +8,12 @@ evaluates only what is new. A greedy soup (``soup="greedy"``) then grows from th
 single checkpoint. The best candidate is written to ``out`` (published whole, or not at all)
 with a manifest naming it, its coefficients and every score.
 
+Only weights that were scored are published: each input's fingerprint
+(:func:`~ema_ckpt.manifest.fingerprint`, as ``accumulate`` checks for rollbacks) is taken when
+a candidate is written for its evaluation and kept with its score; before the chosen candidate
+is written to ``out``, and again after it is read and before it is published, its inputs are
+compared with those fingerprints, and a changed input is refused (exit 4).
+
 Example:
     >>> select("ckpts/", out="best/", eval_command="python eval.py {path}",
     ...        sigma_rels=["0.05:0.25:0.05"], lasts=[4, 8])                   # doctest: +SKIP
@@ -32,10 +38,10 @@ from ..choosing.soup import SoupResult, greedy_soup
 from ..discovery import checkpoint_paths
 from ..dtypes import ACCUMULATE_DTYPES
 from ..engine import check_device
-from ..errors import EvaluationError, OptionError
+from ..errors import EvaluationError, IncompatibleCheckpointError, OptionError
 from ..formats.options import read_options_from
 from ..jobs import run_job
-from ..manifest import MANIFEST_NAME, Manifest
+from ..manifest import MANIFEST_NAME, Manifest, current_fingerprint
 from ..plans import Plan, PlannedOutput, average_output
 from ..profile_specs import parse_count_list, parse_weights
 from ..progress import Progress
@@ -190,9 +196,14 @@ class _Selector:
         scratch.mkdir(parents=True)
         plan = _plan_of(self.plan, outputs)
         try:
+            for output in outputs:
+                self.key(output)  # every input fingerprinted before it is read
             result = run_job(SumJob(self._sums(plan, scratch, single=False, fmt=self.opts["eval_format"])),
                              on_progress=self.opts["on_progress"])
             assert isinstance(result, RunResult)
+            # what was read is what the keys name: no input changed while it was being read
+            _check_inputs({t.path: self.fingerprints[t.path] for o in outputs for t in o.terms},
+                              ", ".join(o.name for o in outputs), when="while it was read to be scored")
             yield [Path(str(p)) for p in result.outputs]  # the scratch folder is local
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
@@ -209,11 +220,19 @@ class _Selector:
                            timeout=self.opts["eval_timeout"], log=self.work / "logs" / f"{output.name}.log")
         self.evaluated += 1
         terms = [{"path": t.path, "step": t.step, "coefficient": t.coefficient} for t in output.terms]
-        self.cache.put(key, CacheEntry(output.name, outcome.score, outcome.error,
-                                                    round(outcome.seconds, 3), terms))
+        inputs = {t.path: self.fingerprints[t.path] for t in output.terms}
+        self.cache.put(key, CacheEntry(output.name, outcome.score, outcome.error, round(outcome.seconds, 3), terms,
+                                       inputs))
         self._record(output, outcome, cached=False)
         self.on_event(SelectEvent("evaluated" if outcome.ok else "failed", output.name, index, total, outcome.score,
                                   outcome.error, outcome.seconds))
+
+    def scored_inputs(self, output: PlannedOutput) -> dict[str, str]:
+        """Each input of ``output`` as it was when its score was taken (recorded in the cache)."""
+        entry = self.cache.entries.get(self.key(output))
+        if entry is not None and entry.inputs:
+            return dict(entry.inputs)
+        return {t.path: self.fingerprints[t.path] for t in output.terms}  # the key holds them
 
     def _record(self, output: PlannedOutput, outcome: EvalOutcome, *, cached: bool) -> None:
         self.results[output.name] = CandidateScore(output.name, outcome.score, outcome.error, cached, outcome.seconds,
@@ -378,7 +397,10 @@ def _publish(selector: _Selector, plan: Plan, candidates: list[PlannedOutput], s
            if soup is not None else {}),
     }}
     replace = opts["overwrite"] or _made_by_select(out)
-    job = SumJob(selector._sums(final_plan, out, single=True, fmt=fmt, overwrite=replace), extra_manifest=choice)
+    scored_inputs = selector.scored_inputs(best.output)
+    _check_inputs(scored_inputs, name)  # before a byte is read for out
+    job = _ChosenJob(selector._sums(final_plan, out, single=True, fmt=fmt, overwrite=replace), extra_manifest=choice,
+                     scored=scored_inputs, candidate=name)
     run = run_job(job, on_progress=opts["on_progress"])
     assert isinstance(run, RunResult)
     sigma = {o.name: o.sigma_rel for o in plan.outputs if o.sigma_rel is not None}
@@ -386,6 +408,30 @@ def _publish(selector: _Selector, plan: Plan, candidates: list[PlannedOutput], s
                           maximize=opts["maximize"])
     return SelectResult(final_plan, name, scored[name], scores, out, run, selector.evaluated, soup, picture,
                         selector.cache.path)
+
+
+@dataclass
+class _ChosenJob(SumJob):
+    """The chosen candidate's sum, its inputs checked against the fingerprints scored once it has
+    been read and before it is published (a rewrite during the read would publish other weights)."""
+
+    scored: dict[str, str] = field(default_factory=dict)
+    candidate: str = ""
+
+    def manifests(self, plan: Any, computed: Any) -> list[Manifest | None]:
+        _check_inputs(self.scored, self.candidate, when="after it was scored, while it was written")
+        return super().manifests(plan, computed)
+
+
+def _check_inputs(scored: dict[str, str], name: str, *, when: str = "after it was scored") -> None:
+    """Refuse (exit 4) when an input is no longer what ``scored`` fingerprinted."""
+    for path, was in scored.items():
+        now = current_fingerprint(as_path(path))
+        if now != was:
+            how = "was removed" if now is None else "was rewritten"
+            raise IncompatibleCheckpointError(
+                f"{path} {how} {when} (candidate {name}); nothing was published: run select again to "
+                "score the checkpoints as they are now")
 
 
 def _plan_of(plan: Plan, outputs: Sequence[PlannedOutput]) -> Plan:
