@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from ..errors import OptionError
+from ..pickles.rules import standard_module_matched
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +39,12 @@ class ReadOptions:
             if "." not in pattern or pattern.startswith(".") or any(c.isspace() for c in pattern):
                 raise OptionError("inert_globals", f"{pattern!r} is not a module.Name (or module.*) pattern",
                                   value=pattern)
+            module = standard_module_matched(pattern)
+            if module is not None:
+                raise OptionError(
+                    "inert_globals", f"{pattern!r} would admit names of Python's own module {module} "
+                    "(the standard library and the OS: functions, not a training script's data); name the "
+                    "script's own classes (myproj.Config or myproj.*)", value=pattern)
         if self.state_key is not None and not self.state_key.strip("./"):
             raise OptionError("state_key", "must name a key of the file, e.g. state_dict_ema", value=self.state_key)
 

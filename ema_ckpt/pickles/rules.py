@@ -15,16 +15,29 @@ Example:
 
 from __future__ import annotations
 
+import fnmatch
 import io
 import pickle
 import pickletools
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
 from ..errors import UnsafePickleError
 
-__all__ = ["GLOBAL_IN_MESSAGE", "first_line", "globals_in_pickle", "refusal", "refuse", "torch_allows", "torch_size"]
+__all__ = [
+    "CODE_MODULES",
+    "GLOBAL_IN_MESSAGE",
+    "first_line",
+    "globals_in_pickle",
+    "is_standard_module",
+    "refusal",
+    "refuse",
+    "standard_module_matched",
+    "torch_allows",
+    "torch_size",
+]
 
 GLOBAL_IN_MESSAGE = re.compile(r"GLOBAL ([A-Za-z_][\w.]*)")
 
@@ -94,3 +107,80 @@ def torch_allows(name: str) -> bool:
     if allowed is None:  # pragma: no cover - a torch without the private helper
         return name.startswith("torch.") or name.startswith("collections.")
     return name in allowed()
+
+
+CODE_MODULES: frozenset[str] = frozenset(sys.stdlib_module_names) | {
+    "builtins", "__builtin__", "posix", "nt", "os", "sys", "subprocess", "_posixsubprocess", "shutil", "importlib",
+    "pty", "socket", "ctypes", "_ctypes", "pickle", "_pickle", "marshal", "types", "functools", "_functools",
+    "operator", "_operator", "runpy", "code", "codeop", "webbrowser", "multiprocessing", "_thread", "signal"}
+"""Top-level modules no ``inert_globals`` pattern may reach: all of Python's standard library
+(its OS modules under every platform's name, ``builtins``, ``operator``, ``functools``, …), whose
+globals are code, never a training script's record. Its data types that checkpoints hold
+(``argparse.Namespace``, ``pathlib``, ``datetime``, ``collections``) are read without a flag."""
+
+
+_NAMED_FIRST = ("builtins", "os", "posix", "nt", "subprocess", "sys")  # what a refusal of ``*.*`` names
+
+
+def is_standard_module(name: str) -> bool:
+    """Whether global ``name`` (``module.qualname``) lies in a module of :data:`CODE_MODULES`."""
+    return name.split(".")[0] in CODE_MODULES
+
+
+def _tokens(pattern: str) -> list[str]:
+    """An ``fnmatch`` pattern as tokens: ``*``, ``?``, a ``[...]`` class, or one literal character."""
+    out: list[str] = []
+    i = 0
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "[":
+            j = i + 1
+            if j < len(pattern) and pattern[j] == "!":
+                j += 1
+            if j < len(pattern) and pattern[j] == "]":
+                j += 1
+            j = pattern.find("]", j)
+            if j >= 0:
+                out.append(pattern[i:j + 1])
+                i = j + 1
+                continue
+        out.append(c)
+        i += 1
+    return out
+
+
+def _may_start_with(tokens: list[str], prefix: str) -> bool:
+    """Whether some name starting with ``prefix`` matches the pattern ``tokens`` (case-sensitive,
+    as the patterns are judged): the pattern positions reachable after reading ``prefix``."""
+
+    def closed(states: set[int]) -> set[int]:  # a star may match nothing
+        out = set(states)
+        for at in sorted(states):
+            while at < len(tokens) and tokens[at] == "*":
+                at += 1
+                out.add(at)
+        return out
+
+    states = closed({0})
+    for char in prefix:
+        step: set[int] = set()
+        for at in states:
+            token = tokens[at] if at < len(tokens) else None
+            if token == "*":
+                step.add(at)
+            elif token is not None and (token in ("?", char) or (len(token) > 1 and fnmatch.fnmatchcase(char, token))):
+                step.add(at + 1)
+        states = closed(step)
+        if not states:
+            return False
+    return True
+
+
+def standard_module_matched(pattern: str) -> str | None:
+    """The first module of :data:`CODE_MODULES` some global of which ``pattern`` matches
+    (``posix.system``, ``os.*``, ``*.system``, ``o*.system``), or None (``myproj.Config``)."""
+    tokens = _tokens(pattern)
+    for module in (*_NAMED_FIRST, *sorted(CODE_MODULES)):
+        if _may_start_with(tokens, module + "."):
+            return module
+    return None

@@ -9,7 +9,7 @@ pickle and storages of torch's pre-1.6 format; :mod:`.emit` writes inert data ba
 :mod:`.write` writes pickles and records byte for byte as torch does.
 """
 
-from .pickles import TensorRecord, load_tensor_record
+from .pickles import TensorRecord, load_tensor_record, tensor_view_problem, view_problem
 from .write import StateDictFileWriter, state_dict_pickle, tensor_pickle, writable_dtype, write_tensor_record
 from .zipfmt import FileWindow, member_start, scan_record
 
@@ -22,6 +22,8 @@ __all__ = [
     "scan_record",
     "state_dict_pickle",
     "tensor_pickle",
+    "tensor_view_problem",
+    "view_problem",
     "writable_dtype",
     "write_tensor_record",
 ]

@@ -9,6 +9,7 @@ The writing side is :mod:`.write`.
 from __future__ import annotations
 
 import collections
+import math
 import pickle
 from dataclasses import dataclass
 from typing import Any
@@ -78,11 +79,59 @@ class _StorageRef:
         self.key, self.dtype, self.numel = key, dtype, numel
 
 
-def _ints(value: Any, what: str) -> tuple[int, ...]:
+def _ints(value: Any, what: str, *, signed: bool = False) -> tuple[int, ...]:
     items = tuple(value) if isinstance(value, (tuple, list)) else None
-    if items is None or not all(type(v) is int and v >= 0 for v in items):
-        raise pickle.UnpicklingError(f"tensor {what} {value!r} is not a tuple of non-negative ints")
+    if items is None or not all(type(v) is int and (signed or v >= 0) for v in items):
+        kind = "ints" if signed else "non-negative ints"
+        raise pickle.UnpicklingError(f"tensor {what} {value!r} is not a tuple of {kind}")
     return items
+
+
+def view_problem(size: tuple[int, ...], stride: tuple[int, ...], storage_offset: int, storage_numel: int,
+                 item_bytes: int) -> str | None:
+    """What is wrong with a tensor view of a storage of ``storage_numel`` elements, or None.
+
+    Every reader asks this where a tensor's size, stride, offset and storage are first known,
+    before anything is sized from it: a negative stride or offset, a view reaching past its
+    storage (offset + Σ (size−1)·stride + 1 elements), a stride of 0 on a dimension of size > 1
+    (a few stored bytes claiming terabytes), or strides that overlap into more elements than
+    the storage holds. ``item_bytes`` is the element size (for messages about bytes).
+
+    Example:
+        >>> view_problem((2**36,), (0,), 0, 1, 4)
+        'a [68719476736] view of 1 stored elements with a stride of 0 (strides [0]): it repeats them'
+        >>> view_problem((3, 4), (4, 1), 0, 12, 4) is None
+        True
+    """
+    if len(size) != len(stride):
+        return f"size {list(size)} and stride {list(stride)} differ in length"
+    if any(s < 0 for s in stride):
+        return f"negative stride {list(stride)}"
+    if storage_offset < 0:
+        return f"negative storage offset {storage_offset}"
+    if any(d < 0 for d in size):
+        return f"negative size {list(size)}"
+    numel = math.prod(size)
+    if not numel:
+        return None
+    reach = 1 + sum((d - 1) * s for d, s in zip(size, stride, strict=True))
+    if storage_offset + reach > storage_numel:
+        return (f"view outside its storage: a {list(size)} view (strides {list(stride)}, offset {storage_offset}) "
+                f"reaches element {storage_offset + reach} of {storage_numel} stored "
+                f"({storage_numel * item_bytes} bytes)")
+    if any(s == 0 and d > 1 for d, s in zip(size, stride, strict=True)):
+        return f"a {list(size)} view of {storage_numel} stored elements with a stride of 0 (strides {list(stride)}): " \
+               "it repeats them"
+    if numel > reach:
+        return f"a {list(size)} view of {storage_numel} stored elements whose strides {list(stride)} overlap"
+    return None
+
+
+def tensor_view_problem(t: Any) -> str | None:
+    """:func:`view_problem` of a tensor that was built (torch's own loaders): its storage's bytes."""
+    item = t.element_size()
+    stored = t.untyped_storage().nbytes() // item if item else 0
+    return view_problem(tuple(t.shape), tuple(t.stride()), int(t.storage_offset()), stored, item)
 
 
 def _rebuild_record(
@@ -90,7 +139,7 @@ def _rebuild_record(
 ) -> TensorRecord:
     if not isinstance(storage, _StorageRef) or type(offset) is not int:  # the callers bound the offset
         raise pickle.UnpicklingError("malformed tensor record")
-    shape, strides = _ints(size, "size"), _ints(stride, "stride")
+    shape, strides = _ints(size, "size"), _ints(stride, "stride", signed=True)  # judged by view_problem
     if len(shape) != len(strides):
         raise pickle.UnpicklingError(f"tensor size {shape} and stride {strides} differ in length")
     return TensorRecord(storage.key, storage.dtype, storage.numel, offset, shape, strides)

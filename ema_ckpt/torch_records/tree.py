@@ -32,7 +32,7 @@ from typing import Any
 from ..dtypes import DtypeName
 from ..errors import CheckpointFormatError, Note, UnsafePickleError
 from ..pickles.bounds import InMemoryUnpickler
-from ..pickles.rules import refusal, torch_size
+from ..pickles.rules import is_standard_module, refusal, torch_size
 from .pickles import _UNTYPED, TensorRecord, _rebuild_record, _rebuild_record_v3, storage_dtype
 
 
@@ -191,6 +191,7 @@ def load_tree(data: bytes, source: str) -> PickledTree:
     except Exception as err:  # any malformed pickle: one clean line
         detail = str(err).splitlines()[0][:200] if str(err) else type(err).__name__
         raise CheckpointFormatError(source, f"unreadable pickle ({detail})") from None
+    _check_depth(root, source)  # before anything that recurses (or copies paths) walks it
     return PickledTree(root, unpickler.storages, source)
 
 
@@ -239,40 +240,99 @@ def key_path(parts: Sequence[Any]) -> str:
     return text or "(the top level)"
 
 
-def walk(root: Any, *, max_nodes: int = 10_000_000) -> Iterator[tuple[tuple[Any, ...], Any]]:
-    """Every (path, value) of a tree in depth-first order, each container once (cycles and
-    shared parts are visited at their first place). Keys that are not strings or ints are
-    shown by type."""
+class Trail:
+    """Where a value sits in a tree: its parent's trail and its key, linked (a node costs the
+    same at any depth); :meth:`parts` spells it out as a tuple of keys, for messages."""
+
+    __slots__ = ("depth", "key", "parent")
+
+    def __init__(self, parent: Trail | None, key: Any) -> None:
+        self.parent, self.key = parent, key
+        self.depth: int = parent.depth + 1 if parent is not None else 0
+
+    def parts(self) -> tuple[Any, ...]:
+        keys: list[Any] = []
+        trail: Trail | None = self
+        while trail is not None and trail.parent is not None:
+            keys.append(trail.key)
+            trail = trail.parent
+        return tuple(reversed(keys))
+
+
+MAX_DEPTH = 1000
+"""Containers a pickle may nest inside one another (a checkpoint nests a few dozen at most):
+deeper, the file is refused as it is read (:func:`load_tree`), so nothing after it recurses
+that far."""
+
+
+def _children(value: Any) -> list[tuple[Any, Any]]:
+    """(key, child) of a container of the tree, in order; keys that are not strings or ints
+    are shown by type."""
+    children: list[tuple[Any, Any]] = []
+    if isinstance(value, Opaque):
+        children += [(f"<arg {i}>", a) for i, a in enumerate(value.args)]
+        children += [(f"<arg {k}>", a) for k, a in value.kwargs.items()]
+        if value.state is not None:
+            state = value.state
+            if isinstance(state, dict) and not isinstance(state, Opaque):
+                children += [(_name_of(k), v) for k, v in state.items()]
+            else:
+                children.append(("<state>", state))
+        children += list(enumerate(value.appended))
+    if isinstance(value, dict):
+        children += [(_name_of(k), v) for k, v in value.items()]
+        children += [("<key>", k) for k in value if isinstance(k, Opaque)]
+    elif isinstance(value, (list, tuple)):
+        children += list(enumerate(value))
+    elif isinstance(value, (set, frozenset)):
+        children += [("<member>", v) for v in value]
+    return children
+
+
+_CONTAINERS = (dict, list, tuple, set, frozenset)
+
+
+def _check_depth(root: Any, source: str, limit: int = MAX_DEPTH) -> None:
+    """Refuse a tree that nests containers more than ``limit`` deep; each container is looked
+    at once (a trail is made for containers only: leaves cost an ``isinstance``).
+
+    Raises:
+        CheckpointFormatError: naming the first keys of the too deep path.
+    """
     seen: set[int] = set()
-    stack: list[tuple[tuple[Any, ...], Any]] = [((), root)]
+    stack: list[tuple[Trail, Any]] = [(Trail(None, None), root)]
+    while stack:
+        trail, value = stack.pop()
+        if id(value) in seen:
+            continue
+        seen.add(id(value))
+        if trail.depth >= limit:
+            raise CheckpointFormatError(source, f"the pickle nests containers more than {limit} deep (under key "
+                                                f"{key_path(trail.parts()[:8])!r}…)")
+        stack.extend((Trail(trail, key), child) for key, child in _children(value) if isinstance(child, _CONTAINERS))
+
+
+def walk(root: Any, *, max_nodes: int = 10_000_000) -> Iterator[tuple[Trail, Any]]:
+    """Every (trail, value) of a tree in depth-first order, each container once (cycles and
+    shared parts are visited at their first place). Linear in the tree's size at any depth:
+    a trail links to its parent's (``trail.parts()`` is the path of keys).
+
+    Raises:
+        ValueError: more than ``max_nodes`` values.
+    """
+    seen: set[int] = set()
+    stack: list[tuple[Trail, Any]] = [(Trail(None, None), root)]
     visited = 0
     while stack:
-        path, value = stack.pop()
+        trail, value = stack.pop()
         visited += 1
         if visited > max_nodes:
             raise ValueError("the pickle nests more objects than a checkpoint holds")
-        yield path, value
-        if isinstance(value, (dict, list, tuple, set, frozenset)) and id(value) not in seen:
+        yield trail, value
+        if isinstance(value, _CONTAINERS) and id(value) not in seen:
             seen.add(id(value))
-            children: list[tuple[tuple[Any, ...], Any]] = []
-            if isinstance(value, Opaque):
-                children += [((*path, f"<arg {i}>"), a) for i, a in enumerate(value.args)]
-                children += [((*path, f"<arg {k}>"), a) for k, a in value.kwargs.items()]
-                if value.state is not None:
-                    state = value.state
-                    if isinstance(state, dict) and not isinstance(state, Opaque):
-                        children += [((*path, _name_of(k)), v) for k, v in state.items()]
-                    else:
-                        children.append(((*path, "<state>"), state))
-                children += [((*path, i), v) for i, v in enumerate(value.appended)]
-            if isinstance(value, dict):
-                children += [((*path, _name_of(k)), v) for k, v in value.items()]
-                children += [((*path, "<key>"), k) for k in value if isinstance(k, Opaque)]
-            elif isinstance(value, (list, tuple)):
-                children += [((*path, i), v) for i, v in enumerate(value)]
-            elif isinstance(value, (set, frozenset)):
-                children += [((*path, "<member>"), v) for v in value]
-            stack.extend(reversed(children))
+            children = _children(value)
+            stack.extend((Trail(trail, key), child) for key, child in reversed(children))
 
 
 def _name_of(key: Any) -> Any:
@@ -285,12 +345,12 @@ def foreign_globals(tree: PickledTree, inert_globals: Sequence[str] = ()) -> dic
     allowed = (*HARMLESS_GLOBALS, *inert_globals)
     found: dict[str, tuple[Any, ...]] = {}
     try:
-        for path, value in walk(tree.root):
+        for trail, value in walk(tree.root):
             # an object, or a class kept as a value
             if isinstance(value, Opaque) or (isinstance(value, type) and issubclass(value, Opaque)):
                 name = value.global_name
                 if name not in found and not _allowed(name, allowed):
-                    found[name] = path
+                    found[name] = trail.parts()
     except ValueError as err:
         raise CheckpointFormatError(tree.source, str(err)) from None
     return found
@@ -325,8 +385,8 @@ def check_harmless(tree: PickledTree, source: str, inert_globals: Sequence[str] 
 
 
 def _is_code(name: str) -> bool:
-    module, _, short = name.rpartition(".")
-    return not short[:1].isupper() or module.split(".")[0] in _CODE_MODULES
+    short = name.rpartition(".")[2]
+    return not short[:1].isupper() or is_standard_module(name)
 
 
 def is_module(value: Any) -> bool:
@@ -356,11 +416,6 @@ def module_state_dict(module: Any, prefix: str = "", depth: int = 0) -> dict[str
     return out
 
 
-_CODE_MODULES = {"builtins", "os", "posix", "nt", "subprocess", "sys", "importlib", "runpy", "shutil", "socket",
-                 "pickle", "marshal", "types", "functools", "operator", "code", "pty", "ctypes", "webbrowser"}
-"""Modules whose globals are code: a refusal never suggests reading them as data."""
-
-
 def plain_value(value: Any) -> Any:
     """``value`` when it is plain data (None, bool, int, float, str, bytes), else None."""
     return value if value is None or isinstance(value, (bool, int, float, str, bytes)) else None
@@ -368,9 +423,11 @@ def plain_value(value: Any) -> Any:
 
 __all__ = [
     "HARMLESS_GLOBALS",
+    "MAX_DEPTH",
     "Opaque",
     "PickledTree",
     "StorageRef",
+    "Trail",
     "check_harmless",
     "foreign_globals",
     "is_module",

@@ -36,6 +36,8 @@ from ...torch_records import (
     load_tensor_record,
     member_start,
     scan_record,
+    tensor_view_problem,
+    view_problem,
 )
 from ...torch_records.checks import ReadChecks
 from ...torch_records.zipfmt import LOCAL_HEADER, LOCAL_MAGIC, Member
@@ -199,6 +201,7 @@ class ChunkRecords:
             return None
         if not (0 <= member.header_offset < chunk.length) or record.storage_offset < 0 or record.storage_numel < 0:
             raise CheckpointFormatError(self.path / chunk.file, f"key {key!r}: corrupt record")
+        self._check_view(key, chunk, record)
         header = pread(fd, LOCAL_HEADER.size, chunk.offset + member.header_offset)
         if len(header) != LOCAL_HEADER.size or header[:4] != LOCAL_MAGIC:
             raise CheckpointFormatError(self.path / chunk.file, f"key {key!r}: corrupt record header")
@@ -239,6 +242,7 @@ class ChunkRecords:
             return False
         if record.storage_offset < 0 or record.storage_numel < 0:
             raise CheckpointFormatError(self.path / chunk.file, f"key {key!r}: corrupt record")
+        self._check_view(key, chunk, record)
         nbytes = record.storage_numel * itemsize(record.dtype)
         if data[1] != nbytes:
             return None
@@ -283,6 +287,10 @@ class ChunkRecords:
             ) from None
         if not isinstance(value, torch.Tensor):
             raise CheckpointFormatError(self.path / chunk.file, f"key {key!r}: record is not a tensor")
+        problem = tensor_view_problem(value)
+        if problem is not None:
+            raise CheckpointFormatError(self.path / chunk.file, f"key {key!r}: the record at offset "
+                                                                f"{chunk.offset} holds {problem}")
         self._fallback = ((chunk.file, chunk.offset), value)
         return value
 
@@ -320,6 +328,15 @@ class ChunkRecords:
         _pread_into(self._fd(file), view, offset, self._name(file))
         self.read_checks.saw(file, offset, view)
 
+
+    def _check_view(self, key: str, chunk: StoredChunk, record: TensorRecord) -> None:
+        """Refuse a record whose view does not fit its storage, or repeats it (a stride of 0):
+        where its size, strides, offset and storage are first known, before anything is read."""
+        problem = view_problem(record.size, record.stride, record.storage_offset, record.storage_numel,
+                               itemsize(record.dtype))
+        if problem is not None:
+            raise CheckpointFormatError(self.path / chunk.file, f"key {key!r}: the record at offset "
+                                                                f"{chunk.offset} holds {problem}")
 
     def _check_record(self, key: str, chunk: StoredChunk, size: tuple[int, ...], dtype: str) -> None:
         expected = self._stored[key][1]

@@ -12,6 +12,7 @@ from ..._lazy import torch
 from ...errors import CheckpointFormatError
 from ...layout import TensorSpec
 from ...storage import Location
+from ...torch_records import tensor_view_problem
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,9 +74,32 @@ class _FlatChunks:
 
 
 
+def _check_view(t: torch.Tensor, where: Location, what: str) -> None:
+    """Refuse a loaded tensor whose view does not fit its storage or repeats it (a stride of 0:
+    a few stored bytes claiming terabytes), before anything is sized or copied from it."""
+    problem = tensor_view_problem(t)
+    if problem is not None:
+        raise CheckpointFormatError(where, f"{what}: {problem}")
+
+
+def _check_disjoint(flats: Sequence[torch.Tensor], where: Location, what: str) -> None:
+    """Refuse flat groups of one file whose bytes overlap (each group is its own partition)."""
+    spans = sorted(
+        (t.untyped_storage().data_ptr(), t.storage_offset() * t.element_size(),
+         (t.storage_offset() + t.numel()) * t.element_size(), i)
+        for i, t in enumerate(flats) if t.device.type == "cpu" and t.numel())
+    last: tuple[int, int, int] | None = None  # (storage, furthest end so far, its group)
+    for ptr, start, end, i in spans:
+        if last is not None and last[0] == ptr and start < last[1]:
+            raise CheckpointFormatError(where, f"{what}[{last[2]}] and {what}[{i}] overlap in one storage")
+        if last is None or last[0] != ptr or end > last[1]:
+            last = (ptr, end, i)
+
+
 def _flat(t: Any, where: Location, what: str) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise CheckpointFormatError(where, f"{what} is {type(t).__name__}, not a tensor")
+    _check_view(t, where, what)
     if t.dim() != 1:
         t = t.reshape(-1)
     return t
@@ -150,6 +174,9 @@ class ParameterMaps:
         module = model0.get("module") or {}
         if not isinstance(module, Mapping):
             raise CheckpointFormatError(model0_path, "'module' is not a state dict")
+        for name, t in module.items():  # buffers and frozen weights are read from these
+            if isinstance(t, torch.Tensor):
+                _check_view(t, model0_path, f"key {name!r} of 'module'")
         buffer_names = list(model0.get("buffer_names") or [])
         for name in buffer_names:
             t = module.get(name)
@@ -201,6 +228,7 @@ class ParameterMaps:
             if not isinstance(groups, list | tuple):
                 raise CheckpointFormatError(p, f"no {key}")
             flats = [_flat(t, p, f"{key}[{i}]") for i, t in enumerate(groups)]
+            _check_disjoint(flats, p, key)
             per_rank.append(flats)
             mapped.append(
                 [self._releasable[p] and _same_storage(f, t) for f, t in zip(flats, groups, strict=True)]
@@ -253,6 +281,7 @@ class ParameterMaps:
             if not isinstance(groups, list | tuple):
                 raise CheckpointFormatError(p, f"no {key}")
             flats = [_flat(t, p, f"{key}[{i}]") for i, t in enumerate(groups)]
+            _check_disjoint(flats, p, key)
             mapped = [self._releasable[p] and _same_storage(f, t) for f, t in zip(flats, groups, strict=True)]
             per_rank.append(_FlatChunks(flats, mapped, self._file_places(p, flats, groups)))
         merged: dict[str, tuple[int, ...]] = {}
@@ -319,6 +348,7 @@ class ParameterMaps:
                     raise CheckpointFormatError(
                         model0_path, f"frozen parameter {name} is missing or the wrong size"
                     )
+                _check_view(t, model0_path, f"frozen parameter {name!r}")
                 whole = t.reshape(shape)
                 entries[name] = _Entry(
                     TensorSpec(name, shape, t.dtype),
@@ -348,6 +378,7 @@ class ParameterMaps:
                     raise CheckpointFormatError(
                         p, f"frozen fragment of {name} is missing or not {part} elements"
                     )
+                _check_view(t, p, f"frozen fragment of {name!r}")
                 dtype = t.dtype
                 length = min(part, n - r * part)
                 if length > 0:

@@ -39,7 +39,7 @@ from ...errors import CheckpointFormatError, Note
 from ...layout import Box, TensorSpec
 from ...layouts import SeenCounter, counters_in
 from ...storage import Location, local_path, pread_into
-from ...torch_records import TensorRecord, member_start
+from ...torch_records import TensorRecord, member_start, view_problem
 from ...torch_records.checks import ReadChecks
 from ...torch_records.emit import dumps_inert
 from ...torch_records.legacy import is_legacy, legacy_storage_starts, read_legacy_head
@@ -53,7 +53,6 @@ SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".tar")
 """File suffixes of single-file checkpoints (``.pth.tar`` ends in ``.tar``)."""
 _ZIP_MAGIC = b"PK\x03\x04"
 _MAX_PICKLE_BYTES = 64 << 20  # pickled records of a few million keys
-_MAX_REPEATED_BYTES = 64 << 20  # an expanded (stride-0) view may be at most this large
 _TAIL = 65536 + 22  # a zip's end record lies within its last 64 KiB + 22 bytes
 
 
@@ -250,13 +249,12 @@ class TorchFileReader(CheckpointReader):
                                f"its tensor needs {nbytes}")
             if start + nbytes > self._size:
                 raise CheckpointFormatError(self.path, f"truncated: key {shown!r} ends past the end of the file")
-            if record.storage_offset < 0 or record.storage_offset + _span(record) > record.storage_numel:
-                raise CheckpointFormatError(self.path, f"key {shown!r}: view outside its storage")
-            numel = math.prod(record.size)
-            if numel > record.storage_numel and numel * itemsize(record.dtype) > _MAX_REPEATED_BYTES:
-                # a stride-0 view of a few bytes claiming terabytes: refused, not expanded
-                raise CheckpointFormatError(
-                    self.path, f"key {shown!r}: a {list(record.size)} view of {record.storage_numel} stored elements")
+            # a view past its storage, a negative stride, a stride-0 view of a few bytes claiming
+            # terabytes: refused here, before anything is sized from it
+            problem = view_problem(record.size, record.stride, record.storage_offset, record.storage_numel,
+                                   itemsize(record.dtype))
+            if problem is not None:
+                raise CheckpointFormatError(self.path, f"key {shown!r}: {problem}")
             if key in tensors:
                 raise CheckpointFormatError(self.path, f"key {key!r} appears twice once nested dicts are joined")
             tensors[key] = _Stored(record, start, name)
@@ -486,9 +484,3 @@ def describe_top_level(root: Any, chosen: Candidate) -> list[dict[str, str]]:
         rows.append({"key": str(key), "holds": _what(value), "role": role})
     return rows
 
-
-def _span(record: TensorRecord) -> int:
-    """Elements of storage a view reaches, from its first element."""
-    if any(d == 0 for d in record.size):
-        return 0
-    return 1 + sum((d - 1) * s for d, s in zip(record.size, record.stride, strict=True))
