@@ -28,6 +28,7 @@ Example:
 
 from __future__ import annotations
 
+import collections
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -141,10 +142,10 @@ def counters_in(record: object, prefix: str = "") -> list[SeenCounter]:
         [('meta.epoch', 3), ('meta.iter', 120)]
     """
     found: list[SeenCounter] = []
-    todo: list[tuple[object, str, int]] = [(record, prefix, 0)]
+    todo: collections.deque[tuple[object, str, int]] = collections.deque([(record, prefix, 0)])
     seen = 0
     while todo and seen < _MAX_COUNTER_ENTRIES:
-        value, path, depth = todo.pop(0)
+        value, path, depth = todo.popleft()
         if isinstance(value, dict):
             for key, item in list(value.items())[:_MAX_COUNTER_ENTRIES]:
                 seen += 1

@@ -35,6 +35,7 @@ Example:
 
 from __future__ import annotations
 
+import collections
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -136,10 +137,10 @@ def _dicts(root: Any, *, everywhere: bool) -> list[tuple[tuple[Any, ...], Mappin
     """Every dict in ``root`` with its path, breadth first; below :data:`NON_MODEL` names only
     when ``everywhere``."""
     found: list[tuple[tuple[Any, ...], Mapping[Any, Any]]] = []
-    queue: list[tuple[tuple[Any, ...], Any]] = [((), root)]
+    queue: collections.deque[tuple[tuple[Any, ...], Any]] = collections.deque([((), root)])
     seen: set[int] = set()
     while queue:
-        path, value = queue.pop(0)
+        path, value = queue.popleft()  # a deque: linear in the number of entries, however wide
         if not isinstance(value, dict) or id(value) in seen or len(path) > _MAX_DEPTH:
             continue
         seen.add(id(value))
