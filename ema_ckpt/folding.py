@@ -246,16 +246,47 @@ def named_profiles(
                                             per_checkpoint=per_checkpoint, warmup=warmup))]
 
 def refuse_backwards(acc: Accumulator, checkpoints: list[FoundCheckpoint], start: int) -> None:
-    """Refuse a checkpoint that appeared at or before the EMA's step: steps went backwards."""
-    known = {c.path for c in acc.previous.checkpoints} if acc.previous else set()
-    known |= {s["path"] for s in (acc.previous.skipped if acc.previous else [])}
-    late = [c for c in checkpoints if c.step <= start and str(c.path.resolve()) not in known]
-    if late:
-        raise IncompatibleCheckpointError(
-            f"{late[0].path}: step {late[0].step} is at or before step {start}, where the EMA {acc.final} "
-            "stands, but was never folded: steps went backwards (a job restarted into the same folder?); "
-            "move it away, or pass {restart=True} to rebuild the EMA", remedy="restart"
-        )
+    """Refuse a checkpoint that appeared at or before the EMA's step: steps went backwards.
+
+    A checkpoint the EMA folded under another path (``ema-ckpt watch`` folds staged copies of
+    them) is known by its step and fingerprint: it is not new, and not refused. The remedy
+    offered never loses data silently: where folded steps' checkpoints are gone, rebuilding
+    the EMA would drop them, and the message says so instead of offering it plainly."""
+    previous = acc.previous
+    known = {c.path for c in previous.checkpoints} if previous else set()
+    known |= {s["path"] for s in (previous.skipped if previous else [])}
+    folded = {(c.step, c.fingerprint) for c in previous.checkpoints} if previous else set()
+    held = [c for c in checkpoints if c.step <= start
+            and (str(c.path.resolve()) in known or _folded_elsewhere(c, folded))]
+    late = [c for c in checkpoints if c.step <= start and c not in held]
+    if not late:
+        return
+    head = (f"{late[0].path}: step {late[0].step} is at or before step {start}, where the EMA {acc.final} "
+            "stands, but was never folded: steps went backwards (a job restarted into the same folder?); ")
+    on_disk = {c.step for c in held}
+    gone = sorted({c.step for c in previous.checkpoints if c.step not in on_disk and not _exists(c.path)}
+                  if previous else [])
+    if not gone:
+        raise IncompatibleCheckpointError(head + "move it away, or pass {restart=True} to rebuild the EMA",
+                                          remedy="restart")
+    raise IncompatibleCheckpointError(
+        head + f"move it away. Rebuilding the EMA ({{restart=True}}) would lose the {len(gone)} folded step(s) "
+        f"whose checkpoints are gone (steps {_steps(gone)})", mentions=("restart",))
+
+
+def _folded_elsewhere(checkpoint: FoundCheckpoint, folded: set[tuple[int, str]]) -> bool:
+    """Whether ``checkpoint`` is one the EMA folded (its step and fingerprint recorded), at another path."""
+    if not any(step == checkpoint.step for step, _ in folded):
+        return False
+    now = current_fingerprint(checkpoint.path)
+    return now is not None and (checkpoint.step, now) in folded
+
+
+def _exists(path: str) -> bool:
+    try:
+        return as_path(path).exists()
+    except OSError:
+        return False
 
 
 def skip_records(skipped: Sequence[tuple[FoundCheckpoint, str]]) -> list[dict[str, Any]]:

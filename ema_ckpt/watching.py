@@ -23,20 +23,32 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
+import hashlib
+import json
 import os
 import shutil
 import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from .discovery import Discovery, discover
-from .errors import CheckpointNotFoundError, EmaCkptError, OptionError, UsageError, one_line
+from .errors import CheckpointError, CheckpointNotFoundError, EmaCkptError, OptionError, UsageError, one_line
 from .manifest import Manifest
-from .storage import Location, as_path, close_readable, files_on_disk, local_file, open_readable, pread
+from .storage import (
+    Location,
+    as_path,
+    close_readable,
+    files_on_disk,
+    local_file,
+    open_readable,
+    output_location,
+    pread,
+)
 
 INCOMING = ".ema-ckpt-incoming"
 """The folder, inside the checkpoints' folder, that holds checkpoints staged for folding."""
@@ -65,6 +77,9 @@ class WatchResult:
     stopped: str = ""
     staged: int = 0
     errors: list[str] = field(default_factory=list)
+    lost: list[int] = field(default_factory=list)
+    """Steps staged whose copy changed before it was folded (-1: a step not known), each said
+    as an error: never folded."""
 
 
 def incoming_dir(checkpoints: str | os.PathLike[str]) -> Path:
@@ -72,16 +87,28 @@ def incoming_dir(checkpoints: str | os.PathLike[str]) -> Path:
     return Path(checkpoints) / INCOMING
 
 
-def stage(checkpoint: str | os.PathLike[str] | Location, incoming: str | os.PathLike[str]) -> Path:
-    """Hard-link the files of ``checkpoint`` (a file or a folder) into ``incoming/<its name>``.
+def stage(checkpoint: str | os.PathLike[str] | Location, incoming: str | os.PathLike[str], *,
+          step: int | None = None) -> Path:
+    """Stage ``checkpoint`` (a file or a folder) into ``incoming``: a copy the trainer cannot
+    write into, under its own name (see below), with a record of what was staged.
 
-    The staged copy appears whole (built under a hidden name, then renamed) and shares the
-    checkpoint's bytes: it costs no space until the trainer deletes the original. A file whose
-    link is refused (another filesystem) is copied; a checkpoint in object storage is
-    downloaded. An existing staged copy is kept.
+    A single file, which a trainer may write again in place (``torch.save`` truncates and
+    rewrites the same inode: nanoGPT's ``ckpt.pt``), is reflinked where the filesystem can
+    (no bytes copied) and copied where it cannot; never hard-linked. The files of a folder
+    (shards written once) are reflinked, else hard-linked, else copied. A checkpoint in object
+    storage is downloaded. The staged copy appears whole (built under a hidden name, then
+    renamed), and a hidden record beside it (:func:`staged_record`) keeps its original name,
+    its ``step`` when given, and the size, time and inode of each staged file, so that a fold
+    can tell when its bytes changed before it was folded (:func:`rewritten_since_staged`).
+
+    The staged name is the checkpoint's own; a file already staged under that name with other
+    bytes (written again in place since) is staged beside it as ``<stem>.<mtime><suffix>``,
+    shortened to a hash of its name where that would pass NAME_MAX (255 bytes). An existing
+    staged copy of the same bytes is kept.
 
     Raises:
-        FileNotFoundError: the checkpoint went (or lost a file) before all of it was staged.
+        FileNotFoundError: the checkpoint went (or lost a file, or a single file was written
+            again while it was copied) before all of it was staged.
 
     Example:
         >>> stage("ckpts/checkpoint-500", "ckpts/.ema-ckpt-incoming")   # doctest: +SKIP
@@ -89,21 +116,27 @@ def stage(checkpoint: str | os.PathLike[str] | Location, incoming: str | os.Path
     """
     source, into = as_path(checkpoint), Path(incoming)
     local = local_file(source)
-    target = into / source.name
+    if local is not None and local.parent.resolve() == into.resolve():
+        return local  # already staged (a callback's own copy)
+    seen = _identity(local) if local is not None and local.is_file() else None
+    target = _staged_target(source.name, into, seen)
     if target.exists():
         return target
     into.mkdir(parents=True, exist_ok=True)
-    partial = into / f".{source.name}.partial-{os.getpid()}-{threading.get_ident()}"
+    partial = into / f".partial-{_short(target.name)}-{os.getpid()}-{threading.get_ident()}"
     shutil.rmtree(partial, ignore_errors=True)
     try:
         if local is None:
             _download(source, partial)
         elif local.is_dir():
-            shutil.copytree(local, partial, copy_function=_link_or_copy)
+            shutil.copytree(local, partial, copy_function=_clone_link_or_copy)
         else:
-            _link_or_copy(str(local), str(partial))
+            _clone_or_copy(str(local), str(partial))
+            if _identity(local) != seen:  # written again while it was copied: the copy may be torn
+                raise FileNotFoundError(errno.ENOENT, "written again while it was staged", str(local))
+        _write_record(into, target.name, source.name, step, seen, partial)
         os.replace(partial, target)
-    except FileNotFoundError:  # deleted by retention while it was linked: it was never whole here
+    except FileNotFoundError:  # deleted by retention while it was staged: it was never whole here
         _remove(partial)
         raise
     except OSError:
@@ -113,7 +146,144 @@ def stage(checkpoint: str | os.PathLike[str] | Location, incoming: str | os.Path
     return target
 
 
-def _link_or_copy(src: str, dst: str) -> str:
+_NAME_MAX = 255
+_RECORD_PREFIX = ".staged-"
+
+
+def _short(name: str) -> str:
+    return hashlib.sha256(name.encode("utf-8", "surrogateescape")).hexdigest()[:20]
+
+
+def _fits(name: str) -> bool:
+    return len(name.encode("utf-8", "surrogateescape")) <= _NAME_MAX
+
+
+def _identity(path: Path) -> tuple[int, int, int] | None:
+    try:
+        info = path.stat()
+    except FileNotFoundError:
+        return None
+    return (info.st_size, info.st_mtime_ns, info.st_ino)
+
+
+def records_dir(incoming: str | os.PathLike[str]) -> Path:
+    """Where :func:`stage` keeps its records of the copies staged in ``incoming``: a hidden
+    folder beside it (``CKPTS/.ema-ckpt-incoming.records``), so that ``incoming`` holds the
+    staged checkpoints alone."""
+    into = Path(incoming)
+    return into.parent / f"{into.name}.records"
+
+
+def _record_path(into: Path, staged_name: str) -> Path:
+    return records_dir(into) / f"{_RECORD_PREFIX}{_short(staged_name)}.json"
+
+
+def staged_record(into: str | os.PathLike[str], staged_name: str) -> dict[str, Any] | None:
+    """The record :func:`stage` kept of the copy ``into/staged_name``: ``name`` (the original
+    name), ``step`` (or None), ``source`` (size, time, inode of the original single file, or
+    None) and ``files`` (each staged file's size, time and inode); None without one."""
+    try:
+        record = json.loads(_record_path(Path(into), staged_name).read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) and record.get("staged") == staged_name else None
+
+
+def _files_identity(path: Path) -> dict[str, list[int]]:
+    if path.is_dir():
+        files = {str(p.relative_to(path)): p for p in sorted(path.rglob("*")) if p.is_file()}
+    else:
+        files = {"": path}
+    found: dict[str, list[int]] = {}
+    for rel, file in files.items():
+        info = file.stat()
+        found[rel] = [info.st_size, info.st_mtime_ns, info.st_ino]
+    return found
+
+
+def _write_record(into: Path, staged_name: str, name: str, step: int | None, seen: tuple[int, int, int] | None,
+                  partial: Path) -> None:
+    """Record what ``partial`` (about to become ``into/staged_name``: a rename keeps inodes and
+    times) holds, before it is renamed into place: a staged copy never lacks its record."""
+    record = {"staged": staged_name, "name": name, "step": step, "source": None if seen is None else list(seen),
+              "files": _files_identity(partial)}
+    final = _record_path(into, staged_name)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.parent / f".record-{os.getpid()}-{threading.get_ident()}"
+    tmp.write_text(json.dumps(record))
+    os.replace(tmp, final)
+
+
+def _note_step(into: Path, staged_name: str, step: int) -> None:
+    """Add ``step`` to the record of a staged copy that was staged without it."""
+    record = staged_record(into, staged_name)
+    if record is None or record.get("step") is not None:
+        return
+    record["step"] = step
+    final = _record_path(into, staged_name)
+    tmp = final.parent / f".record-{os.getpid()}-{threading.get_ident()}"
+    with contextlib.suppress(OSError):
+        tmp.write_text(json.dumps(record))
+        os.replace(tmp, final)
+
+
+def _staged_target(name: str, into: Path, seen: tuple[int, int, int] | None) -> Path:
+    """Where a checkpoint named ``name`` is staged: its own name, unless a single file (its
+    ``seen`` identity) is already staged there with other bytes (a file written again in
+    place since): then a name of its version."""
+    target = into / name
+    if seen is None or not target.exists():
+        return target
+    record = staged_record(into, name)
+    if record is None or record.get("source") in (None, list(seen)):
+        return target
+    stem, suffix = os.path.splitext(name)
+    versioned = f"{stem}.{seen[1]}{suffix}"
+    if not _fits(versioned):
+        versioned = f"{_short(name)}.{seen[1]}{suffix if _fits('x' * 60 + suffix) else ''}"
+    return into / versioned
+
+
+def rewritten_since_staged(into: str | os.PathLike[str], staged_name: str) -> bool:
+    """Whether the staged copy ``into/staged_name`` no longer holds the bytes staged (a file
+    changed size, time or inode, or went): False where there is no record to compare with."""
+    record = staged_record(into, staged_name)
+    if record is None:
+        return False
+    try:
+        return _files_identity(Path(into) / staged_name) != record.get("files")
+    except OSError:
+        return True
+
+
+def _clone(src: str, dst: str) -> bool:
+    """Reflink ``src`` to ``dst`` (FICLONE: shares no bytes the trainer can write into); False
+    where the filesystem cannot (``dst`` is then absent)."""
+    try:
+        with open(src, "rb") as reading, open(dst, "wb") as writing:
+            fcntl.ioctl(writing.fileno(), _FICLONE, reading.fileno())
+    except OSError as err:
+        if isinstance(err, FileNotFoundError) and not os.path.exists(src):
+            raise
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(dst)
+        return False
+    shutil.copystat(src, dst)
+    return True
+
+
+_FICLONE = 0x40049409
+
+
+def _clone_or_copy(src: str, dst: str) -> str:
+    if not _clone(src, dst):
+        shutil.copy2(src, dst)
+    return dst
+
+
+def _clone_link_or_copy(src: str, dst: str) -> str:
+    if _clone(src, dst):
+        return dst
     try:
         os.link(src, dst)
     except OSError:
@@ -205,13 +375,15 @@ def stage_new(folder: str | os.PathLike[str] | Location, *, after: int | Callabl
     failed: OSError | None = None
     for checkpoint in found.checkpoints:
         entry = checkpoint.entry  # the whole checkpoint (its components, its step records), never one file of it
-        if (into / entry.name).exists() or str(entry) in left_out:
+        if str(entry) in left_out or _is_staged(entry, into):
             continue
         newest = after() if callable(after) else after  # after the look: a fold removes its copies last
         if newest is not None and checkpoint.step <= newest:
             continue
         try:
-            staged.append(stage(entry, into))
+            path = stage(entry, into)
+            _note_step(into, path.name, checkpoint.step)
+            staged.append(path)
         except FileNotFoundError:  # gone before all of it could be staged
             continue
         except OSError as err:
@@ -222,6 +394,14 @@ def stage_new(folder: str | os.PathLike[str] | Location, *, after: int | Callabl
     if failed is not None:
         raise failed
     return staged
+
+
+def _is_staged(entry: Location, into: Path) -> bool:
+    """Whether ``entry`` is staged in ``into`` already (a file written again in place since it
+    was staged is not: its new bytes are staged beside the old)."""
+    local = local_file(entry)
+    seen = _identity(local) if local is not None and local.is_file() else None
+    return _staged_target(entry.name, into, seen).exists()
 
 
 def _discover_settled(folder: Location, step_regex: str | None, step_from: str | None = None,
@@ -245,7 +425,51 @@ def _drop_folded(incoming: Path, step: int, step_regex: str | None) -> None:
     found = discover([incoming], step_regex=step_regex, all_components=True, require=False)
     for entry in found.entries:  # every entry with a step: a copy of a folded one left out counts too
         if entry.step is not None and entry.step <= step:
-            _remove(Path(str(entry.path)))
+            _unstage(Path(str(entry.path)))
+
+
+def _unstage(staged: Path) -> None:
+    """Remove a staged copy, then its record."""
+    _remove(staged)
+    with contextlib.suppress(FileNotFoundError):
+        _record_path(staged.parent, staged.name).unlink()
+
+
+def _check_staged(incoming: Path, result: WatchResult, on_error: Callable[[str], None] | None) -> None:
+    """Before a fold: drop every staged copy whose bytes changed since they were staged (a
+    trainer writing into shared storage), each said as a step lost; without ``on_error``, raise."""
+    if not incoming.is_dir():
+        return
+    for record_file in sorted(records_dir(incoming).glob(f"{_RECORD_PREFIX}*.json")):
+        try:
+            record = json.loads(record_file.read_text())
+        except (OSError, ValueError):
+            continue
+        name = record.get("staged") if isinstance(record, dict) else None
+        if not isinstance(name, str) or _record_path(incoming, name) != record_file:
+            continue
+        staged = incoming / name
+        if not staged.exists() or not rewritten_since_staged(incoming, name):  # absent: being staged
+            continue
+        _unstage(staged)
+        step = record.get("step")
+        what = f"step {step}" if step is not None else "a checkpoint"
+        message = (f"{what} was rewritten before it was folded: lost ({record.get('name', name)} changed in "
+                   f"{incoming} after it was staged)")
+        result.lost.append(step if isinstance(step, int) else -1)
+        if on_error is None:
+            raise CheckpointError(incoming / name, f"{what} was rewritten before it was folded: lost")
+        _say_once(message, result, on_error)
+
+
+def _check_options(out: Location, options: dict[str, Any]) -> None:
+    """Check :func:`~ema_ckpt.accumulate`'s options by its own rules (the profile, the dtype,
+    the device, ``out``) before anything is watched: a bad one would fail every fold."""
+    from .commands.accumulate import AccumulateOptions
+
+    known = {f.name for f in fields(AccumulateOptions)} - {"checkpoints", "out"}
+    given: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in options.items() if k in known}
+    AccumulateOptions((Path(os.curdir),), out=output_location(out), **given)  # raises OptionError, UsageError
 
 
 class _Changes:
@@ -311,8 +535,13 @@ def watch(
         accumulate_options: :func:`~ema_ckpt.accumulate`'s options (``decay``, ``half_life``,
             ``sigma_rels``, ``snapshot_every``, ``warmup``, ...).
 
+    A staged copy whose bytes changed before it was folded (:func:`stage`) is not folded: it is
+    said as ``step N was rewritten before it was folded: lost`` (``on_error``) and its step is in
+    ``result.lost``.
+
     Raises:
-        OptionError: a bad ``interval`` or ``stop_when_idle``.
+        OptionError: a bad ``interval`` or ``stop_when_idle``, or an option that
+            :func:`~ema_ckpt.accumulate` refuses (checked before anything is watched).
 
     Example:
         >>> done = watch("ckpts", decay=0.999, stop_when_idle=3600)   # doctest: +SKIP
@@ -327,6 +556,7 @@ def watch(
         raise OptionError("stop_when_idle", f"must be 0 or more seconds, got {stop_when_idle}", value=stop_when_idle)
     folder = as_path(checkpoints)
     target = as_path(out) if out is not None else folder / "ema"
+    _check_options(target, accumulate_options)
     stop = stop or threading.Event()
     result = WatchResult(out=target, step=ema_step(target))
     step_regex, step_from = accumulate_options.get("step_regex"), accumulate_options.get("step_from")
@@ -370,6 +600,7 @@ def watch(
         idle_since = time.monotonic()
         while True:
             staged_before = result.staged
+            _check_staged(incoming, result, on_error)
             fold = _fold_once(accumulate, incoming, target, accumulate_options, result, on_error)
             if fold is not None:
                 idle_since = time.monotonic()
@@ -405,6 +636,7 @@ def watch(
             changes.close()
         if local is None:
             shutil.rmtree(incoming, ignore_errors=True)
+            shutil.rmtree(records_dir(incoming), ignore_errors=True)
     _say_scan_failures(folder, failures, result, on_error)  # the scanner's last look
     return result
 
@@ -460,4 +692,5 @@ def _wait_any(stop: threading.Event, wake: threading.Event, seconds: float) -> N
         wake.wait(min(left, 0.2))
 
 
-__all__ = ["INCOMING", "WatchFold", "WatchResult", "ema_step", "incoming_dir", "stage", "stage_new", "watch"]
+__all__ = ["INCOMING", "WatchFold", "WatchResult", "ema_step", "incoming_dir", "records_dir", "rewritten_since_staged",
+           "stage", "stage_new", "staged_record", "watch"]

@@ -11,6 +11,7 @@ if TYPE_CHECKING:
     from ..watching import WatchFold
 
 from .. import _signals
+from ..errors import CheckpointError
 from ._errors import reports_errors
 from ._flags import cli_text
 from ._options import (
@@ -49,11 +50,14 @@ Examples:
 
   ema-ckpt watch s3://bucket/run/ckpts --decay 0.999 --out s3://bucket/run/ema --interval 60
 
-  Each complete checkpoint is hard-linked into CKPTS/.ema-ckpt-incoming the moment it is seen
-  (on object storage: polled every interval and downloaded into a local temporary folder), so
-  retention (save_total_limit=1, save_top_k=1) cannot take it before it is folded. SIGTERM
-  or Ctrl-C: the fold in progress finishes, then exit 0 (a second one stops at once).
-  A fold, or a look at the folder, that fails is said in one line (once) and watching goes on.
+  Each complete checkpoint is staged into CKPTS/.ema-ckpt-incoming the moment it is seen
+  (a single file reflinked or copied, a folder's files reflinked or hard-linked; on object
+  storage: polled every interval and downloaded into a local temporary folder), so retention
+  (save_total_limit=1, save_top_k=1) cannot take it before it is folded. The options are
+  checked before anything is watched (exit 2). SIGTERM or Ctrl-C: the fold in progress
+  finishes, then exit 0 (a second one stops at once). A fold, or a look at the folder, that
+  fails is said in one line (once) and watching goes on; a staged step whose bytes changed
+  before it was folded is said as lost, and the exit status is then 3.
 """
 
 
@@ -131,9 +135,15 @@ def watch_command(
             skip_nonfinite=skip_nonfinite, skip_damaged=skip_damaged, state_key=state_key, workers=workers,
             device=device, wait_seconds=interval,
         )
+    lost = sorted(result.lost)
     if json_output:
         print_json({"event": "stopped", "why": result.stopped, "out": str(result.out), "step": result.step,
-                    "folds": len(result.folds), "errors": len(result.errors)}, compact=True)
+                    "folds": len(result.folds), "errors": len(result.errors), "lost": lost}, compact=True)
     elif not quiet:
         console.print(f"{shown(result.out)}: stopped ({result.stopped}); EMA at step {result.step}, "
                       f"{len(result.folds)} folds", highlight=False)
+    if lost:  # a step staged but rewritten before it was folded: never an exit 0
+        if not json_output:
+            err_console.print(f"error: {len(lost)} staged step(s) were rewritten before they were folded and are "
+                              "lost to the EMA (see above)", style="red", highlight=False)
+        raise typer.Exit(CheckpointError.exit_code)

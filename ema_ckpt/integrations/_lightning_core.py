@@ -10,8 +10,9 @@ How no checkpoint is missed with ``save_top_k=1`` (or ``every_n_train_steps=1``)
   checkpoint written at one hook is therefore seen at this callback's next hook, which comes
   before ``ModelCheckpoint``'s next save, the only moment it removes the previous file. At each
   hook, global rank 0 looks at every ``ModelCheckpoint`` (its ``best_k_models``,
-  ``best_model_path``, ``last_model_path`` and its folder's listing) and stages what is new:
-  hard links in ``<dirpath>/.ema-ckpt-incoming/`` (no copy, no wait).
+  ``best_model_path``, ``last_model_path`` and its folder's listing) and stages what is new
+  in ``<dirpath>/.ema-ckpt-incoming/``: a ``.ckpt`` file as a reflink where the filesystem
+  can (no bytes copied), else a copy (never a hard link a save in place could write into).
 - As a second guard, ``trainer.strategy.remove_checkpoint`` is wrapped for the run: a checkpoint
   that retention removes is staged first if it was not yet (a save made outside the hooks, e.g.
   ``trainer.save_checkpoint`` in user code). Training never waits for a fold.

@@ -1,8 +1,8 @@
 """``EmaCkptCallback`` for ``transformers.Trainer``: the EMA of every checkpoint the Trainer saves.
 
 After each save, the new ``checkpoint-<step>`` folder under ``args.output_dir`` is staged at once
-(hard links into ``<output_dir>/.ema-ckpt-incoming/``, so ``save_total_limit`` deleting it loses
-nothing) and folded into ``out`` by a separate process running :func:`ema_ckpt.watch`: one fold at
+(reflinks or hard links into ``<output_dir>/.ema-ckpt-incoming/``, so ``save_total_limit``
+deleting it loses nothing) and folded into ``out`` by a separate process running :func:`ema_ckpt.watch`: one fold at
 a time, in step order, on the CPU. Training never waits for a fold, except at the end: at
 ``on_train_end`` the callback waits for the folds still pending, then logs the EMA's step and
 path. Only the global rank 0 stages and folds; the other ranks do nothing.
