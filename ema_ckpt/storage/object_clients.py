@@ -19,6 +19,7 @@ from typing import Any
 
 from .._env import seconds, whole_number
 from ..errors import RemoteStorageError
+from . import object_outages
 
 LISTING_SECONDS = 10.0
 """How long a folder's listing is trusted for the entries in it."""
@@ -62,12 +63,16 @@ def filesystem(protocol: str) -> Any:
 
 
 def forget_clients() -> None:
-    """Drop every client built (the next request builds one from the environment as it is now)."""
+    """Drop every client built (the next request builds one from the environment as it is now);
+    every store may be read again (:mod:`~ema_ckpt.storage.object_outages`)."""
     _FILESYSTEMS.clear()
+    object_outages.clear()
 
 
 def forget_listings() -> None:
-    """Drop the folder listings kept (each search for new checkpoints starts from fresh ones)."""
+    """Drop the folder listings kept (each search for new checkpoints starts from fresh ones), and
+    ask again a store that stopped answering (:mod:`~ema_ckpt.storage.object_outages`)."""
+    object_outages.clear()
     for fs in _FILESYSTEMS.values():
         cache = getattr(fs, "dircache", None)
         if cache is not None:
@@ -101,13 +106,19 @@ def _plain(fsspec: Any, protocol: str, **options: Any) -> Any:
 
 
 def _s3(fsspec: Any, protocol: str, **options: Any) -> Any:
-    """botocore's connect and read timeouts, each request tried once by botocore and again by
-    s3fs's own loop (its backoff between attempts), never forever."""
+    """botocore's connect and read timeouts, each request tried :func:`request_attempts` times in
+    all by botocore (its standard mode: throttling, 5xx, timeouts and dropped connections, with
+    its backoff between attempts), never forever.
+
+    s3fs's own loops are run once: it tries each request ``retries`` times, and a ranged read's
+    request again ``retries`` times around that, so against a store that never answers its
+    attempts multiply (attempts² waits of the timeout, botocore's on top).
+    """
     timeout = request_timeout()
-    fs = fsspec.filesystem(protocol, config_kwargs={"connect_timeout": timeout, "read_timeout": timeout,
-                                                    "retries": {"max_attempts": 1, "mode": "standard"}},
-                           **options)
-    fs.retries = request_attempts()
+    fs = fsspec.filesystem(protocol, config_kwargs={
+        "connect_timeout": timeout, "read_timeout": timeout,
+        "retries": {"total_max_attempts": request_attempts(), "mode": "standard"}}, **options)
+    fs.retries = 1
     return fs
 
 

@@ -12,17 +12,20 @@ Example:
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import errno
 import os
 import re
 import stat as stat_module
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import CancelledError
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
 from ..errors import EmaCkptError, RemoteStorageError
+from . import object_outages
 from .object_clients import ATTEMPTS_ENV, TIMEOUT_ENV, filesystem, request_timeout
 from .object_listings import Listing, current, read_small
 
@@ -143,7 +146,7 @@ class RemotePath:
             known = listing.info(self._key)
             return None if known is None else dict(known)
         try:
-            info: dict[str, Any] = call(self, self.fs.info, self._key)
+            info: dict[str, Any] = read_call(self, self.fs.info, self._key)
         except FileNotFoundError:
             return None
         return info
@@ -181,7 +184,7 @@ class RemotePath:
         if fresh:
             self.fs.invalidate_cache(self._key)
         try:
-            names = call(self, self.fs.ls, self._key, detail=False)
+            names = read_call(self, self.fs.ls, self._key, detail=False)
         except FileNotFoundError:
             raise FileNotFoundError(errno.ENOENT, "no such prefix", str(self)) from None
         for name in sorted(names):
@@ -193,7 +196,7 @@ class RemotePath:
         """Every object under this prefix (``pattern`` must be ``*``: all of them)."""
         if pattern != "*":
             raise ValueError("RemotePath.rglob takes only '*'")
-        found = call(self, self.fs.find, self._key, withdirs=False)
+        found = read_call(self, self.fs.find, self._key, withdirs=False)
         for name in sorted(found):
             yield RemotePath(self.protocol, str(name))
 
@@ -205,10 +208,10 @@ class RemotePath:
         """The whole object; ``size`` (as listed) saves asking for it: one ranged request for a
         byte more, whose answer is the whole object unless it grew since (then read again)."""
         if size:
-            data: bytes = call(self, self.fs.cat_file, self._key, start=0, end=size + 1)
+            data: bytes = read_call(self, self.fs.cat_file, self._key, start=0, end=size + 1)
             if len(data) <= size:
                 return data
-        data = call(self, self.fs.cat_file, self._key)
+        data = read_call(self, self.fs.cat_file, self._key)
         return data
 
     def write_bytes(self, data: bytes, *, exclusive: bool = False) -> None:
@@ -233,19 +236,87 @@ def call(where: RemotePath, func: Any, *args: Any, **kwargs: Any) -> Any:
     conditional write's refusal ``FileExistsError``."""
     try:
         return func(*args, **kwargs)
-    except FileNotFoundError as err:
+    except BaseException as err:
+        translated = _translated(where, err)
+        if translated is err:
+            raise
+        raise translated from None
+
+
+def read_call(where: RemotePath, func: Any, *args: Any, **kwargs: Any) -> Any:
+    """:func:`call` for a read: none starts once a read of the store exhausted its attempts,
+    and one in flight then is cancelled (:mod:`~ema_ckpt.storage.object_outages`), so the
+    first exhausted read ends the run, not the last. The read runs as the filesystem's
+    coroutine on its event loop (what its blocking method does too), where it can be cancelled.
+
+    Raises:
+        RemoteStorageError: this read, or an earlier one of the store, failed for good.
+    """
+    protocol = where.protocol
+    object_outages.check(protocol)
+    fs = where.fs
+    coroutine = _coroutine_of(fs, func)
+    try:
+        if coroutine is None:
+            return func(*args, **kwargs)
+        future = asyncio.run_coroutine_threadsafe(coroutine(*args, **kwargs), fs.loop)
+        object_outages.started(protocol, future)
+        try:
+            return future.result()
+        finally:
+            future.cancel()  # an interrupt while waiting: the request goes too (done: nothing to do)
+            object_outages.finished(protocol, future)
+    except CancelledError:
+        object_outages.check(protocol)  # cancelled because another read exhausted its attempts
+        raise RemoteStorageError(f"{where}: the read was cancelled") from None
+    except BaseException as err:
+        translated = _translated(where, err)
+        if translated is err:
+            raise
+        if isinstance(translated, RemoteStorageError) and _unanswered(err):
+            raise object_outages.trip(protocol, translated) from None
+        raise translated from None
+
+
+def _coroutine_of(fs: Any, func: Any) -> Callable[..., Any] | None:
+    """The coroutine behind ``func``, a blocking method of ``fs`` (an fsspec async filesystem)
+    that runs it on the filesystem's own loop (``fs.cat_file`` -> ``fs._cat_file``); None for
+    another."""
+    name = str(getattr(func, "__name__", "")).lstrip("_")
+    if not name or getattr(fs, "asynchronous", True) or getattr(fs, name, None) != func:
+        return None
+    coroutine = getattr(fs, "_" + name, None)
+    try:
+        loop = fs.loop
+    except Exception:
+        return None
+    if not asyncio.iscoroutinefunction(coroutine) or loop is None or not loop.is_running():
+        return None
+    return coroutine
+
+
+def _unanswered(err: BaseException) -> bool:
+    """The store did not answer, or failed past its retries (not a refusal or a missing object)."""
+    return not isinstance(err, (EmaCkptError, FileNotFoundError, FileExistsError, PermissionError,
+                                NotImplementedError, TypeError, KeyboardInterrupt, SystemExit))
+
+
+def _translated(where: RemotePath, err: BaseException) -> BaseException:
+    """What :func:`call` raises for ``err``: the exception itself, or one clear error."""
+    if isinstance(err, FileNotFoundError):
         if "bucket" in str(err).lower():
-            raise RemoteStorageError(f"{where}: no such bucket ({err})") from None
-        raise
-    except PermissionError as err:
-        raise RemoteStorageError(f"{where}: access denied ({err})") from None
-    except (EmaCkptError, FileExistsError, NotImplementedError, TypeError):
-        raise  # ours, a conditional write's refusal, or a filesystem without the call
-    except Exception as err:  # endpoint unreachable, bad region, retries exhausted
-        if isinstance(err, TimeoutError) or "Timeout" in type(err).__name__:  # each client names its own
-            raise RemoteStorageError(f"{where}: no answer within {request_timeout():g} s, on every attempt "
-                                     f"({type(err).__name__}; {TIMEOUT_ENV}, {ATTEMPTS_ENV})") from None
-        raise RemoteStorageError(f"{where}: {type(err).__name__}: {_first_line(err)}") from None
+            return RemoteStorageError(f"{where}: no such bucket ({err})")
+        return err  # callers treat a missing object as on a local disk
+    if isinstance(err, PermissionError):
+        return RemoteStorageError(f"{where}: access denied ({err})")
+    if not isinstance(err, Exception) or isinstance(err, (EmaCkptError, FileExistsError, NotImplementedError,
+                                                          TypeError)):
+        return err  # ours, a conditional write's refusal, a filesystem without the call, an interrupt
+    # endpoint unreachable, bad region, retries exhausted
+    if isinstance(err, TimeoutError) or "Timeout" in type(err).__name__:  # each client names its own
+        return RemoteStorageError(f"{where}: no answer within {request_timeout():g} s, on every attempt "
+                                  f"({type(err).__name__}; {TIMEOUT_ENV}, {ATTEMPTS_ENV})")
+    return RemoteStorageError(f"{where}: {type(err).__name__}: {_first_line(err)}")
 
 
 def listing_of(path: RemotePath) -> Listing | None:
@@ -256,7 +327,7 @@ def listing_of(path: RemotePath) -> Listing | None:
     cache = getattr(fs, "dircache", None)
     before = set(cache) if cache is not None else set()
     try:
-        found = call(path, fs.find, path.key, withdirs=True, detail=True)
+        found = read_call(path, fs.find, path.key, withdirs=True, detail=True)
     except FileNotFoundError:
         return None
     finally:
@@ -290,7 +361,7 @@ def remote_files(where: RemotePath) -> list[tuple[str, int]]:
         return []
     if info.get("type") == "file":
         return [(where.name, int(info.get("size") or 0))]
-    found = call(where, where.fs.find, where.key, withdirs=False, detail=True)
+    found = read_call(where, where.fs.find, where.key, withdirs=False, detail=True)
     prefix = where.key + "/"
     return sorted((str(name).strip("/").removeprefix(prefix), int(item.get("size") or 0))
                   for name, item in found.items())

@@ -18,7 +18,8 @@ from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from .._crc import crc32, crc32_combine
 from .._env import whole_number
 from ..errors import CheckpointNotFoundError, RemoteStorageError
-from .object_paths import RemotePath, call
+from .object_paths import RemotePath
+from .object_paths import read_call as call  # every request here is a read
 
 
 def remote_concurrency() -> int:
