@@ -4,9 +4,9 @@ training callbacks.
 A trainer with tight retention (``save_total_limit=1``, ``save_top_k=1``) deletes each
 checkpoint one save interval after writing it, so a fold that is still running, or a cron
 tick that comes late, would miss it. On a local disk :func:`watch` therefore *stages* each
-complete checkpoint the moment it sees it: its files hard-linked (copied where links are
-refused) into ``CKPTS/.ema-ckpt-incoming/<name>``, which the trainer's retention never
-touches, by a scanner that runs every interval (and at once on an inotify event) whatever
+complete checkpoint the moment it sees it (:mod:`ema_ckpt.staging`: reflinked, linked or copied,
+never sharing storage the trainer writes into) into ``CKPTS/.ema-ckpt-incoming/``, which the
+trainer's retention never touches, by a scanner that runs every interval (and at once on an inotify event) whatever
 the folds are doing. The folds take the staged checkpoints in step order with
 :func:`~ema_ckpt.accumulate` (its guarantees: incremental, crash-safe, exact), and a staged
 checkpoint is removed once the EMA holds it. On object storage the scanner polls every interval
@@ -22,9 +22,6 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import errno
-import fcntl
-import hashlib
 import json
 import os
 import shutil
@@ -39,21 +36,26 @@ from typing import Any
 from .discovery import Discovery, discover
 from .errors import CheckpointError, CheckpointNotFoundError, EmaCkptError, OptionError, UsageError, one_line
 from .manifest import Manifest
+from .staging import (
+    INCOMING,
+    RECORD_PREFIX,
+    file_identity,
+    incoming_dir,
+    note_step,
+    record_path,
+    records_dir,
+    remove_staged,
+    rewritten_since_staged,
+    stage,
+    staged_record,
+    staged_target,
+)
 from .storage import (
     Location,
     as_path,
-    close_readable,
-    files_on_disk,
     local_file,
-    open_readable,
     output_location,
-    pread,
 )
-
-INCOMING = ".ema-ckpt-incoming"
-"""The folder, inside the checkpoints' folder, that holds checkpoints staged for folding."""
-DOWNLOAD_BLOCK = 8 << 20
-"""Bytes of an object downloaded per read when a checkpoint in object storage is staged."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,253 +82,6 @@ class WatchResult:
     lost: list[int] = field(default_factory=list)
     """Steps staged whose copy changed before it was folded (-1: a step not known), each said
     as an error: never folded."""
-
-
-def incoming_dir(checkpoints: str | os.PathLike[str]) -> Path:
-    """Where checkpoints of the folder ``checkpoints`` are staged for folding."""
-    return Path(checkpoints) / INCOMING
-
-
-def stage(checkpoint: str | os.PathLike[str] | Location, incoming: str | os.PathLike[str], *,
-          step: int | None = None) -> Path:
-    """Stage ``checkpoint`` (a file or a folder) into ``incoming``: a copy the trainer cannot
-    write into, under its own name (see below), with a record of what was staged.
-
-    A single file, which a trainer may write again in place (``torch.save`` truncates and
-    rewrites the same inode: nanoGPT's ``ckpt.pt``), is reflinked where the filesystem can
-    (no bytes copied) and copied where it cannot; never hard-linked. The files of a folder
-    (shards written once) are reflinked, else hard-linked, else copied. A checkpoint in object
-    storage is downloaded. The staged copy appears whole (built under a hidden name, then
-    renamed), and a hidden record beside it (:func:`staged_record`) keeps its original name,
-    its ``step`` when given, and the size, time and inode of each staged file, so that a fold
-    can tell when its bytes changed before it was folded (:func:`rewritten_since_staged`).
-
-    The staged name is the checkpoint's own; a file already staged under that name with other
-    bytes (written again in place since) is staged beside it as ``<stem>.<mtime><suffix>``,
-    shortened to a hash of its name where that would pass NAME_MAX (255 bytes). An existing
-    staged copy of the same bytes is kept.
-
-    Raises:
-        FileNotFoundError: the checkpoint went (or lost a file, or a single file was written
-            again while it was copied) before all of it was staged.
-
-    Example:
-        >>> stage("ckpts/checkpoint-500", "ckpts/.ema-ckpt-incoming")   # doctest: +SKIP
-        PosixPath('ckpts/.ema-ckpt-incoming/checkpoint-500')
-    """
-    source, into = as_path(checkpoint), Path(incoming)
-    local = local_file(source)
-    if local is not None and local.parent.resolve() == into.resolve():
-        return local  # already staged (a callback's own copy)
-    seen = _identity(local) if local is not None and local.is_file() else None
-    target = _staged_target(source.name, into, seen)
-    if target.exists():
-        return target
-    into.mkdir(parents=True, exist_ok=True)
-    partial = into / f".partial-{_short(target.name)}-{os.getpid()}-{threading.get_ident()}"
-    shutil.rmtree(partial, ignore_errors=True)
-    try:
-        if local is None:
-            _download(source, partial)
-        elif local.is_dir():
-            shutil.copytree(local, partial, copy_function=_clone_link_or_copy)
-        else:
-            _clone_or_copy(str(local), str(partial))
-            if _identity(local) != seen:  # written again while it was copied: the copy may be torn
-                raise FileNotFoundError(errno.ENOENT, "written again while it was staged", str(local))
-        _write_record(into, target.name, source.name, step, seen, partial)
-        os.replace(partial, target)
-    except FileNotFoundError:  # deleted by retention while it was staged: it was never whole here
-        _remove(partial)
-        raise
-    except OSError:
-        _remove(partial)
-        if not target.exists():
-            raise
-    return target
-
-
-_NAME_MAX = 255
-_RECORD_PREFIX = ".staged-"
-
-
-def _short(name: str) -> str:
-    return hashlib.sha256(name.encode("utf-8", "surrogateescape")).hexdigest()[:20]
-
-
-def _fits(name: str) -> bool:
-    return len(name.encode("utf-8", "surrogateescape")) <= _NAME_MAX
-
-
-def _identity(path: Path) -> tuple[int, int, int] | None:
-    try:
-        info = path.stat()
-    except FileNotFoundError:
-        return None
-    return (info.st_size, info.st_mtime_ns, info.st_ino)
-
-
-def records_dir(incoming: str | os.PathLike[str]) -> Path:
-    """Where :func:`stage` keeps its records of the copies staged in ``incoming``: a hidden
-    folder beside it (``CKPTS/.ema-ckpt-incoming.records``), so that ``incoming`` holds the
-    staged checkpoints alone."""
-    into = Path(incoming)
-    return into.parent / f"{into.name}.records"
-
-
-def _record_path(into: Path, staged_name: str) -> Path:
-    return records_dir(into) / f"{_RECORD_PREFIX}{_short(staged_name)}.json"
-
-
-def staged_record(into: str | os.PathLike[str], staged_name: str) -> dict[str, Any] | None:
-    """The record :func:`stage` kept of the copy ``into/staged_name``: ``name`` (the original
-    name), ``step`` (or None), ``source`` (size, time, inode of the original single file, or
-    None) and ``files`` (each staged file's size, time and inode); None without one."""
-    try:
-        record = json.loads(_record_path(Path(into), staged_name).read_text())
-    except (OSError, ValueError):
-        return None
-    return record if isinstance(record, dict) and record.get("staged") == staged_name else None
-
-
-def _files_identity(path: Path) -> dict[str, list[int]]:
-    if path.is_dir():
-        files = {str(p.relative_to(path)): p for p in sorted(path.rglob("*")) if p.is_file()}
-    else:
-        files = {"": path}
-    found: dict[str, list[int]] = {}
-    for rel, file in files.items():
-        info = file.stat()
-        found[rel] = [info.st_size, info.st_mtime_ns, info.st_ino]
-    return found
-
-
-def _write_record(into: Path, staged_name: str, name: str, step: int | None, seen: tuple[int, int, int] | None,
-                  partial: Path) -> None:
-    """Record what ``partial`` (about to become ``into/staged_name``: a rename keeps inodes and
-    times) holds, before it is renamed into place: a staged copy never lacks its record."""
-    record = {"staged": staged_name, "name": name, "step": step, "source": None if seen is None else list(seen),
-              "files": _files_identity(partial)}
-    final = _record_path(into, staged_name)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final.parent / f".record-{os.getpid()}-{threading.get_ident()}"
-    tmp.write_text(json.dumps(record))
-    os.replace(tmp, final)
-
-
-def _note_step(into: Path, staged_name: str, step: int) -> None:
-    """Add ``step`` to the record of a staged copy that was staged without it."""
-    record = staged_record(into, staged_name)
-    if record is None or record.get("step") is not None:
-        return
-    record["step"] = step
-    final = _record_path(into, staged_name)
-    tmp = final.parent / f".record-{os.getpid()}-{threading.get_ident()}"
-    with contextlib.suppress(OSError):
-        tmp.write_text(json.dumps(record))
-        os.replace(tmp, final)
-
-
-def _staged_target(name: str, into: Path, seen: tuple[int, int, int] | None) -> Path:
-    """Where a checkpoint named ``name`` is staged: its own name, unless a single file (its
-    ``seen`` identity) is already staged there with other bytes (a file written again in
-    place since): then a name of its version."""
-    target = into / name
-    if seen is None or not target.exists():
-        return target
-    record = staged_record(into, name)
-    if record is None or record.get("source") in (None, list(seen)):
-        return target
-    stem, suffix = os.path.splitext(name)
-    versioned = f"{stem}.{seen[1]}{suffix}"
-    if not _fits(versioned):
-        versioned = f"{_short(name)}.{seen[1]}{suffix if _fits('x' * 60 + suffix) else ''}"
-    return into / versioned
-
-
-def rewritten_since_staged(into: str | os.PathLike[str], staged_name: str) -> bool:
-    """Whether the staged copy ``into/staged_name`` no longer holds the bytes staged (a file
-    changed size, time or inode, or went): False where there is no record to compare with."""
-    record = staged_record(into, staged_name)
-    if record is None:
-        return False
-    try:
-        return _files_identity(Path(into) / staged_name) != record.get("files")
-    except OSError:
-        return True
-
-
-def _clone(src: str, dst: str) -> bool:
-    """Reflink ``src`` to ``dst`` (FICLONE: shares no bytes the trainer can write into); False
-    where the filesystem cannot (``dst`` is then absent)."""
-    try:
-        with open(src, "rb") as reading, open(dst, "wb") as writing:
-            fcntl.ioctl(writing.fileno(), _FICLONE, reading.fileno())
-    except OSError as err:
-        if isinstance(err, FileNotFoundError) and not os.path.exists(src):
-            raise
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(dst)
-        return False
-    shutil.copystat(src, dst)
-    return True
-
-
-_FICLONE = 0x40049409
-
-
-def _clone_or_copy(src: str, dst: str) -> str:
-    if not _clone(src, dst):
-        shutil.copy2(src, dst)
-    return dst
-
-
-def _clone_link_or_copy(src: str, dst: str) -> str:
-    if _clone(src, dst):
-        return dst
-    try:
-        os.link(src, dst)
-    except OSError:
-        shutil.copy2(src, dst)
-    return dst
-
-
-def _download(source: Location, target: Path) -> None:
-    """Every file of ``source`` (one object, or the objects under a prefix) into ``target``."""
-    single = source.is_file()
-    files = files_on_disk(source)
-    if not files:
-        raise FileNotFoundError(errno.ENOENT, "no such object or prefix", str(source))
-    if not single:
-        target.mkdir(parents=True)
-    for name, size in files:
-        into, where = (target, source) if single else (target / name, source / name)
-        into.parent.mkdir(parents=True, exist_ok=True)
-        readable = open_readable(where, size=size)
-        try:
-            with open(into, "wb") as out:
-                done = 0
-                while done < size:
-                    data = pread(readable, min(DOWNLOAD_BLOCK, size - done), done)
-                    if not data:  # rewritten shorter while it was read
-                        raise FileNotFoundError(errno.ENOENT, "changed while it was downloaded", str(source))
-                    out.write(data)
-                    done += len(data)
-        finally:
-            close_readable(readable)
-        # the object's time as the file's: staged again, it is the same checkpoint (its fingerprint)
-        with contextlib.suppress(FileNotFoundError):  # deleted since it was read: the bytes are whole
-            modified = where.stat().st_mtime_ns
-            if modified:
-                os.utime(into, ns=(modified, modified))
-
-
-def _remove(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()
 
 
 def ema_step(out: str | Location) -> int | None:
@@ -382,7 +137,7 @@ def stage_new(folder: str | os.PathLike[str] | Location, *, after: int | Callabl
             continue
         try:
             path = stage(entry, into)
-            _note_step(into, path.name, checkpoint.step)
+            note_step(into, path.name, checkpoint.step)
             staged.append(path)
         except FileNotFoundError:  # gone before all of it could be staged
             continue
@@ -400,8 +155,8 @@ def _is_staged(entry: Location, into: Path) -> bool:
     """Whether ``entry`` is staged in ``into`` already (a file written again in place since it
     was staged is not: its new bytes are staged beside the old)."""
     local = local_file(entry)
-    seen = _identity(local) if local is not None and local.is_file() else None
-    return _staged_target(entry.name, into, seen).exists()
+    seen = file_identity(local) if local is not None and local.is_file() else None
+    return staged_target(entry.name, into, seen).exists()
 
 
 def _discover_settled(folder: Location, step_regex: str | None, step_from: str | None = None,
@@ -430,9 +185,9 @@ def _drop_folded(incoming: Path, step: int, step_regex: str | None) -> None:
 
 def _unstage(staged: Path) -> None:
     """Remove a staged copy, then its record."""
-    _remove(staged)
+    remove_staged(staged)
     with contextlib.suppress(FileNotFoundError):
-        _record_path(staged.parent, staged.name).unlink()
+        record_path(staged.parent, staged.name).unlink()
 
 
 def _check_staged(incoming: Path, result: WatchResult, on_error: Callable[[str], None] | None) -> None:
@@ -440,13 +195,13 @@ def _check_staged(incoming: Path, result: WatchResult, on_error: Callable[[str],
     trainer writing into shared storage), each said as a step lost; without ``on_error``, raise."""
     if not incoming.is_dir():
         return
-    for record_file in sorted(records_dir(incoming).glob(f"{_RECORD_PREFIX}*.json")):
+    for record_file in sorted(records_dir(incoming).glob(f"{RECORD_PREFIX}*.json")):
         try:
             record = json.loads(record_file.read_text())
         except (OSError, ValueError):
             continue
         name = record.get("staged") if isinstance(record, dict) else None
-        if not isinstance(name, str) or _record_path(incoming, name) != record_file:
+        if not isinstance(name, str) or record_path(incoming, name) != record_file:
             continue
         staged = incoming / name
         if not staged.exists() or not rewritten_since_staged(incoming, name):  # absent: being staged

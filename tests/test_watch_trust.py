@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import save as save_bytes
 
 import ema_ckpt
-from ema_ckpt import watching
+from ema_ckpt import staging, watching
 from ema_ckpt.errors import OptionError
 from ema_ckpt.watching import INCOMING, stage, staged_record
 from tests.ema_reference import assert_close_relative, reference_ema
@@ -186,7 +186,7 @@ def test_a_staged_step_rewritten_before_its_fold_is_reported_lost_and_exits_3(tm
     changes the staged copy. The fold sees it, says the step is lost, and the watch exits 3."""
     folder = tmp_path / "run"
     ckpt = _save(folder, 1)
-    monkeypatch.setattr(watching, "_clone", lambda src, dst: False)  # no reflink: hard links
+    monkeypatch.setattr(staging, "_clone", lambda src, dst: False)  # no reflink: hard links
     staged = stage(ckpt, folder / INCOMING, step=1)
     weights = ckpt / "model.safetensors"
     assert os.stat(staged / "model.safetensors").st_ino == os.stat(weights).st_ino
