@@ -32,19 +32,13 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, ClassVar
 
 from ...errors import CheckpointFormatError, Note, UnsafePickleError
-from ...pickles.rules import refusal
+from ...pickles.rules import CODE_MODULES, refusal
 
 STORAGE_FIELDS = ("relative_path", "offset", "length", "transform_descriptors")
 """torch's ``filesystem._StorageInfo`` fields, in order; the last may be absent (torch leaves it
 out of the pickle when it is None)."""
 
 _DOTTED_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)+")
-_CODE_MODULES = frozenset({"builtins", "os", "posix", "nt", "subprocess", "sys", "importlib", "runpy", "shutil",
-                           "socket", "pickle", "marshal", "types", "functools", "operator", "code", "pty",
-                           "ctypes", "webbrowser"})
-"""Modules whose globals are code (as :mod:`ema_ckpt.torch_records.tree` judges single files):
-never read as data by shape, never offered to ``inert_globals``."""
-
 _NO_STATE: Any = object()
 
 
@@ -112,7 +106,7 @@ def listed(name: str, inert_globals: Sequence[str]) -> bool:
 def _is_code(name: str) -> bool:
     """A function, or a class of a module of code: never data (``_Private`` classes are classes)."""
     module, _, short = name.rpartition(".")
-    return not short.lstrip("_")[:1].isupper() or module.split(".")[0] in _CODE_MODULES
+    return not short.lstrip("_")[:1].isupper() or module.split(".")[0] in CODE_MODULES
 
 
 def _shown(name: str) -> str:
@@ -141,7 +135,7 @@ def by_shape(cls: type[Foreign]) -> bool:
     """Whether records of ``cls`` may be read by their shape where they sit in ``storage_data``:
     any global but those of the modules of code (``builtins.object``, ``os.*``: no checkpoint
     writer's)."""
-    return cls.global_name.split(".")[0] not in _CODE_MODULES
+    return cls.global_name.split(".")[0] not in CODE_MODULES
 
 
 def brief(value: Any, limit: int = 60) -> str:
