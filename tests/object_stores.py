@@ -184,7 +184,7 @@ def running(protocol: str) -> Iterator[Emulator]:
         emulator.stop()
 
 
-class _Proxy(socketserver.ThreadingMixIn, http.server.HTTPServer):
+class ProxyServer(socketserver.ThreadingMixIn, http.server.HTTPServer):
     daemon_threads = True
 
     def handle_error(self, request: object, client_address: object) -> None:
@@ -218,7 +218,29 @@ class Faults:
 _HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade", "proxy-connection"}
 
 
-def fault_proxy(target: str, faults: Faults) -> tuple[_Proxy, str]:
+def relay(handler: http.server.BaseHTTPRequestHandler, host: str, port: str, body: bytes) -> None:
+    """Send the request ``handler`` holds (its ``body`` already read) to ``host:port`` as it came
+    (headers as sent, so signed requests stay valid), and its answer back: a proxy's pass-through."""
+    connection = http.client.HTTPConnection(host, int(port), timeout=60)
+    try:
+        headers = {k: v for k, v in handler.headers.items() if k.lower() not in _HOP_BY_HOP}
+        connection.request(handler.command, handler.path, body=body or None, headers=headers)
+        answer = connection.getresponse()
+        data = answer.read()
+        handler.send_response(answer.status)
+        for key, value in answer.getheaders():
+            if key.lower() not in _HOP_BY_HOP and key.lower() != "content-length":
+                handler.send_header(key, value)
+        length = answer.getheader("Content-Length", "0") if handler.command == "HEAD" else str(len(data))
+        handler.send_header("Content-Length", length)
+        handler.end_headers()
+        if handler.command != "HEAD":
+            handler.wfile.write(data)
+    finally:
+        connection.close()
+
+
+def fault_proxy(target: str, faults: Faults) -> tuple[ProxyServer, str]:
     """A loopback HTTP proxy in front of ``target`` (an emulator's endpoint) that forwards each
     request byte for byte (headers as sent, so signed requests stay valid) and injects
     ``faults``; the proxy and its endpoint."""
@@ -262,27 +284,11 @@ def fault_proxy(target: str, faults: Faults) -> tuple[_Proxy, str]:
                 self.end_headers()
                 self.wfile.write(faults.error_body)
                 return
-            connection = http.client.HTTPConnection(host, int(port), timeout=60)
-            try:
-                headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP_BY_HOP}
-                connection.request(self.command, self.path, body=body if body else None, headers=headers)
-                answer = connection.getresponse()
-                data = answer.read()
-                self.send_response(answer.status)
-                for key, value in answer.getheaders():
-                    if key.lower() not in _HOP_BY_HOP and key.lower() != "content-length":
-                        self.send_header(key, value)
-                length = answer.getheader("Content-Length", "0") if self.command == "HEAD" else str(len(data))
-                self.send_header("Content-Length", length)
-                self.end_headers()
-                if self.command != "HEAD":
-                    self.wfile.write(data)
-            finally:
-                connection.close()
+            relay(self, host, port, body)
 
         do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = do_PATCH = _forward
 
-    proxy = _Proxy(("127.0.0.1", 0), Handler)
+    proxy = ProxyServer(("127.0.0.1", 0), Handler)
     threading.Thread(target=proxy.serve_forever, daemon=True).start()
     return proxy, f"http://127.0.0.1:{proxy.server_address[1]}"
 

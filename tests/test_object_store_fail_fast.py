@@ -12,7 +12,6 @@ import http.client
 import http.server
 import logging
 import os
-import socketserver
 import subprocess
 import sys
 import threading
@@ -30,7 +29,7 @@ from ema_ckpt.storage import object_clients, object_outages
 from ema_ckpt.storage.object_paths import RemotePath, read_call
 from ema_ckpt.storage.object_reads import RemoteFile
 from tests.dcp_helpers import write_dcp
-from tests.object_stores import BUCKET, free_port
+from tests.object_stores import BUCKET, ProxyServer, free_port, relay
 
 moto_server = pytest.importorskip("moto.server")
 boto3 = pytest.importorskip("boto3")
@@ -43,7 +42,6 @@ ATTEMPTS = 3
 """``EMA_CKPT_REMOTE_ATTEMPTS``' default: left as it is."""
 BACKOFF = 1.0 + 2.0
 """botocore's most between 3 attempts (standard mode: a random wait of up to 1, then 2 s)."""
-_HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade", "proxy-connection"}
 
 
 @dataclass
@@ -56,14 +54,7 @@ class Stalls:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
-class _Server(socketserver.ThreadingMixIn, http.server.HTTPServer):
-    daemon_threads = True
-
-    def handle_error(self, request: object, client_address: object) -> None:
-        pass  # a client that gave up on a stalled request
-
-
-def stalling_proxy(target: str, stalls: Stalls) -> tuple[_Server, str]:
+def stalling_proxy(target: str, stalls: Stalls) -> tuple[ProxyServer, str]:
     """A loopback HTTP proxy in front of ``target`` that forwards each request as sent (signed
     requests stay valid), except a ``GET`` of an object whose key ends with ``stalls.suffix``:
     that one is taken, and not a byte comes back until ``stalls.release`` is set."""
@@ -84,27 +75,11 @@ def stalling_proxy(target: str, stalls: Stalls) -> tuple[_Server, str]:
                 stalls.release.wait()
                 self.close_connection = True
                 return
-            connection = http.client.HTTPConnection(host, int(port), timeout=60)
-            try:
-                headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP_BY_HOP}
-                connection.request(self.command, self.path, body=body or None, headers=headers)
-                answer = connection.getresponse()
-                data = answer.read()
-                self.send_response(answer.status)
-                for name, value in answer.getheaders():
-                    if name.lower() not in _HOP_BY_HOP and name.lower() != "content-length":
-                        self.send_header(name, value)
-                length = answer.getheader("Content-Length", "0") if self.command == "HEAD" else str(len(data))
-                self.send_header("Content-Length", length)
-                self.end_headers()
-                if self.command != "HEAD":
-                    self.wfile.write(data)
-            finally:
-                connection.close()
+            relay(self, host, port, body)
 
         do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = _forward
 
-    server = _Server(("127.0.0.1", 0), Handler)
+    server = ProxyServer(("127.0.0.1", 0), Handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server, f"http://127.0.0.1:{server.server_address[1]}"
 
