@@ -255,8 +255,6 @@ class TrainerSave:
     written_last: str
     written_before: tuple[str, ...]
     written_before_prefixes: tuple[str, ...] = ()
-    step_in_name: bool = True
-    """False where the folder's number counts saves (accelerate's ``automatic_checkpoint_naming``)."""
 
 
 TRAINER_STATE = "trainer_state.json"
@@ -267,8 +265,9 @@ HF_TRAINER = TrainerSave(
 ACCELERATE = TrainerSave(
     "accelerate's save_state", re.compile(r"^checkpoint_\d+$"), "random_states_0.pkl",
     ("optimizer.bin", "scheduler.bin", "model.safetensors", "pytorch_model.bin", "pytorch_model_fsdp.bin"),
-    ("pytorch_model_fsdp", "optimizer_"), step_in_name=False,
+    ("pytorch_model_fsdp", "optimizer_"),
 )
+"""Its ``checkpoint_<i>`` folders count saves, not steps (``steps.accelerate_folder``)."""
 TRAINER_SAVES: tuple[TrainerSave, ...] = (HF_TRAINER, ACCELERATE)
 ACCELERATE_OPTIMIZER = "optimizer.bin"
 """What accelerate's ``save_state`` writes the (first) optimizer's state to, beside unnested weights."""

@@ -62,7 +62,6 @@ from .storage import Location, as_path, local_file
 _FILE_SUFFIXES = (".pth.tar", ".safetensors", ".ckpt", ".pth", ".pt", ".bin", ".tar")
 _NUMBERS = re.compile(r"(?:([A-Za-z]+(?:_[A-Za-z]+)*)[_=-]?)?(\d+)")
 _WORDS = {word: label for label in NAME_LABELS for word in label.words}
-COUNTS_EPOCHS = "counts epochs, not optimizer steps"
 
 
 def name_stem(name: str) -> str:
@@ -439,7 +438,7 @@ def _step_from_names(owner: Location, root: Location | None, found: Resolved, se
         if number.counts == EPOCHS or (number.counts in (None, SAVES) and any(e.value == number.value
                                                                               for e in epochs)):
             raise StepUnknown(_epochs_only(f"the {where} ({number.label or 'number'} {number.value})"))
-        if depth == 0 and number.counts == SAVES and not _name_counts_steps(found, owner):
+        if depth == 0 and number.counts == SAVES and accelerate_folder(found):
             raise StepUnknown(
                 f"no step record ({ACCELERATE.trainer}'s {owner.name} counts saves, not steps); "
                 + Note("pass {step_regex} to take the name as the step", mentions=("step_regex",)))
@@ -453,11 +452,6 @@ def _epochs_only(where: str) -> str:
     return Note(f"only epochs are recorded ({where}); the decay counts optimizer steps: pass "
                 "{step_from}=epoch to count epochs instead, or {step_regex}",
                 mentions=("step_from", "step_regex"))
-
-
-def _name_counts_steps(found: Resolved, owner: Location) -> bool:
-    """False for a folder whose number counts saves (accelerate's ``automatic_checkpoint_naming``)."""
-    return not accelerate_folder(found)
 
 
 def accelerate_folder(path: Location | Resolved) -> bool:
@@ -480,7 +474,6 @@ def describe_counters(counters: Sequence[SeenCounter]) -> list[dict[str, object]
 
 
 __all__ = [
-    "COUNTS_EPOCHS",
     "EPOCHS",
     "STEP_SOURCES",
     "StepRecord",
