@@ -14,10 +14,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -27,14 +24,10 @@ from safetensors.torch import load_file
 from ema_ckpt.watching import INCOMING
 from tests.callback_train_strategies import SAVED_STEPS
 from tests.ema_reference import assert_ema_matches, reference_ema
-from tests.producers.launch import free_port
+from tests.torchrun import launcher_env, torchrun
 
 DECAY = 0.8
 SCRIPT = Path(__file__).resolve().parent / "callback_train_strategies.py"
-TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                      "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID", "CUDA_VISIBLE_DEVICES")
-RETRY_MARKERS = ("address already in use", "terminate called without an active exception")
-"""A port taken between picking and binding it; gloo's rare abort at teardown on a loaded machine."""
 
 pytestmark = pytest.mark.slow
 
@@ -47,21 +40,18 @@ def _needs(*modules: str) -> None:
 
 
 def _train(kind: str, tmp_path: Path) -> dict[int, dict]:
-    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARIABLES}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(SCRIPT.parents[1]), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-               TOKENIZERS_PARALLELISM="false", PYTHONWARNINGS="ignore", DS_ACCELERATOR="cpu", PL_DISABLE_FORK="1",
-               ACCELERATE_DISABLE_RICH="1")
-    for attempt in range(2):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--nnodes", "1",
-               "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(SCRIPT), "--kind", kind,
-               "--out-dir", str(tmp_path / "run"), "--ema", str(tmp_path / "ema"), "--record", str(tmp_path / "saved"),
-               "--report", str(tmp_path / "report"), "--decay", str(DECAY)]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=SCRIPT.parents[1])
-        output = (proc.stdout + proc.stderr).lower()
-        if proc.returncode == 0 or attempt or not any(marker in output for marker in RETRY_MARKERS):
-            break
+    env = launcher_env(PYTHONPATH=str(SCRIPT.parents[1]), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+                       TOKENIZERS_PARALLELISM="false", DS_ACCELERATOR="cpu", PL_DISABLE_FORK="1",
+                       ACCELERATE_DISABLE_RICH="1")
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+
+    def clear_outputs() -> None:
         for name in ("run", "ema", "saved", "report"):
             shutil.rmtree(tmp_path / name, ignore_errors=True)
+
+    proc = torchrun([str(SCRIPT), "--kind", kind, "--out-dir", str(tmp_path / "run"), "--ema", str(tmp_path / "ema"),
+                     "--record", str(tmp_path / "saved"), "--report", str(tmp_path / "report"), "--decay", str(DECAY)],
+                    env=env, cwd=SCRIPT.parents[1], before_retry=clear_outputs)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return {r["rank"]: r for r in (json.loads(p.read_text()) for p in (tmp_path / "report").glob("rank*.json"))}
 

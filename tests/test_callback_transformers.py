@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -23,12 +24,10 @@ from ema_ckpt.integrations.transformers import EmaCkptCallback
 from ema_ckpt.watching import INCOMING
 from tests.callback_train_hf import RecordSaves, trainer
 from tests.ema_reference import assert_ema_matches, reference_ema
-from tests.producers.launch import free_port
+from tests.torchrun import launcher_env, torchrun
 
 DECAY = 0.8
 SCRIPT = Path(__file__).resolve().parent / "callback_train_hf.py"
-TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                      "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID")
 
 
 def _expected(states: dict[int, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -110,17 +109,16 @@ def test_importing_ema_ckpt_imports_no_trainer():
 
 
 def test_two_ranks_under_torchrun_only_rank_0_folds(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARIABLES}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(SCRIPT.parents[1]), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-               TOKENIZERS_PARALLELISM="false", PYTHONWARNINGS="ignore")
-    for attempt in range(2):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-               "--master-port", str(free_port()), str(SCRIPT), "--out-dir", str(tmp_path / "run"),
-               "--ema", str(tmp_path / "ema"), "--record", str(tmp_path / "saved"),
-               "--report", str(tmp_path / "report"), "--decay", str(DECAY)]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
-        if proc.returncode == 0 or attempt or "address already in use" not in proc.stderr.lower():
-            break
+    env = launcher_env(PYTHONPATH=str(SCRIPT.parents[1]), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+                       TOKENIZERS_PARALLELISM="false")
+
+    def clear_outputs() -> None:
+        for name in ("run", "ema", "saved", "report"):
+            shutil.rmtree(tmp_path / name, ignore_errors=True)
+
+    proc = torchrun([str(SCRIPT), "--out-dir", str(tmp_path / "run"), "--ema", str(tmp_path / "ema"),
+                     "--record", str(tmp_path / "saved"), "--report", str(tmp_path / "report"), "--decay", str(DECAY)],
+                    env=env, timeout=240, before_retry=clear_outputs)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     reports = {r["rank"]: r for r in (json.loads(p.read_text()) for p in (tmp_path / "report").glob("*.json"))}
     assert sorted(reports) == [0, 1] and reports[0]["world"] == 2

@@ -25,7 +25,7 @@ from ema_ckpt.formats.safetensors.writer import plan_shards
 from ema_ckpt.layout import Box
 from tests.dcp_helpers import write_dcp
 from tests.ema_reference import full_load
-from tests.producers.launch import free_port
+from tests.torchrun import torchrun
 
 PRODUCERS = Path(__file__).parent / "producers"
 
@@ -149,12 +149,8 @@ def test_reshard_round_trips_are_identity(tmp_path_factory, shapes, a, n, m, see
 
 
 def _run_fsdp_load(ckpt: Path, expected: Path, world: int, prefix: str = "model.") -> str:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world),
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-           str(PRODUCERS / "fsdp_load_check.py"), "--ckpt", str(ckpt), "--expected", str(expected),
-           "--prefix", prefix]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
-                          env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    proc = torchrun([str(PRODUCERS / "fsdp_load_check.py"), "--ckpt", str(ckpt), "--expected", str(expected),
+                     "--prefix", prefix], nproc=world)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout
 

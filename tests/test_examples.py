@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.producers.launch import free_port
+from tests.torchrun import launcher_env
+from tests.torchrun import torchrun as launch
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples"
@@ -28,22 +29,12 @@ DECAY = 0.9
 FSDP2_STEPS = [20, 30, 40, 50]  # saved every 10 steps up to 50; --keep 4 deleted step_10
 Weights = dict[str, torch.Tensor]
 
-_LAUNCHER_VARS = (
-    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-    "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID",
-)  # fmt: skip
-_RETRY_MARKERS = ("address already in use", "eaddrinuse", "terminate called without an active exception")
 
 
 def clean_env(**extra: str) -> dict[str, str]:
     """This environment without launcher or SLURM variables; the venv's commands first on PATH."""
-    env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARS and not k.startswith("SLURM_")}
-    env.update(
-        OMP_NUM_THREADS="1",
-        PYTHONWARNINGS="ignore",
-        DS_ACCELERATOR="cpu",
-        PATH=f"{BIN}{os.pathsep}{env.get('PATH', '')}",
-    )
+    env = {k: v for k, v in launcher_env().items() if not k.startswith("SLURM_")}
+    env.update(DS_ACCELERATOR="cpu", PATH=f"{BIN}{os.pathsep}{env.get('PATH', '')}")
     env.update(extra)
     return env
 
@@ -57,18 +48,8 @@ def run(
 
 
 def torchrun(script: Path, *args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
-    """``torchrun --nproc-per-node 2 script args`` on a free port, retried once after a port race
-    or gloo's rare abort at process exit."""
-    for attempt in range(2):
-        cmd = [
-            sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--nnodes", "1",
-            "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(script), *args,
-        ]  # fmt: skip
-        proc = run(cmd, timeout=timeout)
-        if proc.returncode == 0 or attempt == 1:
-            break
-        if not any(m in (proc.stdout + proc.stderr).lower() for m in _RETRY_MARKERS):
-            break
+    """``torchrun --nproc-per-node 2 script args``, which must succeed."""
+    proc = launch([str(script), *args], env=clean_env(), timeout=timeout)
     assert proc.returncode == 0, f"{script.name} failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
     return proc
 

@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from ema_ckpt.dist.liveness import Heartbeat, join, join_timeout, open_store, peer_timeout
 from ema_ckpt.errors import OptionError, PeerLostError
-from tests.producers.launch import free_port
+from tests.torchrun import free_port
 
 
 def test_timeouts_come_from_the_environment():

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from tests.dcp_helpers import write_dcp
-from tests.producers.launch import free_port
+from tests.torchrun import free_port
 
 PEER_TIMEOUT = 4  # EMA_CKPT_PEER_TIMEOUT in these tests (60 s by default)
 BOUND = PEER_TIMEOUT + 5 + 40  # silence + the hard-exit grace + torchrun tearing down its agent

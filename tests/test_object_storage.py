@@ -838,8 +838,8 @@ def test_workers_and_a_sweep_write_to_s3_the_bytes_of_one_local_worker(run, tmp_
 
 def test_two_torchrun_agents_sharing_no_filesystem_write_the_bytes_of_one_worker(run, s3, tmp_path):
     """Inputs and output on S3; each agent ("node") stages on its own directory."""
-    from tests.producers.launch import free_port
     from tests.test_multinode import _agent_command, _env, _start
+    from tests.torchrun import free_port
 
     local, url = run
     out = f"s3://{BUCKET}/nodes/ema"

@@ -17,7 +17,8 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
-from tests.producers.launch import free_port, make_fsdp_sequence
+from tests.producers.launch import make_fsdp_sequence
+from tests.torchrun import free_port
 
 # name -> (shape, sharded by FSDP?)
 MODEL_KEYS: dict[str, tuple[tuple[int, ...], bool]] = {

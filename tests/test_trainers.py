@@ -12,10 +12,7 @@ Each test reads the fixtures in place through a copy, so nothing committed is ev
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -30,7 +27,7 @@ from ema_ckpt.commands.inspect import inspect_checkpoint
 from ema_ckpt.discovery import discover
 from ema_ckpt.errors import IncompatibleCheckpointError, UnplacedCheckpointError
 from tests.ema_reference import assert_close_relative
-from tests.producers.launch import free_port
+from tests.torchrun import torchrun
 
 FIXTURES = Path(__file__).parent / "fixtures" / "trainers"
 runner = CliRunner()
@@ -100,25 +97,8 @@ def assert_loads_on_ranks(ckpt: Path, want: dict[str, torch.Tensor], tmp_path: P
     """``dcp.load`` on ``world`` ranks, each into its rows of dim-0-sharded DTensors, gives ``want``."""
     expected = tmp_path / "expected.safetensors"
     save_file({k: v.float().contiguous() for k, v in want.items()}, expected)
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        str(world),
-        "--master-addr",
-        "127.0.0.1",
-        "--master-port",
-        str(free_port()),
-        str(Path(__file__).parent / "producers" / "dcp_load_ranks.py"),
-        "--ckpt",
-        str(ckpt),
-        "--expected",
-        str(expected),
-    ]
-    proc = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}
-    )
+    script = Path(__file__).parent / "producers" / "dcp_load_ranks.py"
+    proc = torchrun([str(script), "--ckpt", str(ckpt), "--expected", str(expected)], nproc=world)
     assert proc.returncode == 0 and "OK:" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +19,7 @@ from ema_ckpt.dist import WorkerFailed, Workers, assign_by_bytes, current_worker
 from ema_ckpt.dist.pool import run_workers
 from ema_ckpt.errors import EmaCkptError, OptionError, UsageError
 from tests.dcp_helpers import write_dcp
-from tests.producers.launch import free_port
+from tests.torchrun import torchrun
 
 
 def _tree(path: Path) -> dict[str, bytes]:
@@ -112,11 +113,9 @@ def test_metadata_parsed_by_one_worker_fails_cleanly_on_all(sequence, tmp_path):
 
 def test_torchrun_runs_the_same_command(sequence, tmp_path):
     accumulate(sequence, decay=0.95, out=tmp_path / "single")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(free_port()), "-m", "ema_ckpt", "accumulate", str(sequence), "--decay", "0.95",
-           "--out", str(tmp_path / "torchrun"), "--json"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = torchrun(["-m", "ema_ckpt", "accumulate", str(sequence), "--decay", "0.95",
+                     "--out", str(tmp_path / "torchrun"), "--json"],
+                    before_retry=lambda: shutil.rmtree(tmp_path / "torchrun", ignore_errors=True))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count('"out"') == 1  # only rank 0 reports
     assert _tree(tmp_path / "single") == _tree(tmp_path / "torchrun")
@@ -254,7 +253,7 @@ def test_workers_refuse_a_process_that_already_has_a_group(tmp_path):
     code = (
         "import torch.distributed as dist\n"
         "from ema_ckpt.dist.pool import run_workers\n"
-        "from tests.producers.launch import free_port\n"
+        "from tests.torchrun import free_port\n"
         "from ema_ckpt.errors import UsageError\n"
         "dist.init_process_group('gloo', init_method=f'tcp://127.0.0.1:{free_port()}', rank=0, world_size=1)\n"
         "try:\n"

@@ -2,25 +2,13 @@
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
+from tests.torchrun import free_port, torchrun
+
+__all__ = ["free_port", "make_fsdp_sequence"]
+
 TRAIN_SCRIPT = Path(__file__).resolve().parent / "fsdp_train.py"
-
-_ADDR_IN_USE_MARKERS = ("address already in use", "eaddrinuse", "errno 98")
-# Rare gloo teardown abort seen on a loaded 2-core machine after all checkpoints were saved.
-_TEARDOWN_ABORT_MARKERS = ("terminate called without an active exception",)
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (bind port 0)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _tail(text: str, n: int = 6000) -> str:
     return text if len(text) <= n else "...\n" + text[-n:]
@@ -67,37 +55,10 @@ def make_fsdp_sequence(
     if rank_local_metadata:
         script_args.append("--rank-local-metadata")
 
-    env = dict(os.environ)
-    env["OMP_NUM_THREADS"] = "1"
-    env.setdefault("PYTHONWARNINGS", "ignore")
-    # Don't let an outer torchrun's rendezvous variables leak into this launch.
-    for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID"):  # fmt: skip
-        env.pop(var, None)
-
-    for attempt in range(2):
-        cmd = [
-            sys.executable, "-m", "torch.distributed.run",
-            "--nproc-per-node", str(world_size),
-            "--nnodes", "1",
-            "--master-addr", "127.0.0.1",
-            "--master-port", str(free_port()),
-            *script_args,
-        ]  # fmt: skip
-        try:
-            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-        except subprocess.TimeoutExpired as e:
-            err = (e.stderr or b"").decode() if isinstance(e.stderr, bytes) else (e.stderr or "")
-            raise RuntimeError(f"torchrun timed out after {timeout}s: {' '.join(cmd)}\n{_tail(err)}") from e
-        if proc.returncode == 0:
-            break
-        combined = proc.stdout + proc.stderr
-        if attempt == 0 and any(m in combined.lower() for m in _ADDR_IN_USE_MARKERS):
-            continue  # port raced away between free_port() and torchrun's bind: retry once
-        if attempt == 0 and any(m in combined for m in _TEARDOWN_ABORT_MARKERS):
-            continue  # known rare shutdown flake: rerun the whole sequence once
+    proc = torchrun(script_args, nproc=world_size, timeout=timeout)
+    if proc.returncode != 0:
         raise RuntimeError(
-            f"torchrun failed with exit code {proc.returncode}: {' '.join(cmd)}\n"
+            f"torchrun failed with exit code {proc.returncode}: {' '.join(proc.args)}\n"
             f"--- stderr tail ---\n{_tail(proc.stderr)}\n--- stdout tail ---\n{_tail(proc.stdout, 2000)}"
         )
 
