@@ -150,7 +150,7 @@ class Workers:
             [0, 1, 2]
         """
         order = self.claim_order(costs)
-        store = _group_state.get("store")
+        store = group_state.get("store")
         if self.world_size == 1:
             return Claims(order)
         if store is None:
@@ -163,7 +163,7 @@ class Workers:
 
     def check(self, error: BaseException | None) -> None:
         """A synchronisation point: raise on every rank if any rank hit an error."""
-        states = self.all_gather(_portable(error) if error is not None else None)
+        states = self.all_gather(portable_error(error) if error is not None else None)
         failed = [(rank, s) for rank, s in enumerate(states) if s is not None]
         if failed:
             # An error about one checkpoint (NaN/Inf, damaged files) is raised alike on every rank,
@@ -232,7 +232,7 @@ def _nothing() -> Any:
 def _collective() -> Any:
     """Around each collective: a peer already known lost is raised before waiting for it, and
     a collective broken by a peer that left (its sockets closed) is a :class:`PeerLostError`."""
-    heartbeat = _group_state.get("heartbeat")
+    heartbeat = group_state.get("heartbeat")
     if heartbeat is not None:
         heartbeat.raise_if_lost()
     try:
@@ -248,20 +248,23 @@ def _first_line(err: BaseException) -> str:
     return text.splitlines()[0][:200] if text else type(err).__name__
 
 
-_group_state: dict[str, Any] = {}
-"""This process's group: its store and heartbeat (set by :func:`current_workers`)."""
-_spawned: list[Any] = []
+# What this process's group shares with the pool that spawns it (:mod:`ema_ckpt.dist.pool`).
+
+group_state: dict[str, Any] = {}
+"""This process's group: its store and heartbeat (set by :func:`current_workers`, emptied by
+:func:`shutdown`)."""
+spawned_workers: list[Any] = []
 """Rank 0's spawned workers while :func:`~ema_ckpt.dist.pool.run_workers` runs, watched while the group
-forms."""
-_listening: list[socket.socket] = []
+forms (set and cleared by the pool)."""
+store_socket: list[socket.socket] = []
 """Rank 0's socket for the group's store while :func:`~ema_ckpt.dist.pool.run_workers` runs, until the
-store takes it."""
-_SPAWNED_VARIABLE = "EMA_CKPT_SPAWNED_WORKER"
+store takes it (set and cleared by the pool)."""
+SPAWNED_VARIABLE = "EMA_CKPT_SPAWNED_WORKER"
 """Set in a worker that rank 0 spawned: its launcher, which it must not outlive."""
 
 
 def _spawned_exited() -> str | None:
-    for rank, proc in enumerate(_spawned, start=1):
+    for rank, proc in enumerate(spawned_workers, start=1):
         if proc.exitcode is not None:
             return f"worker {rank} (process {proc.pid}) exited with code {proc.exitcode}"
     return None
@@ -272,7 +275,7 @@ _CHECKPOINT_ERRORS = (CheckpointFormatError, UnsafePickleError, RecordChecksumEr
 skip that checkpoint and go on, which every rank must decide alike)."""
 
 
-def _portable(error: BaseException, details: str = "") -> EmaCkptError:
+def portable_error(error: BaseException, details: str = "") -> EmaCkptError:
     """``error`` as it crosses to the other ranks: itself, data included, when it pickles.
 
     Any other exception goes as its type and message (``details`` appended), exit code 1.
@@ -326,7 +329,7 @@ def current_workers(device: str = "cpu") -> Workers:
         _join_group(backend, world)
         # tear the group down before interpreter exit: gloo's threads abort the process
         # ("terminate called without an active exception") when left to static destructors
-        atexit.register(_shutdown)
+        atexit.register(shutdown)
     group = dist.new_group(backend="gloo", timeout=_TIMEOUT)  # object collectives stay on CPU
     return Workers(dist.get_rank(), dist.get_world_size(), group)
 
@@ -342,7 +345,7 @@ def _join_group(backend: str, world: int) -> None:
     host, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", "29500"))
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
     waits, silence = join_timeout(), peer_timeout()
-    listening = _listening.pop() if _listening else None  # run_workers' socket on MASTER_PORT
+    listening = store_socket.pop() if store_socket else None  # run_workers' socket on MASTER_PORT
     store = open_store(host, port, serve=rank == 0 and not agent, timeout=waits, listening=listening)
     # a few spawned workers on one machine: poll often; a launcher's many ranks: spare its store
     own_group = not agent and "TORCHELASTIC_RUN_ID" not in os.environ
@@ -352,26 +355,28 @@ def _join_group(backend: str, world: int) -> None:
     # its own connection, with a short timeout: a store that stops answering must not block the watch
     watch = open_store(host, port, serve=False, timeout=min(30.0, silence))
     # a worker started by a launcher (torchrun's agent, or rank 0's spawn) ends when the launcher does
-    launched = agent or "TORCHELASTIC_RUN_ID" in os.environ or _SPAWNED_VARIABLE in os.environ
+    launched = agent or "TORCHELASTIC_RUN_ID" in os.environ or SPAWNED_VARIABLE in os.environ
     heartbeat = Heartbeat(watch, rank, world, timeout=silence, on_lost=_kill_spawned, watch_parent=launched)
-    _group_state.update(store=store, heartbeat=heartbeat.start())
+    group_state.update(store=store, heartbeat=heartbeat.start())
 
 
 def _kill_spawned() -> None:
-    for proc in list(_spawned):
+    for proc in list(spawned_workers):
         with contextlib.suppress(Exception):
             proc.kill()
 
 
-def _shutdown() -> None:
+def shutdown() -> None:
+    """Leave the group: stop the heartbeat, then destroy torch's process group (at exit, and
+    by a spawned worker before it reports)."""
     import torch.distributed as dist
 
-    heartbeat = _group_state.pop("heartbeat", None)
+    heartbeat = group_state.pop("heartbeat", None)
     if heartbeat is not None:
         heartbeat.stop()
     if dist.is_initialized():
         dist.destroy_process_group()
-    _group_state.clear()
+    group_state.clear()
 
 
 def in_worker_group() -> bool:

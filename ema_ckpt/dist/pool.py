@@ -24,14 +24,14 @@ from typing import Any, TypeVar
 
 from .._gc import import_module, own_the_heap
 from .group import (
-    _SPAWNED_VARIABLE,
+    SPAWNED_VARIABLE,
     WorkerFailed,
-    _group_state,
-    _listening,
-    _portable,
-    _shutdown,
-    _spawned,
+    group_state,
     in_worker_group,
+    portable_error,
+    shutdown,
+    spawned_workers,
+    store_socket,
 )
 from ..errors import EmaCkptError, OptionError, PeerLostError
 
@@ -64,7 +64,7 @@ def _worker_main(rank: int, world: int, port: int, func: Callable[..., Any], arg
                  queue: Any) -> None:
     """A spawned worker (rank ≥ 1): run ``func`` in the group, leave it, then report."""
     os.environ.update(_group_environment(rank, world, port))
-    os.environ[_SPAWNED_VARIABLE] = "1"
+    os.environ[SPAWNED_VARIABLE] = "1"
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     report: tuple[int, str, Any]
     own_the_heap()  # a process of ema-ckpt's own
@@ -75,9 +75,9 @@ def _worker_main(rank: int, world: int, port: int, func: Callable[..., Any], arg
         report = (rank, "ok", None)
     except BaseException as err:
         details = "\n" + traceback.format_exc() if os.environ.get("EMA_CKPT_DEBUG") else ""
-        report = (rank, "error", _portable(err, details))
+        report = (rank, "error", portable_error(err, details))
     with contextlib.suppress(Exception):  # the group is gone either way; the report matters
-        _shutdown()  # before reporting: rank 0 (the parent) hosts the group's store
+        shutdown()  # before reporting: rank 0 (the parent) hosts the group's store
     queue.put(report)
     # everything is written and reported: skip tearing down an interpreter that loaded torch
     # (the parent would wait for it)
@@ -206,7 +206,7 @@ def run_workers(world_size: int, func: Callable[..., T], /, *args: Any,
     queue = standby["queue"] if standby else ctx.SimpleQueue()
     listening = standby["listening"] if standby else _listening_socket()
     port = int(listening.getsockname()[1])
-    _listening[:] = [listening]
+    store_socket[:] = [listening]
     procs: list[Any] = []
     saved = {name: os.environ.get(name) for name in _GROUP_VARIABLES}
     threads: int | None = None
@@ -229,7 +229,7 @@ def run_workers(world_size: int, func: Callable[..., T], /, *args: Any,
             procs.append(ctx.Process(target=_worker_main, args=(rank, world_size, port, func, args, kwargs, queue),
                                      name=f"ema-ckpt-worker-{rank}", daemon=True))
             procs[-1].start()
-        _spawned[:] = procs
+        spawned_workers[:] = procs
         torch = import_module("torch")  # while the workers start and import it too
         threads = torch.get_num_threads()
         os.environ.update(_group_environment(0, world_size, port))
@@ -238,7 +238,7 @@ def run_workers(world_size: int, func: Callable[..., T], /, *args: Any,
             result = func(*args, **kwargs, **(local_kwargs or {}))
         except PeerLostError as err:  # a worker died or fell silent: its own report says why, if it made one
             grace = 0.0
-            heartbeat = _group_state.get("heartbeat")
+            heartbeat = group_state.get("heartbeat")
             if heartbeat is not None and heartbeat.lost is not None:
                 raise heartbeat.lost from None  # silent, then killed: its silence is the news
             cause = _failure(_collect(procs, queue, timeout=2.0), procs, only_reported=True)
@@ -262,11 +262,11 @@ def run_workers(world_size: int, func: Callable[..., T], /, *args: Any,
             raise failure
         return result
     finally:
-        _spawned.clear()
-        _listening.clear()
+        spawned_workers.clear()
+        store_socket.clear()
         listening.close()  # a no-op once the store has taken it
         try:
-            _shutdown()
+            shutdown()
             if threads is not None:
                 import torch
 
