@@ -238,18 +238,18 @@ def test_many_outputs_take_smaller_blocks_with_the_bits_of_each_output_alone(mon
     sums (a sweep on the per-output path, as where the product is not exact) and for folds."""
     from ema_ckpt.engine import blas_probe
 
-    assert blas_probe._block_budget(1) == blas_probe._block_budget(2) == 2 << 20
-    assert blas_probe._block_budget(4) == 1 << 20
-    assert blas_probe._block_budget(8) == blas_probe._block_budget(64) == 512 << 10
+    assert blas_probe.block_budget(1) == blas_probe.block_budget(2) == 2 << 20
+    assert blas_probe.block_budget(4) == 1 << 20
+    assert blas_probe.block_budget(8) == blas_probe.block_budget(64) == 512 << 10
     monkeypatch.setattr(blas_probe, "product_is_exact", lambda *args: False)
     budgets: list[int] = []
-    real_blocks = blas_probe._blocks
+    real_blocks = blas_probe.row_blocks
 
     def spy(box, itemsize, device, budget=blas_probe._BLOCK_BYTES):
         budgets.append(budget)
         return real_blocks(box, itemsize, device, budget)
 
-    monkeypatch.setattr(blas_probe, "_blocks", spy)
+    monkeypatch.setattr(blas_probe, "row_blocks", spy)
     gen = torch.Generator().manual_seed(3)
     sources = [FakeReader({"w": torch.randn(3001, 257, generator=gen)}, rows=3001, path=f"ckpt{i}")
                for i in range(5)]  # one region of 2.9 MiB: 2 blocks alone, 6 with eight outputs

@@ -52,7 +52,7 @@ def sequence(tmp_path_factory) -> Path:
 def test_a_sweep_equals_each_output_computed_alone(sequence, tmp_path, monkeypatch):
     # small blocks: many per region, uneven, and (5 sources × 4 bytes into 4 KiB: 204 elements
     # per block) a last block of one element for model.v
-    monkeypatch.setattr(blas_probe, "_SWEEP_STACK_BYTES", 4096)
+    monkeypatch.setattr(blas_probe, "SWEEP_STACK_BYTES", 4096)
     together = posthoc(sequence, out=tmp_path / "together", sigma_rels=list(SIGMAS))
     assert [o.name for o in together.outputs] == [f"sigma_rel_{s}" for s in SIGMAS]
     for sigma in SIGMAS:
@@ -152,7 +152,7 @@ def test_block_product_matches_the_loop_for_every_block_width():
         coefficients = torch.randn(outputs, sources, dtype=torch.float64, generator=g).to(torch.float32)
         for width in (1, 2, 3, 5, 16, 17, 1000):
             stack = torch.randn(sources, width, generator=g)
-            sweep = blas_probe._Sweep(tuple(range(outputs)), frozenset(range(outputs)), tuple(range(sources)),
+            sweep = blas_probe.Sweep(tuple(range(outputs)), frozenset(range(outputs)), tuple(range(sources)),
                                   {s: s for s in range(sources)}, coefficients)
             out = torch.empty(outputs, width)
             sweep.combine(stack, out)
@@ -169,8 +169,8 @@ def test_where_the_product_is_not_exact_a_sweep_is_the_loop(sequence, tmp_path, 
     its outputs are the loop's, the bits of each output computed alone."""
     monkeypatch.setattr(blas_probe, "product_is_exact", lambda outputs, sources, dtype: False)
     used: list[int] = []
-    real = blas_probe._Sweep.combine
-    monkeypatch.setattr(blas_probe._Sweep, "combine", lambda self, stack, out: used.append(1) or real(self, stack, out))
+    real = blas_probe.Sweep.combine
+    monkeypatch.setattr(blas_probe.Sweep, "combine", lambda self, stack, out: used.append(1) or real(self, stack, out))
     together = posthoc(sequence, out=tmp_path / "together", sigma_rels=list(SIGMAS[:2]))
     assert not used
     alone = posthoc(sequence, out=tmp_path / "alone", sigma_rels=[SIGMAS[1]])

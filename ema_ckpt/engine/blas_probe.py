@@ -1,13 +1,13 @@
 """Block arithmetic for the engine: row-block budgets, and a block product with its exactness probe.
 
 Elementwise arithmetic on row blocks gives the bits of the whole region, so the engine cuts
-each region into blocks small enough to stay in the CPU's cache (:func:`_block_budget`). A
+each region into blocks small enough to stay in the CPU's cache (:func:`block_budget`). A
 sweep's K sum outputs over the same N sources are one K × N product per block
-(:class:`_Sweep`), used only where this machine's BLAS gives the bits of the one-output loop
+(:class:`Sweep`), used only where this machine's BLAS gives the bits of the one-output loop
 (:func:`product_is_exact`); elsewhere the loop computes them.
 
 Example:
-    >>> _block_budget(8)
+    >>> block_budget(8)
     524288
     >>> product_is_exact(2, 3, torch.float32) in (True, False)
     True
@@ -25,8 +25,9 @@ from ..layout import Box, split_rows
 # Row blocks of a region, per source: small enough to stay in the CPU's cache while every
 # output uses them, so each input byte crosses memory once however many outputs there are.
 _BLOCK_BYTES = 2 << 20
-# A sweep's block of every source at once (its matrix product's input): the same goal.
-_SWEEP_STACK_BYTES = 8 << 20
+SWEEP_STACK_BYTES = 8 << 20
+"""A sweep's block of every source at once (its matrix product's input), in bytes: kept in the
+CPU's cache too."""
 # With many outputs on the per-output path, the accumulators' blocks share the cache too: eight
 # outputs on 2 MiB blocks cycle 16 MiB of accumulators per source, out of a busy shared L3
 # (measured, 16 sources, 8 outputs: the arithmetic alone 0.6× as long on 512 KiB blocks, the
@@ -35,23 +36,24 @@ _ACCUMULATOR_SET_BYTES = 4 << 20
 _MIN_BLOCK_BYTES = 512 << 10
 
 
-def _block_budget(accumulators: int) -> int:
+def block_budget(accumulators: int) -> int:
     """Bytes of a row block when ``accumulators`` outputs fold or sum each source's block.
 
-    >>> _block_budget(1), _block_budget(4), _block_budget(8)
+    >>> block_budget(1), block_budget(4), block_budget(8)
     (2097152, 1048576, 524288)
     """
     return max(_MIN_BLOCK_BYTES, min(_BLOCK_BYTES, _ACCUMULATOR_SET_BYTES // max(1, accumulators)))
 
 
-def _blocks(box: Box, itemsize: int, device: str, budget: int = _BLOCK_BYTES) -> list[Box]:
+def row_blocks(box: Box, itemsize: int, device: str, budget: int = _BLOCK_BYTES) -> list[Box]:
+    """``box`` cut into row blocks of at most ``budget`` bytes; whole on a GPU or for a scalar."""
     if device != "cpu" or not box.sizes:  # a GPU wants large transfers
         return [box]
     return split_rows(box, max(1, budget // itemsize))
 
 
 @dataclass(frozen=True, slots=True)
-class _Sweep:
+class Sweep:
     """Sum outputs over the same sources, computed as ``coefficients @ stack`` per block.
 
     ``coefficients`` is K × N (outputs × sources, in source order); ``stack`` holds the N

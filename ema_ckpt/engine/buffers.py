@@ -1,15 +1,15 @@
 """Region I/O for the engine: reads into reused page-aligned buffers, and writes one region behind.
 
 Fresh buffers for every region would cost page faults on every read; a few reused ones
-(:class:`_Buffers`) keep memory at a few regions. Writing runs on background threads at most
-one region behind (:class:`_WriteBehind`), so the disk takes region i while region i+1 is
+(:class:`Buffers`) keep memory at a few regions. Writing runs on background threads at most
+one region behind (:class:`WriteBehind`), so the disk takes region i while region i+1 is
 read and combined, and a buffer is reused only once its write has ended.
 
 Example:
-    >>> buffers = _Buffers()
+    >>> buffers = Buffers()
     >>> buffers.get("read", (2, 3), torch.float32).shape
     torch.Size([2, 3])
-    >>> with _WriteBehind() as behind:
+    >>> with WriteBehind() as behind:
     ...     behind.submit([[lambda: None]])
 """
 
@@ -24,7 +24,7 @@ from ..formats.base import CheckpointReader
 from ..layout import Box, TensorSpec
 
 
-class _WriteBehind:
+class WriteBehind:
     """Runs each region's sink calls on background threads, at most one region behind.
 
     Writing (page-cache copies, CRC-32, the disk's back-pressure) and reading/arithmetic all
@@ -55,7 +55,7 @@ class _WriteBehind:
             if error is not None:
                 raise error
 
-    def __enter__(self) -> _WriteBehind:
+    def __enter__(self) -> WriteBehind:
         return self
 
     def __exit__(self, exc_type: object, *_rest: object) -> None:
@@ -74,7 +74,7 @@ def _run_all(calls: Sequence[Callable[[], None]]) -> None:
         call()
 
 
-class _Buffers:
+class Buffers:
     """Reused flat buffers, one per slot and dtype, grown to the largest region seen.
 
     Fresh multi-megabyte allocations cost page faults on every region (as much as the read
@@ -105,8 +105,8 @@ def _page_aligned(numel: int, dtype: torch.dtype) -> torch.Tensor:
     return raw[skip:skip + numel * dtype.itemsize].view(dtype)
 
 
-def _read(reader: CheckpointReader, key: str, box: Box, spec: TensorSpec, buffers: _Buffers | None,
-          slot: object = "read", out: torch.Tensor | None = None) -> torch.Tensor:
+def read_box(reader: CheckpointReader, key: str, box: Box, spec: TensorSpec, buffers: Buffers | None,
+             slot: object = "read", out: torch.Tensor | None = None) -> torch.Tensor:
     """``box`` of ``key``: into ``out`` when given, else into the reused buffer ``slot``."""
     if buffers is not None and reader.supports_out:
         target = out if out is not None else buffers.get(slot, box.sizes, spec.dtype)

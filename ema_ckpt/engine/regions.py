@@ -40,7 +40,7 @@ from ..layout import Box, TensorSpec
 from ..progress import Progress
 from ..writers.base import OutputTensor, OutputWriter, PlannedRegion
 from . import blas_probe  # through the module: tests replace its functions there
-from .buffers import _Buffers, _read, _WriteBehind
+from .buffers import Buffers, WriteBehind, read_box
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,10 +140,10 @@ def combine_regions(
     total = sum(r.nbytes for r in regions)
     done = 0
     needed = sorted({u.source for out in outputs for u in out.updates})
-    buffers = _Buffers()
+    buffers = Buffers()
     finite = frozenset(check_finite)
     kinds: dict[str, tuple[torch.dtype, bool]] = {}  # key -> (stored dtype of the output, floating)
-    with _one_compute_thread(device, computes=not all(r.raw for r in regions)), _WriteBehind(len(writers)) as behind:
+    with _one_compute_thread(device, computes=not all(r.raw for r in regions)), WriteBehind(len(writers)) as behind:
         for region_index, region in enumerate(regions):
             if region.raw:
                 behind.wait()  # raw copies and tensor writes to one file stay in order
@@ -178,18 +178,18 @@ def _combine_one(
     copy_source: int,
     accumulate_dtype: torch.dtype | None,
     device: str,
-    buffers: _Buffers,
+    buffers: Buffers,
     check_finite: frozenset[int],
     parity: int,
     stats: EngineStats,
-    behind: _WriteBehind,
+    behind: WriteBehind,
 ) -> None:
     """One region: read, combine, and hand every output's result to the write-behind thread."""
     # what goes to the writer alternates buffer slots: region i-1 may still be being written
     target, floating = kind
     if not floating:
         copy = sources[copy_source]
-        value = _read(copy, region.key, region.box, copy.specs()[region.key], buffers, slot=("copy", parity))
+        value = read_box(copy, region.key, region.box, copy.specs()[region.key], buffers, slot=("copy", parity))
         stats.bytes_read += value.numel() * value.element_size()
         results = [value if value.dtype == target else value.to(target)] * len(writers)
     else:
@@ -245,7 +245,7 @@ def _accumulate_region(
     dtype: torch.dtype,
     stats: EngineStats,
     device: str = "cpu",
-    buffers: _Buffers | None = None,
+    buffers: Buffers | None = None,
     check_finite: frozenset[int] = frozenset(),
     parity: int = 0,
 ) -> list[torch.Tensor]:
@@ -288,8 +288,9 @@ def _accumulate_region(
     unchecked = sweep.members - {sweep.outputs[0]} if sweep is not None else frozenset()
     # a sweep's other outputs (rare: ones over other sources) take the sweep's blocks
     accumulators = sum(out.mode != "copy" for out in outputs)
-    budget = blas_probe._block_budget(accumulators) if sweep is None else blas_probe._SWEEP_STACK_BYTES
-    blocks = [region.box] if copies_only else blas_probe._blocks(region.box, dtype.itemsize * stacked, device, budget)
+    budget = blas_probe.block_budget(accumulators) if sweep is None else blas_probe.SWEEP_STACK_BYTES
+    blocks = [region.box] if copies_only else blas_probe.row_blocks(region.box, dtype.itemsize * stacked, device,
+                                                                    budget)
     row_numel = region.box.numel // shape[0] if shape and shape[0] else 1
     for block in blocks:
         where = block.relative_to(region.box).slices()
@@ -300,8 +301,8 @@ def _accumulate_region(
         for source, spec, users in inputs:
             if sweep is not None and source in sweep.row_of:
                 target = stack[sweep.row_of[source]].view(block.sizes)
-                raw = _read(sources[source], region.key, block, spec, buffers,
-                            out=target if spec.dtype == dtype else None)
+                raw = read_box(sources[source], region.key, block, spec, buffers,
+                               out=target if spec.dtype == dtype else None)
                 stats.bytes_read += raw.numel() * raw.element_size()
                 if raw.data_ptr() != target.data_ptr():
                     target.copy_(raw)
@@ -318,7 +319,7 @@ def _accumulate_region(
                     into = result(first, spec.dtype)[where]
                 elif outputs[first].mode == "fold" and spec.dtype == dtype:
                     into = result(first, dtype)[where]
-            raw = _read(sources[source], region.key, block, spec, buffers, out=into)
+            raw = read_box(sources[source], region.key, block, spec, buffers, out=into)
             stats.bytes_read += raw.numel() * raw.element_size()
             if into is not None:
                 started[first] = True
@@ -371,7 +372,7 @@ def _apply(output: OutputSpec, weight: float, value: torch.Tensor, raw: torch.Te
 
 def _sweep(outputs: Sequence[OutputSpec], weights: Sequence[Mapping[int, float]],
            inputs: Sequence[tuple[int, TensorSpec, list[int]]], numel: int,
-           dtype: torch.dtype) -> blas_probe._Sweep | None:
+           dtype: torch.dtype) -> blas_probe.Sweep | None:
     """The largest set (two or more) of sum outputs that use exactly the same present sources.
 
     Only outputs over the same sources join: an output that skips a source must not see it
@@ -392,12 +393,12 @@ def _sweep(outputs: Sequence[OutputSpec], weights: Sequence[Mapping[int, float]]
     if len(members) < 2 or not blas_probe.product_is_exact(len(members), len(used), dtype):
         return None
     coefficients = torch.tensor([[weights[k][s] for s in used] for k in members], dtype=torch.float64).to(dtype)
-    return blas_probe._Sweep(tuple(members), frozenset(members), used, {s: i for i, s in enumerate(used)},
-                             coefficients)
+    return blas_probe.Sweep(tuple(members), frozenset(members), used, {s: i for i, s in enumerate(used)},
+                            coefficients)
 
 
 def _find_nonfinite(sources: Sequence[CheckpointReader], inputs: Sequence[tuple[int, TensorSpec, list[int]]],
-                    key: str, block: Box, buffers: _Buffers | None, check_finite: frozenset[int]) -> None:
+                    key: str, block: Box, buffers: Buffers | None, check_finite: frozenset[int]) -> None:
     """Name the checked source that made a block non-finite (:class:`NonFiniteError`).
 
     A NaN or Inf in any input reaches every output that uses it (lerp and weighted sums
@@ -406,7 +407,7 @@ def _find_nonfinite(sources: Sequence[CheckpointReader], inputs: Sequence[tuple[
     result without a checked culprit (a previous EMA) is left as it is.
     """
     for source, spec, _users in inputs:
-        if source in check_finite and not _all_finite(_read(sources[source], key, block, spec, buffers)):
+        if source in check_finite and not _all_finite(read_box(sources[source], key, block, spec, buffers)):
             raise NonFiniteError(source, f"{sources[source].path}: key {key!r} holds NaN or Inf values")
 
 
