@@ -1,5 +1,5 @@
 # ema-ckpt developer commands. Everything runs in a local virtualenv ($(VENV)).
-#   make test   install the package with its test dependencies, lint (ruff, mypy) and run the whole suite
+#   make test   install the package with its test dependencies, lint (ruff, mypy, import contracts) and run the whole suite
 #   make check  lint and the fast tier: every module and boundary once, in a few minutes (the inner loop)
 #   make demo   train a tiny transformer with FSDP2 on CPU, then EMA, post-hoc sweep, consolidate, reshard,
 #               and compare held-out losses (table + demo/demo.png)
@@ -54,10 +54,12 @@ test: $(VENV)/.installed-test lint
 check: $(VENV)/.installed-test lint
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m fast $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 
-# ruff over everything; mypy strict on the package (both configured in pyproject.toml)
+# ruff over everything; mypy strict on the package; the import contracts (all three configured in
+# pyproject.toml; the contracts are described in docs/development.md, "Layers")
 lint: $(VENV)/.installed-test
 	$(PY) -m ruff check ema_ckpt tests benchmarks examples docs
 	$(PY) -m mypy
+	$(VENV)/bin/lint-imports --no-logo
 
 $(VENV)/.installed-demo: $(VENV)/.installed
 	$(PY) -m pip install -q -e ".[demo]"
