@@ -17,19 +17,22 @@ What is normalised, and only in the manifests (``ema-ckpt.json``), because it di
 runs that do the same work; every other byte is hashed as written:
 
 - the folder the test runs in (``tmp_path``): inputs are copied under it, so every absolute path
-  recorded (``checkpoints[].path``, ``options.checkpoints``, ``terms[].path``, ``left[].path``,
-  ``options.emas``) starts with it; it becomes ``<root>``;
+  recorded (``checkpoints[].path``, ``options.checkpoints``, ``terms[].path``, ``left[].path``)
+  starts with it; it becomes ``<root>``;
 - the fingerprint of an input that an earlier case wrote (``posthoc`` of ``accumulate``'s
   snapshots): it holds the sizes of that input's files, and so of its manifest, whose paths start
   with the run's folder; it becomes ``<fingerprint of an output>``;
 - ``tool_version``: the package's version, which changes with each release;
-- ``integrity``: the manifest's checksum of its own fields, which covers the two above; it is
+- ``integrity``: the manifest's checksum of its own fields, which covers the three above; it is
   checked against the fields as written before it is replaced by ``<integrity>``.
 
 The fingerprints of the committed inputs (names, sizes and mtimes of their files) need no
-normalising: the copied inputs get one fixed mtime. The tests also check that a second run, in a folder of another
-length, writes the same bytes, that ``workers=2`` writes the bytes one worker writes, and that an
-incremental ``accumulate`` writes the data files of a one-shot run.
+normalising: the copied inputs get one fixed mtime. The tests also check that a second run, in a
+folder of another length, writes the same bytes, that ``workers=2`` writes the bytes one worker
+writes, and that an incremental ``accumulate`` writes the data files of a one-shot run.
+
+A Lightning ``.ckpt`` is written from a Lightning source only: from any other, the output records
+the installed Lightning's version (``pytorch-lightning_version``), which is the environment's.
 """
 
 from __future__ import annotations
@@ -84,7 +87,7 @@ def fix_mtimes(folder: Path) -> None:
 
 # ---------------------------------------------------------------------------------------------
 # The cases. Each writes into its own folder ``out`` (created empty) and may read what an earlier
-# case wrote (``root / <case>``); cases run in the order listed.
+# case wrote (``ema_of(root, <case>)``); cases run in the order listed.
 
 Case = Callable[[dict[str, Path], Path, Path, int], None]
 CASES: dict[str, Case] = {}
