@@ -19,7 +19,7 @@ parameter offers is data too (``remedy``). Inside a message, ``{name}`` stands f
 parameter ``name`` and ``{name=text}`` for passing it a value; only the names the error
 declares (``option``, ``remedy``, ``mentions``) are placeholders, so text from checkpoints
 or users can never be mistaken for one. ``str(err)`` names the library parameters; the CLI
-renders the same error with its flags from one table (``ema_ckpt.cli._flags.FLAGS``):
+renders the same error with its flags, read from the commands' options (``ema_ckpt.cli._flags``):
 
     >>> err = OptionError("at_step", "5 is before the first checkpoint (step 10)", value=5)
     >>> str(err), err.option, err.value

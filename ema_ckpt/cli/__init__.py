@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from typing import Annotated, Any
 
 import typer
-from typer.core import TyperArgument, TyperCommand
+from typer.core import TyperArgument, TyperCommand, TyperGroup
 
 from .. import _signals
 from .._compat.fast_exit import exit_now
@@ -28,7 +28,22 @@ from . import watch as _watch
 from ._errors import exit_codes_help, usage_error_line, usage_name
 from ._output import err_console
 
+
+class _Root(TyperGroup):
+    """The command group; its epilog (the exit codes, worded with the commands' flags) is made
+    when a help page asks for it, not on every start."""
+
+    @property
+    def epilog(self) -> str:
+        return exit_codes_help()
+
+    @epilog.setter
+    def epilog(self, value: str | None) -> None:
+        pass  # always the exit codes
+
+
 app = typer.Typer(
+    cls=_Root,
     name="ema-ckpt",
     help="EMAs, post-hoc EMAs and consolidation of sharded PyTorch checkpoints, offline.",
     no_args_is_help=True,
@@ -36,21 +51,6 @@ app = typer.Typer(
     pretty_exceptions_show_locals=False,  # locals here are multi-GB tensors and paths
     context_settings={"help_option_names": ["-h", "--help"]},
 )
-
-
-def _version(value: bool) -> None:
-    if value:
-        typer.echo(f"ema-ckpt {__version__}")
-        raise typer.Exit()
-
-
-@app.callback(epilog=exit_codes_help())
-def _root(
-    version: Annotated[
-        bool, typer.Option("--version", callback=_version, is_eager=True, help="Show the version and exit.")
-    ] = False,
-) -> None:
-    """EMAs, post-hoc EMAs and consolidation of sharded PyTorch checkpoints, offline."""
 
 
 class _Command(TyperCommand):
@@ -84,6 +84,21 @@ _command("verify", _verify.EPILOG)(_verify.verify_command)
 _command("select", _select.EPILOG)(_select.select_command)
 _command("diff", _diff.EPILOG)(_diff.diff_command)
 _command("watch", _watch.EPILOG)(_watch.watch_command)
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"ema-ckpt {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="Show the version and exit.")
+    ] = False,
+) -> None:
+    """EMAs, post-hoc EMAs and consolidation of sharded PyTorch checkpoints, offline."""
 
 
 def run(args: Sequence[str] | None = None) -> int:

@@ -4,8 +4,8 @@ Every command body runs inside :func:`reports_errors`: an ema-ckpt error becomes
 on stderr and its documented exit code; an unexpected failure becomes one line too, with
 a hint to set ``EMA_CKPT_DEBUG=1`` for the traceback.
 
-Library errors name library parameters (``at_step``, ``restart=True``); :data:`FLAGS` (in
-:mod:`._flags`) is the one table that words them as this CLI's flags (see :mod:`ema_ckpt.errors`):
+Library errors name library parameters (``at_step``, ``restart=True``); :func:`._flags.flag_for`
+words them as this CLI's flags, read from the commands' own options (see :mod:`ema_ckpt.errors`):
 
     >>> from ema_ckpt.errors import OptionError
     >>> error_message(OptionError("at_step", "5 is before the first checkpoint (step 10)", value=5))
@@ -30,10 +30,10 @@ from .. import _signals
 from .._signals import Terminated, exit_code
 from .._text import escaped
 from ..errors import EXIT_CODES, EmaCkptError, OutputError, worded
-from ._flags import FLAGS, flag_for
+from ._flags import flag_for
 from ._output import err_console
 
-__all__ = ["FLAGS", "error_message", "exit_codes_help", "flag_for", "reports_errors", "usage_error_line",
+__all__ = ["error_message", "exit_codes_help", "flag_for", "reports_errors", "usage_error_line",
            "usage_name"]
 
 F = TypeVar("F", bound=Callable[..., Any])

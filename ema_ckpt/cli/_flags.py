@@ -1,4 +1,4 @@
-"""The one table that words library parameters as this CLI's flags.
+"""Library parameters worded as this CLI's flags, read from the commands' own options.
 
 Library errors, notes and warnings name library parameters (``at_step``, ``restart=True``);
 the CLI shows them through :func:`cli_text` (see :mod:`ema_ckpt.errors`):
@@ -12,81 +12,60 @@ the CLI shows them through :func:`cli_text` (see :mod:`ema_ckpt.errors`):
 
 from __future__ import annotations
 
+import functools
 from typing import Any
+
+import typer
+import typer.core
+import typer.main
 
 from ..errors import worded
 from ..streamed import StreamedList
 
-FLAGS: dict[str, str] = {
-    # accumulate: the kept EMAs
-    "decay": "--decay",
-    "half_life": "--half-life",
-    "per_checkpoint": "--per-checkpoint",
-    "warmup": "--warmup",
-    "sigma_rel": "--sigma-rel",
-    "sigma_rels": "--sigma-rel",
-    "gamma": "--gamma",
-    "gammas": "--gamma",
-    "snapshot_every": "--snapshot-every",
-    "restart": "--restart",
-    "skip_nonfinite": "--skip-nonfinite",
-    "skip_damaged": "--skip-damaged",
-    # posthoc / average: where the output ends, which checkpoints
-    "at_step": "--at-step",
-    "last": "--last",
-    "from_step": "--from-step",
-    "to_step": "--to-step",
-    "every": "--every",
-    "weights": "--weights",
-    # select: the candidates and the evaluation
-    "eval_command": "--eval",
-    "lasts": "--last",
-    "emas": "--ema",
-    "singles": "--singles",
-    "soup": "--soup",
-    "metric": "--metric",
-    "maximize": "--maximize",
-    "eval_format": "--eval-format",
-    "eval_timeout": "--eval-timeout",
-    "per_pass": "--per-pass",
-    "work_dir": "--work-dir",
-    "cache": "--work-dir",
-    # inputs and outputs, shared by several commands
-    "out": "--out",
-    "format": "--format",
-    "dtype": "--dtype",
-    "include": "--include",
-    "exclude": "--exclude",
-    "step_regex": "--step-regex",
-    "step_from": "--step-from",
-    "component": "--component",
-    "skip": "--skip",
-    "allow_new_keys": "--allow-new-keys",
-    "average_buffers": "--average-buffers",
-    "overwrite": "--overwrite",
-    "wait_seconds": "--wait",
-    "workers": "--workers",
-    "device": "--device",
-    "max_shard_size": "--max-shard-size",
-    "keep_prefix": "--keep-prefix",
-    "state_key": "--state-key",
-    "inert_globals": "--inert-global",
-    "world_size": "--world-size",
-    "dry_run": "--dry-run",
-    # watch
-    "interval": "--interval",
-    "stop_when_idle": "--stop-when-idle",
-    "use_inotify": "--no-inotify",
+CLI_NAMES: dict[str, str] = {
+    "sigma_rels": "sigma_rel",
+    "gammas": "gamma",
+    "lasts": "last",
+    "emas": "ema",
+    "cache": "work_dir",
+    "format": "out_format",
+    "wait_seconds": "wait",
+    "inert_globals": "inert_global",
+    "use_inotify": "no_inotify",
 }
-"""Library parameter → the flag that sets it: the one place where errors learn flag names."""
+"""Library parameters whose command-line parameter has another name (a list's flag is given once per
+item; ``format`` would shadow the builtin). Every other parameter has the name of its flag's parameter."""
+
+
+@functools.cache
+def flags() -> dict[str, str]:
+    """Library parameter → the flag that sets it, read from the commands' own options.
+
+    A parameter that two commands spell differently is left out (:func:`flag_for` spells it).
+
+        >>> flags()["wait_seconds"], flags()["at_step"]
+        ('--wait', '--at-step')
+    """
+    from . import app
+
+    spelt: dict[str, set[str]] = {}
+    for command in typer.main.get_command(app).commands.values():  # type: ignore[attr-defined]
+        for param in command.params:
+            if isinstance(param, typer.core.TyperOption) and param.name:
+                long = [opt for opt in (*param.opts, *param.secondary_opts) if opt.startswith("--")]
+                spelt.setdefault(param.name, set()).update(long[:1])
+    table = {name: next(iter(opts)) for name, opts in spelt.items() if len(opts) == 1}
+    table.update({library: table[cli] for library, cli in CLI_NAMES.items() if cli in table})
+    return table
 
 
 def flag_for(parameter: str) -> str:
     """The flag of a library parameter (``at_step`` → ``--at-step``).
 
-    A parameter missing from :data:`FLAGS` is spelt the usual way (a test keeps the table whole).
+    A parameter no command has is spelt the usual way (a test checks that every parameter an
+    error names has a flag).
     """
-    return FLAGS.get(parameter, "--" + parameter.replace("_", "-"))
+    return flags().get(parameter, "--" + parameter.replace("_", "-"))
 
 
 def cli_text(text: str) -> str:
