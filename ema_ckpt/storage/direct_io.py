@@ -10,8 +10,13 @@ the last, partial block goes through the page cache at close. Where the file sys
 ``O_DIRECT`` (at open or at the first write), the file is written through the page cache.
 
 Example:
-    >>> with DirectAppender(Path("out.bin")) as out:  # doctest: +SKIP
-    ...     out.write(b"header"); out.write(memoryview(tensor.numpy()))
+    >>> import tempfile, numpy as np; from pathlib import Path
+    >>> path = Path(tempfile.mkdtemp()) / "out.bin"
+    >>> with DirectAppender(path) as out:
+    ...     out.write(b"header"), out.write(memoryview(np.ones(3, np.float32))), out.tell()
+    (6, 12, 18)
+    >>> path.read_bytes()[:6], path.stat().st_size
+    (b'header', 18)
 """
 
 from __future__ import annotations

@@ -94,8 +94,11 @@ def files_on_disk(path: Location) -> list[tuple[str, int]]:
     What a summary says was written: the bytes on disk, index and manifest included.
 
     Example:
-        >>> files_on_disk(Path("ema"))   # doctest: +SKIP
-        [('.metadata', 1712), ('__0_0.distcp', 98304), ('ema-ckpt.json', 2154)]
+        >>> import tempfile; from pathlib import Path
+        >>> ema = Path(tempfile.mkdtemp()); _ = (ema / "__0_0.distcp").write_bytes(bytes(96))
+        >>> _ = (ema / ".metadata").write_bytes(bytes(17))
+        >>> files_on_disk(ema)
+        [('.metadata', 17), ('__0_0.distcp', 96)]
     """
     if isinstance(path, RemotePath):
         return remote_files(path)

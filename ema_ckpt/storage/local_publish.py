@@ -8,11 +8,15 @@ to ``.<name>.old-<id>`` and the new one renamed in; a crash between the two rena
 repaired by :func:`recover` on the next run, which puts the old directory back.
 
 Example:
-    >>> with OutputLock(Path("ema"), wait_seconds=0):          # doctest: +SKIP
-    ...     recover(Path("ema"))
-    ...     staging = new_staging_dir(Path("ema"))
-    ...     ...  # write into staging
-    ...     publish(staging, Path("ema"))
+    >>> import tempfile; from pathlib import Path
+    >>> ema = Path(tempfile.mkdtemp()) / "ema"
+    >>> with OutputLock(ema, wait_seconds=0):
+    ...     notes = recover(ema)
+    ...     staging = new_staging_dir(ema)
+    ...     _ = (staging / "model.safetensors").write_bytes(b"weights")  # write into staging
+    ...     publish(staging, ema)
+    >>> [p.name for p in ema.parent.iterdir()], (ema / "model.safetensors").read_bytes()
+    (['ema'], b'weights')
 """
 
 from __future__ import annotations
@@ -42,8 +46,14 @@ def discard_on_error(stagings: Sequence[Path | None], *, owner: bool = True) -> 
     """Remove the staging directories when the block fails; ``owner``: this process made them.
 
     Example:
-        >>> with discard_on_error([new_staging_dir(out)]):  # doctest: +SKIP
-        ...     write_everything_then_publish()
+        >>> import tempfile; from pathlib import Path
+        >>> staging = new_staging_dir(Path(tempfile.mkdtemp()) / "ema")
+        >>> with discard_on_error([staging]):
+        ...     raise OSError("disk full")
+        Traceback (most recent call last):
+        OSError: disk full
+        >>> staging.exists()
+        False
     """
     try:
         yield
