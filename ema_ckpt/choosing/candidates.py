@@ -9,8 +9,12 @@
 * single checkpoints (``singles``: the newest K, or all), which a greedy soup also starts from.
 
 Example:
+    >>> import tempfile, numpy as np; from pathlib import Path; from safetensors.numpy import save_file
+    >>> ckpts = Path(tempfile.mkdtemp())
+    >>> for step in (100, 200, 300, 400):
+    ...     save_file({"w": np.full(2, step, np.float32)}, ckpts / f"step_{step}.safetensors")
     >>> spec = CandidateSpec(sigma_rels=("0.05,0.1",), lasts=(4,), weights=("uniform", "minus-sqrt"))
-    >>> [o.name for o in plan_candidates(["ckpts"], spec).outputs]        # doctest: +SKIP
+    >>> [o.name for o in plan_candidates([ckpts], spec).outputs]
     ['sigma_rel_0.05', 'sigma_rel_0.1', 'last_4', 'minus-sqrt_last_4']
 """
 

@@ -3,7 +3,12 @@ the newest K), one panel each, the chosen candidate marked. Drawn only where mat
 installed (``pip install 'ema-ckpt[demo]'``).
 
 Example:
-    >>> series({"sigma_rel_0.05": 1.0, "last_4": 2.0}, {"sigma_rel_0.05": 0.05})  # doctest: +SKIP
+    >>> scores = {"sigma_rel_0.05": 1.0, "sigma_rel_0.1": 0.8, "last_4": 2.0, "last_8": 1.5}
+    >>> panels = series(scores, {"sigma_rel_0.05": 0.05, "sigma_rel_0.1": 0.1})
+    >>> panels["σ_rel"]
+    [(0.05, 1.0, 'sigma_rel_0.05'), (0.1, 0.8, 'sigma_rel_0.1')]
+    >>> panels["K (uniform)"]
+    [(4.0, 2.0, 'last_4'), (8.0, 1.5, 'last_8')]
 """
 
 from __future__ import annotations
