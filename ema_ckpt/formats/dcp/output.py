@@ -2,7 +2,10 @@
 chunks (or, for ``reshard``, dim-0 shards for N ranks), files of bounded size per rank.
 
 Example:
-    >>> output_format("dcp").make(staging, "ema")   # doctest: +SKIP
+    >>> from pathlib import Path; from ema_ckpt.writers.base import output_format
+    >>> out = output_format("dcp").make(Path("staging"), "ema", world_size=2)   # reshard for 2 ranks
+    >>> out.index_files(), out.owns("__1_0.distcp"), out.owns("model.safetensors")
+    (['.metadata'], True, False)
 """
 
 from __future__ import annotations

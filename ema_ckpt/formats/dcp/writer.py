@@ -11,7 +11,8 @@ Example:
     >>> w.declare("model.w", (4, 3), torch.float32)                    # doctest: +SKIP
     >>> w.write("model.w", Box((0, 0), (2, 3)), torch.ones(2, 3), rank=0)  # doctest: +SKIP
     >>> w.write("model.w", Box((2, 0), (2, 3)), torch.ones(2, 3), rank=1)  # doctest: +SKIP
-    >>> w.finish()                                                     # doctest: +SKIP
+    >>> [f.name for f in w.finish()]                                   # doctest: +SKIP
+    ['__0_0.distcp', '__1_0.distcp']
 """
 
 from __future__ import annotations
