@@ -4,7 +4,10 @@ copied file to file when nothing is cast. Each file's header ``__metadata__`` ho
 source's carried header metadata and the output's provenance (:mod:`.metadata`).
 
 Example:
-    >>> output_format("hf-sharded").make(staging, "hf_ema", max_shard_bytes=5 << 30)   # doctest: +SKIP
+    >>> from pathlib import Path; from ema_ckpt.writers.base import output_format
+    >>> out = output_format("hf-sharded").make(Path("staging"), "hf_ema", max_shard_bytes=5 << 30)
+    >>> out.single_file, out.owns("model-00001-of-00002.safetensors"), out.owns("config.json")
+    (False, True, False)
 """
 
 from __future__ import annotations
