@@ -4,7 +4,7 @@
 (or a number, in older releases). Only those few bytes are read; the moments are not.
 
 Example:
-    >>> optimizer_step_counters("checkpoint_3/optimizer.bin")   # doctest: +SKIP
+    >>> optimizer_step_counters(Path("checkpoint_3/optimizer.bin"))   # doctest: +SKIP
     [6.0, 6.0, 6.0, 6.0]
 """
 

@@ -2,7 +2,10 @@
 ``lightning`` output (a ``.ckpt`` that ``load_from_checkpoint`` loads).
 
 Example:
-    >>> output_format("torch").make(staging, "ema.pt")   # doctest: +SKIP
+    >>> from pathlib import Path; from ema_ckpt.writers.base import output_format
+    >>> out = output_format("torch").make(Path("staging"), "ema.pt")
+    >>> out.single_file, str(out.shown_path)
+    (True, 'staging/ema.pt')
 """
 
 from __future__ import annotations
