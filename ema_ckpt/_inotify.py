@@ -6,8 +6,13 @@ interval. Subfolders created in the folder are watched too (a checkpoint's files
 inside its own folder).
 
 Example:
-    >>> watcher = Watcher.open(Path("ckpts"))   # doctest: +SKIP
-    >>> watcher.wait(30.0)                       # doctest: +SKIP
+    >>> import tempfile; from pathlib import Path
+    >>> ckpts = Path(tempfile.mkdtemp()); watcher = Watcher.open(ckpts)
+    >>> watcher.wait(0.0)                   # nothing happened yet
+    False
+    >>> (ckpts / "step_100").mkdir(); watcher.wait(30.0)   # returns at the event
+    True
+    >>> watcher.close()
 """
 
 from __future__ import annotations

@@ -8,7 +8,12 @@ DeepSpeed tag) is a copy, left and said. A folder of no format of its own holds 
 is a folder of checkpoints instead. What names mean comes from :mod:`ema_ckpt.layouts`.
 
 Example:
-    >>> [(c.name, c.role) for c in components_of(resolve("out/checkpoint-4"))[0]]   # doctest: +SKIP
+    >>> import tempfile, numpy as np; from pathlib import Path; from safetensors.numpy import save_file
+    >>> checkpoint = Path(tempfile.mkdtemp()) / "checkpoint-4"
+    >>> for name in ("unet", "unet_ema"):
+    ...     (checkpoint / name).mkdir(parents=True)
+    ...     save_file({"w": np.ones(2, np.float32)}, checkpoint / name / "diffusion_pytorch_model.safetensors")
+    >>> [(c.name, c.role) for c in components_of(resolve(checkpoint))[0]]
     [('unet', 'trained'), ('unet_ema', 'trainer EMA')]
 """
 
@@ -146,8 +151,12 @@ def components_of(found: Resolved) -> tuple[list[Component], list[LeftPart]]:
     own holds its components (diffusers' ``unet/`` and ``unet_ema/``).
 
     Example:
-        >>> [c.name for c in components_of(resolve("ckpts/checkpoint-4"))[0]]   # doctest: +SKIP
-        ['unet', 'unet_ema']
+        >>> import tempfile, numpy as np; from pathlib import Path; from safetensors.numpy import save_file
+        >>> checkpoint = Path(tempfile.mkdtemp()) / "checkpoint_3"; checkpoint.mkdir()
+        >>> for name in ("model.safetensors", "model_1.safetensors"):   # accelerate's two models
+        ...     save_file({"w": np.ones(2, np.float32)}, checkpoint / name)
+        >>> [c.name for c in components_of(resolve(checkpoint))[0]]
+        ['model', 'model_1']
     """
     path = found.path
     if found.format is None:

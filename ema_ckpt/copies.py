@@ -7,7 +7,10 @@ alias; two saves of one step with other weights are refused. Comparing keys read
 comparing weights reads block by block and stops at the first difference.
 
 Example:
-    >>> same_file(Path("ckpts/last.pth.tar"), Path("ckpts/checkpoint-3.pth.tar"))   # doctest: +SKIP
+    >>> import tempfile; from pathlib import Path
+    >>> ckpts = Path(tempfile.mkdtemp()); (ckpts / "checkpoint-3.pth.tar").touch()
+    >>> (ckpts / "last.pth.tar").hardlink_to(ckpts / "checkpoint-3.pth.tar")
+    >>> same_file(ckpts / "last.pth.tar", ckpts / "checkpoint-3.pth.tar")
     True
 """
 

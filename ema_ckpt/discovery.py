@@ -118,8 +118,13 @@ def checkpoint_paths(checkpoints: str | Location | Sequence[str | Location]) -> 
     """The paths a command was given (a folder, one checkpoint, or a list), each checked to exist.
 
     Example:
-        >>> checkpoint_paths(["ckpts/step_100", "ckpts/step_200"])  # doctest: +SKIP
-        [PosixPath('ckpts/step_100'), PosixPath('ckpts/step_200')]
+        >>> import tempfile; from pathlib import Path
+        >>> ckpts = Path(tempfile.mkdtemp()); (ckpts / "step_100").mkdir()
+        >>> checkpoint_paths(str(ckpts / "step_100")) == [ckpts / "step_100"]
+        True
+        >>> checkpoint_paths([ckpts / "step_100", ckpts / "step_200"])  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ema_ckpt.errors.CheckpointNotFoundError: /.../step_200: no such file or directory
     """
     if isinstance(checkpoints, str) or is_location(checkpoints):
         paths = [as_path(checkpoints)]

@@ -7,8 +7,8 @@ first, with weight 1), which :func:`~ema_ckpt.maths.fold_coefficients` turns int
 Σ cᵢ·θᵢ a dry run shows.
 
 Example:
-    >>> make_profile(decay=0.999, half_life=None, per_checkpoint=False, warmup=False).describe()  # doctest: +SKIP
-    'EMA with decay 0.999 per step'
+    >>> make_profile(decay=0.999, half_life=None, per_checkpoint=False, warmup=False).describe()
+    'EMA, decay 0.999 per step (half-life 692.8 steps)'
 """
 
 from __future__ import annotations

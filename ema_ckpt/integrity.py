@@ -6,7 +6,11 @@ A flipped bit in the previous EMA would otherwise be folded in and then covered 
 checksums. ``verify`` runs the same file checks (:func:`file_checks`).
 
 Example:
-    >>> damage("ckpts/ema")   # doctest: +SKIP
+    >>> import tempfile, zlib; from pathlib import Path; from ema_ckpt.manifest import Manifest
+    >>> ema = Path(tempfile.mkdtemp()); _ = (ema / "__0_0.distcp").write_bytes(b"weights")
+    >>> Manifest(kind="ema", profile={}, dtype="float32", step=10, source_format="dcp",
+    ...          files={"__0_0.distcp": {"size": 7, "crc32": zlib.crc32(b"weights")}}).write(ema)
+    >>> damage(ema)
     []
     >>> refuse_damaged_emas(accumulators)   # doctest: +SKIP
 """
@@ -58,8 +62,13 @@ def damage(path: str | Location, *, block_bytes: int = HASH_BLOCK_BYTES, crc: bo
     the sizes alone and reads nothing.
 
     Example:
-        >>> damage("ckpts/ema")   # doctest: +SKIP
-        []
+        >>> import tempfile, zlib; from pathlib import Path; from ema_ckpt.manifest import Manifest
+        >>> ema = Path(tempfile.mkdtemp()); _ = (ema / "__0_0.distcp").write_bytes(b"weights")
+        >>> Manifest(kind="ema", profile={}, dtype="float32", step=10, source_format="dcp",
+        ...          files={"__0_0.distcp": {"size": 7, "crc32": zlib.crc32(b"weights")}}).write(ema)
+        >>> _ = (ema / "__0_0.distcp").write_bytes(b"weight")   # a byte lost
+        >>> damage(ema)   # doctest: +ELLIPSIS
+        ['/.../__0_0.distcp: truncated: 6 bytes, ema-ckpt.json says 7']
     """
     path = as_path(path)
     found = _Problems()

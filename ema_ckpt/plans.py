@@ -11,9 +11,15 @@ tensor (a dry run shows it). The coefficients come from the pure planner
 * a uniform average of a selection (fairseq ``average_checkpoints``, LAWA).
 
 Example:
-    >>> plan = plan_posthoc("ckpts/", sigma_rels=["0.05", "0.10"])        # doctest: +SKIP
-    >>> [o.name for o in plan.outputs]                                       # doctest: +SKIP
+    >>> import tempfile, numpy as np; from pathlib import Path; from safetensors.numpy import save_file
+    >>> ckpts = Path(tempfile.mkdtemp())
+    >>> for step in (100, 200, 300, 400):
+    ...     save_file({"w": np.full(2, step, np.float32)}, ckpts / f"step_{step}.safetensors")
+    >>> plan = plan_posthoc(ckpts, sigma_rels=["0.05", "0.10"])
+    >>> [o.name for o in plan.outputs]
     ['sigma_rel_0.05', 'sigma_rel_0.10']
+    >>> [(t.step, round(t.coefficient, 3)) for t in plan.outputs[1].terms]
+    [(100, 0.0), (200, 0.004), (300, 0.098), (400, 0.898)]
 """
 
 from __future__ import annotations

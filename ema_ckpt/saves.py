@@ -9,8 +9,12 @@ wrong weights (the Trainer's bf16 copy before the tag's fp32 masters), and the f
 would then look folded already.
 
 Example:
-    >>> save_in_progress(Path("out/checkpoint-600"), [])   # doctest: +SKIP
+    >>> import tempfile; from pathlib import Path
+    >>> save = Path(tempfile.mkdtemp()) / "checkpoint-600"; save.mkdir(); (save / "optimizer.pt").touch()
+    >>> save_in_progress(save, [])
     'no trainer_state.json yet (the Trainer writes it last: a save in progress?)'
+    >>> (save / "trainer_state.json").touch(); save_in_progress(save, []) is None
+    True
 """
 
 from __future__ import annotations

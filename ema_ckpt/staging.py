@@ -9,8 +9,11 @@ its fold (:func:`rewritten_since_staged`). Staging names fit ``NAME_MAX`` for an
 On object storage a checkpoint is downloaded instead.
 
 Example:
-    >>> stage("ckpts/step_100", incoming_dir("ckpts"))   # doctest: +SKIP
-    PosixPath('ckpts/.ema-ckpt-incoming/step_100')
+    >>> import tempfile; from pathlib import Path
+    >>> ckpts = Path(tempfile.mkdtemp()); (ckpts / "step_100").mkdir()
+    >>> (ckpts / "step_100" / "model.safetensors").touch()
+    >>> stage(ckpts / "step_100", incoming_dir(ckpts)).relative_to(ckpts)
+    PosixPath('.ema-ckpt-incoming/step_100')
 """
 
 from __future__ import annotations
@@ -63,8 +66,11 @@ def stage(checkpoint: str | os.PathLike[str] | Location, incoming: str | os.Path
             again while it was copied) before all of it was staged.
 
     Example:
-        >>> stage("ckpts/checkpoint-500", "ckpts/.ema-ckpt-incoming")   # doctest: +SKIP
-        PosixPath('ckpts/.ema-ckpt-incoming/checkpoint-500')
+        >>> import tempfile; from pathlib import Path
+        >>> ckpts = Path(tempfile.mkdtemp()); _ = (ckpts / "ckpt.pt").write_bytes(b"weights")
+        >>> staged = stage(ckpts / "ckpt.pt", ckpts / ".ema-ckpt-incoming")
+        >>> staged.relative_to(ckpts), staged.read_bytes()
+        (PosixPath('.ema-ckpt-incoming/ckpt.pt'), b'weights')
     """
     source, into = as_path(checkpoint), Path(incoming)
     local = local_file(source)

@@ -362,8 +362,12 @@ def step_record(
             say saves, not steps (accelerate's ``checkpoint_<i>``).
 
     Example:
-        >>> step_record("out/checkpoint-500")  # doctest: +SKIP
-        StepRecord(step=500, source='trainer_state.json global_step')
+        >>> import json, tempfile; from pathlib import Path
+        >>> save = Path(tempfile.mkdtemp()) / "checkpoint-500"; save.mkdir()
+        >>> _ = (save / "trainer_state.json").write_text(json.dumps({"global_step": 500}))
+        >>> record = step_record(save)
+        >>> record.step, record.source
+        (500, 'trainer_state.json global_step')
     """
     given = path if isinstance(path, Resolved) else None
     path = path.path if isinstance(path, Resolved) else as_path(path)

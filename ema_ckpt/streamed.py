@@ -5,7 +5,7 @@ Example:
     >>> import json
     >>> squares = StreamedList(range(3), lambda n: {"n": n, "square": n * n})
     >>> len(squares), "".join(json.JSONEncoder().iterencode({"items": squares}))
-    (3, '{"items": [{"n": 0, "square": 0}, {"n": 1, "square": 1}, {"n": 2, "square": 2}]}')
+    (3, '{"items": [{"n": 0, "square": 0}, {"n": 1, "square": 1}, {"n": 2, "square": 4}]}')
     >>> list(squares)[2]
     {'n': 2, 'square': 4}
 """
