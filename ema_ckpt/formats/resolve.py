@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from ..errors import CheckpointFormatError, CheckpointNotFoundError
 from ..layouts import NESTED_MODELS, NestedModel
 from ..storage import Location, as_path, local_file
-from .base import _REGISTRY, CheckpointFormat, CheckpointReader
+from .base import CheckpointFormat, CheckpointReader, registered_formats
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,7 +35,7 @@ class ModelLocation:
 def formats_for(path: Location) -> list[CheckpointFormat]:
     """The registered formats, in detection order, that can be read at ``path`` (all of them
     locally; on object storage, those whose reader reads there)."""
-    formats = list(_REGISTRY.values())
+    formats = list(registered_formats().values())
     return formats if local_file(path) is not None else [f for f in formats if f.remote]
 
 
@@ -182,7 +182,7 @@ def open_checkpoint(path: str | Location | Resolved, *, shared: object | None = 
             names = ", ".join(f.name for f in formats_for(path))
             raise CheckpointNotFoundError(path, f"not a checkpoint of a format read from object storage ({names}; "
                                                 "copy others to a local disk first)")
-        names = ", ".join(_REGISTRY)
+        names = ", ".join(registered_formats())
         raise CheckpointNotFoundError(path, f"not a checkpoint of any known format ({names})")
     if shared is not None and fmt.reopen is not None:
         return fmt.reopen(location.path, shared)

@@ -16,7 +16,7 @@ from ...torch_records import tensor_view_problem
 
 
 @dataclass(frozen=True, slots=True)
-class _Piece:
+class Piece:
     """Elements ``[dst, dst + length)`` of a key's flattened data are ``src[start : start + length]``."""
 
     dst: int
@@ -30,10 +30,13 @@ class _Piece:
 
 
 @dataclass(slots=True)
-class _Entry:
+class Entry:
+    """One key of the checkpoint: its spec, its kind, and where its data lies (pieces of flat
+    ranges, one stored tensor, or the key it is tied to)."""
+
     spec: TensorSpec
     kind: str  # "param", "frozen", "buffer" or "tied"
-    pieces: tuple[_Piece, ...] = ()  # flat-range sources (ZeRO partitions)
+    pieces: tuple[Piece, ...] = ()  # flat-range sources (ZeRO partitions)
     tensor: torch.Tensor | None = None  # or one whole stored tensor (buffers, stage 1/2 frozen)
     owner: str | None = None  # for "tied": the key whose data this one reads
     releasable: bool = False  # ``tensor``'s pages may be dropped after a copy
@@ -60,16 +63,16 @@ class _FlatChunks:
     def numel(self) -> int:
         return self.starts[-1]
 
-    def pieces(self, start: int, length: int, dst: int) -> list[_Piece]:
+    def pieces(self, start: int, length: int, dst: int) -> list[Piece]:
         """Pieces for ``concat[start : start + length]`` placed at ``dst`` of a key."""
-        out: list[_Piece] = []
+        out: list[Piece] = []
         end = start + length
         for i, chunk in enumerate(self.chunks):
             lo, hi = max(start, self.starts[i]), min(end, self.starts[i + 1])
             if lo < hi:
                 file, file_start = self.files[i] or (None, 0)
-                out.append(_Piece(dst + lo - start, hi - lo, chunk, lo - self.starts[i], self.releasable[i],
-                                  file, file_start))
+                out.append(Piece(dst + lo - start, hi - lo, chunk, lo - self.starts[i], self.releasable[i],
+                                 file, file_start))
         return out
 
 
@@ -126,7 +129,8 @@ def _shape(value: Any, where: Location, name: str) -> tuple[int, ...]:
 
 
 
-def _row_major_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+def row_major_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of ``shape``, in elements."""
     strides, acc = [], 1
     for d in reversed(shape):
         strides.append(acc)
@@ -168,9 +172,9 @@ class ParameterMaps:
         raise NotImplementedError
 
 
-    def _map_keys(self, model0_path: Location, model0: dict[str, Any], osds: list[dict[str, Any]]) -> dict[str, _Entry]:
+    def _map_keys(self, model0_path: Location, model0: dict[str, Any], osds: list[dict[str, Any]]) -> dict[str, Entry]:
         """Every key: buffers, frozen, trainable (masters), tied aliases; in state_dict order."""
-        entries: dict[str, _Entry] = {}
+        entries: dict[str, Entry] = {}
         module = model0.get("module") or {}
         if not isinstance(module, Mapping):
             raise CheckpointFormatError(model0_path, "'module' is not a state dict")
@@ -184,7 +188,7 @@ class ParameterMaps:
                 continue
             dtype = torch.float32 if t.is_floating_point() else t.dtype
             spec = TensorSpec(name, tuple(t.shape), dtype)
-            entries[name] = _Entry(spec, "buffer", tensor=t, releasable=self._releasable[model0_path])
+            entries[name] = Entry(spec, "buffer", tensor=t, releasable=self._releasable[model0_path])
 
         param_shapes = model0.get("param_shapes")
         if not isinstance(param_shapes, list):
@@ -205,7 +209,7 @@ class ParameterMaps:
             raise CheckpointFormatError(model0_path, "shared_params is not a mapping")
         for alias, owner in shared.items():
             if owner in entries and alias not in entries:
-                entries[alias] = _Entry(
+                entries[alias] = Entry(
                     TensorSpec(alias, entries[owner].spec.shape, entries[owner].spec.dtype),
                     "tied",
                     owner=owner,
@@ -218,7 +222,7 @@ class ParameterMaps:
         return {k: entries[k] for k in order}
 
 
-    def _stage12_params(self, param_shapes: list[Any], osds: list[dict[str, Any]]) -> dict[str, _Entry]:
+    def _stage12_params(self, param_shapes: list[Any], osds: list[dict[str, Any]]) -> dict[str, Entry]:
         key = "single_partition_of_fp32_groups"
         per_rank = []
         mapped: list[list[bool]] = []  # per rank, per group: pages releasable
@@ -242,7 +246,7 @@ class ParameterMaps:
             )
         alignment = osds[0].get("param_alignment_paddings")
         align_to = 2 * self.world_size  # DeepSpeed pads each group to a multiple of 2·ws
-        entries: dict[str, _Entry] = {}
+        entries: dict[str, Entry] = {}
         for g, shapes in enumerate(param_shapes):
             if not isinstance(shapes, Mapping):
                 raise CheckpointFormatError(self._model_files[0], f"param_shapes[{g}] is not a mapping")
@@ -262,7 +266,7 @@ class ParameterMaps:
                         self.tag_dir, f"group {g}: {name} needs elements up to {offset + n} of {flat.numel}"
                     )
                 spec = TensorSpec(name, shape, flat.chunks[0].dtype)
-                entries[name] = _Entry(spec, "param", pieces=tuple(flat.pieces(offset, n, 0)))
+                entries[name] = Entry(spec, "param", pieces=tuple(flat.pieces(offset, n, 0)))
                 offset += n + (int(paddings[j]) if paddings is not None else 0)
             if math.ceil(offset / align_to) != math.ceil(flat.numel / align_to):
                 raise CheckpointFormatError(
@@ -272,7 +276,7 @@ class ParameterMaps:
         return entries
 
 
-    def _stage3_params(self, param_shapes: list[Any], osds: list[dict[str, Any]]) -> dict[str, _Entry]:
+    def _stage3_params(self, param_shapes: list[Any], osds: list[dict[str, Any]]) -> dict[str, Entry]:
         key = "fp32_flat_groups"
         ws = self.world_size
         per_rank = []
@@ -290,18 +294,18 @@ class ParameterMaps:
                 raise CheckpointFormatError(self._model_files[0], f"param_shapes[{g}] is not a mapping")
             for name, shape in shapes.items():
                 merged[name] = _shape(shape, self._model_files[0], name)
-        entries: dict[str, _Entry] = {}
+        entries: dict[str, Entry] = {}
         offset = 0  # within every rank's flat (all sub-groups back to back)
         for name, shape in merged.items():
             n = math.prod(shape)
             part = math.ceil(n / ws)
-            pieces: list[_Piece] = []
+            pieces: list[Piece] = []
             for r, flat in enumerate(per_rank):
                 length = min(part, n - r * part)
                 if length > 0:
                     pieces.extend(flat.pieces(offset, length, r * part))
             dtype = per_rank[0].chunks[0].dtype if per_rank[0].chunks else torch.float32
-            entries[name] = _Entry(TensorSpec(name, shape, dtype), "param", pieces=tuple(pieces))
+            entries[name] = Entry(TensorSpec(name, shape, dtype), "param", pieces=tuple(pieces))
             offset += part
         for p, flat in zip(self._optim_files, per_rank, strict=True):
             if flat.numel != offset:
@@ -317,9 +321,9 @@ class ParameterMaps:
         model0: dict[str, Any],
         module: Mapping[str, Any],
         buffer_names: list[str],
-        trainable: Mapping[str, _Entry],
-    ) -> dict[str, _Entry]:
-        entries: dict[str, _Entry] = {}
+        trainable: Mapping[str, Entry],
+    ) -> dict[str, Entry]:
+        entries: dict[str, Entry] = {}
         shapes = model0.get("frozen_param_shapes")
         if shapes is not None and not isinstance(shapes, Mapping):
             raise CheckpointFormatError(model0_path, "frozen_param_shapes is not a mapping")
@@ -332,7 +336,7 @@ class ParameterMaps:
             skip = set(trainable) | set(buffer_names) | aliases
             for name, t in module.items():
                 if name not in skip and isinstance(t, torch.Tensor):
-                    entries[name] = _Entry(
+                    entries[name] = Entry(
                         TensorSpec(name, tuple(t.shape), t.dtype),
                         "frozen",
                         tensor=t,
@@ -350,7 +354,7 @@ class ParameterMaps:
                     )
                 _check_view(t, model0_path, f"frozen parameter {name!r}")
                 whole = t.reshape(shape)
-                entries[name] = _Entry(
+                entries[name] = Entry(
                     TensorSpec(name, shape, t.dtype),
                     "frozen",
                     tensor=whole,
@@ -384,8 +388,8 @@ class ParameterMaps:
                 if length > 0:
                     flat = t.reshape(-1)
                     releasable = self._releasable[p] and _same_storage(flat, t)
-                    pieces.append(_Piece(r * part, length, flat, 0, releasable))
-            entries[name] = _Entry(
+                    pieces.append(Piece(r * part, length, flat, 0, releasable))
+            entries[name] = Entry(
                 TensorSpec(name, shape, dtype or torch.float32), "frozen", pieces=tuple(pieces)
             )
         return entries

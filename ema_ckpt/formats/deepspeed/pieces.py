@@ -21,7 +21,7 @@ from ..._lazy import torch
 from ...errors import CheckpointFormatError
 from ...storage import Location, Readable, close_readable, local_file, local_path, open_readable, pread, pread_into
 from ...torch_records.checks import ReadChecks, expect_zip_members
-from .params import _Entry, _Piece
+from .params import Entry, Piece
 from .structure import RemoteStructure, meta_member
 from .tag import file_identity
 from .unpickle import release_pages, storage_file_offsets
@@ -69,7 +69,7 @@ class PieceReads:
                 os.close(fd)
         return offsets
 
-    def _place_in_files(self, entries: dict[str, _Entry]) -> dict[str, _Entry]:
+    def _place_in_files(self, entries: dict[str, Entry]) -> dict[str, Entry]:
         """Whole stored tensors (buffers, frozen parameters) whose place in their file is known
         as pieces read from the file, like the partitions: their bytes are then checked too."""
         if not any(e.tensor is not None and e.tensor.numel() for e in entries.values()):
@@ -81,12 +81,12 @@ class PieceReads:
             where = places.get(t.untyped_storage().data_ptr()) if t is not None and t.is_contiguous() else None
             if t is not None and where is not None and t.numel():
                 flat = t.reshape(-1)
-                piece = _Piece(0, t.numel(), flat, 0, entry.releasable, where[0],
-                               where[1] + flat.storage_offset() * flat.element_size())
+                piece = Piece(0, t.numel(), flat, 0, entry.releasable, where[0],
+                              where[1] + flat.storage_offset() * flat.element_size())
                 entries[key] = dataclasses.replace(entry, pieces=(piece,), tensor=None)
         return entries
 
-    def _place_in_objects(self, entries: dict[str, _Entry]) -> dict[str, _Entry]:
+    def _place_in_objects(self, entries: dict[str, Entry]) -> dict[str, Entry]:
         """Every key of a checkpoint on object storage as byte spans of its objects: each
         ``meta`` tensor the structure gave becomes a piece read by ranged requests."""
         owners = {ident: structure for structure in self._structures.values() for ident in structure.storages}
@@ -99,14 +99,14 @@ class PieceReads:
             self.read_checks.expect(str(structure.path), start, size, crc, f"zip member {name!r}")
             return structure.path, start + src.storage_offset() * src.element_size()
 
-        placed: dict[str, _Entry] = {}
+        placed: dict[str, Entry] = {}
         for key, entry in entries.items():
             pieces = list(entry.pieces)
             if entry.tensor is not None:
                 t = entry.tensor
                 if not t.is_contiguous():
                     raise CheckpointFormatError(self.tag_dir, f"{key} is not stored contiguously")
-                pieces = [_Piece(0, t.numel(), t.reshape(-1), 0)] if t.numel() else []
+                pieces = [Piece(0, t.numel(), t.reshape(-1), 0)] if t.numel() else []
             for i, p in enumerate(pieces):
                 if p.file is None or local_file(p.file) is not None:
                     file, start = place(p.src)
@@ -123,7 +123,7 @@ class PieceReads:
         finally:
             close_readable(source)
 
-    def _gather(self, entry: _Entry, lo: int, hi: int, out: torch.Tensor) -> None:
+    def _gather(self, entry: Entry, lo: int, hi: int, out: torch.Tensor) -> None:
         """Fill ``out`` (1-D, ``hi - lo`` long) with flat elements ``[lo, hi)`` of ``entry``."""
         fds: dict[Location, int | None] = {}
         try:
@@ -147,7 +147,7 @@ class PieceReads:
                 if fd is not None:
                     os.close(fd)
 
-    def _from_block(self, p: _Piece, a: int, b: int, out: torch.Tensor, fds: dict[Location, int | None]) -> bool:
+    def _from_block(self, p: Piece, a: int, b: int, out: torch.Tensor, fds: dict[Location, int | None]) -> bool:
         """Flat elements ``[a, b)`` of a key (in piece ``p``, read from its file) copied from the
         block of ``p``'s flat partition that holds them, read (and checked) once for every
         small piece in it: a run of many small parameters costs one ``pread`` per block, not
@@ -205,7 +205,7 @@ class PieceReads:
                 fds[path] = None  # replaced: the mapping still holds the file that was opened
         return fds[path]
 
-    def _remote_source(self, p: _Piece) -> Readable:
+    def _remote_source(self, p: Piece) -> Readable:
         """Ranged reads of the stored tensor ``p.src`` in its object: its bytes only, read ahead
         within it; kept for the next reads of it (the most recently used :data:`_REMOTE_KEPT`)."""
         assert p.file is not None
@@ -223,14 +223,14 @@ class PieceReads:
             close_readable(oldest)
         return source
 
-    def _drop_remote(self, p: _Piece, source: Readable) -> None:
+    def _drop_remote(self, p: Piece, source: Readable) -> None:
         assert p.file is not None
         with self._remote_lock:
             self._remote.pop((p.file, p.file_start), None)
         close_readable(source)
 
     @staticmethod
-    def _copy_piece(p: _Piece, a: int, b: int, out: torch.Tensor, source: Readable | None,
+    def _copy_piece(p: Piece, a: int, b: int, out: torch.Tensor, source: Readable | None,
                     checks: ReadChecks) -> None:
         """Flat elements ``[a, b)`` of a key, which lie in piece ``p``, into ``out``: read from
         ``source`` (a descriptor, or ranged reads of an object) at the piece's place in its

@@ -61,7 +61,7 @@ from ...torch_records import FileWindow
 from ...torch_records.checks import ReadChecks
 from ..base import CheckpointFormat, CheckpointReader, register_format
 from .files import FORMAT_NAME, find_tag_dir, incomplete, is_deepspeed, step_from, step_of
-from .params import ParameterMaps, _Entry, _row_major_strides
+from .params import Entry, ParameterMaps, row_major_strides
 from .pieces import RELEASE_SLICE_BYTES, PieceReads
 from .structure import RemoteStructure
 from .tag import TagFiles
@@ -144,7 +144,7 @@ class DeepSpeedReader(TagFiles, PieceReads, ParameterMaps, CheckpointReader):
         self._releasable: dict[Location, bool] = {}  # file -> its mapped pages may be dropped
         self._identities: dict[Location, tuple[int, ...]] = {}  # file -> (dev, inode, size, mtime) when mapped
         self._offsets: dict[Location, dict[int, int] | None] = {}  # file -> its storages' places (see _storage_offsets)
-        self._entries: dict[str, _Entry] = {}
+        self._entries: dict[str, Entry] = {}
         self._specs: dict[str, TensorSpec] = {}  # built once: the engine asks per region
         self._structures: dict[Location, RemoteStructure] = {}  # object -> its structure, while building
         self._sizes: dict[Location, int] = {}  # object -> its size in bytes
@@ -271,7 +271,7 @@ class DeepSpeedReader(TagFiles, PieceReads, ParameterMaps, CheckpointReader):
                 dst.copy_(src)
                 release_pages(src)
             return out
-        strides = _row_major_strides(shape)
+        strides = row_major_strides(shape)
         lo = sum(o * s for o, s in zip(box.offsets, strides, strict=True))
         hi = sum((o + n - 1) * s for o, n, s in zip(box.offsets, box.sizes, strides, strict=True)) + 1
         if hi - lo == out.numel():  # the box is one contiguous run (rows, or a whole tensor)
@@ -330,7 +330,7 @@ class DeepSpeedReader(TagFiles, PieceReads, ParameterMaps, CheckpointReader):
             raise ValueError(f"{self.path}: reader is closed")
 
 
-    def _entry(self, key: str) -> _Entry:
+    def _entry(self, key: str) -> Entry:
         self._check_open()
         try:
             return self._entries[key]
