@@ -8,15 +8,22 @@ update.
 
 from __future__ import annotations
 
+import _compat_pickle
+import ast
+import collections
 import dataclasses
 import enum
 import gc
+import inspect
 import io
 import pickle
+import pickletools
 import subprocess
 import sys
 import textwrap
+import warnings
 import weakref
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -27,6 +34,7 @@ from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from ema_ckpt import _gc
+from ema_ckpt._compat import torch_load
 from ema_ckpt.formats.dcp import metadata_layout as layout_check
 from ema_ckpt.formats.dcp import metadata_pickle as compat
 from ema_ckpt.formats.dcp.metadata_unpickle import check_written_metadata, load_dcp_metadata_bytes
@@ -307,6 +315,180 @@ def test_atexit_run_exitfuncs_runs_the_handlers_last_first_and_clears_them():
     assert proc.stdout == "second\nfirst\nafter\n"  # and not again at the real exit
 
 
+# --- torch.load's private pieces: ema_ckpt._compat.torch_load -----------------------------------
+
+
+def _saved_data_pkl(tmp_path: Path, obj: object) -> tuple[Path, bytes]:
+    path = tmp_path / "saved.pt"
+    torch.save(obj, path)
+    with zipfile.ZipFile(path) as zf:
+        name = next(n for n in zf.namelist() if n.endswith("/data.pkl"))
+        return path, zf.read(name)
+
+
+def test_torchs_weights_only_allowlist_holds_what_the_fast_load_builds_on():
+    allowed = torch_load.allowed_globals()
+    assert allowed is not None, "torch._weights_only_unpickler._get_allowed_globals is gone: the fast load is off"
+    rebuilds = torch_load.rebuild_functions()
+    for name in (torch_load.REBUILD_TENSOR, torch_load.REBUILD_PARAMETER, torch_load.REBUILD_FROM_TYPE):
+        assert allowed.get(name) is rebuilds[name], f"torch's allowlist no longer allows {name} as itself"
+    for name, cls in (("collections.OrderedDict", collections.OrderedDict), ("torch.Size", torch.Size),
+                      ("torch.device", torch.device)):
+        assert allowed.get(name) is cls, name
+    for name in ("torch.Tensor", "torch.nn.parameter.Parameter"):
+        assert isinstance(allowed.get(name), type), name
+    assert isinstance(allowed.get("torch.FloatStorage"), torch.serialization.StorageType)
+
+
+def test_without_torchs_allowlist_the_fast_load_steps_aside(tmp_path, monkeypatch):
+    from torch import _weights_only_unpickler as weights_only
+
+    from ema_ckpt.formats.deepspeed import fastload
+    from ema_ckpt.pickles.rules import torch_allows
+
+    path, _ = _saved_data_pkl(tmp_path, {"w": torch.ones(2)})
+    assert fastload.fast_load(path, {}) is not None
+    monkeypatch.delattr(weights_only, "_get_allowed_globals")
+    monkeypatch.setattr(fastload, "_GLOBALS", {})
+    assert torch_load.allowed_globals() is None
+    assert fastload.fast_load(path, {}) is None  # torch's weights-only load reads it instead
+    assert torch_allows("torch.Size") and not torch_allows("os.system")
+
+
+def test_the_rebuild_functions_are_named_as_a_torch_save_pickle_names_them(tmp_path):
+    for name, function in torch_load.rebuild_functions().items():
+        assert f"{function.__module__}.{function.__qualname__}" == name
+    _, data = _saved_data_pkl(tmp_path, {"w": torch.ones(2), "p": torch.nn.Parameter(torch.ones(2))})
+    named = {tuple(str(arg).split(" ")) for op, arg, _ in pickletools.genops(data) if op.name == "GLOBAL"}
+    assert ("torch._utils", "_rebuild_tensor_v2") in named and ("torch._utils", "_rebuild_parameter") in named
+
+
+def _steps(function: object) -> set[str]:
+    """The names a function calls and the attributes it sets."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
+    calls = {n.func.id if isinstance(n.func, ast.Name) else n.func.attr
+             for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, (ast.Name, ast.Attribute))}
+    sets = {t.attr for n in ast.walk(tree) if isinstance(n, ast.Assign) for t in n.targets
+            if isinstance(t, ast.Attribute)}
+    return calls | sets
+
+
+def test_the_rebuild_outside_fake_mode_is_torchs_rebuild_less_its_fake_mode_step():
+    torchs = torch._utils._rebuild_tensor_v2
+    assert inspect.signature(torch_load.rebuild_tensor_outside_fake_mode).parameters.keys() \
+        == inspect.signature(torchs).parameters.keys()
+    assert _steps(torchs) == {"_rebuild_tensor", "requires_grad", "set_tensor_metadata", "_backward_hooks",
+                              "_restore_device_fake_mode"}, "torch's _rebuild_tensor_v2 changed its steps"
+    base = torch.arange(12, dtype=torch.float32)
+    storage = torch.storage.TypedStorage(wrap_storage=base.untyped_storage(), dtype=torch.float32, _internal=True)
+    hooks: collections.OrderedDict = collections.OrderedDict()
+    for metadata in (None, {}):
+        args = (storage, 2, torch.Size((2, 3)), (4, 1), False, hooks, metadata)
+        ours, theirs = torch_load.rebuild_tensor_outside_fake_mode(*args), torchs(*args)
+        assert torch.equal(ours, theirs) and ours.stride() == theirs.stride() == (4, 1)
+        assert ours.untyped_storage().data_ptr() == base.untyped_storage().data_ptr()
+        assert ours.storage_offset() == 2 and ours._backward_hooks is hooks and not ours.requires_grad
+    with pytest.raises(TypeError):
+        torch_load.rebuild_tensor_outside_fake_mode(base.untyped_storage(), 0, (1,), (1,), False, hooks)
+
+
+def test_rebuild_from_type_builds_the_subclass_with_its_state():
+    assert list(inspect.signature(torch._tensor._rebuild_from_type_v2).parameters) == [
+        "func", "new_type", "args", "state"]
+    built = torch_load.rebuild_from_type(torch.ones, torch.nn.Parameter, ((2,),), {"label": "x"})
+    assert type(built) is torch.nn.Parameter and torch.equal(built, torch.ones(2)) and built.label == "x"
+
+
+def test_element_size_and_typed_storage_are_torch_loads_own():
+    for dtype in (torch.float64, torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.int64,
+                  torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128):
+        assert torch_load.element_size(dtype) == dtype.itemsize, dtype
+    with pytest.raises(RuntimeError):
+        torch_load.element_size("float32")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        typed = torch_load.typed_storage(torch.UntypedStorage(8), torch.float32)
+    assert type(typed) is torch.storage.TypedStorage and typed.dtype == torch.float32
+
+
+def test_fake_mode_is_seen():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    assert not torch_load.in_fake_mode()
+    with FakeTensorMode():
+        assert torch_load.in_fake_mode()
+
+
+def test_the_zip_reader_reads_a_torch_save_file_as_zipfile_does(tmp_path):
+    path, data = _saved_data_pkl(tmp_path, {"w": torch.arange(4, dtype=torch.int32)})
+    reader = torch_load.zip_reader(path)
+    records = set(reader.get_all_records())
+    assert {"data.pkl", "byteorder", "data/0"} <= records
+    assert bytes(reader.get_record("data.pkl")) == data
+    offset = reader.get_record_offset("data/0")
+    assert path.read_bytes()[offset:offset + 16] == torch.arange(4, dtype=torch.int32).numpy().tobytes()
+
+
+def test_the_weights_only_unpickler_loads_data_and_refuses_code(tmp_path):
+    _, data = _saved_data_pkl(tmp_path, {"a": 1, "b": [1.5, "x"], "c": torch.Size((2, 3))})
+    assert torch_load.weights_only_unpickler(data).load() == {"a": 1, "b": [1.5, "x"], "c": torch.Size((2, 3))}
+    with pytest.raises(pickle.UnpicklingError):
+        torch_load.weights_only_unpickler(pickle.dumps(print, protocol=2)).load()
+
+
+# --- DCP's _StorageInfo: ema_ckpt._compat.dcp_storage --------------------------------------------
+
+
+def test_dcp_storage_info_is_torchs_with_the_fields_the_fallback_passes():
+    from ema_ckpt._compat.dcp_storage import storage_info_class
+
+    cls = storage_info_class()
+    assert cls is filesystem._StorageInfo and dataclasses.is_dataclass(cls)
+    assert [f.name for f in dataclasses.fields(cls)][:3] == ["relative_path", "offset", "length"]
+    assert cls("__0_0.distcp", 1, 2) == filesystem._StorageInfo(relative_path="__0_0.distcp", offset=1, length=2)
+
+
+# --- CPython's pickle internals: ema_ckpt._compat.pickle_internals ----------------------------------
+
+
+def test_the_pure_python_unpickler_is_there_with_the_state_the_lean_unpickler_takes_over():
+    from ema_ckpt._compat import pickle_internals as internals
+
+    assert internals.PURE_PYTHON_AVAILABLE, "pickle._Unpickler or pickle._Stop is gone: large .metadata loads in C"
+    assert internals.PurePythonUnpickler is pickle._Unpickler and internals.Stop is pickle._Stop
+    opcodes = {op.code.encode("latin-1")[0] for op in pickletools.opcodes}
+    assert opcodes <= set(internals.PurePythonUnpickler.dispatch), "an opcode has no handler"
+    # LeanUnpickler.load sets up what pickle._Unpickler.load does, then runs the same handlers
+    assert _steps(pickle._Unpickler.load) >= {"read", "readinto", "readline", "metastack", "stack", "append",
+                                             "proto"}
+    unpickler = internals.PurePythonUnpickler(io.BytesIO(b""))
+    unpickler.stack, unpickler.metastack = ["loaded"], []
+    with pytest.raises(internals.Stop) as stop:
+        unpickler.dispatch[pickle.STOP[0]](unpickler)
+    assert stop.value.value == "loaded"
+
+
+def test_python3_name_reads_protocol_2_names_as_the_unpickler_does():
+    import importlib
+
+    from ema_ckpt._compat.pickle_internals import python3_name
+
+    assert python3_name("__builtin__", "set") == ("builtins", "set")
+    assert python3_name("copy_reg", "_reconstructor") == ("copyreg", "_reconstructor")
+    assert python3_name("collections", "OrderedDict") == ("collections", "OrderedDict")
+    checked = 0
+    for module, name in [*_compat_pickle.NAME_MAPPING, ("copy_reg", "_reconstructor"), ("__builtin__", "len"),
+                         ("Queue", "Queue"), ("collections", "OrderedDict")]:
+        try:  # what CPython's own unpickler resolves a protocol 0-2 GLOBAL to (fix_imports)
+            expected = pickle.loads(f"c{module}\n{name}\n.".encode())
+        except Exception:
+            continue  # a name this Python no longer has: nothing to compare
+        mapped_module, mapped_name = python3_name(module, name)
+        assert getattr(importlib.import_module(mapped_module), mapped_name) is expected, (module, name)
+        checked += 1
+    assert checked > 50
+
+
 # --- The collector: gc.freeze semantics and the helpers in ema_ckpt._gc --------------------------
 
 
@@ -420,6 +602,7 @@ def test_import_module_sets_modules_aside_only_in_a_process_that_owns_its_heap()
     code = """
 import gc, sys
 from ema_ckpt import _gc
+from ema_ckpt._compat import torch_load
 assert gc.get_freeze_count() == 0
 _gc.import_module("json")  # a library caller's process: a plain import
 assert "json" in sys.modules and gc.get_freeze_count() == 0
@@ -448,6 +631,7 @@ def test_the_command_line_and_python_m_own_their_heap():
         code = f"""
 import sys
 from ema_ckpt import _gc
+from ema_ckpt._compat import torch_load
 sys.argv = ["ema-ckpt", "--help"]
 try:
     {entry}

@@ -11,11 +11,11 @@ the load too. The C unpickler offers no way to drop one entry.
 A pickle names each memo entry it fetches: GET (a decimal line), BINGET (one byte: an index
 below 256) and LONG_BINGET (four bytes). :class:`FetchedIndices` finds, from the bytes alone,
 every index any of these could name (a superset: each ``j`` byte is read as if it were a
-LONG_BINGET opcode). :class:`LeanUnpickler` is CPython's pure-Python unpickler with a memo
-that stores only those entries: a 200,000-key ``.metadata`` loads at a peak of about 300 MiB
-instead of 490, in about 1.8x the time (the opcodes run in Python). Like the C unpickler,
-it walks the pickle first (:mod:`.bounds`): no opcode may make it allocate more than the
-pickle's size.
+LONG_BINGET opcode). :class:`LeanUnpickler` is CPython's pure-Python unpickler (private:
+:mod:`ema_ckpt._compat.pickle_internals`) with a memo that stores only those entries: a
+200,000-key ``.metadata`` loads at a peak of about 300 MiB instead of 490, in about 1.8x the
+time (the opcodes run in Python). Like the C unpickler, it walks the pickle first
+(:mod:`.bounds`): no opcode may make it allocate more than the pickle's size.
 
 Example:
     >>> fetched = FetchedIndices(b"\\x80\\x04j\\x00\\x01\\x00\\x00.")
@@ -36,6 +36,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from .._compat.pickle_internals import PURE_PYTHON_AVAILABLE, PurePythonUnpickler, Stop
 from .bounds import check_pickle_bounds
 
 _LONG_BINGET = ord("j")
@@ -104,16 +105,11 @@ _MEMOIZE, _BINGET, _LONG_GET, _TUPLE1, _MARK = 0x94, 0x68, 0x6A, 0x85, 0x28
 _EMPTY_TUPLE, _BININT1, _EMPTY_DICT, _NEWFALSE, _SHORT_UNICODE = 0x29, 0x4B, 0x7D, 0x89, 0x8C
 
 
-# The standard library's pure-Python unpickler, its dispatch table and its STOP signal are
-# private names of ``pickle`` (tests/test_unpickler.py checks the results against pickle's
-# own). Where they are gone, AVAILABLE is False and callers keep to the C unpickler.
-_PurePython: Any = getattr(pickle, "_Unpickler", pickle.Unpickler)
-_Stop: Any = getattr(pickle, "_Stop", None)
-AVAILABLE = _PurePython is not pickle.Unpickler and _Stop is not None and isinstance(
-    getattr(_PurePython, "dispatch", None), dict)
+AVAILABLE = PURE_PYTHON_AVAILABLE
+"""Whether :class:`LeanUnpickler` works here; where it does not, callers keep to the C unpickler."""
 
 
-class LeanUnpickler(_PurePython):  # type: ignore[misc]
+class LeanUnpickler(PurePythonUnpickler):  # type: ignore[misc]
     """CPython's pure-Python unpickler over ``data``, with a memo that keeps only what the
     pickle may fetch again. Subclasses override ``find_class``/``persistent_load``.
 
@@ -121,7 +117,7 @@ class LeanUnpickler(_PurePython):  # type: ignore[misc]
     opcodes inline: about 1.6x faster than the standard library's loop.
     """
 
-    dispatch: ClassVar[dict[int, Any]] = {**getattr(_PurePython, "dispatch", {}), pickle.FRAME[0]: _frame}
+    dispatch: ClassVar[dict[int, Any]] = {**getattr(PurePythonUnpickler, "dispatch", {}), pickle.FRAME[0]: _frame}
 
     def __init__(self, data: bytes) -> None:
         self._data = data
@@ -176,5 +172,5 @@ class LeanUnpickler(_PurePython):  # type: ignore[misc]
                 else:
                     dispatch[code](self)
                     stack, append = self.stack, self.append  # MARK's opcodes swap the stack
-        except _Stop as stop:
+        except Stop as stop:
             return stop.value

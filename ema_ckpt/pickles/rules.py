@@ -24,6 +24,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from .._compat import torch_load
 from ..errors import UnsafePickleError
 
 __all__ = [
@@ -100,13 +101,12 @@ def globals_in_pickle(data: bytes) -> list[str]:
 
 
 def torch_allows(name: str) -> bool:
-    """Whether torch's weights-only unpickler allows ``name`` by default (private API, guarded)."""
-    from torch import _weights_only_unpickler as wo
-
-    allowed = getattr(wo, "_get_allowed_globals", None)
+    """Whether torch's weights-only unpickler allows ``name`` by default (private API, guarded:
+    :func:`ema_ckpt._compat.torch_load.allowed_globals`)."""
+    allowed = torch_load.allowed_globals()
     if allowed is None:  # pragma: no cover - a torch without the private helper
         return name.startswith("torch.") or name.startswith("collections.")
-    return name in allowed()
+    return name in allowed
 
 
 CODE_MODULES: frozenset[str] = frozenset(sys.stdlib_module_names) | {

@@ -64,7 +64,7 @@ def storage_dtype(module: str, name: str) -> DtypeName | None:
     """The dtype a torch storage or dtype global names (``torch.FloatStorage``, ``torch.bfloat16``,
     ``torch.UntypedStorage``), or None."""
     if module in ("torch", "torch.storage") and name == "UntypedStorage":
-        return DtypeName(_UNTYPED)
+        return DtypeName(UNTYPED)
     if module == "torch" and name in _STORAGE_DTYPES:
         return DtypeName(_STORAGE_DTYPES[name])
     if module == "torch" and name in TORCH_NAMES:
@@ -72,7 +72,10 @@ def storage_dtype(module: str, name: str) -> DtypeName | None:
     return None
 
 
-class _StorageRef:
+class PickledStorage:
+    """A storage reference as the record unpicklers hand it to :func:`rebuild_record`: the
+    zip member's key, the dtype name (:data:`UNTYPED` for a byte storage) and the elements."""
+
     __slots__ = ("dtype", "key", "numel")
 
     def __init__(self, key: str, dtype: str, numel: int) -> None:
@@ -134,10 +137,11 @@ def tensor_view_problem(t: Any) -> str | None:
     return view_problem(tuple(t.shape), tuple(t.stride()), int(t.storage_offset()), stored, item)
 
 
-def _rebuild_record(
-    storage: _StorageRef, offset: Any, size: Any, stride: Any, *_rest: Any
+def rebuild_record(
+    storage: PickledStorage, offset: Any, size: Any, stride: Any, *_rest: Any
 ) -> TensorRecord:
-    if not isinstance(storage, _StorageRef) or type(offset) is not int:  # the callers bound the offset
+    """torch's tensor rebuild (``_rebuild_tensor_v2``) as a record: where the bytes lie, no tensor."""
+    if not isinstance(storage, PickledStorage) or type(offset) is not int:  # the callers bound the offset
         raise pickle.UnpicklingError("malformed tensor record")
     shape, strides = _ints(size, "size"), _ints(stride, "stride", signed=True)  # judged by view_problem
     if len(shape) != len(strides):
@@ -145,20 +149,21 @@ def _rebuild_record(
     return TensorRecord(storage.key, storage.dtype, storage.numel, offset, shape, strides)
 
 
-def _rebuild_record_v3(
-    storage: _StorageRef, offset: Any, size: Any, stride: Any, _grad: Any, _hooks: Any, dtype: Any, *_rest: Any
+def rebuild_record_v3(
+    storage: PickledStorage, offset: Any, size: Any, stride: Any, _grad: Any, _hooks: Any, dtype: Any, *_rest: Any
 ) -> TensorRecord:
     """torch's v3 record (float8, uint16, …): an untyped byte storage plus the dtype."""
-    if not isinstance(dtype, DtypeName) or storage.dtype != _UNTYPED:
+    if not isinstance(dtype, DtypeName) or storage.dtype != UNTYPED:
         raise pickle.UnpicklingError("malformed v3 tensor record")
     size_of = itemsize(dtype)
     if storage.numel % size_of:
         raise pickle.UnpicklingError(f"{storage.numel} storage bytes do not hold whole {dtype} values")
-    typed = _StorageRef(storage.key, str(dtype), storage.numel // size_of)
-    return _rebuild_record(typed, offset, size, stride)
+    typed = PickledStorage(storage.key, str(dtype), storage.numel // size_of)
+    return rebuild_record(typed, offset, size, stride)
 
 
-_UNTYPED = "untyped"
+UNTYPED = "untyped"
+"""The dtype name of a ``torch.UntypedStorage`` (bytes; a v3 record gives the dtype apart)."""
 
 
 class _TensorRecordUnpickler(InMemoryUnpickler):
@@ -170,9 +175,9 @@ class _TensorRecordUnpickler(InMemoryUnpickler):
 
     def find_class(self, module: str, name: str) -> Any:
         if module == "torch._utils" and name == "_rebuild_tensor_v2":
-            return _rebuild_record
+            return rebuild_record
         if module == "torch._utils" and name == "_rebuild_tensor_v3":
-            return _rebuild_record_v3
+            return rebuild_record_v3
         dtype = storage_dtype(module, name)
         if dtype is not None:
             return dtype
@@ -188,7 +193,7 @@ class _TensorRecordUnpickler(InMemoryUnpickler):
         _, dtype, key, _location, numel = pid
         if not isinstance(dtype, DtypeName) or type(numel) is not int or numel < 0:
             raise CheckpointFormatError(self._source, "unexpected storage type in tensor record")
-        return _StorageRef(str(key), dtype, numel)
+        return PickledStorage(str(key), dtype, numel)
 
 
 _RECORD_CACHE: dict[bytes, TensorRecord] = {}

@@ -22,18 +22,18 @@ Example:
 
 from __future__ import annotations
 
-import _compat_pickle
 import collections
 import fnmatch
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from .._compat.pickle_internals import python3_name
 from ..dtypes import DtypeName
 from ..errors import CheckpointFormatError, Note, UnsafePickleError
 from ..pickles.bounds import InMemoryUnpickler
 from ..pickles.rules import is_standard_module, refusal, torch_size
-from .pickles import _UNTYPED, TensorRecord, _rebuild_record, _rebuild_record_v3, storage_dtype
+from .pickles import UNTYPED, PickledStorage, TensorRecord, rebuild_record, rebuild_record_v3, storage_dtype
 
 
 class Opaque(dict):  # type: ignore[type-arg]
@@ -104,8 +104,8 @@ def _parameter(data: Any, *_rest: Any) -> Any:
 
 _PLAIN_TENSOR_TYPES = {"torch.nn.parameter.Parameter", "torch.Tensor", "torch._tensor.Tensor"}
 _TORCH_SPECIALS: dict[tuple[str, str], Any] = {
-    ("torch._utils", "_rebuild_tensor_v2"): _rebuild_record,
-    ("torch._utils", "_rebuild_tensor_v3"): _rebuild_record_v3,
+    ("torch._utils", "_rebuild_tensor_v2"): rebuild_record,
+    ("torch._utils", "_rebuild_tensor_v3"): rebuild_record_v3,
     ("torch._utils", "_rebuild_parameter"): _parameter,
     ("torch._utils", "_rebuild_parameter_with_state"): _parameter,
     ("torch._tensor", "_rebuild_from_type_v2"): _from_type_v2,
@@ -137,10 +137,7 @@ class _TreeUnpickler(InMemoryUnpickler):
         dtype = storage_dtype(module, name)
         if dtype is not None:
             return dtype
-        if (module, name) in _compat_pickle.NAME_MAPPING:  # protocol 2 names builtins as Python 2 did
-            module, name = _compat_pickle.NAME_MAPPING[(module, name)]
-        elif module in _compat_pickle.IMPORT_MAPPING:
-            module = _compat_pickle.IMPORT_MAPPING[module]
+        module, name = python3_name(module, name)  # protocol 2 names builtins as Python 2 did
         key = (module, name)
         if key not in self._standins:  # a fresh class per load: a pickle's edits to it stay in this load
             self._standins[key] = _standin(module, name)
@@ -157,15 +154,13 @@ class _TreeUnpickler(InMemoryUnpickler):
             raise CheckpointFormatError(self._source, "storage views of torch < 0.4 files are not supported")
         ref = StorageRef(key, str(dtype), numel)
         known = self.storages.setdefault(key, ref)
-        if known != ref and not (known.dtype == _UNTYPED or ref.dtype == _UNTYPED):
+        if known != ref and not (known.dtype == UNTYPED or ref.dtype == UNTYPED):
             raise CheckpointFormatError(self._source, f"storage {key} is named with two types")
         return _storage_ref(ref)
 
 
 def _storage_ref(ref: StorageRef) -> Any:
-    from .pickles import _StorageRef
-
-    return _StorageRef(ref.key, DtypeName(ref.dtype), ref.numel)
+    return PickledStorage(ref.key, DtypeName(ref.dtype), ref.numel)
 
 
 @dataclass(frozen=True, slots=True)

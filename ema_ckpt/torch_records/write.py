@@ -24,6 +24,7 @@ import zipfile
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
+from .._compat import torch_load
 from .._crc import crc32
 from .._lazy import torch
 from ..errors import UsageError
@@ -77,7 +78,7 @@ class _TensorStub:
         for dim in reversed(self.shape):
             stride.append(acc)
             acc *= dim
-        return (torch._utils._rebuild_tensor_v2,
+        return (torch_load.rebuild_functions()[torch_load.REBUILD_TENSOR],
                 (self.ref, 0, torch.Size(self.shape), tuple(reversed(stride)), False, collections.OrderedDict()))
 
 

@@ -39,8 +39,9 @@ import io
 import itertools
 import struct
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import BinaryIO, TypeVar
+from typing import Any, BinaryIO, TypeVar
 
+from ..._compat.dcp_storage import storage_info_class
 from .metadata_layout import DCP_METADATA_VERSION, emitter_matches_torch
 
 _METADATA_MODULE = "torch.distributed.checkpoint.metadata"
@@ -346,15 +347,15 @@ def _pickle_with_torch(tensors: Tensors, blobs: Blobs, planner_data: Mapping[str
 
     import torch
     from torch.distributed.checkpoint import metadata as dcp
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
 
+    storage_info = storage_info_class()
     same: dict[str, str] = {}
 
     def text(value: str) -> str:  # equal strings as one object: the bytes depend on values only
         return same.setdefault(value, value)
 
     state: dict[str, dcp.TensorStorageMetadata | dcp.BytesStorageMetadata] = {}
-    storage: dict[dcp.MetadataIndex, _StorageInfo] = {}
+    storage: dict[dcp.MetadataIndex, Any] = {}
     for key, (dtype, shape, chunks) in tensors.items():
         key = text(key)
         boxes = [dcp.ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes))
@@ -363,11 +364,11 @@ def _pickle_with_torch(tensors: Tensors, blobs: Blobs, planner_data: Mapping[str
             dcp.TensorProperties(dtype=getattr(torch, dtype)), torch.Size(shape), boxes)
         for index, (offsets, _sizes, record) in enumerate(chunks):
             if record is not None:
-                storage[dcp.MetadataIndex(key, offsets, index)] = _StorageInfo(text(record[0]), *record[1:])
+                storage[dcp.MetadataIndex(key, offsets, index)] = storage_info(text(record[0]), *record[1:])
     for key, (relative_path, offset, length) in blobs.items():
         key = text(key)
         state[key] = dcp.BytesStorageMetadata()
-        storage[dcp.MetadataIndex(key)] = _StorageInfo(text(relative_path), offset, length)
+        storage[dcp.MetadataIndex(key)] = storage_info(text(relative_path), offset, length)
     planner = {key: tuple(text(part) for part in planner_data.get(key, (key,))) for key in state}
     metadata = dcp.Metadata(state_dict_metadata=dict(state), planner_data=planner, storage_data=storage,
                             version=DCP_METADATA_VERSION)

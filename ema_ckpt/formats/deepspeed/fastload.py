@@ -16,9 +16,10 @@ What a file must be:
   pickle's size and every length within the data (walked before loading: :func:`_plain`);
 * naming only the globals of :data:`_GLOBALS`, each allowed by the weights-only unpickler too
   (DeepSpeed's stand-ins aside) and built by the same torch functions (the tensor rebuild is
-  torch's ``_rebuild_tensor_v2`` less its fake-mode step). ``find_class`` never hands the C
-  unpickler a shared function or class it could change: functions come as sealed call
-  wrappers, storage and tensor types as sealed markers, and the only classes are immutable
+  torch's ``_rebuild_tensor_v2`` less its fake-mode step; torch's private pieces come from
+  :mod:`ema_ckpt._compat.torch_load`). ``find_class`` never hands the C unpickler a shared
+  function or class it could change: functions come as sealed call wrappers, storage and
+  tensor types as sealed markers, and the only classes are immutable
   built-in types (``OrderedDict``, ``torch.Size``, ``torch.device``) or DeepSpeed's stand-ins,
   of a metaclass that refuses attribute writes, so ``BUILD`` can set nothing on an object
   another load would see;
@@ -33,7 +34,6 @@ as writing other values into the file would, and run nothing.
 
 from __future__ import annotations
 
-import _compat_pickle
 import collections
 import functools
 import io
@@ -44,6 +44,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ..._compat import torch_load
+from ..._compat.pickle_internals import python3_name
 from ..._lazy import torch
 
 __all__ = ["SealedType", "fast_load", "fast_summary"]
@@ -108,25 +110,11 @@ class _TensorType(_Sealed):
         object.__setattr__(self, "cls", cls)
 
 
-def _rebuild_tensor_v2(storage: Any, storage_offset: Any, size: Any, stride: Any, requires_grad: Any,
-                       backward_hooks: Any, metadata: Any = None) -> Any:
-    """torch's ``_rebuild_tensor_v2`` without its fake-mode step (no fake mode: see :func:`fast_load`)."""
-    if type(storage) is not torch.storage.TypedStorage:
-        raise _NotFast
-    untyped = storage._untyped_storage
-    t = torch.empty((0,), dtype=storage.dtype, device=untyped.device).set_(untyped, storage_offset, size, stride)
-    t.requires_grad = requires_grad
-    if metadata:
-        torch._utils.set_tensor_metadata(t, metadata)
-    t._backward_hooks = backward_hooks
-    return t
-
-
 def _rebuild_from_type_v2(func: Any, new_type: Any, args: Any, state: Any) -> Any:
     """torch's ``_rebuild_from_type_v2``, its type given as a :class:`_TensorType`."""
     if type(func) is not _Call or type(new_type) is not _TensorType or type(args) is not tuple:
         raise _NotFast
-    return torch._tensor._rebuild_from_type_v2(func, new_type.cls, args, state)
+    return torch_load.rebuild_from_type(func, new_type.cls, args, state)
 
 
 def _skipped(*_args: Any) -> None:
@@ -136,9 +124,7 @@ def _skipped(*_args: Any) -> None:
 
 _GLOBALS: dict[str, Any] = {}
 """``module.name`` -> what ``find_class`` returns; built on first use (:func:`_globals`)."""
-_REBUILDS = (
-    "torch._utils._rebuild_tensor_v2", "torch._utils._rebuild_parameter", "torch._tensor._rebuild_from_type_v2"
-)
+_REBUILDS = (torch_load.REBUILD_TENSOR, torch_load.REBUILD_PARAMETER, torch_load.REBUILD_FROM_TYPE)
 _SUMMARY_GLOBALS: dict[str, Any] = {}
 """The same with every tensor rebuild :func:`_skipped`."""
 
@@ -146,20 +132,20 @@ _SUMMARY_GLOBALS: dict[str, Any] = {}
 def _globals(stand_ins: dict[str, type], summary: bool) -> dict[str, Any]:
     if _GLOBALS:
         return _SUMMARY_GLOBALS if summary else _GLOBALS
-    from torch._weights_only_unpickler import _get_allowed_globals
-
-    allowed = _get_allowed_globals()
+    allowed = torch_load.allowed_globals()
+    if allowed is None:
+        raise _NotFast
+    rebuilds = torch_load.rebuild_functions()
     found: dict[str, Any] = {}
     for name, cls in (("collections.OrderedDict", collections.OrderedDict), ("torch.Size", torch.Size),
                       ("torch.device", torch.device)):
         if allowed.get(name) is cls:  # immutable types: nothing of them can be set, they go as they are
             found[name] = cls
-    if allowed.get("torch._utils._rebuild_parameter") is torch._utils._rebuild_parameter:
-        found["torch._utils._rebuild_parameter"] = _Call(torch._utils._rebuild_parameter)
-    if allowed.get("torch._utils._rebuild_tensor_v2") is torch._utils._rebuild_tensor_v2:
-        found["torch._utils._rebuild_tensor_v2"] = _Call(_rebuild_tensor_v2)
-    if allowed.get("torch._tensor._rebuild_from_type_v2") is torch._tensor._rebuild_from_type_v2:
-        found["torch._tensor._rebuild_from_type_v2"] = _Call(_rebuild_from_type_v2)
+    for name, rebuild in ((torch_load.REBUILD_PARAMETER, rebuilds[torch_load.REBUILD_PARAMETER]),
+                          (torch_load.REBUILD_TENSOR, torch_load.rebuild_tensor_outside_fake_mode),
+                          (torch_load.REBUILD_FROM_TYPE, _rebuild_from_type_v2)):
+        if allowed.get(name) is rebuilds[name]:
+            found[name] = _Call(rebuild)
     for name in ("torch.Tensor", "torch.nn.parameter.Parameter"):
         if isinstance(allowed.get(name), type):
             found[name] = _TensorType(allowed[name])
@@ -235,10 +221,7 @@ class _Unpickler(pickle.Unpickler):
         self._loaded: dict[str, Any] = {}
 
     def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in _compat_pickle.NAME_MAPPING:  # as the weights-only unpickler reads them
-            module, name = _compat_pickle.NAME_MAPPING[(module, name)]
-        elif module in _compat_pickle.IMPORT_MAPPING:
-            module = _compat_pickle.IMPORT_MAPPING[module]
+        module, name = python3_name(module, name)  # as the weights-only unpickler reads them
         found = self._names.get(f"{module}.{name}")
         if found is None:
             raise _NotFast
@@ -253,7 +236,7 @@ class _Unpickler(pickle.Unpickler):
             raise _NotFast
         if key in self._loaded:
             return self._loaded[key]
-        nbytes = numel * torch._utils._element_size(kind.dtype)
+        nbytes = numel * torch_load.element_size(kind.dtype)
         try:
             start = self._reader.get_record_offset(f"data/{key}")
         except Exception:
@@ -262,9 +245,7 @@ class _Unpickler(pickle.Unpickler):
             raise _NotFast
         if self._storage is None:  # a summary: the member is there, nothing is mapped
             return None
-        storage = torch.storage.TypedStorage(
-            wrap_storage=self._storage[start : start + nbytes], dtype=kind.dtype, _internal=True
-        )
+        storage = torch_load.typed_storage(self._storage[start : start + nbytes], kind.dtype)
         self._loaded[key] = storage
         return storage
 
@@ -286,10 +267,10 @@ def fast_summary(path: Path, stand_ins: dict[str, type]) -> tuple[Any] | None:
 
 def _fast(path: Path, stand_ins: dict[str, type], *, summary: bool) -> tuple[Any] | None:
     try:
-        if torch._guards.detect_fake_mode(None) is not None:
+        if torch_load.in_fake_mode():
             return None
         names = _globals(stand_ins, summary)
-        reader = torch._C.PyTorchFileReader(str(path))
+        reader = torch_load.zip_reader(path)
         records = set(reader.get_all_records())
         if "constants.pkl" in records or "data.pkl" not in records:  # TorchScript, or not a state
             return None

@@ -13,13 +13,13 @@ Example:
 
 from __future__ import annotations
 
-import io
 import pickle
 import sys
 import zipfile
 from dataclasses import dataclass, field
 from typing import IO, Any, cast
 
+from ..._compat import torch_load
 from ..._lazy import torch
 from ...errors import CheckpointFormatError
 from ...pickles.rules import first_line
@@ -102,8 +102,6 @@ def load_ds_structure(path: Location) -> RemoteStructure:
 
 def _unpickle_to_meta(data: bytes, prefix: str, storages: dict[int, str], kept: list[Any]) -> Any:
     """``data.pkl`` through torch's weights-only unpickler, each storage an empty ``meta`` one."""
-    from torch import _weights_only_unpickler as weights_only
-
     typed: dict[str, Any] = {}
 
     def persistent_load(saved_id: Any) -> Any:
@@ -119,12 +117,12 @@ def _unpickle_to_meta(data: bytes, prefix: str, storages: dict[int, str], kept: 
             storage = torch.UntypedStorage(numel * dtype.itemsize, device="meta")
             storages[id(storage)] = f"{prefix}data/{key}"
             kept.append(storage)
-            typed[key] = torch.storage.TypedStorage(wrap_storage=storage, dtype=dtype, _internal=True)
+            typed[key] = torch_load.typed_storage(storage, dtype)
         return typed[key]
 
-    unpickler = weights_only.Unpickler(io.BytesIO(data), encoding="utf-8")
-    unpickler.persistent_load = persistent_load  # type: ignore[method-assign]
-    return unpickler.load()  # type: ignore[no-untyped-call]
+    unpickler = torch_load.weights_only_unpickler(data)
+    unpickler.persistent_load = persistent_load
+    return unpickler.load()
 
 
 def meta_member(loaded: RemoteStructure, t: torch.Tensor) -> tuple[str, int, int, int]:
