@@ -141,6 +141,7 @@ def _globals(stand_ins: dict[str, type], summary: bool) -> dict[str, Any]:
                       ("torch.device", torch.device)):
         if allowed.get(name) is cls:  # immutable types: nothing of them can be set, they go as they are
             found[name] = cls
+    # each tensor rebuild where torch allows its own: torch's, or the same steps as torch's
     for name, rebuild in ((torch_load.REBUILD_PARAMETER, rebuilds[torch_load.REBUILD_PARAMETER]),
                           (torch_load.REBUILD_TENSOR, torch_load.rebuild_tensor_outside_fake_mode),
                           (torch_load.REBUILD_FROM_TYPE, _rebuild_from_type_v2)):
