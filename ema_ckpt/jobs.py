@@ -19,7 +19,7 @@ Spawned workers (``workers=N``) receive the job itself, options included, so no 
 be lost on the way to a rank.
 
 Example:
-    >>> result = run_job(ConsolidateJob(ConsolidateOptions("ckpts/ema", "ema.safetensors")))  # doctest: +SKIP
+    >>> result = run_job(ConsolidateJob(options))  # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, TypeVar
 
 from ._env import check_working_directory
 from .dist import Workers, current_workers, in_worker_group
@@ -42,6 +42,7 @@ from .errors import EmaCkptError, UsageError
 from .formats.options import read_options_from, reading
 from .job_context import JobContext
 from .manifest import MANIFEST_NAME, OUTPUT_OWN_FILES, Manifest, check_output_place
+from .options import RunFields
 from .progress import Progress
 from .storage import (
     Destination,
@@ -56,26 +57,10 @@ from .storage import (
 from .storage.roles import MANIFEST
 from .writers.base import OutputWriter
 
-if TYPE_CHECKING:
-    pass
-
 PlanT = TypeVar("PlanT")
 ComputedT = TypeVar("ComputedT")
 ResultT = TypeVar("ResultT")
 T = TypeVar("T")
-
-
-class RunSettings(Protocol):
-    """The fields of every command's options that the runner itself reads."""
-
-    @property
-    def workers(self) -> int: ...
-
-    @property
-    def device(self) -> str: ...
-
-    @property
-    def wait_seconds(self) -> float: ...
 
 
 def recorded_options(options: Any) -> dict[str, Any]:
@@ -128,7 +113,7 @@ class Job(abc.ABC, Generic[PlanT, ComputedT, ResultT]):
     processes, so they must pickle.
     """
 
-    options: RunSettings
+    options: RunFields
 
     def lock_path(self) -> Location | None:
         """The output the run locks; None when it writes nothing (a dry run)."""
@@ -284,4 +269,4 @@ def _compute_publish(job: Job[PlanT, ComputedT, Any], plan: PlanT, destinations:
     return computed
 
 
-__all__ = ["Job", "RunSettings", "Target", "recorded_options", "run_job"]
+__all__ = ["Job", "Target", "recorded_options", "run_job"]

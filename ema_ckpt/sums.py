@@ -15,18 +15,19 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
-from .dtypes import torch_dtype
+from .dtypes import ACCUMULATE_DTYPES, torch_dtype
 from .engine import OutputSpec, Update
-from .errors import Note, UsageError
+from .errors import Note, OptionError, UsageError
 from .job_context import JobContext, WrittenOutputs
-from .jobs import Job, RunSettings, Target, recorded_options
+from .jobs import Job, Target, recorded_options
 from .manifest import FoldedCheckpoint, Manifest, fingerprint
+from .options import RUNTIME, InputFields, KeyFields, ReadFields, RunFields
 from .plans import Plan, PlannedOutput
 from .selection import averaged_tensors, carry_into, check_compatible, container_prefix, output_names, select_keys
 from .storage import Location, as_path, files_on_disk
-from .writers.base import OutputWriter
+from .writers.base import OutputWriter, check_directory_output
 
 SUM_FORMATS = ("dcp", "safetensors", "hf", "torch")
 """The output formats of a weighted sum, each output a directory holding its manifest: a DCP
@@ -41,37 +42,44 @@ HF_SHARD_BYTES = 5 * 10**9
 _FILE_OUTPUTS = {"safetensors": ("safetensors", SAFETENSORS_FILE), "torch": ("torch", TORCH_FILE)}
 
 
-class SumOptions(RunSettings, Protocol):
-    """What :class:`SumJob` reads of a command's options (``PosthocOptions``, ``AverageOptions``, …)."""
+@dataclass(frozen=True, kw_only=True)
+class SumOptions(InputFields, KeyFields, ReadFields, RunFields):
+    """The options of a weighted sum, as :class:`SumJob` reads them: ``posthoc``'s and ``average``'s
+    (which add how the plan is made) and ``select``'s candidates.
 
-    @property
-    def checkpoints(self) -> tuple[Location, ...]: ...
-    @property
-    def out(self) -> Location: ...
-    @property
-    def dtype(self) -> str: ...
-    @property
-    def format(self) -> str | None: ...
-    @property
-    def keep_prefix(self) -> bool: ...
-    @property
-    def include(self) -> tuple[str, ...]: ...
-    @property
-    def exclude(self) -> tuple[str, ...]: ...
-    @property
-    def dry_run(self) -> bool: ...
+    ``out`` is the one output, or the parent of one directory per output (:attr:`single_output`).
+    """
 
-    @property
-    def average_buffers(self) -> bool: ...
-    @property
-    def overwrite(self) -> bool: ...
+    out: Location = field(metadata=RUNTIME)
+    dtype: str = "float32"
+    format: str | None = None
+    average_buffers: bool = False
+    dry_run: bool = field(default=False, metadata=RUNTIME)
+    overwrite: bool = field(default=False, metadata=RUNTIME)
 
-    def make_plan(self) -> Plan: ...
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.format is not None and self.format not in SUM_FORMATS:
+            raise OptionError("format", f"must be one of {', '.join(SUM_FORMATS)}, got {self.format!r}",
+                              value=self.format)
+        if self.dtype not in ACCUMULATE_DTYPES:
+            raise OptionError("dtype", f"must be one of {', '.join(ACCUMULATE_DTYPES)}, got {self.dtype!r}",
+                              value=self.dtype)
+        written = self.format or "dcp"
+        check_directory_output(self.out, "dcp" if written == "hf" else written)
 
     @property
     def single_output(self) -> bool:
         """Whether ``out`` is the one output (else the parent of one directory per output)."""
-        ...
+        raise NotImplementedError
+
+    def make_plan(self) -> Plan:
+        """The outputs × terms to compute (from steps and manifests alone)."""
+        raise NotImplementedError
+
+    def recorded(self) -> dict[str, Any]:
+        """What each output's manifest records of these options."""
+        return recorded_options(self)
 
 
 @dataclass(slots=True)
@@ -190,7 +198,7 @@ class SumJob(Job[SumPlan, _Summed, "Plan | RunResult"]):
 
     def manifests(self, plan: SumPlan, computed: _Summed) -> list[Manifest | None]:
         opts = self.options
-        recorded = {**recorded_options(opts), "format": plan.format, **self.extra_manifest}
+        recorded = {**opts.recorded(), "format": plan.format, **self.extra_manifest}
         return [output_manifest(plan.kind, output, files, opts.dtype, computed.source_format,
                                 opts.include, opts.exclude, recorded)
                 for output, files in zip(plan.outputs, computed.written.files, strict=True)]

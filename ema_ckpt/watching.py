@@ -54,7 +54,6 @@ from .storage import (
     Location,
     as_path,
     local_file,
-    output_location,
 )
 
 
@@ -221,10 +220,11 @@ def _check_options(out: Location, options: dict[str, Any]) -> None:
     """Check :func:`~ema_ckpt.accumulate`'s options by its own rules (the profile, the dtype,
     the device, ``out``) before anything is watched: a bad one would fail every fold."""
     from .commands.accumulate import AccumulateOptions
+    from .options import command_options
 
     known = {f.name for f in fields(AccumulateOptions)} - {"checkpoints", "out"}
-    given: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in options.items() if k in known}
-    AccumulateOptions((Path(os.curdir),), out=output_location(out), **given)  # raises OptionError, UsageError
+    given = {name: value for name, value in options.items() if name in known}
+    AccumulateOptions(**command_options({"checkpoints": (), "out": out, **given}))  # raises OptionError, UsageError
 
 
 class _Changes:

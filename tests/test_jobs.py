@@ -16,6 +16,7 @@ from ema_ckpt.errors import CheckpointFormatError, EmaCkptError, OptionError, Us
 from ema_ckpt.job_context import JobContext
 from ema_ckpt.jobs import Job, Target, recorded_options, run_job
 from ema_ckpt.manifest import Manifest
+from ema_ckpt.options import RunFields
 from ema_ckpt.storage.local_publish import new_staging_dir
 
 COMMAND_MODULES = ["commands/accumulate", "commands/averaging", "commands/consolidate", "commands/reshard",
@@ -23,16 +24,13 @@ COMMAND_MODULES = ["commands/accumulate", "commands/averaging", "commands/consol
 
 
 @dataclass(frozen=True)
-class FileOptions:
+class FileOptions(RunFields):
     out: Path
     text: str = "hello"
     overwrite: bool = False
     fail: str | None = None  # "compute", "manifest", "once"
     no_targets: bool = False
     late_seconds: float = field(default=0.0, metadata={"recorded": False})
-    workers: int = field(default=1, metadata={"recorded": False})
-    device: str = field(default="cpu", metadata={"recorded": False})
-    wait_seconds: float = field(default=0.0, metadata={"recorded": False})
 
 
 @dataclass
@@ -147,21 +145,27 @@ def test_workers_receive_the_whole_job_and_only_the_coordinator_publishes(tmp_pa
     assert (out / "data-0.txt").read_text() == "shared" and (out / "data-1.txt").read_text() == "shared"
 
 
-def test_options_are_frozen_and_checked_when_made(tmp_path):
+def test_options_are_frozen_and_checked_when_made_without_io(tmp_path):
+    from ema_ckpt import consolidate
     from ema_ckpt.commands.accumulate import AccumulateOptions
     from ema_ckpt.commands.consolidate import ConsolidateOptions
 
-    options = ConsolidateOptions(tmp_path / "src", tmp_path / "out.safetensors")
+    missing = tmp_path / "no-such-folder"  # made options look at no path
+    options = ConsolidateOptions(src=missing, out=missing / "out.safetensors", format="safetensors")
     with pytest.raises(dataclasses.FrozenInstanceError):
         options.dtype = "float16"  # type: ignore[misc]
     with pytest.raises(OptionError, match="dtype must be one of") as info:
-        ConsolidateOptions(tmp_path / "src", tmp_path / "out.safetensors", dtype="int8")
+        ConsolidateOptions(src=missing, out=tmp_path / "out.safetensors", format="safetensors", dtype="int8")
     assert (info.value.option, info.value.value) == ("dtype", "int8")
-    with pytest.raises(UsageError, match="overlaps"):
-        ConsolidateOptions(tmp_path / "src", tmp_path / "src" / "out.safetensors")
+    with pytest.raises(OptionError, match="include must be a tuple"):
+        ConsolidateOptions(src=missing, out=tmp_path / "out.safetensors", format="safetensors", include=["x"])
     with pytest.raises(UsageError, match="exactly one"):
-        AccumulateOptions((tmp_path,), decay=0.9, half_life=10.0)
-    assert "workers" not in recorded_options(AccumulateOptions((tmp_path,), decay=0.9, workers=4))
+        AccumulateOptions(checkpoints=(missing,), decay=0.9, half_life=10.0)
+    assert "workers" not in recorded_options(AccumulateOptions(checkpoints=(missing,), decay=0.9, workers=4))
+    (tmp_path / "src").mkdir()
+    with pytest.raises(UsageError, match="overlaps"):  # where the output goes: checked by the run, before its lock
+        consolidate(tmp_path / "src", tmp_path / "src" / "out.safetensors")
+    assert list((tmp_path / "src").iterdir()) == []
 
 
 def test_no_command_decides_what_runs_on_the_coordinator():

@@ -31,7 +31,6 @@ from typing import cast
 
 from ..discovery import FoundCheckpoint, LeftPart, checkpoint_paths
 from ..dtypes import ACCUMULATE_DTYPES, torch_dtype
-from ..engine import check_device
 from ..errors import (
     CheckpointFormatError,
     CheckpointNotFoundError,
@@ -71,21 +70,22 @@ from ..job_context import JobContext, WrittenOutputs
 from ..jobs import Job, Target, recorded_options, run_job
 from ..manifest import MANIFEST_NAME, FoldedCheckpoint, Manifest, fingerprint
 from ..maths import PowerProfile
+from ..options import RUNTIME, InputFields, KeyFields, ReadFields, RunFields, check_texts, command_options
 from ..plans import Plan as AveragePlan
 from ..progress import Progress
 from ..selection import averaged_tensors, carry_into
-from ..storage import Location, as_path, files_on_disk, is_location, local_file, output_location, output_path
+from ..storage import Location, as_path, files_on_disk, local_file, output_path
 from ..writers.base import check_directory_output
 
-_RUNTIME = {"recorded": False}
 
+@dataclass(frozen=True, kw_only=True)
+class AccumulateOptions(InputFields, KeyFields, ReadFields, RunFields):
+    """Everything an :func:`accumulate` run needs; checked when made (see :func:`accumulate`).
 
-@dataclass(frozen=True, slots=True)
-class AccumulateOptions:
-    """Everything an :func:`accumulate` run needs; checked when made (see :func:`accumulate`)."""
+    ``out`` None: ``<folder>/ema``, chosen when the run starts (:attr:`out_path`).
+    """
 
-    checkpoints: tuple[Location, ...]
-    out: Location | None = field(default=None, metadata=_RUNTIME)
+    out: Location | None = field(default=None, metadata=RUNTIME)
     decay: float | None = None
     half_life: float | None = None
     per_checkpoint: bool = False
@@ -94,32 +94,16 @@ class AccumulateOptions:
     gammas: tuple[str, ...] = ()
     snapshot_every: int | None = None
     dtype: str = "float32"
-    include: tuple[str, ...] = ()
-    exclude: tuple[str, ...] = ()
-    step_regex: str | None = None
-    step_from: str | None = None
-    component: str | None = None
-    keep_prefix: bool = False
     restart: bool = False
     allow_new_keys: bool = False
     average_buffers: bool = False
     skip_nonfinite: bool = False
     skip_damaged: bool = False
-    skip: tuple[Location, ...] = ()
-    state_key: str | None = None
-    inert_globals: tuple[str, ...] = field(default=(), metadata=_RUNTIME)
-    dry_run: bool = field(default=False, metadata=_RUNTIME)
-    wait_seconds: float = field(default=0.0, metadata=_RUNTIME)
-    workers: int = field(default=1, metadata=_RUNTIME)
-    device: str = field(default="cpu", metadata=_RUNTIME)
+    dry_run: bool = field(default=False, metadata=RUNTIME)
 
     def __post_init__(self) -> None:
-        set_ = object.__setattr__
-        set_(self, "inert_globals", read_options_from(self).inert_globals)
-        set_(self, "checkpoints", tuple(checkpoint_paths(self.checkpoints)))
-        for name in ("sigma_rels", "gammas", "include", "exclude"):
-            set_(self, name, tuple(getattr(self, name)))
-        set_(self, "skip", tuple(as_path(p) for p in self.skip))
+        super().__post_init__()
+        check_texts(self, "sigma_rels", "gammas")
         if self.snapshot_every is not None and self.snapshot_every < 1:
             raise OptionError("snapshot_every", f"must be a positive number of steps, got {self.snapshot_every}",
                               value=self.snapshot_every)
@@ -129,8 +113,6 @@ class AccumulateOptions:
                               value=self.dtype)
         if self.out is not None:
             check_directory_output(self.out)
-        set_(self, "out", output_path(self.out if self.out is not None else default_out(list(self.checkpoints))))
-        check_device(self.device)
 
     @property
     def out_path(self) -> Location:
@@ -233,18 +215,13 @@ def accumulate(
         >>> accumulate("ckpts/", decay=0.999, dry_run=True).terms[-1]   # doctest: +SKIP
         FoldTerm(path='ckpts/step_3000', step=3000, coefficient=0.632...)
     """
-    paths = (checkpoints,) if isinstance(checkpoints, str) or is_location(checkpoints) else tuple(checkpoints)
-    options = AccumulateOptions(
-        tuple(as_path(p) for p in paths), out=output_location(out) if out is not None else None, decay=decay,
-        half_life=half_life, per_checkpoint=per_checkpoint, warmup=warmup, sigma_rels=tuple(sigma_rels),
-        gammas=tuple(gammas), snapshot_every=snapshot_every, dtype=dtype, include=tuple(include),
-        exclude=tuple(exclude), step_regex=step_regex, step_from=step_from, component=component,
-        keep_prefix=keep_prefix, restart=restart,
-        allow_new_keys=allow_new_keys, average_buffers=average_buffers, skip_nonfinite=skip_nonfinite,
-        skip_damaged=skip_damaged, skip=tuple(as_path(p) for p in skip),
-        state_key=state_key, inert_globals=tuple(inert_globals), dry_run=dry_run, wait_seconds=wait_seconds,
-        workers=workers, device=device,
-    )
+    given = dict(locals())
+    del given["on_progress"]
+    args = command_options(given)
+    checkpoint_paths(args["checkpoints"])  # each given path exists
+    if args["out"] is None:
+        args["out"] = output_path(default_out(args["checkpoints"]))
+    options = AccumulateOptions(**args)
     names = [component] if component is not None else components_to_fold(
         options.checkpoints, out=options.out_path, step_regex=options.step_regex, step_from=options.step_from,
         skip=options.skip)

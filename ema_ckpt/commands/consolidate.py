@@ -22,19 +22,19 @@ from typing import Any
 from ..dtypes import OUTPUT_DTYPES, is_float
 from ..engine import OutputSpec, Update
 from ..errors import Note, OptionError, UsageError
-from ..formats.options import read_options_from
 from ..job_context import JobContext
 from ..jobs import Job, Target, run_job
 from ..layout import as_tuple
 from ..manifest import check_not_overlapping
+from ..options import RUNTIME, KeyFields, ReadFields, RunFields, command_options
 from ..progress import Progress
 from ..selection import carry_into, container_prefix, output_names, select_keys
-from ..storage import Location, as_path, files_on_disk, output_location, output_path
+from ..storage import Location, as_path, files_on_disk
 from ..writers.base import OutputTensor, choose_output_format, ends_in_separator, output_format
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-_RUNTIME = {"recorded": False}  # how a run ran, not what it made
+
 DEFAULT_MAX_SHARD_SIZE = "5GB"
 """Hugging Face's default shard limit."""
 
@@ -58,43 +58,26 @@ def parse_size(text: str | int) -> int:
     return value
 
 
-@dataclass(frozen=True, slots=True)
-class ConsolidateOptions:
+@dataclass(frozen=True, kw_only=True)
+class ConsolidateOptions(KeyFields, ReadFields, RunFields):
     """Everything a :func:`consolidate` run needs; checked when made.
 
     ``out``: ``*.safetensors``, ``*.pt``/``*.bin``/``*.pth``, or a directory (HF sharded);
-    ``format`` names the output format instead (see :func:`~ema_ckpt.writers.base.choose_output_format`).
-    Once made, ``format`` is the format chosen.
+    ``format``: the output format chosen for it (see :func:`~ema_ckpt.writers.base.choose_output_format`).
     """
 
     src: Location
     out: Location
-    format: str | None = None
+    format: str
     max_shard_size: str | int | None = None
     dtype: str | None = None
-    keep_prefix: bool = False
-    include: tuple[str, ...] = ()
-    exclude: tuple[str, ...] = ()
-    state_key: str | None = None
-    inert_globals: tuple[str, ...] = field(default=(), metadata=_RUNTIME)
-    overwrite: bool = field(default=False, metadata=_RUNTIME)
-    wait_seconds: float = field(default=0.0, metadata=_RUNTIME)
-    workers: int = field(default=1, metadata=_RUNTIME)
-    device: str = field(default="cpu", metadata=_RUNTIME)
+    overwrite: bool = field(default=False, metadata=RUNTIME)
 
     def __post_init__(self) -> None:
-        set_ = object.__setattr__
-        set_(self, "inert_globals", read_options_from(self).inert_globals)
-        set_(self, "src", as_path(self.src))
-        directory = ends_in_separator(self.out)  # before the Path drops the trailing "/"
-        set_(self, "out", output_path(self.out))
-        set_(self, "format", choose_output_format(self.out, self.format, directory=directory).name)
-        set_(self, "include", tuple(self.include))
-        set_(self, "exclude", tuple(self.exclude))
-        check_not_overlapping(self.src, self.out)
+        super().__post_init__()
         if self.max_shard_size is not None:
             parse_size(self.max_shard_size)
-            if output_format(self.format).single_file:  # type: ignore[arg-type]
+            if output_format(self.format).single_file:
                 raise OptionError("max_shard_size", f"shards a directory output, but {{out}} {self.out} is one "
                                   f"{self.format} file; name a directory (no file suffix) to shard it",
                                   value=self.max_shard_size, mentions=("out",))
@@ -105,7 +88,6 @@ class ConsolidateOptions:
     @property
     def layout(self) -> str:
         """The output format: ``safetensors``, ``hf-sharded`` or ``torch``."""
-        assert self.format is not None
         return self.format
 
 
@@ -169,12 +151,14 @@ def consolidate(
         >>> consolidate("ckpts/ema", "ema.safetensors").files   # doctest: +SKIP
         [('ema.safetensors', 3145816)]
     """
-    if format is None and ends_in_separator(out):  # "hf/": said before Path(out) drops the "/"
-        format = choose_output_format(out).name
-    options = ConsolidateOptions(as_path(src), output_location(out), format=format, max_shard_size=max_shard_size,
-                                 dtype=dtype, keep_prefix=keep_prefix, include=tuple(include), exclude=tuple(exclude),
-                                 state_key=state_key, inert_globals=tuple(inert_globals), overwrite=overwrite,
-                                 wait_seconds=wait_seconds, workers=workers)
+    directory = ends_in_separator(out)  # "hf/": said before Path(out) drops the "/"
+    given = dict(locals())
+    del given["on_progress"], given["directory"]
+    args = command_options(given)
+    args["src"] = as_path(src)
+    args["format"] = choose_output_format(args["out"], format, directory=directory).name
+    options = ConsolidateOptions(**args)
+    check_not_overlapping(options.src, options.out)
     return run_job(ConsolidateJob(options), on_progress=on_progress)
 
 

@@ -17,46 +17,32 @@ from typing import Any
 from ..dtypes import OUTPUT_DTYPES, is_float
 from ..engine import OutputSpec, Update
 from ..errors import Note, OptionError, UsageError
-from ..formats.options import read_options_from
 from ..job_context import JobContext
 from ..jobs import Job, Target, run_job
 from ..manifest import MANIFEST_NAME, Manifest, check_not_overlapping
+from ..options import RUNTIME, KeyFields, ReadFields, RunFields, command_options
 from ..progress import Progress
 from ..selection import carry_into, select_keys
-from ..storage import Location, as_path, files_on_disk, output_location, output_path
+from ..storage import Location, as_path, files_on_disk
 from ..writers.base import OutputTensor, check_directory_output
 
-_RUNTIME = {"recorded": False}
 
-
-@dataclass(frozen=True, slots=True)
-class ReshardOptions:
+@dataclass(frozen=True, kw_only=True)
+class ReshardOptions(KeyFields, ReadFields, RunFields):
     """Everything a :func:`reshard` run needs; checked when made."""
 
     src: Location
     out: Location
     world_size: int
     dtype: str | None = None
-    include: tuple[str, ...] = ()
-    exclude: tuple[str, ...] = ()
     all_keys: bool = False
-    state_key: str | None = None
-    inert_globals: tuple[str, ...] = field(default=(), metadata=_RUNTIME)
-    overwrite: bool = field(default=False, metadata=_RUNTIME)
-    wait_seconds: float = field(default=0.0, metadata=_RUNTIME)
-    workers: int = field(default=1, metadata=_RUNTIME)
-    device: str = field(default="cpu", metadata=_RUNTIME)
+    overwrite: bool = field(default=False, metadata=RUNTIME)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "inert_globals", read_options_from(self).inert_globals)
-        object.__setattr__(self, "src", as_path(self.src))
+        super().__post_init__()
         check_directory_output(self.out)
-        object.__setattr__(self, "out", output_path(self.out))
-        object.__setattr__(self, "include", tuple(self.include))
-        object.__setattr__(self, "exclude", tuple(self.exclude))
         if self.world_size < 1:
             raise OptionError("world_size", f"must be at least 1, got {self.world_size}", value=self.world_size)
-        check_not_overlapping(self.src, self.out)
         if self.dtype is not None and self.dtype not in OUTPUT_DTYPES:
             raise OptionError("dtype", f"must be one of {', '.join(OUTPUT_DTYPES)}, got {self.dtype!r}",
                               value=self.dtype)
@@ -102,10 +88,12 @@ def reshard(
         >>> reshard("ckpts/ema", world_size=8, out="ema-8").files[:1]   # doctest: +SKIP
         [('__0_0.distcp', 1048576)]
     """
-    options = ReshardOptions(as_path(src), output_location(out), world_size, dtype=dtype, include=tuple(include),
-                             exclude=tuple(exclude), all_keys=all_keys, state_key=state_key,
-                             inert_globals=tuple(inert_globals), overwrite=overwrite,
-                             wait_seconds=wait_seconds, workers=workers)
+    given = dict(locals())
+    del given["on_progress"]
+    args = command_options(given)
+    args["src"] = as_path(src)
+    options = ReshardOptions(**args)
+    check_not_overlapping(options.src, options.out)
     return run_job(ReshardJob(options), on_progress=on_progress)
 
 

@@ -40,42 +40,34 @@ from ..dtypes import ACCUMULATE_DTYPES
 from ..engine import check_device
 from ..errors import EvaluationError, IncompatibleCheckpointError, OptionError
 from ..formats.options import read_options_from
-from ..jobs import run_job
+from ..jobs import recorded_options, run_job
 from ..manifest import MANIFEST_NAME, Manifest, current_fingerprint
+from ..options import RUNTIME
 from ..plans import Plan, PlannedOutput, average_output
 from ..profile_specs import parse_count_list, parse_weights
 from ..progress import Progress
 from ..storage import Location, as_path, files_on_disk, output_location, output_lock, output_path
-from ..sums import SUM_FORMATS, RunResult, SumJob
+from ..sums import SUM_FORMATS, RunResult, SumJob, SumOptions
 
 __all__ = ["CandidateScore", "SelectEvent", "SelectResult", "select"]
 
-_RUNTIME = {"recorded": False}
+_CANDIDATE_RECORDED = frozenset({"format", "dtype", "include", "exclude", "keep_prefix", "state_key",
+                                 "average_buffers"})
 DEFAULT_PER_PASS = 8
 """Candidates written per pass over the inputs, at most (each takes a model's size on disk)."""
 
 
-@dataclass(frozen=True, slots=True)
-class _CandidateSums:
-    """A :class:`~ema_ckpt.sums.SumOptions` for a plan made beforehand (candidates, the chosen one)."""
+@dataclass(frozen=True, kw_only=True)
+class _CandidateSums(SumOptions):
+    """The options of a sum whose plan was made beforehand (candidates, the chosen one)."""
 
-    plan: Plan = field(metadata=_RUNTIME)
-    out: Location = field(metadata=_RUNTIME)
-    format: str | None
-    dtype: str
-    include: tuple[str, ...]
-    exclude: tuple[str, ...]
-    keep_prefix: bool
-    state_key: str | None
-    inert_globals: tuple[str, ...] = field(metadata=_RUNTIME)
-    average_buffers: bool = False
-    single: bool = field(default=False, metadata=_RUNTIME)
-    overwrite: bool = field(default=True, metadata=_RUNTIME)
-    workers: int = field(default=1, metadata=_RUNTIME)
-    device: str = field(default="cpu", metadata=_RUNTIME)
-    wait_seconds: float = field(default=0.0, metadata=_RUNTIME)
-    checkpoints: tuple[Location, ...] = field(default=(), metadata=_RUNTIME)
-    dry_run: bool = field(default=False, metadata=_RUNTIME)
+    plan: Plan = field(metadata=RUNTIME)
+    single: bool = field(default=False, metadata=RUNTIME)
+    overwrite: bool = field(default=True, metadata=RUNTIME)
+
+    def recorded(self) -> dict[str, Any]:
+        """How the candidate was read and written; the choice is recorded beside (the job's ``extra_manifest``)."""
+        return {name: value for name, value in recorded_options(self).items() if name in _CANDIDATE_RECORDED}
 
     @property
     def single_output(self) -> bool:
@@ -210,9 +202,10 @@ class _Selector:
 
     def _sums(self, plan: Plan, out: Location, *, single: bool, fmt: str, overwrite: bool = True) -> _CandidateSums:
         o = self.opts
-        return _CandidateSums(plan, out, fmt, o["dtype"], o["include"], o["exclude"], o["keep_prefix"], o["state_key"],
-                              o["inert_globals"], average_buffers=o["average_buffers"], single=single,
-                              overwrite=overwrite, workers=o["workers"], device=o["device"],
+        return _CandidateSums(plan=plan, out=out, checkpoints=(), format=fmt, dtype=o["dtype"], include=o["include"],
+                              exclude=o["exclude"], keep_prefix=o["keep_prefix"], state_key=o["state_key"],
+                              inert_globals=o["inert_globals"], average_buffers=o["average_buffers"],
+                              single=single, overwrite=overwrite, workers=o["workers"], device=o["device"],
                               wait_seconds=o["wait_seconds"])
 
     def _evaluate(self, output: PlannedOutput, key: str, path: Path, index: int, total: int) -> None:
