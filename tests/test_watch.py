@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -44,14 +45,30 @@ def _save(folder: Path, step: int) -> Path:
     return final
 
 
-def saving_loop(folder: Path, steps: list[int], every: float, keep: int) -> None:
-    """Save each step ``every`` seconds apart, keeping the newest ``keep`` checkpoints."""
+def saving_loop(folder: Path, steps: list[int], every: float, keep: int, seen: Callable[[str], bool] | None = None,
+                ) -> None:
+    """Save each step ``every`` seconds apart, keeping the newest ``keep`` checkpoints.
+
+    ``seen``: delete an old checkpoint only once it holds for it (the watcher staged it); the
+    lifetime the watcher needs is then counted in its scans, not in seconds a loaded machine
+    may not give it.
+    """
     for step in steps:
         _save(folder, step)
         saved = sorted((p for p in folder.glob("checkpoint-*")), key=lambda p: int(p.name.split("-")[1]))
         for old in saved[:-keep]:
+            if seen is not None:
+                wait_for(lambda name=old.name: seen(name), timeout=120)
             shutil.rmtree(old)
         time.sleep(every)
+
+
+def wait_for(condition: Callable[[], bool], timeout: float) -> None:
+    """Poll ``condition`` until it holds; fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out waiting for the watcher"
+        time.sleep(0.02)
 
 
 def _expected(steps: list[int]) -> dict[str, torch.Tensor]:
@@ -75,9 +92,14 @@ def test_every_checkpoint_that_lives_an_interval_is_folded_with_retention_of_one
     folder = tmp_path / "run"
     folder.mkdir()
     steps = [10, 20, 30, 40, 50, 60]
-    saver = threading.Thread(target=saving_loop, args=(folder, steps, 0.6, 1))
-    saver.start()
     folds = []
+
+    def staged(name: str) -> bool:  # staged aside, or folded already
+        step = int(name.split("-")[1])
+        return (folder / INCOMING / name).exists() or any(step in fold.steps for fold in list(folds))
+
+    saver = threading.Thread(target=saving_loop, args=(folder, steps, 0.6, 1, staged))
+    saver.start()
     result = ema_ckpt.watch(folder, out=tmp_path / "ema", decay=DECAY, interval=0.5, stop_when_idle=3.0,
                             on_fold=folds.append, use_inotify=use_inotify)
     saver.join()
