@@ -29,7 +29,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from .storage import Location, as_path, close_readable, files_on_disk, local_file, open_readable, pread
+from .storage import Location, as_path, files_on_disk, local_file, open_readable
 
 INCOMING = ".ema-ckpt-incoming"
 """The folder, inside the checkpoints' folder, that holds checkpoints staged for folding."""
@@ -265,13 +265,13 @@ def _download(source: Location, target: Path) -> None:
             with open(into, "wb") as out:
                 done = 0
                 while done < size:
-                    data = pread(readable, min(DOWNLOAD_BLOCK, size - done), done)
+                    data = readable.pread(min(DOWNLOAD_BLOCK, size - done), done)
                     if not data:  # rewritten shorter while it was read
                         raise FileNotFoundError(errno.ENOENT, "changed while it was downloaded", str(source))
                     out.write(data)
                     done += len(data)
         finally:
-            close_readable(readable)
+            readable.close()
         # the object's time as the file's: staged again, it is the same checkpoint (its fingerprint)
         with contextlib.suppress(FileNotFoundError):  # deleted since it was read: the bytes are whole
             modified = where.stat().st_mtime_ns

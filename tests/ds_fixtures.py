@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from ema_ckpt.storage import open_readable
 from ema_ckpt.torch_records.zipfmt import stored_members
 from tests.producers.ds_launch import make_deepspeed_sequences
 from tests.shared_dirs import built_once
@@ -115,11 +116,8 @@ def members_read(tag: Path, reader) -> tuple[list[tuple[Path, int, int]], list[t
     read = reader.data_ranges()
     touched, untouched = [], []
     for file in sorted(tag.glob("*.pt")):
-        fd = os.open(file, os.O_RDONLY)
-        try:
-            members = stored_members(fd, os.fstat(fd).st_size) or {}
-        finally:
-            os.close(fd)
+        with open_readable(file) as source:
+            members = stored_members(source, source.size) or {}
         for start, (size, _crc, _name) in members.items():
             if size < 8192:  # too small to hold a whole page of damage
                 continue

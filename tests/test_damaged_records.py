@@ -5,7 +5,6 @@ and every format that stores one, and never averaged in."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from ema_ckpt.dist import Workers
 from ema_ckpt.errors import CheckpointFormatError
 from ema_ckpt.formats import open_checkpoint
 from ema_ckpt.layout import Box
+from ema_ckpt.storage import open_readable
 from ema_ckpt.torch_records.checks import settle_reads
 from ema_ckpt.torch_records.zipfmt import stored_members
 from tests.dcp_helpers import dcp_sequence_with_hole, save_random_dcp, zero_page_inside
@@ -117,11 +117,8 @@ def test_a_hole_in_a_single_file_checkpoint_is_exit_3(tmp_path):
     for step in (100, 200):
         torch.manual_seed(step)
         torch.save({"model": {"w": torch.randn(1024, 8)}, "step": step}, ckpts / f"ckpt_{step:06d}.pt")
-    fd = os.open(ckpts / "ckpt_000200.pt", os.O_RDONLY)
-    try:
-        members = stored_members(fd, os.fstat(fd).st_size) or {}
-    finally:
-        os.close(fd)
+    with open_readable(ckpts / "ckpt_000200.pt") as source:
+        members = stored_members(source, source.size) or {}
     start, (size, _, _) = max(members.items(), key=lambda m: m[1][0])
     zero_page_inside(ckpts / "ckpt_000200.pt", start, size)
     result = _invoke("accumulate", ckpts, "--decay", "0.9", "--out", tmp_path / "ema")

@@ -157,6 +157,7 @@ def test_large_dcp_records_are_page_aligned_in_their_files(tmp_path):
     from ema_ckpt.formats import open_checkpoint
     from ema_ckpt.formats.dcp.writer import DcpWriter
     from ema_ckpt.layout import Box
+    from ema_ckpt.storage import open_readable
     from ema_ckpt.torch_records import member_start, scan_record
 
     tensors = {"a": torch.randn(3), "big": torch.randn(700, 1000), "b": torch.randn(5, 7),
@@ -168,8 +169,7 @@ def test_large_dcp_records_are_page_aligned_in_their_files(tmp_path):
     writer.finish()
     reader = open_checkpoint(tmp_path / "out")
     for file, offset, length in reader.stored_records():
-        fd = os.open(tmp_path / "out" / file, os.O_RDONLY)
-        try:
+        with open_readable(tmp_path / "out" / file) as fd:
             members = scan_record(fd, offset, length)
             assert members is not None
             data = member_start(fd, offset, length, members["archive/data/0"][2])
@@ -177,8 +177,6 @@ def test_large_dcp_records_are_page_aligned_in_their_files(tmp_path):
             assert data % 64 == 0  # torch's storage alignment, counted from the record's start
             if length >= 1 << 20:
                 assert offset % 64 == 0 and (offset + data) % ALIGNMENT == 0
-        finally:
-            os.close(fd)
     dcp_to_torch_save(str(tmp_path / "out"), str(tmp_path / "out.pt"))
     loaded = torch.load(tmp_path / "out.pt")
     assert all(torch.equal(loaded[k], v) for k, v in tensors.items())

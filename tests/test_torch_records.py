@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import io
-import os
 import zipfile
 import zlib
 
 import pytest
 import torch
 
+from ema_ckpt.storage import open_readable
 from ema_ckpt.torch_records import (
     FileWindow,
     TensorRecord,
@@ -37,23 +37,20 @@ def test_a_written_record_loads_in_torch_and_is_located(tmp_path, tensor):
     path = tmp_path / "d"
     path.write_bytes(sink.getvalue())
     assert torch.equal(torch.load(io.BytesIO(sink.getvalue()[7:]), weights_only=True), tensor)
-    fd = os.open(path, os.O_RDONLY)
-    try:
+    with open_readable(path) as fd:
         members = scan_record(fd, 7, length)
         assert members is not None and set(members) >= {"archive/data.pkl", "archive/data/0"}
         _method, size, local, _crc = members["archive/data.pkl"]
         start = member_start(fd, 7, length, local)
-        record = load_tensor_record(os.pread(fd, size, 7 + start), "x")
+        record = load_tensor_record(fd.pread(size, 7 + start), "x")
         assert record.size == tuple(tensor.shape) and record.is_contiguous
         _, nbytes, local, crc = members["archive/data/0"]
         begin = member_start(fd, 7, length, local)
         assert begin % 64 == 0  # aligned within the record, as torch aligns it
-        assert os.pread(fd, nbytes, 7 + begin) == tensor.reshape(-1).view(torch.uint8).numpy().tobytes()
-        assert crc == zlib.crc32(os.pread(fd, nbytes, 7 + begin))
+        assert fd.pread(nbytes, 7 + begin) == tensor.reshape(-1).view(torch.uint8).numpy().tobytes()
+        assert crc == zlib.crc32(fd.pread(nbytes, 7 + begin))
         with zipfile.ZipFile(FileWindow(fd, 7, length)) as archive:
             assert archive.testzip() is None
-    finally:
-        os.close(fd)
 
 
 def test_pickles_describe_what_torch_save_describes():

@@ -23,7 +23,7 @@ from typing import IO, TYPE_CHECKING, Any, ClassVar, Protocol
 from ..dtypes import name_of
 from ..layout import Box, TensorSpec
 from ..layouts import CARRIED_NAMES, TRAINER_STATE
-from ..storage import Location, Readable, as_path, open_readable
+from ..storage import Location, Source, as_path, open_readable
 
 if TYPE_CHECKING:
     import torch
@@ -199,9 +199,8 @@ class CheckpointReader(abc.ABC):
         are not plain runs of stored bytes (the default: copy through :meth:`read`)."""
         return None
 
-    def open_data(self, file: str) -> Readable:
-        """A data file :meth:`byte_ranges` names, opened for reading (the reader closes it):
-        a local descriptor, or a :class:`~ema_ckpt.storage.Source` read by ranged requests."""
+    def open_data(self, file: str) -> Source:
+        """A data file :meth:`byte_ranges` names, opened for reading (the reader closes it)."""
         raise ValueError(f"{self.path}: {self.format_name} readers name no data files ({file!r})")
 
     def stored_records(self) -> Sequence[tuple[str, int, int]]:

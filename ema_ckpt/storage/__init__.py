@@ -26,20 +26,7 @@ from .locations import Location, as_path, is_location, local_file, local_path, o
 from .object_clients import forget_listings
 from .object_publish import new_generation
 from .object_reads import remote_concurrency
-from .sources import (
-    BlockChecksums,
-    Readable,
-    Source,
-    StructureReads,
-    blocks_read,
-    close_readable,
-    open_readable,
-    open_structure,
-    pread,
-    pread_into,
-    readable_size,
-    whole_crc32,
-)
+from .sources import BlockChecksums, Source, open_readable, open_structure
 
 __all__ = [
     "HASH_BLOCK_BYTES",
@@ -47,12 +34,8 @@ __all__ = [
     "Destination",
     "HeldLock",
     "Location",
-    "Readable",
     "Source",
-    "StructureReads",
     "as_path",
-    "blocks_read",
-    "close_readable",
     "destination_for",
     "discard_on_error",
     "files_on_disk",
@@ -69,12 +52,8 @@ __all__ = [
     "output_location",
     "output_lock",
     "output_path",
-    "pread",
-    "pread_into",
-    "readable_size",
     "remote_concurrency",
     "replace_file",
     "size_and_crc32",
     "start_writeback",
-    "whole_crc32",
 ]

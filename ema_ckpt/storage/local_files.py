@@ -20,7 +20,7 @@ from typing import Any
 from ..errors import OutputError
 from .locations import Location, as_path
 from .object_paths import RemotePath, remote_files
-from .sources import close_readable, open_readable, streamed_crc32
+from .sources import open_readable, streamed_crc32
 
 _SYNC_FILE_RANGE_WRITE = 2
 
@@ -125,11 +125,8 @@ HASH_BLOCK_BYTES = 8 << 20
 def size_and_crc32(file: Location, block_bytes: int = HASH_BLOCK_BYTES) -> tuple[int, int]:
     """Stream ``file`` (local, or on object storage: ranged reads with read-ahead) once: its
     length and CRC-32 (as :mod:`zlib` computes it)."""
-    source = open_readable(file)
-    try:
+    with open_readable(file) as source:
         return streamed_crc32(source, block_bytes)
-    finally:
-        close_readable(source)
 
 
 def replace_file(path: Location, data: bytes) -> None:

@@ -3,8 +3,9 @@
 
 Both offer the part of ``Path`` that finding and reading checkpoints uses (``/``, ``name``,
 ``parent``, ``exists``, ``is_dir``, ``is_file``, ``iterdir``, ``stat``, ``read_bytes``), so
-code outside :mod:`ema_ckpt.storage` handles either without asking which; where only a
-local file will do (``torch.load``, ``mmap``) it asks :func:`local_file`.
+code outside :mod:`ema_ckpt.storage` handles either without asking which. Reads ask their
+:class:`~ema_ckpt.storage.sources.Source` for what a local file offers (a memory map, a
+descriptor); only a loader that opens a file by name (``torch.load``) asks :func:`local_file`.
 
 Example:
     >>> as_path("ckpts/step_100")
@@ -53,8 +54,8 @@ def is_location(value: object) -> TypeIs[Path | RemotePath]:
 
 
 def local_file(path: Location) -> Path | None:
-    """The local path behind ``path``, for what only a local file allows (``torch.load``, a
-    memory map, ``copy_file_range``); None in object storage."""
+    """The local path behind ``path``, for a loader that opens the file by name (``torch.load``);
+    None in object storage."""
     return None if isinstance(path, RemotePath) else path
 
 

@@ -20,6 +20,7 @@ from .._env import whole_number
 from ..errors import CheckpointNotFoundError, RemoteStorageError
 from .object_paths import RemotePath
 from .object_paths import read_call as call  # every request here is a read
+from .sources import Source
 
 
 def remote_concurrency() -> int:
@@ -82,7 +83,7 @@ def _pool(workers: int) -> ThreadPoolExecutor:
         return pool
 
 
-class RemoteFile:
+class RemoteFile(Source):
     """One object read by ranged requests: the ``pread`` of a local descriptor.
 
     Reads are served from aligned blocks of :data:`BLOCK_BYTES`; each read also starts the
@@ -267,14 +268,8 @@ class RemoteFile:
                 self._open = False
                 _OPEN[0] -= 1
 
-    def pread(self, length: int, offset: int) -> bytes:
-        if length <= 0 or offset >= self._end:
-            return b""
-        out = bytearray(min(length, self._end - offset))
-        return bytes(out[: self.readinto(memoryview(out), offset)])
 
-
-class RangedReads:
+class RangedReads(Source):
     """One object read by exact ranged requests, for the few small, scattered reads of a
     file's structure (a zip directory, a pickle, member headers): no blocks, no read-ahead.
 

@@ -43,7 +43,7 @@ from .zipfmt import stored_members
 
 if TYPE_CHECKING:
     from ..dist import Workers
-    from ..storage import Location, Readable
+    from ..storage import Location, Source
 
 Span = tuple[int, int, int]
 """(start, end, CRC-32) of bytes read, relative to their member's first byte."""
@@ -253,7 +253,7 @@ def _joined(spans: list[Span]) -> list[Span]:
     return out
 
 
-def expect_zip_members(checks: ReadChecks, file: str, source: Readable, size: int) -> None:
+def expect_zip_members(checks: ReadChecks, file: str, source: Source, size: int) -> None:
     """Register every uncompressed member of the zip file open at ``source`` (``size`` bytes) as
     ``file`` in ``checks``; a file whose directory cannot be read registers nothing."""
     for start, (length, crc, name) in (stored_members(source, size) or {}).items():

@@ -10,12 +10,11 @@ one. Everything here works on a descriptor plus the record's (offset, length), w
 from __future__ import annotations
 
 import io
-import os
 import struct
 import zipfile
 from typing import Any, NamedTuple
 
-from ..storage import Readable, pread
+from ..storage import Source
 
 LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")
 """Local file header: signature, version, flags, method, time, date, crc, sizes, name/extra lengths."""
@@ -38,7 +37,7 @@ class FileWindow(io.RawIOBase):
     ``owns_fd``: closing the window closes the descriptor too (else its owner does).
     """
 
-    def __init__(self, fd: Readable, start: int, length: int, *, owns_fd: bool = False) -> None:
+    def __init__(self, fd: Source, start: int, length: int, *, owns_fd: bool = False) -> None:
         super().__init__()
         self._fd, self._start, self._length, self._pos, self._owns = fd, start, length, 0, owns_fd
 
@@ -60,17 +59,14 @@ class FileWindow(io.RawIOBase):
         n = max(0, min(len(buffer), self._length - self._pos))
         if n == 0:
             return 0
-        data = pread(self._fd, n, self._start + self._pos)
+        data = self._fd.pread(n, self._start + self._pos)
         buffer[: len(data)] = data
         self._pos += len(data)
         return len(data)
 
     def close(self) -> None:
         if self._owns and not self.closed:
-            if isinstance(self._fd, int):
-                os.close(self._fd)
-            else:
-                self._fd.close()
+            self._fd.close()
         super().close()
 
 
@@ -87,7 +83,7 @@ class Member(NamedTuple):
     """CRC-32 of its data (0: saved without one)."""
 
 
-def scan_record(fd: Readable, offset: int, length: int) -> dict[str, Member] | None:
+def scan_record(fd: Source, offset: int, length: int) -> dict[str, Member] | None:
     """{member name: :class:`Member`} of a record's zip, from its tail.
 
     The common case (no archive comment, no zip64, central directory in the last 4 KiB) in
@@ -96,7 +92,7 @@ def scan_record(fd: Readable, offset: int, length: int) -> dict[str, Member] | N
     if length < END_OF_CENTRAL.size:
         return None
     tail_len = min(length, _TAIL_BYTES)
-    tail = pread(fd, tail_len, offset + length - tail_len)
+    tail = fd.pread(tail_len, offset + length - tail_len)
     if len(tail) != tail_len:
         return None
     fields = END_OF_CENTRAL.unpack_from(tail, tail_len - END_OF_CENTRAL.size)
@@ -126,19 +122,19 @@ def scan_record(fd: Readable, offset: int, length: int) -> dict[str, Member] | N
     return members
 
 
-def member_start(fd: Readable, offset: int, length: int, local: int) -> int | None:
+def member_start(fd: Source, offset: int, length: int, local: int) -> int | None:
     """Where a member's data starts in its record (relative to ``offset``), from its local
     header at ``local``; None if the header is malformed or outside the record."""
     if not 0 <= local <= length - LOCAL_HEADER.size:
         return None
-    header = pread(fd, LOCAL_HEADER.size, offset + local)
+    header = fd.pread(LOCAL_HEADER.size, offset + local)
     if len(header) != LOCAL_HEADER.size or header[:4] != LOCAL_MAGIC:
         return None
     fields = LOCAL_HEADER.unpack(header)
     return int(local + LOCAL_HEADER.size + fields[9] + fields[10])
 
 
-def stored_members(fd: Readable, size: int) -> dict[int, tuple[int, int, str]] | None:
+def stored_members(fd: Source, size: int) -> dict[int, tuple[int, int, str]] | None:
     """{where its data starts: (size, CRC-32, name)} of every uncompressed member of the zip file
     open at ``fd`` (``size`` bytes); None when its directory cannot be read or a member lies
     outside the file."""

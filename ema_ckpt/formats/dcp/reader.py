@@ -18,7 +18,6 @@ Example:
 from __future__ import annotations
 
 import bisect
-import os
 from collections.abc import Mapping, Sequence
 from typing import IO, Any
 
@@ -27,7 +26,7 @@ from ..._lazy import torch
 from ...dtypes import itemsize
 from ...errors import CheckpointFormatError
 from ...layout import Box, TensorSpec
-from ...storage import Location, Readable, as_path, pread
+from ...storage import Location, Source, as_path
 from ...torch_records import FileWindow, TensorRecord
 from ...torch_records.checks import ReadChecks
 from ..base import CheckpointFormat, CheckpointReader, register_format
@@ -49,13 +48,13 @@ class DcpReader(MetadataIndex, ChunkRecords, CheckpointReader):
     def __init__(self, path: str | Location, *, shared: Mapping[str, Any] | None = None) -> None:
         self.path = as_path(path)
         self.step: int | None = None
-        self._fds: dict[str, Readable] = {}
+        self._fds: dict[str, Source] = {}
         self._file_sizes: dict[str, int] = {}
         self._names: dict[str, str] = {}
         self._fallback: tuple[tuple[str, int], torch.Tensor] | None = None
         self._records: dict[tuple[str, int], tuple[int, TensorRecord] | None] = {}
         self._specs: Mapping[str, TensorSpec] | None = None  # made on first use
-        self.read_checks = ReadChecks(self._name, lambda file, n, offset: pread(self._fd(file), n, offset))
+        self.read_checks = ReadChecks(self._name, lambda file, n, offset: self._fd(file).pread(n, offset))
         if shared is not None:  # parsed by another worker: see share()
             for name in self._SHARED:
                 setattr(self, name, shared[name])
@@ -97,7 +96,7 @@ class DcpReader(MetadataIndex, ChunkRecords, CheckpointReader):
         return self._stored
 
 
-    def open_data(self, file: str) -> Readable:
+    def open_data(self, file: str) -> Source:
         """Data file ``file`` opened for reading (owned by the reader; closed by :meth:`close`)."""
         return self._fd(file)
 
@@ -183,7 +182,7 @@ class DcpReader(MetadataIndex, ChunkRecords, CheckpointReader):
         file, offset, length = self._bytes_records[key]
         fd = self._fd(file)
         self._check_extent(file, offset, length)
-        return pread(fd, length, offset)
+        return fd.pread(length, offset)
 
 
     def info(self) -> dict[str, Any]:
@@ -240,10 +239,7 @@ class DcpReader(MetadataIndex, ChunkRecords, CheckpointReader):
     def close(self) -> None:
         self._fallback = None
         for fd in self._fds.values():
-            if isinstance(fd, int):
-                os.close(fd)
-            else:
-                fd.close()
+            fd.close()
         self._fds.clear()
 
 

@@ -9,8 +9,6 @@ that are not plain contiguous tensors go through torch's weights-only loader.
 from __future__ import annotations
 
 import io
-import os
-import stat
 import warnings
 import zipfile
 from collections.abc import Iterable, Mapping
@@ -20,16 +18,7 @@ from ...dtypes import itemsize, name_of
 from ...errors import CheckpointFormatError, EmaCkptError, RecordChecksumError, UnsafePickleError
 from ...layout import Box, TensorSpec
 from ...pickles.rules import GLOBAL_IN_MESSAGE, first_line, globals_in_pickle, refusal, torch_allows
-from ...storage import (
-    BlockChecksums,
-    Location,
-    Readable,
-    blocks_read,
-    open_readable,
-    pread,
-    pread_into,
-    whole_crc32,
-)
+from ...storage import BlockChecksums, Location, Source, open_readable
 from ...torch_records import (
     FileWindow,
     TensorRecord,
@@ -47,8 +36,8 @@ _MAX_PICKLE_BYTES = 1 << 20  # a tensor record's data.pkl is a few hundred bytes
 
 
 
-def _pread_into(fd: Readable, view: memoryview, offset: int, file: str) -> None:
-    if not pread_into(fd, view, offset):
+def _pread_into(fd: Source, view: memoryview, offset: int, file: str) -> None:
+    if not fd.fill(view, offset):
         raise CheckpointFormatError(file, f"truncated: expected {len(view)} bytes at offset {offset}")
 
 
@@ -100,7 +89,7 @@ class ChunkRecords:
     """Open data files and parsed records of a :class:`~.reader.DcpReader` (a base class of it)."""
 
     path: Location
-    _fds: dict[str, Readable]
+    _fds: dict[str, Source]
     _file_sizes: dict[str, int]
     _names: dict[str, str]
     _fallback: tuple[tuple[str, int], torch.Tensor] | None
@@ -117,32 +106,24 @@ class ChunkRecords:
 
     def block_checksums(self) -> dict[str, BlockChecksums]:
         """Per data file fetched in blocks: (block size, {block index: CRC-32}) of what was read."""
-        return {file: found for file, fd in self._fds.items() if (found := blocks_read(fd)) is not None}
+        return {file: found for file, fd in self._fds.items() if (found := fd.block_checksums()) is not None}
 
     def file_crc32(self, file: str, known: Iterable[Mapping[str, BlockChecksums]] = ()) -> int:
         """Data file ``file``'s CRC-32, from the blocks this reader and the readers of ``known``
         (other workers' :meth:`block_checksums`) read, reading only what none did."""
-        return whole_crc32(self._fd(file), [k[file] for k in known if file in k])
+        return self._fd(file).crc32([k[file] for k in known if file in k])
 
 
-    def _fd(self, file: str) -> Readable:
+    def _fd(self, file: str) -> Source:
         fd = self._fds.get(file)
         if fd is None:
             full = self.path / file
             try:
-                fd = open_readable(full, flags=os.O_NONBLOCK, checksums=self.keep_checksums)
+                fd = open_readable(full, checksums=self.keep_checksums)
             except OSError as err:
                 raise CheckpointFormatError(full, f"cannot open data file ({err.strerror})") from None
-            if not isinstance(fd, int):  # fetched by ranged requests
-                self._fds[file] = fd
-                self._file_sizes[file] = fd.size
-                return fd
-            info = os.fstat(fd)
-            if not stat.S_ISREG(info.st_mode):
-                os.close(fd)
-                raise CheckpointFormatError(full, "not a regular file")
             self._fds[file] = fd
-            self._file_sizes[file] = info.st_size
+            self._file_sizes[file] = fd.size
         return fd
 
 
@@ -202,7 +183,7 @@ class ChunkRecords:
         if not (0 <= member.header_offset < chunk.length) or record.storage_offset < 0 or record.storage_numel < 0:
             raise CheckpointFormatError(self.path / chunk.file, f"key {key!r}: corrupt record")
         self._check_view(key, chunk, record)
-        header = pread(fd, LOCAL_HEADER.size, chunk.offset + member.header_offset)
+        header = fd.pread(LOCAL_HEADER.size, chunk.offset + member.header_offset)
         if len(header) != LOCAL_HEADER.size or header[:4] != LOCAL_MAGIC:
             raise CheckpointFormatError(self.path / chunk.file, f"key {key!r}: corrupt record header")
         fields = LOCAL_HEADER.unpack(header)
@@ -234,7 +215,7 @@ class ChunkRecords:
         if start is None or start + size > chunk.length:
             return False
         try:
-            record = load_tensor_record(pread(fd, size, chunk.offset + start), source)
+            record = load_tensor_record(fd.pread(size, chunk.offset + start), source)
         except EmaCkptError:
             return False
         data = members.get(pkl[: -len("data.pkl")] + "data/" + record.storage_key)
@@ -266,7 +247,7 @@ class ChunkRecords:
         self._fallback = None  # release the previous record before loading the next
         fd = self._fd(chunk.file)
         self._check_extent(chunk.file, chunk.offset, chunk.length)
-        data = pread(fd, chunk.length, chunk.offset)
+        data = fd.pread(chunk.length, chunk.offset)
         _check_record_crcs(data, self.path / chunk.file, key, chunk.offset)
         try:
             with warnings.catch_warnings():  # a corrupt record's odd protocol is reported below, not warned

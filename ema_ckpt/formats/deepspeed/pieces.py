@@ -19,7 +19,7 @@ from typing import Any
 
 from ..._lazy import torch
 from ...errors import CheckpointFormatError
-from ...storage import Location, Readable, close_readable, local_file, local_path, open_readable, pread, pread_into
+from ...storage import Location, Source, local_path, open_readable
 from ...torch_records.checks import ReadChecks, expect_zip_members
 from .params import Entry, Piece
 from .structure import RemoteStructure, meta_member
@@ -46,7 +46,7 @@ class PieceReads:
     _offsets: dict[Location, dict[int, int] | None]
     _structures: dict[Location, RemoteStructure]
     _sizes: dict[Location, int]
-    _remote: dict[tuple[Location, int], Readable]
+    _remote: dict[tuple[Location, int], Source]
     _remote_lock: threading.Lock
     _blocks: dict[tuple[Location, int], torch.Tensor]  # (file, first byte) -> a block's bytes, oldest first
 
@@ -62,11 +62,8 @@ class PieceReads:
             offsets = storage_file_offsets(local_path(path), state)
         self._offsets[path] = offsets
         if offsets is not None:  # its pieces are read from the file: their bytes get checked
-            fd = os.open(local_path(path), os.O_RDONLY | os.O_CLOEXEC)
-            try:
-                expect_zip_members(self.read_checks, str(path), fd, os.fstat(fd).st_size)
-            finally:
-                os.close(fd)
+            with open_readable(path) as source:
+                expect_zip_members(self.read_checks, str(path), source, source.size)
         return offsets
 
     def _place_in_files(self, entries: dict[str, Entry]) -> dict[str, Entry]:
@@ -74,7 +71,7 @@ class PieceReads:
         as pieces read from the file, like the partitions: their bytes are then checked too."""
         if not any(e.tensor is not None and e.tensor.numel() for e in entries.values()):
             return entries  # nothing to place (ZeRO-3 without buffers): the files' storages need no listing
-        places = {ptr: (path, start) for path in list(self._states) if local_file(path) is not None
+        places = {ptr: (path, start) for path in list(self._states)
                   for ptr, start in (self._storage_offsets(path) or {}).items()}
         for key, entry in entries.items():
             t = entry.tensor
@@ -108,7 +105,7 @@ class PieceReads:
                     raise CheckpointFormatError(self.tag_dir, f"{key} is not stored contiguously")
                 pieces = [Piece(0, t.numel(), t.reshape(-1), 0)] if t.numel() else []
             for i, p in enumerate(pieces):
-                if p.file is None or local_file(p.file) is not None:
+                if p.file is None:  # not placed in a file yet
                     file, start = place(p.src)
                     pieces[i] = dataclasses.replace(p, file=file, file_start=start, releasable=False)
             placed[key] = dataclasses.replace(entry, pieces=tuple(pieces), tensor=None, releasable=False)
@@ -117,22 +114,19 @@ class PieceReads:
     def _read_back(self, file: str, length: int, offset: int) -> bytes:
         """Bytes of a file of the tag for :class:`ReadChecks` (those of a member no read covered)."""
         path = next((p for p in self._sizes if str(p) == file), None) or Path(file)
-        source = open_readable(path, size=self._sizes.get(path))
-        try:
-            return pread(source, length, offset)
-        finally:
-            close_readable(source)
+        with open_readable(path, size=self._sizes.get(path)) as source:
+            return source.pread(length, offset)
 
     def _gather(self, entry: Entry, lo: int, hi: int, out: torch.Tensor) -> None:
         """Fill ``out`` (1-D, ``hi - lo`` long) with flat elements ``[lo, hi)`` of ``entry``."""
-        fds: dict[Location, int | None] = {}
+        fds: dict[Location, Source | None] = {}
         try:
             for p in entry.pieces:
                 a, b = max(lo, p.dst), min(hi, p.dst + p.length)
                 if a >= b:
                     continue
-                source: Readable | None = None
-                if p.file is not None and local_file(p.file) is None:
+                source: Source | None = None
+                if p.file is not None and p.src.is_meta:  # no data but in its file: ranged reads
                     source = self._remote_source(p)
                 elif p.file is not None and out.dtype == p.src.dtype:
                     small = (b - a) * out.element_size() <= _SMALL_PIECE_BYTES
@@ -140,14 +134,14 @@ class PieceReads:
                         continue
                     source = self._open(p.file, fds)
                 self._copy_piece(p, a, b, out[a - lo : b - lo], source, self.read_checks)
-                if source is not None and not isinstance(source, int) and p.start + b - p.dst == p.src.numel():
+                if source is not None and p.src.is_meta and p.start + b - p.dst == p.src.numel():
                     self._drop_remote(p, source)  # read to its end: the blocks it keeps go
         finally:
             for fd in fds.values():
                 if fd is not None:
-                    os.close(fd)
+                    fd.close()
 
-    def _from_block(self, p: Piece, a: int, b: int, out: torch.Tensor, fds: dict[Location, int | None]) -> bool:
+    def _from_block(self, p: Piece, a: int, b: int, out: torch.Tensor, fds: dict[Location, Source | None]) -> bool:
         """Flat elements ``[a, b)`` of a key (in piece ``p``, read from its file) copied from the
         block of ``p``'s flat partition that holds them, read (and checked) once for every
         small piece in it: a run of many small parameters costs one ``pread`` per block, not
@@ -171,7 +165,7 @@ class PieceReads:
                 return False
             block = torch.empty(last - first, dtype=torch.uint8)
             view = memoryview(block.numpy())
-            if not pread_into(fd, view, first):
+            if not fd.fill(view, first):
                 raise CheckpointFormatError(str(p.file), f"truncated: expected {len(view)} bytes at offset {first}")
             self.read_checks.saw(str(p.file), first, view)
             with self._remote_lock:
@@ -181,23 +175,25 @@ class PieceReads:
         out.view(torch.uint8).copy_(block[at - first : at - first + (b - a) * size])
         return True
 
-    def _open(self, path: Location, fds: dict[Location, int | None]) -> int | None:
-        """A descriptor on ``path`` (kept in ``fds``) if it is still the file that was mapped, else None.
+    def _open(self, path: Location, fds: dict[Location, Source | None]) -> Source | None:
+        """``path`` opened (kept in ``fds``) if it is still the file that was mapped, else None.
 
         Opened per read rather than held: a run over many checkpoints of many ranks would
         otherwise hold more descriptors than a process may have.
         """
         if path not in fds:
             try:
-                fd = os.open(local_path(path), os.O_RDONLY)
+                fd = open_readable(path)
+                local = fd.fd()
+                now = file_identity(os.fstat(local)) if local is not None else ()
             except OSError:
                 fds[path] = None
                 return None
-            now, then = file_identity(os.fstat(fd)), self._identities.get(path)
+            then = self._identities.get(path)
             if now == then:
                 fds[path] = fd
             else:
-                os.close(fd)
+                fd.close()
                 if then is not None and now[:2] == then[:2]:
                     # Changed in place: the private mapping shows the new bytes too, so there
                     # is no consistent copy left to read.
@@ -205,7 +201,7 @@ class PieceReads:
                 fds[path] = None  # replaced: the mapping still holds the file that was opened
         return fds[path]
 
-    def _remote_source(self, p: Piece) -> Readable:
+    def _remote_source(self, p: Piece) -> Source:
         """Ranged reads of the stored tensor ``p.src`` in its object: its bytes only, read ahead
         within it; kept for the next reads of it (the most recently used :data:`_REMOTE_KEPT`)."""
         assert p.file is not None
@@ -220,17 +216,17 @@ class PieceReads:
             if len(self._remote) > _REMOTE_KEPT:
                 oldest = self._remote.pop(next(iter(self._remote)))
         if oldest is not None:
-            close_readable(oldest)
+            oldest.close()
         return source
 
-    def _drop_remote(self, p: Piece, source: Readable) -> None:
+    def _drop_remote(self, p: Piece, source: Source) -> None:
         assert p.file is not None
         with self._remote_lock:
             self._remote.pop((p.file, p.file_start), None)
-        close_readable(source)
+        source.close()
 
     @staticmethod
-    def _copy_piece(p: Piece, a: int, b: int, out: torch.Tensor, source: Readable | None,
+    def _copy_piece(p: Piece, a: int, b: int, out: torch.Tensor, source: Source | None,
                     checks: ReadChecks) -> None:
         """Flat elements ``[a, b)`` of a key, which lie in piece ``p``, into ``out``: read from
         ``source`` (a descriptor, or ranged reads of an object) at the piece's place in its
@@ -243,7 +239,7 @@ class PieceReads:
             target = out if out.dtype == p.src.dtype else torch.empty(b - a, dtype=p.src.dtype)
             view = memoryview(target.view(torch.uint8).numpy())
             offset = p.file_start + (p.start + a - p.dst) * target.element_size()
-            if not pread_into(source, view, offset):
+            if not source.fill(view, offset):
                 raise CheckpointFormatError(str(p.file), f"truncated: expected {len(view)} bytes at offset {offset}")
             checks.saw(str(p.file), offset, view)
             if target is not out:

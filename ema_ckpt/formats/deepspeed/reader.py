@@ -24,7 +24,7 @@ then hands back to the kernel (:func:`~.unpickle.release_pages`) so that they do
 resident. ``layout`` offers tensors over 32 MiB as row blocks, so a run's memory is a few such
 blocks, whatever the largest parameter and however it straddles ranks.
 
-In object storage (no :func:`~ema_ckpt.storage.local_file`) nothing is mapped or fetched whole:
+In object storage nothing is mapped or fetched whole:
 each file's zip directory and pickle are read by ranged requests and unpickled by the same
 restricted loader with every tensor left on the ``meta`` device
 (:func:`~.structure.load_ds_structure`); each key then knows the byte spans it lies in, and
@@ -51,13 +51,12 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Mapping, Sequence
-from typing import IO, Any
+from typing import Any
 
 from ..._lazy import torch
 from ...errors import CheckpointFormatError, CheckpointNotFoundError, EmaCkptError
 from ...layout import Box, TensorSpec, split_rows
-from ...storage import Location, Readable, as_path, close_readable, local_file, open_readable
-from ...torch_records import FileWindow
+from ...storage import Location, Source, as_path
 from ...torch_records.checks import ReadChecks
 from ..base import CheckpointFormat, CheckpointReader, register_format
 from .files import FORMAT_NAME, find_tag_dir, incomplete, is_deepspeed, step_from, step_of
@@ -148,7 +147,7 @@ class DeepSpeedReader(TagFiles, PieceReads, ParameterMaps, CheckpointReader):
         self._specs: dict[str, TensorSpec] = {}  # built once: the engine asks per region
         self._structures: dict[Location, RemoteStructure] = {}  # object -> its structure, while building
         self._sizes: dict[Location, int] = {}  # object -> its size in bytes
-        self._remote: dict[tuple[Location, int], Readable] = {}  # (object, first byte) -> a stored tensor's reads
+        self._remote: dict[tuple[Location, int], Source] = {}  # (object, first byte) -> a stored tensor's reads
         self._remote_lock = threading.Lock()
         self._blocks: dict[tuple[Location, int], torch.Tensor] = {}  # read blocks of flat partitions (see _from_block)
         self._closed = False
@@ -197,13 +196,6 @@ class DeepSpeedReader(TagFiles, PieceReads, ParameterMaps, CheckpointReader):
         base = self.tag_dir.name if self.tag_dir != self.path else ""
         files = sorted(p for p in self.tag_dir.iterdir() if p.name.endswith(".pt"))
         return [(f"{base}/{p.name}" if base else p.name, 0, p.stat().st_size) for p in files]
-
-    def open_record(self, file: str, offset: int, length: int) -> IO[bytes]:
-        """A read-only file view of one ``.pt`` file (on object storage: ranged reads of it)."""
-        full = self.path / file
-        if local_file(full) is not None:
-            return super().open_record(file, offset, length)
-        return FileWindow(open_readable(full), offset, length, owns_fd=True)  # type: ignore[return-value]
 
     def data_ranges(self) -> list[tuple[Location, int, int]]:
         """``(file, offset, length)``: the bytes reading every key takes from the files, merged.
@@ -317,7 +309,7 @@ class DeepSpeedReader(TagFiles, PieceReads, ParameterMaps, CheckpointReader):
         with self._remote_lock:
             sources, self._remote = list(self._remote.values()), {}
         for source in sources:
-            close_readable(source)
+            source.close()
         self._closed = True
 
 

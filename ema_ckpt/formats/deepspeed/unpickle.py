@@ -36,7 +36,6 @@ import argparse
 import ctypes
 import enum
 import mmap
-import os
 import pickle
 import sys
 import threading
@@ -49,7 +48,7 @@ from typing import Any
 from ..._lazy import torch
 from ...errors import CheckpointFormatError, CheckpointNotFoundError, UnsafePickleError
 from ...pickles.rules import GLOBAL_IN_MESSAGE, first_line, globals_in_pickle, refusal, torch_allows
-from ...storage import Location
+from ...storage import Location, open_readable
 from ...torch_records.zipfmt import stored_members
 from .fastload import SealedType, fast_load
 
@@ -346,13 +345,13 @@ def _collect_storages(obj: Any, into: dict[int, int], depth: int) -> None:
 def _stored_members(path: Path) -> dict[int, int] | None:
     """``{data offset: size}`` of the uncompressed ``data/<key>`` members of a ``torch.save`` zip."""
     try:
-        fd = os.open(path, os.O_RDONLY)
+        fd = open_readable(path)
     except OSError:
         return None
     try:
-        listed = stored_members(fd, os.fstat(fd).st_size)
+        listed = stored_members(fd, fd.size)
     finally:
-        os.close(fd)
+        fd.close()
     if listed is None:
         return None
     return {start: size for start, (size, _, name) in listed.items() if "/data/" in f"/{name}" and size}

@@ -13,7 +13,6 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import hashlib
 import itertools
@@ -23,14 +22,14 @@ import json.scanner
 import math
 import struct
 import weakref
-from collections.abc import Callable, Container, Iterator
+from collections.abc import Callable, Container
 from dataclasses import dataclass, field
 from typing import Any, cast
 
 from ..._lazy import torch
 from ...errors import CheckpointFormatError
 from ...layout import TensorSpec
-from ...storage import Location, Readable, close_readable, open_structure, pread, readable_size
+from ...storage import Location, open_structure
 from ..base import StoredView
 
 __all__ = ["FileHeader", "dtypes", "read_header", "read_metadata", "sorted_specs"]
@@ -81,9 +80,9 @@ def read_header(file: Location) -> FileHeader:
     # locals) for good: here, before this frame holds the header's bytes
     dtypes()
     try:
-        with _opened(file) as f:
-            size = readable_size(f)
-            head = pread(f, 8, 0)
+        with open_structure(file) as f:
+            size = f.size
+            head = f.pread(8, 0)
             if len(head) < 8:
                 raise CheckpointFormatError(file, f"truncated: {size} bytes, no header length")
             (length,) = struct.unpack("<Q", head)
@@ -93,7 +92,7 @@ def read_header(file: Location) -> FileHeader:
                 raise CheckpointFormatError(
                     file, f"truncated: header needs {8 + length} bytes, file has {size}"
                 )
-            raw = pread(f, length, 8)
+            raw = f.pread(length, 8)
     except OSError as err:
         raise CheckpointFormatError(file, f"cannot read ({err.strerror})") from None
     layout_key = (hashlib.blake2b(raw, digest_size=16).digest(), length, size)
@@ -189,15 +188,6 @@ _PARSED: weakref.WeakValueDictionary[tuple[bytes, int, int], _Parsed] = weakref.
 """Headers parsed and still in use, by (digest of the header bytes, header length, file size)."""
 
 
-@contextlib.contextmanager
-def _opened(file: Location) -> Iterator[Readable]:
-    handle = open_structure(file)
-    try:
-        yield handle
-    finally:
-        close_readable(handle)
-
-
 def read_metadata(file: Location) -> dict[str, str]:
     """The header's ``__metadata__`` of one ``.safetensors`` file, and nothing else: the header's
     JSON read, its tensors not checked and torch not imported (discovery reads step records
@@ -207,13 +197,13 @@ def read_metadata(file: Location) -> dict[str, str]:
         CheckpointFormatError: a header that is cut, too long, not JSON, or whose metadata is not
             a string-to-string map.
     """
-    with _opened(file) as f:
-        size = readable_size(f)
-        head = pread(f, 8, 0)
+    with open_structure(file) as f:
+        size = f.size
+        head = f.pread(8, 0)
         length = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
         if not 0 < length <= min(_MAX_HEADER, size - 8):
             raise CheckpointFormatError(file, "not a safetensors file (its header length does not fit)")
-        raw = pread(f, length, 8)
+        raw = f.pread(length, 8)
     try:
         doc = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as err:

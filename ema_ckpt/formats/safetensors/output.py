@@ -136,7 +136,7 @@ class SafetensorsOutput(OutputWriter):
         name = self._tensors[region.key].name
         checks = source.read_checks
         for file, offset, length in source.byte_ranges(region.key) or [("", 0, 0)]:  # an empty tensor has no runs
-            fd = source.open_data(file) if length else -1
+            fd = source.open_data(file) if length else None
             # bytes with a stored CRC-32 go through memory to be checked: never copied unseen
             seen = (functools.partial(checks.saw, file)
                     if checks is not None and length and checks.wants(file, offset, length) else None)

@@ -14,8 +14,8 @@ What a path may be:
 Metadata comes from the JSON headers alone, validated by :mod:`.header` so a truncated or
 corrupt file fails with its own path. The index is authoritative: every key it lists must be
 in the shard it names, and every shard must hold only the keys the index gives it. Tensors
-are read lazily: a small one whole by one ``pread``, a large one or a box through
-``safe_open(...).get_slice``; each tensor is one stored chunk. ``step`` is the
+are read lazily: a small one whole by one ``pread``, a large one or a box from the file's
+memory map where it has one, else by a ranged read of its rows; each tensor is one stored chunk. ``step`` is the
 ``global_step`` of a ``trainer_state.json`` in the folder, when there is one. The header's
 ``__metadata__`` (the first file's) is offered as a carried file (:mod:`.metadata`), so the
 safetensors outputs made from it keep it.
@@ -34,26 +34,15 @@ import json
 import math
 import re
 import threading
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from safetensors import SafetensorError, safe_open
-
 from ..._lazy import torch
 from ...errors import CheckpointFormatError, CheckpointNotFoundError
 from ...layout import Box, TensorSpec
-from ...storage import (
-    Location,
-    Readable,
-    as_path,
-    close_readable,
-    local_file,
-    open_readable,
-    pread_into,
-    readable_size,
-)
+from ...storage import Location, Source, as_path, open_readable
 from ..base import (
     SAFETENSORS_METADATA_FILE,
     CarriedFile,
@@ -64,7 +53,7 @@ from ..base import (
     register_format,
     trainer_state_step,
 )
-from .header import FileHeader, dtypes, read_header, sorted_specs
+from .header import FileHeader, read_header, sorted_specs
 from .metadata import metadata_file
 
 SUFFIX = ".safetensors"
@@ -153,13 +142,13 @@ def _incomplete(path: Location) -> str | None:
 class SafetensorsReader(CheckpointReader):
     """Reader for one safetensors checkpoint (see the module docstring).
 
-    Opens at most ``max_open_files`` shard files at a time (least recently used are
-    dropped); ``read`` may be called from several threads.
+    Each file is opened once, memory-mapped where it is local; ``read`` may be called from
+    several threads.
     """
 
     format_name = "safetensors"
 
-    def __init__(self, path: str | Location, *, max_open_files: int = 4) -> None:
+    def __init__(self, path: str | Location) -> None:
         self.path = as_path(path)
         if not self.path.exists():
             raise CheckpointNotFoundError(self.path, "no such file or directory")
@@ -181,7 +170,7 @@ class SafetensorsReader(CheckpointReader):
         self._starts: Mapping[str, int] = (self.headers[0].offsets if self.index is None else
                                            {key: start for header in self.headers for key, start in
                                             header.offsets.items()})
-        self._readables: dict[Location, Readable] = {}  # for ranged reads: small tensors, objects
+        self._readables: dict[Location, Source] = {}
         self._specs: dict[str, TensorSpec]
         self._stored: StoredView
         if self.index is None:  # shared with the readers of files of the same header
@@ -193,8 +182,6 @@ class SafetensorsReader(CheckpointReader):
             self._specs = dict(sorted(merged.items()))
             self._stored = StoredView(self._specs)
         self.step: int | None = trainer_state_step(self.path) if self.path.is_dir() else None
-        self._max_open = max(1, max_open_files)
-        self._handles: OrderedDict[Location, Any] = OrderedDict()
         self._sizes = {header.path: header.size for header in self.headers}
         self._lock = threading.Lock()
 
@@ -251,36 +238,29 @@ class SafetensorsReader(CheckpointReader):
         if box.numel == 0:
             return torch.empty(box.sizes, dtype=spec.dtype)
         file = self._where[key]
-        local = local_file(file)
-        if local is None:  # no memory map of an object: ranged reads
-            return self._read_remote(file, spec, box)
-        nbytes = box.numel * spec.dtype.itemsize
-        if nbytes <= _SMALL_READ and tuple(box.sizes) == tuple(spec.shape):
-            return self._read_small(file, spec, nbytes)
-        handle = self._handle(local)
-        try:
-            part = handle.get_slice(key)
-            if tuple(part.get_shape()) != spec.shape or dtypes().get(part.get_dtype()) != spec.dtype:
-                raise CheckpointFormatError(file, f"tensor {key!r} changed since the checkpoint was opened")
-            # Older safetensors releases cannot index a 0-d slice with ``()``.
-            out = part[box.slices()] if box.sizes else handle.get_tensor(key)
-        except SafetensorError as err:
-            raise CheckpointFormatError(file, f"tensor {key!r}: {err}") from None
-        # safe_open hands out views of its memory map: copy just the box.
-        return out.clone(memory_format=torch.contiguous_format)
+        source = self._readable(file)
+        itemsize = spec.dtype.itemsize
+        row = math.prod(spec.shape[1:]) * itemsize if spec.shape else itemsize
+        first, count = (box.offsets[0], box.sizes[0]) if spec.shape else (0, 1)
+        offset = self._starts[spec.key] + first * row
+        whole = box.numel * itemsize <= _SMALL_READ and tuple(box.sizes) == spec.shape
+        # a small tensor whole by one read (for many small tensors, a tenth of the cost of slicing
+        # a memory map); else the rows the box spans, from the map where the file has one
+        mapped = None if whole else source.mapped()
+        if mapped is not None:
+            rows = torch.frombuffer(mapped, dtype=torch.uint8, count=count * row, offset=offset)
+        else:
+            rows = torch.empty(count * row, dtype=torch.uint8)
+            if not source.fill(memoryview(rows.numpy()), offset):
+                raise CheckpointFormatError(file, f"tensor {spec.key!r}: truncated at byte {offset}")
+        values = rows.view(spec.dtype).reshape((count, *spec.shape[1:]) if spec.shape else ())
+        inner = values[(slice(None), *box.slices()[1:])] if spec.shape else values
+        if mapped is not None:  # a view of the map: copy just the box
+            return inner.clone(memory_format=torch.contiguous_format)
+        return inner if inner.is_contiguous() else inner.contiguous()
 
-    def _read_small(self, file: Location, spec: TensorSpec, nbytes: int) -> torch.Tensor:
-        """A small tensor whole, by one ``pread`` at the offset its header gave: for checkpoints
-        of many small tensors, a tenth of the cost of slicing the memory map."""
-        data = bytearray(nbytes)
-        start = self._starts[spec.key]
-        if not pread_into(self._readable(file), memoryview(data), start):
-            raise CheckpointFormatError(file, f"tensor {spec.key!r}: truncated at byte {start}")
-        return torch.frombuffer(data, dtype=spec.dtype).reshape(spec.shape)
-
-    def _readable(self, file: Location) -> Readable:
-        """``file`` opened for ranged reads, once: a local descriptor (refused when the file was
-        replaced since its header was read), or an object read by blocks."""
+    def _readable(self, file: Location) -> Source:
+        """``file`` opened once, refused when it changed size since its header was read."""
         with self._lock:
             source = self._readables.get(file)
             if source is not None:
@@ -291,27 +271,11 @@ class SafetensorsReader(CheckpointReader):
                 raise CheckpointNotFoundError(file, "vanished after the checkpoint was opened") from None
             except OSError as err:
                 raise CheckpointFormatError(file, f"cannot open ({err})") from None
-            if isinstance(source, int) and readable_size(source) != self._sizes[file]:
-                close_readable(source)
+            if source.size != self._sizes[file]:
+                source.close()
                 raise CheckpointFormatError(file, "changed since the checkpoint was opened")
             self._readables[file] = source
             return source
-
-    def _read_remote(self, file: Location, spec: TensorSpec, box: Box) -> torch.Tensor:
-        """The rows ``box`` spans, by one ranged read (with read-ahead) of the object; then the box."""
-        source = self._readable(file)
-        itemsize = spec.dtype.itemsize
-        row = math.prod(spec.shape[1:]) * itemsize if spec.shape else itemsize
-        first, count = (box.offsets[0], box.sizes[0]) if spec.shape else (0, 1)
-        rows = torch.empty(count * row, dtype=torch.uint8)
-        offset = self._starts[spec.key] + first * row
-        if not pread_into(source, memoryview(rows.numpy()), offset):
-            raise CheckpointFormatError(file, f"tensor {spec.key!r}: truncated at byte {offset}")
-        values = rows.view(spec.dtype).reshape((count, *spec.shape[1:]) if spec.shape else ())
-        if not spec.shape:
-            return values
-        inner = values[(slice(None), *box.slices()[1:])]
-        return inner if inner.is_contiguous() else inner.contiguous()
 
     def info(self) -> dict[str, Any]:
         dtypes = Counter(str(s.dtype).removeprefix("torch.") for s in self._specs.values())
@@ -337,37 +301,13 @@ class SafetensorsReader(CheckpointReader):
 
     def close(self) -> None:
         with self._lock:
-            handles, self._handles = list(self._handles.values()), OrderedDict()
             readables, self._readables = list(self._readables.values()), {}
-        for handle in handles:
-            handle.__exit__(None, None, None)
         for source in readables:
-            close_readable(source)
-
-    # -- files -----------------------------------------------------------------------
-
-    def _handle(self, file: Location) -> Any:
-        with self._lock:
-            handle = self._handles.get(file)
-            if handle is not None:
-                self._handles.move_to_end(file)
-                return handle
-            try:
-                handle = safe_open(str(file), framework="pt")
-            except FileNotFoundError:
-                raise CheckpointNotFoundError(file, "vanished after the checkpoint was opened") from None
-            except (SafetensorError, OSError) as err:
-                raise CheckpointFormatError(file, f"cannot open ({err})") from None
-            self._handles[file] = handle
-            while len(self._handles) > self._max_open:
-                # Dropped, not closed: another thread may still be slicing it; the
-                # memory map goes when the last reference does.
-                self._handles.popitem(last=False)
-            return handle
+            source.close()
 
 
 _SMALL_READ = 1 << 20
-"""Whole tensors up to this size are read by ``pread`` (larger ones, and boxes, through the memory map)."""
+"""Whole tensors up to this size are read by one ``pread`` (larger ones, and boxes, from the memory map)."""
 
 
 class _Everywhere(Mapping[str, Location]):

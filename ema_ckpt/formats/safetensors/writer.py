@@ -33,7 +33,7 @@ from ..._text import escaped
 from ...dtypes import SAFETENSORS_CODES, itemsize, name_of
 from ...errors import CheckpointFormatError, OptionError, OutputError, UsageError
 from ...layout import as_tuple
-from ...storage import Location, Readable, pread, start_writeback
+from ...storage import Location, Source, start_writeback
 
 _COPY_BLOCK = 64 << 20
 _CHECKED_COPY_BLOCK = 16 << 20
@@ -163,7 +163,7 @@ class SafetensorsFileWriter:
                 raise OutputError(f"{self.path}: write failed ({err.strerror})") from None
         self._advance(key, part.numel() * part.element_size())
 
-    def copy_range(self, key: str, source: Path, fd: Readable, offset: int,
+    def copy_range(self, key: str, source: Path, fd: Source | None, offset: int,
                    length: int, *, seen: Callable[[int, memoryview], None] | None = None) -> None:
         """Append the next ``length`` bytes of ``key`` straight from ``fd`` at ``offset``.
 
@@ -185,6 +185,7 @@ class SafetensorsFileWriter:
             # checked copies go in smaller blocks: each is read back while the next is copied
             block = _COPY_BLOCK if seen is None else _CHECKED_COPY_BLOCK
             while done < length:
+                assert fd is not None
                 count = min(block, length - done)
                 moved = self._copy(fd, offset + done, dst + done, count, seen, source)
                 if moved == 0:
@@ -210,13 +211,13 @@ class SafetensorsFileWriter:
             first = end
         self._unsent = (first, end)
 
-    def _copy(self, fd: Readable, src: int, dst: int, count: int,
+    def _copy(self, fd: Source, src: int, dst: int, count: int,
               seen: Callable[[int, memoryview], None] | None = None, source: Path | None = None) -> int:
         assert self._handle is not None
         out = self._handle.fileno()
-        if self._kernel_copy and isinstance(fd, int):
+        if self._kernel_copy and (local := fd.fd()) is not None:
             try:
-                moved = os.copy_file_range(fd, out, count, src, dst)
+                moved = os.copy_file_range(local, out, count, src, dst)
             except OSError as err:
                 if err.errno not in _NO_KERNEL_COPY:
                     raise
@@ -225,9 +226,9 @@ class SafetensorsFileWriter:
                 if seen is not None and moved:
                     if self._read_back is None:
                         self._read_back = _ReadBack()
-                    self._read_back.submit(fd, src, moved, seen, source)
+                    self._read_back.submit(local, src, moved, seen, source)
                 return moved
-        data = pread(fd, count, src)  # a remote object: one ranged read per block
+        data = fd.pread(count, src)  # no descriptor: one ranged read per block
         view, written = memoryview(data), 0
         if seen is not None:
             seen(src, view)

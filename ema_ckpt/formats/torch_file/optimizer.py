@@ -10,13 +10,13 @@ Example:
 
 from __future__ import annotations
 
-import os
 import struct
 from pathlib import Path
 from typing import Any
 
 from ...dtypes import itemsize
 from ...errors import CheckpointFormatError
+from ...storage import open_readable
 from ...torch_records import TensorRecord
 from .reader import parse_file
 
@@ -43,11 +43,11 @@ def optimizer_steps(path: Path) -> list[list[float]]:
     """Every parameter's ``step`` counter in the optimizer states at ``path``, one list per
     optimizer (empty when none is readable: the caller then finds the step elsewhere)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        source = open_readable(path)
     except OSError:
         return []
     try:
-        parsed = parse_file(fd, os.fstat(fd).st_size, path)
+        parsed = parse_file(source, path)
         found: list[list[float]] = []
         for counters in _counters(parsed.tree.root):
             values: list[float] = []
@@ -59,7 +59,7 @@ def optimizer_steps(path: Path) -> list[list[float]]:
                     if start is None:
                         continue
                     size = itemsize(counter.dtype)
-                    raw = os.pread(fd, size, start + counter.storage_offset * size)
+                    raw = source.pread(size, start + counter.storage_offset * size)
                     if len(raw) == size:
                         values.append(float(struct.unpack(_FORMATS[counter.dtype], raw)[0]))
             found.append(values)
@@ -67,7 +67,7 @@ def optimizer_steps(path: Path) -> list[list[float]]:
     except CheckpointFormatError:
         return []
     finally:
-        os.close(fd)
+        source.close()
 
 
 def optimizer_step_counters(path: Path) -> list[float]:

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import io
 import math
-import os
 import re
 import zipfile
 from collections import Counter, OrderedDict
@@ -38,8 +37,8 @@ from ...dtypes import itemsize, torch_dtype
 from ...errors import CheckpointFormatError, Note
 from ...layout import Box, TensorSpec
 from ...layouts import SeenCounter, counters_in
-from ...storage import Location, local_path, pread_into
-from ...torch_records import TensorRecord, member_start, view_problem
+from ...storage import Location, Source, local_path, open_readable, open_structure
+from ...torch_records import FileWindow, TensorRecord, member_start, view_problem
 from ...torch_records.checks import ReadChecks
 from ...torch_records.emit import dumps_inert
 from ...torch_records.legacy import is_legacy, legacy_storage_starts, read_legacy_head
@@ -63,12 +62,10 @@ def has_torch_suffix(path: Path) -> bool:
 def file_kind(path: Path) -> str | None:
     """``"zip"``, ``"legacy"``, ``"partial-zip"`` (no end record yet: still being written) or None."""
     try:
-        with path.open("rb") as handle:
-            head = handle.read(4096)
+        with open_structure(path) as source:
+            head = source.pread(4096, 0)
             if head.startswith(_ZIP_MAGIC):
-                size = os.fstat(handle.fileno()).st_size
-                handle.seek(max(0, size - _TAIL))
-                return "zip" if END_MAGIC in handle.read() else "partial-zip"
+                return "zip" if END_MAGIC in source.pread(_TAIL, max(0, source.size - _TAIL)) else "partial-zip"
     except OSError:
         return None
     return "legacy" if is_legacy(head) else None
@@ -89,16 +86,19 @@ class ParsedFile:
     """{storage key: the CRC-32 its zip member records} (none in the legacy format)."""
 
 
-def parse_file(fd: int, size: int, path: Path) -> ParsedFile:
+def parse_file(source: Source, path: Path) -> ParsedFile:
     """The pickle and storage places of an open ``torch.save`` file (zip or legacy).
 
     Raises:
         CheckpointFormatError: not a torch.save file, truncated, compressed storages, …
     """
-    head = os.pread(fd, 4096, 0)
+    head, size = source.pread(4096, 0), source.size
     if head.startswith(_ZIP_MAGIC):
-        return _parse_zip(fd, size, path)
+        return _parse_zip(source, path)
     if is_legacy(head):
+        fd = source.fd()
+        if fd is None:
+            raise CheckpointFormatError(path, "torch's legacy format is read through a file descriptor only")
         object_pickle, keys, pos = read_legacy_head(fd, size, str(path))
         tree = load_tree(object_pickle, str(path))
         sizes = {k: itemsize(r.dtype) if r.dtype != "untyped" else 1 for k, r in tree.storages.items()}
@@ -108,9 +108,10 @@ def parse_file(fd: int, size: int, path: Path) -> ParsedFile:
     raise CheckpointFormatError(path, "not a torch.save file (neither a zip nor torch's legacy format)")
 
 
-def _parse_zip(fd: int, size: int, path: Path) -> ParsedFile:
+def _parse_zip(source: Source, path: Path) -> ParsedFile:
+    size = source.size
     try:
-        with open(os.dup(fd), "rb") as handle, zipfile.ZipFile(handle) as archive:
+        with zipfile.ZipFile(io.BufferedReader(FileWindow(source, 0, size))) as archive:
             infos = archive.infolist()
             pkl = next((i for i in infos if i.filename.endswith("/data.pkl") or i.filename == "data.pkl"), None)
             if pkl is None:
@@ -133,7 +134,7 @@ def _parse_zip(fd: int, size: int, path: Path) -> ParsedFile:
             continue  # named by a part of the file that is not read; a tensor read from it is refused
         if member.compress_type != zipfile.ZIP_STORED:
             raise CheckpointFormatError(path, f"storage {key}: compressed storage is not supported")
-        start = member_start(fd, 0, size, member.header_offset)
+        start = member_start(source, 0, size, member.header_offset)
         if start is None:
             raise CheckpointFormatError(path, f"corrupt zip header of {member.filename}")
         starts[key], stored[key], crcs[key] = start, member.file_size, member.CRC
@@ -206,12 +207,12 @@ class TorchFileReader(CheckpointReader):
         self.read_checks = checks if checks is not None else ReadChecks(
             lambda name: self.path.parent / name, lambda _name, n, offset: self.read_back(n, offset))
         try:
-            self._fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+            self._source = open_readable(self.path)
         except OSError as err:
             raise CheckpointFormatError(self.path, f"cannot read ({err.strerror})") from None
         try:
-            self._size = os.fstat(self._fd).st_size
-            parsed = parse_file(self._fd, self._size, self.path)
+            self._size = self._source.size
+            parsed = parse_file(self._source, self.path)
             check_harmless(parsed.tree, str(self.path), options.inert_globals)
             self.chosen, self.others = find_model(parsed.tree, self.path, options.state_key)
             self.prefix: KeyPrefix = key_prefix(parsed.tree.root, self.chosen, keep=options.keep_prefix)
@@ -226,7 +227,7 @@ class TorchFileReader(CheckpointReader):
             self._specs = {key: TensorSpec(key, t.record.size, _dtype(self.path, key, t.record.dtype))
                            for key, t in self._tensors.items()}
         except BaseException:
-            os.close(self._fd)
+            self._source.close()
             raise
 
     def _index(self, parsed: ParsedFile) -> dict[str, _Stored]:
@@ -292,11 +293,11 @@ class TorchFileReader(CheckpointReader):
 
     def read_back(self, length: int, offset: int) -> bytes:
         """``length`` bytes of the file at ``offset`` (what :class:`ReadChecks` reads to settle a storage)."""
-        return os.pread(self._fd, length, offset)
+        return self._source.pread(length, offset)
 
     def _pread_into(self, out: torch.Tensor, offset: int) -> None:
         view = memoryview(out.reshape(-1).view(torch.uint8).numpy())
-        if not pread_into(self._fd, view, offset):
+        if not self._source.fill(view, offset):
             raise CheckpointFormatError(self.path, f"truncated: expected {len(view)} bytes at offset {offset}")
         self.read_checks.saw(self.path.name, offset, view)
 
@@ -338,9 +339,7 @@ class TorchFileReader(CheckpointReader):
             return ()
 
     def close(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+        self._source.close()
 
 
 def _holds_tensor(value: Any) -> bool:
@@ -431,15 +430,10 @@ def _read_facts(path: Path) -> FileFacts:
     if kind not in ("zip", "legacy"):
         return FileFacts(kind, False, None, None)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
+        with open_readable(path) as source:
+            tree = parse_file(source, path).tree
+    except (OSError, CheckpointFormatError):
         return FileFacts(kind, True, None, None)
-    try:
-        tree = parse_file(fd, os.fstat(fd).st_size, path).tree
-    except CheckpointFormatError:
-        return FileFacts(kind, True, None, None)
-    finally:
-        os.close(fd)
     root = tree.root
     # a file naming what is not read as data is taken: opening it says which global, under which key
     holds = not NOT_MODEL_FILES.match(path.name) and bool(candidates(root, is_tensor=_is_tensor) or foreign_globals(
