@@ -1,8 +1,11 @@
-""":mod:`ema_ckpt.pickles.bounds`: the bounds walk before CPython's C unpickler loads a pickle."""
+""":mod:`ema_ckpt.pickles`: the bounds walk before CPython's C unpickler loads a pickle, the lean
+memo, and the one loader over an allowlist."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import io
 import pickle
 import pickletools
 import struct
@@ -12,6 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ema_ckpt.errors import UnsafePickleError
 from ema_ckpt.pickles.bounds import (
     _ARGUMENTS,
     _LENGTH1,
@@ -24,6 +28,7 @@ from ema_ckpt.pickles.bounds import (
     InMemoryUnpickler,
     check_pickle_bounds,
 )
+from ema_ckpt.pickles.load import Allowlist, load_pickle
 from ema_ckpt.pickles.memo import FetchedIndices, LeanUnpickler
 
 
@@ -117,14 +122,30 @@ def test_truncated_data_is_refused():
         InMemoryUnpickler(b"\x80\x04J\x01").load()  # a fixed-size argument cut short
 
 
-def test_find_class_is_the_only_way_to_a_global():
-    class Refusing(InMemoryUnpickler):
-        def find_class(self, module, name):
-            raise pickle.UnpicklingError(f"{module}.{name}")
-
+@pytest.mark.parametrize("lean", [False, True])
+def test_an_allowlist_is_the_only_way_to_a_global(lean):
     for protocol in (0, 2, 4):
-        with pytest.raises(pickle.UnpicklingError, match=r"(__builtin__|builtins)\.print"):
-            Refusing(pickle.dumps(print, protocol=protocol)).load()
+        with pytest.raises(UnsafePickleError, match=r"x\.pt: refers to (__builtin__|builtins)\.print"):
+            load_pickle(pickle.dumps(print, protocol=protocol), Allowlist({}), "x.pt", lean=lean)
+    table = Allowlist({("builtins", "len"): str}, python2_names=True)
+    assert load_pickle(pickle.dumps((len, [1]), protocol=2), table, "x.pt", lean=lean)[0] is str
+    made = []
+    other = Allowlist({}, other=lambda module, name: made.append(name) or type(name, (), {}))
+    first, again = load_pickle(pickle.dumps([collections.Counter, collections.Counter], 0), other, "x", lean=lean)
+    assert first is again and first.__name__ == "Counter" and made == ["Counter"]  # once per name and load
+    assert load_pickle(pickle.dumps(collections.Counter), other, "x", lean=lean) is not first
+
+
+def test_persistent_ids_go_to_the_callers_function_or_fail():
+    class Saving(pickle.Pickler):
+        def persistent_id(self, obj):
+            return ("storage", obj.decode()) if isinstance(obj, bytes) else None
+
+    buffer = io.BytesIO()
+    Saving(buffer, protocol=2).dump([b"ref", 1])
+    assert load_pickle(buffer.getvalue(), Allowlist({}), "x", persistent=lambda pid: pid[1].upper()) == ["REF", 1]
+    with pytest.raises(pickle.UnpicklingError):
+        load_pickle(buffer.getvalue(), Allowlist({}), "x")
 
 
 # The pure-Python unpickler with a lean memo (large DCP metadata): the same results and refusals.
@@ -166,13 +187,6 @@ def test_every_memo_index_fetched_is_found(value, protocol):
             assert arg in fetched or (op.name == "BINGET" and arg < 256)
 
 
-def test_the_lean_unpickler_reaches_globals_only_through_find_class():
-    class Refusing(LeanUnpickler):
-        def find_class(self, module, name):
-            raise pickle.UnpicklingError(f"{module}.{name}")
-
-    for protocol in (0, 2, 4):
-        with pytest.raises(pickle.UnpicklingError, match=r"(__builtin__|builtins)\.print"):
-            Refusing(pickle.dumps(print, protocol=protocol)).load()
+def test_the_lean_unpickler_names_a_missing_memo_entry():
     with pytest.raises(pickle.UnpicklingError, match="Memo value not found at index 3"):
         LeanUnpickler(b"\x80\x04h\x03.").load()

@@ -11,10 +11,9 @@
 
 **Why it pays:** a large DCP ``.metadata`` loads through a subclass of the pure-Python
 unpickler whose memo keeps only what the pickle fetches again (:mod:`ema_ckpt.pickles.memo`),
-at a fraction of the C unpickler's peak memory; and the restricted unpicklers that resolve
-globals themselves (:mod:`ema_ckpt.torch_records.tree`,
-:mod:`ema_ckpt.formats.deepspeed.fastload`) read protocol 2's names as ``pickle`` and torch's
-weights-only unpickler read them.
+at a fraction of the C unpickler's peak memory; and the loader (:mod:`ema_ckpt.pickles.load`)
+reads protocol 2's names as ``pickle`` and torch's weights-only unpickler read them, for the
+allowlists that ask it to (a whole file's, DeepSpeed's fast load).
 
 **When it is gone:** without the pure-Python unpickler, :data:`PURE_PYTHON_AVAILABLE` is False
 and every pickle goes through the C unpickler (the same objects, at its peak memory); without

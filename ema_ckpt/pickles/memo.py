@@ -111,7 +111,7 @@ AVAILABLE = PURE_PYTHON_AVAILABLE
 
 class LeanUnpickler(PurePythonUnpickler):  # type: ignore[misc]
     """CPython's pure-Python unpickler over ``data``, with a memo that keeps only what the
-    pickle may fetch again. Subclasses override ``find_class``/``persistent_load``.
+    pickle may fetch again. Globals resolve in :mod:`.load`.
 
     It reads straight from the bytes in memory (no frame buffers) and runs the ten commonest
     opcodes inline: about 1.6x faster than the standard library's loop.
@@ -119,10 +119,10 @@ class LeanUnpickler(PurePythonUnpickler):  # type: ignore[misc]
 
     dispatch: ClassVar[dict[int, Any]] = {**getattr(PurePythonUnpickler, "dispatch", {}), pickle.FRAME[0]: _frame}
 
-    def __init__(self, data: bytes) -> None:
+    def __init__(self, data: bytes, *, encoding: str = "ASCII") -> None:
         self._data = data
         self._buffer = io.BytesIO(data)
-        super().__init__(self._buffer)
+        super().__init__(self._buffer, encoding=encoding)
         self.memo = _LeanMemo(FetchedIndices(data))
 
     def load(self) -> Any:

@@ -1,5 +1,5 @@
 """The pickle rules every reader shares: how a refused global is reported, ``torch.Size``'s
-stand-in, and, for loads through torch's weights-only unpickler, what it refused.
+and the dtypes' stand-ins, and, for loads through torch's weights-only unpickler, what it refused.
 
 DeepSpeed ``.pt`` files (:mod:`ema_ckpt.formats.deepspeed.unpickle`) and DCP chunk records
 (:mod:`ema_ckpt.formats.dcp.records`) both go through that unpickler; when it refuses a file,
@@ -25,11 +25,13 @@ from pathlib import Path
 from typing import Any
 
 from .._compat import torch_load
+from ..dtypes import TORCH_NAMES, DtypeName, canonical
 from ..errors import UnsafePickleError
 
 __all__ = [
     "CODE_MODULES",
     "GLOBAL_IN_MESSAGE",
+    "TORCH_DTYPES",
     "first_line",
     "globals_in_pickle",
     "is_standard_module",
@@ -57,6 +59,10 @@ def refuse(source: str | Path, module: str, name: str) -> UnsafePickleError:
 def torch_size(dims: Any = ()) -> tuple[int, ...]:
     """``torch.Size`` rebuilt as a tuple of ints (every restricted unpickler's stand-in)."""
     return tuple(map(int, dims))
+
+
+TORCH_DTYPES: dict[tuple[str, str], DtypeName] = {("torch", n): DtypeName(canonical(n)) for n in TORCH_NAMES}
+"""``torch.float32`` and every other dtype global, as its canonical name (an allowlist's entries)."""
 
 
 def first_line(message: str) -> str:

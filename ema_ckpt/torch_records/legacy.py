@@ -21,7 +21,8 @@ import struct
 from typing import Any
 
 from ..errors import CheckpointFormatError
-from ..pickles.bounds import InMemoryUnpickler, check_pickle_bounds
+from ..pickles.bounds import check_pickle_bounds
+from ..pickles.load import Allowlist, load_pickle
 
 MAGIC_NUMBER = 0x1950A86A20F9469CFC6C
 PROTOCOL_VERSION = 1001
@@ -29,9 +30,12 @@ _HEAD_BYTES = 64 << 20  # the pickles of a state dict of a few million keys
 _PICKLE_PREFIX = b"\x80"  # every protocol-2 pickle torch writes starts so
 
 
-class _NoGlobals(InMemoryUnpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        raise CheckpointFormatError("", f"a legacy header names {module}.{name}")
+def _header_global(module: str, name: str) -> Any:
+    raise CheckpointFormatError("", f"a legacy header names {module}.{name}")
+
+
+_NO_GLOBALS = Allowlist({}, other=_header_global)
+"""The header pickles (magic number, version, storage keys) name no global."""
 
 
 def is_legacy(head: bytes) -> bool:
@@ -40,7 +44,7 @@ def is_legacy(head: bytes) -> bool:
         return False
     try:
         end = check_pickle_bounds(head)
-        return bool(_NoGlobals(head[:end]).load() == MAGIC_NUMBER)
+        return bool(load_pickle(head[:end], _NO_GLOBALS, "") == MAGIC_NUMBER)
     except Exception:
         return False
 
@@ -102,8 +106,8 @@ def split_pickles(head: bytes, source: str) -> tuple[bytes, list[str], int]:
     except Exception as err:
         raise CheckpointFormatError(source, f"not a readable legacy torch.save file ({err})") from None
     try:
-        magic, version = _NoGlobals(parts[0]).load(), _NoGlobals(parts[1]).load()
-        keys = _NoGlobals(parts[4]).load()
+        magic, version = load_pickle(parts[0], _NO_GLOBALS, source), load_pickle(parts[1], _NO_GLOBALS, source)
+        keys = load_pickle(parts[4], _NO_GLOBALS, source)
     except Exception as err:
         raise CheckpointFormatError(source, f"not a readable legacy torch.save file ({err})") from None
     if magic != MAGIC_NUMBER or version != PROTOCOL_VERSION:

@@ -9,15 +9,16 @@ The writing side is :mod:`.write`.
 from __future__ import annotations
 
 import collections
+import functools
 import math
 import pickle
 from dataclasses import dataclass
 from typing import Any
 
-from ..dtypes import TORCH_NAMES, DtypeName, canonical, itemsize
+from ..dtypes import DtypeName, itemsize
 from ..errors import CheckpointFormatError, UnsafePickleError
-from ..pickles.bounds import InMemoryUnpickler
-from ..pickles.rules import refuse, torch_size
+from ..pickles.load import Allowlist, load_pickle
+from ..pickles.rules import TORCH_DTYPES, torch_size
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,35 +42,20 @@ class TensorRecord:
         return True
 
 
-_STORAGE_DTYPES = {
-    f"{name}Storage": dtype
-    for name, dtype in {
-        "Double": "float64",
-        "Float": "float32",
-        "Half": "float16",
-        "BFloat16": "bfloat16",
-        "Long": "int64",
-        "Int": "int32",
-        "Short": "int16",
-        "Char": "int8",
-        "Byte": "uint8",
-        "Bool": "bool",
-        "ComplexFloat": "complex64",
-        "ComplexDouble": "complex128",
-    }.items()
-}
+UNTYPED = "untyped"
+"""The dtype name of a ``torch.UntypedStorage`` (bytes; a v3 record gives the dtype apart)."""
 
 
-def storage_dtype(module: str, name: str) -> DtypeName | None:
-    """The dtype a torch storage or dtype global names (``torch.FloatStorage``, ``torch.bfloat16``,
-    ``torch.UntypedStorage``), or None."""
-    if module in ("torch", "torch.storage") and name == "UntypedStorage":
-        return DtypeName(UNTYPED)
-    if module == "torch" and name in _STORAGE_DTYPES:
-        return DtypeName(_STORAGE_DTYPES[name])
-    if module == "torch" and name in TORCH_NAMES:
-        return DtypeName(canonical(name))
-    return None
+STORAGE_GLOBALS: dict[tuple[str, str], DtypeName] = {
+    **TORCH_DTYPES,
+    **{("torch", f"{name}Storage"): DtypeName(dtype) for name, dtype in {
+        "Double": "float64", "Float": "float32", "Half": "float16", "BFloat16": "bfloat16", "Long": "int64",
+        "Int": "int32", "Short": "int16", "Char": "int8", "Byte": "uint8", "Bool": "bool",
+        "ComplexFloat": "complex64", "ComplexDouble": "complex128"}.items()},
+    ("torch", "UntypedStorage"): DtypeName(UNTYPED), ("torch.storage", "UntypedStorage"): DtypeName(UNTYPED),
+}  # fmt: skip
+"""The dtype a torch storage or dtype global names (``torch.FloatStorage``, ``torch.bfloat16``;
+``torch.UntypedStorage``: :data:`UNTYPED`)."""
 
 
 class PickledStorage:
@@ -162,38 +148,24 @@ def rebuild_record_v3(
     return rebuild_record(typed, offset, size, stride)
 
 
-UNTYPED = "untyped"
-"""The dtype name of a ``torch.UntypedStorage`` (bytes; a v3 record gives the dtype apart)."""
+
+RECORD_GLOBALS = Allowlist({
+    ("torch._utils", "_rebuild_tensor_v2"): rebuild_record,
+    ("torch._utils", "_rebuild_tensor_v3"): rebuild_record_v3,
+    ("collections", "OrderedDict"): collections.OrderedDict,
+    ("torch", "Size"): torch_size,
+    **STORAGE_GLOBALS,
+})
+"""What a plain tensor's (or a state dict of them) ``data.pkl`` may name; nothing else."""
 
 
-class _TensorRecordUnpickler(InMemoryUnpickler):
-    """Reads a plain tensor's ``data.pkl`` into a :class:`TensorRecord`; nothing else."""
-
-    def __init__(self, data: bytes, source: str) -> None:
-        super().__init__(data)
-        self._source = source
-
-    def find_class(self, module: str, name: str) -> Any:
-        if module == "torch._utils" and name == "_rebuild_tensor_v2":
-            return rebuild_record
-        if module == "torch._utils" and name == "_rebuild_tensor_v3":
-            return rebuild_record_v3
-        dtype = storage_dtype(module, name)
-        if dtype is not None:
-            return dtype
-        if module == "collections" and name == "OrderedDict":
-            return collections.OrderedDict
-        if module == "torch" and name == "Size":
-            return torch_size
-        raise refuse(self._source, module, name)
-
-    def persistent_load(self, pid: Any) -> Any:
-        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
-            raise CheckpointFormatError(self._source, "unexpected storage reference in tensor record")
-        _, dtype, key, _location, numel = pid
-        if not isinstance(dtype, DtypeName) or type(numel) is not int or numel < 0:
-            raise CheckpointFormatError(self._source, "unexpected storage type in tensor record")
-        return PickledStorage(str(key), dtype, numel)
+def _record_storage(source: str, pid: Any) -> PickledStorage:
+    if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
+        raise CheckpointFormatError(source, "unexpected storage reference in tensor record")
+    _, dtype, key, _location, numel = pid
+    if not isinstance(dtype, DtypeName) or type(numel) is not int or numel < 0:
+        raise CheckpointFormatError(source, "unexpected storage type in tensor record")
+    return PickledStorage(str(key), dtype, numel)
 
 
 _RECORD_CACHE: dict[bytes, TensorRecord] = {}
@@ -211,7 +183,7 @@ def load_tensor_record(data: bytes, source: str) -> TensorRecord:
     if cached is not None:
         return cached
     try:
-        obj = _TensorRecordUnpickler(data, source).load()
+        obj = load_pickle(data, RECORD_GLOBALS, source, persistent=functools.partial(_record_storage, source))
     except (UnsafePickleError, CheckpointFormatError):
         raise
     except Exception as err:

@@ -24,16 +24,16 @@ from __future__ import annotations
 
 import collections
 import fnmatch
+import functools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .._compat.pickle_internals import python3_name
 from ..dtypes import DtypeName
 from ..errors import CheckpointFormatError, Note, UnsafePickleError
-from ..pickles.bounds import InMemoryUnpickler
+from ..pickles.load import Allowlist, load_pickle
 from ..pickles.rules import is_standard_module, refusal, torch_size
-from .pickles import UNTYPED, PickledStorage, TensorRecord, rebuild_record, rebuild_record_v3, storage_dtype
+from .pickles import STORAGE_GLOBALS, UNTYPED, PickledStorage, TensorRecord, rebuild_record, rebuild_record_v3
 
 
 class Opaque(dict):  # type: ignore[type-arg]
@@ -123,40 +123,25 @@ class StorageRef:
     numel: int
 
 
-class _TreeUnpickler(InMemoryUnpickler):
-    def __init__(self, data: bytes, source: str) -> None:
-        super().__init__(data)
-        self._source = source
-        self._standins: dict[tuple[str, str], type[Opaque]] = {}
-        self.storages: dict[str, StorageRef] = {}
+TREE_GLOBALS = Allowlist({**_TORCH_SPECIALS, **STORAGE_GLOBALS}, other=_standin, python2_names=True)
+"""torch's tensor rebuilds as records, storages and dtypes as names; any other global a fresh
+:class:`Opaque` class of the load (a pickle's edits to it stay in that load)."""
 
-    def find_class(self, module: str, name: str) -> Any:
-        special = _TORCH_SPECIALS.get((module, name))
-        if special is not None:
-            return special
-        dtype = storage_dtype(module, name)
-        if dtype is not None:
-            return dtype
-        module, name = python3_name(module, name)  # protocol 2 names builtins as Python 2 did
-        key = (module, name)
-        if key not in self._standins:  # a fresh class per load: a pickle's edits to it stay in this load
-            self._standins[key] = _standin(module, name)
-        return self._standins[key]
 
-    def persistent_load(self, pid: Any) -> Any:
-        # zip format: ("storage", type, key, location, numel); legacy adds view metadata (None)
-        if not (isinstance(pid, tuple) and len(pid) in (5, 6) and pid[0] == "storage"):
-            raise CheckpointFormatError(self._source, "unexpected storage reference in the pickle")
-        dtype, key, numel = pid[1], pid[2], pid[4]
-        if not isinstance(dtype, DtypeName) or type(numel) is not int or numel < 0 or not isinstance(key, str):
-            raise CheckpointFormatError(self._source, "unexpected storage type in the pickle")
-        if len(pid) == 6 and pid[5] is not None:
-            raise CheckpointFormatError(self._source, "storage views of torch < 0.4 files are not supported")
-        ref = StorageRef(key, str(dtype), numel)
-        known = self.storages.setdefault(key, ref)
-        if known != ref and not (known.dtype == UNTYPED or ref.dtype == UNTYPED):
-            raise CheckpointFormatError(self._source, f"storage {key} is named with two types")
-        return _storage_ref(ref)
+def _storage(source: str, storages: dict[str, StorageRef], pid: Any) -> Any:
+    # zip format: ("storage", type, key, location, numel); legacy adds view metadata (None)
+    if not (isinstance(pid, tuple) and len(pid) in (5, 6) and pid[0] == "storage"):
+        raise CheckpointFormatError(source, "unexpected storage reference in the pickle")
+    dtype, key, numel = pid[1], pid[2], pid[4]
+    if not isinstance(dtype, DtypeName) or type(numel) is not int or numel < 0 or not isinstance(key, str):
+        raise CheckpointFormatError(source, "unexpected storage type in the pickle")
+    if len(pid) == 6 and pid[5] is not None:
+        raise CheckpointFormatError(source, "storage views of torch < 0.4 files are not supported")
+    ref = StorageRef(key, str(dtype), numel)
+    known = storages.setdefault(key, ref)
+    if known != ref and not (known.dtype == UNTYPED or ref.dtype == UNTYPED):
+        raise CheckpointFormatError(source, f"storage {key} is named with two types")
+    return _storage_ref(ref)
 
 
 def _storage_ref(ref: StorageRef) -> Any:
@@ -178,16 +163,16 @@ def load_tree(data: bytes, source: str) -> PickledTree:
     Raises:
         CheckpointFormatError: the pickle is malformed, or points at storages oddly.
     """
-    unpickler = _TreeUnpickler(data, source)
+    storages: dict[str, StorageRef] = {}
     try:
-        root = unpickler.load()
+        root = load_pickle(data, TREE_GLOBALS, source, persistent=functools.partial(_storage, source, storages))
     except (UnsafePickleError, CheckpointFormatError):
         raise
     except Exception as err:  # any malformed pickle: one clean line
         detail = str(err).splitlines()[0][:200] if str(err) else type(err).__name__
         raise CheckpointFormatError(source, f"unreadable pickle ({detail})") from None
     _check_depth(root, source)  # before anything that recurses (or copies paths) walks it
-    return PickledTree(root, unpickler.storages, source)
+    return PickledTree(root, storages, source)
 
 
 # --- what may be read as data --------------------------------------------------------------

@@ -21,18 +21,16 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import io
+import functools
 import pickle
 from pathlib import Path
-from typing import Any, BinaryIO, ClassVar
+from typing import Any, ClassVar
 
 from ..._apart import run_apart
-from ...dtypes import TORCH_NAMES, DtypeName, canonical
+from ...dtypes import DtypeName
 from ...errors import CheckpointFormatError, UnsafePickleError
-from ...pickles.bounds import InMemoryUnpickler
-from ...pickles.memo import AVAILABLE as LEAN_AVAILABLE
-from ...pickles.memo import LeanUnpickler
-from ...pickles.rules import refuse, torch_size
+from ...pickles.load import Allowlist, load_pickle
+from ...pickles.rules import TORCH_DTYPES, refuse, torch_size
 from ..options import read_options
 from .metadata_foreign import (
     CONTAINERS,
@@ -249,63 +247,29 @@ def _fresh_standins() -> dict[tuple[str, str], Any]:
     return standins
 
 
-def _metadata_global(standins: dict[tuple[str, str], Any], module: str, name: str) -> Any:
-    """What a DCP metadata pickle's global resolves to, or None when it is not admitted."""
-    standin = standins.get((module, name))
-    if standin is not None:
-        return standin
-    if module == "torch" and name in TORCH_NAMES:
-        return DtypeName(canonical(name))
-    if module == "torch" and (name in _LAYOUTS or name in _MEMORY_FORMATS):
-        return name
-    return None
+_TORCH_VALUES: dict[tuple[str, str], Any] = {**TORCH_DTYPES, **{("torch", n): n for n in _LAYOUTS | _MEMORY_FORMATS}}
+"""Dtypes as :class:`~ema_ckpt.dtypes.DtypeName`, layouts and memory formats as their names."""
 
 
-class _MetadataGlobals:
-    """``find_class``/``persistent_load`` of a DCP metadata load (mixed into an unpickler).
+def _metadata_globals(source: str) -> tuple[Allowlist, dict[tuple[str, str], type[Foreign]]]:
+    """The allowlist of one DCP metadata load, and the :class:`~.metadata_foreign.Foreign`
+    record classes it makes of any global none of torch's (one per name, judged once the whole
+    pickle is read: :func:`_settle_foreign`)."""
+    foreign: dict[tuple[str, str], type[Foreign]] = {}
+    inert_globals = read_options().inert_globals
 
-    A global that is none of torch's gets a :class:`~.metadata_foreign.Foreign` record class
-    (one per name and load), judged once the whole pickle is read (:func:`_settle_foreign`).
-    """
+    def other(module: str, name: str) -> type[Foreign]:
+        made = foreign[(module, name)] = foreign_class(module, name, source,
+                                                       inert=listed(f"{module}.{name}", inert_globals))
+        return made
 
-    def _admit(self, source: str) -> None:
-        self._source = source
-        self._standins = _fresh_standins()
-        self._foreign: dict[tuple[str, str], type[Foreign]] = {}
-        self._inert_globals = read_options().inert_globals
-
-    def find_class(self, module: str, name: str) -> Any:
-        found = _metadata_global(self._standins, module, name)
-        if found is None:
-            found = self._foreign.get((module, name))
-            if found is None:
-                found = self._foreign[(module, name)] = foreign_class(
-                    module, name, self._source, inert=listed(f"{module}.{name}", self._inert_globals))
-        return found
-
-    def persistent_load(self, pid: Any) -> Any:
-        raise refuse(self._source, "persistent_load", repr(pid)[:40])
-
-
-class _DcpMetadataUnpickler(_MetadataGlobals, InMemoryUnpickler):
-    """The C unpickler: for metadata up to :data:`_LEAN_ABOVE` bytes (fast)."""
-
-    def __init__(self, data: bytes, source: str) -> None:
-        InMemoryUnpickler.__init__(self, data)
-        self._admit(source)
-
-
-class _LeanMetadataUnpickler(_MetadataGlobals, LeanUnpickler):
-    """The pure-Python unpickler with a lean memo: for larger metadata (see :mod:`~ema_ckpt.pickles.memo`)."""
-
-    def __init__(self, data: bytes, source: str) -> None:
-        LeanUnpickler.__init__(self, data)
-        self._admit(source)
+    return Allowlist({**_TORCH_VALUES, **_fresh_standins()}, other=other), foreign
 
 
 _LEAN_ABOVE = 16 << 20
-"""Metadata longer than this (about 65,000 keys) is read by :class:`_LeanMetadataUnpickler`:
-about 1.8x the time of the C unpickler, at a peak about 190 MiB lower for 200,000 keys."""
+"""Metadata longer than this (about 65,000 keys) is read with the lean memo
+(:mod:`~ema_ckpt.pickles.memo`): about 1.8x the time of the C unpickler, at a peak about
+190 MiB lower for 200,000 keys."""
 
 
 class _Bag:
@@ -320,29 +284,22 @@ class _Dropped:
     __setstate__ = len
 
 
-class _OwnMetadataUnpickler(pickle.Unpickler):
-    """The C unpickler over plain stand-ins: for metadata ema-ckpt itself just wrote (fast).
+def _own_globals() -> Allowlist:
+    """The allowlist that reads metadata ema-ckpt itself just wrote, fast: ``Metadata`` keeps
+    its fields, every record below it is parsed and dropped, and builtins stand in for Python
+    functions (nothing per record runs Python code)."""
+    table = {**_TORCH_VALUES, **_fresh_standins()}
+    for (module, name), standin in list(table.items()):
+        if isinstance(standin, type) and issubclass(standin, _Inert):
+            base = _Bag if name == "Metadata" else _Dropped
+            table[(module, name)] = type(name, (base,), {"__slots__": ()} if base is _Dropped else {})
+    table[("torch", "Size")], table[("torch.serialization", "_get_layout")] = tuple, str
+    table[(_DCP_METADATA_MODULE, "_MEM_FORMAT_ENCODING")] = int
+    return Allowlist(table, other=_unknown)
 
-    Only ``Metadata`` keeps its fields; every record below it is parsed and dropped.
-    """
 
-    def __init__(self, source: BinaryIO) -> None:
-        super().__init__(source)
-        self._standins = {**_fresh_standins()}
-        for (module, name), standin in list(self._standins.items()):
-            if isinstance(standin, type) and issubclass(standin, _Inert):
-                base = _Bag if name == "Metadata" else _Dropped
-                self._standins[(module, name)] = type(name, (base,), {"__slots__": ()} if base is _Dropped else {})
-        # builtins in place of Python functions: nothing per record runs Python code
-        self._standins[("torch", "Size")] = tuple
-        self._standins[("torch.serialization", "_get_layout")] = str
-        self._standins[(_DCP_METADATA_MODULE, "_MEM_FORMAT_ENCODING")] = int
-
-    def find_class(self, module: str, name: str) -> Any:
-        found = _metadata_global(self._standins, module, name)
-        if found is None:
-            raise pickle.UnpicklingError(f"{module}.{name}")
-        return found
+def _unknown(module: str, name: str) -> Any:
+    raise pickle.UnpicklingError(f"{module}.{name}")
 
 
 _CHECK_APART_BYTES = 4 << 20
@@ -361,9 +318,8 @@ def check_written_metadata(source: bytes | Path, keys: int) -> None:
         _check_apart(source, keys)
         return
     try:
-        with (open(source, "rb") if isinstance(source, Path) else io.BytesIO(source)) as handle:
-            obj = _OwnMetadataUnpickler(handle).load()
-        entries = obj.state_dict_metadata
+        data = source.read_bytes() if isinstance(source, Path) else source
+        entries = load_pickle(data, _own_globals(), "", walk=False).state_dict_metadata
     except Exception as err:
         raise ValueError(f"the written DCP metadata does not load ({type(err).__name__}: {err})") from None
     if len(entries) != keys:
@@ -392,17 +348,17 @@ def load_dcp_metadata_bytes(data: bytes, source: str) -> Any:
     torch's ``_StorageInfo``); globals listed in ``inert_globals`` (:func:`~ema_ckpt.formats.options.read_options`)
     are kept as opaque records. ``source`` names the file in error messages.
     """
+    allow, foreign = _metadata_globals(source)
     try:
-        lean = LEAN_AVAILABLE and len(data) > _LEAN_ABOVE
-        unpickler = (_LeanMetadataUnpickler if lean else _DcpMetadataUnpickler)(data, source)
-        obj = unpickler.load()
+        obj = load_pickle(data, allow, source, persistent=functools.partial(_no_persistent_ids, source),
+                          lean=len(data) > _LEAN_ABOVE)
     except UnsafePickleError:
         raise
     except Exception as err:  # any malformed pickle: one clean line, never a traceback
         detail = str(err).splitlines()[0][:200] if str(err) else type(err).__name__
         raise CheckpointFormatError(source, f"not a readable DCP metadata pickle ({detail})") from None
-    if unpickler._foreign:
-        _settle_foreign(obj, unpickler)
+    if foreign:
+        _settle_foreign(obj, source, allow, foreign)
     if not isinstance(obj, _Inert) or obj._type_name != "Metadata" or not isinstance(
         getattr(obj, "state_dict_metadata", None), dict
     ):
@@ -410,7 +366,11 @@ def load_dcp_metadata_bytes(data: bytes, source: str) -> Any:
     return obj
 
 
-def _settle_foreign(obj: Any, unpickler: _MetadataGlobals) -> None:
+def _no_persistent_ids(source: str, pid: Any) -> Any:
+    raise refuse(source, "persistent_load", repr(pid)[:40])
+
+
+def _settle_foreign(obj: Any, source: str, allow: Allowlist, foreign: dict[tuple[str, str], type[Foreign]]) -> None:
     """Read the foreign records among ``storage_data``'s values by their shape; refuse every
     other foreign global the pickle left in ``obj`` unless it is listed as inert data.
 
@@ -424,12 +384,11 @@ def _settle_foreign(obj: Any, unpickler: _MetadataGlobals) -> None:
             ``_StorageInfo``'s (:func:`~.metadata_foreign.storage_fields`).
         UnsafePickleError: a foreign global anywhere else (named, with where it sits).
     """
-    source = unpickler._source
     is_metadata = isinstance(obj, _Inert) and obj._type_name == "Metadata"
     storage = getattr(obj, "storage_data", None) if is_metadata else None
-    shaped = {cls for cls in unpickler._foreign.values() if by_shape(cls)}
+    shaped = {cls for cls in foreign.values() if by_shape(cls)}
     if isinstance(storage, dict) and shaped:
-        make = unpickler._standins[(_DCP_FILESYSTEM_MODULE, "_StorageInfo")]
+        make = allow.table[(_DCP_FILESYSTEM_MODULE, "_StorageInfo")]
         for index, info in storage.items():  # values replaced in place: the dict keeps its size
             if type(info) in shaped:
                 path, offset, length, descriptors = storage_fields(info, index, source)
@@ -438,11 +397,11 @@ def _settle_foreign(obj: Any, unpickler: _MetadataGlobals) -> None:
                 if descriptors is not None:
                     record.transform_descriptors = descriptors
                 storage[index] = record
-    refused = frozenset(cls for cls in unpickler._foreign.values() if not cls.inert)
+    refused = frozenset(cls for cls in foreign.values() if not cls.inert)
     if not refused:
         return
-    records = {cls for cls in unpickler._standins.values() if isinstance(cls, type)}
-    records |= {cls for cls in unpickler._foreign.values() if cls.inert}
+    records = {cls for cls in allow.table.values() if isinstance(cls, type)}
+    records |= {cls for cls in foreign.values() if cls.inert}
     open_types = CONTAINERS | records
     stray = reach([obj], open_types, refused)
     if stray is None:

@@ -36,17 +36,15 @@ from __future__ import annotations
 
 import collections
 import functools
-import io
 import os
-import pickle
 import re
 import sys
 from pathlib import Path
 from typing import Any
 
 from ..._compat import torch_load
-from ..._compat.pickle_internals import python3_name
 from ..._lazy import torch
+from ...pickles.load import Allowlist, load_pickle
 
 __all__ = ["SealedType", "fast_load", "fast_summary"]
 
@@ -122,16 +120,20 @@ def _skipped(*_args: Any) -> None:
     return None
 
 
-_GLOBALS: dict[str, Any] = {}
-"""``module.name`` -> what ``find_class`` returns; built on first use (:func:`_globals`)."""
+_GLOBALS: dict[tuple[str, str], Any] = {}
+"""``(module, name)`` -> what the unpickler is handed; built on first use (:func:`_globals`)."""
 _REBUILDS = (torch_load.REBUILD_TENSOR, torch_load.REBUILD_PARAMETER, torch_load.REBUILD_FROM_TYPE)
-_SUMMARY_GLOBALS: dict[str, Any] = {}
+_SUMMARY_GLOBALS: dict[tuple[str, str], Any] = {}
 """The same with every tensor rebuild :func:`_skipped`."""
 
 
-def _globals(stand_ins: dict[str, type], summary: bool) -> dict[str, Any]:
-    if _GLOBALS:
-        return _SUMMARY_GLOBALS if summary else _GLOBALS
+def _globals(stand_ins: dict[str, type], summary: bool) -> Allowlist:
+    if not _GLOBALS:
+        _fill_globals(stand_ins)
+    return Allowlist(_SUMMARY_GLOBALS if summary else _GLOBALS, other=_not_fast, python2_names=True)
+
+
+def _fill_globals(stand_ins: dict[str, type]) -> None:
     allowed = torch_load.allowed_globals()
     if allowed is None:
         raise _NotFast
@@ -160,9 +162,9 @@ def _globals(stand_ins: dict[str, type], summary: bool) -> dict[str, Any]:
             found[name] = cls
         elif issubclass(cls, int):  # ZeroStageEnum, called with its value
             found[name] = _Call(cls)
-    _SUMMARY_GLOBALS.update({k: _Call(_skipped) if k in _REBUILDS else v for k, v in found.items()})
-    _GLOBALS.update(found)  # last: once it is filled, both are
-    return _SUMMARY_GLOBALS if summary else _GLOBALS
+    table = {(name.rpartition(".")[0], name.rpartition(".")[2]): value for name, value in found.items()}
+    _SUMMARY_GLOBALS.update({k: _Call(_skipped) if ".".join(k) in _REBUILDS else v for k, v in table.items()})
+    _GLOBALS.update(table)  # last: once it is filled, both are
 
 
 # --- the walk before loading ---------------------------------------------------------------
@@ -215,40 +217,35 @@ def _plain(data: bytes) -> bool:
             return False
 
 
-class _Unpickler(pickle.Unpickler):
-    def __init__(self, data: bytes, names: dict[str, Any], storage: Any, reader: Any, size: int) -> None:
-        super().__init__(io.BytesIO(data), encoding="utf-8")
-        self._names, self._storage, self._reader, self._size = names, storage, reader, size
-        self._loaded: dict[str, Any] = {}
+def _not_fast(module: str, name: str) -> Any:
+    raise _NotFast
 
-    def find_class(self, module: str, name: str) -> Any:
-        module, name = python3_name(module, name)  # as the weights-only unpickler reads them
-        found = self._names.get(f"{module}.{name}")
-        if found is None:
-            raise _NotFast
-        return found
 
-    def persistent_load(self, pid: Any) -> Any:
-        """torch's ``persistent_load`` for a mapped load: a typed view on the member's bytes."""
+def _storages(storage: Any, reader: Any, size: int) -> Any:
+    """torch's ``persistent_load`` for a mapped load: a typed view on each member's bytes."""
+    loaded: dict[str, Any] = {}
+
+    def persistent_load(pid: Any) -> Any:
         if type(pid) is not tuple or len(pid) != 5 or pid[0] != "storage":
             raise _NotFast
         _, kind, key, _location, numel = pid
         if type(kind) is not _StorageKind or type(key) is not str or type(numel) is not int or numel < 0:
             raise _NotFast
-        if key in self._loaded:
-            return self._loaded[key]
+        if key in loaded:
+            return loaded[key]
         nbytes = numel * torch_load.element_size(kind.dtype)
         try:
-            start = self._reader.get_record_offset(f"data/{key}")
+            start = reader.get_record_offset(f"data/{key}")
         except Exception:
             raise _NotFast from None
-        if start < 0 or start + nbytes > self._size:
+        if start < 0 or start + nbytes > size:
             raise _NotFast
-        if self._storage is None:  # a summary: the member is there, nothing is mapped
+        if storage is None:  # a summary: the member is there, nothing is mapped
             return None
-        storage = torch_load.typed_storage(self._storage[start : start + nbytes], kind.dtype)
-        self._loaded[key] = storage
-        return storage
+        loaded[key] = torch_load.typed_storage(storage[start : start + nbytes], kind.dtype)
+        return loaded[key]
+
+    return persistent_load
 
 
 def fast_load(path: Path, stand_ins: dict[str, type]) -> tuple[Any] | None:
@@ -284,7 +281,8 @@ def _fast(path: Path, stand_ins: dict[str, type], *, summary: bool) -> tuple[Any
         if torch.serialization.get_default_mmap_options() == torch.serialization.MAP_SHARED:
             return None
         storage = None if summary else torch.UntypedStorage.from_file(os.fspath(path), False, size)
-        return (_Unpickler(data, names, storage, reader, size).load(),)
+        return (load_pickle(data, names, path, persistent=_storages(storage, reader, size), encoding="utf-8",
+                            walk=False),)
     except Exception:  # _NotFast, or anything the weights-only way is to judge
         return None
 
