@@ -49,7 +49,7 @@ install-test: $(VENV)/.installed-test
 # its fixtures are built once); TEST_WORKERS=0 runs everything in this process.
 TEST_WORKERS ?= 2
 test: $(VENV)/.installed-test lint
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q --durations=25 $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 
 check: $(VENV)/.installed-test lint
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m fast $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
