@@ -189,7 +189,6 @@ def test_byte_copy_runs_without_torch_and_equals_the_tensor_path(fsdp_sequence, 
 
 def test_byte_copy_falls_back_when_the_kernel_cannot_copy(fsdp_sequence, tmp_path, monkeypatch):
     import errno
-    import os
 
     ckpt = fsdp_sequence("fsdp2", 2, "bfloat16", False)[-1]
     consolidate(ckpt, tmp_path / "kernel.safetensors")
@@ -233,5 +232,5 @@ def test_byte_ranges_concatenate_to_the_tensor(tmp_path_factory, rows, cols, cut
     with DcpReader(ckpt) as reader:
         ranges = reader.byte_ranges("model.v")
         assert ranges is not None
-        data = b"".join(os.pread(reader.open_data(f), n, o) for f, o, n in ranges)
+        data = b"".join(reader.open_data(f).pread(n, o) for f, o, n in ranges)
     assert data == value.contiguous().view(torch.uint8).numpy().tobytes()

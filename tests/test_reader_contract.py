@@ -9,7 +9,6 @@ later without a case here fails :func:`test_every_registered_format_has_a_case`.
 from __future__ import annotations
 
 import json
-import os
 import pickle
 import zipfile
 from collections.abc import Callable
@@ -154,7 +153,7 @@ def test_specs_layout_and_reads(checkpoint):
             assert not out.requires_grad and out.grad_fn is None and not part.requires_grad, key
             ranges = reader.byte_ranges(key)
             if ranges is not None:
-                data = b"".join(os.pread(reader.open_data(f), n, o) for f, o, n in ranges if n)
+                data = b"".join(reader.open_data(f).pread(n, o) for f, o, n in ranges if n)
                 assert data == full.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
             assert reader.root_of(key) is None or isinstance(reader.root_of(key), str)
             assert reader.container_of(key) is None or isinstance(reader.container_of(key), str)

@@ -300,8 +300,8 @@ class CheckpointFormat:
     checkpoint; else ``step_of`` with :attr:`step_label`."""
     reopen: Callable[[Location, Any], CheckpointReader] | None = None
     remote: bool = False
-    """Its reader reads through :mod:`ema_ckpt.storage` alone, so from object storage too (else
-    it needs a local file: :func:`~ema_ckpt.storage.local_file`)."""
+    """Offered checkpoints in object storage (:func:`~ema_ckpt.formats.resolve.formats_for`, the one
+    place that asks); else only local ones, whatever its reader could read."""
 
 
 _REGISTRY: dict[str, CheckpointFormat] = {}

@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ...errors import CheckpointFormatError
-from ...storage import Location, local_file, local_path, remote_concurrency
+from ...storage import Location, local_file, remote_concurrency
 from .files import OPTIM_RE, UNSUPPORTED_FILES, ZERO3_MODEL_RE, ds_files, model_files, name_gaps, remote_structure
 from .structure import RemoteStructure, load_ds_structure
 from .unpickle import load_ds_file_releasable
@@ -92,16 +92,16 @@ class TagFiles:
             self._sizes[path] = structure.source.size
 
     def _load(self, path: Location) -> Any:
-        if path not in self._states and local_file(path) is None:
+        local = local_file(path)  # torch.load opens the file by its name
+        if path not in self._states and local is None:
             structure = self._structures[path] = _structure_of(path)
             self._states[path], self._releasable[path] = structure.state, False
             self._sizes[path] = structure.source.size
-        if path not in self._states:
+        if path not in self._states and local is not None:
             # The file's identity is taken before the mapping is made and kept only if the path
             # still names that file afterwards; pread checks it again on every open, so a tag
             # folder rewritten meanwhile is never read partly from the old file and partly from
             # the new one (the mapping, which holds the old file, is read instead).
-            local = local_path(path)
             try:
                 before: tuple[int, ...] | None = file_identity(local.stat())
             except OSError:

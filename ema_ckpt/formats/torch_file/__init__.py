@@ -9,21 +9,16 @@ discovery, noted). A folder is one when it holds a well-known weights file or an
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from pathlib import Path
-from typing import TypeVar
-
-from ...storage import Location, local_file, local_path
+from ...storage import Location
 from ..base import CheckpointFormat, CheckpointReader, register_format
 from .folders import TorchFolderReader, is_weights_folder, missing_files
 from .model import step_in_tree
 from .reader import NOT_MODEL_FILES, SUFFIXES, TorchFileReader, file_facts, has_torch_suffix, step_record_of
 
-T = TypeVar("T")
 _STEP_LABELS = {"global_step": "global_step in the file", "iter_num": "iter_num in the file"}
 
 
-def _detect(path: Path) -> bool:
+def _detect(path: Location) -> bool:
     if path.is_dir():
         return is_weights_folder(path)
     if not (has_torch_suffix(path) and path.is_file()):
@@ -32,7 +27,7 @@ def _detect(path: Path) -> bool:
     return facts.kind in ("zip", "legacy") and facts.holds_model
 
 
-def _incomplete(path: Path) -> str | None:
+def _incomplete(path: Location) -> str | None:
     if path.is_dir():
         return missing_files(path)
     if has_torch_suffix(path) and path.is_file() and file_facts(path).kind == "partial-zip":
@@ -40,7 +35,7 @@ def _incomplete(path: Path) -> str | None:
     return None
 
 
-def _not_a_model(path: Path) -> str | None:
+def _not_a_model(path: Location) -> str | None:
     if path.is_dir() or not (has_torch_suffix(path) and path.is_file()):
         return None
     facts = file_facts(path)
@@ -54,21 +49,10 @@ def _not_a_model(path: Path) -> str | None:
 
 
 def _open(path: Location) -> CheckpointReader:
-    local = local_path(path)
-    return TorchFolderReader(local) if local.is_dir() else TorchFileReader(local)
+    return TorchFolderReader(path) if path.is_dir() else TorchFileReader(path)
 
 
-def _locally(func: Callable[[Path], T], default: T) -> Callable[[Location], T]:
-    """``func`` for a local path; ``default`` in object storage (this format is read from a local disk only)."""
-
-    def run(path: Location) -> T:
-        local = local_file(path)
-        return default if local is None else func(local)
-
-    return run
-
-
-def _step_record(path: Path) -> tuple[int, str] | None:
+def _step_record(path: Location) -> tuple[int, str] | None:
     """The step a single file records and the entry it came from (folders: none here)."""
     if path.is_dir():
         return None
@@ -79,15 +63,14 @@ def _step_record(path: Path) -> tuple[int, str] | None:
     return step, _STEP_LABELS.get(entry, f"{entry} in the file")
 
 
-def _step_of(path: Path) -> int | None:
+def _step_of(path: Location) -> int | None:
     record = _step_record(path)
     return record[0] if record is not None else TorchFolderReader.step_of(path) if path.is_dir() else None
 
 
 FORMAT = register_format(CheckpointFormat(
-    "torch", detect=_locally(_detect, False), open=_open, incomplete=_locally(_incomplete, None),
-    not_a_model=_locally(_not_a_model, None), records_step=True, step_of=_locally(_step_of, None),
-    step_record=_locally(_step_record, None)))
+    "torch", detect=_detect, open=_open, incomplete=_incomplete, not_a_model=_not_a_model, records_step=True,
+    step_of=_step_of, step_record=_step_record))
 
 __all__ = [
     "FORMAT",

@@ -23,13 +23,12 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 from ..._lazy import torch
 from ...errors import CheckpointFormatError, CheckpointNotFoundError
 from ...layout import Box, TensorSpec
-from ...storage import Location
+from ...storage import Location, as_path
 from ...torch_records.checks import ReadChecks
 from ..base import CheckpointReader, trainer_state_step
 from ..options import ReadOptions, read_options
@@ -46,7 +45,7 @@ _OTHER_MODELS = re.compile(r"^(pytorch_model(_fsdp)?|model)_[1-9]\d*\.(bin|safet
 """accelerate's second and later models (``pytorch_model_1.bin``): not the first model's weights."""
 
 
-def locate(path: Path) -> tuple[Path | None, list[Path]] | None:
+def locate(path: Location) -> tuple[Location | None, list[Location]] | None:
     """``(index, [])`` or ``(None, [weights file])`` of a folder, or None when it holds neither."""
     if not path.is_dir():
         return None
@@ -60,12 +59,12 @@ def locate(path: Path) -> tuple[Path | None, list[Path]] | None:
     return (indexes[0], []) if len(indexes) == 1 else None
 
 
-def _shards(index: Path) -> dict[str, str]:
+def _shards(index: Location) -> dict[str, str]:
     weight_map, _ = read_index(index)
     return weight_map
 
 
-def missing_files(path: Path) -> str | None:
+def missing_files(path: Location) -> str | None:
     """Why a folder's weights are not all there yet (a save in progress), or None."""
     located = locate(path)
     if located is None:
@@ -86,7 +85,7 @@ def missing_files(path: Path) -> str | None:
     return None
 
 
-def is_weights_folder(path: Path) -> bool:
+def is_weights_folder(path: Location) -> bool:
     return locate(path) is not None and missing_files(path) is None
 
 
@@ -96,8 +95,8 @@ class TorchFolderReader(CheckpointReader):
     format_name = "torch"
     whole_file_records = True
 
-    def __init__(self, path: str | Path, options: ReadOptions | None = None) -> None:
-        self.path = Path(path)
+    def __init__(self, path: str | Location, options: ReadOptions | None = None) -> None:
+        self.path = as_path(path)
         options = options if options is not None else read_options()
         located = locate(self.path)
         if located is None:

@@ -11,12 +11,11 @@ Example:
 from __future__ import annotations
 
 import struct
-from pathlib import Path
 from typing import Any
 
 from ...dtypes import itemsize
 from ...errors import CheckpointFormatError
-from ...storage import open_readable
+from ...storage import Location, open_readable
 from ...torch_records import TensorRecord
 from .reader import parse_file
 
@@ -39,7 +38,7 @@ def _counters(root: Any) -> list[list[Any]]:
     return found
 
 
-def optimizer_steps(path: Path) -> list[list[float]]:
+def optimizer_steps(path: Location) -> list[list[float]]:
     """Every parameter's ``step`` counter in the optimizer states at ``path``, one list per
     optimizer (empty when none is readable: the caller then finds the step elsewhere)."""
     try:
@@ -70,7 +69,7 @@ def optimizer_steps(path: Path) -> list[list[float]]:
         source.close()
 
 
-def optimizer_step_counters(path: Path) -> list[float]:
+def optimizer_step_counters(path: Location) -> list[float]:
     """Every parameter's ``step`` counter in the optimizer state at ``path``, all optimizers together."""
     return [v for values in optimizer_steps(path) for v in values]
 

@@ -29,7 +29,6 @@ import zipfile
 from collections import Counter, OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from ..._lazy import torch
@@ -37,7 +36,7 @@ from ...dtypes import itemsize, torch_dtype
 from ...errors import CheckpointFormatError, Note
 from ...layout import Box, TensorSpec
 from ...layouts import SeenCounter, counters_in
-from ...storage import Location, Source, local_path, open_readable, open_structure
+from ...storage import Location, Source, as_path, open_readable, open_structure
 from ...torch_records import FileWindow, TensorRecord, member_start, view_problem
 from ...torch_records.checks import ReadChecks
 from ...torch_records.emit import dumps_inert
@@ -55,11 +54,11 @@ _MAX_PICKLE_BYTES = 64 << 20  # pickled records of a few million keys
 _TAIL = 65536 + 22  # a zip's end record lies within its last 64 KiB + 22 bytes
 
 
-def has_torch_suffix(path: Path) -> bool:
+def has_torch_suffix(path: Location) -> bool:
     return path.name.lower().endswith(SUFFIXES)
 
 
-def file_kind(path: Path) -> str | None:
+def file_kind(path: Location) -> str | None:
     """``"zip"``, ``"legacy"``, ``"partial-zip"`` (no end record yet: still being written) or None."""
     try:
         with open_structure(path) as source:
@@ -86,7 +85,7 @@ class ParsedFile:
     """{storage key: the CRC-32 its zip member records} (none in the legacy format)."""
 
 
-def parse_file(source: Source, path: Path) -> ParsedFile:
+def parse_file(source: Source, path: Location) -> ParsedFile:
     """The pickle and storage places of an open ``torch.save`` file (zip or legacy).
 
     Raises:
@@ -108,7 +107,7 @@ def parse_file(source: Source, path: Path) -> ParsedFile:
     raise CheckpointFormatError(path, "not a torch.save file (neither a zip nor torch's legacy format)")
 
 
-def _parse_zip(source: Source, path: Path) -> ParsedFile:
+def _parse_zip(source: Source, path: Location) -> ParsedFile:
     size = source.size
     try:
         with zipfile.ZipFile(io.BufferedReader(FileWindow(source, 0, size))) as archive:
@@ -157,7 +156,7 @@ def _nbytes(value: Any) -> int:
     return math.prod(value.size) * itemsize(value.dtype) if isinstance(value, TensorRecord) else 0
 
 
-def find_model(tree: PickledTree, path: Path, state_key: str | None) -> tuple[Candidate, list[Candidate]]:
+def find_model(tree: PickledTree, path: Location, state_key: str | None) -> tuple[Candidate, list[Candidate]]:
     """(the chosen state dict, the others offered) of a file (see :mod:`.model`).
 
     Raises:
@@ -180,7 +179,7 @@ def find_model(tree: PickledTree, path: Path, state_key: str | None) -> tuple[Ca
     return chosen, [c for c in found if c is not chosen and (c.strict or not chosen.strict)]
 
 
-def _dtype(path: Path, key: str, name: str) -> torch.dtype:
+def _dtype(path: Location, key: str, name: str) -> torch.dtype:
     try:
         return torch_dtype(name)
     except (KeyError, AttributeError, TypeError, ValueError):
@@ -200,9 +199,9 @@ class TorchFileReader(CheckpointReader):
     whole_file_records = True
     read_checks: ReadChecks
 
-    def __init__(self, path: str | Path, options: ReadOptions | None = None, *,
+    def __init__(self, path: str | Location, options: ReadOptions | None = None, *,
                  checks: ReadChecks | None = None) -> None:
-        self.path = Path(path)
+        self.path = as_path(path)
         options = options if options is not None else read_options()
         self.read_checks = checks if checks is not None else ReadChecks(
             lambda name: self.path.parent / name, lambda _name, n, offset: self.read_back(n, offset))
@@ -304,7 +303,7 @@ class TorchFileReader(CheckpointReader):
     @classmethod
     def step_of(cls, path: Location) -> int | None:
         """The step the file records (``global_step``, ``iter_num``, …), reading its pickle only."""
-        record = step_record_of(local_path(path))
+        record = step_record_of(path)
         return record[0] if record is not None else None
 
     def stored_records(self) -> Sequence[tuple[str, int, int]]:
@@ -409,14 +408,14 @@ _FACTS: OrderedDict[tuple[str, int, int, int], FileFacts] = OrderedDict()
 _FACTS_KEPT = 512
 
 
-def file_facts(path: Path) -> FileFacts:
+def file_facts(path: Location) -> FileFacts:
     """:class:`FileFacts` of a file, parsed once per version of it (by size, mtime and inode):
     discovery asks of every file, every run, several times."""
     try:
         stat = path.stat()
     except OSError:
         return FileFacts(None, False, None, None)
-    key = (str(path), stat.st_size, stat.st_mtime_ns, stat.st_ino)
+    key = (str(path), stat.st_size, stat.st_mtime_ns, getattr(stat, "st_ino", 0))  # objects have no inode
     facts = _FACTS.get(key)
     if facts is None:
         facts = _FACTS[key] = _read_facts(path)
@@ -425,7 +424,7 @@ def file_facts(path: Path) -> FileFacts:
     return facts
 
 
-def _read_facts(path: Path) -> FileFacts:
+def _read_facts(path: Location) -> FileFacts:
     kind = file_kind(path)
     if kind not in ("zip", "legacy"):
         return FileFacts(kind, False, None, None)
@@ -442,7 +441,7 @@ def _read_facts(path: Path) -> FileFacts:
                      tuple(counters_in(root)) if isinstance(root, dict) else ())
 
 
-def step_record_of(path: Path) -> tuple[int, str] | None:
+def step_record_of(path: Location) -> tuple[int, str] | None:
     """(step, the entry it came from) that a file records at its top level, or None; reads
     the pickle only (an unreadable file has none: opening it says why)."""
     return file_facts(path).step
