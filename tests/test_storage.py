@@ -131,11 +131,28 @@ def _modules() -> list[Path]:
 
 def test_nothing_outside_the_storage_package_asks_where_bytes_live():
     """Outside ``ema_ckpt.storage`` no module names the object-store types or asks whether a
-    location is remote: it asks for a capability (``local_file``) or goes through the seam."""
-    asking = re.compile(r"\b(is_remote|RemotePath|RemoteFile|RangedReads)\b")
+    location is remote: it reads through a ``Source`` and asks it for a capability (``mapped``,
+    ``fd``), or goes through the seam."""
+    asking = re.compile(r"\b(is_remote|RemotePath|RemoteFile|RangedReads|LocalFile)\b")
     found = [f"{p.relative_to(PACKAGE)}:{n}" for p in _modules() if "storage" not in p.relative_to(PACKAGE).parts
              for n, line in enumerate(p.read_text().splitlines(), 1) if asking.search(line)]
     assert found == []
+
+
+# where a file name is wanted: loaders that open the file themselves (torch.load, DeepSpeed's), the
+# hard links of staging and watching, and the few places deciding by cost or by what a store can hold
+_BY_NAME = {"staging.py", "watching.py", "copies.py", "steps.py", "folding.py", "manifest.py", "integrity.py",
+            "commands/accumulate.py", "formats/resolve.py", "formats/deepspeed/files.py",
+            "formats/deepspeed/tag.py", "formats/deepspeed/pieces.py"}
+
+
+def test_readers_ask_no_location_for_a_local_file():
+    """Only the modules of :data:`_BY_NAME` ask a location for its local file; the rest read
+    through a ``Source`` (none may join them)."""
+    asking = re.compile(r"\blocal_(file|path)\(")
+    found = {str(p.relative_to(PACKAGE)) for p in _modules() if "storage" not in p.relative_to(PACKAGE).parts
+             and asking.search(p.read_text())}
+    assert found <= _BY_NAME, sorted(found - _BY_NAME)
 
 
 def test_no_path_is_cast():
