@@ -9,9 +9,10 @@ field names, defaults and pickling hooks of ``Metadata``, ``TensorStorageMetadat
 
 **Why it pays:** importing ``torch.distributed.checkpoint`` on top of torch, then building
 its dataclasses and pickling them, costs a run more than writing its data for checkpoints
-of many keys (docs/performance.md). The pickle's shape is simple and fixed, so this module emits it directly, opcode
-by opcode (protocol 4), naming the same globals torch's own pickle names: ``pickle.load``
-with torch installed builds exactly the objects torch would have saved.
+of many keys (docs/performance.md). The pickle's shape is simple and fixed, so this module
+writes it directly, opcode by opcode (protocol 4, through :mod:`ema_ckpt.pickles.emit`),
+naming the same globals torch's own pickle names: ``pickle.load`` with torch installed builds
+exactly the objects torch would have saved.
 
 **When it is gone:** :func:`emitter_matches_torch` compares the installed torch's class
 definitions with :data:`EXPECTED_LAYOUT`, reading their source without importing the package
@@ -37,40 +38,33 @@ from __future__ import annotations
 import functools
 import io
 import itertools
-import struct
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, BinaryIO, TypeVar
 
 from ..._compat.dcp_storage import storage_info_class
+from ...pickles.emit import (
+    APPENDS,
+    BUILD,
+    EMPTY_DICT,
+    EMPTY_LIST,
+    EMPTY_TUPLE,
+    MARK,
+    NEWFALSE,
+    NEWOBJ,
+    NONE,
+    REDUCE,
+    SETITEMS,
+    STOP,
+    TUPLE,
+    TUPLE1,
+    Opcodes,
+)
 from .metadata_layout import DCP_METADATA_VERSION, emitter_matches_torch
 
 _METADATA_MODULE = "torch.distributed.checkpoint.metadata"
 _FILESYSTEM_MODULE = "torch.distributed.checkpoint.filesystem"
 
-# Opcodes (pickle protocol 4; see Lib/pickletools.py for their definitions).
-_PROTO4 = b"\x80\x04"
-_SHORT_BINUNICODE = b"\x8c"
-_BINUNICODE = b"X"
-_MEMOIZE = b"\x94"
-_BINGET = b"h"
-_LONG_BINGET = b"j"
-_STACK_GLOBAL = b"\x93"
-_EMPTY_TUPLE = b")"
-_NEWOBJ = b"\x81"
-_EMPTY_DICT = b"}"
-_EMPTY_LIST = b"]"
-_MARK = b"("
-_SETITEMS = b"u"
-_APPENDS = b"e"
-_BUILD = b"b"
-_TUPLE = b"t"
-_TUPLE1 = b"\x85"
-_REDUCE = b"R"
-_NONE = b"N"
-_NEWFALSE = b"\x89"
-_STOP = b"."
 _BATCH = 1000  # items per SETITEMS/APPENDS, as the stock pickler batches them
-_SPILL_BYTES = 1 << 20
 _T = TypeVar("_T")
 
 # ``TensorProperties`` pickles its memory format as an enum value; 0 is contiguous.
@@ -80,75 +74,12 @@ ChunkRecord = tuple[tuple[int, ...], tuple[int, ...], "tuple[str, int, int] | No
 """(offsets, sizes, (data file, offset, length) of its stored record, or None)."""
 
 
-class _Emitter:
-    """Appends pickle opcodes to one buffer, passed on to ``sink`` a batch at a time (see
-    :meth:`spill`); memoizes strings and globals by value."""
+class _Emitter(Opcodes):
+    """Protocol 4 opcodes passed on to ``sink`` a batch at a time, with the shapes DCP's
+    dataclasses pickle as; strings and globals memoized by value."""
 
     def __init__(self, sink: BinaryIO) -> None:
-        self.out = bytearray(_PROTO4)
-        self._sink = sink
-        self._memo: dict[object, int] = {}
-        self._fragments: dict[object, bytes] = {}
-
-    def spill(self, *, least: int = _SPILL_BYTES) -> None:
-        """Write what the buffer holds to the sink once it holds ``least`` bytes (between
-        batches only: a fragment being recorded needs its bytes in the buffer)."""
-        if len(self.out) >= least:
-            self._sink.write(self.out)
-            self.out.clear()
-
-    def fragment(self, key: object, write: Callable[[], None]) -> None:
-        """``write()``, or the bytes it gave last time: once every string and global it
-        names is memoized, its bytes are only references and constants, the same each time."""
-        cached = self._fragments.get(key)
-        if cached is not None:
-            self.out += cached
-            return
-        start, known = len(self.out), len(self._memo)
-        write()
-        if len(self._memo) == known:
-            self._fragments[key] = bytes(self.out[start:])
-
-    def _recall(self, key: object) -> bool:
-        index = self._memo.get(key)
-        if index is None:
-            return False
-        self.out += _BINGET + bytes((index,)) if index < 256 else _LONG_BINGET + struct.pack("<I", index)
-        return True
-
-    def _remember(self, key: object) -> None:
-        self._memo[key] = len(self._memo)
-        self.out += _MEMOIZE
-
-    def string(self, text: str) -> None:
-        if self._recall(text):
-            return
-        data = text.encode("utf-8", "surrogatepass")
-        if len(data) < 256:
-            self.out += _SHORT_BINUNICODE + bytes((len(data),)) + data
-        else:
-            self.out += _BINUNICODE + struct.pack("<I", len(data)) + data
-        self._remember(text)
-
-    def global_(self, module: str, name: str) -> None:
-        key = (_STACK_GLOBAL, module, name)
-        if self._recall(key):
-            return
-        self.string(module)
-        self.string(name)
-        self.out += _STACK_GLOBAL
-        self._remember(key)
-
-    def integer(self, value: int) -> None:
-        if 0 <= value < 256:
-            self.out += b"K" + bytes((value,))
-        elif 0 <= value < 65536:
-            self.out += b"M" + struct.pack("<H", value)
-        elif -(1 << 31) <= value < (1 << 31):
-            self.out += b"J" + struct.pack("<i", value)
-        else:
-            data = value.to_bytes((value.bit_length() + 8) // 8, "little", signed=True)
-            self.out += b"\x8a" + bytes((len(data),)) + data  # LONG1
+        super().__init__(4, sink)
 
     def size(self, dims: tuple[int, ...]) -> None:
         """``torch.Size(dims)``, as torch pickles it: ``Size`` called on a tuple."""
@@ -156,21 +87,21 @@ class _Emitter:
 
     def _size(self, dims: tuple[int, ...]) -> None:
         self.global_("torch", "Size")
-        self.out += _MARK
+        self.out += MARK
         for dim in dims:
             self.integer(dim)
-        self.out += _TUPLE + _TUPLE1 + _REDUCE
+        self.out += TUPLE + TUPLE1 + REDUCE
 
     def new(self, module: str, name: str) -> None:
         """An instance of a dataclass, created without ``__init__`` (``cls.__new__(cls)``)."""
         self.global_(module, name)
-        self.out += _EMPTY_TUPLE + _NEWOBJ
+        self.out += EMPTY_TUPLE + NEWOBJ
 
     def begin_state(self) -> None:
-        self.out += _EMPTY_DICT + _MARK
+        self.out += EMPTY_DICT + MARK
 
     def end_state(self) -> None:
-        self.out += _SETITEMS + _BUILD
+        self.out += SETITEMS + BUILD
 
 
 def _tensor_header(emit: _Emitter, dtype: str) -> None:
@@ -179,14 +110,14 @@ def _tensor_header(emit: _Emitter, dtype: str) -> None:
     emit.begin_state()
     emit.string("properties")
     emit.new(_METADATA_MODULE, "TensorProperties")
-    emit.out += _MARK  # its state is a 5-tuple: dtype, layout, requires_grad, memory format, pinned
+    emit.out += MARK  # its state is a 5-tuple: dtype, layout, requires_grad, memory format, pinned
     emit.global_("torch", dtype)
     emit.global_("torch.serialization", "_get_layout")
     emit.string("torch.strided")
-    emit.out += _TUPLE1 + _REDUCE + _NEWFALSE
+    emit.out += TUPLE1 + REDUCE + NEWFALSE
     emit.global_(_METADATA_MODULE, "_MEM_FORMAT_ENCODING")
     emit.integer(_CONTIGUOUS_FORMAT)
-    emit.out += _TUPLE1 + _REDUCE + _NEWFALSE + _TUPLE + _BUILD
+    emit.out += TUPLE1 + REDUCE + NEWFALSE + TUPLE + BUILD
     emit.string("size")
 
 
@@ -262,11 +193,11 @@ def _emit_metadata(sink: BinaryIO, tensors: Tensors, blobs: Blobs, planner_data:
     emit.new(_METADATA_MODULE, "Metadata")
     emit.begin_state()
     emit.string("state_dict_metadata")
-    out += _EMPTY_DICT
+    out += EMPTY_DICT
     entries: Iterable[tuple[str, tuple[str, Sequence[int], Sequence[ChunkRecord]] | None]] = itertools.chain(
         tensors.items(), ((key, None) for key in blobs))
     for batch in _batches(entries):
-        out += _MARK
+        out += MARK
         for key, tensor in batch:
             emit.string(key)
             if tensor is None:
@@ -276,43 +207,43 @@ def _emit_metadata(sink: BinaryIO, tensors: Tensors, blobs: Blobs, planner_data:
             emit.fragment(("properties", dtype), functools.partial(_tensor_header, emit, dtype))
             emit.size(tuple(shape))
             emit.string("chunks")
-            out += _EMPTY_LIST
+            out += EMPTY_LIST
             for chunk_batch in _batches(chunks):
-                out += _MARK
+                out += MARK
                 for offsets, sizes, _record in chunk_batch:
                     emit.fragment("chunk", lambda: _chunk_header(emit))
                     emit.size(tuple(offsets))
                     emit.string("sizes")
                     emit.size(tuple(sizes))
                     emit.end_state()
-                out += _APPENDS
+                out += APPENDS
             emit.end_state()
-        out += _SETITEMS
+        out += SETITEMS
         emit.spill()
 
     emit.string("planner_data")
-    out += _EMPTY_DICT
+    out += EMPTY_DICT
     for keys in _batches(itertools.chain(tensors, blobs)):
-        out += _MARK
+        out += MARK
         for key in keys:
             emit.string(key)
-            out += _MARK
+            out += MARK
             for part in planner_data.get(key, (key,)):
                 emit.string(part)
-            out += _TUPLE
-        out += _SETITEMS
+            out += TUPLE
+        out += SETITEMS
         emit.spill()
 
     emit.string("storage_data")
-    out += _EMPTY_DICT
+    out += EMPTY_DICT
     for records in _batches(_storage_records(tensors, blobs)):
-        out += _MARK
+        out += MARK
         for key, chunk_offsets, chunk_index, (relative_path, offset, length) in records:
             emit.fragment("index", lambda: _index_header(emit))
             emit.string(key)
             emit.string("index")
             if chunk_index is None:
-                out += _NONE
+                out += NONE
             else:
                 emit.integer(chunk_index)
                 emit.string("offset")
@@ -325,15 +256,15 @@ def _emit_metadata(sink: BinaryIO, tensors: Tensors, blobs: Blobs, planner_data:
             emit.string("length")
             emit.integer(length)
             emit.end_state()
-        out += _SETITEMS
+        out += SETITEMS
         emit.spill()
 
     emit.string("storage_meta")
-    out += _NONE
+    out += NONE
     emit.string("version")
     emit.string(DCP_METADATA_VERSION)
     emit.end_state()
-    out += _STOP
+    out += STOP
     emit.spill(least=0)
 
 
