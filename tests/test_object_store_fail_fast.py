@@ -8,16 +8,13 @@ with the default settings but a shorter ``EMA_CKPT_REMOTE_TIMEOUT``.
 
 from __future__ import annotations
 
-import http.client
 import http.server
-import logging
 import os
 import subprocess
 import sys
 import threading
 import time
 import urllib.parse
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,12 +25,15 @@ from ema_ckpt.errors import RemoteStorageError
 from ema_ckpt.storage import object_clients, object_outages
 from ema_ckpt.storage.object_paths import RemotePath, read_call
 from ema_ckpt.storage.object_reads import RemoteFile
+from tests import object_stores
 from tests.dcp_helpers import write_dcp
-from tests.object_stores import BUCKET, ProxyServer, free_port, relay
+from tests.object_stores import BUCKET, ProxyServer, relay
 
-moto_server = pytest.importorskip("moto.server")
+pytest.importorskip("moto.server")
 boto3 = pytest.importorskip("boto3")
-s3fs = pytest.importorskip("s3fs")
+pytest.importorskip("s3fs")
+
+s3 = object_stores.s3  # moto's server (module-scoped fixture)
 
 EMA_CKPT = Path(sys.executable).with_name("ema-ckpt")
 TIMEOUT = 2.0
@@ -82,32 +82,6 @@ def stalling_proxy(target: str, stalls: Stalls) -> tuple[ProxyServer, str]:
     server = ProxyServer(("127.0.0.1", 0), Handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server, f"http://127.0.0.1:{server.server_address[1]}"
-
-
-@pytest.fixture(scope="module")
-def s3() -> Iterator[str]:
-    """moto's S3 server on 127.0.0.1 (its endpoint), with bucket ``ckpts``."""
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    port = free_port()
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    endpoint = f"http://127.0.0.1:{port}"
-    keys = ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION")
-    saved = {k: os.environ.get(k) for k in keys}
-    os.environ.update(AWS_ENDPOINT_URL=endpoint, AWS_ACCESS_KEY_ID="test", AWS_SECRET_ACCESS_KEY="test",
-                      AWS_DEFAULT_REGION="us-east-1")
-    object_clients.forget_clients()
-    boto3.client("s3").create_bucket(Bucket=BUCKET)
-    try:
-        yield endpoint
-    finally:
-        server.stop()
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-        object_clients.forget_clients()
 
 
 @pytest.fixture(scope="module")
@@ -161,16 +135,6 @@ def test_the_first_exhausted_read_ends_the_run(s3: str, run_url: str, tmp_path: 
     assert all(min(times) - first < ATTEMPTS * TIMEOUT for times in seen.values()), seen
 
 
-def _wait_for(condition: Callable[[], bool], seconds: float) -> bool:
-    deadline = time.monotonic() + seconds
-    done = threading.Event()
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        done.wait(0.05)
-    return True
-
-
 def test_reads_in_flight_are_cancelled_and_later_ones_not_started(s3: str, run_url: str,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """Blocks read ahead side by side (four at once): the first to exhaust its attempts ends
@@ -191,7 +155,7 @@ def test_reads_in_flight_are_cancelled_and_later_ones_not_started(s3: str, run_u
         assert "__0_0.distcp" in str(caught.value)
         assert took < ATTEMPTS * 1.0 + BACKOFF + 5, took
         # every request in flight ends at once; none queued behind them is ever started
-        assert _wait_for(lambda: all(f.done() for f in remote._blocks.values()), 5), remote._blocks
+        assert object_stores.wait_until(lambda: all(f.done() for f in remote._blocks.values()), 60), remote._blocks
         first = min(at for at, _, _ in stalls.taken)
         spans = {span for _, _, span in stalls.taken}
         assert len(spans) <= 4, spans
