@@ -3,8 +3,10 @@ memo, and the one loader over an allowlist."""
 
 from __future__ import annotations
 
+import codecs
 import collections
 import contextlib
+import copyreg
 import io
 import pickle
 import pickletools
@@ -25,11 +27,22 @@ from ema_ckpt.pickles.bounds import (
     _LINE,
     _PUT_LINE,
     _TWO_LINES,
-    InMemoryUnpickler,
     check_pickle_bounds,
 )
 from ema_ckpt.pickles.load import Allowlist, load_pickle
 from ema_ckpt.pickles.memo import FetchedIndices, LeanUnpickler
+
+_BUILTINS = Allowlist({("_codecs", "encode"): codecs.encode, ("copyreg", "_reconstructor"): copyreg._reconstructor,
+                       **{("builtins", t.__name__): t for t in (bytearray, bytes, set, frozenset, object)}},
+                      python2_names=True)  # what pickle spells plain data with
+
+
+def _in_memory(data):
+    return load_pickle(data, _BUILTINS, "x")
+
+
+def _lean(data):
+    return load_pickle(data, _BUILTINS, "x", lean=True)
 
 
 def test_the_opcode_table_matches_pickletools():
@@ -58,7 +71,7 @@ def test_the_opcode_table_matches_pickletools():
 def test_loads_what_pickle_dumps(protocol):
     value = {"a": [1, 2.5, "x", b"y", (None, True)], "b": bytearray(b"zz"), "c": {3: frozenset({4})},
              "big": 2**300, "long": "é" * 300, "bytes": b"\n" * 300, "neg": -(2**70)}
-    assert InMemoryUnpickler(pickle.dumps(value, protocol=protocol)).load() == value
+    assert _in_memory(pickle.dumps(value, protocol=protocol)) == value
 
 
 _VALUES = st.recursive(
@@ -74,21 +87,21 @@ _VALUES = st.recursive(
 def test_any_pickle_walks_to_its_stop_as_pickletools_does(value, protocol):
     data = pickle.dumps(value, protocol=protocol) + b"trailing bytes are not read"
     check_pickle_bounds(data)
-    assert InMemoryUnpickler(data).load() == value
+    assert _in_memory(data) == value
     stop = max(pos for _op, _arg, pos in pickletools.genops(data))
     check_pickle_bounds(data[: stop + 1])
     with pytest.raises((EOFError, pickle.UnpicklingError)):
         check_pickle_bounds(data[:stop])  # any cut before STOP is refused by the walk
 
 
-@pytest.mark.parametrize("unpickler", [InMemoryUnpickler, LeanUnpickler])
+@pytest.mark.parametrize("unpickler", [_in_memory, _lean])
 @given(data=st.binary(max_size=64))
 @settings(max_examples=300, deadline=None)
 def test_random_bytes_allocate_little_whatever_they_say(unpickler, data):
-    unpickler(pickle.dumps(["jjjjjjjj"], protocol=5)).load()  # a first load sets up what no data asks for
+    unpickler(pickle.dumps(["jjjjjjjj"], protocol=5))  # a first load sets up what no data asks for
     tracemalloc.start()
     with contextlib.suppress(Exception):
-        unpickler(b"\x80\x05" + data).load()
+        unpickler(b"\x80\x05" + data)
     _, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
     assert peak < 1 << 20
@@ -102,24 +115,24 @@ def test_random_bytes_allocate_little_whatever_they_say(unpickler, data):
     b"\x80\x04\x95" + struct.pack("<Q", 10**12) + b"N.",  # FRAME
     b"\x80\x02T" + struct.pack("<i", -5) + b".",  # a negative BINSTRING length
 ])
-@pytest.mark.parametrize("unpickler", [InMemoryUnpickler, LeanUnpickler])
+@pytest.mark.parametrize("unpickler", [_in_memory, _lean])
 def test_bombs_are_refused_before_loading(bomb, unpickler):
     with pytest.raises(pickle.UnpicklingError):
-        unpickler(bomb).load()
+        unpickler(bomb)
 
 
 def test_an_unknown_opcode_is_named():
     with pytest.raises(pickle.UnpicklingError, match="invalid opcode 0xff at byte 2"):
-        InMemoryUnpickler(b"\x80\x04\xff.").load()
+        _in_memory(b"\x80\x04\xff.")
 
 
 def test_truncated_data_is_refused():
     with pytest.raises(pickle.UnpicklingError, match="frame"):  # the frame says more than is there
-        InMemoryUnpickler(pickle.dumps([1, 2, 3])[:-1]).load()
+        _in_memory(pickle.dumps([1, 2, 3])[:-1])
     with pytest.raises(EOFError):
-        InMemoryUnpickler(pickle.dumps([1, 2, 3], protocol=2)[:-1]).load()
+        _in_memory(pickle.dumps([1, 2, 3], protocol=2)[:-1])
     with pytest.raises(EOFError):
-        InMemoryUnpickler(b"\x80\x04J\x01").load()  # a fixed-size argument cut short
+        _in_memory(b"\x80\x04J\x01")  # a fixed-size argument cut short
 
 
 @pytest.mark.parametrize("lean", [False, True])

@@ -122,8 +122,3 @@ class Opcodes:
             self._sink.write(self.out)
             self.out.clear()
 
-
-__all__ = [
-    "APPENDS", "BUILD", "EMPTY_DICT", "EMPTY_LIST", "EMPTY_TUPLE", "MARK", "NEWFALSE", "NEWOBJ", "NEWTRUE", "NONE",
-    "REDUCE", "SETITEMS", "STOP", "TUPLE", "TUPLE1", "TUPLE2", "Opcodes",
-]  # fmt: skip

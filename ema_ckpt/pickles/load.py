@@ -23,13 +23,15 @@ Example:
 
 from __future__ import annotations
 
+import io
+import pickle
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from .._compat.pickle_internals import python3_name
-from .bounds import InMemoryUnpickler
+from .bounds import check_pickle_bounds
 from .memo import AVAILABLE as LEAN_AVAILABLE
 from .memo import LeanUnpickler
 from .rules import refuse
@@ -71,8 +73,17 @@ class _Resolving:
         return found
 
 
-class _InMemory(_Resolving, InMemoryUnpickler):
-    pass
+class _InMemory(_Resolving, pickle.Unpickler):
+    """The C unpickler over a pickle held in memory, walked first (:mod:`.bounds`) unless ``walk`` is False."""
+
+    def __init__(self, data: bytes, *, encoding: str, walk: bool) -> None:
+        self._data, self._walk = data, walk
+        super().__init__(io.BytesIO(data), encoding=encoding)
+
+    def load(self) -> Any:
+        if self._walk:
+            check_pickle_bounds(self._data)
+        return super().load()
 
 
 class _Lean(_Resolving, LeanUnpickler):

@@ -141,10 +141,6 @@ def _storage(source: str, storages: dict[str, StorageRef], pid: Any) -> Any:
     known = storages.setdefault(key, ref)
     if known != ref and not (known.dtype == UNTYPED or ref.dtype == UNTYPED):
         raise CheckpointFormatError(source, f"storage {key} is named with two types")
-    return _storage_ref(ref)
-
-
-def _storage_ref(ref: StorageRef) -> Any:
     return PickledStorage(ref.key, DtypeName(ref.dtype), ref.numel)
 
 

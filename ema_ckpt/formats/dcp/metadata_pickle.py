@@ -42,23 +42,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, BinaryIO, TypeVar
 
 from ..._compat.dcp_storage import storage_info_class
-from ...pickles.emit import (
-    APPENDS,
-    BUILD,
-    EMPTY_DICT,
-    EMPTY_LIST,
-    EMPTY_TUPLE,
-    MARK,
-    NEWFALSE,
-    NEWOBJ,
-    NONE,
-    REDUCE,
-    SETITEMS,
-    STOP,
-    TUPLE,
-    TUPLE1,
-    Opcodes,
-)
+from ...pickles import emit as op
 from .metadata_layout import DCP_METADATA_VERSION, emitter_matches_torch
 
 _METADATA_MODULE = "torch.distributed.checkpoint.metadata"
@@ -74,7 +58,7 @@ ChunkRecord = tuple[tuple[int, ...], tuple[int, ...], "tuple[str, int, int] | No
 """(offsets, sizes, (data file, offset, length) of its stored record, or None)."""
 
 
-class _Emitter(Opcodes):
+class _Emitter(op.Opcodes):
     """Protocol 4 opcodes passed on to ``sink`` a batch at a time, with the shapes DCP's
     dataclasses pickle as; strings and globals memoized by value."""
 
@@ -87,21 +71,21 @@ class _Emitter(Opcodes):
 
     def _size(self, dims: tuple[int, ...]) -> None:
         self.global_("torch", "Size")
-        self.out += MARK
+        self.out += op.MARK
         for dim in dims:
             self.integer(dim)
-        self.out += TUPLE + TUPLE1 + REDUCE
+        self.out += op.TUPLE + op.TUPLE1 + op.REDUCE
 
     def new(self, module: str, name: str) -> None:
         """An instance of a dataclass, created without ``__init__`` (``cls.__new__(cls)``)."""
         self.global_(module, name)
-        self.out += EMPTY_TUPLE + NEWOBJ
+        self.out += op.EMPTY_TUPLE + op.NEWOBJ
 
     def begin_state(self) -> None:
-        self.out += EMPTY_DICT + MARK
+        self.out += op.EMPTY_DICT + op.MARK
 
     def end_state(self) -> None:
-        self.out += SETITEMS + BUILD
+        self.out += op.SETITEMS + op.BUILD
 
 
 def _tensor_header(emit: _Emitter, dtype: str) -> None:
@@ -110,14 +94,14 @@ def _tensor_header(emit: _Emitter, dtype: str) -> None:
     emit.begin_state()
     emit.string("properties")
     emit.new(_METADATA_MODULE, "TensorProperties")
-    emit.out += MARK  # its state is a 5-tuple: dtype, layout, requires_grad, memory format, pinned
+    emit.out += op.MARK  # its state is a 5-tuple: dtype, layout, requires_grad, memory format, pinned
     emit.global_("torch", dtype)
     emit.global_("torch.serialization", "_get_layout")
     emit.string("torch.strided")
-    emit.out += TUPLE1 + REDUCE + NEWFALSE
+    emit.out += op.TUPLE1 + op.REDUCE + op.NEWFALSE
     emit.global_(_METADATA_MODULE, "_MEM_FORMAT_ENCODING")
     emit.integer(_CONTIGUOUS_FORMAT)
-    emit.out += TUPLE1 + REDUCE + NEWFALSE + TUPLE + BUILD
+    emit.out += op.TUPLE1 + op.REDUCE + op.NEWFALSE + op.TUPLE + op.BUILD
     emit.string("size")
 
 
@@ -193,11 +177,11 @@ def _emit_metadata(sink: BinaryIO, tensors: Tensors, blobs: Blobs, planner_data:
     emit.new(_METADATA_MODULE, "Metadata")
     emit.begin_state()
     emit.string("state_dict_metadata")
-    out += EMPTY_DICT
+    out += op.EMPTY_DICT
     entries: Iterable[tuple[str, tuple[str, Sequence[int], Sequence[ChunkRecord]] | None]] = itertools.chain(
         tensors.items(), ((key, None) for key in blobs))
     for batch in _batches(entries):
-        out += MARK
+        out += op.MARK
         for key, tensor in batch:
             emit.string(key)
             if tensor is None:
@@ -207,43 +191,43 @@ def _emit_metadata(sink: BinaryIO, tensors: Tensors, blobs: Blobs, planner_data:
             emit.fragment(("properties", dtype), functools.partial(_tensor_header, emit, dtype))
             emit.size(tuple(shape))
             emit.string("chunks")
-            out += EMPTY_LIST
+            out += op.EMPTY_LIST
             for chunk_batch in _batches(chunks):
-                out += MARK
+                out += op.MARK
                 for offsets, sizes, _record in chunk_batch:
                     emit.fragment("chunk", lambda: _chunk_header(emit))
                     emit.size(tuple(offsets))
                     emit.string("sizes")
                     emit.size(tuple(sizes))
                     emit.end_state()
-                out += APPENDS
+                out += op.APPENDS
             emit.end_state()
-        out += SETITEMS
+        out += op.SETITEMS
         emit.spill()
 
     emit.string("planner_data")
-    out += EMPTY_DICT
+    out += op.EMPTY_DICT
     for keys in _batches(itertools.chain(tensors, blobs)):
-        out += MARK
+        out += op.MARK
         for key in keys:
             emit.string(key)
-            out += MARK
+            out += op.MARK
             for part in planner_data.get(key, (key,)):
                 emit.string(part)
-            out += TUPLE
-        out += SETITEMS
+            out += op.TUPLE
+        out += op.SETITEMS
         emit.spill()
 
     emit.string("storage_data")
-    out += EMPTY_DICT
+    out += op.EMPTY_DICT
     for records in _batches(_storage_records(tensors, blobs)):
-        out += MARK
+        out += op.MARK
         for key, chunk_offsets, chunk_index, (relative_path, offset, length) in records:
             emit.fragment("index", lambda: _index_header(emit))
             emit.string(key)
             emit.string("index")
             if chunk_index is None:
-                out += NONE
+                out += op.NONE
             else:
                 emit.integer(chunk_index)
                 emit.string("offset")
@@ -256,15 +240,15 @@ def _emit_metadata(sink: BinaryIO, tensors: Tensors, blobs: Blobs, planner_data:
             emit.string("length")
             emit.integer(length)
             emit.end_state()
-        out += SETITEMS
+        out += op.SETITEMS
         emit.spill()
 
     emit.string("storage_meta")
-    out += NONE
+    out += op.NONE
     emit.string("version")
     emit.string(DCP_METADATA_VERSION)
     emit.end_state()
-    out += STOP
+    out += op.STOP
     emit.spill(least=0)
 
 
