@@ -2,7 +2,7 @@
 
 Every read goes through a :class:`Source`: ranged reads everywhere (``pread``, ``readinto``,
 ``fill``), and where the bytes are a local file, what only a local file offers: a memory map
-(:meth:`Source.mapped`) and a descriptor (:meth:`Source.fd`, for ``copy_file_range``). A
+(:meth:`Source.mapped`, read-only) and a descriptor (:meth:`Source.fd`, for ``copy_file_range``). A
 reader asks for the capability it wants and takes the ranged path when it is None; it never
 asks where the bytes are.
 
@@ -69,7 +69,7 @@ class Source:
         return None
 
     def mapped(self) -> memoryview | None:
-        """The whole file memory-mapped (private, so writable without reaching the file), or None."""
+        """The whole file memory-mapped, read-only, or None."""
         return None
 
     def block_checksums(self) -> BlockChecksums | None:
@@ -120,7 +120,7 @@ class LocalFile(Source):
         if self._map is None and self.size:
             with self._lock:
                 if self._map is None:
-                    self._map = mmap.mmap(self._fd, self.size, access=mmap.ACCESS_COPY)
+                    self._map = mmap.mmap(self._fd, self.size, access=mmap.ACCESS_READ)
         return memoryview(self._map) if self._map is not None else None
 
     def close(self) -> None:

@@ -246,17 +246,14 @@ class SafetensorsReader(CheckpointReader):
         whole = box.numel * itemsize <= _SMALL_READ and tuple(box.sizes) == spec.shape
         # a small tensor whole by one read (for many small tensors, a tenth of the cost of slicing
         # a memory map); else the rows the box spans, from the map where the file has one
-        mapped = None if whole else source.mapped()
+        mapped = None if whole or not spec.shape else source.mapped()
         if mapped is not None:
-            rows = torch.frombuffer(mapped, dtype=torch.uint8, count=count * row, offset=offset)
-        else:
-            rows = torch.empty(count * row, dtype=torch.uint8)
-            if not source.fill(memoryview(rows.numpy()), offset):
-                raise CheckpointFormatError(file, f"tensor {spec.key!r}: truncated at byte {offset}")
+            return _copied_from_map(mapped, offset, spec, box)
+        rows = torch.empty(count * row, dtype=torch.uint8)
+        if not source.fill(memoryview(rows.numpy()), offset):
+            raise CheckpointFormatError(file, f"tensor {spec.key!r}: truncated at byte {offset}")
         values = rows.view(spec.dtype).reshape((count, *spec.shape[1:]) if spec.shape else ())
         inner = values[(slice(None), *box.slices()[1:])] if spec.shape else values
-        if mapped is not None:  # a view of the map: copy just the box
-            return inner.clone(memory_format=torch.contiguous_format)
         return inner if inner.is_contiguous() else inner.contiguous()
 
     def _readable(self, file: Location) -> Source:
@@ -304,6 +301,21 @@ class SafetensorsReader(CheckpointReader):
             readables, self._readables = list(self._readables.values()), {}
         for source in readables:
             source.close()
+
+
+def _copied_from_map(mapped: memoryview, offset: int, spec: TensorSpec, box: Box) -> torch.Tensor:
+    """``box`` of a tensor whose rows ``box`` spans start at byte ``offset`` of the (read-only)
+    map, copied out once: sliced as bytes, so no dtype of numpy's is needed."""
+    import numpy as np
+
+    size = spec.dtype.itemsize
+    count = box.sizes[0]
+    shape = (count, *spec.shape[1:-1], spec.shape[-1] * size) if len(spec.shape) > 1 else (count * size,)
+    rows = np.frombuffer(mapped, dtype=np.uint8, count=math.prod(shape), offset=offset).reshape(shape)
+    if len(spec.shape) > 1:
+        last = slice(box.offsets[-1] * size, (box.offsets[-1] + box.sizes[-1]) * size)
+        rows = rows[(slice(None), *box.slices()[1:-1], last)]
+    return torch.from_numpy(rows.copy()).view(spec.dtype).reshape(box.sizes)
 
 
 _SMALL_READ = 1 << 20
