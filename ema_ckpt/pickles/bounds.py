@@ -4,7 +4,8 @@ Two things a crafted pickle can make the C unpickler do before it fails: size it
 array from an index the file names (``LONG_BINPUT 0xffffffff``, five bytes, asks for
 32 GiB), and allocate a ``BYTEARRAY8`` of the declared length before reading it. So every
 pickle is walked once, opcode by opcode, before it is loaded: a memo index must be below
-the opcode's own byte position and a declared length within the data left, which bounds
+the opcode's own byte position (or, skipped in a run, the pickle's size) and a declared
+length within the data left, which bounds
 what loading can allocate by a small multiple of the pickle's size. Globals still reach
 nothing but what :mod:`.load`'s ``find_class`` returns. Runs of fixed-size opcodes (nearly
 all of them) are skipped by one regular-expression match, so the walk takes about half the
@@ -18,8 +19,10 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import pickle
 import re
+from collections.abc import Callable
 
 # What follows each opcode byte (the pickle format, protocols 0-5; tests check the table
 # against ``pickletools``). A kind >= 0 is a fixed number of argument bytes.
@@ -47,38 +50,47 @@ _ARGUMENTS: dict[bytes, int] = {
     b"c": _TWO_LINES, b"\x93": 0, b"R": 0, b"b": 0, b"i": _TWO_LINES, b"o": 0, b"\x81": 0,
     b"\x92": 0, b"\x80": 1, b".": _STOP, b"\x95": _FRAME, b"P": _LINE, b"Q": 0,
 }  # fmt: skip
-_KINDS: tuple[int, ...] = tuple(_ARGUMENTS.get(bytes([code]), _INVALID) for code in range(256))
 
 
-
-def _fixed_run_pattern() -> re.Pattern[bytes]:
-    """Any run of opcodes with fixed-size arguments, skipped by the regex engine in one call."""
+@functools.cache
+def _walker(opcodes: bytes | None, blocks: int) -> tuple[tuple[int, ...], Callable[[bytes, int], re.Match[bytes]]]:
+    """What follows each opcode byte (any opcode not in ``opcodes`` invalid, when given), and
+    the match that skips, in one call of the regex engine, any run of opcodes with
+    fixed-size arguments and of LONG_BINPUTs below ``blocks`` * 65536 (at most the pickle's
+    size: nearly every object of a large protocol 2 pickle is memoized by one)."""
+    kinds = tuple(_ARGUMENTS.get(op, _INVALID) if opcodes is None or op in opcodes else _INVALID
+                  for op in map(bytes, zip(range(256))))
     by_width: dict[int, list[bytes]] = {}
-    for opcode, kind in _ARGUMENTS.items():
+    for code, kind in enumerate(kinds):
         if kind >= 0:
-            by_width.setdefault(kind, []).append(re.escape(opcode))
-    alternatives = [b"[" + b"".join(codes) + b"]" + b"." * width for width, codes in sorted(by_width.items())]
-    return re.compile(b"(?:" + b"|".join(alternatives) + b")*+", re.DOTALL)  # possessive: no backtracking
+            by_width.setdefault(kind, []).append(re.escape(bytes([code])))
+    runs = [b"[" + b"".join(codes) + b"]" + b"." * width for width, codes in sorted(by_width.items())]
+    if blocks and kinds[ord("r")] == _PUT4:
+        runs.append(rb"r..[\x00-" + re.escape(bytes([blocks - 1])) + rb"]\x00")
+    pattern = re.compile(b"(?:" + b"|".join(runs) + b")*+", re.DOTALL)  # possessive: no backtracking
+    return kinds, pattern.match  # type: ignore[return-value]  # matches (maybe empty) anywhere
 
 
-_FIXED_RUN = _fixed_run_pattern()
 _LENGTH_PREFIX = {_LENGTH1: (1, False), _LENGTH4: (4, True), _LENGTH4U: (4, False), _LENGTH8U: (8, False)}
 
 
-def check_pickle_bounds(data: bytes, start: int = 0) -> int:
+def check_pickle_bounds(data: bytes, start: int = 0, opcodes: bytes | None = None) -> int:
     """Walk ``data``'s opcodes from ``start`` up to STOP; refuse what would make loading
-    allocate more than a small multiple of ``len(data)``. Returns where the pickle ends (the
-    byte after its STOP), so pickles written back to back can be told apart.
+    allocate more than a small multiple of ``len(data)``, and, where ``opcodes`` is given,
+    any opcode not in it. Returns where the pickle ends (the byte after its STOP), so
+    pickles written back to back can be told apart.
 
     Raises:
-        pickle.UnpicklingError: an unknown opcode, a memo index past its own position, a
-            length or frame longer than the data left.
+        pickle.UnpicklingError: an unknown opcode (or one not in ``opcodes``), a memo index
+            past its own position or the pickle's size, a length or frame longer than the
+            data left.
         EOFError: the data ends before STOP.
     """
-    kinds, size, pos, skip_fixed = _KINDS, len(data), start, _FIXED_RUN.match
+    size, pos = len(data), start
+    kinds, skip_fixed = _walker(opcodes, min(256, size >> 16))
     while pos < size:
         # most opcodes have a fixed-size argument; the pattern matches (maybe empty) anywhere
-        pos = skip_fixed(data, pos).end()  # type: ignore[union-attr]
+        pos = skip_fixed(data, pos).end()
         if pos >= size:
             break
         kind = kinds[data[pos]]

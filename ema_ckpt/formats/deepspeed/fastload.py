@@ -13,7 +13,8 @@ What a file must be:
   loaded outside any fake-tensor mode;
 * its pickle made only of the opcodes the weights-only unpickler implements (protocol 2's;
   no INST, OBJ, EXT, STACK_GLOBAL, FRAME, out-of-band buffers), every memo index below the
-  pickle's size and every length within the data (walked before loading: :func:`_plain`);
+  pickle's size and every length within the data (walked before loading:
+  :func:`~ema_ckpt.pickles.bounds.check_pickle_bounds`);
 * naming only the globals of :data:`_GLOBALS`, each allowed by the weights-only unpickler too
   (DeepSpeed's stand-ins aside) and built by the same torch functions (the tensor rebuild is
   torch's ``_rebuild_tensor_v2`` less its fake-mode step; torch's private pieces come from
@@ -35,15 +36,14 @@ as writing other values into the file would, and run nothing.
 from __future__ import annotations
 
 import collections
-import functools
 import os
-import re
 import sys
 from pathlib import Path
 from typing import Any
 
 from ..._compat import torch_load
 from ..._lazy import torch
+from ...pickles.bounds import check_pickle_bounds
 from ...pickles.load import Allowlist, load_pickle
 
 __all__ = ["SealedType", "fast_load", "fast_summary"]
@@ -167,54 +167,9 @@ def _fill_globals(stand_ins: dict[str, type]) -> None:
     _GLOBALS.update(table)  # last: once it is filled, both are
 
 
-# --- the walk before loading ---------------------------------------------------------------
-# Opcodes of the weights-only unpickler with fixed-size arguments, by width; the strings (X,
-# U), LONG1 (\x8a), GLOBAL (c), STOP (.) and LONG_BINPUT (r) beyond what the pattern admits
-# are handled one by one.
-_FIXED_RUNS = rb"[\x81Rbaesu(t\x85\x86\x87N\x88\x89)\]}\x8fQ]|[Khq\x80].|M..|[Jj]....|G.{8}"
-
-
-@functools.cache
-def _fixed_run(blocks: int) -> re.Pattern[bytes]:
-    """Runs of fixed-size opcodes, with LONG_BINPUTs whose index is below ``blocks`` * 65536
-    (at most the pickle's size, so the memo stays a small multiple of it): in a pickle of many
-    objects nearly every object is memoised, and checking each index in Python would cost more
-    than the load."""
-    puts = rb"|r..[\x00-" + re.escape(bytes([blocks - 1])) + rb"]\x00" if blocks else b""
-    return re.compile(rb"(?:" + _FIXED_RUNS + puts + rb")*+", re.DOTALL)
-
-
-def _plain(data: bytes) -> bool:
-    """Whether ``data`` is one pickle of the weights-only unpickler's opcodes alone, with every
-    memo index below the pickle's size and every length within the data (so loading it
-    allocates at most a small multiple of its size)."""
-    size, pos, skip = len(data), 0, _fixed_run(min(256, len(data) >> 16)).match
-    while True:
-        pos = skip(data, pos).end()  # type: ignore[union-attr]
-        if pos >= size:
-            return False
-        op = data[pos]
-        pos += 1
-        if op == 0x2E:  # STOP
-            return True
-        if op in (0x58, 0x55, 0x8A):  # BINUNICODE, SHORT_BINSTRING, LONG1
-            width = 4 if op == 0x58 else 1
-            length = int.from_bytes(data[pos : pos + width], "little")
-            pos += width + length
-            if pos > size:
-                return False
-        elif op == 0x72:  # LONG_BINPUT
-            if pos + 4 > size or int.from_bytes(data[pos : pos + 4], "little") > pos:
-                return False
-            pos += 4
-        elif op == 0x63:  # GLOBAL: module and name lines
-            first = data.find(b"\n", pos)
-            end = data.find(b"\n", first + 1) if first >= 0 else -1
-            if end < 0:
-                return False
-            pos = end + 1
-        else:
-            return False
+_WEIGHTS_ONLY_OPCODES = b"\x80\x81\x85\x86\x87\x88\x89\x8a\x8f()]}.GJKMNQRUXabcehjqrstu"
+"""The opcodes the weights-only unpickler implements (protocol 2's; no INST, OBJ, EXT,
+STACK_GLOBAL, FRAME, out-of-band buffers)."""
 
 
 def _not_fast(module: str, name: str) -> Any:
@@ -275,8 +230,7 @@ def _fast(path: Path, stand_ins: dict[str, type], *, summary: bool) -> tuple[Any
         if sys.byteorder != _byteorder(reader, records):
             return None
         data = reader.get_record("data.pkl")
-        if not _plain(data):
-            return None
+        check_pickle_bounds(data, opcodes=_WEIGHTS_ONLY_OPCODES)  # else the weights-only way judges it
         size = os.path.getsize(path)
         if torch.serialization.get_default_mmap_options() == torch.serialization.MAP_SHARED:
             return None
