@@ -23,7 +23,7 @@ from .errors import OptionError
 from .formats import open_checkpoint
 from .formats.base import CheckpointReader
 from .progress import Progress
-from .storage import Destination, Location
+from .storage import Location, Sink
 from .storage.roles import INDEX
 from .torch_records.checks import settle_reads
 from .writers.base import OutputTensor, OutputWriter, PlannedRegion, WrittenFile
@@ -46,12 +46,11 @@ class WrittenOutputs:
 
 @dataclass
 class JobContext:
-    """What :meth:`Job.compute` works with: the workers, the staging directories, and the
-    engine's entry points."""
+    """What :meth:`Job.compute` works with: the workers, where this worker writes each target
+    (its :class:`~ema_ckpt.storage.Sink`), and the engine's entry points."""
 
     workers: Workers
-    stagings: list[Path]
-    destinations: list[Destination]
+    sinks: list[Sink]
     stack: contextlib.ExitStack
     device: str = "cpu"
     on_progress: Callable[[Progress], None] | None = None
@@ -81,26 +80,28 @@ class JobContext:
     def _index_of(self, writer: OutputWriter) -> int:
         return next(i for i, w in self.writers.items() if w is writer)
 
-    def _destination_of(self, writer: OutputWriter) -> Destination:
-        return self.destinations[self._index_of(writer)]
+    @property
+    def stagings(self) -> list[Path]:
+        """The directory this worker writes each target in."""
+        return [sink.directory for sink in self.sinks]
 
     def writer(self, index: int, format_name: str, *, file_name: str | None = None, **settings: Any) -> OutputWriter:
         """The writer of target ``index`` in the output format ``format_name`` (``file_name``:
         one file of that name inside the target's directory, its manifest beside it)."""
         from .writers.base import output_format
 
-        destination = self.destinations[index]
-        if destination.one_writer and self.workers.world_size > 1:
-            raise OptionError("out", f"{destination.final}: a single-file output on object storage is written by "
-                              "one worker; run with one worker (or write a directory)", value=str(destination.final))
+        sink = self.sinks[index]
+        if sink.one_writer and self.workers.world_size > 1:
+            raise OptionError("out", f"{sink.final}: a single-file output on object storage is written by "
+                              "one worker; run with one worker (or write a directory)", value=str(sink.final))
         if file_name is not None:
-            writer = output_format(format_name).make(self.stagings[index], file_name, **settings)
-            writer.final = destination.final / file_name
+            writer = output_format(format_name).make(sink.directory, file_name, **settings)
+            writer.final = sink.final / file_name
             writer.in_directory = True
         else:
-            writer = output_format(format_name).make(self.stagings[index], destination.final.name, **settings)
-            writer.final = destination.final
-            writer.file_tag = destination.generation
+            writer = output_format(format_name).make(sink.directory, sink.final.name, **settings)
+            writer.final = sink.final
+            writer.file_tag = sink.file_tag
         self.writers[index] = writer
         return writer
 
@@ -193,7 +194,7 @@ class JobContext:
             progress.finish()
         states = [w.close() for w in writers]
         for writer, state in zip(writers, states, strict=True):
-            self._destination_of(writer).upload_data(writer.staging, writer.own_files(state))
+            self.sinks[self._index_of(writer)].written(writer.own_files(state))
         return states, stats
 
 

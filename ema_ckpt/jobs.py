@@ -28,11 +28,9 @@ import abc
 import contextlib
 import dataclasses
 import functools
-import shutil
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 from ._env import check_working_directory
@@ -48,6 +46,8 @@ from .storage import (
     Destination,
     HeldLock,
     Location,
+    Sink,
+    Staged,
     destination_for,
     discard_on_error,
     is_location,
@@ -205,42 +205,34 @@ def _stage_compute_publish(job: Job[PlanT, ComputedT, Any], plan: PlanT, targets
                            lock: HeldLock | None = None) -> ComputedT:
     destinations = [destination_for(t.final, near=t.near, single_file=t.single_file) for t in targets]
 
-    def stage() -> tuple[list[Path], list[str | None]]:
+    def stage() -> list[Staged]:
         for target, destination in zip(targets, destinations, strict=True):
             destination.recover()
             if target.final.exists() and not target.replace:
                 raise UsageError(f"{target.final} exists; pass {{overwrite=True}} to replace it", remedy="overwrite")
             check_output_place(target.final)
         generation = new_generation()  # one per run: the outputs of a run share one layout
-        stagings = [d.stage(generation=generation) for d in destinations]
-        return stagings, [d.generation for d in destinations]
+        return [d.stage(generation=generation) for d in destinations]
 
-    stagings, generations = group.on_coordinator(stage)
-    stagings = list(stagings)
-    own: list[Path] = []  # this worker's stagings, where outputs are not built in a shared one
-    for index, destination in enumerate(destinations):
-        destination.generation = generations[index]
-        if not group.is_coordinator and not destination.shared_staging:  # the nodes need share no filesystem
-            stagings[index] = destination.worker_staging()
-            own.append(stagings[index])
+    staged = list(group.on_coordinator(stage))
+    sinks = [d.sink(s, coordinator=group.is_coordinator) for d, s in zip(destinations, staged, strict=True)]
     try:
-        return _compute_publish(job, plan, destinations, group, on_progress, lock, stagings)
+        return _compute_publish(job, plan, destinations, staged, sinks, group, on_progress, lock)
     except EmaCkptError:
         if group.is_coordinator:
             for destination in destinations:
                 destination.abandon()
         raise
     finally:
-        for path in own:
-            shutil.rmtree(path, ignore_errors=True)
+        for sink in sinks:
+            sink.close()
 
 
-def _replaced(destination: Destination, writer: OutputWriter | None) -> set[str]:
-    """What of the output at ``destination`` a new one replaces, where it is not swapped in whole
-    (object storage): the files its manifest lists and the manifest's own, and the files of
-    the writer's format there. Read before the commit, so the previous output's."""
-    final = destination.final
-    if destination.replaced_whole or not final.is_dir():
+def _replaced(final: Location, writer: OutputWriter | None) -> set[str]:
+    """What of the output at ``final`` a new one replaces, where it is not swapped in whole: the
+    files its manifest lists and the manifest's own, and the files of the writer's format there.
+    Read before the commit, so the previous output's."""
+    if not final.is_dir():
         return set()
     manifest = Manifest.read(final, check=False)
     listed = (set(manifest.files) | OUTPUT_OWN_FILES) if manifest is not None else set()
@@ -248,10 +240,11 @@ def _replaced(destination: Destination, writer: OutputWriter | None) -> set[str]
 
 
 def _compute_publish(job: Job[PlanT, ComputedT, Any], plan: PlanT, destinations: Sequence[Destination],
-                     group: Workers, on_progress: Callable[[Progress], None] | None, lock: HeldLock | None,
-                     stagings: list[Path]) -> ComputedT:
+                     staged: Sequence[Staged], sinks: Sequence[Sink], group: Workers,
+                     on_progress: Callable[[Progress], None] | None, lock: HeldLock | None) -> ComputedT:
+    stagings = [s.directory for s in staged]
     with discard_on_error(stagings, owner=group.is_coordinator), contextlib.ExitStack() as readers:
-        context = JobContext(group, list(stagings), list(destinations), readers, job.options.device, on_progress)
+        context = JobContext(group, list(sinks), readers, job.options.device, on_progress)
         # every worker has finished writing into the stagings before the coordinator publishes them
         computed = group.run(functools.partial(job.compute, plan, context))
 
@@ -260,10 +253,10 @@ def _compute_publish(job: Job[PlanT, ComputedT, Any], plan: PlanT, destinations:
             for staging, manifest in zip(stagings, manifests, strict=True):
                 if manifest is not None:
                     manifest.write(staging)
-            for index, (destination, staging) in enumerate(zip(destinations, stagings, strict=True)):
+            for index, (destination, output) in enumerate(zip(destinations, staged, strict=True)):
                 roles = {**context.roles.get(index, {}), MANIFEST_NAME: MANIFEST}
-                replaces = _replaced(destination, context.writers.get(index))
-                destination.publish(staging, roles, replaces=replaces, lock=lock)
+                previous = functools.partial(_replaced, destination.final, context.writers.get(index))
+                destination.publish(output, roles, replaces=previous, lock=lock)
 
         group.on_coordinator(publish_all)
     return computed

@@ -60,13 +60,14 @@ def _build(place: Location, body: bytes, generation: str) -> tuple[object, Path,
     """Stage one output as a run does: a data file (named with the generation where the
     destination tags data files), an index naming it, and a manifest."""
     destination = destination_for(place)
-    staging = destination.stage(generation=generation)
-    data = f"__0_0.{destination.generation}.distcp" if destination.generation else "__0_0.distcp"
-    (staging / data).write_bytes(body)
-    (staging / ".metadata").write_bytes(data.encode())
-    (staging / "ema-ckpt.json").write_bytes(b"{}")
-    destination.upload_data(staging, [data])
-    return destination, staging, {data: DATA, ".metadata": INDEX, "ema-ckpt.json": MANIFEST}
+    staged = destination.stage(generation=generation)
+    sink = destination.sink(staged, coordinator=True)
+    data = f"__0_0.{sink.file_tag}.distcp" if sink.file_tag else "__0_0.distcp"
+    (sink.directory / data).write_bytes(body)
+    (sink.directory / ".metadata").write_bytes(data.encode())
+    (sink.directory / "ema-ckpt.json").write_bytes(b"{}")
+    sink.written([data])
+    return destination, staged, {data: DATA, ".metadata": INDEX, "ema-ckpt.json": MANIFEST}
 
 
 def _generation() -> str:
@@ -74,30 +75,31 @@ def _generation() -> str:
 
 
 def test_a_published_output_is_what_was_staged_and_the_staging_is_gone(place, tmp_path):
-    destination, staging, roles = _build(place, b"first", _generation())
-    destination.publish(staging, roles)
+    destination, staged, roles = _build(place, b"first", _generation())
+    destination.publish(staged, roles)
     files = _files(place)
     data = next(name for name in files if name.endswith(".distcp"))
     assert files == {data: b"first", ".metadata": data.encode(), "ema-ckpt.json": b"{}"}
-    assert not staging.exists()
+    assert not staged.directory.exists()
     local = local_file(place)
     if local is not None:
         assert [p.name for p in local.parent.iterdir()] == ["out"]
 
 
 def test_a_new_output_replaces_the_previous_one_whole(place):
-    first, staging, roles = _build(place, b"first", _generation())
-    first.publish(staging, roles)
-    second, staging, roles = _build(place, b"second", _generation())
-    second.publish(staging, roles, replaces=set(_files(place)))
+    first, staged, roles = _build(place, b"first", _generation())
+    first.publish(staged, roles)
+    second, staged, roles = _build(place, b"second", _generation())
+    previous = set(_files(place))
+    second.publish(staged, roles, replaces=lambda: previous)
     files = _files(place)
     assert sorted(files.values()) == sorted([b"second", files[".metadata"], b"{}"])
     assert files[files[".metadata"].decode()] == b"second"  # the index names the new data file
 
 
 def test_a_run_killed_before_publishing_is_undone_by_the_next_and_the_output_stays(place):
-    first, staging, roles = _build(place, b"first", _generation())
-    first.publish(staging, roles)
+    first, staged, roles = _build(place, b"first", _generation())
+    first.publish(staged, roles)
     before = _files(place)
     _build(place, b"abandoned", _generation())  # staged (and its data sent on), never published
     notes = destination_for(place).recover()
@@ -109,11 +111,11 @@ def test_a_run_killed_before_publishing_is_undone_by_the_next_and_the_output_sta
 def test_a_single_file_output_is_one_file_at_its_place(place):
     target = place / "model.safetensors"
     destination = destination_for(target, single_file=True)
-    staging = destination.stage(generation=_generation())
-    (staging / "model.safetensors").write_bytes(b"weights")
-    destination.publish(staging, {"model.safetensors": DATA})
+    staged = destination.stage(generation=_generation())
+    (staged.directory / "model.safetensors").write_bytes(b"weights")
+    destination.publish(staged, {"model.safetensors": DATA})
     assert target.read_bytes() == b"weights"
-    assert not staging.exists()
+    assert not staged.directory.exists()
 
 
 def test_the_lock_is_exclusive_and_released(place):

@@ -10,7 +10,7 @@ Example:
     's3://bucket/run/step_100'
 """
 
-from .destinations import Destination, HeldLock, destination_for, output_lock
+from .destinations import Destination, HeldLock, Sink, Staged, destination_for, output_lock
 from .local_files import (
     HASH_BLOCK_BYTES,
     files_on_disk,
@@ -34,7 +34,9 @@ __all__ = [
     "Destination",
     "HeldLock",
     "Location",
+    "Sink",
     "Source",
+    "Staged",
     "as_path",
     "destination_for",
     "discard_on_error",

@@ -1,17 +1,20 @@
 """Where an output is published: the one protocol a run uses, on a local disk or in object storage.
 
 A run asks its :class:`Destination` to **lock** (:func:`output_lock`), **recover** what a
-killed run left, **stage** (a local directory to build the output in), and **publish** the
-staged files by their roles (:mod:`.roles`). A local output is swapped in with one rename
-(:mod:`.local_publish`); one in object storage is uploaded and committed last
-(:mod:`.object_publish`). The run never asks which.
+killed run left, **stage** the output (on the coordinator), give each worker a :class:`Sink`
+to write into, and **publish** the staged files by their roles (:mod:`.roles`). A local
+output is swapped in with one rename (:mod:`.local_publish`); one in object storage is
+uploaded as each worker writes it and committed last (:mod:`.object_publish`). The run never
+asks which.
 
 Example:
     >>> import tempfile; root = Path(tempfile.mkdtemp())
     >>> dest = destination_for(root / "ema")
-    >>> staging = dest.stage(generation="20261202T010203-ab12cd")
-    >>> _ = (staging / "model.safetensors").write_bytes(b"...")
-    >>> dest.publish(staging, {"model.safetensors": "data"})
+    >>> staged = dest.stage(generation="20261202T010203-ab12cd")
+    >>> sink = dest.sink(staged, coordinator=True)
+    >>> _ = (sink.directory / "model.safetensors").write_bytes(b"...")
+    >>> sink.written(["model.safetensors"])
+    >>> dest.publish(staged, {"model.safetensors": "data"})
     >>> sorted(p.name for p in (root / "ema").iterdir())
     ['model.safetensors']
 """
@@ -21,7 +24,8 @@ from __future__ import annotations
 import abc
 import contextlib
 import shutil
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 from .local_publish import OutputLock, new_staging_dir, publish, publish_file, recover
@@ -37,6 +41,45 @@ from .object_publish import (
     upload_file,
 )
 
+Replaced = Callable[[], Collection[str]]
+"""The previous output's names that a new one replaces (read when asked: before the commit)."""
+
+
+@dataclass(frozen=True)
+class Staged:
+    """An output's staging, made by the coordinator and sent to every worker: the directory it
+    is built in, and the tag this run's data files carry in their names (object storage only)."""
+
+    directory: Path
+    file_tag: str | None = None
+
+
+@dataclass
+class Sink:
+    """Where one worker writes one output: a directory on a local disk, and what becomes of the
+    files written there (:meth:`written`; sent on where the output is not local).
+
+    ``final``: the output's place; ``one_writer``: only one worker may write it.
+    """
+
+    final: Location
+    directory: Path
+    file_tag: str | None = None
+    one_writer: bool = False
+    send: Callable[[Path, Iterable[str]], None] | None = None
+    own: bool = False
+    """The directory is this worker's own (removed by :meth:`close`), not the coordinator's staging."""
+
+    def written(self, names: Iterable[str]) -> None:
+        """The data files this worker finished in :attr:`directory`."""
+        if self.send is not None:
+            self.send(self.directory, names)
+
+    def close(self) -> None:
+        """Remove this worker's own directory (the coordinator's staging is published or discarded)."""
+        if self.own:
+            shutil.rmtree(self.directory, ignore_errors=True)
+
 
 class Destination(abc.ABC):
     """One output's final place, and how a run stages and publishes it there.
@@ -49,47 +92,24 @@ class Destination(abc.ABC):
         self.final = final
         self.near = near
         self.single_file = single_file
-        self.generation: str | None = None
-        """The tag this run's data files carry in their names (object storage only), once staged."""
-
-    @property
-    @abc.abstractmethod
-    def shared_staging(self) -> bool:
-        """Every worker writes into the coordinator's staging (a local, shared filesystem);
-        else each builds its own files in a local directory of its own (:meth:`worker_staging`)."""
-
-    @property
-    def one_writer(self) -> bool:
-        """The output must be written by one worker."""
-        return False
-
-    @property
-    @abc.abstractmethod
-    def replaced_whole(self) -> bool:
-        """A new output takes the previous one's place whole (a directory swapped in by a
-        rename), so ``publish`` needs no list of what it replaces."""
 
     @abc.abstractmethod
     def recover(self) -> list[str]:
         """Repair what a killed run left; notes of what was done."""
 
     @abc.abstractmethod
-    def stage(self, *, generation: str) -> Path:
-        """The coordinator's directory to build the output in (``generation``: this run's tag)."""
-
-    def worker_staging(self) -> Path:
-        """A worker's own directory, where :attr:`shared_staging` is False."""
-        raise NotImplementedError
-
-    def upload_data(self, staging: Path, names: Iterable[str]) -> None:
-        """Data files a worker wrote, sent on by that worker (where the output is not local)."""
-        return None
+    def stage(self, *, generation: str) -> Staged:
+        """Coordinator: where the output is built (``generation``: this run's tag)."""
 
     @abc.abstractmethod
-    def publish(self, staging: Path, roles: Mapping[str, str], *, replaces: Collection[str] = (),
+    def sink(self, staged: Staged, *, coordinator: bool) -> Sink:
+        """Where this worker writes the output staged as ``staged``."""
+
+    @abc.abstractmethod
+    def publish(self, staged: Staged, roles: Mapping[str, str], *, replaces: Replaced = set,
                 lock: HeldLock | None = None) -> None:
         """Make the staged files the output (``roles``: {name: role}; ``replaces``: the previous
-        output's names to remove where it is not replaced whole)."""
+        output's names, asked for where the output is not swapped in whole)."""
 
     def abandon(self) -> None:
         """After a failed attempt: undo what it sent on (a local staging is simply removed)."""
@@ -97,78 +117,70 @@ class Destination(abc.ABC):
 
 
 class LocalDestination(Destination):
-    """An output on a local or shared filesystem: built beside its place, swapped in by a rename."""
+    """An output on a local or shared filesystem: built beside its place, swapped in whole by a rename."""
 
     final: Path
-
-    @property
-    def shared_staging(self) -> bool:
-        return True
-
-    @property
-    def replaced_whole(self) -> bool:
-        return True
 
     def recover(self) -> list[str]:
         return recover(self.final)
 
-    def stage(self, *, generation: str) -> Path:
+    def stage(self, *, generation: str) -> Staged:
         near = self.near if isinstance(self.near, Path) else None
-        return new_staging_dir(self.final, near=near)
+        return Staged(new_staging_dir(self.final, near=near))
 
-    def publish(self, staging: Path, roles: Mapping[str, str], *, replaces: Collection[str] = (),
+    def sink(self, staged: Staged, *, coordinator: bool) -> Sink:
+        return Sink(self.final, staged.directory)  # every worker writes into the one staging
+
+    def publish(self, staged: Staged, roles: Mapping[str, str], *, replaces: Replaced = set,
                 lock: HeldLock | None = None) -> None:
-        (publish_file if self.single_file else publish)(staging, self.final)
+        (publish_file if self.single_file else publish)(staged.directory, self.final)
 
 
 class ObjectDestination(Destination):
-    """An output in object storage: built on a local disk, uploaded, committed last."""
+    """An output in object storage: built on local disks (each worker its own files), uploaded
+    as they are finished, committed last."""
 
     final: RemotePath
 
-    @property
-    def shared_staging(self) -> bool:
-        return False
-
-    @property
-    def one_writer(self) -> bool:
-        return self.single_file
-
-    @property
-    def replaced_whole(self) -> bool:
-        return False  # no rename of a prefix: the previous output's files are deleted by name
+    def __init__(self, final: RemotePath, *, near: Location | None = None, single_file: bool = False) -> None:
+        super().__init__(final, near=near, single_file=single_file)
+        self._generation: str | None = None  # the coordinator's, once staged
 
     def recover(self) -> list[str]:
         return recover_remote(self.final)
 
-    def stage(self, *, generation: str) -> Path:
+    def stage(self, *, generation: str) -> Staged:
         staging = local_staging_dir(self.final)
-        if not self.single_file:
-            self.generation = generation
-            begin_upload(self.final, generation)
-        return staging
+        if self.single_file:
+            return Staged(staging)
+        self._generation = generation
+        begin_upload(self.final, generation)
+        return Staged(staging, generation)
 
-    def worker_staging(self) -> Path:
-        return local_staging_dir(self.final)
+    def sink(self, staged: Staged, *, coordinator: bool) -> Sink:
+        tag = staged.file_tag
 
-    def upload_data(self, staging: Path, names: Iterable[str]) -> None:
-        if self.generation is not None:
-            upload_data_files(staging, self.final, names, self.generation)
+        def send(directory: Path, names: Iterable[str]) -> None:
+            if tag is not None:
+                upload_data_files(directory, self.final, names, tag)
 
-    def publish(self, staging: Path, roles: Mapping[str, str], *, replaces: Collection[str] = (),
+        directory = staged.directory if coordinator else local_staging_dir(self.final)  # no shared filesystem
+        return Sink(self.final, directory, tag, one_writer=self.single_file, send=send, own=not coordinator)
+
+    def publish(self, staged: Staged, roles: Mapping[str, str], *, replaces: Replaced = set,
                 lock: HeldLock | None = None) -> None:
         if lock is not None:
             lock.check()
-        if self.generation is None:
-            upload_file(staging / self.final.name, self.final)
+        if staged.file_tag is None:
+            upload_file(staged.directory / self.final.name, self.final)
         else:
-            commit_upload(staging, self.final, self.generation, roles, replaces=replaces, lock=lock)
-        shutil.rmtree(staging, ignore_errors=True)
+            commit_upload(staged.directory, self.final, staged.file_tag, roles, replaces=replaces(), lock=lock)
+        shutil.rmtree(staged.directory, ignore_errors=True)
 
     def abandon(self) -> None:
         # what this attempt uploaded goes (an upload already switched over is finished instead);
         # where the store itself failed, the next run recovers it
-        if self.generation is not None:
+        if self._generation is not None:
             with contextlib.suppress(Exception):
                 recover_remote(self.final)
 
@@ -188,4 +200,5 @@ def output_lock(path: Location, *, wait_seconds: float = 0.0) -> contextlib.Abst
     return OutputLock(path, wait_seconds=wait_seconds)
 
 
-__all__ = ["Destination", "HeldLock", "LocalDestination", "ObjectDestination", "destination_for", "output_lock"]
+__all__ = ["Destination", "HeldLock", "LocalDestination", "ObjectDestination", "Sink", "Staged", "destination_for",
+           "output_lock"]
