@@ -27,15 +27,32 @@ FAST_FILES = frozenset({
     # byte check (test_damaged_records), a SIGKILL (test_crash), the CLI in-process and as a subprocess
     "test_storage.py", "test_damaged_records.py", "test_crash.py", "test_cli.py", "test_cli_errors.py",
     "test_locks.py", "test_liveness.py",
+    # every output kind's bytes against their committed digests
+    "test_golden_outputs.py",
 })
 """The fast tier (``make check``): every module and boundary once, in a few minutes on 2 cores.
 ``make test`` runs everything."""
 
 
+FAST_EMULATOR = ("test_storage.py", "s3")
+"""The one object-store emulator the fast tier starts: S3 (moto), for the storage conformance tests."""
+
+
+def _emulator(item: pytest.Item) -> str | None:
+    """The object store a test runs against (an emulator it starts), if any."""
+    callspec = getattr(item, "callspec", None)
+    place = callspec.params.get("place") if callspec is not None else None
+    if place in ("s3", "gs", "az"):
+        return str(place)
+    return "s3" if "s3" in getattr(item, "fixturenames", ()) else None
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Mark the fast tier's tests ``fast`` (``pytest -m fast``)."""
+    """Mark the fast tier's tests ``fast`` (``pytest -m fast``): those of :data:`FAST_FILES` that
+    start no emulator but :data:`FAST_EMULATOR`."""
     for item in items:
-        if item.path.name in FAST_FILES:
+        store = _emulator(item)
+        if item.path.name in FAST_FILES and (store is None or (item.path.name, store) == FAST_EMULATOR):
             item.add_marker(pytest.mark.fast)
 
 
