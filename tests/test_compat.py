@@ -349,7 +349,7 @@ def test_without_torchs_allowlist_the_fast_load_steps_aside(tmp_path, monkeypatc
     path, _ = _saved_data_pkl(tmp_path, {"w": torch.ones(2)})
     assert fastload.fast_load(path, {}) is not None
     monkeypatch.delattr(weights_only, "_get_allowed_globals")
-    monkeypatch.setattr(fastload, "_GLOBALS", {})
+    monkeypatch.setattr(fastload, "_ALLOWLISTS", [])
     assert torch_load.allowed_globals() is None
     assert fastload.fast_load(path, {}) is None  # torch's weights-only load reads it instead
     assert torch_allows("torch.Size") and not torch_allows("os.system")

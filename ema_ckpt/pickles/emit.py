@@ -1,11 +1,9 @@
 """Pickle opcodes written by hand: the one module that spells them, for every pickle a format writes.
 
-Two pickles are written opcode by opcode rather than by ``pickle.Pickler``: DCP's ``.metadata``
-(protocol 4: :mod:`ema_ckpt.formats.dcp.metadata_pickle`, fast and a function of its values
-alone) and the inert data a single file held beside its weights (protocol 2:
-:mod:`ema_ckpt.torch_records.emit`, written back without importing or calling anything). Both
-append to an :class:`Opcodes` buffer: integers, strings and globals spelled as ``pickle`` spells
-them at that protocol, and memo entries, stored and fetched again by a key the writer chooses.
+DCP's ``.metadata`` (protocol 4, :mod:`ema_ckpt.formats.dcp.metadata_pickle`) and the inert
+data a single file held beside its weights (protocol 2, :mod:`ema_ckpt.torch_records.emit`) are
+written opcode by opcode into an :class:`Opcodes` buffer: integers, strings and globals spelled
+as ``pickle`` spells them at that protocol, memo entries stored and fetched by the writer's keys.
 
 Example:
     >>> import pickle

@@ -1,16 +1,13 @@
 """The one loader of every untrusted pickle: :func:`load_pickle`, over a format's :class:`Allowlist`.
 
 A pickle reaches code through its globals only, and every global goes through the one
-``find_class`` here: it hands the unpickler what the format's table names for it (an inert
-stand-in, a rebuild that makes a record, a dtype name), or what the table's ``other`` makes of
-a name it does not list (a per-load record class, or a refusal), and nothing else. The table
-is data, one per format, beside the format's stand-ins: a ``torch.save`` record's
-(:mod:`ema_ckpt.torch_records.pickles`), a whole file's (:mod:`ema_ckpt.torch_records.tree`), a
-DCP ``.metadata``'s (:mod:`ema_ckpt.formats.dcp.metadata_unpickle`), a DeepSpeed file's fast
-load (:mod:`ema_ckpt.formats.deepspeed.fastload`; torch's weights-only unpickler is the way
-back for any file that load declines). Every pickle is walked first (:mod:`.bounds`), then
-loaded by CPython's C unpickler, or, for pickles of millions of objects, by the pure-Python
-one with a lean memo (:mod:`.memo`).
+``find_class`` here: the unpickler gets what the format's table names for it (an inert
+stand-in, a rebuild that makes a record, a dtype name) or what the table's ``other`` makes of
+any other name (a per-load record class, or a refusal). Each format's table is data beside its
+stand-ins (``torch_records.pickles``, ``torch_records.tree``, ``formats.dcp.metadata_unpickle``,
+``formats.deepspeed.fastload``, whose declined files go to torch's weights-only unpickler).
+Every pickle is walked first (:mod:`.bounds`), then loaded by CPython's C unpickler, or, for
+pickles of millions of objects, by the pure-Python one with a lean memo (:mod:`.memo`).
 
 Example:
     >>> import pickle
@@ -74,16 +71,7 @@ class _Resolving:
 
 
 class _InMemory(_Resolving, pickle.Unpickler):
-    """The C unpickler over a pickle held in memory, walked first (:mod:`.bounds`) unless ``walk`` is False."""
-
-    def __init__(self, data: bytes, *, encoding: str, walk: bool) -> None:
-        self._data, self._walk = data, walk
-        super().__init__(io.BytesIO(data), encoding=encoding)
-
-    def load(self) -> Any:
-        if self._walk:
-            check_pickle_bounds(self._data)
-        return super().load()
+    pass
 
 
 class _Lean(_Resolving, LeanUnpickler):
@@ -107,9 +95,11 @@ def load_pickle(data: bytes, allow: Allowlist, source: str | Path, *, persistent
     """
     unpickler: Any
     if lean and LEAN_AVAILABLE:
-        unpickler = _Lean(data, encoding=encoding)
+        unpickler = _Lean(data, encoding=encoding)  # walks the pickle as it starts
     else:
-        unpickler = _InMemory(data, encoding=encoding, walk=walk)
+        if walk:
+            check_pickle_bounds(data)
+        unpickler = _InMemory(io.BytesIO(data), encoding=encoding)
     unpickler.allow, unpickler.source, unpickler.made = allow, source, {}
     if persistent is not None:
         unpickler.persistent_load = persistent

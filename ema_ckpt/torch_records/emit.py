@@ -29,43 +29,42 @@ from .tree import Opaque
 _MAX_DEPTH = 200
 
 
-class _Writer:
+class _Writer(op.Opcodes):
     """The opcodes of one object (protocol 2). Containers are memoized as the pickler does
     (stored as soon as they exist, before their contents), so shared parts are written once and
     a container that holds itself (OmegaConf's nodes point at their parents) is written as it was read."""
 
     def __init__(self) -> None:
-        self.ops = op.Opcodes(2)
+        super().__init__(2)
         self.building: set[int] = set()  # tuples and call arguments: not memoized until complete
         self.kept: list[Any] = []  # keeps memoized objects alive, so their ids stay theirs
 
     def emit(self, obj: Any, depth: int = 0) -> None:
-        ops = self.ops
         if depth > _MAX_DEPTH:
             raise ValueError("nesting too deep to write back")
         if obj is None:
-            ops.out += op.NONE
+            self.out += op.NONE
         elif obj is True or obj is False:
-            ops.out += op.NEWTRUE if obj else op.NEWFALSE
+            self.out += op.NEWTRUE if obj else op.NEWFALSE
         elif isinstance(obj, DtypeName):
-            ops.global_("torch", str(obj))
+            self.global_("torch", str(obj))
         elif type(obj) is int:
-            ops.integer(obj)
+            self.integer(obj)
         elif type(obj) is float:
-            ops.floating(obj)
+            self.floating(obj)
         elif type(obj) is str:
-            ops.text(obj)
+            self.text(obj)
         elif isinstance(obj, (bytes, bytearray)):  # as protocol 2 writes bytes: _codecs.encode(latin-1 text)
-            ops.global_("_codecs", "encode")
-            ops.out += op.MARK
-            ops.text(bytes(obj).decode("latin-1"))
-            ops.text("latin1")
-            ops.out += op.TUPLE + op.REDUCE
+            self.global_("_codecs", "encode")
+            self.out += op.MARK
+            self.text(bytes(obj).decode("latin-1"))
+            self.text("latin1")
+            self.out += op.TUPLE + op.REDUCE
         elif isinstance(obj, TensorRecord):
             raise ValueError("a tensor outside the weights cannot be written back here")
         elif isinstance(obj, type) and issubclass(obj, Opaque):
-            ops.global_(*obj.global_name.rsplit(".", 1))
-        elif ops.recall(id(obj)):
+            self.global_(*obj.global_name.rsplit(".", 1))
+        elif self.recall(id(obj)):
             pass
         elif id(obj) in self.building:
             raise ValueError("the data holds itself inside a tuple or a call's arguments")
@@ -73,7 +72,7 @@ class _Writer:
             self._container(obj, depth + 1)
 
     def _put(self, obj: Any) -> None:
-        self.ops.remember(id(obj))
+        self.remember(id(obj))
         self.kept.append(obj)
 
     def _args(self, obj: Any, items: Any, depth: int, *, marked: bool = True) -> None:
@@ -86,26 +85,25 @@ class _Writer:
     def _run(self, items: Any, depth: int, end: bytes) -> None:
         """MARK, each of ``items``, then ``end`` (only the items where ``end`` is empty)."""
         if end:
-            self.ops.out += op.MARK
+            self.out += op.MARK
         for item in items:
             self.emit(item, depth)
-        self.ops.out += end
+        self.out += end
 
     def _container(self, obj: Any, depth: int) -> None:
-        ops = self.ops
         if isinstance(obj, Opaque):
             module, name = obj.global_name.rsplit(".", 1)
             if obj.kwargs:  # protocol 4's NEWOBJ_EX, as copyreg spells it for older protocols
-                ops.global_("copyreg", "__newobj_ex__")
-                ops.out += op.MARK
-                ops.global_(module, name)
+                self.global_("copyreg", "__newobj_ex__")
+                self.out += op.MARK
+                self.global_(module, name)
                 self._args(obj, obj.args, depth)
                 self._args(obj, [dict(obj.kwargs)], depth, marked=False)
-                ops.out += op.TUPLE + op.REDUCE
+                self.out += op.TUPLE + op.REDUCE
             else:
-                ops.global_(module, name)
+                self.global_(module, name)
                 self._args(obj, obj.args, depth)
-                ops.out += op.REDUCE if obj.called else op.NEWOBJ
+                self.out += op.REDUCE if obj.called else op.NEWOBJ
             self._put(obj)
             if len(obj):
                 self._items(obj, depth)
@@ -113,18 +111,18 @@ class _Writer:
                 self._run(obj.appended, depth, op.APPENDS)
             if obj.state is not None:
                 self.emit(obj.state, depth)
-                ops.out += op.BUILD
+                self.out += op.BUILD
         elif isinstance(obj, collections.OrderedDict):
-            ops.global_("collections", "OrderedDict")
-            ops.out += op.EMPTY_TUPLE + op.REDUCE
+            self.global_("collections", "OrderedDict")
+            self.out += op.EMPTY_TUPLE + op.REDUCE
             self._put(obj)
             self._items(obj, depth)
         elif isinstance(obj, dict):
-            ops.out += op.EMPTY_DICT
+            self.out += op.EMPTY_DICT
             self._put(obj)
             self._items(obj, depth)
         elif isinstance(obj, list):
-            ops.out += op.EMPTY_LIST
+            self.out += op.EMPTY_LIST
             self._put(obj)
             if obj:
                 self._run(obj, depth, op.APPENDS)
@@ -132,11 +130,11 @@ class _Writer:
             self._args(obj, obj, depth)
             self._put(obj)
         elif isinstance(obj, (set, frozenset)):  # as protocol 2 writes them: set([items])
-            ops.global_("builtins", type(obj).__name__)
-            ops.out += op.MARK + op.EMPTY_LIST
+            self.global_("builtins", type(obj).__name__)
+            self.out += op.MARK + op.EMPTY_LIST
             if obj:
                 self._run(obj, depth, op.APPENDS)
-            ops.out += op.TUPLE + op.REDUCE
+            self.out += op.TUPLE + op.REDUCE
             self._put(obj)
         else:
             raise ValueError(f"a {type(obj).__name__} cannot be written back")
@@ -154,7 +152,7 @@ def dumps_inert(obj: Any) -> bytes:
     """
     writer = _Writer()
     writer.emit(obj)
-    return bytes(writer.ops.out + op.STOP)
+    return bytes(writer.out + op.STOP)
 
 
 def wrap_pickle(inner: bytes, key: str, beside: Mapping[str, Any]) -> bytes:
@@ -167,16 +165,16 @@ def wrap_pickle(inner: bytes, key: str, beside: Mapping[str, Any]) -> bytes:
         {'epoch': 3, 'state_dict': {'w': 1}}
     """
     writer = _Writer()
-    head = bytes(writer.ops.out)
+    head = bytes(writer.out)
     if not (inner.startswith(head) and inner.endswith(op.STOP)):
         raise ValueError("not a protocol-2 pickle")
-    writer.ops.out += op.EMPTY_DICT + op.MARK
+    writer.out += op.EMPTY_DICT + op.MARK
     for k, v in beside.items():
         if k != key:
             writer.emit(k)
             writer.emit(v)
-    writer.ops.text(key)
-    return bytes(writer.ops.out + inner[len(head) : -len(op.STOP)] + op.SETITEMS + op.STOP)
+    writer.text(key)
+    return bytes(writer.out + inner[len(head) : -len(op.STOP)] + op.SETITEMS + op.STOP)
 
 
 __all__ = ["dumps_inert", "wrap_pickle"]

@@ -22,7 +22,6 @@ Example:
 
 from __future__ import annotations
 
-import collections
 import fnmatch
 import functools
 from collections.abc import Iterator, Sequence
@@ -32,8 +31,8 @@ from typing import Any
 from ..dtypes import DtypeName
 from ..errors import CheckpointFormatError, Note, UnsafePickleError
 from ..pickles.load import Allowlist, load_pickle
-from ..pickles.rules import is_standard_module, refusal, torch_size
-from .pickles import STORAGE_GLOBALS, UNTYPED, PickledStorage, TensorRecord, rebuild_record, rebuild_record_v3
+from ..pickles.rules import is_standard_module, refusal
+from .pickles import RECORD_GLOBALS, UNTYPED, PickledStorage, TensorRecord
 
 
 class Opaque(dict):  # type: ignore[type-arg]
@@ -103,17 +102,6 @@ def _parameter(data: Any, *_rest: Any) -> Any:
 
 
 _PLAIN_TENSOR_TYPES = {"torch.nn.parameter.Parameter", "torch.Tensor", "torch._tensor.Tensor"}
-_TORCH_SPECIALS: dict[tuple[str, str], Any] = {
-    ("torch._utils", "_rebuild_tensor_v2"): rebuild_record,
-    ("torch._utils", "_rebuild_tensor_v3"): rebuild_record_v3,
-    ("torch._utils", "_rebuild_parameter"): _parameter,
-    ("torch._utils", "_rebuild_parameter_with_state"): _parameter,
-    ("torch._tensor", "_rebuild_from_type_v2"): _from_type_v2,
-    ("torch", "Size"): torch_size,
-    ("collections", "OrderedDict"): collections.OrderedDict,
-}
-
-
 @dataclass(frozen=True, slots=True)
 class StorageRef:
     """A storage the pickle points at: its key (a zip member or a legacy storage), dtype and size."""
@@ -123,8 +111,13 @@ class StorageRef:
     numel: int
 
 
-TREE_GLOBALS = Allowlist({**_TORCH_SPECIALS, **STORAGE_GLOBALS}, other=_standin, python2_names=True)
-"""torch's tensor rebuilds as records, storages and dtypes as names; any other global a fresh
+TREE_GLOBALS = Allowlist({
+    **RECORD_GLOBALS.table,
+    ("torch._utils", "_rebuild_parameter"): _parameter,
+    ("torch._utils", "_rebuild_parameter_with_state"): _parameter,
+    ("torch._tensor", "_rebuild_from_type_v2"): _from_type_v2,
+}, other=_standin, python2_names=True)
+"""A tensor record's globals, and parameters as their tensors; any other global a fresh
 :class:`Opaque` class of the load (a pickle's edits to it stay in that load)."""
 
 

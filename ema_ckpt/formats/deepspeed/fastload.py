@@ -15,7 +15,7 @@ What a file must be:
   no INST, OBJ, EXT, STACK_GLOBAL, FRAME, out-of-band buffers), every memo index below the
   pickle's size and every length within the data (walked before loading:
   :func:`~ema_ckpt.pickles.bounds.check_pickle_bounds`);
-* naming only the globals of :data:`_GLOBALS`, each allowed by the weights-only unpickler too
+* naming only the globals of :data:`_ALLOWLISTS`, each allowed by the weights-only unpickler too
   (DeepSpeed's stand-ins aside) and built by the same torch functions (the tensor rebuild is
   torch's ``_rebuild_tensor_v2`` less its fake-mode step; torch's private pieces come from
   :mod:`ema_ckpt._compat.torch_load`). ``find_class`` never hands the C unpickler a shared
@@ -120,20 +120,15 @@ def _skipped(*_args: Any) -> None:
     return None
 
 
-_GLOBALS: dict[tuple[str, str], Any] = {}
-"""``(module, name)`` -> what the unpickler is handed; built on first use (:func:`_globals`)."""
+_ALLOWLISTS: list[Allowlist] = []
+"""DeepSpeed files' allowlist, then the same with every tensor rebuild :func:`_skipped` (a
+summary's); built on first use (:func:`_globals`)."""
 _REBUILDS = (torch_load.REBUILD_TENSOR, torch_load.REBUILD_PARAMETER, torch_load.REBUILD_FROM_TYPE)
-_SUMMARY_GLOBALS: dict[tuple[str, str], Any] = {}
-"""The same with every tensor rebuild :func:`_skipped`."""
 
 
 def _globals(stand_ins: dict[str, type], summary: bool) -> Allowlist:
-    if not _GLOBALS:
-        _fill_globals(stand_ins)
-    return Allowlist(_SUMMARY_GLOBALS if summary else _GLOBALS, other=_not_fast, python2_names=True)
-
-
-def _fill_globals(stand_ins: dict[str, type]) -> None:
+    if _ALLOWLISTS:
+        return _ALLOWLISTS[summary]
     allowed = torch_load.allowed_globals()
     if allowed is None:
         raise _NotFast
@@ -162,9 +157,10 @@ def _fill_globals(stand_ins: dict[str, type]) -> None:
             found[name] = cls
         elif issubclass(cls, int):  # ZeroStageEnum, called with its value
             found[name] = _Call(cls)
-    table = {(name.rpartition(".")[0], name.rpartition(".")[2]): value for name, value in found.items()}
-    _SUMMARY_GLOBALS.update({k: _Call(_skipped) if ".".join(k) in _REBUILDS else v for k, v in table.items()})
-    _GLOBALS.update(table)  # last: once it is filled, both are
+    skipped = {name: _Call(_skipped) if name in _REBUILDS else value for name, value in found.items()}
+    _ALLOWLISTS[:] = [Allowlist({(n.rpartition(".")[0], n.rpartition(".")[2]): v for n, v in table.items()},
+                                other=_not_fast, python2_names=True) for table in (found, skipped)]
+    return _ALLOWLISTS[summary]
 
 
 _WEIGHTS_ONLY_OPCODES = b"\x80\x81\x85\x86\x87\x88\x89\x8a\x8f()]}.GJKMNQRUXabcehjqrstu"
