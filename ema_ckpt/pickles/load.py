@@ -27,9 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .._compat.pickle_internals import python3_name
+from .._compat.pickle_internals import PURE_PYTHON_AVAILABLE, python3_name
 from .bounds import check_pickle_bounds
-from .memo import AVAILABLE as LEAN_AVAILABLE
 from .memo import LeanUnpickler
 from .rules import refuse
 
@@ -94,7 +93,7 @@ def load_pickle(data: bytes, allow: Allowlist, source: str | Path, *, persistent
         pickle.UnpicklingError, EOFError, and whatever a stand-in raises: a malformed pickle.
     """
     unpickler: Any
-    if lean and LEAN_AVAILABLE:
+    if lean and PURE_PYTHON_AVAILABLE:  # else the C unpickler: the same objects, at its peak memory
         unpickler = _Lean(data, encoding=encoding)  # walks the pickle as it starts
     else:
         if walk:

@@ -36,7 +36,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from .._compat.pickle_internals import PURE_PYTHON_AVAILABLE, PurePythonUnpickler, Stop
+from .._compat.pickle_internals import PurePythonUnpickler, Stop
 from .bounds import check_pickle_bounds
 
 _LONG_BINGET = ord("j")
@@ -103,10 +103,6 @@ def _missing(index: int) -> pickle.UnpicklingError:
 # about 20 million): run inline below, the rest through the standard library's handlers
 _MEMOIZE, _BINGET, _LONG_GET, _TUPLE1, _MARK = 0x94, 0x68, 0x6A, 0x85, 0x28
 _EMPTY_TUPLE, _BININT1, _EMPTY_DICT, _NEWFALSE, _SHORT_UNICODE = 0x29, 0x4B, 0x7D, 0x89, 0x8C
-
-
-AVAILABLE = PURE_PYTHON_AVAILABLE
-"""Whether :class:`LeanUnpickler` works here; where it does not, callers keep to the C unpickler."""
 
 
 class LeanUnpickler(PurePythonUnpickler):  # type: ignore[misc]

@@ -92,17 +92,15 @@ class _Writer(op.Opcodes):
 
     def _container(self, obj: Any, depth: int) -> None:
         if isinstance(obj, Opaque):
-            module, name = obj.global_name.rsplit(".", 1)
             if obj.kwargs:  # protocol 4's NEWOBJ_EX, as copyreg spells it for older protocols
                 self.global_("copyreg", "__newobj_ex__")
                 self.out += op.MARK
-                self.global_(module, name)
-                self._args(obj, obj.args, depth)
+            self.global_(*obj.global_name.rsplit(".", 1))
+            self._args(obj, obj.args, depth)
+            if obj.kwargs:
                 self._args(obj, [dict(obj.kwargs)], depth, marked=False)
                 self.out += op.TUPLE + op.REDUCE
             else:
-                self.global_(module, name)
-                self._args(obj, obj.args, depth)
                 self.out += op.REDUCE if obj.called else op.NEWOBJ
             self._put(obj)
             if len(obj):
