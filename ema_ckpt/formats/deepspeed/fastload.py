@@ -18,7 +18,7 @@ What a file must be:
 * naming only the globals of :data:`_ALLOWLISTS`, each allowed by the weights-only unpickler too
   (DeepSpeed's stand-ins aside) and built by the same torch functions (the tensor rebuild is
   torch's ``_rebuild_tensor_v2`` less its fake-mode step; torch's private pieces come from
-  :mod:`ema_ckpt._compat.torch_load`). ``find_class`` never hands the C unpickler a shared
+  :mod:`ema_ckpt._compat.torch_load`). The allowlist never hands the C unpickler a shared
   function or class it could change: functions come as sealed call wrappers, storage and
   tensor types as sealed markers, and the only classes are immutable
   built-in types (``OrderedDict``, ``torch.Size``, ``torch.device``) or DeepSpeed's stand-ins,
