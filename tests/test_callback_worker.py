@@ -6,6 +6,7 @@ last pass, never the default action that kills it before that pass.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -18,16 +19,19 @@ from safetensors.torch import save_file
 from ema_ckpt.watching import INCOMING, ema_step
 
 # The worker, run as BackgroundFolds runs it, but with the import of ema_ckpt.watching (torch:
-# the seconds in which a SIGTERM used to kill it) held for a second, said on stdout first.
+# the seconds in which a SIGTERM used to kill it) held until the file HELD_UNTIL exists (the test
+# makes it once it has sent the SIGTERM), said on stdout first.
 _IMPORT_HELD = textwrap.dedent("""
-    import importlib.abc, runpy, sys, time
+    import importlib.abc, os, runpy, sys, time
 
     class HoldWatching(importlib.abc.MetaPathFinder):
         def find_spec(self, name, path, target=None):
             if name == "ema_ckpt.watching":
                 sys.stdout.write('{"event": "importing"}\\n')
                 sys.stdout.flush()
-                time.sleep(1.0)  # the SIGTERM comes now, inside the import
+                end = time.monotonic() + 120
+                while not os.path.exists(os.environ["HELD_UNTIL"]) and time.monotonic() < end:
+                    time.sleep(0.01)  # the SIGTERM comes now, inside the import
             return None
 
     sys.meta_path.insert(0, HoldWatching())
@@ -42,12 +46,14 @@ def test_a_sigterm_during_the_workers_imports_gets_the_last_pass_and_exit_0(tmp_
     out = tmp_path / "ema"
     # idle: a worker that missed the signal would wait ten minutes, far past the timeout below
     job = {"folder": str(folder), "out": str(out), "options": {"decay": 0.9}, "idle": 600.0, "ignore": []}
+    sent = tmp_path / "sigterm-sent"
     process = subprocess.Popen([sys.executable, "-c", _IMPORT_HELD, json.dumps(job)], stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True)
+                               stderr=subprocess.PIPE, text=True, env={**os.environ, "HELD_UNTIL": str(sent)})
     try:
         assert process.stdout is not None
         assert json.loads(process.stdout.readline()) == {"event": "importing"}
         process.send_signal(signal.SIGTERM)
+        sent.touch()
         stdout, stderr = process.communicate(timeout=120)
     finally:
         if process.poll() is None:

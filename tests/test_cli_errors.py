@@ -15,7 +15,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -232,15 +231,23 @@ except KeyboardInterrupt as stop:
 def test_a_signal_during_an_import_is_raised_once_the_import_is_done(tmp_path, signum, raised):
     """An extension's initialisation (torch's) calls back into Python from C++, where an
     exception cannot unwind: the process would abort. The signal waits for the import."""
-    (tmp_path / "slow_to_import.py").write_text(
-        "import time\nend = time.monotonic() + 1.0\nwhile time.monotonic() < end:\n    pass\nDONE = True\n"
+    sent = tmp_path / "signal-sent"
+    (tmp_path / "slow_to_import.py").write_text(  # Python code runs in the import until the signal was sent
+        "import os, sys, time\nprint('importing', flush=True)\nend = time.monotonic() + 120\n"
+        f"while not os.path.exists({str(sent)!r}) and time.monotonic() < end:\n    pass\nDONE = True\n"
     )
     proc = subprocess.Popen([sys.executable, "-c", _IMPORT_THEN_WAIT, str(tmp_path)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    assert proc.stdout is not None
-    assert proc.stdout.readline().strip() == "armed"
-    time.sleep(0.3)  # inside the import's loop
-    proc.send_signal(signum)
-    out, err = proc.communicate(timeout=20)
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == "armed"
+        assert proc.stdout.readline().strip() == "importing"
+        proc.send_signal(signum)  # inside the import's loop
+        sent.touch()
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
     assert proc.returncode == 0, err
     assert out.split("\n")[:2] == ["imported True", f"stopped {raised}"]

@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -20,6 +19,7 @@ from ema_ckpt.cli import app
 from ema_ckpt.errors import OutputError, OutputLockedError
 from ema_ckpt.storage.local_publish import OutputLock
 from tests.dcp_helpers import write_dcp
+from tests.waiting import holds_open, wait_for
 
 runner = CliRunner()
 REPO = Path(__file__).resolve().parents[1]
@@ -122,8 +122,10 @@ def test_a_waiting_run_gets_the_lock_after_the_holder_removed_the_file(tmp_path)
             "    print('held', flush=True)\n    sys.stdin.readline()\n")
     holder = _python(hold, str(out), "0", stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     assert holder.stdout.readline().strip() == "held"
-    waiter = _python(hold, str(out), "60", stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-    time.sleep(0.5)
+    waiter = _python(hold, str(out), "120", stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    lock_file = tmp_path / ".ema.lock"
+    wait_for(lambda: holds_open(waiter.pid, lock_file) or waiter.poll() is not None,
+             what="the waiter to open the lock file")
     assert waiter.poll() is None  # waiting on the file the holder locked
     holder.stdin.write("release\n")
     holder.stdin.flush()

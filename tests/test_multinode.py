@@ -23,6 +23,7 @@ import torch
 
 from tests.dcp_helpers import write_dcp
 from tests.torchrun import free_port
+from tests.waiting import listening_on, wait_for
 
 PEER_TIMEOUT = 4  # EMA_CKPT_PEER_TIMEOUT in these tests (60 s by default)
 BOUND = PEER_TIMEOUT + 5 + 40  # silence + the hard-exit grace + torchrun tearing down its agent
@@ -144,14 +145,15 @@ def test_the_recipes_two_nodes_with_two_ranks_each_write_the_bytes_of_one_worker
     run = tmp_path / "run"
     shutil.copytree(sequence, run / "ckpts")
     accumulate(run / "ckpts", decay=0.95, out=tmp_path / "single")
-    endpoint, run_id = f"127.0.0.1:{free_port()}", uuid.uuid4().hex[:8]
+    port = free_port()
+    endpoint, run_id = f"127.0.0.1:{port}", uuid.uuid4().hex[:8]
     logs = [tmp_path / "node-a.log", tmp_path / "node-b.log"]
     command = _recipe_command(endpoint, run_id, run)
     command[command.index("--nproc-per-node") + 1] = "2"
-    agents = []
-    for log in logs:
-        agents.append(_start([*command, "--json"], log, _env()))
-        time.sleep(0.5)  # the first agent hosts the rendezvous store
+    agents = [_start([*command, "--json"], logs[0], _env())]
+    wait_for(lambda: listening_on(port) or agents[0].poll() is not None,
+             what="the first agent to host the rendezvous store")
+    agents.append(_start([*command, "--json"], logs[1], _env()))
     for agent, log in zip(agents, logs, strict=True):
         assert agent.wait(timeout=300) == 0, log.read_text()[-3000:]
     assert sum(log.read_text().count('"out"') for log in logs) == 1  # only rank 0 reports

@@ -24,6 +24,7 @@ from ema_ckpt.formats.dcp import writer as dcp_writer
 from ema_ckpt.layout import Box
 from ema_ckpt.manifest import Manifest
 from tests.dcp_helpers import write_dcp
+from tests.waiting import holds_open, wait_for
 
 EMA_CKPT = str(Path(sys.executable).with_name("ema-ckpt"))
 runner = CliRunner()
@@ -172,7 +173,8 @@ def test_overlapping_runs_wait_or_exit_75(tmp_path):
     assert busy.returncode == 75 and "another ema-ckpt run" in busy.stderr and "--wait" in busy.stderr
     waiting = subprocess.Popen([EMA_CKPT, "accumulate", str(ck), "--decay", "0.9", "--wait", "120"],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    time.sleep(1)
+    wait_for(lambda: holds_open(waiting.pid, ck / ".ema.lock") or waiting.poll() is not None,
+             what="the second run to open the lock file")
     assert waiting.poll() is None  # still waiting for the lock
     holder.stdin.write("release\n")
     holder.stdin.flush()

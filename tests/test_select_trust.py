@@ -9,7 +9,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +21,7 @@ from ema_ckpt.commands import select as select_module
 from ema_ckpt.commands.select import select
 from ema_ckpt.errors import EvaluationError, IncompatibleCheckpointError
 from tests.test_select import EVAL_SCRIPT, _sequence
+from tests.waiting import wait_for
 
 # An evaluation that starts a grandchild (its pid written to a file) and then scores or hangs.
 SPAWNER = """\
@@ -35,14 +35,6 @@ print(0.5)
 """
 
 
-def _wait_for(condition, timeout: float = 60.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
-
-
 def _gone(pid: int) -> bool:
     """The process has ended (a zombie waiting for its reaper counts as ended)."""
     try:
@@ -53,7 +45,7 @@ def _gone(pid: int) -> bool:
 
 
 def _pid(path: Path) -> int:
-    _wait_for(lambda: path.is_file() and path.read_text().strip().isdigit(), what=f"{path}")
+    wait_for(lambda: path.is_file() and path.read_text().strip().isdigit(), what=f"{path}")
     return int(path.read_text())
 
 
@@ -84,11 +76,12 @@ def test_a_timed_out_evaluation_leaves_no_grandchild(ckpts, tmp_path):
     script = tmp_path / "spawn.py"
     script.write_text(SPAWNER)
     pid_file = tmp_path / "grandchild.pid"
-    with pytest.raises(EvaluationError, match="timed out after 1 s"):
-        select(ckpts, out=tmp_path / "best", lasts=[2], eval_timeout=1.0,
+    # the timeout leaves the evaluation (a Python process) time to start its grandchild on a loaded machine
+    with pytest.raises(EvaluationError, match="timed out after 5 s"):
+        select(ckpts, out=tmp_path / "best", lasts=[2], eval_timeout=5.0,
                eval_command=f"{sys.executable} {script} {pid_file} hang # {{path}}")
     grandchild = _pid(pid_file)
-    _wait_for(lambda: _gone(grandchild), what=f"grandchild {grandchild} to end")
+    wait_for(lambda: _gone(grandchild), what=f"grandchild {grandchild} to end")
     assert not (tmp_path / "best").exists()
     log = (tmp_path / "best.select" / "logs" / "last_2.log").read_text()
     assert log.rstrip().endswith("[timed out]")
@@ -102,7 +95,7 @@ def test_an_evaluation_that_exits_leaves_no_background_process(ckpts, tmp_path):
                     eval_command=f"{sys.executable} {script} {pid_file} exit # {{path}}")
     assert not isinstance(result, select_module.Plan) and result.score == 0.5
     grandchild = _pid(pid_file)
-    _wait_for(lambda: _gone(grandchild), what=f"grandchild {grandchild} to end")
+    wait_for(lambda: _gone(grandchild), what=f"grandchild {grandchild} to end")
 
 
 def test_sigterm_to_select_ends_the_evaluation_and_its_grandchild(ckpts, tmp_path):
@@ -121,7 +114,7 @@ def test_sigterm_to_select_ends_the_evaluation_and_its_grandchild(ckpts, tmp_pat
             proc.kill()
     assert proc.returncode == 143, err
     assert "Traceback" not in err
-    _wait_for(lambda: _gone(grandchild), what=f"grandchild {grandchild} to end")
+    wait_for(lambda: _gone(grandchild), what=f"grandchild {grandchild} to end")
     assert not (tmp_path / "best").exists()
 
 

@@ -26,6 +26,7 @@ from safetensors.torch import load_file, save_file
 import ema_ckpt
 from ema_ckpt.watching import INCOMING, stage
 from tests.ema_reference import assert_close_relative, reference_ema
+from tests.waiting import wait_for
 
 DECAY = 0.9
 
@@ -58,17 +59,25 @@ def saving_loop(folder: Path, steps: list[int], every: float, keep: int, seen: C
         saved = sorted((p for p in folder.glob("checkpoint-*")), key=lambda p: int(p.name.split("-")[1]))
         for old in saved[:-keep]:
             if seen is not None:
-                wait_for(lambda name=old.name: seen(name), timeout=120)
+                wait_for(lambda name=old.name: seen(name), what=f"the watcher to stage {old.name}")
             shutil.rmtree(old)
         time.sleep(every)
 
 
-def wait_for(condition: Callable[[], bool], timeout: float) -> None:
-    """Poll ``condition`` until it holds; fail after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out waiting for the watcher"
-        time.sleep(0.02)
+def staged_or_folded(folder: Path, out: Path) -> Callable[[str], bool]:
+    """``seen`` for :func:`saving_loop` when the watcher is another process: the checkpoint is
+    staged in the folder's staging area, or the EMA's manifest at ``out`` lists its step."""
+
+    def seen(name: str) -> bool:
+        if (folder / INCOMING / name).exists():
+            return True
+        try:
+            manifest = json.loads((out / "ema-ckpt.json").read_text())
+        except (OSError, ValueError):
+            return False
+        return int(name.split("-")[1]) in [c["step"] for c in manifest["checkpoints"]]
+
+    return seen
 
 
 def _expected(steps: list[int]) -> dict[str, torch.Tensor]:
@@ -163,30 +172,31 @@ SAVER = """
 import sys, time
 sys.path.insert(0, {root!r})
 from pathlib import Path
-from tests.test_watch import saving_loop
-saving_loop(Path({folder!r}), list(range(100, 100 + 100 * {count}, 100)), {every}, 2)
+from tests.test_watch import saving_loop, staged_or_folded
+folder = Path({folder!r})
+saving_loop(folder, list(range(100, 100 + 100 * {count}, 100)), {every}, 2, staged_or_folded(folder, Path({out!r})))
 """
 
 
 def test_the_sidecar_folds_beside_a_saving_process_and_sigterm_exits_0(tmp_path):
-    """``ema-ckpt watch --json`` beside a process that saves every 0.8 s and keeps 2 checkpoints;
-    SIGTERM after the saver is done: the fold in progress finishes, exit 0."""
+    """``ema-ckpt watch --json`` beside a process that saves every 0.8 s and keeps 2 checkpoints
+    (an old one is deleted once the watcher staged it: the watcher, a process that imports torch,
+    may take longer than a save interval to start on a loaded machine); SIGTERM after the saver
+    is done: the fold in progress finishes, exit 0."""
     folder = tmp_path / "run"
     folder.mkdir()
     root = str(Path(__file__).resolve().parents[1])
-    saver = subprocess.Popen([sys.executable, "-c", SAVER.format(root=root, folder=str(folder), count=5, every=0.8)])
+    saver = subprocess.Popen([sys.executable, "-c", SAVER.format(root=root, folder=str(folder), count=5, every=0.8,
+                                                                 out=str(tmp_path / "ema"))])
     watcher = subprocess.Popen(
         [str(Path(sys.executable).with_name("ema-ckpt")), "watch", str(folder), "--out", str(tmp_path / "ema"),
          "--decay", str(DECAY), "--interval", "0.5", "--json"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        assert saver.wait(timeout=120) == 0
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            manifest = tmp_path / "ema" / "ema-ckpt.json"
-            if manifest.exists() and json.loads(manifest.read_text())["step"] == 500:
-                break
-            time.sleep(0.2)
+        assert saver.wait(timeout=300) == 0
+        manifest = tmp_path / "ema" / "ema-ckpt.json"
+        wait_for(lambda: manifest.exists() and json.loads(manifest.read_text())["step"] == 500,
+                 what="step 500 to be folded")
         watcher.send_signal(signal.SIGTERM)
         stdout, stderr = watcher.communicate(timeout=60)
     finally:
@@ -212,18 +222,33 @@ def test_checkpoints_rewritten_in_place_are_never_staged(tmp_path):
     assert sorted(p.name for p in (ckpts / INCOMING).iterdir()) == [first.name]
 
 
-def test_a_look_at_the_folder_that_fails_is_said_once_and_tried_again(tmp_path):
+def test_a_look_at_the_folder_that_fails_is_said_once_and_tried_again(tmp_path, monkeypatch):
     """The scanning thread's failures (here: the staging folder turned into a file) reach
     ``on_error`` once each, and the watch goes on to fold what is saved once looks work again."""
+    from ema_ckpt import watching
+
     folder = tmp_path / "run"
     _save(folder, 1)
     incoming = folder / INCOMING
     errors: list[str] = []
+    looks = [0]
+    real_stage_new = watching.stage_new
+
+    def counting_stage_new(*args, **kwargs):
+        try:
+            return real_stage_new(*args, **kwargs)
+        finally:
+            looks[0] += 1
+
+    monkeypatch.setattr(watching, "stage_new", counting_stage_new)
 
     def mend_later() -> None:
         _save(folder, 2)  # not staged while the staging folder is a file
-        time.sleep(1.0)
-        incoming.unlink()
+        broken_from = looks[0]
+        try:  # several looks fail (each the same error) before the folder is mended, well within the idle time
+            wait_for(lambda: looks[0] >= broken_from + 3, what="three looks at the broken folder")
+        finally:
+            incoming.unlink()
 
     mender = threading.Thread(target=mend_later)
 

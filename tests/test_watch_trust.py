@@ -25,17 +25,9 @@ from ema_ckpt.errors import OptionError
 from ema_ckpt.watching import INCOMING, stage, staged_record
 from tests.ema_reference import assert_close_relative, reference_ema
 from tests.test_watch import DECAY, _assert_ema, _ema, _save, _state
+from tests.waiting import DEADLINE, wait_for
 
 CLI = str(Path(sys.executable).with_name("ema-ckpt"))
-DEADLINE = 120.0
-
-
-def _wait_for(condition, what: str, seconds: float = DEADLINE) -> None:
-    deadline = time.monotonic() + seconds
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.01)
 
 
 def _cli(*args: str, timeout: float = DEADLINE) -> subprocess.CompletedProcess[str]:
@@ -121,7 +113,8 @@ def test_a_file_rewritten_in_place_while_a_fold_is_slow_loses_no_step(tmp_path, 
 
     def slow_accumulate(*args, **kwargs):
         started = rewrites[0]
-        _wait_for(lambda: rewrites[0] > started or trainer_done.is_set(), "the trainer to write over ckpt.pt")
+        wait_for(lambda: rewrites[0] > started or trainer_done.is_set(), what="the trainer to write over ckpt.pt",
+                 every=0.01)
         return real_accumulate(*args, **kwargs)
 
     monkeypatch.setattr(watching, "stage", recording_stage)
@@ -132,7 +125,7 @@ def test_a_file_rewritten_in_place_while_a_fold_is_slow_loses_no_step(tmp_path, 
             for step in steps:
                 _rewrite_in_place(ckpt, _nanogpt_bytes(step))
                 rewrites[0] += 1
-                _wait_for(lambda step=step: step in staged_steps, f"step {step} to be staged")
+                wait_for(lambda step=step: step in staged_steps, what=f"step {step} to be staged", every=0.01)
         finally:
             trainer_done.set()
 
