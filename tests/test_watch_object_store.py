@@ -19,6 +19,7 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -30,6 +31,7 @@ from ema_ckpt.watching import WatchFold
 from tests import test_object_storage
 from tests.ema_reference import assert_ema_matches, reference_ema
 from tests.test_object_storage import BUCKET, download, keys_under
+from tests.waiting import wait_for
 
 s3 = test_object_storage.s3  # the moto server (module-scoped fixture)
 
@@ -47,11 +49,12 @@ def _state(step: int) -> dict[str, torch.Tensor]:
 
 class Trainer:
     """Saves ``checkpoint-<step>`` under ``s3://ckpts/<prefix>`` every ``every`` seconds, keeping
-    the newest ``keep``; records when each checkpoint became complete and when it was deleted."""
+    the newest ``keep``; records when each checkpoint became complete and when it was deleted.
+    ``seen``: an old checkpoint is deleted only once it holds (the watcher staged or folded it)."""
 
-    def __init__(self, prefix: str, every: float, keep: int) -> None:
+    def __init__(self, prefix: str, every: float, keep: int, seen: Callable[[int], bool] | None = None) -> None:
         self.client = boto3.client("s3")
-        self.prefix, self.every, self.keep = prefix, every, keep
+        self.prefix, self.every, self.keep, self.seen = prefix, every, keep, seen
         self.complete: dict[int, float] = {}
         self.deleted: dict[int, float] = {}
 
@@ -64,6 +67,8 @@ class Trainer:
         self.complete[step] = time.monotonic()
         for old in sorted(self.complete)[:-self.keep]:
             if old not in self.deleted:
+                if self.seen is not None:  # a lifetime in the watcher's looks, not in seconds
+                    wait_for(lambda old=old: self.seen(old), what=f"the watcher to take checkpoint-{old}")
                 self.delete(old)
 
     def delete(self, step: int) -> None:
@@ -133,14 +138,20 @@ def test_watch_polls_a_bucket_folds_each_checkpoint_once_and_sigterm_exits_0(s3,
     prefix = f"watch-{uuid.uuid4().hex[:8]}"
     url, out = f"s3://{BUCKET}/{prefix}/ckpts", f"s3://{BUCKET}/{prefix}/ema"
     steps, last = list(range(100, 900, 100)), 900
-    trainer = Trainer(f"{prefix}/ckpts", every=2.5 * INTERVAL, keep=2)
+    reader: Events | None = None
+
+    def seen(step: int) -> bool:  # staged into the watcher's temporary folder, or folded
+        staged = any((tmp_path / "tmp").glob(f"ema-ckpt-incoming-*/checkpoint-{step}"))
+        return staged or (reader is not None and step in reader.folded())
+
+    trainer = Trainer(f"{prefix}/ckpts", every=2.5 * INTERVAL, keep=2, seen=seen)
     trainer.save(steps[0])  # there before the watch starts
     watcher = _watch(url, tmp_path / "tmp", "--out", out)
     try:
         reader = Events(watcher)
-        reader.wait_for_step(steps[0], 60)  # the watch is up (a process that imports torch)
+        reader.wait_for_step(steps[0], 120)  # the watch is up (a process that imports torch)
         trainer.run(steps[1:])
-        reader.wait_for_step(steps[-1], 30)
+        reader.wait_for_step(steps[-1], 120)
         trainer.save(last)
         time.sleep(INTERVAL)
         watcher.send_signal(signal.SIGTERM)
