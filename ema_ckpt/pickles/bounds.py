@@ -88,6 +88,7 @@ def check_pickle_bounds(data: bytes, start: int = 0, opcodes: bytes | None = Non
     """
     size, pos = len(data), start
     kinds, skip_fixed = _walker(opcodes, min(256, size >> 16))
+    lengths = _LENGTH_PREFIX.get
     while pos < size:
         # most opcodes have a fixed-size argument; the pattern matches (maybe empty) anywhere
         pos = skip_fixed(data, pos).end()
@@ -95,17 +96,19 @@ def check_pickle_bounds(data: bytes, start: int = 0, opcodes: bytes | None = Non
             break
         kind = kinds[data[pos]]
         pos += 1
-        if kind >= 0:  # a fixed-size argument the data is too short for
-            break
-        if kind == _STOP:
-            return pos
-        elif kind in _LENGTH_PREFIX:
-            width, signed = _LENGTH_PREFIX[kind]
-            length = int.from_bytes(data[pos : pos + width], "little", signed=signed)
+        prefix = lengths(kind)  # the commonest left: strings
+        if prefix is not None:
+            width, signed = prefix
+            length = int.from_bytes(data[pos : pos + width], "little", signed=True) if signed else \
+                int.from_bytes(data[pos : pos + width], "little")  # the keyword costs more than the branch
             pos += width
             if length < 0 or length > size - pos:
                 raise pickle.UnpicklingError(f"a length at byte {pos - width} is longer than the data left")
             pos += length
+        elif kind >= 0:  # a fixed-size argument the data is too short for
+            break
+        elif kind == _STOP:
+            return pos
         elif kind == _PUT4:
             if int.from_bytes(data[pos : pos + 4], "little") > pos:
                 raise pickle.UnpicklingError(f"memo index at byte {pos} out of range")
