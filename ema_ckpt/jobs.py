@@ -71,7 +71,7 @@ def recorded_options(options: Any) -> dict[str, Any]:
         >>> @dataclasses.dataclass(frozen=True)
         ... class Opts:
         ...     dtype: str = "float32"
-        ...     workers: int = field(default=1, metadata={"recorded": False})
+        ...     workers: int = dataclasses.field(default=1, metadata={"recorded": False})
         >>> recorded_options(Opts())
         {'dtype': 'float32'}
     """

@@ -27,8 +27,8 @@ FAST_FILES = frozenset({
     # byte check (test_damaged_records), a SIGKILL (test_crash), the CLI in-process and as a subprocess
     "test_storage.py", "test_damaged_records.py", "test_crash.py", "test_cli.py", "test_cli_errors.py",
     "test_locks.py", "test_liveness.py",
-    # every output kind's bytes against their committed digests
-    "test_golden_outputs.py",
+    # every output kind's bytes against their committed digests; the package's docstring examples
+    "test_golden_outputs.py", "test_doctests.py",
 })
 """The fast tier (``make check``): every module and boundary once, in a few minutes on 2 cores.
 ``make test`` runs everything."""
