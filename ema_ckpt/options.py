@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import OptionError
-from .formats.options import ReadOptions
+from .formats.options import read_options_from
 from .storage import Location, as_path, is_location, output_location, output_path
 
 RUNTIME = {"recorded": False}
@@ -75,8 +75,8 @@ class RunFields(_Checked):
 
 @dataclass(frozen=True, kw_only=True)
 class ReadFields(_Checked):
-    """How checkpoints are read (:class:`~ema_ckpt.formats.options.ReadOptions`): ``state_key``,
-    ``inert_globals``, ``keep_prefix``."""
+    """How checkpoints are read (:class:`~ema_ckpt.formats.options.ReadOptions`, made by
+    :func:`~ema_ckpt.formats.options.read_options_from`): ``state_key``, ``inert_globals``, ``keep_prefix``."""
 
     state_key: str | None = None
     inert_globals: tuple[str, ...] = field(default=(), metadata=RUNTIME)
@@ -85,11 +85,7 @@ class ReadFields(_Checked):
     def __post_init__(self) -> None:
         super().__post_init__()
         check_texts(self, "inert_globals")
-        self.read_options()  # refuses a bad pattern or state key
-
-    def read_options(self) -> ReadOptions:
-        """What every reader of the run reads with."""
-        return ReadOptions(self.state_key, self.inert_globals, self.keep_prefix)
+        read_options_from(self)  # refuses a bad pattern or state key
 
 
 @dataclass(frozen=True, kw_only=True)
