@@ -53,17 +53,6 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def wait_until(condition: Callable[[], bool], seconds: float) -> bool:
-    """Whether ``condition()`` came true within ``seconds``, asked every 50 ms: a test waits for
-    what it needs, not for a fixed time (a loaded machine is slow)."""
-    deadline = time.monotonic() + seconds
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
-
-
 def _wait_for_port(port: int, process: subprocess.Popen[bytes], what: str, seconds: float = 120.0) -> None:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
@@ -297,12 +286,13 @@ def relay(handler: http.server.BaseHTTPRequestHandler, host: str, port: str, bod
         connection.close()
 
 
-def fault_proxy(target: str, faults: Faults) -> tuple[ProxyServer, str]:
+def start_proxy(target: str, intercept: Callable[[http.server.BaseHTTPRequestHandler, bytes], bool]
+                ) -> tuple[ProxyServer, str]:
     """A loopback HTTP proxy in front of ``target`` (an emulator's endpoint) that forwards each
-    request byte for byte (headers as sent, so signed requests stay valid) and injects
-    ``faults``; the proxy and its endpoint."""
+    request byte for byte (headers as sent, so signed requests stay valid) unless ``intercept``
+    (given the handler and the request's body) answers it itself and says so; the proxy and its
+    endpoint."""
     host, port = target.removeprefix("http://").split(":")
-    lock = threading.Lock()
 
     class Handler(http.server.BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
@@ -312,42 +302,53 @@ def fault_proxy(target: str, faults: Faults) -> tuple[ProxyServer, str]:
 
         def _forward(self) -> None:
             body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-            with lock:
-                faults.requests += 1
-                number = faults.requests
-                refusing = faults.refuse_after_writes is not None and faults.writes >= faults.refuse_after_writes
-                # an object's name is in the URL (S3, Azure) or in a multipart upload's metadata (GCS)
-                named = faults.data_key in urllib.parse.unquote(self.path) or (
-                    faults.name_in_body and faults.data_key.encode() in body[:4096])
-                if self.command in ("PUT", "POST") and named and not refusing:
-                    faults.writes += 1
-            ranged = self.headers.get("Range") or self.headers.get("x-ms-range")
-            if faults.stall_ranges and self.command == "GET" and ranged:
-                time.sleep(3600)  # the connection stays open; not a byte comes back
-                return
-            if number % faults.drop_every == 0:
-                with lock:
-                    faults.dropped += 1
-                self.close_connection = True
-                self.connection.shutdown(socket.SHUT_RDWR)
-                return
-            if refusing or number % faults.every == 0:
-                status = faults.refuse_status if refusing else 503
-                if not refusing:
-                    with lock:
-                        faults.answered_503 += 1
-                self.send_response(status)
-                self.send_header("Content-Length", str(len(faults.error_body)))
-                self.end_headers()
-                self.wfile.write(faults.error_body)
-                return
-            relay(self, host, port, body)
+            if not intercept(self, body):
+                relay(self, host, port, body)
 
         do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = do_PATCH = _forward
 
     proxy = ProxyServer(("127.0.0.1", 0), Handler)
     threading.Thread(target=proxy.serve_forever, daemon=True).start()
     return proxy, f"http://127.0.0.1:{proxy.server_address[1]}"
+
+
+def fault_proxy(target: str, faults: Faults) -> tuple[ProxyServer, str]:
+    """A :func:`start_proxy` in front of ``target`` that injects ``faults``."""
+    lock = threading.Lock()
+
+    def intercept(handler: http.server.BaseHTTPRequestHandler, body: bytes) -> bool:
+        with lock:
+            faults.requests += 1
+            number = faults.requests
+            refusing = faults.refuse_after_writes is not None and faults.writes >= faults.refuse_after_writes
+            # an object's name is in the URL (S3, Azure) or in a multipart upload's metadata (GCS)
+            named = faults.data_key in urllib.parse.unquote(handler.path) or (
+                faults.name_in_body and faults.data_key.encode() in body[:4096])
+            if handler.command in ("PUT", "POST") and named and not refusing:
+                faults.writes += 1
+        ranged = handler.headers.get("Range") or handler.headers.get("x-ms-range")
+        if faults.stall_ranges and handler.command == "GET" and ranged:
+            time.sleep(3600)  # the connection stays open; not a byte comes back
+            return True
+        if number % faults.drop_every == 0:
+            with lock:
+                faults.dropped += 1
+            handler.close_connection = True
+            handler.connection.shutdown(socket.SHUT_RDWR)
+            return True
+        if refusing or number % faults.every == 0:
+            status = faults.refuse_status if refusing else 503
+            if not refusing:
+                with lock:
+                    faults.answered_503 += 1
+            handler.send_response(status)
+            handler.send_header("Content-Length", str(len(faults.error_body)))
+            handler.end_headers()
+            handler.wfile.write(faults.error_body)
+            return True
+        return False
+
+    return start_proxy(target, intercept)
 
 
 @contextlib.contextmanager

@@ -28,6 +28,7 @@ from tests import object_stores
 from tests.dcp_helpers import dcp_sequence_with_hole
 from tests.object_store_scenarios import assert_same, cli, dcp_tensors, runner, steps_of
 from tests.object_stores import BUCKET, SLOW_DOWN, Faults, fault_proxy
+from tests.waiting import wait_for
 
 boto3 = pytest.importorskip("boto3")
 pytest.importorskip("moto.server")
@@ -273,7 +274,7 @@ def test_a_holder_whose_lease_ran_out_cannot_publish_or_release_the_next_holders
         doc = json.loads(boto3.client("s3").get_object(Bucket=BUCKET, Key=record)["Body"].read())
         return float(doc["expires"]) < time.time()
 
-    assert object_stores.wait_until(expired, 60), record
+    wait_for(expired, 60, what=f"the lease of {record} to run out")
     with RemoteLock(final, lease=60) as fresh:
         assert fresh.number == slow.number + 1
         with pytest.raises(OutputError, match="was lost"):

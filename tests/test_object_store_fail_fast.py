@@ -27,7 +27,8 @@ from ema_ckpt.storage.object_paths import RemotePath, read_call
 from ema_ckpt.storage.object_reads import RemoteFile
 from tests import object_stores
 from tests.dcp_helpers import write_dcp
-from tests.object_stores import BUCKET, ProxyServer, relay
+from tests.object_stores import BUCKET, ProxyServer, start_proxy
+from tests.waiting import wait_for
 
 pytest.importorskip("moto.server")
 boto3 = pytest.importorskip("boto3")
@@ -55,33 +56,21 @@ class Stalls:
 
 
 def stalling_proxy(target: str, stalls: Stalls) -> tuple[ProxyServer, str]:
-    """A loopback HTTP proxy in front of ``target`` that forwards each request as sent (signed
-    requests stay valid), except a ``GET`` of an object whose key ends with ``stalls.suffix``:
-    that one is taken, and not a byte comes back until ``stalls.release`` is set."""
-    host, port = target.removeprefix("http://").split(":")
+    """A :func:`~tests.object_stores.start_proxy` in front of ``target`` that takes each ``GET`` of
+    an object whose key ends with ``stalls.suffix``, and not a byte comes back until
+    ``stalls.release`` is set."""
 
-    class Handler(http.server.BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
+    def intercept(handler: http.server.BaseHTTPRequestHandler, body: bytes) -> bool:
+        key = urllib.parse.unquote(urllib.parse.urlsplit(handler.path).path)
+        if handler.command != "GET" or not key.endswith(stalls.suffix):
+            return False
+        with stalls.lock:
+            stalls.taken.append((time.monotonic(), key, handler.headers.get("Range") or ""))
+        stalls.release.wait()
+        handler.close_connection = True
+        return True
 
-        def log_message(self, *args: object) -> None:
-            pass
-
-        def _forward(self) -> None:
-            body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-            key = urllib.parse.unquote(urllib.parse.urlsplit(self.path).path)
-            if self.command == "GET" and key.endswith(stalls.suffix):
-                with stalls.lock:
-                    stalls.taken.append((time.monotonic(), key, self.headers.get("Range") or ""))
-                stalls.release.wait()
-                self.close_connection = True
-                return
-            relay(self, host, port, body)
-
-        do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = _forward
-
-    server = ProxyServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    return server, f"http://127.0.0.1:{server.server_address[1]}"
+    return start_proxy(target, intercept)
 
 
 @pytest.fixture(scope="module")
@@ -155,7 +144,7 @@ def test_reads_in_flight_are_cancelled_and_later_ones_not_started(s3: str, run_u
         assert "__0_0.distcp" in str(caught.value)
         assert took < ATTEMPTS * 1.0 + BACKOFF + 5, took
         # every request in flight ends at once; none queued behind them is ever started
-        assert object_stores.wait_until(lambda: all(f.done() for f in remote._blocks.values()), 60), remote._blocks
+        wait_for(lambda: all(f.done() for f in remote._blocks.values()), 60, what="the reads in flight to end")
         first = min(at for at, _, _ in stalls.taken)
         spans = {span for _, _, span in stalls.taken}
         assert len(spans) <= 4, spans
