@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import save_file
 
 from ema_ckpt.watching import INCOMING, ema_step
+from tests.waiting import ending
 
 # The worker, run as BackgroundFolds runs it, but with the import of ema_ckpt.watching (torch:
 # the seconds in which a SIGTERM used to kill it) held until the file HELD_UNTIL exists (the test
@@ -49,16 +50,12 @@ def test_a_sigterm_during_the_workers_imports_gets_the_last_pass_and_exit_0(tmp_
     sent = tmp_path / "sigterm-sent"
     process = subprocess.Popen([sys.executable, "-c", _IMPORT_HELD, json.dumps(job)], stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True, env={**os.environ, "HELD_UNTIL": str(sent)})
-    try:
+    with ending(process):
         assert process.stdout is not None
         assert json.loads(process.stdout.readline()) == {"event": "importing"}
         process.send_signal(signal.SIGTERM)
         sent.touch()
         stdout, stderr = process.communicate(timeout=120)
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.communicate()
     assert process.returncode == 0, (process.returncode, stderr)
     events = [json.loads(line) for line in stdout.splitlines()]
     assert [(e["event"], e.get("steps"), e["step"]) for e in events] == [("fold", [10], 10), ("stopped", None, 10)]

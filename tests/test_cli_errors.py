@@ -22,6 +22,7 @@ import torch
 
 from ema_ckpt.cli import _errors, run
 from tests.dcp_helpers import write_dcp
+from tests.waiting import ending
 
 EMA_CKPT = str(Path(sys.executable).with_name("ema-ckpt"))
 REPO = Path(__file__).resolve().parents[1]
@@ -238,16 +239,12 @@ def test_a_signal_during_an_import_is_raised_once_the_import_is_done(tmp_path, s
     )
     proc = subprocess.Popen([sys.executable, "-c", _IMPORT_THEN_WAIT, str(tmp_path)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
+    with ending(proc):
         assert proc.stdout is not None
         assert proc.stdout.readline().strip() == "armed"
         assert proc.stdout.readline().strip() == "importing"
         proc.send_signal(signum)  # inside the import's loop
         sent.touch()
         out, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
     assert proc.returncode == 0, err
     assert out.split("\n")[:2] == ["imported True", f"stopped {raised}"]

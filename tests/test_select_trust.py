@@ -21,7 +21,7 @@ from ema_ckpt.commands import select as select_module
 from ema_ckpt.commands.select import select
 from ema_ckpt.errors import EvaluationError, IncompatibleCheckpointError
 from tests.test_select import EVAL_SCRIPT, _sequence
-from tests.waiting import wait_for
+from tests.waiting import ending, wait_for
 
 # An evaluation that starts a grandchild (its pid written to a file) and then scores or hangs.
 SPAWNER = """\
@@ -105,13 +105,10 @@ def test_sigterm_to_select_ends_the_evaluation_and_its_grandchild(ckpts, tmp_pat
     proc = subprocess.Popen([sys.executable, "-m", "ema_ckpt", "select", str(ckpts), "--last", "2", "--eval",
                              f"{sys.executable} {script} {pid_file} hang # {{path}}", "--out", str(tmp_path / "best")],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
+    with ending(proc):
         grandchild = _pid(pid_file)
         proc.send_signal(signal.SIGTERM)
         _out, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
     assert proc.returncode == 143, err
     assert "Traceback" not in err
     wait_for(lambda: _gone(grandchild), what=f"grandchild {grandchild} to end")

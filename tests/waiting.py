@@ -11,11 +11,13 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import socket
+import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 DEADLINE = 120.0
@@ -70,3 +72,15 @@ def listening_on(port: int) -> bool:
             if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == "0A":  # 0A: LISTEN
                 return True
     return False
+
+
+@contextlib.contextmanager
+def ending(process: subprocess.Popen[str]) -> Iterator[subprocess.Popen[str]]:
+    """The block's ``process``, killed (and its pipes drained) if it still runs when the block
+    ends: a test that fails while waiting on a child leaves no child behind."""
+    try:
+        yield process
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
