@@ -81,6 +81,9 @@ class WatchResult:
     lost: list[int] = field(default_factory=list)
     """Steps staged whose copy changed before it was folded (-1: a step not known), each said
     as an error: never folded."""
+    unstaged: list[str] = field(default_factory=list)
+    """Checkpoints a look could not stage and no later look staged (each said as an error):
+    never folded."""
 
 
 def ema_step(out: str | Location) -> int | None:
@@ -292,7 +295,8 @@ def watch(
 
     A staged copy whose bytes changed before it was folded (:func:`stage`) is not folded: it is
     said as ``step N was rewritten before it was folded: lost`` (``on_error``) and its step is in
-    ``result.lost``.
+    ``result.lost``. A checkpoint that could not be staged (said, and tried again at each look
+    while it is newer than the EMA) and that no later look staged is in ``result.unstaged``.
 
     Raises:
         OptionError: a bad ``interval`` or ``stop_when_idle``, or an option that
@@ -322,15 +326,24 @@ def watch(
     scanner_done = threading.Event()
     failures: list[BaseException] = []  # the scanning thread's, said by the main loop
 
-    def not_staged(checkpoint: Location, err: OSError) -> None:
-        failures.append(OSError(f"{checkpoint} could not be staged ({err.strerror or err})"))
+    unstaged: set[str] = set()  # checkpoints whose last look failed to stage them
+    unstaged_lock = threading.Lock()  # the scanner's looks and the main loop's last one
 
     def scan() -> int:
+        failed: set[str] = set()
+
+        def not_staged(checkpoint: Location, err: OSError) -> None:
+            failed.add(str(checkpoint))
+            failures.append(OSError(f"{checkpoint} could not be staged ({err.strerror or err})"))
+
         try:
             staged = stage_new(folder, after=lambda: result.step, step_regex=step_regex, step_from=step_from,
                                incoming=incoming, ignore=ignore, on_failure=not_staged)
         except CheckpointNotFoundError:
             return 0
+        with unstaged_lock:  # one this look staged is no longer missing (one passed over for the EMA's step is)
+            unstaged.difference_update({c for c in unstaged - failed if _is_staged(as_path(c), incoming)})
+            unstaged.update(failed)
         result.staged += len(staged)
         if staged:
             wake.set()
@@ -393,6 +406,7 @@ def watch(
             shutil.rmtree(incoming, ignore_errors=True)
             shutil.rmtree(records_dir(incoming), ignore_errors=True)
     _say_scan_failures(folder, failures, result, on_error)  # the scanner's last look
+    result.unstaged = sorted(unstaged)
     return result
 
 

@@ -289,3 +289,39 @@ def test_a_checkpoint_that_cannot_be_staged_does_not_hold_up_the_others(tmp_path
     with pytest.raises(PermissionError):
         watching.stage_new(ckpts)  # without on_failure: raised once the others are staged
     assert sorted(p.name for p in (ckpts / INCOMING).iterdir()) == ["checkpoint-1", "checkpoint-3"]
+
+
+@pytest.mark.parametrize("refusals", [1, None], ids=["staged-at-the-next-look", "never-staged"])
+def test_a_checkpoint_never_staged_is_no_exit_0(tmp_path, monkeypatch, refusals):
+    """A checkpoint refused at a look is tried again at the next; one no look stages (never
+    folded: refused each time, or passed by a newer step) is in ``result.unstaged``, and the CLI
+    exits 3."""
+    from ema_ckpt import watching
+    from ema_ckpt.cli import run
+
+    folder = tmp_path / "run"
+    steps = (1, 2) if refusals else (1, 2, 3)  # once: nothing newer, so the EMA never passes step 2 first
+    for step in steps:
+        _save(folder, step)
+    real_stage, refused = watching.stage, []
+
+    def refusing(checkpoint, incoming):
+        if Path(str(checkpoint)).name == "checkpoint-2" and (refusals is None or len(refused) < refusals):
+            refused.append(checkpoint)
+            raise PermissionError(13, "Permission denied", str(checkpoint))
+        return real_stage(checkpoint, incoming)
+
+    monkeypatch.setattr(watching, "stage", refusing)
+    errors: list[str] = []
+    result = ema_ckpt.watch(folder, out=tmp_path / "ema", decay=DECAY, interval=0.1, stop_when_idle=1.0,
+                            on_error=errors.append, use_inotify=False)
+    assert refused and any("checkpoint-2 could not be staged" in e for e in errors)
+    if refusals is None:
+        assert result.unstaged == [str(folder / "checkpoint-2")] and result.step == 3
+        assert 2 not in [s for f in result.folds for s in f.steps]
+    else:
+        assert result.unstaged == [] and sorted(s for f in result.folds for s in f.steps) == [1, 2]
+    refused.clear()
+    code = run(["watch", str(folder), "--out", str(tmp_path / "ema-cli"), "--decay", str(DECAY), "--interval",
+                "0.1", "--stop-when-idle", "1", "--no-inotify", "--quiet"])
+    assert code == (3 if refusals is None else 0)

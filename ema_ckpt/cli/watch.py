@@ -57,7 +57,8 @@ Examples:
   checked before anything is watched (exit 2). SIGTERM or Ctrl-C: the fold in progress
   finishes, then exit 0 (a second one stops at once). A fold, or a look at the folder, that
   fails is said in one line (once) and watching goes on; a staged step whose bytes changed
-  before it was folded is said as lost, and the exit status is then 3.
+  before it was folded is said as lost, and the exit status is then 3; so is a checkpoint
+  that could not be staged and that no later look staged.
 """
 
 
@@ -138,12 +139,16 @@ def watch_command(
     lost = sorted(result.lost)
     if json_output:
         print_json({"event": "stopped", "why": result.stopped, "out": str(result.out), "step": result.step,
-                    "folds": len(result.folds), "errors": len(result.errors), "lost": lost}, compact=True)
+                    "folds": len(result.folds), "errors": len(result.errors), "lost": lost,
+                    "unstaged": [str(c) for c in result.unstaged]}, compact=True)
     elif not quiet:
         console.print(f"{shown(result.out)}: stopped ({result.stopped}); EMA at step {result.step}, "
                       f"{len(result.folds)} folds", highlight=False)
-    if lost:  # a step staged but rewritten before it was folded: never an exit 0
-        if not json_output:
+    if lost or result.unstaged:  # a checkpoint seen and never folded: never an exit 0
+        if not json_output and lost:
             err_console.print(f"error: {len(lost)} staged step(s) were rewritten before they were folded and are "
                               "lost to the EMA (see above)", style="red", highlight=False)
+        if not json_output and result.unstaged:
+            err_console.print(f"error: {len(result.unstaged)} checkpoint(s) could not be staged and were never "
+                              f"folded: {', '.join(shown(c) for c in result.unstaged)}", style="red", highlight=False)
         raise typer.Exit(CheckpointError.exit_code)
