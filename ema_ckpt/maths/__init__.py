@@ -1,19 +1,8 @@
 """Pure float64 maths of ema-ckpt: every output is Σ cᵢ·θᵢ, with the cᵢ computed here.
 
-Arithmetic on steps and profile parameters only: no I/O, no tensors, no command-line names.
-Time is the optimizer step counted from the start of training (step 0). Every coefficient
-function returns one coefficient per input, in input order, with 0.0 for inputs it does not
-use (checkpoints after ``at_step``, checkpoints outside a uniform selection).
-
-Modules, one family each (formulas in ``docs/math.md`` and ``docs/profiles.md``):
-
-* :mod:`.exponential`: the classic EMA across gaps (per step, per checkpoint, warm-up);
-* :mod:`.power`: the EDM2 power-function EMA, σ_rel ↔ γ, its decay and closed form;
-* :mod:`.uniform`: plain averaging (fairseq / LAWA);
-* :mod:`.merge_weights`: merge weights from a decay schedule (WSM, Megatron-LM ``weighted_merge``);
-* :mod:`.posthoc`: EDM2 post-hoc reconstruction from power-EMA snapshots;
-* :mod:`.stats`: what a plan amounts to, and the sparse-spacing warning;
-* :mod:`.profiles`: the kept profiles as manifests record them.
+No I/O, no tensors, no command-line names; time is the optimizer step from the start of
+training. Every coefficient function returns one coefficient per input, in input order, 0.0
+for inputs it does not use. One formula family per module (``docs/math.md``).
 
 Example:
     >>> from ema_ckpt.maths import power_coefficients, sigma_rel_to_gamma

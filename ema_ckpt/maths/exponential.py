@@ -6,8 +6,7 @@ An EMA folded over checkpoints θ₁…θₙ at steps s₁ < … < sₙ is the r
 
 where bₖ is the weight the old average keeps across the gap (sₖ₋₁, sₖ] (``docs/math.md``):
 
-* per-step decay β:  bₖ = β^(sₖ − sₖ₋₁)  (each checkpoint stands for the steps since the
-  previous one; the identity behind Composer's ``2^(−interval/half_life)``);
+* per-step decay β:  bₖ = β^(sₖ − sₖ₋₁) (Composer's ``2^(−interval/half_life)``);
 * half-life h steps: β = 2^(−1/h), since β^h = 1/2;
 * per-checkpoint decay: bₖ = β whatever the gap;
 * warm-up (the TF ``num_updates`` rule): the decay at step n is min(β, (1 + n)/(10 + n)),
@@ -47,13 +46,8 @@ __all__ = [
 
 @dataclass(frozen=True, slots=True)
 class ExponentialProfile:
-    """A classic EMA: decay per optimizer step (default) or per checkpoint.
-
-    Attributes:
-        decay: β in (0, 1): the weight the average keeps per step (or per checkpoint).
-        per_checkpoint: apply β once per checkpoint, whatever the gap in steps.
-        warmup: use min(β, (1 + n)/(10 + n)) at step n (TF-style warm-up).
-    """
+    """A classic EMA: β in (0, 1) kept per optimizer step, or per checkpoint whatever the gap;
+    ``warmup``: min(β, (1 + n)/(10 + n)) at step n (TF-style)."""
 
     decay: float
     per_checkpoint: bool = False
@@ -132,8 +126,6 @@ def _log_warmup_product(first: int, last: int, beta: float) -> float:
 def fold_coefficients(update_weights: Sequence[float]) -> list[float]:
     """The weights cᵢ = wᵢ·Π_{j>i}(1 − wⱼ) of Σ cᵢ·θᵢ produced by a lerp fold with wᵢ = 1 − bᵢ.
 
-    The first weight is normally 1 (the first checkpoint initialises the average).
-
     Example:
         >>> [round(c, 6) for c in fold_coefficients([1.0, 0.5, 0.5])]
         [0.25, 0.25, 0.5]
@@ -149,11 +141,8 @@ def fold_coefficients(update_weights: Sequence[float]) -> list[float]:
 def exponential_coefficients(
     steps: Sequence[int], profile: ExponentialProfile, at_step: int | None = None
 ) -> list[float]:
-    """The classic EMA across gaps as weights: cᵢ = (1 − bᵢ)·Π_{j>i} bⱼ, b₁ = 0.
-
-    bᵢ is ``profile.keep_factor`` over (tᵢ₋₁, tᵢ] (β^Δ per step, β per checkpoint, or the
-    warm-up product); the first checkpoint initialises the average (ema₁ = θ₁), exactly as
-    ``accumulate`` folds it. Checkpoints after ``at_step`` get 0.
+    """The classic EMA across gaps as weights: cᵢ = (1 − bᵢ)·Π_{j>i} bⱼ, b₁ = 0, as ``accumulate``
+    folds it; checkpoints after ``at_step`` get 0.
 
     Example:
         >>> exponential_coefficients([10, 11, 12], ExponentialProfile(decay=0.5))
@@ -168,8 +157,7 @@ def exponential_coefficients(
 def equivalent_step_decay(steps: Sequence[int], profile: ExponentialProfile) -> float:
     """The per-step β that the profile amounts to at the newest step.
 
-    Per step: β itself. Per checkpoint: β^(1/k̄), k̄ the mean gap (t_n − t₁)/(n − 1) (a fixed
-    β every k steps is a per-step β^(1/k)); NaN with a single checkpoint. Warm-up:
+    Per checkpoint: β^(1/k̄), k̄ the mean gap (NaN with one checkpoint); warm-up:
     min(β, (1+T)/(10+T)) at the newest step T.
 
     Example:

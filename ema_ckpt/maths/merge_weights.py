@@ -17,9 +17,8 @@ cⱼ = f(j/N) − f((j+1)/N):
 * ``minus-sqrt`` (WSM's "1−sqrt"): f(x) = 1 − √x, cⱼ = √((j+1)/N) − √(j/N), the oldest heaviest;
 * ``cosine``: f(x) = (1 + cos πx)/2.
 
-A schedule given as (step, learning rate) points is step-aware instead: wᵢ is the mean of
-the piecewise-linear rate over the steps between checkpoints i−1 and i, divided by the
-largest rate given.
+A schedule of (step, learning rate) points is step-aware: wᵢ is the mean rate between
+checkpoints i−1 and i over the largest rate.
 
 Example:
     >>> [round(c, 4) for c in schedule_weights("minus-sqrt", 4)]
@@ -64,9 +63,6 @@ def coefficients_from_decay(multipliers: Sequence[float]) -> list[float]:
 def schedule_weights(name: str, count: int) -> list[float]:
     """Merge weights of ``count`` checkpoints (oldest first) for a named decay schedule.
 
-    Matches Megatron-LM ``weighted_merge``'s ``linear`` and ``minus-sqrt`` styles: cⱼ =
-    f(j/N) − f((j+1)/N).
-
     Example:
         >>> schedule_weights("linear", 4)
         [0.25, 0.25, 0.25, 0.25]
@@ -84,8 +80,6 @@ def schedule_weights(name: str, count: int) -> list[float]:
 def rate_schedule_weights(steps: Sequence[int], points: Sequence[tuple[float, float]]) -> list[float]:
     """Merge weights of checkpoints at ``steps`` (oldest first) that emulate the learning-rate
     schedule ``points`` ((step, rate) pairs, piecewise linear, constant past either end).
-
-    wᵢ is the schedule's mean rate over (stepᵢ₋₁, stepᵢ] divided by its largest rate.
 
     Example:
         >>> rate_schedule_weights([0, 10, 20], [(0, 1.0), (20, 0.0)])

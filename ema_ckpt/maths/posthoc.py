@@ -68,14 +68,8 @@ class Snapshot:
 
 
 def profile_inner_product(t_a: float, gamma_a: float, t_b: float, gamma_b: float) -> float:
-    """⟨p_a, p_b⟩ = ∫ p(τ; t_a, γ_a)·p(τ; t_b, γ_b) dτ, in closed form.
-
-    For t_a ≤ t_b (swap otherwise) the product is non-zero on [0, t_a] only, and
-
-        ∫₀^{t_a} (γ_a+1)(γ_b+1) τ^(γ_a+γ_b) / (t_a^(γ_a+1) t_b^(γ_b+1)) dτ
-          = (γ_a+1)(γ_b+1) / ((γ_a+γ_b+1)·t_b) · (t_a/t_b)^γ_b.
-
-    It scales as 1/t: only ratios of times matter (EDM2's post-hoc EMA; checked by quadrature in tests).
+    """⟨p_a, p_b⟩ = ∫ p(τ; t_a, γ_a)·p(τ; t_b, γ_b) dτ
+    = (γ_a+1)(γ_b+1) / ((γ_a+γ_b+1)·t_b) · (t_a/t_b)^γ_b for t_a ≤ t_b (swapped otherwise).
 
     Example:
         >>> profile_inner_product(1.0, 0.0, 1.0, 0.0)   # ‖uniform on [0, 1]‖² = 1
@@ -141,11 +135,9 @@ def posthoc_plan(
 ) -> PosthocPlan:
     """EDM2 post-hoc EMA: the L2 projection of the target profile q onto the snapshots' profiles.
 
-    q = p(·; T, γ_target), T = ``at_step`` (any step at or after the first snapshot) or the
-    newest snapshot step; only snapshots with step ≤ T are used. With A_ij = ⟨p_i, p_j⟩ and
-    b_i = ⟨p_i, q⟩ (``profile_inner_product``, scaled by T so entries are O(1)), solve A x = b
-    in float64 (``numpy.linalg.solve``; ``lstsq`` if A is singular or cond(A) > 1e14), then
-    normalise x to sum 1. Coefficients may be negative.
+    q = p(·; T, γ_target), T = ``at_step`` (a snapshot step) or the newest; snapshots after T
+    are unused. Solves A x = b (A_ij = T·⟨p_i, p_j⟩, b_i = T·⟨p_i, q⟩; ``lstsq`` when A is
+    singular or cond(A) > 1e14), x normalised to sum 1 (coefficients may be negative).
 
     Example:
         >>> snaps = [Snapshot(t, g) for t in (1000, 2000) for g in (6.94, 16.97)]

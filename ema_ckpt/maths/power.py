@@ -46,16 +46,10 @@ __all__ = [
 
 #: σ_rel of γ = 0 (the uniform mean over [0, T]): 1/√12. Valid σ_rel lie in (0, 1/√12).
 SIGMA_REL_MAX = 1.0 / math.sqrt(12.0)
-
+#: The largest γ accepted (σ_rel ≈ 1e-6): beyond it (t/T)^γ underflows float64 for all but the last checkpoint.
 GAMMA_MAX = 1e6
-"""The largest power-EMA exponent accepted (σ_rel ≈ 1e-6): beyond it the profile's powers of
-t/T underflow float64 for every checkpoint but the last, and the window is below one step."""
-
+#: The narrowest σ_rel accepted (γ ≈ :data:`GAMMA_MAX`).
 SIGMA_REL_MIN = 1e-6
-"""The narrowest σ_rel accepted (γ ≈ 1e6, :data:`GAMMA_MAX`)."""
-
-
-# --------------------------------------------------------------------------- checks
 
 
 def gamma_problem(gamma: object) -> tuple[float, str | None]:
@@ -98,13 +92,8 @@ def check_sigma_rel(sigma_rel: object, option: str = "sigma_rel") -> float:
     return s
 
 
-# --------------------------------------------------------------------------- σ_rel ↔ γ
-
-
 def gamma_to_sigma_rel(gamma: float) -> float:
-    """σ_rel(γ) = sqrt((γ+1) / ((γ+2)²(γ+3))): the std of the power profile over its end time.
-
-    EDM2 eq. 3. γ = 0 (uniform mean) gives 1/√12.
+    """σ_rel(γ) = sqrt((γ+1) / ((γ+2)²(γ+3))), EDM2 eq. 3: the profile's std over its end time.
 
     Example:
         >>> round(gamma_to_sigma_rel(16.97), 4), round(gamma_to_sigma_rel(6.94), 4)
@@ -115,11 +104,7 @@ def gamma_to_sigma_rel(gamma: float) -> float:
 
 
 def sigma_rel_to_gamma(sigma_rel: float) -> float:
-    """γ(σ_rel): the largest real root of γ³ + 7γ² + (16 − s)γ + (12 − s) = 0, s = σ_rel⁻².
-
-    The cubic is EDM2 eq. 3 squared and rearranged (σ_rel² = 1/s). Solved with
-    ``numpy.roots`` and polished by Newton steps in float64. Valid for 0 < σ_rel < 1/√12,
-    else ``OptionError`` on ``sigma_rel``.
+    """γ(σ_rel): the largest real root of γ³ + 7γ² + (16 − s)γ + (12 − s) = 0, s = σ_rel⁻² (EDM2 eq. 3).
 
     Example:
         >>> round(sigma_rel_to_gamma(0.05), 2), round(sigma_rel_to_gamma(0.10), 2)
@@ -140,18 +125,11 @@ def sigma_rel_to_gamma(sigma_rel: float) -> float:
     return g
 
 
-# --------------------------------------------------------------------------- decay across a gap
-
-
 def log_power_keep(t_prev: int, t_new: int, gamma: float) -> float:
     """log r = (γ+1)·log(t_prev/t_new), the log of the weight a power EMA keeps over (t_prev, t_new].
 
-    The one implementation of the power-EMA decay, within a few ulps of the exact value for
-    every gap. When t_prev/t_new is near 1 it is (γ+1)·log1p(−Δ/t_new), Δ = t_new − t_prev
-    exact: log(t_prev/t_new) would round the ratio first and lose the digits of a small gap.
-    For larger gaps (ratio ≤ 1/2) log of the ratio is the exact one (1 − Δ/t_new cancels).
-    −inf when t_prev ≤ 0: the first update replaces the average (β(1) = 0). Steps are not
-    checked here.
+    Near ratio 1 it is (γ+1)·log1p(−Δ/t_new) (the ratio rounded first would lose a small gap's
+    digits). −inf when t_prev ≤ 0: the first update replaces the average. Steps are not checked.
 
     Example:
         >>> log_power_keep(100, 200, 1.0) == 2 * math.log(0.5)
@@ -165,10 +143,7 @@ def log_power_keep(t_prev: int, t_new: int, gamma: float) -> float:
 
 
 def power_update_ratio(t_prev: int, t_new: int, gamma: float) -> float:
-    """r = (t_prev/t_new)^(γ+1): the weight an incremental power EMA keeps.
-
-    The update is acc ← r·acc + (1 − r)·θ_new: the product of the per-step decays
-    (1 − 1/t)^(γ+1) over t = t_prev+1 … t_new, which telescopes.
+    """r = (t_prev/t_new)^(γ+1): the weight an incremental power EMA keeps (acc ← r·acc + (1 − r)·θ_new).
 
     Example:
         >>> power_update_ratio(100, 200, gamma=1.0)
@@ -189,20 +164,12 @@ def power_update_weight(t_prev: int, t_new: int, gamma: float) -> float:
     return -math.expm1(log_power_keep(a, b, check_gamma(gamma)))
 
 
-# --------------------------------------------------------------------------- closed form
-
-
 def power_coefficients(steps: Sequence[int], gamma: float, at_step: int | None = None) -> list[float]:
     """Power-function EMA from raw checkpoints: cᵢ = (tᵢ/T)^(γ+1) − (tᵢ₋₁/T)^(γ+1), t₀ = 0.
 
-    Each checkpoint carries the mass of the profile p(τ; T, γ) on (tᵢ₋₁, tᵢ] ("hold": the
-    weights at step τ are those of the next checkpoint), the first one [0, t₁]; Σ cᵢ = 1
-    exactly. Evaluated as (tᵢ/T)^(γ+1)·(1 − rᵢ), rᵢ from :func:`log_power_keep`, with
-    ``exp``/``expm1``: no overflow for γ ≈ 100, no cancellation for small gaps.
-
-    T is the newest checkpoint step at or before ``at_step`` (the newest of all when it is
-    None): nothing after the newest usable checkpoint is known, so the profile ends there.
-    Later checkpoints get 0.
+    Each checkpoint carries the profile's mass on (tᵢ₋₁, tᵢ]; Σ cᵢ = 1. Evaluated as
+    (tᵢ/T)^(γ+1)·(1 − rᵢ) with ``exp``/``expm1`` (no overflow, no cancellation). T is the newest
+    step at or before ``at_step``; later checkpoints get 0.
 
     Example:
         >>> [round(c, 4) for c in power_coefficients([100, 200, 300], gamma=1.0, at_step=250)]
@@ -235,14 +202,9 @@ def power_window(gamma: float, at_step: int) -> float:
     return gamma_to_sigma_rel(gamma) * as_step(at_step, "at_step")
 
 
-# --------------------------------------------------------------------------- kept incrementally
-
-
 @dataclass(frozen=True, slots=True)
 class PowerProfile:
-    """A power-function EMA kept incrementally: acc ← r·acc + (1 − r)·θ, r = (t_prev/t_new)^(γ+1).
-
-    Time is the training step from 0. ``label`` is the value as the user typed it (output names).
+    """A power-function EMA kept incrementally; ``label`` is γ as the user typed it (output names).
 
     Example:
         >>> p = PowerProfile(gamma=1.0, label="1")

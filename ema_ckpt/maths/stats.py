@@ -1,7 +1,4 @@
-"""What a plan amounts to: Σc, effective σ_rel, mean age, N_eff, and the spacing warning.
-
-The report every plan prints (``docs/math.md``, "report for every plan"), from steps and
-coefficients alone.
+"""What a plan amounts to (``docs/math.md``): Σc, effective σ_rel, mean age, N_eff, the spacing warning.
 
 Example:
     >>> describe_plan([10, 20], [0.5, 0.5]).n_eff
@@ -51,11 +48,8 @@ class PlanStats:
 def describe_plan(
     steps: Sequence[int], coeffs: Sequence[float], *, profile: ExponentialProfile | None = None
 ) -> PlanStats:
-    """Σc, effective σ_rel, mean age, N_eff and max |c| of Σ cᵢ·θᵢ over raw checkpoints.
-
-    The checkpoints are point masses at tᵢ: σ_rel here is that discrete spread, which
-    approaches the profile's σ_rel only when checkpoints are dense. Pass the
-    ``ExponentialProfile`` of an exponential plan to get its half-life and per-step β.
+    """Σc, effective σ_rel (of point masses at tᵢ), mean age, N_eff and max |c| of Σ cᵢ·θᵢ;
+    with ``profile``, an exponential plan's half-life and per-step β too.
 
     Example:
         >>> s = describe_plan([10, 20, 30, 40], [0.0, 0.0, 0.5, 0.5])
@@ -143,10 +137,8 @@ def sparse_checkpoints(steps: Sequence[int], window: float) -> SparseCheckpoints
 def spacing_warning(steps: Sequence[int], window: float) -> str | None:
     """A message when the largest gap between consecutive checkpoints exceeds window/20.
 
-    window = 1/(1 − β) for a classic EMA (``exponential_window``), σ_rel·T for a power EMA
-    (``power_window``). Sparse checkpoints make the output LAWA-like averaging rather than
-    the online EMA: relative error ≈ sqrt(k/window). None when spacing is fine. The numbers
-    alone: :func:`sparse_checkpoints`.
+    window = 1/(1 − β) for a classic EMA, σ_rel·T for a power EMA. Sparse checkpoints make the
+    output LAWA-like averaging: relative error ≈ sqrt(k/window).
 
     Example:
         >>> spacing_warning([0, 100, 200], window=10_000) is None

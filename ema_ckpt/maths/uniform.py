@@ -24,10 +24,8 @@ def uniform_selection(
     to_step: int | None = None,
     every: int | None = None,
 ) -> list[int]:
-    """Indices averaged by ``uniform_coefficients``: steps in [from_step, to_step], every n-th
-    of them counted back from the newest (LAWA's spacing), then the last k.
-
-    Both bounds are inclusive; ``last`` keeps the newest k of what the bounds and ``every`` leave.
+    """Indices averaged by ``uniform_coefficients``: steps in [from_step, to_step] (inclusive),
+    every n-th of them counted back from the newest (LAWA's spacing), then the last k.
 
     Example:
         >>> uniform_selection([10, 20, 30, 40, 50], last=2, to_step=40)
@@ -42,19 +40,20 @@ def uniform_selection(
         raise OptionError("from_step", f"{lo} is after {{to_step}} {hi}", value=lo, mentions=("to_step",))
     picked = [i for i, t in enumerate(ts) if (lo is None or t >= lo) and (hi is None or t <= hi)]
     if every is not None:
-        spacing: object = every
-        if isinstance(spacing, bool) or not isinstance(spacing, Integral) or spacing < 1:
-            raise OptionError("every", f"must be a positive number of checkpoints, got {every!r}", value=every)
-        picked = picked[::-1][:: int(every)][::-1]
+        picked = picked[::-1][:: _count(every, "every")][::-1]
     if last is not None:
-        count: object = last  # checked as any value: callers need not be type-checked
-        if isinstance(count, bool) or not isinstance(count, Integral) or count < 1:
-            raise OptionError("last", f"must be a positive number of checkpoints, got {last!r}", value=last)
-        picked = picked[-int(last):]
+        picked = picked[-_count(last, "last"):]
     if not picked:
         bounds = f"[{lo if lo is not None else ts[0]}, {hi if hi is not None else ts[-1]}]"
         raise UsageError(f"no checkpoint in the selected steps {bounds} (checkpoints span {ts[0]}–{ts[-1]})")
     return picked
+
+
+def _count(value: object, option: str) -> int:
+    """``value`` as a positive count (checked as any value: callers need not be type-checked)."""
+    if isinstance(value, bool) or not isinstance(value, Integral) or value < 1:
+        raise OptionError(option, f"must be a positive number of checkpoints, got {value!r}", value=value)
+    return int(value)
 
 
 def uniform_coefficients(
@@ -66,8 +65,6 @@ def uniform_coefficients(
     every: int | None = None,
 ) -> list[float]:
     """Plain averaging: 1/k on each checkpoint of ``uniform_selection``, 0 elsewhere.
-
-    An empty selection is a ``UsageError``.
 
     Example:
         >>> uniform_coefficients([10, 20, 30, 40, 50], from_step=20, to_step=30)
