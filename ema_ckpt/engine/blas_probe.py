@@ -1,10 +1,5 @@
-"""Block arithmetic for the engine: row-block budgets, and a block product with its exactness probe.
-
-Elementwise arithmetic on row blocks gives the bits of the whole region, so the engine cuts
-each region into blocks small enough to stay in the CPU's cache (:func:`block_budget`). A
-sweep's K sum outputs over the same N sources are one K × N product per block
-(:class:`Sweep`), used only where this machine's BLAS gives the bits of the one-output loop
-(:func:`product_is_exact`); elsewhere the loop computes them.
+"""Block arithmetic for the engine: cache-sized row blocks, and a sweep's K × N block product
+where this machine's BLAS gives the one-output loop's bits.
 
 Example:
     >>> block_budget(8)
@@ -56,12 +51,8 @@ def row_blocks(box: Box, itemsize: int, device: str, budget: int = _BLOCK_BYTES)
 class Sweep:
     """Sum outputs over the same sources, computed as ``coefficients @ stack`` per block.
 
-    ``coefficients`` is K × N (outputs × sources, in source order); ``stack`` holds the N
-    sources' block as rows. Made only where the product accumulates each element source by
-    source in order, as the one-output loop does (``acc = w₀·θ₀``, then ``acc += wₛ·θₛ``:
-    :func:`product_is_exact`); a one-column block, which BLAS would take as a matrix-vector
-    product, is computed by that loop. The same shapes give the same bits for any thread
-    count and any number of workers.
+    ``coefficients`` is K × N (outputs × sources); ``stack`` holds the N sources' block as rows.
+    A one-column block (a matrix-vector product to BLAS) is computed by the loop.
     """
 
     outputs: tuple[int, ...]
@@ -96,13 +87,8 @@ def product_is_exact(outputs: int, sources: int, dtype: torch.dtype) -> bool:
     """This machine's BLAS gives a K × N product (``outputs`` × ``sources``) the bits of the
     one-output loop (``acc = w₀·θ₀``, then ``acc += wₛ·θₛ`` fused, source by source).
 
-    Whether it does depends on the BLAS and the processor, not on the data: MKL on Intel
-    processors accumulates in source order with fused multiply-adds, as the loop does; on
-    other processors (AMD's) its kernels group the terms otherwise, and results differ in the
-    last bit. So the product is tried once per shape on random values at widths where kernels
-    change, under the run's thread settings, and used only where every element matches;
-    elsewhere a sweep's outputs are computed by the loop, one by one. Either way each output
-    has the loop's bits, on any machine.
+    It depends on the BLAS and the processor, not the data (MKL on AMD groups terms otherwise),
+    so it is tried once per shape on random values at the widths where kernels change.
 
     Example:
         >>> product_is_exact(4, 4, torch.float32) in (True, False)

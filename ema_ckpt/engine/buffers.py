@@ -1,10 +1,5 @@
 """Region I/O for the engine: reads into reused page-aligned buffers, and writes one region behind.
 
-Fresh buffers for every region would cost page faults on every read; a few reused ones
-(:class:`Buffers`) keep memory at a few regions. Writing runs on background threads at most
-one region behind (:class:`WriteBehind`), so the disk takes region i while region i+1 is
-read and combined, and a buffer is reused only once its write has ended.
-
 Example:
     >>> buffers = Buffers()
     >>> buffers.get("read", (2, 3), torch.float32).shape
@@ -25,15 +20,9 @@ from ..layout import Box, TensorSpec
 
 
 class WriteBehind:
-    """Runs each region's sink calls on background threads, at most one region behind.
-
-    Writing (page-cache copies, CRC-32, the disk's back-pressure) and reading/arithmetic all
-    release the GIL, so they overlap. Each sink's calls run in order on one thread; the sinks
-    of a multi-output run write side by side, since copying into the page cache costs kernel
-    time per byte that one thread would pay for all of them.
-    :meth:`submit` first waits for the previous region's writes, which is what lets the
-    engine alternate between two buffer pools; a write error surfaces at the next submit or
-    on exit.
+    """Runs each region's sink calls on background threads (one per sink, calls in order), at
+    most one region behind: :meth:`submit` first waits for the previous region's writes, so the
+    engine can alternate two buffer pools. A write error surfaces at the next submit or on exit.
     """
 
     def __init__(self, sinks: int = 1) -> None:
@@ -75,13 +64,8 @@ def _run_all(calls: Sequence[Callable[[], None]]) -> None:
 
 
 class Buffers:
-    """Reused flat buffers, one per slot and dtype, grown to the largest region seen.
-
-    Fresh multi-megabyte allocations cost page faults on every region (as much as the read
-    itself); reusing a few buffers keeps memory at a few regions and reads at memory speed.
-    Each starts on a page boundary, so a result can go to the disk straight from its memory
-    (``O_DIRECT`` wants aligned addresses: :mod:`ema_ckpt.storage.direct_io`).
-    """
+    """Reused flat buffers, one per slot and dtype, grown to the largest region seen (fresh
+    ones cost page faults on every region); page-aligned, for ``O_DIRECT`` writes."""
 
     def __init__(self) -> None:
         self._flat: dict[tuple[object, torch.dtype], torch.Tensor] = {}

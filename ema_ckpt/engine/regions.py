@@ -2,20 +2,14 @@
 
 Each output is a combination of the sources, given as ordered updates:
 
-* ``fold`` outputs apply ``acc ← lerp(acc, θₛ, w)`` in source order (the first update,
-  with w = 1, initialises ``acc``). This is how an EMA is kept, and doing it the same way
-  in a one-shot run and in an incremental run makes both produce the same bits.
-* ``sum`` outputs compute ``acc = Σ wₛ·θₛ`` (post-hoc EMA, where weights may be negative).
-  Two or more sum outputs over the same sources (a sweep) are computed together, one small
-  matrix product per block: the K × N coefficients times the N sources' block gives the K
-  output blocks in one pass over the inputs, where this machine's BLAS gives the bits of the
-  one-output loop (:func:`~ema_ckpt.engine.blas_probe.product_is_exact`); elsewhere by that loop.
+* ``fold`` outputs apply ``acc ← lerp(acc, θₛ, w)`` in source order (the first update, w = 1,
+  initialises ``acc``): a one-shot run and an incremental one give the same bits.
+* ``sum`` outputs compute ``acc = Σ wₛ·θₛ``; a sweep (sum outputs over the same sources) is one
+  K × N product per block where the BLAS gives the loop's bits (:mod:`.blas_probe`).
 
-For each region (one stored chunk of the output layout), each source's matching box is
-read once and folded into every output that uses it, then the results are written and
-freed: memory is a few regions, never the model. Non-floating tensors are copied from one
-source (the newest checkpoint). Writing runs one region behind on a background thread, so
-the disk takes region i while region i+1 is read and combined (:mod:`ema_ckpt.engine.buffers`).
+Each source's box of a region is read once for every output, the results written one region
+behind and freed: memory is a few regions, never the model. Non-floating tensors are copied
+from one source (the newest checkpoint).
 
 Example:
     >>> outputs = [OutputSpec("ema", (Update(0, 1.0), Update(1, 0.1)))]
@@ -89,11 +83,7 @@ class EngineStats:
 
 
 def check_device(device: str) -> None:
-    """Refuse a device this machine does not have, with one clear line.
-
-    Checked before any work: a malformed ``cuda:N`` or an index past the last GPU would
-    otherwise fail in the first allocation, as an internal error.
-    """
+    """Refuse a device this machine does not have, with one clear line, before any work."""
     if device == "cpu":
         return
     if not device.startswith("cuda"):
@@ -220,11 +210,8 @@ _WRITE_BEHIND_BYTES = 1 << 20  # smaller regions are written inline: a thread ha
 def _one_compute_thread(device: str, *, computes: bool = True) -> Iterator[None]:
     """The run's arithmetic on one intra-op thread (CPU), the previous setting restored after.
 
-    The arithmetic is a few passes over cache-sized blocks, far cheaper than reading and
-    writing them; the cores are better spent on the write-behind threads (page-cache copies,
-    CRC-32) and on ``--workers``. OpenMP's idle workers also spin between operations, taking
-    those cores from the writers. Results do not depend on the thread count either way. A run
-    of byte copies only (``computes`` False) never imports torch.
+    The arithmetic is cheap next to the I/O: the cores serve the write-behind threads and
+    ``--workers`` better (OpenMP's idle threads spin). Byte copies only never import torch.
     """
     if device != "cpu" or not computes:
         yield
@@ -249,12 +236,8 @@ def _accumulate_region(
     check_finite: frozenset[int] = frozenset(),
     parity: int = 0,
 ) -> list[torch.Tensor]:
-    """Every output's values over ``region``, computed row block by row block.
-
-    Elementwise arithmetic on blocks gives the same bits as on the whole region; within a
-    block, sources are applied in order, as in a one-shot or incremental run. A sweep's sum
-    outputs (see :func:`_sweep`) are one matrix product per block instead.
-    """
+    """Every output's values over ``region``, row block by row block, sources in order
+    (a sweep's outputs one matrix product per block)."""
     weights = [{u.source: u.weight for u in out.updates} for out in outputs]
     shape = region.box.sizes
     inputs = []
@@ -401,10 +384,8 @@ def _find_nonfinite(sources: Sequence[CheckpointReader], inputs: Sequence[tuple[
                     key: str, block: Box, buffers: Buffers | None, check_finite: frozenset[int]) -> None:
     """Name the checked source that made a block non-finite (:class:`NonFiniteError`).
 
-    A NaN or Inf in any input reaches every output that uses it (lerp and weighted sums
-    propagate them, even at weight 0), so the outputs are checked, and the inputs only when
-    an output fails: one pass over the results instead of one per input. A non-finite
-    result without a checked culprit (a previous EMA) is left as it is.
+    A NaN or Inf reaches every output that uses it, even at weight 0, so only the outputs are
+    checked, and the inputs when one fails; without a checked culprit (a previous EMA) it stays.
     """
     for source, spec, _users in inputs:
         if source in check_finite and not _all_finite(read_box(sources[source], key, block, spec, buffers)):
@@ -412,10 +393,7 @@ def _find_nonfinite(sources: Sequence[CheckpointReader], inputs: Sequence[tuple[
 
 
 def _all_finite(tensor: torch.Tensor) -> bool:
-    """No NaN or Inf: min and max in one vectorised pass (NaN propagates into both, Inf shows).
-
-    About 20× faster than ``isfinite(t).all()`` or a float64 sum on CPU.
-    """
+    """No NaN or Inf: ``aminmax`` in one pass (about 20× faster than ``isfinite(t).all()`` on CPU)."""
     if tensor.numel() == 0:
         return True
     try:
@@ -426,11 +404,8 @@ def _all_finite(tensor: torch.Tensor) -> bool:
 
 
 def _to_device(raw: torch.Tensor, device: str, dtype: torch.dtype) -> torch.Tensor:
-    """``raw`` as ``dtype`` on ``device``; to a GPU through pinned memory, asynchronously.
-
-    The copy and the arithmetic queue on the GPU while the CPU goes on reading the next
-    source, so reads, transfers and compute overlap.
-    """
+    """``raw`` as ``dtype`` on ``device``; to a GPU through pinned memory, asynchronously
+    (reads, transfers and compute overlap)."""
     if device == "cpu":
         return raw.to(dtype)
     return raw.pin_memory().to(device, non_blocking=True).to(dtype)

@@ -1,20 +1,9 @@
-"""The output contract: every output format (DCP, safetensors, HF sharded, torch file) is an
-:class:`OutputWriter`, and the engine's one loop feeds them all.
+"""The output contract: every output format is an :class:`OutputWriter`, fed by the engine's loop.
 
-A writer is made for one output and works in three phases:
-
-1. :meth:`OutputWriter.plan` (every worker, the same answer): cut each tensor into regions and
-   name the file each region goes to. Files are what workers share out, so a plan that
-   depends only on the layout gives the same bytes for any number of workers.
-2. :meth:`OutputWriter.write` (each worker, its own files, regions in plan order), then
-   :meth:`OutputWriter.close`, which returns what this worker wrote (picklable).
-3. :meth:`OutputWriter.finish` (the coordinator, once every worker closed): the metadata or
-   index that names the files, written last.
-
-Formats register with :func:`register_output`; :func:`output_format` picks one by name
-(``dcp``), :func:`choose_output_format` by what an output path asks for (``.safetensors`` →
-one file, ``.pt`` → a torch file, a directory → HF sharded) and refuses a path that asks for
-none, so a typo never silently becomes a directory.
+A writer works in three phases: :meth:`~OutputWriter.plan` (every worker, the same regions and
+files, so the bytes do not depend on the number of workers); :meth:`~OutputWriter.write` (each
+worker, its own files) then :meth:`~OutputWriter.close`; :meth:`~OutputWriter.finish` (the
+coordinator: the metadata or index that names the files, written last).
 
 Example:
     >>> choose_output_format("model.safetensors").name, choose_output_format("out/").name
@@ -48,11 +37,8 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True, slots=True)
 class OutputTensor:
-    """One tensor of an output: its source key, its name in the output, shape and dtypes.
-
-    ``dtype`` is what the output stores and ``stored_dtype`` what the source stores
-    (canonical names such as ``"bfloat16"``); they differ when the output casts.
-    """
+    """One tensor of an output: its source key, its name in the output, shape, the dtype the
+    output stores and the one the source stores (``"bfloat16"``)."""
 
     key: str
     name: str
@@ -60,17 +46,13 @@ class OutputTensor:
     dtype: str
     stored_dtype: str
     copied: bool = False
-    """Taken from one source as stored, never averaged (a router's statistics: see
-    :data:`ema_ckpt.selection.NON_WEIGHT_BUFFERS`); non-float tensors are copied anyway."""
+    """Taken from one source as stored, never averaged (:data:`ema_ckpt.selection.NON_WEIGHT_BUFFERS`)."""
 
 
 @dataclass(frozen=True, slots=True)
 class PlannedRegion:
-    """One box of one key and the output file it goes to.
-
-    ``nbytes`` is what the region costs to read; ``raw`` marks a region the writer copies
-    as stored bytes (:meth:`OutputWriter.copy_stored`), never through a tensor.
-    """
+    """One box of one key, the output file it goes to and its bytes to read; ``raw``: copied as
+    stored bytes (:meth:`OutputWriter.copy_stored`)."""
 
     key: str
     box: Box
@@ -81,12 +63,8 @@ class PlannedRegion:
 
 @dataclass(frozen=True, slots=True)
 class WrittenFile:
-    """One file of a finished output, with its size and CRC-32 (when the format computes one).
-
-    ``role``: ``"data"`` for a file of tensors, ``"index"`` for one that names the others
-    (``model.safetensors.index.json``), so a summary can count what it names ("6 shards + index");
-    ``"carried"`` for a source's file kept beside the data (``config.json``).
-    """
+    """One file of a finished output, its size and CRC-32; ``role``: ``"data"``, ``"index"``
+    (names the others) or ``"carried"`` (a source's ``config.json``)."""
 
     name: str
     size: int
@@ -95,25 +73,19 @@ class WrittenFile:
 
 
 class OutputWriter(abc.ABC):
-    """Writes one output into ``staging`` (see the module docstring for the phases).
-
-    ``single_file`` outputs are one file, ``staging / final_name``, moved onto the output
-    path when published; the others are a directory, published whole.
-    """
+    """Writes one output into ``staging``: one file ``staging / final_name`` (``single_file``),
+    else a directory."""
 
     name: str = ""
     single_file: bool = False
     final: Location | None = None
     """The output's published path, for messages (set by the runner)."""
     file_tag: str | None = None
-    """A tag the data files' names carry (set for an output on object storage: each upload
-    is a new generation of files, so the previous output's stay whole until the commit)."""
+    """A tag the data files' names carry (object storage: each upload is a new generation)."""
     in_directory: bool = False
-    """A one-file output that lives inside a directory of its own (``posthoc(format="safetensors")``):
-    carried files go beside it."""
+    """A one-file output inside a directory of its own, carried files beside it."""
     may_copy_stored: bool = True
-    """Whether regions may be planned ``raw`` (stored bytes copied as they are). The runner sets
-    it False when an output is computed (a fold or a sum): only a copy may skip the engine."""
+    """Whether regions may be planned ``raw``: False for a computed output (a fold or a sum)."""
 
     def __init__(self, staging: Path, final_name: str) -> None:
         self.staging = staging
@@ -122,15 +94,13 @@ class OutputWriter(abc.ABC):
         self.carried_entries: dict[str, bytes] = {}
 
     def carry(self, files: Sequence[CarriedFile], entries: Mapping[str, bytes] | None = None) -> None:
-        """Keep a source's files (``config.json``, megatron's ``common.pt``) and non-tensor entries
-        (megatron's ``_extra_state``) in this output, where its format can hold them. Called on
-        every worker before :meth:`plan`; the coordinator writes them in :meth:`finish`."""
+        """Keep a source's files (``config.json``) and non-tensor entries (``_extra_state``) in
+        this output, where its format can hold them; written in :meth:`finish`."""
         self.carried = list(files)
         self.carried_entries = dict(entries or {})
 
     def write_carried(self) -> list[WrittenFile]:
-        """Write the carried files into staging (a directory output's :meth:`finish` calls it);
-        a lone file has nowhere to keep them."""
+        """Write the carried files into staging (a lone file has nowhere to keep them)."""
         from .._crc import crc32
 
         if self.single_file and not self.in_directory:
@@ -154,11 +124,7 @@ class OutputWriter(abc.ABC):
 
     @abc.abstractmethod
     def plan(self, tensors: Sequence[OutputTensor], source: CheckpointReader) -> list[PlannedRegion]:
-        """Every region of every tensor, in write order, each naming its file.
-
-        ``source`` is the checkpoint whose layout the regions follow (reads stay within
-        its stored chunks where the format allows). Deterministic; no data is read.
-        """
+        """Every region of every tensor, in write order, following ``source``'s layout; no data read."""
 
     @abc.abstractmethod
     def write(self, region: PlannedRegion, tensor: torch.Tensor) -> None:
@@ -185,8 +151,7 @@ class OutputWriter(abc.ABC):
         return []
 
     def owns(self, name: str) -> bool:
-        """A file of this name in the output's place was written by an earlier output of this
-        format (so a new output, where it is not a whole directory replaced at once, removes it)."""
+        """A file of this name in the output's place was written by an earlier output of this format."""
         return False
 
     def index_files(self) -> list[str]:
@@ -197,18 +162,15 @@ class OutputWriter(abc.ABC):
 
 @dataclass(frozen=True, slots=True)
 class OutputFormat:
-    """One registered output format: how to recognise its path and how to make its writer."""
+    """One registered output format: the path suffixes it claims, whether it is the directory
+    default, and the keyword ``settings`` its ``make`` takes (``max_shard_bytes``)."""
 
     name: str
     make: Callable[..., OutputWriter]
     suffixes: tuple[str, ...] = ()
-    """Output paths ending so are this format (``.safetensors``); none: chosen by name only."""
     is_default: bool = False
-    """The format of an output path no suffix claims (a directory)."""
     single_file: bool = False
-    """The output is one file (else a directory)."""
     settings: tuple[str, ...] = ()
-    """The keyword settings ``make`` takes beyond the staging path and name (``max_shard_bytes``)."""
 
 
 _OUTPUTS: dict[str, OutputFormat] = {}
@@ -248,10 +210,7 @@ def _directory_format() -> OutputFormat:
 
 
 def path_formats() -> list[OutputFormat]:
-    """The formats an output path can ask for: by a suffix, or as a directory (the default).
-
-    These are the choices of ``consolidate``'s ``format``.
-    """
+    """The formats an output path can ask for (``consolidate``'s ``format``): a suffix, or a directory."""
     _load_builtin()
     return [fmt for fmt in _OUTPUTS.values() if fmt.suffixes or fmt.is_default]
 
@@ -275,12 +234,8 @@ def choose_output_format(out: str | Location, format: str | None = None, *, dire
                          ) -> OutputFormat:
     """The output format ``out`` asks for, or an :class:`~ema_ckpt.errors.OptionError` naming the forms accepted.
 
-    Accepted: ``format`` (a name from :func:`path_formats`), a suffix a format claims
-    (``.safetensors``), an existing directory, a path written with a trailing ``/``
-    (``directory``; by default read from a ``str`` ``out``), or a name without a file suffix
-    (``hf_ema``, ``llama-3.1-ema``: a directory, as ``save_pretrained`` makes one). An unknown
-    file suffix is refused, with a suggestion when it is close to a known one, so
-    ``ema.safetensor`` never becomes a directory.
+    By ``format``, a suffix a format claims, or a directory (existing, a trailing ``/``, or a
+    name without a file suffix). An unknown suffix is refused, so a typo never becomes a directory.
 
     Example:
         >>> choose_output_format("model", "safetensors").name
@@ -323,8 +278,7 @@ _FILE_SUFFIX = re.compile(r"\.[A-Za-z][A-Za-z0-9]{0,11}")
 
 
 def file_suffix(path: Location) -> str:
-    """A path's file suffix, lower case, or "" when it has none that looks like one
-    (``llama-3.1-ema`` and ``run.v2-final`` are names, not files).
+    """A path's file suffix, lower case, or "" when it has none that looks like one.
 
     Example:
         >>> file_suffix(Path("ema.SafeTensors")), file_suffix(Path("llama-3.1-ema")), file_suffix(Path("hf_ema"))
@@ -335,9 +289,7 @@ def file_suffix(path: Location) -> str:
 
 
 def check_directory_output(out: str | Location, format_name: str = "dcp") -> None:
-    """Refuse a directory output (DCP: ``accumulate``, ``posthoc``, ``average``, ``reshard``)
-    whose name ends in a file format's suffix: ``--out ema.safetensors`` would be a directory
-    every tool then takes for a safetensors file.
+    """Refuse a directory output whose name ends in a one-file format's suffix.
 
     Example:
         >>> check_directory_output("ema-16")

@@ -1,9 +1,8 @@
 """The header of one ``.safetensors`` file, read and validated (no tensor data read).
 
-8-byte little-endian length, then JSON: every tensor's dtype, shape and data offsets, and
-``__metadata__``. The offsets must agree with dtype × shape and tile the data area exactly, so
-a truncated or corrupt file fails here with its own path. Files whose headers have the same
-bytes (a run's checkpoints of one layout) share one parsed layout in memory.
+8-byte little-endian length, then JSON: each tensor's dtype, shape and data offsets (which must
+tile the data area exactly), and ``__metadata__``. Files whose headers have the same bytes share
+one parsed layout in memory.
 
 Example:
     >>> header = read_header(Path("ckpt/model.safetensors"))      # doctest: +SKIP
@@ -65,17 +64,11 @@ class FileHeader:
     offsets: dict[str, int] = field(default_factory=dict)
     """Each tensor's first byte in the file (the header included)."""
     shared: object = field(default=None, repr=False, compare=False)
-    """Keeps the parsed layout (shared with files of the same header) alive; ``tensors`` and
-    ``offsets`` are its dicts: never changed in place."""
+    """Keeps the shared parsed layout alive (``tensors`` and ``offsets`` are its dicts: never changed)."""
 
 
 def read_header(file: Location) -> FileHeader:
-    """Parse and validate the header of one ``.safetensors`` file (no tensor data read).
-
-    Raises:
-        CheckpointFormatError: truncated file, bad JSON, unknown dtype, or data offsets
-            that disagree with dtype × shape or do not tile the data area exactly.
-    """
+    """Parse and validate the header of one ``.safetensors`` file (``CheckpointFormatError``)."""
     # the first use imports torch, which keeps the frames on the stack then (and their last
     # locals) for good: here, before this frame holds the header's bytes
     dtypes()
@@ -160,8 +153,7 @@ def _tile(file: Location, tensors: dict[str, TensorSpec], starts: dict[str, int]
 
 
 class _Parsed:
-    """A validated header's layout, shared by every file whose header has the same bytes and
-    size (a run's checkpoints, usually): parsed once, held in memory once."""
+    """A validated header's layout, shared by every file whose header has the same bytes and size."""
 
     __slots__ = ("__weakref__", "metadata", "offsets", "sorted", "tensors")
 
@@ -189,14 +181,8 @@ _PARSED: weakref.WeakValueDictionary[tuple[bytes, int, int], _Parsed] = weakref.
 
 
 def read_metadata(file: Location) -> dict[str, str]:
-    """The header's ``__metadata__`` of one ``.safetensors`` file, and nothing else: the header's
-    JSON read, its tensors not checked and torch not imported (discovery reads step records
-    there, from every file of a folder, on every run).
-
-    Raises:
-        CheckpointFormatError: a header that is cut, too long, not JSON, or whose metadata is not
-            a string-to-string map.
-    """
+    """The header's ``__metadata__`` alone: tensors not checked, torch not imported (discovery
+    reads it from every file of a folder on every run); else ``CheckpointFormatError``."""
     with open_structure(file) as f:
         size = f.size
         head = f.pread(8, 0)
@@ -226,13 +212,11 @@ _skip = json.decoder.WHITESPACE.match  # type: ignore[attr-defined]
 def _streamed(raw: bytes, add: Callable[[str, Any], None], added: Container[str]
               ) -> tuple[Any, CheckpointFormatError | None] | None:
     """The header's top-level object read entry by entry, each tensor's entry given to ``add``
-    as soon as it is parsed (``added``: the keys it took): ``(the __metadata__ value, the first
-    error add raised)``.
+    as soon as it is parsed (the whole document at once holds about half a KiB a tensor):
+    ``(the __metadata__ value, the first error add raised)``.
 
-    Parsing the whole document first would hold every entry's dicts and lists at once (about
-    half a KiB a tensor). None where the stream does not read it as ``json.loads`` would: not
-    UTF-8, not an object, malformed, a key given twice; the caller then parses the whole.
-    After an error from ``add`` the rest is only parsed, so a malformed document still wins.
+    None where ``json.loads`` might read it otherwise (not UTF-8, malformed, a key twice): the
+    caller then parses the whole. After an error from ``add`` the rest is only parsed.
     """
     if json.detect_encoding(raw) != "utf-8":
         return None

@@ -1,21 +1,11 @@
 """A safetensors file's header ``__metadata__``, carried from an input into the safetensors files
 made from it, with the output's own provenance beside it.
 
-Image-generation tools keep their training record there (kohya's ``ss_*``, ``modelspec.*``)
-and UIs show it. The reader offers it as a carried file (:data:`~..base.SAFETENSORS_METADATA_FILE`,
-a JSON object of strings), which an EMA folder keeps like ``config.json``; the safetensors
-writer puts it back into each file's header (:func:`header_metadata`), under its own keys
-(``format``) and the provenance keys (``ema_ckpt.*``), which an input never overwrites.
-
-Provenance (:func:`provenance`), small on purpose:
-
-* ``ema_ckpt.version``: the ema-ckpt version that wrote the file;
-* ``ema_ckpt.kind``: what the weights are: ``ema`` (or ``snapshot``, ``average``, … as the
-  source's manifest says), or ``consolidated`` (a checkpoint's weights and header metadata,
-  rewritten; a checkpoint without header metadata converts with none of these keys);
-* ``ema_ckpt.step``: the step the weights stand at, where known;
-* ``ema_ckpt.decay``: an exponential EMA's decay; ``ema_ckpt.profile``: the averaging profile
-  as compact JSON (left out above :data:`MAX_PROFILE_CHARS`).
+Image-generation tools keep their training record there (kohya's ``ss_*``, ``modelspec.*``).
+The reader offers it as a carried file (:data:`~..base.SAFETENSORS_METADATA_FILE`), kept like
+``config.json``; the writer puts it back into each header (:func:`header_metadata`), under its
+own keys (``format``) and the provenance (``ema_ckpt.version``, ``.kind``, ``.step``,
+``.decay``, ``.profile``), which an input never overwrites.
 
 Example:
     >>> header = header_metadata({"ss_network_dim": "16", "format": "np", "ema_ckpt.step": "1"},
@@ -36,12 +26,11 @@ from ...storage import Location
 from ..base import SAFETENSORS_METADATA_FILE, CarriedFile
 
 OWN_KEYS = {"format": "pt"}
-"""The writer's own header entries (safetensors' ``format``, what ``save_file`` of torch writes)."""
+"""The writer's own header entries (what torch's ``save_file`` writes)."""
 PROVENANCE_PREFIX = "ema_ckpt."
 """Keys of the provenance ema-ckpt adds: an input's keys of this prefix are never carried."""
 MAX_METADATA_BYTES = 4 << 20
-"""The most header metadata carried (keys and values, UTF-8): kohya's tag frequencies of a large
-data set, or a ``modelspec.thumbnail``, fit; a header stuffed beyond it is not carried at all."""
+"""The most header metadata carried (UTF-8 keys and values); a header beyond it carries none."""
 MAX_PROFILE_CHARS = 512
 
 
@@ -71,17 +60,12 @@ def carried_metadata(metadata: Any) -> dict[str, str] | None:
 def metadata_file(metadata: Mapping[str, str]) -> CarriedFile | None:
     """A header's carried metadata as :data:`~..base.SAFETENSORS_METADATA_FILE`, or None."""
     kept = carried_metadata(metadata)
-    if kept is None:
-        return None
-    return CarriedFile(SAFETENSORS_METADATA_FILE, json.dumps(kept, ensure_ascii=False).encode("utf-8"))
+    return None if kept is None else CarriedFile(SAFETENSORS_METADATA_FILE, json.dumps(
+        kept, ensure_ascii=False).encode("utf-8"))
 
 
 def metadata_from_carried(files: Sequence[CarriedFile], source: Location | str) -> dict[str, str]:
-    """The header metadata among carried files ({} when none).
-
-    Raises:
-        CheckpointFormatError: the carried file is not a JSON object of strings (edited by hand).
-    """
+    """The header metadata among carried files ({} when none; ``CheckpointFormatError`` when edited badly)."""
     for file in files:
         if file.name != SAFETENSORS_METADATA_FILE:
             continue
@@ -98,7 +82,7 @@ def metadata_from_carried(files: Sequence[CarriedFile], source: Location | str) 
 
 def provenance(*, kind: str | None = None, step: int | None = None,
                profile: Mapping[str, Any] | None = None) -> dict[str, str]:
-    """The ``ema_ckpt.*`` entries of an output's headers (see the module docstring)."""
+    """The ``ema_ckpt.*`` entries of an output's headers."""
     made = {PROVENANCE_PREFIX + "version": __version__}
     if kind:
         made[PROVENANCE_PREFIX + "kind"] = str(kind)
@@ -118,14 +102,11 @@ def provenance(*, kind: str | None = None, step: int | None = None,
 
 
 def provenance_of(source: Any, *, copied: bool, carried: bool) -> dict[str, str]:
-    """The provenance of an output written from ``source`` (a :class:`~..base.CheckpointReader`)
-    when its caller gave none.
+    """The provenance of an output written from ``source`` when its caller gave none.
 
-    A computed output (a fold, a sum: not ``copied``) is known only to its caller: the version
-    alone. A copy of an ema-ckpt output: what the manifest beside it says (kind, step, profile).
-    A copy of any other checkpoint: ``consolidated`` at its own step where it ``carried`` header
-    metadata (that record is then marked rewritten), else nothing, so a plain conversion's
-    header is what safetensors' own ``save_file`` writes (``{"format": "pt"}``).
+    A computed output: the version alone. A copy of an ema-ckpt output: its manifest's kind,
+    step and profile. Any other copy: ``consolidated`` at its step where it ``carried`` header
+    metadata, else nothing (the header ``save_file`` writes).
     """
     if not copied:
         return provenance()

@@ -1,7 +1,5 @@
-"""The ``safetensors`` output (one file) and ``hf-sharded`` (a directory of shards and
-``model.safetensors.index.json``): tensors in row blocks of bounded size, or as stored bytes
-copied file to file when nothing is cast. Each file's header ``__metadata__`` holds the
-source's carried header metadata and the output's provenance (:mod:`.metadata`).
+"""The ``safetensors`` output (one file) and ``hf-sharded`` (shards and
+``model.safetensors.index.json``).
 
 Example:
     >>> from pathlib import Path; from ema_ckpt.writers.base import output_format
@@ -22,11 +20,7 @@ from typing import TYPE_CHECKING, Any
 from ...dtypes import itemsize
 from ...layout import Box
 from ...writers.base import OutputFormat, OutputTensor, OutputWriter, PlannedRegion, WrittenFile, register_output
-from ...writers.regions import (
-    BLOCK_BYTES,
-    box_bytes,
-    row_block_regions,
-)
+from ...writers.regions import BLOCK_BYTES, box_bytes, row_block_regions
 from ..base import SAFETENSORS_METADATA_FILE
 
 if TYPE_CHECKING:
@@ -41,20 +35,15 @@ _SAFETENSORS_FILES = re.compile(
 class SafetensorsOutput(OutputWriter):
     """One ``.safetensors`` file, or (``max_shard_bytes``) the Hugging Face sharded layout.
 
-    When no tensor is cast and the source can say where each tensor's bytes lie, every
-    tensor is one raw region: the kernel copies its bytes file to file and torch is never
-    imported.
-
-    Every file's ``__metadata__``: ``format``, the source's header metadata (carried as
-    :data:`~ema_ckpt.formats.base.SAFETENSORS_METADATA_FILE`, never written as a file beside),
-    and :attr:`provenance`.
+    Tensors go in row blocks, or, when nothing is cast and the source knows where each
+    tensor's bytes lie, as raw regions copied file to file (torch never imported). Each
+    header's ``__metadata__``: ``format``, the source's carried header metadata, :attr:`provenance`.
     """
 
     name = "safetensors"
     provenance: Mapping[str, str] | None = None
-    """The ``ema_ckpt.*`` header entries (:func:`.metadata.provenance`), set by a caller that knows
-    what it writes (a fold's or a sum's kind, step and profile) before :meth:`plan`; None: found
-    from the source (:func:`.metadata.provenance_of`)."""
+    """The ``ema_ckpt.*`` header entries, set before :meth:`plan` by a caller that knows what it
+    writes; None: found from the source (:func:`.metadata.provenance_of`)."""
 
     def __init__(self, staging: Path, final_name: str, *, max_shard_bytes: int | None = None,
                  block_bytes: int = BLOCK_BYTES) -> None:
@@ -70,7 +59,7 @@ class SafetensorsOutput(OutputWriter):
         self._header: dict[str, str] = {}
 
     def carry(self, files: Sequence[CarriedFile], entries: Mapping[str, bytes] | None = None) -> None:
-        """As :meth:`OutputWriter.carry`; the header metadata goes into each file's header, not beside."""
+        """As :meth:`OutputWriter.carry`; the header metadata goes into each header, not beside."""
         super().carry([f for f in files if f.name != SAFETENSORS_METADATA_FILE], entries)
         self._carried_metadata = [f for f in files if f.name == SAFETENSORS_METADATA_FILE]
 

@@ -11,14 +11,10 @@ What a path may be:
   its index is never taken for a whole checkpoint. A folder with several candidates
   and none of the ``model.*`` names is not recognised: pass the file itself.
 
-Metadata comes from the JSON headers alone, validated by :mod:`.header` so a truncated or
-corrupt file fails with its own path. The index is authoritative: every key it lists must be
-in the shard it names, and every shard must hold only the keys the index gives it. Tensors
-are read lazily: a small one whole by one ``pread``, a large one or a box from the file's
-memory map where it has one, else by a ranged read of its rows; each tensor is one stored chunk. ``step`` is the
-``global_step`` of a ``trainer_state.json`` in the folder, when there is one. The header's
-``__metadata__`` (the first file's) is offered as a carried file (:mod:`.metadata`), so the
-safetensors outputs made from it keep it.
+The index is authoritative: every key it lists must be in the shard it names, and every shard
+must hold only the keys the index gives it. Tensors are read lazily, each one stored chunk.
+``step`` is a folder's ``trainer_state.json`` ``global_step``; the first header's
+``__metadata__`` is offered as a carried file (:mod:`.metadata`).
 
 Example:
     >>> with SafetensorsReader("runs/a/checkpoint-500") as reader:   # doctest: +SKIP
@@ -35,7 +31,7 @@ import math
 import re
 import threading
 from collections import Counter
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -88,12 +84,7 @@ def _locate(path: Location) -> tuple[Location | None, list[Location]] | None:
 
 
 def read_index(index: Location) -> tuple[dict[str, str], dict[str, Any]]:
-    """``(weight_map, metadata)`` of an HF index file, validated.
-
-    Raises:
-        CheckpointFormatError: unreadable JSON, no ``weight_map``, or a shard name that
-            is not a plain file name in the index's folder.
-    """
+    """``(weight_map, metadata)`` of an HF index file, validated (``CheckpointFormatError``)."""
     try:
         doc = json.loads(index.read_bytes())
     except OSError as err:
@@ -115,11 +106,14 @@ def missing_shards(path: Location) -> list[str]:
     located = _locate(path)
     if located is None or located[0] is None:
         return []
-    index = located[0]
     try:
-        weight_map, _ = read_index(index)
+        weight_map, _ = read_index(located[0])
     except CheckpointFormatError:
         return []
+    return _missing(located[0], weight_map)
+
+
+def _missing(index: Location, weight_map: Mapping[str, str]) -> list[str]:
     return sorted(n for n in set(weight_map.values()) if not (index.parent / n).is_file())
 
 
@@ -140,11 +134,8 @@ def _incomplete(path: Location) -> str | None:
 
 
 class SafetensorsReader(CheckpointReader):
-    """Reader for one safetensors checkpoint (see the module docstring).
-
-    Each file is opened once, memory-mapped where it is local; ``read`` may be called from
-    several threads.
-    """
+    """Reader for one safetensors checkpoint: each file opened once (memory-mapped where local);
+    ``read`` may be called from several threads."""
 
     format_name = "safetensors"
 
@@ -158,24 +149,19 @@ class SafetensorsReader(CheckpointReader):
                 self.path, f"no {SINGLE_FILE}, {INDEX_FILE}, or single *{SUFFIX} / *{INDEX_SUFFIX} file"
             )
         self.index, files = located
-        self.headers: list[FileHeader]
         self.index_metadata: dict[str, Any] = {}
-        # one file: its own header's dicts serve, shared with other checkpoints of the same layout
-        self._where: Mapping[str, Location]
-        if self.index is None:
-            self.headers = [read_header(files[0])]
-            self._where = _Everywhere(files[0])
-        else:
-            self.headers, self._where = self._load_index(self.index)
-        self._starts: Mapping[str, int] = (self.headers[0].offsets if self.index is None else
-                                           {key: start for header in self.headers for key, start in
-                                            header.offsets.items()})
+        self._where: Mapping[str, Location] = {}  # key -> file, when indexed
         self._readables: dict[Location, Source] = {}
         self._specs: dict[str, TensorSpec]
         self._stored: StoredView
-        if self.index is None:  # shared with the readers of files of the same header
+        self._starts: Mapping[str, int]
+        if self.index is None:  # one file: its header's dicts serve, shared with files of the same header
+            self.headers = [read_header(files[0])]
+            self._starts = self.headers[0].offsets
             self._specs, self._stored = sorted_specs(self.headers[0])
         else:
+            self.headers, self._where = self._load_index(self.index)
+            self._starts = {key: start for header in self.headers for key, start in header.offsets.items()}
             merged: dict[str, TensorSpec] = {}
             for header in self.headers:
                 merged.update(header.tensors)
@@ -187,7 +173,7 @@ class SafetensorsReader(CheckpointReader):
 
     def _load_index(self, index: Location) -> tuple[list[FileHeader], dict[str, Location]]:
         weight_map, self.index_metadata = read_index(index)
-        missing = sorted(n for n in set(weight_map.values()) if not (index.parent / n).is_file())
+        missing = _missing(index, weight_map)
         if missing:
             raise CheckpointNotFoundError(
                 index, f"names missing shard file(s): {', '.join(missing)} (save in progress?)"
@@ -207,14 +193,11 @@ class SafetensorsReader(CheckpointReader):
                     raise CheckpointFormatError(index, f"{header.path} holds {key!r} but the index {where}")
         return headers, {key: index.parent / name for key, name in weight_map.items()}
 
-    # -- protocol ---------------------------------------------------------------------
-
     def specs(self) -> Mapping[str, TensorSpec]:
         return self._specs
 
     def stored(self) -> Mapping[str, tuple[tuple[int, ...], str]]:
-        """{key: (shape, dtype name)}: one object for readers of one parsed layout, so checks
-        between them are an identity test (``selection._same_structure``)."""
+        """{key: (shape, dtype name)}: one object for readers of one parsed layout (an identity test)."""
         return self._stored
 
     def layout(self, key: str) -> Sequence[Box]:
@@ -237,7 +220,7 @@ class SafetensorsReader(CheckpointReader):
             raise ValueError(f"{key!r}: {box} is outside shape {list(spec.shape)}")
         if box.numel == 0:
             return torch.empty(box.sizes, dtype=spec.dtype)
-        file = self._where[key]
+        file = self.headers[0].path if self.index is None else self._where[key]
         source = self._readable(file)
         itemsize = spec.dtype.itemsize
         row = math.prod(spec.shape[1:]) * itemsize if spec.shape else itemsize
@@ -289,9 +272,8 @@ class SafetensorsReader(CheckpointReader):
         }
 
     def carried_files(self) -> Sequence[CarriedFile]:
-        """The folder's :data:`~ema_ckpt.formats.base.CARRIED_FILES`, and the header's ``__metadata__``
-        (the first file's, what ``info`` shows) as :data:`~ema_ckpt.formats.base.SAFETENSORS_METADATA_FILE`,
-        which is the header's, never a file of that name beside it."""
+        """The folder's :data:`~ema_ckpt.formats.base.CARRIED_FILES`, and the first header's
+        ``__metadata__`` as :data:`~ema_ckpt.formats.base.SAFETENSORS_METADATA_FILE` (never a file beside)."""
         files = [f for f in super().carried_files() if f.name != SAFETENSORS_METADATA_FILE]
         offered = metadata_file(self.headers[0].metadata) if self.headers else None
         return [*files, offered] if offered is not None else files
@@ -304,8 +286,7 @@ class SafetensorsReader(CheckpointReader):
 
 
 def _copied_from_map(mapped: memoryview, offset: int, spec: TensorSpec, box: Box) -> torch.Tensor:
-    """``box`` of a tensor whose rows ``box`` spans start at byte ``offset`` of the (read-only)
-    map, copied out once: sliced as bytes, so no dtype of numpy's is needed."""
+    """``box`` of a tensor whose rows start at byte ``offset`` of the map, sliced as bytes, copied once."""
     import numpy as np
 
     size = spec.dtype.itemsize
@@ -318,32 +299,9 @@ def _copied_from_map(mapped: memoryview, offset: int, spec: TensorSpec, box: Box
     return torch.from_numpy(rows.copy()).view(spec.dtype).reshape(box.sizes)
 
 
-_SMALL_READ = 1 << 20
-"""Whole tensors up to this size are read by one ``pread`` (larger ones, and boxes, from the memory map)."""
-
-
-class _Everywhere(Mapping[str, Location]):
-    """``key -> file`` for a checkpoint of one file: the file, whatever the key (no map per key)."""
-
-    def __init__(self, file: Location) -> None:
-        self._file = file
-
-    def __getitem__(self, key: str) -> Location:
-        return self._file
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(())
-
-    def __len__(self) -> int:
-        return 0
-
-
-def open_safetensors(path: Location) -> SafetensorsReader:
-    """Open a safetensors checkpoint (file, index file, or folder)."""
-    return SafetensorsReader(path)
-
+_SMALL_READ = 1 << 20  # whole tensors up to this size: one pread (larger ones and boxes: the memory map)
 
 FORMAT = register_format(
-    CheckpointFormat("safetensors", detect=_detect, open=open_safetensors, incomplete=_incomplete,
+    CheckpointFormat("safetensors", detect=_detect, open=SafetensorsReader, incomplete=_incomplete,
                      step_of=SafetensorsReader.step_of, remote=True)
 )
