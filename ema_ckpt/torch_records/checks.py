@@ -1,18 +1,11 @@
 """Checking the bytes read from ``torch.save`` zips against the CRC-32s their directories store.
 
-Every storage in a ``torch.save`` zip (a DCP chunk record, a DeepSpeed ``.pt``, a single-file
-checkpoint) is one uncompressed zip member, and the zip's directory holds each member's CRC-32.
-A reader registers the members it reads from (:meth:`ReadChecks.expect`) and hands each span
-it reads to :meth:`ReadChecks.saw` while the bytes are still in cache. Spans are joined with
-``crc32_combine`` until they cover their member, which is then compared: a mismatch raises
-:class:`~ema_ckpt.errors.RecordChecksumError` naming the file, the key and the member's
-place, so a hole or a torn copy is never averaged in. A member read only in part (a chunk two
-workers share, the rest of a larger storage) is settled at the end of the run
-(:func:`settle_reads`): the workers' spans are joined, the bytes nobody read are read, and the
-member is compared.
-
-Members stored with CRC 0 (``torch.serialization.set_crc32_options(False)``) carry no checksum
-and are not checked.
+Each storage is one uncompressed zip member whose CRC-32 the zip's directory holds. A reader
+registers the members it reads (:meth:`ReadChecks.expect`) and hands each span it reads to
+:meth:`ReadChecks.saw`; spans are joined with ``crc32_combine`` until they cover their member,
+which is then compared (:class:`~ema_ckpt.errors.RecordChecksumError`). A member read only in
+part is settled at the end of the run (:func:`settle_reads`). Members stored with CRC 0 are not
+checked.
 
 Example:
     >>> from ema_ckpt._crc import crc32
@@ -62,8 +55,7 @@ class _Member:
 
 
 class _Starts:
-    """A set of file offsets in 8 bytes each (a ``set`` of ints costs about 70): a checkpoint
-    of 200,000 records keeps one entry per record it read."""
+    """A set of file offsets in 8 bytes each (a ``set`` of ints costs about 70)."""
 
     __slots__ = ("_sorted",)
 
@@ -83,11 +75,9 @@ class _Starts:
 
 
 class ReadChecks:
-    """The members of one checkpoint's zips that have checksums, and what has been read of them.
-
-    ``name(file)`` is what errors call ``file``; ``read(file, n, offset)`` reads the bytes a
-    member still lacks when it is settled. Thread-safe.
-    """
+    """The members of one checkpoint's zips that have checksums, and what has been read of them
+    (thread-safe). ``name(file)`` is what errors call ``file``; ``read(file, n, offset)`` reads
+    the bytes a member still lacks when it is settled."""
 
     def __init__(self, name: Callable[[str], str | Location], read: Callable[[str, int, int], bytes]) -> None:
         self._name, self._read = name, read
@@ -121,11 +111,8 @@ class ReadChecks:
             return self._first_member(file, offset, offset + length) is not None
 
     def saw(self, file: str, offset: int, data: Any) -> None:
-        """Bytes ``data`` (a buffer) were read from ``file`` at ``offset``.
-
-        Raises:
-            RecordChecksumError: a member they complete does not match its CRC-32.
-        """
+        """Bytes ``data`` were read from ``file`` at ``offset`` (``RecordChecksumError`` when a
+        member they complete does not match)."""
         view = memoryview(data).cast("B")
         end = offset + len(view)
         with self._lock:
@@ -146,12 +133,7 @@ class ReadChecks:
                     for file, members in self._members.items() for start, m in members.items() if m.spans}
 
     def settle(self, parts: Sequence[Pending]) -> None:
-        """Compare every member of ``parts`` (each worker's :meth:`pending`), reading what no worker read.
-
-        Raises:
-            RecordChecksumError: the first member that does not match its CRC-32.
-            CheckpointFormatError: the bytes none read cannot be read.
-        """
+        """Compare every member of ``parts`` (each worker's :meth:`pending`), reading what no worker read."""
         joined: dict[tuple[str, int], tuple[int, int, str, list[Span]]] = {}
         for part in parts:
             for place, (size, crc, what, spans) in part.items():
@@ -261,15 +243,9 @@ def expect_zip_members(checks: ReadChecks, file: str, source: Source, size: int)
 
 
 def settle_reads(readers: Sequence[Any], workers: Workers) -> None:
-    """After a run's reads, before anything is published: every member the workers read only in
-    part is joined and compared (the coordinator reads the bytes none of them read).
-
-    ``readers`` are the run's sources, in the same order on every worker; each may carry
-    :class:`ReadChecks` as ``read_checks``.
-
-    Raises:
-        RecordChecksumError: on every worker, for the first member that does not match.
-    """
+    """Before anything is published: every member the workers read only in part is joined and
+    compared on the coordinator (``RecordChecksumError`` on every worker). ``readers``: the
+    run's sources, in the same order on every worker."""
     checks: list[ReadChecks | None] = [getattr(r, "read_checks", None) for r in readers]
     mine = [c.pending() if c is not None else {} for c in checks]
     everyone: list[list[Pending]] = workers.exchange(mine)

@@ -1,13 +1,8 @@
 """Inert data written back as a pickle: what a single file held beside its weights, carried on.
 
-:mod:`.tree` reads a file's pickle into plain data and :class:`~.tree.Opaque` records; this
-module writes such a tree back as a protocol-2 pickle, opcode by opcode
-(:mod:`ema_ckpt.pickles.emit`), without importing or calling anything: each record becomes the
-global, the call and the state it was read from, so the loader that reads the output
-(Lightning's ``load_from_checkpoint`` reading ``hyper_parameters``) gets back what the trainer
-saved. Tensors are not written here (the weights have their own writer); a state dict's pickle
-made elsewhere is spliced in whole (:func:`wrap_pickle`), after every memo reference of the
-part written here, so its own memo indices stand.
+A :mod:`.tree` is written back as a protocol-2 pickle, opcode by opcode, nothing imported or
+called: each :class:`~.tree.Opaque` record becomes the global, call and state it was read from.
+A state dict's pickle made elsewhere is spliced in whole (:func:`wrap_pickle`).
 
 Example:
     >>> import pickle
@@ -30,9 +25,8 @@ _MAX_DEPTH = 200
 
 
 class _Writer(op.Opcodes):
-    """The opcodes of one object (protocol 2). Containers are memoized as the pickler does
-    (stored as soon as they exist, before their contents), so shared parts are written once and
-    a container that holds itself (OmegaConf's nodes point at their parents) is written as it was read."""
+    """The opcodes of one object (protocol 2), containers memoized as the pickler does (before
+    their contents), so shared and self-holding parts are written as they were read."""
 
     def __init__(self) -> None:
         super().__init__(2)

@@ -1,11 +1,8 @@
 """torch's legacy (pre-1.6, non-zip) ``torch.save`` format: where its pickle and storages lie.
 
-Files written by torch before 1.6, or with ``_use_new_zipfile_serialization=False``, are five
-pickles back to back (a magic number, the format version, system info, the object, the sorted
-storage keys), then each storage in key order as an 8-byte little-endian element count
-followed by its raw bytes. :func:`read_legacy_head` finds the object's pickle and
-:func:`legacy_storage_starts` each storage's first data byte, by walking the pickles' opcodes
-(only the small header pickles are unpickled, by an unpickler that admits no global).
+Five pickles back to back (magic number, version, system info, the object, the sorted storage
+keys), then each storage as an 8-byte little-endian element count and its raw bytes. Only the
+small header pickles are unpickled, admitting no global.
 
 Example:
     >>> import pickle
@@ -68,13 +65,7 @@ def read_legacy_head(fd: int, file_size: int, source: str) -> tuple[bytes, list[
 
 def legacy_storage_starts(fd: int, file_size: int, keys: list[str], pos: int, element_sizes: dict[str, int],
                           source: str) -> dict[str, tuple[int, int]]:
-    """{storage key: (its first data byte, its element count as stored)}.
-
-    ``element_sizes`` gives each key's element size, from the object's pickle.
-
-    Raises:
-        CheckpointFormatError: truncated (still being written?), or a storage the pickle does not name.
-    """
+    """{storage key: (its first data byte, its element count as stored)}; ``element_sizes``: from the pickle."""
     starts: dict[str, tuple[int, int]] = {}
     for key in keys:
         if key not in element_sizes:

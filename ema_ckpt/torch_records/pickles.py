@@ -1,9 +1,7 @@
 """The pickles inside ``torch.save`` records: read without building tensors, written without data.
 
-Reading: a record's ``data.pkl`` goes through a restricted unpickler that admits only what a
-plain tensor (or a state dict of them) needs and turns each tensor into a
-:class:`TensorRecord`, the place of its bytes; nothing else from the file is resolved or run.
-The writing side is :mod:`.write`.
+A record's ``data.pkl`` goes through a restricted unpickler that admits only what plain tensors
+need and turns each into a :class:`TensorRecord`, the place of its bytes. Writing: :mod:`.write`.
 """
 
 from __future__ import annotations
@@ -80,11 +78,9 @@ def view_problem(size: tuple[int, ...], stride: tuple[int, ...], storage_offset:
                  item_bytes: int) -> str | None:
     """What is wrong with a tensor view of a storage of ``storage_numel`` elements, or None.
 
-    Every reader asks this where a tensor's size, stride, offset and storage are first known,
-    before anything is sized from it: a negative stride or offset, a view reaching past its
-    storage (offset + Σ (size−1)·stride + 1 elements), a stride of 0 on a dimension of size > 1
-    (a few stored bytes claiming terabytes), or strides that overlap into more elements than
-    the storage holds. ``item_bytes`` is the element size (for messages about bytes).
+    Asked before anything is sized from a view: negative strides or offsets, a view past its
+    storage, a stride of 0 on a dimension of size > 1, or overlapping strides that claim more
+    elements than stored.
 
     Example:
         >>> view_problem((2**36,), (0,), 0, 1, 4)
@@ -173,12 +169,8 @@ _RECORD_CACHE_SIZE = 4096
 
 
 def load_tensor_record(data: bytes, source: str) -> TensorRecord:
-    """Parse a tensor record's ``data.pkl`` without building the tensor.
-
-    Raises:
-        UnsafePickleError: the pickle names a global outside the allowlist.
-        CheckpointFormatError: it is not a single plain tensor.
-    """
+    """Parse a tensor record's ``data.pkl`` without building the tensor (``UnsafePickleError``,
+    ``CheckpointFormatError``)."""
     cached = _RECORD_CACHE.get(data)  # chunks of one shape and dtype share their data.pkl bytes
     if cached is not None:
         return cached

@@ -1,16 +1,9 @@
 """The whole pickle of a ``torch.save`` file, read as inert data: nothing from the file runs.
 
-Training code saves far more than weights in one file: optimizer and scheduler state, loop
-counters, and objects of its own (``argparse.Namespace``, OmegaConf configs, numpy arrays,
-paths, enums). :func:`load_tree` reads all of it without importing or calling anything the
-pickle names: every global becomes an :class:`Opaque` stand-in that records what the pickle
-asked for (its name, arguments, state and items) and does nothing else. Tensors become
-:class:`~ema_ckpt.torch_records.pickles.TensorRecord` s (where their bytes lie), nothing built.
-
-What the file names is then judged by :func:`check_harmless`: globals of the common, inert
-kinds (:data:`HARMLESS_GLOBALS`) pass; any other is refused with the global and the key it
-sits under, unless the caller lists it as inert data (``inert_globals``). Reading the tree
-first and judging after is what lets the message name the key.
+:func:`load_tree` turns every global into an :class:`Opaque` stand-in that records what the
+pickle asked for, and tensors into :class:`~ema_ckpt.torch_records.pickles.TensorRecord` s.
+:func:`check_harmless` then judges the globals (:data:`HARMLESS_GLOBALS`, or the caller's
+``inert_globals``); judging after reading lets a refusal name the key.
 
 Example:
     >>> import pickle, argparse
@@ -36,23 +29,15 @@ from .pickles import RECORD_GLOBALS, UNTYPED, PickledStorage, TensorRecord
 
 
 class Opaque(dict):  # type: ignore[type-arg]
-    """A pickled object (or a call the pickle asked for) kept as inert data.
-
-    A dict subclass so the pickle's ``SETITEMS`` land in it, with ``append``/``extend`` for
-    its ``APPENDS``; every stand-in class of one load derives from it, named by
-    :attr:`global_name`. Calling one, or its ``__new__``, records the arguments (:attr:`args`);
-    ``BUILD`` records the state (:attr:`state`), ``APPENDS`` the items (:attr:`appended`).
-    Nothing else happens.
-    """
+    """A pickled object (or a call the pickle asked for) kept as inert data: a dict (for
+    ``SETITEMS``) that records its arguments, ``BUILD`` state and ``APPENDS`` items."""
 
     global_name = "builtins.object"
     args: tuple[Any, ...]
     state: Any
     appended: list[Any]
     called: bool
-    """Made by a call (``REDUCE``: the class or function called with :attr:`args`), not by
-    ``NEWOBJ`` (``cls.__new__(cls, *args)``): how it is written back (:mod:`.emit`)."""
-
+    """Made by a call (``REDUCE``), not by ``NEWOBJ``: how it is written back (:mod:`.emit`)."""
     kwargs: dict[str, Any]
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Opaque:
@@ -87,13 +72,12 @@ def _standin(module: str, name: str) -> type[Opaque]:
 
 
 def _from_type_v2(func: Any, new_type: Any, args: Any, state: Any) -> Any:
-    """torch's ``_rebuild_from_type_v2`` (parameters, tensor subclasses): the tensor inside
-    for a plain ``Parameter`` or ``Tensor``, else the call kept as an opaque record."""
+    """torch's ``_rebuild_from_type_v2``: the tensor inside a plain ``Parameter`` or ``Tensor``,
+    else the call kept as an opaque record."""
     value = func(*args) if callable(func) and isinstance(args, tuple) else None
     if isinstance(value, TensorRecord) and getattr(new_type, "global_name", "") in _PLAIN_TENSOR_TYPES:
         return value
-    record = _standin("torch._tensor", "_rebuild_from_type_v2")(func, new_type, args, state)
-    return record
+    return _standin("torch._tensor", "_rebuild_from_type_v2")(func, new_type, args, state)
 
 
 def _parameter(data: Any, *_rest: Any) -> Any:
@@ -147,11 +131,7 @@ class PickledTree:
 
 
 def load_tree(data: bytes, source: str) -> PickledTree:
-    """Unpickle ``data`` (a ``torch.save`` pickle) into inert data (see the module docstring).
-
-    Raises:
-        CheckpointFormatError: the pickle is malformed, or points at storages oddly.
-    """
+    """Unpickle ``data`` (a ``torch.save`` pickle) into inert data, else ``CheckpointFormatError``."""
     storages: dict[str, StorageRef] = {}
     try:
         root = load_pickle(data, TREE_GLOBALS, source, persistent=functools.partial(_storage, source, storages))
@@ -163,8 +143,6 @@ def load_tree(data: bytes, source: str) -> PickledTree:
     _check_depth(root, source)  # before anything that recurses (or copies paths) walks it
     return PickledTree(root, storages, source)
 
-
-# --- what may be read as data --------------------------------------------------------------
 
 HARMLESS_GLOBALS: tuple[str, ...] = (
     # training scripts' own records
@@ -211,7 +189,7 @@ def key_path(parts: Sequence[Any]) -> str:
 
 class Trail:
     """Where a value sits in a tree: its parent's trail and its key, linked (a node costs the
-    same at any depth); :meth:`parts` spells it out as a tuple of keys, for messages."""
+    same at any depth)."""
 
     __slots__ = ("depth", "key", "parent")
 
@@ -229,14 +207,11 @@ class Trail:
 
 
 MAX_DEPTH = 1000
-"""Containers a pickle may nest inside one another (a checkpoint nests a few dozen at most):
-deeper, the file is refused as it is read (:func:`load_tree`), so nothing after it recurses
-that far."""
+"""Containers a pickle may nest (a checkpoint nests a few dozen): deeper is refused as it is read."""
 
 
 def _children(value: Any) -> list[tuple[Any, Any]]:
-    """(key, child) of a container of the tree, in order; keys that are not strings or ints
-    are shown by type."""
+    """(key, child) of a container of the tree, in order."""
     children: list[tuple[Any, Any]] = []
     if isinstance(value, Opaque):
         children += [(f"<arg {i}>", a) for i, a in enumerate(value.args)]
@@ -262,12 +237,7 @@ _CONTAINERS = (dict, list, tuple, set, frozenset)
 
 
 def _check_depth(root: Any, source: str, limit: int = MAX_DEPTH) -> None:
-    """Refuse a tree that nests containers more than ``limit`` deep; each container is looked
-    at once (a trail is made for containers only: leaves cost an ``isinstance``).
-
-    Raises:
-        CheckpointFormatError: naming the first keys of the too deep path.
-    """
+    """Refuse a tree that nests containers more than ``limit`` deep; each container looked at once."""
     seen: set[int] = set()
     stack: list[tuple[Trail, Any]] = [(Trail(None, None), root)]
     while stack:
@@ -282,13 +252,8 @@ def _check_depth(root: Any, source: str, limit: int = MAX_DEPTH) -> None:
 
 
 def walk(root: Any, *, max_nodes: int = 10_000_000) -> Iterator[tuple[Trail, Any]]:
-    """Every (trail, value) of a tree in depth-first order, each container once (cycles and
-    shared parts are visited at their first place). Linear in the tree's size at any depth:
-    a trail links to its parent's (``trail.parts()`` is the path of keys).
-
-    Raises:
-        ValueError: more than ``max_nodes`` values.
-    """
+    """Every (trail, value) of a tree in depth-first order, each container once (``ValueError``
+    past ``max_nodes`` values)."""
     seen: set[int] = set()
     stack: list[tuple[Trail, Any]] = [(Trail(None, None), root)]
     visited = 0
@@ -326,13 +291,8 @@ def foreign_globals(tree: PickledTree, inert_globals: Sequence[str] = ()) -> dic
 
 
 def check_harmless(tree: PickledTree, source: str, inert_globals: Sequence[str] = ()) -> None:
-    """Refuse a tree that names a global neither harmless nor listed in ``inert_globals``.
-
-    Raises:
-        UnsafePickleError: naming the global, the key it sits under, and (unless one of them
-            is code) the ``inert_globals`` that would read it as data; nothing from the file
-            ran either way.
-    """
+    """Refuse a tree that names a global neither harmless nor listed in ``inert_globals``
+    (``UnsafePickleError`` naming the global, its key, and the ``inert_globals`` that would pass it)."""
     foreign = foreign_globals(tree, inert_globals)
     if not foreign:
         return
@@ -385,10 +345,6 @@ def module_state_dict(module: Any, prefix: str = "", depth: int = 0) -> dict[str
     return out
 
 
-def plain_value(value: Any) -> Any:
-    """``value`` when it is plain data (None, bool, int, float, str, bytes), else None."""
-    return value if value is None or isinstance(value, (bool, int, float, str, bytes)) else None
-
 
 __all__ = [
     "HARMLESS_GLOBALS",
@@ -403,6 +359,5 @@ __all__ = [
     "key_path",
     "load_tree",
     "module_state_dict",
-    "plain_value",
     "walk",
 ]

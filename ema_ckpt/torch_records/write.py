@@ -1,8 +1,6 @@
 """Writing ``torch.save`` records: the pickles and the zip, byte for byte what torch writes.
 
-:func:`tensor_pickle` / :func:`state_dict_pickle` emit the ``data.pkl`` of contiguous CPU
-tensors from shapes and dtypes alone (no data); :func:`write_tensor_record` appends one
-standalone record (a DCP chunk) to a file, straight from the tensor's memory, zip64 included.
+Pickles are made from shapes and dtypes alone; records are written straight from the tensor's memory.
 
 Example:
     >>> import io, torch                                              # doctest: +SKIP
@@ -111,11 +109,7 @@ def _shaped_tensor_pickle(dtype: torch.dtype, shape: tuple[int, ...]) -> bytes:
 
 
 def state_dict_pickle(tensors: Mapping[str, tuple[tuple[int, ...], torch.dtype]]) -> bytes:
-    """The ``data.pkl`` of ``torch.save({key: tensor})``, storages keyed "0", "1", … in order.
-
-    Raises:
-        UsageError: a dtype has no typed storage (see :func:`writable_dtype`).
-    """
+    """The ``data.pkl`` of ``torch.save({key: tensor})``, storages keyed "0", "1", … in order."""
     state = {}
     for index, (key, (shape, dtype)) in enumerate(tensors.items()):
         if dtype not in _storage_names():
@@ -148,20 +142,31 @@ class _RecordStream:
         pass
 
 
-_JOINED_BELOW = 64 << 10
-"""Records of tensors up to this size are joined in memory and written at once (their cost is per write)."""
+_JOINED_BELOW = 64 << 10  # records of tensors up to this size are joined in memory: one write
+
+
+def _leading_members(pickled: bytes) -> tuple[tuple[str, bytes], ...]:
+    """The members a ``torch.save`` zip holds before its storages."""
+    return (("archive/data.pkl", pickled), ("archive/.format_version", b"1"),
+            ("archive/.storage_alignment", b"64"), ("archive/byteorder", b"little"))
+
+
+def _storage_member(name: str, nbytes: int, position: int, zip64: bool) -> zipfile.ZipInfo:
+    """A storage's zip entry at file offset ``position``, padded so its bytes start 64-aligned (mmap needs it)."""
+    member = zipfile.ZipInfo(name, date_time=_ZIP_TIME)
+    member.file_size = nbytes
+    pad = -(position + LOCAL_HEADER.size + len(name) + (20 if zip64 else 0) + 4) % STORAGE_ALIGNMENT
+    member.extra = struct.pack("<HH", _PAD_FIELD, pad) + b"\0" * pad
+    return member
 
 
 def write_tensor_record(out: RecordSink, tensor: torch.Tensor, *, start: int = 0,
                         data_alignment: int = STORAGE_ALIGNMENT) -> int:
     """Append a standalone ``torch.save``-format zip holding ``tensor``; returns its length.
 
-    Written from the tensor's memory as it is (a view of a reused buffer included): the data
-    is hashed once (its zip CRC-32, handed to ``out.write``) and written once, with no copy
-    and no pickle of anything but a plain tensor reference. The storage bytes start at a
-    multiple of ``data_alignment`` counted from ``start``, the file offset where the record
-    begins (a multiple of 64 whenever ``data_alignment`` is more than torch's 64: the bytes
-    are then 64-aligned within the record too, as torch writes them).
+    The data is hashed once (its CRC-32 handed to ``out.write``) and written once, uncopied.
+    The storage bytes start at a multiple of ``data_alignment`` counted from ``start``, the
+    record's file offset (a multiple of 64 when ``data_alignment`` is more than torch's 64).
     """
     if data_alignment != STORAGE_ALIGNMENT and (start % STORAGE_ALIGNMENT or data_alignment % STORAGE_ALIGNMENT):
         raise ValueError(f"a record at offset {start} cannot align its data to {data_alignment}")
@@ -206,14 +211,9 @@ def _write_tensor_record_zip64(out: RecordSink, tensor: torch.Tensor) -> int:
     """The same record through the zipfile module, for storages of 4 GiB and more (zip64)."""
     stream = _RecordStream(out)
     archive = zipfile.ZipFile(stream, "w", compression=zipfile.ZIP_STORED)  # type: ignore[call-overload]
-    for name, data in (("archive/data.pkl", tensor_pickle(tensor)), ("archive/.format_version", b"1"),
-                       ("archive/.storage_alignment", b"64"), ("archive/byteorder", b"little")):
+    for name, data in _leading_members(tensor_pickle(tensor)):
         archive.writestr(zipfile.ZipInfo(name, date_time=_ZIP_TIME), data)
-    member = zipfile.ZipInfo("archive/data/0", date_time=_ZIP_TIME)
-    member.file_size = tensor.numel() * tensor.element_size()
-    header = 30 + len(member.filename) + 20
-    pad = -(stream.tell() + header + 4) % STORAGE_ALIGNMENT
-    member.extra = struct.pack("<HH", _PAD_FIELD, pad) + b"\0" * pad
+    member = _storage_member("archive/data/0", tensor.numel() * tensor.element_size(), stream.tell(), True)
     with archive.open(member, "w", force_zip64=True) as handle:
         handle.write(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))
     archive.writestr(zipfile.ZipInfo("archive/version", date_time=_ZIP_TIME), b"3")
@@ -224,12 +224,9 @@ def _write_tensor_record_zip64(out: RecordSink, tensor: torch.Tensor) -> int:
 class StateDictFileWriter:
     """A ``torch.save`` file of a flat ``{key: tensor}`` dict, streamed block by block.
 
-    ``torch.save`` needs the whole state dict in memory; the format does not. Its
-    ``data.pkl`` names storages by key, each storage is its own zip member, and a member can
-    be written as its bytes arrive (zip64 for 4 GiB and more). So the pickle is written first
-    from shapes and dtypes alone, then each tensor's rows in order: memory holds one block.
-    ``torch.load(..., weights_only=True)`` reads the file. ``wrap`` turns the state dict's
-    pickle into the pickle of an object holding it (:func:`~.emit.wrap_pickle`).
+    The pickle is written first from shapes and dtypes alone, then each tensor's rows in
+    order (each storage its own zip member): memory holds one block. ``wrap`` turns the state
+    dict's pickle into the pickle of an object holding it (:func:`~.emit.wrap_pickle`).
 
     Example:
         >>> w = StateDictFileWriter(Path("model.pt"), [("w", (2, 3), torch.float32)])  # doctest: +SKIP
@@ -252,8 +249,7 @@ class StateDictFileWriter:
         state = state_dict_pickle({key: (shape, dtype) for key, shape, dtype in self._order})
         if wrap is not None:  # the state dict inside a larger object (a Lightning checkpoint)
             state = wrap(state)
-        for name, data in (("archive/data.pkl", state), ("archive/.format_version", b"1"),
-                           ("archive/.storage_alignment", b"64"), ("archive/byteorder", b"little")):
+        for name, data in _leading_members(state):
             self._zip.writestr(zipfile.ZipInfo(name, date_time=_ZIP_TIME), data)
 
     def write(self, key: str, block: torch.Tensor) -> None:
@@ -276,13 +272,8 @@ class StateDictFileWriter:
     def _open_member(self) -> None:
         _key, shape, dtype = self._order[self._cursor]
         nbytes = math.prod(shape) * dtype.itemsize
-        member = zipfile.ZipInfo(f"archive/data/{self._cursor}", date_time=_ZIP_TIME)
-        member.file_size = nbytes
         zip64 = nbytes >= ZIP32_LIMIT
-        header = LOCAL_HEADER.size + len(member.filename) + (20 if zip64 else 0)
-        # align the storage bytes as torch does (mmap needs it)
-        pad = -(self._handle.tell() + header + 4) % STORAGE_ALIGNMENT
-        member.extra = struct.pack("<HH", _PAD_FIELD, pad) + b"\0" * pad
+        member = _storage_member(f"archive/data/{self._cursor}", nbytes, self._handle.tell(), zip64)
         self._member = self._zip.open(member, "w", force_zip64=zip64)
         self._remaining = nbytes
 

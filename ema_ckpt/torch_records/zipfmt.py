@@ -1,10 +1,8 @@
 """The zip layer of ``torch.save`` records: struct layouts, locating members, file windows.
 
-A ``torch.save`` file is a zip whose members are stored uncompressed. A DCP data file holds
-many such zips back to back (one per chunk); a DeepSpeed ``.pt`` or a ``.pt`` state dict is
-one. Everything here works on a descriptor plus the record's (offset, length), with
-``pread``, so one open file serves every record in it; a :class:`~ema_ckpt.storage.Source`
-(an object in object storage) stands in for a descriptor, read by ranged requests.
+A DCP data file holds many such zips back to back; everything here works on a
+:class:`~ema_ckpt.storage.Source` plus the record's (offset, length), so one open file serves
+every record in it.
 """
 
 from __future__ import annotations
@@ -32,10 +30,8 @@ _TAIL_BYTES = 4096
 
 
 class FileWindow(io.RawIOBase):
-    """A read-only, seekable file view of ``[start, start + length)`` of an open descriptor.
-
-    ``owns_fd``: closing the window closes the descriptor too (else its owner does).
-    """
+    """A read-only, seekable file view of ``[start, start + length)`` of an open descriptor
+    (``owns_fd``: closing the window closes it)."""
 
     def __init__(self, fd: Source, start: int, length: int, *, owns_fd: bool = False) -> None:
         super().__init__()
@@ -71,24 +67,18 @@ class FileWindow(io.RawIOBase):
 
 
 class Member(NamedTuple):
-    """A zip member as the central directory lists it."""
+    """A zip member as the central directory lists it: method (0 stored, 8 deflated), data size,
+    its local header's offset, CRC-32 (0: saved without one)."""
 
     method: int
-    """0: stored; 8: deflated."""
     size: int
-    """Bytes of data (uncompressed)."""
     local: int
-    """Offset of its local header in the zip."""
     crc: int
-    """CRC-32 of its data (0: saved without one)."""
 
 
 def scan_record(fd: Source, offset: int, length: int) -> dict[str, Member] | None:
-    """{member name: :class:`Member`} of a record's zip, from its tail.
-
-    The common case (no archive comment, no zip64, central directory in the last 4 KiB) in
-    one or two reads; anything else returns None and the zipfile module handles it.
-    """
+    """{member name: :class:`Member`} of a record's zip, from its tail, in one or two reads; None
+    (the zipfile module's case) for a comment, zip64, or a directory before the last 4 KiB."""
     if length < END_OF_CENTRAL.size:
         return None
     tail_len = min(length, _TAIL_BYTES)

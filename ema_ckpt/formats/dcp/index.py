@@ -18,14 +18,8 @@ PackedChunks = dict[str, list[tuple[tuple[int, ...], tuple[int, ...], str, int, 
 
 
 class Structure:
-    """The parts of a parsed index that checkpoints of one training run have in common.
-
-    Checkpoints saved by one job at different steps usually store the same keys, shapes,
-    dtypes and byte layout. Readers whose parsed parts are equal share one structure, so its
-    objects exist once per process, its tensor specs are built once, key checks between them
-    are an identity test, and workers exchanging several parsed indexes pickle it once.
-    Everything here is read-only once built.
-    """
+    """The parts of a parsed index that checkpoints of one training run have in common (keys,
+    shapes, dtypes, byte layout): readers whose parts are equal share one, read-only."""
 
     __slots__ = ("__weakref__", "chunks", "packed", "planner_data", "specs", "starts", "stored")
 
@@ -55,8 +49,7 @@ class Structure:
 
 
 class StoredSpecs(Mapping[str, TensorSpec]):
-    """{key: TensorSpec}, each made when it is looked up from {key: (shape, dtype name)}: kept,
-    200,000 specs would cost about 18 MiB.
+    """{key: TensorSpec}, each made when looked up (200,000 kept would cost about 18 MiB).
 
     Example:
         >>> StoredSpecs({"w": ((2, 3), "float32")})["w"].shape
@@ -90,12 +83,8 @@ _RECENT_LIMIT = 4
 def shared_structure(planner_data: KeyPaths, stored: dict[str, tuple[tuple[int, ...], str]],
                      chunks: dict[str, list[StoredChunk]] | None = None, packed: PackedChunks | None = None
                      ) -> Structure:
-    """The structure of a live reader equal to these parts, else a new one made of them.
-
-    Pass ``chunks`` (parsed here) or ``packed`` (received from a worker; rebuilt only when no
-    live structure equals it). The comparison costs a few milliseconds per 10,000 keys,
-    against a parse of about 0.3 s.
-    """
+    """The structure of a live reader equal to these parts (``chunks``, or ``packed`` from a
+    worker), else a new one made of them."""
     _recent[:] = [ref for ref in _recent if ref() is not None]
     for ref in reversed(_recent):
         found = ref()
@@ -153,7 +142,6 @@ class MetadataIndex:
     _file_ends: dict[str, int]
     _records_all: list[tuple[str, int, int]]
 
-
     def _parse(self) -> None:
         metadata, self.metadata_files = load_metadata(self.path)
         self._version = getattr(metadata, "version", None)
@@ -178,13 +166,9 @@ class MetadataIndex:
         self.planner_data, self._stored = structure.planner_data, structure.stored
         self._chunks, self._starts = structure.chunks, structure.starts
 
-
     def _check_file_sizes(self) -> None:
-        """Every data file the metadata names is there and as long as its last record needs.
-
-        One ``stat`` per file, so a checkpoint cut short anywhere (also in records a run never
-        reads, such as the optimizer's) is refused before anything of it is used.
-        """
+        """Every data file the metadata names is there and as long as its last record needs
+        (a checkpoint cut short anywhere is refused before anything of it is used)."""
         for file, end in sorted(self._file_ends.items()):
             full = self.path / file
             try:
@@ -200,7 +184,6 @@ class MetadataIndex:
                 raise CheckpointFormatError(
                     full, f"truncated: {size} bytes, but the metadata has records up to byte {end}"
                 )
-
 
     def _index(self, metadata: Any) -> None:
         """Every tensor's chunks from ``metadata``, whose entries are removed as they are used:
@@ -255,7 +238,6 @@ class MetadataIndex:
             self._chunks[key] = chunks
         # the records no chunk holds (empty chunks, records no entry names): stored_records() adds the rest
         self._records_all = [*tensor_records.values(), *storage.get("bytes", {}).values()]
-
 
     def _storage_index(self, metadata: Any) -> dict[str, dict[Any, tuple[str, int, int]]]:
         tensor: dict[Any, tuple[str, int, int]] = {}

@@ -1,16 +1,11 @@
 """Globals of a DCP ``.metadata`` that are none of torch's: recorded, never imported or run.
 
-A trainer may save DCP checkpoints through its own ``StorageWriter`` (OLMo-core's
-``RemoteFileSystemWriter``), whose ``.metadata`` pickles that trainer's own copy of torch's
-private ``filesystem._StorageInfo`` as the values of ``Metadata.storage_data``. The unpickler
-(:mod:`.metadata_unpickle`) hands every global it does not know one of the classes made here
-(:func:`foreign_class`): a record of what the pickle asked for that runs nothing and imports
-nothing. Such an instance is read as data in one place only, by its shape: a value of
-``storage_data``, made as a dataclass is unpickled (``cls.__new__(cls)``, then its fields as a
-dict), with exactly ``_StorageInfo``'s fields and their types (:func:`storage_fields`). Anywhere
-else, or in any other shape, the global is refused (:func:`refused_global`), unless the command
-lists it as inert data (``inert_globals``, the rule single files follow): then it is kept as an
-opaque record the reader never interprets.
+A trainer's own ``StorageWriter`` (OLMo-core's) may pickle its own copy of torch's
+``filesystem._StorageInfo`` in ``Metadata.storage_data``. Every global the unpickler does not
+know becomes a record class made here (:func:`foreign_class`), which runs and imports nothing.
+Such a record is read as data only as a value of ``storage_data`` with exactly
+``_StorageInfo``'s fields (:func:`storage_fields`); anywhere else it is refused
+(:func:`refused_global`) unless listed in ``inert_globals``, then kept opaque.
 
 Example:
     >>> cls = foreign_class("olmo_core.io", "_StorageInfo", "x/.metadata", inert=False)
@@ -35,8 +30,7 @@ from ...errors import CheckpointFormatError, Note, UnsafePickleError
 from ...pickles.rules import CODE_MODULES, refusal
 
 STORAGE_FIELDS = ("relative_path", "offset", "length", "transform_descriptors")
-"""torch's ``filesystem._StorageInfo`` fields, in order; the last may be absent (torch leaves it
-out of the pickle when it is None)."""
+"""torch's ``filesystem._StorageInfo`` fields, in order; the last may be absent (None)."""
 
 _DOTTED_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)+")
 _NO_STATE: Any = object()
@@ -45,19 +39,14 @@ _NO_STATE: Any = object()
 class Foreign:
     """A global of the metadata that is none of torch's classes, as the pickle used it.
 
-    ``cls.__new__(cls)`` with no arguments (how a dataclass or plain object is unpickled) makes
-    an empty record and ``BUILD`` records its state (:attr:`state`); nothing else is accepted
-    unless the global is listed as inert data (:attr:`inert`): a call, or arguments to
-    ``__new__``, is refused at once (:class:`~ema_ckpt.errors.UnsafePickleError`). Listed, they
-    are recorded (:attr:`args`, :attr:`kwargs`, :attr:`called`) and still nothing runs.
+    ``cls.__new__(cls)`` and ``BUILD`` record its state; a call, or arguments to ``__new__``,
+    is refused at once unless the global is :attr:`inert` (listed), then recorded too.
     """
 
     __slots__ = ("args", "called", "kwargs", "state")
     global_name: ClassVar[str] = "builtins.object"
     inert: ClassVar[bool] = False
-    """Listed in the command's ``inert_globals``."""
-    source: ClassVar[str] = ""
-    """The file, for messages."""
+    source: ClassVar[str] = ""  # the file, for messages
 
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
@@ -110,17 +99,13 @@ def _is_code(name: str) -> bool:
 
 
 def _shown(name: str) -> str:
-    """``name`` for a one-line message: as it is when it is a dotted name, else its repr (a
-    pickle may name anything, newlines and braces included)."""
+    """``name`` for a one-line message: as it is when it is a dotted name, else its repr."""
     return name if _DOTTED_NAME.fullmatch(name) else repr(name)[:120]
 
 
 def refused_global(source: str, name: str, *, where: str = "", called: bool = False) -> UnsafePickleError:
-    """The refusal of a global of the metadata that is none of torch's.
-
-    Names the global (and ``where`` it sits); offers ``inert_globals`` for a class that can be
-    plain data, never for code. Nothing from the file has run when it is raised.
-    """
+    """The refusal of a global of the metadata that is none of torch's, naming it (and ``where``
+    it sits), offering ``inert_globals`` for a class that can be plain data, never for code."""
     shown = _shown(name)
     said = refusal(f"{shown} {where}".rstrip())
     if _is_code(name) or shown != name:
@@ -132,9 +117,7 @@ def refused_global(source: str, name: str, *, where: str = "", called: bool = Fa
 
 
 def by_shape(cls: type[Foreign]) -> bool:
-    """Whether records of ``cls`` may be read by their shape where they sit in ``storage_data``:
-    any global but those of the modules of code (``builtins.object``, ``os.*``: no checkpoint
-    writer's)."""
+    """Whether records of ``cls`` may be read by their shape in ``storage_data`` (not of a code module)."""
     return cls.global_name.split(".")[0] not in CODE_MODULES
 
 
@@ -161,13 +144,7 @@ StorageFields = tuple[str, int, int, "list[str] | tuple[str, ...] | None"]
 
 def storage_fields(record: Foreign, index: Any, source: str) -> StorageFields:
     """The ``_StorageInfo`` fields of ``record`` (the value of ``storage_data[index]``), checked:
-    ``relative_path``, ``offset``, ``length``, ``transform_descriptors``.
-
-    Raises:
-        CheckpointFormatError: ``record`` is not a dataclass-like record of exactly those fields
-            with those types: a field more (it could change where the bytes lie), a field
-            missing, a value of another type, or a record made by a call.
-    """
+    ``CheckpointFormatError`` unless a dataclass-like record of exactly those fields and types."""
     state = record.state
     if type(state) is dict and not (record.called or record.args or record.kwargs):  # as torch writes it: fast
         path, offset, length = state.get("relative_path"), state.get("offset"), state.get("length")
@@ -217,8 +194,7 @@ def _misshapen_state(state: dict[Any, Any]) -> str:
 
 
 CONTAINERS = frozenset({dict, list, tuple, set, frozenset})
-"""Everything else a metadata pickle can build is a stand-in (a record class of the load) or
-holds no references (strings, numbers, dtypes)."""
+"""Anything else a metadata pickle builds is a stand-in or holds no references."""
 
 
 _is_class = frozenset({type}).__contains__
@@ -228,9 +204,7 @@ def reach(roots: list[Any], open_types: frozenset[type], kinds: frozenset[type[F
            ) -> Any:
     """The first object reachable from ``roots`` through objects of ``open_types`` that is an
     instance of ``kinds`` or one of ``kinds`` itself (or is ``target``); None if none is.
-
-    A level of the graph at a time, each step over a whole level in C: at 100,000 keys a level
-    holds millions of references (most of them numbers, strings and stand-in classes).
+    A level of the graph at a time, each step in C (a level may hold millions of references).
     """
     is_open = open_types.__contains__
     seen: set[int] = set()

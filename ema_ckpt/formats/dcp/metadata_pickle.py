@@ -7,23 +7,16 @@ field names, defaults and pickling hooks of ``Metadata``, ``TensorStorageMetadat
 ``ChunkStorageMetadata``, ``TensorProperties``, ``BytesStorageMetadata`` and
 ``MetadataIndex``.
 
-**Why it pays:** importing ``torch.distributed.checkpoint`` on top of torch, then building
-its dataclasses and pickling them, costs a run more than writing its data for checkpoints
-of many keys (docs/performance.md). The pickle's shape is simple and fixed, so this module
-writes it directly, opcode by opcode (protocol 4, through :mod:`ema_ckpt.pickles.emit`),
-naming the same globals torch's own pickle names: ``pickle.load`` with torch installed builds
-exactly the objects torch would have saved.
+**Why it pays:** importing ``torch.distributed.checkpoint`` and pickling its dataclasses costs
+more than writing the data of a checkpoint of many keys (docs/performance.md). The pickle is
+written opcode by opcode (protocol 4), naming the globals torch's own pickle names.
 
 **When it is gone:** :func:`emitter_matches_torch` compares the installed torch's class
-definitions with :data:`EXPECTED_LAYOUT`, reading their source without importing the package
-(a few milliseconds, once per process, on the first DCP write). On any difference, or source that
-cannot be read, :func:`dump_metadata` builds torch's own dataclasses and pickles them
-instead: the same loadable result, at the import's cost. ``tests/test_compat.py`` fails
-loudly on such a torch, so the emitter is brought up to date rather than left slow.
+definitions with :data:`EXPECTED_LAYOUT` from their source, once per process; on any
+difference :func:`dump_metadata` pickles torch's own dataclasses instead, and
+``tests/test_compat.py`` fails loudly.
 
-Strings and globals are memoized by value and referenced again with ``BINGET``; nothing
-else is memoized, which keeps the pickle small and the output a function of its inputs
-only (the same bytes whatever objects the caller happened to share).
+Only strings and globals are memoized (by value): the bytes are a function of the inputs only.
 
 Example:
     >>> data = dump_metadata(

@@ -18,13 +18,7 @@ from typing import TYPE_CHECKING, Any
 from ...dtypes import itemsize, torch_dtype
 from ...layout import Box, dim0_shard_regions, split_rows
 from ...writers.base import OutputFormat, OutputTensor, OutputWriter, PlannedRegion, WrittenFile, register_output
-from ...writers.regions import (
-    DEFAULT_CHUNK_BYTES,
-    DEFAULT_FILE_BYTES,
-    MIN_FILE_BYTES,
-    REGION_OVERHEAD_BYTES,
-    box_bytes,
-)
+from ...writers.regions import DEFAULT_CHUNK_BYTES, DEFAULT_FILE_BYTES, MIN_FILE_BYTES, REGION_OVERHEAD_BYTES, box_bytes
 
 if TYPE_CHECKING:
     import torch
@@ -39,13 +33,10 @@ class DcpOutput(OutputWriter):
 
     Args:
         world_size: None keeps the source's chunks and ranks; N cuts every tensor on dim 0
-            as FSDP2's ``fully_shard`` does, rank r's rows in ``__r_<part>.distcp``.
-        max_file_bytes: split each rank's chunks into files of about this much work
-            (None: one file per rank).
-        max_chunk_bytes: with ``world_size`` None, cut a larger source chunk on its first
-            dim into chunks of at most this many bytes (None: keep every chunk whole). The
-            cut depends only on the layout, so an incremental run reads the previous EMA
-            chunk for chunk.
+            as FSDP2's ``fully_shard`` does.
+        max_file_bytes: each rank's files hold about this much work (None: one file per rank).
+        max_chunk_bytes: with ``world_size`` None, a larger source chunk is cut on dim 0 into
+            chunks of at most this many bytes (None: whole).
         planner_data: DCP's key paths (``{"model.w": ("model", "w")}``) for ``.metadata``.
     """
 
@@ -80,11 +71,8 @@ class DcpOutput(OutputWriter):
         return self._split_files(ranked)
 
     def _split_files(self, ranked: Sequence[tuple[OutputTensor, Box, int]]) -> list[PlannedRegion]:
-        """Give each rank's regions consecutive parts of at most ``max_file_bytes`` of work.
-
-        The split depends only on the layout, never on the number of workers, so the
-        output is the same bytes whatever their number.
-        """
+        """Give each rank's regions consecutive parts of at most ``max_file_bytes`` of work
+        (from the layout alone, never the number of workers)."""
         from .writer import data_file_name
 
         rank_work: dict[int, int] = {}
@@ -109,13 +97,17 @@ class DcpOutput(OutputWriter):
             regions.append(PlannedRegion(tensor.key, box, file, nbytes))
         return regions
 
+    def _new_writer(self) -> Any:
+        from .writer import DcpWriter
+
+        writer = DcpWriter(self.staging, file_tag=self.file_tag)
+        for tensor in self._tensors:
+            writer.declare(tensor.key, tensor.shape, torch_dtype(tensor.dtype))
+        return writer
+
     def _open(self) -> Any:
         if self._writer is None:
-            from .writer import DcpWriter
-
-            self._writer = DcpWriter(self.staging, file_tag=self.file_tag)
-            for tensor in self._tensors:
-                self._writer.declare(tensor.key, tensor.shape, torch_dtype(tensor.dtype))
+            self._writer = self._new_writer()
         return self._writer
 
     def write(self, region: PlannedRegion, tensor: torch.Tensor) -> None:
@@ -126,17 +118,13 @@ class DcpOutput(OutputWriter):
         return self._open().close()
 
     def finish(self, states: Sequence[Any]) -> list[WrittenFile]:
-        from .writer import DcpWriter
-
         # holds no tensor data of its own: merges every worker's state; the carried entries go in a part of their own
-        merger = DcpWriter(self.staging, file_tag=self.file_tag)
-        for tensor in self._tensors:
-            merger.declare(tensor.key, tensor.shape, torch_dtype(tensor.dtype))
+        merger = self._new_writer()
         part = 1 + max((p for rank, p in self._files.values() if rank == 0), default=-1)
         for key, record in sorted(self.carried_entries.items()):
             merger.write_bytes(key, record, rank=0, part=part)
         files = merger.finish(self.planner_data, others=list(states), key_order=[t.key for t in self._tensors])
-        return [WrittenFile(f.name, f.size, f.crc32) for f in files] + self.write_carried()
+        return files + self.write_carried()
 
     def abort(self) -> None:
         if self._writer is not None:

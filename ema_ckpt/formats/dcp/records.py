@@ -1,9 +1,7 @@
 """Reading DCP chunk records: locate a record's tensor bytes and read them straight into a buffer.
 
-A record is a standalone ``torch.save`` zip (see :mod:`ema_ckpt.torch_records`). Its zip
-directory and ``data.pkl`` are parsed with an allowlist; the raw bytes are then read with
-``pread`` into the destination, one read per chunk, no pickle code, no extra copy. Records
-that are not plain contiguous tensors go through torch's weights-only loader.
+A record's zip directory and ``data.pkl`` are parsed with an allowlist, then its bytes are read
+into the destination, no extra copy; other records go through torch's weights-only loader.
 """
 
 from __future__ import annotations
@@ -35,7 +33,6 @@ from .metadata import StoredChunk
 _MAX_PICKLE_BYTES = 1 << 20  # a tensor record's data.pkl is a few hundred bytes
 
 
-
 def _pread_into(fd: Source, view: memoryview, offset: int, file: str) -> None:
     if not fd.fill(view, offset):
         raise CheckpointFormatError(file, f"truncated: expected {len(view)} bytes at offset {offset}")
@@ -59,7 +56,6 @@ def _refused_in_record(message: str, record: bytes) -> str | None:
     return refused[0] if refused else None
 
 
-
 def _check_record_crcs(data: bytes, file: Location, key: str, offset: int) -> None:
     """Every member of a whole record read into memory against its CRC-32 (members saved
     without one, CRC 0, pass); a record zipfile cannot list is left to the loader's error."""
@@ -81,7 +77,6 @@ def _tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
-
 _RECENT_RECORDS = 1024
 
 
@@ -98,8 +93,7 @@ class ChunkRecords:
     read_checks: ReadChecks
 
     keep_checksums = False
-    """Keep the CRC-32 of every block read (:meth:`file_crc32`), where the file is fetched in
-    blocks; set before reading."""
+    """Keep the CRC-32 of every block read, where the file is fetched in blocks (:meth:`file_crc32`)."""
 
     def specs(self) -> Mapping[str, TensorSpec]:
         raise NotImplementedError
@@ -113,7 +107,6 @@ class ChunkRecords:
         (other workers' :meth:`block_checksums`) read, reading only what none did."""
         return self._fd(file).crc32([k[file] for k in known if file in k])
 
-
     def _fd(self, file: str) -> Source:
         fd = self._fds.get(file)
         if fd is None:
@@ -126,14 +119,12 @@ class ChunkRecords:
             self._file_sizes[file] = fd.size
         return fd
 
-
     def _name(self, file: str) -> str:
         """The data file's full path, for messages (cached: built on every read otherwise)."""
         name = self._names.get(file)
         if name is None:
             name = self._names[file] = str(self.path / file)
         return name
-
 
     def _check_extent(self, file: str, offset: int, length: int) -> None:
         self._fd(file)
@@ -144,10 +135,8 @@ class ChunkRecords:
                 f"{self._file_sizes[file]}",
             )
 
-
     def _remember(self, cache_key: tuple[str, int], found: tuple[int, TensorRecord] | None) -> None:
-        """Keep a parsed record for the next read of its chunk: the recent ones only, as a run
-        reads each chunk once or in consecutive parts (200,000 kept would cost 30 MiB)."""
+        """Keep a parsed record for the next read of its chunk (the recent ones: a run reads each once)."""
         if len(self._records) >= _RECENT_RECORDS:
             self._records.clear()
         self._records[cache_key] = found
@@ -199,7 +188,6 @@ class ChunkRecords:
         self._remember(cache_key, result)
         return result
 
-
     def _record_from_index(
         self, key: str, chunk: StoredChunk, members: dict[str, Member], source: str
     ) -> tuple[int, TensorRecord] | bool | None:
@@ -235,13 +223,8 @@ class ChunkRecords:
         self.read_checks.expect(chunk.file, chunk.offset + begin, nbytes, data.crc, f"key {key!r}")
         return (chunk.offset + begin, record)
 
-
     def _load_record_fallback(self, key: str, chunk: StoredChunk) -> torch.Tensor:
-        """Load an unusual record (non-contiguous, new layout) with torch's weights-only loader.
-
-        The last one loaded is kept: callers read a chunk block by block, and reloading the
-        whole record for each block would cost its size once per block.
-        """
+        """Load an unusual record with torch's weights-only loader; the last one is kept (read block by block)."""
         if self._fallback is not None and self._fallback[0] == (chunk.file, chunk.offset):
             return self._fallback[1]
         self._fallback = None  # release the previous record before loading the next
@@ -274,7 +257,6 @@ class ChunkRecords:
                                                                 f"{chunk.offset} holds {problem}")
         self._fallback = ((chunk.file, chunk.offset), value)
         return value
-
 
     def _read_chunk_part(self, key: str, chunk: StoredChunk, part: Box, dest: torch.Tensor) -> None:
         spec = self.specs()[key]
@@ -309,10 +291,8 @@ class ChunkRecords:
         _pread_into(self._fd(file), view, offset, self._name(file))
         self.read_checks.saw(file, offset, view)
 
-
     def _check_view(self, key: str, chunk: StoredChunk, record: TensorRecord) -> None:
-        """Refuse a record whose view does not fit its storage, or repeats it (a stride of 0):
-        where its size, strides, offset and storage are first known, before anything is read."""
+        """Refuse a record whose view does not fit its storage, or repeats it, before anything is read."""
         problem = view_problem(record.size, record.stride, record.storage_offset, record.storage_numel,
                                itemsize(record.dtype))
         if problem is not None:

@@ -1,9 +1,7 @@
 """Streaming DCP writer: each chunk is written as soon as it is produced, then freed.
 
-torch's ``FileSystemWriter`` keeps every tensor of a data file alive until that file
-closes (see pytorch/pytorch#195982), so a lazily computed checkpoint still peaks at the
-size of a whole rank file. This writer appends one ``torch.save`` record per chunk to
-``__<rank>_0.distcp`` (the record format torch's reader expects) and keeps only offsets.
+torch's ``FileSystemWriter`` keeps every tensor of a data file alive until it closes; this one
+appends a ``torch.save`` record per chunk to ``__<rank>_<part>.distcp`` and keeps only offsets.
 ``.metadata`` is written last, after every data file is flushed to disk.
 
 Example:
@@ -32,6 +30,7 @@ from ...storage.direct_io import ALIGNMENT as PAGE
 from ...storage.direct_io import DirectAppender
 from ...torch_records import write_tensor_record
 from ...torch_records.write import STORAGE_ALIGNMENT
+from ...writers.base import WrittenFile
 from .chunks import ChunkTable
 from .metadata import METADATA_FILE
 from .metadata_pickle import write_metadata
@@ -49,12 +48,8 @@ _WRITEBACK_BYTES = 32 << 20
 
 
 class _ChecksumFile:
-    """A write-only file wrapper that keeps a CRC-32 and the position of what it wrote.
-
-    Through the page cache (where ``O_DIRECT`` was refused), every 32 MiB it starts the disk
-    write of what came before (``sync_file_range``), so the closing fsync waits for the tail
-    instead of the whole file.
-    """
+    """A write-only file wrapper that keeps a CRC-32 and the position of what it wrote; through
+    the page cache, it starts the disk's write-back every 32 MiB (the closing fsync waits less)."""
 
     def __init__(self, handle: DirectAppender) -> None:
         self._handle = handle
@@ -83,28 +78,14 @@ class _ChecksumFile:
         return self.position
 
 
-@dataclass(frozen=True, slots=True)
-class WrittenFile:
-    """One data file the writer produced, with its size and CRC-32."""
-
-    name: str
-    size: int
-    crc32: int
-
-
-_NO_RECORD = -1
-"""The file index of an empty chunk: it has no stored record."""
+_NO_RECORD = -1  # the file index of an empty chunk: it has no stored record
 
 
 @dataclass
 class WriterState:
-    """What one writer (one worker) wrote: enough for the coordinator to write ``.metadata``.
-
-    One row per chunk, in the order written, as parallel columns: its key, the key's shape and
-    dtype, its box, and its record in ``where`` (index into ``names`` or ``-1`` for an empty
-    chunk, offset, length: three numbers a row). No object per chunk beyond those it shares
-    with the plan.
-    """
+    """What one worker wrote, for the coordinator's ``.metadata``: one row per chunk as parallel
+    columns (key, shape, dtype, box, and in ``where`` three numbers: index into ``names`` or
+    ``-1``, offset, length), no object per chunk beyond those it shares with the plan."""
 
     keys: list[str] = field(default_factory=list)
     shapes: list[tuple[int, ...]] = field(default_factory=list)
@@ -122,8 +103,7 @@ class WriterState:
 
 
 def data_file_name(rank: int, part: int = 0, tag: str | None = None) -> str:
-    """``__<rank>_<part>.distcp``: rank's chunks, split in parts of bounded size; with a
-    ``tag``, ``__<rank>_<part>.<tag>.distcp``."""
+    """``__<rank>_<part>.distcp``, or ``__<rank>_<part>.<tag>.distcp``."""
     return f"__{rank}_{part}.{tag}.distcp" if tag else f"__{rank}_{part}.distcp"
 
 
@@ -176,9 +156,8 @@ class DcpWriter:
         return self._handles[name][1]
 
     def _park(self, name: str) -> None:
-        """``name`` goes idle: files stay open for the run, holding what they gathered short of
-        a direct write's worth, up to :data:`IDLE_BYTES` for all of them (an output of many
-        small files would otherwise hold most of itself), the oldest written out first."""
+        """``name`` goes idle, open, holding what it gathered short of a direct write; past
+        :data:`IDLE_BYTES` for all idle files, the oldest are written out."""
         handle = self._handles[name][0]
         handle.drain()
         self._idle[name] = handle.gathered
@@ -251,11 +230,8 @@ class DcpWriter:
         others: list[WriterState] | tuple[WriterState, ...] = (),
         key_order: list[str] | None = None,
     ) -> list[WrittenFile]:
-        """Close, merge the other workers' states, write ``.metadata`` last, fsync the directory.
-
-        ``key_order`` fixes the order of keys in the metadata (the layout order), so the
-        bytes do not depend on how many workers shared the work.
-        """
+        """Close, merge the other workers' states, write ``.metadata`` last (keys in ``key_order``,
+        whatever the number of workers), fsync the directory."""
         own = self.close()
         states = [own, *others]
         table = ChunkTable(self._declared, states, key_order)
