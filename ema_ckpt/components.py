@@ -1,11 +1,8 @@
 """The components of a checkpoint: each network it holds, read by one format's reader.
 
-A checkpoint of a known format is its own model; further model files beside its weights
-(accelerate's ``model_1.safetensors``) are components of their own, and a main weights file
-beside weights read in another format (the Trainer's bf16 ``model.safetensors`` beside its
-DeepSpeed tag) is a copy, left and said. A folder of no format of its own holds its components
-(diffusers' ``checkpoint-N/unet/`` and ``unet_ema/``); a folder whose parts are named by steps
-is a folder of checkpoints instead. What names mean comes from :mod:`ema_ckpt.layouts`.
+A folder of no format of its own holds its components (diffusers' ``unet/`` and ``unet_ema/``),
+unless its parts are named by steps (a folder of checkpoints). What names mean comes from
+:mod:`ema_ckpt.layouts`.
 
 Example:
     >>> import tempfile, numpy as np; from pathlib import Path; from safetensors.numpy import save_file
@@ -39,12 +36,8 @@ CHECKPOINT_FILE_SUFFIXES = (*TORCH_SUFFIXES, ".safetensors")
 
 @dataclass(frozen=True, slots=True)
 class Component:
-    """A network a checkpoint holds, read by one format's reader.
-
-    ``name`` is its path inside the checkpoint (``unet``, ``model_1``; ``""`` for the checkpoint's
-    own model). ``role``: ``trained`` (averaged by default) or ``trainer EMA`` (an EMA the trainer
-    kept itself: averaged only when chosen).
-    """
+    """A network a checkpoint holds: its path inside it (``unet``; ``""`` for the checkpoint's own
+    model) and its ``role``, ``trained`` or ``trainer EMA`` (averaged only when chosen)."""
 
     name: str
     path: Location
@@ -58,8 +51,7 @@ TRAINER_EMA = "trainer EMA"
 
 @dataclass(frozen=True, slots=True)
 class LeftPart:
-    """A model-bearing part of a checkpoint that is not read, and why (on screen, in ``--json``
-    and in the manifest)."""
+    """A model-bearing part of a checkpoint that is not read, and why."""
 
     path: Location
     why: str
@@ -144,11 +136,10 @@ def _numbered(components: Sequence[Component]) -> bool:
 def components_of(found: Resolved) -> tuple[list[Component], list[LeftPart]]:
     """A checkpoint's components, and the model-bearing parts left (copies of its model).
 
-    A checkpoint of a known format is its own model (component ``""``); further model files
-    beside its weights (accelerate's ``model_1.safetensors``) are components of their own, and
-    a main weights file beside weights read in another format (the Trainer's bf16
-    ``model.safetensors`` beside its DeepSpeed tag) is a copy, left. A folder of no format of its
-    own holds its components (diffusers' ``unet/`` and ``unet_ema/``).
+    A checkpoint of a known format is its own model; further model files beside its weights
+    (accelerate's ``model_1.safetensors``) are components of their own, and a main weights file
+    beside weights read in another format (the Trainer's bf16 ``model.safetensors`` beside its
+    DeepSpeed tag) is a copy, left.
 
     Example:
         >>> import tempfile, numpy as np; from pathlib import Path; from safetensors.numpy import save_file
@@ -213,11 +204,7 @@ def _shown(model: Location, path: Location) -> str:
 def chosen_components(entry: Location, components: Sequence[Component], wanted: str | None, *,
                       every: bool = False) -> list[Component] | str:
     """The components read of the checkpoint ``entry``: the one ``wanted`` names, else its trained
-    ones (``every``: all of them; else there must be one), or why none is (a note).
-
-    Raises:
-        OptionError: several trained components and none chosen, where one is read.
-    """
+    ones (``every``: all; else an ``OptionError`` for several), or why none is (a note)."""
     if wanted is not None:
         wanted = wanted.strip("/")
         named = [c for c in components if c.name == wanted or (wanted in ("", ".") and c.name == "")]
@@ -235,25 +222,8 @@ def chosen_components(entry: Location, components: Sequence[Component], wanted: 
 
 def unread_parts(components: Sequence[Component], left: Sequence[LeftPart], wanted: str | None) -> list[LeftPart]:
     """The model-bearing parts of a taken checkpoint that are not read, each with the reason: the
-    copies in ``left``, and the EMAs the trainer kept (unless ``wanted``). Other trained
-    components are read, each in its own run."""
+    copies in ``left``, and the EMAs the trainer kept (unless ``wanted``)."""
     return [*left, *(LeftPart(c.path, Note(f"an EMA the trainer kept ({c.name}): not averaged again; choose it "
                                            "with {component}", mentions=("component",)))
                      for c in components if c.role == TRAINER_EMA and c.name != wanted)]
 
-
-__all__ = [
-    "CHECKPOINT_FILE_SUFFIXES",
-    "FOLDER_OF_CHECKPOINTS",
-    "TRAINED",
-    "TRAINER_EMA",
-    "Component",
-    "LeftPart",
-    "chosen_components",
-    "components_inside",
-    "components_of",
-    "export_parts",
-    "holds_checkpoints",
-    "model_child",
-    "unread_parts",
-]

@@ -1,9 +1,7 @@
 """Format-independent description of tensors and the boxes they are stored in.
 
-A :class:`Box` is a rectangular region of a tensor (offsets and sizes per dimension),
-the same idea as DCP's ``ChunkStorageMetadata``. A :class:`TensorSpec` is what a key is,
-known from metadata alone. The engine's unit of work, of I/O and of memory is one box of
-one key (:class:`~ema_ckpt.writers.base.PlannedRegion`).
+A :class:`Box` is a rectangular region of a tensor (DCP's ``ChunkStorageMetadata``); a
+:class:`TensorSpec` is what a key is, from metadata alone.
 
 Example:
     >>> a = Box((0, 0), (4, 6))
@@ -71,9 +69,7 @@ class Box:
 
     def relative_to(self, outer: Box) -> Box:
         """This box expressed in the coordinates of ``outer`` (which must contain it)."""
-        return Box(
-            tuple(o - p for o, p in zip(self.offsets, outer.offsets, strict=True)), self.sizes
-        )
+        return Box(tuple(o - p for o, p in zip(self.offsets, outer.offsets, strict=True)), self.sizes)
 
     def slices(self) -> tuple[slice, ...]:
         return tuple(slice(o, o + s) for o, s in zip(self.offsets, self.sizes, strict=True))
@@ -105,11 +101,7 @@ class TensorSpec:
 
 
 def boxes_cover(shape: tuple[int, ...], boxes: list[Box]) -> bool:
-    """True when ``boxes`` cover every element of ``shape`` exactly once.
-
-    Zero-volume boxes (empty FSDP ranks) are ignored, but every box must lie inside the
-    shape with non-negative offsets and sizes. Dim-0 shardings are checked in O(n log n);
-    other layouts by a sweep over dim 0.
+    """True when ``boxes`` (each inside ``shape``; empty ones ignored) cover every element exactly once.
 
     Example:
         >>> boxes_cover((3, 2), [Box((0, 0), (2, 2)), Box((2, 0), (1, 2))])
@@ -159,11 +151,8 @@ def split_rows(box: Box, max_numel: int) -> list[Box]:
 
 
 def dim0_shard_regions(shape: tuple[int, ...], world_size: int) -> list[tuple[int, Box]]:
-    """(rank, box) of the ranks that hold part of a tensor sharded on dim 0, plus one empty box.
-
-    What FSDP's DCP metadata records: every rank's rows, and the ranks past the end share one
-    zero-size chunk at offset ``n``. Work and metadata grow with the rows, never with a huge
-    ``world_size`` (``dim0_shard_boxes`` lists every rank).
+    """(rank, box) of the ranks that hold rows of a tensor sharded on dim 0 as FSDP shards it
+    (``torch.chunk``: ceil(n/W) rows a rank), and one empty box at offset n for the ranks past them.
 
     Example:
         >>> [(r, b.sizes) for r, b in dim0_shard_regions((5, 2), 100_000)]
@@ -180,39 +169,11 @@ def dim0_shard_regions(shape: tuple[int, ...], world_size: int) -> list[tuple[in
     return regions
 
 
-def dim0_shard_boxes(shape: tuple[int, ...], world_size: int) -> list[Box]:
-    """The box of each rank when a tensor is sharded on dim 0 as FSDP shards it.
-
-    ``torch.chunk`` boundaries: ceil(n/W) rows per rank, the last ranks possibly short or
-    empty (an empty rank's box starts at ``n`` with size 0, as FSDP's DCP metadata has it).
-    A 0-d tensor is one box on rank 0.
-
-    Example:
-        >>> [b.sizes for b in dim0_shard_boxes((5, 2), 4)]
-        [(2, 2), (2, 2), (1, 2), (0, 2)]
-    """
-    if not shape:
-        return [Box((), ())]
-    rows = math.ceil(shape[0] / world_size) if shape[0] else 0
-    boxes = []
-    for rank in range(world_size):
-        start = min(rank * rows, shape[0])
-        size = max(0, min(rows, shape[0] - start))
-        boxes.append(Box((start, *[0] * (len(shape) - 1)), (size, *shape[1:])))
-    return boxes
-
-
 def row_blocks(shape: tuple[int, ...], stored: list[Box], max_numel: int) -> list[Box]:
-    """Boxes of whole rows covering a tensor in order, for streaming it out row-major.
-
-    When every stored box spans all trailing dims (dim-0 sharding), blocks follow the stored
-    boxes so each read touches one chunk; otherwise rows are cut every ``max_numel`` elements.
-    Each block is further split to at most ``max_numel`` elements (at least one row).
-    """
+    """Boxes of whole rows covering a tensor in order, each at most ``max_numel`` elements (at
+    least one row), following the ``stored`` boxes where they span all trailing dims."""
     full = Box.full(shape)
-    if not shape:
-        return [full]
-    if shape[0] == 0 or full.numel == 0:
+    if not shape or shape[0] == 0 or full.numel == 0:
         return [full]
     if stored and all(b.sizes[1:] == shape[1:] for b in stored):
         ordered = sorted((b for b in stored if b.numel), key=lambda b: b.offsets[0])

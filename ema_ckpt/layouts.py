@@ -1,23 +1,8 @@
 """What ema-ckpt knows about trainers' checkpoint folders, as data: one registry of layout records.
 
 Discovery, steps, saves in progress and ``inspect`` all read these records; a new trainer is
-one record here (and one fixture), never a branch in the code that reads them. The general
-model (``docs/formats.md``, "The general model"):
-
-- **sequence root**: the folder a command is given; each of its entries is a checkpoint (or, where
-  none is, those of the one folder of checkpoints inside it: accelerate's ``checkpoints/``).
-- **checkpoint**: an entry (file or folder) that stands for one training step.
-- **component**: a network a checkpoint holds, read by one format's reader: the checkpoint
-  itself, a model folder a trainer nests in it (:data:`NESTED_MODELS`), or a model-bearing
-  folder or file inside it (diffusers' ``unet/``, accelerate's ``model_1.safetensors``).
-- **step record**: a counter a trainer writes (:data:`COUNTERS`), in the checkpoint's own
-  records, a JSON state file or a file beside it (:data:`STEP_FILES`), or a labelled number in a
-  name on the path from the sequence root (:data:`NAME_LABELS`).
-- **alias** and **export**: copies of a checkpoint's weights (``last.ckpt``, a final pipeline
-  folder): never counted twice, never a stepless checkpoint (:data:`ALIAS_NAMES`,
-  :data:`EXPORT_MARKERS`).
-- **names**: the wrapper prefixes a trainer's own loader drops (:data:`SAVERS`) and the files
-  beside the weights its loaders read, carried into outputs (:data:`CARRIED_NAMES`).
+one record here (and one fixture), never a branch in the code. The general model (sequence
+roots, checkpoints, components, step records, aliases and exports) is in ``docs/formats.md``.
 
 Example:
     >>> counter_meaning("state.timestamp.batch").counts
@@ -33,8 +18,6 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
-
-# -- what a counter counts -----------------------------------------------------------------------
 
 OPTIMIZER_STEPS = "optimizer steps"
 MICRO_BATCHES = "micro-batches"
@@ -131,11 +114,9 @@ def counter_meaning(dotted: str) -> Counter | None:
 
 
 def counters_in(record: object, prefix: str = "") -> list[SeenCounter]:
-    """Every known counter in a record of plain data (a JSON document, a safetensors header's
-    ``__metadata__``, a pickle read as inert data): non-negative ints (or strings of digits in a
-    map of strings), in dicts nested up to 4 deep and the last entry of a list
-    (fairseq's ``optimizer_history[-1].num_updates``). Containers of
-    :data:`COUNTER_CONTAINERS_SKIPPED` are not searched. The walk is iterative and bounded.
+    """Every known counter in a record of plain data: non-negative ints (or strings of digits),
+    in dicts nested up to 4 deep and the last entry of a list (fairseq's
+    ``optimizer_history[-1].num_updates``), outside :data:`COUNTER_CONTAINERS_SKIPPED`.
 
     Example:
         >>> [(c.path, c.value) for c in counters_in({"meta": {"epoch": 3, "iter": 120}})]
@@ -187,8 +168,6 @@ def counter_named(counters: list[SeenCounter], name: str) -> SeenCounter | None:
     return ends[0] if ends else None
 
 
-# -- numbers in names ------------------------------------------------------------------------
-
 @dataclass(frozen=True, slots=True)
 class NameLabel:
     """Words that label a number in a checkpoint's name (``step=1000``, ``ba4``, ``ep0``) and what
@@ -213,20 +192,13 @@ NAME_LABELS: tuple[NameLabel, ...] = (
 as the Hugging Face Trainer names its folders), a rank or shard number is never a step."""
 
 
-# -- trainers' folders ----------------------------------------------------------------------
-
 @dataclass(frozen=True, slots=True)
 class NestedModel:
-    """A trainer's checkpoint folder whose model weights sit in a subdirectory of their own.
+    """A trainer's checkpoint folder whose model weights sit in a subdirectory ``pattern`` names.
 
-    ``pattern`` matches the subdirectory's name; ``trainer`` names who writes it. accelerate's
-    ``save_state`` (and so the Hugging Face Trainer) writes an FSDP model as
-    ``checkpoint_<i>/pytorch_model_fsdp_0/`` (a DCP checkpoint holding ``{"model": …}``) beside
-    ``optimizer_0/``; NeMo 2 writes Megatron's ``torch_dist`` checkpoint into ``weights/``;
-    OLMo-core writes ``stepN/model_and_optim/`` beside ``train/rank0.pt``. ``optimizer`` names
-    the sibling folder holding that model's optimizer state, if any; where the subdirectory's
-    name alone is common, ``beside`` names a sibling that must exist too and ``marker`` a file
-    the nested folder must hold. ``others``: names of further models of the same trainer.
+    ``optimizer``: the sibling holding that model's optimizer state; ``beside``: a sibling that
+    must exist too, and ``marker`` a file the nested folder must hold (where the name alone is
+    common); ``others``: names of further models of the same trainer.
     """
 
     trainer: str
@@ -293,8 +265,6 @@ STEP_FILES: tuple[StepFile, ...] = (
 )
 
 
-# -- components, aliases, exports -----------------------------------------------------------
-
 TRAINER_KEPT_EMA = re.compile(r"(^|[_.-])ema([_.-]|$)|^ema", re.IGNORECASE)
 """A component that is an EMA the trainer kept itself (``unet_ema``, ``ema_model``): not averaged
 again unless chosen by name (the ``component`` option)."""
@@ -311,16 +281,13 @@ MAIN_WEIGHTS = re.compile(
     r"|pytorch_model_fsdp_0)(-\d+-of-\d+)?(\.[0-9a-z-]+)?\.(safetensors|bin)$|\.index\.json$",
     re.IGNORECASE,
 )
-"""Names of a folder's main weights files (and their shards): in a folder whose model is read in
-another format (a DeepSpeed tag beside the Trainer's bf16 ``model.safetensors``) they are copies of
-that model, not further components."""
+"""Names of a folder's main weights files (and shards): beside a model read in another format,
+copies of it, not further components."""
 EXPORT_MARKERS = ("model_index.json",)
 """Files that make a folder an export of finished weights (a diffusers pipeline), not a checkpoint."""
 EXPORT_NAMES = re.compile(r"^(final|final_model|export|exported|pipeline|best_model)$", re.IGNORECASE)
 """Folder names of a final export beside the checkpoints (a copy of the last step)."""
 
-
-# -- names: wrapper prefixes, files carried -------------------------------------------------
 
 WRAPPER_PREFIXES = ("_orig_mod.", "module.")
 """Prefixes a wrapper puts on every key (``torch.compile``'s ``_orig_mod.``, DDP's ``module.``)."""
@@ -329,14 +296,11 @@ DDP_PREFIX, COMPILE_PREFIX = "module.", "_orig_mod."
 
 @dataclass(frozen=True, slots=True)
 class Saver:
-    """Who wrote a single file, as the file's own top level shows it, and which wrapper prefixes
-    that writer's own loading code takes off the keys (so the names read are the ones it loads).
+    """Who wrote a single file, by its top level, and which wrapper prefixes its loader takes off.
 
-    ``marks``: alternatives, each a tuple of entries (``state.model``: nested, by ``.``) that
-    must all be in the file; an empty ``marks`` recognises any file. ``drops``: the prefixes its
-    loader takes off every key, in any order. ``deepest``: how many containers deep the state
-    dict may sit for them still to be dropped (0: only a file that is the state dict). ``why``:
-    one clause for ``inspect``, saying whose loader does what.
+    ``marks``: alternatives, each of entries (``state.model``) that must all be in the file (none:
+    any file). ``drops``: the prefixes taken off every key. ``deepest``: how many containers deep
+    the state dict may sit for them still to be dropped. ``why``: one clause for ``inspect``.
     """
 
     name: str
@@ -372,57 +336,10 @@ SAVERS: tuple[Saver, ...] = (
           "a plain training loop's state dict (the file itself, or one container of it): DDP's module. and "
           "torch.compile's _orig_mod. wrap every key, and loading code strips them"),
 )
-"""Who writes single files, by the file's own top level, first match wins; the last row (any
-file) is a plain training loop's ``torch.save``. A state dict deeper than a row's ``deepest``
-(``{"model": {"state_dict": …}}``, or one chosen by ``state_key`` inside training state) keeps
-its names: no wrapper's loader strips a prefix there."""
+"""Who writes single files, first match wins (the last row: any file)."""
 
 
 CARRIED_NAMES = ("config.json", "generation_config.json", "adapter_config.json", "metadata.json", "common.pt",
                  "meta.pt")
-"""Files beside the weights that trainers' loaders read with them, carried into outputs byte for
-byte: Hugging Face's configs (``from_pretrained``, ``PeftModel.from_pretrained``), megatron-core's
-``metadata.json`` and ``common.pt`` (``dist_checkpointing.load``), Lightning's ``meta.pt`` beside a
-sharded checkpoint."""
-
-
-__all__ = [
-    "ACCELERATE",
-    "ACCELERATE_OPTIMIZER",
-    "ALIAS_NAMES",
-    "CARRIED_NAMES",
-    "COMPILE_PREFIX",
-    "COUNTERS",
-    "COUNTER_CONTAINERS_SKIPPED",
-    "DDP_PREFIX",
-    "EPOCHS",
-    "EXPORT_MARKERS",
-    "EXPORT_NAMES",
-    "HF_TRAINER",
-    "MAIN_WEIGHTS",
-    "MICRO_BATCHES",
-    "NAME_LABELS",
-    "NESTED_MODELS",
-    "NOT_COMPONENTS",
-    "OPTIMIZER_STEPS",
-    "SAMPLES",
-    "SAVERS",
-    "SAVES",
-    "STEP_FILES",
-    "TOKENS",
-    "TRAINER_KEPT_EMA",
-    "TRAINER_SAVES",
-    "TRAINER_STATE",
-    "WRAPPER_PREFIXES",
-    "Counter",
-    "NameLabel",
-    "NestedModel",
-    "Saver",
-    "SeenCounter",
-    "StepFile",
-    "TrainerSave",
-    "best_step",
-    "counter_meaning",
-    "counter_named",
-    "counters_in",
-]
+"""Files beside the weights that trainers' loaders read with them (Hugging Face's configs,
+megatron-core's ``metadata.json`` and ``common.pt``, Lightning's ``meta.pt``), carried byte for byte."""

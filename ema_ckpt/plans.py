@@ -1,14 +1,7 @@
 """Plans: outputs × terms (checkpoint, coefficient), from steps and manifests alone.
 
 A :class:`Plan` is what ``posthoc``, ``average`` and ``accumulate`` compute before reading a
-tensor (a dry run shows it). The coefficients come from the pure planner
-(:mod:`ema_ckpt.planner`):
-
-* from raw checkpoints, a power-function EMA in closed form (EDM2, Karras et al. 2024):
-  cᵢ = (tᵢ/T)^(γ+1) − (tᵢ₋₁/T)^(γ+1);
-* from the power-EMA snapshots ``accumulate(sigma_rels=…, snapshot_every=K)`` keeps, EDM2's
-  least-squares reconstruction;
-* a uniform average of a selection (fairseq ``average_checkpoints``, LAWA).
+tensor (a dry run shows it), the coefficients from :mod:`ema_ckpt.maths`.
 
 Example:
     >>> import tempfile, numpy as np; from pathlib import Path; from safetensors.numpy import save_file
@@ -125,18 +118,14 @@ def power_targets(sigma_rels: Sequence[str], gammas: Sequence[str]) -> list[tupl
             for name, gamma, _typed in profile_specs.power_profiles(sigma_rels, gammas)]
 
 
+# how a power EMA and a classic one are made longer, for sparse_warning
 POWER_LONGER = Note("a larger {sigma_rels}", mentions=("sigma_rels",))
-"""How a power EMA is made longer, for :func:`sparse_warning`."""
 EXPONENTIAL_LONGER = Note("a longer {half_life}, or a {decay} closer to 1", mentions=("half_life", "decay"))
-"""How a classic EMA is made longer, for :func:`sparse_warning`."""
 
 
 def sparse_warning(steps: Sequence[int], window: float, longer: Note) -> Note | None:
-    """The plain-words warning for checkpoints too sparse for an EMA's window, or None.
-
-    It says what goes wrong (the average rests on a few checkpoints, so it averages out less
-    training noise: relative error ≈ sqrt(k/window), docs/math.md) and what to do (save more
-    often, or ``longer``).
+    """The plain-words warning for checkpoints too sparse for an EMA's window (what goes wrong,
+    and what to do: save more often, or ``longer``), or None.
 
     Example:
         >>> print(sparse_warning([100, 200, 300], 1000.0, POWER_LONGER))
@@ -210,7 +199,7 @@ def power_outputs(checkpoints: Sequence[FoundCheckpoint], targets: Sequence[tupl
             name, big_t, terms, sigma_rel=sigma_rel, gamma=gamma,
             profile={"kind": "power", "sigma_rel": sigma_rel, "gamma": gamma},
             warnings=warnings,
-            stats=_stats([t.step for t in terms], [t.coefficient for t in terms]),
+            stats=_stats(terms),
         ))
     return outputs
 
@@ -276,10 +265,9 @@ def average_output(name: str, checkpoints: Sequence[FoundCheckpoint], *, last: i
         profile["every"] = every
     if spec.name != "uniform":
         profile.update(spec.to_json())
-    return PlannedOutput(name, steps[picked[-1]], terms, profile=profile,
-                         stats=_stats([t.step for t in terms], [t.coefficient for t in terms]))
+    return PlannedOutput(name, steps[picked[-1]], terms, profile=profile, stats=_stats(terms))
 
 
-def _stats(steps: list[int], coeffs: list[float]) -> dict[str, float | None]:
-    s = maths.describe_plan(steps, coeffs)
+def _stats(terms: Sequence[Term]) -> dict[str, float | None]:
+    s = maths.describe_plan([t.step for t in terms], [t.coefficient for t in terms])
     return {"sigma_rel": s.sigma_rel, "mean_age": s.mean_age, "n_eff": s.n_eff, "max_abs": s.max_abs}

@@ -34,12 +34,6 @@ def select_keys(
     return _model_part(reader, list(reader.stored()), include, exclude, tensors=True)
 
 
-def select_entries(
-    reader: CheckpointReader, include: Sequence[str] = (), exclude: Sequence[str] = ()
-) -> list[str]:
-    """The model's non-tensor entries (megatron's ``*._extra_state``), by the rules of :func:`select_keys`."""
-    return _model_part(reader, list(reader.non_tensor_keys), include, exclude)
-
 
 def _model_part(reader: CheckpointReader, names: list[str], include: Sequence[str], exclude: Sequence[str],
                 *, tensors: bool = False) -> list[str]:
@@ -61,10 +55,11 @@ def _model_part(reader: CheckpointReader, names: list[str], include: Sequence[st
 
 def carry_into(writers: Sequence[OutputWriter], reader: CheckpointReader, include: Sequence[str] = (),
                exclude: Sequence[str] = ()) -> None:
-    """Each writer keeps ``reader``'s carried files and its model's non-tensor entries (see
-    :meth:`~ema_ckpt.writers.base.OutputWriter.carry`): an output loads where its source did."""
+    """Each writer keeps ``reader``'s carried files and its model's non-tensor entries (megatron's
+    ``*._extra_state``, chosen as :func:`select_keys` chooses): an output loads where its source did."""
     files = reader.carried_files()
-    entries = {key: reader.read_bytes(key) for key in select_entries(reader, include, exclude)}
+    entries = {key: reader.read_bytes(key) for key in _model_part(reader, list(reader.non_tensor_keys), include,
+                                                                  exclude)}
     for writer in writers:
         writer.carry(files, entries)
 
@@ -131,11 +126,8 @@ MIN_SHARED_KEYS = 0.5
 def _check_overlap(
     readers: Sequence[CheckpointReader], order: Sequence[int], include: Sequence[str], exclude: Sequence[str]
 ) -> None:
-    """Refuse consecutive checkpoints that barely share keys: a renamed model, not keys added.
-
-    torchtitan's ``last_save_in_hf`` export beside its DCP steps is one: the same weights
-    under Hugging Face names. Averaging them key by key would leave each side alone.
-    """
+    """Refuse consecutive checkpoints that barely share keys: a renamed model (torchtitan's
+    ``last_save_in_hf`` export beside its DCP steps), not keys added."""
     previous: tuple[CheckpointReader, set[str]] | None = None
     for index in order:
         reader = readers[index]
@@ -154,18 +146,13 @@ def _check_overlap(
 
 
 def _same_structure(a: CheckpointReader, b: CheckpointReader) -> bool:
-    """Whether two readers share one parsed structure (same keys, shapes, dtypes and key paths):
-    DCP steps of one run do (see ``formats.dcp.index.Structure``), which an identity test shows."""
+    """Whether two readers share one parsed structure (``formats.dcp.index.Structure``): an identity test."""
     return type(a) is type(b) and a.stored() is b.stored() and a.planner_data is b.planner_data
 
 
 def container_prefix(reader: CheckpointReader, keys: Sequence[str]) -> str | None:
-    """The DCP container level every key sits in (``"model."`` of ``{"model": …}``), or None.
-
-    Only a container recorded at save time counts (see ``DcpReader.container_of``): a module
-    attribute that happens to be called ``model`` is part of the model's own names, and
-    DeepSpeed and safetensors sources never have one.
-    """
+    """The DCP container level every key sits in (``"model."`` of ``{"model": …}``), or None; only
+    a container recorded at save time counts (``DcpReader.container_of``)."""
     if not keys:
         return None
     containers = {reader.container_of(k) for k in keys}
@@ -189,14 +176,13 @@ def output_names(
     if prefix is None:
         return {k: k for k in keys}
     return {k: k[len(prefix):] for k in keys}
+
+
 NON_WEIGHT_BUFFERS = frozenset({"e_score_correction_bias", "expert_bias", "tokens_per_expert",
                                 "local_tokens_per_expert", "expert_bias_E", "tokens_per_expert_E"})
 """The last names of float tensors that are not weights: a mixture-of-experts router's load
-balancing state, set by counting tokens rather than by gradients (DeepSeek-V3 and Hugging Face
-``e_score_correction_bias``; megatron-core ``expert_bias``, ``tokens_per_expert``,
-``local_tokens_per_expert``; torchtitan ``expert_bias_E``, ``tokens_per_expert_E``, or without
-the ``_E`` in older releases). An average takes them from the newest checkpoint, as it takes
-integer tensors, unless ``average_buffers``."""
+balancing state (DeepSeek-V3, megatron-core, torchtitan), set by counting tokens. An average
+takes them from the newest checkpoint, as it takes integer tensors, unless ``average_buffers``."""
 
 
 def is_non_weight_buffer(key: str) -> bool:

@@ -27,12 +27,13 @@ from torch.distributed.checkpoint.state_dict_loader import load
 from torch.distributed.checkpoint.state_dict_saver import save
 
 from ema_ckpt.formats.dcp.writer import DcpWriter
-from ema_ckpt.layout import Box, dim0_shard_boxes
+from ema_ckpt.layout import Box, dim0_shard_regions
 
 
 def fsdp_boxes(shape: tuple[int, ...], world_size: int) -> list[Box]:
-    """Dim-0 boxes as FSDP shards a tensor."""
-    return dim0_shard_boxes(shape, world_size)
+    """Dim-0 boxes of every rank as FSDP shards a tensor (the ranks past the rows share the empty one)."""
+    boxes = [box for _rank, box in dim0_shard_regions(shape, world_size)]
+    return boxes + boxes[-1:] * (world_size - len(boxes)) if shape else boxes
 
 
 class _RankPlanner(DefaultSavePlanner):

@@ -1,11 +1,8 @@
 """``consolidate``: any supported checkpoint → safetensors, the HF sharded layout, or a torch file.
 
-Streams: headers are written from metadata first, then each tensor's bytes block by block
-as they are read (and cast), so memory holds one block of rows, never the model or the file.
-When a safetensors output needs no cast and every tensor is stored as plain runs of bytes
-(dim-0 shards of a DCP checkpoint), the kernel copies those runs file to file and torch is
-never imported. Nothing is written in place: the output is built beside its final path and
-swapped in.
+Headers are written from metadata first, then each tensor's bytes block by block (or, for a
+safetensors output with no cast, copied file to file); the output is built beside its final
+path and swapped in.
 
 Example:
     >>> consolidate("ckpts/ema", "ema.safetensors", dtype="bfloat16")   # doctest: +SKIP
@@ -60,11 +57,8 @@ def parse_size(text: str | int) -> int:
 
 @dataclass(frozen=True, kw_only=True)
 class ConsolidateOptions(KeyFields, ReadFields, RunFields):
-    """Everything a :func:`consolidate` run needs; checked when made.
-
-    ``out``: ``*.safetensors``, ``*.pt``/``*.bin``/``*.pth``, or a directory (HF sharded);
-    ``format``: the output format chosen for it (see :func:`~ema_ckpt.writers.base.choose_output_format`).
-    """
+    """Everything a :func:`consolidate` run needs; checked when made (``format``: the one
+    :func:`~ema_ckpt.writers.base.choose_output_format` chose for ``out``)."""
 
     src: Location
     out: Location
@@ -85,16 +79,10 @@ class ConsolidateOptions(KeyFields, ReadFields, RunFields):
             raise OptionError("dtype", f"must be one of {', '.join(OUTPUT_DTYPES)}, got {self.dtype!r}",
                               value=self.dtype)
 
-    @property
-    def layout(self) -> str:
-        """The output format: ``safetensors``, ``hf-sharded`` or ``torch``."""
-        return self.format
-
 
 @dataclass(slots=True)
 class ConsolidateResult:
-    """What :func:`consolidate` wrote: ``files`` (name, size) and ``bytes_written`` are the files
-    on disk, the index included."""
+    """What :func:`consolidate` wrote: ``files`` (name, size) on disk, the index included."""
 
     out: Location
     layout: str
@@ -133,8 +121,7 @@ def consolidate(
     Args:
         src: any supported checkpoint (an ema-ckpt output, DCP, DeepSpeed, safetensors).
         out: ``*.safetensors``, ``*.pt``/``*.bin``/``*.pth``, or a directory for the HF sharded
-            layout: an existing one, or a ``str`` ending in ``/``. Any other path is refused
-            (``model.safetensor`` would otherwise become a directory).
+            layout (an existing one, or a ``str`` ending in ``/``); any other path is refused.
         format: the output format by name (``safetensors``, ``hf-sharded``, ``torch``), for a
             path that does not say.
         max_shard_size: shard limit for the directory layout (``5GB``, ``500MB``, …; default 5GB);
@@ -183,7 +170,7 @@ class ConsolidateJob(Job[None, _Written, ConsolidateResult]):
         return None
 
     def targets(self, plan: None) -> list[Target]:
-        fmt = output_format(self.options.layout)
+        fmt = output_format(self.options.format)
         return [Target(self.options.out, single_file=fmt.single_file, replace=self.options.overwrite)]
 
     def compute(self, plan: None, context: JobContext) -> _Written:
@@ -198,7 +185,7 @@ class ConsolidateJob(Job[None, _Written, ConsolidateResult]):
 
         reader, keys = context.check(open_source)
         names = output_names(reader, keys, keep_prefix=opts.keep_prefix)
-        fmt = output_format(opts.layout)
+        fmt = output_format(opts.format)
         stored = reader.stored()
         tensors = [OutputTensor(k, names[k], as_tuple(stored[k][0]),
                                 opts.dtype if opts.dtype is not None and is_float(stored[k][1]) else stored[k][1],
@@ -216,7 +203,7 @@ class ConsolidateJob(Job[None, _Written, ConsolidateResult]):
     def result(self, plan: None, computed: _Written | None, seconds: float) -> ConsolidateResult:
         assert computed is not None
         files = files_on_disk(self.options.out)
-        result = ConsolidateResult(self.options.out, self.options.layout, files, computed.keys,
+        result = ConsolidateResult(self.options.out, self.options.format, files, computed.keys,
                                    sum(size for _, size in files), seconds, computed.renamed_prefix,
                                    index=computed.index, carried=computed.carried)
         if computed.renamed_prefix:

@@ -1,8 +1,7 @@
 """``reshard``: any supported checkpoint → a DCP checkpoint laid out for N ranks.
 
-Each tensor is cut on dim 0 as FSDP2's ``fully_shard`` cuts it (``torch.chunk``
-boundaries) and rank r's chunks go to ``__r_0.distcp``, so each of N ranks reads only its
-own file when it loads. Streams one chunk at a time.
+Each tensor is cut on dim 0 as FSDP2's ``fully_shard`` cuts it and rank r's chunks go to
+``__r_0.distcp``, so each rank reads only its own file. Streams one chunk at a time.
 
 Example:
     >>> reshard("ckpts/ema", world_size=16, out="ema-16")   # doctest: +SKIP
@@ -50,8 +49,7 @@ class ReshardOptions(KeyFields, ReadFields, RunFields):
 
 @dataclass(slots=True)
 class ReshardResult:
-    """What :func:`reshard` wrote: ``files`` (name, size) and ``bytes_written`` are the files on
-    disk, ``.metadata`` and a manifest included."""
+    """What :func:`reshard` wrote: ``files`` (name, size) on disk, ``.metadata`` and a manifest included."""
 
     out: Location
     world_size: int

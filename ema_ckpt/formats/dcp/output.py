@@ -123,7 +123,8 @@ class DcpOutput(OutputWriter):
         part = 1 + max((p for rank, p in self._files.values() if rank == 0), default=-1)
         for key, record in sorted(self.carried_entries.items()):
             merger.write_bytes(key, record, rank=0, part=part)
-        files = merger.finish(self.planner_data, others=list(states), key_order=[t.key for t in self._tensors])
+        files: list[WrittenFile] = merger.finish(self.planner_data, others=list(states),
+                                                 key_order=[t.key for t in self._tensors])
         return files + self.write_carried()
 
     def abort(self) -> None:
