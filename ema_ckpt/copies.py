@@ -17,7 +17,6 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING, TypeVar
 
@@ -27,7 +26,7 @@ from .formats.base import CheckpointReader
 from .layout import row_blocks
 from .layouts import ALIAS_NAMES, EXPORT_NAMES, TRAINER_STATE
 from .selection import select_keys
-from .storage import Location, local_file
+from .storage import Location, one_file
 
 if TYPE_CHECKING:
     from .discovery import FoundCheckpoint
@@ -60,13 +59,7 @@ def same_model_bytes(a: CheckpointReader, b: CheckpointReader, keys: Sequence[st
 
 def same_file(a: Location, b: Location) -> bool:
     """One file or folder under two names: a symlink, or a hard link (timm's ``last.pth.tar``)."""
-    if a.resolve() == b.resolve():
-        return True
-    try:
-        local_a, local_b = local_file(a), local_file(b)  # objects have no links
-        return local_a is not None and local_b is not None and not a.is_dir() and os.path.samefile(local_a, local_b)
-    except OSError:
-        return False
+    return a.resolve() == b.resolve() or (one_file(a, b) and not a.is_dir())
 
 
 def same_weights(a: Location, b: Location) -> bool:

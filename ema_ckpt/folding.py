@@ -28,7 +28,7 @@ from .maths import ExponentialProfile, PowerProfile, fold_coefficients, profile_
 from .plans import EXPONENTIAL_LONGER, POWER_LONGER, PlannedOutput, Term, find_snapshots, sparse_warning
 from .plans import Plan as AveragePlan
 from .selection import check_compatible, select_keys
-from .storage import Location, as_path, local_file, output_location
+from .storage import Location, as_path, destination_for, output_location
 
 DEFAULT_OUT_NAME = "ema"
 Profile = ExponentialProfile | PowerProfile
@@ -459,8 +459,8 @@ def component_file(component: str | None, out: Location, newest: CheckpointReade
     """The file name a component's EMA is written under, in its own format, so that its framework
     loads it where it loads the component (``ema/unet/diffusion_pytorch_model.safetensors`` beside
     its ``config.json``; ``ema/model_1/model_1.safetensors``), or None: a DCP EMA. Only a component
-    read from one safetensors file, written to a local disk."""
-    if component is None or newest.format_name != "safetensors" or local_file(out) is None:
+    read from one safetensors file, written where data files keep their names."""
+    if component is None or newest.format_name != "safetensors" or not destination_for(out).names_kept:
         return None
     headers = cast(SafetensorsReader, newest).headers
     return headers[0].path.name if len(headers) == 1 else None

@@ -29,7 +29,7 @@ from .formats.base import CheckpointReader
 from .formats.dcp.reader import DcpReader
 from .manifest import MANIFEST_NAME, OUTPUT_OWN_FILES, Manifest
 from .reading import Tally
-from .storage import HASH_BLOCK_BYTES, Location, as_path, local_file, size_and_crc32
+from .storage import HASH_BLOCK_BYTES, Location, as_path, read_in_blocks, size_and_crc32
 
 
 class Findings(Protocol):
@@ -190,7 +190,7 @@ def refuse_damaged_emas(accumulators: list[Accumulator]) -> None:
     for acc in accumulators:
         if acc.previous is None or not acc.new:
             continue
-        problems = damage(acc.final, crc=local_file(acc.final) is not None)  # a local file is read twice for free
+        problems = damage(acc.final, crc=not read_in_blocks(acc.final))  # a local file is read twice for free
         if problems:
             raise _damaged(acc.final, problems)
 
@@ -236,7 +236,7 @@ def as_damaged_ema(accumulators: Sequence[Accumulator], error: EmaCkptError) -> 
 
 def remote_emas_folded_into(accumulators: Sequence[Accumulator]) -> list[Accumulator]:
     """The accumulators whose previous EMA, on object storage, this run folds new checkpoints into."""
-    return [acc for acc in accumulators if acc.previous is not None and acc.new and local_file(acc.final) is None]
+    return [acc for acc in accumulators if acc.previous is not None and acc.new and read_in_blocks(acc.final)]
 
 
 def _damaged(final: Location, problems: list[str]) -> CheckpointFormatError:

@@ -23,7 +23,7 @@ from typing import Any
 
 from ._version import __version__
 from .errors import CheckpointFormatError, ManifestMismatchError, OptionError
-from .storage import Location, local_file, replace_file
+from .storage import Location, enclosing_folders, replace_file
 
 MANIFEST_NAME = "ema-ckpt.json"
 MANIFEST_FORMAT = 1
@@ -176,11 +176,10 @@ def check_output_place(final: Location) -> None:
         OptionError: ``final`` lies inside an ema-ckpt output, or is one holding entries its
             manifest does not list.
     """
-    if local_file(final) is not None:  # an object store has no parents to nest in
-        for parent in final.resolve().parents:
-            if (parent / MANIFEST_NAME).is_file():
-                raise OptionError("out", f"{final} is inside the ema-ckpt output {parent}, which its next run "
-                                  "replaces whole; write the output elsewhere", value=final)
+    for parent in enclosing_folders(final):
+        if (parent / MANIFEST_NAME).is_file():
+            raise OptionError("out", f"{final} is inside the ema-ckpt output {parent}, which its next run "
+                              "replaces whole; write the output elsewhere", value=final)
     if not (final / MANIFEST_NAME).is_file():
         return
     manifest = Manifest.read(final, check=False)  # only its file list: a run that may replace it got here

@@ -57,7 +57,7 @@ from .layouts import (
     counter_named,
     counters_in,
 )
-from .storage import Location, as_path, local_file
+from .storage import Location, as_path
 
 _FILE_SUFFIXES = (".pth.tar", ".safetensors", ".ckpt", ".pth", ".pt", ".bin", ".tar")
 _NUMBERS = re.compile(r"(?:([A-Za-z]+(?:_[A-Za-z]+)*)[_=-]?)?(\d+)")
@@ -179,8 +179,7 @@ def _step_file_counters(folder: Location) -> list[tuple[str, list[SeenCounter]]]
             doc = _read_json(path)
             counters = counters_in(doc) if isinstance(doc, dict) else []
         else:
-            local = local_file(path)
-            counters = list(file_facts(local).counters) if local is not None and local.is_file() else []
+            counters = list(file_facts(path).counters)
         if counters:
             found.append((step_file.path, counters))
     return found
@@ -204,8 +203,7 @@ def _optimizer_counter_step(found: Resolved) -> StepRecord | None:
             values = [float(reader.read(key, Box((), ())).item()) for key in counters]
         where = f"{location.optimizer.name}/"
     elif path.is_dir() and (path / ACCELERATE_OPTIMIZER).is_file():
-        local = local_file(path / ACCELERATE_OPTIMIZER)  # a torch file is read from a local disk only
-        values = optimizer_step_counters(local) if local is not None else []
+        values = optimizer_step_counters(path / ACCELERATE_OPTIMIZER)
         where = ACCELERATE_OPTIMIZER
     else:
         return None
@@ -222,17 +220,16 @@ def _steps_of_optimizers(found: Resolved) -> StepRecord | None:
     optimizers (a GAN) counts every ``optimizer.step()`` of either, twice the updates each network
     got. Taken only where every optimizer took the same number of steps."""
     model = found.model.path
-    local = local_file(model) if found.format is not None and found.format.name == "torch" else None
-    if local is None or not local.is_file():
+    if found.format is None or found.format.name != "torch" or not model.is_file():
         return None
-    facts = file_facts(local)
+    facts = file_facts(model)
     total = next((c.value for c in facts.counters if c.path == "global_step"), None)
     if total is None:
         return None
-    stat = local.stat()
-    key = (str(local), stat.st_size, stat.st_mtime_ns)
+    stat = model.stat()
+    key = (str(model), stat.st_size, stat.st_mtime_ns)
     if key not in _OPTIMIZERS_CACHE:
-        _OPTIMIZERS_CACHE[key] = [int(max(v)) for v in optimizer_steps(local) if v and max(v) == int(max(v))]
+        _OPTIMIZERS_CACHE[key] = [int(max(v)) for v in optimizer_steps(model) if v and max(v) == int(max(v))]
     steps = _OPTIMIZERS_CACHE[key]
     if len(steps) < 2 or len(set(steps)) != 1 or steps[0] == total:
         return None
@@ -270,11 +267,9 @@ def _component_counters(found: Resolved, *, headers: bool = True, files: bool = 
     fmt, model = found.format, found.model.path
     if fmt is None:
         return []
-    if fmt.name == "torch" and files:
-        local = local_file(model)
-        if local is not None and local.is_file() and has_torch_suffix(local):
-            counters = list(file_facts(local).counters)
-            return [("the file", counters)] if counters else []
+    if fmt.name == "torch" and files and model.is_file() and has_torch_suffix(model):
+        counters = list(file_facts(model).counters)
+        return [("the file", counters)] if counters else []
     if fmt.name == "safetensors" and headers:
         counters = counters_in(_safetensors_metadata(model))
         return [("its safetensors metadata", counters)] if counters else []

@@ -559,3 +559,15 @@ def test_an_hf_sharded_output_on_s3_loads_with_from_pretrained(s3, tmp_path):
     assert sorted(local) == sorted(state)
     for key, value in local.items():
         assert torch.equal(state[key], value.float()), key
+
+
+@pytest.mark.parametrize("trainer", ["accelerate-plain", "olmo-core-style"])
+def test_steps_recorded_in_torch_files_are_read_on_s3(s3, trainer):
+    """A step recorded in a torch file beside the weights (accelerate's optimizer.bin counters,
+    OLMo-core's train/rank0.pt) is read from object storage as from a local disk."""
+    from ema_ckpt.discovery import discover
+
+    local = TRAINERS / trainer / "ckpts"
+    url = upload(local, f"steps/{trainer}")
+    here, there = ([(c.step, str(c.step_source)) for c in discover([p]).checkpoints] for p in (local, as_path(url)))
+    assert there == here and all(" in optimizer.bin" in s or "train/rank0.pt" in s for _, s in here), here

@@ -14,7 +14,20 @@ from pathlib import Path
 import pytest
 
 from ema_ckpt.errors import OutputLockedError
-from ema_ckpt.storage import Location, as_path, destination_for, local_file, output_lock
+from ema_ckpt.storage import (
+    Location,
+    as_path,
+    destination_for,
+    discard_stagings_in,
+    enclosing_folders,
+    local_file,
+    one_file,
+    open_structure,
+    output_lock,
+    read_in_blocks,
+    scratch_beside,
+    size_without_requests,
+)
 from ema_ckpt.storage.roles import DATA, INDEX, MANIFEST
 from tests import object_stores, test_object_storage
 
@@ -127,6 +140,34 @@ def test_the_lock_is_exclusive_and_released(place):
         again.check()
 
 
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_what_a_place_allows_is_answered_by_the_seam(where, tmp_path, request):
+    """What code above the seam asks of a place, answered without its asking where it is: a name
+    for a loader that opens the file itself, links, folders to nest in, CRC-32s from the blocks
+    read, a size known without requests, scratch space, stagings left, data files' own names."""
+    (tmp_path / "f.bin").write_bytes(b"abc")
+    (tmp_path / "snapshots" / ".s.tmp-1").mkdir(parents=True)
+    local = where == "local"
+    if local:
+        base = tmp_path
+        (tmp_path / "g.bin").hardlink_to(tmp_path / "f.bin")
+    else:
+        request.getfixturevalue("s3")
+        base = as_path(f"s3://{test_object_storage.BUCKET}/allows/{secrets.token_hex(4)}")
+        for name in ("f.bin", "g.bin"):
+            (base / name).upload(tmp_path / "f.bin")
+    with open_structure(base / "f.bin") as source:
+        assert (source.name() == str(tmp_path / "f.bin")) if local else source.name() is None
+    assert one_file(base / "f.bin", base / "g.bin") is local
+    assert enclosing_folders(base / "f.bin")[:1] == ([tmp_path.resolve()] if local else [])
+    assert read_in_blocks(base / "f.bin") is not local
+    assert size_without_requests(base / "f.bin") == (3 if local else None)
+    assert scratch_beside(base / "f.bin", "x") == (tmp_path / "x" if local else Path.cwd() / "x")
+    assert destination_for(base / "out").names_kept is local
+    discard_stagings_in(base / "snapshots")
+    assert (tmp_path / "snapshots" / ".s.tmp-1").exists() is not local
+
+
 def _modules() -> list[Path]:
     return sorted(p for p in PACKAGE.rglob("*.py") if "__pycache__" not in p.parts)
 
@@ -141,11 +182,9 @@ def test_nothing_outside_the_storage_package_asks_where_bytes_live():
     assert found == []
 
 
-# where a file name is wanted: loaders that open the file themselves (torch.load, DeepSpeed's), the
-# hard links of staging and watching, and the few places deciding by cost or by what a store can hold
-_BY_NAME = {"staging.py", "watching.py", "copies.py", "steps.py", "folding.py", "manifest.py", "integrity.py",
-            "commands/accumulate.py", "formats/resolve.py", "formats/deepspeed/files.py",
-            "formats/deepspeed/tag.py", "formats/deepspeed/pieces.py"}
+# where a file name is wanted: watch's own staging (hard links, local by nature) and which formats
+# a location is offered; everything else asks its Source or the storage package for a capability
+_BY_NAME = {"staging.py", "watching.py", "formats/resolve.py"}
 
 
 def test_readers_ask_no_location_for_a_local_file():

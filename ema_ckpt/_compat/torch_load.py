@@ -120,7 +120,7 @@ def in_fake_mode() -> bool:
     return torch._guards.detect_fake_mode(None) is not None
 
 
-def zip_reader(path: Path) -> Any:
+def zip_reader(path: str | Path) -> Any:
     """torch's reader of a zip-format ``torch.save`` file (``get_all_records``, ``get_record``,
     ``get_record_offset``), as ``torch.load`` opens it."""
     return torch._C.PyTorchFileReader(str(path))

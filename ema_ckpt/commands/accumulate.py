@@ -24,7 +24,6 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import shutil
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import cast
@@ -74,7 +73,7 @@ from ..options import RUNTIME, InputFields, KeyFields, ReadFields, RunFields, ch
 from ..plans import Plan as AveragePlan
 from ..progress import Progress
 from ..selection import averaged_tensors, carry_into
-from ..storage import Location, as_path, files_on_disk, local_file, output_path
+from ..storage import Location, as_path, discard_stagings_in, files_on_disk, output_path
 from ..writers.base import check_directory_output
 
 
@@ -294,11 +293,8 @@ class AccumulateJob(Job[FoldPlan, _Folded, AccumulateResult]):
             if previous is not None and not opts.restart:
                 check_same_settings(previous, profile, opts.dtype, opts.selection, final)  # type: ignore[arg-type]
             accumulators.append(Accumulator(name, final, profile, None if opts.restart else previous))  # type: ignore[arg-type]
-        snapshots = local_file(out_path / "snapshots")  # in object storage, staging is on a local disk
-        if opts.power and not opts.dry_run and snapshots is not None and snapshots.is_dir():
-            for leftover in snapshots.iterdir():
-                if leftover.name.startswith(".") and ".tmp-" in leftover.name:
-                    shutil.rmtree(leftover, ignore_errors=True)
+        if opts.power and not opts.dry_run:
+            discard_stagings_in(out_path / "snapshots")
         left = self._find_new(accumulators, notes)
         if not opts.dry_run:
             refuse_damaged_emas(accumulators)

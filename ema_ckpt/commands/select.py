@@ -46,7 +46,15 @@ from ..options import RUNTIME
 from ..plans import Plan, PlannedOutput, average_output
 from ..profile_specs import parse_count_list, parse_weights
 from ..progress import Progress
-from ..storage import Location, as_path, files_on_disk, output_location, output_lock, output_path
+from ..storage import (
+    Location,
+    as_path,
+    output_location,
+    output_lock,
+    output_path,
+    scratch_beside,
+    size_without_requests,
+)
 from ..sums import SUM_FORMATS, RunResult, SumJob, SumOptions
 
 __all__ = ["CandidateScore", "SelectEvent", "SelectResult", "select"]
@@ -124,11 +132,7 @@ class SelectResult:
 
 
 def _work_dir(out: Location, work_dir: str | Path | None) -> Path:
-    if work_dir is not None:
-        return Path(work_dir)
-    if isinstance(out, Path):
-        return out.parent / f"{out.name}.select"
-    return Path.cwd() / f"{out.name}.select"  # an object-store output: scores and scratch stay local
+    return Path(work_dir) if work_dir is not None else scratch_beside(out, f"{out.name}.select")
 
 
 class _Selector:
@@ -446,11 +450,10 @@ def _default_per_pass(plan: Plan, work: Path) -> int:
     newest = max(plan.inputs, key=lambda c: c.step, default=None)
     if newest is None:
         return DEFAULT_PER_PASS
-    path = as_path(newest.path)
-    if not isinstance(path, Path):  # on object storage: its size would cost a listing; the default serves
-        return DEFAULT_PER_PASS
     try:
-        size = sum(n for _, n in files_on_disk(path))
+        size = size_without_requests(as_path(newest.path))  # None: a listing's cost; the default serves
+        if size is None:
+            return DEFAULT_PER_PASS
         probe = work if work.exists() else work.parent
         free = shutil.disk_usage(probe if probe.exists() else Path.cwd()).free
     except OSError:

@@ -7,7 +7,9 @@ any other name (a per-load record class, or a refusal). Each format's table is d
 stand-ins (``torch_records.pickles``, ``torch_records.tree``, ``formats.dcp.metadata_unpickle``,
 ``formats.deepspeed.fastload``, whose declined files go to torch's weights-only unpickler).
 Every pickle is walked first (:mod:`.bounds`), then loaded by CPython's C unpickler, or, for
-pickles of millions of objects, by the pure-Python one with a lean memo (:mod:`.memo`).
+pickles of millions of objects, by the pure-Python one with a lean memo (:mod:`.memo`). What a
+format's own table declines goes to torch's weights-only unpickler, by one way only
+(:func:`load_weights_only`), whose refusals are reported as this loader's.
 
 Example:
     >>> import pickle
@@ -22,17 +24,23 @@ from __future__ import annotations
 
 import io
 import pickle
+import threading
+import warnings
+import zipfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .._compat import torch_load
 from .._compat.pickle_internals import PURE_PYTHON_AVAILABLE, python3_name
+from .._lazy import torch
+from ..errors import CheckpointFormatError, UnsafePickleError
 from .bounds import check_pickle_bounds
 from .memo import LeanUnpickler
-from .rules import refuse
+from .rules import GLOBAL_IN_MESSAGE, first_line, globals_in_pickle, refusal, refuse, torch_allows
 
-__all__ = ["Allowlist", "load_pickle"]
+__all__ = ["Allowlist", "load_pickle", "load_weights_only"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,3 +112,67 @@ def load_pickle(data: bytes, allow: Allowlist, source: str | Path, *, persistent
         unpickler.persistent_load = persistent
     return unpickler.load()
 
+
+# torch's allowlist lives in a process-wide set; one lock keeps the stand-ins admitted for a load
+# to that load (another thread's load in between would otherwise see them come and go).
+_WEIGHTS_ONLY_LOCK = threading.Lock()
+
+
+def load_weights_only(file: str | Path | bytes, source: str | Path, *,
+                      stand_ins: Mapping[str, type] | None = None, persistent: Callable[[Any], Any] | None = None,
+                      mmap: bool = False) -> Any:
+    """torch's weights-only load, the one way to it (what an :class:`Allowlist` declines): of a
+    ``torch.save`` file (its name or bytes; ``mmap``), or, with ``persistent`` (what a storage's
+    persistent id becomes), of the ``data.pkl`` bytes ``file``. ``stand_ins`` (a global's name →
+    the class built in its place) are admitted for this load only.
+
+    Raises:
+        UnsafePickleError: a global torch refused (named from its message or the pickle); nothing ran.
+        CheckpointFormatError: anything else the load raised (a corrupt pickle or file), naming ``source``.
+    """
+    stand_ins = stand_ins or {}
+    try:
+        with _WEIGHTS_ONLY_LOCK, torch.serialization.safe_globals([(c, n) for n, c in stand_ins.items()]), \
+                warnings.catch_warnings():
+            # torch warns about pickle protocols other than 2 and then refuses the file anyway.
+            warnings.filterwarnings("ignore", message="Detected pickle protocol")
+            if persistent is None:
+                opened = io.BytesIO(file) if isinstance(file, bytes) else file
+                return torch.load(opened, map_location="cpu", weights_only=True, mmap=mmap)
+            assert isinstance(file, bytes)
+            unpickler = torch_load.weights_only_unpickler(file)
+            unpickler.persistent_load = persistent
+            return unpickler.load()
+    except pickle.UnpicklingError as err:
+        try:
+            name = _refused_global(file, str(err), stand_ins, zipped=persistent is None)
+        except Exception:  # a damaged archive: the pickle error below is the message
+            name = None
+        if name is not None:
+            raise UnsafePickleError(source, refusal(name)) from None
+        raise CheckpointFormatError(source, f"corrupt or unsupported pickle ({first_line(str(err))})") from None
+    except Exception as err:  # torch.load raises many types on damaged files; all mean the same here
+        first = first_line(str(err)) or type(err).__name__
+        raise CheckpointFormatError(source, f"truncated or corrupt torch.save file ({first})") from None
+
+
+def _refused_global(file: str | Path | bytes, message: str, stand_ins: Mapping[str, type], *,
+                    zipped: bool) -> str | None:
+    """The global the weights-only unpickler refused, from its message or from the pickle
+    (``file``: a ``torch.save`` file, its name or bytes, where ``zipped``; else a ``data.pkl``'s
+    bytes). None from a legacy file's pickles."""
+    match = GLOBAL_IN_MESSAGE.search(message)
+    if match:  # torch prints builtins without their module ("GLOBAL eval")
+        return match.group(1) if "." in match.group(1) else f"builtins.{match.group(1)}"
+    data = file if isinstance(file, bytes) and not zipped else b""
+    if zipped:
+        try:
+            with zipfile.ZipFile(io.BytesIO(file) if isinstance(file, bytes) else file) as zf:
+                pkl = next((n for n in zf.namelist() if n.endswith("/data.pkl") or n == "data.pkl"), None)
+                data = zf.read(pkl) if pkl else b""
+        except (OSError, zipfile.BadZipFile, KeyError):
+            return None
+    for name in globals_in_pickle(data):
+        if name not in stand_ins and not torch_allows(name):
+            return name
+    return None

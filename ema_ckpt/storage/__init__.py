@@ -19,10 +19,23 @@ from .local_files import (
     output_path,
     replace_file,
     size_and_crc32,
+    size_without_requests,
     start_writeback,
 )
-from .local_publish import discard_on_error
-from .locations import Location, as_path, is_location, local_file, local_path, one_look, output_location
+from .local_publish import discard_on_error, discard_stagings_in
+from .locations import (
+    Location,
+    as_path,
+    enclosing_folders,
+    is_location,
+    local_file,
+    local_path,
+    one_file,
+    one_look,
+    output_location,
+    read_in_blocks,
+    scratch_beside,
+)
 from .object_clients import forget_listings
 from .object_publish import new_generation
 from .object_reads import remote_concurrency
@@ -40,6 +53,8 @@ __all__ = [
     "as_path",
     "destination_for",
     "discard_on_error",
+    "discard_stagings_in",
+    "enclosing_folders",
     "files_on_disk",
     "forget_listings",
     "fsync_dir",
@@ -48,14 +63,18 @@ __all__ = [
     "local_file",
     "local_path",
     "new_generation",
+    "one_file",
     "one_look",
     "open_readable",
     "open_structure",
     "output_location",
     "output_lock",
     "output_path",
+    "read_in_blocks",
     "remote_concurrency",
     "replace_file",
+    "scratch_beside",
     "size_and_crc32",
+    "size_without_requests",
     "start_writeback",
 ]

@@ -88,6 +88,9 @@ class Destination(abc.ABC):
     ``single_file``: the output is one file.
     """
 
+    names_kept = True
+    """Its data files keep their writer's names (in object storage they carry the run's generation)."""
+
     def __init__(self, final: Location, *, near: Location | None = None, single_file: bool = False) -> None:
         self.final = final
         self.near = near
@@ -141,6 +144,7 @@ class ObjectDestination(Destination):
     as they are finished, committed last."""
 
     final: RemotePath
+    names_kept = False
 
     def __init__(self, final: RemotePath, *, near: Location | None = None, single_file: bool = False) -> None:
         super().__init__(final, near=near, single_file=single_file)

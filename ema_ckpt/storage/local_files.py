@@ -87,6 +87,11 @@ def output_path(out: str | os.PathLike[str] | RemotePath) -> Location:
     return target
 
 
+def size_without_requests(path: Location) -> int | None:
+    """The bytes of the files at ``path`` (:func:`files_on_disk`) where that costs no request; else None."""
+    return None if isinstance(path, RemotePath) else sum(n for _, n in files_on_disk(path))
+
+
 def files_on_disk(path: Location) -> list[tuple[str, int]]:
     """(name, size) of every regular file of a published output: the file itself, or each file
     under the directory (names relative to it, sorted; symlinks are not followed).

@@ -36,6 +36,7 @@ from pathlib import Path
 
 from ..errors import OutputError, OutputLockedError
 from .local_files import fsync_dir, fsync_tree
+from .locations import Location
 
 _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
@@ -67,6 +68,14 @@ def discard_on_error(stagings: Sequence[Path | None], *, owner: bool = True) -> 
 
 def staging_prefix(final: Path) -> str:
     return f".{final.name}.tmp-"
+
+
+def discard_stagings_in(folder: Location) -> None:
+    """Remove the stagings killed runs left among the outputs in ``folder`` (``snapshots/``), any name."""
+    if isinstance(folder, Path) and folder.is_dir():
+        for leftover in folder.iterdir():
+            if leftover.name.startswith(".") and ".tmp-" in leftover.name:
+                shutil.rmtree(leftover, ignore_errors=True)
 
 
 def backup_prefix(final: Path) -> str:

@@ -5,7 +5,8 @@ Both offer the part of ``Path`` that finding and reading checkpoints uses (``/``
 ``parent``, ``exists``, ``is_dir``, ``is_file``, ``iterdir``, ``stat``, ``read_bytes``), so
 code outside :mod:`ema_ckpt.storage` handles either without asking which. Reads ask their
 :class:`~ema_ckpt.storage.sources.Source` for what a local file offers (a memory map, a
-descriptor); only a loader that opens a file by name (``torch.load``) asks :func:`local_file`.
+descriptor, a name for ``torch.load``), and the functions here for what a place allows (links,
+folders to nest in, ...); only watch's own staging and the choice of formats ask :func:`local_file`.
 
 Example:
     >>> as_path("ckpts/step_100")
@@ -54,9 +55,32 @@ def is_location(value: object) -> TypeIs[Path | RemotePath]:
 
 
 def local_file(path: Location) -> Path | None:
-    """The local path behind ``path``, for a loader that opens the file by name (``torch.load``);
-    None in object storage."""
+    """The local path behind ``path``; None in object storage."""
     return None if isinstance(path, RemotePath) else path
+
+
+def one_file(a: Location, b: Location) -> bool:
+    """``a`` and ``b`` name one local file (a hard link, a symlink); objects have no links."""
+    try:
+        return not isinstance(a, RemotePath) and not isinstance(b, RemotePath) and os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+def enclosing_folders(path: Location) -> list[Location]:
+    """The folders ``path`` lies in, innermost first (resolved); none for an object."""
+    return [] if isinstance(path, RemotePath) else list(path.resolve().parents)
+
+
+def read_in_blocks(path: Location) -> bool:
+    """Whether reading ``path`` fetches blocks whose CRC-32s can be kept (``open_readable(checksums=True)``),
+    so its checksum is best taken from reads made anyway (a local file is reread from the page cache)."""
+    return isinstance(path, RemotePath)
+
+
+def scratch_beside(path: Location, name: str) -> Path:
+    """A local folder ``name`` for scratch work on ``path``: beside it, or in the working directory."""
+    return (Path.cwd() if isinstance(path, RemotePath) else path.parent) / name
 
 
 def local_path(path: Location) -> Path:
@@ -94,4 +118,5 @@ def one_look(path: Location) -> Iterator[None]:
         yield
 
 
-__all__ = ["Location", "as_path", "is_location", "local_file", "local_path", "one_look", "output_location"]
+__all__ = ["Location", "as_path", "enclosing_folders", "is_location", "local_file", "local_path", "one_file",
+           "one_look", "output_location", "read_in_blocks", "scratch_beside"]

@@ -2,7 +2,8 @@
 
 Every read goes through a :class:`Source`: ranged reads everywhere (``pread``, ``readinto``,
 ``fill``), and where the bytes are a local file, what only a local file offers: a memory map
-(:meth:`Source.mapped`, read-only) and a descriptor (:meth:`Source.fd`, for ``copy_file_range``). A
+(:meth:`Source.mapped`, read-only), a descriptor (:meth:`Source.fd`, for ``copy_file_range``) and
+a name for a loader that opens the file itself (:meth:`Source.name`, ``torch.load(mmap=True)``). A
 reader asks for the capability it wants and takes the ranged path when it is None; it never
 asks where the bytes are.
 
@@ -72,6 +73,10 @@ class Source:
         """The whole file memory-mapped, read-only, or None."""
         return None
 
+    def name(self) -> str | None:
+        """A name for a loader that opens the file itself (``torch.load(mmap=True)``), or None."""
+        return None
+
     def block_checksums(self) -> BlockChecksums | None:
         """The CRC-32s of the blocks fetched so far (where the file is fetched in blocks and they
         were kept), or None: :meth:`crc32` then reads it again (from the page cache)."""
@@ -104,6 +109,7 @@ class LocalFile(Source):
             raise OSError(errno.EINVAL, "not a regular file", str(path))
         self.size = info.st_size
         self.fences = []
+        self._path = path
         self._map: mmap.mmap | None = None
         self._lock = threading.Lock()
 
@@ -115,6 +121,9 @@ class LocalFile(Source):
 
     def fd(self) -> int | None:
         return self._fd
+
+    def name(self) -> str | None:
+        return os.fspath(self._path)
 
     def mapped(self) -> memoryview | None:
         if self._map is None and self.size:

@@ -199,14 +199,14 @@ def _storages(storage: Any, reader: Any, size: int) -> Any:
     return persistent_load
 
 
-def fast_load(path: Path, stand_ins: dict[str, type]) -> tuple[Any] | None:
+def fast_load(path: str | Path, stand_ins: dict[str, type]) -> tuple[Any] | None:
     """``(state,)``: what ``torch.load(path, weights_only=True, mmap=True)`` with the stand-ins
     allowed returns, loaded by the C unpickler; None when the file must go the weights-only
     way (see the module docstring). ``path`` is a zip-format ``torch.save`` file."""
     return _fast(path, stand_ins, summary=False)
 
 
-def fast_summary(path: Path, stand_ins: dict[str, type]) -> tuple[Any] | None:
+def fast_summary(path: str | Path, stand_ins: dict[str, type]) -> tuple[Any] | None:
     """``(state,)`` as :func:`fast_load` gives it but with None for every tensor, nothing
     mapped: a file's small fields (``dp_world_size``, ``global_steps``) at a fraction of the
     cost. Every storage it names is still checked to be a member of the file. None where
@@ -214,7 +214,7 @@ def fast_summary(path: Path, stand_ins: dict[str, type]) -> tuple[Any] | None:
     return _fast(path, stand_ins, summary=True)
 
 
-def _fast(path: Path, stand_ins: dict[str, type], *, summary: bool) -> tuple[Any] | None:
+def _fast(path: str | Path, stand_ins: dict[str, type], *, summary: bool) -> tuple[Any] | None:
     try:
         if torch_load.in_fake_mode():
             return None

@@ -8,13 +8,14 @@ only, by ranged requests) and remembered.
 
 from __future__ import annotations
 
+import os
 import re
 import threading
 import time
 from typing import Any
 
-from ...errors import CheckpointFormatError, UnsafePickleError
-from ...storage import Location, as_path, local_file
+from ...errors import CheckpointFormatError, CheckpointNotFoundError, UnsafePickleError
+from ...storage import Location, as_path, open_structure
 from .fastload import fast_summary
 from .structure import RemoteStructure, load_ds_structure
 from .unpickle import STAND_INS, load_ds_file
@@ -150,7 +151,7 @@ def incomplete(path: str | Location) -> str | None:
         return f"DeepSpeed tag folder {tag_dir}: {reason}"
     first = _first_model_file(models)
     try:
-        expected = _recorded_world_size(first)
+        expected = _model_summary(first)[0]  # dp_world_size
     except UnsafePickleError:
         return None  # complete but refused: opening it gives the real error
     except CheckpointFormatError as err:
@@ -211,20 +212,18 @@ def _model_summary(path: Location) -> tuple[Any, Any]:
     the step, then opening), and unpickling a ZeRO-3 model-states file costs tens of
     milliseconds. Errors are not remembered, so a file still being written is read again.
     """
-    local = local_file(path)
-    if local is None:  # read by ranged requests, not unpickled whole
-        state = remote_structure(path).state
-        return (state.get("dp_world_size"), state.get("global_steps")) if isinstance(state, dict) else (None, None)
+    found = structure_or_name(path, shared=True)
+    if isinstance(found, RemoteStructure):  # read by ranged requests, not unpickled whole
+        return _summary(found.state)
     try:
-        st = local.stat()
+        st = os.stat(found)
     except OSError:
         st = None
     key = (str(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns) if st is not None else None
     if key is not None and key in _SUMMARIES:
         return _SUMMARIES[key]
-    quick = fast_summary(local, STAND_INS)  # no tensor built; else the full load (and its errors)
-    state = quick[0] if quick is not None else load_ds_file(local)
-    summary = (state.get("dp_world_size"), state.get("global_steps")) if isinstance(state, dict) else (None, None)
+    quick = fast_summary(found, STAND_INS)  # no tensor built; else the full load (and its errors)
+    summary = _summary(quick[0] if quick is not None else load_ds_file(found))
     if key is not None and st is not None and time.time() - st.st_mtime > _SETTLED_SECONDS:
         if len(_SUMMARIES) >= 4096:
             _SUMMARIES.clear()
@@ -232,36 +231,51 @@ def _model_summary(path: Location) -> tuple[Any, Any]:
     return summary
 
 
+def _summary(state: Any) -> tuple[Any, Any]:
+    return (state.get("dp_world_size"), state.get("global_steps")) if isinstance(state, dict) else (None, None)
+
+
 _STRUCTURES: dict[tuple[str, str, int], RemoteStructure] = {}  # (URL, ETag, size) -> its structure
 _STRUCTURES_KEPT = 256
 _STRUCTURES_LOCK = threading.Lock()  # the reader loads a tag's objects from several threads
 
 
-def remote_structure(path: Location) -> RemoteStructure:
-    """A model-states object's structure (:func:`~.structure.load_ds_structure`), loaded once
-    per object version (its ETag) and shared by detection, discovery and the reader.
-
-    Without an ETag from the store it is loaded afresh each time.
-    """
-    st = path.stat()
-    etag = str(getattr(st, "etag", ""))  # the object version's tag, where the store gives one
-    key = (str(path), etag, st.st_size)
-    with _STRUCTURES_LOCK:
-        found = _STRUCTURES.get(key) if etag else None
-    if found is None:
-        found = load_ds_structure(path)
+def structure_or_name(path: Location, *, shared: bool = False) -> RemoteStructure | str:
+    """``path``'s structure by ranged requests (:func:`~.structure.load_ds_structure`), or the
+    name its :class:`~ema_ckpt.storage.Source` gives a loader that maps the file itself
+    (:func:`~.unpickle.load_ds_file`). ``shared``: a model-states file's, loaded once per object
+    version (its ETag, where the store gives one) for detection, discovery and the reader."""
+    key, size = None, None
+    if shared:
+        try:
+            st = path.stat()
+        except FileNotFoundError:
+            raise CheckpointNotFoundError(path, "no such file") from None
+        etag = str(getattr(st, "etag", ""))  # the object version's tag, where the store gives one
+        key, size = ((str(path), etag, st.st_size) if etag else None), st.st_size
+        with _STRUCTURES_LOCK:
+            cached = _STRUCTURES.get(key) if key is not None else None
+        if cached is not None:
+            return cached
+    try:
+        source = open_structure(path, size=size)
+    except FileNotFoundError:
+        raise CheckpointNotFoundError(path, "no such file") from None
+    except OSError as err:
+        raise CheckpointFormatError(path, f"cannot read: {err.strerror or err}") from None
+    name = source.name()
+    if name is not None:  # mapped whole by name
+        source.close()
+        return name
+    found = load_ds_structure(path, source)
+    if shared:
         found.close()  # its pieces go; a later header check reads afresh
-        if etag:
+        if key is not None:
             with _STRUCTURES_LOCK:
                 if len(_STRUCTURES) >= _STRUCTURES_KEPT:
                     _STRUCTURES.pop(next(iter(_STRUCTURES)))
                 _STRUCTURES[key] = found
     return found
-
-
-def _recorded_world_size(path: Location) -> Any:
-    """``dp_world_size`` from a model-states file (None if absent)."""
-    return _model_summary(path)[0]
 
 
 def step_from(global_steps: Any, tag: str) -> int | None:

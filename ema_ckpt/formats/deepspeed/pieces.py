@@ -19,7 +19,7 @@ from typing import Any
 
 from ..._lazy import torch
 from ...errors import CheckpointFormatError
-from ...storage import Location, Source, local_path, open_readable
+from ...storage import Location, Source, open_readable
 from ...torch_records.checks import ReadChecks, expect_zip_members
 from .params import Entry, Piece
 from .structure import RemoteStructure, meta_member
@@ -59,7 +59,7 @@ class PieceReads:
         state = self._load(path)
         offsets = None
         if path in self._identities:  # read locally, the file still the one mapped
-            offsets = storage_file_offsets(local_path(path), state)
+            offsets = storage_file_offsets(path, state)
         self._offsets[path] = offsets
         if offsets is not None:  # its pieces are read from the file: their bytes get checked
             with open_readable(path) as source:

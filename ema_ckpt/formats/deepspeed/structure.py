@@ -16,16 +16,18 @@ from __future__ import annotations
 import pickle
 import sys
 import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import IO, Any, cast
 
 from ..._compat import torch_load
 from ..._lazy import torch
 from ...errors import CheckpointFormatError
+from ...pickles.load import load_weights_only
 from ...pickles.rules import first_line
 from ...storage import Location, Source, open_structure
 from ...torch_records import FileWindow, member_start
-from .unpickle import check_magic, safe_load
+from .unpickle import STAND_INS, check_magic
 
 __all__ = ["RemoteStructure", "load_ds_structure", "meta_member"]
 
@@ -52,14 +54,14 @@ class RemoteStructure:
         self.source.close()
 
 
-def load_ds_structure(path: Location) -> RemoteStructure:
+def load_ds_structure(path: Location, source: Source | None = None) -> RemoteStructure:
     """Load a DeepSpeed ``.pt`` object from object storage without reading its tensors' bytes.
 
     The zip directory, ``data.pkl`` and ``byteorder`` are read by ranged requests; ``data.pkl``
     goes through torch's weights-only unpickler with the stand-ins, as in :func:`load_ds_file`,
     and each storage it names becomes an empty ``meta`` storage of its size, so tensors come
     back on the ``meta`` device with their shapes, dtypes and views; :func:`meta_member`
-    says where one's bytes lie.
+    says where one's bytes lie. ``source``: ``path`` opened already (:func:`open_structure`).
 
     Raises:
         CheckpointNotFoundError: no such object.
@@ -67,7 +69,7 @@ def load_ds_structure(path: Location) -> RemoteStructure:
         CheckpointFormatError: the object is truncated, corrupt, a legacy ``torch.save``
             file, or written on a machine of the other byte order.
     """
-    source = open_structure(path)
+    source = source if source is not None else open_structure(path)
     try:
         if not check_magic(path, source.pread(4, 0)):
             raise CheckpointFormatError(path, "a legacy (non-zip) torch.save file, which is read from a local "
@@ -93,15 +95,15 @@ def load_ds_structure(path: Location) -> RemoteStructure:
         members = {i.filename: (i.header_offset, i.compress_type, i.file_size, i.CRC) for i in infos}
         storages: dict[int, str] = {}
         kept: list[Any] = []
-        state = safe_load(path, lambda: _unpickle_to_meta(data, prefix, storages, kept), data, True)
+        state = load_weights_only(data, str(path), stand_ins=STAND_INS, persistent=_to_meta(prefix, storages, kept))
         return RemoteStructure(path, state, members, storages, source, kept)
     except BaseException:
         source.close()
         raise
 
 
-def _unpickle_to_meta(data: bytes, prefix: str, storages: dict[int, str], kept: list[Any]) -> Any:
-    """``data.pkl`` through torch's weights-only unpickler, each storage an empty ``meta`` one."""
+def _to_meta(prefix: str, storages: dict[int, str], kept: list[Any]) -> Callable[[Any], Any]:
+    """A ``persistent_load`` that makes each storage an empty ``meta`` one."""
     typed: dict[str, Any] = {}
 
     def persistent_load(saved_id: Any) -> Any:
@@ -120,9 +122,7 @@ def _unpickle_to_meta(data: bytes, prefix: str, storages: dict[int, str], kept: 
             typed[key] = torch_load.typed_storage(storage, dtype)
         return typed[key]
 
-    unpickler = torch_load.weights_only_unpickler(data)
-    unpickler.persistent_load = persistent_load
-    return unpickler.load()
+    return persistent_load
 
 
 def meta_member(loaded: RemoteStructure, t: torch.Tensor) -> tuple[str, int, int, int]:

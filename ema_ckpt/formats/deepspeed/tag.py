@@ -16,9 +16,9 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ...errors import CheckpointFormatError
-from ...storage import Location, local_file, remote_concurrency
-from .files import OPTIM_RE, UNSUPPORTED_FILES, ZERO3_MODEL_RE, ds_files, model_files, name_gaps, remote_structure
-from .structure import RemoteStructure, load_ds_structure
+from ...storage import Location, remote_concurrency
+from .files import OPTIM_RE, UNSUPPORTED_FILES, ZERO3_MODEL_RE, ds_files, model_files, name_gaps, structure_or_name
+from .structure import RemoteStructure
 from .unpickle import load_ds_file_releasable
 
 
@@ -80,39 +80,37 @@ class TagFiles:
 
     def _load_remote(self, paths: Sequence[Location]) -> None:
         """Load the structure of every object in ``paths`` not loaded yet, several at a time (each
-        is a few small requests, so latency, not bandwidth, is their cost)."""
-        todo = [p for p in paths if local_file(p) is None and p not in self._states]
+        is a few small requests, so latency, not bandwidth, is their cost); files mapped by name
+        are left to :meth:`_load`."""
+        todo = [p for p in paths if p not in self._states]
         if len(todo) < 2:
             return
         with ThreadPoolExecutor(min(len(todo), remote_concurrency()), thread_name_prefix="ema-ckpt-ds") as pool:
             loaded = dict(zip(todo, pool.map(_structure_of, todo), strict=True))
-        for path, structure in loaded.items():
-            self._structures[path] = structure
-            self._states[path], self._releasable[path] = structure.state, False
-            self._sizes[path] = structure.source.size
+        for path, found in loaded.items():
+            if isinstance(found, RemoteStructure):
+                self._keep(path, found)
+
+    def _keep(self, path: Location, structure: RemoteStructure) -> None:
+        self._structures[path] = structure
+        self._states[path], self._releasable[path] = structure.state, False
+        self._sizes[path] = structure.source.size
 
     def _load(self, path: Location) -> Any:
-        local = local_file(path)  # torch.load opens the file by its name
-        if path not in self._states and local is None:
-            structure = self._structures[path] = _structure_of(path)
-            self._states[path], self._releasable[path] = structure.state, False
-            self._sizes[path] = structure.source.size
-        if path not in self._states and local is not None:
-            # The file's identity is taken before the mapping is made and kept only if the path
-            # still names that file afterwards; pread checks it again on every open, so a tag
-            # folder rewritten meanwhile is never read partly from the old file and partly from
-            # the new one (the mapping, which holds the old file, is read instead).
-            try:
-                before: tuple[int, ...] | None = file_identity(local.stat())
-            except OSError:
-                before = None
-            self._states[path], self._releasable[path] = load_ds_file_releasable(local)
-            try:
-                after: tuple[int, ...] | None = file_identity(local.stat())
-            except OSError:
-                after = None
-            if before is not None and before == after:
-                self._identities[path] = before
+        if path in self._states:
+            return self._states[path]
+        found = _structure_of(path)
+        if isinstance(found, RemoteStructure):
+            self._keep(path, found)
+            return found.state
+        # The file's identity is taken before the mapping is made and kept only if the name
+        # still names that file afterwards; pread checks it again on every open, so a tag
+        # folder rewritten meanwhile is never read partly from the old file and partly from
+        # the new one (the mapping, which holds the old file, is read instead).
+        before = _identity(found)
+        self._states[path], self._releasable[path] = load_ds_file_releasable(found)
+        if before is not None and before == _identity(found):
+            self._identities[path] = before
         return self._states[path]
 
     def _check_states(
@@ -187,9 +185,17 @@ class TagFiles:
         return osds
 
 
-def _structure_of(path: Location) -> RemoteStructure:
-    """An object's structure: a model-states file's shared per version, an optimizer file's its own."""
-    return remote_structure(path) if path.name.endswith("model_states.pt") else load_ds_structure(path)
+def _structure_of(path: Location) -> RemoteStructure | str:
+    """An object's structure (a model-states file's shared per version, an optimizer file's its
+    own), or the name a file is mapped by (:func:`~.files.structure_or_name`)."""
+    return structure_or_name(path, shared=path.name.endswith("model_states.pt"))
+
+
+def _identity(name: str) -> tuple[int, ...] | None:
+    try:
+        return file_identity(os.stat(name))
+    except OSError:
+        return None
 
 
 def file_identity(st: os.stat_result) -> tuple[int, ...]:

@@ -20,7 +20,8 @@ unpickler instead when it can vouch for the same result under the same allowlist
 any other file (or any doubt) back to this one, whose refusals stand.
 
 On object storage a file is never mapped nor fetched whole: :mod:`.structure` loads its
-structure only, by ranged reads, through the same unpickler and stand-ins (:func:`safe_load`).
+structure only, by ranged reads, through the same unpickler and stand-ins
+(:func:`~ema_ckpt.pickles.load.load_weights_only`).
 
 Example:
     >>> from ema_ckpt.formats.deepspeed.unpickle import load_ds_file  # doctest: +SKIP
@@ -36,18 +37,15 @@ import argparse
 import ctypes
 import enum
 import mmap
-import pickle
 import sys
-import threading
-import warnings
 import zipfile
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from ..._lazy import torch
-from ...errors import CheckpointFormatError, CheckpointNotFoundError, UnsafePickleError
-from ...pickles.rules import GLOBAL_IN_MESSAGE, first_line, globals_in_pickle, refusal, torch_allows
+from ...errors import CheckpointFormatError, CheckpointNotFoundError
+from ...pickles.load import load_weights_only
 from ...storage import Location, open_readable
 from ...torch_records.zipfmt import stored_members
 from .fastload import SealedType, fast_load
@@ -128,33 +126,20 @@ STAND_INS: dict[str, type] = {
 }
 """Pickled global name -> the class built in its place. Everything else is refused."""
 
-_SAFE_GLOBALS = [(cls, name) for name, cls in STAND_INS.items()]
-
-# torch's allowlist lives in a process-wide set; one lock keeps our additions scoped to our
-# own loads (another thread's load in between would otherwise see them come and go).
-_LOAD_LOCK = threading.Lock()
-
 _ZIP_MAGIC = b"PK\x03\x04"
 
 
-def load_ds_file(path: str | Path, *, mmap: bool = True) -> Any:
-    """Load one DeepSpeed ``.pt`` file with the weights-only unpickler and the stand-ins.
-
-    :func:`load_ds_file_releasable` also says whether the result's pages may be released.
-
-    Args:
-        path: A ``*_model_states.pt`` or ``*_optim_states.pt`` file (any ``torch.save`` file).
-        mmap: Memory-map the file (zip format only; legacy ``torch.save`` files are read whole).
-
-    Returns:
-        The unpickled object, tensors on the CPU (views on the mapping when ``mmap``).
+def load_ds_file(path: str | Path) -> Any:
+    """Load one DeepSpeed ``.pt`` file (any ``torch.save`` file) with the stand-ins: its object,
+    tensors on the CPU, views on a mapping of the file where it is a zip (a legacy file is read
+    whole). :func:`load_ds_file_releasable` also says whether their pages may be released.
 
     Raises:
         CheckpointNotFoundError: The file does not exist.
         UnsafePickleError: The pickle refers to a global outside the allowlist; nothing ran.
         CheckpointFormatError: The file is truncated, corrupt or not a ``torch.save`` file.
     """
-    return _load(Path(path), mmap)[0]
+    return _load(Path(path))[0]
 
 
 def load_ds_file_releasable(path: str | Path) -> tuple[Any, bool]:
@@ -166,12 +151,12 @@ def load_ds_file_releasable(path: str | Path) -> tuple[Any, bool]:
     where dropping pages would zero them.
     """
     path = Path(path)
-    state, mapped, native = _load(path, True)
+    state, mapped, native = _load(path)
     # a fast load read the byte order already (native, or it would not have been taken)
     return state, mapped and (_madvise is not None if native else pages_releasable(path))
 
 
-def _load(path: Path, mmap: bool) -> tuple[Any, bool, bool]:
+def _load(path: Path) -> tuple[Any, bool, bool]:
     """The loaded object, whether it is memory-mapped, and whether it was loaded by
     :func:`~.fastload.fast_load` (so is known to be in this machine's byte order)."""
     try:
@@ -181,14 +166,11 @@ def _load(path: Path, mmap: bool) -> tuple[Any, bool, bool]:
         raise CheckpointNotFoundError(path, "no such file") from None
     except OSError as err:
         raise CheckpointFormatError(path, f"cannot read: {err.strerror or err}") from None
-    is_zip = check_magic(path, magic)
-    mapped = mmap and is_zip
-    if mapped:  # the C unpickler where it gives the same result; else torch's weights-only one
-        fast = fast_load(path, STAND_INS)
-        if fast is not None:
-            return fast[0], True, True
-    state = safe_load(path, lambda: torch.load(path, map_location="cpu", weights_only=True, mmap=mapped), path, is_zip)
-    return state, mapped, False
+    mapped = check_magic(path, magic)
+    fast = fast_load(path, STAND_INS) if mapped else None  # the C unpickler where it gives the same result
+    if fast is not None:
+        return fast[0], True, True
+    return load_weights_only(path, path, stand_ins=STAND_INS, mmap=mapped), mapped, False
 
 
 def check_magic(path: Location, magic: bytes) -> bool:
@@ -199,31 +181,6 @@ def check_magic(path: Location, magic: bytes) -> bool:
     if not is_zip and magic[:1] != b"\x80":
         raise CheckpointFormatError(path, "not a torch.save file (no zip or pickle header)")
     return is_zip
-
-
-def safe_load(path: Location, load: Callable[[], Any], pickle_source: Path | bytes, is_zip: bool) -> Any:
-    """``load()`` (a load through the weights-only unpickler) with the stand-ins allowed; every
-    failure is one :class:`~ema_ckpt.errors.CheckpointFormatError` naming ``path``.
-
-    ``pickle_source``: the file, or its ``data.pkl`` bytes, searched for the global refused.
-    """
-    try:
-        with _LOAD_LOCK, torch.serialization.safe_globals(_SAFE_GLOBALS), warnings.catch_warnings():
-            # torch warns about pickle protocols other than 2 and then refuses the file anyway.
-            warnings.filterwarnings("ignore", message="Detected pickle protocol")
-            return load()
-    except pickle.UnpicklingError as err:
-        try:
-            name = _refused_global(pickle_source, str(err), is_zip)
-        except Exception:  # a damaged archive: the pickle error below is the message
-            name = None
-        if name is not None:
-            raise UnsafePickleError(path, refusal(name)) from None
-        first = first_line(str(err))
-        raise CheckpointFormatError(path, f"corrupt or unsupported pickle ({first})") from None
-    except Exception as err:  # torch.load raises many types on damaged files; all mean the same here
-        first = first_line(str(err)) or type(err).__name__
-        raise CheckpointFormatError(path, f"truncated or corrupt torch.save file ({first})") from None
 
 
 def pages_releasable(path: str | Path) -> bool:
@@ -290,7 +247,7 @@ def release_pages(t: torch.Tensor) -> None:
     _madvise(lo, hi - lo, mmap.MADV_DONTNEED)
 
 
-def storage_file_offsets(path: str | Path, state: Any) -> dict[int, int] | None:
+def storage_file_offsets(path: Location, state: Any) -> dict[int, int] | None:
     """Where each storage of a memory-mapped load lies in its file: ``{data_ptr: byte offset}``.
 
     ``state`` is what :func:`load_ds_file_releasable` returned for ``path`` (flagged
@@ -310,7 +267,7 @@ def storage_file_offsets(path: str | Path, state: Any) -> dict[int, int] | None:
     """
     storages: dict[int, int] = {}  # data_ptr -> nbytes
     _collect_storages(state, storages, depth=0)
-    members = _stored_members(Path(path))
+    members = _stored_members(path)
     if not storages or not members:
         return None
     lowest = min(storages)
@@ -342,7 +299,7 @@ def _collect_storages(obj: Any, into: dict[int, int], depth: int) -> None:
         _collect_storages(item, into, depth + 1)
 
 
-def _stored_members(path: Path) -> dict[int, int] | None:
+def _stored_members(path: Location) -> dict[int, int] | None:
     """``{data offset: size}`` of the uncompressed ``data/<key>`` members of a ``torch.save`` zip."""
     try:
         fd = open_readable(path)
@@ -355,28 +312,3 @@ def _stored_members(path: Path) -> dict[int, int] | None:
     if listed is None:
         return None
     return {start: size for start, (size, _, name) in listed.items() if "/data/" in f"/{name}" and size}
-
-
-def _refused_global(path: Path | bytes, message: str, is_zip: bool) -> str | None:
-    """The global the weights-only unpickler refused, from its message or from the pickle
-    (``path``: the file, or its ``data.pkl`` bytes)."""
-    match = GLOBAL_IN_MESSAGE.search(message)
-    if match:
-        name = match.group(1)
-        # torch prints builtins without their module ("GLOBAL eval").
-        return name if "." in name else f"builtins.{name}"
-    if not is_zip:
-        return None
-    if isinstance(path, bytes):
-        data = path
-    else:
-        try:
-            with zipfile.ZipFile(path) as zf:
-                pkl = next((n for n in zf.namelist() if n.endswith("/data.pkl") or n == "data.pkl"), None)
-                data = zf.read(pkl) if pkl else b""
-        except (OSError, zipfile.BadZipFile, KeyError):
-            return None
-    for name in globals_in_pickle(data):
-        if name not in STAND_INS and not torch_allows(name):
-            return name
-    return None
