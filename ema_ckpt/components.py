@@ -134,12 +134,8 @@ def _numbered(components: Sequence[Component]) -> bool:
 
 
 def components_of(found: Resolved) -> tuple[list[Component], list[LeftPart]]:
-    """A checkpoint's components, and the model-bearing parts left (copies of its model).
-
-    A checkpoint of a known format is its own model; further model files beside its weights
-    (accelerate's ``model_1.safetensors``) are components of their own, and a main weights file
-    beside weights read in another format (the Trainer's bf16 ``model.safetensors`` beside its
-    DeepSpeed tag) is a copy, left.
+    """A checkpoint's components (its own model, and model files beside its weights), and the
+    model-bearing parts left (a main weights file beside weights read in another format: a copy).
 
     Example:
         >>> import tempfile, numpy as np; from pathlib import Path; from safetensors.numpy import save_file

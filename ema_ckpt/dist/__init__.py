@@ -1,6 +1,5 @@
-"""Workers over torch.distributed: the group and its few collectives (:mod:`.group`), the
-process pool behind ``workers=N`` (:mod:`.pool`), and joining with a deadline and a heartbeat
-that notices a silent peer (:mod:`.liveness`).
+"""Workers over torch.distributed: the group and its collectives, the pool behind ``workers=N``,
+and the heartbeat that notices a silent peer.
 
 Example:
     >>> workers = current_workers()          # doctest: +SKIP

@@ -1,18 +1,8 @@
 """Workers: a group of processes over torch.distributed (gloo on CPU, NCCL on GPUs) and its collectives.
 
-Two ways in:
-
-* ``workers=N`` on one machine: :func:`~ema_ckpt.dist.pool.run_workers` makes the calling
-  process rank 0 and spawns ranks 1…N-1 on a free local port; each runs the same library call
-  with its own rank and joins the group through :func:`current_workers`.
-* under ``torchrun`` (one or many nodes over a shared filesystem): RANK, WORLD_SIZE and
-  MASTER_ADDR/PORT come from the environment and :func:`current_workers` joins that group.
-
-Every rank plans the same work from metadata (the plan is deterministic), processes its own
-share of output files, and the coordinator (rank 0) writes metadata and the manifest. An
-error on any rank is raised on every rank at the next synchronisation point; a rank that
-never joins or falls silent ends the others within a bound (:mod:`ema_ckpt.dist.liveness`), so
-no rank waits forever on a failed peer.
+:func:`current_workers` joins ``workers=N``'s group (:mod:`.pool`) or ``torchrun``'s. Every rank
+plans the same work, processes its share, and the coordinator (rank 0) writes metadata and the
+manifest; an error on any rank is raised on every rank at the next synchronisation point.
 
 Example:
     >>> w = Workers.single()
@@ -33,7 +23,6 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from .._gc import import_module, paused_gc
-from .liveness import Heartbeat, join, join_timeout, open_store, peer_timeout
 from ..errors import (
     CheckpointFormatError,
     EmaCkptError,
@@ -42,17 +31,14 @@ from ..errors import (
     RecordChecksumError,
     UnsafePickleError,
 )
+from .liveness import Heartbeat, first_line, join, join_timeout, open_store, peer_timeout
 
 T = TypeVar("T")
 _TIMEOUT = datetime.timedelta(hours=6)
 
 
 class WorkerFailed(EmaCkptError):
-    """Another worker failed; its message is carried here with its exit code.
-
-    The message may be a worker's error as a :class:`~ema_ckpt.errors.Note`: the parameters
-    it names stay data, so the CLI words them as flags on rank 0 too.
-    """
+    """Another worker failed; its message (maybe a :class:`~ema_ckpt.errors.Note`) with its exit code."""
 
     def __init__(self, message: str, exit_code: int) -> None:
         super().__init__(message)
@@ -87,10 +73,7 @@ class Workers:
         return gathered
 
     def exchange(self, value: T) -> list[T]:
-        """Like :meth:`all_gather`, but this rank's own entry is ``value`` itself, not a copy.
-
-        Unpickling costs as much as pickling; a rank never needs its own value back.
-        """
+        """Like :meth:`all_gather`, but this rank's own entry is ``value`` itself, not an unpickled copy."""
         if self.world_size == 1:
             return [value]
         import pickle
@@ -124,8 +107,7 @@ class Workers:
         return box[0]
 
     def claim_order(self, costs: Sequence[int]) -> list[int]:
-        """The order :meth:`claims` offers items in: largest first among several workers (the
-        shares then end close together), as given to one.
+        """The order :meth:`claims` offers items in: largest first among several workers, as given to one.
 
         Example:
             >>> Workers(rank=0, world_size=2).claim_order([3, 9, 5])
@@ -138,12 +120,8 @@ class Workers:
     def claims(self, costs: Sequence[int]) -> Claims:
         """The items (indices into ``costs``) this rank works on, first come first served.
 
-        Every rank calls it, with the same costs (a collective); together they take each item
-        exactly once. Items are offered largest first and each rank takes the next one when it
-        is free, so a faster or less loaded worker takes more: the shares end within about one
-        item of each other. The group's store counts the claims, under a name the coordinator
-        chooses for this call. Without such a store (a group this process did not form) the
-        items are shared out by cost beforehand (:func:`assign_by_bytes`).
+        A collective: together the ranks take each item once, largest first, each the next when it
+        is free, counted in the group's store (without one, shared out by :func:`assign_by_bytes`).
 
         Example:
             >>> list(Workers(rank=0, world_size=1).claims([3, 9, 5]))
@@ -215,8 +193,7 @@ class Claims:
         return self._order[taken]
 
     def stop(self) -> None:
-        """Leave nothing more to claim, for any rank (this one failed: the run ends at the next
-        synchronisation, so the others need not do the rest first)."""
+        """Leave nothing more to claim, for any rank (this one failed)."""
         if self._store is None:
             self._next = len(self._order)
             return
@@ -230,8 +207,8 @@ def _nothing() -> Any:
 
 @contextlib.contextmanager
 def _collective() -> Any:
-    """Around each collective: a peer already known lost is raised before waiting for it, and
-    a collective broken by a peer that left (its sockets closed) is a :class:`PeerLostError`."""
+    """Around each collective: a peer known lost is raised first, and a collective broken by a
+    peer that left is a :class:`PeerLostError`."""
     heartbeat = group_state.get("heartbeat")
     if heartbeat is not None:
         heartbeat.raise_if_lost()
@@ -240,27 +217,15 @@ def _collective() -> Any:
     except RuntimeError as err:  # gloo: "Connection closed by peer", "Timed out waiting …"
         if heartbeat is not None and heartbeat.lost is not None:
             raise heartbeat.lost from None
-        raise PeerLostError(f"a worker left the group during a collective ({_first_line(err)})") from err
+        raise PeerLostError(f"a worker left the group during a collective ({first_line(err)})") from err
 
 
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0][:200] if text else type(err).__name__
-
-
-# What this process's group shares with the pool that spawns it (:mod:`ema_ckpt.dist.pool`).
-
+# What this process's group shares with the pool that spawns it (:mod:`ema_ckpt.dist.pool`): its store
+# and heartbeat; while run_workers runs, rank 0's spawned workers and its store's listening socket.
 group_state: dict[str, Any] = {}
-"""This process's group: its store and heartbeat (set by :func:`current_workers`, emptied by
-:func:`shutdown`)."""
 spawned_workers: list[Any] = []
-"""Rank 0's spawned workers while :func:`~ema_ckpt.dist.pool.run_workers` runs, watched while the group
-forms (set and cleared by the pool)."""
 store_socket: list[socket.socket] = []
-"""Rank 0's socket for the group's store while :func:`~ema_ckpt.dist.pool.run_workers` runs, until the
-store takes it (set and cleared by the pool)."""
-SPAWNED_VARIABLE = "EMA_CKPT_SPAWNED_WORKER"
-"""Set in a worker that rank 0 spawned: its launcher, which it must not outlive."""
+SPAWNED_VARIABLE = "EMA_CKPT_SPAWNED_WORKER"  # set in a worker rank 0 spawned: it must not outlive rank 0
 
 
 def _spawned_exited() -> str | None:
@@ -270,16 +235,13 @@ def _spawned_exited() -> str | None:
     return None
 
 
+# errors about one checkpoint's files, raised as themselves on every rank (which must skip it alike)
 _CHECKPOINT_ERRORS = (CheckpointFormatError, UnsafePickleError, RecordChecksumError)
-"""Errors about one checkpoint's files, raised again as themselves on every rank (a run may
-skip that checkpoint and go on, which every rank must decide alike)."""
 
 
 def portable_error(error: BaseException, details: str = "") -> EmaCkptError:
-    """``error`` as it crosses to the other ranks: itself, data included, when it pickles.
-
-    Any other exception goes as its type and message (``details`` appended), exit code 1.
-    """
+    """``error`` as it crosses to the other ranks: itself when it pickles, else its type and
+    message (``details`` appended), exit code 1."""
     if isinstance(error, EmaCkptError):
         try:
             pickle.dumps(error)
@@ -290,9 +252,7 @@ def portable_error(error: BaseException, details: str = "") -> EmaCkptError:
 
 
 def assign_by_bytes(sizes: Sequence[int], world_size: int) -> list[int]:
-    """Owner rank of each item, balancing bytes (largest first onto the least loaded rank).
-
-    Deterministic: the same sizes give the same assignment on every rank.
+    """Owner rank of each item, balancing bytes (largest first onto the least loaded rank), alike on every rank.
 
     Example:
         >>> assign_by_bytes([5, 4, 3, 3], 2)
@@ -335,10 +295,8 @@ def current_workers(device: str = "cpu") -> Workers:
 
 
 def _join_group(backend: str, world: int) -> None:
-    """Form the group with bounded waits (see :mod:`ema_ckpt.dist.liveness`), then start the heartbeat.
-
-    Under torchrun the store is the agent's (every worker a client); otherwise rank 0 serves it.
-    """
+    """Form the group with bounded waits (:mod:`.liveness`), then start the heartbeat; the store is
+    torchrun's agent's, else rank 0's."""
     import torch.distributed as dist
 
     rank = int(os.environ.get("RANK", "0"))
@@ -367,8 +325,7 @@ def _kill_spawned() -> None:
 
 
 def shutdown() -> None:
-    """Leave the group: stop the heartbeat, then destroy torch's process group (at exit, and
-    by a spawned worker before it reports)."""
+    """Leave the group: stop the heartbeat, then destroy torch's process group."""
     import torch.distributed as dist
 
     heartbeat = group_state.pop("heartbeat", None)

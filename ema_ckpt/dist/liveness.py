@@ -1,19 +1,11 @@
 """Bounded waits in a group of workers: joining it, and peers that fall silent.
 
-torch.distributed waits out its timeout (hours here: a rank may legitimately work that long
-before the next collective) for a peer, and a peer that stops without closing its sockets,
-such as a node powered off, a network cut or a stopped process, is never noticed before
-then. So the group is joined through its store with a deadline, watching the spawned
-processes it waits for, and every worker then keeps a heartbeat there: a thread writes a
-counter every few seconds and reads its peers'. A peer whose counter has not moved for
-``EMA_CKPT_PEER_TIMEOUT`` seconds (60 by default) or a store that cannot be reached for as
-long ends the run on every surviving worker: at its next collective with
-:class:`PeerLostError`, or, blocked inside one, a few seconds later with the same one line
-and exit code 8 (a worker a launcher started; rank 0 of ``--workers`` kills the workers it
-spawned instead, which ends its collective). A worker whose launcher died (``torchrun`` killed, or the process that
-spawned it) stops at once, as SIGTERM stops a run, so no worker outlives its launcher. Nothing is
-published before every worker has finished, so the previous output stays intact, and the
-next run removes the staging left behind.
+torch.distributed waits hours for a peer, and never notices one that stops without closing its
+sockets (a node powered off, a network cut). So the group is joined through its store with a
+deadline, and every worker then keeps a heartbeat there: a peer whose counter has not moved for
+``EMA_CKPT_PEER_TIMEOUT`` seconds (60), or a store unreachable as long, ends the run on every
+surviving worker with :class:`PeerLostError` (exit 8). A worker whose launcher died stops at once,
+as SIGTERM stops a run.
 
 Example:
     >>> peer_timeout({"EMA_CKPT_PEER_TIMEOUT": "5"})
@@ -59,12 +51,8 @@ def _store_prefix() -> str:
 
 
 def open_store(host: str, port: int, *, serve: bool, timeout: float, listening: socket.socket | None = None) -> Any:
-    """A client of the group's TCP store at ``host:port`` (its server too when ``serve``).
-
-    ``listening``: the server's socket, already listening on ``port`` (it becomes the store's).
-    Clients that arrive before the server then connect at once; against a closed port, torch's
-    client retries with a back-off that can make them a second late.
-    """
+    """A client of the group's TCP store at ``host:port`` (its server too when ``serve``, on the
+    ``listening`` socket: clients arriving first then connect at once, not a back-off later)."""
     import torch.distributed as dist
 
     listen_fd = listening.detach() if serve and listening is not None else None
@@ -75,23 +63,21 @@ def open_store(host: str, port: int, *, serve: bool, timeout: float, listening: 
             master_listen_fd=listen_fd)
     except (RuntimeError, ValueError) as err:  # DistNetworkError / DistStoreError: no store there in time
         raise PeerLostError(f"cannot reach the workers' store at {host}:{port} within {timeout:.0f} s "
-                            f"({_first_line(err)})") from None
+                            f"({first_line(err)})") from None
     return dist.PrefixStore(_store_prefix(), store)  # type: ignore[attr-defined]
 
 
-def _first_line(err: BaseException) -> str:
+def first_line(err: BaseException) -> str:
+    """An error's first line, at most 200 characters, for a one-line message."""
     text = str(err).strip()
     return text.splitlines()[0][:200] if text else type(err).__name__
 
 
 def join(store: Any, rank: int, world_size: int, *, timeout: float,
          gone: Callable[[], str | None] = lambda: None, longest_pause: float = 0.2) -> None:
-    """Announce this rank in ``store`` and wait until all ``world_size`` ranks have.
-
-    ``gone`` names a process this rank waits for that has already exited (a spawned
-    worker), which ends the wait at once. Raises :class:`PeerLostError` after ``timeout``.
-    The store is polled at most ``longest_pause`` seconds apart (each poll reads every rank's key).
-    """
+    """Announce this rank in ``store`` and wait until all ``world_size`` ranks have
+    (:class:`PeerLostError` after ``timeout``, or at once when ``gone`` names a spawned worker
+    that exited); polled at most ``longest_pause`` seconds apart."""
     store.set(f"beat/{rank}", "0")
     store.set(f"joined/{rank}", socket.gethostname())
     keys = [f"joined/{r}" for r in range(world_size)]
@@ -113,12 +99,9 @@ def join(store: Any, rank: int, world_size: int, *, timeout: float,
 class Heartbeat:
     """This rank's heartbeat in the group's store, and the watch on its peers' (a thread).
 
-    ``lost`` becomes the error to raise once a peer has been silent for ``timeout``
-    seconds; if the process is still running ``grace`` seconds after that (blocked in a
-    collective that will never return), the thread prints the error and ends the process, if
-    a launcher started it (``watch_parent``). ``on_lost`` runs as soon as a peer is lost: rank 0
-    of ``--workers`` kills the workers it spawned, which closes their sockets and so ends its
-    own collective with an error at once.
+    ``lost`` becomes the error to raise once a peer is silent for ``timeout`` seconds; a process
+    a launcher started (``watch_parent``) still running ``grace`` seconds later is ended.
+    ``on_lost`` runs at once (rank 0 of ``--workers`` kills its workers, ending its collective).
     """
 
     def __init__(self, store: Any, rank: int, world_size: int, *, timeout: float, grace: float = 5.0,

@@ -1,11 +1,8 @@
 """The process pool behind ``workers=N``: rank 0 spawns ranks 1…N-1 here and collects their reports.
 
-:func:`run_workers` makes the calling process rank 0 and spawns the other ranks on this
-machine, the store's socket listening on a free loopback port before they start; each runs
-the same library call with its own rank and joins the group through
-:func:`~ema_ckpt.dist.current_workers`. Workers may start ahead, while the command line still
-loads (:func:`start_standby_workers`). An error on any rank is raised here (the first by
-rank), with its exit code; a worker that dies without a report is one too.
+Each worker runs the same library call with its own rank and joins the group through
+:func:`~ema_ckpt.dist.current_workers`; workers may start ahead, while the command line still
+loads (:func:`start_standby_workers`).
 
 Example:
     >>> run_workers(1, sum, [1, 2])
@@ -23,6 +20,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from .._gc import import_module, own_the_heap
+from ..errors import EmaCkptError, OptionError, PeerLostError
 from .group import (
     SPAWNED_VARIABLE,
     WorkerFailed,
@@ -33,14 +31,12 @@ from .group import (
     spawned_workers,
     store_socket,
 )
-from ..errors import EmaCkptError, OptionError, PeerLostError
 
 T = TypeVar("T")
 
 
 def _listening_socket() -> socket.socket:
-    """A socket listening on a free loopback port, for the store rank 0 serves: held from before
-    the spawn, so no other process can take the port and the workers never find it closed."""
+    """A socket listening on a free loopback port for rank 0's store, held from before the spawn."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
         sock.bind(("127.0.0.1", 0))
@@ -87,8 +83,8 @@ def _worker_main(rank: int, world: int, port: int, func: Callable[..., Any], arg
 
 
 def _standby_main(connection: Any, queue: Any) -> None:
-    """A worker started before its command knew its job (:func:`start_standby_workers`): import
-    what every job needs, then wait for the job, or exit when the command ends without one."""
+    """A worker started before its command knew its job: import what every job needs, then wait
+    for the job, or exit when the command ends without one."""
     import pkgutil
     import signal
 
@@ -112,18 +108,13 @@ def _standby_main(connection: Any, queue: Any) -> None:
     _worker_main(rank, world, port, func, args, kwargs, queue)
 
 
+# workers started ahead: processes, connections, report queue and the store's socket, until a run takes them
 _standby: dict[str, Any] = {}
-"""Workers started ahead by :func:`start_standby_workers`: processes, connections, report
-queue and the store's socket, until :func:`run_workers` takes them."""
 
 
 def start_standby_workers(count: int) -> None:
-    """Start ``count`` worker processes now, while the command line still loads and checks its
-    options; the next :func:`run_workers` of ``count + 1`` workers gives them its job.
-
-    A worker's own start (an interpreter, ema-ckpt's modules, torch) then overlaps the
-    command's instead of following it. Workers not given a job exit when this process does.
-    """
+    """Start ``count`` worker processes now, while the command line still loads (their start
+    overlaps its own); the next :func:`run_workers` of ``count + 1`` workers gives them its job."""
     if count < 1 or _standby or in_worker_group():
         return
     import multiprocessing
@@ -143,8 +134,7 @@ def start_standby_workers(count: int) -> None:
 
 
 def _take_standby(count: int) -> dict[str, Any] | None:
-    """The standby workers, if there are ``count`` of them and all still wait; else None (any
-    there were are ended)."""
+    """The standby workers, if there are ``count`` of them and all still wait; else None (any are ended)."""
     taken = dict(_standby)
     _standby.clear()
     if not taken:
@@ -167,29 +157,18 @@ def _end_standby(taken: dict[str, Any]) -> None:
     taken["listening"].close()
 
 
-def release_standby_workers() -> None:
-    """End the workers :func:`start_standby_workers` started, if no run took them."""
-    taken = dict(_standby)
-    _standby.clear()
-    if taken:
-        _end_standby(taken)
-
 
 def run_workers(world_size: int, func: Callable[..., T], /, *args: Any,
                 local_kwargs: dict[str, Any] | None = None, **kwargs: Any) -> T:
     """Run ``func(*args, **kwargs)`` as ``world_size`` workers; rank 0's result.
 
-    ``local_kwargs`` go to rank 0 only (this process): callbacks that cannot cross processes,
-    such as ``on_progress``, which then counts the work every worker has claimed.
-
-    This process is rank 0; ranks 1… are spawned processes. They start (and import torch)
-    while this one goes on, so a run of N workers pays about one interpreter start, not two.
-    Each worker sees RANK/WORLD_SIZE in its environment, so ``func`` joins the group through
-    :func:`current_workers`. An error on any rank is raised here (the first by rank), with
-    its exit code; a worker that dies without a report (killed, out of memory) is one too.
+    This process is rank 0; ranks 1… are spawned processes (or standby ones), starting while
+    this one goes on. ``local_kwargs`` go to rank 0 only (callbacks such as ``on_progress``).
+    An error on any rank is raised here (the first by rank), with its exit code; a worker that
+    dies without a report (killed, out of memory) is one too.
     """
     if world_size <= 1 or in_worker_group():
-        release_standby_workers()  # started for another run: they would only hold memory
+        _take_standby(0)  # none: any started for another run would only hold memory
     if world_size < 1:
         raise OptionError("workers", f"must be at least 1, got {world_size}", value=world_size)
     if world_size == 1 or in_worker_group():
@@ -282,8 +261,7 @@ def run_workers(world_size: int, func: Callable[..., T], /, *args: Any,
 
 
 def _end(procs: Sequence[Any], timeout: float) -> None:
-    """Wait up to ``timeout`` s for the spawned workers to exit (they do once they have
-    reported), then kill any left."""
+    """Wait up to ``timeout`` s for the spawned workers to exit, then kill any left."""
     import time
 
     deadline = time.monotonic() + timeout
@@ -317,9 +295,9 @@ def _collect(procs: Sequence[Any], queue: Any, timeout: float | None = None) -> 
 
 def _failure(reports: dict[int, tuple[str, Any]], procs: Sequence[Any], *, only_reported: bool = False
              ) -> WorkerFailed | None:
-    """The error to raise for the spawned workers (ranks 1…): the first reported error by rank,
-    or a worker that exited without a report; None when all ran. ``only_reported``: a worker
-    still running without a report is no failure (rank 0 stopped waiting for it)."""
+    """The error to raise for the spawned workers: the first reported error by rank, or a worker
+    that exited without a report; None when all ran (``only_reported``: a worker still running
+    without a report is none)."""
     errors = sorted((rank, payload) for rank, (status, payload) in reports.items() if status == "error")
     if errors:
         first: EmaCkptError = errors[0][1]

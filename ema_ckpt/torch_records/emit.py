@@ -137,11 +137,7 @@ class _Writer(op.Opcodes):
 
 
 def dumps_inert(obj: Any) -> bytes:
-    """A protocol-2 pickle of inert data (see the module docstring).
-
-    Raises:
-        ValueError: a tensor, a cycle, or an object of another kind.
-    """
+    """A protocol-2 pickle of inert data (``ValueError`` for a tensor, a cycle, or another kind)."""
     writer = _Writer()
     writer.emit(obj)
     return bytes(writer.out + op.STOP)

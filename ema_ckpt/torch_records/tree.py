@@ -343,21 +343,3 @@ def module_state_dict(module: Any, prefix: str = "", depth: int = 0) -> dict[str
         if isinstance(name, str) and child is not None:
             out.update(module_state_dict(child, f"{prefix}{name}.", depth + 1))
     return out
-
-
-
-__all__ = [
-    "HARMLESS_GLOBALS",
-    "MAX_DEPTH",
-    "Opaque",
-    "PickledTree",
-    "StorageRef",
-    "Trail",
-    "check_harmless",
-    "foreign_globals",
-    "is_module",
-    "key_path",
-    "load_tree",
-    "module_state_dict",
-    "walk",
-]

@@ -1,5 +1,4 @@
-"""What the built-in output formats share: the cost of a region (how work is shared out among
-workers), the size limits of files, chunks and row blocks, and cutting tensors into row blocks.
+"""What the built-in output formats share: a region's cost (how work is shared out), size limits, row blocks.
 
 Example:
     >>> region_cost(PlannedRegion("w", Box((0,), (4,)), "model.safetensors", 16)) >= 16
@@ -22,9 +21,7 @@ DEFAULT_FILE_BYTES = 256 << 20
 """Largest DCP data file the engine starts (a file is the unit workers share out)."""
 MIN_FILE_BYTES = 16 << 20
 DEFAULT_CHUNK_BYTES = 16 << 20
-"""Largest chunk a DCP output stores when it follows the source's layout: a larger stored chunk
-is written as several, each whole rows of it, so the engine holds a few of these per output
-(a sweep of K outputs), never a few whole shards of each."""
+"""Largest chunk a DCP output stores when it follows the source's layout (a larger one is cut in rows)."""
 # Each region also costs fixed Python work (records to parse, a record to write), about what
 # reading 256 KiB costs: counted in, files of many small tensors split finely enough to share out.
 REGION_OVERHEAD_BYTES = 256 << 10
@@ -40,7 +37,6 @@ def region_cost(region: PlannedRegion) -> int:
 def box_bytes(box: Box, dtype: str) -> int:
     """The bytes of ``box`` of a tensor stored in ``dtype``."""
     return box.numel * itemsize(dtype)
-
 
 
 def row_block_regions(tensors: Sequence[OutputTensor], source: CheckpointReader, file: str,

@@ -1,9 +1,7 @@
 """The chunks every worker's :class:`~.writer.DcpWriter` wrote, merged key by key for ``.metadata``.
 
-Each key's chunks are listed as DCP lists them: sorted by offsets, each with its stored record.
 The table holds the workers' columns and an order over them, never an object per key or chunk:
-:meth:`ChunkTable.items` makes each key's entry as it is asked for (what the metadata emitter
-reads, twice), so a checkpoint of many small tensors costs a few numbers a chunk.
+:meth:`ChunkTable.items` makes each key's entry (sorted by offsets, as DCP lists them) as asked.
 """
 
 from __future__ import annotations

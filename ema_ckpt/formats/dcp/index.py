@@ -132,15 +132,8 @@ class MetadataIndex:
     path: Location
     metadata_files: list[Location]
     _version: Any
-    planner_data: KeyPaths
-    non_tensor_keys: list[str]
-    _stored: dict[str, tuple[tuple[int, ...], str]]
-    _chunks: dict[str, list[StoredChunk]]
     _starts: dict[str, tuple[tuple[int, ...], int]]
     _structure: Structure
-    _bytes_records: dict[str, tuple[str, int, int]]
-    _file_ends: dict[str, int]
-    _records_all: list[tuple[str, int, int]]
 
     def _parse(self) -> None:
         metadata, self.metadata_files = load_metadata(self.path)

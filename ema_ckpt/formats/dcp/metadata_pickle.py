@@ -123,11 +123,9 @@ Blobs = Mapping[str, tuple[str, int, int]]
 def dump_metadata(tensors: Tensors, blobs: Blobs, planner_data: Mapping[str, Sequence[str]]) -> bytes:
     """The bytes of DCP ``Metadata`` (version ``1.0.0``) describing a checkpoint.
 
-    ``tensors``: key → (dtype name, shape, chunks) with each chunk's storage record;
-    ``blobs``: key → (data file, offset, length) of a non-tensor entry; ``planner_data``:
-    key → the path of the key in the nested state dict (the key alone where missing). Keys
-    keep the given order. Emitted directly while :func:`emitter_matches_torch`, else pickled
-    by torch's classes.
+    ``tensors``: key → (dtype name, shape, chunks with their records); ``blobs``: key → a
+    non-tensor entry's record; ``planner_data``: key → its path in the nested state dict. Keys
+    keep the given order.
     """
     buffer = io.BytesIO()
     write_metadata(buffer, tensors, blobs, planner_data)

@@ -1,15 +1,8 @@
 """Hugging Face safetensors checkpoints: one file, or shards with an index.
 
-What a path may be:
-
-* a ``.safetensors`` file, or a ``*.safetensors.index.json`` file;
-* a folder (e.g. the Trainer's ``checkpoint-N/``), resolved in this order:
-  ``model.safetensors``; ``model.safetensors.index.json``; else the folder's only
-  ``*.safetensors.index.json``; else its only ``*.safetensors`` file
-  (``adapter_model.safetensors``, ``diffusion_pytorch_model.safetensors``, ...).
-  Hidden files are ignored, and a lone shard (``x-00001-of-00003.safetensors``) without
-  its index is never taken for a whole checkpoint. A folder with several candidates
-  and none of the ``model.*`` names is not recognised: pass the file itself.
+A path is a ``.safetensors`` or ``*.safetensors.index.json`` file, or a folder holding
+``model.safetensors``, ``model.safetensors.index.json``, its only index, or its only
+``*.safetensors`` file (never a lone shard without its index).
 
 The index is authoritative: every key it lists must be in the shard it names, and every shard
 must hold only the keys the index gives it. Tensors are read lazily, each one stored chunk.
