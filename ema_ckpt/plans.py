@@ -165,11 +165,8 @@ def plan_posthoc(
     step_from: str | None = None,
     component: str | None = None,
 ) -> Plan:
-    """Coefficients of each requested power-function EMA at T (the newest step, or ``at_step``).
-
-    From raw checkpoints: the closed form cᵢ = (tᵢ/T)^(γ+1) − (tᵢ₋₁/T)^(γ+1), t₀ = 0. From
-    snapshots: EDM2's least-squares fit of the target profile by the snapshots' profiles.
-    """
+    """Coefficients of each requested power-function EMA at T (the newest step, or ``at_step``):
+    the closed form from raw checkpoints, EDM2's least-squares fit from snapshots."""
     paths = checkpoint_paths(checkpoints)
     targets = power_targets(sigma_rels, gammas)
     snapshots = find_snapshots(paths)

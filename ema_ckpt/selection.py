@@ -26,11 +26,8 @@ MODEL_ROOT = "model"
 def select_keys(
     reader: CheckpointReader, include: Sequence[str] = (), exclude: Sequence[str] = ()
 ) -> list[str]:
-    """The model tensors of a checkpoint, filtered by ``include``/``exclude`` globs.
-
-    A DCP saved as ``{"model": …, "optim": …}`` contributes its ``model`` part; a checkpoint
-    without a ``model`` root contributes everything but optimizer and training state.
-    """
+    """The model tensors of a checkpoint (its ``model`` root, else all but training state),
+    filtered by ``include``/``exclude`` globs."""
     return _model_part(reader, list(reader.stored()), include, exclude, tensors=True)
 
 
@@ -74,12 +71,8 @@ def check_compatible(
     include: Sequence[str] = (),
     exclude: Sequence[str] = (),
 ) -> None:
-    """Every reader holds every key with the reference reader's shape and dtype class.
-
-    With ``allow_new_keys`` a reader may lack keys (a key added during training starts its
-    average where it first appears). The readers in ``same_selection`` (raw checkpoints) must
-    also hold no model key the reference lacks (a key removed during training), unless allowed.
-    """
+    """Every reader holds every key with the reference reader's shape and dtype class, and the
+    readers in ``same_selection`` no model key the reference lacks, unless ``allow_new_keys``."""
     ref = readers[reference].specs()
     wanted = set(keys)
     _check_overlap(readers, range(len(readers)), include, exclude)

@@ -78,9 +78,8 @@ def reshard(
 ) -> ReshardResult:
     """Write ``src`` as a DCP checkpoint sharded on dim 0 for ``world_size`` ranks.
 
-    Keys are kept as they are (``model.…`` stays ``model.…``). ``all_keys`` also carries
-    non-model tensors (optimizer state) instead of the model part only. ``state_key`` and
-    ``inert_globals``: for a single-file source, as for :func:`~ema_ckpt.accumulate`.
+    Keys are kept as they are; ``all_keys`` carries non-model tensors (optimizer state) too.
+    ``state_key`` and ``inert_globals``: for a single-file source, as for :func:`~ema_ckpt.accumulate`.
 
     Example:
         >>> reshard("ckpts/ema", world_size=8, out="ema-8").files[:1]   # doctest: +SKIP

@@ -162,10 +162,9 @@ def run_workers(world_size: int, func: Callable[..., T], /, *args: Any,
                 local_kwargs: dict[str, Any] | None = None, **kwargs: Any) -> T:
     """Run ``func(*args, **kwargs)`` as ``world_size`` workers; rank 0's result.
 
-    This process is rank 0; ranks 1… are spawned processes (or standby ones), starting while
-    this one goes on. ``local_kwargs`` go to rank 0 only (callbacks such as ``on_progress``).
-    An error on any rank is raised here (the first by rank), with its exit code; a worker that
-    dies without a report (killed, out of memory) is one too.
+    This process is rank 0; ranks 1… are spawned (or standby) processes. ``local_kwargs`` go to
+    rank 0 only (``on_progress``). An error on any rank, or a worker dying without a report, is
+    raised here (the first by rank), with its exit code.
     """
     if world_size <= 1 or in_worker_group():
         _take_standby(0)  # none: any started for another run would only hold memory

@@ -115,12 +115,9 @@ def combine_regions(
     device: str = "cpu",
     check_finite: Sequence[int] = (),
 ) -> EngineStats:
-    """Stream every region through the outputs' updates and into their writers.
-
-    Each tensor is stored in its ``tensors[key].dtype``. Floating regions of the sources in
-    ``check_finite`` are checked for NaN/Inf (:class:`NonFiniteError`). A ``raw`` region
-    (planned so by its writer) is copied as stored bytes from ``copy_source``.
-    """
+    """Stream every region through the outputs' updates and into their writers, each tensor in its
+    ``tensors[key].dtype``; the sources in ``check_finite`` are checked for NaN/Inf, and ``raw``
+    regions copied as stored bytes from ``copy_source``."""
     if len(writers) != len(outputs):
         raise ValueError("one writer per output")
     if any(r.raw for r in regions) and not all(out.mode == "copy" for out in outputs):
@@ -314,8 +311,8 @@ def _accumulate_region(
                     else:
                         result(k, raw.dtype)[where].copy_(raw)
                 continue
-            if device != "cpu":
-                value = _to_device(raw, device, dtype)
+            if device != "cpu":  # through pinned memory, asynchronously: reads, transfers and compute overlap
+                value = raw.pin_memory().to(device, non_blocking=True).to(dtype)
             elif raw.dtype == dtype:
                 value = raw
             else:
@@ -356,11 +353,8 @@ def _apply(output: OutputSpec, weight: float, value: torch.Tensor, raw: torch.Te
 def _sweep(outputs: Sequence[OutputSpec], weights: Sequence[Mapping[int, float]],
            inputs: Sequence[tuple[int, TensorSpec, list[int]]], numel: int,
            dtype: torch.dtype) -> blas_probe.Sweep | None:
-    """The largest set (two or more) of sum outputs that use exactly the same present sources.
-
-    Only outputs over the same sources join: an output that skips a source must not see it
-    at weight 0 (0 · Inf is NaN, and -0 could turn into +0).
-    """
+    """The largest set (two or more) of sum outputs that use exactly the same present sources (an
+    output that skips a source must not see it at weight 0: 0 · Inf is NaN, -0 could become +0)."""
     if numel < 2:
         return None
     present = [source for source, _spec, _users in inputs]
@@ -401,11 +395,3 @@ def _all_finite(tensor: torch.Tensor) -> bool:
     except (RuntimeError, NotImplementedError):  # a dtype without aminmax
         return bool(torch.isfinite(tensor).all())
     return math.isfinite(float(low)) and math.isfinite(float(high))
-
-
-def _to_device(raw: torch.Tensor, device: str, dtype: torch.dtype) -> torch.Tensor:
-    """``raw`` as ``dtype`` on ``device``; to a GPU through pinned memory, asynchronously
-    (reads, transfers and compute overlap)."""
-    if device == "cpu":
-        return raw.to(dtype)
-    return raw.pin_memory().to(device, non_blocking=True).to(dtype)

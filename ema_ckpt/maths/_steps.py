@@ -58,11 +58,7 @@ def check_pair(t_prev: int, t_new: int) -> tuple[int, int]:
 
 
 def used_count(steps: list[int], at_step: int | None) -> int:
-    """How many checkpoints lie at or before ``at_step`` (all of them when it is None).
-
-    Raw checkpoints stand for the steps up to them, so an ``at_step`` past the newest one
-    is refused: nothing after it is known.
-    """
+    """How many checkpoints lie at or before ``at_step`` (all when None; past the newest is refused)."""
     if at_step is None:
         return len(steps)
     t = option_step(at_step, "at_step")

@@ -1,9 +1,8 @@
 """EDM2 post-hoc EMA: a new power profile as a least-squares combination of stored snapshots.
 
-Karras et al. 2024 (EDM2, arXiv 2312.02696), §3 and Appendix C: each snapshot is a power-EMA
-with profile p(τ; t, γ) = (γ+1)τ^γ/t^(γ+1) on [0, t]; the target profile q is projected onto
-their span in L2 (Gram matrix of closed-form inner products, solved in float64 and
-normalised to sum 1). ``docs/posthoc.md`` and ``docs/math.md`` give the derivation.
+Karras et al. 2024 (EDM2, arXiv 2312.02696), §3 and Appendix C: the target profile q is
+projected in L2 onto the span of the snapshots' power profiles p(τ; t, γ) = (γ+1)τ^γ/t^(γ+1)
+(``docs/posthoc.md``, ``docs/math.md``).
 
 Example:
     >>> snaps = [Snapshot(t, g) for t in (1000, 2000) for g in (6.94, 16.97)]

@@ -170,19 +170,11 @@ HARMLESS_GLOBALS: tuple[str, ...] = (
 """Globals read as inert data with no flag (module.name, ``fnmatch`` patterns)."""
 
 
-def _allowed(name: str, patterns: Sequence[str]) -> bool:
-    return any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns)
-
-
-def _key_text(part: Any) -> str:
-    return f"[{part}]" if isinstance(part, int) else str(part)
-
-
 def key_path(parts: Sequence[Any]) -> str:
     """``("args", "lr")`` → ``args.lr``; list positions in brackets: ``optimizer_states[0]``."""
     text = ""
     for part in parts:
-        piece = _key_text(part)
+        piece = f"[{part}]" if isinstance(part, int) else str(part)
         text += piece if (not text or piece.startswith("[")) else "." + piece
     return text or "(the top level)"
 
@@ -283,7 +275,7 @@ def foreign_globals(tree: PickledTree, inert_globals: Sequence[str] = ()) -> dic
             # an object, or a class kept as a value
             if isinstance(value, Opaque) or (isinstance(value, type) and issubclass(value, Opaque)):
                 name = value.global_name
-                if name not in found and not _allowed(name, allowed):
+                if name not in found and not any(fnmatch.fnmatchcase(name, p) for p in allowed):
                     found[name] = trail.parts()
     except ValueError as err:
         raise CheckpointFormatError(tree.source, str(err)) from None

@@ -1,8 +1,7 @@
 """The header of one ``.safetensors`` file, read and validated (no tensor data read).
 
-8-byte little-endian length, then JSON: each tensor's dtype, shape and data offsets (which must
-tile the data area exactly), and ``__metadata__``. Files whose headers have the same bytes share
-one parsed layout in memory.
+Each tensor's data offsets must tile the data area exactly; files whose headers have the same
+bytes share one parsed layout in memory.
 
 Example:
     >>> header = read_header(Path("ckpt/model.safetensors"))      # doctest: +SKIP

@@ -138,9 +138,7 @@ class SafetensorsOutput(OutputWriter):
     def finish(self, states: Sequence[Any]) -> list[WrittenFile]:
         from .writer import INDEX_NAME, write_index
 
-        written: dict[str, tuple[int, int | None]] = {}
-        for state in states:
-            written.update(state)
+        written: dict[str, tuple[int, int | None]] = {k: v for state in states for k, v in state.items()}
         files = [WrittenFile(name, *written[name]) for name in self._by_file]
         if len(self._by_file) > 1:
             weight_map = {t.name: name for name, group in self._by_file.items() for t in group}
