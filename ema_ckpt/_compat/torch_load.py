@@ -11,14 +11,12 @@
 - ``torch._utils._element_size``, the ``_internal=True`` of ``TypedStorage``,
   ``torch._guards.detect_fake_mode`` and ``torch._C.PyTorchFileReader``.
 
-**Why it pays:** DeepSpeed's ``.pt`` files are read through torch's own weights-only
-unpickler (its refusals and messages are torch's), or, much faster where a file allows it,
-by CPython's C unpickler over the same allowlist building the same objects
-(:mod:`ema_ckpt.formats.deepspeed.fastload`); a file on object storage has its structure read
-by torch's unpickler from its pickle alone (:mod:`ema_ckpt.formats.deepspeed.structure`); a
-refused global is judged against torch's own allowlist (:mod:`ema_ckpt.pickles.rules`); and
-the ``torch.save`` records ema-ckpt writes name torch's rebuild
-(:mod:`ema_ckpt.torch_records.write`).
+**Why it pays:** what a format's own allowlist declines is read by torch's weights-only
+unpickler (:func:`ema_ckpt.pickles.load.load_weights_only`: its refusals are torch's), a file's
+structure on object storage included; DeepSpeed files, where they allow it, by CPython's C
+unpickler building the same objects (:mod:`ema_ckpt.formats.deepspeed.fastload`); a refused
+global is judged against torch's allowlist (:mod:`ema_ckpt.pickles.rules`); the ``torch.save``
+records ema-ckpt writes name torch's rebuild (:mod:`ema_ckpt.torch_records.write`).
 
 **When it is gone:** :func:`allowed_globals` gives None, and the fast load leaves every file
 to torch's weights-only load (:func:`torch.load`), and a refusal is judged by a prefix rule;

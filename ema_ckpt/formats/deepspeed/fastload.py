@@ -1,13 +1,11 @@
 """The fast way to :func:`.unpickle.load_ds_file`: CPython's C unpickler over a short allowlist.
 
-torch's weights-only unpickler is a Python loop over every opcode, and a ZeRO-3 model-states
-file holds one (empty) tensor per parameter: at 20,000 parameters it spends seconds per file
-where the C unpickler spends a fraction of one. :func:`fast_load` gives what the weights-only
-load of :mod:`.unpickle` gives (the same objects, tensors as slices of one private mapping of
-the file), but a file takes this way only when it can be read to that same result; for any
-other (or any doubt) it returns None and the caller loads the file through torch's
-weights-only unpickler as before, so every refusal and its message still comes from there.
-What a file must be:
+torch's weights-only unpickler loops in Python over every opcode: seconds for a ZeRO-3
+model-states file of 20,000 (empty) tensors, where the C unpickler spends a fraction of one.
+:func:`fast_load` gives what the weights-only load of :mod:`.unpickle` gives (the same objects,
+tensors sliced from one private mapping of the file), but only for a file it can read to that
+same result; for any other (or any doubt) it returns None and torch's weights-only loader
+reads the file, so every refusal still comes from there. What a file must be:
 
 * a zip-format ``torch.save`` file, not a TorchScript archive, in this machine's byte order,
   loaded outside any fake-tensor mode;

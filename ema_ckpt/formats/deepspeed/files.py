@@ -206,12 +206,8 @@ _SETTLED_SECONDS = 2.0  # files modified more recently are read afresh (a same-s
 
 def _model_summary(path: Location) -> tuple[Any, Any]:
     """``(dp_world_size, global_steps)`` from a model-states file (None if absent), remembered
-    per file version.
-
-    Detection and discovery ask this of the same files several times per run (``detect_format``,
-    the step, then opening), and unpickling a ZeRO-3 model-states file costs tens of
-    milliseconds. Errors are not remembered, so a file still being written is read again.
-    """
+    per file version (not its errors): detection, the step and opening each ask, and unpickling a
+    ZeRO-3 model-states file costs tens of milliseconds."""
     found = structure_or_name(path, shared=True)
     if isinstance(found, RemoteStructure):  # read by ranged requests, not unpickled whole
         return _summary(found.state)

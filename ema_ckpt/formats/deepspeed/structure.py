@@ -55,13 +55,8 @@ class RemoteStructure:
 
 
 def load_ds_structure(path: Location, source: Source | None = None) -> RemoteStructure:
-    """Load a DeepSpeed ``.pt`` object from object storage without reading its tensors' bytes.
-
-    The zip directory, ``data.pkl`` and ``byteorder`` are read by ranged requests; ``data.pkl``
-    goes through torch's weights-only unpickler with the stand-ins, as in :func:`load_ds_file`,
-    and each storage it names becomes an empty ``meta`` storage of its size, so tensors come
-    back on the ``meta`` device with their shapes, dtypes and views; :func:`meta_member`
-    says where one's bytes lie. ``source``: ``path`` opened already (:func:`open_structure`).
+    """Load a DeepSpeed ``.pt`` object from object storage without reading its tensors' bytes
+    (see the module docstring; ``source``: ``path`` opened already, :func:`open_structure`).
 
     Raises:
         CheckpointNotFoundError: no such object.

@@ -1,27 +1,16 @@
 """Load DeepSpeed ``.pt`` files safely, memory-mapped, without DeepSpeed installed.
 
-Why this module exists: DeepSpeed pickles a few of its own classes into every ZeRO checkpoint
-(``ZeroStageEnum``, ``LossScaler``, ``fragment_address``), so a plain ``torch.load`` needs
-DeepSpeed importable *and* ``weights_only=False``, which runs whatever code the file names.
-Here the files go through torch's weights-only unpickler, with inert stand-ins registered under
-the DeepSpeed names for the duration of one load. Nothing else is importable from a file: any
-other global is refused with :class:`~ema_ckpt.errors.UnsafePickleError` before it is called.
+DeepSpeed pickles its own classes into every ZeRO checkpoint (``ZeroStageEnum``, ``LossScaler``,
+``fragment_address``): a plain ``torch.load`` needs DeepSpeed *and* ``weights_only=False``, which
+runs whatever the file names. Here torch's weights-only loader reads them with inert stand-ins
+under those names for one load (:func:`~ema_ckpt.pickles.load.load_weights_only`); any other
+global is refused (:class:`~ema_ckpt.errors.UnsafePickleError`) before it is called. Most files
+take :mod:`.fastload` instead (CPython's C unpickler, where it vouches for the same result).
 
-Files are opened with ``mmap=True``: tensors are views on a private mapping of the file, so a
-rank file costs its pickle (small) plus the pages actually read. Pages that were read stay in
-the process's resident set until the mapping goes, which for a sequence of multi-GiB rank files
-held open together is most of the data; :func:`release_pages` hands the pages of a span back
-once it has been copied out (they stay in the page cache and refault from the file if read
-again), so resident memory stays near one span instead of growing with every file read.
-
-Most files never reach that unpickler, a Python loop over every opcode (seconds for a ZeRO-3
-model-states file of 20,000 parameters): :mod:`.fastload` loads a file with CPython's C
-unpickler instead when it can vouch for the same result under the same allowlist, and hands
-any other file (or any doubt) back to this one, whose refusals stand.
-
-On object storage a file is never mapped nor fetched whole: :mod:`.structure` loads its
-structure only, by ranged reads, through the same unpickler and stand-ins
-(:func:`~ema_ckpt.pickles.load.load_weights_only`).
+Tensors are views on a private mapping of the file: a rank file costs its pickle plus the pages
+read, and :func:`release_pages` hands a span's pages back once copied out (they refault from the
+page cache), so resident memory stays near one span. On object storage :mod:`.structure` loads
+a file's structure only, by ranged reads, through the same loader and stand-ins.
 
 Example:
     >>> from ema_ckpt.formats.deepspeed.unpickle import load_ds_file  # doctest: +SKIP
@@ -184,14 +173,9 @@ def check_magic(path: Location, magic: bytes) -> bool:
 
 
 def pages_releasable(path: str | Path) -> bool:
-    """Whether the tensors :func:`load_ds_file` maps from ``path`` may go through :func:`release_pages`.
-
-    True for a zip-format ``torch.save`` file (so memory-mapped) whose ``byteorder`` record is
-    absent or this machine's: then torch never writes to the private mapping (it byte-swaps
-    foreign-endian storages in place), and dropped pages refault with the same bytes. False
-    for legacy files (read into ordinary memory, where dropping pages would zero them),
-    foreign-endian files, unreadable files, and where :func:`release_pages` is a no-op anyway.
-    """
+    """Whether the tensors :func:`load_ds_file` maps from ``path`` may go through :func:`release_pages`:
+    a zip-format file in this machine's byte order (torch byte-swaps others in the mapping; a
+    legacy file is read into ordinary memory, where dropping pages would zero them)."""
     if _madvise is None:
         return False
     try:
@@ -230,12 +214,9 @@ _PAGE = mmap.PAGESIZE
 def release_pages(t: torch.Tensor) -> None:
     """Drop the pages under tensor ``t`` from this process's resident set (Linux; else no-op).
 
-    ``t`` must be a view on a mapping made by :func:`load_ds_file` of a file for which
-    :func:`pages_releasable` is True, so that every page from its first to its last byte,
-    rounded out to page boundaries, lies inside that mapping and was never written. The
-    pages leave the process (``madvise(MADV_DONTNEED)``) but not the page cache: touching
-    them again maps the file's bytes back in, so ``t`` and every other view on the file still
-    read the same data. Errors are ignored (the pages then simply stay resident).
+    ``t`` must be a view on a mapping :func:`load_ds_file` made of a file :func:`pages_releasable`
+    allows: its pages, rounded out, lie in that mapping, never written. They leave the process
+    (``madvise(MADV_DONTNEED)``), not the page cache, and refault with the file's bytes.
     """
     if _madvise is None or t.numel() == 0:
         return
@@ -250,14 +231,10 @@ def release_pages(t: torch.Tensor) -> None:
 def storage_file_offsets(path: Location, state: Any) -> dict[int, int] | None:
     """Where each storage of a memory-mapped load lies in its file: ``{data_ptr: byte offset}``.
 
-    ``state`` is what :func:`load_ds_file_releasable` returned for ``path`` (flagged
-    releasable). torch maps the whole file once and slices every storage out of that mapping
-    at its zip member's data offset, so one base address ties every storage pointer to a
-    member; the base is accepted only when *every* storage found in ``state`` then starts
-    exactly at a stored member of its size. With the offsets a reader ``pread`` s a flat range
-    straight into its buffer (no page faults, no parallel copy, no pages to hand back).
-    None when the file's members cannot be listed or the storages do not line up (read
-    through the mapping then).
+    ``state``: :func:`load_ds_file_releasable`'s for ``path`` (flagged releasable). Every storage
+    is sliced out of one mapping at its zip member's data offset, so one base address ties each
+    pointer to a member: accepted only where *every* storage then starts at a stored member of
+    its size (a reader then ``pread`` s a flat range straight into its buffer); else None.
 
     Example:
         >>> state, ok = load_ds_file_releasable("zero_pp_rank_0_mp_rank_00_optim_states.pt")  # doctest: +SKIP
