@@ -182,15 +182,16 @@ def test_nothing_outside_the_storage_package_asks_where_bytes_live():
     assert found == []
 
 
-# where a file name is wanted: watch's own staging (hard links, local by nature) and which formats
-# a location is offered; everything else asks its Source or the storage package for a capability
-_BY_NAME = {"staging.py", "watching.py", "formats/resolve.py"}
+# where a file name is wanted: watch's own staging (hard links, local by nature), which formats a
+# location is offered, and a DCP .metadata checked apart by size; everything else asks its Source
+# or the storage package for a capability
+_BY_NAME = {"staging.py", "watching.py", "formats/resolve.py", "formats/dcp/metadata_unpickle.py"}
 
 
 def test_readers_ask_no_location_for_a_local_file():
-    """Only the modules of :data:`_BY_NAME` ask a location for its local file; the rest read
-    through a ``Source`` (none may join them)."""
-    asking = re.compile(r"\blocal_(file|path)\(")
+    """Only the modules of :data:`_BY_NAME` ask a location for its local file or whether it is a
+    ``Path``; the rest read through a ``Source`` (none may join them)."""
+    asking = re.compile(r"\blocal_(file|path)\(|isinstance\([^)]*\bPath\)")
     found = {str(p.relative_to(PACKAGE)) for p in _modules() if "storage" not in p.relative_to(PACKAGE).parts
              and asking.search(p.read_text())}
     assert found <= _BY_NAME, sorted(found - _BY_NAME)
