@@ -7,7 +7,7 @@ inside its own folder).
 
 Example:
     >>> import tempfile; from pathlib import Path
-    >>> ckpts = Path(tempfile.mkdtemp()); watcher = Watcher.open(ckpts)
+    >>> ckpts = Path(tempfile.mkdtemp()); watcher = Watcher(ckpts)
     >>> watcher.wait(0.0)                   # nothing happened yet
     False
     >>> (ckpts / "step_100").mkdir(); watcher.wait(30.0)   # returns at the event
@@ -45,42 +45,24 @@ def _libc() -> ctypes.CDLL | None:
     return libc
 
 
-def available() -> bool:
-    """Whether this platform offers inotify."""
-    return _libc() is not None
-
-
 class Watcher:
-    """Events of one folder and the subfolders created in it."""
+    """Events of one folder and the subfolders created in it. Where inotify is missing or refused
+    (or ``folder`` is None: poll), a wait lasts its whole time unless :meth:`interrupt` ends it."""
 
-    def __init__(self, libc: ctypes.CDLL, fd: int) -> None:
-        self._libc = libc
-        self._fd = fd
-        self._top = -1
+    def __init__(self, folder: Path | None) -> None:
+        self._libc = _libc() if folder is not None else None
+        self._fd = -1 if self._libc is None else int(self._libc.inotify_init1(_IN_NONBLOCK | _IN_CLOEXEC))
         self._folders: dict[int, Path] = {}
         self._wake_read, self._wake_write = os.pipe()
-
-    @classmethod
-    def open(cls, folder: Path) -> Watcher | None:
-        """A watcher of ``folder``; None where inotify is missing or refused (then: poll)."""
-        libc = _libc()
-        if libc is None:
-            return None
-        fd = libc.inotify_init1(_IN_NONBLOCK | _IN_CLOEXEC)
-        if fd < 0:
-            return None
-        watcher = cls(libc, fd)
-        watcher._top = watcher._add(folder)
-        if watcher._top < 0:
-            watcher.close()
-            return None
-        with contextlib.suppress(OSError):
-            for child in folder.iterdir():
-                if child.is_dir() and not child.name.startswith("."):
-                    watcher._add(child)
-        return watcher
+        self._top = self._add(folder) if folder is not None and self._fd >= 0 else -1
+        if folder is not None and self._top >= 0:
+            with contextlib.suppress(OSError):
+                for child in folder.iterdir():
+                    if child.is_dir() and not child.name.startswith("."):
+                        self._add(child)
 
     def _add(self, folder: Path) -> int:
+        assert self._libc is not None
         wd = int(self._libc.inotify_add_watch(self._fd, os.fsencode(folder), _MASK))
         if wd >= 0:
             self._folders[wd] = folder
@@ -88,8 +70,8 @@ class Watcher:
 
     def wait(self, seconds: float) -> bool:
         """Wait up to ``seconds`` for an event; whether one came (drained, new subfolders watched)."""
-        ready, _, _ = select.select([self._fd, self._wake_read], [], [], max(0.0, seconds))
-        if self._fd in ready:
+        ready, _, _ = select.select([fd for fd in (self._fd, self._wake_read) if fd >= 0], [], [], max(0.0, seconds))
+        if self._fd >= 0 and self._fd in ready:
             self._drain()
         return bool(ready)
 
@@ -115,6 +97,6 @@ class Watcher:
     def close(self) -> None:
         """Close the watch (after the thread that waits on it has ended)."""
         for fd in (self._fd, self._wake_read, self._wake_write):
-            with contextlib.suppress(OSError):
+            if fd >= 0:
                 os.close(fd)
         self._fd = -1

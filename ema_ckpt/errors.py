@@ -1,68 +1,33 @@
-"""One error hierarchy for ema-ckpt.
+"""One error hierarchy for ema-ckpt: every error raised on purpose derives from :class:`EmaCkptError`,
+whose class carries the exit code the CLI ends with (:data:`EXIT_CODES`, which ``--help`` and the
+docs follow), so scripts can tell a busy output from bad input or a bad option.
 
-Every error the library raises on purpose derives from :class:`EmaCkptError`. Each
-class carries the process exit code the CLI uses for it, so scripts can tell a busy
-output (another run holds the lock) from bad input or a bad option.
+    >>> err = CheckpointFormatError("/ckpts/step_10/.metadata", "not a DCP metadata file")
+    >>> err.exit_code, str(err)
+    (3, '/ckpts/step_10/.metadata: not a DCP metadata file')
 
-Example:
-    >>> try:
-    ...     raise CheckpointFormatError("/ckpts/step_10/.metadata", "not a DCP metadata file")
-    ... except EmaCkptError as err:
-    ...     print(err.exit_code, err)
-    3 /ckpts/step_10/.metadata: not a DCP metadata file
-
-Errors carry data; the CLI words them
--------------------------------------
-The library never names a command-line flag. An error about a parameter says which
-*library parameter* is at fault (:class:`OptionError`'s ``option``), and a fix that another
-parameter offers is data too (``remedy``). Inside a message, ``{name}`` stands for the
-parameter ``name`` and ``{name=text}`` for passing it a value; only the names the error
-declares (``option``, ``remedy``, ``mentions``) are placeholders, so text from checkpoints
-or users can never be mistaken for one. ``str(err)`` names the library parameters; the CLI
-renders the same error with its flags, read from the commands' options (``ema_ckpt.cli._flags``):
-
-    >>> err = OptionError("at_step", "5 is before the first checkpoint (step 10)", value=5)
-    >>> str(err), err.option, err.value
-    ('at_step 5 is before the first checkpoint (step 10)', 'at_step', 5)
-    >>> err.render({"at_step": "--at-step"}.__getitem__)
-    '--at-step 5 is before the first checkpoint (step 10)'
-
-An :class:`OptionError` message starts with its option unless it places it (``{at_step}``); a
-remedy is worded where it belongs, ``{restart=True}`` reading ``restart=True`` in the library and
-``--restart`` on the command line (``{wait_seconds=SECONDS}``: ``--wait SECONDS``):
+Errors carry data; the CLI words them. The library never names a command-line flag: an error
+names the *library parameter* at fault (:class:`OptionError`'s ``option``) and the one whose
+value would fix it (``remedy``). In a message, ``{name}`` stands for the parameter ``name`` and
+``{name=text}`` for passing it a value; only the names the error declares (``option``,
+``remedy``, ``mentions``, as string literals: a test reads them) are placeholders, so text from
+checkpoints or users is never mistaken for one. ``str(err)`` names library parameters; the CLI
+renders the same error with its flags (``ema_ckpt.cli._flags``). Errors pickle whole, so a
+worker hands one to rank 0 as itself.
 
     >>> err = ManifestMismatchError("out/ema was made with decay 0.9; pass {restart=True} to start over",
     ...                             remedy="restart")
-    >>> str(err)
-    'out/ema was made with decay 0.9; pass restart=True to start over'
     >>> err.render({"restart": "--restart"}.__getitem__)
     'out/ema was made with decay 0.9; pass --restart to start over'
     >>> str(OptionError("from_step", "40 is after {to_step} 20", value=40, mentions=("to_step",)))
     'from_step 40 is after to_step 20'
 
-To convert an error that names a flag: replace the flag by its placeholder (doubled braces in
-an f-string: ``f"{path} exists; pass {{overwrite=True}} to replace it"``), declare the
-parameter (``option=``, ``remedy=`` or ``mentions=``, as string literals: a test reads them
-from the source), and add the parameter to the CLI's table if it is new there. Errors pickle
-whole (data included), so a worker can hand one to rank 0 as itself.
-
-Notes and warnings in results are :class:`Note` strings: the same placeholders, the same two
-wordings. A note reads as plain text (library names); ``+`` keeps its placeholders, and an
-error given a note as its message takes them over:
+Notes and warnings in results are :class:`Note` strings, with the same placeholders and wordings;
+``+`` keeps their placeholders, and an error given a note as its message takes them over:
 
     >>> note = Note("skipped step_3: left out ({skip})", mentions=("skip",))
-    >>> note, note.render({"skip": "--skip"}.__getitem__)
-    ('skipped step_3: left out (skip)', 'skipped step_3: left out (--skip)')
     >>> str(CheckpointNotFoundError("ckpts", "no checkpoints found (" + note + ")"))
     'ckpts: no checkpoints found (skipped step_3: left out (skip))'
-
-Exit codes
-----------
-:data:`EXIT_CODES` is the one table of the statuses the CLI ends with; ``--help``, the docs and
-every class's ``exit_code`` follow it (tests check them):
-
-    >>> print(exit_meaning(OutputLockedError.exit_code))
-    another run holds the output's lock (retry later, or wait_seconds=SECONDS)
 """
 
 from __future__ import annotations
@@ -79,11 +44,6 @@ if TYPE_CHECKING:
 _PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)(?:=([^{}]*))?\}")
 
 
-def library_name(parameter: str, value: str | None) -> str:
-    """How the library words a parameter placeholder: ``at_step``, ``restart=True``."""
-    return parameter if value is None else f"{parameter}={value}"
-
-
 def _worded(template: str, names: Iterable[str], name_of: Callable[[str], str] | None) -> str:
     """``template`` with each placeholder of ``names`` worded (see :meth:`EmaCkptError.render`)."""
     declared = set(names)
@@ -93,7 +53,7 @@ def _worded(template: str, names: Iterable[str], name_of: Callable[[str], str] |
         if name not in declared:
             return match.group(0)
         if name_of is None:
-            return library_name(name, value)
+            return name if value is None else f"{name}={value}"  # the library's: at_step, restart=True
         flag = name_of(name)
         return flag if value in (None, "True") else f"{flag} {value}"
 
@@ -193,18 +153,6 @@ EXIT_CODES: tuple[ExitCode, ...] = (
     ExitCode(143, "stopped by SIGTERM (Slurm, systemd, Kubernetes, timeout), as Ctrl-C"),
 )
 """Every status the CLI can exit with, in order. Scripts and cron wrappers branch on these."""
-
-
-def exit_meaning(code: int) -> str:
-    """What exit status ``code`` means (library wording); ``KeyError`` for one not in :data:`EXIT_CODES`.
-
-        >>> exit_meaning(3)
-        'a checkpoint is missing, unreadable, truncated, corrupt or unsafe'
-    """
-    for row in EXIT_CODES:
-        if row.code == code:
-            return row.meaning
-    raise KeyError(code)
 
 
 def _restore(cls: type[EmaCkptError], args: tuple[Any, ...], state: dict[str, Any]) -> EmaCkptError:

@@ -44,22 +44,12 @@ def incoming_dir(checkpoints: str | os.PathLike[str]) -> Path:
 
 def stage(checkpoint: str | os.PathLike[str] | Location, incoming: str | os.PathLike[str], *,
           step: int | None = None) -> Path:
-    """Stage ``checkpoint`` (a file or a folder) into ``incoming``: a copy the trainer cannot
-    write into, under its own name (see below), with a record of what was staged.
-
-    A single file, which a trainer may write again in place (``torch.save`` truncates and
-    rewrites the same inode: nanoGPT's ``ckpt.pt``), is reflinked where the filesystem can
-    (no bytes copied) and copied where it cannot; never hard-linked. The files of a folder
-    (shards written once) are reflinked, else hard-linked, else copied. A checkpoint in object
-    storage is downloaded. The staged copy appears whole (built under a hidden name, then
-    renamed), and a hidden record beside it (:func:`staged_record`) keeps its original name,
-    its ``step`` when given, and the size, time and inode of each staged file, so that a fold
-    can tell when its bytes changed before it was folded (:func:`rewritten_since_staged`).
-
-    The staged name is the checkpoint's own; a file already staged under that name with other
-    bytes (written again in place since) is staged beside it as ``<stem>.<mtime><suffix>``,
-    shortened to a hash of its name where that would pass NAME_MAX (255 bytes). An existing
-    staged copy of the same bytes is kept.
+    """Stage ``checkpoint`` (a file or a folder) into ``incoming``, as the module says, under its
+    own name, with a hidden record (:func:`staged_record`) of its name, its ``step`` and each
+    staged file's size, time and inode. The copy appears whole (built under a hidden name, then
+    renamed); an existing staged copy of the same bytes is kept. A single file staged already
+    with other bytes (written again in place since) is staged beside it, as
+    ``<stem>.<mtime><suffix>`` (a hash of its name where that would pass NAME_MAX).
 
     Raises:
         FileNotFoundError: the checkpoint went (or lost a file, or a single file was written
@@ -172,19 +162,6 @@ def _write_record(into: Path, staged_name: str, name: str, step: int | None, see
     os.replace(tmp, final)
 
 
-def note_step(into: Path, staged_name: str, step: int) -> None:
-    """Add ``step`` to the record of a staged copy that was staged without it."""
-    record = staged_record(into, staged_name)
-    if record is None or record.get("step") is not None:
-        return
-    record["step"] = step
-    final = record_path(into, staged_name)
-    tmp = final.parent / f".record-{os.getpid()}-{threading.get_ident()}"
-    with contextlib.suppress(OSError):
-        tmp.write_text(json.dumps(record))
-        os.replace(tmp, final)
-
-
 def staged_target(name: str, into: Path, seen: tuple[int, int, int] | None) -> Path:
     """Where a checkpoint named ``name`` is staged: its own name, unless a single file (its
     ``seen`` identity) is already staged there with other bytes (a file written again in
@@ -287,18 +264,5 @@ def remove_staged(path: Path) -> None:
             path.unlink()
 
 
-__all__ = [
-    "DOWNLOAD_BLOCK",
-    "INCOMING",
-    "RECORD_PREFIX",
-    "file_identity",
-    "incoming_dir",
-    "note_step",
-    "record_path",
-    "records_dir",
-    "remove_staged",
-    "rewritten_since_staged",
-    "stage",
-    "staged_record",
-    "staged_target",
-]
+__all__ = ["DOWNLOAD_BLOCK", "INCOMING", "RECORD_PREFIX", "file_identity", "incoming_dir", "record_path", "records_dir",
+           "remove_staged", "rewritten_since_staged", "stage", "staged_record", "staged_target"]

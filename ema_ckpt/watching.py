@@ -1,19 +1,12 @@
 """Fold each checkpoint as soon as it is complete: the loop behind ``ema-ckpt watch`` and the
 training callbacks.
 
-A trainer with tight retention (``save_total_limit=1``, ``save_top_k=1``) deletes each
-checkpoint one save interval after writing it, so a fold that is still running, or a cron
-tick that comes late, would miss it. On a local disk :func:`watch` therefore *stages* each
-complete checkpoint the moment it sees it (:mod:`ema_ckpt.staging`: reflinked, linked or copied,
-never sharing storage the trainer writes into) into ``CKPTS/.ema-ckpt-incoming/``, which the
-trainer's retention never touches, by a scanner that runs every interval (and at once on an inotify event) whatever
-the folds are doing. The folds take the staged checkpoints in step order with
-:func:`~ema_ckpt.accumulate` (its guarantees: incremental, crash-safe, exact), and a staged
-checkpoint is removed once the EMA holds it. On object storage the scanner polls every interval
-(there is no inotify) and downloads each complete checkpoint into a local temporary folder
-instead (the bytes a fold reads anyway), so a checkpoint that lives one interval, plus one look
-at the bucket and its download, is never missed however long a fold runs; that folder holds the
-checkpoints not folded yet, and goes when the watch ends.
+A trainer with tight retention (``save_total_limit=1``) deletes each checkpoint one save
+interval after writing it. So a scanner, every interval (at once on an inotify event) whatever
+the folds are doing, *stages* each complete checkpoint (:mod:`ema_ckpt.staging`) into
+``CKPTS/.ema-ckpt-incoming/``, which retention never touches; on object storage it polls and
+downloads each into a local temporary folder instead. The folds take the staged checkpoints in
+step order with :func:`~ema_ckpt.accumulate`, and a staged checkpoint goes once the EMA holds it.
 
 Example:
     >>> result = watch("ckpts", out="ckpts/ema", decay=0.999, stop_when_idle=600)   # doctest: +SKIP
@@ -29,10 +22,11 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from ._inotify import Watcher
 from .discovery import Discovery, discover
 from .errors import CheckpointError, CheckpointNotFoundError, EmaCkptError, OptionError, UsageError, one_line
 from .manifest import Manifest
@@ -41,7 +35,6 @@ from .staging import (
     RECORD_PREFIX,
     file_identity,
     incoming_dir,
-    note_step,
     record_path,
     records_dir,
     remove_staged,
@@ -50,11 +43,10 @@ from .staging import (
     staged_record,
     staged_target,
 )
-from .storage import (
-    Location,
-    as_path,
-    local_file,
-)
+from .storage import Location, as_path, local_file
+
+if TYPE_CHECKING:
+    from .commands.accumulate import AccumulateOptions
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,9 +130,7 @@ def stage_new(folder: str | os.PathLike[str] | Location, *, after: int | Callabl
         if newest is not None and checkpoint.step <= newest:
             continue
         try:
-            path = stage(entry, into)
-            note_step(into, path.name, checkpoint.step)
-            staged.append(path)
+            staged.append(stage(entry, into, step=checkpoint.step))
         except FileNotFoundError:  # gone before all of it could be staged
             continue
         except OSError as err:
@@ -219,84 +209,58 @@ def _check_staged(incoming: Path, result: WatchResult, on_error: Callable[[str],
         _say_once(message, result, on_error)
 
 
-def _check_options(out: Location, options: dict[str, Any]) -> None:
-    """Check :func:`~ema_ckpt.accumulate`'s options by its own rules (the profile, the dtype,
-    the device, ``out``) before anything is watched: a bad one would fail every fold."""
+_WATCH_ONLY = {"checkpoints", "out", "interval", "stop_when_idle", "stop", "on_fold", "on_error", "use_inotify",
+               "ignore"}
+
+
+def fold_options(args: dict[str, Any], out: str | Location | None = None) -> AccumulateOptions:
+    """:func:`~ema_ckpt.accumulate`'s options ``args`` for folds into ``out``, checked now by its
+    own rules (the profile, the dtype, the device, ``out``): a bad one would fail every fold.
+
+    >>> fold_options({"decay": 0.9, "include": ["*.weight"]}).include
+    ('*.weight',)
+    """
     from .commands.accumulate import AccumulateOptions
     from .options import command_options
 
-    known = {f.name for f in fields(AccumulateOptions)} - {"checkpoints", "out"}
-    given = {name: value for name, value in options.items() if name in known}
-    AccumulateOptions(**command_options({"checkpoints": (), "out": out, **given}))  # raises OptionError, UsageError
+    return AccumulateOptions(**command_options({"checkpoints": (), "out": out, **args}))
 
 
-class _Changes:
-    """Wakes the scanner when the folder changes (inotify on Linux), else after ``interval``;
-    :meth:`interrupt` wakes it at once (to end it)."""
-
-    def __init__(self, folder: Path | None, use_inotify: bool) -> None:
-        from ._inotify import Watcher
-
-        self._watcher = Watcher.open(folder) if use_inotify and folder is not None else None
-        self._ended = threading.Event()
-
-    def wait(self, seconds: float) -> None:
-        if self._watcher is None:
-            self._ended.wait(seconds)
-        else:
-            self._watcher.wait(seconds)
-
-    def interrupt(self) -> None:
-        self._ended.set()
-        if self._watcher is not None:
-            self._watcher.interrupt()
-
-    def close(self) -> None:
-        if self._watcher is not None:
-            self._watcher.close()
-
-
-def watch(
-    checkpoints: str | Location,
-    *,
-    out: str | Location | None = None,
-    interval: float = 30.0,
-    stop_when_idle: float | None = None,
-    stop: threading.Event | None = None,
-    on_fold: Callable[[WatchFold], None] | None = None,
-    on_error: Callable[[str], None] | None = None,
-    use_inotify: bool = True,
-    ignore: Sequence[str | Location] = (),
-    **accumulate_options: Any,
-) -> WatchResult:
+def watch(checkpoints: str | Location, *, out: str | Location | None = None, interval: float = 30.0,
+          stop_when_idle: float | None = None, stop: threading.Event | None = None,
+          on_fold: Callable[[WatchFold], None] | None = None, on_error: Callable[[str], None] | None = None,
+          use_inotify: bool = True, ignore: Sequence[str | Location] = (),
+          decay: float | None = None, half_life: float | None = None, per_checkpoint: bool = False,
+          warmup: bool = False, sigma_rels: Sequence[str] = (), gammas: Sequence[str] = (),
+          snapshot_every: int | None = None, dtype: str = "float32", include: Sequence[str] = (),
+          exclude: Sequence[str] = (), step_regex: str | None = None, step_from: str | None = None,
+          component: str | None = None, keep_prefix: bool = False, restart: bool = False,
+          allow_new_keys: bool = False, average_buffers: bool = False, skip_nonfinite: bool = False,
+          skip_damaged: bool = False, skip: Sequence[str | Location] = (), state_key: str | None = None,
+          inert_globals: Sequence[str] = (), workers: int = 1, device: str = "cpu",
+          wait_seconds: float = 0.0) -> WatchResult:
     """Fold each checkpoint of the folder ``checkpoints`` into the EMA at ``out`` as soon as it
     is complete, until ``stop`` is set, or until ``stop_when_idle`` seconds pass with nothing
-    new (``0``: fold what is there, then return).
+    new (``0``: fold what is there, then return). The other keyword arguments, from ``decay`` on,
+    are :func:`~ema_ckpt.accumulate`'s, for every fold.
 
     Args:
         checkpoints: the folder the trainer saves into (local, or on object storage).
         out: the EMA directory (default ``<checkpoints>/ema``).
         interval: seconds between looks at the folder (a checkpoint that lives this long is
-            never missed; on object storage, this long plus one look at the bucket and its
-            download, however long the folds take).
+            never missed; on object storage, plus one look at the bucket and its download).
         stop_when_idle: return once this many seconds pass without a new checkpoint.
         stop: set it to stop after the fold in progress (what SIGTERM does to ``ema-ckpt watch``).
         on_fold: called after each fold that folded something.
-        on_error: called with the one-line message of a fold that failed, or of a look at the
-            folder that failed (the loop goes on; a message is said once); without it, the
-            error is raised.
-        use_inotify: wake on the folder's changes where the platform has inotify (a local
-            folder; object storage is polled).
+        on_error: called with the one-line message of a failed fold or look at the folder (the
+            loop goes on; each message is said once); without it, the error is raised.
+        use_inotify: wake on the folder's changes where the platform has inotify.
         ignore: checkpoints of the folder never staged nor folded: files the trainer writes
-            again in place under one name (a hard link would change with them), such as
-            Lightning's ``last.ckpt``, which its callback stages as copies.
-        accumulate_options: :func:`~ema_ckpt.accumulate`'s options (``decay``, ``half_life``,
-            ``sigma_rels``, ``snapshot_every``, ``warmup``, ...).
+            again in place (Lightning's ``last.ckpt``, which its callback stages as copies).
 
-    A staged copy whose bytes changed before it was folded (:func:`stage`) is not folded: it is
-    said as ``step N was rewritten before it was folded: lost`` (``on_error``) and its step is in
-    ``result.lost``. A checkpoint that could not be staged (said, and tried again at each look
-    while it is newer than the EMA) and that no later look staged is in ``result.unstaged``.
+    A staged copy whose bytes changed before it was folded is not folded: it is said as ``step N
+    was rewritten before it was folded: lost`` and its step is in ``result.lost``. A checkpoint
+    that no look could stage is in ``result.unstaged``.
 
     Raises:
         OptionError: a bad ``interval`` or ``stop_when_idle``, or an option that
@@ -307,6 +271,7 @@ def watch(
         >>> done.step, [fold.steps for fold in done.folds]            # doctest: +SKIP
         (5000, [[1000, 2000], [3000], [4000, 5000]])
     """
+    fold_args = {name: value for name, value in locals().items() if name not in _WATCH_ONLY}
     from .commands.accumulate import accumulate
 
     if not interval > 0:
@@ -315,10 +280,9 @@ def watch(
         raise OptionError("stop_when_idle", f"must be 0 or more seconds, got {stop_when_idle}", value=stop_when_idle)
     folder = as_path(checkpoints)
     target = as_path(out) if out is not None else folder / "ema"
-    _check_options(target, accumulate_options)
+    fold_options(fold_args, target)
     stop = stop or threading.Event()
     result = WatchResult(out=target, step=ema_step(target))
-    step_regex, step_from = accumulate_options.get("step_regex"), accumulate_options.get("step_from")
     local = local_file(folder)
     # object storage: each checkpoint is downloaded into a temporary folder, removed at the end
     incoming = incoming_dir(local) if local is not None else Path(tempfile.mkdtemp(prefix="ema-ckpt-incoming-"))
@@ -349,7 +313,7 @@ def watch(
             wake.set()
         return len(staged)
 
-    def scanner(changes: _Changes) -> None:
+    def scanner() -> None:
         while not scanner_done.is_set():
             started = time.monotonic()
             try:
@@ -358,18 +322,16 @@ def watch(
                 failures.append(err)
             changes.wait(max(0.0, started + interval - time.monotonic()))  # a look every interval
 
-    thread = None
-    changes = None
+    changes = Watcher(local if use_inotify else None)  # object storage: polled
+    thread = threading.Thread(target=scanner, name="ema-ckpt-watch-scanner", daemon=True)
     try:
         scan()  # before the first fold: nothing of what is there now can be missed
-        changes = _Changes(local, use_inotify)  # object storage: polled
-        thread = threading.Thread(target=scanner, args=(changes,), name="ema-ckpt-watch-scanner", daemon=True)
         thread.start()
         idle_since = time.monotonic()
         while True:
             staged_before = result.staged
             _check_staged(incoming, result, on_error)
-            fold = _fold_once(accumulate, incoming, target, accumulate_options, result, on_error)
+            fold = _fold_once(accumulate, incoming, target, fold_args, result, on_error)
             if fold is not None:
                 idle_since = time.monotonic()
                 result.folds.append(fold)
@@ -396,12 +358,10 @@ def watch(
             wake.clear()
     finally:
         scanner_done.set()
-        if changes is not None:
-            changes.interrupt()
-        if thread is not None:
+        changes.interrupt()
+        if thread.ident is not None:
             thread.join()
-        if changes is not None:
-            changes.close()
+        changes.close()
         if local is None:
             shutil.rmtree(incoming, ignore_errors=True)
             shutil.rmtree(records_dir(incoming), ignore_errors=True)
@@ -461,5 +421,5 @@ def _wait_any(stop: threading.Event, wake: threading.Event, seconds: float) -> N
         wake.wait(min(left, 0.2))
 
 
-__all__ = ["INCOMING", "WatchFold", "WatchResult", "ema_step", "incoming_dir", "records_dir", "rewritten_since_staged",
-           "stage", "stage_new", "staged_record", "watch"]
+__all__ = ["INCOMING", "WatchFold", "WatchResult", "ema_step", "fold_options", "incoming_dir", "records_dir",
+           "rewritten_since_staged", "stage", "stage_new", "staged_record", "watch"]

@@ -162,7 +162,7 @@ def test_options_are_checked_at_construction(tmp_path: Path) -> None:
         EmaCkptCallback(tmp_path, decay=1.5)
     with pytest.raises(OptionError, match="snapshot_every"):
         EmaCkptCallback(tmp_path, decay=0.9, snapshot_every=10)
-    with pytest.raises(OptionError, match="no_such"):
+    with pytest.raises(TypeError, match="no_such"):
         EmaCkptCallback(tmp_path, decay=0.9, no_such=1)
     power = EmaCkptCallback(out=tmp_path, sigma_rel=[0.05, 0.1], snapshot_every=4)
     with pytest.raises(UsageError, match="cannot be combined"):  # accumulate's own rule: warmup is for decay

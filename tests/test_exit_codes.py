@@ -49,12 +49,6 @@ def test_the_cli_and_signal_codes_are_in_the_table():
     assert (_signals.INTERRUPTED_EXIT, _signals.TERMINATED_EXIT) == (130, 143)
 
 
-def test_exit_meaning():
-    assert errors.exit_meaning(9) == errors.EXIT_CODES[CODES.index(9)].meaning
-    with pytest.raises(KeyError):
-        errors.exit_meaning(42)
-
-
 def test_help_lists_every_code_from_the_table():
     result = CliRunner().invoke(app, ["--help"], prog_name="ema-ckpt", env={"COLUMNS": "100"})
     assert result.exit_code == 0, result.output

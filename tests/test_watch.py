@@ -276,10 +276,10 @@ def test_a_checkpoint_that_cannot_be_staged_does_not_hold_up_the_others(tmp_path
         _save(ckpts, step)
     real_stage = watching.stage
 
-    def refusing(checkpoint, incoming):
+    def refusing(checkpoint, incoming, **options):
         if Path(str(checkpoint)).name == "checkpoint-2":
             raise PermissionError(13, "Permission denied", str(checkpoint))
-        return real_stage(checkpoint, incoming)
+        return real_stage(checkpoint, incoming, **options)
 
     monkeypatch.setattr(watching, "stage", refusing)
     failed = []
@@ -305,11 +305,11 @@ def test_a_checkpoint_never_staged_is_no_exit_0(tmp_path, monkeypatch, refusals)
         _save(folder, step)
     real_stage, refused = watching.stage, []
 
-    def refusing(checkpoint, incoming):
+    def refusing(checkpoint, incoming, **options):
         if Path(str(checkpoint)).name == "checkpoint-2" and (refusals is None or len(refused) < refusals):
             refused.append(checkpoint)
             raise PermissionError(13, "Permission denied", str(checkpoint))
-        return real_stage(checkpoint, incoming)
+        return real_stage(checkpoint, incoming, **options)
 
     monkeypatch.setattr(watching, "stage", refusing)
     errors: list[str] = []

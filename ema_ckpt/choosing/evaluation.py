@@ -1,20 +1,15 @@
 """The user's evaluation command, run on one candidate, and the score read from what it prints.
 
 The command is a shell line holding ``{path}`` (the candidate's directory) and optionally
-``{name}`` (its label); both are substituted shell-quoted, and nothing else in the line is
-touched (braces of a ``jq`` filter or a JSON argument stay as typed). The candidate is also
-named in the environment (``EMA_CKPT_CANDIDATE_PATH``, ``EMA_CKPT_CANDIDATE_NAME``).
+``{name}``, substituted shell-quoted (nothing else in the line is touched: a ``jq`` filter's
+braces stay); the environment names them too (``EMA_CKPT_CANDIDATE_PATH``, ``…_NAME``). The
+score is the last number printed on stdout or, with ``metric``, that (dotted) key of the last
+JSON line holding it. A command that exits non-zero, times out or prints no finite score fails,
+its reason one line, its whole output in a log.
 
-The score is the last number the command prints on stdout or, with ``metric``, that key of
-the last JSON object line holding it (dotted keys reach into nested objects: ``eval.loss``).
-A command that exits non-zero, times out, or prints no finite score fails; its reason is one
-line, and the whole output is kept in a log.
-
-The command runs in a session of its own; however it ends (its exit, its timeout, Ctrl-C or
-SIGTERM to ``select``), every process of that session's group is ended (SIGTERM, then SIGKILL
-after :data:`GRACE_SECONDS`), so nothing it started outlives the evaluation. Its output is
-streamed to the log as it comes; only the last :data:`TAIL_BYTES` of each stream are kept in
-memory to read the score from, so a command printing gigabytes costs no memory.
+The command runs in a session of its own, whose every process is ended however it ends
+(SIGTERM, then SIGKILL after :data:`GRACE_SECONDS`); only the last :data:`TAIL_BYTES` of each
+stream are kept in memory, so a command printing gigabytes costs no memory.
 
 Example:
     >>> parse_score("step 10\\nheld-out loss: 0.25\\n")
@@ -91,33 +86,30 @@ def parse_score(output: str, metric: str | None = None) -> float:
             raise ValueError("printed no number")
         value = float(found[-1])
     else:
-        value_found: float | None = None
-        for line in reversed(output.splitlines()):
-            line = line.strip()
-            if not line.startswith("{"):
-                continue
-            try:
-                data = json.loads(line)
-            except ValueError:
-                continue
-            item: object = data
-            for part in metric.split("."):
-                item = item.get(part) if isinstance(item, dict) else None
-            if isinstance(item, (int, float)) and not isinstance(item, bool):
-                value_found = float(item)
-                break
-            if isinstance(item, str):
-                try:
-                    value_found = float(item)
-                    break
-                except ValueError:
-                    continue
+        found_at = (_metric(line, metric) for line in reversed(output.splitlines()))
+        value_found = next((v for v in found_at if v is not None), None)
         if value_found is None:
             raise ValueError(f"printed no JSON line with a number at {metric!r}")
         value = value_found
     if not math.isfinite(value):
         raise ValueError(f"scored {value} (not finite)")
     return value
+
+
+def _metric(line: str, metric: str) -> float | None:
+    """``metric`` (dotted) of a JSON object line, as a number, or None."""
+    try:
+        item: object = json.loads(line) if line.strip().startswith("{") else None
+    except ValueError:
+        return None
+    for part in metric.split("."):
+        item = item.get(part) if isinstance(item, dict) else None
+    if isinstance(item, bool) or not isinstance(item, (int, float, str)):
+        return None
+    try:
+        return float(item)
+    except ValueError:
+        return None
 
 
 class Tail:
@@ -249,26 +241,18 @@ def _signal_group(pgid: int, signum: int) -> bool:
 
 def _group_alive(pgid: int) -> bool:
     """Whether any process of the group is still running (zombies of others' children do not count)."""
-    if os.path.isdir("/proc"):
+    if not os.path.isdir("/proc"):
+        return _signal_group(pgid, 0)
+    for entry in os.listdir("/proc"):
         try:
-            entries = os.listdir("/proc")
-        except OSError:
-            entries = []
-        found = False
-        for entry in entries:
-            if not entry.isdigit():
-                continue
-            try:
-                with open(f"/proc/{entry}/stat", "rb") as f:
-                    stat = f.read()
-            except OSError:
-                continue
-            fields = stat[stat.rfind(b")") + 2:].split()
-            if len(fields) > 2 and int(fields[2]) == pgid and fields[0] != b"Z":
-                found = True
-                break
-        return found
-    return _signal_group(pgid, 0)
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:  # not a process, or one gone
+            continue
+        fields = stat[stat.rfind(b")") + 2:].split()
+        if len(fields) > 2 and int(fields[2]) == pgid and fields[0] != b"Z":
+            return True
+    return False
 
 
 @contextlib.contextmanager

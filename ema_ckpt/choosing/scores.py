@@ -1,20 +1,11 @@
 """The score cache of ``select``: one JSON file, keyed by what a candidate *is*.
 
-A candidate's key hashes its terms (each input's resolved path, fingerprint, step and
-coefficient, exactly) with everything else that changes its score: the evaluation command,
-the metric, the format and dtype it is written in, the keys kept. A rerun, a widened grid or
-a resumed selection evaluates only keys not yet scored; a checkpoint rewritten in place, or
-another command, gets new keys. Failed evaluations are recorded for the report but tried
-again by the next run.
-
-The file is replaced atomically after every evaluation, so a selection killed at any moment
-keeps every score it finished. Each entry also records the fingerprint of every input as it
-was when the candidate was written and scored (``inputs``): ``select`` compares them with the
-inputs as they are before it publishes.
-
-The file is checked whole when it is read: a score is a finite number, or None beside the
-error of a recorded failure; anything else (a string, NaN, ±Infinity, a list, a missing field,
-not JSON) is refused in one line naming the file and the entry.
+A candidate's key (:func:`candidate_key`) hashes its terms with everything else that changes
+its score, so a rerun or a widened grid evaluates only new keys; failed evaluations are
+recorded for the report and tried again by the next run. The file is replaced atomically after
+every evaluation, and checked whole when read (a score is a finite number, or None beside a
+recorded failure; anything else is refused in one line naming the file and the entry). Each
+entry keeps its inputs' fingerprints (``inputs``), which ``select`` compares before it publishes.
 
 Example:
     >>> cache = ScoreCache(Path("/nonexistent/scores.json"))

@@ -147,16 +147,13 @@ def reports_errors(command: F) -> F:
                 return command(*args, **kwargs)
         except typer.Exit:
             raise
-        except KeyboardInterrupt as stop:
-            what = "terminated (SIGTERM)" if isinstance(stop, Terminated) else "interrupted"
-            err_console.print(f"{what}; the previous output is intact", style="yellow", highlight=False)
-            raise typer.Exit(exit_code(stop)) from None
-        except Exception as err:
-            wrapped = _interrupt_behind(err) or _signals.raised()
-            if wrapped is not None:  # Ctrl-C or SIGTERM that Python wrapped or code swallowed (an import)
-                what = "terminated (SIGTERM)" if isinstance(wrapped, Terminated) else "interrupted"
+        except (KeyboardInterrupt, Exception) as err:
+            # Ctrl-C or SIGTERM, itself or wrapped by Python, or swallowed by code (an import)
+            stop = _interrupt_behind(err) or _signals.raised()
+            if stop is not None:
+                what = "terminated (SIGTERM)" if isinstance(stop, Terminated) else "interrupted"
                 err_console.print(f"{what}; the previous output is intact", style="yellow", highlight=False)
-                raise typer.Exit(exit_code(wrapped)) from None
+                raise typer.Exit(exit_code(stop)) from None
             if os.environ.get("EMA_CKPT_DEBUG") and not isinstance(err, EmaCkptError):
                 raise
             message, code = error_message(err)

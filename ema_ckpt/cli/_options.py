@@ -1,11 +1,29 @@
-"""Options shared by several commands, declared once."""
+"""Options shared by several commands, declared once, and a command's parameters as the library takes them."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
+
+_LIBRARY_NAMES = {"sigma_rel": "sigma_rels", "gamma": "gammas", "ema": "emas", "out_format": "format",
+                  "wait": "wait_seconds", "inert_global": "inert_globals"}
+"""The parameters of commands that the library functions name otherwise (a list's flag is given once per item)."""
+_LISTS = {"include", "exclude", "skip", "inert_globals", "sigma_rels", "gammas", "emas"}
+
+
+def library_args(given: dict[str, Any], *leave: str) -> dict[str, Any]:
+    """A command's parameters as its library function's keyword arguments: named as the library
+    names them, a list flag not given ``()``, without
+    ``--json``, ``--quiet`` and the parameters ``leave`` names.
+
+    >>> library_args({"inert_global": None, "wait": 5.0, "decay": None, "json_output": True, "quiet": False})
+    {'inert_globals': (), 'wait_seconds': 5.0, 'decay': None}
+    """
+    args = {_LIBRARY_NAMES.get(name, name): value for name, value in given.items()
+            if name not in ("json_output", "quiet", *leave)}
+    return {name: () if value is None and name in _LISTS else value for name, value in args.items()}
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print a JSON document on stdout instead of tables.")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar, no notes.")]

@@ -86,50 +86,38 @@ def warn(message: str) -> None:
 
 
 class _Figure(ProgressColumn):
-    """A column of figures: never wrapped or cut, the bar gives way instead."""
+    """A column of figures, ``text(task)`` (in ``style`` unless styled): never wrapped or cut (the bar gives
+    way instead)."""
 
-    def __init__(self) -> None:
+    def __init__(self, text: Callable[[Task], str | Text], style: str = "none") -> None:
         super().__init__(table_column=Column(no_wrap=True))
+        self.text, self.style = text, style
+
+    def render(self, task: Task) -> Text:
+        text = self.text(task)
+        return text if isinstance(text, Text) else Text(text, style=self.style)
 
 
-class _BytesColumn(_Figure):
+def _bytes(task: Task) -> str | Text:
     """``12.5 MiB / 1.2 GiB`` (binary units, as the summaries), or what happens before the total is known."""
-
-    def render(self, task: Task) -> Text:
-        if task.total is None:
-            return Text("planning…", style="progress.description")
-        return Text(f"{human_bytes(task.completed)} / {human_bytes(task.total)}", style="progress.download")
+    if task.total is None:
+        return Text("planning…", style="progress.description")
+    return f"{human_bytes(task.completed)} / {human_bytes(task.total)}"
 
 
-class _SpeedColumn(_Figure):
-    """``310.2 MiB/s`` in binary units; nothing until a speed is measured."""
-
-    def render(self, task: Task) -> Text:
-        speed = task.finished_speed or task.speed
-        return Text("" if speed is None else f"{human_bytes(speed)}/s", style="progress.data.speed")
+def _speed(task: Task) -> str:
+    speed = task.finished_speed or task.speed
+    return "" if speed is None else f"{human_bytes(speed)}/s"
 
 
-class _EtaColumn(_Figure):
+def _eta(task: Task) -> str:
     """Time left, ``0:01:05``; nothing until it can be estimated (never ``-:--:--``)."""
-
-    def render(self, task: Task) -> Text:
-        left = task.time_remaining
-        if task.total is None or left is None:
-            return Text("")
-        minutes, seconds = divmod(int(left), 60)
-        hours, minutes = divmod(minutes, 60)
-        return Text(f"{hours}:{minutes:02d}:{seconds:02d}", style="progress.remaining")
-
-
-class _ShownOnceStarted(_Figure):
-    """Another column, blank until the bar has its total (no ``?`` or ``-:--:--`` while planning)."""
-
-    def __init__(self, column: ProgressColumn) -> None:
-        super().__init__()
-        self.column = column
-
-    def render(self, task: Task) -> Any:
-        return Text("") if task.total is None else self.column.render(task)
+    left = task.time_remaining
+    if task.total is None or left is None:
+        return ""
+    minutes, seconds = divmod(int(left), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{seconds:02d}"
 
 
 @contextmanager
@@ -145,10 +133,10 @@ def progress_bar(description: str, *, enabled: bool) -> Iterator[Callable[[Engin
     columns = (
         TextColumn("{task.description}", table_column=Column(no_wrap=True)),
         BarColumn(bar_width=None),  # the bar takes what the figures leave: they are never cut at 80 columns
-        _BytesColumn(),
-        _SpeedColumn(),
-        _ShownOnceStarted(TextColumn("{task.fields[regions]}")),
-        _EtaColumn(),
+        _Figure(_bytes, "progress.download"),
+        _Figure(_speed, "progress.data.speed"),
+        _Figure(lambda task: "" if task.total is None else task.fields["regions"]),
+        _Figure(_eta, "progress.remaining"),
     )
     with Progress(*columns, console=err_console, transient=True, expand=True) as bar:
         task = bar.add_task(description, total=None, regions="")

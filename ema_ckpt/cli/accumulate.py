@@ -3,40 +3,17 @@
 from __future__ import annotations
 
 from dataclasses import asdict
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 if TYPE_CHECKING:
     from ..commands.accumulate import AccumulateResult
 
+from . import _options as opt
 from ._errors import reports_errors
 from ._flags import cli_text
-from ._options import (
-    AverageBuffersOpt,
-    ComponentOpt,
-    DecayOpt,
-    DeviceOpt,
-    ExcludeOpt,
-    GammaOpt,
-    HalfLifeOpt,
-    IncludeOpt,
-    InertGlobalOpt,
-    JsonOpt,
-    KeepPrefixOpt,
-    PerCheckpointOpt,
-    QuietOpt,
-    SkipDamagedOpt,
-    SkipNonfiniteOpt,
-    SkipOpt,
-    SnapshotEveryOpt,
-    StateKeyOpt,
-    StepFromOpt,
-    StepRegexOpt,
-    WaitOpt,
-    WarmupOpt,
-    WorkersOpt,
-)
+from ._options import library_args
 from ._output import console, files_written, human_bytes, note, plural, print_json, progress_bar, shown, warn
 from ._plan import render_plan
 
@@ -76,110 +53,92 @@ def _warnings(result: AccumulateResult) -> list[str]:
     return [f"{o.name}: {cli_text(w)}" for o in result.plan.outputs for w in o.warnings]
 
 
+def _as_json(result: AccumulateResult, dry_run: bool) -> dict[str, Any]:
+    if dry_run:
+        assert result.plan is not None
+        return result.plan.to_json() | {"notes": result.notes}
+    return {
+        "out": str(result.out), "step": result.step, "up_to_date": result.up_to_date,
+        "folded": [asdict(c) for c in result.folded], "terms": [asdict(t) for t in result.terms],
+        "terms_by_output": {out: [asdict(t) for t in terms] for out, terms in result.terms_by_output.items()},
+        "keys": result.keys, "bytes_read": result.bytes_read, "bytes_written": result.bytes_written,
+        "files_written": result.files_written, "seconds": round(result.seconds, 3), "profile": result.profile,
+        "notes": result.notes, "warnings": _warnings(result),
+        "outputs": [str(p) for p in result.outputs], "snapshots": [str(p) for p in result.snapshots],
+        "components": {name: {"out": str(r.out), "step": r.step, "up_to_date": r.up_to_date,
+                              "folded": [asdict(c) for c in r.folded]} for name, r in result.components.items()},
+    }
+
+
 @reports_errors
 def accumulate_command(
     checkpoints: Annotated[list[str], typer.Argument(help="A folder of checkpoints, or checkpoint paths.")],
-    decay: DecayOpt = None,
-    half_life: HalfLifeOpt = None,
-    per_checkpoint: PerCheckpointOpt = False,
-    warmup: WarmupOpt = False,
+    decay: opt.DecayOpt = None,
+    half_life: opt.HalfLifeOpt = None,
+    per_checkpoint: opt.PerCheckpointOpt = False,
+    warmup: opt.WarmupOpt = False,
     sigma_rel: Annotated[
         list[str] | None,
         typer.Option("--sigma-rel",
                      help="Power-function EMAs instead (EDM2), e.g. 0.05 or 0.05,0.1; each in OUT/sigma_rel_<v>."),
     ] = None,
-    gamma: GammaOpt = None,
-    snapshot_every: SnapshotEveryOpt = None,
+    gamma: opt.GammaOpt = None,
+    snapshot_every: opt.SnapshotEveryOpt = None,
     out: Annotated[str | None, typer.Option(
         "--out", "-o", metavar="PATH", help="EMA directory (default: CKPTS/ema); a path or a URL (s3://…).")] = None,
     dtype: Annotated[str, typer.Option(help="Accumulate and store floats in float32 or float64.")] = "float32",
-    include: IncludeOpt = None,
-    exclude: ExcludeOpt = None,
-    step_regex: StepRegexOpt = None,
-    step_from: StepFromOpt = None,
-    component: ComponentOpt = None,
-    keep_prefix: KeepPrefixOpt = False,
+    include: opt.IncludeOpt = None,
+    exclude: opt.ExcludeOpt = None,
+    step_regex: opt.StepRegexOpt = None,
+    step_from: opt.StepFromOpt = None,
+    component: opt.ComponentOpt = None,
+    keep_prefix: opt.KeepPrefixOpt = False,
     restart: Annotated[
         bool, typer.Option("--restart", help="Start over if the EMA at --out has other settings.")
     ] = False,
     allow_new_keys: Annotated[
         bool, typer.Option("--allow-new-keys", help="Accept keys added or removed during training.")
     ] = False,
-    average_buffers: AverageBuffersOpt = False,
-    skip_nonfinite: SkipNonfiniteOpt = False,
-    skip_damaged: SkipDamagedOpt = False,
-    skip: SkipOpt = None,
-    state_key: StateKeyOpt = None,
-    inert_global: InertGlobalOpt = None,
-    wait: WaitOpt = 0.0,
+    average_buffers: opt.AverageBuffersOpt = False,
+    skip_nonfinite: opt.SkipNonfiniteOpt = False,
+    skip_damaged: opt.SkipDamagedOpt = False,
+    skip: opt.SkipOpt = None,
+    state_key: opt.StateKeyOpt = None,
+    inert_global: opt.InertGlobalOpt = None,
+    wait: opt.WaitOpt = 0.0,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Show the plan (coefficients); read no tensor.")] = False,
-    workers: WorkersOpt = 1,
-    device: DeviceOpt = "cpu",
-    json_output: JsonOpt = False,
-    quiet: QuietOpt = False,
+    workers: opt.WorkersOpt = 1,
+    device: opt.DeviceOpt = "cpu",
+    json_output: opt.JsonOpt = False,
+    quiet: opt.QuietOpt = False,
 ) -> None:
     """Fold every checkpoint newer than the EMA into it (incremental, crash-safe)."""
+    args = library_args(locals())
     from ..commands.accumulate import accumulate  # imported here: it loads torch, which --help never needs
 
     with progress_bar("accumulate", enabled=not (quiet or json_output or dry_run)) as on_progress:
-        result = accumulate(
-            checkpoints, decay=decay, half_life=half_life, per_checkpoint=per_checkpoint, warmup=warmup,
-            sigma_rels=sigma_rel or (), gammas=gamma or (), snapshot_every=snapshot_every,
-            out=out, dtype=dtype, include=include or (), exclude=exclude or (), step_regex=step_regex,
-            step_from=step_from, component=component, keep_prefix=keep_prefix,
-            restart=restart, wait_seconds=wait, dry_run=dry_run, allow_new_keys=allow_new_keys,
-            average_buffers=average_buffers,
-            skip_nonfinite=skip_nonfinite, skip_damaged=skip_damaged, skip=skip or (), state_key=state_key,
-            inert_globals=inert_global or (), workers=workers,
-            device=device,
-            on_progress=on_progress,
-        )
-    if dry_run:
-        assert result.plan is not None
-        if json_output:
-            print_json(result.plan.to_json() | {"notes": result.notes})
-        else:
-            if not quiet:
-                for line in result.notes:
-                    note(line)
-            render_plan(result.plan)
-            if result.up_to_date:
-                console.print(f"{shown(result.out)}: up to date at step {result.step}; nothing new to fold",
-                              highlight=False)
-        return
+        result = accumulate(**args, on_progress=on_progress)
     if json_output:
-        print_json({
-            "out": str(result.out), "step": result.step, "up_to_date": result.up_to_date,
-            "folded": [asdict(c) for c in result.folded], "terms": [asdict(t) for t in result.terms],
-            "terms_by_output": {out: [asdict(t) for t in terms] for out, terms in result.terms_by_output.items()},
-            "keys": result.keys, "bytes_read": result.bytes_read, "bytes_written": result.bytes_written,
-            "files_written": result.files_written,
-            "seconds": round(result.seconds, 3), "profile": result.profile, "notes": result.notes,
-            "warnings": _warnings(result),
-            "outputs": [str(p) for p in result.outputs], "snapshots": [str(p) for p in result.snapshots],
-            "components": {name: {"out": str(r.out), "step": r.step, "up_to_date": r.up_to_date,
-                                  "folded": [asdict(c) for c in r.folded]} for name, r in result.components.items()},
-        })
+        print_json(_as_json(result, dry_run))
         return
     if not quiet:
-        for line in _warnings(result):
+        for line in [] if dry_run else _warnings(result):
             warn(line)
         for line in result.notes:
             note(line)
-    if result.up_to_date:
-        if not quiet:
-            console.print(f"{shown(result.out)}: up to date at step {result.step}; nothing new to fold",
-                          highlight=False)
-        return
-    if quiet:
-        return
-    steps = ", ".join(str(c.step) for c in result.folded)
-    for snapshot in result.snapshots:
-        console.print(f"snapshot {shown(snapshot)}", highlight=False)
-    console.print(
-        f"{shown(result.out)}: folded {'step' if len(result.folded) == 1 else 'steps'} {steps}; "
-        f"EMA now at step {result.step} ({plural(result.keys, 'key')}, {human_bytes(result.bytes_read)} of tensors "
-        f"read, {files_written(result.files_written, result.bytes_written)}, {result.seconds:.1f} s)\n"
-        f"{result.profile}",
-        highlight=False,
-    )
+    if dry_run:
+        assert result.plan is not None
+        render_plan(result.plan)
+    if result.up_to_date and (dry_run or not quiet):
+        console.print(f"{shown(result.out)}: up to date at step {result.step}; nothing new to fold", highlight=False)
+    elif not (result.up_to_date or dry_run or quiet):
+        steps = ", ".join(str(c.step) for c in result.folded)
+        for snapshot in result.snapshots:
+            console.print(f"snapshot {shown(snapshot)}", highlight=False)
+        console.print(
+            f"{shown(result.out)}: folded {'step' if len(result.folded) == 1 else 'steps'} {steps}; "
+            f"EMA now at step {result.step} ({plural(result.keys, 'key')}, {human_bytes(result.bytes_read)} of "
+            f"tensors read, {files_written(result.files_written, result.bytes_written)}, {result.seconds:.1f} s)\n"
+            f"{result.profile}",
+            highlight=False,
+        )

@@ -10,18 +10,9 @@ if TYPE_CHECKING:
     from ..commands.consolidate import ConsolidateResult
 
 from ..writers.base import output_format, path_formats
+from . import _options as opt
 from ._errors import reports_errors
-from ._options import (
-    ExcludeOpt,
-    IncludeOpt,
-    InertGlobalOpt,
-    JsonOpt,
-    OverwriteOpt,
-    QuietOpt,
-    StateKeyOpt,
-    WaitOpt,
-    WorkersOpt,
-)
+from ._options import library_args
 from ._output import console, human_bytes, note, plural, print_json, progress_bar, shown
 
 EPILOG = """\
@@ -78,25 +69,22 @@ def consolidate_command(
         bool, typer.Option("--keep-prefix",
                            help="Keep the container level of a DCP {'model': ...} checkpoint ('model.' in keys).")
     ] = False,
-    include: IncludeOpt = None,
-    exclude: ExcludeOpt = None,
-    state_key: StateKeyOpt = None,
-    inert_global: InertGlobalOpt = None,
-    overwrite: OverwriteOpt = False,
-    wait: WaitOpt = 0.0,
-    workers: WorkersOpt = 1,
-    json_output: JsonOpt = False,
-    quiet: QuietOpt = False,
+    include: opt.IncludeOpt = None,
+    exclude: opt.ExcludeOpt = None,
+    state_key: opt.StateKeyOpt = None,
+    inert_global: opt.InertGlobalOpt = None,
+    overwrite: opt.OverwriteOpt = False,
+    wait: opt.WaitOpt = 0.0,
+    workers: opt.WorkersOpt = 1,
+    json_output: opt.JsonOpt = False,
+    quiet: opt.QuietOpt = False,
 ) -> None:
     """Stream a sharded checkpoint into safetensors, the HF sharded layout, or a torch file."""
+    args = library_args(locals())
     from ..commands.consolidate import consolidate  # here: the library loads on use, so --help and --version stay fast
+
     with progress_bar("consolidate", enabled=not (quiet or json_output)) as on_progress:
-        result = consolidate(
-            src, out, format=out_format, max_shard_size=max_shard_size, dtype=dtype, keep_prefix=keep_prefix,
-            include=include or (), exclude=exclude or (), state_key=state_key, inert_globals=inert_global or (),
-            overwrite=overwrite, wait_seconds=wait, workers=workers,
-            on_progress=on_progress,
-        )
+        result = consolidate(**args, on_progress=on_progress)
     if json_output:
         print_json({"out": str(result.out), "layout": result.layout, "keys": result.keys,
                     "files": [{"name": n, "bytes": s} for n, s in result.files],

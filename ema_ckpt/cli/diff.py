@@ -8,8 +8,9 @@ import typer
 from rich.text import Text
 
 from ..errors import IncompatibleCheckpointError
+from . import _options as opt
 from ._errors import reports_errors
-from ._options import ExcludeOpt, IncludeOpt, InertGlobalOpt, JsonOpt, StateKeyOpt, WorkersOpt
+from ._options import library_args
 from ._output import console, err_console, print_json, progress_bar, shown
 from ._tables import Name, name_table
 
@@ -84,22 +85,22 @@ def diff_command(
         float,
         typer.Option("--atol", min=0.0, help="Largest absolute difference that still matches (0: exact)."),
     ] = 0.0,
-    include: IncludeOpt = None,
-    exclude: ExcludeOpt = None,
-    state_key: StateKeyOpt = None,
-    inert_global: InertGlobalOpt = None,
-    workers: WorkersOpt = 1,
-    json_output: JsonOpt = False,
+    include: opt.IncludeOpt = None,
+    exclude: opt.ExcludeOpt = None,
+    state_key: opt.StateKeyOpt = None,
+    inert_global: opt.InertGlobalOpt = None,
+    workers: opt.WorkersOpt = 1,
+    json_output: opt.JsonOpt = False,
     quiet: Annotated[
         bool, typer.Option("--quiet", "-q", help="Print nothing but errors; the exit code says equal (0) or not (4).")
     ] = False,
 ) -> None:
     """Max abs / rel difference per key; exit 0 when equal (within --atol), 4 when not."""
+    args = library_args(locals(), "atol")
     from ..commands.diff import diff  # imported here: it loads torch, which --help never needs
 
     with progress_bar("diff", enabled=not (quiet or json_output)) as on_progress:
-        result = diff(a, b, include=include or (), exclude=exclude or (), state_key=state_key,
-                      inert_globals=inert_global or (), workers=workers, on_progress=on_progress)
+        result = diff(**args, on_progress=on_progress)
     if json_output:
         print_json(result.to_dict(atol))
     elif not quiet:

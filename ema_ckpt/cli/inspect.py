@@ -12,7 +12,7 @@ from rich.table import Table
 from ..storage import as_path
 from ._errors import reports_errors
 from ._flags import cli_text
-from ._options import InertGlobalOpt, JsonOpt, KeepPrefixOpt, StateKeyOpt, StepFromOpt
+from ._options import InertGlobalOpt, JsonOpt, KeepPrefixOpt, StateKeyOpt, StepFromOpt, library_args
 from ._output import console, exact_bytes, human_bytes, print_json, shown
 from ._tables import Name, name_table, summary_grid
 
@@ -175,19 +175,18 @@ def inspect_command(
     workers: InspectWorkersOpt = 1,
 ) -> None:
     """Show format, step, keys, dtypes, bytes and chunk layout (reads no tensor)."""
+    args = library_args(locals(), "all_keys", "workers")
     # here: the library loads on use, so --help and --version stay fast
     from ..commands.inspect import inspect_checkpoint, inspect_folder, is_folder_of_checkpoints
 
     if is_folder_of_checkpoints(path):
-        folder = inspect_folder(path, state_key=state_key, step_from=step_from, inert_globals=inert_global or (),
-                                keep_prefix=keep_prefix)
+        folder = inspect_folder(**args)
         if json_output:
             print_json(folder.to_dict())
         elif not quiet:
             render_folder(folder, all_rows=all_keys)
         return
-    report = inspect_checkpoint(path, state_key=state_key, step_from=step_from, inert_globals=inert_global or (),
-                                keep_prefix=keep_prefix)
+    report = inspect_checkpoint(**args)
     if json_output:
         print_json(report.to_dict(streamed=True))
         return

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -12,28 +12,10 @@ if TYPE_CHECKING:
     from ..commands.averaging import Plan, RunResult
 
 from ..errors import UsageError
+from . import _options as opt
 from ._errors import reports_errors
 from ._flags import cli_text
-from ._options import (
-    AverageBuffersOpt,
-    ComponentOpt,
-    DeviceOpt,
-    DryRunOpt,
-    DtypeOpt,
-    ExcludeOpt,
-    IncludeOpt,
-    InertGlobalOpt,
-    JsonOpt,
-    KeepPrefixOpt,
-    OverwriteOpt,
-    QuietOpt,
-    SkipOpt,
-    StateKeyOpt,
-    StepFromOpt,
-    StepRegexOpt,
-    WaitOpt,
-    WorkersOpt,
-)
+from ._options import library_args
 from ._output import console, files_written, human_bytes, note, plural, print_json, progress_bar, shown, warn
 from ._plan import render_plan
 
@@ -133,6 +115,19 @@ def _finish(result: Plan | RunResult, json_output: bool, quiet: bool, out: str |
                       highlight=False)
 
 
+def _run(kind: str, args: dict[str, Any], json_output: bool, quiet: bool) -> None:
+    """Run ``posthoc`` or ``average`` (``kind``) and show its result."""
+    out, dry_run = args["out"], args["dry_run"]
+    if out is None and not dry_run:
+        raise UsageError("--out is required (unless --dry-run)")
+    from ..commands.averaging import average, posthoc
+
+    with progress_bar(kind, enabled=not (quiet or json_output or dry_run)) as on_progress:
+        result = (posthoc if kind == "posthoc" else average)(**args | {"out": out or Path(kind)},
+                                                              on_progress=on_progress)
+    _finish(result, json_output, quiet, out)
+
+
 @reports_errors
 def posthoc_command(
     checkpoints: Annotated[list[str], typer.Argument(help="Raw checkpoints (a folder) or a snapshot folder.")],
@@ -145,41 +140,28 @@ def posthoc_command(
         list[str] | None, typer.Option("--gamma", help="Power-EMA exponents instead of σ_rel (one or more).")
     ] = None,
     at_step: Annotated[int | None, typer.Option("--at-step", help="End time T (default: the newest step).")] = None,
-    dtype: DtypeOpt = "float32",
+    dtype: opt.DtypeOpt = "float32",
     out_format: FormatOpt = None,
-    keep_prefix: KeepPrefixOpt = False,
-    average_buffers: AverageBuffersOpt = False,
-    include: IncludeOpt = None,
-    exclude: ExcludeOpt = None,
-    step_regex: StepRegexOpt = None,
-    step_from: StepFromOpt = None,
-    component: ComponentOpt = None,
-    skip: SkipOpt = None,
-    state_key: StateKeyOpt = None,
-    inert_global: InertGlobalOpt = None,
-    overwrite: OverwriteOpt = False,
-    wait: WaitOpt = 0.0,
-    dry_run: DryRunOpt = False,
-    workers: WorkersOpt = 1,
-    device: DeviceOpt = "cpu",
-    json_output: JsonOpt = False,
-    quiet: QuietOpt = False,
+    keep_prefix: opt.KeepPrefixOpt = False,
+    average_buffers: opt.AverageBuffersOpt = False,
+    include: opt.IncludeOpt = None,
+    exclude: opt.ExcludeOpt = None,
+    step_regex: opt.StepRegexOpt = None,
+    step_from: opt.StepFromOpt = None,
+    component: opt.ComponentOpt = None,
+    skip: opt.SkipOpt = None,
+    state_key: opt.StateKeyOpt = None,
+    inert_global: opt.InertGlobalOpt = None,
+    overwrite: opt.OverwriteOpt = False,
+    wait: opt.WaitOpt = 0.0,
+    dry_run: opt.DryRunOpt = False,
+    workers: opt.WorkersOpt = 1,
+    device: opt.DeviceOpt = "cpu",
+    json_output: opt.JsonOpt = False,
+    quiet: opt.QuietOpt = False,
 ) -> None:
     """Post-hoc power-function EMAs (EDM2): choose the EMA length after training."""
-    if out is None and not dry_run:
-        raise UsageError("--out is required (unless --dry-run)")
-    with progress_bar("posthoc", enabled=not (quiet or json_output or dry_run)) as on_progress:
-        from ..commands.averaging import posthoc
-
-        result = posthoc(checkpoints, out=out or Path("posthoc"), sigma_rels=sigma_rel or (), gammas=gamma or (),
-                         at_step=at_step, dry_run=dry_run, dtype=dtype, format=out_format,
-                         keep_prefix=keep_prefix, average_buffers=average_buffers, include=include or (),
-                         workers=workers, device=device,
-                         exclude=exclude or (), step_regex=step_regex, step_from=step_from, component=component,
-                         skip=skip or (), state_key=state_key,
-                         inert_globals=inert_global or (), overwrite=overwrite,
-                         wait_seconds=wait, on_progress=on_progress)
-    _finish(result, json_output, quiet, out)
+    _run("posthoc", library_args(locals()), json_output, quiet)
 
 
 @reports_errors
@@ -192,38 +174,25 @@ def average_command(
     every: Annotated[int | None, typer.Option(
         "--every", min=1, help="Every N-th checkpoint, counted back from the newest (LAWA's spacing).")] = None,
     weights: WeightsOpt = None,
-    dtype: DtypeOpt = "float32",
+    dtype: opt.DtypeOpt = "float32",
     out_format: FormatOpt = None,
-    keep_prefix: KeepPrefixOpt = False,
-    average_buffers: AverageBuffersOpt = False,
-    include: IncludeOpt = None,
-    exclude: ExcludeOpt = None,
-    step_regex: StepRegexOpt = None,
-    step_from: StepFromOpt = None,
-    component: ComponentOpt = None,
-    skip: SkipOpt = None,
-    state_key: StateKeyOpt = None,
-    inert_global: InertGlobalOpt = None,
-    overwrite: OverwriteOpt = False,
-    wait: WaitOpt = 0.0,
-    dry_run: DryRunOpt = False,
-    workers: WorkersOpt = 1,
-    device: DeviceOpt = "cpu",
-    json_output: JsonOpt = False,
-    quiet: QuietOpt = False,
+    keep_prefix: opt.KeepPrefixOpt = False,
+    average_buffers: opt.AverageBuffersOpt = False,
+    include: opt.IncludeOpt = None,
+    exclude: opt.ExcludeOpt = None,
+    step_regex: opt.StepRegexOpt = None,
+    step_from: opt.StepFromOpt = None,
+    component: opt.ComponentOpt = None,
+    skip: opt.SkipOpt = None,
+    state_key: opt.StateKeyOpt = None,
+    inert_global: opt.InertGlobalOpt = None,
+    overwrite: opt.OverwriteOpt = False,
+    wait: opt.WaitOpt = 0.0,
+    dry_run: opt.DryRunOpt = False,
+    workers: opt.WorkersOpt = 1,
+    device: opt.DeviceOpt = "cpu",
+    json_output: opt.JsonOpt = False,
+    quiet: opt.QuietOpt = False,
 ) -> None:
     """Average of checkpoints: uniform (fairseq, LAWA) or schedule-weighted (WSM)."""
-    if out is None and not dry_run:
-        raise UsageError("--out is required (unless --dry-run)")
-    with progress_bar("average", enabled=not (quiet or json_output or dry_run)) as on_progress:
-        from ..commands.averaging import average
-
-        result = average(checkpoints, out=out or Path("average"), last=last, from_step=from_step,
-                         to_step=to_step, every=every, weights=weights, dry_run=dry_run, dtype=dtype, format=out_format,
-                         keep_prefix=keep_prefix, average_buffers=average_buffers, include=include or (),
-                         workers=workers, device=device,
-                         exclude=exclude or (), step_regex=step_regex, step_from=step_from, component=component,
-                         skip=skip or (), state_key=state_key,
-                         inert_globals=inert_global or (), overwrite=overwrite,
-                         wait_seconds=wait, on_progress=on_progress)
-    _finish(result, json_output, quiet, out)
+    _run("average", library_args(locals()), json_output, quiet)

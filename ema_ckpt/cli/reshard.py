@@ -6,18 +6,9 @@ from typing import Annotated
 
 import typer
 
+from . import _options as opt
 from ._errors import reports_errors
-from ._options import (
-    ExcludeOpt,
-    IncludeOpt,
-    InertGlobalOpt,
-    JsonOpt,
-    OverwriteOpt,
-    QuietOpt,
-    StateKeyOpt,
-    WaitOpt,
-    WorkersOpt,
-)
+from ._options import library_args
 from ._output import console, files_written, note, plural, print_json, progress_bar, shown
 
 EPILOG = """\
@@ -42,24 +33,22 @@ def reshard_command(
     all_keys: Annotated[
         bool, typer.Option("--all-keys", help="Keep optimizer/training state too, not only the model.")
     ] = False,
-    include: IncludeOpt = None,
-    exclude: ExcludeOpt = None,
-    state_key: StateKeyOpt = None,
-    inert_global: InertGlobalOpt = None,
-    overwrite: OverwriteOpt = False,
-    wait: WaitOpt = 0.0,
-    workers: WorkersOpt = 1,
-    json_output: JsonOpt = False,
-    quiet: QuietOpt = False,
+    include: opt.IncludeOpt = None,
+    exclude: opt.ExcludeOpt = None,
+    state_key: opt.StateKeyOpt = None,
+    inert_global: opt.InertGlobalOpt = None,
+    overwrite: opt.OverwriteOpt = False,
+    wait: opt.WaitOpt = 0.0,
+    workers: opt.WorkersOpt = 1,
+    json_output: opt.JsonOpt = False,
+    quiet: opt.QuietOpt = False,
 ) -> None:
     """Write SRC as a DCP checkpoint sharded on dim 0 like FSDP2, one file per rank."""
+    args = library_args(locals())
     from ..commands.reshard import reshard  # imported here: it loads torch, which --help never needs
 
     with progress_bar("reshard", enabled=not (quiet or json_output)) as on_progress:
-        result = reshard(src, world_size=world_size, out=out, dtype=dtype, include=include or (),
-                         exclude=exclude or (), all_keys=all_keys, state_key=state_key,
-                         inert_globals=inert_global or (), overwrite=overwrite, wait_seconds=wait,
-                         workers=workers, on_progress=on_progress)
+        result = reshard(**args, on_progress=on_progress)
     if json_output:
         print_json({"out": str(result.out), "world_size": result.world_size, "keys": result.keys,
                     "files": [{"name": n, "bytes": s} for n, s in result.files],

@@ -11,26 +11,10 @@ if TYPE_CHECKING:
     from ..commands.select import SelectEvent, SelectResult
 
 from ..errors import UsageError
+from . import _options as opt
 from ._errors import reports_errors
 from ._flags import cli_json, cli_text
-from ._options import (
-    AverageBuffersOpt,
-    ComponentOpt,
-    DeviceOpt,
-    DtypeOpt,
-    ExcludeOpt,
-    IncludeOpt,
-    InertGlobalOpt,
-    JsonOpt,
-    OverwriteOpt,
-    QuietOpt,
-    SkipOpt,
-    StateKeyOpt,
-    StepFromOpt,
-    StepRegexOpt,
-    WaitOpt,
-    WorkersOpt,
-)
+from ._options import library_args
 from ._output import console, err_console, note, print_json, shown
 from ._plan import render_plan
 from ._tables import name_table
@@ -149,16 +133,16 @@ def select_command(
         "--eval-format", help="Candidates as safetensors, dcp, hf or torch.")] = "safetensors",
     out_format: Annotated[str | None, typer.Option(
         "--format", metavar="FORMAT", help="The chosen output's format (default: --eval-format).")] = None,
-    dtype: DtypeOpt = "float32",
-    average_buffers: AverageBuffersOpt = False,
-    include: IncludeOpt = None,
-    exclude: ExcludeOpt = None,
-    step_regex: StepRegexOpt = None,
-    step_from: StepFromOpt = None,
-    component: ComponentOpt = None,
-    skip: SkipOpt = None,
-    state_key: StateKeyOpt = None,
-    inert_global: InertGlobalOpt = None,
+    dtype: opt.DtypeOpt = "float32",
+    average_buffers: opt.AverageBuffersOpt = False,
+    include: opt.IncludeOpt = None,
+    exclude: opt.ExcludeOpt = None,
+    step_regex: opt.StepRegexOpt = None,
+    step_from: opt.StepFromOpt = None,
+    component: opt.ComponentOpt = None,
+    skip: opt.SkipOpt = None,
+    state_key: opt.StateKeyOpt = None,
+    inert_global: opt.InertGlobalOpt = None,
     per_pass: Annotated[int | None, typer.Option(
         "--per-pass", min=1, help="Candidates written per pass (default: what the scratch disk holds, ≤ 8).")
     ] = None,
@@ -168,27 +152,21 @@ def select_command(
         "--work-dir", metavar="DIR", help="Score cache, logs, scratch (default: OUT.select beside OUT).")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="List the candidates and coefficients; run nothing.")
                        ] = False,
-    overwrite: OverwriteOpt = False,
-    wait: WaitOpt = 0.0,
-    workers: WorkersOpt = 1,
-    device: DeviceOpt = "cpu",
-    json_output: JsonOpt = False,
-    quiet: QuietOpt = False,
+    overwrite: opt.OverwriteOpt = False,
+    wait: opt.WaitOpt = 0.0,
+    workers: opt.WorkersOpt = 1,
+    device: opt.DeviceOpt = "cpu",
+    json_output: opt.JsonOpt = False,
+    quiet: opt.QuietOpt = False,
 ) -> None:
     """Choose the best average by your own evaluation: post-hoc EMAs, latest-K, schedules, soups."""
+    args = library_args(locals(), "last") | {"out": out or Path("select"), "lasts": _split(last),
+                                             "weights": _split(weights)}
     if out is None and not dry_run:
         raise UsageError("--out is required (unless --dry-run)")
     from ..commands.select import select
 
-    result = select(
-        checkpoints, out=out or Path("select"), eval_command=eval_command, sigma_rels=sigma_rel or (),
-        gammas=gamma or (), lasts=_split(last), every=every, weights=_split(weights), emas=ema or (),
-        singles=singles, soup=soup, at_step=at_step, metric=metric, maximize=maximize, eval_format=eval_format,
-        format=out_format, dtype=dtype, average_buffers=average_buffers, include=include or (),
-        exclude=exclude or (), step_regex=step_regex, step_from=step_from, component=component,
-        skip=skip or (), state_key=state_key, inert_globals=inert_global or (), per_pass=per_pass,
-        eval_timeout=eval_timeout, work_dir=work_dir, dry_run=dry_run, overwrite=overwrite, workers=workers,
-        device=device, wait_seconds=wait, on_event=_Reporter(not (quiet or json_output)))
+    result = select(**args, on_event=_Reporter(not (quiet or json_output)))
     from ..plans import Plan
 
     if isinstance(result, Plan):

@@ -9,7 +9,7 @@ import typer
 from ..errors import CheckpointFormatError
 from ._errors import reports_errors
 from ._flags import cli_text
-from ._options import InertGlobalOpt, JsonOpt, StateKeyOpt, WorkersOpt
+from ._options import InertGlobalOpt, JsonOpt, StateKeyOpt, WorkersOpt, library_args
 from ._output import console, err_console, exact_bytes, note, plural, print_json, progress_bar
 from ._tables import Name, summary_grid
 
@@ -74,11 +74,11 @@ def verify_command(
     ] = False,
 ) -> None:
     """Check data files against ema-ckpt.json (size, CRC-32; missing or extra files) and read every tensor."""
+    args = library_args(locals())
     from ..commands.verify import verify  # here: the library loads on use, so --help and --version stay fast
 
     with progress_bar("verify", enabled=not (quiet or json_output)) as on_progress:
-        result = verify(path, state_key=state_key, inert_globals=inert_global or (), workers=workers,
-                        on_progress=on_progress)
+        result = verify(**args, on_progress=on_progress)
     if json_output:
         print_json(result.to_dict())
     elif not quiet:

@@ -12,29 +12,10 @@ if TYPE_CHECKING:
 
 from .. import _signals
 from ..errors import CheckpointError
+from . import _options as opt
 from ._errors import reports_errors
 from ._flags import cli_text
-from ._options import (
-    AverageBuffersOpt,
-    ComponentOpt,
-    DecayOpt,
-    DeviceOpt,
-    DtypeOpt,
-    ExcludeOpt,
-    GammaOpt,
-    HalfLifeOpt,
-    IncludeOpt,
-    PerCheckpointOpt,
-    QuietOpt,
-    SkipDamagedOpt,
-    SkipNonfiniteOpt,
-    SnapshotEveryOpt,
-    StateKeyOpt,
-    StepFromOpt,
-    StepRegexOpt,
-    WarmupOpt,
-    WorkersOpt,
-)
+from ._options import library_args
 from ._output import console, err_console, print_json, shown
 
 EPILOG = """\
@@ -65,15 +46,15 @@ Examples:
 @reports_errors
 def watch_command(
     checkpoints: Annotated[str, typer.Argument(help="The folder the training job saves checkpoints into.")],
-    decay: DecayOpt = None,
-    half_life: HalfLifeOpt = None,
-    per_checkpoint: PerCheckpointOpt = False,
-    warmup: WarmupOpt = False,
+    decay: opt.DecayOpt = None,
+    half_life: opt.HalfLifeOpt = None,
+    per_checkpoint: opt.PerCheckpointOpt = False,
+    warmup: opt.WarmupOpt = False,
     sigma_rel: Annotated[
         list[str] | None, typer.Option("--sigma-rel", help="Power-function EMAs instead (EDM2), e.g. 0.05,0.1.")
     ] = None,
-    gamma: GammaOpt = None,
-    snapshot_every: SnapshotEveryOpt = None,
+    gamma: opt.GammaOpt = None,
+    snapshot_every: opt.SnapshotEveryOpt = None,
     out: Annotated[str | None, typer.Option(
         "--out", "-o", metavar="PATH", help="EMA directory (default: CKPTS/ema); a path or a URL.")] = None,
     interval: Annotated[float, typer.Option(
@@ -81,24 +62,25 @@ def watch_command(
     stop_when_idle: Annotated[float | None, typer.Option(
         "--stop-when-idle", metavar="SECONDS", help="Exit 0 once this long passes with no new checkpoint.")] = None,
     no_inotify: Annotated[bool, typer.Option("--no-inotify", help="Poll every --interval only.")] = False,
-    dtype: DtypeOpt = "float32",
-    include: IncludeOpt = None,
-    exclude: ExcludeOpt = None,
-    step_regex: StepRegexOpt = None,
-    step_from: StepFromOpt = None,
-    component: ComponentOpt = None,
-    average_buffers: AverageBuffersOpt = False,
-    skip_nonfinite: SkipNonfiniteOpt = False,
-    skip_damaged: SkipDamagedOpt = False,
-    state_key: StateKeyOpt = None,
-    workers: WorkersOpt = 1,
-    device: DeviceOpt = "cpu",
+    dtype: opt.DtypeOpt = "float32",
+    include: opt.IncludeOpt = None,
+    exclude: opt.ExcludeOpt = None,
+    step_regex: opt.StepRegexOpt = None,
+    step_from: opt.StepFromOpt = None,
+    component: opt.ComponentOpt = None,
+    average_buffers: opt.AverageBuffersOpt = False,
+    skip_nonfinite: opt.SkipNonfiniteOpt = False,
+    skip_damaged: opt.SkipDamagedOpt = False,
+    state_key: opt.StateKeyOpt = None,
+    workers: opt.WorkersOpt = 1,
+    device: opt.DeviceOpt = "cpu",
     json_output: Annotated[
         bool, typer.Option("--json", help="One JSON line per fold or error, and one at the end.")
     ] = False,
-    quiet: QuietOpt = False,
+    quiet: opt.QuietOpt = False,
 ) -> None:
     """Fold each new checkpoint into the EMA as soon as it is complete, until stopped."""
+    args = library_args(locals(), "no_inotify") | {"use_inotify": not no_inotify, "wait_seconds": interval}
     from ..watching import watch  # imported here: it loads torch, which --help never needs
 
     stop = threading.Event()
@@ -126,16 +108,7 @@ def watch_command(
             err_console.print(f"error: {cli_text(message)} (watching goes on)", style="red", highlight=False)
 
     with _signals.deferring(on_signal):
-        result = watch(
-            checkpoints, out=out, interval=interval, stop_when_idle=stop_when_idle, stop=stop, on_fold=on_fold,
-            on_error=on_error, use_inotify=not no_inotify,
-            decay=decay, half_life=half_life, per_checkpoint=per_checkpoint, warmup=warmup,
-            sigma_rels=sigma_rel or (), gammas=gamma or (), snapshot_every=snapshot_every, dtype=dtype,
-            include=include or (), exclude=exclude or (), step_regex=step_regex, step_from=step_from,
-            component=component, average_buffers=average_buffers,
-            skip_nonfinite=skip_nonfinite, skip_damaged=skip_damaged, state_key=state_key, workers=workers,
-            device=device, wait_seconds=interval,
-        )
+        result = watch(**args, stop=stop, on_fold=on_fold, on_error=on_error)
     lost = sorted(result.lost)
     if json_output:
         print_json({"event": "stopped", "why": result.stopped, "out": str(result.out), "step": result.step,

@@ -1,12 +1,8 @@
 """``posthoc`` and ``average``: weighted sums of checkpoints, planned first, then streamed.
 
 A run is a :class:`~ema_ckpt.plans.Plan` (outputs × terms), computed from steps and manifests
-alone; ``dry_run=True`` returns it without reading a tensor. Executing it reads each input
-region once and adds it into every output, so a sweep of K profiles costs one pass over the
-inputs.
-
-Each output is a directory with its manifest (``ema-ckpt.json``): a DCP checkpoint, or
-(``format="safetensors"``) one ``model.safetensors`` file named as ``consolidate`` names it.
+alone (``dry_run=True`` returns it), then a :class:`~ema_ckpt.sums.SumJob`: one pass over the
+inputs however many outputs.
 
 Example:
     >>> posthoc("ckpts/", out="posthoc/", sigma_rels=["0.05", "0.10"])   # doctest: +SKIP
@@ -81,32 +77,14 @@ class AverageOptions(SumOptions):
                             component=self.component)
 
 
-def posthoc(
-    checkpoints: str | Location | Sequence[str | Location],
-    *,
-    out: str | Location,
-    sigma_rels: Sequence[str] = (),
-    gammas: Sequence[str] = (),
-    at_step: int | None = None,
-    step_regex: str | None = None,
-    step_from: str | None = None,
-    component: str | None = None,
-    skip: Sequence[str | Location] = (),
-    dtype: str = "float32",
-    format: str | None = None,
-    keep_prefix: bool = False,
-    include: Sequence[str] = (),
-    exclude: Sequence[str] = (),
-    average_buffers: bool = False,
-    state_key: str | None = None,
-    inert_globals: Sequence[str] = (),
-    dry_run: bool = False,
-    overwrite: bool = False,
-    wait_seconds: float = 0.0,
-    workers: int = 1,
-    device: str = "cpu",
-    on_progress: Callable[[Progress], None] | None = None,
-) -> Plan | RunResult:
+def posthoc(checkpoints: str | Location | Sequence[str | Location], *, out: str | Location,
+            sigma_rels: Sequence[str] = (), gammas: Sequence[str] = (), at_step: int | None = None,
+            step_regex: str | None = None, step_from: str | None = None, component: str | None = None,
+            skip: Sequence[str | Location] = (), dtype: str = "float32", format: str | None = None,
+            keep_prefix: bool = False, include: Sequence[str] = (), exclude: Sequence[str] = (),
+            average_buffers: bool = False, state_key: str | None = None, inert_globals: Sequence[str] = (),
+            dry_run: bool = False, overwrite: bool = False, wait_seconds: float = 0.0, workers: int = 1,
+            device: str = "cpu", on_progress: Callable[[Progress], None] | None = None) -> Plan | RunResult:
     """Post-hoc power-function EMAs (EDM2), one per value, at ``out/sigma_rel_<value>``.
 
     Each output is a directory with its manifest: a DCP checkpoint, or (``format="safetensors"``)
@@ -141,34 +119,15 @@ def posthoc(
     return run_job(SumJob(PosthocOptions(**command_options(given))), on_progress=on_progress)
 
 
-def average(
-    checkpoints: str | Location | Sequence[str | Location],
-    *,
-    out: str | Location,
-    last: int | None = None,
-    from_step: int | None = None,
-    to_step: int | None = None,
-    every: int | None = None,
-    weights: str | None = None,
-    step_regex: str | None = None,
-    step_from: str | None = None,
-    component: str | None = None,
-    skip: Sequence[str | Location] = (),
-    dtype: str = "float32",
-    format: str | None = None,
-    keep_prefix: bool = False,
-    include: Sequence[str] = (),
-    exclude: Sequence[str] = (),
-    average_buffers: bool = False,
-    state_key: str | None = None,
-    inert_globals: Sequence[str] = (),
-    dry_run: bool = False,
-    overwrite: bool = False,
-    wait_seconds: float = 0.0,
-    workers: int = 1,
-    device: str = "cpu",
-    on_progress: Callable[[Progress], None] | None = None,
-) -> Plan | RunResult:
+def average(checkpoints: str | Location | Sequence[str | Location], *, out: str | Location,
+            last: int | None = None, from_step: int | None = None, to_step: int | None = None,
+            every: int | None = None, weights: str | None = None,
+            step_regex: str | None = None, step_from: str | None = None, component: str | None = None,
+            skip: Sequence[str | Location] = (), dtype: str = "float32", format: str | None = None,
+            keep_prefix: bool = False, include: Sequence[str] = (), exclude: Sequence[str] = (),
+            average_buffers: bool = False, state_key: str | None = None, inert_globals: Sequence[str] = (),
+            dry_run: bool = False, overwrite: bool = False, wait_seconds: float = 0.0, workers: int = 1,
+            device: str = "cpu", on_progress: Callable[[Progress], None] | None = None) -> Plan | RunResult:
     """Average of the selected checkpoints into ``out`` (one directory, as :func:`posthoc` writes);
     uniform unless ``weights`` names a schedule.
 

@@ -50,6 +50,11 @@ class FoldsDone:
     folded: list[int] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
 
+    def check(self) -> None:
+        """Raise :class:`~ema_ckpt.errors.FoldError` if a fold failed."""
+        if self.errors:
+            raise FoldError(f"{self.out}: {len(self.errors)} fold(s) failed; the first: {self.errors[0]}")
+
 
 class BackgroundFolds:
     """One worker process at a time folding the checkpoints of ``folder`` into ``out``.
@@ -60,12 +65,11 @@ class BackgroundFolds:
     """
 
     def __init__(self, folder: str | os.PathLike[str], *, out: str | os.PathLike[str],
-                 options: dict[str, Any], strict: bool = False, ignore: Sequence[str] = ()) -> None:
+                 options: dict[str, Any], ignore: Sequence[str] = ()) -> None:
         self.folder = Path(folder)
         self.out = str(out)
         self.options = dict(options)
         self.ignore = list(ignore)
-        self.strict = strict
         self.done = FoldsDone(out=self.out)
         self._process: subprocess.Popen[str] | None = None
         self._reader: threading.Thread | None = None
@@ -95,7 +99,7 @@ class BackgroundFolds:
                 self._start()
 
     def finish(self, timeout: float | None = None) -> FoldsDone:
-        """Wait for every staged checkpoint to be folded; the outcome (``strict``: failures raise)."""
+        """Wait for every staged checkpoint to be folded; the outcome, each failure logged."""
         with self._lock:
             process = self._process
         if process is not None and process.poll() is None:
@@ -104,24 +108,16 @@ class BackgroundFolds:
             process.wait(timeout=timeout)
         with self._lock:
             self._join_reader()
-            self._pending = self._waiting()
-        while True:
-            with self._lock:
-                if not self._pending:
-                    break
-                self._pending = False
+            self._pending = False
+            if self._waiting():  # staged after the worker's last pass began
                 self._start(idle=0.0)
-                process = self._process
-            assert process is not None
+            process = self._process
+        if process is not None:
             process.wait(timeout=timeout)
             with self._lock:
                 self._join_reader()
-        if self.done.errors:
-            for message in self.done.errors:
-                logger.error("ema-ckpt: a fold failed: %s", message)
-            if self.strict:
-                raise FoldError(f"{self.out}: {len(self.done.errors)} fold(s) failed; the first: "
-                                f"{self.done.errors[0]}")
+        for message in self.done.errors:
+            logger.error("ema-ckpt: a fold failed: %s", message)
         logger.info("ema-ckpt: the EMA at %s is at step %s", self.out, self.done.step)
         return self.done
 

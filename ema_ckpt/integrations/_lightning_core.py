@@ -30,10 +30,11 @@ import contextlib
 import logging
 import os
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..errors import FoldError, OptionError, UsageError, one_line
+from ..errors import OptionError, UsageError, one_line
 from ..watching import INCOMING, incoming_dir
 from ._background import BackgroundFolds, FoldsDone
 from ._options import callback_options
@@ -59,21 +60,37 @@ class LightningEmaCore:
 
     Mixed into the ``Callback`` of ``lightning.pytorch`` or of ``pytorch_lightning`` by
     :mod:`ema_ckpt.integrations.lightning` / :mod:`ema_ckpt.integrations.pytorch_lightning`.
+
+    The keyword arguments from ``snapshot_every`` on, but ``strict``, are :func:`ema_ckpt.accumulate`'s.
+
+    Args:
+        out: the EMA's folder.
+        decay, half_life, sigma_rel, gamma: the profile, exactly one (``sigma_rel``/``gamma``: power
+            EMAs, a value or a list; :func:`ema_ckpt.accumulate`'s ``sigma_rels``/``gammas``).
+        strict: raise :class:`~ema_ckpt.errors.FoldError` at the end of training if a fold failed.
+
+    Raises:
+        UsageError, OptionError: no profile or two, or a bad option (at construction).
+
+    Example:
+        >>> EmaCkptCallback("ckpts/ema", sigma_rel=[0.05, 0.10], snapshot_every=1000)  # doctest: +SKIP
     """
 
     def __init__(self, out: str | os.PathLike[str], *, decay: float | None = None, half_life: float | None = None,
-                 sigma_rel: float | str | list[float | str] | None = None,
-                 gamma: float | str | list[float | str] | None = None, snapshot_every: int | None = None,
+                 sigma_rel: float | str | Sequence[float | str] | None = None,
+                 gamma: float | str | Sequence[float | str] | None = None, snapshot_every: int | None = None,
                  warmup: bool = False, per_checkpoint: bool = False, dtype: str = "float32", strict: bool = False,
-                 **more: Any) -> None:
+                 include: Sequence[str] = (), exclude: Sequence[str] = (), step_regex: str | None = None,
+                 step_from: str | None = None, component: str | None = None, keep_prefix: bool = False,
+                 restart: bool = False, allow_new_keys: bool = False, average_buffers: bool = False,
+                 skip_nonfinite: bool = False, skip_damaged: bool = False, skip: Sequence[str] = (),
+                 state_key: str | None = None, inert_globals: Sequence[str] = ()) -> None:
         super().__init__()
         if out is None or str(out) == "":
             raise OptionError("out", "is the EMA's folder and is required", value=out)
+        self.options = callback_options(locals())
         self.out = str(out)
         self.strict = strict
-        self.options = callback_options(decay=decay, half_life=half_life, sigma_rel=sigma_rel, gamma=gamma,
-                                        snapshot_every=snapshot_every, warmup=warmup, per_checkpoint=per_checkpoint,
-                                        dtype=dtype, more=more)
         self.result: FoldsDone | None = None
         self._folds: BackgroundFolds | None = None
         self._seen: set[tuple[str, int, int]] = set()
@@ -96,21 +113,14 @@ class LightningEmaCore:
         self.result = None
         self._seen = set()
         self._steps = set()
-        self._folds = BackgroundFolds(folders[0], out=self.out, options=self.options, strict=self.strict,
+        self._folds = BackgroundFolds(folders[0], out=self.out, options=self.options,
                                       ignore=self._rewritten_in_place(trainer))
         self._wrap_remove(trainer)
 
     def on_train_batch_end(self, trainer: Any, *args: Any, **kwargs: Any) -> None:
         self._look(trainer)
 
-    def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
-        self._look(trainer)
-
-    def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
-        self._look(trainer)
-
-    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-        self._look(trainer)
+    on_train_epoch_end = on_validation_end = on_train_end = on_train_batch_end
 
     def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
         self._end(trainer, raise_errors=True)
@@ -137,14 +147,10 @@ class LightningEmaCore:
         self._look(trainer)
         self._folds = None
         self._unwrap_remove()
-        try:
-            self.result = folds.finish()
-        except FoldError:
-            self.result = folds.done
-            if raise_errors:
-                raise
-        else:
-            logger.info("ema-ckpt: EMA at step %s: %s", self.result.step, self.out)
+        self.result = folds.finish()
+        logger.info("ema-ckpt: EMA at step %s: %s", self.result.step, self.out)
+        if self.strict and raise_errors:
+            self.result.check()
 
     @staticmethod
     def _checkpoint_callbacks(trainer: Any) -> list[Any]:

@@ -33,24 +33,8 @@ from ._lightning_core import LightningEmaCore
 
 
 class EmaCkptCallback(LightningEmaCore, Callback):  # type: ignore[misc, unused-ignore]
-    """Keep an EMA of every checkpoint that the run's ``ModelCheckpoint`` callbacks write.
-
-    Args:
-        out: the EMA's folder.
-        decay, half_life, sigma_rel, gamma: the profile, exactly one (as :func:`ema_ckpt.accumulate`:
-            ``sigma_rel`` a float or a list of them, for power EMAs).
-        snapshot_every: with power EMAs, keep a snapshot every K steps (for ``ema-ckpt posthoc``).
-        warmup, per_checkpoint, dtype: as :func:`ema_ckpt.accumulate`.
-        strict: raise :class:`~ema_ckpt.errors.FoldError` at the end of training if a fold failed.
-        more: other options of :func:`ema_ckpt.accumulate` (``include``, ``skip_damaged``, ...).
-
-    Raises:
-        UsageError, OptionError: no profile or two, or a bad option (at construction).
-
-    Example:
-        >>> EmaCkptCallback("ckpts/ema", decay=0.999)                  # doctest: +SKIP
-        >>> EmaCkptCallback("ckpts/ema", sigma_rel=[0.05, 0.10], snapshot_every=1000)  # doctest: +SKIP
-    """
+    """Keep an EMA of every checkpoint that the run's ``ModelCheckpoint`` callbacks write (arguments:
+    :class:`~ema_ckpt.integrations._lightning_core.LightningEmaCore`)."""
 
 
 __all__ = ["EmaCkptCallback", "FoldsDone"]

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..errors import EmaCkptError, FoldError
+from ..errors import EmaCkptError
 from ._background import BackgroundFolds, FoldsDone
 from ._options import callback_options
 
@@ -42,22 +42,22 @@ logger = logging.getLogger("ema_ckpt")
 PREFIX_CHECKPOINT_DIR = "checkpoint"
 """The Trainer's checkpoint folders: ``checkpoint-<global_step>`` (``transformers.trainer_utils``)."""
 
+
 class EmaCkptCallback(TrainerCallback):
     """Fold every checkpoint the ``transformers.Trainer`` saves into the EMA at ``out``.
+
+    The keyword arguments from ``snapshot_every`` on, but ``strict`` and ``folder``, are :func:`~ema_ckpt.accumulate`'s.
 
     Args:
         out: the EMA directory (a relative path is taken from the current directory now).
         decay, half_life, sigma_rel, gamma: the profile, exactly one (``sigma_rel``/``gamma``:
             power EMAs, a value or a list; :func:`~ema_ckpt.accumulate`'s ``sigma_rels``/``gammas``).
-        snapshot_every, warmup, per_checkpoint, dtype: as in :func:`~ema_ckpt.accumulate`.
         strict: raise :class:`~ema_ckpt.errors.FoldError` at the end of training when a fold
             failed (else each failure is logged and training ends normally).
         folder: the folder the Trainer saves into (default: ``args.output_dir``).
-        options: :func:`~ema_ckpt.accumulate`'s other options (``include``, ``exclude``,
-            ``average_buffers``, ``skip_nonfinite``, ``skip_damaged``, ``step_regex``, ...).
 
     Raises:
-        UsageError: a contradictory or unknown option (at construction, before training).
+        UsageError, OptionError: a contradictory or bad option (at construction, before training).
 
     After training, :attr:`result` holds the EMA's step, the steps folded and the failures.
 
@@ -68,25 +68,17 @@ class EmaCkptCallback(TrainerCallback):
         8000
     """
 
-    def __init__(
-        self,
-        out: str | os.PathLike[str],
-        *,
-        decay: float | None = None,
-        half_life: float | None = None,
-        sigma_rel: float | str | Sequence[float | str] | None = None,
-        gamma: float | str | Sequence[float | str] | None = None,
-        snapshot_every: int | None = None,
-        warmup: bool = False,
-        per_checkpoint: bool = False,
-        dtype: str = "float32",
-        strict: bool = False,
-        folder: str | os.PathLike[str] | None = None,
-        **options: Any,
-    ) -> None:
-        self.options = callback_options(decay=decay, half_life=half_life, sigma_rel=sigma_rel, gamma=gamma,
-                                        snapshot_every=snapshot_every, warmup=warmup, per_checkpoint=per_checkpoint,
-                                        dtype=dtype, more=options)
+    def __init__(self, out: str | os.PathLike[str], *, decay: float | None = None, half_life: float | None = None,
+                 sigma_rel: float | str | Sequence[float | str] | None = None,
+                 gamma: float | str | Sequence[float | str] | None = None, snapshot_every: int | None = None,
+                 warmup: bool = False, per_checkpoint: bool = False, dtype: str = "float32", strict: bool = False,
+                 folder: str | os.PathLike[str] | None = None,
+                 include: Sequence[str] = (), exclude: Sequence[str] = (), step_regex: str | None = None,
+                 step_from: str | None = None, component: str | None = None, keep_prefix: bool = False,
+                 restart: bool = False, allow_new_keys: bool = False, average_buffers: bool = False,
+                 skip_nonfinite: bool = False, skip_damaged: bool = False, skip: Sequence[str] = (),
+                 state_key: str | None = None, inert_globals: Sequence[str] = ()) -> None:
+        self.options = callback_options(locals())
         text = os.fspath(out)
         self.out = text if "://" in text else os.path.abspath(text)
         self.folder = None if folder is None else os.path.abspath(os.fspath(folder))
@@ -103,7 +95,7 @@ class EmaCkptCallback(TrainerCallback):
         if self._folds is not None:  # a second train() with the same callback: end the first run's folds
             self._end()
         folder = self.folder or os.path.abspath(args.output_dir)
-        self._folds = BackgroundFolds(folder, out=self.out, options=self.options, strict=False)
+        self._folds = BackgroundFolds(folder, out=self.out, options=self.options)
         self._failures = []
         self._stage_left_over(Path(folder))
 
@@ -165,8 +157,8 @@ class EmaCkptCallback(TrainerCallback):
         done = folds.finish()
         done.errors[:] = dict.fromkeys(self._failures + done.errors)  # a checkpoint that stays bad: said once
         self.result = done
-        if done.errors and self.strict:
-            raise FoldError(f"{self.out}: {len(done.errors)} fold(s) failed; the first: {done.errors[0]}")
+        if self.strict:
+            done.check()
 
 
 __all__ = ["EmaCkptCallback"]
