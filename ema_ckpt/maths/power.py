@@ -46,10 +46,10 @@ __all__ = [
 
 #: σ_rel of γ = 0 (the uniform mean over [0, T]): 1/√12. Valid σ_rel lie in (0, 1/√12).
 SIGMA_REL_MAX = 1.0 / math.sqrt(12.0)
-#: The largest γ accepted (σ_rel ≈ 1e-6): beyond it (t/T)^γ underflows float64 for all but the last checkpoint.
 GAMMA_MAX = 1e6
-#: The narrowest σ_rel accepted (γ ≈ :data:`GAMMA_MAX`).
+"""The largest γ accepted (σ_rel ≈ 1e-6): beyond it (t/T)^γ underflows float64 for all but the last checkpoint."""
 SIGMA_REL_MIN = 1e-6
+"""The narrowest σ_rel accepted (γ ≈ :data:`GAMMA_MAX`)."""
 
 
 def gamma_problem(gamma: object) -> tuple[float, str | None]:
