@@ -1,5 +1,6 @@
 """What a job's compute step works with on every worker: the sources opened once, a writer
-per target, and the engine streamed over this worker's share of the output files.
+per target, and the engine streamed over this worker's share of the output files; or, for a job
+that only reads, its pieces of work shared out by bytes (:meth:`JobContext.share_out`).
 
 Example:
     >>> readers = context.open_sources(paths)                        # doctest: +SKIP
@@ -14,14 +15,15 @@ import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from ._gc import frozen_heap, paused_gc
-from .dist import Workers
+from .dist import Workers, assign_by_bytes
 from .engine import EngineStats, OutputSpec, combine_regions
 from .errors import OptionError
 from .formats import open_checkpoint
 from .formats.base import CheckpointReader
+from .formats.options import DEFAULT_READ, ReadOptions
 from .progress import Progress
 from .storage import Location, Sink
 from .storage.roles import INDEX
@@ -44,6 +46,36 @@ class WrittenOutputs:
     bytes_written: int = 0
 
 
+@dataclass(slots=True)
+class Tally:
+    """This worker's bytes and pieces done, reported to ``on_progress`` as they grow.
+
+    Regions in the report count pieces. The total is reported before the first piece.
+    """
+
+    bytes_total: int
+    pieces_total: int
+    on_progress: Callable[[Progress], None] | None
+    bytes_done: int = 0
+    pieces_done: int = 0
+
+    def add(self, nbytes: int, what: str = "", *, piece_done: bool = False) -> None:
+        self.bytes_done += nbytes
+        self.pieces_done += piece_done
+        if self.on_progress is not None:
+            self.on_progress(Progress(self.bytes_done, max(self.bytes_total, self.bytes_done), self.pieces_done,
+                                      self.pieces_total, what))
+
+
+@dataclass(frozen=True, slots=True)
+class Piece(Generic[T]):
+    """One piece of a reading job's work: its cost in bytes, and what does it (given the tally
+    to add the bytes it reads to) and returns its picklable result."""
+
+    cost: int
+    run: Callable[[Tally], T]
+
+
 @dataclass
 class JobContext:
     """What :meth:`Job.compute` works with: the workers, where this worker writes each target
@@ -54,6 +86,8 @@ class JobContext:
     stack: contextlib.ExitStack
     device: str = "cpu"
     on_progress: Callable[[Progress], None] | None = None
+    read: ReadOptions = DEFAULT_READ
+    """How every checkpoint of the run is read (the command's read options)."""
     roles: dict[int, dict[str, str]] = field(default_factory=dict)
     """Per target, the role of each file its writer wrote (for publishing), once finished."""
     writers: dict[int, OutputWriter] = field(default_factory=dict)
@@ -61,6 +95,35 @@ class JobContext:
     def check(self, step: Callable[[], T]) -> T:
         """Run ``step`` on every worker; all fail alike if one does (a synchronisation point)."""
         return self.workers.run(step)
+
+    def open(self, path: Location, shared: Any = None) -> CheckpointReader:
+        """Open one checkpoint on this worker with the run's read options (``shared``: as
+        :func:`~ema_ckpt.formats.open_checkpoint`); it closes when the run's attempt ends."""
+        return self.stack.enter_context(contextlib.closing(open_checkpoint(path, read=self.read, shared=shared)))
+
+    def share_out(self, pieces: Sequence[Piece[T]]) -> list[T]:
+        """Every piece's result, in order, on every worker; each piece was run by one worker,
+        the pieces shared out by bytes (:func:`~ema_ckpt.dist.assign_by_bytes`), so the result
+        is the same for any number of workers.
+
+        A synchronisation point: an error in any worker's pieces is raised on every worker.
+        """
+        owners = assign_by_bytes([p.cost for p in pieces], self.workers.world_size)
+        mine = [i for i, owner in enumerate(owners) if owner == self.workers.rank]
+
+        def run_mine() -> dict[int, T]:
+            tally = Tally(sum(pieces[i].cost for i in mine), len(mine), self.on_progress)
+            tally.add(0)
+            done = {}
+            for i in mine:
+                done[i] = pieces[i].run(tally)
+                tally.add(0, piece_done=True)
+            return done
+
+        found: dict[int, T] = {}
+        for part in self.workers.all_gather(self.workers.run(run_mine)):
+            found.update(part)
+        return [found[i] for i in range(len(pieces))]
 
     def open_sources(self, paths: Sequence[Location]) -> list[CheckpointReader]:
         """Open every checkpoint on every worker, parsing each DCP ``.metadata`` only once.
@@ -73,7 +136,7 @@ class JobContext:
         # their indexes (millions of objects) live as long as the readers: no collection while they are
         # parsed, sent and received, then kept out of cyclic collections (ema_ckpt._gc)
         with paused_gc():
-            readers = _open_checkpoints(self.workers, paths, self.stack)
+            readers = _open_checkpoints(self.workers, paths, self.open)
             self.stack.enter_context(frozen_heap())
         return readers
 
@@ -272,14 +335,11 @@ def regions_by_file(regions: Sequence[PlannedRegion]) -> list[list[PlannedRegion
     return list(files.values())
 
 
-def _open_checkpoints(workers: Workers, paths: Sequence[Location], stack: contextlib.ExitStack
-                      ) -> list[CheckpointReader]:
-    def opened(path: Location, shared: Any = None) -> CheckpointReader:
-        return stack.enter_context(contextlib.closing(open_checkpoint(path, shared=shared)))
-
+def _open_checkpoints(workers: Workers, paths: Sequence[Location],
+                      opened: Callable[[Location, Any], CheckpointReader]) -> list[CheckpointReader]:
     if workers.world_size == 1:
-        return [opened(p) for p in paths]
-    mine = workers.run(lambda: {i: opened(p) for i, p in enumerate(paths)
+        return [opened(p, None) for p in paths]
+    mine = workers.run(lambda: {i: opened(p, None) for i, p in enumerate(paths)
                                 if i % workers.world_size == workers.rank})
     shared: dict[int, Any] = {}
     for part in workers.exchange({i: state for i, r in mine.items() if (state := r.share()) is not None}):
@@ -287,4 +347,4 @@ def _open_checkpoints(workers: Workers, paths: Sequence[Location], stack: contex
     return workers.run(lambda: [mine[i] if i in mine else opened(p, shared.get(i)) for i, p in enumerate(paths)])
 
 
-__all__ = ["JobContext", "WrittenOutputs", "regions_by_file"]
+__all__ = ["JobContext", "Piece", "Tally", "WrittenOutputs", "regions_by_file"]

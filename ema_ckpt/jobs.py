@@ -1,7 +1,8 @@
 """The job runner: the one place that knows the order of a run and which worker does what.
 
-Every command (``accumulate``, ``posthoc``, ``average``, ``consolidate``, ``reshard``) is a
-:class:`Job`. :func:`run_job` runs it in this order:
+Every command that reads checkpoints (``accumulate``, ``posthoc``, ``average``, ``select``,
+``consolidate``, ``reshard``, and ``verify`` and ``diff``, which write nothing) is a
+:class:`Job`. :func:`run_job` runs one that writes in this order:
 
 1. **lock** the output and **recover** what a killed run left beside it (coordinator);
 2. **plan** from metadata alone (coordinator), then share the plan with every worker;
@@ -10,6 +11,10 @@ Every command (``accumulate``, ``posthoc``, ``average``, ``consolidate``, ``resh
    worker's share of the output files (:meth:`JobContext.write`);
 5. **manifest** each output and **publish** it atomically, in the order the job lists its
    targets (coordinator).
+
+A job that only reads (:attr:`Job.writes` False) is planned, then computed on every worker,
+sharing its pieces of work out by bytes (:meth:`JobContext.share_out`); nothing is locked,
+staged or published.
 
 A failure anywhere removes the staging directories and leaves every published output as it
 was. A job may answer a checkpoint's error with a new plan (:meth:`Job.retry`: skip that
@@ -31,13 +36,13 @@ import functools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, ClassVar, Generic, TypeVar
 
 from ._env import check_working_directory
 from .dist import Workers, current_workers, in_worker_group
 from .dist.pool import run_workers
 from .errors import EmaCkptError, UsageError
-from .formats.options import read_options_from, reading
+from .formats.options import read_options_from
 from .job_context import JobContext
 from .manifest import MANIFEST_NAME, OUTPUT_OWN_FILES, Manifest, check_output_place
 from .options import RunFields
@@ -114,6 +119,9 @@ class Job(abc.ABC, Generic[PlanT, ComputedT, ResultT]):
     """
 
     options: RunFields
+    writes: ClassVar[bool] = True
+    """False for a job that only reads (``verify``, ``diff``): no targets, no lock; its
+    :meth:`compute` runs on every worker and its result is what :meth:`result` returns."""
 
     def lock_path(self) -> Location | None:
         """The output the run locks; None when it writes nothing (a dry run)."""
@@ -157,18 +165,24 @@ def run_job(job: Job[PlanT, ComputedT, ResultT], *,
             on_progress: Callable[[Progress], None] | None = None) -> ResultT:
     """Run ``job`` on this process or its worker group (see the module docstring)."""
     settings = job.options
-    if settings.workers > 1 and not in_worker_group() and job.lock_path() is not None:
+    if (settings.workers > 1 and not in_worker_group()
+            and (not job.writes or job.lock_path() is not None)):  # a dry run writes nothing, alone
         result: ResultT = run_workers(settings.workers, run_job, job, local_kwargs={"on_progress": on_progress})
         return result
     check_working_directory()  # before the lock and the staging exist: a start-up that cannot fail later
-    with reading(read_options_from(settings)):  # every reader of the run, on every worker
-        return _run_job(job, on_progress)
+    return _run_job(job, on_progress)
 
 
 def _run_job(job: Job[PlanT, ComputedT, ResultT], on_progress: Callable[[Progress], None] | None) -> ResultT:
     settings = job.options
     started = time.perf_counter()
     group = current_workers(settings.device)
+    if not job.writes:
+        plan = group.on_coordinator(functools.partial(job.plan, []))
+        with contextlib.ExitStack() as readers:
+            context = JobContext(group, [], readers, settings.device, on_progress, read=read_options_from(settings))
+            computed = group.run(functools.partial(job.compute, plan, context))
+        return job.result(plan, computed, time.perf_counter() - started)
     with contextlib.ExitStack() as stack:
 
         held: list[HeldLock] = []
@@ -244,7 +258,8 @@ def _compute_publish(job: Job[PlanT, ComputedT, Any], plan: PlanT, destinations:
                      on_progress: Callable[[Progress], None] | None, lock: HeldLock | None) -> ComputedT:
     stagings = [s.directory for s in staged]
     with discard_on_error(stagings, owner=group.is_coordinator), contextlib.ExitStack() as readers:
-        context = JobContext(group, list(sinks), readers, job.options.device, on_progress)
+        context = JobContext(group, list(sinks), readers, job.options.device, on_progress,
+                             read=read_options_from(job.options))
         # every worker has finished writing into the stagings before the coordinator publishes them
         computed = group.run(functools.partial(job.compute, plan, context))
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import OptionError
-from .formats.options import read_options_from
+from .formats.options import ReadOptions, read_options_from
 from .storage import Location, as_path, is_location, output_location, output_path
 
 RUNTIME = {"recorded": False}
@@ -86,6 +86,11 @@ class ReadFields(_Checked):
         super().__post_init__()
         check_texts(self, "inert_globals")
         read_options_from(self)  # refuses a bad pattern or state key
+
+    @property
+    def read(self) -> ReadOptions:
+        """These fields as every reader of the run takes them."""
+        return read_options_from(self)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -66,7 +66,7 @@ def carry_into(writers: Sequence[OutputWriter], reader: CheckpointReader, includ
     files = reader.carried_files()
     entries = {key: reader.read_bytes(key) for key in select_entries(reader, include, exclude)}
     for writer in writers:
-        writer.carry(files, entries)
+        writer.carry(files, entries, reader.read_options)
 
 
 def check_compatible(

@@ -19,7 +19,6 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import fnmatch
 import functools
 import math
@@ -29,13 +28,12 @@ from typing import Any
 
 import torch
 
-from ..dist import Workers
-from ..formats import open_checkpoint
 from ..formats.base import CheckpointReader
-from ..formats.options import ReadOptions
+from ..job_context import JobContext, Piece, Tally
+from ..jobs import Job, Target, run_job
 from ..layout import TensorSpec, row_blocks
+from ..options import KeyFields, ReadFields, RunFields
 from ..progress import Progress
-from ..reading import Piece, Tally, run_reading, share_out
 from ..storage import Location, as_path
 
 MODEL_PREFIX = "model."
@@ -236,36 +234,62 @@ def diff(
     Raises:
         CheckpointNotFoundError, CheckpointFormatError: a path holds no readable checkpoint.
     """
-    result: DiffResult = run_reading(workers, _diff, as_path(a), as_path(b), tuple(include), tuple(exclude),
-                                     block_bytes, on_progress=on_progress,
-                                     read=ReadOptions(state_key, tuple(inert_globals)))
-    return result
+    options = DiffOptions(a=as_path(a), b=as_path(b), include=tuple(include), exclude=tuple(exclude),
+                          block_bytes=block_bytes, state_key=state_key, inert_globals=tuple(inert_globals),
+                          workers=workers)
+    return run_job(DiffJob(options), on_progress=on_progress)
 
 
-def _diff(workers: Workers, a: Location, b: Location, include: tuple[str, ...], exclude: tuple[str, ...],
-          block_bytes: int,
-          on_progress: Callable[[Progress], None] | None = None) -> DiffResult:
+@dataclass(frozen=True, kw_only=True)
+class DiffOptions(KeyFields, ReadFields, RunFields):
+    """Everything a :func:`diff` run needs; checked when made."""
+
+    a: Location
+    b: Location
+    block_bytes: int = BLOCK_BYTES
+
+
+class DiffJob(Job[None, DiffResult, DiffResult]):
+    """:func:`diff` as a job that writes nothing: every worker pairs the keys alike; each pair
+    is compared by one (:meth:`~ema_ckpt.job_context.JobContext.share_out`)."""
+
+    writes = False
+
+    def __init__(self, options: DiffOptions) -> None:
+        self.options: DiffOptions = options
+
+    def plan(self, notes: list[str]) -> None:
+        return None
+
+    def targets(self, plan: None) -> list[Target]:
+        return []
+
+    def compute(self, plan: None, context: JobContext) -> DiffResult:
+        return _diff(context, self.options)
+
+    def result(self, plan: None, computed: DiffResult | None, seconds: float) -> DiffResult:
+        assert computed is not None
+        return computed
+
+
+def _diff(context: JobContext, options: DiffOptions) -> DiffResult:
     """:func:`diff` on one worker: every worker pairs the keys alike; each pair is compared by one."""
-    with contextlib.ExitStack() as stack:
-
-        def open_both() -> tuple[CheckpointReader, CheckpointReader]:
-            return (stack.enter_context(contextlib.closing(open_checkpoint(a))),
-                    stack.enter_context(contextlib.closing(open_checkpoint(b))))
-
-        reader_a, reader_b = workers.run(open_both)  # every worker opens both: a bad path fails alike everywhere
-        specs_a, specs_b = reader_a.specs(), reader_b.specs()
-        pairs, only_a, only_b, pairing = pair_keys(list(specs_a), list(specs_b))
-        result = DiffResult(a, b, reader_a.format_name, reader_b.format_name, pairing=pairing)
-        result.only_in_a = [k for k in only_a if _selected(k, include, exclude)]
-        result.only_in_b = [k for k in only_b if _selected(k, include, exclude)]
-        pieces = []
-        for key_a, key_b in pairs:
-            if _pair_selected(key_a, key_b, include, exclude):
-                spec_a, spec_b = specs_a[key_a], specs_b[key_b]
-                cost = spec_a.nbytes + spec_b.nbytes if spec_a.shape == spec_b.shape else 0
-                pieces.append(Piece(cost, functools.partial(_compare_key, reader_a, reader_b, spec_a, spec_b,
-                                                            block_bytes)))
-        compared = share_out(workers, pieces, on_progress)
+    a, b, include, exclude = options.a, options.b, options.include, options.exclude
+    # every worker opens both: a bad path fails alike everywhere
+    reader_a, reader_b = context.check(lambda: (context.open(a), context.open(b)))
+    specs_a, specs_b = reader_a.specs(), reader_b.specs()
+    pairs, only_a, only_b, pairing = pair_keys(list(specs_a), list(specs_b))
+    result = DiffResult(a, b, reader_a.format_name, reader_b.format_name, pairing=pairing)
+    result.only_in_a = [k for k in only_a if _selected(k, include, exclude)]
+    result.only_in_b = [k for k in only_b if _selected(k, include, exclude)]
+    pieces = []
+    for key_a, key_b in pairs:
+        if _pair_selected(key_a, key_b, include, exclude):
+            spec_a, spec_b = specs_a[key_a], specs_b[key_b]
+            cost = spec_a.nbytes + spec_b.nbytes if spec_a.shape == spec_b.shape else 0
+            pieces.append(Piece(cost, functools.partial(_compare_key, reader_a, reader_b, spec_a, spec_b,
+                                                        options.block_bytes)))
+    compared = context.share_out(pieces)
     result.keys = [k for k, _ in compared]
     result.bytes_read = sum(n for _, n in compared)
     return result

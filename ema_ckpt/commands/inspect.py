@@ -19,7 +19,7 @@ from ..discovery import Entry, LeftPart, discover, step_record
 from ..dtypes import itemsize
 from ..errors import Note
 from ..formats import detect_format, open_checkpoint, resolve
-from ..formats.options import ReadOptions, reading
+from ..formats.options import ReadOptions
 from ..formats.resolve import formats_for
 from ..manifest import MANIFEST_NAME, Manifest
 from ..maths import profile_from_dict
@@ -140,8 +140,8 @@ def inspect_folder(path: str | Location, *, step_regex: str | None = None, step_
         [('epoch=0-step=2.ckpt', True), ('last.ckpt', False)]
     """
     path = as_path(path)
-    with reading(ReadOptions(state_key, tuple(inert_globals), keep_prefix)):
-        found = discover([path], step_regex=step_regex, step_from=step_from, all_components=True, require=False)
+    found = discover([path], step_regex=step_regex, step_from=step_from, all_components=True, require=False,
+                     read=ReadOptions(state_key, tuple(inert_globals), keep_prefix))
     entries = sorted(found.entries, key=lambda e: str(e.path))
     notes = [n for n in found.notes if not any(str(n).startswith(f"skipped {e.path}:") for e in entries)]
     return FolderInspection(path, entries, notes, found.left)
@@ -162,7 +162,7 @@ def inspect_checkpoint(path: str | Location, *, state_key: str | None = None, st
     found = resolve(path)  # found, located and detected once, then passed on
     path, location = found.path, found.model
     options = ReadOptions(state_key, tuple(inert_globals), keep_prefix)
-    with reading(options), contextlib.closing(open_checkpoint(found)) as reader:
+    with contextlib.closing(open_checkpoint(found, read=options)) as reader:
         tensors = [  # from the stored shapes and dtype names: for most formats, without importing torch
             TensorInfo(k, shape, dtype, math.prod(shape) * itemsize(dtype), len(reader.layout(k)))
             for k, (shape, dtype) in reader.stored().items()

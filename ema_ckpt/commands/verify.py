@@ -27,16 +27,17 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..dist import Workers
 from ..errors import CheckpointNotFoundError, EmaCkptError, RecordChecksumError
 from ..formats import open_checkpoint
 from ..formats.base import CheckpointReader
 from ..formats.options import ReadOptions
 from ..integrity import file_checks, read_manifest
+from ..job_context import JobContext, Piece, Tally
+from ..jobs import Job, Target, run_job
 from ..layout import split_rows
 from ..manifest import MANIFEST_NAME
+from ..options import ReadFields, RunFields
 from ..progress import Progress
-from ..reading import Piece, Tally, run_reading, share_out
 from ..storage import HASH_BLOCK_BYTES, Location, as_path
 
 READ_BLOCK_BYTES = 64 << 20
@@ -146,9 +147,41 @@ def verify(
         CheckpointNotFoundError: ``path`` does not exist, or (without a manifest) holds no
             checkpoint of any known format.
     """
-    result: VerifyResult = run_reading(workers, _verify, as_path(path), hash_block_bytes, read_block_bytes,
-                                       on_progress=on_progress, read=ReadOptions(state_key, tuple(inert_globals)))
-    return result
+    options = VerifyOptions(path=as_path(path), hash_block_bytes=hash_block_bytes, read_block_bytes=read_block_bytes,
+                            state_key=state_key, inert_globals=tuple(inert_globals), workers=workers)
+    return run_job(VerifyJob(options), on_progress=on_progress)
+
+
+@dataclass(frozen=True, kw_only=True)
+class VerifyOptions(ReadFields, RunFields):
+    """Everything a :func:`verify` run needs; checked when made."""
+
+    path: Location
+    hash_block_bytes: int = HASH_BLOCK_BYTES
+    read_block_bytes: int = READ_BLOCK_BYTES
+
+
+class VerifyJob(Job[Location, VerifyResult, VerifyResult]):
+    """:func:`verify` as a job that writes nothing: every worker lists the same checks, each
+    done by one (:meth:`~ema_ckpt.job_context.JobContext.share_out`)."""
+
+    writes = False
+
+    def __init__(self, options: VerifyOptions) -> None:
+        self.options: VerifyOptions = options
+
+    def plan(self, notes: list[str]) -> Location:
+        return self.options.path
+
+    def targets(self, plan: Location) -> list[Target]:
+        return []
+
+    def compute(self, plan: Location, context: JobContext) -> VerifyResult:
+        return _verify(context, plan, self.options.hash_block_bytes, self.options.read_block_bytes)
+
+    def result(self, plan: Location, computed: VerifyResult | None, seconds: float) -> VerifyResult:
+        assert computed is not None
+        return computed
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,8 +193,7 @@ class _Check:
     """Adds what it finds to the result it is given, and the bytes it reads to the tally."""
 
 
-def _verify(group: Workers, path: Location, hash_block_bytes: int, read_block_bytes: int,
-            on_progress: Callable[[Progress], None] | None = None) -> VerifyResult:
+def _verify(context: JobContext, path: Location, hash_block_bytes: int, read_block_bytes: int) -> VerifyResult:
     """:func:`verify` on one worker: every worker lists the same checks; each is done by one."""
     if not path.exists() and not path.is_symlink():
         raise CheckpointNotFoundError(path, "no such file or directory")
@@ -181,7 +213,7 @@ def _verify(group: Workers, path: Location, hash_block_bytes: int, read_block_by
             result.notes.append(f"no {MANIFEST_NAME}: the checkpoint's own zip CRC-32s are checked (where it has "
                                 "them) and every tensor read back")
         result.checks.append("readable")
-        opened = group.run(lambda: _open(path, strict=result.manifest))
+        opened = context.check(lambda: _open(path, context.read, strict=result.manifest))
         if isinstance(opened, str):
             checks.append(_reporting(opened))
         else:
@@ -193,7 +225,7 @@ def _verify(group: Workers, path: Location, hash_block_bytes: int, read_block_by
                 result.checks.append("file CRC-32s" if reader.whole_file_records else "record CRC-32s")
                 checks += _record_checks(path, reader)
         pieces = [Piece(c.cost, functools.partial(_run_check, path, c.run)) for c in checks]
-        parts = share_out(group, pieces, on_progress)
+        parts = context.share_out(pieces)
     for part in parts:
         result.add(part)
     return result
@@ -214,11 +246,11 @@ def _reporting(problem: str) -> _Check:
     return _Check(0, report)
 
 
-def _open(path: Location, *, strict: bool) -> CheckpointReader | str:
+def _open(path: Location, read: ReadOptions, *, strict: bool) -> CheckpointReader | str:
     """The reader, or the problem that stops it opening (a path that holds no checkpoint at
     all raises, unless a manifest says it should hold one)."""
     try:
-        return open_checkpoint(path)
+        return open_checkpoint(path, read=read)
     except CheckpointNotFoundError as err:
         if not strict:
             raise  # not a checkpoint at all, and no manifest says it should be one

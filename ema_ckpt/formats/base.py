@@ -24,6 +24,7 @@ from ..dtypes import name_of
 from ..layout import Box, TensorSpec
 from ..layouts import CARRIED_NAMES, TRAINER_STATE
 from ..storage import Location, Source, as_path, open_readable
+from .options import DEFAULT_READ, ReadOptions
 
 if TYPE_CHECKING:
     import torch
@@ -113,6 +114,9 @@ class CheckpointReader(abc.ABC):
     """What was opened."""
     step: int | None = None
     """The training step recorded inside the checkpoint, when the format records one."""
+    read_options: ReadOptions = DEFAULT_READ
+    """How it was opened (the state dict chosen, the classes read as data): what the
+    command's options asked for, passed to :func:`~ema_ckpt.formats.resolve.open_checkpoint`."""
 
     supports_out: ClassVar[bool] = False
     """True when ``read(..., out=buf)`` fills ``buf`` straight from storage, with no
@@ -281,13 +285,13 @@ class CheckpointFormat:
     that is still being written (a reason string) or not (None); discovery skips those.
     ``records_step`` says the reader's ``step`` comes from inside the checkpoint (DeepSpeed's
     ``global_steps``) and beats the step parsed from the directory name; ``step_of`` reads
-    that step cheaply (the reader class's :meth:`CheckpointReader.step_of`). ``reopen``
-    rebuilds a reader from what its ``share()`` returned.
+    that step cheaply (the reader class's :meth:`CheckpointReader.step_of`). ``open`` and
+    ``reopen`` (from what a reader's ``share()`` returned) take the command's read options.
     """
 
     name: str
     detect: Callable[[Location], bool]
-    open: Callable[[Location], CheckpointReader]
+    open: Callable[[Location, ReadOptions], CheckpointReader]
     incomplete: Callable[[Location], str | None] = lambda _path: None
     not_a_model: Callable[[Location], str | None] = lambda _path: None
     """Why a path of this format's kind, complete, holds no model (``optimizer.pt``), or None."""
@@ -298,7 +302,7 @@ class CheckpointFormat:
     step_record: Callable[[Location], tuple[int, str] | None] | None = None
     """The step and where it was read (``global_step in the file``), where it depends on the
     checkpoint; else ``step_of`` with :attr:`step_label`."""
-    reopen: Callable[[Location, Any], CheckpointReader] | None = None
+    reopen: Callable[[Location, Any, ReadOptions], CheckpointReader] | None = None
     remote: bool = False
     """Offered checkpoints in object storage (:func:`~ema_ckpt.formats.resolve.formats_for`, the one
     place that asks); else only local ones, whatever its reader could read."""

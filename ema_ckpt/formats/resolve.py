@@ -16,6 +16,7 @@ from ..errors import CheckpointFormatError, CheckpointNotFoundError
 from ..layouts import NESTED_MODELS, NestedModel
 from ..storage import Location, as_path, local_file
 from .base import CheckpointFormat, CheckpointReader, registered_formats
+from .options import DEFAULT_READ, ReadOptions
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,9 +154,11 @@ def detect_format(path: str | Location | Resolved) -> CheckpointFormat | None:
     return resolve(path).format
 
 
-def open_checkpoint(path: str | Location | Resolved, *, shared: object | None = None) -> CheckpointReader:
+def open_checkpoint(path: str | Location | Resolved, *, read: ReadOptions = DEFAULT_READ,
+                    shared: object | None = None) -> CheckpointReader:
     """Open the checkpoint at ``path`` with the reader of its format.
 
+    ``read``: the command's read options (the state dict to read, classes read as data).
     ``shared``: what :meth:`CheckpointReader.share` returned for this checkpoint in another
     process; the reader is rebuilt from it instead of parsing the checkpoint again.
 
@@ -185,8 +188,11 @@ def open_checkpoint(path: str | Location | Resolved, *, shared: object | None = 
         names = ", ".join(registered_formats())
         raise CheckpointNotFoundError(path, f"not a checkpoint of any known format ({names})")
     if shared is not None and fmt.reopen is not None:
-        return fmt.reopen(location.path, shared)
-    return fmt.open(location.path)
+        reader = fmt.reopen(location.path, shared, read)
+    else:
+        reader = fmt.open(location.path, read)
+    reader.read_options = read
+    return reader
 
 
 __all__ = ["NESTED_MODELS", "ModelLocation", "NestedModel", "Resolved", "detect_format", "formats_for",

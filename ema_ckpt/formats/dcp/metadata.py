@@ -7,7 +7,7 @@ torch's own tools read only rank 0's ``__0.metadata`` when a checkpoint was save
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -124,33 +124,34 @@ def incomplete(path: Location) -> str | None:
 
 
 
-def _read_metadata_file(file: Location) -> Any:
+def _read_metadata_file(file: Location, inert_globals: Sequence[str]) -> Any:
     try:
         data = file.read_bytes()
     except OSError as err:
         raise CheckpointFormatError(file, f"cannot read ({err.strerror})") from None
-    return load_dcp_metadata_bytes(data, str(file))
+    return load_dcp_metadata_bytes(data, str(file), inert_globals)
 
 
 
-def load_metadata(path: Location) -> tuple[Any, list[Location]]:
-    """The checkpoint's metadata and the metadata files it came from.
+def load_metadata(path: Location, inert_globals: Sequence[str] = ()) -> tuple[Any, list[Location]]:
+    """The checkpoint's metadata and the metadata files it came from (``inert_globals``: other
+    writers' classes read as data, from the command's read options).
 
     With only rank-local ``__<r>.metadata`` files, every rank's file is read and their
     chunks and storage entries are merged.
     """
     global_file = path / METADATA_FILE
     if global_file.is_file():
-        return _read_metadata_file(global_file), [global_file]
+        return _read_metadata_file(global_file, inert_globals), [global_file]
     files = sorted(
         (p for p in path.iterdir() if RANK_METADATA.match(p.name) and p.is_file()),
         key=lambda p: int(RANK_METADATA.match(p.name).group(1)),  # type: ignore[union-attr]
     )
     if not files:
         raise CheckpointNotFoundError(path, "no .metadata file: not a DCP checkpoint")
-    merged = _read_metadata_file(files[0])
+    merged = _read_metadata_file(files[0], inert_globals)
     for file in files[1:]:
-        md = _read_metadata_file(file)
+        md = _read_metadata_file(file, inert_globals)
         for key, entry in md.state_dict_metadata.items():
             known = merged.state_dict_metadata.get(key)
             if known is None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import pickle
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -31,7 +32,6 @@ from ...dtypes import DtypeName
 from ...errors import CheckpointFormatError, UnsafePickleError
 from ...pickles.load import Allowlist, load_pickle
 from ...pickles.rules import TORCH_DTYPES, refuse, torch_size
-from ..options import read_options
 from .metadata_foreign import (
     CONTAINERS,
     Foreign,
@@ -251,12 +251,12 @@ _TORCH_VALUES: dict[tuple[str, str], Any] = {**TORCH_DTYPES, **{("torch", n): n 
 """Dtypes as :class:`~ema_ckpt.dtypes.DtypeName`, layouts and memory formats as their names."""
 
 
-def _metadata_globals(source: str) -> tuple[Allowlist, dict[tuple[str, str], type[Foreign]]]:
+def _metadata_globals(source: str, inert_globals: Sequence[str]
+                      ) -> tuple[Allowlist, dict[tuple[str, str], type[Foreign]]]:
     """The allowlist of one DCP metadata load, and the :class:`~.metadata_foreign.Foreign`
     record classes it makes of any global none of torch's (one per name, judged once the whole
     pickle is read: :func:`_settle_foreign`)."""
     foreign: dict[tuple[str, str], type[Foreign]] = {}
-    inert_globals = read_options().inert_globals
 
     def other(module: str, name: str) -> type[Foreign]:  # called once per name
         return foreign.setdefault((module, name), foreign_class(module, name, source, inert=listed(
@@ -333,16 +333,16 @@ def _check_apart(path: Path, keys: int) -> None:
         raise ValueError(detail)
 
 
-def load_dcp_metadata_bytes(data: bytes, source: str) -> Any:
+def load_dcp_metadata_bytes(data: bytes, source: str, inert_globals: Sequence[str] = ()) -> Any:
     """Unpickle DCP ``Metadata`` from ``data`` into inert stand-ins of DCP's metadata classes.
 
     Only DCP's metadata classes, torch dtypes (as :class:`~ema_ckpt.dtypes.DtypeName`),
     ``torch.Size``, layouts, memory formats and ``pathlib`` paths are admitted, and records of
     any class with exactly ``_StorageInfo``'s fields as the values of ``storage_data`` (read as
-    torch's ``_StorageInfo``); globals listed in ``inert_globals`` (:func:`~ema_ckpt.formats.options.read_options`)
+    torch's ``_StorageInfo``); globals listed in ``inert_globals`` (the command's read options)
     are kept as opaque records. ``source`` names the file in error messages.
     """
-    allow, foreign = _metadata_globals(source)
+    allow, foreign = _metadata_globals(source, inert_globals)
     try:
         obj = load_pickle(data, allow, source, persistent=functools.partial(_no_persistent_ids, source),
                           lean=len(data) > _LEAN_ABOVE)

@@ -30,6 +30,7 @@ from ...storage import Location, Source, as_path
 from ...torch_records import FileWindow, TensorRecord
 from ...torch_records.checks import ReadChecks
 from ..base import CheckpointFormat, CheckpointReader, register_format
+from ..options import DEFAULT_READ, ReadOptions
 from .index import MetadataIndex, StoredSpecs, shared_structure
 from .metadata import METADATA_FILE, KeyPaths, StoredChunk, incomplete, is_dcp
 from .records import ChunkRecords
@@ -45,8 +46,10 @@ class DcpReader(MetadataIndex, ChunkRecords, CheckpointReader):
     read_checks: ReadChecks
 
 
-    def __init__(self, path: str | Location, *, shared: Mapping[str, Any] | None = None) -> None:
+    def __init__(self, path: str | Location, *, read: ReadOptions = DEFAULT_READ,
+                 shared: Mapping[str, Any] | None = None) -> None:
         self.path = as_path(path)
+        self.read_options = read
         self.step: int | None = None
         self._fds: dict[str, Source] = {}
         self._file_sizes: dict[str, int] = {}
@@ -244,15 +247,15 @@ class DcpReader(MetadataIndex, ChunkRecords, CheckpointReader):
 
 
 
-def open_dcp(path: Location) -> DcpReader:
+def open_dcp(path: Location, read: ReadOptions = DEFAULT_READ) -> DcpReader:
     """Open a DCP checkpoint directory."""
-    return DcpReader(path)
+    return DcpReader(path, read=read)
 
 
 
-def reopen_dcp(path: Location, shared: Any) -> DcpReader:
+def reopen_dcp(path: Location, shared: Any, read: ReadOptions) -> DcpReader:
     """A DCP reader rebuilt from another process's :meth:`DcpReader.share`."""
-    return DcpReader(path, shared=shared)
+    return DcpReader(path, read=read, shared=shared)
 
 
 FORMAT = register_format(

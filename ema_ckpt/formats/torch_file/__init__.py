@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from ...storage import Location
 from ..base import CheckpointFormat, CheckpointReader, register_format
+from ..options import ReadOptions
 from .folders import TorchFolderReader, is_weights_folder, missing_files
 from .model import step_in_tree
 from .reader import NOT_MODEL_FILES, SUFFIXES, TorchFileReader, file_facts, has_torch_suffix, step_record_of
@@ -48,8 +49,8 @@ def _not_a_model(path: Location) -> str | None:
     return None
 
 
-def _open(path: Location) -> CheckpointReader:
-    return TorchFolderReader(path) if path.is_dir() else TorchFileReader(path)
+def _open(path: Location, read: ReadOptions) -> CheckpointReader:
+    return TorchFolderReader(path, read) if path.is_dir() else TorchFileReader(path, read)
 
 
 def _step_record(path: Location) -> tuple[int, str] | None:

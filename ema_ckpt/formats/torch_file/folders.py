@@ -31,7 +31,7 @@ from ...layout import Box, TensorSpec
 from ...storage import Location, as_path
 from ...torch_records.checks import ReadChecks
 from ..base import CheckpointReader, trainer_state_step
-from ..options import ReadOptions, read_options
+from ..options import DEFAULT_READ, ReadOptions
 from ..safetensors.reader import read_index
 from .reader import TorchFileReader, file_kind
 
@@ -95,9 +95,9 @@ class TorchFolderReader(CheckpointReader):
     format_name = "torch"
     whole_file_records = True
 
-    def __init__(self, path: str | Location, options: ReadOptions | None = None) -> None:
+    def __init__(self, path: str | Location, options: ReadOptions = DEFAULT_READ) -> None:
         self.path = as_path(path)
-        options = options if options is not None else read_options()
+        self.read_options = options
         located = locate(self.path)
         if located is None:
             raise CheckpointNotFoundError(self.path, f"no {' or '.join(WEIGHTS_FILES[:2])} or {INDEX_FILE}")

@@ -94,7 +94,7 @@ class LightningCheckpointOutput(TorchFileOutput):
         from ...torch_records.emit import wrap_pickle
         from .reader import carried_trainer_state
 
-        beside = carried_trainer_state(self.carried, str(self.shown_path))
+        beside = carried_trainer_state(self.carried, str(self.shown_path), self.carried_read.inert_globals)
         beside.setdefault(LIGHTNING_VERSION_KEY, _lightning_version())
         return lambda inner: wrap_pickle(inner, "state_dict", beside)
 

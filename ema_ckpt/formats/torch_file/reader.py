@@ -44,7 +44,7 @@ from ...torch_records.legacy import is_legacy, legacy_storage_starts, read_legac
 from ...torch_records.tree import Opaque, PickledTree, check_harmless, foreign_globals, key_path, load_tree, walk
 from ...torch_records.zipfmt import END_MAGIC
 from ..base import TRAINER_STATE_FILE, CarriedFile, CheckpointReader, deliver
-from ..options import ReadOptions, read_options
+from ..options import DEFAULT_READ, ReadOptions
 from .model import Candidate, KeyPrefix, candidates, choose, epoch_in_tree, key_prefix, step_in_tree
 
 SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".tar")
@@ -189,8 +189,8 @@ def _dtype(path: Location, key: str, name: str) -> torch.dtype:
 class TorchFileReader(CheckpointReader):
     """Reader for one ``torch.save`` file (see the module docstring).
 
-    ``options``: which state dict and which pickled classes (default: the command's,
-    :func:`~ema_ckpt.formats.options.read_options`). ``checks``: where the bytes read are
+    ``options``: which state dict and which pickled classes (the command's read options).
+    ``checks``: where the bytes read are
     checked against their storages' CRC-32s (default: the reader's own; a folder of files
     shares one), the file known there by its name.
     """
@@ -199,10 +199,10 @@ class TorchFileReader(CheckpointReader):
     whole_file_records = True
     read_checks: ReadChecks
 
-    def __init__(self, path: str | Location, options: ReadOptions | None = None, *,
+    def __init__(self, path: str | Location, options: ReadOptions = DEFAULT_READ, *,
                  checks: ReadChecks | None = None) -> None:
         self.path = as_path(path)
-        options = options if options is not None else read_options()
+        self.read_options = options
         self.read_checks = checks if checks is not None else ReadChecks(
             lambda name: self.path.parent / name, lambda _name, n, offset: self.read_back(n, offset))
         try:
@@ -345,11 +345,12 @@ def _holds_tensor(value: Any) -> bool:
     return any(_is_tensor(v) for _, v in walk(value))
 
 
-def carried_trainer_state(files: Sequence[CarriedFile], source: str) -> dict[str, Any]:
+def carried_trainer_state(files: Sequence[CarriedFile], source: str,
+                          inert_globals: Sequence[str] = ()) -> dict[str, Any]:
     """The trainer's own entries among carried files (:data:`~ema_ckpt.formats.base.TRAINER_STATE_FILE`,
     or Lightning's ``meta.pt`` beside a sharded checkpoint), tensors left out; {} when none.
 
-    Read as inert data and judged as a checkpoint's pickle is (``inert_globals`` of the command).
+    Read as inert data and judged as a checkpoint's pickle is (``inert_globals``: the command's).
 
     Raises:
         UnsafePickleError: it names a global that is not read as data.
@@ -370,7 +371,7 @@ def carried_trainer_state(files: Sequence[CarriedFile], source: str) -> dict[str
         else:
             continue
         tree = load_tree(data, f"{source}/{file.name}")
-        check_harmless(tree, f"{source}/{file.name}", read_options().inert_globals)
+        check_harmless(tree, f"{source}/{file.name}", inert_globals)
         return trainer_state(tree.root)
     return {}
 
