@@ -1,6 +1,5 @@
-"""What a job's compute step works with on every worker: the sources opened once, a writer
-per target, and the engine streamed over this worker's share of the output files; or, for a job
-that only reads, its pieces of work shared out by bytes (:meth:`JobContext.share_out`).
+"""What a job's compute step works with on every worker: the sources opened once, a writer per
+target, the engine over this worker's share of the files, or a reading job's pieces shared out.
 
 Example:
     >>> readers = context.open_sources(paths)                        # doctest: +SKIP
@@ -48,10 +47,8 @@ class WrittenOutputs:
 
 @dataclass(slots=True)
 class Tally:
-    """This worker's bytes and pieces done, reported to ``on_progress`` as they grow.
-
-    Regions in the report count pieces. The total is reported before the first piece.
-    """
+    """This worker's bytes and pieces done, reported to ``on_progress`` as they grow (regions in
+    the report count pieces)."""
 
     bytes_total: int
     pieces_total: int
@@ -69,8 +66,8 @@ class Tally:
 
 @dataclass(frozen=True, slots=True)
 class Piece(Generic[T]):
-    """One piece of a reading job's work: its cost in bytes, and what does it (given the tally
-    to add the bytes it reads to) and returns its picklable result."""
+    """One piece of a reading job's work: its cost in bytes, and what does it (adding the bytes
+    it reads to the tally) and returns its picklable result."""
 
     cost: int
     run: Callable[[Tally], T]
@@ -78,8 +75,8 @@ class Piece(Generic[T]):
 
 @dataclass
 class JobContext:
-    """What :meth:`Job.compute` works with: the workers, where this worker writes each target
-    (its :class:`~ema_ckpt.storage.Sink`), and the engine's entry points."""
+    """What :meth:`Job.compute` works with: the workers, this worker's
+    :class:`~ema_ckpt.storage.Sink` per target, and the engine's entry points."""
 
     workers: Workers
     sinks: list[Sink]
@@ -87,7 +84,6 @@ class JobContext:
     device: str = "cpu"
     on_progress: Callable[[Progress], None] | None = None
     read: ReadOptions = DEFAULT_READ
-    """How every checkpoint of the run is read (the command's read options)."""
     roles: dict[int, dict[str, str]] = field(default_factory=dict)
     """Per target, the role of each file its writer wrote (for publishing), once finished."""
     writers: dict[int, OutputWriter] = field(default_factory=dict)
@@ -97,16 +93,12 @@ class JobContext:
         return self.workers.run(step)
 
     def open(self, path: Location, shared: Any = None) -> CheckpointReader:
-        """Open one checkpoint on this worker with the run's read options (``shared``: as
-        :func:`~ema_ckpt.formats.open_checkpoint`); it closes when the run's attempt ends."""
+        """One checkpoint opened with the run's read options, closed when the attempt ends."""
         return self.stack.enter_context(contextlib.closing(open_checkpoint(path, read=self.read, shared=shared)))
 
     def share_out(self, pieces: Sequence[Piece[T]]) -> list[T]:
-        """Every piece's result, in order, on every worker; each piece was run by one worker,
-        the pieces shared out by bytes (:func:`~ema_ckpt.dist.assign_by_bytes`), so the result
-        is the same for any number of workers.
-
-        A synchronisation point: an error in any worker's pieces is raised on every worker.
+        """Every piece's result, in order, on every worker; each run by one worker, shared out
+        by bytes, so the result is the same for any number of workers. A synchronisation point.
         """
         owners = assign_by_bytes([p.cost for p in pieces], self.workers.world_size)
         mine = [i for i, owner in enumerate(owners) if owner == self.workers.rank]
@@ -126,13 +118,8 @@ class JobContext:
         return [found[i] for i in range(len(pieces))]
 
     def open_sources(self, paths: Sequence[Location]) -> list[CheckpointReader]:
-        """Open every checkpoint on every worker, parsing each DCP ``.metadata`` only once.
-
-        Parsing metadata (a bounds-checked, restricted unpickle) costs time in proportion to the
-        keys, the largest fixed cost of a run over many small tensors. With N workers, worker r
-        parses inputs r, r+N, … and the parsed indexes are exchanged, so the parse is split
-        instead of repeated. The readers close when the run's attempt ends.
-        """
+        """Every checkpoint opened on every worker, each DCP ``.metadata`` parsed once: worker r
+        of N parses inputs r, r+N, … and the parsed indexes are exchanged."""
         # their indexes (millions of objects) live as long as the readers: no collection while they are
         # parsed, sent and received, then kept out of cyclic collections (ema_ckpt._gc)
         with paused_gc():
@@ -180,12 +167,9 @@ class JobContext:
         accumulate_dtype: torch.dtype | None = None,
         check_finite: Sequence[int] = (),
     ) -> WrittenOutputs:
-        """Stream this worker's share of every output through the engine, then finish them.
-
-        Every writer plans the same regions (outputs of one run share ``layout``'s chunks);
-        files are shared out among the workers by work; the coordinator writes each output's
-        metadata once every worker has closed its files. Progress is reported in bytes of
-        tensor data read (what the results' ``bytes_read`` counts), the total first.
+        """Stream this worker's share of every output's files through the engine, then finish
+        them on the coordinator. Every writer plans the same regions (``layout``'s chunks);
+        progress counts bytes of tensor data read, the total first.
         """
         copies = all(out.mode == "copy" for out in outputs)
         for writer in writers:
@@ -262,14 +246,10 @@ class JobContext:
 
 
 class _ReadsProgress:
-    """The engine's per-region reports restated in bytes read (as the results count them), over
-    the whole run.
-
-    A floating region is read from every source an output sums or folds (in each source's own
-    dtype), any other from one source. The total is reported at once, before any region is read,
-    so a progress bar never starts without it. With several workers, this one reports the work
-    claimed so far by any of them (files are claimed in turn, see :meth:`Workers.claims`) plus
-    its own progress in the file it works on: a little ahead of the truth, never backwards.
+    """The engine's per-region reports restated in bytes read over the whole run (a floating
+    region from every source an output uses, any other from one), the total first. With several
+    workers: the files claimed so far by any, plus this one's progress in its file (a little
+    ahead of the truth, never backwards).
     """
 
     def __init__(self, report: Callable[[Progress], None], files: Sequence[Sequence[PlannedRegion]],
@@ -327,8 +307,7 @@ class _ReadsProgress:
 
 
 def regions_by_file(regions: Sequence[PlannedRegion]) -> list[list[PlannedRegion]]:
-    """The regions grouped by output file, files in order of their first region (each file is
-    written by one worker, in the order its regions were planned)."""
+    """The regions grouped by output file, files in order of their first region."""
     files: dict[str, list[PlannedRegion]] = {}
     for region in regions:
         files.setdefault(region.file, []).append(region)

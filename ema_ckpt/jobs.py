@@ -1,27 +1,13 @@
 """The job runner: the one place that knows the order of a run and which worker does what.
 
-Every command that reads checkpoints (``accumulate``, ``posthoc``, ``average``, ``select``,
-``consolidate``, ``reshard``, and ``verify`` and ``diff``, which write nothing) is a
-:class:`Job`. :func:`run_job` runs one that writes in this order:
-
-1. **lock** the output and **recover** what a killed run left beside it (coordinator);
-2. **plan** from metadata alone (coordinator), then share the plan with every worker;
-3. **stage**: one staging directory per output target, beside its final path (coordinator);
-4. **compute** (every worker): open the sources, check them, and stream the engine over this
-   worker's share of the output files (:meth:`JobContext.write`);
-5. **manifest** each output and **publish** it atomically, in the order the job lists its
-   targets (coordinator).
-
-A job that only reads (:attr:`Job.writes` False) is planned, then computed on every worker,
-sharing its pieces of work out by bytes (:meth:`JobContext.share_out`); nothing is locked,
-staged or published.
-
-A failure anywhere removes the staging directories and leaves every published output as it
-was. A job may answer a checkpoint's error with a new plan (:meth:`Job.retry`: skip that
-checkpoint and go on); the lock is held throughout.
-
-Spawned workers (``workers=N``) receive the job itself, options included, so no option can
-be lost on the way to a rank.
+:func:`run_job` runs a :class:`Job` that writes in this order: **lock** the output and
+**recover** what a killed run left (coordinator); **plan** from metadata alone (coordinator,
+shared with every worker); **stage** one directory per target (coordinator); **compute** on
+every worker (:meth:`JobContext.write`); **manifest** and **publish** each target in the order
+the job lists them (coordinator). A job that only reads (:attr:`Job.writes` False) is planned,
+then computed on every worker (:meth:`JobContext.share_out`). A failure anywhere removes the
+stagings; :meth:`Job.retry` may answer a checkpoint's error with a new plan under the same lock.
+Spawned workers receive the job itself, so no option is lost on the way to a rank.
 
 Example:
     >>> result = run_job(ConsolidateJob(options))  # doctest: +SKIP
@@ -97,12 +83,8 @@ def _jsonable(value: Any) -> Any:
 
 @dataclass(frozen=True, slots=True)
 class Target:
-    """One output of a run: its final path, and how it is staged.
-
-    ``near``: stage beside this directory instead (the outputs of a sweep live inside it,
-    and no half-built output may appear there). ``single_file``: the output is one file.
-    ``replace``: an existing output may be replaced (else the run stops before writing).
-    """
+    """One output of a run: its final path; ``near``: stage beside this directory instead (a
+    sweep's outputs live inside it); ``replace``: an existing output may be replaced."""
 
     final: Location
     near: Location | None = None
@@ -111,17 +93,12 @@ class Target:
 
 
 class Job(abc.ABC, Generic[PlanT, ComputedT, ResultT]):
-    """One command's run, as the runner asks for it (see the module docstring).
-
-    Only :meth:`compute` runs on every worker; :meth:`plan`, :meth:`manifests` and
-    :meth:`finish_without_output` run on the coordinator. Plans and computed values cross
-    processes, so they must pickle.
-    """
+    """One command's run: only :meth:`compute` runs on every worker, the rest on the
+    coordinator. Plans and computed values cross processes, so they must pickle."""
 
     options: RunFields
     writes: ClassVar[bool] = True
-    """False for a job that only reads (``verify``, ``diff``): no targets, no lock; its
-    :meth:`compute` runs on every worker and its result is what :meth:`result` returns."""
+    """False for a job that only reads (``verify``, ``diff``): no targets, no lock."""
 
     def lock_path(self) -> Location | None:
         """The output the run locks; None when it writes nothing (a dry run)."""

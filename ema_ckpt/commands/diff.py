@@ -23,7 +23,7 @@ import fnmatch
 import functools
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -81,19 +81,8 @@ class KeyDiff:
         return self.max_abs <= atol
 
     def to_dict(self, atol: float = 0.0) -> dict[str, Any]:
-        return {
-            "key_a": self.key_a,
-            "key_b": self.key_b,
-            "shape_a": list(self.shape_a),
-            "shape_b": list(self.shape_b),
-            "dtype_a": self.dtype_a,
-            "dtype_b": self.dtype_b,
-            "numel": self.numel,
-            "max_abs": _json_float(self.max_abs),
-            "max_rel": _json_float(self.max_rel),
-            "mismatched": self.mismatched,
-            "matches": self.matches(atol),
-        }
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        return {**{k: _json_value(v) for k, v in values.items()}, "matches": self.matches(atol)}
 
 
 @dataclass(slots=True)
@@ -136,9 +125,11 @@ class DiffResult:
         }
 
 
-def _json_float(value: float | None) -> float | str | None:
-    """JSON has no Inf/NaN: those become the strings ``"inf"`` / ``"nan"``."""
-    if value is None or math.isfinite(value):
+def _json_value(value: Any) -> Any:
+    """Tuples as lists; JSON has no Inf/NaN: those become the strings ``"inf"`` / ``"nan"``."""
+    if isinstance(value, tuple):
+        return list(value)
+    if not isinstance(value, float) or math.isfinite(value):
         return value
     return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
 
@@ -187,17 +178,11 @@ def pair_keys(
     return pairs, only_a, only_b, label
 
 
-def _selected(key: str, include: Sequence[str], exclude: Sequence[str]) -> bool:
-    if include and not any(fnmatch.fnmatchcase(key, g) for g in include):
+def _selected(names: Sequence[str], include: Sequence[str], exclude: Sequence[str]) -> bool:
+    """Kept when some name is included (or nothing is asked for) and none is excluded."""
+    if include and not any(fnmatch.fnmatchcase(k, g) for k in names for g in include):
         return False
-    return not (exclude and any(fnmatch.fnmatchcase(key, g) for g in exclude))
-
-
-def _pair_selected(a: str, b: str, include: Sequence[str], exclude: Sequence[str]) -> bool:
-    """Kept when either name is included and neither is excluded."""
-    if include and not any(fnmatch.fnmatchcase(k, g) for k in (a, b) for g in include):
-        return False
-    return not (exclude and any(fnmatch.fnmatchcase(k, g) for k in (a, b) for g in exclude))
+    return not (exclude and any(fnmatch.fnmatchcase(k, g) for k in names for g in exclude))
 
 
 def diff(
@@ -250,8 +235,7 @@ class DiffOptions(KeyFields, ReadFields, RunFields):
 
 
 class DiffJob(Job[None, DiffResult, DiffResult]):
-    """:func:`diff` as a job that writes nothing: every worker pairs the keys alike; each pair
-    is compared by one (:meth:`~ema_ckpt.job_context.JobContext.share_out`)."""
+    """:func:`diff` as a job that writes nothing."""
 
     writes = False
 
@@ -280,11 +264,11 @@ def _diff(context: JobContext, options: DiffOptions) -> DiffResult:
     specs_a, specs_b = reader_a.specs(), reader_b.specs()
     pairs, only_a, only_b, pairing = pair_keys(list(specs_a), list(specs_b))
     result = DiffResult(a, b, reader_a.format_name, reader_b.format_name, pairing=pairing)
-    result.only_in_a = [k for k in only_a if _selected(k, include, exclude)]
-    result.only_in_b = [k for k in only_b if _selected(k, include, exclude)]
+    result.only_in_a = [k for k in only_a if _selected((k,), include, exclude)]
+    result.only_in_b = [k for k in only_b if _selected((k,), include, exclude)]
     pieces = []
     for key_a, key_b in pairs:
-        if _pair_selected(key_a, key_b, include, exclude):
+        if _selected((key_a, key_b), include, exclude):
             spec_a, spec_b = specs_a[key_a], specs_b[key_b]
             cost = spec_a.nbytes + spec_b.nbytes if spec_a.shape == spec_b.shape else 0
             pieces.append(Piece(cost, functools.partial(_compare_key, reader_a, reader_b, spec_a, spec_b,
