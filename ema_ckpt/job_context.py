@@ -144,14 +144,12 @@ class JobContext:
         if sink.one_writer and self.workers.world_size > 1:
             raise OptionError("out", f"{sink.final}: a single-file output on object storage is written by "
                               "one worker; run with one worker (or write a directory)", value=str(sink.final))
+        name = sink.final.name if file_name is None else file_name
+        writer = output_format(format_name).make(sink.directory, name, **settings)
         if file_name is not None:
-            writer = output_format(format_name).make(sink.directory, file_name, **settings)
-            writer.final = sink.final / file_name
-            writer.in_directory = True
+            writer.final, writer.in_directory = sink.final / file_name, True
         else:
-            writer = output_format(format_name).make(sink.directory, sink.final.name, **settings)
-            writer.final = sink.final
-            writer.file_tag = sink.file_tag
+            writer.final, writer.file_tag = sink.final, sink.file_tag
         self.writers[index] = writer
         return writer
 

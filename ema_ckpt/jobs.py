@@ -138,6 +138,19 @@ class Job(abc.ABC, Generic[PlanT, ComputedT, ResultT]):
         """What the library call returns (``computed`` is None when nothing was written)."""
 
 
+class ReadingJob(Job[PlanT, ResultT, ResultT]):
+    """A job that only reads (``verify``, ``diff``): what every worker computes is its result."""
+
+    writes = False
+
+    def targets(self, plan: PlanT) -> list[Target]:
+        return []
+
+    def result(self, plan: PlanT, computed: ResultT | None, seconds: float) -> ResultT:
+        assert computed is not None
+        return computed
+
+
 def run_job(job: Job[PlanT, ComputedT, ResultT], *,
             on_progress: Callable[[Progress], None] | None = None) -> ResultT:
     """Run ``job`` on this process or its worker group (see the module docstring)."""
@@ -254,4 +267,4 @@ def _compute_publish(job: Job[PlanT, ComputedT, Any], plan: PlanT, destinations:
     return computed
 
 
-__all__ = ["Job", "Target", "recorded_options", "run_job"]
+__all__ = ["Job", "ReadingJob", "Target", "recorded_options", "run_job"]

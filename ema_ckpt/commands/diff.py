@@ -1,15 +1,10 @@
 """``diff``: compare two checkpoints of any supported formats, key by key.
 
-Keys are paired by name. When the exact names barely overlap, a leading ``model.`` is
-stripped on either side (a DCP ``{"model": …}`` checkpoint against the safetensors file
-:func:`~ema_ckpt.consolidate.consolidate` made from it): the pairing that matches the
-most keys wins, exact names on a tie. Values stream in row blocks (memory holds one
-block per side), floats compared in float64 (complex in complex128), integers exactly.
-
-Per key: shapes and dtypes of both sides, the largest absolute difference ``|a − b|``,
-the largest relative difference ``max|a − b| / max|b|``, and how many elements differ.
-NaN against NaN at the same place counts as equal; NaN or ±Inf against anything else
-is an infinite difference.
+Keys are paired by name, a leading ``model.`` stripped on either side where that pairs more
+(a DCP ``{"model": …}`` checkpoint against the safetensors file consolidated from it). Values
+stream in row blocks, floats compared in float64 (complex in complex128), integers exactly.
+Per key: shapes, dtypes, ``max|a − b|``, ``max|a − b| / max|b|`` and how many elements differ;
+NaN against NaN counts as equal, NaN or ±Inf against anything else as an infinite difference.
 
 Example:
     >>> result = diff("ckpts/ema", "ema.safetensors")      # doctest: +SKIP
@@ -30,7 +25,7 @@ import torch
 
 from ..formats.base import CheckpointReader
 from ..job_context import JobContext, Piece, Tally
-from ..jobs import Job, Target, run_job
+from ..jobs import ReadingJob, run_job
 from ..layout import TensorSpec, row_blocks
 from ..options import KeyFields, ReadFields, RunFields
 from ..progress import Progress
@@ -200,16 +195,13 @@ def diff(
     """Compare the checkpoints at ``a`` and ``b`` key by key (see the module docstring).
 
     Args:
-        a, b: any supported checkpoints (ema-ckpt output, DCP, DeepSpeed, safetensors).
+        a, b: any supported checkpoints.
         include, exclude: glob patterns; a pair is kept when either side's name matches
             an ``include`` pattern (or there are none) and neither matches an ``exclude``.
         block_bytes: memory bound per side for one block of rows, widened to 64 bits.
-        state_key, inert_globals: for single-file checkpoints, as for :func:`~ema_ckpt.accumulate`
-            (on both sides).
-        workers: compare the keys in N processes (keys shared out by bytes; each key is
-            compared by one worker, so the result is the same for any N).
-        on_progress: called after each key this process compared (with workers, this
-            process's share).
+        state_key, inert_globals: as for :func:`~ema_ckpt.accumulate` (on both sides).
+        workers: compare the keys in N processes (the result is the same for any N).
+        on_progress: called as this process compares its share.
 
     Example:
         >>> result = diff("ckpts/ema", "ema.safetensors")     # doctest: +SKIP
@@ -234,27 +226,15 @@ class DiffOptions(KeyFields, ReadFields, RunFields):
     block_bytes: int = BLOCK_BYTES
 
 
-class DiffJob(Job[None, DiffResult, DiffResult]):
-    """:func:`diff` as a job that writes nothing."""
-
-    writes = False
-
+class DiffJob(ReadingJob[None, DiffResult]):
     def __init__(self, options: DiffOptions) -> None:
         self.options: DiffOptions = options
 
     def plan(self, notes: list[str]) -> None:
         return None
 
-    def targets(self, plan: None) -> list[Target]:
-        return []
-
     def compute(self, plan: None, context: JobContext) -> DiffResult:
         return _diff(context, self.options)
-
-    def result(self, plan: None, computed: DiffResult | None, seconds: float) -> DiffResult:
-        assert computed is not None
-        return computed
-
 
 def _diff(context: JobContext, options: DiffOptions) -> DiffResult:
     """:func:`diff` on one worker: every worker pairs the keys alike; each pair is compared by one."""

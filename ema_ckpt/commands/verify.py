@@ -26,7 +26,7 @@ from ..formats.base import CheckpointReader
 from ..formats.options import ReadOptions
 from ..integrity import file_checks, read_manifest
 from ..job_context import JobContext, Piece, Tally
-from ..jobs import Job, Target, run_job
+from ..jobs import ReadingJob, run_job
 from ..layout import split_rows
 from ..manifest import MANIFEST_NAME
 from ..options import ReadFields, RunFields
@@ -135,27 +135,15 @@ class VerifyOptions(ReadFields, RunFields):
     read_block_bytes: int = READ_BLOCK_BYTES
 
 
-class VerifyJob(Job[Location, VerifyResult, VerifyResult]):
-    """:func:`verify` as a job that writes nothing."""
-
-    writes = False
-
+class VerifyJob(ReadingJob[Location, VerifyResult]):
     def __init__(self, options: VerifyOptions) -> None:
         self.options: VerifyOptions = options
 
     def plan(self, notes: list[str]) -> Location:
         return self.options.path
 
-    def targets(self, plan: Location) -> list[Target]:
-        return []
-
     def compute(self, plan: Location, context: JobContext) -> VerifyResult:
         return _verify(context, plan, self.options.hash_block_bytes, self.options.read_block_bytes)
-
-    def result(self, plan: Location, computed: VerifyResult | None, seconds: float) -> VerifyResult:
-        assert computed is not None
-        return computed
-
 
 _Check = Callable[[VerifyResult, Tally], None]
 """One piece of the work: adds what it finds to the result, and the bytes it reads to the tally."""

@@ -132,11 +132,8 @@ class CheckpointReader(abc.ABC):
 
     @abc.abstractmethod
     def read(self, key: str, box: Box, out: torch.Tensor | None = None) -> torch.Tensor:
-        """``box`` of ``key`` in its stored dtype: a new tensor, or ``out`` filled and returned.
-
-        ``out`` must be contiguous, of the box's shape and the key's dtype (else ValueError);
-        see :attr:`supports_out`.
-        """
+        """``box`` of ``key`` in its stored dtype: a new tensor, or ``out`` (contiguous, of the
+        box's shape and the key's dtype, else ValueError) filled and returned."""
 
     @abc.abstractmethod
     def info(self) -> dict[str, Any]:

@@ -1,8 +1,5 @@
 """How checkpoints are read during one command: which state dict of a file, which pickled classes.
-
-A command makes these once from its options (:func:`read_options_from`) and passes them to
-every reader it opens (``open_checkpoint(path, read=...)``), in this process or in its spawned
-workers (the job carries them). Formats that have nothing to choose ignore them.
+Made once from the command's options and passed to every reader it opens, on every worker.
 
 Example:
     >>> ReadOptions(state_key="state_dict_ema").recorded()
@@ -56,8 +53,7 @@ DEFAULT_READ = ReadOptions()
 
 
 def read_options_from(settings: object) -> ReadOptions:
-    """The options a command's settings carry (its ``state_key``, ``inert_globals`` and
-    ``keep_prefix``, if any), checked."""
+    """The read options a command's settings carry, checked."""
     return ReadOptions(getattr(settings, "state_key", None), tuple(getattr(settings, "inert_globals", ())),
                        bool(getattr(settings, "keep_prefix", False)))
 

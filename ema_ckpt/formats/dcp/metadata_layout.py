@@ -18,7 +18,6 @@ from typing import NamedTuple
 DCP_METADATA_VERSION = "1.0.0"  # DCP's metadata version, torch.distributed.checkpoint.filesystem.CURRENT_DCP_VERSION
 
 
-
 class ClassLayout(NamedTuple):
     """What unpickling the emitted bytes relies on in one class definition of torch's."""
 
@@ -62,12 +61,9 @@ mirrors, as :func:`installed_layout` reads them."""
 
 @functools.cache
 def emitter_matches_torch() -> bool:
-    """Whether the installed torch would pickle DCP metadata as :func:`dump_metadata` emits it.
-
-    Compares :func:`installed_layout` with :data:`EXPECTED_LAYOUT` and checks how torch
-    pickles dtypes, layouts and sizes; never imports ``torch.distributed.checkpoint``. Runs
-    once per process (a few milliseconds; a cache lookup after). Source that cannot be read or
-    parsed counts as a difference.
+    """Whether the installed torch would pickle DCP metadata as :func:`dump_metadata` emits it:
+    :func:`installed_layout` against :data:`EXPECTED_LAYOUT`, and how torch pickles dtypes,
+    layouts and sizes (source that cannot be read counts as a difference). Once per process.
     """
     try:
         return installed_layout() == EXPECTED_LAYOUT and _torch_pickles_as_emitted()

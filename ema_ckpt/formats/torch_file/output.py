@@ -17,10 +17,7 @@ from typing import TYPE_CHECKING, Any
 from ...dtypes import torch_dtype
 from ...errors import OutputError
 from ...writers.base import OutputFormat, OutputTensor, OutputWriter, PlannedRegion, WrittenFile, register_output
-from ...writers.regions import (
-    BLOCK_BYTES,
-    row_block_regions,
-)
+from ...writers.regions import BLOCK_BYTES, row_block_regions
 
 if TYPE_CHECKING:
     import torch
