@@ -1,9 +1,8 @@
 """Checks run in a child process, so the objects they build never add to a run's peak memory.
 
-An output's own loader (safetensors', or unpickling a ``.metadata``) holds hundreds of bytes
-per tensor while it parses; at 200,000 tensors that is more than the run itself needs. The
-child is the same interpreter in isolated mode (``-I``: no working directory on its path, no
-``PYTHON*`` variables), with this copy of ema-ckpt first on its path.
+An output's own loader holds hundreds of bytes per tensor while it parses (more than the run
+needs at 200,000 tensors). The child is this interpreter in isolated mode (``-I``: no working
+directory on its path, no ``PYTHON*`` variables), with this copy of ema-ckpt first on its path.
 
 Example:
     >>> run_apart("import sys; print('no'); sys.exit(1)")

@@ -45,11 +45,8 @@ def workers_requested(args: list[str]) -> int:
 
 
 def main() -> None:
-    """Run the ``ema-ckpt`` command line (see :func:`ema_ckpt.cli.main`).
-
-    SIGTERM and Ctrl-C end it with one line and exit 143 / 130 at any moment, even while
-    the modules are still being imported (:mod:`ema_ckpt._signals`).
-    """
+    """Run the ``ema-ckpt`` command line; SIGTERM and Ctrl-C end it with one line and exit
+    143 / 130 at any moment, even while modules are imported (:mod:`ema_ckpt._signals`)."""
     _signals.install()  # here, not at import: the workers it spawns re-import this module
     _gc.own_the_heap()  # this process is the command's: its imports may be set aside (ema_ckpt._gc)
     workers = workers_requested(sys.argv[1:])

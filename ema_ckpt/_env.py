@@ -10,40 +10,35 @@ Example:
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import TypeVar
 
 from .errors import OptionError, UsageError
 
-
-def _text(variable: str, env: Mapping[str, str] | None) -> str:
-    return (os.environ if env is None else env).get(variable, "").strip()
+_N = TypeVar("_N", int, float)
 
 
 def seconds(variable: str, default: float, env: Mapping[str, str] | None = None) -> float:
     """A number of seconds above 0 (``default`` when unset)."""
-    text = _text(variable, env)
-    if not text:
-        return default
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0 < value < 1e7:
-        raise OptionError(variable, f"must be a number of seconds above 0, got {text!r}", value=text)
-    return value
+    return _setting(variable, default, env, float, lambda v: 0 < v < 1e7, "a number of seconds above 0")
 
 
 def whole_number(variable: str, default: int, what: str, env: Mapping[str, str] | None = None) -> int:
     """A whole number of ``what`` (``"requests"``, ``"MiB"``), at least 1 (``default`` when unset)."""
-    text = _text(variable, env)
+    return _setting(variable, default, env, int, lambda v: v >= 1, f"a whole number of {what}, at least 1")
+
+
+def _setting(variable: str, default: _N, env: Mapping[str, str] | None, parse: Callable[[str], _N],
+             ok: Callable[[_N], bool], wanted: str) -> _N:
+    text = (os.environ if env is None else env).get(variable, "").strip()
     if not text:
         return default
     try:
-        value = int(text)
+        value = parse(text)
     except ValueError:
-        value = 0
-    if value < 1:
-        raise OptionError(variable, f"must be a whole number of {what}, at least 1, got {text!r}", value=text)
+        value = None
+    if value is None or not ok(value):
+        raise OptionError(variable, f"must be {wanted}, got {text!r}", value=text)
     return value
 
 

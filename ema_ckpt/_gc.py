@@ -1,16 +1,11 @@
 """Pausing Python's cyclic garbage collector while many long-lived objects are built.
 
-Parsing a 20,000-key DCP ``.metadata`` creates millions of small tuples and dicts, none in a
-reference cycle. Each batch of new objects triggers a collection that walks the growing
-heap again, about a fifth of the parse time; receiving another worker's parsed index pays
-the same several times over. Reference counting still frees everything as usual.
-
-Both helpers are context managers and change the collector of the whole process, so only
-the code that owns the process's work enters them: :func:`paused_gc` around one parse,
-:func:`frozen_heap` only in the job runner, around a command's data loop. Library
-functions never enter them on a caller's behalf, as decorators or otherwise. Likewise
-:func:`import_module` sets an imported module's objects aside only in a process whose entry
-point declared it ema-ckpt's own (:func:`own_the_heap`: the command line, spawned workers).
+Parsing a 20,000-key DCP ``.metadata`` creates millions of small objects in no reference cycle,
+and each collection they trigger walks the growing heap again (about a fifth of the parse).
+Both helpers change the collector of the whole process, so only the code that owns the process's
+work enters them: :func:`paused_gc` around one parse, :func:`frozen_heap` in the job runner;
+library functions never do on a caller's behalf. :func:`import_module` sets modules aside only
+in a process declared ema-ckpt's own (:func:`own_the_heap`: the command line, spawned workers).
 
 **Relies on** the freeze semantics of CPython's public ``gc.freeze`` / ``gc.unfreeze`` /
 ``gc.get_freeze_count`` (checked in ``tests/test_compat.py``): frozen objects are left out
@@ -63,12 +58,8 @@ def own_the_heap() -> None:
 
 def import_module(name: str) -> ModuleType:
     """``importlib.import_module(name)``; in a process that owns its heap, imported without
-    cyclic collections and its objects then set aside (``gc.freeze``).
-
-    Importing torch creates about a million objects that live as long as the process; the
-    collections triggered while they are made, and every full collection after, walk them
-    all again: about a quarter of the import's time, and more later. Their reference cycles,
-    if any, stay until the outermost :func:`frozen_heap` block ends.
+    cyclic collections and its objects then set aside (``gc.freeze``): torch's million objects
+    would otherwise be walked by every collection (a quarter of the import's time, and more later).
     """
     module = sys.modules.get(name)
     if module is not None or not _owns_heap:
@@ -91,13 +82,8 @@ def _settle() -> None:
 @contextlib.contextmanager
 def frozen_heap() -> Iterator[None]:
     """Objects that exist on entry are left out of cyclic collections until the outermost
-    block ends.
-
-    For the job runner's data loop: the parsed indexes of every input (millions of objects)
-    live for the whole run, and each full collection would walk them all again. Objects made
-    inside the block are collected as usual; a nested block also sets aside what was made since
-    the outer one began. A process that froze objects for its own reasons (``gc.freeze``
-    before a fork) is left as it is.
+    block ends (the inputs' parsed indexes live for the whole run). A process that froze
+    objects for its own reasons (``gc.freeze`` before a fork) is left as it is.
     """
     global _freezes, _settled
     with _freezes_lock:

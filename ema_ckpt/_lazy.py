@@ -1,8 +1,7 @@
 """A module imported on first attribute access.
 
-Byte-copying commands (a DCP checkpoint to safetensors) never touch a tensor, so the
-modules on their path refer to ``torch`` through this proxy and never pay its import (a large
-share of such a run: docs/performance.md).
+Byte-copying commands never touch a tensor: the modules on their path refer to ``torch``
+through this proxy and never pay its import.
 
 Example:
     >>> json = LazyModule("json")

@@ -1,9 +1,8 @@
 """Names from checkpoints shown safely: keys and paths are untrusted text.
 
-A key may hold terminal escape sequences (ESC, OSC), other control characters, bidi
-overrides that reorder what a terminal shows, or lone surrogates that no encoder accepts.
-:func:`escaped` writes each of these as a Python-style escape, so a name can be printed in
-a table, a message or JSON and never acts on the terminal or fails to encode.
+A key may hold terminal escape sequences, other control characters, bidi overrides or lone
+surrogates: :func:`escaped` writes each as a Python-style escape, so a printed name never acts
+on the terminal or fails to encode.
 
 Example:
     >>> escaped("model.w\\x1b[2J")
@@ -27,10 +26,8 @@ def _unsafe(ch: str) -> bool:
 
 
 def escaped(text: str, *, keep_newlines: bool = False) -> str:
-    """``text`` with control characters, bidi overrides and lone surrogates escaped.
-
-    ``keep_newlines`` leaves ``\n`` alone (for whole messages; a name never keeps one).
-    """
+    """``text`` with control characters, bidi overrides and lone surrogates escaped
+    (``keep_newlines``: but ``\n``, for whole messages)."""
     if text.isascii() and text.isprintable():
         return text
     out = []

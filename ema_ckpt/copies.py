@@ -17,12 +17,13 @@ Example:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from typing import TYPE_CHECKING, TypeVar
 
 from .errors import EmaCkptError, IncompatibleCheckpointError
 from .formats import open_checkpoint
 from .formats.base import CheckpointReader
+from .formats.options import DEFAULT_READ, ReadOptions
 from .layout import row_blocks
 from .layouts import ALIAS_NAMES, EXPORT_NAMES, TRAINER_STATE
 from .selection import select_keys
@@ -62,30 +63,36 @@ def same_file(a: Location, b: Location) -> bool:
     return a.resolve() == b.resolve() or (one_file(a, b) and not a.is_dir())
 
 
-def same_weights(a: Location, b: Location) -> bool:
-    """The checkpoints at ``a`` and ``b`` hold the same keys with the same bytes."""
-    with contextlib.closing(open_checkpoint(a)) as x, contextlib.closing(open_checkpoint(b)) as y:
+def same_weights(a: Location, b: Location, read: ReadOptions = DEFAULT_READ) -> bool:
+    """The checkpoints at ``a`` and ``b``, read with ``read``, hold the same keys with the same bytes."""
+    with _both(a, b, read) as (x, y):
         keys = select_keys(x)
         return sorted(keys) == sorted(select_keys(y)) and same_model_bytes(x, y, keys)
 
 
-def same_kind(a: Location, b: Location) -> bool:
+def same_kind(a: Location, b: Location, read: ReadOptions = DEFAULT_READ) -> bool:
     """Two checkpoints holding the same keys (metadata only); an unreadable one is not known to
     differ, so it is never left unsaid."""
     try:
-        with contextlib.closing(open_checkpoint(a)) as x, contextlib.closing(open_checkpoint(b)) as y:
+        with _both(a, b, read) as (x, y):
             return sorted(select_keys(x)) == sorted(select_keys(y))
     except EmaCkptError:
         return True
 
 
-def copy_of(path: Location, checkpoints: Sequence[F]) -> F | None:
+@contextlib.contextmanager
+def _both(a: Location, b: Location, read: ReadOptions) -> Iterator[tuple[CheckpointReader, CheckpointReader]]:
+    with contextlib.closing(open_checkpoint(a, read=read)) as x, contextlib.closing(open_checkpoint(b, read=read)) as y:
+        yield x, y
+
+
+def copy_of(path: Location, checkpoints: Sequence[F], read: ReadOptions = DEFAULT_READ) -> F | None:
     """The checkpoint an alias with no step of its own copies (a link, or the same weights), or None."""
     for c in reversed(checkpoints):
         if same_file(path, c.path):
             return c
         try:
-            if same_weights(path, c.path):
+            if same_weights(path, c.path, read):
                 return c
         except EmaCkptError:
             return None
@@ -105,8 +112,8 @@ def _prefer(a: F, b: F, known: Collection[Location]) -> tuple[F, F]:
     return (a, b) if rank(a) <= rank(b) else (b, a)
 
 
-def one_per_step(checkpoints: Sequence[F], known: Collection[Location],
-                 compare_after: int | None) -> tuple[list[F], list[tuple[Location, str]]]:
+def one_per_step(checkpoints: Sequence[F], known: Collection[Location], compare_after: int | None,
+                 read: ReadOptions = DEFAULT_READ) -> tuple[list[F], list[tuple[Location, str]]]:
     """(kept, [(skipped path, why)]) of checkpoints sorted by step: identical copies of a step
     count once; different ones are refused. ``known``: checkpoints already folded (kept first).
 
@@ -125,7 +132,8 @@ def one_per_step(checkpoints: Sequence[F], known: Collection[Location],
             continue
         keep, skip = _prefer(previous, candidate, known)
         unread = compare_after is not None and candidate.step <= compare_after  # not read by this run either way
-        if not (same_file(previous.path, candidate.path) or unread or same_weights(previous.path, candidate.path)):
+        if not (same_file(previous.path, candidate.path) or unread
+                or same_weights(previous.path, candidate.path, read)):
             raise IncompatibleCheckpointError(
                 f"{previous.path} and {candidate.path} both hold step {candidate.step} with different "
                 "weights; leave one out with {skip=PATH}", remedy="skip"

@@ -48,6 +48,7 @@ from .errors import (
     UsageError,
 )
 from .formats import Resolved, resolve
+from .formats.options import DEFAULT_READ, ReadOptions
 from .formats.resolve import not_a_model_reason, waiting_reason
 from .layouts import (
     ALIAS_NAMES,
@@ -143,9 +144,10 @@ def _inside(path: Location, roots: Iterable[Location]) -> bool:
     return any(resolved == r or r in resolved.parents for r in roots)
 
 
-def _drop_identical_copies(found: Discovery, known: Mapping[Location, int], compare_after: int | None) -> None:
+def _drop_identical_copies(found: Discovery, known: Mapping[Location, int], compare_after: int | None,
+                           read: ReadOptions) -> None:
     """One checkpoint per step (:func:`~ema_ckpt.copies.one_per_step`), each copy left said."""
-    kept, skipped = one_per_step(found.checkpoints, {as_path(p).resolve() for p in known}, compare_after)
+    kept, skipped = one_per_step(found.checkpoints, {as_path(p).resolve() for p in known}, compare_after, read)
     for path, why in skipped:
         found.notes.append(f"skipped {path}: {why}")
         found.entries = [Entry(e.path, False, why, e.step, e.format_name) if e.path == path else e
@@ -376,7 +378,7 @@ def _discover_one(path: Location, scan: _Scan) -> None:
         _scan_folder(nested[0], scan)
 
 
-def _refuse_unplaced(found: Discovery) -> None:
+def _refuse_unplaced(found: Discovery, read: ReadOptions) -> None:
     """An entry like the folded ones that no record places fails the run: folding the others
     would be a partial result that exits 0."""
     if not found.checkpoints or not found.unplaced:
@@ -384,9 +386,9 @@ def _refuse_unplaced(found: Discovery) -> None:
     taken = found.checkpoints[-1]
     alike = []
     for path, why, fmt in found.unplaced:
-        if fmt != taken.format_name or not same_kind(_readable(path, taken), taken.path):
+        if fmt != taken.format_name or not same_kind(_readable(path, taken), taken.path, read):
             continue
-        copy = copy_of(path, found.checkpoints) if ALIAS_NAMES.match(path.name) else None
+        copy = copy_of(path, found.checkpoints, read) if ALIAS_NAMES.match(path.name) else None
         if copy is not None:  # last.safetensors beside the step it copies: one checkpoint
             found.entries = [Entry(e.path, False, f"a copy of {copy.path} (the same weights)") if e.path == path
                              else e for e in found.entries]
@@ -425,6 +427,7 @@ def discover(
     known: Mapping[Location, int] | None = None,
     compare_after: int | None = None,
     require: bool = True,
+    read: ReadOptions = DEFAULT_READ,
 ) -> Discovery:
     """Find the checkpoints in ``paths`` (each a checkpoint or a folder of them).
 
@@ -474,8 +477,8 @@ def discover(
     _refuse_nesting(scan.excluded, found.checkpoints)
     found.checkpoints.sort(key=lambda c: (c.step, str(c.path)))
     if require:
-        _refuse_unplaced(found)
-    _drop_identical_copies(found, {as_path(p).resolve(): s for p, s in (known or {}).items()}, compare_after)
+        _refuse_unplaced(found, read)
+    _drop_identical_copies(found, {as_path(p).resolve(): s for p, s in (known or {}).items()}, compare_after, read)
     if not found.checkpoints and require:
         where = ", ".join(str(p) for p in paths)
         raise CheckpointNotFoundError(where, "no checkpoints found" + (

@@ -48,7 +48,6 @@ SAFETENSORS_CODES: dict[str, str] = {
     "uint64": "U64", "uint32": "U32", "uint16": "U16", "uint8": "U8",
     "bool": "BOOL", "complex64": "C64",
 }
-FROM_SAFETENSORS: dict[str, str] = {code: name for name, code in SAFETENSORS_CODES.items()}
 
 
 class DtypeName(str):

@@ -22,6 +22,7 @@ from .discovery import FoundCheckpoint, LeftPart, discover
 from .engine import OutputSpec, Update
 from .errors import IncompatibleCheckpointError, ManifestMismatchError, Note, OptionError, UsageError
 from .formats.base import CheckpointReader
+from .formats.options import DEFAULT_READ, ReadOptions
 from .formats.safetensors.reader import SafetensorsReader
 from .manifest import MANIFEST_NAME, FoldedCheckpoint, Manifest, current_fingerprint, fingerprint
 from .maths import ExponentialProfile, PowerProfile, fold_coefficients, profile_from_dict
@@ -101,7 +102,8 @@ class AccumulateResult:
 
 def find_new(accumulators: Sequence[Accumulator], checkpoints: Sequence[Location], *, out: Location,
              step_regex: str | None, skip: Sequence[Location], snapshot_every: int | None, notes: list[str],
-             step_from: str | None = None, component: str | None = None) -> list[LeftPart]:
+             step_from: str | None = None, component: str | None = None,
+             read: ReadOptions = DEFAULT_READ) -> list[LeftPart]:
     """Set each accumulator's new checkpoints (and snapshot steps), from discovery of ``checkpoints``.
 
     A checkpoint is new when it is past the EMA's step and was never folded; a single file the
@@ -116,7 +118,7 @@ def find_new(accumulators: Sequence[Accumulator], checkpoints: Sequence[Location
     starts = [acc.previous.step if acc.previous is not None else None for acc in accumulators]
     found = discover(list(checkpoints), step_regex=step_regex, step_from=step_from, component=component,
                      exclude=[out.parent if component and out.name == component else out], skip=skip, known=folded,
-                     compare_after=None if None in starts else min(s for s in starts if s is not None))
+                     compare_after=None if None in starts else min(s for s in starts if s is not None), read=read)
     notes.extend(found.notes)
     newest = min((s for s in starts if s is not None), default=None)
     refuse_rewritten(accumulators, found.checkpoints, newest)
@@ -447,11 +449,12 @@ def fold_output(name: str, rows: list[tuple[str, int, float]], index: dict[str, 
 
 
 def components_to_fold(checkpoints: Sequence[Location], *, out: Location, step_regex: str | None,
-                       step_from: str | None, skip: Sequence[Location]) -> list[str]:
+                       step_from: str | None, skip: Sequence[Location],
+                       read: ReadOptions = DEFAULT_READ) -> list[str]:
     """The components each EMA is made of: ``[""]`` (the checkpoints' own model), or the names of
     the trained models inside them (each its own EMA in ``OUT/<name>``)."""
     found = discover(list(checkpoints), step_regex=step_regex, step_from=step_from, all_components=True,
-                     exclude=[out], skip=skip, require=False)
+                     exclude=[out], skip=skip, require=False, read=read)
     return found.components or [""]
 
 

@@ -27,8 +27,8 @@ from .errors import CheckpointError, CheckpointFormatError, EmaCkptError, Record
 from .folding import Accumulator
 from .formats.base import CheckpointReader
 from .formats.dcp.reader import DcpReader
+from .job_context import Tally
 from .manifest import MANIFEST_NAME, OUTPUT_OWN_FILES, Manifest
-from .reading import Tally
 from .storage import HASH_BLOCK_BYTES, Location, as_path, read_in_blocks, size_and_crc32
 
 

@@ -1,5 +1,5 @@
-"""What a job's compute step works with on every worker: the sources opened once, a writer
-per target, and the engine streamed over this worker's share of the output files.
+"""What a job's compute step works with on every worker: the sources opened once, a writer per
+target, the engine over this worker's share of the files, or a reading job's pieces shared out.
 
 Example:
     >>> readers = context.open_sources(paths)                        # doctest: +SKIP
@@ -14,14 +14,15 @@ import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from ._gc import frozen_heap, paused_gc
-from .dist import Workers
+from .dist import Workers, assign_by_bytes
 from .engine import EngineStats, OutputSpec, combine_regions
 from .errors import OptionError
 from .formats import open_checkpoint
 from .formats.base import CheckpointReader
+from .formats.options import DEFAULT_READ, ReadOptions
 from .progress import Progress
 from .storage import Location, Sink
 from .storage.roles import INDEX
@@ -44,16 +45,45 @@ class WrittenOutputs:
     bytes_written: int = 0
 
 
+@dataclass(slots=True)
+class Tally:
+    """This worker's bytes and pieces done, reported to ``on_progress`` as they grow (regions in
+    the report count pieces)."""
+
+    bytes_total: int
+    pieces_total: int
+    on_progress: Callable[[Progress], None] | None
+    bytes_done: int = 0
+    pieces_done: int = 0
+
+    def add(self, nbytes: int, what: str = "", *, piece_done: bool = False) -> None:
+        self.bytes_done += nbytes
+        self.pieces_done += piece_done
+        if self.on_progress is not None:
+            self.on_progress(Progress(self.bytes_done, max(self.bytes_total, self.bytes_done), self.pieces_done,
+                                      self.pieces_total, what))
+
+
+@dataclass(frozen=True, slots=True)
+class Piece(Generic[T]):
+    """One piece of a reading job's work: its cost in bytes, and what does it (adding the bytes
+    it reads to the tally) and returns its picklable result."""
+
+    cost: int
+    run: Callable[[Tally], T]
+
+
 @dataclass
 class JobContext:
-    """What :meth:`Job.compute` works with: the workers, where this worker writes each target
-    (its :class:`~ema_ckpt.storage.Sink`), and the engine's entry points."""
+    """What :meth:`Job.compute` works with: the workers, this worker's
+    :class:`~ema_ckpt.storage.Sink` per target, and the engine's entry points."""
 
     workers: Workers
     sinks: list[Sink]
     stack: contextlib.ExitStack
     device: str = "cpu"
     on_progress: Callable[[Progress], None] | None = None
+    read: ReadOptions = DEFAULT_READ
     roles: dict[int, dict[str, str]] = field(default_factory=dict)
     """Per target, the role of each file its writer wrote (for publishing), once finished."""
     writers: dict[int, OutputWriter] = field(default_factory=dict)
@@ -62,18 +92,38 @@ class JobContext:
         """Run ``step`` on every worker; all fail alike if one does (a synchronisation point)."""
         return self.workers.run(step)
 
-    def open_sources(self, paths: Sequence[Location]) -> list[CheckpointReader]:
-        """Open every checkpoint on every worker, parsing each DCP ``.metadata`` only once.
+    def open(self, path: Location, shared: Any = None) -> CheckpointReader:
+        """One checkpoint opened with the run's read options, closed when the attempt ends."""
+        return self.stack.enter_context(contextlib.closing(open_checkpoint(path, read=self.read, shared=shared)))
 
-        Parsing metadata (a bounds-checked, restricted unpickle) costs time in proportion to the
-        keys, the largest fixed cost of a run over many small tensors. With N workers, worker r
-        parses inputs r, r+N, … and the parsed indexes are exchanged, so the parse is split
-        instead of repeated. The readers close when the run's attempt ends.
+    def share_out(self, pieces: Sequence[Piece[T]]) -> list[T]:
+        """Every piece's result, in order, on every worker; each run by one worker, shared out
+        by bytes, so the result is the same for any number of workers. A synchronisation point.
         """
+        owners = assign_by_bytes([p.cost for p in pieces], self.workers.world_size)
+        mine = [i for i, owner in enumerate(owners) if owner == self.workers.rank]
+
+        def run_mine() -> dict[int, T]:
+            tally = Tally(sum(pieces[i].cost for i in mine), len(mine), self.on_progress)
+            tally.add(0)
+            done = {}
+            for i in mine:
+                done[i] = pieces[i].run(tally)
+                tally.add(0, piece_done=True)
+            return done
+
+        found: dict[int, T] = {}
+        for part in self.workers.all_gather(self.workers.run(run_mine)):
+            found.update(part)
+        return [found[i] for i in range(len(pieces))]
+
+    def open_sources(self, paths: Sequence[Location]) -> list[CheckpointReader]:
+        """Every checkpoint opened on every worker, each DCP ``.metadata`` parsed once: worker r
+        of N parses inputs r, r+N, … and the parsed indexes are exchanged."""
         # their indexes (millions of objects) live as long as the readers: no collection while they are
         # parsed, sent and received, then kept out of cyclic collections (ema_ckpt._gc)
         with paused_gc():
-            readers = _open_checkpoints(self.workers, paths, self.stack)
+            readers = _open_checkpoints(self.workers, paths, self.open)
             self.stack.enter_context(frozen_heap())
         return readers
 
@@ -94,14 +144,12 @@ class JobContext:
         if sink.one_writer and self.workers.world_size > 1:
             raise OptionError("out", f"{sink.final}: a single-file output on object storage is written by "
                               "one worker; run with one worker (or write a directory)", value=str(sink.final))
+        name = sink.final.name if file_name is None else file_name
+        writer = output_format(format_name).make(sink.directory, name, **settings)
         if file_name is not None:
-            writer = output_format(format_name).make(sink.directory, file_name, **settings)
-            writer.final = sink.final / file_name
-            writer.in_directory = True
+            writer.final, writer.in_directory = sink.final / file_name, True
         else:
-            writer = output_format(format_name).make(sink.directory, sink.final.name, **settings)
-            writer.final = sink.final
-            writer.file_tag = sink.file_tag
+            writer.final, writer.file_tag = sink.final, sink.file_tag
         self.writers[index] = writer
         return writer
 
@@ -117,12 +165,9 @@ class JobContext:
         accumulate_dtype: torch.dtype | None = None,
         check_finite: Sequence[int] = (),
     ) -> WrittenOutputs:
-        """Stream this worker's share of every output through the engine, then finish them.
-
-        Every writer plans the same regions (outputs of one run share ``layout``'s chunks);
-        files are shared out among the workers by work; the coordinator writes each output's
-        metadata once every worker has closed its files. Progress is reported in bytes of
-        tensor data read (what the results' ``bytes_read`` counts), the total first.
+        """Stream this worker's share of every output's files through the engine, then finish
+        them on the coordinator. Every writer plans the same regions (``layout``'s chunks);
+        progress counts bytes of tensor data read, the total first.
         """
         copies = all(out.mode == "copy" for out in outputs)
         for writer in writers:
@@ -199,14 +244,10 @@ class JobContext:
 
 
 class _ReadsProgress:
-    """The engine's per-region reports restated in bytes read (as the results count them), over
-    the whole run.
-
-    A floating region is read from every source an output sums or folds (in each source's own
-    dtype), any other from one source. The total is reported at once, before any region is read,
-    so a progress bar never starts without it. With several workers, this one reports the work
-    claimed so far by any of them (files are claimed in turn, see :meth:`Workers.claims`) plus
-    its own progress in the file it works on: a little ahead of the truth, never backwards.
+    """The engine's per-region reports restated in bytes read over the whole run (a floating
+    region from every source an output uses, any other from one), the total first. With several
+    workers: the files claimed so far by any, plus this one's progress in its file (a little
+    ahead of the truth, never backwards).
     """
 
     def __init__(self, report: Callable[[Progress], None], files: Sequence[Sequence[PlannedRegion]],
@@ -264,22 +305,18 @@ class _ReadsProgress:
 
 
 def regions_by_file(regions: Sequence[PlannedRegion]) -> list[list[PlannedRegion]]:
-    """The regions grouped by output file, files in order of their first region (each file is
-    written by one worker, in the order its regions were planned)."""
+    """The regions grouped by output file, files in order of their first region."""
     files: dict[str, list[PlannedRegion]] = {}
     for region in regions:
         files.setdefault(region.file, []).append(region)
     return list(files.values())
 
 
-def _open_checkpoints(workers: Workers, paths: Sequence[Location], stack: contextlib.ExitStack
-                      ) -> list[CheckpointReader]:
-    def opened(path: Location, shared: Any = None) -> CheckpointReader:
-        return stack.enter_context(contextlib.closing(open_checkpoint(path, shared=shared)))
-
+def _open_checkpoints(workers: Workers, paths: Sequence[Location],
+                      opened: Callable[[Location, Any], CheckpointReader]) -> list[CheckpointReader]:
     if workers.world_size == 1:
-        return [opened(p) for p in paths]
-    mine = workers.run(lambda: {i: opened(p) for i, p in enumerate(paths)
+        return [opened(p, None) for p in paths]
+    mine = workers.run(lambda: {i: opened(p, None) for i, p in enumerate(paths)
                                 if i % workers.world_size == workers.rank})
     shared: dict[int, Any] = {}
     for part in workers.exchange({i: state for i, r in mine.items() if (state := r.share()) is not None}):
@@ -287,4 +324,4 @@ def _open_checkpoints(workers: Workers, paths: Sequence[Location], stack: contex
     return workers.run(lambda: [mine[i] if i in mine else opened(p, shared.get(i)) for i, p in enumerate(paths)])
 
 
-__all__ = ["JobContext", "WrittenOutputs", "regions_by_file"]
+__all__ = ["JobContext", "Piece", "Tally", "WrittenOutputs", "regions_by_file"]

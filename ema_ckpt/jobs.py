@@ -1,22 +1,13 @@
 """The job runner: the one place that knows the order of a run and which worker does what.
 
-Every command (``accumulate``, ``posthoc``, ``average``, ``consolidate``, ``reshard``) is a
-:class:`Job`. :func:`run_job` runs it in this order:
-
-1. **lock** the output and **recover** what a killed run left beside it (coordinator);
-2. **plan** from metadata alone (coordinator), then share the plan with every worker;
-3. **stage**: one staging directory per output target, beside its final path (coordinator);
-4. **compute** (every worker): open the sources, check them, and stream the engine over this
-   worker's share of the output files (:meth:`JobContext.write`);
-5. **manifest** each output and **publish** it atomically, in the order the job lists its
-   targets (coordinator).
-
-A failure anywhere removes the staging directories and leaves every published output as it
-was. A job may answer a checkpoint's error with a new plan (:meth:`Job.retry`: skip that
-checkpoint and go on); the lock is held throughout.
-
-Spawned workers (``workers=N``) receive the job itself, options included, so no option can
-be lost on the way to a rank.
+:func:`run_job` runs a :class:`Job` that writes in this order: **lock** the output and
+**recover** what a killed run left (coordinator); **plan** from metadata alone (coordinator,
+shared with every worker); **stage** one directory per target (coordinator); **compute** on
+every worker (:meth:`JobContext.write`); **manifest** and **publish** each target in the order
+the job lists them (coordinator). A job that only reads (:attr:`Job.writes` False) is planned,
+then computed on every worker (:meth:`JobContext.share_out`). A failure anywhere removes the
+stagings; :meth:`Job.retry` may answer a checkpoint's error with a new plan under the same lock.
+Spawned workers receive the job itself, so no option is lost on the way to a rank.
 
 Example:
     >>> result = run_job(ConsolidateJob(options))  # doctest: +SKIP
@@ -31,13 +22,13 @@ import functools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, ClassVar, Generic, TypeVar
 
 from ._env import check_working_directory
 from .dist import Workers, current_workers, in_worker_group
 from .dist.pool import run_workers
 from .errors import EmaCkptError, UsageError
-from .formats.options import read_options_from, reading
+from .formats.options import read_options_from
 from .job_context import JobContext
 from .manifest import MANIFEST_NAME, OUTPUT_OWN_FILES, Manifest, check_output_place
 from .options import RunFields
@@ -92,12 +83,8 @@ def _jsonable(value: Any) -> Any:
 
 @dataclass(frozen=True, slots=True)
 class Target:
-    """One output of a run: its final path, and how it is staged.
-
-    ``near``: stage beside this directory instead (the outputs of a sweep live inside it,
-    and no half-built output may appear there). ``single_file``: the output is one file.
-    ``replace``: an existing output may be replaced (else the run stops before writing).
-    """
+    """One output of a run: its final path; ``near``: stage beside this directory instead (a
+    sweep's outputs live inside it); ``replace``: an existing output may be replaced."""
 
     final: Location
     near: Location | None = None
@@ -106,14 +93,12 @@ class Target:
 
 
 class Job(abc.ABC, Generic[PlanT, ComputedT, ResultT]):
-    """One command's run, as the runner asks for it (see the module docstring).
-
-    Only :meth:`compute` runs on every worker; :meth:`plan`, :meth:`manifests` and
-    :meth:`finish_without_output` run on the coordinator. Plans and computed values cross
-    processes, so they must pickle.
-    """
+    """One command's run: only :meth:`compute` runs on every worker, the rest on the
+    coordinator. Plans and computed values cross processes, so they must pickle."""
 
     options: RunFields
+    writes: ClassVar[bool] = True
+    """False for a job that only reads (``verify``, ``diff``): no targets, no lock."""
 
     def lock_path(self) -> Location | None:
         """The output the run locks; None when it writes nothing (a dry run)."""
@@ -153,22 +138,41 @@ class Job(abc.ABC, Generic[PlanT, ComputedT, ResultT]):
         """What the library call returns (``computed`` is None when nothing was written)."""
 
 
+class ReadingJob(Job[PlanT, ResultT, ResultT]):
+    """A job that only reads (``verify``, ``diff``): what every worker computes is its result."""
+
+    writes = False
+
+    def targets(self, plan: PlanT) -> list[Target]:
+        return []
+
+    def result(self, plan: PlanT, computed: ResultT | None, seconds: float) -> ResultT:
+        assert computed is not None
+        return computed
+
+
 def run_job(job: Job[PlanT, ComputedT, ResultT], *,
             on_progress: Callable[[Progress], None] | None = None) -> ResultT:
     """Run ``job`` on this process or its worker group (see the module docstring)."""
     settings = job.options
-    if settings.workers > 1 and not in_worker_group() and job.lock_path() is not None:
+    if (settings.workers > 1 and not in_worker_group()
+            and (not job.writes or job.lock_path() is not None)):  # a dry run writes nothing, alone
         result: ResultT = run_workers(settings.workers, run_job, job, local_kwargs={"on_progress": on_progress})
         return result
     check_working_directory()  # before the lock and the staging exist: a start-up that cannot fail later
-    with reading(read_options_from(settings)):  # every reader of the run, on every worker
-        return _run_job(job, on_progress)
+    return _run_job(job, on_progress)
 
 
 def _run_job(job: Job[PlanT, ComputedT, ResultT], on_progress: Callable[[Progress], None] | None) -> ResultT:
     settings = job.options
     started = time.perf_counter()
     group = current_workers(settings.device)
+    if not job.writes:
+        plan = group.on_coordinator(functools.partial(job.plan, []))
+        with contextlib.ExitStack() as readers:
+            context = JobContext(group, [], readers, settings.device, on_progress, read=read_options_from(settings))
+            computed = group.run(functools.partial(job.compute, plan, context))
+        return job.result(plan, computed, time.perf_counter() - started)
     with contextlib.ExitStack() as stack:
 
         held: list[HeldLock] = []
@@ -244,7 +248,8 @@ def _compute_publish(job: Job[PlanT, ComputedT, Any], plan: PlanT, destinations:
                      on_progress: Callable[[Progress], None] | None, lock: HeldLock | None) -> ComputedT:
     stagings = [s.directory for s in staged]
     with discard_on_error(stagings, owner=group.is_coordinator), contextlib.ExitStack() as readers:
-        context = JobContext(group, list(sinks), readers, job.options.device, on_progress)
+        context = JobContext(group, list(sinks), readers, job.options.device, on_progress,
+                             read=read_options_from(job.options))
         # every worker has finished writing into the stagings before the coordinator publishes them
         computed = group.run(functools.partial(job.compute, plan, context))
 
@@ -262,4 +267,4 @@ def _compute_publish(job: Job[PlanT, ComputedT, Any], plan: PlanT, destinations:
     return computed
 
 
-__all__ = ["Job", "Target", "recorded_options", "run_job"]
+__all__ = ["Job", "ReadingJob", "Target", "recorded_options", "run_job"]

@@ -1,9 +1,5 @@
-"""The options commands share, each declared once: what a run reads, which keys, how it reads, how it runs.
-
-A command's options dataclass inherits the groups it has and adds its own fields. Every group
-checks its fields when the options are made (types, ranges, combinations), with no I/O: paths
-are looked at when the run plans. Fields marked :data:`RUNTIME` say where or how a run runs,
-so no manifest records them (:func:`~ema_ckpt.jobs.recorded_options`).
+"""The options commands share, declared once as groups a command's options inherit; each group
+checks its fields when made, with no I/O. Fields marked :data:`RUNTIME` no manifest records.
 
 Example:
     >>> @dataclass(frozen=True, kw_only=True)
@@ -23,27 +19,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import OptionError
-from .formats.options import read_options_from
+from .formats.options import ReadOptions, read_options_from
 from .storage import Location, as_path, is_location, output_location, output_path
 
 RUNTIME = {"recorded": False}
 """Field metadata of an option that says where or how a run runs, not what it computes."""
 
 
-def check_texts(options: object, *names: str) -> None:
-    """Refuse a field of ``options`` that is not a tuple of texts (lists are made tuples by the caller)."""
+def check_texts(options: object, *names: str, paths: bool = False) -> None:
+    """Refuse a field of ``options`` that is not a tuple of texts (``paths``: of locations)."""
     for name in names:
         value = getattr(options, name)
-        if not isinstance(value, tuple) or not all(isinstance(item, str) for item in value):
-            raise OptionError(name, f"must be a tuple of texts, got {value!r}", value=value)
-
-
-def check_locations(options: object, *names: str) -> None:
-    """Refuse a field of ``options`` that is not a tuple of locations (``Path`` or object-store paths)."""
-    for name in names:
-        value = getattr(options, name)
-        if not isinstance(value, tuple) or not all(is_location(item) for item in value):
-            raise OptionError(name, f"must be a tuple of paths, got {value!r}", value=value)
+        if not isinstance(value, tuple) or not all(is_location(v) if paths else isinstance(v, str) for v in value):
+            raise OptionError(name, f"must be a tuple of {'paths' if paths else 'texts'}, got {value!r}", value=value)
 
 
 class _Checked:
@@ -55,8 +43,7 @@ class _Checked:
 
 @dataclass(frozen=True, kw_only=True)
 class RunFields(_Checked):
-    """How a run runs: ``wait_seconds`` for another run's lock on the output, ``workers`` local
-    processes, the ``device`` of the arithmetic (``cpu``, ``cuda``, ``cuda:N``)."""
+    """How a run runs: ``wait_seconds`` for another run's lock, ``workers``, the ``device``."""
 
     wait_seconds: float = field(default=0.0, metadata=RUNTIME)
     workers: int = field(default=1, metadata=RUNTIME)
@@ -75,8 +62,7 @@ class RunFields(_Checked):
 
 @dataclass(frozen=True, kw_only=True)
 class ReadFields(_Checked):
-    """How checkpoints are read (:class:`~ema_ckpt.formats.options.ReadOptions`, made by
-    :func:`~ema_ckpt.formats.options.read_options_from`): ``state_key``, ``inert_globals``, ``keep_prefix``."""
+    """How checkpoints are read (:class:`~ema_ckpt.formats.options.ReadOptions`)."""
 
     state_key: str | None = None
     inert_globals: tuple[str, ...] = field(default=(), metadata=RUNTIME)
@@ -86,6 +72,10 @@ class ReadFields(_Checked):
         super().__post_init__()
         check_texts(self, "inert_globals")
         read_options_from(self)  # refuses a bad pattern or state key
+
+    @property
+    def read(self) -> ReadOptions:
+        return read_options_from(self)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -102,8 +92,7 @@ class KeyFields(_Checked):
 
 @dataclass(frozen=True, kw_only=True)
 class InputFields(_Checked):
-    """What a run reads: the ``checkpoints`` given (folders or checkpoints), those to ``skip``,
-    and how each is placed and read: ``step_regex``, ``step_from``, ``component``."""
+    """What a run reads: the ``checkpoints`` given, those to ``skip``, and how each is placed."""
 
     checkpoints: tuple[Location, ...]
     skip: tuple[Location, ...] = ()
@@ -113,18 +102,17 @@ class InputFields(_Checked):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        check_locations(self, "checkpoints", "skip")
+        check_texts(self, "checkpoints", "skip", paths=True)
 
 
 def command_options(given: dict[str, Any]) -> dict[str, Any]:
-    """A library call's arguments as its options dataclass takes them: lists made tuples, the
-    ``checkpoints`` and ``skip`` given made paths, ``out`` the place its output is published
-    (a symlink's target: :func:`~ema_ckpt.storage.output_path`).
+    """A library call's arguments as its options take them: lists made tuples, paths made
+    locations, ``out`` where its output is published (:func:`~ema_ckpt.storage.output_path`).
 
     >>> command_options({"checkpoints": "ckpts", "include": ["*.weight"]})
     {'checkpoints': (PosixPath('ckpts'),), 'include': ('*.weight',)}
     """
-    options = as_tuples(given)
+    options: dict[str, Any] = {name: tuple(v) if isinstance(v, list) else v for name, v in given.items()}
     if "checkpoints" in options:
         checkpoints = options["checkpoints"]
         many = not (isinstance(checkpoints, str) or is_location(checkpoints))
@@ -136,14 +124,4 @@ def command_options(given: dict[str, Any]) -> dict[str, Any]:
     return options
 
 
-def as_tuples(given: dict[str, Any]) -> dict[str, Any]:
-    """Keyword arguments with each list made a tuple, as the options take them.
-
-    >>> as_tuples({"include": ["*.weight"], "decay": 0.9})
-    {'include': ('*.weight',), 'decay': 0.9}
-    """
-    return {name: tuple(value) if isinstance(value, list) else value for name, value in given.items()}
-
-
-__all__ = ["RUNTIME", "InputFields", "KeyFields", "ReadFields", "RunFields", "as_tuples", "check_locations",
-           "check_texts", "command_options"]
+__all__ = ["RUNTIME", "InputFields", "KeyFields", "ReadFields", "RunFields", "check_texts", "command_options"]

@@ -25,6 +25,7 @@ from typing import Any
 from . import maths, profile_specs
 from .discovery import FoundCheckpoint, checkpoint_paths, discover
 from .errors import Note, UsageError
+from .formats.options import DEFAULT_READ, ReadOptions
 from .manifest import MANIFEST_NAME, Manifest
 from .profile_specs import MergeWeights
 from .storage import Location
@@ -164,6 +165,7 @@ def plan_posthoc(
     skip: Sequence[str | Location] = (),
     step_from: str | None = None,
     component: str | None = None,
+    read: ReadOptions = DEFAULT_READ,
 ) -> Plan:
     """Coefficients of each requested power-function EMA at T (the newest step, or ``at_step``):
     the closed form from raw checkpoints, EDM2's least-squares fit from snapshots."""
@@ -173,7 +175,7 @@ def plan_posthoc(
     if snapshots:
         return plan_from_snapshots(snapshots, targets, at_step)
     found = discover(paths, step_regex=step_regex, step_from=step_from, component=component, exclude=exclude_paths,
-                     skip=skip)
+                     skip=skip, read=read)
     return Plan("posthoc", found.checkpoints, power_outputs(found.checkpoints, targets, at_step), found.notes)
 
 
@@ -233,6 +235,7 @@ def plan_average(
     skip: Sequence[str | Location] = (),
     step_from: str | None = None,
     component: str | None = None,
+    read: ReadOptions = DEFAULT_READ,
 ) -> Plan:
     """An average of a selection of checkpoints: uniform (fairseq ``average_checkpoints``,
     LAWA with ``every``), or weighted by a decay schedule (``weights``: WSM, Megatron-LM
@@ -241,7 +244,7 @@ def plan_average(
         raise UsageError("choose the checkpoints: {last=K}, or {from_step=A} and/or {to_step=B}",
                          mentions=("last", "from_step", "to_step"))
     found = discover(checkpoint_paths(checkpoints), step_regex=step_regex, step_from=step_from, component=component,
-                     exclude=exclude_paths, skip=skip)
+                     exclude=exclude_paths, skip=skip, read=read)
     output = average_output("average", found.checkpoints, last=last, from_step=from_step, to_step=to_step,
                             every=every, weights=weights)
     return Plan("average", found.checkpoints, [output], found.notes)

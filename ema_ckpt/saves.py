@@ -1,12 +1,8 @@
 """Whether a trainer's checkpoint folder is a finished save: the file its trainer writes last is there.
 
-A format's own marker says a checkpoint's *weights* are whole (DCP's ``.metadata``, DeepSpeed's
-``latest``, a zip's directory). A trainer writes more around them, and a folder whose weights are
-whole may still be half a checkpoint: the Hugging Face Trainer writes the model, then its
-DeepSpeed tag, optimizer, scheduler and RNG state, and ``trainer_state.json`` last; accelerate's
-``save_state`` writes ``random_states_<i>.pkl`` last. Folding such a folder early would fold the
-wrong weights (the Trainer's bf16 copy before the tag's fp32 masters), and the finished save
-would then look folded already.
+A format's marker says the *weights* are whole; a trainer writes more around them (the Hugging
+Face Trainer writes its model, then its DeepSpeed tag, and ``trainer_state.json`` last). Folding
+such a folder early would fold the wrong weights, and the finished save would look folded already.
 
 Example:
     >>> import tempfile; from pathlib import Path
@@ -34,11 +30,9 @@ def _started(path: Location, save: TrainerSave) -> bool:
 def save_in_progress(path: Location, beside: Sequence[Location]) -> str | None:
     """Why the trainer folder ``path`` is not a finished save yet, or None (also for any other folder).
 
-    ``beside``: the other entries of the folder it was found in. A folder named as a trainer's
-    (:data:`~ema_ckpt.layouts.TRAINER_SAVES`) without the file that trainer writes last is a save
-    in progress when it holds a file the trainer writes earlier, or (the Hugging Face Trainer) when
-    another folder so named beside it has that last file; a ``save_pretrained`` folder named so in
-    a folder of them (none with a ``trainer_state.json``) is taken as it is.
+    ``beside``: the other entries of its folder. A folder named as a trainer's without the file
+    that trainer writes last is in progress when it holds a file written earlier, or (the Hugging
+    Face Trainer) when a sibling so named has that last file.
     """
     try:
         if not path.is_dir():

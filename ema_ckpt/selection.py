@@ -58,7 +58,7 @@ def carry_into(writers: Sequence[OutputWriter], reader: CheckpointReader, includ
     entries = {key: reader.read_bytes(key) for key in _model_part(reader, list(reader.non_tensor_keys), include,
                                                                   exclude)}
     for writer in writers:
-        writer.carry(files, entries)
+        writer.carry(files, entries, reader.read_options)
 
 
 def check_compatible(

@@ -17,13 +17,9 @@ from typing import Any
 
 
 class StreamedList(list):  # type: ignore[type-arg]
-    """``[make(item) for item in source]``, each item made when iterated.
-
-    A ``list`` subclass so that ``json``'s Python encoder (``JSONEncoder.iterencode``) writes
-    it as an array; iteration, ``len``, indexing and equality work as for a list. Not for
-    ``json.dumps`` without ``indent``: its C encoder reads a list's storage directly and would
-    see none. ``list(streamed)`` gives a plain list.
-    """
+    """``[make(item) for item in source]``, each item made when iterated: a ``list`` so that
+    ``JSONEncoder.iterencode`` writes it as an array (not ``json.dumps`` without ``indent``,
+    whose C encoder reads a list's storage and would see none)."""
 
     def __init__(self, source: Sequence[Any], make: Callable[[Any], Any]) -> None:
         super().__init__()

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from ema_ckpt.formats import open_checkpoint
-from ema_ckpt.formats.options import ReadOptions, read_options_from, reading
+from ema_ckpt.formats.options import ReadOptions, read_options_from
 from ema_ckpt.formats.torch_file.model import SAVERS, Candidate, candidates, key_prefix
 from ema_ckpt.layout import Box
 
@@ -40,7 +40,7 @@ class ComposerLike(torch.nn.Module):
 
 
 def _read(path: Path, **options) -> tuple[dict[str, torch.Tensor], dict]:
-    with reading(ReadOptions(**options)), open_checkpoint(path) as reader:
+    with open_checkpoint(path, read=ReadOptions(**options)) as reader:
         return {k: reader.read(k, Box.full(s.shape)) for k, s in reader.specs().items()}, reader.info()
 
 

@@ -33,7 +33,7 @@ from ema_ckpt.commands.inspect import inspect_checkpoint
 from ema_ckpt.discovery import discover
 from ema_ckpt.errors import CheckpointFormatError, IncompatibleCheckpointError, OptionError, UnsafePickleError
 from ema_ckpt.formats import open_checkpoint
-from ema_ckpt.formats.options import ReadOptions, reading
+from ema_ckpt.formats.options import ReadOptions
 from ema_ckpt.formats.torch_file.model import NON_MODEL, candidates, wrapper_prefix
 from ema_ckpt.layout import Box
 from ema_ckpt.torch_records.emit import dumps_inert
@@ -57,7 +57,7 @@ def _net(seed: int = 0) -> dict[str, torch.Tensor]:
 
 
 def _read_all(path: Path, **options) -> dict[str, torch.Tensor]:
-    with reading(ReadOptions(**options)), open_checkpoint(path) as reader:
+    with open_checkpoint(path, read=ReadOptions(**options)) as reader:
         return {k: reader.read(k, Box.full(s.shape)) for k, s in reader.specs().items()}
 
 
@@ -118,7 +118,7 @@ def test_code_in_a_pickle_never_runs_and_no_flag_lets_it(tmp_path, monkeypatch, 
         ReadOptions(inert_globals=("posix.*", "os.*"))
     forced = ReadOptions()
     object.__setattr__(forced, "inert_globals", ("posix.*", "os.*"))
-    with reading(forced), open_checkpoint(tmp_path / "evil.pt") as reader:
+    with open_checkpoint(tmp_path / "evil.pt", read=forced) as reader:
         assert sorted(reader.specs()) == sorted(_net())
     assert not (tmp_path / "pwned.txt").exists()
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 from ..discovery import FoundCheckpoint, checkpoint_paths, discover
 from ..errors import CheckpointNotFoundError, UsageError
+from ..formats.options import DEFAULT_READ, ReadOptions
 from ..formats.resolve import detect_format
 from ..manifest import MANIFEST_NAME, Manifest
 from ..plans import (
@@ -77,7 +78,8 @@ def _average_name(weight: str, last: int, every: int | None) -> str:
 
 def plan_candidates(checkpoints: Sequence[str | Location], spec: CandidateSpec, *, step_regex: str | None = None,
                     exclude_paths: Sequence[Location] = (), skip: Sequence[str | Location] = (),
-                    step_from: str | None = None, component: str | None = None) -> Plan:
+                    step_from: str | None = None, component: str | None = None,
+                    read: ReadOptions = DEFAULT_READ) -> Plan:
     """Every candidate of ``spec`` as one output of a plan (kind ``select``), in the order given.
 
     Raises:
@@ -95,7 +97,7 @@ def plan_candidates(checkpoints: Sequence[str | Location], spec: CandidateSpec, 
     raw: list[FoundCheckpoint] = []
     if needs_raw:
         found = discover(paths, step_regex=step_regex, step_from=step_from, component=component,
-                         exclude=[*exclude_paths, *(s.path for s in snapshots)], skip=skip)
+                         exclude=[*exclude_paths, *(s.path for s in snapshots)], skip=skip, read=read)
         raw, notes = list(found.checkpoints), list(found.notes)
         inputs.extend(raw)
     if spec.sigma_rels or spec.gammas:

@@ -223,7 +223,7 @@ def accumulate(
     options = AccumulateOptions(**args)
     names = [component] if component is not None else components_to_fold(
         options.checkpoints, out=options.out_path, step_regex=options.step_regex, step_from=options.step_from,
-        skip=options.skip)
+        skip=options.skip, read=options.read)
     if names == [""]:
         return run_job(AccumulateJob(options), on_progress=on_progress)
     runs = {name: run_job(AccumulateJob(replace(options, component=name, out=options.out_path / name)),
@@ -302,7 +302,8 @@ class AccumulateJob(Job[FoldPlan, _Folded, AccumulateResult]):
         if opts.dry_run and any(acc.new for acc in accumulators):
             active, sources, checkpoints = fold_inputs(accumulators)
             with contextlib.ExitStack() as readers_stack:
-                readers = [readers_stack.enter_context(contextlib.closing(open_checkpoint(p))) for p in sources]
+                readers = [readers_stack.enter_context(contextlib.closing(open_checkpoint(p, read=opts.read)))
+                           for p in sources]
                 check_fold_keys(readers, sources, checkpoints, active, opts.include, opts.exclude,
                                 opts.allow_new_keys)
         if not any(acc.new for acc in accumulators) and not any(acc.previous for acc in accumulators):
@@ -312,7 +313,8 @@ class AccumulateJob(Job[FoldPlan, _Folded, AccumulateResult]):
     def _find_new(self, accumulators: list[Accumulator], notes: list[str]) -> list[LeftPart]:
         opts = self.options
         return find_new(accumulators, opts.checkpoints, out=opts.out_path, step_regex=opts.step_regex, skip=opts.skip,
-                 snapshot_every=opts.snapshot_every, notes=notes, step_from=opts.step_from, component=opts.component)
+                 snapshot_every=opts.snapshot_every, notes=notes, step_from=opts.step_from, component=opts.component,
+                        read=opts.read)
 
     def targets(self, plan: FoldPlan) -> list[Target]:
         if self.options.dry_run:

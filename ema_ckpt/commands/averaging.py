@@ -46,7 +46,7 @@ class PosthocOptions(SumOptions):
     def make_plan(self) -> Plan:
         return plan_posthoc(self.checkpoints, sigma_rels=self.sigma_rels, gammas=self.gammas, at_step=self.at_step,
                             step_regex=self.step_regex, exclude_paths=[self.out], skip=self.skip,
-                            step_from=self.step_from, component=self.component)
+                            step_from=self.step_from, component=self.component, read=self.read)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -74,7 +74,7 @@ class AverageOptions(SumOptions):
         return plan_average(self.checkpoints, last=self.last, from_step=self.from_step, to_step=self.to_step,
                             every=self.every, weights=self.weights, step_regex=self.step_regex,
                             exclude_paths=[self.out], skip=self.skip, step_from=self.step_from,
-                            component=self.component)
+                            component=self.component, read=self.read)
 
 
 def posthoc(checkpoints: str | Location | Sequence[str | Location], *, out: str | Location,

@@ -1,15 +1,10 @@
 """``diff``: compare two checkpoints of any supported formats, key by key.
 
-Keys are paired by name. When the exact names barely overlap, a leading ``model.`` is
-stripped on either side (a DCP ``{"model": …}`` checkpoint against the safetensors file
-:func:`~ema_ckpt.consolidate.consolidate` made from it): the pairing that matches the
-most keys wins, exact names on a tie. Values stream in row blocks (memory holds one
-block per side), floats compared in float64 (complex in complex128), integers exactly.
-
-Per key: shapes and dtypes of both sides, the largest absolute difference ``|a − b|``,
-the largest relative difference ``max|a − b| / max|b|``, and how many elements differ.
-NaN against NaN at the same place counts as equal; NaN or ±Inf against anything else
-is an infinite difference.
+Keys are paired by name, a leading ``model.`` stripped on either side where that pairs more
+(a DCP ``{"model": …}`` checkpoint against the safetensors file consolidated from it). Values
+stream in row blocks, floats compared in float64 (complex in complex128), integers exactly.
+Per key: shapes, dtypes, ``max|a − b|``, ``max|a − b| / max|b|`` and how many elements differ;
+NaN against NaN counts as equal, NaN or ±Inf against anything else as an infinite difference.
 
 Example:
     >>> result = diff("ckpts/ema", "ema.safetensors")      # doctest: +SKIP
@@ -19,23 +14,21 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import fnmatch
 import functools
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
 
-from ..dist import Workers
-from ..formats import open_checkpoint
 from ..formats.base import CheckpointReader
-from ..formats.options import ReadOptions
+from ..job_context import JobContext, Piece, Tally
+from ..jobs import ReadingJob, run_job
 from ..layout import TensorSpec, row_blocks
+from ..options import KeyFields, ReadFields, RunFields
 from ..progress import Progress
-from ..reading import Piece, Tally, run_reading, share_out
 from ..storage import Location, as_path
 
 MODEL_PREFIX = "model."
@@ -83,19 +76,8 @@ class KeyDiff:
         return self.max_abs <= atol
 
     def to_dict(self, atol: float = 0.0) -> dict[str, Any]:
-        return {
-            "key_a": self.key_a,
-            "key_b": self.key_b,
-            "shape_a": list(self.shape_a),
-            "shape_b": list(self.shape_b),
-            "dtype_a": self.dtype_a,
-            "dtype_b": self.dtype_b,
-            "numel": self.numel,
-            "max_abs": _json_float(self.max_abs),
-            "max_rel": _json_float(self.max_rel),
-            "mismatched": self.mismatched,
-            "matches": self.matches(atol),
-        }
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        return {**{k: _json_value(v) for k, v in values.items()}, "matches": self.matches(atol)}
 
 
 @dataclass(slots=True)
@@ -138,9 +120,11 @@ class DiffResult:
         }
 
 
-def _json_float(value: float | None) -> float | str | None:
-    """JSON has no Inf/NaN: those become the strings ``"inf"`` / ``"nan"``."""
-    if value is None or math.isfinite(value):
+def _json_value(value: Any) -> Any:
+    """Tuples as lists; JSON has no Inf/NaN: those become the strings ``"inf"`` / ``"nan"``."""
+    if isinstance(value, tuple):
+        return list(value)
+    if not isinstance(value, float) or math.isfinite(value):
         return value
     return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
 
@@ -189,17 +173,11 @@ def pair_keys(
     return pairs, only_a, only_b, label
 
 
-def _selected(key: str, include: Sequence[str], exclude: Sequence[str]) -> bool:
-    if include and not any(fnmatch.fnmatchcase(key, g) for g in include):
+def _selected(names: Sequence[str], include: Sequence[str], exclude: Sequence[str]) -> bool:
+    """Kept when some name is included (or nothing is asked for) and none is excluded."""
+    if include and not any(fnmatch.fnmatchcase(k, g) for k in names for g in include):
         return False
-    return not (exclude and any(fnmatch.fnmatchcase(key, g) for g in exclude))
-
-
-def _pair_selected(a: str, b: str, include: Sequence[str], exclude: Sequence[str]) -> bool:
-    """Kept when either name is included and neither is excluded."""
-    if include and not any(fnmatch.fnmatchcase(k, g) for k in (a, b) for g in include):
-        return False
-    return not (exclude and any(fnmatch.fnmatchcase(k, g) for k in (a, b) for g in exclude))
+    return not (exclude and any(fnmatch.fnmatchcase(k, g) for k in names for g in exclude))
 
 
 def diff(
@@ -217,16 +195,13 @@ def diff(
     """Compare the checkpoints at ``a`` and ``b`` key by key (see the module docstring).
 
     Args:
-        a, b: any supported checkpoints (ema-ckpt output, DCP, DeepSpeed, safetensors).
+        a, b: any supported checkpoints.
         include, exclude: glob patterns; a pair is kept when either side's name matches
             an ``include`` pattern (or there are none) and neither matches an ``exclude``.
         block_bytes: memory bound per side for one block of rows, widened to 64 bits.
-        state_key, inert_globals: for single-file checkpoints, as for :func:`~ema_ckpt.accumulate`
-            (on both sides).
-        workers: compare the keys in N processes (keys shared out by bytes; each key is
-            compared by one worker, so the result is the same for any N).
-        on_progress: called after each key this process compared (with workers, this
-            process's share).
+        state_key, inert_globals: as for :func:`~ema_ckpt.accumulate` (on both sides).
+        workers: compare the keys in N processes (the result is the same for any N).
+        on_progress: called as this process compares its share.
 
     Example:
         >>> result = diff("ckpts/ema", "ema.safetensors")     # doctest: +SKIP
@@ -236,36 +211,49 @@ def diff(
     Raises:
         CheckpointNotFoundError, CheckpointFormatError: a path holds no readable checkpoint.
     """
-    result: DiffResult = run_reading(workers, _diff, as_path(a), as_path(b), tuple(include), tuple(exclude),
-                                     block_bytes, on_progress=on_progress,
-                                     read=ReadOptions(state_key, tuple(inert_globals)))
-    return result
+    options = DiffOptions(a=as_path(a), b=as_path(b), include=tuple(include), exclude=tuple(exclude),
+                          block_bytes=block_bytes, state_key=state_key, inert_globals=tuple(inert_globals),
+                          workers=workers)
+    return run_job(DiffJob(options), on_progress=on_progress)
 
 
-def _diff(workers: Workers, a: Location, b: Location, include: tuple[str, ...], exclude: tuple[str, ...],
-          block_bytes: int,
-          on_progress: Callable[[Progress], None] | None = None) -> DiffResult:
+@dataclass(frozen=True, kw_only=True)
+class DiffOptions(KeyFields, ReadFields, RunFields):
+    """Everything a :func:`diff` run needs; checked when made."""
+
+    a: Location
+    b: Location
+    block_bytes: int = BLOCK_BYTES
+
+
+class DiffJob(ReadingJob[None, DiffResult]):
+    def __init__(self, options: DiffOptions) -> None:
+        self.options: DiffOptions = options
+
+    def plan(self, notes: list[str]) -> None:
+        return None
+
+    def compute(self, plan: None, context: JobContext) -> DiffResult:
+        return _diff(context, self.options)
+
+def _diff(context: JobContext, options: DiffOptions) -> DiffResult:
     """:func:`diff` on one worker: every worker pairs the keys alike; each pair is compared by one."""
-    with contextlib.ExitStack() as stack:
-
-        def open_both() -> tuple[CheckpointReader, CheckpointReader]:
-            return (stack.enter_context(contextlib.closing(open_checkpoint(a))),
-                    stack.enter_context(contextlib.closing(open_checkpoint(b))))
-
-        reader_a, reader_b = workers.run(open_both)  # every worker opens both: a bad path fails alike everywhere
-        specs_a, specs_b = reader_a.specs(), reader_b.specs()
-        pairs, only_a, only_b, pairing = pair_keys(list(specs_a), list(specs_b))
-        result = DiffResult(a, b, reader_a.format_name, reader_b.format_name, pairing=pairing)
-        result.only_in_a = [k for k in only_a if _selected(k, include, exclude)]
-        result.only_in_b = [k for k in only_b if _selected(k, include, exclude)]
-        pieces = []
-        for key_a, key_b in pairs:
-            if _pair_selected(key_a, key_b, include, exclude):
-                spec_a, spec_b = specs_a[key_a], specs_b[key_b]
-                cost = spec_a.nbytes + spec_b.nbytes if spec_a.shape == spec_b.shape else 0
-                pieces.append(Piece(cost, functools.partial(_compare_key, reader_a, reader_b, spec_a, spec_b,
-                                                            block_bytes)))
-        compared = share_out(workers, pieces, on_progress)
+    a, b, include, exclude = options.a, options.b, options.include, options.exclude
+    # every worker opens both: a bad path fails alike everywhere
+    reader_a, reader_b = context.check(lambda: (context.open(a), context.open(b)))
+    specs_a, specs_b = reader_a.specs(), reader_b.specs()
+    pairs, only_a, only_b, pairing = pair_keys(list(specs_a), list(specs_b))
+    result = DiffResult(a, b, reader_a.format_name, reader_b.format_name, pairing=pairing)
+    result.only_in_a = [k for k in only_a if _selected((k,), include, exclude)]
+    result.only_in_b = [k for k in only_b if _selected((k,), include, exclude)]
+    pieces = []
+    for key_a, key_b in pairs:
+        if _selected((key_a, key_b), include, exclude):
+            spec_a, spec_b = specs_a[key_a], specs_b[key_b]
+            cost = spec_a.nbytes + spec_b.nbytes if spec_a.shape == spec_b.shape else 0
+            pieces.append(Piece(cost, functools.partial(_compare_key, reader_a, reader_b, spec_a, spec_b,
+                                                        options.block_bytes)))
+    compared = context.share_out(pieces)
     result.keys = [k for k, _ in compared]
     result.bytes_read = sum(n for _, n in compared)
     return result

@@ -19,7 +19,7 @@ from ..discovery import Entry, LeftPart, discover, step_record
 from ..dtypes import itemsize
 from ..errors import Note
 from ..formats import detect_format, open_checkpoint, resolve
-from ..formats.options import ReadOptions, reading
+from ..formats.options import ReadOptions
 from ..formats.resolve import formats_for
 from ..manifest import MANIFEST_NAME, Manifest
 from ..maths import profile_from_dict
@@ -69,8 +69,8 @@ class InspectResult:
     """Every counter the checkpoint's records hold (``record``, ``value``, ``counts``, ``taken``)."""
 
     def to_dict(self, *, streamed: bool = False) -> dict[str, Any]:
-        """The report as plain data; ``streamed``: its tensors as a :class:`~ema_ckpt.streamed.StreamedList`,
-        made while ``json.JSONEncoder.iterencode`` writes them (a report of 200,000 tensors)."""
+        """The report as plain data; ``streamed``: its tensors made as JSON writes them
+        (:class:`~ema_ckpt.streamed.StreamedList`)."""
         return {
             "path": str(self.path),
             "format": self.format_name,
@@ -130,18 +130,16 @@ def is_folder_of_checkpoints(path: str | Location) -> bool:
 def inspect_folder(path: str | Location, *, step_regex: str | None = None, step_from: str | None = None,
                    state_key: str | None = None, inert_globals: Sequence[str] = (),
                    keep_prefix: bool = False) -> FolderInspection:
-    """Every entry of a folder of checkpoints, and why each was taken (with its step) or left.
-
-    The same scan the averaging commands make; no tensor is read (only two copies of one
-    step are compared).
+    """Every entry of a folder of checkpoints, and why each was taken (with its step) or left:
+    the averaging commands' scan, reading no tensor.
 
     Example:
         >>> [(e.path.name, e.taken) for e in inspect_folder("ckpts").entries]   # doctest: +SKIP
         [('epoch=0-step=2.ckpt', True), ('last.ckpt', False)]
     """
     path = as_path(path)
-    with reading(ReadOptions(state_key, tuple(inert_globals), keep_prefix)):
-        found = discover([path], step_regex=step_regex, step_from=step_from, all_components=True, require=False)
+    found = discover([path], step_regex=step_regex, step_from=step_from, all_components=True, require=False,
+                     read=ReadOptions(state_key, tuple(inert_globals), keep_prefix))
     entries = sorted(found.entries, key=lambda e: str(e.path))
     notes = [n for n in found.notes if not any(str(n).startswith(f"skipped {e.path}:") for e in entries)]
     return FolderInspection(path, entries, notes, found.left)
@@ -149,10 +147,8 @@ def inspect_folder(path: str | Location, *, step_regex: str | None = None, step_
 
 def inspect_checkpoint(path: str | Location, *, state_key: str | None = None, step_from: str | None = None,
                        inert_globals: Sequence[str] = (), keep_prefix: bool = False) -> InspectResult:
-    """Describe the checkpoint at ``path``: format, step, keys, dtypes, bytes, layout.
-
-    Metadata only: no tensor is read. ``state_key``, ``inert_globals``: for a single-file
-    checkpoint, as for :func:`~ema_ckpt.accumulate` (what it shows is what they read).
+    """Describe the checkpoint at ``path`` from metadata alone: format, step, keys, dtypes,
+    bytes, layout. ``state_key``, ``inert_globals``: as for :func:`~ema_ckpt.accumulate`.
 
     Example:
         >>> info = inspect_checkpoint("ckpts/step_1000")        # doctest: +SKIP
@@ -162,16 +158,15 @@ def inspect_checkpoint(path: str | Location, *, state_key: str | None = None, st
     found = resolve(path)  # found, located and detected once, then passed on
     path, location = found.path, found.model
     options = ReadOptions(state_key, tuple(inert_globals), keep_prefix)
-    with reading(options), contextlib.closing(open_checkpoint(found)) as reader:
+    with contextlib.closing(open_checkpoint(found, read=options)) as reader:
         tensors = [  # from the stored shapes and dtype names: for most formats, without importing torch
             TensorInfo(k, shape, dtype, math.prod(shape) * itemsize(dtype), len(reader.layout(k)))
             for k, (shape, dtype) in reader.stored().items()
         ]
         manifest = Manifest.read(path) if path.is_dir() else None
-        step: int | None
-        source: str | None
+        step: int | None = None
+        source: str | None = None
         counters: list[dict[str, Any]] = []
-        source = None
         if manifest is not None:
             step, source = manifest.step, "ema-ckpt.json"
         else:
@@ -179,9 +174,8 @@ def inspect_checkpoint(path: str | Location, *, state_key: str | None = None, st
                 record = step_record(found, root=path.parent, step_from=step_from)
             except StepUnknown as why:
                 record, source = None, Note.of(why.args[0])
-            step = record.step if record is not None else None
             if record is not None:
-                source = record.source
+                step, source = record.step, record.source
                 counters = [{**c, "taken": c["record"] == record.taken} for c in describe_counters(record.counters)]
         notes = _ignored_weights(path, reader.format_name)
         notes += [f"{other}/: another model, shown by inspect {path / other}; accumulate averages each model into "
@@ -207,11 +201,8 @@ def inspect_checkpoint(path: str | Location, *, state_key: str | None = None, st
 
 
 def _ignored_weights(path: Location, chosen: str) -> list[str]:
-    """Notes on weights of another format in the same folder, which are not read.
-
-    The Hugging Face Trainer under ZeRO-2 saves a bf16 ``model.safetensors`` beside the
-    DeepSpeed tag; the tag's fp32 master weights are what an EMA wants.
-    """
+    """Notes on weights of another format in the same folder, not read (the Hugging Face
+    Trainer's bf16 ``model.safetensors`` beside the DeepSpeed tag's fp32 masters)."""
     if not path.is_dir():
         return []
     notes = []

@@ -348,7 +348,7 @@ def select(checkpoints: str | Location | Sequence[str | Location], *, out: str |
     read = read_options_from(SimpleNamespace(state_key=state_key, inert_globals=tuple(inert_globals)))
     plan = planned.plan_candidates(checkpoint_paths(checkpoints), spec, step_regex=step_regex,
                                    exclude_paths=[out_location], skip=skip, step_from=step_from,
-                                   component=component)
+                                   component=component, read=read)
     if dry_run:
         return plan
     out_location = output_path(out_location)

@@ -95,7 +95,6 @@ def _standby_main(connection: Any, queue: Any) -> None:
         os.environ.setdefault("OMP_NUM_THREADS", "1")
         import_module("torch")
         import_module("ema_ckpt.jobs")  # the modules a job's pickle names
-        import_module("ema_ckpt.reading")
         commands = import_module("ema_ckpt.commands")
         for found in pkgutil.iter_modules(commands.__path__):
             import_module(f"ema_ckpt.commands.{found.name}")

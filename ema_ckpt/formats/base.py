@@ -1,9 +1,5 @@
-"""The reader contract every checkpoint format implements, and the format registry.
-
-Formats are detected by marker files (``.metadata`` for DCP, ``latest`` or
-``*_optim_states.pt`` for DeepSpeed, ``*.safetensors`` for Hugging Face), never by
-trying to load data. Each format module registers itself with :func:`register_format`;
-:func:`open_checkpoint` picks the first format whose ``detect`` accepts the path.
+"""The reader contract every checkpoint format implements, and the format registry: formats
+are detected by marker files, never by loading data, in the order they registered.
 
 Example:
     >>> from ema_ckpt.formats import open_checkpoint     # doctest: +SKIP
@@ -24,6 +20,7 @@ from ..dtypes import name_of
 from ..layout import Box, TensorSpec
 from ..layouts import CARRIED_NAMES, TRAINER_STATE
 from ..storage import Location, Source, as_path, open_readable
+from .options import DEFAULT_READ, ReadOptions
 
 if TYPE_CHECKING:
     import torch
@@ -45,8 +42,7 @@ class Chunk(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class CarriedFile:
-    """A small file a checkpoint keeps beside its weights that its loaders need, carried into
-    outputs made from it byte for byte (:data:`CARRIED_FILES`)."""
+    """A small file beside the weights that loaders need, carried into outputs byte for byte."""
 
     name: str
     data: bytes
@@ -59,11 +55,8 @@ SAFETENSORS_METADATA_FILE = "safetensors-metadata.json"
 """A safetensors input's header ``__metadata__`` (kohya's ``ss_*``, ``modelspec.*``), as a JSON
 object of strings, carried through an EMA into the safetensors files made from it."""
 CARRIED_FILES = (*CARRIED_NAMES, TRAINER_STATE_FILE, SAFETENSORS_METADATA_FILE)
-"""Files beside the weights that loaders read with them: Hugging Face's configs (``from_pretrained``,
-``PeftModel.from_pretrained``), megatron-core's ``metadata.json`` and ``common.pt``
-(``dist_checkpointing.load``), Lightning's ``meta.pt`` beside a sharded checkpoint, a single
-file's own top-level entries (:data:`TRAINER_STATE_FILE`), and a safetensors file's header
-metadata (:data:`SAFETENSORS_METADATA_FILE`)."""
+"""Files beside the weights that loaders read with them (Hugging Face's configs, megatron-core's
+``metadata.json`` and ``common.pt``, Lightning's ``meta.pt``, and the two above)."""
 MAX_CARRIED_BYTES = 16 << 20
 
 
@@ -89,17 +82,12 @@ class StoredBox:
 
 
 class CheckpointReader(abc.ABC):
-    """Read access to one checkpoint, key by key and box by box.
-
-    Why one base class: the engine, ``inspect``, ``consolidate``, ``reshard`` and ``verify``
-    work on any format without knowing how it is stored, and without probing a reader for
-    what it can do. A reader answers from metadata alone (``specs``, ``layout``) and reads
-    any box of a tensor on demand (``read``), so memory stays bounded by the box asked for.
+    """Read access to one checkpoint, key by key and box by box: metadata alone answers
+    ``specs`` and ``layout``, and ``read`` reads any box on demand.
 
     A format implements the five abstract methods and sets ``path``, ``step`` and
-    ``format_name``; every other capability has a default that is right for a format
-    without it (no ranks, no containers, no byte runs, no torch.save records, nothing to
-    share between workers). A reader is a context manager; ``close`` may be called twice.
+    ``format_name``; every other capability has a default right for a format without it, so
+    no caller probes a reader. A context manager; ``close`` may be called twice.
 
     Example:
         >>> with open_checkpoint("ckpts/step_10") as reader:          # doctest: +SKIP
@@ -110,31 +98,29 @@ class CheckpointReader(abc.ABC):
     format_name: ClassVar[str]
     """The registered format's name (``dcp``, ``deepspeed``, ``safetensors``, ``torch``)."""
     path: Location
-    """What was opened."""
     step: int | None = None
     """The training step recorded inside the checkpoint, when the format records one."""
+    read_options: ReadOptions = DEFAULT_READ
+    """How it was opened (passed to :func:`~ema_ckpt.formats.resolve.open_checkpoint`)."""
 
     supports_out: ClassVar[bool] = False
-    """True when ``read(..., out=buf)`` fills ``buf`` straight from storage, with no
-    intermediate tensor: callers that reuse buffers then pass them. Every reader accepts
-    ``out``; without this flag it reads into a new tensor and copies."""
+    """True when ``read(..., out=buf)`` fills ``buf`` straight from storage (callers that reuse
+    buffers then pass them); otherwise ``out`` is filled by a copy."""
 
     whole_file_records: ClassVar[bool] = False
     """True when each of :meth:`stored_records` is a whole file (a DeepSpeed ``.pt``, a
     ``torch.save`` file), not a record inside a larger data file (DCP)."""
 
     planner_data: Mapping[str, tuple[str, ...]] | None = None
-    """DCP's ``planner_data`` (flat key → the nested path it was saved under), or None
-    for formats that do not record one. Passed on to a DCP writer as it is."""
+    """DCP's ``planner_data`` (flat key → the nested path it was saved under), passed on to a
+    DCP writer."""
 
     non_tensor_keys: Sequence[str] = ()
     """Entries that are not tensors (DCP ``BytesStorageMetadata``), readable with :meth:`read_bytes`."""
 
     read_checks: ReadChecks | None = None
-    """The stored checksums the bytes :meth:`read` returns are checked against as they are read
-    (torch zips' CRC-32s), or None for a format that stores none (safetensors)."""
-
-    # -- required -----------------------------------------------------------------------
+    """The stored checksums (torch zips' CRC-32s) the bytes :meth:`read` returns are checked
+    against, or None for a format that stores none."""
 
     @abc.abstractmethod
     def specs(self) -> Mapping[str, TensorSpec]:
@@ -146,11 +132,8 @@ class CheckpointReader(abc.ABC):
 
     @abc.abstractmethod
     def read(self, key: str, box: Box, out: torch.Tensor | None = None) -> torch.Tensor:
-        """``box`` of ``key`` in its stored dtype: a new tensor, or ``out`` filled and returned.
-
-        ``out`` must be contiguous, of the box's shape and the key's dtype (else ValueError);
-        see :attr:`supports_out`.
-        """
+        """``box`` of ``key`` in its stored dtype: a new tensor, or ``out`` (contiguous, of the
+        box's shape and the key's dtype, else ValueError) filled and returned."""
 
     @abc.abstractmethod
     def info(self) -> dict[str, Any]:
@@ -160,12 +143,9 @@ class CheckpointReader(abc.ABC):
     def close(self) -> None:
         """Release open files; a second call does nothing."""
 
-    # -- with defaults ------------------------------------------------------------------
-
     @classmethod
     def step_of(cls, path: Location) -> int | None:
-        """The step :attr:`step` would hold for the checkpoint at ``path``, cheaply: opening no
-        tensors and building no reader (discovery asks this of every checkpoint on every run)."""
+        """The step :attr:`step` would hold, cheaply: no reader built, no tensor opened."""
         return None
 
     def chunks(self, key: str) -> Sequence[Chunk]:
@@ -183,11 +163,8 @@ class CheckpointReader(abc.ABC):
         return None
 
     def share(self) -> object | None:
-        """What opening this checkpoint parsed, as plain picklable data, or None.
-
-        ``open_checkpoint(path, shared=reader.share())`` in another process rebuilds the reader
-        without parsing again (workers split the parsing of many inputs).
-        """
+        """What opening this checkpoint parsed, as picklable data, or None:
+        ``open_checkpoint(path, shared=reader.share())`` elsewhere rebuilds it without parsing."""
         return None
 
     def stored(self) -> Mapping[str, tuple[tuple[int, ...], str]]:
@@ -223,8 +200,6 @@ class CheckpointReader(abc.ABC):
         """Files beside the weights that an output made from this checkpoint carries
         (default: the :data:`CARRIED_FILES` in its folder)."""
         return carried_files_in(self.path) if self.path.is_dir() else ()
-
-    # -- context manager ----------------------------------------------------------------
 
     def __enter__(self) -> CheckpointReader:
         return self
@@ -277,17 +252,14 @@ def _no_step(_path: Location) -> int | None:
 class CheckpointFormat:
     """One registered format: how to recognise it and how to open it.
 
-    ``incomplete`` answers whether a directory looks like a checkpoint of this format
-    that is still being written (a reason string) or not (None); discovery skips those.
-    ``records_step`` says the reader's ``step`` comes from inside the checkpoint (DeepSpeed's
-    ``global_steps``) and beats the step parsed from the directory name; ``step_of`` reads
-    that step cheaply (the reader class's :meth:`CheckpointReader.step_of`). ``reopen``
-    rebuilds a reader from what its ``share()`` returned.
+    ``incomplete``: why a path looks like a checkpoint of this format still being written, or
+    None. ``records_step``: the step read by ``step_of`` from inside the checkpoint beats the
+    one in its name. ``reopen``: from what a reader's ``share()`` returned.
     """
 
     name: str
     detect: Callable[[Location], bool]
-    open: Callable[[Location], CheckpointReader]
+    open: Callable[[Location, ReadOptions], CheckpointReader]
     incomplete: Callable[[Location], str | None] = lambda _path: None
     not_a_model: Callable[[Location], str | None] = lambda _path: None
     """Why a path of this format's kind, complete, holds no model (``optimizer.pt``), or None."""
@@ -298,10 +270,9 @@ class CheckpointFormat:
     step_record: Callable[[Location], tuple[int, str] | None] | None = None
     """The step and where it was read (``global_step in the file``), where it depends on the
     checkpoint; else ``step_of`` with :attr:`step_label`."""
-    reopen: Callable[[Location, Any], CheckpointReader] | None = None
+    reopen: Callable[[Location, Any, ReadOptions], CheckpointReader] | None = None
     remote: bool = False
-    """Offered checkpoints in object storage (:func:`~ema_ckpt.formats.resolve.formats_for`, the one
-    place that asks); else only local ones, whatever its reader could read."""
+    """Offered checkpoints in object storage (else only local ones)."""
 
 
 _REGISTRY: dict[str, CheckpointFormat] = {}
@@ -319,10 +290,8 @@ def registered_formats() -> Mapping[str, CheckpointFormat]:
 
 
 def trainer_state_step(path: str | Location) -> int | None:
-    """``global_step`` of the Hugging Face Trainer's ``trainer_state.json`` in ``path``, or None.
-
-    A bonus over the folder name: a missing or unreadable file is no error.
-    """
+    """``global_step`` of the Hugging Face Trainer's ``trainer_state.json`` in ``path``, or None
+    (a missing or unreadable file is no error)."""
     try:
         doc = json.loads((as_path(path) / TRAINER_STATE).read_bytes())
     except (OSError, ValueError, UnicodeDecodeError):

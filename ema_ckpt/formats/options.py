@@ -1,21 +1,13 @@
 """How checkpoints are read during one command: which state dict of a file, which pickled classes.
-
-A command sets these once for its whole run (:func:`reading`); every reader it opens, in this
-process or in its spawned workers (the job carries them), reads with them. Formats that
-have nothing to choose ignore them.
+Made once from the command's options and passed to every reader it opens, on every worker.
 
 Example:
-    >>> with reading(ReadOptions(state_key="state_dict_ema")):
-    ...     read_options().state_key
-    'state_dict_ema'
-    >>> read_options().state_key is None
-    True
+    >>> ReadOptions(state_key="state_dict_ema").recorded()
+    {'state_key': 'state_dict_ema'}
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 from ..errors import OptionError
@@ -56,32 +48,14 @@ class ReadOptions:
         return recorded
 
 
+DEFAULT_READ = ReadOptions()
+"""A file read as its writer's loader reads it: its model's state dict, no other classes."""
+
+
 def read_options_from(settings: object) -> ReadOptions:
-    """The options a command's settings carry (its ``state_key``, ``inert_globals`` and
-    ``keep_prefix``, if any), checked."""
+    """The read options a command's settings carry, checked."""
     return ReadOptions(getattr(settings, "state_key", None), tuple(getattr(settings, "inert_globals", ())),
                        bool(getattr(settings, "keep_prefix", False)))
 
 
-_current = ReadOptions()
-
-
-def read_options() -> ReadOptions:
-    """The options readers opened now use."""
-    return _current
-
-
-@contextlib.contextmanager
-def reading(options: ReadOptions | None) -> Iterator[None]:
-    """Read with ``options`` inside the block (None: as they are); restored after."""
-    global _current
-    previous = _current
-    if options is not None:
-        _current = options
-    try:
-        yield
-    finally:
-        _current = previous
-
-
-__all__ = ["ReadOptions", "read_options", "read_options_from", "reading"]
+__all__ = ["DEFAULT_READ", "ReadOptions", "read_options_from"]

@@ -16,6 +16,7 @@ from ..errors import CheckpointFormatError, CheckpointNotFoundError
 from ..layouts import NESTED_MODELS, NestedModel
 from ..storage import Location, as_path, local_file
 from .base import CheckpointFormat, CheckpointReader, registered_formats
+from .options import DEFAULT_READ, ReadOptions
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,14 +56,7 @@ def _own_format(path: Location) -> CheckpointFormat | None:
 @dataclass(frozen=True, slots=True)
 class Resolved:
     """A checkpoint path resolved once: where its model weights are and their format (None:
-    no checkpoint of a known format there). Pass it on instead of the path, so that nothing
-    looks for the model folder or detects the format again.
-
-    Example:
-        >>> found = resolve("ckpts/step_100")   # doctest: +SKIP
-        >>> found.format.name, found.model.path  # doctest: +SKIP
-        ('dcp', PosixPath('ckpts/step_100'))
-    """
+    no known checkpoint there). Passed on instead of the path, nothing is looked for again."""
 
     path: Location
     model: ModelLocation
@@ -79,10 +73,8 @@ def resolve(path: str | Location | Resolved) -> Resolved:
 
 
 def locate_model(path: str | Location | Resolved) -> ModelLocation:
-    """The folder holding ``path``'s model weights: ``path`` itself unless a trainer nests them.
-
-    Only names are looked at, and the nested folder must itself be a checkpoint of a known
-    format. A folder that is a checkpoint of its own is never looked into.
+    """The folder holding ``path``'s model weights: ``path`` itself unless a trainer nests them
+    (by name, in a folder that is no checkpoint of its own, and itself a known checkpoint).
 
     Example:
         >>> locate_model("ckpts/checkpoints/checkpoint_3").path  # doctest: +SKIP
@@ -116,31 +108,21 @@ def _locate(path: Location) -> tuple[ModelLocation, CheckpointFormat | None]:
     return ModelLocation(path), None
 
 
-def nested_incomplete(path: str | Location) -> str | None:
-    """Why a trainer folder's nested model folder is still being written, or None."""
-    path = as_path(path)
-    if not path.is_dir() or _own_format(path) is not None:
-        return None
-    for nested in NESTED_MODELS:
-        if nested.beside is not None and not (path / nested.beside).is_dir():
-            continue
-        names = [c.name for c in path.iterdir() if nested.pattern.match(c.name) and c.is_dir()]
-        for name in sorted(names):
-            for fmt in formats_for(path):
-                reason = fmt.incomplete(path / name)
-                if reason:
-                    return f"{name}/: {reason}"
-    return None
-
-
 def waiting_reason(path: Location) -> str | None:
     """Why ``path`` is a checkpoint still being written (itself, or the model folder a trainer
     nests in it), or None."""
-    for fmt in formats_for(path):
-        reason = fmt.incomplete(path)
-        if reason:
-            return reason
-    return nested_incomplete(path)
+    formats = formats_for(path)
+    reason = next((reason for fmt in formats if (reason := fmt.incomplete(path))), None)
+    if reason or not path.is_dir() or _own_format(path) is not None:
+        return reason
+    for nested in NESTED_MODELS:
+        if nested.beside is not None and not (path / nested.beside).is_dir():
+            continue
+        for name in sorted(c.name for c in path.iterdir() if nested.pattern.match(c.name) and c.is_dir()):
+            reason = next((reason for fmt in formats if (reason := fmt.incomplete(path / name))), None)
+            if reason:
+                return f"{name}/: {reason}"
+    return None
 
 
 def not_a_model_reason(path: Location) -> str | None:
@@ -153,11 +135,12 @@ def detect_format(path: str | Location | Resolved) -> CheckpointFormat | None:
     return resolve(path).format
 
 
-def open_checkpoint(path: str | Location | Resolved, *, shared: object | None = None) -> CheckpointReader:
+def open_checkpoint(path: str | Location | Resolved, *, read: ReadOptions = DEFAULT_READ,
+                    shared: object | None = None) -> CheckpointReader:
     """Open the checkpoint at ``path`` with the reader of its format.
 
-    ``shared``: what :meth:`CheckpointReader.share` returned for this checkpoint in another
-    process; the reader is rebuilt from it instead of parsing the checkpoint again.
+    ``read``: the command's read options. ``shared``: what :meth:`CheckpointReader.share`
+    returned for it in another process (the reader is rebuilt without parsing again).
 
     Example:
         >>> with open_checkpoint("ckpts/step_1000") as reader:      # doctest: +SKIP
@@ -185,10 +168,12 @@ def open_checkpoint(path: str | Location | Resolved, *, shared: object | None = 
         names = ", ".join(registered_formats())
         raise CheckpointNotFoundError(path, f"not a checkpoint of any known format ({names})")
     if shared is not None and fmt.reopen is not None:
-        return fmt.reopen(location.path, shared)
-    return fmt.open(location.path)
+        reader = fmt.reopen(location.path, shared, read)
+    else:
+        reader = fmt.open(location.path, read)
+    reader.read_options = read
+    return reader
 
 
 __all__ = ["NESTED_MODELS", "ModelLocation", "NestedModel", "Resolved", "detect_format", "formats_for",
-           "locate_model", "nested_incomplete", "not_a_model_reason", "open_checkpoint", "resolve",
-           "waiting_reason"]
+           "locate_model", "not_a_model_reason", "open_checkpoint", "resolve", "waiting_reason"]

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import OptionError, OutputError
+from ..formats.options import DEFAULT_READ, ReadOptions
 from ..layout import Box
 from ..storage import Location, as_path
 
@@ -92,12 +93,16 @@ class OutputWriter(abc.ABC):
         self.final_name = final_name
         self.carried: list[CarriedFile] = []
         self.carried_entries: dict[str, bytes] = {}
+        self.carried_read = DEFAULT_READ
 
-    def carry(self, files: Sequence[CarriedFile], entries: Mapping[str, bytes] | None = None) -> None:
+    def carry(self, files: Sequence[CarriedFile], entries: Mapping[str, bytes] | None = None,
+              read: ReadOptions = DEFAULT_READ) -> None:
         """Keep a source's files (``config.json``) and non-tensor entries (``_extra_state``) in
-        this output, where its format can hold them; written in :meth:`finish`."""
+        this output, where its format can hold them; written in :meth:`finish`. ``read``: how the
+        source was read (a carried pickle is judged as the source's was)."""
         self.carried = list(files)
         self.carried_entries = dict(entries or {})
+        self.carried_read = read
 
     def write_carried(self) -> list[WrittenFile]:
         """Write the carried files into staging (a lone file has nowhere to keep them)."""

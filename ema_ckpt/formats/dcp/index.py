@@ -11,6 +11,7 @@ from ...dtypes import DtypeName, itemsize, torch_dtype
 from ...errors import CheckpointFormatError
 from ...layout import Box, TensorSpec, boxes_cover
 from ...storage import Location
+from ..options import ReadOptions
 from .metadata import METADATA_FILE, KeyPaths, StoredChunk, load_metadata, metadata_int, planner_data_of
 
 PackedChunks = dict[str, list[tuple[tuple[int, ...], tuple[int, ...], str, int, int]]]
@@ -130,13 +131,14 @@ class MetadataIndex:
     """What parsing ``.metadata`` gives a :class:`~.reader.DcpReader` (a base class of it)."""
 
     path: Location
+    read_options: ReadOptions
     metadata_files: list[Location]
     _version: Any
     _starts: dict[str, tuple[tuple[int, ...], int]]
     _structure: Structure
 
     def _parse(self) -> None:
-        metadata, self.metadata_files = load_metadata(self.path)
+        metadata, self.metadata_files = load_metadata(self.path, self.read_options.inert_globals)
         self._version = getattr(metadata, "version", None)
         self.planner_data: KeyPaths = planner_data_of(metadata)
         self.non_tensor_keys: list[str] = []

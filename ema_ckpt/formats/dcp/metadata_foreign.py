@@ -1,10 +1,8 @@
 """Globals of a DCP ``.metadata`` that are none of torch's: recorded, never imported or run.
 
-A trainer's own ``StorageWriter`` (OLMo-core's) may pickle its own copy of torch's
-``filesystem._StorageInfo`` in ``Metadata.storage_data``. Every global the unpickler does not
-know becomes a record class made here (:func:`foreign_class`), which runs and imports nothing.
-Such a record is read as data only as a value of ``storage_data`` with exactly
-``_StorageInfo``'s fields (:func:`storage_fields`); anywhere else it is refused
+Every global the unpickler does not know becomes a record class made here (:func:`foreign_class`),
+read as data only as a value of ``storage_data`` with exactly ``_StorageInfo``'s fields
+(:func:`storage_fields`: OLMo-core pickles its own copy of that class); anywhere else refused
 (:func:`refused_global`) unless listed in ``inert_globals``, then kept opaque.
 
 Example:
@@ -88,7 +86,7 @@ def foreign_class(module: str, name: str, source: str, *, inert: bool) -> type[F
 
 
 def listed(name: str, inert_globals: Sequence[str]) -> bool:
-    """Whether ``name`` matches a pattern of ``inert_globals`` (``module.Name``, ``module.*``), as for single files."""
+    """Whether ``name`` matches a pattern of ``inert_globals`` (``module.Name``, ``module.*``)."""
     return any(fnmatch.fnmatchcase(name, pattern) for pattern in inert_globals)
 
 
@@ -104,8 +102,8 @@ def _shown(name: str) -> str:
 
 
 def refused_global(source: str, name: str, *, where: str = "", called: bool = False) -> UnsafePickleError:
-    """The refusal of a global of the metadata that is none of torch's, naming it (and ``where``
-    it sits), offering ``inert_globals`` for a class that can be plain data, never for code."""
+    """The refusal of a foreign global, naming it and ``where`` it sits, offering
+    ``inert_globals`` for a class that can be plain data, never for code."""
     shown = _shown(name)
     said = refusal(f"{shown} {where}".rstrip())
     if _is_code(name) or shown != name:
@@ -122,8 +120,7 @@ def by_shape(cls: type[Foreign]) -> bool:
 
 
 def brief(value: Any, limit: int = 60) -> str:
-    """``repr(value)``, shortened; a value whose repr fails (nested past the recursion limit)
-    is shown by its type."""
+    """``repr(value)``, shortened; by its type where repr fails (nested past the recursion limit)."""
     try:
         text = repr(value)
     except Exception:  # any repr a pickle can make fail: the message must still come out
@@ -203,9 +200,7 @@ _is_class = frozenset({type}).__contains__
 def reach(roots: list[Any], open_types: frozenset[type], kinds: frozenset[type[Foreign]], target: Any = None
            ) -> Any:
     """The first object reachable from ``roots`` through objects of ``open_types`` that is an
-    instance of ``kinds`` or one of ``kinds`` itself (or is ``target``); None if none is.
-    A level of the graph at a time, each step in C (a level may hold millions of references).
-    """
+    instance of ``kinds``, one of ``kinds`` or ``target``, or None; a level at a time, in C."""
     is_open = open_types.__contains__
     seen: set[int] = set()
     frontier = roots

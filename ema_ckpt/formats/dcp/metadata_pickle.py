@@ -98,22 +98,16 @@ def _tensor_header(emit: _Emitter, dtype: str) -> None:
     emit.string("size")
 
 
-def _chunk_header(emit: _Emitter) -> None:
-    emit.new(_METADATA_MODULE, "ChunkStorageMetadata")
+def _header(emit: _Emitter, module: str, name: str, first_field: str) -> None:
+    """A dataclass instance up to its first field's value."""
+    emit.new(module, name)
     emit.begin_state()
-    emit.string("offsets")
+    emit.string(first_field)
 
 
-def _index_header(emit: _Emitter) -> None:
-    emit.new(_METADATA_MODULE, "MetadataIndex")
-    emit.begin_state()  # the attributes MetadataIndex.__init__ sets: offset only for tensors
-    emit.string("fqn")
-
-
-def _storage_header(emit: _Emitter) -> None:
-    emit.new(_FILESYSTEM_MODULE, "_StorageInfo")
-    emit.begin_state()
-    emit.string("relative_path")
+_CHUNK = (_METADATA_MODULE, "ChunkStorageMetadata", "offsets")
+_INDEX = (_METADATA_MODULE, "MetadataIndex", "fqn")  # MetadataIndex.__init__ sets offset only for tensors
+_STORAGE = (_FILESYSTEM_MODULE, "_StorageInfo", "relative_path")
 
 
 Tensors = Mapping[str, tuple[str, Sequence[int], Sequence[ChunkRecord]]]
@@ -121,7 +115,7 @@ Blobs = Mapping[str, tuple[str, int, int]]
 
 
 def dump_metadata(tensors: Tensors, blobs: Blobs, planner_data: Mapping[str, Sequence[str]]) -> bytes:
-    """The bytes of DCP ``Metadata`` (version ``1.0.0``) describing a checkpoint.
+    """The bytes of DCP ``Metadata`` (version ``1.0.0``), keys in the given order.
 
     ``tensors``: key → (dtype name, shape, chunks with their records); ``blobs``: key → a
     non-tensor entry's record; ``planner_data``: key → its path in the nested state dict. Keys
@@ -134,8 +128,7 @@ def dump_metadata(tensors: Tensors, blobs: Blobs, planner_data: Mapping[str, Seq
 
 def write_metadata(sink: BinaryIO, tensors: Tensors, blobs: Blobs, planner_data: Mapping[str, Sequence[str]]
                    ) -> None:
-    """:func:`dump_metadata` written to ``sink`` as it is made: at 200,000 keys the bytes are
-    40 MB, never held whole."""
+    """:func:`dump_metadata` written to ``sink`` as it is made (40 MB at 200,000 keys)."""
     if emitter_matches_torch():
         _emit_metadata(sink, tensors, blobs, planner_data)
     else:
@@ -186,7 +179,7 @@ def _emit_metadata(sink: BinaryIO, tensors: Tensors, blobs: Blobs, planner_data:
             for chunk_batch in _batches(chunks):
                 out += op.MARK
                 for offsets, sizes, _record in chunk_batch:
-                    emit.fragment("chunk", lambda: _chunk_header(emit))
+                    emit.fragment("chunk", lambda: _header(emit, *_CHUNK))
                     emit.size(tuple(offsets))
                     emit.string("sizes")
                     emit.size(tuple(sizes))
@@ -214,7 +207,7 @@ def _emit_metadata(sink: BinaryIO, tensors: Tensors, blobs: Blobs, planner_data:
     for records in _batches(_storage_records(tensors, blobs)):
         out += op.MARK
         for key, chunk_offsets, chunk_index, (relative_path, offset, length) in records:
-            emit.fragment("index", lambda: _index_header(emit))
+            emit.fragment("index", lambda: _header(emit, *_INDEX))
             emit.string(key)
             emit.string("index")
             if chunk_index is None:
@@ -224,7 +217,7 @@ def _emit_metadata(sink: BinaryIO, tensors: Tensors, blobs: Blobs, planner_data:
                 emit.string("offset")
                 emit.size(chunk_offsets or ())
             emit.end_state()
-            emit.fragment("storage", lambda: _storage_header(emit))
+            emit.fragment("storage", lambda: _header(emit, *_STORAGE))
             emit.string(relative_path)
             emit.string("offset")
             emit.integer(offset)
@@ -241,9 +234,6 @@ def _emit_metadata(sink: BinaryIO, tensors: Tensors, blobs: Blobs, planner_data:
     emit.end_state()
     out += op.STOP
     emit.spill(least=0)
-
-
-# --- The fallback: torch's own classes, pickled --------------------------------------------
 
 
 def _pickle_with_torch(tensors: Tensors, blobs: Blobs, planner_data: Mapping[str, Sequence[str]]) -> bytes:

@@ -1,15 +1,12 @@
 """Restricted unpickling of DCP ``.metadata``: no code from a checkpoint ever runs.
 
-DCP's ``.metadata`` is a pickle that torch itself loads with plain ``pickle.load``; a
-crafted one runs any command. Here every global a pickle names resolves to an inert stand-in:
-DCP's own metadata classes to records of their fields, and any other global to a
-:class:`~.metadata_foreign.Foreign` record that runs and imports nothing. A foreign record is
-read as data in one place only, by its shape: a value of ``storage_data`` with exactly the
-fields of torch's ``filesystem._StorageInfo`` (a trainer's own ``StorageWriter`` pickles its own
-copy of that class there). Anywhere else, or in any other shape, it raises
-:class:`~ema_ckpt.errors.UnsafePickleError` (or, listed in the command's ``inert_globals``,
-stays an opaque record the reader never interprets); nothing from the file is executed either
-way. The pickles inside ``torch.save`` records are read by :mod:`ema_ckpt.torch_records`.
+torch loads ``.metadata`` with plain ``pickle.load``, so a crafted one runs any command. Here
+every global resolves to an inert stand-in: DCP's metadata classes to records of their fields,
+any other global to a :class:`~.metadata_foreign.Foreign` record that runs and imports nothing.
+A foreign record is read as data only as a value of ``storage_data`` with exactly the fields of
+torch's ``filesystem._StorageInfo`` (a trainer's own ``StorageWriter`` pickles its own copy);
+anywhere else it raises :class:`~ema_ckpt.errors.UnsafePickleError`, or, listed in
+``inert_globals``, stays an opaque record never interpreted. Nothing from the file is executed.
 
 Example:
     >>> import pickle
@@ -23,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import pickle
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -31,7 +29,6 @@ from ...dtypes import DtypeName
 from ...errors import CheckpointFormatError, UnsafePickleError
 from ...pickles.load import Allowlist, load_pickle
 from ...pickles.rules import TORCH_DTYPES, refuse, torch_size
-from ..options import read_options
 from .metadata_foreign import (
     CONTAINERS,
     Foreign,
@@ -63,16 +60,11 @@ _MEMORY_FORMATS = {"contiguous_format", "channels_last", "channels_last_3d", "pr
 
 
 class _Inert:
-    """A plain record standing in for one of DCP's metadata dataclasses.
+    """A plain record standing in for one of DCP's metadata dataclasses: no code of the file's
+    choosing runs, and ``torch.distributed.checkpoint`` (a slow import) is never imported.
 
-    Reading ``.metadata`` never imports or instantiates torch's classes: the unpickler
-    builds these instead, which run no code of the file's choosing and keep
-    ``torch.distributed.checkpoint`` (a slow import) out of read-only commands.
-
-    The fields torch writes live in slots (a checkpoint of 200,000 tensors holds a million of
-    these records: a dict each would cost several hundred MiB); any other field a pickle
-    carries goes to ``__dict__``, made only then. A field the pickle leaves out reads as its
-    default (``_defaults``), like the dataclass field it stands for.
+    torch's fields live in slots (a million records at 200,000 tensors: a dict each would cost
+    hundreds of MiB); any other goes to ``__dict__``. A field left out reads as its default.
     """
 
     __slots__ = ("__dict__",)
@@ -192,17 +184,16 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
 }
 
 
+_BASES: dict[str, type[_Inert]] = {cls._type_name: cls for cls in (_MetadataIndex, _TensorProperties,
+                                                                   _TensorStorageMetadata)}
+
+
 def _standin(name: str) -> type[_Inert]:
-    """A fresh class for ``name``: each load gets its own (see :func:`_fresh_standins`)."""
-    if name == "MetadataIndex":
-        return _record_class(name, (), _MetadataIndex)
-    if name == "TensorProperties":
-        return _record_class(name, (), _TensorProperties)
+    """A fresh class for ``name`` (see :func:`_fresh_standins`)."""
+    cls = _record_class(name, _FIELDS.get(name, ()), _BASES.get(name, _Inert), _DEFAULTS.get(name))
     if name == "TensorStorageMetadata":
-        cls = _record_class(name, (), _TensorStorageMetadata)
         cls._interned = {}  # type: ignore[attr-defined]
-        return cls
-    return _record_class(name, _FIELDS.get(name, ()), defaults=_DEFAULTS.get(name))
+    return cls
 
 
 def _interning_size() -> Any:
@@ -224,12 +215,8 @@ def _join_path(*parts: Any) -> str:
 
 
 def _fresh_standins() -> dict[tuple[str, str], Any]:
-    """New stand-in classes and functions for one load.
-
-    A pickle can set attributes on the classes it is handed (the BUILD opcode on a class
-    object); giving each load its own subclasses and functions keeps such edits inside
-    that load instead of poisoning the process.
-    """
+    """New stand-in classes and functions for one load: a pickle can set attributes on the
+    classes it is handed (BUILD on a class), and such edits stay inside that load."""
     standins: dict[tuple[str, str], Any] = {}
     for name in _DCP_METADATA_CLASSES - {"_MEM_FORMAT_ENCODING"}:
         standins[(_DCP_METADATA_MODULE, name)] = _standin(name)
@@ -251,12 +238,11 @@ _TORCH_VALUES: dict[tuple[str, str], Any] = {**TORCH_DTYPES, **{("torch", n): n 
 """Dtypes as :class:`~ema_ckpt.dtypes.DtypeName`, layouts and memory formats as their names."""
 
 
-def _metadata_globals(source: str) -> tuple[Allowlist, dict[tuple[str, str], type[Foreign]]]:
-    """The allowlist of one DCP metadata load, and the :class:`~.metadata_foreign.Foreign`
-    record classes it makes of any global none of torch's (one per name, judged once the whole
-    pickle is read: :func:`_settle_foreign`)."""
+def _metadata_globals(source: str, inert_globals: Sequence[str]
+                      ) -> tuple[Allowlist, dict[tuple[str, str], type[Foreign]]]:
+    """The allowlist of one load, and the :class:`~.metadata_foreign.Foreign` record class it
+    makes of each global none of torch's (judged once the whole pickle is read)."""
     foreign: dict[tuple[str, str], type[Foreign]] = {}
-    inert_globals = read_options().inert_globals
 
     def other(module: str, name: str) -> type[Foreign]:  # called once per name
         return foreign.setdefault((module, name), foreign_class(module, name, source, inert=listed(
@@ -283,9 +269,8 @@ class _Dropped:
 
 
 def _own_globals() -> Allowlist:
-    """The allowlist that reads metadata ema-ckpt itself just wrote, fast: ``Metadata`` keeps
-    its fields, every record below it is parsed and dropped, and builtins stand in for Python
-    functions (nothing per record runs Python code)."""
+    """The allowlist that reads back metadata ema-ckpt just wrote, fast: ``Metadata`` keeps its
+    fields, every record below it is dropped, builtins stand in for Python functions."""
     table = {**_TORCH_VALUES, **_fresh_standins()}
     for (module, name), standin in list(table.items()):
         if isinstance(standin, type) and issubclass(standin, _Inert):
@@ -303,11 +288,7 @@ objects (about 350 bytes per key) would add to the run's peak memory."""
 
 def check_written_metadata(source: bytes | Path, keys: int) -> None:
     """``source`` (a ``.metadata`` about to be published, or its bytes) unpickles into Metadata
-    with ``keys`` entries.
-
-    What torch's ``dcp.load`` will do with it, checked before the file is published: exit 0
-    never leaves metadata that does not load. Large files are checked in a child process.
-    """
+    with ``keys`` entries, as ``dcp.load`` will unpickle it (large files in a child process)."""
     if isinstance(source, Path) and source.stat().st_size > _CHECK_APART_BYTES:
         _check_apart(source, keys)
         return
@@ -333,16 +314,12 @@ def _check_apart(path: Path, keys: int) -> None:
         raise ValueError(detail)
 
 
-def load_dcp_metadata_bytes(data: bytes, source: str) -> Any:
-    """Unpickle DCP ``Metadata`` from ``data`` into inert stand-ins of DCP's metadata classes.
-
-    Only DCP's metadata classes, torch dtypes (as :class:`~ema_ckpt.dtypes.DtypeName`),
-    ``torch.Size``, layouts, memory formats and ``pathlib`` paths are admitted, and records of
-    any class with exactly ``_StorageInfo``'s fields as the values of ``storage_data`` (read as
-    torch's ``_StorageInfo``); globals listed in ``inert_globals`` (:func:`~ema_ckpt.formats.options.read_options`)
-    are kept as opaque records. ``source`` names the file in error messages.
+def load_dcp_metadata_bytes(data: bytes, source: str, inert_globals: Sequence[str] = ()) -> Any:
+    """Unpickle DCP ``Metadata`` from ``data`` into inert stand-ins (see the module docstring):
+    DCP's metadata classes, torch dtypes (:class:`~ema_ckpt.dtypes.DtypeName`), ``torch.Size``,
+    layouts, memory formats and ``pathlib`` paths are admitted. ``source`` names the file.
     """
-    allow, foreign = _metadata_globals(source)
+    allow, foreign = _metadata_globals(source, inert_globals)
     try:
         obj = load_pickle(data, allow, source, persistent=functools.partial(_no_persistent_ids, source),
                           lean=len(data) > _LEAN_ABOVE)
@@ -366,12 +343,8 @@ def _no_persistent_ids(source: str, pid: Any) -> Any:
 
 def _settle_foreign(obj: Any, source: str, allow: Allowlist, foreign: dict[tuple[str, str], type[Foreign]]) -> None:
     """Read the foreign records among ``storage_data``'s values by their shape; refuse every
-    other foreign global the pickle left in ``obj`` unless it is listed as inert data.
-
-    Runs only for a pickle that named a global none of torch's; torch's own checkpoints never
-    pay for it. The search runs in C (``gc.get_referents``), a level of the object graph at a
-    time: at 100,000 keys this costs about 1 s of CPU beside a 2.5 s load (a trainer's
-    checkpoint of a few thousand keys: milliseconds).
+    other foreign global the pickle left in ``obj`` unless it is listed as inert data. Only for
+    a pickle that named a global none of torch's; the search runs in C (about 1 s at 100,000 keys).
 
     Raises:
         CheckpointFormatError: a value of ``storage_data`` of a foreign class whose shape is not

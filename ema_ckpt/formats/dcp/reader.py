@@ -1,11 +1,8 @@
 """torch.distributed.checkpoint (DCP) directories: FSDP1, FSDP2, torchtitan.
 
-A DCP checkpoint is a directory with a ``.metadata`` pickle (or rank-local
-``__<r>.metadata`` files from ``use_collectives=False``, which are merged here; torch's
-own tools silently read only rank 0's) and ``__<r>_<n>.distcp`` data files. Each stored
-chunk is a standalone ``torch.save`` zip record at a known offset. This reader parses the
-record's zip directory and ``data.pkl`` with an allowlist, then reads the raw tensor bytes
-straight into the destination buffer: one read per chunk, no pickle code, no extra copy.
+A directory of a ``.metadata`` pickle (or rank-local ``__<r>.metadata`` files, merged) and
+``__<r>_<n>.distcp`` data files, each stored chunk a standalone ``torch.save`` zip record: its
+``data.pkl`` is read with an allowlist, its bytes straight into the destination buffer.
 
 Example:
     >>> reader = DcpReader("ckpts/step_1000")               # doctest: +SKIP
@@ -30,6 +27,7 @@ from ...storage import Location, Source, as_path
 from ...torch_records import FileWindow, TensorRecord
 from ...torch_records.checks import ReadChecks
 from ..base import CheckpointFormat, CheckpointReader, register_format
+from ..options import DEFAULT_READ, ReadOptions
 from .index import MetadataIndex, StoredSpecs, shared_structure
 from .metadata import METADATA_FILE, KeyPaths, StoredChunk, incomplete, is_dcp
 from .records import ChunkRecords
@@ -44,9 +42,10 @@ class DcpReader(MetadataIndex, ChunkRecords, CheckpointReader):
     non_tensor_keys: list[str]
     read_checks: ReadChecks
 
-
-    def __init__(self, path: str | Location, *, shared: Mapping[str, Any] | None = None) -> None:
+    def __init__(self, path: str | Location, *, read: ReadOptions = DEFAULT_READ,
+                 shared: Mapping[str, Any] | None = None) -> None:
         self.path = as_path(path)
+        self.read_options = read
         self.step: int | None = None
         self._fds: dict[str, Source] = {}
         self._file_sizes: dict[str, int] = {}
@@ -64,23 +63,16 @@ class DcpReader(MetadataIndex, ChunkRecords, CheckpointReader):
         with paused_gc():
             self._parse()
 
-
     _SHARED = ("metadata_files", "_version", "planner_data", "non_tensor_keys", "_stored", "_bytes_records")
 
-
     def share(self) -> dict[str, Any]:
-        """What parsing the metadata produced, as plain data: ``DcpReader(path, shared=...)``
-        rebuilds this reader without parsing again (workers split the parsing of many inputs).
-
-        Inputs of one structure (see :class:`~.index.Structure`) share its objects, so a message
-        holding several of them pickles those once.
-        """
+        """What parsing the metadata produced, as plain data (inputs of one
+        :class:`~.index.Structure` share its objects, so a message pickles those once)."""
         shared = {name: getattr(self, name) for name in self._SHARED}
         # as tuples: pickling 20,000 dataclass instances to send them costs 10× more
         with paused_gc():
             shared["_chunks"] = self._structure.packed_chunks()
         return shared
-
 
     def specs(self) -> Mapping[str, TensorSpec]:
         if self._specs is None:
@@ -90,24 +82,15 @@ class DcpReader(MetadataIndex, ChunkRecords, CheckpointReader):
             self._specs = structure.specs
         return self._specs
 
-
     def stored(self) -> Mapping[str, tuple[tuple[int, ...], str]]:
-        """{key: (shape, dtype name)} without importing torch."""
         return self._stored
 
-
     def open_data(self, file: str) -> Source:
-        """Data file ``file`` opened for reading (owned by the reader; closed by :meth:`close`)."""
         return self._fd(file)
 
-
     def byte_ranges(self, key: str) -> list[tuple[str, int, int]] | None:
-        """``key``'s bytes in row-major order as (file, offset, length) ranges, or None.
-
-        None when the tensor is not a concatenation of stored byte runs: chunks split
-        along a dimension other than 0, or records that are not plain contiguous tensors.
-        Reads only record headers; never imports torch.
-        """
+        """As :meth:`CheckpointReader.byte_ranges` (None: chunks split past dimension 0, or
+        records that are not plain contiguous tensors); reads record headers only."""
         shape, dtype = self._stored[key]
         size = itemsize(dtype)
         ranges = []
@@ -124,21 +107,15 @@ class DcpReader(MetadataIndex, ChunkRecords, CheckpointReader):
             ranges.append((chunk.file, data_offset + record.storage_offset * size, chunk.box.numel * size))
         return ranges
 
-
     def layout(self, key: str) -> Sequence[Box]:
         return [c.box for c in self._chunks[key]]
 
-
     def chunks(self, key: str) -> Sequence[StoredChunk]:
-        """The stored chunks of ``key`` with their files and offsets."""
         return self._chunks[key]
-
 
     supports_out = True  # read() can fill a caller's buffer (the engine reuses its buffers)
 
-
     def read(self, key: str, box: Box, out: torch.Tensor | None = None) -> torch.Tensor:
-        """``box`` of ``key``; into ``out`` (contiguous, right shape and dtype) when given."""
         spec = self.specs()[key]
         if len(box.sizes) != len(spec.shape) or any(
             o < 0 or s < 0 or o + s > d for o, s, d in zip(box.offsets, box.sizes, spec.shape, strict=True)
@@ -165,7 +142,6 @@ class DcpReader(MetadataIndex, ChunkRecords, CheckpointReader):
             raise CheckpointFormatError(self.metadata_files[0], f"key {key!r}: stored chunks do not cover {box}")
         return out
 
-
     def _candidates(self, key: str, box: Box) -> list[StoredChunk]:
         """Stored chunks that may intersect ``box``: a bisection on dim-0 offsets."""
         chunks = self._chunks[key]
@@ -176,14 +152,11 @@ class DcpReader(MetadataIndex, ChunkRecords, CheckpointReader):
         hi = bisect.bisect_left(starts, box.offsets[0] + box.sizes[0])
         return chunks[lo:hi]
 
-
     def read_bytes(self, key: str) -> bytes:
-        """The raw stored record of a non-tensor entry (never unpickled here)."""
         file, offset, length = self._bytes_records[key]
         fd = self._fd(file)
         self._check_extent(file, offset, length)
         return fd.pread(length, offset)
-
 
     def info(self) -> dict[str, Any]:
         ranks = sorted({c.rank for cs in self._chunks.values() for c in cs if c.rank is not None})
@@ -199,42 +172,27 @@ class DcpReader(MetadataIndex, ChunkRecords, CheckpointReader):
             "top_level": sorted({self.root_of(k) for k in self._stored}),
         }
 
-
     def root_of(self, key: str) -> str:
-        """The top-level state-dict name ``key`` was saved under (``model``, ``optim``, …).
-
-        Uses ``planner_data`` (keys themselves contain dots and must not be split).
-        """
+        """From ``planner_data``: keys themselves contain dots and must not be split."""
         path = self.planner_data.get(key)
         if path:
             return str(path[0])
         return key.split(".", 1)[0]
 
-
     def stored_records(self) -> list[tuple[str, int, int]]:
-        """Every record the metadata names, as (data file, offset, length): model, optimizer, bytes."""
+        """Every record the metadata names: model, optimizer, bytes."""
         held = ((c.file, c.offset, c.length) for chunks in self._chunks.values() for c in chunks)
         return sorted({*getattr(self, "_records_all", ()), *held, *self._bytes_records.values()})
 
-
     def open_record(self, file: str, offset: int, length: int) -> IO[bytes]:
-        """A read-only file view of one record (a standalone ``torch.save`` zip)."""
         self._check_extent(file, offset, length)
         return FileWindow(self._fd(file), offset, length)  # type: ignore[return-value]
 
-
     def container_of(self, key: str) -> str | None:
-        """The state-dict container ``key`` was nested in when saved, or None.
-
-        ``dcp.save({"model": model.state_dict()})`` flattens ``fc.weight`` to ``model.fc.weight``
-        and records the path ``("model", "fc.weight")``: ``model`` is a container. A module
-        attribute named ``model`` (``dcp.save(wrapper.state_dict())``) is recorded as one
-        part, ``("model.fc.weight",)``, and is no container. Without ``planner_data`` nothing
-        was nested.
-        """
+        """``model`` of ``dcp.save({"model": model.state_dict()})``, recorded as the path
+        ``("model", "fc.weight")``; a module attribute ``model`` is one part, no container."""
         path = self.planner_data.get(key)
         return str(path[0]) if path is not None and len(path) > 1 else None
-
 
     def close(self) -> None:
         self._fallback = None
@@ -243,19 +201,11 @@ class DcpReader(MetadataIndex, ChunkRecords, CheckpointReader):
         self._fds.clear()
 
 
-
-def open_dcp(path: Location) -> DcpReader:
-    """Open a DCP checkpoint directory."""
-    return DcpReader(path)
+def open_dcp(path: Location, read: ReadOptions = DEFAULT_READ) -> DcpReader:
+    return DcpReader(path, read=read)
 
 
-
-def reopen_dcp(path: Location, shared: Any) -> DcpReader:
-    """A DCP reader rebuilt from another process's :meth:`DcpReader.share`."""
-    return DcpReader(path, shared=shared)
-
-
-FORMAT = register_format(
-    CheckpointFormat("dcp", detect=is_dcp, open=open_dcp, incomplete=incomplete, reopen=reopen_dcp, remote=True)
-)
+FORMAT = register_format(CheckpointFormat(
+    "dcp", detect=is_dcp, open=open_dcp, incomplete=incomplete, remote=True,
+    reopen=lambda path, shared, read: DcpReader(path, read=read, shared=shared)))
 

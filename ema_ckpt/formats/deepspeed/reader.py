@@ -376,7 +376,7 @@ register_format(
     CheckpointFormat(
         name=FORMAT_NAME,
         detect=is_deepspeed,
-        open=open_deepspeed,
+        open=lambda path, _read: open_deepspeed(path),
         incomplete=incomplete,
         records_step=True,
         step_label="DeepSpeed global_steps",

@@ -22,6 +22,7 @@ from ...layout import Box
 from ...writers.base import OutputFormat, OutputTensor, OutputWriter, PlannedRegion, WrittenFile, register_output
 from ...writers.regions import BLOCK_BYTES, box_bytes, row_block_regions
 from ..base import SAFETENSORS_METADATA_FILE
+from ..options import DEFAULT_READ, ReadOptions
 
 if TYPE_CHECKING:
     import torch
@@ -58,9 +59,10 @@ class SafetensorsOutput(OutputWriter):
         self._carried_metadata: list[CarriedFile] = []
         self._header: dict[str, str] = {}
 
-    def carry(self, files: Sequence[CarriedFile], entries: Mapping[str, bytes] | None = None) -> None:
+    def carry(self, files: Sequence[CarriedFile], entries: Mapping[str, bytes] | None = None,
+              read: ReadOptions = DEFAULT_READ) -> None:
         """As :meth:`OutputWriter.carry`; the header metadata goes into each header, not beside."""
-        super().carry([f for f in files if f.name != SAFETENSORS_METADATA_FILE], entries)
+        super().carry([f for f in files if f.name != SAFETENSORS_METADATA_FILE], entries, read)
         self._carried_metadata = [f for f in files if f.name == SAFETENSORS_METADATA_FILE]
 
     def plan(self, tensors: Sequence[OutputTensor], source: CheckpointReader) -> list[PlannedRegion]:

@@ -295,6 +295,6 @@ def _copied_from_map(mapped: memoryview, offset: int, spec: TensorSpec, box: Box
 _SMALL_READ = 1 << 20  # whole tensors up to this size: one pread (larger ones and boxes: the memory map)
 
 FORMAT = register_format(
-    CheckpointFormat("safetensors", detect=_detect, open=SafetensorsReader, incomplete=_incomplete,
-                     step_of=SafetensorsReader.step_of, remote=True)
+    CheckpointFormat("safetensors", detect=_detect, open=lambda path, _read: SafetensorsReader(path),
+                     incomplete=_incomplete, step_of=SafetensorsReader.step_of, remote=True)
 )

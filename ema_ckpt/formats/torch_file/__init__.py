@@ -1,19 +1,16 @@
-"""``torch.save`` checkpoints: single files (:mod:`.reader`) and trainer folders of them (:mod:`.folders`).
-
-One registered format, ``torch``. A file is one when its name ends in a checkpoint suffix
-(``.pt .pth .bin .ckpt .pth.tar .tar``) and it is a complete ``torch.save`` zip or a legacy
-``torch.save`` file; a zip without its end record is still being written (skipped by
-discovery, noted). A folder is one when it holds a well-known weights file or an index of
-``.bin`` shards. Which state dict inside a file is the model: :mod:`.model`.
+"""``torch.save`` checkpoints, one registered format ``torch``: single files with a checkpoint
+suffix (:mod:`.reader`; a zip without its end record is still being written) and trainer folders
+of a well-known weights file or an index of ``.bin`` shards (:mod:`.folders`).
 """
 
 from __future__ import annotations
 
 from ...storage import Location
 from ..base import CheckpointFormat, CheckpointReader, register_format
+from ..options import ReadOptions
 from .folders import TorchFolderReader, is_weights_folder, missing_files
 from .model import step_in_tree
-from .reader import NOT_MODEL_FILES, SUFFIXES, TorchFileReader, file_facts, has_torch_suffix, step_record_of
+from .reader import NOT_MODEL_FILES, SUFFIXES, TorchFileReader, file_facts, has_torch_suffix
 
 _STEP_LABELS = {"global_step": "global_step in the file", "iter_num": "iter_num in the file"}
 
@@ -48,15 +45,15 @@ def _not_a_model(path: Location) -> str | None:
     return None
 
 
-def _open(path: Location) -> CheckpointReader:
-    return TorchFolderReader(path) if path.is_dir() else TorchFileReader(path)
+def _open(path: Location, read: ReadOptions) -> CheckpointReader:
+    return TorchFolderReader(path, read) if path.is_dir() else TorchFileReader(path, read)
 
 
 def _step_record(path: Location) -> tuple[int, str] | None:
     """The step a single file records and the entry it came from (folders: none here)."""
     if path.is_dir():
         return None
-    record = step_record_of(path)
+    record = file_facts(path).step
     if record is None:
         return None
     step, entry = record

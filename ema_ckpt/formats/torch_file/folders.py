@@ -1,17 +1,8 @@
-"""Trainer folders whose weights are ``torch.save`` files: transformers-4 ``checkpoint-N/``,
-accelerate ``save_state()`` folders.
-
-What a folder may hold, in this order of preference:
-
-* one weights file of a well-known name (:data:`WEIGHTS_FILES`): ``pytorch_model.bin``
-  (transformers 4, accelerate with ``safe_serialization=False``), ``pytorch_model_fsdp.bin`` /
-  ``pytorch_model_fsdp_0.bin`` (accelerate's FSDP ``FULL_STATE_DICT``), ``adapter_model.bin``, …;
-* an index (``pytorch_model.bin.index.json``, or the folder's only ``*.bin.index.json``) naming
-  shard files (``pytorch_model-00001-of-00002.bin``), each a flat state dict.
-
-Files beside them that are not weights (``optimizer.bin``, ``scheduler.bin``,
-``training_args.bin``, ``rng_state.pth``) are never read as the model. The step comes from
-``trainer_state.json`` when there is one (discovery also reads accelerate's ``optimizer.bin``).
+"""Trainer folders whose weights are ``torch.save`` files (transformers-4 ``checkpoint-N/``,
+accelerate ``save_state()``): one weights file of a well-known name (:data:`WEIGHTS_FILES`), else
+an index (``pytorch_model.bin.index.json``, or the folder's only ``*.bin.index.json``) naming
+shard files. Files beside them (``optimizer.bin``, ``rng_state.pth``) are never the model; the
+step comes from ``trainer_state.json``.
 
 Example:
     >>> with TorchFolderReader("out/checkpoint-500") as reader:   # doctest: +SKIP
@@ -31,7 +22,7 @@ from ...layout import Box, TensorSpec
 from ...storage import Location, as_path
 from ...torch_records.checks import ReadChecks
 from ..base import CheckpointReader, trainer_state_step
-from ..options import ReadOptions, read_options
+from ..options import DEFAULT_READ, ReadOptions
 from ..safetensors.reader import read_index
 from .reader import TorchFileReader, file_kind
 
@@ -59,11 +50,6 @@ def locate(path: Location) -> tuple[Location | None, list[Location]] | None:
     return (indexes[0], []) if len(indexes) == 1 else None
 
 
-def _shards(index: Location) -> dict[str, str]:
-    weight_map, _ = read_index(index)
-    return weight_map
-
-
 def missing_files(path: Location) -> str | None:
     """Why a folder's weights are not all there yet (a save in progress), or None."""
     located = locate(path)
@@ -75,7 +61,7 @@ def missing_files(path: Location) -> str | None:
         return f"{files[0].name} is truncated: no zip directory at its end (still being written?)" if (
             file_kind(files[0]) == "partial-zip") else None
     try:
-        names = sorted(set(_shards(index).values()))
+        names = sorted(set(read_index(index)[0].values()))
     except CheckpointFormatError:
         return None
     missing = [n for n in names if not (index.parent / n).is_file() or file_kind(index.parent / n) == "partial-zip"]
@@ -95,16 +81,16 @@ class TorchFolderReader(CheckpointReader):
     format_name = "torch"
     whole_file_records = True
 
-    def __init__(self, path: str | Location, options: ReadOptions | None = None) -> None:
+    def __init__(self, path: str | Location, options: ReadOptions = DEFAULT_READ) -> None:
         self.path = as_path(path)
-        options = options if options is not None else read_options()
+        self.read_options = options
         located = locate(self.path)
         if located is None:
             raise CheckpointNotFoundError(self.path, f"no {' or '.join(WEIGHTS_FILES[:2])} or {INDEX_FILE}")
         self.index, files = located
         weight_map: dict[str, str] | None = None
         if self.index is not None:
-            weight_map = _shards(self.index)
+            weight_map = read_index(self.index)[0]
             files = [self.index.parent / name for name in sorted(set(weight_map.values()))]
             missing = [f.name for f in files if not f.is_file()]
             if missing:

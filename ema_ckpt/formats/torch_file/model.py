@@ -1,29 +1,15 @@
-"""Which state dict inside a single-file checkpoint is the model, and which step the file records.
+"""Which state dict inside a single-file checkpoint is the model, and which step the file records:
+pure functions over the inert tree of :mod:`ema_ckpt.torch_records.tree`.
 
-Pure functions over the inert tree of :mod:`ema_ckpt.torch_records.tree` (no I/O, no tensor).
+**The model.** A candidate is a dict of tensors (every value a tensor or a dict of them,
+``*_extra_state`` entries anything), or the tensors of a dict holding other values too, found
+anywhere but under training state (:data:`NON_MODEL`). The well-known containers win in the order
+of :data:`MODEL_CONTAINERS`, then :data:`EMA_CONTAINERS`, then the largest by bytes; a container
+whose only entry is a dict is looked through, and a pickled ``torch.nn.Module`` stands for its
+state dict. ``state_key`` names a candidate by its path (``callbacks.EMA.state``).
 
-**The model.** A candidate is a dict of tensors (a state dict: every value a tensor or a dict
-of tensors, ``*_extra_state`` entries anything), or a dict holding tensors beside other values
-(``{"w": t, "epoch": 3}``: those tensors), found anywhere but under optimizer, scheduler,
-scaler, loop, callback, RNG or configuration state (:data:`NON_MODEL`). The well-known
-containers win in this order (:data:`MODEL_CONTAINERS`): ``state_dict``, ``model``, ``module``,
-``model_state_dict``, ``net``, ``network``, ``params``, ``weights``; then the EMA containers
-(:data:`EMA_CONTAINERS`: ``state_dict_ema``, ``model_ema``, ``ema``, …); then the largest by
-bytes. A container whose only entry is another dict is looked through. ``state_key`` names a
-candidate by its path (``state_dict_ema``, ``callbacks.EMA.state``); the model's keys are its
-own names, the container's never kept.
-A whole pickled ``torch.nn.Module`` stands for the state dict it would give
-(:func:`modules_as_state_dicts`).
-
-**The names.** A wrapper's prefix on every key (``module.`` of DDP, ``_orig_mod.`` of
-``torch.compile``) is found by :func:`wrapper_prefix`, and dropped only where the framework
-that wrote the file drops it when it loads the file (:func:`key_prefix`, by the table
-:data:`~ema_ckpt.layouts.SAVERS`): a plain training loop's state dict loses DDP's ``module.`` and ``_orig_mod.``;
-a Lightning or Composer checkpoint keeps its names (``module`` there is the user's attribute).
-
-**The step.** :func:`step_in_tree`: ``global_step``, ``step``, ``iteration``, ``iter_num``,
-``num_updates`` at the top level (or fairseq's ``optimizer_history[-1].num_updates``);
-a file with only ``epoch`` counts epochs and says so.
+**The names.** A wrapper's prefix (DDP's ``module.``, ``torch.compile``'s ``_orig_mod.``) is
+dropped only where the framework that wrote the file drops it when loading (:func:`key_prefix`).
 
 Example:
     >>> tree = {"epoch": 3, "model": {"fc.weight": 1.0}, "optimizer": {"state": {}}}
@@ -169,13 +155,9 @@ def modules_as_state_dicts(value: Any, depth: int = 0) -> Any:
 
 def candidates(root: Any, *, is_tensor: Callable[[Any], bool], nbytes: Callable[[Any], int] = lambda _t: 0,
                everywhere: bool = False) -> list[Candidate]:
-    """The dicts of tensors in ``root``, best first (see the module docstring).
-
-    The well-known containers come first, state dicts before dicts holding tensors beside
-    other values; then every other candidate, largest first. The top level of a file of nested state dicts
-    (``{"generator": …, "discriminator": …}``) is one candidate holding them all, unless one of
-    them has a well-known container name.
-    """
+    """The dicts of tensors in ``root``, best first (see the module docstring); the top level of
+    nested state dicts (``{"generator": …, "discriminator": …}``) is one candidate holding them
+    all, unless one of them has a well-known container name."""
     strict: list[Candidate] = []
     loose: list[Candidate] = []
     covered: set[int] = set()
@@ -241,8 +223,8 @@ def wrapper_prefix(names: Sequence[str], prefixes: Sequence[str] = WRAPPER_PREFI
 
 @dataclass(frozen=True, slots=True)
 class KeyPrefix:
-    """The decision on a state dict's names: the prefix on every key that is dropped (or None),
-    the wrapper prefix found on every key (or None), who wrote the file, and why, in words."""
+    """The prefix dropped from every key (or None), the wrapper prefix found, who wrote the
+    file, and why, in words."""
 
     dropped: str | None
     found: str | None
@@ -276,10 +258,8 @@ _ANY = Saver("a plain training loop", (), WRAPPER_PREFIXES, 1, "a plain training
 
 
 def step_in_tree(root: Any) -> tuple[int, str] | None:
-    """(step, the record it came from) of a file's records, or None: the counter of optimizer
-    steps :mod:`ema_ckpt.layouts` ranks first (``global_step``, ``step_count`` over ``iter_num``,
-    Composer's ``state.timestamp.batch``, mmengine's ``meta.iter``, fairseq's
-    ``optimizer_history[-1].num_updates``). Only plain ints count."""
+    """(step, the record it came from) of a file's records, or None: the plain-int counter of
+    optimizer steps :mod:`ema_ckpt.layouts` ranks first (``global_step``, mmengine's ``meta.iter``)."""
     best = best_step(counters_in(root)) if isinstance(root, dict) else None
     return (best.value, best.path) if best is not None else None
 

@@ -17,10 +17,7 @@ from typing import TYPE_CHECKING, Any
 from ...dtypes import torch_dtype
 from ...errors import OutputError
 from ...writers.base import OutputFormat, OutputTensor, OutputWriter, PlannedRegion, WrittenFile, register_output
-from ...writers.regions import (
-    BLOCK_BYTES,
-    row_block_regions,
-)
+from ...writers.regions import BLOCK_BYTES, row_block_regions
 
 if TYPE_CHECKING:
     import torch
@@ -94,7 +91,7 @@ class LightningCheckpointOutput(TorchFileOutput):
         from ...torch_records.emit import wrap_pickle
         from .reader import carried_trainer_state
 
-        beside = carried_trainer_state(self.carried, str(self.shown_path))
+        beside = carried_trainer_state(self.carried, str(self.shown_path), self.carried_read.inert_globals)
         beside.setdefault(LIGHTNING_VERSION_KEY, _lightning_version())
         return lambda inner: wrap_pickle(inner, "state_dict", beside)
 

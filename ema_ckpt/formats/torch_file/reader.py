@@ -1,18 +1,10 @@
-"""One ``torch.save`` file (``.pt``, ``.pth``, ``.bin``, ``.ckpt``, ``.pth.tar``): the model inside,
-read without running anything from the file.
+"""One ``torch.save`` file (``.pt``, ``.pth``, ``.bin``, ``.ckpt``, ``.pth.tar``; zip or torch < 1.6's
+legacy format): the model inside, read without running anything from the file.
 
-What most training code writes: Lightning's ``epoch=3-step=1000.ckpt``, research code's
-``checkpoint-12.pth`` (``{"model": …, "optimizer": …, "epoch": …, "args": Namespace}``), timm's
-``checkpoint-12.pth.tar``, ``pytorch_model.bin``. Both of torch's layouts are read: the zip
-(``data.pkl`` plus one member per storage) and the legacy format of torch < 1.6. The pickle
-is read whole as inert data (:mod:`ema_ckpt.torch_records.tree`): globals of common inert
-kinds pass, any other is refused naming the global and its key, unless the caller lists it
-(``inert_globals``). The model is one state dict in it (:mod:`.model`): the obvious one, or
-the one ``state_key`` names; keys are the names the file's writer loads it with (a wrapper's
-prefix dropped only where that writer drops it: :func:`.model.key_prefix`; ``keep_prefix``
-keeps every one). Tensors are read straight from
-their storages with ``pread``, box by box. Keys that share a storage (tied weights) each
-read their own view of it.
+The pickle is read whole as inert data (:mod:`ema_ckpt.torch_records.tree`): globals of common
+inert kinds pass, any other is refused naming the global and its key unless listed in
+``inert_globals``. The model is one state dict in it (:mod:`.model`), its keys as the file's
+writer loads them; tensors are read from their storages with ``pread``, box by box.
 
 Example:
     >>> with TorchFileReader("epoch=3-step=1000.ckpt") as reader:    # doctest: +SKIP
@@ -44,12 +36,14 @@ from ...torch_records.legacy import is_legacy, legacy_storage_starts, read_legac
 from ...torch_records.tree import Opaque, PickledTree, check_harmless, foreign_globals, key_path, load_tree, walk
 from ...torch_records.zipfmt import END_MAGIC
 from ..base import TRAINER_STATE_FILE, CarriedFile, CheckpointReader, deliver
-from ..options import ReadOptions, read_options
+from ..options import DEFAULT_READ, ReadOptions
 from .model import Candidate, KeyPrefix, candidates, choose, epoch_in_tree, key_prefix, step_in_tree
 
 SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".tar")
 """File suffixes of single-file checkpoints (``.pth.tar`` ends in ``.tar``)."""
 _ZIP_MAGIC = b"PK\x03\x04"
+_ZIP_ERRORS = (zipfile.BadZipFile, OSError, EOFError, ValueError, NotImplementedError, RuntimeError)
+"""What zipfile raises on a corrupt directory, a name not in UTF-8, a compression it cannot read."""
 _MAX_PICKLE_BYTES = 64 << 20  # pickled records of a few million keys
 _TAIL = 65536 + 22  # a zip's end record lies within its last 64 KiB + 22 bytes
 
@@ -118,8 +112,7 @@ def _parse_zip(source: Source, path: Location) -> ParsedFile:
             if pkl.file_size > _MAX_PICKLE_BYTES:
                 raise CheckpointFormatError(path, f"data.pkl of {pkl.file_size} bytes is too large")
             data = archive.read(pkl)
-    except (zipfile.BadZipFile, OSError, EOFError, ValueError, NotImplementedError, RuntimeError) as err:
-        # a corrupt directory, a name that is not UTF-8, a compression or encryption zipfile cannot read
+    except _ZIP_ERRORS as err:
         raise CheckpointFormatError(path, f"not a readable torch.save zip ({err})") from None
     tree = load_tree(data, str(path))
     prefix = pkl.filename[: -len("data.pkl")]
@@ -187,22 +180,17 @@ def _dtype(path: Location, key: str, name: str) -> torch.dtype:
 
 
 class TorchFileReader(CheckpointReader):
-    """Reader for one ``torch.save`` file (see the module docstring).
-
-    ``options``: which state dict and which pickled classes (default: the command's,
-    :func:`~ema_ckpt.formats.options.read_options`). ``checks``: where the bytes read are
-    checked against their storages' CRC-32s (default: the reader's own; a folder of files
-    shares one), the file known there by its name.
-    """
+    """Reader for one ``torch.save`` file (see the module docstring). ``checks``: where the bytes
+    read are checked against their storages' CRC-32s (a folder of files shares one)."""
 
     format_name = "torch"
     whole_file_records = True
     read_checks: ReadChecks
 
-    def __init__(self, path: str | Location, options: ReadOptions | None = None, *,
+    def __init__(self, path: str | Location, options: ReadOptions = DEFAULT_READ, *,
                  checks: ReadChecks | None = None) -> None:
         self.path = as_path(path)
-        options = options if options is not None else read_options()
+        self.read_options = options
         self.read_checks = checks if checks is not None else ReadChecks(
             lambda name: self.path.parent / name, lambda _name, n, offset: self.read_back(n, offset))
         try:
@@ -303,7 +291,7 @@ class TorchFileReader(CheckpointReader):
     @classmethod
     def step_of(cls, path: Location) -> int | None:
         """The step the file records (``global_step``, ``iter_num``, …), reading its pickle only."""
-        record = step_record_of(path)
+        record = file_facts(path).step
         return record[0] if record is not None else None
 
     def stored_records(self) -> Sequence[tuple[str, int, int]]:
@@ -327,9 +315,8 @@ class TorchFileReader(CheckpointReader):
         }
 
     def carried_files(self) -> Sequence[CarriedFile]:
-        """The file's top-level entries beside its state dict, tensors left out (Lightning's
-        ``hyper_parameters``), as :data:`~ema_ckpt.formats.base.TRAINER_STATE_FILE`: a
-        ``.ckpt`` output made from it loads with ``load_from_checkpoint``."""
+        """The file's top-level entries that hold no tensor (Lightning's ``hyper_parameters``), as
+        :data:`~ema_ckpt.formats.base.TRAINER_STATE_FILE`, for ``load_from_checkpoint``."""
         if not self._trainer_state:
             return ()
         try:
@@ -345,11 +332,11 @@ def _holds_tensor(value: Any) -> bool:
     return any(_is_tensor(v) for _, v in walk(value))
 
 
-def carried_trainer_state(files: Sequence[CarriedFile], source: str) -> dict[str, Any]:
+def carried_trainer_state(files: Sequence[CarriedFile], source: str,
+                          inert_globals: Sequence[str] = ()) -> dict[str, Any]:
     """The trainer's own entries among carried files (:data:`~ema_ckpt.formats.base.TRAINER_STATE_FILE`,
-    or Lightning's ``meta.pt`` beside a sharded checkpoint), tensors left out; {} when none.
-
-    Read as inert data and judged as a checkpoint's pickle is (``inert_globals`` of the command).
+    or Lightning's ``meta.pt``), tensors left out, read as inert data and judged as a checkpoint's
+    pickle is; {} when none.
 
     Raises:
         UnsafePickleError: it names a global that is not read as data.
@@ -365,12 +352,12 @@ def carried_trainer_state(files: Sequence[CarriedFile], source: str) -> dict[str
                     if name is None:
                         continue
                     data = archive.read(name)
-            except (zipfile.BadZipFile, OSError, EOFError, ValueError, NotImplementedError, RuntimeError) as err:
+            except _ZIP_ERRORS as err:
                 raise CheckpointFormatError(f"{source}/{file.name}", f"not a readable torch.save zip ({err})") from None
         else:
             continue
         tree = load_tree(data, f"{source}/{file.name}")
-        check_harmless(tree, f"{source}/{file.name}", read_options().inert_globals)
+        check_harmless(tree, f"{source}/{file.name}", inert_globals)
         return trainer_state(tree.root)
     return {}
 
@@ -395,13 +382,12 @@ class FileFacts:
     """What discovery needs of a single file, from its pickle alone (no tensor read)."""
 
     kind: str | None
-    """``zip``, ``legacy``, ``partial-zip`` (still being written) or None (not a torch.save file)."""
+    """As :func:`file_kind`."""
     holds_model: bool
     """A state dict was found, or the pickle is unreadable (opening it then says why)."""
     step: tuple[int, str] | None
     epoch: int | None
     counters: tuple[SeenCounter, ...] = ()
-    """Every counter the file records (:func:`ema_ckpt.layouts.counters_in`)."""
 
 
 _FACTS: OrderedDict[tuple[str, int, int, int], FileFacts] = OrderedDict()
@@ -441,12 +427,6 @@ def _read_facts(path: Location) -> FileFacts:
                      tuple(counters_in(root)) if isinstance(root, dict) else ())
 
 
-def step_record_of(path: Location) -> tuple[int, str] | None:
-    """(step, the entry it came from) that a file records at its top level, or None; reads
-    the pickle only (an unreadable file has none: opening it says why)."""
-    return file_facts(path).step
-
-
 def _what(value: Any) -> str:
     if isinstance(value, TensorRecord):
         return f"tensor {'×'.join(map(str, value.size)) or 'scalar'} {value.dtype}"
@@ -468,12 +448,7 @@ def describe_top_level(root: Any, chosen: Candidate) -> list[dict[str, str]]:
     """Each top-level entry of a file and what it holds; the chosen state dict marked."""
     if not isinstance(root, dict) or not chosen.path:  # the file is the state dict: its keys say it all
         return []
-    head = chosen.path[0] if chosen.path else None
-    rows = []
-    for key, value in list(root.items())[:40]:
-        role = "model" if key == head else ""
-        if role and len(chosen.path) > 1:
-            role = "model: " + chosen.name
-        rows.append({"key": str(key), "holds": _what(value), "role": role})
-    return rows
+    role = "model" if len(chosen.path) == 1 else "model: " + chosen.name
+    return [{"key": str(key), "holds": _what(value), "role": role if key == chosen.path[0] else ""}
+            for key, value in list(root.items())[:40]]
 
