@@ -7,7 +7,6 @@ into the destination, no extra copy; other records go through torch's weights-on
 from __future__ import annotations
 
 import io
-import warnings
 import zipfile
 from collections.abc import Iterable, Mapping
 
@@ -15,7 +14,7 @@ from ..._lazy import torch
 from ...dtypes import itemsize, name_of
 from ...errors import CheckpointFormatError, EmaCkptError, RecordChecksumError, UnsafePickleError
 from ...layout import Box, TensorSpec
-from ...pickles.rules import GLOBAL_IN_MESSAGE, first_line, globals_in_pickle, refusal, torch_allows
+from ...pickles.load import load_weights_only
 from ...storage import BlockChecksums, Location, Source, open_readable
 from ...torch_records import (
     FileWindow,
@@ -27,33 +26,10 @@ from ...torch_records import (
     view_problem,
 )
 from ...torch_records.checks import ReadChecks
-from ...torch_records.zipfmt import LOCAL_HEADER, LOCAL_MAGIC, Member
+from ...torch_records.zipfmt import Member
 from .metadata import StoredChunk
 
 _MAX_PICKLE_BYTES = 1 << 20  # a tensor record's data.pkl is a few hundred bytes
-
-
-def _pread_into(fd: Source, view: memoryview, offset: int, file: str) -> None:
-    if not fd.fill(view, offset):
-        raise CheckpointFormatError(file, f"truncated: expected {len(view)} bytes at offset {offset}")
-
-
-def _refused_in_record(message: str, record: bytes) -> str | None:
-    """The global torch's weights-only loader refused in a record, from its message or its pickle."""
-    if "weights_only" not in message and "Weights only" not in message and "GLOBAL" not in message:
-        return None
-    match = GLOBAL_IN_MESSAGE.search(message)
-    if match:
-        name = match.group(1)
-        return name if "." in name else f"builtins.{name}"
-    try:
-        with zipfile.ZipFile(io.BytesIO(record)) as archive:
-            pkl = next((n for n in archive.namelist() if n.endswith("/data.pkl") or n == "data.pkl"), None)
-            names = globals_in_pickle(archive.read(pkl)) if pkl else []
-    except Exception:  # a damaged record: reported as unreadable, not as a refused global
-        return None
-    refused = [n for n in names if not torch_allows(n)]
-    return refused[0] if refused else None
 
 
 def _check_record_crcs(data: bytes, file: Location, key: str, offset: int) -> None:
@@ -135,91 +111,54 @@ class ChunkRecords:
                 f"{self._file_sizes[file]}",
             )
 
-    def _remember(self, cache_key: tuple[str, int], found: tuple[int, TensorRecord] | None) -> None:
-        """Keep a parsed record for the next read of its chunk (the recent ones: a run reads each once)."""
-        if len(self._records) >= _RECENT_RECORDS:
-            self._records.clear()
-        self._records[cache_key] = found
-
     def _record(self, key: str, chunk: StoredChunk) -> tuple[int, TensorRecord] | None:
-        """(absolute data offset, record) for a plain tensor record, else None."""
+        """(absolute data offset, record) for a plain tensor record, else None (torch's loader reads it)."""
         cache_key = (chunk.file, chunk.offset)
-        if cache_key in self._records:
-            return self._records[cache_key]
-        self._check_extent(chunk.file, chunk.offset, chunk.length)
-        fd = self._fd(chunk.file)
-        source = f"{self._name(chunk.file)} (key {key!r})"
-        fast = scan_record(fd, chunk.offset, chunk.length)
-        if fast is not None:
-            found = self._record_from_index(key, chunk, fast, source)
-            if found is not False:
-                self._remember(cache_key, found)  # type: ignore[arg-type]
-                return found  # type: ignore[return-value]
-        try:
-            archive = zipfile.ZipFile(FileWindow(fd, chunk.offset, chunk.length))
-            names = archive.namelist()
-            pkl = next(n for n in names if n.endswith("/data.pkl") or n == "data.pkl")
-            pkl_info = archive.getinfo(pkl)
-            if pkl_info.compress_type != zipfile.ZIP_STORED or pkl_info.file_size > _MAX_PICKLE_BYTES:
-                raise CheckpointFormatError(source, "unexpected tensor record layout")
-            record = load_tensor_record(archive.read(pkl), source)
-            member = archive.getinfo(pkl[: -len("data.pkl")] + "data/" + record.storage_key)
-        except OSError as err:
-            raise CheckpointFormatError(self.path / chunk.file, f"cannot read ({err})") from None
-        except Exception:  # anything unusual: torch's weights-only loader decides, or refuses
-            self._remember(cache_key, None)
-            return None
-        if not (0 <= member.header_offset < chunk.length) or record.storage_offset < 0 or record.storage_numel < 0:
-            raise CheckpointFormatError(self.path / chunk.file, f"key {key!r}: corrupt record")
-        self._check_view(key, chunk, record)
-        header = fd.pread(LOCAL_HEADER.size, chunk.offset + member.header_offset)
-        if len(header) != LOCAL_HEADER.size or header[:4] != LOCAL_MAGIC:
-            raise CheckpointFormatError(self.path / chunk.file, f"key {key!r}: corrupt record header")
-        fields = LOCAL_HEADER.unpack(header)
-        start = member.header_offset + LOCAL_HEADER.size + fields[9] + fields[10]
-        nbytes = record.storage_numel * itemsize(record.dtype)
-        if member.compress_type != zipfile.ZIP_STORED or member.file_size != nbytes:
-            self._remember(cache_key, None)
-            return None
-        if start + nbytes > chunk.length:
-            raise CheckpointFormatError(self.path / chunk.file, f"key {key!r}: record overruns its extent")
-        self.read_checks.expect(chunk.file, chunk.offset + start, nbytes, member.CRC, f"key {key!r}")
-        result = (chunk.offset + start, record)
-        self._remember(cache_key, result)
-        return result
+        if cache_key not in self._records:
+            self._check_extent(chunk.file, chunk.offset, chunk.length)
+            if len(self._records) >= _RECENT_RECORDS:  # the recent ones: a run reads each chunk once
+                self._records.clear()
+            self._records[cache_key] = self._locate(key, chunk)
+        return self._records[cache_key]
 
-    def _record_from_index(
-        self, key: str, chunk: StoredChunk, members: dict[str, Member], source: str
-    ) -> tuple[int, TensorRecord] | bool | None:
-        """The record through the fast zip index; False to let the zipfile path decide."""
-        fd = self._fd(chunk.file)
+    def _locate(self, key: str, chunk: StoredChunk) -> tuple[int, TensorRecord] | None:
+        fd, file = self._fd(chunk.file), self.path / chunk.file
+        try:
+            members = scan_record(fd, chunk.offset, chunk.length)
+            if members is None:  # a comment, zip64, a directory far from the end
+                with zipfile.ZipFile(FileWindow(fd, chunk.offset, chunk.length)) as archive:
+                    members = {i.filename: Member(i.compress_type, i.file_size, i.header_offset, i.CRC)
+                               for i in archive.infolist()}
+        except OSError as err:
+            raise CheckpointFormatError(file, f"cannot read ({err})") from None
+        except Exception:  # anything unusual: torch's weights-only loader decides, or refuses
+            return None
         pkl = next((n for n in members if n.endswith("/data.pkl") or n == "data.pkl"), None)
         if pkl is None:
-            return False
+            return None
         method, size, local, _ = members[pkl]
-        if method != 0 or size > _MAX_PICKLE_BYTES:
-            return False
         start = member_start(fd, chunk.offset, chunk.length, local)
-        if start is None or start + size > chunk.length:
-            return False
+        if method != 0 or size > _MAX_PICKLE_BYTES or start is None or start + size > chunk.length:
+            return None
         try:
-            record = load_tensor_record(fd.pread(size, chunk.offset + start), source)
+            record = load_tensor_record(fd.pread(size, chunk.offset + start),
+                                        f"{self._name(chunk.file)} (key {key!r})")
         except EmaCkptError:
-            return False
+            return None
         data = members.get(pkl[: -len("data.pkl")] + "data/" + record.storage_key)
-        if data is None or data[0] != 0:
-            return False
+        if data is None:
+            return None
         if record.storage_offset < 0 or record.storage_numel < 0:
-            raise CheckpointFormatError(self.path / chunk.file, f"key {key!r}: corrupt record")
+            raise CheckpointFormatError(file, f"key {key!r}: corrupt record")
         self._check_view(key, chunk, record)
         nbytes = record.storage_numel * itemsize(record.dtype)
-        if data[1] != nbytes:
+        if data.method != 0 or data.size != nbytes:
             return None
-        begin = member_start(fd, chunk.offset, chunk.length, data[2])
+        begin = member_start(fd, chunk.offset, chunk.length, data.local)
         if begin is None:
-            return False
+            raise CheckpointFormatError(file, f"key {key!r}: corrupt record header")
         if begin + nbytes > chunk.length:
-            raise CheckpointFormatError(self.path / chunk.file, f"key {key!r}: record overruns its extent")
+            raise CheckpointFormatError(file, f"key {key!r}: record overruns its extent")
         self.read_checks.expect(chunk.file, chunk.offset + begin, nbytes, data.crc, f"key {key!r}")
         return (chunk.offset + begin, record)
 
@@ -231,30 +170,20 @@ class ChunkRecords:
         fd = self._fd(chunk.file)
         self._check_extent(chunk.file, chunk.offset, chunk.length)
         data = fd.pread(chunk.length, chunk.offset)
-        _check_record_crcs(data, self.path / chunk.file, key, chunk.offset)
+        file = self.path / chunk.file
+        _check_record_crcs(data, file, key, chunk.offset)
         try:
-            with warnings.catch_warnings():  # a corrupt record's odd protocol is reported below, not warned
-                warnings.simplefilter("ignore")
-                value = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
-        except Exception as err:
-            refused = _refused_in_record(str(err), data)
-            if refused is not None:  # torch's own advice (load it with weights_only=False) is never relayed
-                raise UnsafePickleError(
-                    self.path / chunk.file,
-                    f"key {key!r}: the record at offset {chunk.offset} {refusal(refused)}",
-                ) from None
-            first = first_line(str(err)) or type(err).__name__
-            if "weights_only" in first or "will likely succeed" in first:  # torch's advice: never relayed
-                first = "refused by torch's weights-only loader"
-            raise CheckpointFormatError(
-                self.path / chunk.file, f"key {key!r}: unreadable record at offset {chunk.offset} ({first})"
-            ) from None
+            value = load_weights_only(data, str(file))
+        except UnsafePickleError as err:
+            raise UnsafePickleError(file, f"key {key!r}: the record at offset {chunk.offset} {err.reason}") from None
+        except CheckpointFormatError as err:
+            raise CheckpointFormatError(file, f"key {key!r}: unreadable record at offset {chunk.offset} "
+                                              f"({err.reason})") from None
         if not isinstance(value, torch.Tensor):
-            raise CheckpointFormatError(self.path / chunk.file, f"key {key!r}: record is not a tensor")
+            raise CheckpointFormatError(file, f"key {key!r}: record is not a tensor")
         problem = tensor_view_problem(value)
         if problem is not None:
-            raise CheckpointFormatError(self.path / chunk.file, f"key {key!r}: the record at offset "
-                                                                f"{chunk.offset} holds {problem}")
+            raise CheckpointFormatError(file, f"key {key!r}: the record at offset {chunk.offset} holds {problem}")
         self._fallback = ((chunk.file, chunk.offset), value)
         return value
 
@@ -288,7 +217,8 @@ class ChunkRecords:
 
     def _read_checked(self, file: str, view: memoryview, offset: int) -> None:
         """Fill ``view`` from ``file`` at ``offset`` and check the bytes against their record's CRC-32."""
-        _pread_into(self._fd(file), view, offset, self._name(file))
+        if not self._fd(file).fill(view, offset):
+            raise CheckpointFormatError(self._name(file), f"truncated: expected {len(view)} bytes at offset {offset}")
         self.read_checks.saw(file, offset, view)
 
     def _check_view(self, key: str, chunk: StoredChunk, record: TensorRecord) -> None:
