@@ -1,9 +1,7 @@
 """torch dtypes by name, without importing torch.
 
-Checkpoint metadata names its dtypes (``torch.float32`` in a DCP pickle, ``F32`` in a
-safetensors header). Reading and copying bytes needs only each dtype's name and item size;
-this table gives both so byte-level paths run without importing torch, which would cost
-them more than their work. :func:`torch_dtype` resolves a name when arithmetic is needed.
+Reading and copying bytes needs only each dtype's name and item size, so byte-level paths run
+without importing torch; :func:`torch_dtype` resolves a name when arithmetic is needed.
 
 Example:
     >>> canonical("half"), itemsize("bfloat16"), SAFETENSORS_CODES["float32"]

@@ -180,10 +180,8 @@ class JobContext:
         by_file = regions_by_file(regions)
         costs = [sum(region_cost(r) for r in part) for part in by_file]
         claims = self.workers.claims(costs)
-        progress = None
-        if self.on_progress is not None:
-            progress = _ReadsProgress(self.on_progress, by_file, self.workers.claim_order(costs), sources, outputs,
-                                      by_key)
+        progress = None if self.on_progress is None else _ReadsProgress(
+            self.on_progress, by_file, self.workers.claim_order(costs), sources, outputs, by_key)
 
         try:
             states, stats = self.workers.run(functools.partial(

@@ -66,11 +66,8 @@ def recorded_options(options: Any) -> dict[str, Any]:
         >>> recorded_options(Opts())
         {'dtype': 'float32'}
     """
-    out: dict[str, Any] = {}
-    for f in dataclasses.fields(options):
-        if f.metadata.get("recorded", True):
-            out[f.name] = _jsonable(getattr(options, f.name))
-    return out
+    return {f.name: _jsonable(getattr(options, f.name)) for f in dataclasses.fields(options)
+            if f.metadata.get("recorded", True)}
 
 
 def _jsonable(value: Any) -> Any:

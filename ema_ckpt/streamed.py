@@ -32,9 +32,6 @@ class StreamedList(list):  # type: ignore[type-arg]
     def __len__(self) -> int:
         return len(self._source)
 
-    def __bool__(self) -> bool:
-        return len(self._source) > 0
-
     def __getitem__(self, index: Any) -> Any:
         if isinstance(index, slice):
             return [self._make(item) for item in self._source[index]]

@@ -129,15 +129,11 @@ def _json_value(value: Any) -> Any:
     return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
 
 
-def _strip(key: str) -> str:
-    return key[len(MODEL_PREFIX):] if key.startswith(MODEL_PREFIX) else key
-
-
 def _names(keys: Sequence[str], strip: bool) -> dict[str, str] | None:
     """``{name: key}``, or None when stripping makes two keys collide."""
     out: dict[str, str] = {}
     for key in keys:
-        name = _strip(key) if strip else key
+        name = key.removeprefix(MODEL_PREFIX) if strip else key
         if name in out:
             return None
         out[name] = key
@@ -154,10 +150,8 @@ def pair_keys(
         [('model.w', 'w'), ('model.b', 'b')]
     """
     best: tuple[int, str, dict[str, str], dict[str, str]] | None = None
-    candidates = (
-        ("exact", False, False), ("strip-a", True, False),
-        ("strip-b", False, True), ("strip-both", True, True),
-    )
+    candidates = (("exact", False, False), ("strip-a", True, False), ("strip-b", False, True),
+                  ("strip-both", True, True))
     for label, strip_a, strip_b in candidates:
         names_a, names_b = _names(keys_a, strip_a), _names(keys_b, strip_b)
         if names_a is None or names_b is None:
@@ -282,10 +276,8 @@ def _compare_key(
     floating = complex_ or spec_a.dtype.is_floating_point or spec_b.dtype.is_floating_point
     wide = torch.complex128 if complex_ else (torch.float64 if floating else torch.int64)
     limit = max(1, block_bytes // (16 if complex_ else 8))
-    max_abs = 0.0
-    max_b = 0.0
-    mismatched = 0
-    nbytes = 0
+    max_abs = max_b = 0.0
+    mismatched = nbytes = 0
     for box in row_blocks(spec_a.shape, list(reader_a.layout(spec_a.key)), limit):
         if box.numel == 0:
             continue

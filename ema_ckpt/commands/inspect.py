@@ -122,9 +122,7 @@ def is_folder_of_checkpoints(path: str | Location) -> bool:
     """``path`` is a folder of checkpoints (to list), not a checkpoint itself (to describe: a
     DeepSpeed save folder is described by the tag its ``latest`` names)."""
     path = as_path(path)
-    if not path.is_dir() or (path / MANIFEST_NAME).exists():
-        return False
-    return detect_format(path) is None
+    return path.is_dir() and not (path / MANIFEST_NAME).exists() and detect_format(path) is None
 
 
 def inspect_folder(path: str | Location, *, step_regex: str | None = None, step_from: str | None = None,

@@ -50,7 +50,7 @@ class VerifyResult:
     path: Location
     format_name: str | None = None
     manifest: bool = False
-    """Whether the path is an ema-ckpt output (holds ``ema-ckpt.json``)."""
+    """Whether the path holds ``ema-ckpt.json``."""
     checks: list[str] = field(default_factory=list)
     """What was checked: ``"files"`` (against the manifest), ``"readable"``, record CRC-32s."""
     files: list[str] = field(default_factory=list)
@@ -128,7 +128,7 @@ def verify(
 
 @dataclass(frozen=True, kw_only=True)
 class VerifyOptions(ReadFields, RunFields):
-    """Everything a :func:`verify` run needs; checked when made."""
+    """A :func:`verify` run's options."""
 
     path: Location
     hash_block_bytes: int = HASH_BLOCK_BYTES
@@ -193,7 +193,6 @@ def _run_check(path: Location, run: _Check, tally: Tally) -> VerifyResult:
 
 
 def _reporting(problem: str) -> tuple[int, _Check]:
-    """A check that only reports ``problem`` (found while listing the checks)."""
     return 0, lambda part, _: part.problem(problem)
 
 

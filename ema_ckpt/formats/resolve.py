@@ -34,22 +34,18 @@ class ModelLocation:
 
 
 def formats_for(path: Location) -> list[CheckpointFormat]:
-    """The registered formats, in detection order, that can be read at ``path`` (all of them
-    locally; on object storage, those whose reader reads there)."""
+    """The registered formats, in detection order, that read ``path`` (locally all of them)."""
     formats = list(registered_formats().values())
     return formats if local_file(path) is not None else [f for f in formats if f.remote]
 
 
 def _own_format(path: Location) -> CheckpointFormat | None:
-    earlier: list[CheckpointFormat] = []
-    for fmt in formats_for(path):
+    formats = formats_for(path)
+    for index, fmt in enumerate(formats):
         if fmt.detect(path):
             # A save of a format detected earlier still in progress here makes the folder
             # incomplete: the Hugging Face Trainer writes model.safetensors before its DeepSpeed tag.
-            if any(other.incomplete(path) for other in earlier):
-                return None
-            return fmt
-        earlier.append(fmt)
+            return None if any(other.incomplete(path) for other in formats[:index]) else fmt
     return None
 
 
@@ -68,8 +64,7 @@ def resolve(path: str | Location | Resolved) -> Resolved:
     if isinstance(path, Resolved):
         return path
     path = as_path(path)
-    model, fmt = _locate(path)
-    return Resolved(path, model, fmt)
+    return Resolved(path, *_locate(path))
 
 
 def locate_model(path: str | Location | Resolved) -> ModelLocation:
@@ -167,10 +162,8 @@ def open_checkpoint(path: str | Location | Resolved, *, read: ReadOptions = DEFA
                                                 "copy others to a local disk first)")
         names = ", ".join(registered_formats())
         raise CheckpointNotFoundError(path, f"not a checkpoint of any known format ({names})")
-    if shared is not None and fmt.reopen is not None:
-        reader = fmt.reopen(location.path, shared, read)
-    else:
-        reader = fmt.open(location.path, read)
+    reopen = fmt.reopen if shared is not None else None
+    reader = fmt.open(location.path, read) if reopen is None else reopen(location.path, shared, read)
     reader.read_options = read
     return reader
 

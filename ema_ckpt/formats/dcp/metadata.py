@@ -1,8 +1,5 @@
-"""DCP metadata: finding it, loading it (rank-local files merged), and the stored-chunk record.
-
-torch's own tools read only rank 0's ``__0.metadata`` when a checkpoint was saved with
-``use_collectives=False``; here every rank's file is read and merged.
-"""
+"""DCP metadata: finding it, loading it (every rank's ``__<r>.metadata`` merged, where torch's
+own tools read only rank 0's), and the stored-chunk record."""
 
 from __future__ import annotations
 
@@ -17,11 +14,7 @@ from ...storage import Location
 from .metadata_unpickle import load_dcp_metadata_bytes
 
 METADATA_FILE = ".metadata"
-
-
 RANK_METADATA = re.compile(r"^__(\d+)\.metadata$")
-
-
 DATA_FILE = re.compile(r"^__(\d+)_(\d+)(?:\.[0-9A-Za-z-]+)?\.distcp$")
 """``__<rank>_<n>.distcp``, or ``__<rank>_<n>.<tag>.distcp`` (an output uploaded to object storage)."""
 
@@ -105,11 +98,8 @@ class StoredChunk:
 
 
 def is_dcp(path: Location) -> bool:
-    if not path.is_dir():
-        return False
-    if (path / METADATA_FILE).is_file():
-        return True
-    return any(RANK_METADATA.match(p.name) and p.is_file() for p in path.iterdir())
+    return path.is_dir() and ((path / METADATA_FILE).is_file()
+                              or any(RANK_METADATA.match(p.name) and p.is_file() for p in path.iterdir()))
 
 
 def incomplete(path: Location) -> str | None:

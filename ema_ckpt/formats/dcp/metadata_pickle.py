@@ -8,8 +8,7 @@ field names, defaults and pickling hooks of ``Metadata``, ``TensorStorageMetadat
 ``MetadataIndex``.
 
 **Why it pays:** importing ``torch.distributed.checkpoint`` and pickling its dataclasses costs
-more than writing the data of a checkpoint of many keys (docs/performance.md). The pickle is
-written opcode by opcode (protocol 4), naming the globals torch's own pickle names.
+more than writing the data of a checkpoint of many keys; the pickle is written opcode by opcode.
 
 **When it is gone:** :func:`emitter_matches_torch` compares the installed torch's class
 definitions with :data:`EXPECTED_LAYOUT` from their source, once per process; on any

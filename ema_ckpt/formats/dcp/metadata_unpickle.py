@@ -210,10 +210,6 @@ def _interning_size() -> Any:
 _PATH_CLASSES = {"PosixPath", "PurePosixPath", "Path", "WindowsPath", "PureWindowsPath", "PurePath"}
 
 
-def _join_path(*parts: Any) -> str:
-    return "/".join(str(p) for p in parts)
-
-
 def _fresh_standins() -> dict[tuple[str, str], Any]:
     """New stand-in classes and functions for one load: a pickle can set attributes on the
     classes it is handed (BUILD on a class), and such edits stay inside that load."""
@@ -230,7 +226,7 @@ def _fresh_standins() -> dict[tuple[str, str], Any]:
     standins[("torch", "Size")] = _interning_size()
     for module in ("pathlib", "pathlib._local"):
         for name in _PATH_CLASSES:
-            standins[(module, name)] = lambda *parts: _join_path(*parts)
+            standins[(module, name)] = lambda *parts: "/".join(str(p) for p in parts)
     return standins
 
 

@@ -12,8 +12,6 @@ from .folders import TorchFolderReader, is_weights_folder, missing_files
 from .model import step_in_tree
 from .reader import NOT_MODEL_FILES, SUFFIXES, TorchFileReader, file_facts, has_torch_suffix
 
-_STEP_LABELS = {"global_step": "global_step in the file", "iter_num": "iter_num in the file"}
-
 
 def _detect(path: Location) -> bool:
     if path.is_dir():
@@ -57,7 +55,7 @@ def _step_record(path: Location) -> tuple[int, str] | None:
     if record is None:
         return None
     step, entry = record
-    return step, _STEP_LABELS.get(entry, f"{entry} in the file")
+    return step, f"{entry} in the file"
 
 
 def _step_of(path: Location) -> int | None:

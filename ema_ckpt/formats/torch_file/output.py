@@ -92,11 +92,8 @@ class LightningCheckpointOutput(TorchFileOutput):
         from .reader import carried_trainer_state
 
         beside = carried_trainer_state(self.carried, str(self.shown_path), self.carried_read.inert_globals)
-        beside.setdefault(LIGHTNING_VERSION_KEY, _lightning_version())
+        beside.setdefault("pytorch-lightning_version", _lightning_version())
         return lambda inner: wrap_pickle(inner, "state_dict", beside)
-
-
-LIGHTNING_VERSION_KEY = "pytorch-lightning_version"
 
 
 def _lightning_version() -> str:

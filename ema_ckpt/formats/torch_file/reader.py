@@ -328,10 +328,6 @@ class TorchFileReader(CheckpointReader):
         self._source.close()
 
 
-def _holds_tensor(value: Any) -> bool:
-    return any(_is_tensor(v) for _, v in walk(value))
-
-
 def carried_trainer_state(files: Sequence[CarriedFile], source: str,
                           inert_globals: Sequence[str] = ()) -> dict[str, Any]:
     """The trainer's own entries among carried files (:data:`~ema_ckpt.formats.base.TRAINER_STATE_FILE`,
@@ -367,7 +363,8 @@ def trainer_state(root: Any, chosen: Candidate | None = None) -> dict[str, Any]:
     if not isinstance(root, dict):
         return {}
     skip = chosen.path[0] if chosen is not None and chosen.path else None
-    return {k: v for k, v in root.items() if isinstance(k, str) and k != skip and not _holds_tensor(v)}
+    return {k: v for k, v in root.items()
+            if isinstance(k, str) and k != skip and not any(_is_tensor(part) for _, part in walk(v))}
 
 
 NOT_MODEL_FILES = re.compile(
