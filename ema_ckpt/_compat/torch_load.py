@@ -11,17 +11,13 @@
 - ``torch._utils._element_size``, the ``_internal=True`` of ``TypedStorage``,
   ``torch._guards.detect_fake_mode`` and ``torch._C.PyTorchFileReader``.
 
-**Why it pays:** what a format's own allowlist declines is read by torch's weights-only
-unpickler (:func:`ema_ckpt.pickles.load.load_weights_only`: its refusals are torch's), a file's
-structure on object storage included; DeepSpeed files, where they allow it, by CPython's C
-unpickler building the same objects (:mod:`ema_ckpt.formats.deepspeed.fastload`); a refused
-global is judged against torch's allowlist (:mod:`ema_ckpt.pickles.rules`); the ``torch.save``
-records ema-ckpt writes name torch's rebuild (:mod:`ema_ckpt.torch_records.write`).
+**Why it pays:** what a format's allowlist declines is read by torch's weights-only unpickler
+(:func:`ema_ckpt.pickles.load.load_weights_only`: its refusals are torch's); DeepSpeed files, where
+they allow it, by CPython's C unpickler building the same objects
+(:mod:`ema_ckpt.formats.deepspeed.fastload`); a refused global is judged against torch's allowlist.
 
-**When it is gone:** :func:`allowed_globals` gives None, and the fast load leaves every file
-to torch's weights-only load (:func:`torch.load`), and a refusal is judged by a prefix rule;
-the other names fail where they are used, with an error, and ``tests/test_compat.py`` fails
-loudly first on such a torch.
+**When it is gone:** :func:`allowed_globals` gives None: the fast load leaves every file to
+torch's weights-only load, and a refusal is judged by a prefix rule; the other names fail where used.
 
 Example:
     >>> "torch.Size" in (allowed_globals() or {})
@@ -45,8 +41,7 @@ REBUILD_FROM_TYPE = "torch._tensor._rebuild_from_type_v2"
 
 
 def allowed_globals() -> dict[str, Any] | None:
-    """The globals torch's weights-only unpickler allows by default, by ``module.name``; None
-    on a torch without its private ``_get_allowed_globals``."""
+    """The globals torch's weights-only unpickler allows by default, by ``module.name``, or None."""
     try:
         from torch import _weights_only_unpickler as weights_only
     except ImportError:  # pragma: no cover - a torch without the weights-only unpickler
@@ -75,8 +70,7 @@ def rebuild_functions() -> Mapping[str, Callable[..., Any]]:
 
 def rebuild_tensor_outside_fake_mode(storage: Any, storage_offset: Any, size: Any, stride: Any, requires_grad: Any,
                                      backward_hooks: Any, metadata: Any = None) -> Any:
-    """torch's ``_rebuild_tensor_v2`` less its fake-mode step, for a load outside any fake
-    mode (:func:`in_fake_mode`).
+    """torch's ``_rebuild_tensor_v2`` less its fake-mode step (:func:`in_fake_mode`).
 
     Raises:
         TypeError: ``storage`` is not a ``TypedStorage`` itself.
@@ -98,18 +92,13 @@ def rebuild_from_type(func: Any, new_type: Any, args: Any, state: Any) -> Any:
 
 
 def element_size(dtype: Any) -> int:
-    """The bytes of one element of ``dtype``, as ``torch.load`` sizes a storage.
-
-    Raises:
-        RuntimeError, TypeError: a dtype torch does not size.
-    """
+    """The bytes of one element of ``dtype``, as ``torch.load`` sizes a storage (else RuntimeError, TypeError)."""
     size: int = torch._utils._element_size(dtype)
     return size
 
 
 def typed_storage(untyped: Any, dtype: Any) -> Any:
-    """A ``TypedStorage`` of ``dtype`` over ``untyped``, as ``torch.load`` builds it (no
-    deprecation warning)."""
+    """A ``TypedStorage`` of ``dtype`` over ``untyped``, as ``torch.load`` builds it (no warning)."""
     return torch.storage.TypedStorage(wrap_storage=untyped, dtype=dtype, _internal=True)
 
 
@@ -119,6 +108,5 @@ def in_fake_mode() -> bool:
 
 
 def zip_reader(path: str | Path) -> Any:
-    """torch's reader of a zip-format ``torch.save`` file (``get_all_records``, ``get_record``,
-    ``get_record_offset``), as ``torch.load`` opens it."""
+    """torch's reader of a zip-format ``torch.save`` file, as ``torch.load`` opens it."""
     return torch._C.PyTorchFileReader(str(path))

@@ -1,9 +1,7 @@
 """Pickle opcodes written by hand: the one module that spells them, for every pickle a format writes.
 
-DCP's ``.metadata`` (protocol 4, :mod:`ema_ckpt.formats.dcp.metadata_pickle`) and the inert
-data a single file held beside its weights (protocol 2, :mod:`ema_ckpt.torch_records.emit`) are
-written opcode by opcode into an :class:`Opcodes` buffer: integers, strings and globals spelled
-as ``pickle`` spells them at that protocol, memo entries stored and fetched by the writer's keys.
+DCP's ``.metadata`` (protocol 4) and the inert data a single file held beside its weights
+(protocol 2) are written into an :class:`Opcodes` buffer, spelled as ``pickle`` spells them.
 
 Example:
     >>> import pickle

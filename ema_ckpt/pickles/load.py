@@ -1,15 +1,12 @@
 """The one loader of every untrusted pickle: :func:`load_pickle`, over a format's :class:`Allowlist`.
 
 A pickle reaches code through its globals only, and every global goes through the one
-``find_class`` here: the unpickler gets what the format's table names for it (an inert
-stand-in, a rebuild that makes a record, a dtype name) or what the table's ``other`` makes of
-any other name (a per-load record class, or a refusal). Each format's table is data beside its
-stand-ins (``torch_records.pickles``, ``torch_records.tree``, ``formats.dcp.metadata_unpickle``,
-``formats.deepspeed.fastload``, whose declined files go to torch's weights-only unpickler).
-Every pickle is walked first (:mod:`.bounds`), then loaded by CPython's C unpickler, or, for
-pickles of millions of objects, by the pure-Python one with a lean memo (:mod:`.memo`). What a
-format's own table declines goes to torch's weights-only unpickler, by one way only
-(:func:`load_weights_only`), whose refusals are reported as this loader's.
+``find_class`` here: the unpickler gets what the format's table names for it (an inert stand-in,
+a rebuild that makes a record, a dtype name) or what the table's ``other`` makes of any other
+name (a per-load record class, or a refusal). Every pickle is walked first (:mod:`.bounds`),
+then loaded by CPython's C unpickler, or for pickles of millions of objects by the pure-Python
+one with a lean memo (:mod:`.memo`). What a format's table declines goes to torch's weights-only
+unpickler by one way only (:func:`load_weights_only`), whose refusals are reported as this loader's.
 
 Example:
     >>> import pickle
@@ -50,10 +47,9 @@ class Allowlist:
     table: Mapping[tuple[str, str], Any]
     """``(module, name)`` → what the unpickler is handed for it."""
     other: Callable[[str, str], Any] | None = None
-    """What any other global becomes, made once per name and load (a stand-in class of the
-    load, or an error raised); None: refused with :func:`~.rules.refuse`, naming the file."""
+    """What any other global becomes, made once per name and load; None: refused (:func:`~.rules.refuse`)."""
     python2_names: bool = False
-    """Read protocol 2's Python 2 names (``__builtin__.set``) as CPython's unpickler does first."""
+    """Read protocol 2's Python 2 names (``__builtin__.set``) as CPython's unpickler does."""
 
 
 class _Resolving:
@@ -87,12 +83,11 @@ class _Lean(_Resolving, LeanUnpickler):
 
 def load_pickle(data: bytes, allow: Allowlist, source: str | Path, *, persistent: Callable[[Any], Any] | None = None,
                 lean: bool = False, encoding: str = "ASCII", walk: bool = True) -> Any:
-    """The object ``data`` pickles, every global resolved through ``allow`` (see the module docstring).
+    """The object ``data`` pickles, every global resolved through ``allow``.
 
     Args:
         persistent: what a persistent id (a ``torch.save`` storage) becomes; None: refused.
-        lean: load with the lean memo (:mod:`.memo`), where CPython offers it: a pickle of
-            millions of objects, at about 1.8x the time and a much lower peak.
+        lean: load with the lean memo (:mod:`.memo`): about 1.8x the time, a much lower peak.
         encoding: how protocol 2's 8-bit strings decode.
         walk: False only for a pickle walked already, or written by this process.
 
@@ -121,10 +116,9 @@ _WEIGHTS_ONLY_LOCK = threading.Lock()
 def load_weights_only(file: str | Path | bytes, source: str | Path, *,
                       stand_ins: Mapping[str, type] | None = None, persistent: Callable[[Any], Any] | None = None,
                       mmap: bool = False) -> Any:
-    """torch's weights-only load, the one way to it (what an :class:`Allowlist` declines): of a
-    ``torch.save`` file (its name or bytes; ``mmap``), or, with ``persistent`` (what a storage's
-    persistent id becomes), of the ``data.pkl`` bytes ``file``. ``stand_ins`` (a global's name →
-    the class built in its place) are admitted for this load only.
+    """torch's weights-only load, the one way to it: of a ``torch.save`` file (its name or bytes),
+    or, with ``persistent`` (what a storage's persistent id becomes), of the ``data.pkl`` bytes
+    ``file``. ``stand_ins`` (a global's name → its class) are admitted for this load only.
 
     Raises:
         UnsafePickleError: a global torch refused (named from its message or the pickle); nothing ran.
@@ -159,8 +153,7 @@ def load_weights_only(file: str | Path | bytes, source: str | Path, *,
 def _refused_global(file: str | Path | bytes, message: str, stand_ins: Mapping[str, type], *,
                     zipped: bool) -> str | None:
     """The global the weights-only unpickler refused, from its message or from the pickle
-    (``file``: a ``torch.save`` file, its name or bytes, where ``zipped``; else a ``data.pkl``'s
-    bytes). None from a legacy file's pickles."""
+    (``file``: a ``torch.save`` file where ``zipped``, else ``data.pkl`` bytes)."""
     match = GLOBAL_IN_MESSAGE.search(message)
     if match:  # torch prints builtins without their module ("GLOBAL eval")
         return match.group(1) if "." in match.group(1) else f"builtins.{match.group(1)}"

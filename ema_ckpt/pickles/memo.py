@@ -1,21 +1,15 @@
 """Unpickling large pickles without keeping what their memo never gives back.
 
-torch's pickler memoizes every object it writes: each ``torch.Size``'s argument tuples, each
-dataclass's state, each ``TensorProperties``. CPython's C unpickler keeps every memoized object
-alive until the load ends, in an array with one slot per memoized object, whether or not the
-pickle fetches it again. For a DCP ``.metadata`` of 200,000 keys that is about 170 MiB of
-garbage (a million tuples, 800,000 emptied state dicts, 200,000 properties records) plus an
-80 MiB array, scattered among the objects the load keeps: the heap stays that large after
-the load too. The C unpickler offers no way to drop one entry.
+torch's pickler memoizes every object it writes, and CPython's C unpickler keeps every memoized
+object alive until the load ends, fetched again or not: for a DCP ``.metadata`` of 200,000 keys,
+about 170 MiB of garbage plus an 80 MiB array, scattered among the objects kept, so the heap
+stays that large after the load.
 
-A pickle names each memo entry it fetches: GET (a decimal line), BINGET (one byte: an index
-below 256) and LONG_BINGET (four bytes). :class:`FetchedIndices` finds, from the bytes alone,
-every index any of these could name (a superset: each ``j`` byte is read as if it were a
-LONG_BINGET opcode). :class:`LeanUnpickler` is CPython's pure-Python unpickler (private:
-:mod:`ema_ckpt._compat.pickle_internals`) with a memo that stores only those entries: a
-200,000-key ``.metadata`` loads at a peak of about 300 MiB instead of 490, in about 1.8x the
-time (the opcodes run in Python). Like the C unpickler, it walks the pickle first
-(:mod:`.bounds`): no opcode may make it allocate more than the pickle's size.
+:class:`FetchedIndices` finds, from the bytes alone, every index a GET, BINGET or LONG_BINGET
+could name (a superset: each ``j`` byte is read as a LONG_BINGET). :class:`LeanUnpickler` is
+CPython's pure-Python unpickler (:mod:`ema_ckpt._compat.pickle_internals`) with a memo that
+stores only those: a 200,000-key ``.metadata`` peaks at about 300 MiB instead of 490, in about
+1.8x the time. It walks the pickle first (:mod:`.bounds`), as the C unpickler's loads do.
 
 Example:
     >>> fetched = FetchedIndices(b"\\x80\\x04j\\x00\\x01\\x00\\x00.")

@@ -1,11 +1,9 @@
 """The pickle rules every reader shares: how a refused global is reported, ``torch.Size``'s
 and the dtypes' stand-ins, and, for loads through torch's weights-only unpickler, what it refused.
 
-DeepSpeed ``.pt`` files (:mod:`ema_ckpt.formats.deepspeed.unpickle`) and DCP chunk records
-(:mod:`ema_ckpt.formats.dcp.records`) both go through that unpickler; when it refuses a file,
-the global to blame is read from its message (:data:`GLOBAL_IN_MESSAGE`) or found by
-disassembling the pickle (:func:`globals_in_pickle`, nothing is executed) and checking each
-name against torch's own allowlist (:func:`torch_allows`).
+When that unpickler refuses a file, the global to blame is read from its message
+(:data:`GLOBAL_IN_MESSAGE`) or found by disassembling the pickle (:func:`globals_in_pickle`,
+nothing is executed) and checking each name against torch's allowlist (:func:`torch_allows`).
 
 Example:
     >>> import pickle
@@ -28,26 +26,14 @@ from .._compat import torch_load
 from ..dtypes import TORCH_NAMES, DtypeName, canonical
 from ..errors import UnsafePickleError
 
-__all__ = [
-    "CODE_MODULES",
-    "GLOBAL_IN_MESSAGE",
-    "TORCH_DTYPES",
-    "first_line",
-    "globals_in_pickle",
-    "is_standard_module",
-    "refusal",
-    "refuse",
-    "standard_module_matched",
-    "torch_allows",
-    "torch_size",
-]
+__all__ = ["CODE_MODULES", "GLOBAL_IN_MESSAGE", "TORCH_DTYPES", "first_line", "globals_in_pickle",
+           "is_standard_module", "refusal", "refuse", "standard_module_matched", "torch_allows", "torch_size"]
 
 GLOBAL_IN_MESSAGE = re.compile(r"GLOBAL ([A-Za-z_][\w.]*)")
 
 
 def refusal(name: str) -> str:
-    """What every refused global is told: ``name`` (``module.qualname``) is not allowed, and
-    nothing from the file ran."""
+    """What every refused global is told: ``name`` is not allowed, and nothing from the file ran."""
     return f"refers to {name}, which is not allowed; nothing from the file was run"
 
 
@@ -107,8 +93,7 @@ def globals_in_pickle(data: bytes) -> list[str]:
 
 
 def torch_allows(name: str) -> bool:
-    """Whether torch's weights-only unpickler allows ``name`` by default (private API, guarded:
-    :func:`ema_ckpt._compat.torch_load.allowed_globals`)."""
+    """Whether torch's weights-only unpickler allows ``name`` by default."""
     allowed = torch_load.allowed_globals()
     if allowed is None:  # pragma: no cover - a torch without the private helper
         return name.startswith("torch.") or name.startswith("collections.")
@@ -120,9 +105,8 @@ CODE_MODULES: frozenset[str] = frozenset(sys.stdlib_module_names) | {
     "pty", "socket", "ctypes", "_ctypes", "pickle", "_pickle", "marshal", "types", "functools", "_functools",
     "operator", "_operator", "runpy", "code", "codeop", "webbrowser", "multiprocessing", "_thread", "signal"}
 """Top-level modules no ``inert_globals`` pattern may reach: all of Python's standard library
-(its OS modules under every platform's name, ``builtins``, ``operator``, ``functools``, …), whose
-globals are code, never a training script's record. Its data types that checkpoints hold
-(``argparse.Namespace``, ``pathlib``, ``datetime``, ``collections``) are read without a flag."""
+(its OS modules under every platform's name), whose globals are code, never a training
+script's record (the data types checkpoints hold are read without a flag)."""
 
 
 _NAMED_FIRST = ("builtins", "os", "posix", "nt", "subprocess", "sys")  # what a refusal of ``*.*`` names
@@ -156,8 +140,7 @@ def _tokens(pattern: str) -> list[str]:
 
 
 def _may_start_with(tokens: list[str], prefix: str) -> bool:
-    """Whether some name starting with ``prefix`` matches the pattern ``tokens`` (case-sensitive,
-    as the patterns are judged): the pattern positions reachable after reading ``prefix``."""
+    """Whether some name starting with ``prefix`` matches the pattern ``tokens`` (case-sensitive)."""
 
     def closed(states: set[int]) -> set[int]:  # a star may match nothing
         out = set(states)
