@@ -87,15 +87,16 @@ class TorchFolderReader(CheckpointReader):
         located = locate(self.path)
         if located is None:
             raise CheckpointNotFoundError(self.path, f"no {' or '.join(WEIGHTS_FILES[:2])} or {INDEX_FILE}")
-        self.index, files = located
-        weight_map: dict[str, str] | None = None
-        if self.index is not None:
-            weight_map = read_index(self.index)[0]
-            files = [self.index.parent / name for name in sorted(set(weight_map.values()))]
+        index, files = located
+        self.index = index
+        weight_map: dict[str, str] = {}
+        if index is not None:
+            weight_map = read_index(index)[0]
+            files = [index.parent / name for name in sorted(set(weight_map.values()))]
             missing = [f.name for f in files if not f.is_file()]
             if missing:
-                raise CheckpointNotFoundError(self.index, f"names missing shard file(s): {', '.join(missing)} "
-                                                          "(save in progress?)")
+                raise CheckpointNotFoundError(index, f"names missing shard file(s): {', '.join(missing)} "
+                                                     "(save in progress?)")
         self._readers: list[TorchFileReader] = []
         by_name: dict[str, TorchFileReader] = {}
         self.read_checks = ReadChecks(lambda name: by_name[name].path,
@@ -114,17 +115,13 @@ class TorchFolderReader(CheckpointReader):
                 if key in self._where:
                     raise CheckpointFormatError(self.path, f"{key!r} is in both {self._where[key].path.name} and "
                                                            f"{reader.path.name}")
-                if weight_map is not None and weight_map.get(key) != reader.path.name:
-                    assert self.index is not None
+                if index is not None and weight_map.get(key) != reader.path.name:
                     where = f"maps it to {weight_map[key]}" if key in weight_map else "does not list it"
-                    raise CheckpointFormatError(self.index, f"{reader.path} holds {key!r} but the index {where}")
+                    raise CheckpointFormatError(index, f"{reader.path} holds {key!r} but the index {where}")
                 self._where[key], self._specs[key] = reader, spec
-        if weight_map is not None:
-            unheld = [k for k in weight_map if k not in self._where]
-            if unheld:
-                assert self.index is not None
-                raise CheckpointFormatError(self.index, f"maps {unheld[0]!r} to {weight_map[unheld[0]]}, which "
-                                                        "does not hold it")
+        unheld = [k for k in weight_map if k not in self._where]
+        if unheld and index is not None:
+            raise CheckpointFormatError(index, f"maps {unheld[0]!r} to {weight_map[unheld[0]]}, which does not hold it")
         self.step: int | None = trainer_state_step(self.path)
         self.others = sorted(p.name for p in self.path.iterdir() if _OTHER_MODELS.match(p.name))
 
