@@ -1,9 +1,8 @@
 """Ctrl-C and SIGTERM at any moment: one line, the staging removed, exit 130 / 143.
 
-Slurm, systemd, Kubernetes and ``timeout`` stop a job with SIGTERM, whose default action ends
-the process on the spot, leaving staging directories behind and saying nothing; Ctrl-C
-while modules import or while Click parses options would print a traceback or "Aborted!".
-So the console script handles both signals itself:
+SIGTERM (Slurm, systemd, Kubernetes, ``timeout``) would end the process on the spot, staging
+left behind, and Ctrl-C while modules import or Click parses prints a traceback or "Aborted!".
+So the console script (alone: importing ema-ckpt as a library changes nothing) handles both:
 
 - outside a command's body (starting up, parsing, exiting) a signal is only recorded;
 - inside it (see :func:`armed`) the signal raises :class:`Terminated` or ``KeyboardInterrupt``
@@ -12,9 +11,6 @@ So the console script handles both signals itself:
 - while a module is being imported, the signal is delivered again a moment later instead:
   an extension's initialisation (torch's) calls back into Python from C++, and an exception
   raised there cannot unwind through it, so the process would abort (SIGABRT) instead.
-
-Only the console script installs these handlers; importing ema-ckpt as a library changes
-nothing.
 
 Example:
     >>> install()                  # doctest: +SKIP

@@ -56,10 +56,9 @@ def _exponent(number: Decimal) -> int:
 def parse_sigma_list(text: str) -> list[tuple[str, float]]:
     """Parse σ_rel values: comma lists and EDM2 ranges ``start:stop:step`` (inclusive).
 
-    Returns (text, value) pairs, the text as typed (ranges: printed with the most decimals
-    among start, stop and step), so outputs can be named ``sigma_rel_<text>``. Every value
-    must lie in (0, 1/√12); duplicates are refused (their outputs would collide). Errors are
-    ``OptionError`` on ``sigma_rels``, the parameter such text is given as.
+    Returns (text, value) pairs, the text as typed (ranges: with the most decimals among start,
+    stop and step), to name outputs ``sigma_rel_<text>``. Every value must lie in (0, 1/√12);
+    duplicates are refused (their outputs would collide).
 
     Example:
         >>> parse_sigma_list("0.05, 0.10")

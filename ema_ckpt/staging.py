@@ -1,12 +1,10 @@
 """Staging: a complete checkpoint copied aside the moment it is seen, so retention cannot take it
 before it is folded, and checked before its fold.
 
-A staged copy never shares storage a trainer may write into: a single file (which trainers
-rewrite in place: nanoGPT's ``ckpt.pt``) is reflinked where the filesystem can, else copied; a
-folder's files (shards, written once) are reflinked, else hard-linked, else copied. Each staged
-copy's files (size, mtime, inode) are recorded beside the incoming folder and compared before
-its fold (:func:`rewritten_since_staged`). Staging names fit ``NAME_MAX`` for any checkpoint name.
-On object storage a checkpoint is downloaded instead.
+A staged copy never shares storage a trainer may write into: a single file (rewritten in place:
+nanoGPT's ``ckpt.pt``) is reflinked, else copied; a folder's files (written once) are reflinked,
+else hard-linked, else copied; on object storage, downloaded. Each copy's files (size, mtime,
+inode) are recorded and compared before its fold (:func:`rewritten_since_staged`).
 
 Example:
     >>> import tempfile; from pathlib import Path
@@ -115,9 +113,8 @@ def file_identity(path: Path) -> tuple[int, int, int] | None:
 
 
 def records_dir(incoming: str | os.PathLike[str]) -> Path:
-    """Where :func:`stage` keeps its records of the copies staged in ``incoming``: a hidden
-    folder beside it (``CKPTS/.ema-ckpt-incoming.records``), so that ``incoming`` holds the
-    staged checkpoints alone."""
+    """Where :func:`stage` keeps its records of the copies staged in ``incoming``: a hidden folder
+    beside it (``CKPTS/.ema-ckpt-incoming.records``), so ``incoming`` holds checkpoints alone."""
     into = Path(incoming)
     return into.parent / f"{into.name}.records"
 
@@ -151,8 +148,8 @@ def _files_identity(path: Path) -> dict[str, list[int]]:
 
 def _write_record(into: Path, staged_name: str, name: str, step: int | None, seen: tuple[int, int, int] | None,
                   partial: Path) -> None:
-    """Record what ``partial`` (about to become ``into/staged_name``: a rename keeps inodes and
-    times) holds, before it is renamed into place: a staged copy never lacks its record."""
+    """Record what ``partial`` holds before it is renamed ``into/staged_name`` (a rename keeps
+    inodes and times): a staged copy never lacks its record."""
     record = {"staged": staged_name, "name": name, "step": step, "source": None if seen is None else list(seen),
               "files": _files_identity(partial)}
     final = record_path(into, staged_name)

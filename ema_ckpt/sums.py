@@ -90,11 +90,8 @@ class SumPlan(Plan):
 
 
 def default_format(plan: Plan) -> str:
-    """The output format when none is asked for: the newest input's, where a sum can write it.
-
-    Safetensors inputs give ``safetensors``; DCP, DeepSpeed and torch-file inputs give ``dcp``
-    (``torch.distributed.checkpoint.load`` reads it on any number of ranks).
-    """
+    """The output format when none is asked for: the newest input's where a sum writes it
+    (safetensors), else ``dcp`` (DCP, DeepSpeed and torch-file inputs)."""
     steps = {str(c.path): (c.step, str(c.path)) for c in plan.inputs}
     used = [t.path for o in plan.outputs for t in o.terms]
     if not used:

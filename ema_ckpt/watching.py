@@ -71,11 +71,9 @@ class WatchResult:
     staged: int = 0
     errors: list[str] = field(default_factory=list)
     lost: list[int] = field(default_factory=list)
-    """Steps staged whose copy changed before it was folded (-1: a step not known), each said
-    as an error: never folded."""
+    """Steps whose staged copy changed before it was folded (-1: not known): never folded."""
     unstaged: list[str] = field(default_factory=list)
-    """Checkpoints a look could not stage and no later look staged (each said as an error):
-    never folded."""
+    """Checkpoints a look could not stage and no later look staged: never folded."""
 
 
 def ema_step(out: str | Location) -> int | None:
@@ -102,15 +100,10 @@ def stage_new(folder: str | os.PathLike[str] | Location, *, after: int | Callabl
               incoming: str | os.PathLike[str] | None = None,
               ignore: Sequence[str | os.PathLike[str] | Location] = (),
               on_failure: Callable[[Location, OSError], None] | None = None) -> list[Path]:
-    """Stage every complete checkpoint of ``folder`` newer than step ``after`` not staged yet,
-    into ``incoming`` (default :func:`incoming_dir`; required for a folder in object storage),
-    but those in ``ignore``.
-
-    ``after`` may be a function (the EMA's step as it is now, asked after each staged copy is
-    looked for, so a copy folded and removed meanwhile is not staged again). A checkpoint that
-    cannot be staged (a copy refused, a download cut) does not keep the others from being
-    staged: it goes to ``on_failure``, or without it the first such error is raised once the
-    others are staged."""
+    """Stage every complete checkpoint of ``folder`` newer than step ``after`` (or ``after()``, the
+    EMA's step asked as each is looked at), not staged yet and not in ``ignore``, into ``incoming``
+    (default :func:`incoming_dir`; required on object storage). A checkpoint that cannot be staged
+    goes to ``on_failure``, or without it the first such error is raised once the others are staged."""
     source = as_path(folder)
     if incoming is None:
         local = local_file(source)
@@ -272,8 +265,6 @@ def watch(checkpoints: str | Location, *, out: str | Location | None = None, int
         (5000, [[1000, 2000], [3000], [4000, 5000]])
     """
     fold_args = {name: value for name, value in locals().items() if name not in _WATCH_ONLY}
-    from .commands.accumulate import accumulate
-
     if not interval > 0:
         raise OptionError("interval", f"must be a number of seconds above 0, got {interval}", value=interval)
     if stop_when_idle is not None and stop_when_idle < 0:
@@ -331,7 +322,7 @@ def watch(checkpoints: str | Location, *, out: str | Location | None = None, int
         while True:
             staged_before = result.staged
             _check_staged(incoming, result, on_error)
-            fold = _fold_once(accumulate, incoming, target, fold_args, result, on_error)
+            fold = _fold_once(incoming, target, fold_args, result, on_error)
             if fold is not None:
                 idle_since = time.monotonic()
                 result.folds.append(fold)
@@ -370,9 +361,11 @@ def watch(checkpoints: str | Location, *, out: str | Location | None = None, int
     return result
 
 
-def _fold_once(accumulate: Callable[..., Any], source: Path, target: Location, options: dict[str, Any],
-               result: WatchResult, on_error: Callable[[str], None] | None) -> WatchFold | None:
+def _fold_once(source: Path, target: Location, options: dict[str, Any], result: WatchResult,
+               on_error: Callable[[str], None] | None) -> WatchFold | None:
     """One :func:`~ema_ckpt.accumulate` over the staged checkpoints in ``source``; the fold it made, if any."""
+    from .commands.accumulate import accumulate
+
     if not source.is_dir() or not any(not p.name.startswith(".") for p in source.iterdir()):
         return None
     started = time.monotonic()

@@ -1,18 +1,13 @@
 """The one place that turns errors into user messages and exit codes.
 
-Every command body runs inside :func:`reports_errors`: an ema-ckpt error becomes one line
-on stderr and its documented exit code; an unexpected failure becomes one line too, with
-a hint to set ``EMA_CKPT_DEBUG=1`` for the traceback.
-
-Library errors name library parameters (``at_step``, ``restart=True``); :func:`._flags.flag_for`
-words them as this CLI's flags, read from the commands' own options (see :mod:`ema_ckpt.errors`):
+Every command body runs inside :func:`reports_errors`: an error becomes one line on stderr and
+its exit code (:data:`ema_ckpt.errors.EXIT_CODES`, which the top-level ``--help`` lists); an
+unexpected one also says to set ``EMA_CKPT_DEBUG=1`` for the traceback. Library errors name
+library parameters, worded here as this CLI's flags (:func:`._flags.flag_for`):
 
     >>> from ema_ckpt.errors import OptionError
     >>> error_message(OptionError("at_step", "5 is before the first checkpoint (step 10)", value=5))
     ('--at-step 5 is before the first checkpoint (step 10)', 2)
-
-The exit codes are :data:`ema_ckpt.errors.EXIT_CODES`; the top-level ``--help`` lists them
-(:func:`exit_codes_help`).
 """
 
 from __future__ import annotations
@@ -90,12 +85,10 @@ def _clause(text: str) -> str:
 
 
 def usage_error_line(err: typer.TyperException, command: str | None = None) -> tuple[str, int]:
-    """A command-line parse error (Typer's Click errors) as one line, and its exit code.
-
-    Typer raises Click's errors (``UsageError`` and its kinds) as :class:`typer.TyperException`;
-    what kind each is shows in the attributes it carries (``option_name`` and ``possibilities``
-    for an unknown option, ``param`` for a bad or missing value, ``ctx`` for the command; ``command``
-    names it where the error carries no ``ctx``):
+    """A command-line parse error (Click's, as :class:`typer.TyperException`) as one line, and its
+    exit code. Its kind shows in the attributes it carries (``option_name`` and ``possibilities``:
+    an unknown option; ``param``: a bad or missing value); ``command`` names the command where the
+    error carries no ``ctx``:
 
         >>> class NoSuchOption(typer.TyperException):
         ...     exit_code, ctx, option_name, possibilities = 2, None, "--outt", ["--out"]

@@ -81,6 +81,17 @@ def _terms_table(terms: list[Term], names: list[str], snapshot_inputs: bool, tit
     return table(max(MIN_BAR_WIDTH, min(BAR_WIDTH, room)))
 
 
+_STATS = (("sigma_rel", "effective σ_rel {}", ".4g"), ("half_life", "half-life {} steps", ".4g"),
+          ("mean_age", "mean age {} steps", ".4g"), ("n_eff", "N_eff {}", ".3g"), ("condition", "cond(A) {}", ".2e"),
+          ("rel_error", "fit error {}", ".2e"))
+"""A plan's statistics as its summary line shows them, in order (the post-hoc solve's last)."""
+
+
+def plan_warnings(plan: Plan) -> list[str]:
+    """Each output's warnings, ``name: warning``, worded with flags."""
+    return [f"{o.name}: {cli_text(w)}" for o in plan.outputs for w in o.warnings]
+
+
 def render_plan(plan: Plan) -> None:
     """Print each output's terms, weights and summary; warnings go to stderr."""
     for output in plan.outputs:
@@ -93,19 +104,9 @@ def render_plan(plan: Plan) -> None:
             title += f"\ninputs in {shown(common)}{os.sep}"
         names = [os.path.relpath(str(t.path), common) if common is not None else str(t.path) for t in output.terms]
         console.print(_terms_table(output.terms, names, snapshot_inputs, title))
-        stats = output.stats
         parts = [f"Σc = {sum(t.coefficient for t in output.terms):.12g}"]
-        if stats.get("sigma_rel") is not None:
-            parts.append(f"effective σ_rel {_number(stats['sigma_rel'])}")
-        if stats.get("half_life") is not None:
-            parts.append(f"half-life {_number(stats['half_life'])} steps")
-        if stats.get("mean_age") is not None:
-            parts.append(f"mean age {_number(stats['mean_age'])} steps")
-        if stats.get("n_eff") is not None:
-            parts.append(f"N_eff {_number(stats['n_eff'], '.3g')}")
-        if stats.get("condition") is not None:
-            parts.append(f"cond(A) {_number(stats['condition'], '.2e')}, "
-                         f"fit error {_number(stats['rel_error'], '.2e')}")
+        parts += [label.format(_number(output.stats[name], fmt)) for name, label, fmt in _STATS
+                  if output.stats.get(name) is not None]
         console.print("  " + ", ".join(parts), highlight=False)
         for warning in output.warnings:
             warn(f"{output.name}: {cli_text(warning)}")

@@ -1,12 +1,9 @@
 """Tables whose names never hide the part that tells rows apart.
 
-Keys and paths are long and often differ only at the end (``….weight.exp_avg`` against
-``….weight.exp_avg_sq``): cut to the column with an ellipsis, two rows read the same. So a
-name is never cut. :class:`Name` breaks it onto more lines after a separator (``.``, ``/``,
-a space), inside a part only where that part alone is wider than the column (after ``_`` or
-``-``, else anywhere), and the lines read in order give the whole name. The other columns
-(shapes, dtypes, numbers) are short and stay on one line, so the name column is the one that
-gives way when the terminal is narrow. The layout depends on the width alone.
+Keys and paths often differ only at the end (``….exp_avg`` against ``….exp_avg_sq``), so a name
+is never cut: :class:`Name` breaks it onto more lines after a separator (``.``, ``/``, a space),
+inside a part only where that part alone is wider than the column (after ``_`` or ``-``, else
+anywhere). The other columns stay on one line, so the names give way on a narrow terminal.
 
 Example:
     >>> wrap_name("optim.state.blocks.0.norm1.weight.exp_avg_sq", 20)

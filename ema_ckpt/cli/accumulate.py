@@ -12,10 +12,9 @@ if TYPE_CHECKING:
 
 from . import _options as opt
 from ._errors import reports_errors
-from ._flags import cli_text
 from ._options import library_args
 from ._output import console, files_written, human_bytes, note, plural, print_json, progress_bar, shown, warn
-from ._plan import render_plan
+from ._plan import plan_warnings, render_plan
 
 EPILOG = """\
 Examples:
@@ -48,9 +47,7 @@ Examples:
 
 def _warnings(result: AccumulateResult) -> list[str]:
     """The plan's warnings of the EMAs this run wrote ("name: warning")."""
-    if result.plan is None or result.up_to_date:
-        return []
-    return [f"{o.name}: {cli_text(w)}" for o in result.plan.outputs for w in o.warnings]
+    return [] if result.plan is None or result.up_to_date else plan_warnings(result.plan)
 
 
 def _as_json(result: AccumulateResult, dry_run: bool) -> dict[str, Any]:

@@ -54,11 +54,8 @@ _LABELS = {
     "ds_version": "DeepSpeed version",
     "global_step": "global step",
 }
-_BYTES = re.compile(r"(^|_)(bytes|total_size)$")
+_BYTES = re.compile(r"(^|_)(bytes|total_size)$")  # detail names whose integers count bytes
 _STEPS = re.compile(r"step|iter|epoch")
-"""Detail names whose integers count bytes."""
-
-
 
 
 def fact(name: str, value: Any, *, all_items: bool = False) -> str | None:

@@ -14,10 +14,9 @@ if TYPE_CHECKING:
 from ..errors import UsageError
 from . import _options as opt
 from ._errors import reports_errors
-from ._flags import cli_text
 from ._options import library_args
 from ._output import console, files_written, human_bytes, note, plural, print_json, progress_bar, shown, warn
-from ._plan import render_plan
+from ._plan import plan_warnings, render_plan
 
 POSTHOC_EPILOG = """\
 Examples (outputs go to OUT/sigma_rel_<value>):
@@ -78,13 +77,6 @@ def _format_line(plan: Plan, out: str | Path | None) -> str:
     return f"output format {fmt}: {target}"
 
 
-def _warn(plan: Plan) -> None:
-    """A real run's plan warnings, on stderr (the dry-run table prints its own)."""
-    for output in plan.outputs:
-        for warning in output.warnings:
-            warn(f"{output.name}: {cli_text(warning)}")
-
-
 def _finish(result: Plan | RunResult, json_output: bool, quiet: bool, out: str | Path | None) -> None:
     from ..commands.averaging import Plan
 
@@ -94,17 +86,15 @@ def _finish(result: Plan | RunResult, json_output: bool, quiet: bool, out: str |
         else:
             render_plan(result)
             note(_format_line(result, out))
-        return
-    if json_output:
-        data = result.plan.to_json()
-        data.update({"format": result.format, "paths": [str(p) for p in result.outputs],
-                     "files": [str(p) for p in result.files], "bytes_read": result.bytes_read,
-                     "bytes_written": result.bytes_written, "files_written": result.files_written,
-                     "seconds": round(result.seconds, 3)})
-        print_json(data)
+    elif json_output:
+        print_json(result.plan.to_json() | {
+            "format": result.format, "paths": [str(p) for p in result.outputs],
+            "files": [str(p) for p in result.files], "bytes_read": result.bytes_read,
+            "bytes_written": result.bytes_written, "files_written": result.files_written,
+            "seconds": round(result.seconds, 3)})
     elif not quiet:
-        _warn(result.plan)
-    if not json_output and not quiet:
+        for line in plan_warnings(result.plan):
+            warn(line)
         for line in result.plan.notes:
             note(line)
         for output, path in zip(result.plan.outputs, result.outputs, strict=True):

@@ -42,24 +42,17 @@ def _split(values: list[str] | None) -> list[str]:
     return [part.strip() for value in values or [] for part in value.split(",") if part.strip()]
 
 
-class _Reporter:
+def _report(event: SelectEvent) -> None:
     """One line on stderr per candidate (evaluated, cached or failed) and per pass written."""
-
-    def __init__(self, enabled: bool) -> None:
-        self.enabled = enabled
-
-    def __call__(self, event: SelectEvent) -> None:
-        if not self.enabled:
-            return
-        where = f"[{event.index}/{event.total}]"
-        if event.kind == "writing":
-            err_console.print(f"{where} writing {cli_text(event.name)}", highlight=False, style="dim")
-        elif event.kind == "failed":
-            err_console.print(f"{where} {shown(event.name)}: failed ({shown(event.error)})", highlight=False,
-                              style="yellow")
-        else:
-            source = "cached" if event.kind == "cached" else f"{event.seconds:.1f} s"
-            err_console.print(f"{where} {shown(event.name)}: {event.score:.6g} ({source})", highlight=False)
+    where = f"[{event.index}/{event.total}]"
+    if event.kind == "writing":
+        err_console.print(f"{where} writing {cli_text(event.name)}", highlight=False, style="dim")
+    elif event.kind == "failed":
+        err_console.print(f"{where} {shown(event.name)}: failed ({shown(event.error)})", highlight=False,
+                          style="yellow")
+    else:
+        source = "cached" if event.kind == "cached" else f"{event.seconds:.1f} s"
+        err_console.print(f"{where} {shown(event.name)}: {event.score:.6g} ({source})", highlight=False)
 
 
 def _show(result: SelectResult, maximize: bool) -> None:
@@ -166,7 +159,7 @@ def select_command(
         raise UsageError("--out is required (unless --dry-run)")
     from ..commands.select import select
 
-    result = select(**args, on_event=_Reporter(not (quiet or json_output)))
+    result = select(**args, on_event=None if quiet or json_output else _report)
     from ..plans import Plan
 
     if isinstance(result, Plan):

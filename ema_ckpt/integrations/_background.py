@@ -1,11 +1,9 @@
 """Folds of a training job's checkpoints in a separate process: what every callback shares.
 
-:class:`BackgroundFolds` stages each checkpoint the moment the trainer reports it saved
-(:func:`~ema_ckpt.watching.stage`: a folder's files reflinked or hard-linked, a single file
-reflinked or copied, so neither retention nor a save in place loses it), and keeps at most one
-worker process running :func:`~ema_ckpt.watch` over the
-checkpoints' folder until nothing is left to fold (``stop_when_idle=0``). Training never waits
-for a fold, except in :meth:`BackgroundFolds.finish`, at the end of training.
+:class:`BackgroundFolds` stages each checkpoint the moment the trainer says it saved it
+(:func:`~ema_ckpt.watching.stage`) and keeps at most one worker process running
+:func:`~ema_ckpt.watch` over the folder until nothing is left to fold. Training waits for a
+fold only in :meth:`BackgroundFolds.finish`, at its end.
 
 Example:
     >>> folds = BackgroundFolds("out", out="out/ema", options={"decay": 0.999})   # doctest: +SKIP

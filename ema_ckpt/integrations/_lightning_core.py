@@ -2,26 +2,20 @@
 ``pytorch_lightning``): :class:`LightningEmaCore` takes no Lightning import, each public module
 mixes it into its own package's ``Callback``.
 
-How no checkpoint is missed with ``save_top_k=1`` (or ``every_n_train_steps=1``):
+How no checkpoint is missed with ``save_top_k=1``:
 
-- Lightning moves every ``Checkpoint`` callback to the end of the callback list, so in each hook
-  where ``ModelCheckpoint`` may save (``on_train_batch_end``, ``on_train_epoch_end``,
-  ``on_validation_end``, ``on_train_end``, ``on_exception``) this callback runs first. A
-  checkpoint written at one hook is therefore seen at this callback's next hook, which comes
-  before ``ModelCheckpoint``'s next save, the only moment it removes the previous file. At each
-  hook, global rank 0 looks at every ``ModelCheckpoint`` (its ``best_k_models``,
-  ``best_model_path``, ``last_model_path`` and its folder's listing) and stages what is new
-  in ``<dirpath>/.ema-ckpt-incoming/``: a ``.ckpt`` file as a reflink where the filesystem
-  can (no bytes copied), else a copy (never a hard link a save in place could write into).
+- Lightning moves every ``Checkpoint`` callback to the end of the list, so in each hook where
+  ``ModelCheckpoint`` may save, this callback runs first: a checkpoint written at one hook is
+  seen at this callback's next hook, before the next save, the only moment retention removes
+  the previous file. At each hook, global rank 0 stages what is new among every
+  ``ModelCheckpoint``'s ``best_k_models``, ``best_model_path``, ``last_model_path`` and folder.
 - As a second guard, ``trainer.strategy.remove_checkpoint`` is wrapped for the run: a checkpoint
-  that retention removes is staged first if it was not yet (a save made outside the hooks, e.g.
-  ``trainer.save_checkpoint`` in user code). Training never waits for a fold.
-- ``last.ckpt`` is written again under the same name at each save: a hard link would share the
-  inode Lightning may rewrite in place (fsspec's commit copies across filesystems), so it is
-  staged as a copy under a unique name (``last.<mtime>.ckpt``: the step is the file's
-  ``global_step``). A ``save_last="link"`` symlink is not staged (its target is).
-- The last save of a run may happen in ``ModelCheckpoint.on_train_end``, after this callback's
-  ``on_train_end``: the final look and the wait for the folds are in ``on_fit_end``.
+  retention removes is staged first if it was not yet (``trainer.save_checkpoint`` in user code).
+- ``last.ckpt`` is written again under the same name at each save, possibly in place: it is
+  staged as a copy under a unique name (``last.<mtime>.ckpt``). A ``save_last="link"`` symlink
+  is not staged (its target is).
+- The last save may happen in ``ModelCheckpoint.on_train_end``, after this callback's: the final
+  look and the wait for the folds are in ``on_fit_end``.
 """
 
 from __future__ import annotations

@@ -1,13 +1,11 @@
 """``EmaCkptCallback`` for ``lightning.pytorch``: an EMA of every checkpoint the run saves.
 
-Each checkpoint that any ``ModelCheckpoint`` writes (single ``.ckpt`` files, and the sharded
-folders of the FSDP and DeepSpeed strategies) is staged by hard links the moment this callback
-sees it, before retention (``save_top_k=1``) can remove it, and folded into the EMA at ``out`` by
-a separate process running :func:`ema_ckpt.watch`: one fold at a time, in step order, no
-accelerator memory. Only global rank 0 folds. At the end of training the callback waits for the
-folds left and logs the EMA's step and path; a fold that fails is logged in one line and training
-goes on (``strict=True``: :class:`~ema_ckpt.errors.FoldError` at the end of training). A resumed
-run with the same ``out`` continues the same EMA.
+Each checkpoint any ``ModelCheckpoint`` writes (``.ckpt`` files, the FSDP and DeepSpeed
+strategies' folders) is staged the moment this callback sees it, before retention can remove
+it, and folded into ``out`` by a separate process running :func:`ema_ckpt.watch`, with no
+accelerator memory; only global rank 0 folds. At the end of training the callback waits for the
+folds left; a failed fold is logged in one line (``strict=True``: :class:`~ema_ckpt.errors.FoldError`
+at the end of training). A resumed run with the same ``out`` continues the same EMA.
 
 Example:
     >>> import lightning.pytorch as pl                                                     # doctest: +SKIP

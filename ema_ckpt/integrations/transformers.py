@@ -1,17 +1,12 @@
 """``EmaCkptCallback`` for ``transformers.Trainer``: the EMA of every checkpoint the Trainer saves.
 
-After each save, the new ``checkpoint-<step>`` folder under ``args.output_dir`` is staged at once
-(reflinks or hard links into ``<output_dir>/.ema-ckpt-incoming/``, so ``save_total_limit``
-deleting it loses nothing) and folded into ``out`` by a separate process running :func:`ema_ckpt.watch`: one fold at
-a time, in step order, on the CPU. Training never waits for a fold, except at the end: at
-``on_train_end`` the callback waits for the folds still pending, then logs the EMA's step and
-path. Only the global rank 0 stages and folds; the other ranks do nothing.
-
-Every checkpoint the Trainer writes that ema-ckpt reads is folded: plain ``model.safetensors``
-(sharded or not), DeepSpeed ZeRO (``global_step<N>/`` with or without the 16-bit gather) and
-FSDP (``pytorch_model_fsdp_0/``, or a full state dict). A resumed run (same ``output_dir``, same
-``out``) continues the same EMA. A fold that fails is logged with its one-line message and
-training goes on; with ``strict=True`` the failure is raised at the end of training.
+After each save, the new ``checkpoint-<step>`` folder is staged at once (so ``save_total_limit``
+deleting it loses nothing) and folded into ``out`` by a separate process running
+:func:`ema_ckpt.watch`, one fold at a time, on the CPU; at ``on_train_end`` the callback waits for
+the folds left and logs the EMA's step and path. Only global rank 0 stages and folds. Every
+checkpoint the Trainer writes is folded (``model.safetensors``, DeepSpeed ZeRO, FSDP); a resumed
+run with the same ``out`` continues the same EMA. A failed fold is logged in one line and training
+goes on (``strict=True``: raised at the end of training).
 
 Example:
     >>> from ema_ckpt.integrations.transformers import EmaCkptCallback     # doctest: +SKIP
