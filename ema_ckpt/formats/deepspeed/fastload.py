@@ -44,7 +44,7 @@ from ..._lazy import torch
 from ...pickles.bounds import check_pickle_bounds
 from ...pickles.load import Allowlist, load_pickle
 
-__all__ = ["SealedType", "fast_load", "fast_summary"]
+__all__ = ["SealedType", "default_byteorder", "fast_load", "fast_summary"]
 
 
 class SealedType(type):
@@ -118,9 +118,7 @@ def _skipped(*_args: Any) -> None:
     return None
 
 
-_ALLOWLISTS: list[Allowlist] = []
-"""DeepSpeed files' allowlist, then the same with every tensor rebuild :func:`_skipped` (a
-summary's); built on first use (:func:`_globals`)."""
+_ALLOWLISTS: list[Allowlist] = []  # DeepSpeed files', then a summary's (rebuilds skipped); built on first use
 _REBUILDS = (torch_load.REBUILD_TENSOR, torch_load.REBUILD_PARAMETER, torch_load.REBUILD_FROM_TYPE)
 
 
@@ -162,8 +160,7 @@ def _globals(stand_ins: dict[str, type], summary: bool) -> Allowlist:
 
 
 _WEIGHTS_ONLY_OPCODES = b"\x80\x81\x85\x86\x87\x88\x89\x8a\x8f()]}.GJKMNQRUXabcehjqrstu"
-"""The opcodes the weights-only unpickler implements (protocol 2's; no INST, OBJ, EXT,
-STACK_GLOBAL, FRAME, out-of-band buffers)."""
+"""The opcodes the weights-only unpickler implements (protocol 2's, less INST, OBJ, EXT)."""
 
 
 def _not_fast(module: str, name: str) -> Any:
@@ -199,16 +196,13 @@ def _storages(storage: Any, reader: Any, size: int) -> Any:
 
 def fast_load(path: str | Path, stand_ins: dict[str, type]) -> tuple[Any] | None:
     """``(state,)``: what ``torch.load(path, weights_only=True, mmap=True)`` with the stand-ins
-    allowed returns, loaded by the C unpickler; None when the file must go the weights-only
-    way (see the module docstring). ``path`` is a zip-format ``torch.save`` file."""
+    allowed returns, by the C unpickler; None when the file must go the weights-only way."""
     return _fast(path, stand_ins, summary=False)
 
 
 def fast_summary(path: str | Path, stand_ins: dict[str, type]) -> tuple[Any] | None:
-    """``(state,)`` as :func:`fast_load` gives it but with None for every tensor, nothing
-    mapped: a file's small fields (``dp_world_size``, ``global_steps``) at a fraction of the
-    cost. Every storage it names is still checked to be a member of the file. None where
-    :func:`fast_load` would give None."""
+    """``(state,)`` as :func:`fast_load` gives it, None for every tensor and nothing mapped (every
+    storage still checked to be a member of the file): a file's small fields, cheaply."""
     return _fast(path, stand_ins, summary=True)
 
 
@@ -221,7 +215,9 @@ def _fast(path: str | Path, stand_ins: dict[str, type], *, summary: bool) -> tup
         records = set(reader.get_all_records())
         if "constants.pkl" in records or "data.pkl" not in records:  # TorchScript, or not a state
             return None
-        if sys.byteorder != _byteorder(reader, records):
+        order = bytes(reader.get_record("byteorder")).decode("ascii", "replace") if "byteorder" in records \
+            else default_byteorder()
+        if sys.byteorder != order:
             return None
         data = reader.get_record("data.pkl")
         check_pickle_bounds(data, opcodes=_WEIGHTS_ONLY_OPCODES)  # else the weights-only way judges it
@@ -235,10 +231,8 @@ def _fast(path: str | Path, stand_ins: dict[str, type], *, summary: bool) -> tup
         return None
 
 
-def _byteorder(reader: Any, records: set[str]) -> str:
-    """The byte order torch reads the file's storages in (``"?"`` when it would not load it)."""
-    if "byteorder" in records:
-        return bytes(reader.get_record("byteorder")).decode("ascii", "replace")
+def default_byteorder() -> str:
+    """The byte order torch reads a file without a ``byteorder`` record in (``"?"``: neither)."""
     ends = torch.serialization.LoadEndianness
     default = torch.serialization.get_default_load_endianness()
     if default is None or default == ends.LITTLE:

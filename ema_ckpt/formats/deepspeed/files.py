@@ -1,9 +1,7 @@
 """DeepSpeed checkpoint files: tag folders, ``latest``, detection, saves still in progress, the step.
 
-Only file names are looked at, except for the first model-states file, whose pickle holds
-``dp_world_size`` and ``global_steps``: it is read once per file version (memory-mapped,
-through the restricted loader of :mod:`.unpickle`; on object storage its structure
-only, by ranged requests) and remembered.
+Only file names are looked at, except for the first model-states file's ``dp_world_size`` and
+``global_steps``, read once per file version and remembered.
 """
 
 from __future__ import annotations
@@ -23,11 +21,8 @@ from .unpickle import STAND_INS, load_ds_file
 FORMAT_NAME = "deepspeed"
 
 OPTIM_RE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
-
 ZERO3_MODEL_RE = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
-
 MODEL_RE = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
-
 UNSUPPORTED_FILES = (
     (re.compile(r"^layer_\d+-model_\d+-model_states\.pt$"), "pipeline-parallel layer files"),
     (re.compile(r"^layer_\d+_expert_\d+_.*model_states\.pt$"), "MoE expert files"),
@@ -35,7 +30,6 @@ UNSUPPORTED_FILES = (
 )
 
 TAG_STEP_RE = re.compile(r"(?:global_step|checkpoint-|step)(\d+)$")
-
 
 
 def ds_files(folder: Location) -> tuple[list[Location], list[Location]]:
@@ -47,7 +41,6 @@ def ds_files(folder: Location) -> tuple[list[Location], list[Location]]:
     models = [folder / n for n in names if n.endswith("_model_states.pt")]
     optims = [folder / n for n in names if n.endswith("optim_states.pt")]
     return models, optims
-
 
 
 def _read_latest(folder: Location) -> str | None:
@@ -65,29 +58,16 @@ def _read_latest(folder: Location) -> str | None:
     return tag
 
 
-
 def find_tag_dir(path: str | Location) -> Location | None:
-    """The DeepSpeed tag folder ``path`` is or names through ``latest``; None if neither.
-
-    Accepts a tag folder (``save_dir/global_step10``), a save folder whose ``latest`` names a
-    tag folder, and so Hugging Face Trainer's ``checkpoint-N`` (``latest`` + ``global_stepN``).
-    Only file names are looked at.
-    """
+    """The DeepSpeed tag folder ``path`` is, or names through ``latest`` (a save folder, a Hugging
+    Face ``checkpoint-N``); None if neither. Only file names are looked at."""
     path = as_path(path)
     if not path.is_dir():
         return None
-    models, optims = ds_files(path)
-    if models and optims:
+    if all(ds_files(path)):
         return path
     tag = _read_latest(path)
-    if tag is not None:
-        tag_dir = path / tag
-        if tag_dir.is_dir():
-            models, optims = ds_files(tag_dir)
-            if models and optims:
-                return tag_dir
-    return None
-
+    return path / tag if tag is not None and (path / tag).is_dir() and all(ds_files(path / tag)) else None
 
 
 def name_gaps(tag_dir: Location) -> str | None:
@@ -99,12 +79,9 @@ def name_gaps(tag_dir: Location) -> str | None:
         return f"optimizer files of data-parallel rank(s) {missing} are missing"
     zero3_models = [p for p in models if ZERO3_MODEL_RE.match(p.name)]
     if zero3_models and len(zero3_models) != len(optims):
-        return (
-            f"{len(zero3_models)} ZeRO-3 model-states files but {len(optims)} optimizer files "
+        return f"{len(zero3_models)} ZeRO-3 model-states files but {len(optims)} optimizer files " \
             "(a rank did not finish saving)"
-        )
     return None
-
 
 
 def is_deepspeed(path: str | Location) -> bool:
@@ -114,14 +91,10 @@ def is_deepspeed(path: str | Location) -> bool:
     return tag_dir is not None and incomplete(tag_dir) is None
 
 
-
 def incomplete(path: str | Location) -> str | None:
-    """A reason when ``path`` looks like a DeepSpeed checkpoint still being written, else None.
-
-    Checks, cheapest first: ``latest`` naming a missing tag, a tag folder with model states but
-    no optimizer files (or the reverse), gaps in the rank numbers, and fewer optimizer files
-    than the ``dp_world_size`` recorded in the model states.
-    """
+    """A reason when ``path`` looks like a DeepSpeed checkpoint still being written, else None
+    (cheapest first: ``latest`` naming a missing tag, model states without optimizer files or the
+    reverse, gaps in the ranks, fewer optimizer files than the recorded ``dp_world_size``)."""
     path = as_path(path)
     if not path.is_dir():
         return None
@@ -140,10 +113,8 @@ def incomplete(path: str | Location) -> str | None:
     if not models and not optims:
         return None
     if not optims:
-        return (
-            f"DeepSpeed tag folder {tag_dir} holds model states but no *_optim_states.pt files "
+        return f"DeepSpeed tag folder {tag_dir} holds model states but no *_optim_states.pt files " \
             "(still being written, or a ZeRO-0 checkpoint, which is not supported)"
-        )
     if not models:
         return f"DeepSpeed tag folder {tag_dir} holds optimizer states but no *_model_states.pt file"
     reason = name_gaps(tag_dir)
@@ -157,28 +128,18 @@ def incomplete(path: str | Location) -> str | None:
     except CheckpointFormatError as err:
         return f"{first} is unreadable, perhaps still being written ({err.reason})"
     if isinstance(expected, int) and len(optims) < expected:
-        return (
-            f"DeepSpeed tag folder {tag_dir} holds {len(optims)} of the {expected} optimizer "
+        return f"DeepSpeed tag folder {tag_dir} holds {len(optims)} of the {expected} optimizer " \
             "files its dp_world_size asks for (still being written?)"
-        )
     return None
 
 
-
-_TRAINER_FILES = {"trainer_state.json", "config.json", "training_args.bin", "zero_to_fp32.py"}
-
-"""Files a trainer writes beside its DeepSpeed tag (the Hugging Face Trainer's checkpoint-N)."""
+_TRAINER_FILES = {"trainer_state.json", "config.json", "training_args.bin", "zero_to_fp32.py"}  # beside a tag
 
 
 def _tag_without_latest(path: Location) -> str | None:
-    """A reason when a folder without ``latest`` holds a DeepSpeed tag that is still being written.
-
-    DeepSpeed writes ``latest`` after every rank's files, so a Hugging Face Trainer
-    ``checkpoint-N/global_stepN/`` holding rank 0's files only is a save in progress (or one
-    that died). A folder of several tags is a save folder: each tag is judged on its own, and a
-    folder without a trainer's files beside its subfolders (a folder of checkpoints) is not
-    looked into at all.
-    """
+    """A reason when a folder without ``latest`` holds a DeepSpeed tag still being written
+    (DeepSpeed writes ``latest`` after every rank's files). Only a folder of one tag beside a
+    trainer's files is looked into: several tags make a save folder, each judged on its own."""
     try:
         files = [p.name for p in path.iterdir() if p.is_file()]
         if not any(n in _TRAINER_FILES or n.endswith(".safetensors") for n in files):
@@ -197,7 +158,6 @@ def _tag_without_latest(path: Location) -> str | None:
     return f"DeepSpeed tag {tags[0].name} but no 'latest' naming it yet (still being written?)"
 
 
-
 # (path, device, inode, size, mtime_ns) -> (dp_world_size, global_steps) of a settled model-states file.
 _SUMMARIES: dict[tuple[str, int, int, int, int], tuple[Any, Any]] = {}
 _SETTLED_SECONDS = 2.0  # files modified more recently are read afresh (a same-size rewrite
@@ -205,9 +165,8 @@ _SETTLED_SECONDS = 2.0  # files modified more recently are read afresh (a same-s
 
 
 def _model_summary(path: Location) -> tuple[Any, Any]:
-    """``(dp_world_size, global_steps)`` from a model-states file (None if absent), remembered
-    per file version (not its errors): detection, the step and opening each ask, and unpickling a
-    ZeRO-3 model-states file costs tens of milliseconds."""
+    """``(dp_world_size, global_steps)`` from a model-states file (None if absent), remembered per
+    file version: detection, the step and opening each ask, and a ZeRO-3 one takes tens of ms."""
     found = structure_or_name(path, shared=True)
     if isinstance(found, RemoteStructure):  # read by ranged requests, not unpickled whole
         return _summary(found.state)
@@ -237,17 +196,16 @@ _STRUCTURES_LOCK = threading.Lock()  # the reader loads a tag's objects from sev
 
 
 def structure_or_name(path: Location, *, shared: bool = False) -> RemoteStructure | str:
-    """``path``'s structure by ranged requests (:func:`~.structure.load_ds_structure`), or the
-    name its :class:`~ema_ckpt.storage.Source` gives a loader that maps the file itself
-    (:func:`~.unpickle.load_ds_file`). ``shared``: a model-states file's, loaded once per object
-    version (its ETag, where the store gives one) for detection, discovery and the reader."""
+    """``path``'s structure by ranged requests (:func:`~.structure.load_ds_structure`), or the name
+    a loader maps the file by (:func:`~.unpickle.load_ds_file`). ``shared``: loaded once per object
+    version (its ETag) for detection, discovery and the reader."""
     key, size = None, None
     if shared:
         try:
             st = path.stat()
         except FileNotFoundError:
             raise CheckpointNotFoundError(path, "no such file") from None
-        etag = str(getattr(st, "etag", ""))  # the object version's tag, where the store gives one
+        etag = str(getattr(st, "etag", ""))
         key, size = ((str(path), etag, st.st_size) if etag else None), st.st_size
         with _STRUCTURES_LOCK:
             cached = _STRUCTURES.get(key) if key is not None else None
@@ -274,12 +232,14 @@ def structure_or_name(path: Location, *, shared: bool = False) -> RemoteStructur
     return found
 
 
-def step_from(global_steps: Any, tag: str) -> int | None:
-    """A DeepSpeed checkpoint's step: ``global_steps`` when recorded, else the number in the tag name."""
-    if isinstance(global_steps, int):
-        return global_steps
+def _tag_step(tag: str) -> int | None:
     m = TAG_STEP_RE.search(tag)
     return int(m.group(1)) if m else None
+
+
+def step_from(global_steps: Any, tag: str) -> int | None:
+    """A DeepSpeed checkpoint's step: ``global_steps`` when recorded, else the number in the tag name."""
+    return global_steps if isinstance(global_steps, int) else _tag_step(tag)
 
 
 def model_files(models: list[Location]) -> list[Location]:
@@ -290,7 +250,7 @@ def model_files(models: list[Location]) -> list[Location]:
 
 def step_of(path: str | Location) -> int | None:
     """The step a :class:`~.reader.DeepSpeedReader` of ``path`` reports, from the first
-    model-states file's ``global_steps`` alone (no optimizer file is opened, no tensor read).
+    model-states file alone.
 
     Example:
         >>> step_of("out/checkpoint-500")  # doctest: +SKIP
@@ -312,20 +272,9 @@ def _first_model_file(models: list[Location]) -> Location:
     return models[0]
 
 
-
 def deepspeed_tags(save_dir: str | Location) -> list[Location]:
-    """Every tag folder directly under a DeepSpeed ``save_dir``, oldest first.
-
-    ``save_dir/latest`` names only the newest tag; an EMA wants them all. Order is by the step
-    in the tag name (``global_step<N>``), then by name.
-    """
-    save_dir = as_path(save_dir)
-    children: list[Location] = sorted(save_dir.iterdir(), key=str)
-    tags = [c for c in children if c.is_dir() and all(ds_files(c))]
-
-    def order(p: Location) -> tuple[int, str]:
-        m = TAG_STEP_RE.search(p.name)
-        return (int(m.group(1)) if m else -1, p.name)
-
-    return sorted(tags, key=order)
+    """Every tag folder directly under a DeepSpeed ``save_dir`` (``latest`` names only the newest),
+    by the step in its name, then by name."""
+    tags = [c for c in as_path(save_dir).iterdir() if c.is_dir() and all(ds_files(c))]
+    return sorted(tags, key=lambda p: (step if (step := _tag_step(p.name)) is not None else -1, p.name))
 

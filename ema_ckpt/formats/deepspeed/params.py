@@ -28,7 +28,6 @@ class Piece:
     file_start: int = 0
 
 
-
 @dataclass(slots=True)
 class Entry:
     """One key of the checkpoint: its spec, its kind, and where its data lies (pieces of flat
@@ -42,19 +41,12 @@ class Entry:
     releasable: bool = False  # ``tensor``'s pages may be dropped after a copy
 
 
-
 class _FlatChunks:
     """Several 1-D tensors seen as their concatenation, without concatenating them."""
 
-    def __init__(
-        self,
-        chunks: Sequence[torch.Tensor],
-        releasable: Sequence[bool] | None = None,
-        files: Sequence[tuple[Location, int] | None] | None = None,
-    ) -> None:
-        self.chunks = list(chunks)
-        self.releasable = list(releasable) if releasable is not None else [False] * len(self.chunks)
-        self.files = list(files) if files is not None else [None] * len(self.chunks)
+    def __init__(self, chunks: Sequence[torch.Tensor], releasable: Sequence[bool],
+                 files: Sequence[tuple[Location, int] | None]) -> None:
+        self.chunks, self.releasable, self.files = list(chunks), list(releasable), list(files)
         self.starts = [0]
         for c in self.chunks:
             self.starts.append(self.starts[-1] + c.numel())
@@ -74,7 +66,6 @@ class _FlatChunks:
                 out.append(Piece(dst + lo - start, hi - lo, chunk, lo - self.starts[i], self.releasable[i],
                                  file, file_start))
         return out
-
 
 
 def _check_view(t: torch.Tensor, where: Location, what: str) -> None:
@@ -108,13 +99,9 @@ def _flat(t: Any, where: Location, what: str) -> torch.Tensor:
     return t
 
 
-
 def _same_storage(view: torch.Tensor, original: torch.Tensor) -> bool:
     """Whether ``view`` still shares ``original``'s memory (``reshape`` copies when it must)."""
-    view_ptr: int = view.untyped_storage().data_ptr()
-    original_ptr: int = original.untyped_storage().data_ptr()
-    return view_ptr == original_ptr
-
+    return bool(view.untyped_storage().data_ptr() == original.untyped_storage().data_ptr())
 
 
 def _shape(value: Any, where: Location, name: str) -> tuple[int, ...]:
@@ -128,7 +115,6 @@ def _shape(value: Any, where: Location, name: str) -> tuple[int, ...]:
     return shape
 
 
-
 def row_major_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     """The strides of a contiguous tensor of ``shape``, in elements."""
     strides, acc = [], 1
@@ -136,7 +122,6 @@ def row_major_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
         strides.append(acc)
         acc *= d
     return tuple(reversed(strides))
-
 
 
 class ParameterMaps:
@@ -153,9 +138,8 @@ class ParameterMaps:
     def _load(self, path: Location) -> Any:
         raise NotImplementedError
 
-    def _file_places(
-        self, path: Location, flats: Sequence[torch.Tensor], loaded: Sequence[Any]
-    ) -> list[tuple[Location, int] | None]:
+    def _file_places(self, path: Location, flats: Sequence[torch.Tensor],
+                     loaded: Sequence[Any]) -> list[tuple[Location, int] | None]:
         """For each flat tensor of ``path``, ``(path, byte offset of its first element)`` when it can
         be read from the file directly (see :func:`~.unpickle.storage_file_offsets`), else None."""
         offsets = self._storage_offsets(path) if self._releasable[path] else None
@@ -170,7 +154,6 @@ class ParameterMaps:
 
     def _storage_offsets(self, path: Location) -> dict[int, int] | None:
         raise NotImplementedError
-
 
     def _map_keys(self, model0_path: Location, model0: dict[str, Any], osds: list[dict[str, Any]]) -> dict[str, Entry]:
         """Every key: buffers, frozen, trainable (masters), tied aliases; in state_dict order."""
@@ -193,13 +176,8 @@ class ParameterMaps:
         param_shapes = model0.get("param_shapes")
         if not isinstance(param_shapes, list):
             raise CheckpointFormatError(model0_path, "no param_shapes (not a ZeRO checkpoint)")
-        if self.stage <= 2:
-            trainable = self._stage12_params(param_shapes, osds)
-        else:
-            trainable = self._stage3_params(param_shapes, osds)
-
-        frozen = self._frozen(model0_path, model0, module, buffer_names, trainable)
-        entries.update(frozen)
+        trainable = (self._stage12_params if self.stage <= 2 else self._stage3_params)(param_shapes, osds)
+        entries.update(self._frozen(model0_path, model0, module, buffer_names, trainable))
         entries.update(trainable)
         masters = {e.pieces[0].src.dtype for e in trainable.values() if e.pieces}
         self.master_dtype = masters.pop() if len(masters) == 1 else torch.float32
@@ -209,11 +187,8 @@ class ParameterMaps:
             raise CheckpointFormatError(model0_path, "shared_params is not a mapping")
         for alias, owner in shared.items():
             if owner in entries and alias not in entries:
-                entries[alias] = Entry(
-                    TensorSpec(alias, entries[owner].spec.shape, entries[owner].spec.dtype),
-                    "tied",
-                    owner=owner,
-                )
+                spec = entries[owner].spec
+                entries[alias] = Entry(TensorSpec(alias, spec.shape, spec.dtype), "tied", owner=owner)
 
         # Keys in the module's own state_dict order where known, then zero_to_fp32's order.
         order = [k for k in module if k in entries]
@@ -221,64 +196,8 @@ class ParameterMaps:
         order += [k for k in entries if k not in seen]
         return {k: entries[k] for k in order}
 
-
-    def _stage12_params(self, param_shapes: list[Any], osds: list[dict[str, Any]]) -> dict[str, Entry]:
-        key = "single_partition_of_fp32_groups"
-        per_rank = []
-        mapped: list[list[bool]] = []  # per rank, per group: pages releasable
-        places: list[list[tuple[Location, int] | None]] = []  # per rank, per group: where in the file
-        for p, osd in zip(self._optim_files, osds, strict=True):
-            groups = osd.get(key)
-            if not isinstance(groups, list | tuple):
-                raise CheckpointFormatError(p, f"no {key}")
-            flats = [_flat(t, p, f"{key}[{i}]") for i, t in enumerate(groups)]
-            _check_disjoint(flats, p, key)
-            per_rank.append(flats)
-            mapped.append(
-                [self._releasable[p] and _same_storage(f, t) for f, t in zip(flats, groups, strict=True)]
-            )
-            places.append(self._file_places(p, flats, groups))
-        n_groups = len(per_rank[0])
-        if any(len(g) != n_groups for g in per_rank) or len(param_shapes) != n_groups:
-            raise CheckpointFormatError(
-                self._optim_files[0],
-                f"{n_groups} flat groups per rank but {len(param_shapes)} param_shapes groups",
-            )
-        alignment = osds[0].get("param_alignment_paddings")
-        align_to = 2 * self.world_size  # DeepSpeed pads each group to a multiple of 2·ws
-        entries: dict[str, Entry] = {}
-        for g, shapes in enumerate(param_shapes):
-            if not isinstance(shapes, Mapping):
-                raise CheckpointFormatError(self._model_files[0], f"param_shapes[{g}] is not a mapping")
-            flat = _FlatChunks([ranks[g] for ranks in per_rank], [m[g] for m in mapped], [f[g] for f in places])
-            paddings = alignment[g] if alignment is not None else None
-            if paddings is not None and len(paddings) != len(shapes):
-                raise CheckpointFormatError(
-                    self._optim_files[0],
-                    f"group {g}: {len(paddings)} alignment paddings for {len(shapes)} params",
-                )
-            offset = 0
-            for j, (name, shape) in enumerate(shapes.items()):
-                shape = _shape(shape, self._model_files[0], name)
-                n = math.prod(shape)
-                if offset + n > flat.numel:
-                    raise CheckpointFormatError(
-                        self.tag_dir, f"group {g}: {name} needs elements up to {offset + n} of {flat.numel}"
-                    )
-                spec = TensorSpec(name, shape, flat.chunks[0].dtype)
-                entries[name] = Entry(spec, "param", pieces=tuple(flat.pieces(offset, n, 0)))
-                offset += n + (int(paddings[j]) if paddings is not None else 0)
-            if math.ceil(offset / align_to) != math.ceil(flat.numel / align_to):
-                raise CheckpointFormatError(
-                    self.tag_dir,
-                    f"group {g}: consumed {offset} numels out of {flat.numel}; the layout is not understood",
-                )
-        return entries
-
-
-    def _stage3_params(self, param_shapes: list[Any], osds: list[dict[str, Any]]) -> dict[str, Entry]:
-        key = "fp32_flat_groups"
-        ws = self.world_size
+    def _rank_flats(self, key: str, osds: list[dict[str, Any]]) -> list[_FlatChunks]:
+        """Each rank's flat groups under ``key``, checked, with their pages and places in the file."""
         per_rank = []
         for p, osd in zip(self._optim_files, osds, strict=True):
             groups = osd.get(key)
@@ -288,12 +207,51 @@ class ParameterMaps:
             _check_disjoint(flats, p, key)
             mapped = [self._releasable[p] and _same_storage(f, t) for f, t in zip(flats, groups, strict=True)]
             per_rank.append(_FlatChunks(flats, mapped, self._file_places(p, flats, groups)))
-        merged: dict[str, tuple[int, ...]] = {}
+        return per_rank
+
+    def _group_shapes(self, g: int, shapes: Any) -> Mapping[str, Any]:
+        if not isinstance(shapes, Mapping):
+            raise CheckpointFormatError(self._model_files[0], f"param_shapes[{g}] is not a mapping")
+        return shapes
+
+    def _stage12_params(self, param_shapes: list[Any], osds: list[dict[str, Any]]) -> dict[str, Entry]:
+        per_rank = self._rank_flats("single_partition_of_fp32_groups", osds)
+        n_groups = len(per_rank[0].chunks)
+        if any(len(r.chunks) != n_groups for r in per_rank) or len(param_shapes) != n_groups:
+            raise CheckpointFormatError(self._optim_files[0],
+                                        f"{n_groups} flat groups per rank but {len(param_shapes)} param_shapes groups")
+        alignment = osds[0].get("param_alignment_paddings")
+        align_to = 2 * self.world_size  # DeepSpeed pads each group to a multiple of 2·ws
+        entries: dict[str, Entry] = {}
         for g, shapes in enumerate(param_shapes):
-            if not isinstance(shapes, Mapping):
-                raise CheckpointFormatError(self._model_files[0], f"param_shapes[{g}] is not a mapping")
-            for name, shape in shapes.items():
-                merged[name] = _shape(shape, self._model_files[0], name)
+            shapes = self._group_shapes(g, shapes)
+            flat = _FlatChunks([r.chunks[g] for r in per_rank], [r.releasable[g] for r in per_rank],
+                               [r.files[g] for r in per_rank])
+            paddings = alignment[g] if alignment is not None else None
+            if paddings is not None and len(paddings) != len(shapes):
+                raise CheckpointFormatError(self._optim_files[0],
+                                            f"group {g}: {len(paddings)} alignment paddings for {len(shapes)} params")
+            offset = 0
+            for j, (name, shape) in enumerate(shapes.items()):
+                shape = _shape(shape, self._model_files[0], name)
+                n = math.prod(shape)
+                if offset + n > flat.numel:
+                    raise CheckpointFormatError(
+                        self.tag_dir, f"group {g}: {name} needs elements up to {offset + n} of {flat.numel}")
+                spec = TensorSpec(name, shape, flat.chunks[0].dtype)
+                entries[name] = Entry(spec, "param", pieces=tuple(flat.pieces(offset, n, 0)))
+                offset += n + (int(paddings[j]) if paddings is not None else 0)
+            if math.ceil(offset / align_to) != math.ceil(flat.numel / align_to):
+                raise CheckpointFormatError(self.tag_dir, f"group {g}: consumed {offset} numels out of {flat.numel}; "
+                                                          "the layout is not understood")
+        return entries
+
+    def _stage3_params(self, param_shapes: list[Any], osds: list[dict[str, Any]]) -> dict[str, Entry]:
+        key = "fp32_flat_groups"
+        ws = self.world_size
+        per_rank = self._rank_flats(key, osds)
+        merged = {name: _shape(shape, self._model_files[0], name)
+                  for g, shapes in enumerate(param_shapes) for name, shape in self._group_shapes(g, shapes).items()}
         entries: dict[str, Entry] = {}
         offset = 0  # within every rank's flat (all sub-groups back to back)
         for name, shape in merged.items():
@@ -310,19 +268,11 @@ class ParameterMaps:
         for p, flat in zip(self._optim_files, per_rank, strict=True):
             if flat.numel != offset:
                 raise CheckpointFormatError(
-                    p, f"consumed {offset} numels out of {flat.numel} in {key}; the layout is not understood"
-                )
+                    p, f"consumed {offset} numels out of {flat.numel} in {key}; the layout is not understood")
         return entries
 
-
-    def _frozen(
-        self,
-        model0_path: Location,
-        model0: dict[str, Any],
-        module: Mapping[str, Any],
-        buffer_names: list[str],
-        trainable: Mapping[str, Entry],
-    ) -> dict[str, Entry]:
+    def _frozen(self, model0_path: Location, model0: dict[str, Any], module: Mapping[str, Any],
+                buffer_names: list[str], trainable: Mapping[str, Entry]) -> dict[str, Entry]:
         entries: dict[str, Entry] = {}
         shapes = model0.get("frozen_param_shapes")
         if shapes is not None and not isinstance(shapes, Mapping):
@@ -336,12 +286,8 @@ class ParameterMaps:
             skip = set(trainable) | set(buffer_names) | aliases
             for name, t in module.items():
                 if name not in skip and isinstance(t, torch.Tensor):
-                    entries[name] = Entry(
-                        TensorSpec(name, tuple(t.shape), t.dtype),
-                        "frozen",
-                        tensor=t,
-                        releasable=self._releasable[model0_path],
-                    )
+                    entries[name] = Entry(TensorSpec(name, tuple(t.shape), t.dtype), "frozen", tensor=t,
+                                          releasable=self._releasable[model0_path])
             return entries
         if self.stage <= 2:
             fragments = model0.get("frozen_param_fragments") or {}
@@ -349,17 +295,11 @@ class ParameterMaps:
                 shape = _shape(shape, model0_path, name)
                 t = fragments.get(name)
                 if not isinstance(t, torch.Tensor) or t.numel() != math.prod(shape):
-                    raise CheckpointFormatError(
-                        model0_path, f"frozen parameter {name} is missing or the wrong size"
-                    )
+                    raise CheckpointFormatError(model0_path, f"frozen parameter {name} is missing or the wrong size")
                 _check_view(t, model0_path, f"frozen parameter {name!r}")
                 whole = t.reshape(shape)
-                entries[name] = Entry(
-                    TensorSpec(name, shape, t.dtype),
-                    "frozen",
-                    tensor=whole,
-                    releasable=self._releasable[model0_path] and _same_storage(whole, t),
-                )
+                entries[name] = Entry(TensorSpec(name, shape, t.dtype), "frozen", tensor=whole,
+                                      releasable=self._releasable[model0_path] and _same_storage(whole, t))
             return entries
         if not shapes:  # ZeRO-3 with nothing frozen: the other ranks' model states are not needed
             return entries
@@ -367,9 +307,7 @@ class ParameterMaps:
         per_rank = []
         for p in self._model_files:
             state = self._load(p)
-            per_rank.append(
-                (p, (state.get("frozen_param_fragments") if isinstance(state, dict) else None) or {})
-            )
+            per_rank.append((p, (state.get("frozen_param_fragments") if isinstance(state, dict) else None) or {}))
         for name, shape in shapes.items():
             shape = _shape(shape, model0_path, name)
             n = math.prod(shape)
@@ -379,9 +317,7 @@ class ParameterMaps:
             for r, (p, fragments) in enumerate(per_rank):
                 t = fragments.get(name)
                 if not isinstance(t, torch.Tensor) or t.numel() != part:
-                    raise CheckpointFormatError(
-                        p, f"frozen fragment of {name} is missing or not {part} elements"
-                    )
+                    raise CheckpointFormatError(p, f"frozen fragment of {name} is missing or not {part} elements")
                 _check_view(t, p, f"frozen fragment of {name!r}")
                 dtype = t.dtype
                 length = min(part, n - r * part)
@@ -389,8 +325,6 @@ class ParameterMaps:
                     flat = t.reshape(-1)
                     releasable = self._releasable[p] and _same_storage(flat, t)
                     pieces.append(Piece(r * part, length, flat, 0, releasable))
-            entries[name] = Entry(
-                TensorSpec(name, shape, dtype or torch.float32), "frozen", pieces=tuple(pieces)
-            )
+            entries[name] = Entry(TensorSpec(name, shape, dtype or torch.float32), "frozen", pieces=tuple(pieces))
         return entries
 

@@ -1,11 +1,8 @@
 """Where a key's pieces lie in the rank files, and reading them from there into a buffer.
 
-:class:`PieceReads` is a base class of :class:`~.reader.DeepSpeedReader`. Stored tensors are
-placed in their files (by the storages' offsets of a memory-mapped load, or by the zip members
-of an object's structure), and a key's flat range is gathered piece by piece: with ``pread``
-straight from the file while it is still the one mapped, else copied from the mapping in slices
-whose pages are then handed back (:func:`~.unpickle.release_pages`), and on object storage by
-ranged reads of just the stored tensor. Bytes read from a known place in a file are checked
+A key's flat range is gathered piece by piece: with ``pread`` from the file while it is still
+the one mapped, else from the mapping in slices whose pages are then handed back, and on object
+storage by ranged reads of the stored tensor. Bytes read from a known place in a file are checked
 against their zip member's CRC-32.
 """
 
@@ -36,8 +33,7 @@ _REMOTE_KEPT = 64  # stored tensors on object storage kept open (with their last
 
 
 class PieceReads:
-    """Placing a :class:`~.reader.DeepSpeedReader`'s pieces in their files and reading them (a base
-    class of it)."""
+    """Placing a reader's pieces in their files and reading them (a base of :class:`~.reader.DeepSpeedReader`)."""
 
     tag_dir: Location
     read_checks: ReadChecks
@@ -67,8 +63,8 @@ class PieceReads:
         return offsets
 
     def _place_in_files(self, entries: dict[str, Entry]) -> dict[str, Entry]:
-        """Whole stored tensors (buffers, frozen parameters) whose place in their file is known
-        as pieces read from the file, like the partitions: their bytes are then checked too."""
+        """Whole stored tensors whose place in their file is known as pieces read from the file
+        (their bytes are then checked too)."""
         if not any(e.tensor is not None and e.tensor.numel() for e in entries.values()):
             return entries  # nothing to place (ZeRO-3 without buffers): the files' storages need no listing
         places = {ptr: (path, start) for path in list(self._states)
@@ -84,8 +80,7 @@ class PieceReads:
         return entries
 
     def _place_in_objects(self, entries: dict[str, Entry]) -> dict[str, Entry]:
-        """Every key of a checkpoint on object storage as byte spans of its objects: each
-        ``meta`` tensor the structure gave becomes a piece read by ranged requests."""
+        """Every key on object storage as byte spans of its objects, read by ranged requests."""
         owners = {ident: structure for structure in self._structures.values() for ident in structure.storages}
 
         def place(src: torch.Tensor) -> tuple[Location, int]:
@@ -142,11 +137,9 @@ class PieceReads:
                     fd.close()
 
     def _from_block(self, p: Piece, a: int, b: int, out: torch.Tensor, fds: dict[Location, Source | None]) -> bool:
-        """Flat elements ``[a, b)`` of a key (in piece ``p``, read from its file) copied from the
-        block of ``p``'s flat partition that holds them, read (and checked) once for every
-        small piece in it: a run of many small parameters costs one ``pread`` per block, not
-        one open and read per parameter. False when the piece is not within one block or its
-        file is no longer the one mapped (then it is read as before)."""
+        """Flat elements ``[a, b)`` of a key (in piece ``p``) from the block of its flat partition
+        that holds them, read and checked once for all the small pieces in it. False when the
+        piece crosses a block or its file is no longer the one mapped."""
         assert p.file is not None
         size = p.src.element_size()
         at = p.file_start + (p.start + a - p.dst) * size
@@ -164,10 +157,7 @@ class PieceReads:
             if fd is None:
                 return False
             block = torch.empty(last - first, dtype=torch.uint8)
-            view = memoryview(block.numpy())
-            if not fd.fill(view, first):
-                raise CheckpointFormatError(str(p.file), f"truncated: expected {len(view)} bytes at offset {first}")
-            self.read_checks.saw(str(p.file), first, view)
+            _read_checked(fd, str(p.file), memoryview(block.numpy()), first, self.read_checks)
             with self._remote_lock:
                 self._blocks[key] = block
                 while len(self._blocks) > _BLOCKS_KEPT:
@@ -176,11 +166,8 @@ class PieceReads:
         return True
 
     def _open(self, path: Location, fds: dict[Location, Source | None]) -> Source | None:
-        """``path`` opened (kept in ``fds``) if it is still the file that was mapped, else None.
-
-        Opened per read rather than held: a run over many checkpoints of many ranks would
-        otherwise hold more descriptors than a process may have.
-        """
+        """``path`` opened (kept in ``fds``) if it is still the file that was mapped, else None
+        (opened per read: held, many checkpoints' ranks would exceed the descriptors allowed)."""
         if path not in fds:
             try:
                 fd = open_readable(path)
@@ -202,8 +189,8 @@ class PieceReads:
         return fds[path]
 
     def _remote_source(self, p: Piece) -> Source:
-        """Ranged reads of the stored tensor ``p.src`` in its object: its bytes only, read ahead
-        within it; kept for the next reads of it (the most recently used :data:`_REMOTE_KEPT`)."""
+        """Ranged reads of the stored tensor ``p.src`` in its object (its bytes only), kept for the
+        next reads (the most recently used :data:`_REMOTE_KEPT`)."""
         assert p.file is not None
         key = (p.file, p.file_start)
         oldest = None
@@ -228,20 +215,14 @@ class PieceReads:
     @staticmethod
     def _copy_piece(p: Piece, a: int, b: int, out: torch.Tensor, source: Source | None,
                     checks: ReadChecks) -> None:
-        """Flat elements ``[a, b)`` of a key, which lie in piece ``p``, into ``out``: read from
-        ``source`` (a descriptor, or ranged reads of an object) at the piece's place in its
-        file, else copied from ``p.src`` (the mapping). Bytes whose place in the file is known
-        are checked against their zip member's CRC-32."""
+        """Flat elements ``[a, b)`` of a key, in piece ``p``, into ``out``: read from ``source`` at
+        the piece's place in its file, else copied from ``p.src`` (the mapping)."""
         if source is not None:
-            # Straight from the file into the buffer: one copy by the kernel, no page faults
-            # on the mapping and no pages to hand back (a stored dtype other than the key's,
-            # as for buffers kept in bf16, goes through a buffer of its own).
+            # One copy by the kernel, no page faults on the mapping (a stored dtype other than
+            # the key's, as for buffers kept in bf16, goes through a buffer of its own).
             target = out if out.dtype == p.src.dtype else torch.empty(b - a, dtype=p.src.dtype)
-            view = memoryview(target.view(torch.uint8).numpy())
             offset = p.file_start + (p.start + a - p.dst) * target.element_size()
-            if not source.fill(view, offset):
-                raise CheckpointFormatError(str(p.file), f"truncated: expected {len(view)} bytes at offset {offset}")
-            checks.saw(str(p.file), offset, view)
+            _read_checked(source, str(p.file), memoryview(target.view(torch.uint8).numpy()), offset, checks)
             if target is not out:
                 out.copy_(target)
             return
@@ -257,3 +238,9 @@ class PieceReads:
                 checks.saw(str(p.file), at, memoryview(src.view(torch.uint8).numpy()))
             if p.releasable:
                 release_pages(src)
+
+
+def _read_checked(source: Source, file: str, view: memoryview, offset: int, checks: ReadChecks) -> None:
+    if not source.fill(view, offset):
+        raise CheckpointFormatError(file, f"truncated: expected {len(view)} bytes at offset {offset}")
+    checks.saw(file, offset, view)

@@ -1,44 +1,24 @@
 """DeepSpeed ZeRO 1/2/3 checkpoints, read without DeepSpeed.
 
-A DeepSpeed checkpoint is a *tag folder* (``save_dir/global_step1000/``) holding one or more
-``*_model_states.pt`` files and one ``[bf16_]zero_pp_rank_<r>_mp_rank_00_optim_states.pt``
-file per data-parallel rank; ``save_dir/latest`` names the newest tag. The reader serves the
-fp32 master weights exactly as DeepSpeed's ``zero_to_fp32`` rebuilds them, key for key and bit
-for bit, plus what ``zero_to_fp32`` drops at ZeRO-1 (frozen parameters):
+A DeepSpeed checkpoint is a *tag folder* (``save_dir/global_step1000/``) of
+``*_model_states.pt`` files and one ``[bf16_]zero_pp_rank_<r>_mp_rank_00_optim_states.pt`` per
+data-parallel rank; ``save_dir/latest`` names the newest tag. The reader serves the fp32 master
+weights as ``zero_to_fp32`` rebuilds them, bit for bit, plus the frozen parameters it drops at
+ZeRO-1 (from ``module``, in their saved dtype); buffers come from ``module`` (floating ones
+upcast to fp32, as ``zero_to_fp32`` does); a tied parameter reads its owner's data.
 
-* trainable parameters: fp32 masters, from ``single_partition_of_fp32_groups`` (stage 1/2, and
-  BF16_Optimizer) or ``fp32_flat_groups`` (stage 3);
-* frozen parameters: ``frozen_param_fragments`` (stage 2: whole; stage 3: one padded slice per
-  rank), or, at stage 1 where DeepSpeed records nothing, the tensors of the model-states
-  ``module`` that are neither trainable nor buffers; in their saved (training) dtype;
-* buffers: from ``module``; floating ones upcast to fp32 as ``zero_to_fp32`` does, integer
-  and bool ones in their own dtype;
-* tied parameters (``shared_params``): the alias key reads the owner's data.
+Nothing is gathered at open: each key knows which flat ranges of which files hold it, and
+``read`` takes only the span covering the box asked for (fp32 partitions by ``pread`` into the
+caller's buffer, the Adam moments never touched; anything else from the memory map, whose pages
+are then handed back, :func:`~.unpickle.release_pages`). ``layout`` offers tensors over 32 MiB
+as row blocks. In object storage each file's structure is read by ranged requests
+(:func:`~.structure.load_ds_structure`) and ``read`` fetches the spans it needs.
 
-Nothing is gathered at open: every ``.pt`` file is memory-mapped once for its structure (see
-:mod:`.unpickle`) and each key knows which flat ranges of which rank tensors hold it, and
-where those lie in the file. ``read`` takes only the flat span that covers the box asked for:
-fp32 partitions with ``pread`` straight into the caller's buffer (one copy by the kernel; the
-Adam moments beside them are never touched), anything else from the mapping, whose pages it
-then hands back to the kernel (:func:`~.unpickle.release_pages`) so that they do not stay
-resident. ``layout`` offers tensors over 32 MiB as row blocks, so a run's memory is a few such
-blocks, whatever the largest parameter and however it straddles ranks.
-
-In object storage nothing is mapped or fetched whole:
-each file's zip directory and pickle are read by ranged requests and unpickled by the same
-restricted loader with every tensor left on the ``meta`` device
-(:func:`~.structure.load_ds_structure`); each key then knows the byte spans it lies in, and
-``read`` fetches those spans only (a :class:`~ema_ckpt.storage.Source` per stored tensor,
-read ahead within it), so an optimizer file's Adam moments are never requested.
-
-Refused with :class:`~ema_ckpt.errors.CheckpointFormatError` (naming the file): tensor
-parallelism (``mp_rank_01``), pipeline ``layer_*`` files, MoE (``expp_rank_*``, expert
-layers), NVMe-offloaded tensors, ZeRO-0, and a world size that does not match the number of
-optimizer files.
-
-The reader is built from three bases: :class:`~.tag.TagFiles` finds, loads and checks the tag
-folder's files, :class:`~.params.ParameterMaps` maps every key to flat ranges of them, and
-:class:`~.pieces.PieceReads` places those ranges in the files and reads them.
+Refused with :class:`~ema_ckpt.errors.CheckpointFormatError` (naming the file): tensor or
+pipeline parallelism, MoE, NVMe-offloaded tensors, ZeRO-0, and a world size that does not match
+the optimizer files. Built from :class:`~.tag.TagFiles` (the files found, loaded, checked),
+:class:`~.params.ParameterMaps` (keys to flat ranges) and :class:`~.pieces.PieceReads` (ranges
+placed in the files and read).
 
 Example:
     >>> from ema_ckpt.formats import open_checkpoint                  # doctest: +SKIP
@@ -54,7 +34,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..._lazy import torch
-from ...errors import CheckpointFormatError, CheckpointNotFoundError, EmaCkptError
+from ...errors import CheckpointFormatError, CheckpointNotFoundError, EmaCkptError, one_line
 from ...layout import Box, TensorSpec, split_rows
 from ...storage import Location, Source, as_path
 from ...torch_records.checks import ReadChecks
@@ -67,7 +47,6 @@ from .tag import TagFiles
 from .unpickle import release_pages
 
 _REGION_BYTES = 32 << 20  # layout(): larger tensors are served in row blocks of at most this
-
 
 
 class DeepSpeedReader(TagFiles, PieceReads, ParameterMaps, CheckpointReader):
@@ -84,59 +63,29 @@ class DeepSpeedReader(TagFiles, PieceReads, ParameterMaps, CheckpointReader):
         UnsafePickleError: a file refers to code outside the allowlist (nothing ran).
     """
 
-
     format_name = FORMAT_NAME
-
-
     path: Location
-
-
     step: int | None
-
-
     """``global_steps`` from the model states, else the number in the tag name, else None."""
 
-
     tag_dir: Location
-
-
     tag: str
-
-
     stage: int
-
-
     world_size: int
-
-
     optimizer_kind: str
-
-
     """``"zero"`` (DeepSpeedZeroOptimizer / stage 3) or ``"bf16_optimizer"`` (BF16_Optimizer)."""
-
-
     train_dtype: str
-
-
     """``"fp32"``, ``"bf16"`` or ``"fp16"``: the precision the model trained in."""
-
-
     master_dtype: torch.dtype
-
-
     ds_version: str | None
-
-
     read_checks: ReadChecks
 
     def __init__(self, path: str | Location) -> None:
         self.path = as_path(path)
         tag_dir = find_tag_dir(self.path)
         if tag_dir is None:
-            reason = (
-                incomplete(self.path) or "no DeepSpeed tag folder (no *_model_states.pt and *optim_states.pt)"
-            )
-            raise CheckpointNotFoundError(self.path, reason)
+            raise CheckpointNotFoundError(self.path, incomplete(self.path)
+                                          or "no DeepSpeed tag folder (no *_model_states.pt and *optim_states.pt)")
         self.tag_dir = tag_dir
         self.tag = tag_dir.name
         self._states: dict[Location, Any] = {}  # file -> loaded (memory-mapped) object
@@ -154,34 +103,24 @@ class DeepSpeedReader(TagFiles, PieceReads, ParameterMaps, CheckpointReader):
         self.read_checks = ReadChecks(str, self._read_back)  # files named by their full path
         try:
             self._build()
-        except EmaCkptError:
-            self.close()
-            raise
         except Exception as err:  # any malformed field: one line naming the checkpoint
             self.close()
-            first = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
-            message = f"malformed DeepSpeed checkpoint ({type(err).__name__}: {first})"
+            if isinstance(err, EmaCkptError):
+                raise
+            message = f"malformed DeepSpeed checkpoint ({one_line(err)[:200]})"
             raise CheckpointFormatError(self.tag_dir, message) from None
-
 
     def specs(self) -> Mapping[str, TensorSpec]:
         self._check_open()
         return self._specs
 
-
     def layout(self, key: str) -> Sequence[Box]:
-        """The regions to read ``key`` by: whole rows, at most 32 MiB each.
-
-        A ZeRO rank's share is a flat range, not a box, so there are no stored boxes to
-        follow; one box covering the tensor (the answer for every tensor up to 32 MiB) would
-        make memory scale with the largest parameter (a 250k-token embedding is GiBs), so
-        larger tensors are cut into row blocks that ``read`` serves as cheaply.
-        """
+        """Whole rows, at most 32 MiB each: a ZeRO share is a flat range with no stored boxes to
+        follow, and one box per tensor would make memory scale with the largest parameter."""
         spec = self._entry(key).spec
         if spec.numel == 0:
             return []
         return split_rows(Box.full(spec.shape), max(1, _REGION_BYTES // max(1, spec.dtype.itemsize)))
-
 
     whole_file_records = True
 
@@ -198,12 +137,9 @@ class DeepSpeedReader(TagFiles, PieceReads, ParameterMaps, CheckpointReader):
         return [(f"{base}/{p.name}" if base else p.name, 0, p.stat().st_size) for p in files]
 
     def data_ranges(self) -> list[tuple[Location, int, int]]:
-        """``(file, offset, length)``: the bytes reading every key takes from the files, merged.
-
-        The fp32 partitions of the optimizer files (never the optimizer's moments), and every
-        model-states file whole (buffers, frozen parameters; they are small). Partitions read
-        through the mapping instead (legacy or foreign-endian files) are not listed. What a
-        benchmark reads to know the floor of a run.
+        """``(file, offset, length)``, merged: what reading every key takes (the optimizer files'
+        fp32 partitions, not those read through the map; the model-states files whole), a
+        benchmark's floor.
 
         Example:
             >>> sum(n for _, _, n in reader.data_ranges())  # doctest: +SKIP
@@ -274,7 +210,6 @@ class DeepSpeedReader(TagFiles, PieceReads, ParameterMaps, CheckpointReader):
         out.copy_(span.as_strided(box.sizes, strides))
         return out
 
-
     def info(self) -> dict[str, Any]:
         self._check_open()
         kinds = [e.kind for e in self._entries.values()]
@@ -298,7 +233,6 @@ class DeepSpeedReader(TagFiles, PieceReads, ParameterMaps, CheckpointReader):
             "optim_states_files": [p.name for p in self._optim_files],
         }
 
-
     def close(self) -> None:
         self._entries = {}
         self._states = {}
@@ -312,15 +246,12 @@ class DeepSpeedReader(TagFiles, PieceReads, ParameterMaps, CheckpointReader):
             source.close()
         self._closed = True
 
-
     def __repr__(self) -> str:
         return f"DeepSpeedReader({str(self.path)!r}, tag={self.tag!r})"
-
 
     def _check_open(self) -> None:
         if self._closed:
             raise ValueError(f"{self.path}: reader is closed")
-
 
     def _entry(self, key: str) -> Entry:
         self._check_open()
@@ -329,15 +260,13 @@ class DeepSpeedReader(TagFiles, PieceReads, ParameterMaps, CheckpointReader):
         except KeyError:
             raise KeyError(f"{key!r} is not a tensor of {self.tag_dir}") from None
 
-
     def _build(self) -> None:
-        """Index the files, check the layout is one this reader understands, map every key."""
         self._refuse_unsupported_files()
-        parsed, zero3_models = self._index_files()
+        bf16_file_names = self._index_files()
         model0_path = self._model_files[0]
         model0 = self._load(model0_path)
-        osds = self._check_states(model0_path, model0, zero3_models)
-        self._describe(model0, bf16_file_names=any(bf16 for _, _, bf16 in parsed))
+        osds = self._check_states(model0_path, model0)
+        self._describe(model0, bf16_file_names=bf16_file_names)
         self._entries = self._map_keys(model0_path, model0, osds)
         if self._structures:
             self._entries = self._place_in_objects(self._entries)
@@ -352,7 +281,6 @@ class DeepSpeedReader(TagFiles, PieceReads, ParameterMaps, CheckpointReader):
         self._states = {}
 
     def _describe(self, model0: dict[str, Any], *, bf16_file_names: bool) -> None:
-        """Training dtype, DeepSpeed version and step, for ``info()`` and ``step``."""
         ds_config = model0.get("ds_config")
         if not isinstance(ds_config, dict):
             ds_config = {}
@@ -362,14 +290,14 @@ class DeepSpeedReader(TagFiles, PieceReads, ParameterMaps, CheckpointReader):
             self.train_dtype = "fp16"
         else:
             self.train_dtype = "fp32"
-        self.ds_version = str(model0.get("ds_version")) if model0.get("ds_version") is not None else None
+        version = model0.get("ds_version")
+        self.ds_version = None if version is None else str(version)
         self.step = step_from(model0.get("global_steps"), self.tag)
 
 
 def open_deepspeed(path: str | Location) -> DeepSpeedReader:
     """Open a DeepSpeed checkpoint (tag folder, or a folder whose ``latest`` names one)."""
     return DeepSpeedReader(path)
-
 
 
 register_format(

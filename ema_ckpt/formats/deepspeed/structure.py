@@ -1,10 +1,8 @@
 """Load a DeepSpeed ``.pt`` object from object storage for its structure only, by ranged reads.
 
-On object storage a file is never mapped nor fetched whole: :func:`load_ds_structure` reads its
-zip directory and ``data.pkl`` by ranged requests and unpickles it with the same weights-only
-unpickler and stand-ins as :func:`~.unpickle.load_ds_file`, every storage an empty ``meta`` one
-of its size (tensors keep their shapes, dtypes and views); :func:`meta_member` then says where a
-tensor's bytes lie in the object, for ranged reads of just those bytes.
+:func:`load_ds_structure` reads the zip directory and ``data.pkl`` by ranged requests and
+unpickles it as :func:`~.unpickle.load_ds_file` does, every storage an empty ``meta`` one of its
+size; :func:`meta_member` then says where a tensor's bytes lie in the object.
 
 Example:
     >>> structure = load_ds_structure(location)  # doctest: +SKIP
@@ -34,13 +32,9 @@ __all__ = ["RemoteStructure", "load_ds_structure", "meta_member"]
 
 @dataclass(eq=False)
 class RemoteStructure:
-    """A ``.pt`` object on object storage, loaded for its structure only.
-
-    ``state`` is the unpickled object with every tensor on the ``meta`` device; ``members``
-    maps each zip member's name to ``(local header offset, method, size, CRC-32)``; ``storages`` maps
-    each ``meta`` storage (by ``id``) to its member's name; ``source`` is what the structure
-    was read through (member headers are read through it later).
-    """
+    """A ``.pt`` object loaded for its structure only: ``state`` with every tensor on ``meta``;
+    ``members``: name → ``(local header offset, method, size, CRC-32)``; ``storages``: a ``meta``
+    storage's ``id`` → its member; ``source``: what member headers are read through later."""
 
     path: Location
     state: Any
@@ -55,8 +49,8 @@ class RemoteStructure:
 
 
 def load_ds_structure(path: Location, source: Source | None = None) -> RemoteStructure:
-    """Load a DeepSpeed ``.pt`` object from object storage without reading its tensors' bytes
-    (see the module docstring; ``source``: ``path`` opened already, :func:`open_structure`).
+    """Load a DeepSpeed ``.pt`` object without reading its tensors' bytes (``source``: ``path``
+    opened already by :func:`open_structure`).
 
     Raises:
         CheckpointNotFoundError: no such object.
@@ -121,10 +115,8 @@ def _to_meta(prefix: str, storages: dict[int, str], kept: list[Any]) -> Callable
 
 
 def meta_member(loaded: RemoteStructure, t: torch.Tensor) -> tuple[str, int, int, int]:
-    """(name, data start, size, CRC-32) of the zip member holding ``t``'s storage.
-
-    Its header is read once per member; the member must be stored uncompressed and hold
-    exactly the storage's bytes.
+    """(name, data start, size, CRC-32) of the zip member holding ``t``'s storage: stored
+    uncompressed, exactly the storage's bytes (its header is read once).
 
     Raises:
         CheckpointFormatError: ``t`` is not a storage of the file, or its member does not match.

@@ -1,11 +1,5 @@
-"""The files of a DeepSpeed tag folder: found, sorted by rank, loaded once each, and checked.
-
-:class:`TagFiles` is a base class of :class:`~.reader.DeepSpeedReader`. It refuses the files of
-layouts the reader does not read (pipeline, expert or tensor parallelism, NVMe offload), sorts
-the optimizer files by data-parallel rank, loads each ``.pt`` file once (memory-mapped through
-:mod:`.unpickle`, or on object storage its structure only through :mod:`.structure`, several at
-a time), and checks the ZeRO stage, world size and file counts that the states record.
-"""
+"""The files of a DeepSpeed tag folder: found, sorted by rank, loaded once each (memory-mapped,
+or on object storage their structure only, several at a time), and checked."""
 
 from __future__ import annotations
 
@@ -23,8 +17,7 @@ from .unpickle import load_ds_file_releasable
 
 
 class TagFiles:
-    """Finding, loading and checking the files of a :class:`~.reader.DeepSpeedReader`'s tag folder
-    (a base class of it)."""
+    """Finding, loading and checking a tag folder's files (a base of :class:`~.reader.DeepSpeedReader`)."""
 
     tag_dir: Location
     stage: int
@@ -49,14 +42,12 @@ class TagFiles:
                     raise CheckpointFormatError(child, f"{what} are not supported")
             m = re.search(r"mp_rank_(\d+)", name)
             if m and int(m.group(1)) != 0 and name.endswith(".pt"):
-                raise CheckpointFormatError(
-                    child, "tensor-parallel checkpoints (mp_rank_01 and up) are not supported"
-                )
+                raise CheckpointFormatError(child, "tensor-parallel checkpoints (mp_rank_01 and up) are not supported")
 
-    def _index_files(self) -> tuple[list[tuple[int, Location, bool]], list[tuple[int, Location]]]:
-        """Sort the rank files by data-parallel rank; refuse names this reader does not know."""
-        tag_dir = self.tag_dir
-        models, optims = ds_files(tag_dir)
+    def _index_files(self) -> bool:
+        """Sort the rank files by data-parallel rank; refuse names this reader does not know.
+        True when the optimizer files are named ``bf16_*``."""
+        models, optims = ds_files(self.tag_dir)
         parsed = []
         for p in optims:
             m = OPTIM_RE.match(p.name)
@@ -65,23 +56,17 @@ class TagFiles:
             parsed.append((int(m.group(2)), p, bool(m.group(1))))
         parsed.sort(key=lambda t: t[0])
         self._optim_files = [p for _, p, _ in parsed]
-        reason = name_gaps(tag_dir)
+        reason = name_gaps(self.tag_dir)
         if reason:
-            raise CheckpointFormatError(tag_dir, reason)
-
-        zero3_models = sorted(
-            ((int(m.group(1)), p) for p in models if (m := ZERO3_MODEL_RE.match(p.name))),
-            key=lambda t: t[0],
-        )
+            raise CheckpointFormatError(self.tag_dir, reason)
         self._model_files = model_files(models)
         if not self._model_files:
             raise CheckpointFormatError(models[0], "unrecognised model-states file name")
-        return parsed, zero3_models
+        return any(bf16 for _, _, bf16 in parsed)
 
     def _load_remote(self, paths: Sequence[Location]) -> None:
-        """Load the structure of every object in ``paths`` not loaded yet, several at a time (each
-        is a few small requests, so latency, not bandwidth, is their cost); files mapped by name
-        are left to :meth:`_load`."""
+        """Load the structure of every object in ``paths`` not loaded yet, several at a time (a few
+        small requests each: latency is their cost); files mapped by name are left to :meth:`_load`."""
         todo = [p for p in paths if p not in self._states]
         if len(todo) < 2:
             return
@@ -103,45 +88,35 @@ class TagFiles:
         if isinstance(found, RemoteStructure):
             self._keep(path, found)
             return found.state
-        # The file's identity is taken before the mapping is made and kept only if the name
-        # still names that file afterwards; pread checks it again on every open, so a tag
-        # folder rewritten meanwhile is never read partly from the old file and partly from
-        # the new one (the mapping, which holds the old file, is read instead).
+        # The identity is kept only if the name still names the file mapped; pread checks it on
+        # every open, so a tag folder rewritten meanwhile is never read partly from the new file.
         before = _identity(found)
         self._states[path], self._releasable[path] = load_ds_file_releasable(found)
         if before is not None and before == _identity(found):
             self._identities[path] = before
         return self._states[path]
 
-    def _check_states(
-        self, model0_path: Location, model0: Any, zero3_models: list[tuple[int, Location]]
-    ) -> list[dict[str, Any]]:
+    def _check_states(self, model0_path: Location, model0: Any) -> list[dict[str, Any]]:
         """Stage, world size and file counts; returns each rank's ``optimizer_state_dict``."""
         tag_dir = self.tag_dir
         if not isinstance(model0, dict) or "buffer_names" not in model0:
             raise CheckpointFormatError(model0_path, "not a DeepSpeed model-states file (no buffer_names)")
         for moe_key in ("num_experts", "ds_autoep_layers", "ds_autoep_layers_v1"):
             if model0.get(moe_key):
-                raise CheckpointFormatError(
-                    model0_path, f"mixture-of-experts checkpoints ({moe_key}) are not supported"
-                )
+                raise CheckpointFormatError(model0_path,
+                                            f"mixture-of-experts checkpoints ({moe_key}) are not supported")
         if model0.get("mp_world_size", 1) not in (None, 1):
-            raise CheckpointFormatError(
-                model0_path,
-                f"tensor-parallel checkpoints (mp_world_size={model0['mp_world_size']}) are not supported",
-            )
-
+            raise CheckpointFormatError(model0_path, f"tensor-parallel checkpoints (mp_world_size="
+                                                     f"{model0['mp_world_size']}) are not supported")
         self._load_remote([*self._optim_files, *self._model_files])
         osds = []
         for p in self._optim_files:
             state = self._load(p)
             osd = state.get("optimizer_state_dict") if isinstance(state, dict) else None
             if not isinstance(osd, dict):
-                raise CheckpointFormatError(
-                    p, "not a DeepSpeed optimizer-states file (no optimizer_state_dict)"
-                )
+                raise CheckpointFormatError(p, "not a DeepSpeed optimizer-states file (no optimizer_state_dict)")
             osds.append(osd)
-        osd0 = osds[0]
+        osd0, optim0 = osds[0], self._optim_files[0]
         if "zero_stage" in osd0:
             self.stage = int(osd0["zero_stage"])
             self.optimizer_kind = "zero"
@@ -149,45 +124,35 @@ class TagFiles:
             self.stage = 1  # BF16_Optimizer: ZeRO-1 layout, no zero_stage, no loss scaler
             self.optimizer_kind = "bf16_optimizer"
         else:
-            raise CheckpointFormatError(self._optim_files[0], "not a ZeRO checkpoint (no zero_stage)")
+            raise CheckpointFormatError(optim0, "not a ZeRO checkpoint (no zero_stage)")
         if self.stage not in (1, 2, 3):
-            raise CheckpointFormatError(self._optim_files[0], f"ZeRO stage {self.stage} is not supported")
-
+            raise CheckpointFormatError(optim0, f"ZeRO stage {self.stage} is not supported")
         counts = osd0.get("partition_count")
         if isinstance(counts, list | tuple):
             if len(set(counts)) > 1:
-                raise CheckpointFormatError(
-                    self._optim_files[0],
-                    f"parameter groups are split over different rank counts {list(counts)} "
-                    "(expert or hierarchical partitioning), which is not supported",
-                )
+                raise CheckpointFormatError(optim0, f"parameter groups are split over different rank counts "
+                                                    f"{list(counts)} (expert or hierarchical partitioning), which is "
+                                                    "not supported")
             counts = counts[0] if counts else None
         if not isinstance(counts, int) or counts < 1:
-            raise CheckpointFormatError(
-                self._optim_files[0], f"bad partition_count {osd0.get('partition_count')!r}"
-            )
+            raise CheckpointFormatError(optim0, f"bad partition_count {osd0.get('partition_count')!r}")
         self.world_size = counts
         if counts != len(self._optim_files):
-            raise CheckpointFormatError(
-                tag_dir,
-                f"expected {counts} *_optim_states.pt files (partition_count) but found "
-                f"{len(self._optim_files)}: an old checkpoint was overwritten, a rank did not save, "
-                "or the run used hierarchical partitioning (MiCS/hpZ), which is not supported",
-            )
+            raise CheckpointFormatError(tag_dir, f"expected {counts} *_optim_states.pt files (partition_count) but "
+                                                 f"found {len(self._optim_files)}: an old checkpoint was overwritten, "
+                                                 "a rank did not save, or the run used hierarchical partitioning "
+                                                 "(MiCS/hpZ), which is not supported")
         if self.stage == 3 and len(self._model_files) != counts:
-            raise CheckpointFormatError(
-                tag_dir, f"expected {counts} ZeRO-3 model-states files but found {len(self._model_files)}"
-            )
-        if self.stage < 3 and zero3_models:
-            raise CheckpointFormatError(
-                zero3_models[0][1], f"ZeRO-3 model-states file in a stage-{self.stage} checkpoint"
-            )
+            message = f"expected {counts} ZeRO-3 model-states files but found {len(self._model_files)}"
+            raise CheckpointFormatError(tag_dir, message)
+        if self.stage < 3 and ZERO3_MODEL_RE.match(self._model_files[0].name):
+            message = f"ZeRO-3 model-states file in a stage-{self.stage} checkpoint"
+            raise CheckpointFormatError(self._model_files[0], message)
         return osds
 
 
 def _structure_of(path: Location) -> RemoteStructure | str:
-    """An object's structure (a model-states file's shared per version, an optimizer file's its
-    own), or the name a file is mapped by (:func:`~.files.structure_or_name`)."""
+    """:func:`~.files.structure_or_name`, a model-states file's shared per version."""
     return structure_or_name(path, shared=path.name.endswith("model_states.pt"))
 
 
@@ -199,5 +164,5 @@ def _identity(name: str) -> tuple[int, ...] | None:
 
 
 def file_identity(st: os.stat_result) -> tuple[int, ...]:
-    """What tells one version of a file from another: device, inode, size, modification time."""
+    """What tells one version of a file from another."""
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)

@@ -7,15 +7,11 @@ under those names for one load (:func:`~ema_ckpt.pickles.load.load_weights_only`
 global is refused (:class:`~ema_ckpt.errors.UnsafePickleError`) before it is called. Most files
 take :mod:`.fastload` instead (CPython's C unpickler, where it vouches for the same result).
 
-Tensors are views on a private mapping of the file: a rank file costs its pickle plus the pages
-read, and :func:`release_pages` hands a span's pages back once copied out (they refault from the
-page cache), so resident memory stays near one span. On object storage :mod:`.structure` loads
-a file's structure only, by ranged reads, through the same loader and stand-ins.
+Tensors are views on a private mapping of the file, and :func:`release_pages` hands a span's
+pages back once copied out, so resident memory stays near one span.
 
 Example:
-    >>> from ema_ckpt.formats.deepspeed.unpickle import load_ds_file  # doctest: +SKIP
-    >>> state = load_ds_file("ckpt/global_step10/zero_pp_rank_0_mp_rank_00_optim_states.pt")
-    ... # doctest: +SKIP
+    >>> state = load_ds_file("ckpt/global_step10/zero_pp_rank_0_mp_rank_00_optim_states.pt")  # doctest: +SKIP
     >>> int(state["optimizer_state_dict"]["zero_stage"])  # doctest: +SKIP
     2
 """
@@ -37,20 +33,10 @@ from ...errors import CheckpointFormatError, CheckpointNotFoundError
 from ...pickles.load import load_weights_only
 from ...storage import Location, open_readable
 from ...torch_records.zipfmt import stored_members
-from .fastload import SealedType, fast_load
+from .fastload import SealedType, default_byteorder, fast_load
 
-__all__ = [
-    "STAND_INS",
-    "DynamicLossScaler",
-    "LossScaler",
-    "ZeroStageEnum",
-    "fragment_address",
-    "load_ds_file",
-    "load_ds_file_releasable",
-    "pages_releasable",
-    "release_pages",
-    "storage_file_offsets",
-]
+__all__ = ["STAND_INS", "DynamicLossScaler", "LossScaler", "ZeroStageEnum", "fragment_address", "load_ds_file",
+           "load_ds_file_releasable", "pages_releasable", "release_pages", "storage_file_offsets"]
 
 
 # --- inert stand-ins -----------------------------------------------------------------------
@@ -69,10 +55,8 @@ class ZeroStageEnum(enum.IntEnum):
 
 
 class _AttributeBag(metaclass=SealedType):
-    """A plain object whose attributes come from the pickled ``__dict__``; it runs nothing.
-
-    Its classes refuse attribute writes (:class:`~.fastload.SealedType`): a pickle can fill an
-    instance, never change the class every load shares."""
+    """A plain object whose attributes come from the pickled ``__dict__``; it runs nothing. Its
+    classes refuse attribute writes: a pickle can fill an instance, never change the class."""
 
     def __repr__(self) -> str:
         fields = ", ".join(f"{k}={v!r}" for k, v in sorted(vars(self).items()))
@@ -93,10 +77,7 @@ class DynamicLossScaler(_AttributeBag):
 
 
 class fragment_address(_AttributeBag):  # the pickled qualname
-    """Stands in for ``deepspeed.utils.tensor_fragment.fragment_address``: ``(numel, start)``.
-
-    Unpacks like the tuple it describes: ``numel, start = address``.
-    """
+    """Stands in for ``deepspeed.utils.tensor_fragment.fragment_address``; unpacks as ``numel, start``."""
 
     numel: int
     start: int
@@ -119,9 +100,8 @@ _ZIP_MAGIC = b"PK\x03\x04"
 
 
 def load_ds_file(path: str | Path) -> Any:
-    """Load one DeepSpeed ``.pt`` file (any ``torch.save`` file) with the stand-ins: its object,
-    tensors on the CPU, views on a mapping of the file where it is a zip (a legacy file is read
-    whole). :func:`load_ds_file_releasable` also says whether their pages may be released.
+    """Load one DeepSpeed ``.pt`` file (any ``torch.save`` file) with the stand-ins, tensors views
+    on a mapping of the file where it is a zip (a legacy file is read whole).
 
     Raises:
         CheckpointNotFoundError: The file does not exist.
@@ -132,13 +112,8 @@ def load_ds_file(path: str | Path) -> Any:
 
 
 def load_ds_file_releasable(path: str | Path) -> tuple[Any, bool]:
-    """:func:`load_ds_file` (memory-mapped), and whether :func:`release_pages` may be used on its tensors.
-
-    The flag is True when the file was memory-mapped (a zip-format ``torch.save`` file: torch
-    refuses ``mmap`` for any other, so a successful mapped load proves it) and
-    :func:`pages_releasable` holds for it; False for legacy files, read into ordinary memory,
-    where dropping pages would zero them.
-    """
+    """:func:`load_ds_file`, and whether :func:`release_pages` may be used on its tensors: mapped
+    and :func:`pages_releasable` (a legacy file is in ordinary memory: dropping pages zeroes it)."""
     path = Path(path)
     state, mapped, native = _load(path)
     # a fast load read the byte order already (native, or it would not have been taken)
@@ -146,8 +121,8 @@ def load_ds_file_releasable(path: str | Path) -> tuple[Any, bool]:
 
 
 def _load(path: Path) -> tuple[Any, bool, bool]:
-    """The loaded object, whether it is memory-mapped, and whether it was loaded by
-    :func:`~.fastload.fast_load` (so is known to be in this machine's byte order)."""
+    """The object, whether it is memory-mapped, and whether :func:`~.fastload.fast_load` loaded it
+    (so it is in this machine's byte order)."""
     try:
         with open(path, "rb") as fh:
             magic = fh.read(4)
@@ -174,8 +149,7 @@ def check_magic(path: Location, magic: bytes) -> bool:
 
 def pages_releasable(path: str | Path) -> bool:
     """Whether the tensors :func:`load_ds_file` maps from ``path`` may go through :func:`release_pages`:
-    a zip-format file in this machine's byte order (torch byte-swaps others in the mapping; a
-    legacy file is read into ordinary memory, where dropping pages would zero them)."""
+    a zip-format file in this machine's byte order (torch byte-swaps others in the mapping)."""
     if _madvise is None:
         return False
     try:
@@ -184,12 +158,7 @@ def pages_releasable(path: str | Path) -> bool:
                 return False
         with zipfile.ZipFile(path) as zf:
             name = next((n for n in zf.namelist() if n == "byteorder" or n.endswith("/byteorder")), None)
-            if name is None:  # torch assumes the configured fallback (little unless told)
-                ends = torch.serialization.LoadEndianness
-                fallback = torch.serialization.get_default_load_endianness()
-                order = {None: "little", ends.LITTLE: "little", ends.BIG: "big"}.get(fallback, sys.byteorder)
-            else:
-                order = zf.read(name).decode("ascii", "replace").strip()
+            order = default_byteorder() if name is None else zf.read(name).decode("ascii", "replace").strip()
             return order == sys.byteorder
     except (OSError, zipfile.BadZipFile, KeyError, ValueError):
         return False
@@ -213,11 +182,8 @@ _PAGE = mmap.PAGESIZE
 
 def release_pages(t: torch.Tensor) -> None:
     """Drop the pages under tensor ``t`` from this process's resident set (Linux; else no-op).
-
-    ``t`` must be a view on a mapping :func:`load_ds_file` made of a file :func:`pages_releasable`
-    allows: its pages, rounded out, lie in that mapping, never written. They leave the process
-    (``madvise(MADV_DONTNEED)``), not the page cache, and refault with the file's bytes.
-    """
+    ``t`` must be a view on a mapping of a file :func:`pages_releasable` allows, never written:
+    its pages leave the process, not the page cache, and refault with the file's bytes."""
     if _madvise is None or t.numel() == 0:
         return
     extent = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True))
@@ -231,10 +197,9 @@ def release_pages(t: torch.Tensor) -> None:
 def storage_file_offsets(path: Location, state: Any) -> dict[int, int] | None:
     """Where each storage of a memory-mapped load lies in its file: ``{data_ptr: byte offset}``.
 
-    ``state``: :func:`load_ds_file_releasable`'s for ``path`` (flagged releasable). Every storage
-    is sliced out of one mapping at its zip member's data offset, so one base address ties each
-    pointer to a member: accepted only where *every* storage then starts at a stored member of
-    its size (a reader then ``pread`` s a flat range straight into its buffer); else None.
+    ``state``: :func:`load_ds_file_releasable`'s for ``path``. Every storage is sliced out of one
+    mapping at its member's data offset, so one base address ties each pointer to a member:
+    accepted only where *every* storage then starts at a stored member of its size; else None.
 
     Example:
         >>> state, ok = load_ds_file_releasable("zero_pp_rank_0_mp_rank_00_optim_states.pt")  # doctest: +SKIP
