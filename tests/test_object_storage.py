@@ -523,7 +523,8 @@ def test_two_torchrun_agents_sharing_no_filesystem_write_the_bytes_of_one_worker
 TRAINERS = Path(__file__).resolve().parent / "fixtures" / "trainers"
 
 
-@pytest.mark.parametrize("trainer", ["hf-trainer-fsdp", "accelerate-fsdp2", "torchtitan", "megatron-torch-dist"])
+@pytest.mark.parametrize("trainer", ["hf-trainer-fsdp", "accelerate-fsdp2", "torchtitan", "megatron-torch-dist",
+                                     "lightning-ddp", "accelerate-plain-bin", "transformers4-bin-sharded"])
 def test_trainers_folders_on_s3_fold_as_their_local_copies(s3, trainer, tmp_path):
     """Folders the trainers' own saving code wrote (tests/fixtures/trainers), uploaded as they are."""
     base = TRAINERS / trainer

@@ -271,8 +271,6 @@ class CheckpointFormat:
     """The step and where it was read (``global_step in the file``), where it depends on the
     checkpoint; else ``step_of`` with :attr:`step_label`."""
     reopen: Callable[[Location, Any, ReadOptions], CheckpointReader] | None = None
-    remote: bool = False
-    """Offered checkpoints in object storage (else only local ones)."""
 
 
 _REGISTRY: dict[str, CheckpointFormat] = {}

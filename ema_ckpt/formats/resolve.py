@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from ..errors import CheckpointFormatError, CheckpointNotFoundError
 from ..layouts import NESTED_MODELS, NestedModel
-from ..storage import Location, as_path, local_file
+from ..storage import Location, as_path
 from .base import CheckpointFormat, CheckpointReader, registered_formats
 from .options import DEFAULT_READ, ReadOptions
 
@@ -34,9 +34,9 @@ class ModelLocation:
 
 
 def formats_for(path: Location) -> list[CheckpointFormat]:
-    """The registered formats, in detection order, that read ``path`` (locally all of them)."""
-    formats = list(registered_formats().values())
-    return formats if local_file(path) is not None else [f for f in formats if f.remote]
+    """The registered formats, in detection order (every one reads on a local disk and in
+    object storage alike)."""
+    return list(registered_formats().values())
 
 
 def _own_format(path: Location) -> CheckpointFormat | None:
@@ -156,10 +156,6 @@ def open_checkpoint(path: str | Location | Resolved, *, read: ReadOptions = DEFA
         reason = not_a_model_reason(path)
         if reason:
             raise CheckpointFormatError(path, reason)
-        if local_file(path) is None:
-            names = ", ".join(f.name for f in formats_for(path))
-            raise CheckpointNotFoundError(path, f"not a checkpoint of a format read from object storage ({names}; "
-                                                "copy others to a local disk first)")
         names = ", ".join(registered_formats())
         raise CheckpointNotFoundError(path, f"not a checkpoint of any known format ({names})")
     reopen = fmt.reopen if shared is not None else None

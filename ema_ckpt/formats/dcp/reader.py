@@ -206,6 +206,6 @@ def open_dcp(path: Location, read: ReadOptions = DEFAULT_READ) -> DcpReader:
 
 
 FORMAT = register_format(CheckpointFormat(
-    "dcp", detect=is_dcp, open=open_dcp, incomplete=incomplete, remote=True,
+    "dcp", detect=is_dcp, open=open_dcp, incomplete=incomplete,
     reopen=lambda path, shared, read: DcpReader(path, read=read, shared=shared)))
 

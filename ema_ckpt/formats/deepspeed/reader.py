@@ -309,7 +309,6 @@ register_format(
         records_step=True,
         step_label="DeepSpeed global_steps",
         step_of=DeepSpeedReader.step_of,
-        remote=True,
     )
 )
 

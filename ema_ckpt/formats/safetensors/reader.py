@@ -296,5 +296,5 @@ _SMALL_READ = 1 << 20  # whole tensors up to this size: one pread (larger ones a
 
 FORMAT = register_format(
     CheckpointFormat("safetensors", detect=_detect, open=lambda path, _read: SafetensorsReader(path),
-                     incomplete=_incomplete, step_of=SafetensorsReader.step_of, remote=True)
+                     incomplete=_incomplete, step_of=SafetensorsReader.step_of)
 )
