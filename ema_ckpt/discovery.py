@@ -1,13 +1,9 @@
 """Find checkpoints in a folder, each with its training step and the components read.
 
 One discovery for every command and ``inspect``, over the general model of
-:mod:`ema_ckpt.layouts`: each entry of a sequence root is a checkpoint (a file or folder of a
-known format, or a folder whose models sit in it: :mod:`ema_ckpt.components`), placed at a step
-by :func:`~ema_ckpt.steps.step_record`. Saves in progress are skipped with a note; ema-ckpt's own
-outputs, hidden entries, exports and the excluded paths are never inputs; copies of one step
-count once (:mod:`ema_ckpt.copies`). An entry like the others that no record places fails the
-run: a partial result never exits 0. :attr:`Discovery.entries` says, for each entry, why it was
-taken or left; :attr:`Discovery.left`, which model-bearing parts of a checkpoint are not read.
+:mod:`ema_ckpt.layouts`: each entry of a sequence root is a checkpoint (placed at a step by
+:func:`~ema_ckpt.steps.step_record`), or left with the reason (:attr:`Discovery.entries`).
+An entry like the others that no record places fails the run: a partial result never exits 0.
 
 Example:
     >>> step_from_name("epoch=3-step=1000")
@@ -20,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import re
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from .components import (
@@ -37,7 +33,7 @@ from .components import (
     model_child,
     unread_parts,
 )
-from .copies import copy_of, one_per_step, same_kind, same_model_bytes
+from .copies import copy_of, one_per_step, same_kind
 from .errors import (
     CheckpointFormatError,
     CheckpointNotFoundError,
@@ -59,7 +55,7 @@ from .layouts import (
 )
 from .manifest import MANIFEST_NAME
 from .saves import save_in_progress
-from .steps import StepRecord, StepUnknown, StepWaiting, name_stem, step_from_name, step_in_name, step_record
+from .steps import StepUnknown, StepWaiting, describe_counters, name_stem, step_from_name, step_in_name, step_record
 from .storage import Location, as_path, forget_listings, is_location, one_look
 
 
@@ -144,17 +140,6 @@ def _inside(path: Location, roots: Iterable[Location]) -> bool:
     return any(resolved == r or r in resolved.parents for r in roots)
 
 
-def _drop_identical_copies(found: Discovery, known: Mapping[Location, int], compare_after: int | None,
-                           read: ReadOptions) -> None:
-    """One checkpoint per step (:func:`~ema_ckpt.copies.one_per_step`), each copy left said."""
-    kept, skipped = one_per_step(found.checkpoints, {as_path(p).resolve() for p in known}, compare_after, read)
-    for path, why in skipped:
-        found.notes.append(f"skipped {path}: {why}")
-        found.entries = [Entry(e.path, False, why, e.step, e.format_name) if e.path == path else e
-                         for e in found.entries]
-    found.checkpoints = kept
-
-
 def _skipped(found: Resolved, skipped: Sequence[Location], used: set[Location]) -> bool:
     """True when ``found`` (or the model folder nested in it) is one the user left out."""
     if not skipped:
@@ -180,6 +165,9 @@ class _Scan:
     skipped: Sequence[Location]
     used: set[Location] = field(default_factory=set)
     root: Location | None = None
+
+
+_LEFT_OUT = Note("left out ({skip})", mentions=("skip",))
 
 
 def _left(found: Discovery, child: Location, why: str, *, note: bool = True) -> None:
@@ -256,10 +244,9 @@ def _found(resolved: Resolved, components: Sequence[Component], scan: _Scan) -> 
     one = chosen[0] if len(chosen) == 1 else None
     path = (one.path if one.name else resolved.path) if one is not None else resolved.path
     fmt = one.format_name if one is not None else chosen[0].format_name
-    counters = tuple({"record": c.path, "value": c.value, "counts": c.counts} for c in record.counters)
     return FoundCheckpoint(path, record.step, fmt, record.source, checkpoint=resolved.path,
                            components=tuple(components) if len(components) > 1 or (components and components[0].name)
-                           else (), counts=record.counts, counters=counters)
+                           else (), counts=record.counts, counters=tuple(describe_counters(record.counters)))
 
 
 def _scan_entry(child: Location, scan: _Scan, beside: Sequence[Location] = ()) -> bool:
@@ -272,8 +259,7 @@ def _scan_entry(child: Location, scan: _Scan, beside: Sequence[Location] = ()) -
         return False
     resolved = resolve(child)  # the model folder and format, looked for once
     if _skipped(resolved, scan.skipped, scan.used):
-        found.notes.append(Note(f"skipped {child}: left out ({{skip}})", mentions=("skip",)))
-        found.entries.append(Entry(child, False, Note("left out ({skip})", mentions=("skip",))))
+        _left(found, child, _LEFT_OUT)
         return True
     if child.is_dir() and (child / MANIFEST_NAME).exists():
         _left(found, child, "an ema-ckpt output", note=False)
@@ -340,7 +326,7 @@ def _discover_one(path: Location, scan: _Scan) -> None:
         raise CheckpointNotFoundError(path, "no such file or directory")
     resolved = resolve(path)
     if _skipped(resolved, scan.skipped, scan.used):
-        found.notes.append(Note(f"skipped {path}: left out ({{skip}})", mentions=("skip",)))
+        found.notes.append(f"skipped {path}: " + _LEFT_OUT)
         return
     fmt = resolved.format
     if fmt is not None and holds_checkpoints(resolved):
@@ -424,22 +410,22 @@ def discover(
     all_components: bool = False,
     exclude: Sequence[str | Location] = (),
     skip: Sequence[str | Location] = (),
-    known: Mapping[Location, int] | None = None,
+    known: Collection[Location] = (),
     compare_after: int | None = None,
     require: bool = True,
+    compare: bool = True,
     read: ReadOptions = DEFAULT_READ,
 ) -> Discovery:
     """Find the checkpoints in ``paths`` (each a checkpoint or a folder of them).
 
-    ``exclude`` lists paths never taken, silently (outputs: one inside a checkpoint, or holding
-    one, is refused, as its publishing would replace the checkpoint); ``skip`` lists checkpoints the
-    user leaves out, each noted. ``known`` maps checkpoints already folded to
-    their steps: of two copies of one step the known one is kept, and copies of steps up to
-    ``compare_after`` are not compared byte for byte (that run reads neither). ``require``:
-    finding nothing is an error (else an empty result, whose entries say why), and so is an
-    entry like the found ones that no record places. ``step_from`` names the record the steps
-    come from; ``component`` the model read inside checkpoints that hold several
-    (``all_components``: each trained one, listed in :attr:`FoundCheckpoint.components`).
+    ``exclude``: paths never taken, silently (an output inside a checkpoint, or holding one, is
+    refused); ``skip``: checkpoints the user leaves out, each noted. ``known``: checkpoints
+    already folded, kept over their copies; copies of steps up to ``compare_after`` are not
+    compared byte for byte, and with ``compare`` False none are (nothing is read). ``require``:
+    finding nothing, or an entry like the others that no record places, is an error.
+    ``component``: the model read inside checkpoints that hold several (``all_components``:
+    each trained one, listed in :attr:`FoundCheckpoint.components`). ``read``: the run's read
+    options, for the checkpoints opened to compare them.
 
     Raises:
         CheckpointNotFoundError: a path is missing, an explicit path is not a checkpoint,
@@ -478,7 +464,13 @@ def discover(
     found.checkpoints.sort(key=lambda c: (c.step, str(c.path)))
     if require:
         _refuse_unplaced(found, read)
-    _drop_identical_copies(found, {as_path(p).resolve(): s for p, s in (known or {}).items()}, compare_after, read)
+    if compare:  # one checkpoint per step, each copy left said
+        kept, copies = one_per_step(found.checkpoints, {as_path(p).resolve() for p in known}, compare_after, read)
+        for path, why in copies:
+            found.notes.append(f"skipped {path}: {why}")
+            found.entries = [Entry(e.path, False, why, e.step, e.format_name) if e.path == path else e
+                             for e in found.entries]
+        found.checkpoints = kept
     if not found.checkpoints and require:
         where = ", ".join(str(p) for p in paths)
         raise CheckpointNotFoundError(where, "no checkpoints found" + (
@@ -486,20 +478,5 @@ def discover(
     return found
 
 
-__all__ = [
-    "ALIAS_NAMES",
-    "CHECKPOINT_FILE_SUFFIXES",
-    "Component",
-    "Discovery",
-    "Entry",
-    "FoundCheckpoint",
-    "LeftPart",
-    "StepRecord",
-    "checkpoint_paths",
-    "components_of",
-    "discover",
-    "holds_checkpoints",
-    "same_model_bytes",
-    "step_from_name",
-    "step_record",
-]
+__all__ = ["Discovery", "Entry", "FoundCheckpoint", "LeftPart", "checkpoint_paths", "discover", "step_from_name",
+           "step_record"]

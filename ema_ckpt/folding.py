@@ -1,10 +1,7 @@
-"""What an ``accumulate`` run folds: the EMAs kept at OUT, their profiles, and the weight
-each new checkpoint gets.
-
-Each EMA is an :class:`Accumulator`: its profile, the manifest of what it already holds,
-and the checkpoints newer than it. Its fold is ordered lerp weights (the previous EMA
-first, with weight 1), which :func:`~ema_ckpt.maths.fold_coefficients` turns into the
-Σ cᵢ·θᵢ a dry run shows.
+"""What an ``accumulate`` run folds: each EMA kept at OUT (an :class:`Accumulator`: its
+profile, the manifest of what it holds, the checkpoints newer than it) and its lerp weights,
+the previous EMA first with weight 1 (:func:`~ema_ckpt.maths.fold_coefficients`: the Σ cᵢ·θᵢ a
+dry run shows).
 
 Example:
     >>> make_profile(decay=0.999, half_life=None, per_checkpoint=False, warmup=False).describe()
@@ -19,13 +16,13 @@ from typing import Any, cast
 
 from . import maths, profile_specs
 from .discovery import FoundCheckpoint, LeftPart, discover
-from .engine import OutputSpec, Update
 from .errors import IncompatibleCheckpointError, ManifestMismatchError, Note, OptionError, UsageError
 from .formats.base import CheckpointReader
-from .formats.options import DEFAULT_READ, ReadOptions
+from .formats.options import read_options_from
 from .formats.safetensors.reader import SafetensorsReader
 from .manifest import MANIFEST_NAME, FoldedCheckpoint, Manifest, current_fingerprint, fingerprint
 from .maths import ExponentialProfile, PowerProfile, fold_coefficients, profile_from_dict
+from .options import InputFields
 from .plans import EXPONENTIAL_LONGER, POWER_LONGER, PlannedOutput, Term, find_snapshots, sparse_warning
 from .plans import Plan as AveragePlan
 from .selection import check_compatible, select_keys
@@ -100,33 +97,32 @@ class AccumulateResult:
         )
 
 
-def find_new(accumulators: Sequence[Accumulator], checkpoints: Sequence[Location], *, out: Location,
-             step_regex: str | None, skip: Sequence[Location], snapshot_every: int | None, notes: list[str],
-             step_from: str | None = None, component: str | None = None,
-             read: ReadOptions = DEFAULT_READ) -> list[LeftPart]:
-    """Set each accumulator's new checkpoints (and snapshot steps), from discovery of ``checkpoints``.
+def find_new(accumulators: Sequence[Accumulator], inputs: InputFields, *, out: Location,
+             snapshot_every: int | None, notes: list[str]) -> list[LeftPart]:
+    """Set each accumulator's new checkpoints (and snapshot steps), from discovery of the ``inputs``.
 
     A checkpoint is new when it is past the EMA's step and was never folded; a single file the
     trainer has written over since it was folded, with a newer step, is new again (nanoGPT's
     ``ckpt.pt``). Checkpoints recorded as skipped stay skipped while they are unchanged. Returns
     the model-bearing parts of the checkpoints that are not read, each with the reason.
     """
-    folded = {as_path(c.path).resolve(): c.step for acc in accumulators if acc.previous is not None
-              for c in acc.previous.checkpoints}
-    prints = {as_path(c.path).resolve(): c.fingerprint for acc in accumulators if acc.previous is not None
-              for c in acc.previous.checkpoints}
+    records = {as_path(c.path).resolve(): c for acc in accumulators if acc.previous is not None
+               for c in acc.previous.checkpoints}
+    folded = {path: c.step for path, c in records.items()}
     starts = [acc.previous.step if acc.previous is not None else None for acc in accumulators]
-    found = discover(list(checkpoints), step_regex=step_regex, step_from=step_from, component=component,
-                     exclude=[out.parent if component and out.name == component else out], skip=skip, known=folded,
-                     compare_after=None if None in starts else min(s for s in starts if s is not None), read=read)
-    notes.extend(found.notes)
     newest = min((s for s in starts if s is not None), default=None)
-    refuse_rewritten(accumulators, found.checkpoints, newest)
+    component = inputs.component
+    found = discover(inputs.checkpoints, step_regex=inputs.step_regex, step_from=inputs.step_from,
+                     component=component, exclude=[out.parent if component and out.name == component else out],
+                     skip=inputs.skip, known=folded, compare_after=None if None in starts else newest,
+                     read=read_options_from(inputs))
+    notes.extend(found.notes)
+    _refuse_rewritten(accumulators, found.checkpoints, newest)
     for c in found.checkpoints:
         done = folded.get(c.path.resolve())
         if done is None or done == c.step:
             continue
-        if _saved_again(c, done, newest, prints.get(c.path.resolve())):
+        if _saved_again(c, done, newest, records[c.path.resolve()].fingerprint):
             notes.append(f"{c.path} was saved again since it was folded at step {done}: it is new at step {c.step}")
             del folded[c.path.resolve()]
         else:
@@ -147,7 +143,7 @@ def find_new(accumulators: Sequence[Accumulator], checkpoints: Sequence[Location
                 continue
             acc.new.append(c)
         if start is not None:
-            refuse_backwards(acc, found.checkpoints, start)
+            _refuse_backwards(acc, found.checkpoints, start)
         if snapshot_every:
             assert isinstance(acc.profile, PowerProfile)
             taken = [s.step for s in snapshots_on_disk if abs(s.gamma - acc.profile.gamma) < 1e-12]
@@ -155,16 +151,11 @@ def find_new(accumulators: Sequence[Accumulator], checkpoints: Sequence[Location
     return found.left
 
 
-def refuse_rewritten(accumulators: Sequence[Accumulator], found: Sequence[FoundCheckpoint],
-                     ema_step: int | None) -> None:
-    """Refuse to fold on when a checkpoint already folded has been written again since (a rollback:
-    the trainer went back and saved over the same paths, other weights, the same steps).
-
-    Each folded checkpoint still on disk is fingerprinted (names, sizes and times of its files,
-    its metadata's bytes; no tensor is read) and compared with the manifest's record. One that
-    vanished is retention, and fine. A single file written over with a newer step than the EMA's
-    is a new checkpoint (:func:`_saved_again`), not a rollback.
-    """
+def _refuse_rewritten(accumulators: Sequence[Accumulator], found: Sequence[FoundCheckpoint],
+                      ema_step: int | None) -> None:
+    """Refuse to fold on when a folded checkpoint still on disk no longer has its recorded
+    fingerprint (a rollback: the trainer saved over the same paths and steps). One that vanished
+    is retention; a single file written over with a newer step is new (:func:`_saved_again`)."""
     latest: dict[Location, tuple[Accumulator, FoldedCheckpoint]] = {}
     for acc in accumulators:
         for record in acc.previous.checkpoints if acc.previous is not None else []:
@@ -247,13 +238,11 @@ def named_profiles(
     return [(DEFAULT_OUT_NAME, make_profile(decay=decay, half_life=half_life,
                                             per_checkpoint=per_checkpoint, warmup=warmup))]
 
-def refuse_backwards(acc: Accumulator, checkpoints: list[FoundCheckpoint], start: int) -> None:
-    """Refuse a checkpoint that appeared at or before the EMA's step: steps went backwards.
 
-    A checkpoint the EMA folded under another path (``ema-ckpt watch`` folds staged copies of
-    them) is known by its step and fingerprint: it is not new, and not refused. The remedy
-    offered never loses data silently: where folded steps' checkpoints are gone, rebuilding
-    the EMA would drop them, and the message says so instead of offering it plainly."""
+def _refuse_backwards(acc: Accumulator, checkpoints: list[FoundCheckpoint], start: int) -> None:
+    """Refuse a new checkpoint at or before the EMA's step: steps went backwards. One folded under
+    another path (``watch`` folds staged copies) is known by its step and fingerprint. Where
+    folded steps' checkpoints are gone, the message says a rebuild would lose them."""
     previous = acc.previous
     known = {c.path for c in previous.checkpoints} if previous else set()
     known |= {s["path"] for s in (previous.skipped if previous else [])}
@@ -291,16 +280,15 @@ def _exists(path: str) -> bool:
         return False
 
 
+
 def skip_records(skipped: Sequence[tuple[FoundCheckpoint, str]]) -> list[dict[str, Any]]:
     return [{"path": str(c.path.resolve()), "step": c.step, "reason": reason, "fingerprint": fingerprint(c.path)}
             for c, reason in skipped]
 
 
 def record_skips(accumulators: list[Accumulator], skipped: Sequence[tuple[FoundCheckpoint, str]]) -> None:
-    """Remember skips in each existing EMA's manifest when nothing else is written this run.
-
-    Only the manifest file changes, replaced atomically; the EMA's data stay as they are.
-    """
+    """Record skips in each existing EMA's manifest when nothing else is written (only the
+    manifest is replaced, atomically)."""
     for acc in accumulators:
         if acc.previous is None or not skipped:
             continue
@@ -319,45 +307,36 @@ def snapshot_steps(new_steps: list[int], last: int | None, every: int) -> list[i
 
 def check_same_settings(previous: Manifest, profile: Profile, dtype: str, selection: dict[str, Any],
                         out: Location) -> None:
-    wanted = profile.to_dict()
-    if previous.kind != "ema" or previous.profile != wanted:
+    """Refuse to fold into an EMA made with other settings (``restart`` starts over)."""
+    before, mentions = previous.selection, cast(tuple[str, ...], ())
+    key, buffers = before.get("state_key"), before.get("average_buffers", False)
+    if previous.kind != "ema" or previous.profile != profile.to_dict():
         try:
-            before = profile_from_dict(previous.profile).describe()
+            held = profile_from_dict(previous.profile).describe()
         except (ValueError, KeyError, UsageError):
-            before = str(previous.profile)
-        raise ManifestMismatchError(
-            f"{out} holds an {before}, not an {profile.describe()}; "
-            "pass {restart=True} to start a new EMA there, or choose another {out}",
-            remedy="restart", mentions=("out",),
-        )
-    if previous.dtype != dtype:
-        raise ManifestMismatchError(
-            f"{out} accumulates in {previous.dtype}, not {dtype}; pass {{restart=True}} or keep "
-            f"{{dtype={previous.dtype}}}", remedy="restart", mentions=("dtype",),
-        )
-    key_before, key_now = previous.selection.get("state_key"), selection.get("state_key")
-    if key_before != key_now:
+            held = str(previous.profile)
+        why, mentions = (f"{out} holds an {held}, not an {profile.describe()}; pass {{restart=True}} to start a "
+                         "new EMA there, or choose another {out}"), ("out",)
+    elif previous.dtype != dtype:
+        why, mentions = (f"{out} accumulates in {previous.dtype}, not {dtype}; pass {{restart=True}} or keep "
+                         f"{{dtype={previous.dtype}}}"), ("dtype",)
+    elif key != selection.get("state_key"):
         def read(key: Any) -> str:
             return f"the state dict {key!r} of each file" if key else "the state dict found in each file"
 
-        raise ManifestMismatchError(
-            f"{out} was made from {read(key_before)}, not {read(key_now)}; pass {{restart=True}} to start over, "
-            + ("or drop {state_key}" if key_before is None else f"or pass {{state_key={key_before}}}"),
-            remedy="restart", mentions=("state_key",),
-        )
-    if previous.selection.get("average_buffers", False) != selection.get("average_buffers", False):
-        said = "averaged" if previous.selection.get("average_buffers") else "took from the newest checkpoint"
-        raise ManifestMismatchError(
-            f"{out} {said} the routers' statistics (e_score_correction_bias, expert_bias, …); pass "
-            "{restart=True} to start over, or " + ("pass {average_buffers=True}" if previous.selection.get(
-                "average_buffers") else "drop {average_buffers}"),
-            remedy="restart", mentions=("average_buffers",),
-        )
-    if previous.selection != selection:
-        raise ManifestMismatchError(
-            f"{out} was made with key selection {previous.selection}, not {selection}; pass {{restart=True}}",
-            remedy="restart",
-        )
+        why, mentions = (f"{out} was made from {read(key)}, not {read(selection.get('state_key'))}; pass "
+                         "{restart=True} to start over, " + ("or drop {state_key}" if key is None else
+                                                             f"or pass {{state_key={key}}}")), ("state_key",)
+    elif buffers != selection.get("average_buffers", False):
+        why, mentions = (f"{out} {'averaged' if buffers else 'took from the newest checkpoint'} the routers' "
+                         "statistics (e_score_correction_bias, expert_bias, …); pass {restart=True} to start over, "
+                         "or " + ("pass {average_buffers=True}" if buffers else "drop {average_buffers}")), \
+            ("average_buffers",)
+    elif before != selection:
+        why = f"{out} was made with key selection {before}, not {selection}; pass {{restart=True}}"
+    else:
+        return
+    raise ManifestMismatchError(why, remedy="restart", mentions=mentions)
 
 
 def fold_weights(acc: Accumulator, upto: int | None = None) -> list[tuple[str, int, float]]:
@@ -416,15 +395,9 @@ def fold_inputs(accumulators: list[Accumulator]) -> tuple[list[Accumulator], lis
     return active, sources + [c.path for c in checkpoints], checkpoints
 
 
-def check_fold_keys(
-    readers: Sequence[CheckpointReader],
-    sources: Sequence[Location],
-    checkpoints: Sequence[FoundCheckpoint],
-    active: Sequence[Accumulator],
-    include: Sequence[str],
-    exclude: Sequence[str],
-    allow_new_keys: bool,
-) -> list[str]:
+def check_fold_keys(readers: Sequence[CheckpointReader], sources: Sequence[Location],
+                    checkpoints: Sequence[FoundCheckpoint], active: Sequence[Accumulator], include: Sequence[str],
+                    exclude: Sequence[str], allow_new_keys: bool) -> list[str]:
     """The keys to fold, once every source agrees on them (metadata only: no tensor is read)."""
     index = {str(p): i for i, p in enumerate(sources)}
     keys = select_keys(readers[-1], include, exclude)
@@ -439,30 +412,25 @@ def check_fold_keys(
             extra = sorted(set(readers[index[str(acc.final)]].specs()) - set(keys))
             if extra:
                 raise IncompatibleCheckpointError(
-                    f"{readers[-1].path}: key {extra[0]!r} of the EMA {acc.final} is gone "
-                    "from the newest checkpoint"
-                )
+                    f"{readers[-1].path}: key {extra[0]!r} of the EMA {acc.final} is gone from the newest checkpoint")
     return keys
 
-def fold_output(name: str, rows: list[tuple[str, int, float]], index: dict[str, int]) -> OutputSpec:
-    return OutputSpec(name, tuple(Update(index[p], w) for p, _, w in rows), mode="fold")
 
-
-def components_to_fold(checkpoints: Sequence[Location], *, out: Location, step_regex: str | None,
-                       step_from: str | None, skip: Sequence[Location],
-                       read: ReadOptions = DEFAULT_READ) -> list[str]:
+def components_to_fold(inputs: InputFields, out: Location) -> list[str]:
     """The components each EMA is made of: ``[""]`` (the checkpoints' own model), or the names of
-    the trained models inside them (each its own EMA in ``OUT/<name>``)."""
-    found = discover(list(checkpoints), step_regex=step_regex, step_from=step_from, all_components=True,
-                     exclude=[out], skip=skip, require=False, read=read)
+    the trained models inside them (each its own EMA in ``OUT/<name>``). Reads no weights."""
+    if inputs.component is not None:
+        return [inputs.component]
+    found = discover(inputs.checkpoints, step_regex=inputs.step_regex, step_from=inputs.step_from,
+                     all_components=True, exclude=[out], skip=inputs.skip, require=False, compare=False,
+                     read=read_options_from(inputs))
     return found.components or [""]
 
 
 def component_file(component: str | None, out: Location, newest: CheckpointReader) -> str | None:
-    """The file name a component's EMA is written under, in its own format, so that its framework
-    loads it where it loads the component (``ema/unet/diffusion_pytorch_model.safetensors`` beside
-    its ``config.json``; ``ema/model_1/model_1.safetensors``), or None: a DCP EMA. Only a component
-    read from one safetensors file, written where data files keep their names."""
+    """The file name a component read from one safetensors file is written under, so that its
+    framework loads it there (``ema/unet/diffusion_pytorch_model.safetensors`` beside its
+    ``config.json``), where data files keep their names; else None (a DCP EMA)."""
     if component is None or newest.format_name != "safetensors" or not destination_for(out).names_kept:
         return None
     headers = cast(SafetensorsReader, newest).headers

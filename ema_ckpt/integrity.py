@@ -1,18 +1,6 @@
-"""Outputs checked against their manifests: every data file's size and CRC-32, and the EMA an
-``accumulate`` run folds into, refused when it does not match (before anything is written, or
-from the blocks the fold itself reads where re-reading is not free).
-
-A flipped bit in the previous EMA would otherwise be folded in and then covered by fresh
-checksums. ``verify`` runs the same file checks (:func:`file_checks`).
-
-Example:
-    >>> import tempfile, zlib; from pathlib import Path; from ema_ckpt.manifest import Manifest
-    >>> ema = Path(tempfile.mkdtemp()); _ = (ema / "__0_0.distcp").write_bytes(b"weights")
-    >>> Manifest(kind="ema", profile={}, dtype="float32", step=10, source_format="dcp",
-    ...          files={"__0_0.distcp": {"size": 7, "crc32": zlib.crc32(b"weights")}}).write(ema)
-    >>> damage(ema)
-    []
-    >>> refuse_damaged_emas(accumulators)   # doctest: +SKIP
+"""Outputs checked against their manifests (every data file's size and CRC-32, as ``verify``
+checks them: :func:`file_checks`), and the EMA an ``accumulate`` run folds into refused when it
+does not match: a flipped bit would otherwise be folded in and covered by fresh checksums.
 """
 
 from __future__ import annotations
@@ -180,13 +168,9 @@ def _check_extras(path: Location, listed: dict[str, Any], result: Findings) -> N
 
 
 def refuse_damaged_emas(accumulators: list[Accumulator]) -> None:
-    """Every EMA about to be folded into matches its manifest (sizes, CRC-32s), or the run stops.
-
-    A flipped bit in the previous EMA would otherwise be folded in and then covered by fresh
-    checksums. Checked before anything is written; the damaged EMA is left as it is. On object
-    storage the sizes are checked here and the CRC-32s as the fold reads the EMA
-    (:func:`refuse_damaged_remote_emas`), so that it is downloaded once.
-    """
+    """Every EMA about to be folded into matches its manifest, or the run stops before anything
+    is written. On object storage only the sizes are checked here, the CRC-32s from what the fold
+    reads (:func:`refuse_damaged_remote_emas`), so that the EMA is downloaded once."""
     for acc in accumulators:
         if acc.previous is None or not acc.new:
             continue

@@ -1,9 +1,6 @@
-"""The JSON manifest stored beside every ema-ckpt output (``ema-ckpt.json``).
-
-It records how the output was made (profile, accumulation dtype, key selection), every
-checkpoint folded into it (path, step, fingerprint), the step the EMA stands at, each data
-file's size and CRC-32, and the tool version. It holds no timestamps, so two runs that do
-the same work write the same bytes.
+"""The JSON manifest of every ema-ckpt output (``ema-ckpt.json``): how it was made, every
+checkpoint folded into it (path, step, fingerprint), its step, each data file's size and CRC-32.
+No timestamps: two runs that do the same work write the same bytes.
 
 Example:
     >>> m = Manifest(kind="ema", profile={"kind": "exponential", "decay": 0.999},
@@ -56,7 +53,6 @@ class Manifest:
     warnings: list[str] = field(default_factory=list)
     left: list[dict[str, str]] = field(default_factory=list)
     """Model-bearing parts of the checkpoints not read (``path``, ``why``): a trainer's own EMA, a copy."""
-    """What the plan warned about when this output was made (sparse checkpoints, a poor fit)."""
     options: dict[str, Any] = field(default_factory=dict)
     """The options of the run that made it (those that shape the result, not where it ran)."""
     tool_version: str = __version__
@@ -76,10 +72,8 @@ class Manifest:
 
     @classmethod
     def read(cls, directory: Location, *, check: bool = True) -> Manifest | None:
-        """The manifest in ``directory``, or None when there is none.
-
-        ``check``: refuse one edited since ema-ckpt wrote it (its ``integrity`` no longer matches).
-        Manifests written before the field existed have none, and are taken as they are.
+        """The manifest in ``directory``, or None. ``check``: refuse one edited since ema-ckpt
+        wrote it (one older than its ``integrity`` field is taken as it is).
 
         Raises:
             CheckpointFormatError: unreadable.
@@ -138,18 +132,15 @@ def current_fingerprint(path: Location) -> str | None:
 
 
 def fingerprint(path: Location) -> str:
-    """A cheap identity of a checkpoint: names, sizes and mtimes of its files, its metadata bytes.
-
-    Detects a checkpoint that was rewritten in place without hashing gigabytes.
-    """
+    """A cheap identity of a checkpoint (names, sizes and mtimes of its files, its metadata's
+    bytes): a rewrite in place is seen without hashing gigabytes."""
     digest = hashlib.sha256()
     files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
     for file in files:
         rel = str(file)[len(str(path)) + 1:] if path.is_dir() else file.name
         stat = file.stat()
         digest.update(f"{rel}\0{stat.st_size}\0{stat.st_mtime_ns}\0".encode())
-        size = stat.st_size
-        if file.name in _SMALL_MARKERS or (file.name.endswith(".metadata") and size < 64 << 20):
+        if file.name in _SMALL_MARKERS or (file.name.endswith(".metadata") and stat.st_size < 64 << 20):
             digest.update(file.read_bytes())
     return "sha256:" + digest.hexdigest()[:32]
 
@@ -166,11 +157,8 @@ OUTPUT_OWN_FILES = frozenset({MANIFEST_NAME, ".metadata"})
 
 
 def check_output_place(final: Location) -> None:
-    """Refuse an output that would nest in another, or replace what ema-ckpt did not write.
-
-    Publishing replaces an output directory whole: an output inside another ema-ckpt output
-    (``--sigma-rel`` into a classic EMA's folder) would vanish at that one's next run, and
-    anything else inside a directory being replaced would vanish now.
+    """Refuse an output that would nest in another (it would vanish at that one's next run), or
+    replace what ema-ckpt did not write (publishing replaces a directory whole).
 
     Raises:
         OptionError: ``final`` lies inside an ema-ckpt output, or is one holding entries its
@@ -184,8 +172,8 @@ def check_output_place(final: Location) -> None:
         return
     manifest = Manifest.read(final, check=False)  # only its file list: a run that may replace it got here
     listed = set(manifest.files) if manifest is not None else set()
-    entries: list[Location] = list(final.iterdir())
-    for entry in sorted(entries, key=lambda p: p.name):
+    entries: list[Location] = sorted(final.iterdir(), key=lambda p: p.name)
+    for entry in entries:
         if entry.name not in OUTPUT_OWN_FILES and entry.name not in listed:
             kind = "directory" if entry.is_dir() else "file"
             raise OptionError("out", f"{final} holds the {kind} {entry.name}, which ema-ckpt did not write there; "

@@ -1,23 +1,10 @@
-"""The training step of a checkpoint, and the record it was read from.
-
-A checkpoint's step is the number of optimizer updates its weights have seen: what an EMA's
-decay counts. It is looked for in this order (``docs/formats.md``, "Steps"):
-
-1. ``step_regex``, matched on the path from the sequence root (``checkpoint-(\\d+)/unet``),
-   wins over every record: the user said so. ``step_from`` names one record instead
-   (``global_step``, a metadata key, a dotted path into the file: ``state.timestamp.batch``).
-2. The checkpoint's own records (:mod:`ema_ckpt.layouts`): JSON state files and files beside the
-   weights (``trainer_state.json``, OLMo-core's ``train/rank0.pt``), the optimizer's own step
-   counter beside an accelerate model, the format's record (DeepSpeed ``global_steps``), a
-   file's counters, top-level or nested (Composer's ``state.timestamp.batch``, mmengine's
-   ``meta.iter``), a safetensors header's ``__metadata__`` (``ss_steps``). Where a record holds
-   several counters, the counter of optimizer steps is taken, never micro-batches or epochs.
-3. The names on the path from the sequence root, the checkpoint's own first: a labelled number
-   (``step=``, ``ba``, ``iter``, ``global_step``) wins; a name's only number is taken
-   (``checkpoint-1000``, ``ckpt_000100``, ``1000``).
-
-A checkpoint whose only record counts epochs is refused unless ``step_from`` names it (the
-decay then counts epochs, and the run says so).
+"""The training step of a checkpoint (the optimizer updates its weights have seen: what an EMA's
+decay counts), and the record it was read from, in the order of ``docs/formats.md`` ("Steps"):
+``step_regex`` or the record ``step_from`` names; the checkpoint's own records
+(:mod:`ema_ckpt.layouts`: step files, the optimizer's counter, the format's record, a file's or
+a safetensors header's counters, the counter of optimizer steps first); the names up to the
+sequence root, a labelled number first. A checkpoint whose only record counts epochs is refused
+unless ``step_from`` names it.
 
 Example:
     >>> step_from_name("epoch=3-step=1000")
@@ -35,6 +22,7 @@ import json
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any, TypeVar, cast
 
 from .errors import EmaCkptError, Note, OptionError
 from .formats import Resolved, detect_format, locate_model, open_checkpoint, resolve
@@ -53,12 +41,12 @@ from .layouts import (
     TRAINER_STATE,
     SeenCounter,
     best_step,
-    counter_meaning,
     counter_named,
     counters_in,
 )
 from .storage import Location, as_path
 
+T = TypeVar("T")
 _FILE_SUFFIXES = (".pth.tar", ".safetensors", ".ckpt", ".pth", ".pt", ".bin", ".tar")
 _NUMBERS = re.compile(r"(?:([A-Za-z]+(?:_[A-Za-z]+)*)[_=-]?)?(\d+)")
 _WORDS = {word: label for label in NAME_LABELS for word in label.words}
@@ -83,27 +71,18 @@ class NameNumber:
     rank: int = 0
 
 
-def numbers_in_name(name: str) -> list[NameNumber]:
-    """Every number in a name (its suffix left out) with its label (``ep0-ba4-rank0`` →
-    ``ep`` 0, ``ba`` 4, ``rank`` 0)."""
-    found = []
+def step_in_name(name: str) -> NameNumber | None:
+    """The number of a name (its suffix left out) that counts optimizer steps: a labelled one
+    (``step``, ``ba``, ``iter``: the best label), else the name's only number when it is
+    unlabelled or names a save (``checkpoint-12``); an epoch-labelled only number is returned as
+    such. None when there is none or several unlabelled ones (ambiguous)."""
+    numbers = []
     for match in _NUMBERS.finditer(name_stem(name)):
         word = match.group(1).lower() if match.group(1) else None
-        last = word.rsplit("_", 1)[-1] if word else None
-        label = _WORDS.get(word) if word else None
-        if label is None and last is not None:
-            label = _WORDS.get(last)
-        found.append(NameNumber(word, int(match.group(2)), label.counts if label else None,
-                                label.rank if label else 0))
-    return found
-
-
-def step_in_name(name: str) -> NameNumber | None:
-    """The number of a name that counts optimizer steps: a labelled one (``step``, ``ba``,
-    ``iter``: the best label), else the name's only number when it is unlabelled or names a
-    save (``checkpoint-12``); an epoch-labelled only number is returned as such. None when
-    there is none or several unlabelled ones (ambiguous)."""
-    numbers = [n for n in numbers_in_name(name) if n.counts != "ranks"]
+        label = (_WORDS.get(word) or _WORDS.get(word.rsplit("_", 1)[-1])) if word else None
+        if label is None or label.counts != "ranks":
+            numbers.append(NameNumber(word, int(match.group(2)), label.counts if label else None,
+                                      label.rank if label else 0))
     steps = [n for n in numbers if n.counts == OPTIMIZER_STEPS]
     if steps:
         return min(steps, key=lambda n: n.rank)
@@ -161,13 +140,6 @@ class StepWaiting(StepUnknown):
     """A step source that sees its record still being written: the checkpoint waits (a note)."""
 
 
-def _read_json(path: Location) -> object:
-    try:
-        return json.loads(path.read_bytes())
-    except (OSError, ValueError, UnicodeDecodeError):
-        return None
-
-
 def _step_file_counters(folder: Location) -> list[tuple[str, list[SeenCounter]]]:
     """(file, counters) of the :data:`~ema_ckpt.layouts.STEP_FILES` in a checkpoint folder."""
     found = []
@@ -176,7 +148,10 @@ def _step_file_counters(folder: Location) -> list[tuple[str, list[SeenCounter]]]
         if not path.is_file():  # on object storage: answered by the folder's listing, no request
             continue
         if step_file.kind == "json":
-            doc = _read_json(path)
+            try:
+                doc = json.loads(path.read_bytes())
+            except (OSError, ValueError):
+                doc = None
             counters = counters_in(doc) if isinstance(doc, dict) else []
         else:
             counters = list(file_facts(path).counters)
@@ -211,7 +186,16 @@ def _optimizer_counter_step(found: Resolved) -> StepRecord | None:
     return StepRecord(max(steps), f"optimizer step counter in {where}") if steps else None
 
 
-_OPTIMIZERS_CACHE: dict[tuple[str, int, int], list[int]] = {}
+_REMEMBERED: dict[tuple[str, str, int, int], Any] = {}
+
+
+def _remembered(what: str, file: Location, compute: Callable[[], T]) -> T:
+    """``compute()`` for ``file``, remembered while its size and mtime stay (discovery runs again and again)."""
+    stat = file.stat()
+    key = (what, str(file), stat.st_size, stat.st_mtime_ns)
+    if key not in _REMEMBERED:
+        _REMEMBERED[key] = compute()
+    return cast(T, _REMEMBERED[key])
 
 
 def _steps_of_optimizers(found: Resolved) -> StepRecord | None:
@@ -226,38 +210,31 @@ def _steps_of_optimizers(found: Resolved) -> StepRecord | None:
     total = next((c.value for c in facts.counters if c.path == "global_step"), None)
     if total is None:
         return None
-    stat = model.stat()
-    key = (str(model), stat.st_size, stat.st_mtime_ns)
-    if key not in _OPTIMIZERS_CACHE:
-        _OPTIMIZERS_CACHE[key] = [int(max(v)) for v in optimizer_steps(model) if v and max(v) == int(max(v))]
-    steps = _OPTIMIZERS_CACHE[key]
+    steps = _remembered("optimizers", model, lambda: [int(max(v)) for v in optimizer_steps(model)
+                                                      if v and max(v) == int(max(v))])
     if len(steps) < 2 or len(set(steps)) != 1 or steps[0] == total:
         return None
     return StepRecord(steps[0], "the optimizers' own step counters in the file (global_step counts the steps of "
                                 "every optimizer)")
 
 
-_METADATA_CACHE: dict[tuple[str, int, int], dict[str, str]] = {}
-
-
 def _safetensors_metadata(path: Location) -> dict[str, str]:
-    """The ``__metadata__`` of a safetensors file (a folder's first file), remembered by size and mtime."""
+    """The ``__metadata__`` of a safetensors file (a folder's first file)."""
     from .formats.safetensors.header import read_metadata
+
+    def read() -> dict[str, str]:
+        try:
+            return read_metadata(file)
+        except EmaCkptError:
+            return {}
 
     try:
         file = path if not path.is_dir() else min(
             (p for p in path.iterdir() if p.name.endswith(".safetensors") and not p.name.startswith(".")),
             key=lambda p: p.name)
-        stat = file.stat()
+        return _remembered("metadata", file, read)
     except (OSError, ValueError):
         return {}
-    key = (str(file), stat.st_size, int(stat.st_mtime_ns))
-    if key not in _METADATA_CACHE:
-        try:
-            _METADATA_CACHE[key] = read_metadata(file)
-        except EmaCkptError:
-            _METADATA_CACHE[key] = {}
-    return _METADATA_CACHE[key]
 
 
 def _component_counters(found: Resolved, *, headers: bool = True, files: bool = True
@@ -286,14 +263,6 @@ def _format_step(found: Resolved) -> StepRecord | None:
         return StepRecord(*record) if record is not None else None
     step = fmt.step_of(found.model.path)  # cheap: no reader is built, no tensor opened
     return StepRecord(int(step), fmt.step_label or f"{fmt.name} record") if step is not None else None
-
-
-STEP_SOURCES: tuple[Callable[[Resolved], StepRecord | None], ...] = (
-    _optimizer_counter_step,
-    _steps_of_optimizers,
-    _format_step,
-)
-"""Records read by code, after the step files: the optimizer's counter, the format's own."""
 
 
 def _owner(path: Location) -> Location:
@@ -388,7 +357,9 @@ def step_record(
             best = best_step(list(counters))
             if best is not None:
                 return StepRecord(best.value, _labelled(where, best), counters=seen, taken=best.path)
-    for source, part in [(STEP_SOURCES[0], found)] + [(s, p) for p in parts for s in STEP_SOURCES[1:]]:
+    # records read by code, after the step files: the optimizer's counter, the format's own
+    sources: list[tuple[Callable[[Resolved], StepRecord | None], Resolved]] = [(_optimizer_counter_step, found)]
+    for source, part in sources + [(s, p) for p in parts for s in (_steps_of_optimizers, _format_step)]:
         try:
             record = source(part)
         except EmaCkptError:
@@ -437,7 +408,7 @@ def _step_from_names(owner: Location, root: Location | None, found: Resolved, se
         if number.counts == EPOCHS or (number.counts in (None, SAVES) and any(e.value == number.value
                                                                               for e in epochs)):
             raise StepUnknown(_epochs_only(f"the {where} ({number.label or 'number'} {number.value})"))
-        if depth == 0 and number.counts == SAVES and accelerate_folder(found):
+        if depth == 0 and number.counts == SAVES and _accelerate_folder(found):
             raise StepUnknown(
                 f"no step record ({ACCELERATE.trainer}'s {owner.name} counts saves, not steps); "
                 + Note("pass {step_regex} to take the name as the step", mentions=("step_regex",)))
@@ -453,7 +424,7 @@ def _epochs_only(where: str) -> str:
                 mentions=("step_from", "step_regex"))
 
 
-def accelerate_folder(path: Location | Resolved) -> bool:
+def _accelerate_folder(path: Location | Resolved) -> bool:
     """A folder accelerate's ``save_state`` wrote with ``automatic_checkpoint_naming``: its name
     counts saves, not steps."""
     found = resolve(path)
@@ -473,16 +444,11 @@ def describe_counters(counters: Sequence[SeenCounter]) -> list[dict[str, object]
 
 
 __all__ = [
-    "EPOCHS",
-    "STEP_SOURCES",
     "StepRecord",
     "StepUnknown",
     "StepWaiting",
-    "accelerate_folder",
-    "counter_meaning",
     "describe_counters",
     "name_stem",
-    "numbers_in_name",
     "step_from_name",
     "step_in_name",
     "step_record",

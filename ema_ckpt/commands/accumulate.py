@@ -1,19 +1,12 @@
 """``accumulate``: fold new checkpoints into running EMAs kept on disk.
 
-Made for cron: each run folds only the checkpoints newer than the step an EMA stands at,
-with the right decay across each gap, so the EMA goes on after the training job's retention
-deleted old checkpoints. Each new EMA is built beside the old one and swapped in whole; a
-killed run leaves the old EMA as it was, and the next run does the work again.
-
-Two families of profiles:
-
-* a classic EMA (``decay``/``half_life``), kept in ``out``;
-* power-function EMAs (EDM2; ``sigma_rels``/``gammas``), one per value in
-  ``out/sigma_rel_<value>``, updated with r = (t_prev/t_new)^(γ+1), plus, with
-  ``snapshot_every=K``, a snapshot of each every K steps in ``out/snapshots/`` from which
-  ``posthoc`` reconstructs any other σ_rel after the raw checkpoints are gone.
-
-Every accumulator and snapshot is computed in the same pass: each input region is read once.
+Made for cron: each run folds only the checkpoints newer than the step an EMA stands at, with
+the right decay across each gap, so the EMA outlives the trainer's retention. Each new EMA is
+built beside the old one and swapped in whole; a killed run leaves the old one as it was.
+A classic EMA (``decay``/``half_life``) is kept in ``out``; power-function EMAs (EDM2;
+``sigma_rels``/``gammas``) in ``out/sigma_rel_<value>``, with ``snapshot_every=K`` a snapshot
+of each every K steps in ``out/snapshots/`` for ``posthoc``. Every EMA and snapshot is computed
+in one pass over the inputs.
 
 Example:
     >>> result = accumulate("ckpts/", decay=0.999)        # doctest: +SKIP
@@ -30,6 +23,7 @@ from typing import cast
 
 from ..discovery import FoundCheckpoint, LeftPart, checkpoint_paths
 from ..dtypes import ACCUMULATE_DTYPES, torch_dtype
+from ..engine import OutputSpec, Update
 from ..errors import (
     CheckpointFormatError,
     CheckpointNotFoundError,
@@ -40,10 +34,10 @@ from ..errors import (
     UsageError,
 )
 from ..folding import (
-    DEFAULT_OUT_NAME,
     AccumulateResult,
     Accumulator,
     FoldTerm,
+    Profile,
     check_fold_keys,
     check_same_settings,
     checkpoint_holding,
@@ -52,11 +46,9 @@ from ..folding import (
     default_out,
     find_new,
     fold_inputs,
-    fold_output,
     fold_plan,
     fold_terms,
     fold_weights,
-    make_profile,
     named_profiles,
     record_skips,
     skip_records,
@@ -67,8 +59,7 @@ from ..formats.options import read_options_from
 from ..integrity import as_damaged_ema, refuse_damaged_emas, refuse_damaged_remote_emas, remote_emas_folded_into
 from ..job_context import JobContext, WrittenOutputs
 from ..jobs import Job, Target, recorded_options, run_job
-from ..manifest import MANIFEST_NAME, FoldedCheckpoint, Manifest, fingerprint
-from ..maths import PowerProfile
+from ..manifest import FoldedCheckpoint, Manifest, fingerprint
 from ..options import RUNTIME, InputFields, KeyFields, ReadFields, RunFields, check_texts, command_options
 from ..plans import Plan as AveragePlan
 from ..progress import Progress
@@ -122,9 +113,9 @@ class AccumulateOptions(InputFields, KeyFields, ReadFields, RunFields):
     def power(self) -> bool:
         return bool(self.sigma_rels or self.gammas)
 
-    def profiles(self) -> list[tuple[str, PowerProfile | object]]:
-        return named_profiles(self.decay, self.half_life, self.per_checkpoint, self.warmup,  # type: ignore[return-value]
-                              self.sigma_rels, self.gammas, self.snapshot_every)
+    def profiles(self) -> list[tuple[str, Profile]]:
+        return named_profiles(self.decay, self.half_life, self.per_checkpoint, self.warmup, self.sigma_rels,
+                              self.gammas, self.snapshot_every)
 
     @property
     def selection(self) -> dict[str, object]:
@@ -221,9 +212,7 @@ def accumulate(
     if args["out"] is None:
         args["out"] = output_path(default_out(args["checkpoints"]))
     options = AccumulateOptions(**args)
-    names = [component] if component is not None else components_to_fold(
-        options.checkpoints, out=options.out_path, step_regex=options.step_regex, step_from=options.step_from,
-        skip=options.skip, read=options.read)
+    names = components_to_fold(options, options.out_path)
     if names == [""]:
         return run_job(AccumulateJob(options), on_progress=on_progress)
     runs = {name: run_job(AccumulateJob(replace(options, component=name, out=options.out_path / name)),
@@ -291,11 +280,11 @@ class AccumulateJob(Job[FoldPlan, _Folded, AccumulateResult]):
                 raise UsageError(f"{final} exists and is not an ema-ckpt output; choose another {{out}}",
                                  mentions=("out",))
             if previous is not None and not opts.restart:
-                check_same_settings(previous, profile, opts.dtype, opts.selection, final)  # type: ignore[arg-type]
-            accumulators.append(Accumulator(name, final, profile, None if opts.restart else previous))  # type: ignore[arg-type]
+                check_same_settings(previous, profile, opts.dtype, opts.selection, final)
+            accumulators.append(Accumulator(name, final, profile, None if opts.restart else previous))
         if opts.power and not opts.dry_run:
             discard_stagings_in(out_path / "snapshots")
-        left = self._find_new(accumulators, notes)
+        left = find_new(accumulators, opts, out=out_path, snapshot_every=opts.snapshot_every, notes=notes)
         if not opts.dry_run:
             refuse_damaged_emas(accumulators)
         plan = FoldPlan(accumulators, fold_plan(accumulators), notes, left=left)
@@ -309,12 +298,6 @@ class AccumulateJob(Job[FoldPlan, _Folded, AccumulateResult]):
         if not any(acc.new for acc in accumulators) and not any(acc.previous for acc in accumulators):
             raise CheckpointNotFoundError(out_path, "nothing to fold")
         return plan
-
-    def _find_new(self, accumulators: list[Accumulator], notes: list[str]) -> list[LeftPart]:
-        opts = self.options
-        return find_new(accumulators, opts.checkpoints, out=opts.out_path, step_regex=opts.step_regex, skip=opts.skip,
-                 snapshot_every=opts.snapshot_every, notes=notes, step_from=opts.step_from, component=opts.component,
-                        read=opts.read)
 
     def targets(self, plan: FoldPlan) -> list[Target]:
         if self.options.dry_run:
@@ -330,7 +313,8 @@ class AccumulateJob(Job[FoldPlan, _Folded, AccumulateResult]):
         outputs = []
         for acc, final, step in plan.targets(opts.out_path):
             name = acc.name if final == acc.final else final.name
-            outputs.append(fold_output(name, fold_weights(acc, upto=None if final == acc.final else step), index))
+            rows = fold_weights(acc, upto=None if final == acc.final else step)
+            outputs.append(OutputSpec(name, tuple(Update(index[p], w) for p, _, w in rows), mode="fold"))
         readers = context.open_sources(sources)
         for acc in remote_emas_folded_into(plan.accumulators):  # CRC-32s checked from what the fold reads
             cast(DcpReader, readers[index[str(acc.final)]]).keep_checksums = True
@@ -413,34 +397,26 @@ class AccumulateJob(Job[FoldPlan, _Folded, AccumulateResult]):
         return FoldPlan(accumulators, fold_plan(accumulators), notes, skipped, plan.left)
 
     def result(self, plan: FoldPlan, computed: _Folded | None, seconds: float) -> AccumulateResult:
-        accumulators = plan.accumulators
-        common = {
-            "terms": fold_terms(accumulators[0]),
-            "terms_by_output": {str(a.final): fold_terms(a) for a in accumulators},
-            "profile": "; ".join(a.profile.describe() for a in accumulators),
-            "outputs": [a.final for a in accumulators],
-            "plan": plan.plan,
-            "seconds": seconds,
-        }
-        out = self.options.out_path
+        accumulators, out = plan.accumulators, self.options.out_path
+        up_to_date = not any(acc.new for acc in accumulators)
+        step = (min(acc.previous.step for acc in accumulators if acc.previous is not None) if up_to_date
+                else max(c.step for a in accumulators for c in a.new))
+        result = AccumulateResult(
+            out, step, [], up_to_date, plan.notes, terms=fold_terms(accumulators[0]),
+            terms_by_output={str(a.final): fold_terms(a) for a in accumulators},
+            profile="; ".join(a.profile.describe() for a in accumulators),
+            outputs=[a.final for a in accumulators], plan=plan.plan, seconds=seconds)
         if computed is None:
-            up_to_date = not any(acc.new for acc in accumulators)
-            steps = [acc.previous.step for acc in accumulators if acc.previous is not None]
-            step = min(steps) if up_to_date else max(c.step for a in accumulators for c in a.new)
-            return AccumulateResult(out, step, [], up_to_date, plan.notes, **common)  # type: ignore[arg-type]
+            return result
         targets = plan.targets(out)
         written = [f for _, final, _ in targets for f in files_on_disk(final)]
-        folded_all = {c.path: c for acc in accumulators for c in acc.new}
-        return AccumulateResult(
-            out, max(step for *_, step in targets),
-            [FoldedCheckpoint(str(c.path.resolve()), c.step, fingerprint(c.path))
-             for c in sorted(folded_all.values(), key=lambda c: c.step)],
-            False, plan.notes, keys=computed.keys, bytes_read=computed.written.bytes_read,
+        folded = sorted({c.path: c for acc in accumulators for c in acc.new}.values(), key=lambda c: c.step)
+        return replace(
+            result, step=max(step for *_, step in targets),
+            folded=[FoldedCheckpoint(str(c.path.resolve()), c.step, fingerprint(c.path)) for c in folded],
+            keys=computed.keys, bytes_read=computed.written.bytes_read,
             bytes_written=sum(size for _, size in written), files_written=len(written),
-            snapshots=[final for acc, final, _ in targets if final != acc.final],
-            **common,  # type: ignore[arg-type]
-        )
+            snapshots=[final for acc, final, _ in targets if final != acc.final])
 
 
-__all__ = ["DEFAULT_OUT_NAME", "MANIFEST_NAME", "AccumulateJob", "AccumulateOptions", "AccumulateResult",
-           "FoldTerm", "accumulate", "default_out", "make_profile"]
+__all__ = ["AccumulateJob", "AccumulateOptions", "AccumulateResult", "FoldTerm", "accumulate"]

@@ -1,18 +1,12 @@
 """``select``: choose the best average by the user's own evaluation, and publish it.
 
 The candidates (:mod:`ema_ckpt.choosing.candidates`) are planned from steps alone; those not
-yet scored are written, as many per pass over the inputs as ``per_pass`` allows, into a
-scratch folder in the format the evaluation wants; the command runs once per candidate; its
-scores go to a cache beside the output, so a rerun, a widened grid or a resumed selection
-evaluates only what is new. A greedy soup (``soup="greedy"``) then grows from the best
-single checkpoint. The best candidate is written to ``out`` (published whole, or not at all)
-with a manifest naming it, its coefficients and every score.
-
-Only weights that were scored are published: each input's fingerprint
-(:func:`~ema_ckpt.manifest.fingerprint`, as ``accumulate`` checks for rollbacks) is taken when
-a candidate is written for its evaluation and kept with its score; before the chosen candidate
-is written to ``out``, and again after it is read and before it is published, its inputs are
-compared with those fingerprints, and a changed input is refused (exit 4).
+yet scored are written ``per_pass`` at a time into a scratch folder and scored by the command,
+the scores cached beside the output (a rerun evaluates only what is new). A greedy soup grows
+from the best single checkpoint. The best candidate is published at ``out`` with a manifest
+naming it and every score. Only weights that were scored are published: each input's
+:func:`~ema_ckpt.manifest.fingerprint` is kept with its score and compared before the choice is
+read and before it is published; a changed input is refused (exit 4).
 
 Example:
     >>> select("ckpts/", out="best/", eval_command="python eval.py {path}",
@@ -61,6 +55,8 @@ __all__ = ["CandidateScore", "SelectEvent", "SelectResult", "select"]
 
 _CANDIDATE_RECORDED = frozenset({"format", "dtype", "include", "exclude", "keep_prefix", "state_key",
                                  "average_buffers"})
+_SUM_OPTIONS = ("dtype", "include", "exclude", "keep_prefix", "state_key", "inert_globals", "average_buffers",
+                "workers", "device", "wait_seconds")
 DEFAULT_PER_PASS = 8
 """Candidates written per pass over the inputs, at most (each takes a model's size on disk)."""
 
@@ -112,12 +108,9 @@ class CandidateScore:
 
 @dataclass(slots=True)
 class SelectResult:
-    """What a selection found and published.
-
-    ``chosen`` is the best candidate's name, ``scores`` every candidate in plan order (the soup
-    last), ``soup`` the greedy soup's members and tries, ``run`` what writing ``out`` wrote,
-    ``plot`` the score plot (None without matplotlib), ``evaluated`` how many evaluations ran.
-    """
+    """What a selection found and published: ``chosen``, the best candidate's name; ``scores``,
+    every candidate in plan order (the soup last); ``run``, what writing ``out`` wrote; ``plot``,
+    the score plot (None without matplotlib); ``evaluated``, how many evaluations ran."""
 
     plan: Plan
     chosen: str
@@ -129,10 +122,6 @@ class SelectResult:
     soup: SoupResult | None = None
     plot: Path | None = None
     cache: Path | None = None
-
-
-def _work_dir(out: Location, work_dir: str | Path | None) -> Path:
-    return Path(work_dir) if work_dir is not None else scratch_beside(out, f"{out.name}.select")
 
 
 class _Selector:
@@ -205,12 +194,8 @@ class _Selector:
             shutil.rmtree(scratch, ignore_errors=True)
 
     def _sums(self, plan: Plan, out: Location, *, single: bool, fmt: str, overwrite: bool = True) -> _CandidateSums:
-        o = self.opts
-        return _CandidateSums(plan=plan, out=out, checkpoints=(), format=fmt, dtype=o["dtype"], include=o["include"],
-                              exclude=o["exclude"], keep_prefix=o["keep_prefix"], state_key=o["state_key"],
-                              inert_globals=o["inert_globals"], average_buffers=o["average_buffers"],
-                              single=single, overwrite=overwrite, workers=o["workers"], device=o["device"],
-                              wait_seconds=o["wait_seconds"])
+        return _CandidateSums(plan=plan, out=out, checkpoints=(), format=fmt, single=single, overwrite=overwrite,
+                              **{name: self.opts[name] for name in _SUM_OPTIONS})
 
     def _evaluate(self, output: PlannedOutput, key: str, path: Path, index: int, total: int) -> None:
         outcome = evaluate(self.opts["eval_command"], path, output.name, metric=self.opts["metric"],
@@ -332,9 +317,8 @@ def select(checkpoints: str | Location | Sequence[str | Location], *, out: str |
         parse_weights(w)
     spec = planned.CandidateSpec(tuple(sigma_rels), tuple(gammas), tuple(last_values), every, tuple(weights),
                                  tuple(as_path(p) for p in emas), count, at_step)
-    for name, value, allowed in (("eval_format", eval_format, SUM_FORMATS), ("format", format or eval_format,
-                                                                                 SUM_FORMATS),
-                                 ("dtype", dtype, ACCUMULATE_DTYPES)):
+    for name, value, allowed in (("eval_format", eval_format, SUM_FORMATS),
+                                 ("format", format or eval_format, SUM_FORMATS), ("dtype", dtype, ACCUMULATE_DTYPES)):
         if value not in allowed:
             raise OptionError(name, f"must be one of {', '.join(allowed)}, got {value!r}", value=value)
     if not dry_run:
@@ -352,7 +336,7 @@ def select(checkpoints: str | Location | Sequence[str | Location], *, out: str |
     if dry_run:
         return plan
     out_location = output_path(out_location)
-    work = _work_dir(out_location, work_dir)
+    work = Path(work_dir) if work_dir is not None else scratch_beside(out_location, f"{out_location.name}.select")
     opts = {"eval_command": eval_command, "metric": metric, "eval_format": eval_format, "dtype": dtype,
             "include": tuple(include), "exclude": tuple(exclude), "keep_prefix": keep_prefix, "state_key": state_key,
             "inert_globals": read.inert_globals, "maximize": maximize, "eval_timeout": eval_timeout,
