@@ -1,11 +1,9 @@
 """Where an output is published: the one protocol a run uses, on a local disk or in object storage.
 
-A run asks its :class:`Destination` to **lock** (:func:`output_lock`), **recover** what a
-killed run left, **stage** the output (on the coordinator), give each worker a :class:`Sink`
-to write into, and **publish** the staged files by their roles (:mod:`.roles`). A local
-output is swapped in with one rename (:mod:`.local_publish`); one in object storage is
-uploaded as each worker writes it and committed last (:mod:`.object_publish`). The run never
-asks which.
+A run asks its :class:`Destination` to **recover** what a killed run left, **stage** the output,
+give each worker a :class:`Sink` to write into, and **publish** the staged files by their roles;
+a local output is swapped in with one rename (:mod:`.local_publish`), one in object storage is
+uploaded as workers write it and committed last (:mod:`.object_publish`).
 
 Example:
     >>> import tempfile; root = Path(tempfile.mkdtemp())
@@ -41,14 +39,13 @@ from .object_publish import (
     upload_file,
 )
 
-Replaced = Callable[[], Collection[str]]
-"""The previous output's names that a new one replaces (read when asked: before the commit)."""
+Replaced = Callable[[], Collection[str]]  # the previous output's names a new one replaces
 
 
 @dataclass(frozen=True)
 class Staged:
-    """An output's staging, made by the coordinator and sent to every worker: the directory it
-    is built in, and the tag this run's data files carry in their names (object storage only)."""
+    """An output's staging, sent to every worker: its directory, and the tag this run's data
+    files carry in their names (object storage only)."""
 
     directory: Path
     file_tag: str | None = None
@@ -56,40 +53,30 @@ class Staged:
 
 @dataclass
 class Sink:
-    """Where one worker writes one output: a directory on a local disk, and what becomes of the
-    files written there (:meth:`written`; sent on where the output is not local).
-
-    ``final``: the output's place; ``one_writer``: only one worker may write it.
-    """
+    """Where one worker writes one output (a local directory), and what becomes of the files
+    written there (:meth:`written`). ``one_writer``: only one worker may write it."""
 
     final: Location
     directory: Path
     file_tag: str | None = None
     one_writer: bool = False
     send: Callable[[Path, Iterable[str]], None] | None = None
-    own: bool = False
-    """The directory is this worker's own (removed by :meth:`close`), not the coordinator's staging."""
+    own: bool = False  # the directory is this worker's own (removed by close), not the staging
 
     def written(self, names: Iterable[str]) -> None:
-        """The data files this worker finished in :attr:`directory`."""
         if self.send is not None:
             self.send(self.directory, names)
 
     def close(self) -> None:
-        """Remove this worker's own directory (the coordinator's staging is published or discarded)."""
         if self.own:
             shutil.rmtree(self.directory, ignore_errors=True)
 
 
 class Destination(abc.ABC):
-    """One output's final place, and how a run stages and publishes it there.
+    """One output's final place, and how a run stages and publishes it there. ``near``: stage
+    beside this directory instead (a sweep's outputs live inside it)."""
 
-    ``near``: stage beside this directory instead (the outputs of a sweep live inside it).
-    ``single_file``: the output is one file.
-    """
-
-    names_kept = True
-    """Its data files keep their writer's names (in object storage they carry the run's generation)."""
+    names_kept = True  # data files keep their writer's names (in object storage they carry the generation)
 
     def __init__(self, final: Location, *, near: Location | None = None, single_file: bool = False) -> None:
         self.final = final
@@ -111,8 +98,7 @@ class Destination(abc.ABC):
     @abc.abstractmethod
     def publish(self, staged: Staged, roles: Mapping[str, str], *, replaces: Replaced = set,
                 lock: HeldLock | None = None) -> None:
-        """Make the staged files the output (``roles``: {name: role}; ``replaces``: the previous
-        output's names, asked for where the output is not swapped in whole)."""
+        """Make the staged files the output (``replaces``: asked where it is not swapped in whole)."""
 
     def abandon(self) -> None:
         """After a failed attempt: undo what it sent on (a local staging is simply removed)."""
@@ -140,8 +126,7 @@ class LocalDestination(Destination):
 
 
 class ObjectDestination(Destination):
-    """An output in object storage: built on local disks (each worker its own files), uploaded
-    as they are finished, committed last."""
+    """An output in object storage: built on local disks, uploaded as finished, committed last."""
 
     final: RemotePath
     names_kept = False
@@ -197,8 +182,7 @@ def destination_for(final: Location, *, near: Location | None = None, single_fil
 
 
 def output_lock(path: Location, *, wait_seconds: float = 0.0) -> contextlib.AbstractContextManager[HeldLock]:
-    """The exclusive lock of the output at ``path`` (enter it to take it): a ``flock`` beside a
-    local output, numbered objects with a lease beside one in object storage."""
+    """The exclusive lock of the output at ``path`` (enter it to take it)."""
     if isinstance(path, RemotePath):
         return RemoteLock(path, wait_seconds=wait_seconds)
     return OutputLock(path, wait_seconds=wait_seconds)

@@ -1,13 +1,10 @@
 """Appending a file past the page cache (``O_DIRECT``), with a buffered fallback.
 
-Writing through the page cache copies every byte into kernel pages, and the kernel then
-writes them back, reclaims them and competes for memory with the reads. For an output that
-nothing reads back soon (an EMA, a sweep's outputs), writing straight from an aligned buffer
-to the disk costs about a tenth of the CPU time and is several times faster on a busy
-machine. ``O_DIRECT`` wants the buffer's address, the file offset and the length aligned to
-the device's block: bytes are gathered in a page-aligned buffer and written in whole blocks;
-the last, partial block goes through the page cache at close. Where the file system refuses
-``O_DIRECT`` (at open or at the first write), the file is written through the page cache.
+For an output nothing reads back soon, writing from an aligned buffer straight to the disk
+costs about a tenth of the CPU time of the page cache (copies, writeback, reclaim competing
+with the reads). Bytes are gathered in a page-aligned buffer and written in whole blocks; the
+last, partial block goes through the page cache at close, as does a file whose file system
+refuses ``O_DIRECT``.
 
 Example:
     >>> import tempfile, numpy as np; from pathlib import Path
@@ -42,12 +39,8 @@ def direct_io_enabled() -> bool:
 
 
 class DirectAppender:
-    """A write-only file, appended in order, written past the page cache where possible.
-
-    ``write``, ``flush``, ``fileno``, ``tell`` and ``close`` as a file object's; ``direct``
-    says whether ``O_DIRECT`` is in use. With ``O_DIRECT``, ``close`` writes what is left and
-    fsyncs it; a caller fsyncs before ``close`` as for a buffered file (a no-op's cost here).
-    """
+    """A write-only file, appended in order, written past the page cache where possible (``direct``).
+    With ``O_DIRECT``, ``close`` writes what is left and fsyncs it."""
 
     def __init__(self, path: Path, *, buffer_bytes: int = BUFFER_BYTES) -> None:
         self.path = Path(path)
@@ -101,11 +94,8 @@ class DirectAppender:
         return total
 
     def _write_from_memory(self, view: memoryview) -> memoryview:
-        """Write ``view``'s whole blocks straight from its memory when it starts on a page (the
-        file offset is on a block boundary already); what is left to buffer.
-
-        This spares copying the bytes into the buffer, with the interpreter's lock held.
-        """
+        """Write ``view``'s whole blocks straight from its memory when it starts on a page (no copy
+        into the buffer, under the interpreter's lock); what is left to buffer."""
         import numpy as np
 
         if np.frombuffer(view, dtype=np.uint8).ctypes.data % ALIGNMENT:
@@ -154,11 +144,7 @@ class DirectAppender:
 
     def drain(self, at_least: int = DRAIN_BYTES) -> None:
         """Once ``at_least`` bytes are gathered, write every whole block and hand the buffer's
-        pages back to the system.
-
-        A writer with many files open (a DCP output's parts) calls this when it moves on to
-        another file, so an idle file holds at most ``at_least`` bytes, not a buffer's worth.
-        """
+        pages back (a writer moving on to another of its files: an idle one holds little)."""
         if self._buffered is not None or self._fd < 0:
             return
         if self._fill >= at_least:

@@ -25,24 +25,24 @@ from .sources import open_readable, streamed_crc32
 _SYNC_FILE_RANGE_WRITE = 2
 
 
-def fsync_dir(path: Path) -> None:
-    """Flush a directory entry table to disk (after creating or renaming inside it)."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+def _fsync(path: str | Path, flags: int = os.O_RDONLY) -> None:
+    fd = os.open(path, flags)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
 
 
+def fsync_dir(path: Path) -> None:
+    """Flush a directory entry table to disk (after creating or renaming inside it)."""
+    _fsync(path, os.O_RDONLY | os.O_DIRECTORY)
+
+
 def fsync_tree(path: Path) -> None:
     """fsync every regular file under ``path`` and every directory, deepest first."""
     for root, _dirs, files in os.walk(path, topdown=False):
         for name in files:
-            fd = os.open(os.path.join(root, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            _fsync(os.path.join(root, name))
         fsync_dir(Path(root))
 
 
@@ -55,22 +55,16 @@ def _sync_file_range() -> Any:
 
 
 def start_writeback(fd: int, offset: int, length: int) -> None:
-    """Start writing a just-written range to disk without waiting (Linux ``sync_file_range``).
-
-    The closing fsync then finds most pages already on disk, so writing the disk overlaps
-    producing the bytes. Best effort: a no-op where the call is missing or refused.
-    """
+    """Start writing a just-written range to disk without waiting (Linux ``sync_file_range``), so
+    the closing fsync finds most pages written; a no-op where the call is missing."""
     func = _sync_file_range()
     if func is not None and length > 0:
         func(fd, offset, length, _SYNC_FILE_RANGE_WRITE)
 
 
 def output_path(out: str | os.PathLike[str] | RemotePath) -> Location:
-    """Where an output is published: ``out``, or the target of ``out`` when it is a symlink.
-
-    Outputs are built beside their final path and renamed into place; renaming over a
-    symlink would replace the link, not the output it points to. So a symlink is followed
-    (to its final target) and the output is published there, the link left as it is.
+    """Where an output is published: ``out``, or its final target when it is a symlink (renaming
+    over the link would replace the link, not the output it points to).
 
     Raises:
         OutputError: the link cannot be followed (a loop), or its target's folder is missing.
@@ -93,10 +87,8 @@ def size_without_requests(path: Location) -> int | None:
 
 
 def files_on_disk(path: Location) -> list[tuple[str, int]]:
-    """(name, size) of every regular file of a published output: the file itself, or each file
-    under the directory (names relative to it, sorted; symlinks are not followed).
-
-    What a summary says was written: the bytes on disk, index and manifest included.
+    """(name, size) of every regular file of an output: the file itself, or each file under the
+    directory (names relative, sorted; symlinks not followed).
 
     Example:
         >>> import tempfile; from pathlib import Path
@@ -123,13 +115,11 @@ def files_on_disk(path: Location) -> list[tuple[str, int]]:
     return sorted(found)
 
 
-HASH_BLOCK_BYTES = 8 << 20
-"""CRC-32 is computed over blocks of this many bytes (memory stays bounded by one block)."""
+HASH_BLOCK_BYTES = 8 << 20  # CRC-32s are computed over blocks of this size
 
 
 def size_and_crc32(file: Location, block_bytes: int = HASH_BLOCK_BYTES) -> tuple[int, int]:
-    """Stream ``file`` (local, or on object storage: ranged reads with read-ahead) once: its
-    length and CRC-32 (as :mod:`zlib` computes it)."""
+    """``file``'s length and CRC-32 (as :mod:`zlib` computes it), read once."""
     with open_readable(file) as source:
         return streamed_crc32(source, block_bytes)
 

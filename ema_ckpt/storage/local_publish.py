@@ -83,8 +83,8 @@ def backup_prefix(final: Path) -> str:
 
 
 def new_staging_dir(final: Path, *, near: Path | None = None) -> Path:
-    """An empty directory to build ``final`` in: beside it, or beside ``near`` when ``final``
-    lies inside ``near`` (outputs of a sweep), so no half-built directory appears in ``near``."""
+    """An empty directory to build ``final`` in: beside it, or beside ``near`` (a sweep's folder
+    ``final`` lies in), so no half-built directory appears in ``near``."""
     anchor = near if near is not None else final
     anchor.parent.mkdir(parents=True, exist_ok=True)
     suffix = f"-{final.name}" if near is not None else ""
@@ -101,7 +101,7 @@ def _make_parent(final: Path) -> None:
 
 
 def _exchange(a: Path, b: Path) -> bool:
-    """Atomically swap two paths with renameat2; False where unsupported."""
+    """Swap two paths atomically (renameat2); False where unsupported."""
     libc_name = ctypes.util.find_library("c")
     if libc_name is None:
         return False
@@ -160,12 +160,8 @@ def publish_file(staging: Path, final: Path) -> None:
 
 
 def recover(final: Path) -> list[str]:
-    """Repair what a killed run left beside ``final``; returns notes of what was done.
-
-    Leftover staging directories are removed. If ``final`` is missing but a backup
-    exists, the run died between the two renames of :func:`publish`: the backup (the
-    previous, complete output) is put back.
-    """
+    """Repair what a killed run left beside ``final``; notes of what was done. Stagings are
+    removed; a backup without ``final`` (a run died between :func:`publish`'s renames) is put back."""
     notes: list[str] = []
     parent = final.parent
     if not parent.is_dir():
@@ -192,13 +188,10 @@ def recover(final: Path) -> list[str]:
 class OutputLock:
     """An exclusive ``flock`` on ``.<name>.lock`` beside an output, removed when released.
 
-    The kernel drops the lock when its holder dies, so a crashed run never leaves a held lock
-    behind (only an unheld file, which the next run takes over and removes). The holder
-    unlinks the file before it unlocks; an acquirer that wins ``flock`` then checks that the
-    path still names the file it locked (``st_dev``/``st_ino``) and starts over if not, so two
-    runs never hold the lock at once, even while one of them removes the file. The lock file is
-    never followed through a symlink and never written. ``wait_seconds=0`` fails at once with
-    :class:`OutputLockedError`.
+    The kernel drops the lock when its holder dies. The holder unlinks the file before it
+    unlocks; an acquirer that wins ``flock`` checks that the path still names the file it
+    locked and starts over if not, so two runs never hold the lock at once. The lock file is
+    never followed through a symlink and never written.
     """
 
     def __init__(self, final: Path, *, wait_seconds: float = 0.0) -> None:
@@ -227,8 +220,8 @@ class OutputLock:
         mine = os.fstat(fd)
         return (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino)
 
-    def check(self) -> None:
-        """Nothing to check: the kernel holds a ``flock`` until its holder releases it or dies."""
+    def check(self) -> None:  # the kernel holds a flock until its holder releases it or dies
+        pass
 
     def __enter__(self) -> OutputLock:
         self.path.parent.mkdir(parents=True, exist_ok=True)

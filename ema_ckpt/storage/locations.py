@@ -1,12 +1,9 @@
 """Where bytes live: a :data:`Location` is a local :class:`~pathlib.Path` or a
 :class:`~ema_ckpt.storage.object_paths.RemotePath`, parsed once from what the user typed.
 
-Both offer the part of ``Path`` that finding and reading checkpoints uses (``/``, ``name``,
-``parent``, ``exists``, ``is_dir``, ``is_file``, ``iterdir``, ``stat``, ``read_bytes``), so
-code outside :mod:`ema_ckpt.storage` handles either without asking which. Reads ask their
-:class:`~ema_ckpt.storage.sources.Source` for what a local file offers (a memory map, a
-descriptor, a name for ``torch.load``), and the functions here for what a place allows (links,
-folders to nest in, ...); only watch's own staging and the choice of formats ask :func:`local_file`.
+Both offer the part of ``Path`` that finding and reading checkpoints uses, so code outside
+:mod:`ema_ckpt.storage` handles either without asking which; the functions here say what a
+place allows (links, folders to nest in, ...).
 
 Example:
     >>> as_path("ckpts/step_100")
@@ -73,8 +70,7 @@ def enclosing_folders(path: Location) -> list[Location]:
 
 
 def read_in_blocks(path: Location) -> bool:
-    """Whether reading ``path`` fetches blocks whose CRC-32s can be kept (``open_readable(checksums=True)``),
-    so its checksum is best taken from reads made anyway (a local file is reread from the page cache)."""
+    """Reading ``path`` fetches blocks whose CRC-32s can be kept (``open_readable(checksums=True)``)."""
     return isinstance(path, RemotePath)
 
 
@@ -84,8 +80,7 @@ def scratch_beside(path: Location, name: str) -> Path:
 
 
 def local_path(path: Location) -> Path:
-    """``path`` where only a local file will do (a format read from a local disk only, which
-    :func:`~ema_ckpt.formats.resolve.formats_for` never offers a location in object storage).
+    """``path`` where only a local file will do (a format read from a local disk only).
 
     Raises:
         TypeError: ``path`` is in object storage.
@@ -96,12 +91,7 @@ def local_path(path: Location) -> Path:
 
 
 def output_location(out: str | os.PathLike[str] | RemotePath) -> Location:
-    """Where an output goes, its storage package loaded now (a missing one is said before any work).
-
-    Example:
-        >>> output_location("ema")
-        PosixPath('ema')
-    """
+    """Where an output goes, its storage package loaded now (a missing one is said before any work)."""
     path = as_path(out)
     if isinstance(path, RemotePath):
         filesystem(path.protocol)
@@ -110,10 +100,8 @@ def output_location(out: str | os.PathLike[str] | RemotePath) -> Location:
 
 @contextlib.contextmanager
 def one_look(path: Location) -> Iterator[None]:
-    """Within it, this thread's questions about entries under ``path`` in object storage (is it
-    there, a folder, its size, the names in a folder) are answered from one recursive listing
-    taken on entry, not a request each (:mod:`~ema_ckpt.storage.object_listings`); a local
-    ``path`` is looked at as always. Nothing is kept for a later look."""
+    """Within it, this thread's questions about entries under ``path`` in object storage are
+    answered from one recursive listing taken on entry (:mod:`~ema_ckpt.storage.object_listings`)."""
     with looking(listing_of(path) if isinstance(path, RemotePath) else None):
         yield
 

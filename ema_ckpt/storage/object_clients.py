@@ -1,10 +1,8 @@
 """The fsspec filesystem of each storage protocol, built from the environment with bounded waits.
 
-One client per protocol per process, configured the way each store's own tools are (S3:
-``AWS_ENDPOINT_URL`` and the credential chain; GCS: gcsfs's credentials, ``STORAGE_EMULATOR_HOST``;
-Azure Blob: adlfs's ``AZURE_STORAGE_*`` variables), with the timeouts of :func:`request_timeout`
-applied to connecting and to each wait for the next bytes, and a request tried a bounded
-number of times (:func:`request_attempts`), with each store's own backoff between attempts.
+One client per protocol per process, configured as each store's own tools are, with the
+timeouts of :func:`request_timeout` on connecting and on each wait for bytes, and each request
+tried :func:`request_attempts` times with the store's own backoff.
 
 Example:
     >>> request_timeout({}), request_attempts({})
@@ -27,10 +25,7 @@ TIMEOUT_ENV = "EMA_CKPT_REMOTE_TIMEOUT"
 ATTEMPTS_ENV = "EMA_CKPT_REMOTE_ATTEMPTS"
 _DEFAULT_TIMEOUT = 20.0
 _DEFAULT_ATTEMPTS = 3
-_S3 = ("s3", "s3a")
-_GCS = ("gs", "gcs")
-_AZURE = ("az", "abfs", "abfss")
-_EXTRAS = {**dict.fromkeys(_S3, "s3"), **dict.fromkeys(_GCS, "gcs"), **dict.fromkeys(_AZURE, "azure")}
+_EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs", "az": "azure", "abfs": "azure", "abfss": "azure"}
 _FILESYSTEMS: dict[str, Any] = {}
 
 
@@ -41,12 +36,8 @@ def request_timeout(env: Mapping[str, str] | None = None) -> float:
 
 
 def request_attempts(env: Mapping[str, str] | None = None) -> int:
-    """Attempts of a request that times out or fails for a while (``EMA_CKPT_REMOTE_ATTEMPTS``, default 3).
-
-    With :func:`request_timeout`, what bounds a store that stops answering: about attempts ×
-    timeout plus the backoff between attempts (a few seconds; on GCS gcsfs's 1, 2, 4 … s), a
-    minute by default, then exit 9 naming the object.
-    """
+    """Attempts of a request that times out or fails for a while (``EMA_CKPT_REMOTE_ATTEMPTS``,
+    default 3): a store that stops answering ends the run after about attempts × timeout."""
     return whole_number(ATTEMPTS_ENV, _DEFAULT_ATTEMPTS, "attempts", env)
 
 
@@ -63,15 +54,13 @@ def filesystem(protocol: str) -> Any:
 
 
 def forget_clients() -> None:
-    """Drop every client built (the next request builds one from the environment as it is now);
-    every store may be read again (:mod:`~ema_ckpt.storage.object_outages`)."""
+    """Drop every client built (the next is built from the environment as it is now)."""
     _FILESYSTEMS.clear()
     object_outages.clear()
 
 
 def forget_listings() -> None:
-    """Drop the folder listings kept (each search for new checkpoints starts from fresh ones), and
-    ask again a store that stopped answering (:mod:`~ema_ckpt.storage.object_outages`)."""
+    """Drop the folder listings kept, and ask again a store that stopped answering."""
     object_outages.clear()
     for fs in _FILESYSTEMS.values():
         cache = getattr(fs, "dircache", None)
@@ -83,7 +72,7 @@ def _build(protocol: str) -> Any:
     try:
         import fsspec  # type: ignore[import-untyped]
 
-        make: Callable[..., Any] = _MAKERS.get(protocol, _plain)
+        make: Callable[..., Any] = _MAKERS.get(_EXTRAS.get(protocol, ""), _plain)
         # A folder's listing answers the existence checks of its entries (one request, not one
         # per marker file) for a few seconds, so a long-lived process still sees new
         # checkpoints; the client is built from the environment, not fsspec's instance cache.
@@ -106,14 +95,8 @@ def _plain(fsspec: Any, protocol: str, **options: Any) -> Any:
 
 
 def _s3(fsspec: Any, protocol: str, **options: Any) -> Any:
-    """botocore's connect and read timeouts, each request tried :func:`request_attempts` times in
-    all by botocore (its standard mode: throttling, 5xx, timeouts and dropped connections, with
-    its backoff between attempts), never forever.
-
-    s3fs's own loops are run once: it tries each request ``retries`` times, and a ranged read's
-    request again ``retries`` times around that, so against a store that never answers its
-    attempts multiply (attempts² waits of the timeout, botocore's on top).
-    """
+    """botocore's timeouts, each request tried :func:`request_attempts` times by botocore (its
+    standard mode). s3fs's own retry loops run once: nested, their attempts would multiply."""
     timeout = request_timeout()
     fs = fsspec.filesystem(protocol, config_kwargs={
         "connect_timeout": timeout, "read_timeout": timeout,
@@ -123,8 +106,7 @@ def _s3(fsspec: Any, protocol: str, **options: Any) -> Any:
 
 
 def _gcs(fsspec: Any, protocol: str, **options: Any) -> Any:
-    """aiohttp's connect and per-read timeouts on every request; gcsfs retries 5xx, 429, timeouts
-    and dropped connections itself (exponential backoff), :func:`request_attempts` times."""
+    """aiohttp's timeouts on every request; gcsfs retries :func:`request_attempts` times."""
     import aiohttp
 
     timeout = request_timeout()
@@ -143,9 +125,8 @@ def _gcs(fsspec: Any, protocol: str, **options: Any) -> Any:
 
 
 def _bounded_gcs_class(base: type, attempts: int) -> type:
-    """``base`` (a gcsfs filesystem class) whose requests are tried ``attempts`` times, not gcsfs's
-    fixed 6 (over half a minute of backoff alone); ``base`` itself where gcsfs no longer builds
-    its request loop from ``gcsfs.retry.retry_request`` (``tests/test_compat.py`` tells)."""
+    """``base`` (a gcsfs class) whose requests are tried ``attempts`` times, not gcsfs's fixed 6;
+    ``base`` itself where gcsfs no longer builds them on ``retry_request`` (``tests/test_compat.py``)."""
     try:
         from gcsfs.retry import retry_request  # type: ignore[import-untyped]
 
@@ -156,8 +137,8 @@ def _bounded_gcs_class(base: type, attempts: int) -> type:
 
 
 def _azure(fsspec: Any, protocol: str, **options: Any) -> Any:
-    """adlfs's filesystem whose service client has this process's timeouts and a short retry
-    policy (the Azure SDK's own default waits 15 s before its first retry)."""
+    """adlfs's filesystem with this process's timeouts and a short retry policy (the SDK's waits
+    15 s before its first retry)."""
     from adlfs import AzureBlobFileSystem  # type: ignore[import-untyped]
     from azure.storage.blob.aio import BlobServiceClient, ExponentialRetry
 
@@ -180,8 +161,7 @@ def _azure(fsspec: Any, protocol: str, **options: Any) -> Any:
                                       **options)
 
 
-_MAKERS: dict[str, Callable[..., Any]] = {**dict.fromkeys(_S3, _s3), **dict.fromkeys(_GCS, _gcs),
-                                          **dict.fromkeys(_AZURE, _azure)}
+_MAKERS: dict[str, Callable[..., Any]] = {"s3": _s3, "gcs": _gcs, "azure": _azure}  # by extra
 
 __all__ = ["ATTEMPTS_ENV", "LISTING_SECONDS", "TIMEOUT_ENV", "filesystem", "forget_clients", "forget_listings",
            "request_attempts", "request_timeout"]

@@ -1,17 +1,11 @@
 """One look at a folder in object storage: every object under it from one recursive listing.
 
-Finding checkpoints asks many small questions of each entry (is ``.metadata`` there, is this a
-folder, what does ``latest`` say); asked one by one, each is a request or two to the store, for
-every checkpoint kept, at every look of a watch. A :class:`Listing` answers them instead from
-one recursive listing taken when the look begins (one request per thousand objects on S3), in
-the thread that took it and only until the look ends, so a new checkpoint is never hidden by a
-listing kept from an earlier look. A listing of many pages is no more one instant than many
-questions are: an object written while it was taken may be missing from it, and is seen at
-the next look; a checkpoint is taken only once its marker files, which trainers write last,
-are listed.
-
-Small files read during a look (``trainer_state.json``, DeepSpeed's ``latest``) are kept by
-object version (:func:`read_small`): a checkpoint already seen costs no request at the next look.
+Finding checkpoints asks many small questions of each entry (is ``.metadata`` there, what
+does ``latest`` say), each a request or two. A :class:`Listing` answers them from one recursive
+listing taken when the look begins, in that thread and until the look ends, so no listing of an
+earlier look hides a new checkpoint (an object written while the listing was taken is seen at
+the next look; trainers write the marker files last). Small files read during a look are kept
+by object version (:func:`read_small`), so a checkpoint already seen costs no request.
 
 Example:
     >>> look = Listing("s3", "b/run", {"b/run/step_1/.metadata": {"type": "file", "size": 3}})
@@ -31,10 +25,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-SMALL_FILE_BYTES = 4 << 20
-"""Files up to this size read during a look are kept by version for the next looks."""
-KEPT_BYTES = 16 << 20
-"""At most this many bytes of small files are kept (the least recently read go first)."""
+SMALL_FILE_BYTES = 4 << 20  # files up to this size read during a look are kept by version
+KEPT_BYTES = 16 << 20  # the most bytes of small files kept (the least recently read go first)
 
 
 class Listing:
@@ -64,8 +56,8 @@ class Listing:
         return protocol == self.protocol and (key == self.root or key.startswith(self.root + "/"))
 
     def info(self, key: str) -> Mapping[str, Any] | None:
-        """The object's listing entry (an object wins over a folder of one name, as a HEAD
-        does), a folder's, or None when nothing is there."""
+        """The object's listing entry (an object wins over a folder of one name, as a HEAD does),
+        a folder's, or None."""
         file = self._files.get(key)
         if file is not None:
             return file
@@ -119,9 +111,8 @@ def _version(info: Mapping[str, Any]) -> tuple[str, int, str] | None:
 
 
 def _is_version(data: bytes, info: Mapping[str, Any]) -> bool:
-    """``data`` are the bytes of the listed version: their MD5 is its S3 ETag (a single-part
-    upload's), its GCS ``md5Hash`` or its Azure ``content_md5`` (no other tag says what the
-    bytes are)."""
+    """``data``'s MD5 is the listed version's S3 ETag (single-part), GCS ``md5Hash`` or Azure
+    ``content_md5`` (no other tag says what the bytes are)."""
     digest = hashlib.md5(data, usedforsecurity=False)
     etag = str(info.get("ETag") or info.get("etag") or "").strip('"')
     if _MD5_HEX.match(etag):
@@ -139,9 +130,8 @@ def _is_version(data: bytes, info: Mapping[str, Any]) -> bool:
 
 def read_small(protocol: str, key: str, fetch: Callable[[int | None], bytes]) -> bytes:
     """The object's bytes, by ``fetch(size)`` (``size`` as a look lists it, else None). During a
-    look, a small object is kept by version (its tag, size and time) once its bytes are shown to
-    be that version's, and read again only in another; missing from the look's listing, it is
-    ``FileNotFoundError``."""
+    look, a small object is kept by version once its bytes are shown to be that version's;
+    missing from the look's listing, it is ``FileNotFoundError``."""
     listing = current(protocol, key)
     if listing is None:
         return fetch(None)
@@ -170,7 +160,6 @@ def read_small(protocol: str, key: str, fetch: Callable[[int | None], bytes]) ->
 
 
 def forget_small_files() -> None:
-    """Drop the small files kept."""
     with _KEPT_LOCK:
         _KEPT.clear()
 

@@ -22,13 +22,12 @@ from ..errors import OutputError, OutputLockedError
 from .object_paths import RemotePath, delete_objects
 
 LOCK_LEASE_SECONDS = 60.0
-"""How long a lock is honoured after its holder last renewed it (a killed run's lock expires);
-``EMA_CKPT_LOCK_LEASE`` sets it."""
+"""How long a lock is honoured after its holder last renewed it (``EMA_CKPT_LOCK_LEASE``)."""
 LEASE_ENV = "EMA_CKPT_LOCK_LEASE"
 
 
 def lock_lease() -> float:
-    """The lease of a lock on object storage, in seconds (``EMA_CKPT_LOCK_LEASE``, default 60)."""
+    """The lease of a lock on object storage, in seconds."""
     return seconds(LEASE_ENV, LOCK_LEASE_SECONDS)
 
 
@@ -41,19 +40,14 @@ class HeldLock(Protocol):
 class RemoteLock:
     """An exclusive lock on an output in object storage, under ``.<name>.lock/`` beside it.
 
-    The lock is a sequence of numbered objects (``.ema.lock/000000000007``), each created
-    with a conditional PUT (``If-None-Match: *``), so that of any runs creating the same
-    number, one succeeds. The highest number is the lock: it names its owner and an expiry
-    :data:`LOCK_LEASE_SECONDS` ahead, which the owner renews (a thread, a third of the lease
-    apart) by rewriting its own object, which no other run writes. A run takes a free lock
-    (none yet, or the highest released or expired) by creating the next number, then confirms
-    that its number is still the highest; the objects below it are deleted. Nothing is ever
-    overwritten or deleted by a run that does not hold the lock, so of two runs racing for
-    a lock that expired, one gets it. Released, the highest object stays as a record
-    (``"released": true``) until the next run takes the number after it.
-
-    A store without conditional writes is refused (:class:`~ema_ckpt.errors.OutputError`),
-    since two runs could then both publish.
+    Numbered objects (``.ema.lock/000000000007``), each created with a conditional PUT
+    (``If-None-Match: *``), so of runs creating one number, one succeeds. The highest is the
+    lock: its owner and an expiry :data:`LOCK_LEASE_SECONDS` ahead, renewed by the owner (a
+    thread, a third of the lease apart) rewriting its own object. A run takes a free lock (none,
+    or the highest released or expired) by creating the next number, then confirms it is still
+    the highest and deletes those below. No run that does not hold the lock overwrites or
+    deletes anything, so of two runs racing for an expired lock, one gets it. A store without
+    conditional writes is refused (:class:`~ema_ckpt.errors.OutputError`): two runs could both publish.
     """
 
     def __init__(self, final: RemotePath, *, wait_seconds: float = 0.0, lease: float | None = None) -> None:
@@ -62,8 +56,7 @@ class RemoteLock:
         self.wait_seconds = wait_seconds
         self.lease = lease if lease is not None else lock_lease()
         self.owner = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(8)}"
-        self.number = 0
-        """The lock object this run holds (0: none)."""
+        self.number = 0  # the lock object this run holds (0: none)
         self._stop = threading.Event()
         self._renewer: threading.Thread | None = None
         self.lost = False
@@ -72,13 +65,13 @@ class RemoteLock:
         return self.path / f"{number:012d}"
 
     def _body(self, *, released: bool = False) -> bytes:
-        doc: dict[str, Any] = {"owner": self.owner, "expires": time.time() + self.lease}
+        doc: dict[str, Any] = {"owner": self.owner, "expires": 0.0 if released else time.time() + self.lease}
         if released:
-            doc = {"owner": self.owner, "expires": 0.0, "released": True}
+            doc["released"] = True
         return json.dumps(doc).encode()
 
     def _numbers(self) -> list[int]:
-        """The lock objects there now, in order (a fresh listing, never a cached one)."""
+        """The lock objects there now, in order (a fresh listing)."""
         try:
             names = [p.name for p in self.path.iterdir(fresh=True)]
         except FileNotFoundError:
@@ -101,9 +94,7 @@ class RemoteLock:
     def _holder(self) -> tuple[int, dict[str, Any] | None]:
         """The highest lock object's number and what it holds (0, None: no lock yet)."""
         numbers = self._numbers()
-        if not numbers:
-            return 0, None
-        return numbers[-1], self._read(numbers[-1])
+        return (numbers[-1], self._read(numbers[-1])) if numbers else (0, None)
 
     def _try(self) -> tuple[bool, dict[str, Any] | None]:
         """One attempt: (taken, the holder that kept it from this run)."""

@@ -1,17 +1,11 @@
 """A store that stopped answering ends the run at its first exhausted request.
 
-The reads of one run fan out (blocks read ahead, several objects open); against a store that
-takes requests and never answers, each would spend its whole budget of attempts × timeout, one
-after another or side by side, before the run could end. Instead the first read that exhausts
-its attempts (or fails for good at the connection: the endpoint unreachable, 5xx past the
-retries) marks its store as out (:func:`trip`): the reads of that store still in flight are
-cancelled on the client's event loop (their waiters get the same error at once), and no read of
-it starts again (:func:`check`) until the mark is cleared, by a new look for checkpoints
-(:func:`~ema_ckpt.storage.object_clients.forget_listings`, which a watch takes each interval:
-it tries the store again then) or a new client (``forget_clients``).
-
-Only reads are marked and stopped: the writes, deletes and lock releases that clean up after a
-failed run are still tried (each within its own bound).
+Against a store that never answers, each of a run's reads (read-ahead, several objects) would
+spend its whole attempts × timeout before the run could end. Instead the first read that
+exhausts its attempts marks its store out (:func:`trip`): its reads in flight are cancelled and
+none starts (:func:`check`) until a new look (``forget_listings``, each watch interval) or a new
+client (``forget_clients``) clears the mark. Only reads stop: the writes, deletes and lock
+releases that clean up after a failed run are still tried.
 
 Example:
     >>> clear(); check("s3") is None
@@ -32,11 +26,7 @@ _IN_FLIGHT: dict[str, set[Future[Any]]] = {}
 
 
 def check(protocol: str) -> None:
-    """Raise the store's first exhausted read's error again if ``protocol``'s store is out.
-
-    Raises:
-        RemoteStorageError: a read of this store already exhausted its attempts.
-    """
+    """Raises RemoteStorageError (the first exhausted read's) if ``protocol``'s store is out."""
     with _LOCK:
         message = _OUT.get(protocol)
     if message is not None:
@@ -44,8 +34,8 @@ def check(protocol: str) -> None:
 
 
 def trip(protocol: str, error: RemoteStorageError) -> RemoteStorageError:
-    """Mark ``protocol``'s store out with ``error`` (the first such error is kept) and cancel its
-    reads in flight; the error every read of it raises from now (the first one's)."""
+    """Mark ``protocol``'s store out and cancel its reads in flight; the error every read of it
+    raises from now (the first one's)."""
     with _LOCK:
         message = _OUT.setdefault(protocol, str(error))
         pending = list(_IN_FLIGHT.get(protocol, ()))
@@ -55,8 +45,7 @@ def trip(protocol: str, error: RemoteStorageError) -> RemoteStorageError:
 
 
 def started(protocol: str, future: Future[Any]) -> None:
-    """A read of ``protocol``'s store in flight (cancelled if the store is marked out); when it
-    is already out, the read is cancelled at once."""
+    """A read of ``protocol``'s store in flight (cancelled at once if the store is out)."""
     with _LOCK:
         _IN_FLIGHT.setdefault(protocol, set()).add(future)
         out = protocol in _OUT

@@ -1,9 +1,8 @@
 """Locations in object storage (``s3://``, ``gs://``, ``az://``, any fsspec protocol).
 
-A :class:`RemotePath` offers the part of :class:`pathlib.Path`'s interface that finding
-and reading checkpoints uses (``/``, ``name``, ``iterdir``, ``is_file``, ``stat``,
-``read_bytes``) over an fsspec filesystem (:mod:`~ema_ckpt.storage.object_clients`). The
-store's failures become :class:`~ema_ckpt.errors.RemoteStorageError` in one place (:func:`call`).
+A :class:`RemotePath` offers the part of :class:`pathlib.Path` that finding and reading
+checkpoints uses, over an fsspec filesystem; the store's failures become
+:class:`~ema_ckpt.errors.RemoteStorageError` in one place (:func:`call`).
 
 Example:
     >>> str(RemotePath.from_url("s3://bucket/run/ckpts") / "step_100")
@@ -24,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from ..errors import EmaCkptError, RemoteStorageError
+from ..errors import EmaCkptError, RemoteStorageError, one_line
 from . import object_outages
 from .object_clients import ATTEMPTS_ENV, TIMEOUT_ENV, filesystem, request_timeout
 from .object_listings import Listing, current, read_small
@@ -38,8 +37,7 @@ class RemoteStat:
     st_size: int
     st_mode: int
     st_mtime_ns: int = 0
-    etag: str = ""
-    """The object version's tag, where the store gives one (a rewrite changes it)."""
+    etag: str = ""  # the object version's tag, where the store gives one
 
 
 def _stat_of(info: dict[str, Any]) -> RemoteStat:
@@ -172,25 +170,21 @@ class RemotePath:
         return _stat_of(info)
 
     def iterdir(self, *, fresh: bool = False) -> Iterator[RemotePath]:
-        """The entries under this prefix; ``fresh``: from a new listing, not one kept for a few
-        seconds (:data:`LISTING_SECONDS`)."""
+        """The entries under this prefix; ``fresh``: from a new listing, not one kept a few seconds."""
         listing = None if fresh else current(self.protocol, self._key)
         if listing is not None:  # a look under way: its listing answers
             children = listing.children(self._key)
-            if children is None:
-                raise FileNotFoundError(errno.ENOENT, "no such prefix", str(self))
-            yield from (RemotePath(self.protocol, child) for child in children)
-            return
-        if fresh:
-            self.fs.invalidate_cache(self._key)
-        try:
-            names = read_call(self, self.fs.ls, self._key, detail=False)
-        except FileNotFoundError:
-            raise FileNotFoundError(errno.ENOENT, "no such prefix", str(self)) from None
-        for name in sorted(names):
-            child = str(name).strip("/")
-            if child != self._key:
-                yield RemotePath(self.protocol, child)
+        else:
+            if fresh:
+                self.fs.invalidate_cache(self._key)
+            try:
+                names = read_call(self, self.fs.ls, self._key, detail=False)
+            except FileNotFoundError:
+                names = None
+            children = None if names is None else [str(name).strip("/") for name in sorted(names)]
+        if children is None:
+            raise FileNotFoundError(errno.ENOENT, "no such prefix", str(self))
+        yield from (RemotePath(self.protocol, child) for child in children if child != self._key)
 
     def rglob(self, pattern: str) -> Iterator[RemotePath]:
         """Every object under this prefix (``pattern`` must be ``*``: all of them)."""
@@ -205,8 +199,8 @@ class RemotePath:
         return read_small(self.protocol, self._key, self._read_all)
 
     def _read_all(self, size: int | None) -> bytes:
-        """The whole object; ``size`` (as listed) saves asking for it: one ranged request for a
-        byte more, whose answer is the whole object unless it grew since (then read again)."""
+        """The whole object; with ``size`` (as listed), one ranged request for a byte more, whose
+        answer is the whole object unless it grew since."""
         if size:
             data: bytes = read_call(self, self.fs.cat_file, self._key, start=0, end=size + 1)
             if len(data) <= size:
@@ -217,10 +211,7 @@ class RemotePath:
     def write_bytes(self, data: bytes, *, exclusive: bool = False) -> None:
         """One PUT of the whole object (a reader sees the old bytes or the new); ``exclusive``:
         only if the key is new (``If-None-Match: *``), else ``FileExistsError``."""
-        if exclusive:
-            call(self, self.fs.pipe_file, self._key, data, mode="create")
-        else:
-            call(self, self.fs.pipe_file, self._key, data)
+        call(self, self.fs.pipe_file, self._key, data, **({"mode": "create"} if exclusive else {}))
 
     def upload(self, local: Path) -> None:
         """The local file ``local`` as this object (a multipart upload appears once complete)."""
@@ -231,9 +222,8 @@ class RemotePath:
 
 
 def call(where: RemotePath, func: Any, *args: Any, **kwargs: Any) -> Any:
-    """``func(*args)`` with the store's permanent refusals as one clear error; a missing
-    object stays ``FileNotFoundError`` (callers treat it as on a local disk), and a
-    conditional write's refusal ``FileExistsError``."""
+    """``func(*args)`` with the store's failures as one clear error; a missing object stays
+    ``FileNotFoundError``, a conditional write's refusal ``FileExistsError``."""
     try:
         return func(*args, **kwargs)
     except BaseException as err:
@@ -244,10 +234,9 @@ def call(where: RemotePath, func: Any, *args: Any, **kwargs: Any) -> Any:
 
 
 def read_call(where: RemotePath, func: Any, *args: Any, **kwargs: Any) -> Any:
-    """:func:`call` for a read: none starts once a read of the store exhausted its attempts,
-    and one in flight then is cancelled (:mod:`~ema_ckpt.storage.object_outages`), so the
-    first exhausted read ends the run, not the last. The read runs as the filesystem's
-    coroutine on its event loop (what its blocking method does too), where it can be cancelled.
+    """:func:`call` for a read, stopped once a read of the store exhausted its attempts
+    (:mod:`~ema_ckpt.storage.object_outages`): run as the filesystem's coroutine on its event
+    loop, where it can be cancelled.
 
     Raises:
         RemoteStorageError: this read, or an earlier one of the store, failed for good.
@@ -274,14 +263,13 @@ def read_call(where: RemotePath, func: Any, *args: Any, **kwargs: Any) -> Any:
         if translated is err:
             raise
         if isinstance(translated, RemoteStorageError) and _unanswered(err):
-            raise object_outages.trip(protocol, translated) from None
+            translated = object_outages.trip(protocol, translated)
         raise translated from None
 
 
 def _coroutine_of(fs: Any, func: Any) -> Callable[..., Any] | None:
-    """The coroutine behind ``func``, a blocking method of ``fs`` (an fsspec async filesystem)
-    that runs it on the filesystem's own loop (``fs.cat_file`` -> ``fs._cat_file``); None for
-    another."""
+    """The coroutine behind ``func``, a blocking method of an fsspec async ``fs``
+    (``fs.cat_file`` -> ``fs._cat_file``); None for another."""
     name = str(getattr(func, "__name__", "")).lstrip("_")
     if not name or getattr(fs, "asynchronous", True) or getattr(fs, name, None) != func:
         return None
@@ -302,7 +290,7 @@ def _unanswered(err: BaseException) -> bool:
 
 
 def _translated(where: RemotePath, err: BaseException) -> BaseException:
-    """What :func:`call` raises for ``err``: the exception itself, or one clear error."""
+    """``err`` itself, or the one clear error :func:`call` raises for it."""
     if isinstance(err, FileNotFoundError):
         if "bucket" in str(err).lower():
             return RemoteStorageError(f"{where}: no such bucket ({err})")
@@ -316,13 +304,12 @@ def _translated(where: RemotePath, err: BaseException) -> BaseException:
     if isinstance(err, TimeoutError) or "Timeout" in type(err).__name__:  # each client names its own
         return RemoteStorageError(f"{where}: no answer within {request_timeout():g} s, on every attempt "
                                   f"({type(err).__name__}; {TIMEOUT_ENV}, {ATTEMPTS_ENV})")
-    return RemoteStorageError(f"{where}: {type(err).__name__}: {_first_line(err)}")
+    return RemoteStorageError(f"{where}: {one_line(err)[:300]}")
 
 
 def listing_of(path: RemotePath) -> Listing | None:
-    """Every object under ``path`` from one recursive listing (None: nothing under it, or it
-    is missing: the store is asked as usual). The filesystem's own cache of folder listings
-    is left as it was."""
+    """Every object under ``path`` from one recursive listing (None: nothing there); the
+    filesystem's own listings cache is left as it was."""
     fs = path.fs
     cache = getattr(fs, "dircache", None)
     before = set(cache) if cache is not None else set()
@@ -365,8 +352,3 @@ def remote_files(where: RemotePath) -> list[tuple[str, int]]:
     prefix = where.key + "/"
     return sorted((str(name).strip("/").removeprefix(prefix), int(item.get("size") or 0))
                   for name, item in found.items())
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0][:300] if text else type(err).__name__

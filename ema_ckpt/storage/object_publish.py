@@ -1,9 +1,8 @@
 """Outputs on object storage: built on a local disk, uploaded, and committed last.
 
-An object store has no atomic rename of a folder and no ``flock``; what it has is the atomic
-PUT of one object (a reader sees all of it or none) and, on S3, a PUT that succeeds only if
-the key is new (``If-None-Match: *``). So a directory output ``s3://b/ema`` is published in
-this order, by the *role* of each file (:class:`~ema_ckpt.storage.roles.Role`), never by its name:
+An object store has no atomic rename of a folder, only the atomic PUT of one object and a PUT
+that succeeds only if the key is new (``If-None-Match: *``). So a directory output ``s3://b/ema``
+is published in this order, by each file's *role* (:class:`~ema_ckpt.storage.roles.Role`):
 
 1. the lock is taken: the next object of ``s3://b/.ema.lock/`` created with a conditional PUT,
    holding a lease that its holder renews (:class:`~ema_ckpt.storage.object_lock.RemoteLock`);
@@ -18,12 +17,10 @@ this order, by the *role* of each file (:class:`~ema_ckpt.storage.roles.Role`), 
 6. the previous output's files that the new one does not have (data files of other
    generations, and the names the caller says it replaces), then the staging prefix, deleted.
 
-A reader (``dcp.load``, ``from_pretrained``, ema-ckpt) sees the previous output until the
-switch is put and the new one after. A run killed before that leaves the previous output
-whole, and the next run removes what it uploaded; one killed after it (the switch at its key
-is the one ``commit.json`` records) is finished by the next run (:func:`recover_remote`). A
-single-file output (``consolidate --out s3://b/model.safetensors``) is one PUT (a multipart
-upload appears when it completes).
+A reader sees the previous output until the switch is put and the new one after. A run killed
+before that leaves the previous output whole, and the next run removes what it uploaded; one
+killed after it is finished by the next run (:func:`recover_remote`). A single-file output is
+one PUT (a multipart upload appears when it completes).
 
 Example:
     >>> commit_upload(staging, RemotePath.from_url("s3://b/ema"), "20261202T010203-ab12cd",   # doctest: +SKIP
@@ -47,18 +44,14 @@ from .object_lock import HeldLock
 from .object_paths import RemotePath, delete_objects, objects_under
 from .roles import COMMIT_ROLES, DATA, generation_of, tagged
 
-STAGING_DIR = ".ema-ckpt-staging"
-"""The prefix inside an output that holds an upload in progress (one folder per generation)."""
-MARKER = "started"
-"""Beside the record: made first, so a generation killed at once is still found and removed."""
+STAGING_DIR = ".ema-ckpt-staging"  # inside an output: an upload in progress, a folder per generation
+MARKER = "started"  # made first, so a generation killed at once is still found and removed
 RECORD = "commit.json"
-"""Beside the marker: the new output's files and roles, and its switch's size and CRC-32."""
 STAGING_ENV = "EMA_CKPT_STAGING_DIR"
 
 
 def local_staging_dir(final: RemotePath) -> Path:
-    """A local directory to build ``final`` in before it is uploaded: under
-    ``EMA_CKPT_STAGING_DIR``, else the system's temporary directory."""
+    """A local directory to build ``final`` in (under ``EMA_CKPT_STAGING_DIR``, else the system's temporary one)."""
     root = os.environ.get(STAGING_ENV) or tempfile.gettempdir()
     try:
         return Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=root))
@@ -85,11 +78,8 @@ def begin_upload(final: RemotePath, generation: str) -> None:
 
 def commit_upload(local: Path, final: RemotePath, generation: str, roles: Mapping[str, str], *,
                   replaces: Collection[str] = (), lock: HeldLock | None = None) -> None:
-    """Steps 3 (what is left), 4, 5 and 6 for a directory output built in ``local``.
-
-    ``roles``: {file name in ``local``: role}; a file not named there is uploaded as an other
-    file. ``replaces``: names at ``final`` (the previous output's) to delete once committed.
-    """
+    """Steps 3 (what is left) to 6 for a directory output built in ``local``. ``roles``: {name:
+    role} (other files: ``"other"``); ``replaces``: the previous output's names to delete once committed."""
     names = sorted(p.name for p in local.iterdir() if p.is_file())
     role_of = {name: roles.get(name, "other") for name in names}
     existing = {p.name for p in objects_under(final)}
@@ -119,7 +109,7 @@ def _switch(role_of: Mapping[str, str], generation: str) -> str | None:
 
 
 def _record(local: Path, role_of: Mapping[str, str], generation: str, replaces: Collection[str]) -> bytes:
-    """``commit.json``: the output's names and roles, what it replaces, and its switch's size and CRC-32.
+    """``commit.json``.
 
     Example:
         >>> import tempfile; d = Path(tempfile.mkdtemp()); _ = (d / ".metadata").write_bytes(b"abc")
@@ -136,7 +126,7 @@ def _record(local: Path, role_of: Mapping[str, str], generation: str, replaces: 
 
 
 def _switched(final: RemotePath, switch: dict[str, Any]) -> bool:
-    """The object at the switch's key is the one recorded (its size first: no read when it differs)."""
+    """The object at the switch's key is the one recorded (the size first: no read when it differs)."""
     current = final / str(switch["name"])
     try:
         if current.stat().st_size != switch["size"]:
@@ -147,7 +137,6 @@ def _switched(final: RemotePath, switch: dict[str, Any]) -> bool:
 
 
 def _same_bytes(copy: RemotePath, current: RemotePath) -> bool:
-    """The object at ``current`` holds what ``copy`` holds (a missing one does not)."""
     try:
         return copy.read_bytes() == current.read_bytes()
     except FileNotFoundError:
@@ -165,9 +154,14 @@ def _read_record(path: RemotePath | None) -> dict[str, Any]:
     return doc if isinstance(doc, dict) else {}
 
 
+def _names(record: dict[str, Any], key: str) -> set[str]:
+    listed = record.get(key)
+    return {str(n) for n in listed} if isinstance(listed, list) else set()
+
+
 def _clean_up(final: RemotePath, generation: str, keep: set[str], replaces: Collection[str]) -> None:
-    """Delete the files of earlier outputs, then the generation's staging: data files of other
-    generations, and the names ``replaces`` lists that the new output (``keep``) does not have."""
+    """Delete data files of other generations and the names in ``replaces`` that ``keep`` lacks,
+    then the generation's staging."""
 
     def stale(name: str) -> bool:
         other = generation_of(name)
@@ -185,13 +179,9 @@ def upload_file(local: Path, final: RemotePath) -> None:
 
 
 def recover_remote(final: RemotePath) -> list[str]:
-    """Finish or undo what a killed upload left in ``final``; notes of what was done.
-
-    A generation whose switch is the one its ``commit.json`` records was committed: the commit
-    files after it are put in place and the earlier output's files removed. Any other
-    generation was not: its files and its staging prefix are removed, leaving the previous
-    output whole.
-    """
+    """Finish or undo what a killed upload left in ``final``; notes of what was done. A generation
+    whose switch is the one its ``commit.json`` records was committed: the commit files after it
+    are put in place and the earlier output's files removed. Any other is removed."""
     notes: list[str] = []
     staging = final / STAGING_DIR
     generations = sorted(p.name for p in objects_under(staging))
@@ -214,10 +204,7 @@ def recover_remote(final: RemotePath) -> list[str]:
             order = {n: COMMIT_ROLES.index(r) for n, r in roles.items() if r in COMMIT_ROLES}
             for name in sorted(set(staged) - {RECORD, MARKER, switch["name"]}, key=lambda n: (order.get(n, 0), n)):
                 (final / name).write_bytes(staged[name].read_bytes())
-            files = record.get("files")
-            keep = {str(n) for n in files} if isinstance(files, list) else set()
-            replaces = record.get("replaces")
-            _clean_up(final, generation, keep, {str(n) for n in replaces} if isinstance(replaces, list) else ())
+            _clean_up(final, generation, _names(record, "files"), _names(record, "replaces"))
             notes.append(f"finished publishing {final} (generation {generation}: an earlier run was interrupted)")
         else:
             uploaded = [p for p in objects_under(final) if generation_of(p.name) == generation]

@@ -1,11 +1,5 @@
 """Objects read by ranged requests: blocks with read-ahead (:class:`RemoteFile`), or exact
-small reads of a file's structure (:class:`RangedReads`). Never a whole download.
-
-Example:
-    >>> f = RemoteFile(RemotePath.from_url("s3://bucket/ckpt/__0_0.distcp"))  # doctest: +SKIP
-    >>> f.pread(4, 0)                                                        # doctest: +SKIP
-    b'PK\\x03\\x04'
-"""
+small reads of a file's structure (:class:`RangedReads`). Never a whole download."""
 
 from __future__ import annotations
 
@@ -45,13 +39,11 @@ BLOCK_ENV = "EMA_CKPT_REMOTE_BLOCK_MIB"
 _DEFAULT_CONCURRENCY = 8
 _DEFAULT_BUFFER_MIB = 128
 BLOCK_BYTES = 32 << 20
-"""Ranged requests fetch aligned blocks of this size (the last one of an object is shorter).
-Large enough that a request's fixed cost is small against its transfer; a checkpoint's tensor
-data is read front to back, so little of a block goes unused."""
+"""Ranged requests fetch aligned blocks of this size: a request's fixed cost is small against
+it, and tensor data is read front to back, so little of a block goes unused."""
 PROBE_BYTES = 256 << 10
-"""A read shorter than this, more than a block away from the previous read, is served from
-a piece of this size and starts no read-ahead: at most two such pieces per record longer
-than a block are read besides the blocks."""
+"""A read shorter than this, more than a block away from the previous one, is served from a
+piece of this size and starts no read-ahead."""
 _PROBES_KEPT = 4
 _USED_KEPT = 2
 _OPEN: list[int] = [0]  # objects open for reading: they share the read-ahead budget
@@ -84,18 +76,13 @@ def _pool(workers: int) -> ThreadPoolExecutor:
 
 
 class RemoteFile(Source):
-    """One object read by ranged requests: the ``pread`` of a local descriptor.
+    """One object read by ranged requests from aligned blocks of :data:`BLOCK_BYTES`, each read
+    starting the requests for the blocks after it (a front-to-back reader keeps the link busy).
+    Read-ahead is bounded over every object open (:func:`read_ahead_bytes`, shared, at least a
+    block each), plus the blocks used last; each block is requested once unless dropped unused.
 
-    Reads are served from aligned blocks of :data:`BLOCK_BYTES`; each read also starts the
-    requests for the blocks after it, so a reader walking a file front to back keeps the
-    link busy while it computes. The blocks fetched ahead are bounded over every object open
-    (:func:`read_ahead_bytes`, shared equally, at least one block each), plus each object's
-    block used last (a record's header and data are often read from one block twice). Every
-    block is requested once unless dropped before it was used.
-
-    ``size``: the object's, when known (no ``HEAD`` then). ``window``: ``(offset, length)``, the
-    only bytes ever requested (one stored tensor of a larger object: blocks are aligned to its
-    start, and no read-ahead goes past its end).
+    ``size``: the object's, when known (no ``HEAD``). ``window``: ``(offset, length)``, the only
+    bytes ever requested (blocks aligned to its start).
 
     Example:
         >>> f = RemoteFile(RemotePath.from_url("s3://bucket/ckpt/__0_0.distcp"))  # doctest: +SKIP
@@ -119,8 +106,7 @@ class RemoteFile(Source):
         self._lock = threading.Lock()
         self._open = True
         _OPEN[0] += 1
-        self.bytes_requested = 0
-        """Bytes fetched so far (the blocks requested): what a test checks "read once" by."""
+        self.bytes_requested = 0  # the blocks requested: what a test checks "read once" by
         self._block_crcs: dict[int, int] | None = {} if checksums else None
 
     def _depth(self) -> int:
@@ -146,15 +132,8 @@ class RemoteFile(Source):
             return self.block, dict(self._block_crcs or {})
 
     def crc32(self, known: Iterable[tuple[int, Mapping[int, int]]] = ()) -> int:
-        """The whole object's CRC-32, from the blocks fetched so far (made with ``checksums=True``),
-        those ``known`` from other readers of it (:meth:`block_checksums`, same block size), and a
-        ranged read of each block never fetched: the object is read once in all.
-
-        Example:
-            >>> f = RemoteFile(RemotePath.from_url("s3://b/ema/__0_0.distcp"), checksums=True)  # doctest: +SKIP
-            >>> f.crc32() == zlib.crc32(f.pread(f.size, 0))                                     # doctest: +SKIP
-            True
-        """
+        """The whole object's CRC-32 from the blocks fetched so far (``checksums=True``), those
+        ``known`` by other readers (same block size), and a read of each block never fetched."""
         if self._block_crcs is None or (self._base, self._end) != (0, self.size):
             raise ValueError("this RemoteFile keeps no checksums of the whole object (open it with checksums=True "
                              "and no window)")
@@ -179,8 +158,7 @@ class RemoteFile(Source):
             total = crc32_combine(total, self._block_crcs[index], end - start)
         return total
 
-    def _request(self, index: int) -> Future[bytes]:
-        """The block's request, started if it is not in flight or kept (caller holds the lock)."""
+    def _request(self, index: int) -> Future[bytes]:  # the caller holds the lock
         future = self._blocks.get(index)
         if future is None:
             future = self._blocks[index] = _pool(self._concurrency).submit(self._fetch, index)
@@ -189,7 +167,6 @@ class RemoteFile(Source):
         return future
 
     def readinto(self, view: memoryview, offset: int) -> int:
-        """Fill ``view`` with the bytes at ``offset`` (fewer where the object ends); their count."""
         if offset < self._base:
             raise ValueError(f"{self.path}: offset {offset} is before the window read ({self._base})")
         length = max(0, min(len(view), self._end - offset))
@@ -229,10 +206,8 @@ class RemoteFile(Source):
         return done
 
     def _read_small(self, view: memoryview, offset: int, length: int) -> int:
-        """A small read away from where the reads walk (the zip directory at the end of a record
-        longer than a block, then its header at the start): from a block already fetched or
-        in flight, else from an aligned piece of :data:`PROBE_BYTES` (the last few kept),
-        without read-ahead."""
+        """A small read away from where the reads walk (a zip directory, then its header): from a
+        block fetched or in flight, else from an aligned piece of :data:`PROBE_BYTES`."""
         base = self._base
         index = (offset - base) // self.block
         with self._lock:
@@ -257,7 +232,6 @@ class RemoteFile(Source):
         return len(piece)
 
     def close(self) -> None:
-        """Drop every block kept and cancel the requests not yet started."""
         with self._lock:
             for future in self._blocks.values():
                 future.cancel()
@@ -270,24 +244,16 @@ class RemoteFile(Source):
 
 
 class RangedReads(Source):
-    """One object read by exact ranged requests, for the few small, scattered reads of a
-    file's structure (a zip directory, a pickle, member headers): no blocks, no read-ahead.
-
-    A read shorter than :data:`MIN_READ_BYTES` fetches that much (neighbouring headers come
-    with it), though never past the next of the ``fences`` set (the starts of a zip's
-    members, once known: a header read then brings no byte of the member after it); every
-    piece fetched is kept until :meth:`close`, and a read inside one is served from it.
-
-    Example:
-        >>> head = RangedReads(RemotePath.from_url("s3://bucket/ckpt/rank0.pt")).pread(4, 0)  # doctest: +SKIP
-    """
+    """One object read by exact ranged requests, for a file's few small, scattered structure
+    reads: no blocks, no read-ahead. A read fetches at least :data:`MIN_READ_BYTES`, never past
+    the next of ``fences`` (a zip's member starts: a header read brings no byte of the member);
+    every piece is kept until :meth:`close` and serves the reads inside it."""
 
     def __init__(self, path: RemotePath, *, size: int | None = None) -> None:
         self.path = path
         self.size = size if size is not None else _object_size(path)
         self._pieces: list[tuple[int, bytes]] = []
         self.fences: list[int] = []
-        """Sorted offsets a read is never extended past."""
         self.bytes_requested = 0
 
     def pread(self, length: int, offset: int) -> bytes:

@@ -1,9 +1,7 @@
-"""What each file of an output is for, as publishing needs to know it, and the generation tag
-that names data files uploaded beside a previous output.
-
-Roles: :data:`DATA` (tensors), :data:`INDEX` (names the data files: DCP's ``.metadata``, a
-safetensors index; published after them), :data:`MANIFEST` (``ema-ckpt.json``, published
-last), :data:`CARRIED` (a source's file kept beside the data: ``config.json``).
+"""What each file of an output is for, as publishing needs it: :data:`DATA` (tensors),
+:data:`INDEX` (names the data files; published after them), :data:`MANIFEST` (``ema-ckpt.json``,
+published last), :data:`CARRIED` (a source's file kept beside the data); and the generation
+tag that names data files uploaded beside a previous output.
 
 Example:
     >>> tagged("__0_0.20261202T010203-ab12cd.distcp", "20261202T010203-ab12cd")
@@ -27,8 +25,7 @@ CARRIED: Role = "carried"
 COMMIT_ROLES: tuple[Role, Role] = (INDEX, MANIFEST)
 """The roles of the files published last, in this order: what makes an upload the output."""
 
-_GENERATION = re.compile(r"\.(\d{8}T\d{6}-[0-9a-f]{6})\.[^.]+$")
-"""``<stem>.<generation>.<suffix>``, the generation as :func:`new_generation` makes it."""
+_GENERATION = re.compile(r"\.(\d{8}T\d{6}-[0-9a-f]{6})\.[^.]+$")  # <stem>.<generation>.<suffix>
 
 
 def tagged(name: str, generation: str) -> bool:

@@ -1,11 +1,8 @@
 """Bytes read at offsets wherever they live: the one place that opens data for reading.
 
-Every read goes through a :class:`Source`: ranged reads everywhere (``pread``, ``readinto``,
-``fill``), and where the bytes are a local file, what only a local file offers: a memory map
-(:meth:`Source.mapped`, read-only), a descriptor (:meth:`Source.fd`, for ``copy_file_range``) and
-a name for a loader that opens the file itself (:meth:`Source.name`, ``torch.load(mmap=True)``). A
-reader asks for the capability it wants and takes the ranged path when it is None; it never
-asks where the bytes are.
+A :class:`Source` reads by ranges everywhere and, where the bytes are a local file, offers a
+memory map, a descriptor and a name; a reader asks for the capability it wants and takes the
+ranged path when it is None, never asking where the bytes are.
 
 Example:
     >>> import tempfile; p = Path(tempfile.mkdtemp()) / "x"; _ = p.write_bytes(b"PK\\x03\\x04")
@@ -34,11 +31,8 @@ BlockChecksums: TypeAlias = "tuple[int, dict[int, int]]"
 
 
 class Source:
-    """A file read at offsets: a local file, or an object read by ranged requests.
-
-    ``size``: its length. ``fences``: sorted offsets a small read is never extended past (the
-    starts of a zip's members, once known; only ranged requests heed them).
-    """
+    """A file read at offsets. ``fences``: sorted offsets a small ranged read is never extended
+    past (a zip's member starts, once known)."""
 
     size: int
     fences: list[int]
@@ -78,13 +72,12 @@ class Source:
         return None
 
     def block_checksums(self) -> BlockChecksums | None:
-        """The CRC-32s of the blocks fetched so far (where the file is fetched in blocks and they
-        were kept), or None: :meth:`crc32` then reads it again (from the page cache)."""
+        """The CRC-32s of the blocks fetched so far, where kept; None: :meth:`crc32` reads again."""
         return None
 
     def crc32(self, known: Iterable[BlockChecksums] = ()) -> int:
-        """The whole file's CRC-32; a source fetched in blocks uses those fetched so far and those
-        ``known`` by other readers of it (:meth:`block_checksums`)."""
+        """The whole file's CRC-32 (a source fetched in blocks uses the blocks' CRC-32s and those
+        ``known`` by other readers)."""
         return streamed_crc32(self)[1]
 
     def __enter__(self) -> Source:
@@ -144,9 +137,9 @@ class LocalFile(Source):
 
 def open_readable(path: Path | RemotePath, *, size: int | None = None,
                   window: tuple[int, int] | None = None, checksums: bool = False) -> Source:
-    """``path`` opened for reading its data: a :class:`LocalFile`, or an object read by blocks
-    with read-ahead (``size`` when known saves a request; ``window``: the only bytes ever
-    requested; ``checksums``: keep each block's CRC-32 for :meth:`Source.crc32`).
+    """``path`` opened for its data: a :class:`LocalFile`, or an object read by blocks with
+    read-ahead (``size``, when known, saves a request; ``window``: the only bytes requested;
+    ``checksums``: keep the blocks' CRC-32s for :meth:`Source.crc32`).
 
     Raises:
         OSError: a local file that cannot be opened, or is not a regular file.
@@ -159,8 +152,7 @@ def open_readable(path: Path | RemotePath, *, size: int | None = None,
 
 
 def open_structure(path: Path | RemotePath, *, size: int | None = None) -> Source:
-    """``path`` opened for a few small, scattered reads of its structure (a zip directory, a
-    pickle, headers): exact ranged requests in a store, no blocks or read-ahead.
+    """``path`` opened for a few small reads of its structure: exact ranged requests in a store.
 
     Raises:
         OSError: a local file that cannot be opened.
@@ -173,8 +165,7 @@ def open_structure(path: Path | RemotePath, *, size: int | None = None) -> Sourc
 
 
 def streamed_crc32(source: Source, block_bytes: int = 8 << 20) -> tuple[int, int]:
-    """(size, CRC-32) of everything ``source`` holds, read once front to back in blocks of
-    ``block_bytes`` (memory stays bounded by one block)."""
+    """(size, CRC-32) of ``source``, read front to back in blocks of ``block_bytes``."""
     view = memoryview(bytearray(max(1, block_bytes)))
     crc = size = 0
     while n := source.readinto(view, size):
