@@ -35,10 +35,8 @@ F = TypeVar("F", bound="FoundCheckpoint")
 
 
 def same_model_bytes(a: CheckpointReader, b: CheckpointReader, keys: Sequence[str]) -> bool:
-    """True when ``a`` and ``b`` hold the same ``keys`` with the same shapes, dtypes and bytes.
-
-    Reads block by block (memory: one block of each), and stops at the first difference.
-    """
+    """True when ``a`` and ``b`` hold the same ``keys`` with the same shapes, dtypes and bytes
+    (read block by block, stopping at the first difference)."""
     import torch
 
     specs_a, specs_b = a.specs(), b.specs()
@@ -62,19 +60,18 @@ def same_file(a: Location, b: Location) -> bool:
     return a.resolve() == b.resolve() or (one_file(a, b) and not a.is_dir())
 
 
-def same_weights(a: Location, b: Location) -> bool:
-    """The checkpoints at ``a`` and ``b`` hold the same keys with the same bytes."""
+def same_weights(a: Location, b: Location, *, read: bool = True) -> bool:
+    """The checkpoints at ``a`` and ``b`` hold the same keys (and, with ``read``, the same bytes)."""
     with contextlib.closing(open_checkpoint(a)) as x, contextlib.closing(open_checkpoint(b)) as y:
         keys = select_keys(x)
-        return sorted(keys) == sorted(select_keys(y)) and same_model_bytes(x, y, keys)
+        return sorted(keys) == sorted(select_keys(y)) and (not read or same_model_bytes(x, y, keys))
 
 
 def same_kind(a: Location, b: Location) -> bool:
     """Two checkpoints holding the same keys (metadata only); an unreadable one is not known to
     differ, so it is never left unsaid."""
     try:
-        with contextlib.closing(open_checkpoint(a)) as x, contextlib.closing(open_checkpoint(b)) as y:
-            return sorted(select_keys(x)) == sorted(select_keys(y))
+        return same_weights(a, b, read=False)
     except EmaCkptError:
         return True
 
