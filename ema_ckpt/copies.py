@@ -17,7 +17,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING, TypeVar
 
 from .errors import EmaCkptError, IncompatibleCheckpointError
@@ -36,10 +36,8 @@ F = TypeVar("F", bound="FoundCheckpoint")
 
 
 def same_model_bytes(a: CheckpointReader, b: CheckpointReader, keys: Sequence[str]) -> bool:
-    """True when ``a`` and ``b`` hold the same ``keys`` with the same shapes, dtypes and bytes.
-
-    Reads block by block (memory: one block of each), and stops at the first difference.
-    """
+    """True when ``a`` and ``b`` hold the same ``keys`` with the same shapes, dtypes and bytes
+    (read block by block, stopping at the first difference)."""
     import torch
 
     specs_a, specs_b = a.specs(), b.specs()
@@ -63,27 +61,22 @@ def same_file(a: Location, b: Location) -> bool:
     return a.resolve() == b.resolve() or (one_file(a, b) and not a.is_dir())
 
 
-def same_weights(a: Location, b: Location, read: ReadOptions = DEFAULT_READ) -> bool:
-    """The checkpoints at ``a`` and ``b``, read with ``read``, hold the same keys with the same bytes."""
-    with _both(a, b, read) as (x, y):
+def same_weights(a: Location, b: Location, read: ReadOptions = DEFAULT_READ, *, bytes_too: bool = True) -> bool:
+    """The checkpoints at ``a`` and ``b``, read with ``read``, hold the same keys (and, with
+    ``bytes_too``, the same bytes)."""
+    with contextlib.closing(open_checkpoint(a, read=read)) as x, \
+            contextlib.closing(open_checkpoint(b, read=read)) as y:
         keys = select_keys(x)
-        return sorted(keys) == sorted(select_keys(y)) and same_model_bytes(x, y, keys)
+        return sorted(keys) == sorted(select_keys(y)) and (not bytes_too or same_model_bytes(x, y, keys))
 
 
 def same_kind(a: Location, b: Location, read: ReadOptions = DEFAULT_READ) -> bool:
     """Two checkpoints holding the same keys (metadata only); an unreadable one is not known to
     differ, so it is never left unsaid."""
     try:
-        with _both(a, b, read) as (x, y):
-            return sorted(select_keys(x)) == sorted(select_keys(y))
+        return same_weights(a, b, read, bytes_too=False)
     except EmaCkptError:
         return True
-
-
-@contextlib.contextmanager
-def _both(a: Location, b: Location, read: ReadOptions) -> Iterator[tuple[CheckpointReader, CheckpointReader]]:
-    with contextlib.closing(open_checkpoint(a, read=read)) as x, contextlib.closing(open_checkpoint(b, read=read)) as y:
-        yield x, y
 
 
 def copy_of(path: Location, checkpoints: Sequence[F], read: ReadOptions = DEFAULT_READ) -> F | None:

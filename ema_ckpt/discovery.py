@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import re
-from collections.abc import Collection, Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from .components import (
@@ -135,11 +135,6 @@ def checkpoint_paths(checkpoints: str | Location | Sequence[str | Location]) -> 
     return paths
 
 
-def _inside(path: Location, roots: Iterable[Location]) -> bool:
-    resolved = path.resolve()
-    return any(resolved == r or r in resolved.parents for r in roots)
-
-
 def _skipped(found: Resolved, skipped: Sequence[Location], used: set[Location]) -> bool:
     """True when ``found`` (or the model folder nested in it) is one the user left out."""
     if not skipped:
@@ -254,7 +249,8 @@ def _scan_entry(child: Location, scan: _Scan, beside: Sequence[Location] = ()) -
     step), or left with the reason. True when it is a checkpoint of the training run (taken,
     left out by the user, or still being written)."""
     found = scan.found
-    if _inside(child, scan.excluded):
+    where = child.resolve()
+    if any(where == out or out in where.parents for out in scan.excluded):
         _left(found, child, "the output of this run", note=False)
         return False
     resolved = resolve(child)  # the model folder and format, looked for once

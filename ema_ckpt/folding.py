@@ -244,9 +244,9 @@ def _refuse_backwards(acc: Accumulator, checkpoints: list[FoundCheckpoint], star
     another path (``watch`` folds staged copies) is known by its step and fingerprint. Where
     folded steps' checkpoints are gone, the message says a rebuild would lose them."""
     previous = acc.previous
-    known = {c.path for c in previous.checkpoints} if previous else set()
-    known |= {s["path"] for s in (previous.skipped if previous else [])}
-    folded = {(c.step, c.fingerprint) for c in previous.checkpoints} if previous else set()
+    assert previous is not None  # only an EMA that exists stands at a step
+    known = {c.path for c in previous.checkpoints} | {s["path"] for s in previous.skipped}
+    folded = {(c.step, c.fingerprint) for c in previous.checkpoints}
     held = [c for c in checkpoints if c.step <= start
             and (str(c.path.resolve()) in known or _folded_elsewhere(c, folded))]
     late = [c for c in checkpoints if c.step <= start and c not in held]
@@ -255,8 +255,7 @@ def _refuse_backwards(acc: Accumulator, checkpoints: list[FoundCheckpoint], star
     head = (f"{late[0].path}: step {late[0].step} is at or before step {start}, where the EMA {acc.final} "
             "stands, but was never folded: steps went backwards (a job restarted into the same folder?); ")
     on_disk = {c.step for c in held}
-    gone = sorted({c.step for c in previous.checkpoints if c.step not in on_disk and not _exists(c.path)}
-                  if previous else [])
+    gone = sorted({c.step for c in previous.checkpoints if c.step not in on_disk and not _exists(c.path)})
     if not gone:
         raise IncompatibleCheckpointError(head + "move it away, or pass {restart=True} to rebuild the EMA",
                                           remedy="restart")
@@ -278,7 +277,6 @@ def _exists(path: str) -> bool:
         return as_path(path).exists()
     except OSError:
         return False
-
 
 
 def skip_records(skipped: Sequence[tuple[FoundCheckpoint, str]]) -> list[dict[str, Any]]:

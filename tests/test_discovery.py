@@ -59,6 +59,16 @@ def test_duplicate_steps_with_different_weights_are_refused(tmp_path):
         discover([tmp_path])
 
 
+def test_finding_the_components_alone_compares_no_weights(tmp_path, monkeypatch):
+    import ema_ckpt.copies
+
+    _ckpt(tmp_path / "step_5")
+    write_dcp(tmp_path / "global_step5", {"model.w": torch.ones(2)})
+    monkeypatch.setattr(ema_ckpt.copies, "same_model_bytes", lambda *_: pytest.fail("weights were compared"))
+    found = discover([tmp_path], all_components=True, require=False, compare=False)
+    assert found.components == [""] and len(found.checkpoints) == 2
+
+
 def test_duplicate_steps_with_the_same_weights_count_once(tmp_path):
     _ckpt(tmp_path / "step_5")
     _ckpt(tmp_path / "global_step5")

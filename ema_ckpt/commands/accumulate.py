@@ -233,11 +233,8 @@ class FoldPlan:
     """Model-bearing parts of the checkpoints not read, with the reason: recorded in the manifests."""
 
     def targets(self, out: Location) -> list[tuple[Accumulator, Location, int]]:
-        """(accumulator, final path, step) of every output: snapshots first, then the EMAs.
-
-        Snapshots first: a crash before the EMAs are swapped in makes the next run redo the
-        same fold and rewrite the same snapshots, byte for byte.
-        """
+        """(accumulator, final path, step) of every output, snapshots first: a crash before the
+        EMAs are swapped in makes the next run redo the fold and rewrite the same snapshots."""
         active = [acc for acc in self.accumulators if acc.new]
         snapshots = [(acc, out / "snapshots" / f"{acc.name}-step_{snap}", snap)
                      for acc in active for snap in acc.snapshot_steps]
@@ -359,11 +356,8 @@ class AccumulateJob(Job[FoldPlan, _Folded, AccumulateResult]):
             record_skips(plan.accumulators, plan.skipped)
 
     def retry(self, plan: FoldPlan, error: EmaCkptError) -> FoldPlan | None:
-        """Skip the checkpoint behind a NaN/Inf or damaged-file error and fold the rest.
-
-        Only with ``skip_nonfinite`` / ``skip_damaged``; otherwise the error stops the run,
-        saying which option would skip it. Damage in the EMA folded into is never skipped.
-        """
+        """Skip the checkpoint behind a NaN/Inf or damaged-file error (``skip_nonfinite``,
+        ``skip_damaged``; else the error names the option) and fold the rest; never the EMA's own."""
         opts = self.options
         damaged_ema = as_damaged_ema(plan.accumulators, error)
         if damaged_ema is not None:

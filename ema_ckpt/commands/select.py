@@ -146,10 +146,8 @@ class _Selector:
     def score_all(self, outputs: Sequence[PlannedOutput], *, at: tuple[int, int] | None = None) -> None:
         """Score every output: cached ones at once, the rest written ``per_pass`` at a time.
         ``at``: (position, total) shown for a single output (a soup's try)."""
-        total, pending, first_of = len(outputs), [], {}
-        shift = 0
-        if at is not None:
-            shift, total = at[0] - 1, at[1]
+        shift, total = (at[0] - 1, at[1]) if at is not None else (0, len(outputs))
+        pending, first_of = [], {}
         for index, output in enumerate(outputs, start=shift):
             key = self.key(output)
             entry = self.cache.get(key)
