@@ -184,10 +184,10 @@ def test_written_metadata_is_checked_before_it_is_published(tmp_path, monkeypatc
     tensors = {"w": ("float32", (4,), [((0,), (4,), ("__0_0.distcp", 0, 1024))])}
     good = tmp_path / "good.metadata"
     good.write_bytes(dump_metadata(tensors, {}, {}))
-    metadata_unpickle.check_written_metadata(good, 1)
+    metadata_unpickle.check_written_file(good, 1)
     with pytest.raises(ValueError, match="holds 1 keys, not 2"):
-        metadata_unpickle.check_written_metadata(good, 2)
+        metadata_unpickle.check_written_file(good, 2)
     cut = tmp_path / "cut.metadata"
     cut.write_bytes(good.read_bytes()[:-10])
     with pytest.raises(ValueError, match="does not load"):
-        metadata_unpickle.check_written_metadata(cut, 1)
+        metadata_unpickle.check_written_file(cut, 1)

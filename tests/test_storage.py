@@ -182,10 +182,9 @@ def test_nothing_outside_the_storage_package_asks_where_bytes_live():
     assert found == []
 
 
-# where a file name is wanted: watch's own staging (hard links, local by nature), which formats a
-# location is offered, and a DCP .metadata checked apart by size; everything else asks its Source
-# or the storage package for a capability
-_BY_NAME = {"staging.py", "watching.py", "formats/resolve.py", "formats/dcp/metadata_unpickle.py"}
+# where a file name is wanted: watch's own staging (hard links, local by nature); everything else
+# asks its Source or the storage package for a capability
+_BY_NAME = {"staging.py", "watching.py"}
 
 
 def test_readers_ask_no_location_for_a_local_file():

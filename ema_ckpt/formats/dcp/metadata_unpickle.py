@@ -282,14 +282,18 @@ _CHECK_APART_BYTES = 4 << 20
 objects (about 350 bytes per key) would add to the run's peak memory."""
 
 
-def check_written_metadata(source: bytes | Path, keys: int) -> None:
-    """``source`` (a ``.metadata`` about to be published, or its bytes) unpickles into Metadata
-    with ``keys`` entries, as ``dcp.load`` will unpickle it (large files in a child process)."""
-    if isinstance(source, Path) and source.stat().st_size > _CHECK_APART_BYTES:
-        _check_apart(source, keys)
-        return
+def check_written_file(path: Path, keys: int) -> None:
+    """:func:`check_written_metadata` of a ``.metadata`` about to be published (a large one in a
+    child process)."""
+    if path.stat().st_size > _CHECK_APART_BYTES:
+        _check_apart(path, keys)
+    else:
+        check_written_metadata(path.read_bytes(), keys)
+
+
+def check_written_metadata(data: bytes, keys: int) -> None:
+    """``data`` unpickles into Metadata with ``keys`` entries, as ``dcp.load`` will unpickle it."""
     try:
-        data = source.read_bytes() if isinstance(source, Path) else source
         entries = load_pickle(data, _own_globals(), "", walk=False).state_dict_metadata
     except Exception as err:
         raise ValueError(f"the written DCP metadata does not load ({type(err).__name__}: {err})") from None

@@ -34,7 +34,7 @@ from ...writers.base import WrittenFile
 from .chunks import ChunkTable
 from .metadata import METADATA_FILE
 from .metadata_pickle import write_metadata
-from .metadata_unpickle import check_written_metadata
+from .metadata_unpickle import check_written_file
 
 # Looked up at each call, so a test can stand in for it (a full disk mid-record).
 _write_tensor_record = write_tensor_record
@@ -252,7 +252,7 @@ class DcpWriter:
             raise OutputError(f"{self.path}: write failed ({err.strerror})") from None
         del table  # the check's objects take its place
         try:
-            check_written_metadata(tmp, keys)
+            check_written_file(tmp, keys)
         except ValueError as err:
             raise CheckpointFormatError(self.path / METADATA_FILE, str(err)) from None
         try:
