@@ -139,11 +139,7 @@ def _files_identity(path: Path) -> dict[str, list[int]]:
         files = {str(p.relative_to(path)): p for p in sorted(path.rglob("*")) if p.is_file()}
     else:
         files = {"": path}
-    found: dict[str, list[int]] = {}
-    for rel, file in files.items():
-        info = file.stat()
-        found[rel] = [info.st_size, info.st_mtime_ns, info.st_ino]
-    return found
+    return {rel: [(info := file.stat()).st_size, info.st_mtime_ns, info.st_ino] for rel, file in files.items()}
 
 
 def _write_record(into: Path, staged_name: str, name: str, step: int | None, seen: tuple[int, int, int] | None,

@@ -148,14 +148,13 @@ def _discover_settled(folder: Location, step_regex: str | None, step_from: str |
                       attempts: int = 3) -> Discovery:
     """:func:`~ema_ckpt.discovery.discover` of ``folder``, looked at again (from a new listing)
     when a checkpoint went as it was read: retention deleting one must not hide the others."""
-    for _ in range(attempts - 1):
+    for attempt in range(1, attempts + 1):
         try:
             return discover([folder], step_regex=step_regex, step_from=step_from, all_components=True, require=False)
-        except CheckpointNotFoundError:
-            raise
-        except EmaCkptError:
-            continue
-    return discover([folder], step_regex=step_regex, step_from=step_from, all_components=True, require=False)
+        except EmaCkptError as err:
+            if isinstance(err, CheckpointNotFoundError) or attempt == attempts:
+                raise
+    raise AssertionError("attempts must be 1 or more")
 
 
 def _drop_folded(incoming: Path, step: int, step_regex: str | None) -> None:
@@ -284,7 +283,7 @@ def watch(checkpoints: str | Location, *, out: str | Location | None = None, int
     unstaged: set[str] = set()  # checkpoints whose last look failed to stage them
     unstaged_lock = threading.Lock()  # the scanner's looks and the main loop's last one
 
-    def scan() -> int:
+    def scan() -> None:
         failed: set[str] = set()
 
         def not_staged(checkpoint: Location, err: OSError) -> None:
@@ -295,14 +294,13 @@ def watch(checkpoints: str | Location, *, out: str | Location | None = None, int
             staged = stage_new(folder, after=lambda: result.step, step_regex=step_regex, step_from=step_from,
                                incoming=incoming, ignore=ignore, on_failure=not_staged)
         except CheckpointNotFoundError:
-            return 0
+            return
         with unstaged_lock:  # one this look staged is no longer missing (one passed over for the EMA's step is)
             unstaged.difference_update({c for c in unstaged - failed if _is_staged(as_path(c), incoming)})
             unstaged.update(failed)
         result.staged += len(staged)
         if staged:
             wake.set()
-        return len(staged)
 
     def scanner() -> None:
         while not scanner_done.is_set():
@@ -336,11 +334,11 @@ def watch(checkpoints: str | Location, *, out: str | Location | None = None, int
                 break
             if stop_when_idle is not None and time.monotonic() - idle_since >= stop_when_idle:
                 try:
-                    found = scan()
+                    scan()
                 except Exception as err:
                     failures.append(err)
                     continue
-                if not found and result.staged == staged_before:  # nothing staged since the fold began
+                if result.staged == staged_before:  # nothing staged since the fold began
                     result.stopped = "idle"
                     break
                 continue

@@ -56,11 +56,10 @@ def greedy_soup(ingredients: Sequence[str], score: Callable[[Sequence[str]], flo
     if not scored:
         raise ValueError("no ingredient could be scored on its own")
     # best first; ties keep the given order (the newest checkpoint first when the caller lists them so)
-    order = sorted(range(len(scored)), key=lambda i: (-scored[i][1] if maximize else scored[i][1], i))
-    first, best = scored[order[0]]
+    ranked = sorted(scored, key=lambda item: -item[1] if maximize else item[1])
+    first, best = ranked[0]
     soup = SoupResult([first], best, [SoupStep(first, best, True)])
-    for i in order[1:]:
-        name = scored[i][0]
+    for name, _ in ranked[1:]:
         trial = score([*soup.members, name])
         kept = trial is not None and better_or_equal(trial, soup.score, maximize=maximize)
         soup.path.append(SoupStep(name, trial, kept))

@@ -26,7 +26,7 @@ from . import select as _select
 from . import verify as _verify
 from . import watch as _watch
 from ._errors import exit_codes_help, usage_error_line, usage_name
-from ._output import err_console
+from ._output import error
 
 
 class _Root(TyperGroup):
@@ -66,24 +66,20 @@ class _Command(TyperCommand):
         return pieces
 
 
-_COMMANDS: set[str] = set()
-
-
-def _command(name: str, epilog: str) -> Any:
-    _COMMANDS.add(name)
-    return app.command(name, cls=_Command, epilog=epilog)
-
-
-_command("accumulate", _accumulate.EPILOG)(_accumulate.accumulate_command)
-_command("inspect", _inspect.EPILOG)(_inspect.inspect_command)
-_command("posthoc", _posthoc.POSTHOC_EPILOG)(_posthoc.posthoc_command)
-_command("average", _posthoc.AVERAGE_EPILOG)(_posthoc.average_command)
-_command("consolidate", _consolidate.EPILOG)(_consolidate.consolidate_command)
-_command("reshard", _reshard.EPILOG)(_reshard.reshard_command)
-_command("verify", _verify.EPILOG)(_verify.verify_command)
-_command("select", _select.EPILOG)(_select.select_command)
-_command("diff", _diff.EPILOG)(_diff.diff_command)
-_command("watch", _watch.EPILOG)(_watch.watch_command)
+_COMMANDS: dict[str, tuple[str, Any]] = {
+    "accumulate": (_accumulate.EPILOG, _accumulate.accumulate_command),
+    "inspect": (_inspect.EPILOG, _inspect.inspect_command),
+    "posthoc": (_posthoc.POSTHOC_EPILOG, _posthoc.posthoc_command),
+    "average": (_posthoc.AVERAGE_EPILOG, _posthoc.average_command),
+    "consolidate": (_consolidate.EPILOG, _consolidate.consolidate_command),
+    "reshard": (_reshard.EPILOG, _reshard.reshard_command),
+    "verify": (_verify.EPILOG, _verify.verify_command),
+    "select": (_select.EPILOG, _select.select_command),
+    "diff": (_diff.EPILOG, _diff.diff_command),
+    "watch": (_watch.EPILOG, _watch.watch_command),
+}
+for _name, (_epilog, _function) in _COMMANDS.items():
+    app.command(_name, cls=_Command, epilog=_epilog)(_function)
 
 
 def _version(value: bool) -> None:
@@ -117,10 +113,10 @@ def run(args: Sequence[str] | None = None) -> int:
             return err.exit_code
         named = argv[0] if argv and argv[0] in _COMMANDS else None  # for the errors raised before a command's context
         message, code = usage_error_line(err, named)
-        err_console.print(f"error: {message}", style="red", highlight=False, soft_wrap=True)
+        error(message, soft_wrap=True)
         return code
     except typer.Abort:
-        err_console.print("error: aborted", style="red", highlight=False)
+        error("aborted")
         return 1
     except SystemExit as stop:
         if stop.code is None or isinstance(stop.code, int):

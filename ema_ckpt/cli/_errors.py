@@ -26,7 +26,7 @@ from .._signals import Terminated, exit_code
 from .._text import escaped
 from ..errors import EXIT_CODES, EmaCkptError, OutputError, worded
 from ._flags import flag_for
-from ._output import err_console
+from ._output import err_console, error
 
 __all__ = ["error_message", "exit_codes_help", "flag_for", "reports_errors", "usage_error_line",
            "usage_name"]
@@ -151,7 +151,7 @@ def reports_errors(command: F) -> F:
                 raise
             message, code = error_message(err)
             hint = "" if isinstance(err, EmaCkptError) else " (set EMA_CKPT_DEBUG=1 for a traceback)"
-            err_console.print(f"error: {message}{hint}", style="red", highlight=False, soft_wrap=True)
+            error(f"{message}{hint}", soft_wrap=True)
             raise typer.Exit(code) from None
 
     return wrapper  # type: ignore[return-value]

@@ -75,14 +75,26 @@ def print_json(data: Any, *, compact: bool = False) -> None:
     sys.stdout.flush()
 
 
-def note(message: str) -> None:
-    """A note of a result, on stderr, naming flags."""
-    err_console.print(cli_text(message), style="dim", highlight=False)
+def note(*messages: str) -> None:
+    """Notes of a result, on stderr, naming flags."""
+    for message in messages:
+        err_console.print(cli_text(message), style="dim", highlight=False)
 
 
-def warn(message: str) -> None:
-    """A warning of a result, on stderr, naming flags."""
-    err_console.print(f"warning: {cli_text(message)}", style="yellow", highlight=False)
+def warn(*messages: str) -> None:
+    """Warnings of a result, on stderr, naming flags."""
+    for message in messages:
+        err_console.print(f"warning: {cli_text(message)}", style="yellow", highlight=False)
+
+
+def error(message: str, **options: Any) -> None:
+    """An error line on stderr: ``error: message``."""
+    err_console.print(f"error: {message}", style="red", highlight=False, **options)
+
+
+def folded(out: object, steps: list[int]) -> str:
+    """``out: folded steps 10, 20``, as accumulate and watch say a fold."""
+    return f"{shown(out)}: folded {'step' if len(steps) == 1 else 'steps'} {', '.join(map(str, steps))}"
 
 
 class _Figure(ProgressColumn):

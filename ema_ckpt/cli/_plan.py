@@ -110,5 +110,4 @@ def render_plan(plan: Plan) -> None:
         console.print("  " + ", ".join(parts), highlight=False)
         for warning in output.warnings:
             warn(f"{output.name}: {cli_text(warning)}")
-    for line in plan.notes:
-        note(line)
+    note(*plan.notes)

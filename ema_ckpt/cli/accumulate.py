@@ -13,7 +13,7 @@ if TYPE_CHECKING:
 from . import _options as opt
 from ._errors import reports_errors
 from ._options import library_args
-from ._output import console, files_written, human_bytes, note, plural, print_json, progress_bar, shown, warn
+from ._output import console, files_written, folded, human_bytes, note, plural, print_json, progress_bar, shown, warn
 from ._plan import plan_warnings, render_plan
 
 EPILOG = """\
@@ -83,7 +83,7 @@ def accumulate_command(
     snapshot_every: opt.SnapshotEveryOpt = None,
     out: Annotated[str | None, typer.Option(
         "--out", "-o", metavar="PATH", help="EMA directory (default: CKPTS/ema); a path or a URL (s3://…).")] = None,
-    dtype: Annotated[str, typer.Option(help="Accumulate and store floats in float32 or float64.")] = "float32",
+    dtype: opt.DtypeOpt = "float32",
     include: opt.IncludeOpt = None,
     exclude: opt.ExcludeOpt = None,
     step_regex: opt.StepRegexOpt = None,
@@ -103,7 +103,7 @@ def accumulate_command(
     state_key: opt.StateKeyOpt = None,
     inert_global: opt.InertGlobalOpt = None,
     wait: opt.WaitOpt = 0.0,
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Show the plan (coefficients); read no tensor.")] = False,
+    dry_run: opt.DryRunOpt = False,
     workers: opt.WorkersOpt = 1,
     device: opt.DeviceOpt = "cpu",
     json_output: opt.JsonOpt = False,
@@ -119,23 +119,19 @@ def accumulate_command(
         print_json(_as_json(result, dry_run))
         return
     if not quiet:
-        for line in [] if dry_run else _warnings(result):
-            warn(line)
-        for line in result.notes:
-            note(line)
+        warn(*[] if dry_run else _warnings(result))
+        note(*result.notes)
     if dry_run:
         assert result.plan is not None
         render_plan(result.plan)
     if result.up_to_date and (dry_run or not quiet):
         console.print(f"{shown(result.out)}: up to date at step {result.step}; nothing new to fold", highlight=False)
     elif not (result.up_to_date or dry_run or quiet):
-        steps = ", ".join(str(c.step) for c in result.folded)
         for snapshot in result.snapshots:
             console.print(f"snapshot {shown(snapshot)}", highlight=False)
         console.print(
-            f"{shown(result.out)}: folded {'step' if len(result.folded) == 1 else 'steps'} {steps}; "
-            f"EMA now at step {result.step} ({plural(result.keys, 'key')}, {human_bytes(result.bytes_read)} of "
-            f"tensors read, {files_written(result.files_written, result.bytes_written)}, {result.seconds:.1f} s)\n"
-            f"{result.profile}",
+            f"{folded(result.out, [c.step for c in result.folded])}; EMA now at step {result.step} "
+            f"({plural(result.keys, 'key')}, {human_bytes(result.bytes_read)} of tensors read, "
+            f"{files_written(result.files_written, result.bytes_written)}, {result.seconds:.1f} s)\n{result.profile}",
             highlight=False,
         )

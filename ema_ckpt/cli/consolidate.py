@@ -92,8 +92,7 @@ def consolidate_command(
                     "index": result.index, "carried": result.carried, "renamed_prefix": result.renamed_prefix,
                     "notes": result.notes})
     elif not quiet:
-        for line in result.notes:
-            note(line)
+        note(*result.notes)
         console.print(f"{shown(result.out)}: {result.layout}, {plural(result.keys, 'tensor')} in {_files(result)}, "
                       f"{human_bytes(result.bytes_written)} written, {result.seconds:.1f} s", highlight=False)
 

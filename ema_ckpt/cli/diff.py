@@ -11,7 +11,7 @@ from ..errors import IncompatibleCheckpointError
 from . import _options as opt
 from ._errors import reports_errors
 from ._options import library_args
-from ._output import console, err_console, print_json, progress_bar, shown
+from ._output import console, error, print_json, progress_bar, shown
 from ._tables import Name, name_table
 
 if TYPE_CHECKING:
@@ -109,12 +109,9 @@ def diff_command(
         differing = len(result.differing(atol))
         beyond = f" beyond --atol {atol:g}" if atol else ""
         parts = [f"{differing:,} of {len(result.keys):,} keys differ{beyond}"]
-        if result.only_in_a:
-            parts.append(f"{len(result.only_in_a):,} only in {a}")
-        if result.only_in_b:
-            parts.append(f"{len(result.only_in_b):,} only in {b}")
-        err_console.print(f"error: {a} and {b} differ: {'; '.join(parts)}", style="red", highlight=False,
-                          soft_wrap=True, markup=False)
+        parts += [f"{len(keys):,} only in {name}" for name, keys in ((a, result.only_in_a), (b, result.only_in_b))
+                  if keys]
+        error(f"{a} and {b} differ: {'; '.join(parts)}", soft_wrap=True)
         raise typer.Exit(IncompatibleCheckpointError.exit_code)
     if not (json_output or quiet):
         console.print(f"{len(result.keys):,} keys equal" + (f" within --atol {atol:g}" if atol else ""),

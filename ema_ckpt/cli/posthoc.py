@@ -70,11 +70,8 @@ def _format_line(plan: Plan, out: str | Path | None) -> str:
     fmt = getattr(plan, "format", "dcp")
     data = {"safetensors": SAFETENSORS_FILE, "torch": TORCH_FILE}.get(fmt, "")
     where = shown(out) if out is not None else "OUT"
-    if len(plan.outputs) == 1 and plan.kind != "posthoc":
-        target = f"{where}{os.sep}{data}"
-    else:
-        target = f"{where}{os.sep}<name>{os.sep}{data}"
-    return f"output format {fmt}: {target}"
+    each = "" if len(plan.outputs) == 1 and plan.kind != "posthoc" else f"<name>{os.sep}"
+    return f"output format {fmt}: {where}{os.sep}{each}{data}"
 
 
 def _finish(result: Plan | RunResult, json_output: bool, quiet: bool, out: str | Path | None) -> None:
@@ -93,10 +90,8 @@ def _finish(result: Plan | RunResult, json_output: bool, quiet: bool, out: str |
             "bytes_written": result.bytes_written, "files_written": result.files_written,
             "seconds": round(result.seconds, 3)})
     elif not quiet:
-        for line in plan_warnings(result.plan):
-            warn(line)
-        for line in result.plan.notes:
-            note(line)
+        warn(*plan_warnings(result.plan))
+        note(*result.plan.notes)
         for output, path in zip(result.plan.outputs, result.outputs, strict=True):
             console.print(f"{shown(path)}: step {output.step}, {plural(len(output.terms), 'input')}", highlight=False)
         console.print(f"{human_bytes(result.bytes_read)} of tensors read once for "
@@ -126,9 +121,7 @@ def posthoc_command(
     sigma_rel: Annotated[
         list[str] | None, typer.Option("--sigma-rel", help="Relative EMA widths: 0.05, 0.05,0.1 or 0.01:0.25:0.01.")
     ] = None,
-    gamma: Annotated[
-        list[str] | None, typer.Option("--gamma", help="Power-EMA exponents instead of σ_rel (one or more).")
-    ] = None,
+    gamma: opt.GammaOpt = None,
     at_step: Annotated[int | None, typer.Option("--at-step", help="End time T (default: the newest step).")] = None,
     dtype: opt.DtypeOpt = "float32",
     out_format: FormatOpt = None,

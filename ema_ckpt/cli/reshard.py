@@ -56,8 +56,7 @@ def reshard_command(
                     "seconds": round(result.seconds, 3),
                     "notes": result.notes})
     elif not quiet:
-        for line in result.notes:
-            note(line)
+        note(*result.notes)
         console.print(f"{shown(result.out)}: {plural(result.keys, 'tensor')} for {plural(result.world_size, 'rank')}, "
                       f"{files_written(len(result.files), result.bytes_written)}, {result.seconds:.1f} s",
                       highlight=False)

@@ -13,7 +13,7 @@ if TYPE_CHECKING:
 from ..errors import UsageError
 from . import _options as opt
 from ._errors import reports_errors
-from ._flags import cli_json, cli_text
+from ._flags import cli_text
 from ._options import library_args
 from ._output import console, err_console, note, print_json, shown
 from ._plan import render_plan
@@ -79,7 +79,7 @@ def _show(result: SelectResult, maximize: bool) -> None:
 
 
 def _as_json(result: SelectResult) -> dict[str, object]:
-    data: dict[str, object] = cli_json({
+    return {
         "chosen": result.chosen, "score": result.score, "out": str(result.out), "evaluated": result.evaluated,
         "cache": str(result.cache), "plot": str(result.plot) if result.plot else None,
         "candidates": [{"name": s.name, "score": s.score, "error": s.error, "cached": s.cached,
@@ -89,8 +89,7 @@ def _as_json(result: SelectResult) -> dict[str, object]:
             "members": result.soup.members, "score": result.soup.score,
             "path": [{"added": p.added, "score": p.score, "kept": p.kept} for p in result.soup.path]},
         "notes": list(result.plan.notes),
-    })
-    return data
+    }
 
 
 @reports_errors
@@ -164,7 +163,7 @@ def select_command(
 
     if isinstance(result, Plan):
         if json_output:
-            print_json(cli_json(result.to_json()))
+            print_json(result.to_json())
         else:
             render_plan(result)
             note(f"{len(result.outputs)} candidates; each written as {eval_format} and scored by --eval")
@@ -172,6 +171,5 @@ def select_command(
     if json_output:
         print_json(_as_json(result))
     elif not quiet:
-        for line in result.plan.notes:
-            note(cli_text(line))
+        note(*result.plan.notes)
         _show(result, maximize)

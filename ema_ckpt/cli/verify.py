@@ -10,7 +10,7 @@ from ..errors import CheckpointFormatError
 from ._errors import reports_errors
 from ._flags import cli_text
 from ._options import InertGlobalOpt, JsonOpt, StateKeyOpt, WorkersOpt, library_args
-from ._output import console, err_console, exact_bytes, note, plural, print_json, progress_bar
+from ._output import console, err_console, error, exact_bytes, note, plural, print_json, progress_bar
 from ._tables import Name, summary_grid
 
 if TYPE_CHECKING:
@@ -82,8 +82,7 @@ def verify_command(
     if json_output:
         print_json(result.to_dict())
     elif not quiet:
-        for line in result.notes:
-            note(line)
+        note(*result.notes)
         summary = summary_grid()
         summary.add_row("path", Name(result.path))
         summary.add_row("format", result.format_name or "unreadable")
@@ -93,10 +92,7 @@ def verify_command(
         console.print(summary)
     if not result.ok:
         n = len(result.problems)
-        err_console.print(
-            f"error: {result.path}: {n} problem{'s' if n != 1 else ''} found", style="red", highlight=False,
-            soft_wrap=True, markup=False,
-        )
+        error(f"{result.path}: {n} problem{'s' if n != 1 else ''} found", soft_wrap=True)
         for problem in result.problems:
-            err_console.print(cli_text(problem), highlight=False, soft_wrap=True, markup=False)
+            err_console.print(cli_text(problem), highlight=False, soft_wrap=True)
         raise typer.Exit(CheckpointFormatError.exit_code)

@@ -16,7 +16,7 @@ from . import _options as opt
 from ._errors import reports_errors
 from ._flags import cli_text
 from ._options import library_args
-from ._output import console, err_console, print_json, shown
+from ._output import console, err_console, error, folded, print_json, shown
 
 EPILOG = """\
 Examples:
@@ -94,18 +94,16 @@ def watch_command(
     def on_fold(fold: WatchFold) -> None:
         if json_output:
             print_json({"event": "fold", "out": fold.out, "steps": fold.steps, "step": fold.step,
-                        "seconds": round(fold.seconds, 3), "notes": [cli_text(n) for n in fold.notes]},
-                       compact=True)
+                        "seconds": round(fold.seconds, 3), "notes": fold.notes}, compact=True)
         elif not quiet:
-            steps = ", ".join(str(s) for s in fold.steps)
-            console.print(f"{shown(fold.out)}: folded {'step' if len(fold.steps) == 1 else 'steps'} {steps}; "
-                          f"EMA now at step {fold.step} ({fold.seconds:.1f} s)", highlight=False)
+            console.print(f"{folded(fold.out, fold.steps)}; EMA now at step {fold.step} ({fold.seconds:.1f} s)",
+                          highlight=False)
 
     def on_error(message: str) -> None:
         if json_output:
-            print_json({"event": "error", "message": cli_text(message)}, compact=True)
+            print_json({"event": "error", "message": message}, compact=True)
         else:
-            err_console.print(f"error: {cli_text(message)} (watching goes on)", style="red", highlight=False)
+            error(f"{cli_text(message)} (watching goes on)")
 
     with _signals.deferring(on_signal):
         result = watch(**args, stop=stop, on_fold=on_fold, on_error=on_error)
@@ -119,9 +117,9 @@ def watch_command(
                       f"{len(result.folds)} folds", highlight=False)
     if lost or result.unstaged:  # a checkpoint seen and never folded: never an exit 0
         if not json_output and lost:
-            err_console.print(f"error: {len(lost)} staged step(s) were rewritten before they were folded and are "
-                              "lost to the EMA (see above)", style="red", highlight=False)
+            error(f"{len(lost)} staged step(s) were rewritten before they were folded and are lost to the EMA "
+                  "(see above)")
         if not json_output and result.unstaged:
-            err_console.print(f"error: {len(result.unstaged)} checkpoint(s) could not be staged and were never "
-                              f"folded: {', '.join(shown(c) for c in result.unstaged)}", style="red", highlight=False)
+            error(f"{len(result.unstaged)} checkpoint(s) could not be staged and were never folded: "
+                  f"{', '.join(shown(c) for c in result.unstaged)}")
         raise typer.Exit(CheckpointError.exit_code)

@@ -139,9 +139,8 @@ def average(checkpoints: str | Location | Sequence[str | Location], *, out: str 
         weights: ``uniform``, ``linear``, ``minus-sqrt``, ``cosine``, or a CSV file of
             ``step,learning_rate`` rows: a decay schedule as merge weights (WSM).
         dry_run: return the :class:`~ema_ckpt.plans.Plan` and read no tensor.
-        step_regex, step_from, component, skip, dtype, format: as for :func:`posthoc`.
-        keep_prefix, include, exclude, average_buffers, state_key, inert_globals: as for :func:`posthoc`.
-        overwrite, wait_seconds, workers, device, on_progress: as for :func:`posthoc`.
+
+    The other arguments are :func:`posthoc`'s.
 
     Example:
         >>> average("ckpts", out="avg", last=5)  # doctest: +SKIP
