@@ -19,8 +19,8 @@ from ..discovery import Entry, LeftPart, discover, step_record
 from ..dtypes import itemsize
 from ..errors import Note
 from ..formats import detect_format, open_checkpoint, resolve
+from ..formats.base import registered_formats
 from ..formats.options import ReadOptions
-from ..formats.resolve import formats_for
 from ..manifest import MANIFEST_NAME, Manifest
 from ..maths import profile_from_dict
 from ..selection import container_prefix, select_keys
@@ -204,7 +204,7 @@ def _ignored_weights(path: Location, chosen: str) -> list[str]:
     if not path.is_dir():
         return []
     notes = []
-    for fmt in formats_for(path):
+    for fmt in registered_formats().values():
         name = fmt.name
         if name == chosen or not fmt.detect(path):
             continue

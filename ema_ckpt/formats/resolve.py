@@ -33,14 +33,8 @@ class ModelLocation:
     """Further model folders of the same trainer left aside (accelerate's second model, …)."""
 
 
-def formats_for(path: Location) -> list[CheckpointFormat]:
-    """The registered formats, in detection order (every one reads on a local disk and in
-    object storage alike)."""
-    return list(registered_formats().values())
-
-
 def _own_format(path: Location) -> CheckpointFormat | None:
-    formats = formats_for(path)
+    formats = list(registered_formats().values())
     for index, fmt in enumerate(formats):
         if fmt.detect(path):
             # A save of a format detected earlier still in progress here makes the folder
@@ -106,7 +100,7 @@ def _locate(path: Location) -> tuple[ModelLocation, CheckpointFormat | None]:
 def waiting_reason(path: Location) -> str | None:
     """Why ``path`` is a checkpoint still being written (itself, or the model folder a trainer
     nests in it), or None."""
-    formats = formats_for(path)
+    formats = list(registered_formats().values())
     reason = next((reason for fmt in formats if (reason := fmt.incomplete(path))), None)
     if reason or not path.is_dir() or _own_format(path) is not None:
         return reason
@@ -122,7 +116,7 @@ def waiting_reason(path: Location) -> str | None:
 
 def not_a_model_reason(path: Location) -> str | None:
     """Why ``path``, complete and of a known kind, never holds a model (``optimizer.pt``), or None."""
-    return next((reason for fmt in formats_for(path) if (reason := fmt.not_a_model(path))), None)
+    return next((reason for fmt in registered_formats().values() if (reason := fmt.not_a_model(path))), None)
 
 
 def detect_format(path: str | Location | Resolved) -> CheckpointFormat | None:
@@ -164,5 +158,5 @@ def open_checkpoint(path: str | Location | Resolved, *, read: ReadOptions = DEFA
     return reader
 
 
-__all__ = ["NESTED_MODELS", "ModelLocation", "NestedModel", "Resolved", "detect_format", "formats_for",
+__all__ = ["NESTED_MODELS", "ModelLocation", "NestedModel", "Resolved", "detect_format",
            "locate_model", "not_a_model_reason", "open_checkpoint", "resolve", "waiting_reason"]
