@@ -58,13 +58,8 @@ class PlannedOutput:
     stats: dict[str, float | None] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
-        terms = []
-        for t in self.terms:
-            item: dict[str, Any] = {"path": t.path, "step": t.step}
-            if t.sigma_rel is not None:
-                item["sigma_rel"] = t.sigma_rel
-            item["coefficient"] = t.coefficient
-            terms.append(item)
+        terms = [{"path": t.path, "step": t.step, **({} if t.sigma_rel is None else {"sigma_rel": t.sigma_rel}),
+                  "coefficient": t.coefficient} for t in self.terms]
         return {"name": self.name, "sigma_rel": self.sigma_rel, "gamma": self.gamma, "step": self.step,
                 "terms": terms, "warnings": list(self.warnings)}
 

@@ -80,17 +80,15 @@ def parse_score(output: str, metric: str | None = None) -> float:
     Raises:
         ValueError: no score (the message is one line, shown as the candidate's failure).
     """
-    if metric is None:
+    if metric is not None:
+        value = next((v for line in reversed(output.splitlines()) if (v := _metric(line, metric)) is not None), None)
+        if value is None:
+            raise ValueError(f"printed no JSON line with a number at {metric!r}")
+    else:
         found = _NUMBER.findall(output)
         if not found:
             raise ValueError("printed no number")
         value = float(found[-1])
-    else:
-        found_at = (_metric(line, metric) for line in reversed(output.splitlines()))
-        value_found = next((v for v in found_at if v is not None), None)
-        if value_found is None:
-            raise ValueError(f"printed no JSON line with a number at {metric!r}")
-        value = value_found
     if not math.isfinite(value):
         raise ValueError(f"scored {value} (not finite)")
     return value

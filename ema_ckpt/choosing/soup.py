@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["SoupResult", "SoupStep", "better_or_equal", "greedy_soup"]
+__all__ = ["SoupResult", "SoupStep", "greedy_soup"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,11 +38,6 @@ class SoupResult:
     path: list[SoupStep] = field(default_factory=list)
 
 
-def better_or_equal(a: float, b: float, *, maximize: bool) -> bool:
-    """Whether score ``a`` is no worse than ``b``."""
-    return a >= b if maximize else a <= b
-
-
 def greedy_soup(ingredients: Sequence[str], score: Callable[[Sequence[str]], float | None], *,
                 maximize: bool) -> SoupResult:
     """The greedy soup of ``ingredients`` (each scorable alone). ``score(group)`` scores the
@@ -61,7 +56,7 @@ def greedy_soup(ingredients: Sequence[str], score: Callable[[Sequence[str]], flo
     soup = SoupResult([first], best, [SoupStep(first, best, True)])
     for name, _ in ranked[1:]:
         trial = score([*soup.members, name])
-        kept = trial is not None and better_or_equal(trial, soup.score, maximize=maximize)
+        kept = trial is not None and (trial >= soup.score if maximize else trial <= soup.score)
         soup.path.append(SoupStep(name, trial, kept))
         if kept and trial is not None:
             soup.members.append(name)

@@ -18,11 +18,11 @@ from dataclasses import dataclass
 from ..errors import UsageError
 from ..jobs import run_job
 from ..options import check_texts, command_options
-from ..plans import Plan, PlannedOutput, SnapshotInput, Term, find_snapshots, plan_average, plan_posthoc
+from ..plans import Plan, find_snapshots, plan_average, plan_posthoc
 from ..profile_specs import parse_weights
 from ..progress import Progress
 from ..storage import Location
-from ..sums import SAFETENSORS_FILE, SUM_FORMATS, RunResult, SumJob, SumOptions, SumPlan, default_format
+from ..sums import RunResult, SumJob, SumOptions
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -151,5 +151,4 @@ def average(checkpoints: str | Location | Sequence[str | Location], *, out: str 
     return run_job(SumJob(AverageOptions(**command_options(given))), on_progress=on_progress)
 
 
-__all__ = ["SAFETENSORS_FILE", "SUM_FORMATS", "AverageOptions", "Plan", "PlannedOutput", "PosthocOptions", "RunResult",
-           "SnapshotInput", "SumJob", "SumPlan", "Term", "average", "default_format", "find_snapshots", "posthoc"]
+__all__ = ["AverageOptions", "Plan", "PosthocOptions", "RunResult", "average", "find_snapshots", "posthoc"]

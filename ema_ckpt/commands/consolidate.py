@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..dtypes import OUTPUT_DTYPES, is_float
@@ -149,16 +149,8 @@ def consolidate(
     return run_job(ConsolidateJob(options), on_progress=on_progress)
 
 
-@dataclass(slots=True)
-class _Written:
-    keys: int
-    index: str | None
-    renamed_prefix: str | None
-    carried: list[str] = field(default_factory=list)
-
-
 @dataclass
-class ConsolidateJob(Job[None, _Written, ConsolidateResult]):
+class ConsolidateJob(Job[None, ConsolidateResult, ConsolidateResult]):
     """:func:`consolidate` as a job of the runner (:mod:`ema_ckpt.jobs`)."""
 
     options: ConsolidateOptions
@@ -173,7 +165,8 @@ class ConsolidateJob(Job[None, _Written, ConsolidateResult]):
         fmt = output_format(self.options.format)
         return [Target(self.options.out, single_file=fmt.single_file, replace=self.options.overwrite)]
 
-    def compute(self, plan: None, context: JobContext) -> _Written:
+    def compute(self, plan: None, context: JobContext) -> ConsolidateResult:
+        """What was written, but for the files, counted on disk once they are published."""
         opts = self.options
 
         def open_source() -> tuple[Any, list[str]]:
@@ -198,14 +191,13 @@ class ConsolidateJob(Job[None, _Written, ConsolidateResult]):
                                 layout=reader, copy_source=0)
         prefix = None if opts.keep_prefix else container_prefix(reader, keys)
         index = next((f.name for f in written.files[0] if f.role == "index"), None)
-        return _Written(len(keys), index, prefix, [f.name for f in written.files[0] if f.role == "carried"])
+        return ConsolidateResult(opts.out, opts.format, keys=len(keys), renamed_prefix=prefix, index=index,
+                                 carried=[f.name for f in written.files[0] if f.role == "carried"])
 
-    def result(self, plan: None, computed: _Written | None, seconds: float) -> ConsolidateResult:
+    def result(self, plan: None, computed: ConsolidateResult | None, seconds: float) -> ConsolidateResult:
         assert computed is not None
         files = files_on_disk(self.options.out)
-        result = ConsolidateResult(self.options.out, self.options.format, files, computed.keys,
-                                   sum(size for _, size in files), seconds, computed.renamed_prefix,
-                                   index=computed.index, carried=computed.carried)
+        result = replace(computed, files=files, bytes_written=sum(size for _, size in files), seconds=seconds)
         if computed.renamed_prefix:
             result.notes.append(Note(f"keys written without the DCP container level {computed.renamed_prefix!r} "
                                      "({keep_prefix=True} keeps it)", mentions=("keep_prefix",)))

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from ..dtypes import name_of
 from ..formats.base import CheckpointReader
 from ..job_context import JobContext, Piece, Tally
 from ..jobs import ReadingJob, run_job
@@ -220,41 +221,34 @@ class DiffOptions(KeyFields, ReadFields, RunFields):
     block_bytes: int = BLOCK_BYTES
 
 
+@dataclass
 class DiffJob(ReadingJob[None, DiffResult]):
-    def __init__(self, options: DiffOptions) -> None:
-        self.options: DiffOptions = options
+    options: DiffOptions
 
     def plan(self, notes: list[str]) -> None:
         return None
 
     def compute(self, plan: None, context: JobContext) -> DiffResult:
-        return _diff(context, self.options)
-
-def _diff(context: JobContext, options: DiffOptions) -> DiffResult:
-    """:func:`diff` on one worker: every worker pairs the keys alike; each pair is compared by one."""
-    a, b, include, exclude = options.a, options.b, options.include, options.exclude
-    # every worker opens both: a bad path fails alike everywhere
-    reader_a, reader_b = context.check(lambda: (context.open(a), context.open(b)))
-    specs_a, specs_b = reader_a.specs(), reader_b.specs()
-    pairs, only_a, only_b, pairing = pair_keys(list(specs_a), list(specs_b))
-    result = DiffResult(a, b, reader_a.format_name, reader_b.format_name, pairing=pairing)
-    result.only_in_a = [k for k in only_a if _selected((k,), include, exclude)]
-    result.only_in_b = [k for k in only_b if _selected((k,), include, exclude)]
-    pieces = []
-    for key_a, key_b in pairs:
-        if _selected((key_a, key_b), include, exclude):
-            spec_a, spec_b = specs_a[key_a], specs_b[key_b]
-            cost = spec_a.nbytes + spec_b.nbytes if spec_a.shape == spec_b.shape else 0
-            pieces.append(Piece(cost, functools.partial(_compare_key, reader_a, reader_b, spec_a, spec_b,
-                                                        options.block_bytes)))
-    compared = context.share_out(pieces)
-    result.keys = [k for k, _ in compared]
-    result.bytes_read = sum(n for _, n in compared)
-    return result
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+        """:func:`diff` on one worker: every worker pairs the keys alike; each pair is compared by one."""
+        a, b, include, exclude = self.options.a, self.options.b, self.options.include, self.options.exclude
+        # every worker opens both: a bad path fails alike everywhere
+        reader_a, reader_b = context.check(lambda: (context.open(a), context.open(b)))
+        specs_a, specs_b = reader_a.specs(), reader_b.specs()
+        pairs, only_a, only_b, pairing = pair_keys(list(specs_a), list(specs_b))
+        result = DiffResult(a, b, reader_a.format_name, reader_b.format_name, pairing=pairing)
+        result.only_in_a = [k for k in only_a if _selected((k,), include, exclude)]
+        result.only_in_b = [k for k in only_b if _selected((k,), include, exclude)]
+        pieces = []
+        for key_a, key_b in pairs:
+            if _selected((key_a, key_b), include, exclude):
+                spec_a, spec_b = specs_a[key_a], specs_b[key_b]
+                cost = spec_a.nbytes + spec_b.nbytes if spec_a.shape == spec_b.shape else 0
+                pieces.append(Piece(cost, functools.partial(_compare_key, reader_a, reader_b, spec_a, spec_b,
+                                                            self.options.block_bytes)))
+        compared = context.share_out(pieces)
+        result.keys = [k for k, _ in compared]
+        result.bytes_read = sum(n for _, n in compared)
+        return result
 
 
 def _compare_key(
@@ -268,7 +262,7 @@ def _compare_key(
     """How ``spec_a``'s key compares with ``spec_b``'s, and the bytes read."""
     out = KeyDiff(
         spec_a.key, spec_b.key, spec_a.shape, spec_b.shape,
-        _dtype_name(spec_a.dtype), _dtype_name(spec_b.dtype), numel=spec_a.numel,
+        name_of(spec_a.dtype), name_of(spec_b.dtype), numel=spec_a.numel,
     )
     if spec_a.shape != spec_b.shape:
         return out, 0

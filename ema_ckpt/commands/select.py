@@ -241,10 +241,8 @@ class _Selector:
             soup = greedy_soup([o.name for o in newest_first], score, maximize=self.opts["maximize"])
         except ValueError:
             return None
-        if len(soup.members) == 1:
-            final = dataclasses.replace(by_name[soup.members[0]], name="soup_greedy")
-        else:
-            final = dataclasses.replace(members_of[tuple(soup.members)], name="soup_greedy")
+        whole = by_name[soup.members[0]] if len(soup.members) == 1 else members_of[tuple(soup.members)]
+        final = dataclasses.replace(whole, name="soup_greedy")
         final.profile = {"kind": "soup", "members": [by_name[n].step for n in soup.members]}
         self.results["soup_greedy"] = CandidateScore("soup_greedy", soup.score, None, False, 0.0, final)
         return soup, final
@@ -303,6 +301,7 @@ def select(checkpoints: str | Location | Sequence[str | Location], *, out: str |
         >>> result.chosen, result.score                                      # doctest: +SKIP
         ('sigma_rel_0.15', 2.31)
     """
+    given = dict(locals())
     out_location = output_location(out)
     if soup not in (None, "greedy"):
         raise OptionError("soup", f"must be 'greedy', got {soup!r}", value=soup)
@@ -335,12 +334,8 @@ def select(checkpoints: str | Location | Sequence[str | Location], *, out: str |
         return plan
     out_location = output_path(out_location)
     work = Path(work_dir) if work_dir is not None else scratch_beside(out_location, f"{out_location.name}.select")
-    opts = {"eval_command": eval_command, "metric": metric, "eval_format": eval_format, "dtype": dtype,
-            "include": tuple(include), "exclude": tuple(exclude), "keep_prefix": keep_prefix, "state_key": state_key,
-            "inert_globals": read.inert_globals, "maximize": maximize, "eval_timeout": eval_timeout,
-            "workers": workers, "device": device, "wait_seconds": wait_seconds, "on_progress": on_progress,
-            "overwrite": overwrite, "average_buffers": average_buffers,
-            "per_pass": per_pass or _default_per_pass(plan, work)}
+    opts = given | {"include": tuple(include), "exclude": tuple(exclude), "inert_globals": read.inert_globals,
+                    "per_pass": per_pass or _default_per_pass(plan, work)}
     work.mkdir(parents=True, exist_ok=True)
     with output_lock(work, wait_seconds=wait_seconds):
         selector = _Selector(plan, opts, work, on_event)

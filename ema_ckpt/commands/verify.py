@@ -135,55 +135,52 @@ class VerifyOptions(ReadFields, RunFields):
     read_block_bytes: int = READ_BLOCK_BYTES
 
 
-class VerifyJob(ReadingJob[Location, VerifyResult]):
-    def __init__(self, options: VerifyOptions) -> None:
-        self.options: VerifyOptions = options
-
-    def plan(self, notes: list[str]) -> Location:
-        return self.options.path
-
-    def compute(self, plan: Location, context: JobContext) -> VerifyResult:
-        return _verify(context, plan, self.options.hash_block_bytes, self.options.read_block_bytes)
-
 _Check = Callable[[VerifyResult, Tally], None]
 """One piece of the work: adds what it finds to the result, and the bytes it reads to the tally."""
 
 
-def _verify(context: JobContext, path: Location, hash_block_bytes: int, read_block_bytes: int) -> VerifyResult:
-    """:func:`verify` on one worker: every worker lists the same checks; each is done by one."""
-    if not path.exists() and not path.is_symlink():
-        raise CheckpointNotFoundError(path, "no such file or directory")
-    result = VerifyResult(path)
-    manifest_file = path / MANIFEST_NAME
-    result.manifest = path.is_dir() and (manifest_file.exists() or manifest_file.is_symlink())
-    checks: list[tuple[int, _Check]] = []
-    with contextlib.ExitStack() as stack:
-        if result.manifest:
-            result.checks.append("files")
-            found = VerifyResult(path)
-            manifest = read_manifest(path, found)  # every worker reads it; the first check reports it
-            checks.append((0, lambda part, _: part.add(found)))
-            if manifest is not None:
-                checks += file_checks(path, manifest, hash_block_bytes)
-        else:
-            result.notes.append(f"no {MANIFEST_NAME}: the checkpoint's own zip CRC-32s are checked (where it has "
-                                "them) and every tensor read back")
-        result.checks.append("readable")
-        opened = context.check(lambda: _open(path, context.read, strict=result.manifest))
-        if isinstance(opened, str):
-            checks.append(_reporting(opened))
-        else:
-            reader = stack.enter_context(contextlib.closing(opened))
-            result.format_name = reader.format_name
-            records_checked = not result.manifest and bool(reader.stored_records())
-            checks += _read_checks(reader, read_block_bytes, records_checked)
-            if records_checked:
-                result.checks.append("file CRC-32s" if reader.whole_file_records else "record CRC-32s")
-                checks += _record_checks(path, reader)
-        parts = context.share_out([Piece(cost, functools.partial(_run_check, path, run)) for cost, run in checks])
-    for part in parts:
-        result.add(part)
-    return result
+@dataclass
+class VerifyJob(ReadingJob[Location, VerifyResult]):
+    options: VerifyOptions
+
+    def plan(self, notes: list[str]) -> Location:
+        return self.options.path
+
+    def compute(self, path: Location, context: JobContext) -> VerifyResult:
+        """:func:`verify` on one worker: every worker lists the same checks; each is done by one."""
+        if not path.exists() and not path.is_symlink():
+            raise CheckpointNotFoundError(path, "no such file or directory")
+        result = VerifyResult(path)
+        manifest_file = path / MANIFEST_NAME
+        result.manifest = path.is_dir() and (manifest_file.exists() or manifest_file.is_symlink())
+        checks: list[tuple[int, _Check]] = []
+        with contextlib.ExitStack() as stack:
+            if result.manifest:
+                result.checks.append("files")
+                found = VerifyResult(path)
+                manifest = read_manifest(path, found)  # every worker reads it; the first check reports it
+                checks.append((0, lambda part, _: part.add(found)))
+                if manifest is not None:
+                    checks += file_checks(path, manifest, self.options.hash_block_bytes)
+            else:
+                result.notes.append(f"no {MANIFEST_NAME}: the checkpoint's own zip CRC-32s are checked (where it has "
+                                    "them) and every tensor read back")
+            result.checks.append("readable")
+            opened = context.check(lambda: _open(path, context.read, strict=result.manifest))
+            if isinstance(opened, str):
+                checks.append(_reporting(opened))
+            else:
+                reader = stack.enter_context(contextlib.closing(opened))
+                result.format_name = reader.format_name
+                records_checked = not result.manifest and bool(reader.stored_records())
+                checks += _read_checks(reader, self.options.read_block_bytes, records_checked)
+                if records_checked:
+                    result.checks.append("file CRC-32s" if reader.whole_file_records else "record CRC-32s")
+                    checks += _record_checks(path, reader)
+            parts = context.share_out([Piece(cost, functools.partial(_run_check, path, run)) for cost, run in checks])
+        for part in parts:
+            result.add(part)
+        return result
 
 
 def _run_check(path: Location, run: _Check, tally: Tally) -> VerifyResult:

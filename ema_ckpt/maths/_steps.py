@@ -3,38 +3,30 @@
 from __future__ import annotations
 
 import bisect
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from itertools import pairwise
 from numbers import Integral
 
 from ..errors import OptionError, UsageError
 
 
-def _step_problem(value: object) -> str | None:
-    """What is wrong with ``value`` as a step, worded after its name; None when it is one."""
+def _checked_step(value: object, error: Callable[[str], Exception]) -> int:
+    """``value`` as a step ≥ 0, else ``error`` of what is wrong with it (worded after its name)."""
     if isinstance(value, bool) or not isinstance(value, Integral):
-        return f"must be an integer step, got {value!r}"
+        raise error(f"must be an integer step, got {value!r}")
     if int(value) < 0:
-        return f"must be ≥ 0 (steps count from the start of training), got {int(value)}"
-    return None
+        raise error(f"must be ≥ 0 (steps count from the start of training), got {int(value)}")
+    return int(value)
 
 
 def as_step(value: object, what: str) -> int:
     """``value`` as a step ≥ 0, else ``UsageError`` naming ``what`` (a datum, not a parameter)."""
-    problem = _step_problem(value)
-    if problem is not None:
-        raise UsageError(f"{what} {problem}")
-    assert isinstance(value, Integral)
-    return int(value)
+    return _checked_step(value, lambda problem: UsageError(f"{what} {problem}"))
 
 
 def option_step(value: object, option: str) -> int:
     """``value`` of the library parameter ``option`` as a step ≥ 0, else ``OptionError``."""
-    problem = _step_problem(value)
-    if problem is not None:
-        raise OptionError(option, problem, value=value)
-    assert isinstance(value, Integral)
-    return int(value)
+    return _checked_step(value, lambda problem: OptionError(option, problem, value=value))
 
 
 def check_steps(steps: Sequence[int]) -> list[int]:

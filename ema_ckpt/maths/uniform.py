@@ -70,8 +70,5 @@ def uniform_coefficients(
         >>> uniform_coefficients([10, 20, 30, 40, 50], from_step=20, to_step=30)
         [0.0, 0.5, 0.5, 0.0, 0.0]
     """
-    picked = uniform_selection(steps, last=last, from_step=from_step, to_step=to_step, every=every)
-    out = [0.0] * len(steps)
-    for i in picked:
-        out[i] = 1.0 / len(picked)
-    return out
+    picked = set(uniform_selection(steps, last=last, from_step=from_step, to_step=to_step, every=every))
+    return [1.0 / len(picked) if i in picked else 0.0 for i in range(len(steps))]
