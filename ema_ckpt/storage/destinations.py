@@ -36,7 +36,6 @@ from .object_publish import (
     local_staging_dir,
     recover_remote,
     upload_data_files,
-    upload_file,
 )
 
 Replaced = Callable[[], Collection[str]]  # the previous output's names a new one replaces
@@ -160,8 +159,8 @@ class ObjectDestination(Destination):
                 lock: HeldLock | None = None) -> None:
         if lock is not None:
             lock.check()
-        if staged.file_tag is None:
-            upload_file(staged.directory / self.final.name, self.final)
+        if staged.file_tag is None:  # a single file: one PUT (a multipart upload appears once complete)
+            self.final.upload(staged.directory / self.final.name)
         else:
             commit_upload(staged.directory, self.final, staged.file_tag, roles, replaces=replaces(), lock=lock)
         shutil.rmtree(staged.directory, ignore_errors=True)

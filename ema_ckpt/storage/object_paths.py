@@ -97,12 +97,6 @@ class RemotePath:
     def __truediv__(self, part: str | os.PathLike[str]) -> RemotePath:
         return RemotePath(self.protocol, f"{self._key}/{os.fspath(part)}".rstrip("/"))
 
-    def joinpath(self, *parts: str) -> RemotePath:
-        out = self
-        for part in parts:
-            out = out / part
-        return out
-
     @property
     def name(self) -> str:
         return PurePosixPath(self._key).name
@@ -130,9 +124,6 @@ class RemotePath:
         return self.with_name(self.stem + suffix)
 
     def resolve(self) -> RemotePath:
-        return self
-
-    def absolute(self) -> RemotePath:
         return self
 
     def relative_to(self, other: RemotePath) -> PurePosixPath:

@@ -173,11 +173,6 @@ def _clean_up(final: RemotePath, generation: str, keep: set[str], replaces: Coll
     delete_objects(objects_under(final / STAGING_DIR / generation, recursive=True))
 
 
-def upload_file(local: Path, final: RemotePath) -> None:
-    """A single-file output: one PUT (a multipart upload is visible only once complete)."""
-    final.upload(local)
-
-
 def recover_remote(final: RemotePath) -> list[str]:
     """Finish or undo what a killed upload left in ``final``; notes of what was done. A generation
     whose switch is the one its ``commit.json`` records was committed: the commit files after it
@@ -214,4 +209,4 @@ def recover_remote(final: RemotePath) -> list[str]:
 
 
 __all__ = ["RECORD", "STAGING_DIR", "begin_upload", "commit_upload", "local_staging_dir", "new_generation",
-           "recover_remote", "upload_data_files", "upload_file"]
+           "recover_remote", "upload_data_files"]
