@@ -15,7 +15,6 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
 import tempfile
@@ -32,7 +31,6 @@ from .errors import CheckpointError, CheckpointNotFoundError, EmaCkptError, Opti
 from .manifest import Manifest
 from .staging import (
     INCOMING,
-    RECORD_PREFIX,
     file_identity,
     incoming_dir,
     record_path,
@@ -179,16 +177,10 @@ def _check_staged(incoming: Path, result: WatchResult, on_error: Callable[[str],
     trainer writing into shared storage), each said as a step lost; without ``on_error``, raise."""
     if not incoming.is_dir():
         return
-    for record_file in sorted(records_dir(incoming).glob(f"{RECORD_PREFIX}*.json")):
-        try:
-            record = json.loads(record_file.read_text())
-        except (OSError, ValueError):
-            continue
-        name = record.get("staged") if isinstance(record, dict) else None
-        if not isinstance(name, str) or record_path(incoming, name) != record_file:
-            continue
-        staged = incoming / name
-        if not staged.exists() or not rewritten_since_staged(incoming, name):  # absent: being staged
+    for staged in sorted(incoming.iterdir(), key=lambda p: record_path(incoming, p.name)):  # in records' order
+        name = staged.name
+        record = staged_record(incoming, name)  # none: being staged, or not a staged copy
+        if record is None or not rewritten_since_staged(incoming, name):
             continue
         _unstage(staged)
         step = record.get("step")
