@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from .dtypes import is_float
 from .errors import IncompatibleCheckpointError
 from .formats.base import CheckpointReader
+from .layout import as_tuple
 from .writers.base import OutputTensor, OutputWriter
 
 _NON_MODEL_ROOTS = {
@@ -29,7 +30,6 @@ def select_keys(
     """The model tensors of a checkpoint (its ``model`` root, else all but training state),
     filtered by ``include``/``exclude`` globs."""
     return _model_part(reader, list(reader.stored()), include, exclude, tensors=True)
-
 
 
 def _model_part(reader: CheckpointReader, names: list[str], include: Sequence[str], exclude: Sequence[str],
@@ -146,12 +146,8 @@ def _same_structure(a: CheckpointReader, b: CheckpointReader) -> bool:
 def container_prefix(reader: CheckpointReader, keys: Sequence[str]) -> str | None:
     """The DCP container level every key sits in (``"model."`` of ``{"model": …}``), or None; only
     a container recorded at save time counts (``DcpReader.container_of``)."""
-    if not keys:
-        return None
     containers = {reader.container_of(k) for k in keys}
-    if len(containers) != 1:
-        return None
-    (container,) = containers
+    container = containers.pop() if len(containers) == 1 else None
     if container is None:
         return None
     prefix = container + "."
@@ -165,9 +161,7 @@ def output_names(
     reader: CheckpointReader, keys: Sequence[str], *, keep_prefix: bool = False
 ) -> dict[str, str]:
     """{stored key: the model's own name}: the DCP container level removed, nothing else renamed."""
-    prefix = None if keep_prefix else container_prefix(reader, keys)
-    if prefix is None:
-        return {k: k for k in keys}
+    prefix = "" if keep_prefix else container_prefix(reader, keys) or ""
     return {k: k[len(prefix):] for k in keys}
 
 
@@ -200,8 +194,6 @@ def averaged_tensors(newest: CheckpointReader, keys: Sequence[str], dtype: str,
         shape, stored_dtype = stored[k]
         copied = not average_buffers and is_float(stored_dtype) and is_non_weight_buffer(k)
         averaged = is_float(stored_dtype) and not copied
-        tensors.append(OutputTensor(k, names.get(k, k), shape if type(shape) is tuple else tuple(shape),
+        tensors.append(OutputTensor(k, names.get(k, k), as_tuple(shape),
                                     dtype if averaged else stored_dtype, stored_dtype, copied=copied))
     return tensors
-
-
