@@ -163,12 +163,8 @@ def _restore(cls: type[EmaCkptError], args: tuple[Any, ...], state: dict[str, An
 
 
 class EmaCkptError(Exception):
-    """Base of every error raised on purpose by ema-ckpt.
-
-    ``message`` may name library parameters as ``{name}`` / ``{name=text}`` placeholders for
-    the names in ``remedy`` and ``mentions`` (see the module docstring); ``str(err)`` is
-    :meth:`render` with the library's names.
-    """
+    """Base of every error raised on purpose by ema-ckpt; ``message`` may hold placeholders for
+    ``remedy`` and ``mentions`` (see the module docstring)."""
 
     exit_code: int = 1
     template: str = ""
@@ -214,14 +210,8 @@ class UsageError(EmaCkptError, ValueError):
 
 
 class OptionError(UsageError):
-    """A library parameter whose value cannot work.
-
-    Attributes:
-        option: the library parameter (``"at_step"``, ``"sigma_rels"``), never a flag.
-        value: the value given (``None`` when the message is about its absence or form).
-        remedy: the parameter that would fix it, if one does.
-
-    The message words the problem; it starts with the option unless it places ``{option}``
+    """A library parameter ``option`` (never a flag) whose ``value`` cannot work (None: the message
+    is about its absence or form). The message starts with the option unless it places ``{option}``
     itself. Example:
 
         >>> OptionError("decay", "must lie strictly between 0 and 1, got 1.5", value=1.5).args[0]
