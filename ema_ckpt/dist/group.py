@@ -76,8 +76,6 @@ class Workers:
         """Like :meth:`all_gather`, but this rank's own entry is ``value`` itself, not an unpickled copy."""
         if self.world_size == 1:
             return [value]
-        import pickle
-
         import torch
         import torch.distributed as dist
 
@@ -271,7 +269,7 @@ def current_workers(device: str = "cpu") -> Workers:
     """The workers this process belongs to: torchrun's group, a spawned group, or just itself."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
-        return Workers.single()
+        return Workers()
     import_module("torch")
     import torch.distributed as dist
 

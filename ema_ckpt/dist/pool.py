@@ -15,6 +15,7 @@ import contextlib
 import os
 import socket
 import sys
+import time
 import traceback
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -156,7 +157,6 @@ def _end_standby(taken: dict[str, Any]) -> None:
     taken["listening"].close()
 
 
-
 def run_workers(world_size: int, func: Callable[..., T], /, *args: Any,
                 local_kwargs: dict[str, Any] | None = None, **kwargs: Any) -> T:
     """Run ``func(*args, **kwargs)`` as ``world_size`` workers; rank 0's result.
@@ -260,8 +260,6 @@ def run_workers(world_size: int, func: Callable[..., T], /, *args: Any,
 
 def _end(procs: Sequence[Any], timeout: float) -> None:
     """Wait up to ``timeout`` s for the spawned workers to exit, then kill any left."""
-    import time
-
     deadline = time.monotonic() + timeout
     for proc in procs:
         proc.join(timeout=max(0.0, deadline - time.monotonic()))
@@ -274,8 +272,6 @@ def _end(procs: Sequence[Any], timeout: float) -> None:
 def _collect(procs: Sequence[Any], queue: Any, timeout: float | None = None) -> dict[int, tuple[str, Any]]:
     """The spawned workers' reports: all of them, or as many as came before every worker
     still without one exited (or ``timeout`` seconds passed)."""
-    import time
-
     deadline = None if timeout is None else time.monotonic() + timeout
     reports: dict[int, tuple[str, Any]] = {}
     while len(reports) < len(procs):
