@@ -123,14 +123,9 @@ def components_inside(folder: Location) -> tuple[list[Component], list[LeftPart]
         if found is not None and found.format is not None:
             name = _component_name(folder, child)
             components.append(Component(name, child, found.format.name, _role(name)))
-    if _numbered(components):
+    if any(step_in_name(c.name) is not None for c in components):  # step_5/, checkpoint-1.pth.tar: checkpoints
         return [], [LeftPart(folder, FOLDER_OF_CHECKPOINTS)]
     return components, []
-
-
-def _numbered(components: Sequence[Component]) -> bool:
-    """Parts named by steps (``step_5/``, ``checkpoint-1.pth.tar``): checkpoints, not components."""
-    return any(step_in_name(c.name) is not None for c in components)
 
 
 def components_of(found: Resolved) -> tuple[list[Component], list[LeftPart]]:
@@ -222,4 +217,3 @@ def unread_parts(components: Sequence[Component], left: Sequence[LeftPart], want
     return [*left, *(LeftPart(c.path, Note(f"an EMA the trainer kept ({c.name}): not averaged again; choose it "
                                            "with {component}", mentions=("component",)))
                      for c in components if c.role == TRAINER_EMA and c.name != wanted)]
-

@@ -151,11 +151,8 @@ class LightningEmaCore:
         return [cb for cb in getattr(trainer, "checkpoint_callbacks", []) if hasattr(cb, "best_k_models")]
 
     def _folders(self, trainer: Any) -> list[str]:
-        folders: list[str] = []
-        for cb in self._checkpoint_callbacks(trainer):
-            if cb.dirpath is not None and str(cb.dirpath) not in folders:
-                folders.append(str(cb.dirpath))
-        return folders
+        return list(dict.fromkeys(str(cb.dirpath) for cb in self._checkpoint_callbacks(trainer)
+                                  if cb.dirpath is not None))
 
     def _look(self, trainer: Any) -> None:
         """Stage every checkpoint of the ModelCheckpoints not staged yet (global rank 0 only)."""

@@ -16,10 +16,6 @@ _NOT_OPTIONS = {"self", "__class__", "out", "strict", "folder"}
 """A callback's own arguments, beside accumulate's options."""
 
 
-def _as_texts(value: Any) -> list[str]:
-    return [str(item) for item in (value if isinstance(value, (list, tuple)) else [value])]
-
-
 def callback_options(args: dict[str, Any]) -> dict[str, Any]:
     """:func:`ema_ckpt.accumulate`'s options from a callback's arguments (``sigma_rel`` and ``gamma``
     one value or several), as JSON for the fold worker, checked now by accumulate's own rules."""
@@ -30,7 +26,7 @@ def callback_options(args: dict[str, Any]) -> dict[str, Any]:
     options: dict[str, Any] = {}
     for name, value in args.items():
         if name in ("sigma_rel", "gamma") and value is not None:
-            options[name + "s"] = _as_texts(value)
+            options[name + "s"] = [str(item) for item in (value if isinstance(value, (list, tuple)) else [value])]
         elif name not in _NOT_OPTIONS and value is not None:
             options[name] = list(value) if isinstance(value, (list, tuple)) else value
     fold_options(options)

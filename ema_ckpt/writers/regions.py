@@ -14,7 +14,6 @@ from ..layout import Box, row_blocks
 from .base import OutputTensor, PlannedRegion
 
 if TYPE_CHECKING:
-
     from ..formats.base import CheckpointReader
 
 DEFAULT_FILE_BYTES = 256 << 20
