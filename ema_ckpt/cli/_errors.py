@@ -28,9 +28,6 @@ from ..errors import EXIT_CODES, EmaCkptError, OutputError, worded
 from ._flags import flag_for
 from ._output import err_console, error
 
-__all__ = ["error_message", "exit_codes_help", "flag_for", "reports_errors", "usage_error_line",
-           "usage_name"]
-
 F = TypeVar("F", bound=Callable[..., Any])
 
 INTERNAL_ERROR = EmaCkptError.exit_code  # 1

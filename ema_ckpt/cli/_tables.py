@@ -20,7 +20,6 @@ from rich.cells import cell_len, chop_cells
 from rich.console import Console, ConsoleOptions
 from rich.measure import Measurement
 from rich.segment import Segment
-from rich.style import Style
 from rich.table import Table
 
 from ._output import shown
@@ -83,9 +82,8 @@ class Name:
     Control characters are escaped (:func:`~ema_ckpt.cli._output.shown`).
     """
 
-    def __init__(self, name: object, style: str | Style = "") -> None:
+    def __init__(self, name: object) -> None:
         self.text = shown(name)
-        self.style = style
 
     def __rich_measure__(self, console: Console, options: ConsoleOptions) -> Measurement:
         total = cell_len(self.text)
@@ -93,9 +91,8 @@ class Name:
         return Measurement(min(longest, total), total)
 
     def __rich_console__(self, console: Console, options: ConsoleOptions) -> Iterator[Segment]:
-        style = console.get_style(self.style) if self.style else None
         for line in wrap_name(self.text, options.max_width):
-            yield Segment(line, style)
+            yield Segment(line)
             yield Segment.line()
 
 

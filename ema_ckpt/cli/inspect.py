@@ -97,20 +97,16 @@ def fact(name: str, value: Any, *, all_items: bool = False) -> str | None:
 def _said_already(report: InspectResult, name: str, value: Any) -> bool:
     """Whether a detail repeats a row of the summary (format, step, keys, dtypes, path)."""
     details = report.details
-    core: dict[str, Any] = {
-        "format": report.format_name, "step": report.step, "global_step": report.step,
-        "tensors": report.key_count, "keys": report.key_count, "dtypes": report.dtypes, "file": report.path.name,
-    }
-    if name in ("step", "global_step"):
-        return True  # the summary's step row, with the record it came from (counters: every other)
+    core: dict[str, Any] = {"format": report.format_name, "tensors": report.key_count, "keys": report.key_count,
+                            "dtypes": report.dtypes, "file": report.path.name}
+    if name in ("step", "global_step", "tree"):
+        return True  # the summary's step row, with its record (counters: every other); the tree: its own table
     if name in core:
         return bool(value == core[name])
     if name == "indexed":
         return "index" in details  # the index row names the file
     if name == "tag_dir" and isinstance(value, str):
         return as_path(value) in {report.path, report.path / str(details.get("tag")), report.model_path}
-    if name == "tree":
-        return True  # its own table
     if name == "top_level" and isinstance(value, list):
         if report.container and value == [report.container.removesuffix(".")]:
             return True  # the container row names it

@@ -7,11 +7,6 @@ A classic EMA (``decay``/``half_life``) is kept in ``out``; power-function EMAs 
 ``sigma_rels``/``gammas``) in ``out/sigma_rel_<value>``, with ``snapshot_every=K`` a snapshot
 of each every K steps in ``out/snapshots/`` for ``posthoc``. Every EMA and snapshot is computed
 in one pass over the inputs.
-
-Example:
-    >>> result = accumulate("ckpts/", decay=0.999)        # doctest: +SKIP
-    >>> result.step, [c.step for c in result.folded]      # doctest: +SKIP
-    (3000, [2000, 3000])
 """
 
 from __future__ import annotations

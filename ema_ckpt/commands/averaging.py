@@ -3,11 +3,6 @@
 A run is a :class:`~ema_ckpt.plans.Plan` (outputs × terms), computed from steps and manifests
 alone (``dry_run=True`` returns it), then a :class:`~ema_ckpt.sums.SumJob`: one pass over the
 inputs however many outputs.
-
-Example:
-    >>> posthoc("ckpts/", out="posthoc/", sigma_rels=["0.05", "0.10"])   # doctest: +SKIP
-    >>> posthoc("ckpts/", out="sweep/", sigma_rels=["0.05"], format="safetensors")  # doctest: +SKIP
-    >>> average("ckpts/", out="avg/", last=5)                               # doctest: +SKIP
 """
 
 from __future__ import annotations

@@ -3,10 +3,6 @@
 Headers are written from metadata first, then each tensor's bytes block by block (or, for a
 safetensors output with no cast, copied file to file); the output is built beside its final
 path and swapped in.
-
-Example:
-    >>> consolidate("ckpts/ema", "ema.safetensors", dtype="bfloat16")   # doctest: +SKIP
-    >>> consolidate("ckpts/step_1000", "hf-out/", max_shard_size="2GB")  # doctest: +SKIP
 """
 
 from __future__ import annotations

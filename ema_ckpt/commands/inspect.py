@@ -1,10 +1,4 @@
-"""``inspect``: what a checkpoint holds, from metadata alone (no tensor is read).
-
-Example:
-    >>> report = inspect_checkpoint("ckpts/step_1000")      # doctest: +SKIP
-    >>> report.format_name, report.key_count, report.total_bytes  # doctest: +SKIP
-    ('dcp', 24, 1073741824)
-"""
+"""``inspect``: what a checkpoint holds, from metadata alone (no tensor is read)."""
 
 from __future__ import annotations
 

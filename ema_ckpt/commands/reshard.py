@@ -2,9 +2,6 @@
 
 Each tensor is cut on dim 0 as FSDP2's ``fully_shard`` cuts it and rank r's chunks go to
 ``__r_0.distcp``, so each rank reads only its own file. Streams one chunk at a time.
-
-Example:
-    >>> reshard("ckpts/ema", world_size=16, out="ema-16")   # doctest: +SKIP
 """
 
 from __future__ import annotations

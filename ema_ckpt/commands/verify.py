@@ -4,11 +4,6 @@ An ema-ckpt output's data files are re-hashed (size and CRC-32) against its mani
 missing or not listed are reported; any checkpoint must open, and every stored box of every tensor
 is read back. What is wrong ends up in :attr:`VerifyResult.problems`, one line each; a path that
 holds no checkpoint at all raises :class:`~ema_ckpt.errors.CheckpointNotFoundError`.
-
-Example:
-    >>> result = verify("ckpts/ema")                       # doctest: +SKIP
-    >>> result.ok, result.files, result.problems           # doctest: +SKIP
-    (True, ['__0_0.distcp', '__1_0.distcp'], [])
 """
 
 from __future__ import annotations
@@ -301,13 +296,12 @@ def _read_checks(reader: CheckpointReader, block_bytes: int, records_checked: bo
                 nbytes = len(reader.read_bytes(key))
             except KeyError:
                 part.problem(f"{reader.path}: non-tensor entry {key!r} has no stored record")
-                return
             except EmaCkptError as err:
                 part.problem(str(err))
-                return
-            part.bytes_read += nbytes
-            part.entries += 1
-            tally.add(nbytes, key)
+            else:
+                part.bytes_read += nbytes
+                part.entries += 1
+                tally.add(nbytes, key)
 
         checks.append((0, read_entry))
     return checks
@@ -329,8 +323,7 @@ def _read_keys(reader: CheckpointReader, keys: Sequence[str], block_bytes: int, 
         except RecordChecksumError as err:
             if not records_checked:
                 part.problem(str(err))
-            continue
         except EmaCkptError as err:
             part.problem(str(err))
-            continue
-        part.keys += 1
+        else:
+            part.keys += 1

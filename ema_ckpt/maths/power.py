@@ -9,12 +9,6 @@ Source: Karras et al., "Analyzing and Improving the Training Dynamics of Diffusi
   t_prev+1 … t_new telescopes to r = (t_prev/t_new)^(γ+1).
 
 Time is the optimizer step counted from the start of training (step 0).
-
-Example:
-    >>> [round(c, 4) for c in power_coefficients([100, 200], gamma=1.0)]
-    [0.25, 0.75]
-    >>> round(sigma_rel_to_gamma(0.10), 2)
-    6.94
 """
 
 from __future__ import annotations
