@@ -7,16 +7,13 @@ from the best single checkpoint. The best candidate is published at ``out`` with
 naming it and every score. Only weights that were scored are published: each input's
 :func:`~ema_ckpt.manifest.fingerprint` is kept with its score and compared before the choice is
 read and before it is published; a changed input is refused (exit 4).
-
-Example:
-    >>> select("ckpts/", out="best/", eval_command="python eval.py {path}",
-    ...        sigma_rels=["0.05:0.25:0.05"], lasts=[4, 8])                   # doctest: +SKIP
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import shutil
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -224,7 +221,7 @@ class _Selector:
         found = {str(c.path): c for c in self.plan.inputs}
         newest_first = sorted(singles, key=lambda o: -o.step)
         members_of: dict[tuple[str, ...], PlannedOutput] = {}
-        tries = [0]
+        tries = itertools.count(1)
 
         def score(group: Sequence[str]) -> float | None:
             if len(group) == 1:
@@ -233,8 +230,7 @@ class _Selector:
             # the soup so far and one more, averaged uniformly
             output = average_output(f"soup+{group[-1]}", checkpoints, last=len(checkpoints))
             members_of[tuple(group)] = output
-            tries[0] += 1
-            self.score_all([output], at=(tries[0], len(singles) - 1))
+            self.score_all([output], at=(next(tries), len(singles) - 1))
             return self.results[output.name].score
 
         try:
