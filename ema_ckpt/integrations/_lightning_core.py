@@ -166,31 +166,21 @@ class LightningEmaCore:
     def _rewritten_in_place(self, trainer: Any) -> list[str]:
         """The ``last.ckpt`` files a ``ModelCheckpoint(save_last=True)`` writes again at each
         save: the worker must not hard-link them (they are staged as copies, see _stage)."""
-        found = []
-        for cb in self._checkpoint_callbacks(trainer):
-            if cb.dirpath is not None and getattr(cb, "save_last", None) and cb.save_last != "link":
-                name = getattr(cb, "CHECKPOINT_NAME_LAST", _LAST_PREFIX) + getattr(cb, "FILE_EXTENSION", ".ckpt")
-                found.append(os.path.join(cb.dirpath, name))
-        return found
+        return [os.path.join(cb.dirpath, getattr(cb, "CHECKPOINT_NAME_LAST", _LAST_PREFIX)
+                             + getattr(cb, "FILE_EXTENSION", ".ckpt"))
+                for cb in self._checkpoint_callbacks(trainer)
+                if cb.dirpath is not None and getattr(cb, "save_last", None) and cb.save_last != "link"]
 
     def _candidates(self, trainer: Any) -> list[str]:
-        found: list[str] = []
-
-        def add(path: Any) -> None:
-            if path and str(path) not in found and "://" not in str(path):
-                found.append(str(path))
-
+        paths: list[Any] = []
         for cb in self._checkpoint_callbacks(trainer):
-            for path in getattr(cb, "best_k_models", {}):
-                add(path)
-            add(getattr(cb, "best_model_path", ""))
-            add(getattr(cb, "last_model_path", ""))
+            paths += [*getattr(cb, "best_k_models", {}), getattr(cb, "best_model_path", ""),
+                      getattr(cb, "last_model_path", "")]
             suffix = getattr(cb, "FILE_EXTENSION", ".ckpt")
             if cb.dirpath is not None and os.path.isdir(cb.dirpath):
                 with os.scandir(cb.dirpath) as entries:
-                    for entry in entries:
-                        if not entry.name.startswith(".") and entry.name.endswith(suffix):
-                            add(entry.path)
+                    paths += [e.path for e in entries if not e.name.startswith(".") and e.name.endswith(suffix)]
+        found = dict.fromkeys(str(path) for path in paths if path and "://" not in str(path))
         return sorted(found, key=lambda path: Path(path).name.startswith(_LAST_PREFIX))  # copies after
 
     def _stage(self, path: str) -> None:
