@@ -94,9 +94,7 @@ def default_format(plan: Plan) -> str:
     (safetensors), else ``dcp`` (DCP, DeepSpeed and torch-file inputs)."""
     steps = {str(c.path): (c.step, str(c.path)) for c in plan.inputs}
     used = [t.path for o in plan.outputs for t in o.terms]
-    if not used:
-        return "dcp"
-    newest = max(used, key=lambda p: steps.get(p, (-1, p)))
+    newest = max(used, key=lambda p: steps.get(p, (-1, p)), default=None)
     name = next((c.format_name for c in plan.inputs if str(c.path) == newest), "dcp")
     return name if name in SUM_FORMATS else "dcp"
 
@@ -135,10 +133,6 @@ class SumJob(Job[SumPlan, _Summed, "Plan | RunResult"]):
     extra_manifest: dict[str, Any] = field(default_factory=dict)
     """Written into each output's manifest ``options`` (``select``: the choice and its scores)."""
 
-    @property
-    def single_output(self) -> bool:
-        return self.options.single_output
-
     def lock_path(self) -> Location | None:
         return None if self.options.dry_run else self.options.out
 
@@ -149,12 +143,12 @@ class SumJob(Job[SumPlan, _Summed, "Plan | RunResult"]):
 
     def _finals(self, plan: SumPlan) -> list[Location]:
         out = self.options.out
-        return [out] if self.single_output else [out / o.name for o in plan.outputs]
+        return [out] if self.options.single_output else [out / o.name for o in plan.outputs]
 
     def targets(self, plan: SumPlan) -> list[Target]:
         if self.options.dry_run:
             return []
-        near = None if self.single_output else self.options.out
+        near = None if self.options.single_output else self.options.out
         return [Target(final, near=near, replace=self.options.overwrite) for final in self._finals(plan)]
 
     def compute(self, plan: SumPlan, context: JobContext) -> _Summed:
