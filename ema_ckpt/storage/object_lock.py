@@ -26,11 +26,6 @@ LOCK_LEASE_SECONDS = 60.0
 LEASE_ENV = "EMA_CKPT_LOCK_LEASE"
 
 
-def lock_lease() -> float:
-    """The lease of a lock on object storage, in seconds."""
-    return seconds(LEASE_ENV, LOCK_LEASE_SECONDS)
-
-
 class HeldLock(Protocol):
     """A held output lock; :meth:`check` raises if it was lost."""
 
@@ -54,7 +49,7 @@ class RemoteLock:
         self.final = final
         self.path = final.parent / f".{final.name}.lock"
         self.wait_seconds = wait_seconds
-        self.lease = lease if lease is not None else lock_lease()
+        self.lease = lease if lease is not None else seconds(LEASE_ENV, LOCK_LEASE_SECONDS)
         self.owner = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(8)}"
         self.number = 0  # the lock object this run holds (0: none)
         self._stop = threading.Event()
@@ -71,7 +66,6 @@ class RemoteLock:
         return json.dumps(doc).encode()
 
     def _numbers(self) -> list[int]:
-        """The lock objects there now, in order (a fresh listing)."""
         try:
             names = [p.name for p in self.path.iterdir(fresh=True)]
         except FileNotFoundError:
@@ -168,4 +162,4 @@ class RemoteLock:
                 self._object(self.number).write_bytes(self._body(released=True))
 
 
-__all__ = ["LOCK_LEASE_SECONDS", "RemoteLock", "lock_lease"]
+__all__ = ["LOCK_LEASE_SECONDS", "RemoteLock"]
