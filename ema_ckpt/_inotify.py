@@ -40,9 +40,7 @@ def _libc() -> ctypes.CDLL | None:
     if name is None:
         return None
     libc = ctypes.CDLL(name, use_errno=True)
-    if not hasattr(libc, "inotify_init1"):
-        return None
-    return libc
+    return libc if hasattr(libc, "inotify_init1") else None
 
 
 class Watcher:

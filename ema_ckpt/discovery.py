@@ -6,8 +6,6 @@ One discovery for every command and ``inspect``, over the general model of
 An entry like the others that no record places fails the run: a partial result never exits 0.
 
 Example:
-    >>> step_from_name("epoch=3-step=1000")
-    1000
     >>> step_from_name("iter_0001000")
     1000
 """
@@ -136,7 +134,6 @@ def checkpoint_paths(checkpoints: str | Location | Sequence[str | Location]) -> 
 
 
 def _skipped(found: Resolved, skipped: Sequence[Location], used: set[Location]) -> bool:
-    """True when ``found`` (or the model folder nested in it) is one the user left out."""
     if not skipped:
         return False
     for candidate in {found.path.resolve(), found.model.path.resolve()}:

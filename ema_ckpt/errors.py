@@ -45,7 +45,6 @@ _PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)(?:=([^{}]*))?\}")
 
 
 def _worded(template: str, names: Iterable[str], name_of: Callable[[str], str] | None) -> str:
-    """``template`` with each placeholder of ``names`` worded (see :meth:`EmaCkptError.render`)."""
     declared = set(names)
 
     def word(match: re.Match[str]) -> str:

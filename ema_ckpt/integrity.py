@@ -93,7 +93,6 @@ def read_manifest(path: Location, result: Findings) -> Manifest | None:
 
 
 def _entry(value: Any) -> tuple[int, int] | None:
-    """``(size, crc32)`` of a manifest ``files`` entry, or None when malformed."""
     if not isinstance(value, dict):
         return None
     size, crc = value.get("size"), value.get("crc32")

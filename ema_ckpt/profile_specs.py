@@ -34,7 +34,6 @@ _MAX_LIST = 10_000
 
 
 def _refuse(problem: str, text: str) -> OptionError:
-    """An error about the ``sigma_rels`` value ``text``: ``problem`` follows the option's name."""
     return OptionError("sigma_rels", "{sigma_rels}" + problem, value=text)
 
 

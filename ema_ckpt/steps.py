@@ -273,7 +273,6 @@ def _owner(path: Location) -> Location:
 
 
 def _relative(path: Location, root: Location | None) -> str:
-    """``path`` from the sequence root (POSIX), or its name."""
     if root is not None:
         try:
             rel = path.resolve().relative_to(root.resolve())  # type: ignore[arg-type]

@@ -156,7 +156,6 @@ def _discover_settled(folder: Location, step_regex: str | None, step_from: str |
 
 
 def _drop_folded(incoming: Path, step: int, step_regex: str | None) -> None:
-    """Remove the staged checkpoints that the EMA (at ``step``) holds."""
     if not incoming.is_dir():
         return
     found = discover([incoming], step_regex=step_regex, all_components=True, require=False)
@@ -166,7 +165,6 @@ def _drop_folded(incoming: Path, step: int, step_regex: str | None) -> None:
 
 
 def _unstage(staged: Path) -> None:
-    """Remove a staged copy, then its record."""
     remove_staged(staged)
     with contextlib.suppress(FileNotFoundError):
         record_path(staged.parent, staged.name).unlink()

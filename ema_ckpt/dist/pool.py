@@ -259,7 +259,6 @@ def run_workers(world_size: int, func: Callable[..., T], /, *args: Any,
 
 
 def _end(procs: Sequence[Any], timeout: float) -> None:
-    """Wait up to ``timeout`` s for the spawned workers to exit, then kill any left."""
     deadline = time.monotonic() + timeout
     for proc in procs:
         proc.join(timeout=max(0.0, deadline - time.monotonic()))

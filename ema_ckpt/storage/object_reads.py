@@ -59,7 +59,6 @@ def _object_size(path: RemotePath) -> int:
 
 
 def _read_range(path: RemotePath, start: int, end: int) -> bytes:
-    """Bytes ``start`` to ``end`` of the object, all of them (a short answer is an error)."""
     data: bytes = call(path, path.fs.cat_file, path.key, start=start, end=end)
     if len(data) != end - start:
         raise RemoteStorageError(f"{path}: a ranged read of bytes {start}-{end} returned {len(data)} bytes "
