@@ -182,8 +182,7 @@ def power_outputs(checkpoints: Sequence[FoundCheckpoint], targets: Sequence[tupl
     for name, gamma, sigma_rel in targets:
         coeffs = maths.power_coefficients(steps, gamma, at_step)
         big_t = max(s for s in steps if at_step is None or s <= at_step)
-        used = [i for i, s in enumerate(steps) if s <= big_t]
-        terms = [Term(str(checkpoints[i].path), steps[i], coeffs[i]) for i in used]
+        terms = [Term(str(c.path), c.step, coeffs[i]) for i, c in enumerate(checkpoints) if c.step <= big_t]
         warning = sparse_warning([t.step for t in terms], maths.power_window(gamma, big_t), POWER_LONGER)
         warnings: list[str] = [warning] if warning else []
         if at_step is not None and big_t != at_step:

@@ -62,10 +62,6 @@ class CandidateSpec:
     singles: int | None = None
     at_step: int | None = None
 
-    @property
-    def is_empty(self) -> bool:
-        return not (self.sigma_rels or self.gammas or self.lasts or self.emas or self.singles)
-
 
 def _label(name: str) -> str:
     return _SAFE.sub("_", name.removesuffix(".csv").removesuffix(".CSV")) or "weights"
@@ -85,21 +81,19 @@ def plan_candidates(checkpoints: Sequence[str | Location], spec: CandidateSpec, 
     Raises:
         UsageError: no candidate asked for, or two with one name.
     """
-    if spec.is_empty:
+    if not (spec.sigma_rels or spec.gammas or spec.lasts or spec.emas or spec.singles):
         raise UsageError("give at least one candidate: {sigma_rels}, {lasts}, {emas} or {singles}",
                          mentions=("sigma_rels", "lasts", "emas", "singles"))
     paths = checkpoint_paths(checkpoints)
-    inputs: list[FoundCheckpoint] = []
     outputs: list[PlannedOutput] = []
     notes: list[str] = []
     snapshots = find_snapshots(paths) if (spec.sigma_rels or spec.gammas) else []
-    needs_raw = bool(spec.lasts or spec.singles or ((spec.sigma_rels or spec.gammas) and not snapshots))
     raw: list[FoundCheckpoint] = []
-    if needs_raw:
+    if spec.lasts or spec.singles or ((spec.sigma_rels or spec.gammas) and not snapshots):
         found = discover(paths, step_regex=step_regex, step_from=step_from, component=component,
                          exclude=[*exclude_paths, *(s.path for s in snapshots)], skip=skip, read=read)
         raw, notes = list(found.checkpoints), list(found.notes)
-        inputs.extend(raw)
+    inputs = list(raw)
     if spec.sigma_rels or spec.gammas:
         targets = power_targets(spec.sigma_rels, spec.gammas)
         if snapshots:

@@ -45,7 +45,6 @@ class _Root(TyperGroup):
 app = typer.Typer(
     cls=_Root,
     name="ema-ckpt",
-    help="EMAs, post-hoc EMAs and consolidation of sharded PyTorch checkpoints, offline.",
     no_args_is_help=True,
     add_completion=True,  # --install-completion / --show-completion for bash, zsh, fish, PowerShell
     pretty_exceptions_show_locals=False,  # locals here are multi-GB tensors and paths

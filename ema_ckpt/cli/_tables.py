@@ -4,10 +4,6 @@ Keys and paths often differ only at the end (``….exp_avg`` against ``….exp_a
 is never cut: :class:`Name` breaks it onto more lines after a separator (``.``, ``/``, a space),
 inside a part only where that part alone is wider than the column (after ``_`` or ``-``, else
 anywhere). The other columns stay on one line, so the names give way on a narrow terminal.
-
-Example:
-    >>> wrap_name("optim.state.blocks.0.norm1.weight.exp_avg_sq", 20)
-    ['optim.state.blocks.', '0.norm1.weight.', 'exp_avg_sq']
 """
 
 from __future__ import annotations

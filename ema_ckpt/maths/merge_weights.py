@@ -71,10 +71,9 @@ def schedule_weights(name: str, count: int) -> list[float]:
         raise OptionError("weights", f"unknown schedule {name!r} (one of {', '.join(NAMED_SCHEDULES)})", value=name)
     if count < 1:
         return []
-    f = NAMED_SCHEDULES[name]
     if name == "linear":
         return [1.0 / count] * count  # exactly the mean, not 1 − x differences rounded
-    return coefficients_from_decay([f(i / count) for i in range(1, count)])
+    return coefficients_from_decay([NAMED_SCHEDULES[name](i / count) for i in range(1, count)])
 
 
 def rate_schedule_weights(steps: Sequence[int], points: Sequence[tuple[float, float]]) -> list[float]:

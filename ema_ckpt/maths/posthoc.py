@@ -12,6 +12,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -116,9 +117,9 @@ class PosthocPlan:
 
 
 def _gram(us: np.ndarray, gs: np.ndarray) -> np.ndarray:
+    """A_ij = T·⟨p_i, p_j⟩ with end times as ratios u = t/T (vectorised ``profile_inner_product``)."""
     import numpy as np
 
-    """A_ij = T·⟨p_i, p_j⟩ with end times as ratios u = t/T (vectorised ``profile_inner_product``)."""
     swap = us[:, None] > us[None, :]
     u_lo = np.where(swap, us[None, :], us[:, None])
     u_hi = np.where(swap, us[:, None], us[None, :])
@@ -182,15 +183,12 @@ def posthoc_plan(
     qq = (gq + 1.0) ** 2 / (2.0 * gq + 1.0)
 
     condition = float(np.linalg.cond(a))
-    solver = "solve"
     x = None
     if math.isfinite(condition) and condition <= _COND_LSTSQ:
-        try:
+        with contextlib.suppress(np.linalg.LinAlgError):
             x = np.linalg.solve(a, b)
-        except np.linalg.LinAlgError:
-            x = None
+    solver = "solve" if x is not None else "lstsq"
     if x is None:
-        solver = "lstsq"
         x = np.linalg.lstsq(a, b, rcond=None)[0]
     total = math.fsum(x.tolist())
     if not math.isfinite(total) or abs(total) < 1e-12:
