@@ -55,17 +55,24 @@ def tmux_or_skip() -> str:
 
 def run_in_terminal(argv: Sequence[str], *, width: int, height: int = 50, cwd: Path | None = None,
                     env: Mapping[str, str] | None = None, timeout: float = 120.0,
-                    sample_every: float = 0.02) -> Screen:
-    """Run ``argv`` in a fresh ``width`` × ``height`` terminal and read its screen back."""
+                    sample_every: float | None = None) -> Screen:
+    """Run ``argv`` in a fresh ``width`` × ``height`` terminal and read its screen back.
+
+    With ``sample_every`` (seconds), the visible screen is also captured that often while the
+    command runs (``Screen.frames``); without it the command runs unobserved until it exits.
+    """
     tmux = tmux_or_skip()
     socket = f"ema-ckpt-test-{os.getpid()}-{next(_sessions)}"
     variables = {"TERM": "xterm-256color", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", **(env or {})}
     variables.pop("COLUMNS", None)  # the width comes from the terminal itself
     variables.pop("LINES", None)
     exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in variables.items())
+    scratch = Path(os.environ.get("TMPDIR", "/tmp"))
+    config, exited = scratch / f"{socket}.conf", scratch / f"{socket}.exited"
+    # the exit is known from a file (no tmux call per poll); the mark splits the screen's lines
     script = (f"cd {shlex.quote(str(cwd or Path.cwd()))} && env -u COLUMNS -u LINES {exports} "
-              f"{shlex.join(argv)}; echo {_EXIT_MARK} $?; sleep 3600")
-    config = Path(os.environ.get("TMPDIR", "/tmp")) / f"{socket}.conf"
+              f"{shlex.join(argv)}; code=$?; echo {_EXIT_MARK} $code; touch {shlex.quote(str(exited))}; "
+              "sleep 3600")
     config.write_text("set -g history-limit 100000\nset -g status off\n")
     base = [tmux, "-L", socket, "-f", str(config)]
     try:
@@ -73,16 +80,21 @@ def run_in_terminal(argv: Sequence[str], *, width: int, height: int = 50, cwd: P
                         "--", "sh", "-c", script], check=True, timeout=30)
         frames: list[str] = []
         deadline = time.monotonic() + timeout
-        while True:
-            frame = _capture(base, history=False)
-            if not frames or frame != frames[-1]:
-                frames.append(frame)
-            if _EXIT_MARK in frame or _EXIT_MARK in _capture(base, history=True):
-                break
+        while not exited.exists():
+            if sample_every is not None:
+                frame = _capture(base, history=False)
+                if not frames or frame != frames[-1]:
+                    frames.append(frame)
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{shlex.join(argv)} still running after {timeout:.0f} s:\n{frame}")
-            time.sleep(sample_every)
+                raise TimeoutError(f"{shlex.join(argv)} still running after {timeout:.0f} s:\n"
+                                   f"{_capture(base, history=False)}")
+            time.sleep(sample_every or 0.02)
         everything = _capture(base, history=True).rstrip("\n").split("\n")
+        while not any(line.startswith(_EXIT_MARK) for line in everything):  # tmux may not have drawn it yet
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{shlex.join(argv)}: its exit never reached the screen:\n{everything[-5:]}")
+            time.sleep(0.02)
+            everything = _capture(base, history=True).rstrip("\n").split("\n")
         marker = max(i for i, line in enumerate(everything) if line.startswith(_EXIT_MARK))
         code = int(everything[marker].split()[1])
         lines = [line.rstrip() for line in everything[:marker]]
@@ -92,6 +104,7 @@ def run_in_terminal(argv: Sequence[str], *, width: int, height: int = 50, cwd: P
     finally:
         subprocess.run([*base, "kill-server"], capture_output=True, timeout=30)
         config.unlink(missing_ok=True)
+        exited.unlink(missing_ok=True)
 
 
 def _capture(base: list[str], *, history: bool) -> str:
