@@ -34,10 +34,8 @@ from .manifest import MANIFEST_NAME, OUTPUT_OWN_FILES, Manifest, check_output_pl
 from .options import RunFields
 from .progress import Progress
 from .storage import (
-    Destination,
     HeldLock,
     Location,
-    Sink,
     Staged,
     destination_for,
     discard_on_error,
@@ -157,11 +155,6 @@ def run_job(job: Job[PlanT, ComputedT, ResultT], *,
         result: ResultT = run_workers(settings.workers, run_job, job, local_kwargs={"on_progress": on_progress})
         return result
     check_working_directory()  # before the lock and the staging exist: a start-up that cannot fail later
-    return _run_job(job, on_progress)
-
-
-def _run_job(job: Job[PlanT, ComputedT, ResultT], on_progress: Callable[[Progress], None] | None) -> ResultT:
-    settings = job.options
     started = time.perf_counter()
     group = current_workers(settings.device)
     if not job.writes:
@@ -217,8 +210,26 @@ def _stage_compute_publish(job: Job[PlanT, ComputedT, Any], plan: PlanT, targets
 
     staged = list(group.on_coordinator(stage))
     sinks = [d.sink(s, coordinator=group.is_coordinator) for d, s in zip(destinations, staged, strict=True)]
+    stagings = [s.directory for s in staged]
     try:
-        return _compute_publish(job, plan, destinations, staged, sinks, group, on_progress, lock)
+        with discard_on_error(stagings, owner=group.is_coordinator), contextlib.ExitStack() as readers:
+            context = JobContext(group, list(sinks), readers, job.options.device, on_progress,
+                                 read=read_options_from(job.options))
+            # every worker has finished writing into the stagings before the coordinator publishes them
+            computed = group.run(functools.partial(job.compute, plan, context))
+
+            def publish_all() -> None:
+                manifests = job.manifests(plan, computed)
+                for staging, manifest in zip(stagings, manifests, strict=True):
+                    if manifest is not None:
+                        manifest.write(staging)
+                for index, (destination, output) in enumerate(zip(destinations, staged, strict=True)):
+                    roles = {**context.roles.get(index, {}), MANIFEST_NAME: MANIFEST}
+                    previous = functools.partial(_replaced, destination.final, context.writers.get(index))
+                    destination.publish(output, roles, replaces=previous, lock=lock)
+
+            group.on_coordinator(publish_all)
+        return computed
     except EmaCkptError:
         if group.is_coordinator:
             for destination in destinations:
@@ -238,30 +249,6 @@ def _replaced(final: Location, writer: OutputWriter | None) -> set[str]:
     manifest = Manifest.read(final, check=False)
     listed = (set(manifest.files) | OUTPUT_OWN_FILES) if manifest is not None else set()
     return listed | {p.name for p in final.iterdir() if writer is not None and writer.owns(p.name)}
-
-
-def _compute_publish(job: Job[PlanT, ComputedT, Any], plan: PlanT, destinations: Sequence[Destination],
-                     staged: Sequence[Staged], sinks: Sequence[Sink], group: Workers,
-                     on_progress: Callable[[Progress], None] | None, lock: HeldLock | None) -> ComputedT:
-    stagings = [s.directory for s in staged]
-    with discard_on_error(stagings, owner=group.is_coordinator), contextlib.ExitStack() as readers:
-        context = JobContext(group, list(sinks), readers, job.options.device, on_progress,
-                             read=read_options_from(job.options))
-        # every worker has finished writing into the stagings before the coordinator publishes them
-        computed = group.run(functools.partial(job.compute, plan, context))
-
-        def publish_all() -> None:
-            manifests = job.manifests(plan, computed)
-            for staging, manifest in zip(stagings, manifests, strict=True):
-                if manifest is not None:
-                    manifest.write(staging)
-            for index, (destination, output) in enumerate(zip(destinations, staged, strict=True)):
-                roles = {**context.roles.get(index, {}), MANIFEST_NAME: MANIFEST}
-                previous = functools.partial(_replaced, destination.final, context.writers.get(index))
-                destination.publish(output, roles, replaces=previous, lock=lock)
-
-        group.on_coordinator(publish_all)
-    return computed
 
 
 __all__ = ["Job", "ReadingJob", "Target", "recorded_options", "run_job"]
