@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -96,11 +95,7 @@ class Manifest:
 
     def write(self, directory: Path) -> None:
         """Write durably (the directory itself is published atomically by the caller)."""
-        file = directory / MANIFEST_NAME
-        with open(file, "w") as handle:
-            handle.write(self.to_json())
-            handle.flush()
-            os.fsync(handle.fileno())
+        replace_file(directory / MANIFEST_NAME, self.to_json().encode())
 
 
 INTEGRITY = "integrity"

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import OptionError, OutputError
 from ..formats.options import DEFAULT_READ, ReadOptions
 from ..layout import Box
-from ..storage import Location, as_path
+from ..storage import Location, as_path, replace_file
 
 if TYPE_CHECKING:
     import torch
@@ -113,10 +113,7 @@ class OutputWriter(abc.ABC):
         written = []
         for file in self.carried:
             try:
-                with open(self.staging / file.name, "wb") as handle:
-                    handle.write(file.data)
-                    handle.flush()
-                    os.fsync(handle.fileno())
+                replace_file(self.staging / file.name, file.data)
             except OSError as err:
                 raise OutputError(f"{self.staging / file.name}: write failed ({err.strerror})") from None
             written.append(WrittenFile(file.name, len(file.data), crc32(file.data), role="carried"))
