@@ -143,11 +143,8 @@ def split_rows(box: Box, max_numel: int) -> list[Box]:
         return [box]
     row = max(1, box.numel // box.sizes[0])
     rows = max(1, max_numel // row)
-    out = []
-    for start in range(0, box.sizes[0], rows):
-        n = min(rows, box.sizes[0] - start)
-        out.append(Box((box.offsets[0] + start, *box.offsets[1:]), (n, *box.sizes[1:])))
-    return out
+    return [Box((box.offsets[0] + start, *box.offsets[1:]), (min(rows, box.sizes[0] - start), *box.sizes[1:]))
+            for start in range(0, box.sizes[0], rows)]
 
 
 def dim0_shard_regions(shape: tuple[int, ...], world_size: int) -> list[tuple[int, Box]]:
@@ -177,8 +174,5 @@ def row_blocks(shape: tuple[int, ...], stored: list[Box], max_numel: int) -> lis
         return [full]
     if stored and all(b.sizes[1:] == shape[1:] for b in stored):
         ordered = sorted((b for b in stored if b.numel), key=lambda b: b.offsets[0])
-        out: list[Box] = []
-        for box in ordered:
-            out.extend(split_rows(box, max_numel))
-        return out
+        return [part for box in ordered for part in split_rows(box, max_numel)]
     return split_rows(full, max_numel)

@@ -45,11 +45,6 @@ def join_timeout(env: Mapping[str, str] | None = None) -> float:
     return seconds(JOIN_TIMEOUT_VARIABLE, _DEFAULT_JOIN_TIMEOUT, env)
 
 
-def _store_prefix() -> str:
-    # torchrun's store outlives a restart of the workers: each attempt gets its own keys
-    return f"ema-ckpt/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
-
-
 def open_store(host: str, port: int, *, serve: bool, timeout: float, listening: socket.socket | None = None) -> Any:
     """A client of the group's TCP store at ``host:port`` (its server too when ``serve``, on the
     ``listening`` socket: clients arriving first then connect at once, not a back-off later)."""
@@ -64,7 +59,9 @@ def open_store(host: str, port: int, *, serve: bool, timeout: float, listening: 
     except (RuntimeError, ValueError) as err:  # DistNetworkError / DistStoreError: no store there in time
         raise PeerLostError(f"cannot reach the workers' store at {host}:{port} within {timeout:.0f} s "
                             f"({first_line(err)})") from None
-    return dist.PrefixStore(_store_prefix(), store)  # type: ignore[attr-defined]
+    # torchrun's store outlives a restart of the workers: each attempt gets its own keys
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"ema-ckpt/{attempt}/", store)  # type: ignore[attr-defined]
 
 
 def first_line(err: BaseException) -> str:
