@@ -165,7 +165,4 @@ def _refused_global(file: str | Path | bytes, message: str, stand_ins: Mapping[s
                 data = zf.read(pkl) if pkl else b""
         except (OSError, zipfile.BadZipFile, KeyError):
             return None
-    for name in globals_in_pickle(data):
-        if name not in stand_ins and not torch_allows(name):
-            return name
-    return None
+    return next((n for n in globals_in_pickle(data) if n not in stand_ins and not torch_allows(n)), None)

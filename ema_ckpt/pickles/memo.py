@@ -89,10 +89,6 @@ def _frame(self: LeanUnpickler) -> None:
         raise pickle.UnpicklingError("a frame is longer than the data left")
 
 
-def _missing(index: int) -> pickle.UnpicklingError:
-    return pickle.UnpicklingError(f"Memo value not found at index {index}")
-
-
 # the opcodes of torch's metadata pickles, by how often they come (a 200,000-key .metadata holds
 # about 20 million): run inline below, the rest through the standard library's handlers
 _MEMOIZE, _BINGET, _LONG_GET, _TUPLE1, _MARK = 0x94, 0x68, 0x6A, 0x85, 0x28
@@ -142,7 +138,7 @@ class LeanUnpickler(PurePythonUnpickler):  # type: ignore[misc]
                     try:
                         append(memo[index])
                     except KeyError:
-                        raise _missing(index) from None
+                        raise pickle.UnpicklingError(f"Memo value not found at index {index}") from None
                 elif code == _TUPLE1:
                     stack[-1] = (stack[-1],)
                 elif code == _MARK:

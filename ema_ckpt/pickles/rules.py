@@ -54,11 +54,7 @@ TORCH_DTYPES: dict[tuple[str, str], DtypeName] = {("torch", n): DtypeName(canoni
 def first_line(message: str) -> str:
     """The informative line of a torch error (past the weights-only preamble), shortened."""
     _, marker, rest = message.partition("WeightsUnpickler error:")
-    for line in (rest if marker else message).splitlines():
-        line = line.strip()
-        if line:
-            return line[:200]
-    return ""
+    return next((line.strip()[:200] for line in (rest if marker else message).splitlines() if line.strip()), "")
 
 
 def globals_in_pickle(data: bytes) -> list[str]:
@@ -169,7 +165,4 @@ def standard_module_matched(pattern: str) -> str | None:
     """The first module of :data:`CODE_MODULES` some global of which ``pattern`` matches
     (``posix.system``, ``os.*``, ``*.system``, ``o*.system``), or None (``myproj.Config``)."""
     tokens = _tokens(pattern)
-    for module in (*_NAMED_FIRST, *sorted(CODE_MODULES)):
-        if _may_start_with(tokens, module + "."):
-            return module
-    return None
+    return next((m for m in (*_NAMED_FIRST, *sorted(CODE_MODULES)) if _may_start_with(tokens, m + ".")), None)

@@ -99,11 +99,7 @@ class ReadChecks:
             if start in members or (done is not None and start in done):
                 return
             members[start] = _Member(size, crc, what)
-            starts = self._starts.setdefault(file, [])
-            if not starts or starts[-1] < start:
-                starts.append(start)
-            else:
-                bisect.insort(starts, start)
+            bisect.insort(self._starts.setdefault(file, []), start)
 
     def wants(self, file: str, offset: int, length: int) -> bool:
         """Whether bytes ``[offset, offset + length)`` of ``file`` lie in a member still to be checked."""
@@ -126,6 +122,12 @@ class ReadChecks:
                 self._add(file, start, member, a - start, b - start, view[a - offset:b - offset])
                 pos = b
 
+    def fill(self, source: Source, file: str, view: memoryview, offset: int) -> None:
+        """Fill ``view`` with the bytes of ``file`` (open at ``source``) at ``offset``, then :meth:`saw` them."""
+        if not source.fill(view, offset):
+            raise CheckpointFormatError(self._name(file), f"truncated: expected {len(view)} bytes at offset {offset}")
+        self.saw(file, offset, view)
+
     def pending(self) -> Pending:
         """The members read in part, for :func:`settle_reads`."""
         with self._lock:
@@ -139,8 +141,7 @@ class ReadChecks:
             for place, (size, crc, what, spans) in part.items():
                 joined.setdefault(place, (size, crc, what, []))[3].extend(spans)
         for (file, start), (size, crc, what, spans) in sorted(joined.items()):
-            actual = self._whole_crc(file, start, size, spans)
-            self._compare(file, start, size, crc, what, actual)
+            self._compare(file, start, size, crc, what, self._whole_crc(file, start, size, spans))
             with self._lock:
                 self._finish(file, start)
 

@@ -13,13 +13,13 @@ Example:
 
 from __future__ import annotations
 
-import os
 import struct
 from typing import Any
 
 from ..errors import CheckpointFormatError
 from ..pickles.bounds import check_pickle_bounds
 from ..pickles.load import Allowlist, load_pickle
+from ..storage import Source
 
 MAGIC_NUMBER = 0x1950A86A20F9469CFC6C
 PROTOCOL_VERSION = 1001
@@ -46,31 +46,19 @@ def is_legacy(head: bytes) -> bool:
         return False
 
 
-def _pread(fd: int, size: int, offset: int) -> bytes:
-    chunks = []
-    while size > 0:
-        data = os.pread(fd, size, offset)
-        if not data:
-            break
-        chunks.append(data)
-        size -= len(data)
-        offset += len(data)
-    return b"".join(chunks)
-
-
-def read_legacy_head(fd: int, file_size: int, source: str) -> tuple[bytes, list[str], int]:
+def read_legacy_head(fd: Source, file_size: int, source: str) -> tuple[bytes, list[str], int]:
     """(the object's pickle, the storage keys in stored order, where the first storage starts)."""
-    return split_pickles(_pread(fd, min(file_size, _HEAD_BYTES), 0), source)
+    return split_pickles(fd.pread(min(file_size, _HEAD_BYTES), 0), source)
 
 
-def legacy_storage_starts(fd: int, file_size: int, keys: list[str], pos: int, element_sizes: dict[str, int],
+def legacy_storage_starts(fd: Source, file_size: int, keys: list[str], pos: int, element_sizes: dict[str, int],
                           source: str) -> dict[str, tuple[int, int]]:
     """{storage key: (its first data byte, its element count as stored)}; ``element_sizes``: from the pickle."""
     starts: dict[str, tuple[int, int]] = {}
     for key in keys:
         if key not in element_sizes:
             raise CheckpointFormatError(source, f"legacy storage {key} is not named in the pickle")
-        count = _pread(fd, 8, pos)
+        count = fd.pread(8, pos)
         if len(count) != 8:
             raise CheckpointFormatError(source, f"truncated: storage {key} ends past the end of the file")
         (numel,) = struct.unpack("<q", count)

@@ -40,6 +40,15 @@ class TensorRecord:
         return True
 
 
+def row_major_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of ``shape``, in elements."""
+    strides, acc = [], 1
+    for d in reversed(shape):
+        strides.append(acc)
+        acc *= d
+    return tuple(reversed(strides))
+
+
 UNTYPED = "untyped"
 """The dtype name of a ``torch.UntypedStorage`` (bytes; a v3 record gives the dtype apart)."""
 

@@ -26,6 +26,7 @@ from .._compat import torch_load
 from .._crc import crc32
 from .._lazy import torch
 from ..errors import UsageError
+from .pickles import row_major_strides
 from .zipfmt import (
     CENTRAL_HEADER,
     CENTRAL_MAGIC,
@@ -71,13 +72,8 @@ class _TensorStub:
         self.ref, self.shape = ref, shape
 
     def __reduce_ex__(self, protocol: Any) -> Any:
-        stride = []
-        acc = 1
-        for dim in reversed(self.shape):
-            stride.append(acc)
-            acc *= dim
         return (torch_load.rebuild_functions()[torch_load.REBUILD_TENSOR],
-                (self.ref, 0, torch.Size(self.shape), tuple(reversed(stride)), False, collections.OrderedDict()))
+                (self.ref, 0, torch.Size(self.shape), row_major_strides(self.shape), False, collections.OrderedDict()))
 
 
 class _Pickler(pickle.Pickler):
@@ -102,10 +98,7 @@ def tensor_pickle(tensor: torch.Tensor) -> bytes:
 
 @functools.lru_cache(maxsize=4096)  # models repeat a few shapes many times
 def _shaped_tensor_pickle(dtype: torch.dtype, shape: tuple[int, ...]) -> bytes:
-    numel = 1
-    for size in shape:
-        numel *= size
-    return _dump(_TensorStub(_StorageRef("0", dtype, numel), shape))
+    return _dump(_TensorStub(_StorageRef("0", dtype, math.prod(shape)), shape))
 
 
 def state_dict_pickle(tensors: Mapping[str, tuple[tuple[int, ...], torch.dtype]]) -> bytes:
@@ -175,10 +168,8 @@ def write_tensor_record(out: RecordSink, tensor: torch.Tensor, *, start: int = 0
         return _write_tensor_record_zip64(out, tensor)
     data = memoryview(tensor.reshape(-1).view(torch.uint8).numpy()) if nbytes else memoryview(b"")
     members: list[tuple[bytes, bytes | memoryview]] = [
-        (b"archive/data.pkl", tensor_pickle(tensor)), (b"archive/.format_version", b"1"),
-        (b"archive/.storage_alignment", b"64"), (b"archive/byteorder", b"little"),
-        (b"archive/data/0", data), (b"archive/version", b"3"),
-    ]
+        *((name.encode(), pickled) for name, pickled in _leading_members(tensor_pickle(tensor))),
+        (b"archive/data/0", data), (b"archive/version", b"3")]
     position = 0
     central: list[bytes] = []
     pieces: list[tuple[bytes | memoryview, int | None]] = []

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import io
 import zipfile
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 from ..._lazy import torch
 from ...dtypes import itemsize, name_of
@@ -70,9 +70,7 @@ class ChunkRecords:
 
     keep_checksums = False
     """Keep the CRC-32 of every block read, where the file is fetched in blocks (:meth:`file_crc32`)."""
-
-    def specs(self) -> Mapping[str, TensorSpec]:
-        raise NotImplementedError
+    specs: Callable[[], Mapping[str, TensorSpec]]
 
     def block_checksums(self) -> dict[str, BlockChecksums]:
         """Per data file fetched in blocks: (block size, {block index: CRC-32}) of what was read."""
@@ -202,24 +200,18 @@ class ChunkRecords:
         itemsize = spec.dtype.itemsize
         base = data_offset + record.storage_offset * itemsize
         if not part.sizes:  # 0-d
-            self._read_checked(chunk.file, _tensor_bytes(dest), base)
+            self.read_checks.fill(self._fd(chunk.file), chunk.file, _tensor_bytes(dest), base)
             return
         row_numel = chunk.box.numel // chunk.box.sizes[0]
         first, rows = part.offsets[0], part.sizes[0]
         offset = base + first * row_numel * itemsize
         full_rows = part.sizes[1:] == chunk.box.sizes[1:]
         if full_rows and dest.is_contiguous():
-            self._read_checked(chunk.file, _tensor_bytes(dest), offset)
+            self.read_checks.fill(self._fd(chunk.file), chunk.file, _tensor_bytes(dest), offset)
             return
         block = torch.empty((rows, *chunk.box.sizes[1:]), dtype=spec.dtype)
-        self._read_checked(chunk.file, _tensor_bytes(block), offset)
+        self.read_checks.fill(self._fd(chunk.file), chunk.file, _tensor_bytes(block), offset)
         dest.copy_(block[(slice(None), *part.slices()[1:])])
-
-    def _read_checked(self, file: str, view: memoryview, offset: int) -> None:
-        """Fill ``view`` from ``file`` at ``offset`` and check the bytes against their record's CRC-32."""
-        if not self._fd(file).fill(view, offset):
-            raise CheckpointFormatError(self._name(file), f"truncated: expected {len(view)} bytes at offset {offset}")
-        self.read_checks.saw(file, offset, view)
 
     def _check_view(self, key: str, chunk: StoredChunk, record: TensorRecord) -> None:
         """Refuse a record whose view does not fit its storage, or repeats it, before anything is read."""

@@ -9,7 +9,6 @@ checks one tag folder's files, :mod:`.params` maps every key to flat ranges of t
 """
 
 from .files import deepspeed_tags, find_tag_dir, incomplete, is_deepspeed, step_of
-from .reader import DeepSpeedReader, open_deepspeed
+from .reader import DeepSpeedReader
 
-__all__ = ["DeepSpeedReader", "deepspeed_tags", "find_tag_dir", "incomplete", "is_deepspeed", "open_deepspeed",
-           "step_of"]
+__all__ = ["DeepSpeedReader", "deepspeed_tags", "find_tag_dir", "incomplete", "is_deepspeed", "step_of"]

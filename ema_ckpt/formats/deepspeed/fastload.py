@@ -44,7 +44,7 @@ from ..._lazy import torch
 from ...pickles.bounds import check_pickle_bounds
 from ...pickles.load import Allowlist, load_pickle
 
-__all__ = ["SealedType", "default_byteorder", "fast_load", "fast_summary"]
+__all__ = ["SealedType", "default_byteorder", "fast_load"]
 
 
 class SealedType(type):
@@ -62,9 +62,14 @@ class _NotFast(Exception):
 
 
 class _Sealed:
-    """An object no pickle opcode can change: no ``__dict__``, no attribute writes."""
+    """An object no pickle opcode can change: no ``__dict__``, no attribute writes; its ``value``
+    set once, when it is made."""
 
-    __slots__ = ()
+    __slots__ = ("value",)
+    value: Any
+
+    def __init__(self, value: Any) -> None:
+        object.__setattr__(self, "value", value)
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError(f"{type(self).__name__} is read-only")
@@ -76,46 +81,29 @@ class _Sealed:
 class _Call(_Sealed):
     """A global the pickle may call (``REDUCE``), standing in for the function or class itself."""
 
-    __slots__ = ("_fn",)
-    _fn: Any
-
-    def __init__(self, fn: Any) -> None:
-        object.__setattr__(self, "_fn", fn)
+    __slots__ = ()
 
     def __call__(self, *args: Any) -> Any:
-        return self._fn(*args)
+        return self.value(*args)
 
 
 class _StorageKind(_Sealed):
     """``torch.FloatStorage`` and kin in a storage reference: the dtype only."""
 
-    __slots__ = ("dtype",)
-    dtype: Any
-
-    def __init__(self, dtype: Any) -> None:
-        object.__setattr__(self, "dtype", dtype)
+    __slots__ = ()
 
 
 class _TensorType(_Sealed):
     """``torch.Tensor`` / ``torch.nn.Parameter`` as ``_rebuild_from_type_v2``'s type argument."""
 
-    __slots__ = ("cls",)
-    cls: Any
-
-    def __init__(self, cls: Any) -> None:
-        object.__setattr__(self, "cls", cls)
+    __slots__ = ()
 
 
 def _rebuild_from_type_v2(func: Any, new_type: Any, args: Any, state: Any) -> Any:
     """torch's ``_rebuild_from_type_v2``, its type given as a :class:`_TensorType`."""
     if type(func) is not _Call or type(new_type) is not _TensorType or type(args) is not tuple:
         raise _NotFast
-    return torch_load.rebuild_from_type(func, new_type.cls, args, state)
-
-
-def _skipped(*_args: Any) -> None:
-    """A tensor rebuild of :func:`fast_summary`: no tensor, None in its place."""
-    return None
+    return torch_load.rebuild_from_type(func, new_type.value, args, state)
 
 
 _ALLOWLISTS: list[Allowlist] = []  # DeepSpeed files', then a summary's (rebuilds skipped); built on first use
@@ -153,7 +141,8 @@ def _globals(stand_ins: dict[str, type], summary: bool) -> Allowlist:
             found[name] = cls
         elif issubclass(cls, int):  # ZeroStageEnum, called with its value
             found[name] = _Call(cls)
-    skipped = {name: _Call(_skipped) if name in _REBUILDS else value for name, value in found.items()}
+    # a summary's tensor rebuilds (:func:`fast_load`): no tensor, None in its place
+    skipped = {name: _Call(lambda *_args: None) if name in _REBUILDS else value for name, value in found.items()}
     _ALLOWLISTS[:] = [Allowlist({(n.rpartition(".")[0], n.rpartition(".")[2]): v for n, v in table.items()},
                                 other=_not_fast, python2_names=True) for table in (found, skipped)]
     return _ALLOWLISTS[summary]
@@ -179,7 +168,7 @@ def _storages(storage: Any, reader: Any, size: int) -> Any:
             raise _NotFast
         if key in loaded:
             return loaded[key]
-        nbytes = numel * torch_load.element_size(kind.dtype)
+        nbytes = numel * torch_load.element_size(kind.value)
         try:
             start = reader.get_record_offset(f"data/{key}")
         except Exception:
@@ -188,25 +177,17 @@ def _storages(storage: Any, reader: Any, size: int) -> Any:
             raise _NotFast
         if storage is None:  # a summary: the member is there, nothing is mapped
             return None
-        loaded[key] = torch_load.typed_storage(storage[start : start + nbytes], kind.dtype)
+        loaded[key] = torch_load.typed_storage(storage[start : start + nbytes], kind.value)
         return loaded[key]
 
     return persistent_load
 
 
-def fast_load(path: str | Path, stand_ins: dict[str, type]) -> tuple[Any] | None:
+def fast_load(path: str | Path, stand_ins: dict[str, type], *, summary: bool = False) -> tuple[Any] | None:
     """``(state,)``: what ``torch.load(path, weights_only=True, mmap=True)`` with the stand-ins
-    allowed returns, by the C unpickler; None when the file must go the weights-only way."""
-    return _fast(path, stand_ins, summary=False)
-
-
-def fast_summary(path: str | Path, stand_ins: dict[str, type]) -> tuple[Any] | None:
-    """``(state,)`` as :func:`fast_load` gives it, None for every tensor and nothing mapped (every
-    storage still checked to be a member of the file): a file's small fields, cheaply."""
-    return _fast(path, stand_ins, summary=True)
-
-
-def _fast(path: str | Path, stand_ins: dict[str, type], *, summary: bool) -> tuple[Any] | None:
+    allowed returns, by the C unpickler; None when the file must go the weights-only way.
+    ``summary``: None for every tensor and nothing mapped (every storage still checked to be a
+    member of the file), a file's small fields, cheaply."""
     try:
         if torch_load.in_fake_mode():
             return None

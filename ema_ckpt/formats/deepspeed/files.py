@@ -14,7 +14,7 @@ from typing import Any
 
 from ...errors import CheckpointFormatError, CheckpointNotFoundError, UnsafePickleError
 from ...storage import Location, as_path, open_structure
-from .fastload import fast_summary
+from .fastload import fast_load
 from .structure import RemoteStructure, load_ds_structure
 from .unpickle import STAND_INS, load_ds_file
 
@@ -110,8 +110,6 @@ def incomplete(path: str | Location) -> str | None:
         models, optims = ds_files(tag_dir)
         if not models and not optims:
             return f"DeepSpeed tag folder {tag_dir} holds no model or optimizer states yet"
-    if not models and not optims:
-        return None
     if not optims:
         return f"DeepSpeed tag folder {tag_dir} holds model states but no *_optim_states.pt files " \
             "(still being written, or a ZeRO-0 checkpoint, which is not supported)"
@@ -120,7 +118,8 @@ def incomplete(path: str | Location) -> str | None:
     reason = name_gaps(tag_dir)
     if reason:
         return f"DeepSpeed tag folder {tag_dir}: {reason}"
-    first = _first_model_file(models)
+    first = next((p for p in models if p.name in ("mp_rank_00_model_states.pt",
+                                                  "zero_pp_rank_0_mp_rank_00_model_states.pt")), models[0])
     try:
         expected = _model_summary(first)[0]  # dp_world_size
     except UnsafePickleError:
@@ -177,7 +176,7 @@ def _model_summary(path: Location) -> tuple[Any, Any]:
     key = (str(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns) if st is not None else None
     if key is not None and key in _SUMMARIES:
         return _SUMMARIES[key]
-    quick = fast_summary(found, STAND_INS)  # no tensor built; else the full load (and its errors)
+    quick = fast_load(found, STAND_INS, summary=True)  # no tensor built; else the full load (and its errors)
     summary = _summary(quick[0] if quick is not None else load_ds_file(found))
     if key is not None and st is not None and time.time() - st.st_mtime > _SETTLED_SECONDS:
         if len(_SUMMARIES) >= 4096:
@@ -263,13 +262,6 @@ def step_of(path: str | Location) -> int | None:
     if not files:
         return None
     return step_from(_model_summary(files[0])[1], tag_dir.name)
-
-
-def _first_model_file(models: list[Location]) -> Location:
-    for p in models:
-        if p.name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt"):
-            return p
-    return models[0]
 
 
 def deepspeed_tags(save_dir: str | Location) -> list[Location]:

@@ -4,7 +4,7 @@ parameters, buffers and tied aliases, as flat ranges of the memory-mapped rank t
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -115,15 +115,6 @@ def _shape(value: Any, where: Location, name: str) -> tuple[int, ...]:
     return shape
 
 
-def row_major_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    """The strides of a contiguous tensor of ``shape``, in elements."""
-    strides, acc = [], 1
-    for d in reversed(shape):
-        strides.append(acc)
-        acc *= d
-    return tuple(reversed(strides))
-
-
 class ParameterMaps:
     """Building the key map of a :class:`~.reader.DeepSpeedReader` (a base class of it)."""
 
@@ -134,9 +125,8 @@ class ParameterMaps:
     _optim_files: list[Location]
     _model_files: list[Location]
     _releasable: dict[Location, bool]
-
-    def _load(self, path: Location) -> Any:
-        raise NotImplementedError
+    _load: Callable[[Location], Any]
+    _storage_offsets: Callable[[Location], dict[int, int] | None]
 
     def _file_places(self, path: Location, flats: Sequence[torch.Tensor],
                      loaded: Sequence[Any]) -> list[tuple[Location, int] | None]:
@@ -151,9 +141,6 @@ class ParameterMaps:
             else:
                 places.append((path, start + flat.storage_offset() * flat.element_size()))
         return places
-
-    def _storage_offsets(self, path: Location) -> dict[int, int] | None:
-        raise NotImplementedError
 
     def _map_keys(self, model0_path: Location, model0: dict[str, Any], osds: list[dict[str, Any]]) -> dict[str, Entry]:
         """Every key: buffers, frozen, trainable (masters), tied aliases; in state_dict order."""

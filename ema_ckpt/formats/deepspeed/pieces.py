@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -45,17 +46,14 @@ class PieceReads:
     _remote: dict[tuple[Location, int], Source]
     _remote_lock: threading.Lock
     _blocks: dict[tuple[Location, int], torch.Tensor]  # (file, first byte) -> a block's bytes, oldest first
-
-    def _load(self, path: Location) -> Any:
-        raise NotImplementedError
+    _load: Callable[[Location], Any]
 
     def _storage_offsets(self, path: Location) -> dict[int, int] | None:
         if path in self._offsets:
             return self._offsets[path]
         state = self._load(path)
-        offsets = None
-        if path in self._identities:  # read locally, the file still the one mapped
-            offsets = storage_file_offsets(path, state)
+        # read locally, the file still the one mapped: its storages' places
+        offsets = storage_file_offsets(path, state) if path in self._identities else None
         self._offsets[path] = offsets
         if offsets is not None:  # its pieces are read from the file: their bytes get checked
             with open_readable(path) as source:
@@ -129,8 +127,10 @@ class PieceReads:
                         continue
                     source = self._open(p.file, fds)
                 self._copy_piece(p, a, b, out[a - lo : b - lo], source, self.read_checks)
-                if source is not None and p.src.is_meta and p.start + b - p.dst == p.src.numel():
-                    self._drop_remote(p, source)  # read to its end: the blocks it keeps go
+                if source is not None and p.file is not None and p.src.is_meta and p.start + b - p.dst == p.src.numel():
+                    with self._remote_lock:  # read to its end: the blocks it keeps go
+                        self._remote.pop((p.file, p.file_start), None)
+                    source.close()
         finally:
             for fd in fds.values():
                 if fd is not None:
@@ -157,7 +157,7 @@ class PieceReads:
             if fd is None:
                 return False
             block = torch.empty(last - first, dtype=torch.uint8)
-            _read_checked(fd, str(p.file), memoryview(block.numpy()), first, self.read_checks)
+            self.read_checks.fill(fd, str(p.file), memoryview(block.numpy()), first)
             with self._remote_lock:
                 self._blocks[key] = block
                 while len(self._blocks) > _BLOCKS_KEPT:
@@ -206,12 +206,6 @@ class PieceReads:
             oldest.close()
         return source
 
-    def _drop_remote(self, p: Piece, source: Source) -> None:
-        assert p.file is not None
-        with self._remote_lock:
-            self._remote.pop((p.file, p.file_start), None)
-        source.close()
-
     @staticmethod
     def _copy_piece(p: Piece, a: int, b: int, out: torch.Tensor, source: Source | None,
                     checks: ReadChecks) -> None:
@@ -222,7 +216,7 @@ class PieceReads:
             # the key's, as for buffers kept in bf16, goes through a buffer of its own).
             target = out if out.dtype == p.src.dtype else torch.empty(b - a, dtype=p.src.dtype)
             offset = p.file_start + (p.start + a - p.dst) * target.element_size()
-            _read_checked(source, str(p.file), memoryview(target.view(torch.uint8).numpy()), offset, checks)
+            checks.fill(source, str(p.file), memoryview(target.view(torch.uint8).numpy()), offset)
             if target is not out:
                 out.copy_(target)
             return
@@ -238,9 +232,3 @@ class PieceReads:
                 checks.saw(str(p.file), at, memoryview(src.view(torch.uint8).numpy()))
             if p.releasable:
                 release_pages(src)
-
-
-def _read_checked(source: Source, file: str, view: memoryview, offset: int, checks: ReadChecks) -> None:
-    if not source.fill(view, offset):
-        raise CheckpointFormatError(file, f"truncated: expected {len(view)} bytes at offset {offset}")
-    checks.saw(file, offset, view)

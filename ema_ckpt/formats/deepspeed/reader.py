@@ -14,12 +14,6 @@ are then handed back, :func:`~.unpickle.release_pages`). ``layout`` offers tenso
 as row blocks. In object storage each file's structure is read by ranged requests
 (:func:`~.structure.load_ds_structure`) and ``read`` fetches the spans it needs.
 
-Refused with :class:`~ema_ckpt.errors.CheckpointFormatError` (naming the file): tensor or
-pipeline parallelism, MoE, NVMe-offloaded tensors, ZeRO-0, and a world size that does not match
-the optimizer files. Built from :class:`~.tag.TagFiles` (the files found, loaded, checked),
-:class:`~.params.ParameterMaps` (keys to flat ranges) and :class:`~.pieces.PieceReads` (ranges
-placed in the files and read).
-
 Example:
     >>> from ema_ckpt.formats import open_checkpoint                  # doctest: +SKIP
     >>> with open_checkpoint("out/checkpoint-500") as reader:          # doctest: +SKIP
@@ -38,9 +32,10 @@ from ...errors import CheckpointFormatError, CheckpointNotFoundError, EmaCkptErr
 from ...layout import Box, TensorSpec, split_rows
 from ...storage import Location, Source, as_path
 from ...torch_records.checks import ReadChecks
+from ...torch_records.pickles import row_major_strides
 from ..base import CheckpointFormat, CheckpointReader, register_format
 from .files import FORMAT_NAME, find_tag_dir, incomplete, is_deepspeed, step_from, step_of
-from .params import Entry, ParameterMaps, row_major_strides
+from .params import Entry, ParameterMaps
 from .pieces import RELEASE_SLICE_BYTES, PieceReads
 from .structure import RemoteStructure
 from .tag import TagFiles
@@ -295,16 +290,11 @@ class DeepSpeedReader(TagFiles, PieceReads, ParameterMaps, CheckpointReader):
         self.step = step_from(model0.get("global_steps"), self.tag)
 
 
-def open_deepspeed(path: str | Location) -> DeepSpeedReader:
-    """Open a DeepSpeed checkpoint (tag folder, or a folder whose ``latest`` names one)."""
-    return DeepSpeedReader(path)
-
-
 register_format(
     CheckpointFormat(
         name=FORMAT_NAME,
         detect=is_deepspeed,
-        open=lambda path, _read: open_deepspeed(path),
+        open=lambda path, _read: DeepSpeedReader(path),
         incomplete=incomplete,
         records_step=True,
         step_label="DeepSpeed global_steps",

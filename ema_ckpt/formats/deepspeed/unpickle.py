@@ -32,7 +32,7 @@ from ..._lazy import torch
 from ...errors import CheckpointFormatError, CheckpointNotFoundError
 from ...pickles.load import load_weights_only
 from ...storage import Location, open_readable
-from ...torch_records.zipfmt import stored_members
+from ...torch_records.zipfmt import LOCAL_MAGIC, stored_members
 from .fastload import SealedType, default_byteorder, fast_load
 
 __all__ = ["STAND_INS", "DynamicLossScaler", "LossScaler", "ZeroStageEnum", "fragment_address", "load_ds_file",
@@ -96,9 +96,6 @@ STAND_INS: dict[str, type] = {
 }
 """Pickled global name -> the class built in its place. Everything else is refused."""
 
-_ZIP_MAGIC = b"PK\x03\x04"
-
-
 def load_ds_file(path: str | Path) -> Any:
     """Load one DeepSpeed ``.pt`` file (any ``torch.save`` file) with the stand-ins, tensors views
     on a mapping of the file where it is a zip (a legacy file is read whole).
@@ -141,7 +138,7 @@ def check_magic(path: Location, magic: bytes) -> bool:
     """Whether the file is a zip-format ``torch.save`` file (else a legacy one); refuses anything else."""
     if not magic:
         raise CheckpointFormatError(path, "empty file (truncated, or still being written)")
-    is_zip = magic == _ZIP_MAGIC
+    is_zip = magic == LOCAL_MAGIC
     if not is_zip and magic[:1] != b"\x80":
         raise CheckpointFormatError(path, "not a torch.save file (no zip or pickle header)")
     return is_zip
@@ -154,7 +151,7 @@ def pages_releasable(path: str | Path) -> bool:
         return False
     try:
         with open(path, "rb") as fh:
-            if fh.read(4) != _ZIP_MAGIC:
+            if fh.read(4) != LOCAL_MAGIC:
                 return False
         with zipfile.ZipFile(path) as zf:
             name = next((n for n in zf.namelist() if n == "byteorder" or n.endswith("/byteorder")), None)
@@ -244,13 +241,10 @@ def _collect_storages(obj: Any, into: dict[int, int], depth: int) -> None:
 def _stored_members(path: Location) -> dict[int, int] | None:
     """``{data offset: size}`` of the uncompressed ``data/<key>`` members of a ``torch.save`` zip."""
     try:
-        fd = open_readable(path)
+        with open_readable(path) as fd:
+            listed = stored_members(fd, fd.size)
     except OSError:
         return None
-    try:
-        listed = stored_members(fd, fd.size)
-    finally:
-        fd.close()
     if listed is None:
         return None
     return {start: size for start, (size, _, name) in listed.items() if "/data/" in f"/{name}" and size}

@@ -6,8 +6,7 @@ of a well-known weights file or an index of ``.bin`` shards (:mod:`.folders`).
 from __future__ import annotations
 
 from ...storage import Location
-from ..base import CheckpointFormat, CheckpointReader, register_format
-from ..options import ReadOptions
+from ..base import CheckpointFormat, register_format
 from .folders import TorchFolderReader, is_weights_folder, missing_files
 from .model import step_in_tree
 from .reader import NOT_MODEL_FILES, SUFFIXES, TorchFileReader, file_facts, has_torch_suffix
@@ -43,10 +42,6 @@ def _not_a_model(path: Location) -> str | None:
     return None
 
 
-def _open(path: Location, read: ReadOptions) -> CheckpointReader:
-    return TorchFolderReader(path, read) if path.is_dir() else TorchFileReader(path, read)
-
-
 def _step_record(path: Location) -> tuple[int, str] | None:
     """The step a single file records and the entry it came from (folders: none here)."""
     if path.is_dir():
@@ -64,8 +59,9 @@ def _step_of(path: Location) -> int | None:
 
 
 FORMAT = register_format(CheckpointFormat(
-    "torch", detect=_detect, open=_open, incomplete=_incomplete, not_a_model=_not_a_model, records_step=True,
-    step_of=_step_of, step_record=_step_record))
+    "torch", detect=_detect, incomplete=_incomplete, not_a_model=_not_a_model, records_step=True,
+    step_of=_step_of, step_record=_step_record,
+    open=lambda path, read: TorchFolderReader(path, read) if path.is_dir() else TorchFileReader(path, read)))
 
 __all__ = [
     "FORMAT",

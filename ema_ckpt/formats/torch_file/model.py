@@ -36,6 +36,7 @@ MODEL_CONTAINERS = ("state_dict", "model", "module", "model_state_dict", "model_
 EMA_CONTAINERS = ("state_dict_ema", "model_ema", "ema", "ema_state_dict", "ema_model", "model_ema_state_dict",
                   "ema_state")
 """Containers of an EMA the training script kept (timm's ``state_dict_ema``): taken when alone."""
+_NAMED = (*MODEL_CONTAINERS, *EMA_CONTAINERS)
 NON_MODEL = re.compile(
     r"optim|scheduler|scaler|^loops?$|^callbacks?$|^rng|random|^hyper_?param|^hparams|^args$|config"
     r"|^amp$|^loss_scaler|^trainer_state$|^dataloader|^data_loader|^sampler",
@@ -137,10 +138,6 @@ def _dicts(root: Any, *, everywhere: bool) -> list[tuple[tuple[Any, ...], Mappin
     return found
 
 
-def _known(name: Any) -> bool:
-    return isinstance(name, str) and name.lower() in (*MODEL_CONTAINERS, *EMA_CONTAINERS)
-
-
 def modules_as_state_dicts(value: Any, depth: int = 0) -> Any:
     """``value`` with every pickled ``torch.nn.Module`` in its dicts replaced by the state dict it
     would give (``torch.save(model)``, ultralytics' ``{"model": <module>, "ema": <module>}``)."""
@@ -170,7 +167,7 @@ def candidates(root: Any, *, is_tensor: Callable[[Any], bool], nbytes: Callable[
         if flat is None or not flat.tensors:
             continue
         direct = any(is_tensor(v) for v in mapping.values())
-        if flat.strict and (direct or path or not any(_known(k) for k in mapping)):
+        if flat.strict and (direct or path or not any(isinstance(k, str) and k.lower() in _NAMED for k in mapping)):
             strict.append(Candidate(path, flat.tensors, flat.extras, True, sum(map(nbytes, flat.tensors.values())),
                                     flat.repeated))
             covered.update(id(d) for _, d in _dicts(mapping, everywhere=True))  # its parts are not models
@@ -183,19 +180,11 @@ def candidates(root: Any, *, is_tensor: Callable[[Any], bool], nbytes: Callable[
     return sorted(strict + loose, key=_rank)
 
 
-_OTHERS = len(MODEL_CONTAINERS) + len(EMA_CONTAINERS)
-
-
 def _rank(candidate: Candidate) -> tuple[int, bool, int, int]:
     last = str(candidate.path[-1]).lower() if candidate.path else ""
-    if last in MODEL_CONTAINERS:
-        group = MODEL_CONTAINERS.index(last)
-    elif last in EMA_CONTAINERS:
-        group = len(MODEL_CONTAINERS) + EMA_CONTAINERS.index(last)
-    else:
-        group = _OTHERS
+    group = _NAMED.index(last) if last in _NAMED else len(_NAMED)
     # among the unnamed, the most weights win: the top level of {"w": …, "b": …, "epoch": 3} over a part of it
-    return group, group < _OTHERS and not candidate.strict, -candidate.nbytes, len(candidate.path)
+    return group, group < len(_NAMED) and not candidate.strict, -candidate.nbytes, len(candidate.path)
 
 
 def choose(found: Sequence[Candidate], state_key: str | None, every: Sequence[Candidate] = ()) -> Candidate | None:
@@ -203,10 +192,7 @@ def choose(found: Sequence[Candidate], state_key: str | None, every: Sequence[Ca
     if state_key is None:
         return found[0] if found else None
     wanted = state_key.strip("./")
-    for candidate in (*found, *every):
-        if candidate.name == wanted or "/".join(str(p) for p in candidate.path) == wanted:
-            return candidate
-    return None
+    return next((c for c in (*found, *every) if c.name == wanted or "/".join(map(str, c.path)) == wanted), None)
 
 
 def wrapper_prefix(names: Sequence[str], prefixes: Sequence[str] = WRAPPER_PREFIXES) -> str | None:

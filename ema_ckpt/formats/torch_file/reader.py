@@ -34,14 +34,13 @@ from ...torch_records.checks import ReadChecks
 from ...torch_records.emit import dumps_inert
 from ...torch_records.legacy import is_legacy, legacy_storage_starts, read_legacy_head
 from ...torch_records.tree import Opaque, PickledTree, check_harmless, foreign_globals, key_path, load_tree, walk
-from ...torch_records.zipfmt import END_MAGIC
+from ...torch_records.zipfmt import END_MAGIC, LOCAL_MAGIC
 from ..base import TRAINER_STATE_FILE, CarriedFile, CheckpointReader, deliver
 from ..options import DEFAULT_READ, ReadOptions
 from .model import Candidate, KeyPrefix, candidates, choose, epoch_in_tree, key_prefix, step_in_tree
 
 SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".tar")
 """File suffixes of single-file checkpoints (``.pth.tar`` ends in ``.tar``)."""
-_ZIP_MAGIC = b"PK\x03\x04"
 _ZIP_ERRORS = (zipfile.BadZipFile, OSError, EOFError, ValueError, NotImplementedError, RuntimeError)
 """What zipfile raises on a corrupt directory, a name not in UTF-8, a compression it cannot read."""
 _MAX_PICKLE_BYTES = 64 << 20  # pickled records of a few million keys
@@ -57,7 +56,7 @@ def file_kind(path: Location) -> str | None:
     try:
         with open_structure(path) as source:
             head = source.pread(4096, 0)
-            if head.startswith(_ZIP_MAGIC):
+            if head.startswith(LOCAL_MAGIC):
                 return "zip" if END_MAGIC in source.pread(_TAIL, max(0, source.size - _TAIL)) else "partial-zip"
     except OSError:
         return None
@@ -74,7 +73,6 @@ class ParsedFile:
     """{storage key: absolute offset of its first data byte}."""
     stored_bytes: dict[str, int]
     """{storage key: bytes stored for it}."""
-    size: int
     crcs: dict[str, int] = field(default_factory=dict)
     """{storage key: the CRC-32 its zip member records} (none in the legacy format)."""
 
@@ -86,18 +84,17 @@ def parse_file(source: Source, path: Location) -> ParsedFile:
         CheckpointFormatError: not a torch.save file, truncated, compressed storages, …
     """
     head, size = source.pread(4096, 0), source.size
-    if head.startswith(_ZIP_MAGIC):
+    if head.startswith(LOCAL_MAGIC):
         return _parse_zip(source, path)
     if is_legacy(head):
-        fd = source.fd()
-        if fd is None:
+        if source.fd() is None:
             raise CheckpointFormatError(path, "torch's legacy format is read through a file descriptor only")
-        object_pickle, keys, pos = read_legacy_head(fd, size, str(path))
+        object_pickle, keys, pos = read_legacy_head(source, size, str(path))
         tree = load_tree(object_pickle, str(path))
         sizes = {k: itemsize(r.dtype) if r.dtype != "untyped" else 1 for k, r in tree.storages.items()}
-        found = legacy_storage_starts(fd, size, keys, pos, sizes, str(path))
+        found = legacy_storage_starts(source, size, keys, pos, sizes, str(path))
         return ParsedFile("legacy", tree, {k: start for k, (start, _) in found.items()},
-                          {k: numel * sizes[k] for k, (_, numel) in found.items()}, size)
+                          {k: numel * sizes[k] for k, (_, numel) in found.items()})
     raise CheckpointFormatError(path, "not a torch.save file (neither a zip nor torch's legacy format)")
 
 
@@ -130,14 +127,13 @@ def _parse_zip(source: Source, path: Location) -> ParsedFile:
         if start is None:
             raise CheckpointFormatError(path, f"corrupt zip header of {member.filename}")
         starts[key], stored[key], crcs[key] = start, member.file_size, member.CRC
-    return ParsedFile("zip", tree, starts, stored, size, crcs)
+    return ParsedFile("zip", tree, starts, stored, crcs)
 
 
 @dataclass(frozen=True, slots=True)
 class _Stored:
     record: TensorRecord
     data_offset: int  # absolute offset of the storage's first byte in the file
-    name: str  # the key inside the chosen state dict, as stored (wrapper prefix included)
 
 
 def _is_tensor(value: Any) -> bool:
@@ -220,13 +216,11 @@ class TorchFileReader(CheckpointReader):
     def _index(self, parsed: ParsedFile) -> dict[str, _Stored]:
         cut = len(self.wrapper or "")
         tensors: dict[str, _Stored] = {}
-        where = self.chosen.path
-        for name, value in self.chosen.tensors.items():
+        for name, record in self.chosen.tensors.items():
             key = name[cut:]
-            shown = key_path((*where, name))
-            if not isinstance(value, TensorRecord):
-                raise CheckpointFormatError(self.path, f"key {shown!r}: {value.global_name} tensors are not supported")
-            record = value
+            shown = key_path((*self.chosen.path, name))
+            if not isinstance(record, TensorRecord):
+                raise CheckpointFormatError(self.path, f"key {shown!r}: {record.global_name} tensors are not supported")
             start = parsed.starts.get(record.storage_key)
             if start is None:
                 raise CheckpointFormatError(self.path, f"key {shown!r}: storage {record.storage_key} is missing")
@@ -245,7 +239,7 @@ class TorchFileReader(CheckpointReader):
                 raise CheckpointFormatError(self.path, f"key {shown!r}: {problem}")
             if key in tensors:
                 raise CheckpointFormatError(self.path, f"key {key!r} appears twice once nested dicts are joined")
-            tensors[key] = _Stored(record, start, name)
+            tensors[key] = _Stored(record, start)
             self.read_checks.expect(self.path.name, start, nbytes, parsed.crcs.get(record.storage_key, 0),
                                     f"key {shown!r}")
         return tensors
@@ -258,35 +252,30 @@ class TorchFileReader(CheckpointReader):
         return [Box.full(spec.shape)] if spec.numel else []
 
     def read(self, key: str, box: Box, out: torch.Tensor | None = None) -> torch.Tensor:
-        return deliver(key, box, self._read(key, box), out)
-
-    def _read(self, key: str, box: Box) -> torch.Tensor:
         stored = self._tensors[key]
         record, spec = stored.record, self._specs[key]
         size = itemsize(record.dtype)
         if record.is_contiguous and box.sizes and box.sizes[1:] == spec.shape[1:]:
             row = math.prod(spec.shape[1:])
-            out = torch.empty(box.sizes, dtype=spec.dtype)
-            start = stored.data_offset + (record.storage_offset + box.offsets[0] * row) * size
-            self._pread_into(out, start)
-            return out
+            rows = torch.empty(box.sizes, dtype=spec.dtype)
+            self._pread_into(rows, stored.data_offset + (record.storage_offset + box.offsets[0] * row) * size)
+            return deliver(key, box, rows, out)
         # Any other view: read the storage span the box reaches, from its first element to its last.
         first = record.storage_offset + sum(o * st for o, st in zip(box.offsets, record.stride, strict=True))
         reach = 1 + sum((n - 1) * st for n, st in zip(box.sizes, record.stride, strict=True)) if box.numel else 0
         flat = torch.empty(reach, dtype=spec.dtype)
         if reach:
             self._pread_into(flat, stored.data_offset + first * size)
-        return torch.as_strided(flat, box.sizes, record.stride).clone() if box.numel else flat.reshape(box.sizes)
+        view = torch.as_strided(flat, box.sizes, record.stride).clone() if box.numel else flat.reshape(box.sizes)
+        return deliver(key, box, view, out)
 
     def read_back(self, length: int, offset: int) -> bytes:
         """``length`` bytes of the file at ``offset`` (what :class:`ReadChecks` reads to settle a storage)."""
         return self._source.pread(length, offset)
 
     def _pread_into(self, out: torch.Tensor, offset: int) -> None:
-        view = memoryview(out.reshape(-1).view(torch.uint8).numpy())
-        if not self._source.fill(view, offset):
-            raise CheckpointFormatError(self.path, f"truncated: expected {len(view)} bytes at offset {offset}")
-        self.read_checks.saw(self.path.name, offset, view)
+        self.read_checks.fill(self._source, self.path.name, memoryview(out.reshape(-1).view(torch.uint8).numpy()),
+                              offset)
 
     @classmethod
     def step_of(cls, path: Location) -> int | None:
