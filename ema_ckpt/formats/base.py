@@ -60,19 +60,6 @@ CARRIED_FILES = (*CARRIED_NAMES, TRAINER_STATE_FILE, SAFETENSORS_METADATA_FILE)
 MAX_CARRIED_BYTES = 16 << 20
 
 
-def carried_files_in(folder: Location) -> list[CarriedFile]:
-    """The :data:`CARRIED_FILES` present in ``folder`` (regular files up to 16 MiB)."""
-    found = []
-    for name in CARRIED_FILES:
-        file = folder / name
-        try:
-            if file.is_file() and not file.is_symlink() and file.stat().st_size <= MAX_CARRIED_BYTES:
-                found.append(CarriedFile(name, file.read_bytes()))
-        except OSError:
-            continue
-    return found
-
-
 @dataclass(frozen=True, slots=True)
 class StoredBox:
     """A stored box with no rank: the default :meth:`CheckpointReader.chunks` entry."""
@@ -198,8 +185,18 @@ class CheckpointReader(abc.ABC):
 
     def carried_files(self) -> Sequence[CarriedFile]:
         """Files beside the weights that an output made from this checkpoint carries
-        (default: the :data:`CARRIED_FILES` in its folder)."""
-        return carried_files_in(self.path) if self.path.is_dir() else ()
+        (default: the :data:`CARRIED_FILES` in its folder, regular files up to 16 MiB)."""
+        if not self.path.is_dir():
+            return ()
+        found = []
+        for name in CARRIED_FILES:
+            file = self.path / name
+            try:
+                if file.is_file() and not file.is_symlink() and file.stat().st_size <= MAX_CARRIED_BYTES:
+                    found.append(CarriedFile(name, file.read_bytes()))
+            except OSError:
+                continue
+        return found
 
     def __enter__(self) -> CheckpointReader:
         return self
@@ -244,10 +241,6 @@ def deliver(key: str, box: Box, value: torch.Tensor, out: torch.Tensor | None) -
     return out.copy_(value)
 
 
-def _no_step(_path: Location) -> int | None:
-    return None
-
-
 @dataclass(frozen=True, slots=True)
 class CheckpointFormat:
     """One registered format: how to recognise it and how to open it.
@@ -266,7 +259,7 @@ class CheckpointFormat:
     records_step: bool = False
     step_label: str | None = None
     """How ``inspect`` names the record the step comes from (``DeepSpeed global_steps``)."""
-    step_of: Callable[[Location], int | None] = _no_step
+    step_of: Callable[[Location], int | None] = lambda _path: None
     step_record: Callable[[Location], tuple[int, str] | None] | None = None
     """The step and where it was read (``global_step in the file``), where it depends on the
     checkpoint; else ``step_of`` with :attr:`step_label`."""

@@ -2,6 +2,6 @@
 :class:`DcpReader`, written by :mod:`.writer` and :mod:`.output`."""
 
 from .metadata import METADATA_FILE, StoredChunk, load_metadata
-from .reader import FORMAT, DcpReader, open_dcp
+from .reader import FORMAT, DcpReader
 
-__all__ = ["FORMAT", "METADATA_FILE", "DcpReader", "StoredChunk", "load_metadata", "open_dcp"]
+__all__ = ["FORMAT", "METADATA_FILE", "DcpReader", "StoredChunk", "load_metadata"]

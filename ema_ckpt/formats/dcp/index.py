@@ -184,8 +184,7 @@ class MetadataIndex:
         """Every tensor's chunks from ``metadata``, whose entries are removed as they are used:
         the parsed metadata and the index never both exist whole (at 200,000 keys, each is
         over 100 MiB)."""
-        storage = self._storage_index(metadata)
-        tensor_records = storage["tensor"]
+        tensor_records, blobs = self._storage_index(metadata)
         entries = metadata.state_dict_metadata
         seen: dict[tuple[int, ...], tuple[int, ...]] = {}  # one object per distinct shape or offset
         pairs: dict[tuple[tuple[int, ...], str], tuple[tuple[int, ...], str]] = {}  # and per (shape, dtype)
@@ -195,8 +194,8 @@ class MetadataIndex:
                 raise TypeError(f"key {key!r} is not a string")
             if not hasattr(entry, "chunks"):
                 self.non_tensor_keys.append(key)
-                if key in storage.get("bytes", {}):
-                    self._bytes_records[key] = storage["bytes"][key]
+                if key in blobs:
+                    self._bytes_records[key] = blobs[key]
                 continue
             shape = _ints(entry.size, seen)
             if any(d < 0 for d in shape):
@@ -232,9 +231,9 @@ class MetadataIndex:
             self._stored[key] = pairs.setdefault(stored, stored)
             self._chunks[key] = chunks
         # the records no chunk holds (empty chunks, records no entry names): stored_records() adds the rest
-        self._records_all = [*tensor_records.values(), *storage.get("bytes", {}).values()]
+        self._records_all = [*tensor_records.values(), *blobs.values()]
 
-    def _storage_index(self, metadata: Any) -> dict[str, dict[Any, tuple[str, int, int]]]:
+    def _storage_index(self, metadata: Any) -> tuple[dict[Any, tuple[str, int, int]], dict[Any, tuple[str, int, int]]]:
         tensor: dict[Any, tuple[str, int, int]] = {}
         blobs: dict[Any, tuple[str, int, int]] = {}
         storage_data = metadata.storage_data or {}
@@ -258,5 +257,5 @@ class MetadataIndex:
                 blobs[index.fqn] = where
             else:
                 tensor[(index.fqn, tuple(int(o) for o in index.offset))] = where
-        return {"tensor": tensor, "bytes": blobs}
+        return tensor, blobs
 

@@ -82,9 +82,7 @@ class _Emitter(op.Opcodes):
 
 def _tensor_header(emit: _Emitter, dtype: str) -> None:
     """A ``TensorStorageMetadata`` up to its size: the class, then properties of ``dtype``."""
-    emit.new(_METADATA_MODULE, "TensorStorageMetadata")
-    emit.begin_state()
-    emit.string("properties")
+    _header(emit, _METADATA_MODULE, "TensorStorageMetadata", "properties")
     emit.new(_METADATA_MODULE, "TensorProperties")
     emit.out += op.MARK  # its state is a 5-tuple: dtype, layout, requires_grad, memory format, pinned
     emit.global_("torch", dtype)
@@ -117,8 +115,7 @@ def dump_metadata(tensors: Tensors, blobs: Blobs, planner_data: Mapping[str, Seq
     """The bytes of DCP ``Metadata`` (version ``1.0.0``), keys in the given order.
 
     ``tensors``: key → (dtype name, shape, chunks with their records); ``blobs``: key → a
-    non-tensor entry's record; ``planner_data``: key → its path in the nested state dict. Keys
-    keep the given order.
+    non-tensor entry's record; ``planner_data``: key → its path in the nested state dict.
     """
     buffer = io.BytesIO()
     write_metadata(buffer, tensors, blobs, planner_data)

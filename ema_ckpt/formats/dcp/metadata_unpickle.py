@@ -113,13 +113,6 @@ class _Inert:
         return f"{self._type_name}({self.fields()})"
 
 
-def _record_class(name: str, fields: tuple[str, ...], base: type[_Inert] = _Inert,
-                  defaults: dict[str, Any] | None = None) -> type[_Inert]:
-    return type(name, (base,), {"__slots__": fields, "_type_name": name,
-                                "_slot_names": base._slot_names | frozenset(fields),
-                                "_defaults": {**base._defaults, **(defaults or {})}})
-
-
 class _MetadataIndex(_Inert):
     """Hashes like torch's ``MetadataIndex``: by key and chunk offset (not the index hint)."""
 
@@ -190,7 +183,10 @@ _BASES: dict[str, type[_Inert]] = {cls._type_name: cls for cls in (_MetadataInde
 
 def _standin(name: str) -> type[_Inert]:
     """A fresh class for ``name`` (see :func:`_fresh_standins`)."""
-    cls = _record_class(name, _FIELDS.get(name, ()), _BASES.get(name, _Inert), _DEFAULTS.get(name))
+    base, fields = _BASES.get(name, _Inert), _FIELDS.get(name, ())
+    cls = type(name, (base,), {"__slots__": fields, "_type_name": name,
+                               "_slot_names": base._slot_names | frozenset(fields),
+                               "_defaults": {**base._defaults, **_DEFAULTS.get(name, {})}})
     if name == "TensorStorageMetadata":
         cls._interned = {}  # type: ignore[attr-defined]
     return cls
@@ -213,21 +209,18 @@ _PATH_CLASSES = {"PosixPath", "PurePosixPath", "Path", "WindowsPath", "PureWindo
 def _fresh_standins() -> dict[tuple[str, str], Any]:
     """New stand-in classes and functions for one load: a pickle can set attributes on the
     classes it is handed (BUILD on a class), and such edits stay inside that load."""
-    standins: dict[tuple[str, str], Any] = {}
-    for name in _DCP_METADATA_CLASSES - {"_MEM_FORMAT_ENCODING"}:
-        standins[(_DCP_METADATA_MODULE, name)] = _standin(name)
-    standins[(_DCP_METADATA_MODULE, "_MEM_FORMAT_ENCODING")] = lambda value: value
-    standins[(_DCP_FILESYSTEM_MODULE, "_StorageInfo")] = _standin("_StorageInfo")
-    # Megatron's torch_dist strategy keeps its cached save plans in the metadata
-    # (``all_local_plans``); they are read into inert bags like the rest, and never used.
-    for name in _DCP_PLANNER_CLASSES:
-        standins[(_DCP_PLANNER_MODULE, name)] = _standin(name)
-    standins[("torch.serialization", "_get_layout")] = lambda name: str(name)
-    standins[("torch", "Size")] = _interning_size()
-    for module in ("pathlib", "pathlib._local"):
-        for name in _PATH_CLASSES:
-            standins[(module, name)] = lambda *parts: "/".join(str(p) for p in parts)
-    return standins
+    return {
+        **{(_DCP_METADATA_MODULE, name): _standin(name) for name in _DCP_METADATA_CLASSES - {"_MEM_FORMAT_ENCODING"}},
+        (_DCP_METADATA_MODULE, "_MEM_FORMAT_ENCODING"): lambda value: value,
+        (_DCP_FILESYSTEM_MODULE, "_StorageInfo"): _standin("_StorageInfo"),
+        # Megatron's torch_dist strategy keeps its cached save plans in the metadata
+        # (``all_local_plans``); they are read into inert bags like the rest, and never used.
+        **{(_DCP_PLANNER_MODULE, name): _standin(name) for name in _DCP_PLANNER_CLASSES},
+        ("torch.serialization", "_get_layout"): lambda name: str(name),
+        ("torch", "Size"): _interning_size(),
+        **{(module, name): lambda *parts: "/".join(str(p) for p in parts)
+           for module in ("pathlib", "pathlib._local") for name in _PATH_CLASSES},
+    }
 
 
 _TORCH_VALUES: dict[tuple[str, str], Any] = {**TORCH_DTYPES, **{("torch", n): n for n in _LAYOUTS | _MEMORY_FORMATS}}

@@ -52,7 +52,6 @@ class DcpReader(MetadataIndex, ChunkRecords, CheckpointReader):
         self._names: dict[str, str] = {}
         self._fallback: tuple[tuple[str, int], torch.Tensor] | None = None
         self._records: dict[tuple[str, int], tuple[int, TensorRecord] | None] = {}
-        self._specs: Mapping[str, TensorSpec] | None = None  # made on first use
         self.read_checks = ReadChecks(self._name, lambda file, n, offset: self._fd(file).pread(n, offset))
         if shared is not None:  # parsed by another worker: see share()
             for name in self._SHARED:
@@ -75,12 +74,10 @@ class DcpReader(MetadataIndex, ChunkRecords, CheckpointReader):
         return shared
 
     def specs(self) -> Mapping[str, TensorSpec]:
-        if self._specs is None:
-            structure = self._structure
-            if structure.specs is None:
-                structure.specs = StoredSpecs(self._stored)
-            self._specs = structure.specs
-        return self._specs
+        structure = self._structure
+        if structure.specs is None:  # made on first use
+            structure.specs = StoredSpecs(self._stored)
+        return structure.specs
 
     def stored(self) -> Mapping[str, tuple[tuple[int, ...], str]]:
         return self._stored
@@ -201,11 +198,7 @@ class DcpReader(MetadataIndex, ChunkRecords, CheckpointReader):
         self._fds.clear()
 
 
-def open_dcp(path: Location, read: ReadOptions = DEFAULT_READ) -> DcpReader:
-    return DcpReader(path, read=read)
-
-
 FORMAT = register_format(CheckpointFormat(
-    "dcp", detect=is_dcp, open=open_dcp, incomplete=incomplete,
+    "dcp", detect=is_dcp, open=lambda path, read: DcpReader(path, read=read), incomplete=incomplete,
     reopen=lambda path, shared, read: DcpReader(path, read=read, shared=shared)))
 

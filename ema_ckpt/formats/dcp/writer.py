@@ -32,7 +32,7 @@ from ...torch_records import write_tensor_record
 from ...torch_records.write import STORAGE_ALIGNMENT
 from ...writers.base import WrittenFile
 from .chunks import ChunkTable
-from .metadata import METADATA_FILE
+from .metadata import DATA_FILE, METADATA_FILE
 from .metadata_pickle import write_metadata
 from .metadata_unpickle import check_written_file
 
@@ -108,11 +108,8 @@ def data_file_name(rank: int, part: int = 0, tag: str | None = None) -> str:
 
 
 def _file_sort_key(name: str) -> tuple[int, int, str]:
-    parts = name.removeprefix("__").removesuffix(".distcp").split(".")[0].split("_")
-    try:
-        return int(parts[0]), int(parts[1]), name
-    except (IndexError, ValueError):
-        return (1 << 62, 0, name)
+    found = DATA_FILE.match(name)
+    return (int(found[1]), int(found[2]), name) if found else (1 << 62, 0, name)
 
 
 IDLE_BYTES = 32 << 20

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 from ..._lazy import torch
+from ...dtypes import SAFETENSORS_CODES
 from ...errors import CheckpointFormatError
 from ...layout import TensorSpec
 from ...storage import Location, open_structure
@@ -34,17 +35,13 @@ __all__ = ["FileHeader", "dtypes", "read_header", "read_metadata", "sorted_specs
 
 _MAX_HEADER = 100_000_000  # the limit safetensors itself enforces
 
-# Safetensors dtype names torch can hold; float8 and unsigned kinds only where this
-# torch has them. Sub-byte kinds (F4, F6_*) pack several values per byte: not supported.
+# Safetensors dtype names torch can hold: those the writer stores, and float8 kinds it reads
+# only; float8 and unsigned kinds only where this torch has them. Sub-byte kinds (F4, F6_*)
+# pack several values per byte: not supported.
 _DTYPE_NAMES = (
-    ("F64", "float64"), ("F32", "float32"), ("F16", "float16"), ("BF16", "bfloat16"),
-    ("I64", "int64"), ("I32", "int32"), ("I16", "int16"), ("I8", "int8"),
-    ("U64", "uint64"), ("U32", "uint32"), ("U16", "uint16"), ("U8", "uint8"),
-    ("BOOL", "bool"), ("C64", "complex64"),
-    ("F8_E4M3", "float8_e4m3fn"), ("F8_E5M2", "float8_e5m2"),
-    ("F8_E4M3FNUZ", "float8_e4m3fnuz"), ("F8_E5M2FNUZ", "float8_e5m2fnuz"),
-    ("F8_E8M0", "float8_e8m0fnu"),
-)  # fmt: skip
+    *((code, name) for name, code in SAFETENSORS_CODES.items()),
+    ("F8_E4M3FNUZ", "float8_e4m3fnuz"), ("F8_E5M2FNUZ", "float8_e5m2fnuz"), ("F8_E8M0", "float8_e8m0fnu"),
+)
 
 
 @functools.cache
@@ -60,9 +57,9 @@ class FileHeader:
     size: int
     metadata: dict[str, str]
     tensors: dict[str, TensorSpec]
-    offsets: dict[str, int] = field(default_factory=dict)
+    offsets: dict[str, int]
     """Each tensor's first byte in the file (the header included)."""
-    shared: object = field(default=None, repr=False, compare=False)
+    shared: _Parsed = field(repr=False, compare=False)
     """Keeps the shared parsed layout alive (``tensors`` and ``offsets`` are its dicts: never changed)."""
 
 
@@ -165,14 +162,11 @@ def sorted_specs(header: FileHeader) -> tuple[dict[str, TensorSpec], StoredView]
     """``header.tensors`` in key order, and their :class:`~..base.StoredView`: the same objects
     for every file of one parsed layout."""
     parsed = header.shared
-    if isinstance(parsed, _Parsed) and parsed.tensors is header.tensors:
-        if parsed.sorted is None:
-            in_order = all(a < b for a, b in itertools.pairwise(parsed.tensors))  # as writers save them
-            specs = parsed.tensors if in_order else dict(sorted(parsed.tensors.items()))
-            parsed.sorted = specs, StoredView(specs)
-        return parsed.sorted
-    specs = dict(sorted(header.tensors.items()))
-    return specs, StoredView(specs)
+    if parsed.sorted is None:
+        in_order = all(a < b for a, b in itertools.pairwise(parsed.tensors))  # as writers save them
+        specs = parsed.tensors if in_order else dict(sorted(parsed.tensors.items()))
+        parsed.sorted = specs, StoredView(specs)
+    return parsed.sorted
 
 
 _PARSED: weakref.WeakValueDictionary[tuple[bytes, int, int], _Parsed] = weakref.WeakValueDictionary()

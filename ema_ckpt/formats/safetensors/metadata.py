@@ -66,18 +66,17 @@ def metadata_file(metadata: Mapping[str, str]) -> CarriedFile | None:
 
 def metadata_from_carried(files: Sequence[CarriedFile], source: Location | str) -> dict[str, str]:
     """The header metadata among carried files ({} when none; ``CheckpointFormatError`` when edited badly)."""
-    for file in files:
-        if file.name != SAFETENSORS_METADATA_FILE:
-            continue
-        where = f"{source}/{file.name}"
-        try:
-            doc = json.loads(file.data)
-        except (ValueError, UnicodeDecodeError) as err:
-            raise CheckpointFormatError(where, f"not JSON ({err})") from None
-        if not isinstance(doc, dict) or not all(isinstance(v, str) for v in doc.values()):
-            raise CheckpointFormatError(where, "not a JSON object of strings")
-        return carried_metadata(doc) or {}
-    return {}
+    file = next((f for f in files if f.name == SAFETENSORS_METADATA_FILE), None)
+    if file is None:
+        return {}
+    where = f"{source}/{file.name}"
+    try:
+        doc = json.loads(file.data)
+    except (ValueError, UnicodeDecodeError) as err:
+        raise CheckpointFormatError(where, f"not JSON ({err})") from None
+    if not isinstance(doc, dict) or not all(isinstance(v, str) for v in doc.values()):
+        raise CheckpointFormatError(where, "not a JSON object of strings")
+    return carried_metadata(doc) or {}
 
 
 def provenance(*, kind: str | None = None, step: int | None = None,

@@ -110,10 +110,6 @@ def _missing(index: Location, weight_map: Mapping[str, str]) -> list[str]:
     return sorted(n for n in set(weight_map.values()) if not (index.parent / n).is_file())
 
 
-def _detect(path: Location) -> bool:
-    return _locate(path) is not None and not missing_shards(path)
-
-
 def _incomplete(path: Location) -> str | None:
     missing = missing_shards(path)
     if missing:
@@ -147,17 +143,14 @@ class SafetensorsReader(CheckpointReader):
         self._readables: dict[Location, Source] = {}
         self._specs: dict[str, TensorSpec]
         self._stored: StoredView
-        self._starts: Mapping[str, int]
         if self.index is None:  # one file: its header's dicts serve, shared with files of the same header
             self.headers = [read_header(files[0])]
-            self._starts = self.headers[0].offsets
+            self._starts: Mapping[str, int] = self.headers[0].offsets
             self._specs, self._stored = sorted_specs(self.headers[0])
         else:
             self.headers, self._where = self._load_index(self.index)
             self._starts = {key: start for header in self.headers for key, start in header.offsets.items()}
-            merged: dict[str, TensorSpec] = {}
-            for header in self.headers:
-                merged.update(header.tensors)
+            merged = {key: spec for header in self.headers for key, spec in header.tensors.items()}
             self._specs = dict(sorted(merged.items()))
             self._stored = StoredView(self._specs)
         self.step: int | None = trainer_state_step(self.path) if self.path.is_dir() else None
@@ -295,6 +288,7 @@ def _copied_from_map(mapped: memoryview, offset: int, spec: TensorSpec, box: Box
 _SMALL_READ = 1 << 20  # whole tensors up to this size: one pread (larger ones and boxes: the memory map)
 
 FORMAT = register_format(
-    CheckpointFormat("safetensors", detect=_detect, open=lambda path, _read: SafetensorsReader(path),
+    CheckpointFormat("safetensors", detect=lambda path: _locate(path) is not None and not missing_shards(path),
+                     open=lambda path, _read: SafetensorsReader(path),
                      incomplete=_incomplete, step_of=SafetensorsReader.step_of)
 )
