@@ -136,17 +136,14 @@ checkpoints more often (at least every 50 steps), or choose a longer EMA (a larg
     count = f"only {sparse.in_window} checkpoint{' falls' if sparse.in_window == 1 else 's fall'}"
     every = math.floor(sparse.window / 20 * (1 + 1e-9))  # the spacing the planner accepts (999.99…/20: 50)
     often = f"at least every {every:,} steps" if every > 1 else "every step"
+    # past 100% the estimate means little
+    error = f"of about {100 * sparse.rel_error:.0f}%" if sparse.rel_error < 1 else "over 100%"
     return Note.joined("", [
         f"this EMA averages over about the last {max(sparse.window, 1):,.0f} steps, but checkpoints are up to "
         f"{sparse.gap:,} steps apart (between steps {sparse.after:,} and {sparse.before:,}), so {count} in that "
         f"span: the result is an average of those few checkpoints and keeps more of the training noise than an "
-        f"EMA of every step would (a relative error {_rough_percent(sparse.rel_error)}); save checkpoints more "
+        f"EMA of every step would (a relative error {error}); save checkpoints more "
         f"often ({often}), or choose a longer EMA (", longer, ")"])
-
-
-def _rough_percent(fraction: float) -> str:
-    """'of about 32%'; 'over 100%' from there on (the estimate means little beyond)."""
-    return f"of about {100 * fraction:.0f}%" if fraction < 1 else "over 100%"
 
 
 def plan_posthoc(

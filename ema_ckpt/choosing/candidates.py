@@ -109,23 +109,18 @@ def plan_candidates(checkpoints: Sequence[str | Location], spec: CandidateSpec, 
                 notes.append(f"{name}: only {len(raw)} checkpoints; averaging all of them")
             outputs.append(average_output(name, raw, last=k, every=spec.every, weights=weights))
     for path in spec.emas:
-        ema = _classic_ema(as_path(path), many=len(spec.emas) > 1)
-        inputs.append(ema.inputs[0])
-        outputs.append(ema.outputs[0])
+        ema, ema_output = _classic_ema(as_path(path), many=len(spec.emas) > 1)
+        inputs.append(ema)
+        outputs.append(ema_output)
     if spec.singles:
         chosen = raw if spec.singles == ALL else raw[-spec.singles:]
-        outputs.extend(single_output(c) for c in chosen)
+        outputs.extend(PlannedOutput(f"step_{c.step}", c.step, [Term(str(c.path), c.step, 1.0)],
+                                     profile={"kind": "single"}) for c in chosen)  # each checkpoint on its own
     _check_unique([o.name for o in outputs])
     return Plan("select", inputs, outputs, notes)
 
 
-def single_output(checkpoint: FoundCheckpoint) -> PlannedOutput:
-    """A checkpoint on its own, as a candidate (``step_<N>``)."""
-    return PlannedOutput(f"step_{checkpoint.step}", checkpoint.step, [Term(str(checkpoint.path), checkpoint.step, 1.0)],
-                         profile={"kind": "single"})
-
-
-def _classic_ema(path: Location, *, many: bool) -> Plan:
+def _classic_ema(path: Location, *, many: bool) -> tuple[FoundCheckpoint, PlannedOutput]:
     """An ``accumulate`` output as a candidate, taken whole (its manifest gives the step)."""
     if not (path / MANIFEST_NAME).is_file():
         raise CheckpointNotFoundError(path, "is not an ema-ckpt output (no ema-ckpt.json): give the {out} of an "
@@ -135,10 +130,9 @@ def _classic_ema(path: Location, *, many: bool) -> Plan:
     if manifest is None or fmt is None:
         raise CheckpointNotFoundError(path, "is not an EMA ema-ckpt can read")
     name = f"ema_{_label(path.name)}" if many else "ema"
-    found = FoundCheckpoint(path, manifest.step, fmt.name, step_source="manifest")
-    output = PlannedOutput(name, manifest.step, [Term(str(path), manifest.step, 1.0)],
-                           profile={"kind": "ema", **manifest.profile})
-    return Plan("select", [found], [output])
+    return (FoundCheckpoint(path, manifest.step, fmt.name, step_source="manifest"),
+            PlannedOutput(name, manifest.step, [Term(str(path), manifest.step, 1.0)],
+                          profile={"kind": "ema", **manifest.profile}))
 
 
 def _check_unique(names: list[str]) -> None:

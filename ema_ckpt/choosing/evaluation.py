@@ -135,8 +135,7 @@ class Tail:
         """The tail as text; when the start was dropped, from its first whole line on."""
         data = bytes(self.data)
         if self.dropped:
-            cut = data.find(b"\n")
-            data = data[cut + 1:] if cut >= 0 else data
+            data = data[data.find(b"\n") + 1:]  # none: -1, the whole tail
         return data.decode(errors="replace")
 
 
@@ -260,13 +259,11 @@ def _log_files(log: Path | None, line: str) -> Iterator[tuple[BinaryIO | None, B
         yield None, None
         return
     out = err = None
-    try:
+    with contextlib.suppress(OSError):  # a log is a convenience: never a reason to lose the score
         log.parent.mkdir(parents=True, exist_ok=True)
         out = open(log, "wb")  # noqa: SIM115  (closed below)
         out.write(f"$ {line}\n--- stdout\n".encode(errors="replace"))
         err = open(log.with_name(log.name + ".stderr"), "w+b")  # noqa: SIM115
-    except OSError:
-        pass  # a log is a convenience: never a reason to lose the score
     try:
         yield out, err
     finally:
@@ -282,7 +279,7 @@ def _finish_log(log: Path | None, out: BinaryIO | None, err: BinaryIO | None, co
     """Append the stderr and the status to the log."""
     if log is None or out is None:
         return
-    try:
+    with contextlib.suppress(OSError):
         out.write(b"\n--- stderr\n")
         if err is not None:
             err.seek(0)
@@ -291,8 +288,6 @@ def _finish_log(log: Path | None, out: BinaryIO | None, err: BinaryIO | None, co
         status = "timed out" if code is None else f"exit {code}"
         out.write(f"\n[{status}]\n".encode())
         out.flush()
-    except OSError:
-        pass
 
 
 def _last_line(text: str) -> str:

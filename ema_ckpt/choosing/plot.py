@@ -27,9 +27,7 @@ def series(scores: dict[str, float], sigma_rels: dict[str, float]) -> dict[str, 
     for name, score in scores.items():
         if name in sigma_rels:
             panels.setdefault("σ_rel", []).append((sigma_rels[name], score, name))
-            continue
-        match = _LAST.match(name)
-        if match:
+        elif match := _LAST.match(name):
             label = f"K ({match.group('weights') or 'uniform'})"
             panels.setdefault(label, []).append((float(match.group("k")), score, name))
     return {label: sorted(points) for label, points in panels.items() if len(points) >= 2}

@@ -46,8 +46,7 @@ def greedy_soup(ingredients: Sequence[str], score: Callable[[Sequence[str]], flo
     Raises:
         ValueError: no ingredient scores on its own.
     """
-    alone = [(name, score([name])) for name in ingredients]
-    scored = [(name, s) for name, s in alone if s is not None]
+    scored = [(name, s) for name in ingredients if (s := score([name])) is not None]
     if not scored:
         raise ValueError("no ingredient could be scored on its own")
     # best first; ties keep the given order (the newest checkpoint first when the caller lists them so)

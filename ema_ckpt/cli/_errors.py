@@ -47,8 +47,7 @@ def exit_codes_help() -> str:
 
 
 def _first_line(text: str) -> str:
-    text = text.strip()
-    return text.splitlines()[0] if text else ""
+    return (text.strip().splitlines() or [""])[0]
 
 
 def error_message(err: BaseException) -> tuple[str, int]:

@@ -182,8 +182,7 @@ def inspect_command(
     report = inspect_checkpoint(**args)
     if json_output:
         print_json(report.to_dict(streamed=True))
-        return
-    if quiet:
+    if json_output or quiet:
         return
     summary = summary_grid()
     for label, value in summary_rows(report, all_items=all_keys):

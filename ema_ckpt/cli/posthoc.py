@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 if TYPE_CHECKING:
-    from ..commands.averaging import Plan, RunResult
+    from ..commands.averaging import Plan
 
 from ..errors import UsageError
 from . import _options as opt
@@ -74,9 +74,16 @@ def _format_line(plan: Plan, out: str | Path | None) -> str:
     return f"output format {fmt}: {where}{os.sep}{each}{data}"
 
 
-def _finish(result: Plan | RunResult, json_output: bool, quiet: bool, out: str | Path | None) -> None:
-    from ..commands.averaging import Plan
+def _run(kind: str, args: dict[str, Any], json_output: bool, quiet: bool) -> None:
+    """Run ``posthoc`` or ``average`` (``kind``) and show its result."""
+    out, dry_run = args["out"], args["dry_run"]
+    if out is None and not dry_run:
+        raise UsageError("--out is required (unless --dry-run)")
+    from ..commands.averaging import Plan, average, posthoc
 
+    with progress_bar(kind, enabled=not (quiet or json_output or dry_run)) as on_progress:
+        result = (posthoc if kind == "posthoc" else average)(**args | {"out": out or Path(kind)},
+                                                              on_progress=on_progress)
     if isinstance(result, Plan):
         if json_output:
             print_json(result.to_json())
@@ -98,19 +105,6 @@ def _finish(result: Plan | RunResult, json_output: bool, quiet: bool, out: str |
                       f"{plural(len(result.outputs), 'output')}, "
                       f"{files_written(result.files_written, result.bytes_written)}, {result.seconds:.1f} s",
                       highlight=False)
-
-
-def _run(kind: str, args: dict[str, Any], json_output: bool, quiet: bool) -> None:
-    """Run ``posthoc`` or ``average`` (``kind``) and show its result."""
-    out, dry_run = args["out"], args["dry_run"]
-    if out is None and not dry_run:
-        raise UsageError("--out is required (unless --dry-run)")
-    from ..commands.averaging import average, posthoc
-
-    with progress_bar(kind, enabled=not (quiet or json_output or dry_run)) as on_progress:
-        result = (posthoc if kind == "posthoc" else average)(**args | {"out": out or Path(kind)},
-                                                              on_progress=on_progress)
-    _finish(result, json_output, quiet, out)
 
 
 @reports_errors

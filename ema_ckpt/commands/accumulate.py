@@ -256,10 +256,8 @@ class AccumulateJob(Job[FoldPlan, _Folded, AccumulateResult]):
         opts = self.options
         if opts.dry_run:
             return []
-        if not opts.power:
-            return [opts.out_path]
         # staging directories of sweeps live beside OUT
-        return [opts.out_path] + [opts.out_path / name for name, _ in opts.profiles()]
+        return [opts.out_path] + [opts.out_path / name for name, _ in opts.profiles() if opts.power]
 
     def plan(self, notes: list[str]) -> FoldPlan:
         opts = self.options

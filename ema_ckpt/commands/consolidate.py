@@ -137,8 +137,7 @@ def consolidate(
     directory = ends_in_separator(out)  # "hf/": said before Path(out) drops the "/"
     given = dict(locals())
     del given["on_progress"], given["directory"]
-    args = command_options(given)
-    args["src"] = as_path(src)
+    args = command_options(given) | {"src": as_path(src)}
     args["format"] = choose_output_format(args["out"], format, directory=directory).name
     options = ConsolidateOptions(**args)
     check_not_overlapping(options.src, options.out)

@@ -202,8 +202,7 @@ def _ignored_weights(path: Location, chosen: str) -> list[str]:
         name = fmt.name
         if name == chosen or not fmt.detect(path):
             continue
-        suffixes = _SUFFIXES.get(name, ())
-        files = sorted(p.name for p in path.iterdir() if p.is_file() and p.name.endswith(suffixes))
+        files = sorted(p.name for p in path.iterdir() if p.is_file() and p.name.endswith(_SUFFIXES.get(name, ())))
         shown = ", ".join(files[:3]) or name
         target = path / files[0] if len(files) == 1 else path
         notes.append(f"{shown} ({name}) ignored: the {chosen} weights are read"

@@ -15,7 +15,7 @@ from ..engine import OutputSpec, Update
 from ..errors import Note, OptionError, UsageError
 from ..job_context import JobContext
 from ..jobs import Job, Target, run_job
-from ..manifest import MANIFEST_NAME, Manifest, check_not_overlapping
+from ..manifest import Manifest, check_not_overlapping
 from ..options import RUNTIME, KeyFields, ReadFields, RunFields, command_options
 from ..progress import Progress
 from ..selection import carry_into, select_keys
@@ -84,9 +84,7 @@ def reshard(
     """
     given = dict(locals())
     del given["on_progress"]
-    args = command_options(given)
-    args["src"] = as_path(src)
-    options = ReshardOptions(**args)
+    options = ReshardOptions(**command_options(given) | {"src": as_path(src)})
     check_not_overlapping(options.src, options.out)
     return run_job(ReshardJob(options), on_progress=on_progress)
 
@@ -141,8 +139,7 @@ class ReshardJob(Job[None, _Written, ReshardResult]):
         return _Written(len(keys), [(f.name, f.size, f.crc32) for f in written.files[0]], notes)
 
     def manifests(self, plan: None, computed: _Written) -> list[Manifest | None]:
-        src = self.options.src
-        manifest = Manifest.read(src) if src.is_dir() and (src / MANIFEST_NAME).exists() else None
+        manifest = Manifest.read(self.options.src)
         if manifest is not None:  # an ema-ckpt output stays one, with its new files
             manifest.files = {name: {"size": size, "crc32": crc} for name, size, crc in computed.files}
         return [manifest]

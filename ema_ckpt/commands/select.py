@@ -32,7 +32,7 @@ from ..engine import check_device
 from ..errors import EvaluationError, IncompatibleCheckpointError, OptionError
 from ..formats.options import read_options_from
 from ..jobs import recorded_options, run_job
-from ..manifest import MANIFEST_NAME, Manifest, current_fingerprint
+from ..manifest import Manifest, current_fingerprint
 from ..options import RUNTIME
 from ..plans import Plan, PlannedOutput, average_output
 from ..profile_specs import parse_count_list, parse_weights
@@ -197,9 +197,8 @@ class _Selector:
                            timeout=self.opts["eval_timeout"], log=self.work / "logs" / f"{output.name}.log")
         self.evaluated += 1
         terms = [{"path": t.path, "step": t.step, "coefficient": t.coefficient} for t in output.terms]
-        inputs = {t.path: self.fingerprints[t.path] for t in output.terms}
         self.cache.put(key, CacheEntry(output.name, outcome.score, outcome.error, round(outcome.seconds, 3), terms,
-                                       inputs))
+                                       {t.path: self.fingerprints[t.path] for t in output.terms}))
         self._record(output, outcome, cached=False)
         self.on_event(SelectEvent("evaluated" if outcome.ok else "failed", output.name, index, total, outcome.score,
                                   outcome.error, outcome.seconds))
@@ -412,8 +411,6 @@ def _plan_of(plan: Plan, outputs: Sequence[PlannedOutput]) -> Plan:
 
 def _made_by_select(out: Location) -> bool:
     """Whether ``out`` holds an earlier selection's choice (replaced without ``overwrite``)."""
-    if not (out / MANIFEST_NAME).is_file():
-        return False
     manifest = Manifest.read(out)
     return manifest is not None and "selected" in manifest.options
 

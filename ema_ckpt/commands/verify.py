@@ -266,16 +266,15 @@ def _check_records(path: Location, reader: CheckpointReader, records: Sequence[t
             source = reader.open_record(file, offset, length)
         except EmaCkptError as err:
             part.problem(str(err))
-            continue
         except OSError as err:
             part.problem(f"{path / file}: cannot read ({err.strerror})")
-            continue
-        with contextlib.closing(source):
-            if _zip_crcs_ok(source, name, part):
-                part.records += 1
-                part.bytes_hashed += length
-                part.hashed_files += first
-        tally.add(length, name)
+        else:
+            with contextlib.closing(source):
+                if _zip_crcs_ok(source, name, part):
+                    part.records += 1
+                    part.bytes_hashed += length
+                    part.hashed_files += first
+            tally.add(length, name)
 
 
 def _read_checks(reader: CheckpointReader, block_bytes: int, records_checked: bool) -> list[tuple[int, _Check]]:

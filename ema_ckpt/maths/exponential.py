@@ -20,8 +20,6 @@ Example:
     >>> p = ExponentialProfile(decay=0.5)
     >>> round(p.keep_factor(10, 12), 6)
     0.25
-    >>> fold_coefficients([1.0, 0.75])
-    [0.25, 0.75]
 """
 
 from __future__ import annotations

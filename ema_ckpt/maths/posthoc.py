@@ -3,11 +3,6 @@
 Karras et al. 2024 (EDM2, arXiv 2312.02696), §3 and Appendix C: the target profile q is
 projected in L2 onto the span of the snapshots' power profiles p(τ; t, γ) = (γ+1)τ^γ/t^(γ+1)
 (``docs/posthoc.md``, ``docs/math.md``).
-
-Example:
-    >>> snaps = [Snapshot(t, g) for t in (1000, 2000) for g in (6.94, 16.97)]
-    >>> [abs(round(c, 6)) for c in posthoc_coefficients(snaps, target_gamma=6.94)]
-    [0.0, 0.0, 1.0, 0.0]
 """
 
 from __future__ import annotations

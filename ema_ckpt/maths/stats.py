@@ -1,9 +1,4 @@
-"""What a plan amounts to (``docs/math.md``): Σc, effective σ_rel, mean age, N_eff, the spacing warning.
-
-Example:
-    >>> describe_plan([10, 20], [0.5, 0.5]).n_eff
-    2.0
-"""
+"""What a plan amounts to (``docs/math.md``): Σc, effective σ_rel, mean age, N_eff, the spacing warning."""
 
 from __future__ import annotations
 

@@ -1,9 +1,4 @@
-"""Plain averaging of checkpoints (fairseq ``average_checkpoints``, LAWA): 1/k on a selection.
-
-Example:
-    >>> uniform_coefficients([10, 20, 30, 40], last=2)
-    [0.0, 0.0, 0.5, 0.5]
-"""
+"""Plain averaging of checkpoints (fairseq ``average_checkpoints``, LAWA): 1/k on a selection."""
 
 from __future__ import annotations
 
