@@ -291,7 +291,7 @@ def record_skips(accumulators: list[Accumulator], skipped: Sequence[tuple[FoundC
         if acc.previous is None or not skipped:
             continue
         acc.previous.skipped = acc.previous.skipped + skip_records(skipped)
-        acc.previous.replace(acc.final)
+        acc.previous.write(acc.final)
 
 def snapshot_steps(new_steps: list[int], last: int | None, every: int) -> list[int]:
     """Checkpoint steps at which a snapshot is taken: the first at or after each multiple of K."""

@@ -14,7 +14,6 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 from ._version import __version__
@@ -89,12 +88,9 @@ class Manifest:
         except (OSError, ValueError, TypeError, KeyError) as err:
             raise CheckpointFormatError(file, f"unreadable ema-ckpt manifest ({err})") from None
 
-    def replace(self, directory: Location) -> None:
-        """Rewrite the manifest of a published output in place, atomically (data untouched)."""
-        replace_file(directory / MANIFEST_NAME, self.to_json().encode())
-
-    def write(self, directory: Path) -> None:
-        """Write durably (the directory itself is published atomically by the caller)."""
+    def write(self, directory: Location) -> None:
+        """Write durably and atomically: into a staging published by the caller, or over the
+        manifest of a published output (its data untouched)."""
         replace_file(directory / MANIFEST_NAME, self.to_json().encode())
 
 
