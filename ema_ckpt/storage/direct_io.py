@@ -18,6 +18,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import mmap
 import os
@@ -164,11 +165,9 @@ class DirectAppender:
         return self._buffered
 
     def _release(self) -> None:
-        try:
+        with contextlib.suppress(BufferError):  # a slice is still referenced (an error's traceback): freed with it
             self._view.release()
             self._memory.close()
-        except BufferError:  # a slice is still referenced (an error's traceback): freed with it
-            pass
 
     def flush(self) -> None:
         if self._buffered is not None:

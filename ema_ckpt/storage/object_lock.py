@@ -139,13 +139,11 @@ class RemoteLock:
 
     def _renew(self) -> None:
         while not self._stop.wait(self.lease / 3):
-            try:
+            with contextlib.suppress(Exception):  # a failed renewal is retried; the lease covers two misses
                 if not self._still_mine():
                     self.lost = True
                     return
                 self._object(self.number).write_bytes(self._body())
-            except Exception:  # a failed renewal is retried; the lease covers two misses
-                continue
 
     def check(self) -> None:
         """Raise if the lock was lost (its lease ran out and another run took it)."""

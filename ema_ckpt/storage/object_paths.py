@@ -57,11 +57,11 @@ def _stat_of(info: dict[str, Any]) -> RemoteStat:
 class RemotePath:
     """A location in object storage, used where the code takes a :class:`~pathlib.Path`."""
 
-    __slots__ = ("_key", "protocol")
+    __slots__ = ("key", "protocol")
 
     def __init__(self, protocol: str, key: str) -> None:
         self.protocol = protocol
-        self._key = key.strip("/")
+        self.key = key.strip("/")  # without the protocol (``bucket/run/ckpts``), as fsspec takes it
 
     @classmethod
     def from_url(cls, url: str) -> RemotePath:
@@ -74,48 +74,43 @@ class RemotePath:
     def fs(self) -> Any:
         return filesystem(self.protocol)
 
-    @property
-    def key(self) -> str:
-        """The location without its protocol (``bucket/run/ckpts``), as fsspec takes it."""
-        return self._key
-
     def __str__(self) -> str:
-        return f"{self.protocol}://{self._key}"
+        return f"{self.protocol}://{self.key}"
 
     def __repr__(self) -> str:
         return f"RemotePath({str(self)!r})"
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, RemotePath) and (self.protocol, self._key) == (other.protocol, other._key)
+        return isinstance(other, RemotePath) and (self.protocol, self.key) == (other.protocol, other.key)
 
     def __hash__(self) -> int:
-        return hash((self.protocol, self._key))
+        return hash((self.protocol, self.key))
 
     def __lt__(self, other: RemotePath) -> bool:
         return str(self) < str(other)
 
     def __truediv__(self, part: str | os.PathLike[str]) -> RemotePath:
-        return RemotePath(self.protocol, f"{self._key}/{os.fspath(part)}".rstrip("/"))
+        return RemotePath(self.protocol, f"{self.key}/{os.fspath(part)}".rstrip("/"))
 
     @property
     def name(self) -> str:
-        return PurePosixPath(self._key).name
+        return PurePosixPath(self.key).name
 
     @property
     def suffix(self) -> str:
-        return PurePosixPath(self._key).suffix
+        return PurePosixPath(self.key).suffix
 
     @property
     def stem(self) -> str:
-        return PurePosixPath(self._key).stem
+        return PurePosixPath(self.key).stem
 
     @property
     def parent(self) -> RemotePath:
-        return RemotePath(self.protocol, str(PurePosixPath(self._key).parent))
+        return RemotePath(self.protocol, str(PurePosixPath(self.key).parent))
 
     @property
     def parents(self) -> list[RemotePath]:
-        return [RemotePath(self.protocol, str(p)) for p in PurePosixPath(self._key).parents if str(p) != "."]
+        return [RemotePath(self.protocol, str(p)) for p in PurePosixPath(self.key).parents if str(p) != "."]
 
     def with_name(self, name: str) -> RemotePath:
         return self.parent / name
@@ -127,15 +122,15 @@ class RemotePath:
         return self
 
     def relative_to(self, other: RemotePath) -> PurePosixPath:
-        return PurePosixPath(self._key).relative_to(other._key)
+        return PurePosixPath(self.key).relative_to(other.key)
 
     def _info(self) -> dict[str, Any] | None:
-        listing = current(self.protocol, self._key)
+        listing = current(self.protocol, self.key)
         if listing is not None:  # a look under way: its listing answers
-            known = listing.info(self._key)
+            known = listing.info(self.key)
             return None if known is None else dict(known)
         try:
-            info: dict[str, Any] = read_call(self, self.fs.info, self._key)
+            info: dict[str, Any] = read_call(self, self.fs.info, self.key)
         except FileNotFoundError:
             return None
         return info
@@ -162,51 +157,51 @@ class RemotePath:
 
     def iterdir(self, *, fresh: bool = False) -> Iterator[RemotePath]:
         """The entries under this prefix; ``fresh``: from a new listing, not one kept a few seconds."""
-        listing = None if fresh else current(self.protocol, self._key)
+        listing = None if fresh else current(self.protocol, self.key)
         if listing is not None:  # a look under way: its listing answers
-            children = listing.children(self._key)
+            children = listing.children(self.key)
         else:
             if fresh:
-                self.fs.invalidate_cache(self._key)
+                self.fs.invalidate_cache(self.key)
             try:
-                names = read_call(self, self.fs.ls, self._key, detail=False)
+                names = read_call(self, self.fs.ls, self.key, detail=False)
             except FileNotFoundError:
                 names = None
             children = None if names is None else [str(name).strip("/") for name in sorted(names)]
         if children is None:
             raise FileNotFoundError(errno.ENOENT, "no such prefix", str(self))
-        yield from (RemotePath(self.protocol, child) for child in children if child != self._key)
+        yield from (RemotePath(self.protocol, child) for child in children if child != self.key)
 
     def rglob(self, pattern: str) -> Iterator[RemotePath]:
         """Every object under this prefix (``pattern`` must be ``*``: all of them)."""
         if pattern != "*":
             raise ValueError("RemotePath.rglob takes only '*'")
-        found = read_call(self, self.fs.find, self._key, withdirs=False)
+        found = read_call(self, self.fs.find, self.key, withdirs=False)
         for name in sorted(found):
             yield RemotePath(self.protocol, str(name))
 
     def read_bytes(self) -> bytes:
         """The object's bytes (during a look, a small one already read in that version is kept)."""
-        return read_small(self.protocol, self._key, self._read_all)
+        return read_small(self.protocol, self.key, self._read_all)
 
     def _read_all(self, size: int | None) -> bytes:
         """The whole object; with ``size`` (as listed), one ranged request for a byte more, whose
         answer is the whole object unless it grew since."""
         if size:
-            data: bytes = read_call(self, self.fs.cat_file, self._key, start=0, end=size + 1)
+            data: bytes = read_call(self, self.fs.cat_file, self.key, start=0, end=size + 1)
             if len(data) <= size:
                 return data
-        data = read_call(self, self.fs.cat_file, self._key)
+        data = read_call(self, self.fs.cat_file, self.key)
         return data
 
     def write_bytes(self, data: bytes, *, exclusive: bool = False) -> None:
         """One PUT of the whole object (a reader sees the old bytes or the new); ``exclusive``:
         only if the key is new (``If-None-Match: *``), else ``FileExistsError``."""
-        call(self, self.fs.pipe_file, self._key, data, **({"mode": "create"} if exclusive else {}))
+        call(self, self.fs.pipe_file, self.key, data, **({"mode": "create"} if exclusive else {}))
 
     def upload(self, local: Path) -> None:
         """The local file ``local`` as this object (a multipart upload appears once complete)."""
-        call(self, self.fs.put_file, str(local), self._key)
+        call(self, self.fs.put_file, str(local), self.key)
 
     def read_text(self, encoding: str = "utf-8", errors: str = "strict") -> str:
         return self.read_bytes().decode(encoding, errors)
