@@ -82,12 +82,10 @@ def stage(checkpoint: str | os.PathLike[str] | Location, incoming: str | os.Path
                 raise FileNotFoundError(errno.ENOENT, "written again while it was staged", str(local))
         _write_record(into, target.name, source.name, step, seen, partial)
         os.replace(partial, target)
-    except FileNotFoundError:  # deleted by retention while it was staged: it was never whole here
+    except OSError as err:
         remove_staged(partial)
-        raise
-    except OSError:
-        remove_staged(partial)
-        if not target.exists():
+        # not found: deleted by retention while it was staged, it was never whole here
+        if isinstance(err, FileNotFoundError) or not target.exists():
             raise
     return target
 
