@@ -67,9 +67,7 @@ class KeyDiff:
         """Same shape, and every element within ``atol`` (``atol == 0``: bit-for-bit equal values)."""
         if not self.same_shape or self.max_abs is None:
             return False
-        if atol <= 0:
-            return self.mismatched == 0
-        return self.max_abs <= atol
+        return self.mismatched == 0 if atol <= 0 else self.max_abs <= atol
 
     def to_dict(self, atol: float = 0.0) -> dict[str, Any]:
         return {**{f.name: _json_value(getattr(self, f.name)) for f in fields(self)}, "matches": self.matches(atol)}
