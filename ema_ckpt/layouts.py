@@ -36,8 +36,6 @@ class Counter:
     path: str
     counts: str
     rank: int = 0
-    trainer: str = ""
-    """Who writes it (for ``inspect`` and the docs)."""
 
     def matches(self, dotted: str) -> bool:
         dotted = dotted.lower()
@@ -45,43 +43,44 @@ class Counter:
 
 
 COUNTERS: tuple[Counter, ...] = (
-    Counter("global_step", OPTIMIZER_STEPS, 0, "Lightning, the Hugging Face Trainer, OLMo-core"),
-    Counter("global_steps", OPTIMIZER_STEPS, 0, "DeepSpeed"),
-    Counter("step_count", OPTIMIZER_STEPS, 0, "LitGPT"),
+    Counter("global_step", OPTIMIZER_STEPS, 0),  # Lightning, the Hugging Face Trainer, OLMo-core
+    Counter("global_steps", OPTIMIZER_STEPS, 0),  # DeepSpeed
+    Counter("step_count", OPTIMIZER_STEPS, 0),  # LitGPT
     Counter("optimizer_step", OPTIMIZER_STEPS, 0),
     Counter("optimizer_steps", OPTIMIZER_STEPS, 0),
-    Counter("num_updates", OPTIMIZER_STEPS, 0, "fairseq"),
-    Counter("ss_steps", OPTIMIZER_STEPS, 0, "kohya-ss sd-scripts (safetensors metadata)"),
-    Counter("timestamp.batch", OPTIMIZER_STEPS, 1, "Composer"),
-    Counter("updates", OPTIMIZER_STEPS, 1, "ultralytics (EMA updates)"),
-    Counter("optimization_step", OPTIMIZER_STEPS, 1, "diffusers EMAModel"),
-    Counter("steps_run", OPTIMIZER_STEPS, 1, "torchtune"),
+    Counter("num_updates", OPTIMIZER_STEPS, 0),  # fairseq
+    Counter("ss_steps", OPTIMIZER_STEPS, 0),  # kohya-ss sd-scripts (safetensors metadata)
+    Counter("timestamp.batch", OPTIMIZER_STEPS, 1),  # Composer
+    Counter("updates", OPTIMIZER_STEPS, 1),  # ultralytics (EMA updates)
+    Counter("optimization_step", OPTIMIZER_STEPS, 1),  # diffusers EMAModel
+    Counter("steps_run", OPTIMIZER_STEPS, 1),  # torchtune
     Counter("step", OPTIMIZER_STEPS, 2),
     Counter("train_step", OPTIMIZER_STEPS, 2),
     Counter("total_steps", OPTIMIZER_STEPS, 2),
-    Counter("iteration", OPTIMIZER_STEPS, 3, "detectron2"),
-    Counter("meta.iter", OPTIMIZER_STEPS, 3, "mmengine"),
+    Counter("iteration", OPTIMIZER_STEPS, 3),  # detectron2
+    Counter("meta.iter", OPTIMIZER_STEPS, 3),  # mmengine
     Counter("iter", OPTIMIZER_STEPS, 3),
-    Counter("iter_num", OPTIMIZER_STEPS, 4, "nanoGPT (LitGPT: micro-batches, beside step_count)"),
+    Counter("iter_num", OPTIMIZER_STEPS, 4),  # nanoGPT (LitGPT: micro-batches, beside step_count)
     Counter("micro_step", MICRO_BATCHES),
     Counter("micro_steps", MICRO_BATCHES),
     Counter("micro_batch", MICRO_BATCHES),
     Counter("micro_batches", MICRO_BATCHES),
     Counter("batch_idx", MICRO_BATCHES),
-    Counter("timestamp.sample", SAMPLES, trainer="Composer"),
-    Counter("consumed_samples", SAMPLES, trainer="Megatron"),
+    Counter("timestamp.sample", SAMPLES),  # Composer
+    Counter("consumed_samples", SAMPLES),  # Megatron
     Counter("samples_seen", SAMPLES),
-    Counter("timestamp.token", TOKENS, trainer="Composer"),
-    Counter("global_train_tokens", TOKENS, trainer="OLMo-core"),
+    Counter("timestamp.token", TOKENS),  # Composer
+    Counter("global_train_tokens", TOKENS),  # OLMo-core
     Counter("consumed_tokens", TOKENS),
     Counter("tokens_seen", TOKENS),
     Counter("epoch", EPOCHS),
     Counter("epochs", EPOCHS),
-    Counter("ss_epoch", EPOCHS, trainer="kohya-ss sd-scripts"),
-    Counter("epochs_run", EPOCHS, trainer="torchtune"),
+    Counter("ss_epoch", EPOCHS),  # kohya-ss sd-scripts
+    Counter("epochs_run", EPOCHS),  # torchtune
     Counter("cur_epoch", EPOCHS),
 )
-"""Every counter a trainer is known to record, in order of preference within each meaning."""
+"""Every counter a trainer is known to record, in order of preference within each meaning (the
+comment names who writes it)."""
 
 COUNTER_CONTAINERS_SKIPPED = re.compile(
     r"^(optim|optimizer)s?(_state(_dict)?|_states)?$|^optimizer_\d+$|sched|scaler|^rng|random|^args$"
@@ -248,20 +247,18 @@ ACCELERATE_OPTIMIZER = "optimizer.bin"
 @dataclass(frozen=True, slots=True)
 class StepFile:
     """A file a trainer writes beside the weights that records the step: ``path`` relative to the
-    checkpoint folder, the record inside it (dotted), its kind (``json`` or ``torch``)."""
+    checkpoint folder, its kind (``json`` or ``torch``)."""
 
     path: str
-    record: str
     kind: str
-    trainer: str
 
 
 STEP_FILES: tuple[StepFile, ...] = (
-    StepFile(TRAINER_STATE, "global_step", "json", "the Hugging Face Trainer"),
-    StepFile("train/rank0.pt", "global_step", "torch", "OLMo-core"),
-    StepFile(".metadata.json", "global_step", "json", "OLMo-core"),
-    StepFile("meta.json", "global_step", "json", ""),
-    StepFile("recipe_state.pt", "steps_run", "torch", "torchtune"),
+    StepFile(TRAINER_STATE, "json"),  # global_step, by the Hugging Face Trainer
+    StepFile("train/rank0.pt", "torch"),  # global_step, by OLMo-core
+    StepFile(".metadata.json", "json"),  # global_step, by OLMo-core
+    StepFile("meta.json", "json"),  # global_step
+    StepFile("recipe_state.pt", "torch"),  # steps_run, by torchtune
 )
 
 
