@@ -233,10 +233,8 @@ def _found(resolved: Resolved, components: Sequence[Component], scan: _Scan) -> 
     if record is None:
         return Note("no step in its records or its name (see {step_regex}, {step_from})",
                     mentions=("step_regex", "step_from"))
-    one = chosen[0] if len(chosen) == 1 else None
-    path = (one.path if one.name else resolved.path) if one is not None else resolved.path
-    fmt = one.format_name if one is not None else chosen[0].format_name
-    return FoundCheckpoint(path, record.step, fmt, record.source, checkpoint=resolved.path,
+    path = chosen[0].path if len(chosen) == 1 and chosen[0].name else resolved.path
+    return FoundCheckpoint(path, record.step, chosen[0].format_name, record.source, checkpoint=resolved.path,
                            components=tuple(components) if len(components) > 1 or (components and components[0].name)
                            else (), counts=record.counts, counters=tuple(describe_counters(record.counters)))
 

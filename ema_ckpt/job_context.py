@@ -286,11 +286,7 @@ class _ReadsProgress:
         """The engine's callback while this worker works on file ``index``."""
         base, regions_base = self.before[index]
         done = self.done[index]
-
-        def on_region(p: Progress) -> None:
-            self._send(base + done[p.regions_done], regions_base + p.regions_done, p.key)
-
-        return on_region
+        return lambda p: self._send(base + done[p.regions_done], regions_base + p.regions_done, p.key)
 
     def finish(self) -> None:
         self._send(self.total, self.regions_total, "")

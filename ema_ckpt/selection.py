@@ -97,9 +97,7 @@ def check_compatible(
                 f"{reader.path}: key {missing[0]!r}{more} missing (pass {{allow_new_keys=True}} to accept keys "
                 "added during training)", remedy="allow_new_keys",
             )
-        for key in keys:
-            if key not in specs:
-                continue
+        for key in [k for k in keys if k in specs]:
             a, b = ref[key], specs[key]
             if a.shape != b.shape:
                 raise IncompatibleCheckpointError(
