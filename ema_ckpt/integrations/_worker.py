@@ -32,20 +32,15 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGTERM, on_sigterm)  # main() runs in the main thread, as signal.signal requires
 
     from ..errors import EmaCkptError
-    from ..watching import WatchFold, watch
+    from ..watching import watch
 
     job = json.loads(argv[0])
-
-    def on_fold(fold: WatchFold) -> None:
-        _print({"event": "fold", "steps": fold.steps, "step": fold.step, "seconds": fold.seconds})
-
-    def on_error(message: str) -> None:
-        _print({"event": "error", "message": message})
-
     try:
         result = watch(job["folder"], out=job["out"], interval=1.0, stop_when_idle=float(job.get("idle", 0)),
-                       stop=stop, on_fold=on_fold, on_error=on_error, use_inotify=False,
-                       ignore=job.get("ignore", ()), **job["options"])
+                       stop=stop, use_inotify=False, ignore=job.get("ignore", ()),
+                       on_fold=lambda f: _print({"event": "fold", "steps": f.steps, "step": f.step,
+                                                 "seconds": f.seconds}),
+                       on_error=lambda message: _print({"event": "error", "message": message}), **job["options"])
     except EmaCkptError as err:
         _print({"event": "error", "message": str(err).splitlines()[0]})
         return 1

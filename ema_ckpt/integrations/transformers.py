@@ -6,13 +6,7 @@ deleting it loses nothing) and folded into ``out`` by a separate process running
 the folds left and logs the EMA's step and path. Only global rank 0 stages and folds. Every
 checkpoint the Trainer writes is folded (``model.safetensors``, DeepSpeed ZeRO, FSDP); a resumed
 run with the same ``out`` continues the same EMA. A failed fold is logged in one line and training
-goes on (``strict=True``: raised at the end of training).
-
-Example:
-    >>> from ema_ckpt.integrations.transformers import EmaCkptCallback     # doctest: +SKIP
-    >>> trainer = Trainer(model, args, train_dataset=data,                  # doctest: +SKIP
-    ...                   callbacks=[EmaCkptCallback(out="ema", decay=0.999)])
-    >>> trainer.train()                                                     # doctest: +SKIP
+goes on (``strict=True``: raised at the end of training). Example: :class:`EmaCkptCallback`.
 """
 
 from __future__ import annotations
@@ -109,9 +103,8 @@ class EmaCkptCallback(TrainerCallback):
             self._folds.poll()
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if not state.is_world_process_zero or self._folds is None:
-            return
-        self._end()
+        if state.is_world_process_zero and self._folds is not None:
+            self._end()
 
     # ---- the work -------------------------------------------------------------------------------
 
