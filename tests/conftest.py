@@ -14,9 +14,11 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from ema_ckpt.storage.object_publish import STAGING_ENV
 from tests.ds_fixtures import ds_run, zero_to_fp32  # noqa: F401  (session fixtures)
+from tests.producers import sequences
 from tests.shared_dirs import built_once
 
-STEPS = [3, 7, 20, 21, 30]
+STEPS = sequences.FSDP_STEPS
+SEQUENCES = Path(__file__).resolve().parent / "fixtures" / "sequences"
 
 FAST_FILES = frozenset({
     # in-process: pure layers, fakes, readers and writers on in-process dcp.save/torch.save files
@@ -108,19 +110,18 @@ def fsdp_sequence(tmp_path_factory) -> Callable[..., list[Path]]:
     """``fsdp_sequence(kind, world_size, dtype="float32", with_optim=False)`` → checkpoint dirs.
 
     Real FSDP1/FSDP2 training under torchrun + gloo on CPU, saving DCP checkpoints at the
-    irregular steps in ``STEPS``; each configuration is produced once per session.
+    irregular steps in ``STEPS``: the copy committed in ``tests/fixtures/sequences`` (written by
+    ``tests/producers/sequences.py``), else produced once per session. Inputs only: tests write
+    their outputs elsewhere.
     """
-    from tests.producers.launch import make_fsdp_sequence
-
     cache: dict[tuple, list[Path]] = {}
 
     def make(kind: str, world_size: int, dtype: str = "float32", with_optim: bool = False) -> list[Path]:
         key = (kind, world_size, dtype, with_optim)
         if key not in cache:
-            name = f"{kind}-w{world_size}-{dtype}{'-optim' if with_optim else ''}"
-            cache[key] = built_once(tmp_path_factory, name, lambda out: make_fsdp_sequence(
-                out, kind=kind, world_size=world_size, steps=STEPS, dtype=dtype, with_optim=with_optim
-            ))
+            name = sequences.fsdp_name(*key)
+            cache[key] = sequences.committed(SEQUENCES, name) or built_once(
+                tmp_path_factory, name, lambda out: sequences.build_fsdp(out, *key))
         return cache[key]
 
     return make

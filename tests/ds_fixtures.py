@@ -16,10 +16,11 @@ import torch
 
 from ema_ckpt.storage import open_readable
 from ema_ckpt.torch_records.zipfmt import stored_members
-from tests.producers.ds_launch import make_deepspeed_sequences
+from tests.producers import sequences
 from tests.shared_dirs import built_once
 
 STEPS = [2, 3, 7]
+SEQUENCES = Path(__file__).resolve().parent / "fixtures" / "sequences"
 
 
 @dataclass(frozen=True)
@@ -64,31 +65,20 @@ def _require_deepspeed() -> None:
 def ds_run(tmp_path_factory):
     """``ds_run(config)`` → the save folder (``latest`` + ``global_step{2,3}``) of that run.
 
-    All configurations of one world size are trained in a single torchrun launch, once.
+    All configurations of one world size are trained in a single torchrun launch: the copy
+    committed in ``tests/fixtures/sequences`` (``tests/producers/sequences.py``), else once per
+    session.
     """
     _require_deepspeed()
     roots: dict[int, Path] = {}
 
     def get(config: Config) -> Path:
-        if config.world_size not in roots:
-
-            def build(root: Path) -> list[Path]:
-                runs = [
-                    {
-                        "out": root / c.name,
-                        "stage": c.stage,
-                        "dtype": c.dtype,
-                        "bf16_optimizer": c.bf16_optimizer,
-                        "zero": dict(c.zero),
-                    }
-                    for c in CONFIGS
-                    if c.world_size == config.world_size
-                ]
-                make_deepspeed_sequences(runs, world_size=config.world_size, steps=STEPS, timeout=600)
-                return [root]
-
-            [roots[config.world_size]] = built_once(tmp_path_factory, f"deepspeed-w{config.world_size}", build)
-        return roots[config.world_size] / config.name
+        world = config.world_size
+        if world not in roots:
+            name = sequences.deepspeed_name(world)
+            [roots[world]] = sequences.committed(SEQUENCES, name) or built_once(
+                tmp_path_factory, name, lambda root: sequences.build_deepspeed(root, world))
+        return roots[world] / config.name
 
     return get
 

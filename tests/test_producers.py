@@ -1,7 +1,7 @@
 """Real FSDP1/FSDP2 checkpoint sequences (torchrun + gloo on CPU), checked with torch's own tools.
 
-The float32/bfloat16 sequences come from conftest's session fixture ``fsdp_sequence`` (which
-calls ``tests.producers.launch.make_fsdp_sequence``), so they are shared with other tests.
+The float32/bfloat16 sequences come from conftest's session fixture ``fsdp_sequence``: the copies
+``tests.producers.sequences`` committed (checked here against a fresh run), shared with other tests.
 """
 
 from __future__ import annotations
@@ -228,3 +228,23 @@ def test_rank_local_metadata_and_name_format(tmp_path: Path) -> None:
     dcp.load(got, checkpoint_id=dirs[-1], no_dist=True)  # falls back to __0.metadata
     assert int(got["model.num_batches_tracked"]) == 2
     assert float(got["optim.state.fc1.weight.step"]) == 3.0
+
+
+def test_the_committed_sequences_are_what_the_producer_writes(tmp_path: Path) -> None:
+    """The suite reads committed sequences (``tests/producers/sequences.py``): the producer, run
+    again, writes the same tensor bytes and the same metadata (but its random save id)."""
+    from tests.conftest import SEQUENCES
+    from tests.producers import sequences
+
+    run = ("fsdp2", 2, "float32", True)
+    committed = sequences.committed(SEQUENCES, sequences.fsdp_name(*run))
+    assert committed is not None, "tests/fixtures/sequences lacks fsdp2-w2-float32-optim: run make fixtures"
+    fresh = sequences.build_fsdp(tmp_path / "fresh", *run)
+    assert [d.name for d in fresh] == [d.name for d in committed]
+    for new, old in zip(fresh, committed, strict=True):
+        assert sorted(p.name for p in new.iterdir()) == sorted(p.name for p in old.iterdir())
+        for data in new.glob("*.distcp"):
+            assert data.read_bytes() == (old / data.name).read_bytes(), data
+        got, want = (FileSystemReader(d).read_metadata() for d in (new, old))
+        assert got.state_dict_metadata == want.state_dict_metadata
+        assert got.storage_data == want.storage_data
