@@ -19,14 +19,13 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import ctypes.util
 import os
 import select
 import struct
 import sys
 from pathlib import Path
 
-_IN_MODIFY, _IN_CLOSE_WRITE, _IN_MOVED_TO, _IN_CREATE, _IN_DELETE = 0x2, 0x8, 0x80, 0x100, 0x200
+_IN_CLOSE_WRITE, _IN_MOVED_TO, _IN_CREATE, _IN_DELETE = 0x8, 0x80, 0x100, 0x200
 _IN_ISDIR = 0x40000000
 _IN_NONBLOCK, _IN_CLOEXEC = 0o4000, 0o2000000
 _MASK = _IN_CLOSE_WRITE | _IN_MOVED_TO | _IN_CREATE | _IN_DELETE
@@ -36,10 +35,7 @@ _EVENT = struct.Struct("iIII")
 def _libc() -> ctypes.CDLL | None:
     if not sys.platform.startswith("linux"):
         return None
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return None
-    libc = ctypes.CDLL(name, use_errno=True)
+    libc = ctypes.CDLL(None, use_errno=True)  # the process's own symbols, libc's among them (no ldconfig run)
     return libc if hasattr(libc, "inotify_init1") else None
 
 
