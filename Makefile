@@ -58,7 +58,7 @@ install-test: $(VENV)/.installed-test
 # Test files are spread over $(TEST_WORKERS) processes (pytest-xdist; a file's tests stay together, so
 # its fixtures are built once); TEST_WORKERS=0 runs everything in this process. Three on 2 cores:
 # the tests often wait (for processes they start, emulators, retries), and a third process fills
-# that time (a fresh clone's make test: 2 processes 855 s, 3 processes 713 s, 4 processes 791 s).
+# that time (a fresh clone's make test, one tree: 3 processes 713 s, 4 processes 791 s).
 # mypy (one process, about 90 s without its cache, as in a fresh clone) checks the package beside the
 # suite, at a lower priority than the tests; its output follows the tests', and its verdict counts too.
 TEST_WORKERS ?= 3
