@@ -18,7 +18,6 @@ from tests.producers import sequences
 from tests.shared_dirs import built_once
 
 STEPS = sequences.FSDP_STEPS
-SEQUENCES = Path(__file__).resolve().parent / "fixtures" / "sequences"
 
 FAST_FILES = frozenset({
     # in-process: pure layers, fakes, readers and writers on in-process dcp.save/torch.save files
@@ -120,7 +119,7 @@ def fsdp_sequence(tmp_path_factory) -> Callable[..., list[Path]]:
         key = (kind, world_size, dtype, with_optim)
         if key not in cache:
             name = sequences.fsdp_name(*key)
-            cache[key] = sequences.committed(SEQUENCES, name) or built_once(
+            cache[key] = sequences.committed(name) or built_once(
                 tmp_path_factory, name, lambda out: sequences.build_fsdp(out, *key))
         return cache[key]
 

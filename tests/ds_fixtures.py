@@ -20,7 +20,6 @@ from tests.producers import sequences
 from tests.shared_dirs import built_once
 
 STEPS = [2, 3, 7]
-SEQUENCES = Path(__file__).resolve().parent / "fixtures" / "sequences"
 
 
 @dataclass(frozen=True)
@@ -76,7 +75,7 @@ def ds_run(tmp_path_factory):
         world = config.world_size
         if world not in roots:
             name = sequences.deepspeed_name(world)
-            [roots[world]] = sequences.committed(SEQUENCES, name) or built_once(
+            [roots[world]] = sequences.committed(name) or built_once(
                 tmp_path_factory, name, lambda root: sequences.build_deepspeed(root, world))
         return roots[world] / config.name
 

@@ -233,11 +233,10 @@ def test_rank_local_metadata_and_name_format(tmp_path: Path) -> None:
 def test_the_committed_sequences_are_what_the_producer_writes(tmp_path: Path) -> None:
     """The suite reads committed sequences (``tests/producers/sequences.py``): the producer, run
     again, writes the same tensor bytes and the same metadata (but its random save id)."""
-    from tests.conftest import SEQUENCES
     from tests.producers import sequences
 
     run = ("fsdp2", 2, "float32", True)
-    committed = sequences.committed(SEQUENCES, sequences.fsdp_name(*run))
+    committed = sequences.committed(sequences.fsdp_name(*run))
     assert committed is not None, "tests/fixtures/sequences lacks fsdp2-w2-float32-optim: run make fixtures"
     fresh = sequences.build_fsdp(tmp_path / "fresh", *run)
     assert [d.name for d in fresh] == [d.name for d in committed]

@@ -34,6 +34,8 @@ FSDP_RUNS = [  # (kind, world size, dtype, with optimizer state): every configur
     ("fsdp2", 4, "float32", False),
 ]
 DEEPSPEED_WORLD_SIZES = [2, 3]
+COMMITTED = REPO / "tests" / "fixtures" / "sequences"
+"""Where the suite's copies are committed."""
 INDEX = "index.json"
 """``{name: [checkpoint folders, relative to the name's folder]}`` of every sequence committed."""
 
@@ -46,11 +48,11 @@ def deepspeed_name(world_size: int) -> str:
     return f"deepspeed-w{world_size}"
 
 
-def committed(root: Path, name: str) -> list[Path] | None:
-    """The committed sequence ``name`` under ``root`` (its checkpoint folders), or None."""
-    index = root / INDEX
+def committed(name: str) -> list[Path] | None:
+    """The committed sequence ``name`` (its checkpoint folders in :data:`COMMITTED`), or None."""
+    index = COMMITTED / INDEX
     listed = json.loads(index.read_text()).get(name) if index.is_file() else None
-    return [root / name / rel for rel in listed] if listed is not None else None
+    return [COMMITTED / name / rel for rel in listed] if listed is not None else None
 
 
 def build_fsdp(out: Path, kind: str, world_size: int, dtype: str, with_optim: bool) -> list[Path]:
