@@ -47,7 +47,10 @@ class Source:
     def pread(self, length: int, offset: int) -> bytes:
         """Up to ``length`` bytes at ``offset`` (fewer where the file ends)."""
         out = bytearray(max(0, min(length, self.size - offset)))
-        return bytes(out[: self.readinto(memoryview(out), offset)]) if out else b""
+        view, done = memoryview(out), 0
+        while done < len(out) and (n := self.readinto(view[done:], offset + done)) > 0:
+            done += n
+        return bytes(out[:done])
 
     def fill(self, view: memoryview, offset: int) -> bool:
         """Fill ``view`` with the bytes at ``offset``; False when the file ends first."""
@@ -110,7 +113,11 @@ class LocalFile(Source):
         return os.preadv(self._fd, [view], offset)
 
     def pread(self, length: int, offset: int) -> bytes:
-        return os.pread(self._fd, length, offset)
+        parts = []
+        while length > 0 and (part := os.pread(self._fd, length, offset)):  # a local read may come short
+            parts.append(part)
+            length, offset = length - len(part), offset + len(part)
+        return b"".join(parts)
 
     def fd(self) -> int | None:
         return self._fd
