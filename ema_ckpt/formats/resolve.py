@@ -102,8 +102,8 @@ def waiting_reason(path: Location) -> str | None:
     nests in it), or None."""
     formats = list(registered_formats().values())
     reason = next((reason for fmt in formats if (reason := fmt.incomplete(path))), None)
-    if reason or not path.is_dir() or _own_format(path) is not None:
-        return reason
+    if reason or not path.is_dir() or any(fmt.detect(path) for fmt in formats):
+        return reason  # none incomplete: a format detected is the folder's own (what _own_format finds)
     for nested in NESTED_MODELS:
         if nested.beside is not None and not (path / nested.beside).is_dir():
             continue
