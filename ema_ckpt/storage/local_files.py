@@ -47,17 +47,18 @@ def fsync_tree(path: Path) -> None:
 
 
 @functools.cache
-def _sync_file_range() -> Any:
-    func = getattr(ctypes.CDLL(None, use_errno=True), "sync_file_range", None)
+def libc_function(name: str, *argtypes: Any) -> Any:
+    """libc's ``name`` from the process's own symbols (no ``ldconfig`` run), typed; None where missing."""
+    func = getattr(ctypes.CDLL(None, use_errno=True), name, None)
     if func is not None:
-        func.argtypes = [ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint]
+        func.argtypes = list(argtypes)
     return func
 
 
 def start_writeback(fd: int, offset: int, length: int) -> None:
     """Start writing a just-written range to disk without waiting (Linux ``sync_file_range``), so
     the closing fsync finds most pages written; a no-op where the call is missing."""
-    func = _sync_file_range()
+    func = libc_function("sync_file_range", ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint)
     if func is not None and length > 0:
         func(fd, offset, length, _SYNC_FILE_RANGE_WRITE)
 

@@ -34,7 +34,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from ..errors import OutputError, OutputLockedError
-from .local_files import fsync_dir, fsync_tree
+from .local_files import fsync_dir, fsync_tree, libc_function
 from .locations import Location
 
 _RENAME_EXCHANGE = 2
@@ -101,11 +101,9 @@ def _make_parent(final: Path) -> None:
 
 def _exchange(a: Path, b: Path) -> bool:
     """Swap two paths atomically (renameat2); False where unsupported."""
-    libc = ctypes.CDLL(None, use_errno=True)  # the process's own symbols, libc's among them (no ldconfig run)
-    func = getattr(libc, "renameat2", None)
+    func = libc_function("renameat2", ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint)
     if func is None:
         return False
-    func.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
     result = func(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)
     if result == 0:
         return True
