@@ -88,8 +88,9 @@ class Target:
 
 
 class Job(abc.ABC, Generic[PlanT, ComputedT, ResultT]):
-    """One command's run: only :meth:`compute` runs on every worker, the rest on the
-    coordinator. Plans and computed values cross processes, so they must pickle."""
+    """One command's run: :meth:`plan`, :meth:`manifests` and :meth:`finish_without_output` run on
+    the coordinator, the rest on every worker. Plans and computed values cross processes, so they
+    must pickle."""
 
     options: RunFields
     writes: ClassVar[bool] = True
