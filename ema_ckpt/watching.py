@@ -158,7 +158,8 @@ def _discover_settled(folder: Location, step_regex: str | None, step_from: str |
 def _drop_folded(incoming: Path, step: int, step_regex: str | None) -> None:
     if not incoming.is_dir():
         return
-    found = discover([incoming], step_regex=step_regex, all_components=True, require=False)
+    # only the entries' steps are wanted: no copies compared byte for byte (compare=False)
+    found = discover([incoming], step_regex=step_regex, all_components=True, require=False, compare=False)
     for entry in found.entries:  # every entry with a step: a copy of a folded one left out counts too
         if entry.step is not None and entry.step <= step:
             _unstage(Path(str(entry.path)))
